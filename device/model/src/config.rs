@@ -1,0 +1,302 @@
+//! The physical board: chips, cores, engines, memories and their speeds,
+//! read from a TOML file (`docs/board-config.md`).
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// SRAM is handed out in slices of this size.
+pub const SRAM_SLICE: u64 = 2 << 20;
+/// HBM is handed out in slices of this size.
+pub const HBM_SLICE: u64 = 256 << 20;
+
+/// A bad board configuration.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read board config {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("board config: {0}")]
+    Parse(String),
+    #[error("board config: `{field}` {reason}")]
+    Invalid { field: &'static str, reason: String },
+}
+
+/// Systolic array dataflow.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Dataflow {
+    /// Weights stay in the PEs; inputs stream through (TPU style).
+    WeightStationary,
+    /// Outputs stay in the PEs; inputs and weights stream through.
+    OutputStationary,
+}
+
+/// The whole board.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BoardConfig {
+    pub name: String,
+    pub chips: u32,
+    pub cores_per_chip: u32,
+    /// Core clock in MHz.
+    pub clock_mhz: u32,
+    pub core: CoreConfig,
+    pub hbm: HbmConfig,
+    pub dma: DmaConfig,
+}
+
+/// One core: its engines and SRAM.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CoreConfig {
+    pub sa_count: u32,
+    pub sa_rows: u32,
+    pub sa_cols: u32,
+    pub dataflow: Dataflow,
+    pub vu_count: u32,
+    /// f32 elements a VU processes per cycle.
+    pub vu_lanes: u32,
+    /// Pipeline latency a VU instruction pays once, in cycles.
+    pub vu_latency_cycles: u32,
+    /// Cycles per element pass of a transcendental (exp, tanh, GELU, sigmoid).
+    pub vu_transcendental_passes: u32,
+    /// SRAM per core in MiB; a multiple of the 2 MiB slice.
+    pub sram_mib: u32,
+}
+
+/// HBM of one chip, shared by its cores.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HbmConfig {
+    /// HBM per chip in GiB.
+    pub size_gib: u32,
+    pub channels: u32,
+    /// Bandwidth of one channel in GB/s (1e9 bytes per second).
+    pub channel_gbps: f64,
+    pub latency_ns: u32,
+}
+
+/// The DMA engine of each core.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DmaConfig {
+    /// Peak rate of the engine in GB/s (caps every transfer).
+    pub gbps: f64,
+    /// Host link (guest memory) bandwidth in GB/s.
+    pub host_gbps: f64,
+    /// Fixed cost of a DMA instruction in ns (descriptor + first beat).
+    pub latency_ns: u32,
+    /// Host link latency added to transfers touching guest memory, in ns.
+    pub host_latency_ns: u32,
+}
+
+impl Default for BoardConfig {
+    /// A TPU-class board: 1 chip of 4 cores, each with four 128x128
+    /// weight-stationary SAs and four 1024-lane VUs, 32 MiB SRAM, 32 GiB HBM
+    /// at 1.2 TB/s per chip, PCIe 4.0 x16 to the host.
+    fn default() -> Self {
+        Self {
+            name: "tpu-class".into(),
+            chips: 1,
+            cores_per_chip: 4,
+            clock_mhz: 940,
+            core: CoreConfig {
+                sa_count: 4,
+                sa_rows: 128,
+                sa_cols: 128,
+                dataflow: Dataflow::WeightStationary,
+                vu_count: 4,
+                vu_lanes: 1024,
+                vu_latency_cycles: 16,
+                vu_transcendental_passes: 4,
+                sram_mib: 32,
+            },
+            hbm: HbmConfig {
+                size_gib: 32,
+                channels: 16,
+                channel_gbps: 75.0,
+                latency_ns: 300,
+            },
+            dma: DmaConfig {
+                gbps: 400.0,
+                host_gbps: 25.0,
+                latency_ns: 100,
+                host_latency_ns: 1000,
+            },
+        }
+    }
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn range_u32(field: &'static str, v: u32, lo: u32, hi: u32) -> Result<(), ConfigError> {
+    if v < lo || v > hi {
+        return Err(invalid(field, format!("is {v}, must be in {lo}..={hi}")));
+    }
+    Ok(())
+}
+
+fn positive(field: &'static str, v: f64, hi: f64) -> Result<(), ConfigError> {
+    if !(v.is_finite() && v > 0.0 && v <= hi) {
+        return Err(invalid(field, format!("is {v}, must be > 0 and <= {hi}")));
+    }
+    Ok(())
+}
+
+impl BoardConfig {
+    /// Parses and validates TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let c: Self = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Reads, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_toml(&text)
+    }
+
+    /// The configuration as TOML.
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Checks every field's range and the relations between fields.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.name.trim().is_empty() {
+            return Err(invalid("name", "is empty"));
+        }
+        range_u32("chips", self.chips, 1, 1024)?;
+        range_u32("cores_per_chip", self.cores_per_chip, 1, 256)?;
+        range_u32("clock_mhz", self.clock_mhz, 1, 10_000)?;
+        let c = &self.core;
+        range_u32("core.sa_count", c.sa_count, 1, 64)?;
+        range_u32("core.sa_rows", c.sa_rows, 1, 4096)?;
+        range_u32("core.sa_cols", c.sa_cols, 1, 4096)?;
+        range_u32("core.vu_count", c.vu_count, 1, 64)?;
+        range_u32("core.vu_lanes", c.vu_lanes, 1, 1 << 16)?;
+        range_u32("core.vu_latency_cycles", c.vu_latency_cycles, 0, 1 << 16)?;
+        range_u32(
+            "core.vu_transcendental_passes",
+            c.vu_transcendental_passes,
+            1,
+            64,
+        )?;
+        range_u32("core.sram_mib", c.sram_mib, 2, 4096)?;
+        if u64::from(c.sram_mib) * (1 << 20) % SRAM_SLICE != 0 {
+            return Err(invalid(
+                "core.sram_mib",
+                format!("is {}, must be a multiple of 2", c.sram_mib),
+            ));
+        }
+        range_u32("hbm.size_gib", self.hbm.size_gib, 1, 1 << 14)?;
+        range_u32("hbm.channels", self.hbm.channels, 1, 1024)?;
+        range_u32("hbm.latency_ns", self.hbm.latency_ns, 0, 1_000_000)?;
+        positive("hbm.channel_gbps", self.hbm.channel_gbps, 1e6)?;
+        positive("dma.gbps", self.dma.gbps, 1e6)?;
+        positive("dma.host_gbps", self.dma.host_gbps, 1e6)?;
+        range_u32("dma.latency_ns", self.dma.latency_ns, 0, 1_000_000)?;
+        range_u32(
+            "dma.host_latency_ns",
+            self.dma.host_latency_ns,
+            0,
+            10_000_000,
+        )?;
+        Ok(())
+    }
+
+    /// SRAM per core in bytes.
+    pub fn sram_bytes(&self) -> u64 {
+        u64::from(self.core.sram_mib) << 20
+    }
+
+    /// HBM per chip in bytes.
+    pub fn hbm_bytes_per_chip(&self) -> u64 {
+        u64::from(self.hbm.size_gib) << 30
+    }
+
+    /// Bytes per core-clock cycle that the chip's HBM delivers in total.
+    pub fn hbm_bytes_per_cycle(&self) -> f64 {
+        self.hbm.channel_gbps * f64::from(self.hbm.channels) * 1e3 / f64::from(self.clock_mhz)
+    }
+
+    /// Converts nanoseconds to core cycles.
+    pub fn ns_to_cycles(&self, ns: u32) -> f64 {
+        f64::from(ns) * f64::from(self.clock_mhz) / 1e3
+    }
+
+    /// Converts GB/s to bytes per core cycle.
+    pub fn gbps_to_bytes_per_cycle(&self, gbps: f64) -> f64 {
+        gbps * 1e3 / f64::from(self.clock_mhz)
+    }
+
+    /// Peak FLOPs per cycle of one SA (a MAC is two FLOPs).
+    pub fn sa_peak_flops_per_cycle(&self) -> f64 {
+        2.0 * f64::from(self.core.sa_rows) * f64::from(self.core.sa_cols)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_round_trips_through_toml() {
+        let d = BoardConfig::default();
+        d.validate().unwrap();
+        assert_eq!(BoardConfig::from_toml(&d.to_toml()).unwrap(), d);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let text = BoardConfig::default()
+            .to_toml()
+            .replace("sa_rows = 128", "sa_rows = 0");
+        let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("core.sa_rows") && e.contains("must be in"),
+            "{e}"
+        );
+
+        let text = BoardConfig::default()
+            .to_toml()
+            .replace("sram_mib = 32", "sram_mib = 33");
+        let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(
+            e.contains("core.sram_mib") && e.contains("multiple of 2"),
+            "{e}"
+        );
+
+        let text = BoardConfig::default()
+            .to_toml()
+            .replace("channel_gbps = 75.0", "channel_gbps = -1.0");
+        let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(e.contains("hbm.channel_gbps"), "{e}");
+
+        let text = BoardConfig::default()
+            .to_toml()
+            .replace("chips = 1", "chips = 1\nchipz = 2");
+        let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(e.contains("chipz"), "{e}");
+
+        let text = BoardConfig::default().to_toml().replace(
+            "dataflow = \"weight-stationary\"",
+            "dataflow = \"diagonal\"",
+        );
+        let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
+        assert!(e.contains("diagonal"), "{e}");
+    }
+}

@@ -1,0 +1,645 @@
+//! Functional execution: what each instruction computes, on real numbers.
+//!
+//! Every memory access goes through [`Memory`]'s checked accessors, so even a
+//! program that skipped the verifier cannot touch memory outside its
+//! segments; such an access fails the instruction.
+
+use half::bf16;
+use thiserror::Error;
+use vnpu_abi::{Addr, Bcast, BinOp, ConvGeom, DType, Instr, PoolGeom, PoolOp, RedOp, Space, UnOp};
+
+use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram};
+
+/// A failure while executing an instruction.
+#[derive(Debug, Error, Clone, PartialEq)]
+pub enum KernelError {
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    #[error("gather index {index} at position {position} is outside the table of {rows} rows")]
+    GatherIndex {
+        position: u32,
+        index: u32,
+        rows: u32,
+    },
+    #[error("invalid geometry: {0}")]
+    Geometry(&'static str),
+    #[error("operation of {0} elements is larger than this model executes in one instruction")]
+    TooLarge(u64),
+}
+
+/// Largest number of elements one functional instruction may touch
+/// (keeps host memory bounded whatever a program asks for).
+pub const MAX_ELEMENTS: u64 = 1 << 28;
+
+/// The memories one vNPU core's program can name.
+pub struct CoreMemory<'a> {
+    pub sram: &'a mut Sram,
+    pub hbm: &'a mut LazyHbm,
+    pub guest: &'a mut dyn Memory,
+}
+
+impl std::fmt::Debug for CoreMemory<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoreMemory").finish_non_exhaustive()
+    }
+}
+
+impl CoreMemory<'_> {
+    fn space(&mut self, s: Space) -> &mut dyn Memory {
+        match s {
+            Space::Sram => self.sram,
+            Space::Hbm => self.hbm,
+            Space::Guest => self.guest,
+        }
+    }
+}
+
+fn limit(n: u64) -> Result<usize, KernelError> {
+    if n > MAX_ELEMENTS {
+        return Err(KernelError::TooLarge(n));
+    }
+    Ok(n as usize)
+}
+
+/// Reads `n` elements of `dtype` as f32.
+fn read_elems(m: &dyn Memory, addr: u64, n: usize, dtype: DType) -> Result<Vec<f32>, KernelError> {
+    Ok(match dtype {
+        DType::F32 => read_f32s(m, addr, n)?,
+        DType::Bf16 => {
+            let mut b = vec![0u8; n * 2];
+            m.read(addr, &mut b)?;
+            b.chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect()
+        }
+    })
+}
+
+fn write_elems(m: &mut dyn Memory, addr: u64, v: &[f32], dtype: DType) -> Result<(), KernelError> {
+    match dtype {
+        DType::F32 => write_f32s(m, addr, v)?,
+        DType::Bf16 => {
+            let mut b = Vec::with_capacity(v.len() * 2);
+            for x in v {
+                b.extend_from_slice(&bf16::from_f32(*x).to_le_bytes());
+            }
+            m.write(addr, &b)?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads a `rows x cols` matrix with leading dimension `ld` into a dense
+/// row-major vector.
+fn read_matrix(
+    m: &dyn Memory,
+    addr: u64,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+    dtype: DType,
+) -> Result<Vec<f32>, KernelError> {
+    if ld == cols || rows <= 1 {
+        return read_elems(m, addr, rows * cols, dtype);
+    }
+    let mut out = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        out.extend(read_elems(
+            m,
+            addr + (r * ld) as u64 * dtype.size(),
+            cols,
+            dtype,
+        )?);
+    }
+    Ok(out)
+}
+
+fn write_matrix(
+    m: &mut dyn Memory,
+    addr: u64,
+    v: &[f32],
+    rows: usize,
+    cols: usize,
+    ld: usize,
+) -> Result<(), KernelError> {
+    if ld == cols || rows <= 1 {
+        return write_elems(m, addr, v, DType::F32);
+    }
+    for r in 0..rows {
+        write_elems(
+            m,
+            addr + (r * ld * 4) as u64,
+            &v[r * cols..(r + 1) * cols],
+            DType::F32,
+        )?;
+    }
+    Ok(())
+}
+
+/// Shape of a dense GEMM: `c[m x n] (+)= a[m x k] * b[k x n]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    /// `b` is stored `n x k`.
+    pub b_transposed: bool,
+    /// Add to `c` instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// `c (+)= a * b` on dense row-major f32 matrices with the `gemm` crate.
+pub fn gemm_f32(a: &[f32], b: &[f32], c: &mut [f32], shape: GemmShape) {
+    let GemmShape {
+        m,
+        k,
+        n,
+        b_transposed: b_t,
+        accumulate,
+    } = shape;
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    let par = if (m * n * k) >= (1 << 18) {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    let (b_cs, b_rs) = if b_t {
+        (k as isize, 1)
+    } else {
+        (1, n as isize)
+    };
+    // SAFETY: the three slices are live and disjoint for the duration of
+    // the call; `a` holds m*k, `b` k*n and `c` m*n elements (checked by the
+    // asserts below), and the strides given describe exactly those
+    // row-major (or, for `b_t`, transposed) layouts, so every element gemm
+    // touches lies inside its slice.
+    unsafe {
+        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+fn gelu(x: f32) -> f32 {
+    // The tanh approximation used by BERT and most NPU runtimes.
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// Applies a unary operation to one value.
+pub fn unary(op: UnOp, x: f32) -> f32 {
+    match op {
+        UnOp::Copy => x,
+        UnOp::Relu => x.max(0.0),
+        UnOp::Gelu => gelu(x),
+        UnOp::Exp => x.exp(),
+        UnOp::Tanh => x.tanh(),
+        UnOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        UnOp::Neg => -x,
+        UnOp::Recip => 1.0 / x,
+        UnOp::Sqrt => x.sqrt(),
+    }
+}
+
+/// Applies a binary operation to one pair.
+pub fn binary(op: BinOp, a: f32, b: f32) -> f32 {
+    match op {
+        BinOp::Add => a + b,
+        BinOp::Sub => a - b,
+        BinOp::Mul => a * b,
+        BinOp::Max => a.max(b),
+        BinOp::Min => a.min(b),
+    }
+}
+
+/// Row-wise softmax in place (max-subtracted, as hardware does).
+pub fn softmax_rows(v: &mut [f32], cols: usize) {
+    if cols == 0 {
+        return;
+    }
+    for row in v.chunks_exact_mut(cols) {
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for x in row.iter_mut() {
+            *x = (*x - mx).exp();
+            sum += *x;
+        }
+        let inv = 1.0 / sum;
+        for x in row.iter_mut() {
+            *x *= inv;
+        }
+    }
+}
+
+/// Row-wise layer norm in place.
+pub fn layernorm_rows(v: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], eps: f32) {
+    if cols == 0 {
+        return;
+    }
+    for row in v.chunks_exact_mut(cols) {
+        let mean = row.iter().sum::<f32>() / cols as f32;
+        let var = row.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / cols as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (*x - mean) * inv * gamma[i] + beta[i];
+        }
+    }
+}
+
+/// im2col of an NHWC input: one row per output pixel, `kh*kw*cin` columns
+/// in (ky, kx, c) order, zeros where the window leaves the input.
+pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
+    let (h, w, cin) = (g.h as usize, g.w as usize, g.cin as usize);
+    let (kh, kw, s) = (g.kh as usize, g.kw as usize, g.stride as usize);
+    let kcols = kh * kw * cin;
+    let mut out = vec![0.0f32; g.n as usize * ho * wo * kcols];
+    for b in 0..g.n as usize {
+        for oy in 0..ho {
+            for ox in 0..wo {
+                let row = ((b * ho + oy) * wo + ox) * kcols;
+                for ky in 0..kh {
+                    let iy = (oy * s + ky) as isize - g.pad_top as isize;
+                    if iy < 0 || iy >= h as isize {
+                        continue;
+                    }
+                    for kx in 0..kw {
+                        let ix = (ox * s + kx) as isize - g.pad_left as isize;
+                        if ix < 0 || ix >= w as isize {
+                            continue;
+                        }
+                        let src = ((b * h + iy as usize) * w + ix as usize) * cin;
+                        let dst = row + (ky * kw + kx) * cin;
+                        out[dst..dst + cin].copy_from_slice(&input[src..src + cin]);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Pooling over an NHWC tensor.
+pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Vec<f32> {
+    let (h, w, c) = (g.h as usize, g.w as usize, g.c as usize);
+    let (kh, kw, s, p) = (
+        g.kh as usize,
+        g.kw as usize,
+        g.stride as usize,
+        g.pad as isize,
+    );
+    let mut out = vec![0.0f32; g.n as usize * ho * wo * c];
+    for b in 0..g.n as usize {
+        for oy in 0..ho {
+            for ox in 0..wo {
+                let o = ((b * ho + oy) * wo + ox) * c;
+                for ch in 0..c {
+                    let mut acc = if op == PoolOp::Max {
+                        f32::NEG_INFINITY
+                    } else {
+                        0.0
+                    };
+                    let mut count = 0u32;
+                    for ky in 0..kh {
+                        let iy = (oy * s + ky) as isize - p;
+                        if iy < 0 || iy >= h as isize {
+                            continue;
+                        }
+                        for kx in 0..kw {
+                            let ix = (ox * s + kx) as isize - p;
+                            if ix < 0 || ix >= w as isize {
+                                continue;
+                            }
+                            let v = input[((b * h + iy as usize) * w + ix as usize) * c + ch];
+                            acc = if op == PoolOp::Max {
+                                acc.max(v)
+                            } else {
+                                acc + v
+                            };
+                            count += 1;
+                        }
+                    }
+                    out[o + ch] = match op {
+                        PoolOp::Max => acc,
+                        PoolOp::Avg => acc / count.max(1) as f32,
+                    };
+                }
+            }
+        }
+    }
+    out
+}
+
+fn copy_rows(
+    mem: &mut CoreMemory<'_>,
+    src: Addr,
+    dst: Addr,
+    rows: u64,
+    row: usize,
+    src_stride: u64,
+    dst_stride: u64,
+) -> Result<(), KernelError> {
+    limit(rows.saturating_mul(row as u64))?;
+    let mut buf = vec![0u8; row];
+    for r in 0..rows {
+        let s = src
+            .offset
+            .checked_add(r.saturating_mul(src_stride))
+            .ok_or(KernelError::Geometry("src overflow"))?;
+        let d = dst
+            .offset
+            .checked_add(r.saturating_mul(dst_stride))
+            .ok_or(KernelError::Geometry("dst overflow"))?;
+        mem.space(src.space).read(s, &mut buf)?;
+        mem.space(dst.space).write(d, &buf)?;
+    }
+    Ok(())
+}
+
+/// Executes one instruction on real data. Signal, wait and halt are the
+/// scheduler's business and do nothing here.
+pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelError> {
+    match *instr {
+        Instr::DmaCopy {
+            src,
+            dst,
+            rows,
+            row_bytes,
+            src_stride,
+            dst_stride,
+        } => {
+            if rows > 0 && row_bytes > 0 {
+                if rows > 1 && src_stride == u64::from(row_bytes) && dst_stride == src_stride {
+                    let total = u64::from(rows) * u64::from(row_bytes);
+                    copy_rows(mem, src, dst, 1, limit(total)?, 0, 0)?;
+                } else {
+                    copy_rows(
+                        mem,
+                        src,
+                        dst,
+                        rows.into(),
+                        row_bytes as usize,
+                        src_stride,
+                        dst_stride,
+                    )?;
+                }
+            }
+        }
+        Instr::DmaGather {
+            table,
+            indices,
+            dst,
+            count,
+            row_bytes,
+            table_rows,
+        } => {
+            limit(u64::from(count) * u64::from(row_bytes))?;
+            let mut idx = vec![0u8; count as usize * 4];
+            mem.sram.read(indices, &mut idx)?;
+            let mut buf = vec![0u8; row_bytes as usize];
+            for (j, c) in idx.chunks_exact(4).enumerate() {
+                let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                if i >= table_rows {
+                    return Err(KernelError::GatherIndex {
+                        position: j as u32,
+                        index: i,
+                        rows: table_rows,
+                    });
+                }
+                let s = table.offset + u64::from(i) * u64::from(row_bytes);
+                mem.space(table.space).read(s, &mut buf)?;
+                mem.sram
+                    .write(dst + j as u64 * u64::from(row_bytes), &buf)?;
+            }
+        }
+        Instr::MatMul {
+            dtype,
+            flags,
+            a,
+            b,
+            c,
+            m,
+            k,
+            n,
+            lda,
+            ldb,
+            ldc,
+        } => {
+            let (m, k, n) = (m as usize, k as usize, n as usize);
+            limit((m * k + k * n + m * n) as u64)?;
+            let av = read_matrix(mem.sram, a, m, k, lda as usize, dtype)?;
+            let bv = if flags.transpose_b {
+                read_matrix(mem.sram, b, n, k, ldb as usize, dtype)?
+            } else {
+                read_matrix(mem.sram, b, k, n, ldb as usize, dtype)?
+            };
+            let mut cv = if flags.accumulate {
+                read_matrix(mem.sram, c, m, n, ldc as usize, DType::F32)?
+            } else {
+                vec![0.0; m * n]
+            };
+            gemm_f32(
+                &av,
+                &bv,
+                &mut cv,
+                GemmShape {
+                    m,
+                    k,
+                    n,
+                    b_transposed: flags.transpose_b,
+                    accumulate: flags.accumulate,
+                },
+            );
+            write_matrix(mem.sram, c, &cv, m, n, ldc as usize)?;
+        }
+        Instr::Conv2d {
+            dtype,
+            flags,
+            input,
+            weights,
+            output,
+            geom,
+        } => {
+            let (ho, wo) = geom
+                .out_hw()
+                .ok_or(KernelError::Geometry("conv kernel/stride"))?;
+            let (ho, wo) = (ho as usize, wo as usize);
+            let rows = geom.n as usize * ho * wo;
+            let kk = geom.kh as usize * geom.kw as usize * geom.cin as usize;
+            let cout = geom.cout as usize;
+            let in_len = geom.n as usize * geom.h as usize * geom.w as usize * geom.cin as usize;
+            limit((in_len + rows * kk + kk * cout + rows * cout) as u64)?;
+            let x = read_elems(mem.sram, input, in_len, dtype)?;
+            let wv = read_elems(mem.sram, weights, kk * cout, dtype)?;
+            let cols = im2col(&x, &geom, ho, wo);
+            let mut out = if flags.accumulate {
+                read_f32s(mem.sram, output, rows * cout)?
+            } else {
+                vec![0.0; rows * cout]
+            };
+            gemm_f32(
+                &cols,
+                &wv,
+                &mut out,
+                GemmShape {
+                    m: rows,
+                    k: kk,
+                    n: cout,
+                    b_transposed: false,
+                    accumulate: flags.accumulate,
+                },
+            );
+            write_f32s(mem.sram, output, &out)?;
+        }
+        Instr::VBinary {
+            op,
+            bcast,
+            a,
+            b,
+            dst,
+            rows,
+            cols,
+        } => {
+            let n = limit(u64::from(rows) * u64::from(cols))?;
+            let av = read_f32s(mem.sram, a, n)?;
+            let out: Vec<f32> = match bcast {
+                Bcast::None => {
+                    let bv = read_f32s(mem.sram, b, n)?;
+                    av.iter()
+                        .zip(&bv)
+                        .map(|(x, y)| binary(op, *x, *y))
+                        .collect()
+                }
+                Bcast::Row => {
+                    let bv = read_f32s(mem.sram, b, if n == 0 { 0 } else { cols as usize })?;
+                    av.iter()
+                        .enumerate()
+                        .map(|(i, x)| binary(op, *x, bv[i % cols as usize]))
+                        .collect()
+                }
+                Bcast::Scalar => {
+                    let bv = read_f32s(mem.sram, b, usize::from(n > 0))?;
+                    av.iter().map(|x| binary(op, *x, bv[0])).collect()
+                }
+            };
+            write_f32s(mem.sram, dst, &out)?;
+        }
+        Instr::VUnary { op, src, dst, len } => {
+            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            v.iter_mut().for_each(|x| *x = unary(op, *x));
+            write_f32s(mem.sram, dst, &v)?;
+        }
+        Instr::VAffine {
+            src,
+            dst,
+            len,
+            scale,
+            bias,
+        } => {
+            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            v.iter_mut().for_each(|x| *x = *x * scale + bias);
+            write_f32s(mem.sram, dst, &v)?;
+        }
+        Instr::VReduce {
+            op,
+            src,
+            dst,
+            outer,
+            reduce,
+            inner,
+        } => {
+            let (o, r, i) = (outer as usize, reduce as usize, inner as usize);
+            let v = read_f32s(mem.sram, src, limit((o as u64) * (r as u64) * (i as u64))?)?;
+            let mut out = vec![0.0f32; o * i];
+            for a in 0..o {
+                for c in 0..i {
+                    let it = (0..r).map(|b| v[(a * r + b) * i + c]);
+                    out[a * i + c] = match op {
+                        RedOp::Sum => it.sum(),
+                        RedOp::Mean => it.sum::<f32>() / r as f32,
+                        RedOp::Max => it.fold(f32::NEG_INFINITY, f32::max),
+                    };
+                }
+            }
+            write_f32s(mem.sram, dst, &out)?;
+        }
+        Instr::VSoftmax {
+            src,
+            dst,
+            rows,
+            cols,
+        } => {
+            let mut v = read_f32s(mem.sram, src, limit(u64::from(rows) * u64::from(cols))?)?;
+            softmax_rows(&mut v, cols as usize);
+            write_f32s(mem.sram, dst, &v)?;
+        }
+        Instr::VLayerNorm {
+            src,
+            dst,
+            gamma,
+            beta,
+            rows,
+            cols,
+            eps,
+        } => {
+            let n = limit(u64::from(rows) * u64::from(cols))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
+            let g = read_f32s(mem.sram, gamma, cols as usize)?;
+            let b = read_f32s(mem.sram, beta, cols as usize)?;
+            layernorm_rows(&mut v, cols as usize, &g, &b, eps);
+            write_f32s(mem.sram, dst, &v)?;
+        }
+        Instr::VPool { op, src, dst, geom } => {
+            let (ho, wo) = geom
+                .out_hw()
+                .ok_or(KernelError::Geometry("pool window/stride"))?;
+            let n = limit(
+                u64::from(geom.n) * u64::from(geom.h) * u64::from(geom.w) * u64::from(geom.c),
+            )?;
+            let v = read_f32s(mem.sram, src, n)?;
+            let out = pool(&v, op, &geom, ho as usize, wo as usize);
+            write_f32s(mem.sram, dst, &out)?;
+        }
+        Instr::VConvert {
+            from,
+            to,
+            src,
+            dst,
+            len,
+        } => {
+            let v = read_elems(mem.sram, src, limit(len.into())?, from)?;
+            write_elems(mem.sram, dst, &v, to)?;
+        }
+        Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => {}
+    }
+    Ok(())
+}

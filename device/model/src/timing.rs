@@ -1,0 +1,206 @@
+//! Cycle cost of each instruction, from the engine parameters.
+//!
+//! - SA, weight-stationary (the SCALE-Sim model): the GEMM view is
+//!   `M x K` inputs times `K x N` weights. The array holds an `R x C` block
+//!   of weights per fold; there are `ceil(K/R) * ceil(N/C)` folds, and each
+//!   costs `R` cycles to load weights, `M` cycles to stream inputs, `C - 1`
+//!   to drain and `R - 1` of skew: `2R + C + M - 2`. The last fold's final
+//!   cycle overlaps the next instruction, so the total is one less.
+//!   Output-stationary swaps the roles of `M` and `K`.
+//! - VU: `passes * ceil(elements / lanes) + latency`, where `passes` is the
+//!   number of element passes the operation needs (1 for add, more for
+//!   transcendentals, softmax and layer norm).
+//! - DMA: a fixed latency, then bytes at a rate capped by the DMA engine
+//!   (or the host link for guest memory); transfers touching HBM also share
+//!   the chip's HBM bandwidth with every other such transfer in flight.
+
+use vnpu_abi::{Instr, Space, UnOp};
+
+use crate::config::{BoardConfig, Dataflow};
+
+/// How an instruction occupies its engine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Occupancy {
+    /// Busy for a fixed number of cycles.
+    Fixed(f64),
+    /// A transfer: `latency` cycles, then `bytes` at up to `cap` bytes per
+    /// cycle; `hbm` says it competes for HBM bandwidth.
+    Transfer {
+        latency: f64,
+        bytes: f64,
+        cap: f64,
+        hbm: bool,
+    },
+    /// Synchronisation: no engine time.
+    Sync,
+}
+
+/// Cost of one instruction.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Cost {
+    pub occupancy: Occupancy,
+    /// Floating-point operations (a multiply-add is two).
+    pub flops: u64,
+    /// Bytes moved by DMA.
+    pub bytes: u64,
+}
+
+/// Cycles of a GEMM view `m x k x n` on one `rows x cols` array.
+pub fn sa_gemm_cycles(cfg: &BoardConfig, m: u64, k: u64, n: u64) -> f64 {
+    if m == 0 || k == 0 || n == 0 {
+        return 1.0;
+    }
+    let (r, c) = (u64::from(cfg.core.sa_rows), u64::from(cfg.core.sa_cols));
+    let (folds, stream) = match cfg.core.dataflow {
+        Dataflow::WeightStationary => (k.div_ceil(r) * n.div_ceil(c), m),
+        Dataflow::OutputStationary => (m.div_ceil(r) * n.div_ceil(c), k),
+    };
+    (folds as f64) * ((2 * r + c + stream - 2) as f64) - 1.0
+}
+
+fn vu(cfg: &BoardConfig, elements: u64, passes: f64) -> Occupancy {
+    let vecs = elements.div_ceil(u64::from(cfg.core.vu_lanes)) as f64;
+    Occupancy::Fixed(passes * vecs.max(1.0) + f64::from(cfg.core.vu_latency_cycles))
+}
+
+fn transfer(cfg: &BoardConfig, a: Space, b: Space, bytes: u64) -> Occupancy {
+    let host = a == Space::Guest || b == Space::Guest;
+    let mut latency = cfg.ns_to_cycles(cfg.dma.latency_ns);
+    let mut cap = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
+    if host {
+        latency += cfg.ns_to_cycles(cfg.dma.host_latency_ns);
+        cap = cap.min(cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps));
+    }
+    let hbm = a == Space::Hbm || b == Space::Hbm;
+    if hbm {
+        latency += cfg.ns_to_cycles(cfg.hbm.latency_ns);
+    }
+    Occupancy::Transfer {
+        latency,
+        bytes: bytes as f64,
+        cap,
+        hbm,
+    }
+}
+
+/// The cost of `instr` on a core of `cfg`.
+pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
+    let trans = f64::from(cfg.core.vu_transcendental_passes);
+    let mut flops = 0u64;
+    let mut bytes = 0u64;
+    let occupancy = match *instr {
+        Instr::DmaCopy {
+            src,
+            dst,
+            rows,
+            row_bytes,
+            ..
+        } => {
+            bytes = u64::from(rows) * u64::from(row_bytes);
+            transfer(cfg, src.space, dst.space, bytes)
+        }
+        Instr::DmaGather {
+            table,
+            count,
+            row_bytes,
+            ..
+        } => {
+            // Each row is a separate burst, rounded up to 64-byte beats,
+            // plus the indices themselves.
+            bytes = u64::from(count) * u64::from(row_bytes);
+            let beats =
+                u64::from(count) * u64::from(row_bytes).div_ceil(64) * 64 + 4 * u64::from(count);
+            transfer(cfg, table.space, Space::Sram, beats)
+        }
+        Instr::MatMul { m, k, n, .. } => {
+            let (m, k, n) = (u64::from(m), u64::from(k), u64::from(n));
+            flops = 2 * m * k * n;
+            Occupancy::Fixed(sa_gemm_cycles(cfg, m, k, n))
+        }
+        Instr::Conv2d { geom: g, .. } => {
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            let m = u64::from(g.n) * u64::from(ho) * u64::from(wo);
+            let k = u64::from(g.kh) * u64::from(g.kw) * u64::from(g.cin);
+            let n = u64::from(g.cout);
+            flops = 2 * m * k * n;
+            Occupancy::Fixed(sa_gemm_cycles(cfg, m, k, n))
+        }
+        Instr::VBinary { rows, cols, .. } => {
+            let e = u64::from(rows) * u64::from(cols);
+            flops = e;
+            vu(cfg, e, 1.0)
+        }
+        Instr::VUnary { op, len, .. } => {
+            let e = u64::from(len);
+            let passes = match op {
+                UnOp::Copy | UnOp::Relu | UnOp::Neg => 1.0,
+                UnOp::Recip | UnOp::Sqrt => 2.0,
+                UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => trans,
+                UnOp::Gelu => trans + 3.0,
+            };
+            flops = e * passes as u64;
+            vu(cfg, e, passes)
+        }
+        Instr::VAffine { len, .. } => {
+            flops = 2 * u64::from(len);
+            vu(cfg, len.into(), 1.0)
+        }
+        Instr::VReduce {
+            outer,
+            reduce,
+            inner,
+            ..
+        } => {
+            let e = u64::from(outer) * u64::from(reduce) * u64::from(inner);
+            flops = e;
+            vu(cfg, e, 1.0)
+        }
+        Instr::VSoftmax { rows, cols, .. } => {
+            // max, subtract + exp, sum, scale.
+            let e = u64::from(rows) * u64::from(cols);
+            flops = e * 5;
+            vu(cfg, e, 3.0 + trans)
+        }
+        Instr::VLayerNorm { rows, cols, .. } => {
+            // mean, variance (2), normalize (2), scale + shift (2).
+            let e = u64::from(rows) * u64::from(cols);
+            flops = e * 7;
+            vu(cfg, e, 7.0)
+        }
+        Instr::VPool { geom: g, .. } => {
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            let out = u64::from(g.n) * u64::from(ho) * u64::from(wo) * u64::from(g.c);
+            let win = u64::from(g.kh) * u64::from(g.kw);
+            flops = out * win;
+            vu(cfg, out * win, 1.0)
+        }
+        Instr::VConvert { len, .. } => vu(cfg, len.into(), 1.0),
+        Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => Occupancy::Sync,
+    };
+    Cost {
+        occupancy,
+        flops,
+        bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(r: u32, c: u32) -> BoardConfig {
+        let mut b = BoardConfig::default();
+        b.core.sa_rows = r;
+        b.core.sa_cols = c;
+        b
+    }
+
+    #[test]
+    fn ws_matches_scale_sim_reference_points() {
+        // Reference values produced by SCALE-Sim v3 (scripts/scalesim_run.py).
+        assert_eq!(sa_gemm_cycles(&cfg(32, 32), 64, 32, 32), 157.0);
+        assert_eq!(sa_gemm_cycles(&cfg(32, 32), 100, 70, 40), 1163.0);
+        // 16x16x8 input, 3x3x40 filters, valid: M = 14*14, K = 72, N = 40.
+        assert_eq!(sa_gemm_cycles(&cfg(32, 32), 196, 72, 40), 1739.0);
+    }
+}
