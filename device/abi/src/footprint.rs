@@ -101,12 +101,7 @@ fn strided(
     operand: &'static str,
 ) -> Result<Access, FootprintError> {
     if rows == 0 || row == 0 {
-        return Ok(Access {
-            space,
-            start,
-            len: 0,
-            kind,
-        });
+        return Ok(Access { space, start, len: 0, kind });
     }
     if rows > 1 && stride < row {
         // Overlapping source rows are harmless to read, but a stride below
@@ -115,12 +110,7 @@ fn strided(
     }
     let len = add(mul(rows - 1, stride, operand)?, row, operand)?;
     add(start, len, operand)?;
-    Ok(Access {
-        space,
-        start,
-        len,
-        kind,
-    })
+    Ok(Access { space, start, len, kind })
 }
 
 fn dense(
@@ -133,12 +123,7 @@ fn dense(
 ) -> Result<Access, FootprintError> {
     let len = mul(elems, size, operand)?;
     add(start, len, operand)?;
-    Ok(Access {
-        space,
-        start,
-        len,
-        kind,
-    })
+    Ok(Access { space, start, len, kind })
 }
 
 /// A matrix of `rows x cols` elements with leading dimension `ld` (elements).
@@ -172,62 +157,18 @@ impl Instr {
         let mut f = Footprint::default();
         const F32: u64 = 4;
         match *self {
-            Instr::DmaCopy {
-                src,
-                dst,
-                rows,
-                row_bytes,
-                src_stride,
-                dst_stride,
-            } => {
+            Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => {
                 let (r, b) = (u64::from(rows), u64::from(row_bytes));
-                f.add(strided(
-                    src.space, src.offset, r, b, src_stride, Read, "src",
-                )?);
-                f.add(strided(
-                    dst.space, dst.offset, r, b, dst_stride, Write, "dst",
-                )?);
+                f.add(strided(src.space, src.offset, r, b, src_stride, Read, "src")?);
+                f.add(strided(dst.space, dst.offset, r, b, dst_stride, Write, "dst")?);
             }
-            Instr::DmaGather {
-                table,
-                indices,
-                dst,
-                count,
-                row_bytes,
-                table_rows,
-            } => {
+            Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {
                 let rb = u64::from(row_bytes);
-                f.add(dense(
-                    table.space,
-                    table.offset,
-                    table_rows.into(),
-                    rb,
-                    Read,
-                    "table",
-                )?);
-                f.add(dense(
-                    Space::Sram,
-                    indices,
-                    count.into(),
-                    4,
-                    Read,
-                    "indices",
-                )?);
+                f.add(dense(table.space, table.offset, table_rows.into(), rb, Read, "table")?);
+                f.add(dense(Space::Sram, indices, count.into(), 4, Read, "indices")?);
                 f.add(dense(Space::Sram, dst, count.into(), rb, Write, "dst")?);
             }
-            Instr::MatMul {
-                dtype,
-                flags,
-                a,
-                b,
-                c,
-                m,
-                k,
-                n,
-                lda,
-                ldb,
-                ldc,
-            } => {
+            Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
                 if m == 0 || k == 0 || n == 0 {
                     return Ok(f);
                 }
@@ -243,17 +184,9 @@ impl Instr {
                 }
                 f.add(matrix(c, m, n, ldc, F32, Write, "c")?);
             }
-            Instr::Conv2d {
-                dtype,
-                flags,
-                input,
-                weights,
-                output,
-                geom: g,
-            } => {
-                let (ho, wo) = g.out_hw().ok_or(FootprintError::BadGeometry {
-                    what: "conv kernel/stride",
-                })?;
+            Instr::Conv2d { dtype, flags, input, weights, output, geom: g } => {
+                let (ho, wo) =
+                    g.out_hw().ok_or(FootprintError::BadGeometry { what: "conv kernel/stride" })?;
                 let s = dtype.size();
                 let inp = mul(
                     mul(mul(g.n.into(), g.h.into(), "input")?, g.w.into(), "input")?,
@@ -274,15 +207,7 @@ impl Instr {
                 }
                 f.add(dense(Space::Sram, output, out, F32, Write, "output")?);
             }
-            Instr::VBinary {
-                bcast,
-                a,
-                b,
-                dst,
-                rows,
-                cols,
-                ..
-            } => {
+            Instr::VBinary { bcast, a, b, dst, rows, cols, .. } => {
                 let n = mul(rows.into(), cols.into(), "a")?;
                 let nb = match bcast {
                     Bcast::None => n,
@@ -297,49 +222,34 @@ impl Instr {
                 f.add(dense(Space::Sram, src, len.into(), F32, Read, "src")?);
                 f.add(dense(Space::Sram, dst, len.into(), F32, Write, "dst")?);
             }
-            Instr::VReduce {
-                src,
-                dst,
-                outer,
-                reduce,
-                inner,
-                ..
-            } => {
+            Instr::VReduce { src, dst, outer, reduce, inner, .. } => {
                 let oi = mul(outer.into(), inner.into(), "dst")?;
                 if reduce == 0 && oi > 0 {
-                    return Err(FootprintError::BadGeometry {
-                        what: "empty reduction",
-                    });
+                    return Err(FootprintError::BadGeometry { what: "empty reduction" });
                 }
-                f.add(dense(
-                    Space::Sram,
-                    src,
-                    mul(oi, reduce.into(), "src")?,
-                    F32,
-                    Read,
-                    "src",
-                )?);
+                f.add(dense(Space::Sram, src, mul(oi, reduce.into(), "src")?, F32, Read, "src")?);
                 f.add(dense(Space::Sram, dst, oi, F32, Write, "dst")?);
             }
-            Instr::VSoftmax {
-                src,
-                dst,
-                rows,
-                cols,
-            } => {
+            Instr::VDepthwise { src, weights, dst, geom: g } => {
+                if g.cin != g.cout {
+                    return Err(FootprintError::BadGeometry { what: "depthwise cin != cout" });
+                }
+                let (ho, wo) =
+                    g.out_hw().ok_or(FootprintError::BadGeometry { what: "depthwise kernel/stride" })?;
+                let nc = mul(g.n.into(), g.cin.into(), "src")?;
+                let inp = mul(mul(nc, g.h.into(), "src")?, g.w.into(), "src")?;
+                let wts = mul(mul(g.kh.into(), g.kw.into(), "weights")?, g.cin.into(), "weights")?;
+                let out = mul(mul(nc, ho.into(), "dst")?, wo.into(), "dst")?;
+                f.add(dense(Space::Sram, src, inp, F32, Read, "src")?);
+                f.add(dense(Space::Sram, weights, wts, F32, Read, "weights")?);
+                f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?);
+            }
+            Instr::VSoftmax { src, dst, rows, cols } => {
                 let n = mul(rows.into(), cols.into(), "src")?;
                 f.add(dense(Space::Sram, src, n, F32, Read, "src")?);
                 f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?);
             }
-            Instr::VLayerNorm {
-                src,
-                dst,
-                gamma,
-                beta,
-                rows,
-                cols,
-                ..
-            } => {
+            Instr::VLayerNorm { src, dst, gamma, beta, rows, cols, .. } => {
                 let n = mul(rows.into(), cols.into(), "src")?;
                 let c = if n == 0 { 0 } else { cols.into() };
                 f.add(dense(Space::Sram, src, n, F32, Read, "src")?);
@@ -347,16 +257,11 @@ impl Instr {
                 f.add(dense(Space::Sram, beta, c, F32, Read, "beta")?);
                 f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?);
             }
-            Instr::VPool {
-                src, dst, geom: g, ..
-            } => {
-                let (ho, wo) = g.out_hw().ok_or(FootprintError::BadGeometry {
-                    what: "pool window/stride",
-                })?;
+            Instr::VPool { src, dst, geom: g, .. } => {
+                let (ho, wo) =
+                    g.out_hw().ok_or(FootprintError::BadGeometry { what: "pool window/stride" })?;
                 if u32::from(g.pad) >= u32::from(g.kh).min(u32::from(g.kw)) {
-                    return Err(FootprintError::BadGeometry {
-                        what: "pool padding >= window",
-                    });
+                    return Err(FootprintError::BadGeometry { what: "pool padding >= window" });
                 }
                 let nc = mul(g.n.into(), g.c.into(), "src")?;
                 let inp = mul(mul(nc, g.h.into(), "src")?, g.w.into(), "src")?;
@@ -364,29 +269,9 @@ impl Instr {
                 f.add(dense(Space::Sram, src, inp, F32, Read, "src")?);
                 f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?);
             }
-            Instr::VConvert {
-                from,
-                to,
-                src,
-                dst,
-                len,
-            } => {
-                f.add(dense(
-                    Space::Sram,
-                    src,
-                    len.into(),
-                    from.size(),
-                    Read,
-                    "src",
-                )?);
-                f.add(dense(
-                    Space::Sram,
-                    dst,
-                    len.into(),
-                    to.size(),
-                    Write,
-                    "dst",
-                )?);
+            Instr::VConvert { from, to, src, dst, len } => {
+                f.add(dense(Space::Sram, src, len.into(), from.size(), Read, "src")?);
+                f.add(dense(Space::Sram, dst, len.into(), to.size(), Write, "dst")?);
             }
             Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => {}
         }

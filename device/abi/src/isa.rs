@@ -11,7 +11,7 @@
 use core::fmt;
 
 /// Number of counting semaphores a program may use (ids `0..NUM_SEMAPHORES`).
-pub const NUM_SEMAPHORES: u8 = 32;
+pub const NUM_SEMAPHORES: u8 = 64;
 
 /// An address space an instruction can name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -54,22 +54,13 @@ pub struct Addr {
 
 impl Addr {
     pub const fn sram(offset: u64) -> Self {
-        Self {
-            space: Space::Sram,
-            offset,
-        }
+        Self { space: Space::Sram, offset }
     }
     pub const fn hbm(offset: u64) -> Self {
-        Self {
-            space: Space::Hbm,
-            offset,
-        }
+        Self { space: Space::Hbm, offset }
     }
     pub const fn guest(offset: u64) -> Self {
-        Self {
-            space: Space::Guest,
-            offset,
-        }
+        Self { space: Space::Guest, offset }
     }
 }
 
@@ -168,27 +159,15 @@ impl Ord for EngineKind {
 }
 
 impl Engine {
-    pub const DMA: Self = Self {
-        kind: EngineKind::Dma,
-        index: 0,
-    };
+    pub const DMA: Self = Self { kind: EngineKind::Dma, index: 0 };
     pub const fn sa(index: u8) -> Self {
-        Self {
-            kind: EngineKind::Sa,
-            index,
-        }
+        Self { kind: EngineKind::Sa, index }
     }
     pub const fn vu(index: u8) -> Self {
-        Self {
-            kind: EngineKind::Vu,
-            index,
-        }
+        Self { kind: EngineKind::Vu, index }
     }
     pub const fn dma(index: u8) -> Self {
-        Self {
-            kind: EngineKind::Dma,
-            index,
-        }
+        Self { kind: EngineKind::Dma, index }
     }
 }
 
@@ -217,10 +196,7 @@ impl MatFlags {
         u8::from(self.accumulate) | (u8::from(self.transpose_b) << 1)
     }
     fn from_bits(b: u8) -> Option<Self> {
-        (b & !0b11 == 0).then_some(Self {
-            accumulate: b & 1 != 0,
-            transpose_b: b & 2 != 0,
-        })
+        (b & !0b11 == 0).then_some(Self { accumulate: b & 1 != 0, transpose_b: b & 2 != 0 })
     }
 }
 
@@ -251,11 +227,7 @@ impl ConvGeom {
         }
         let ph = u64::from(self.h) + u64::from(self.pad_top) + u64::from(self.pad_bottom);
         let pw = u64::from(self.w) + u64::from(self.pad_left) + u64::from(self.pad_right);
-        let (kh, kw, s) = (
-            u64::from(self.kh),
-            u64::from(self.kw),
-            u64::from(self.stride),
-        );
+        let (kh, kw, s) = (u64::from(self.kh), u64::from(self.kw), u64::from(self.stride));
         if ph < kh || pw < kw {
             return None;
         }
@@ -286,18 +258,11 @@ impl PoolGeom {
         }
         let ph = u64::from(self.h) + 2 * u64::from(self.pad);
         let pw = u64::from(self.w) + 2 * u64::from(self.pad);
-        let (kh, kw, s) = (
-            u64::from(self.kh),
-            u64::from(self.kw),
-            u64::from(self.stride),
-        );
+        let (kh, kw, s) = (u64::from(self.kh), u64::from(self.kw), u64::from(self.stride));
         if ph < kh || pw < kw {
             return None;
         }
-        Some((
-            u32::try_from((ph - kh) / s + 1).ok()?,
-            u32::try_from((pw - kw) / s + 1).ok()?,
-        ))
+        Some((u32::try_from((ph - kh) / s + 1).ok()?, u32::try_from((pw - kw) / s + 1).ok()?))
     }
 }
 
@@ -307,27 +272,13 @@ impl PoolGeom {
 pub enum Instr {
     /// DMA engine: copy `rows` rows of `row_bytes` bytes; row `i` goes from
     /// `src + i*src_stride` to `dst + i*dst_stride`.
-    DmaCopy {
-        src: Addr,
-        dst: Addr,
-        rows: u32,
-        row_bytes: u32,
-        src_stride: u64,
-        dst_stride: u64,
-    },
+    DmaCopy { src: Addr, dst: Addr, rows: u32, row_bytes: u32, src_stride: u64, dst_stride: u64 },
     /// DMA engine: gather rows of a table. For `j < count`, reads index
     /// `idx = u32 at sram[indices + 4j]` and copies `row_bytes` bytes from
     /// `table + idx*row_bytes` to `sram[dst + j*row_bytes]`. The table range
     /// (`table_rows * row_bytes`) is checked statically; an index
     /// `>= table_rows` fails the request at run time.
-    DmaGather {
-        table: Addr,
-        indices: u64,
-        dst: u64,
-        count: u32,
-        row_bytes: u32,
-        table_rows: u32,
-    },
+    DmaGather { table: Addr, indices: u64, dst: u64, count: u32, row_bytes: u32, table_rows: u32 },
     /// SA: `C[m x n] (+)= A[m x k] * B[k x n]` (or `B^T` when
     /// `flags.transpose_b`, stored `n x k`). A and B are `dtype`, C is f32.
     /// Leading dimensions are in elements.
@@ -345,81 +296,27 @@ pub enum Instr {
         ldc: u32,
     },
     /// SA: 2-D convolution, input and weights `dtype`, output f32.
-    Conv2d {
-        dtype: DType,
-        flags: MatFlags,
-        input: u64,
-        weights: u64,
-        output: u64,
-        geom: ConvGeom,
-    },
+    Conv2d { dtype: DType, flags: MatFlags, input: u64, weights: u64, output: u64, geom: ConvGeom },
     /// VU: `dst = a op b` over a `rows x cols` f32 matrix.
-    VBinary {
-        op: BinOp,
-        bcast: Bcast,
-        a: u64,
-        b: u64,
-        dst: u64,
-        rows: u32,
-        cols: u32,
-    },
+    VBinary { op: BinOp, bcast: Bcast, a: u64, b: u64, dst: u64, rows: u32, cols: u32 },
     /// VU: `dst = op(src)` over `len` f32 elements.
-    VUnary {
-        op: UnOp,
-        src: u64,
-        dst: u64,
-        len: u32,
-    },
+    VUnary { op: UnOp, src: u64, dst: u64, len: u32 },
     /// VU: `dst = src * scale + bias` over `len` f32 elements.
-    VAffine {
-        src: u64,
-        dst: u64,
-        len: u32,
-        scale: f32,
-        bias: f32,
-    },
+    VAffine { src: u64, dst: u64, len: u32, scale: f32, bias: f32 },
     /// VU: `src` is `[outer][reduce][inner]`; `dst[outer][inner]` is the
     /// reduction over the middle axis.
-    VReduce {
-        op: RedOp,
-        src: u64,
-        dst: u64,
-        outer: u32,
-        reduce: u32,
-        inner: u32,
-    },
+    VReduce { op: RedOp, src: u64, dst: u64, outer: u32, reduce: u32, inner: u32 },
     /// VU: row-wise softmax of a `rows x cols` matrix.
-    VSoftmax {
-        src: u64,
-        dst: u64,
-        rows: u32,
-        cols: u32,
-    },
+    VSoftmax { src: u64, dst: u64, rows: u32, cols: u32 },
     /// VU: row-wise layer norm with per-column `gamma` and `beta`.
-    VLayerNorm {
-        src: u64,
-        dst: u64,
-        gamma: u64,
-        beta: u64,
-        rows: u32,
-        cols: u32,
-        eps: f32,
-    },
+    VLayerNorm { src: u64, dst: u64, gamma: u64, beta: u64, rows: u32, cols: u32, eps: f32 },
     /// VU: max or average pooling (average counts only in-bounds elements).
-    VPool {
-        op: PoolOp,
-        src: u64,
-        dst: u64,
-        geom: PoolGeom,
-    },
+    VPool { op: PoolOp, src: u64, dst: u64, geom: PoolGeom },
+    /// VU: depthwise 2-D convolution of an NHWC f32 input with `kh x kw x c`
+    /// f32 weights (`geom.cin == geom.cout == c`), f32 output.
+    VDepthwise { src: u64, weights: u64, dst: u64, geom: ConvGeom },
     /// VU: convert `len` elements between f32 and bf16 (round to nearest even).
-    VConvert {
-        from: DType,
-        to: DType,
-        src: u64,
-        dst: u64,
-        len: u32,
-    },
+    VConvert { from: DType, to: DType, src: u64, dst: u64, len: u32 },
     /// Any engine: increment semaphore `sem`.
     Signal { sem: u8 },
     /// Any engine: wait until semaphore `sem` is positive, then decrement it.
@@ -442,6 +339,7 @@ pub mod opcode {
     pub const VLAYERNORM: u8 = 0x25;
     pub const VPOOL: u8 = 0x26;
     pub const VCONVERT: u8 = 0x27;
+    pub const VDEPTHWISE: u8 = 0x28;
     pub const SIGNAL: u8 = 0x30;
     pub const WAIT: u8 = 0x31;
     pub const HALT: u8 = 0x3f;
@@ -451,38 +349,22 @@ pub mod opcode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecodeError {
     /// The input ended inside an instruction.
-    Truncated {
-        opcode: u8,
-        need: usize,
-        have: usize,
-    },
+    Truncated { opcode: u8, need: usize, have: usize },
     /// The opcode byte names no instruction.
     UnknownOpcode(u8),
     /// A field holds a value outside its range.
-    BadField {
-        opcode: u8,
-        field: &'static str,
-        value: u64,
-    },
+    BadField { opcode: u8, field: &'static str, value: u64 },
 }
 
 impl fmt::Display for DecodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Truncated { opcode, need, have } => write!(
-                f,
-                "instruction 0x{opcode:02x} truncated: needs {need} bytes, {have} left"
-            ),
+            Self::Truncated { opcode, need, have } => {
+                write!(f, "instruction 0x{opcode:02x} truncated: needs {need} bytes, {have} left")
+            }
             Self::UnknownOpcode(op) => write!(f, "unknown opcode 0x{op:02x}"),
-            Self::BadField {
-                opcode,
-                field,
-                value,
-            } => {
-                write!(
-                    f,
-                    "instruction 0x{opcode:02x}: field `{field}` has invalid value {value}"
-                )
+            Self::BadField { opcode, field, value } => {
+                write!(f, "instruction 0x{opcode:02x}: field `{field}` has invalid value {value}")
             }
         }
     }
@@ -507,6 +389,7 @@ impl Instr {
             Self::VLayerNorm { .. } => VLAYERNORM,
             Self::VPool { .. } => VPOOL,
             Self::VConvert { .. } => VCONVERT,
+            Self::VDepthwise { .. } => VDEPTHWISE,
             Self::Signal { .. } => SIGNAL,
             Self::Wait { .. } => WAIT,
             Self::Halt => HALT,
@@ -528,6 +411,7 @@ impl Instr {
             Self::VLayerNorm { .. } => "vu.layernorm",
             Self::VPool { .. } => "vu.pool",
             Self::VConvert { .. } => "vu.convert",
+            Self::VDepthwise { .. } => "vu.depthwise",
             Self::Signal { .. } => "signal",
             Self::Wait { .. } => "wait",
             Self::Halt => "halt",
@@ -561,6 +445,7 @@ impl Instr {
             VLAYERNORM => 4 * 8 + 2 * 4 + 4,
             VPOOL => 1 + 2 * 8 + 4 * 4 + 4 * 2,
             VCONVERT => 2 + 2 * 8 + 4,
+            VDEPTHWISE => 3 * 8 + 5 * 4 + 7 * 2,
             SIGNAL | WAIT => 1,
             HALT => 0,
             _ => return None,
@@ -577,14 +462,7 @@ impl Instr {
         let mut w = Writer(out);
         w.u8(self.opcode());
         match *self {
-            Self::DmaCopy {
-                src,
-                dst,
-                rows,
-                row_bytes,
-                src_stride,
-                dst_stride,
-            } => {
+            Self::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => {
                 w.u8(src.space as u8);
                 w.u8(dst.space as u8);
                 w.u64(src.offset);
@@ -594,14 +472,7 @@ impl Instr {
                 w.u64(src_stride);
                 w.u64(dst_stride);
             }
-            Self::DmaGather {
-                table,
-                indices,
-                dst,
-                count,
-                row_bytes,
-                table_rows,
-            } => {
+            Self::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {
                 w.u8(table.space as u8);
                 w.u64(table.offset);
                 w.u64(indices);
@@ -610,19 +481,7 @@ impl Instr {
                 w.u32(row_bytes);
                 w.u32(table_rows);
             }
-            Self::MatMul {
-                dtype,
-                flags,
-                a,
-                b,
-                c,
-                m,
-                k,
-                n,
-                lda,
-                ldb,
-                ldc,
-            } => {
+            Self::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
                 w.u8(dtype as u8);
                 w.u8(flags.bits());
                 for v in [a, b, c] {
@@ -632,43 +491,15 @@ impl Instr {
                     w.u32(v);
                 }
             }
-            Self::Conv2d {
-                dtype,
-                flags,
-                input,
-                weights,
-                output,
-                geom: g,
-            } => {
+            Self::Conv2d { dtype, flags, input, weights, output, geom: g } => {
                 w.u8(dtype as u8);
                 w.u8(flags.bits());
                 for v in [input, weights, output] {
                     w.u64(v);
                 }
-                for v in [g.n, g.h, g.w, g.cin, g.cout] {
-                    w.u32(v);
-                }
-                for v in [
-                    g.kh,
-                    g.kw,
-                    g.stride,
-                    g.pad_top,
-                    g.pad_bottom,
-                    g.pad_left,
-                    g.pad_right,
-                ] {
-                    w.u16(v);
-                }
+                w.conv_geom(&g);
             }
-            Self::VBinary {
-                op,
-                bcast,
-                a,
-                b,
-                dst,
-                rows,
-                cols,
-            } => {
+            Self::VBinary { op, bcast, a, b, dst, rows, cols } => {
                 w.u8(op as u8);
                 w.u8(bcast as u8);
                 for v in [a, b, dst] {
@@ -683,27 +514,14 @@ impl Instr {
                 w.u64(dst);
                 w.u32(len);
             }
-            Self::VAffine {
-                src,
-                dst,
-                len,
-                scale,
-                bias,
-            } => {
+            Self::VAffine { src, dst, len, scale, bias } => {
                 w.u64(src);
                 w.u64(dst);
                 w.u32(len);
                 w.u32(scale.to_bits());
                 w.u32(bias.to_bits());
             }
-            Self::VReduce {
-                op,
-                src,
-                dst,
-                outer,
-                reduce,
-                inner,
-            } => {
+            Self::VReduce { op, src, dst, outer, reduce, inner } => {
                 w.u8(op as u8);
                 w.u64(src);
                 w.u64(dst);
@@ -711,26 +529,13 @@ impl Instr {
                     w.u32(v);
                 }
             }
-            Self::VSoftmax {
-                src,
-                dst,
-                rows,
-                cols,
-            } => {
+            Self::VSoftmax { src, dst, rows, cols } => {
                 w.u64(src);
                 w.u64(dst);
                 w.u32(rows);
                 w.u32(cols);
             }
-            Self::VLayerNorm {
-                src,
-                dst,
-                gamma,
-                beta,
-                rows,
-                cols,
-                eps,
-            } => {
+            Self::VLayerNorm { src, dst, gamma, beta, rows, cols, eps } => {
                 for v in [src, dst, gamma, beta] {
                     w.u64(v);
                 }
@@ -738,12 +543,7 @@ impl Instr {
                 w.u32(cols);
                 w.u32(eps.to_bits());
             }
-            Self::VPool {
-                op,
-                src,
-                dst,
-                geom: g,
-            } => {
+            Self::VPool { op, src, dst, geom: g } => {
                 w.u8(op as u8);
                 w.u64(src);
                 w.u64(dst);
@@ -754,13 +554,13 @@ impl Instr {
                     w.u16(v);
                 }
             }
-            Self::VConvert {
-                from,
-                to,
-                src,
-                dst,
-                len,
-            } => {
+            Self::VDepthwise { src, weights, dst, geom: g } => {
+                for v in [src, weights, dst] {
+                    w.u64(v);
+                }
+                w.conv_geom(&g);
+            }
+            Self::VConvert { from, to, src, dst, len } => {
                 w.u8(from as u8);
                 w.u8(to as u8);
                 w.u64(src);
@@ -777,37 +577,20 @@ impl Instr {
     pub fn decode(bytes: &[u8]) -> Result<(Self, usize), DecodeError> {
         use opcode::*;
         let Some((&op, rest)) = bytes.split_first() else {
-            return Err(DecodeError::Truncated {
-                opcode: 0,
-                need: 1,
-                have: 0,
-            });
+            return Err(DecodeError::Truncated { opcode: 0, need: 1, have: 0 });
         };
         let len = Self::payload_len(op).ok_or(DecodeError::UnknownOpcode(op))?;
         if rest.len() < len {
-            return Err(DecodeError::Truncated {
-                opcode: op,
-                need: len + 1,
-                have: bytes.len(),
-            });
+            return Err(DecodeError::Truncated { opcode: op, need: len + 1, have: bytes.len() });
         }
-        let mut r = Reader {
-            b: &rest[..len],
-            op,
-        };
+        let mut r = Reader { b: &rest[..len], op };
         let instr = match op {
             DMA_COPY => {
                 let ss = r.space("src.space")?;
                 let ds = r.space("dst.space")?;
                 Self::DmaCopy {
-                    src: Addr {
-                        space: ss,
-                        offset: r.u64(),
-                    },
-                    dst: Addr {
-                        space: ds,
-                        offset: r.u64(),
-                    },
+                    src: Addr { space: ss, offset: r.u64() },
+                    dst: Addr { space: ds, offset: r.u64() },
                     rows: r.u32(),
                     row_bytes: r.u32(),
                     src_stride: r.u64(),
@@ -817,10 +600,7 @@ impl Instr {
             DMA_GATHER => {
                 let ts = r.space("table.space")?;
                 Self::DmaGather {
-                    table: Addr {
-                        space: ts,
-                        offset: r.u64(),
-                    },
+                    table: Addr { space: ts, offset: r.u64() },
                     indices: r.u64(),
                     dst: r.u64(),
                     count: r.u32(),
@@ -857,21 +637,16 @@ impl Instr {
                     input: r.u64(),
                     weights: r.u64(),
                     output: r.u64(),
-                    geom: ConvGeom {
-                        n: r.u32(),
-                        h: r.u32(),
-                        w: r.u32(),
-                        cin: r.u32(),
-                        cout: r.u32(),
-                        kh: r.u16(),
-                        kw: r.u16(),
-                        stride: r.u16(),
-                        pad_top: r.u16(),
-                        pad_bottom: r.u16(),
-                        pad_left: r.u16(),
-                        pad_right: r.u16(),
-                    },
+                    geom: r.conv_geom(),
                 }
+            }
+            VDEPTHWISE => {
+                let (src, weights, dst) = (r.u64(), r.u64(), r.u64());
+                let geom = r.conv_geom();
+                if geom.cin != geom.cout {
+                    return Err(r.bad("cout", geom.cout.into()));
+                }
+                Self::VDepthwise { src, weights, dst, geom }
             }
             VBINARY => {
                 let v = r.u8();
@@ -891,12 +666,7 @@ impl Instr {
             VUNARY => {
                 let v = r.u8();
                 let op = UnOp::from_u8(v).ok_or(r.bad("op", v.into()))?;
-                Self::VUnary {
-                    op,
-                    src: r.u64(),
-                    dst: r.u64(),
-                    len: r.u32(),
-                }
+                Self::VUnary { op, src: r.u64(), dst: r.u64(), len: r.u32() }
             }
             VAFFINE => Self::VAffine {
                 src: r.u64(),
@@ -917,12 +687,7 @@ impl Instr {
                     inner: r.u32(),
                 }
             }
-            VSOFTMAX => Self::VSoftmax {
-                src: r.u64(),
-                dst: r.u64(),
-                rows: r.u32(),
-                cols: r.u32(),
-            },
+            VSOFTMAX => Self::VSoftmax { src: r.u64(), dst: r.u64(), rows: r.u32(), cols: r.u32() },
             VLAYERNORM => Self::VLayerNorm {
                 src: r.u64(),
                 dst: r.u64(),
@@ -954,13 +719,7 @@ impl Instr {
             VCONVERT => {
                 let from = r.dtype("from")?;
                 let to = r.dtype("to")?;
-                Self::VConvert {
-                    from,
-                    to,
-                    src: r.u64(),
-                    dst: r.u64(),
-                    len: r.u32(),
-                }
+                Self::VConvert { from, to, src: r.u64(), dst: r.u64(), len: r.u32() }
             }
             SIGNAL | WAIT => {
                 let sem = r.u8();
@@ -983,6 +742,14 @@ impl Instr {
 struct Writer<'a>(&'a mut alloc::vec::Vec<u8>);
 
 impl Writer<'_> {
+    fn conv_geom(&mut self, g: &ConvGeom) {
+        for v in [g.n, g.h, g.w, g.cin, g.cout] {
+            self.u32(v);
+        }
+        for v in [g.kh, g.kw, g.stride, g.pad_top, g.pad_bottom, g.pad_left, g.pad_right] {
+            self.u16(v);
+        }
+    }
     fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
@@ -1005,6 +772,22 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    fn conv_geom(&mut self) -> ConvGeom {
+        ConvGeom {
+            n: self.u32(),
+            h: self.u32(),
+            w: self.u32(),
+            cin: self.u32(),
+            cout: self.u32(),
+            kh: self.u16(),
+            kw: self.u16(),
+            stride: self.u16(),
+            pad_top: self.u16(),
+            pad_bottom: self.u16(),
+            pad_left: self.u16(),
+            pad_right: self.u16(),
+        }
+    }
     fn take<const N: usize>(&mut self) -> [u8; N] {
         let mut out = [0u8; N];
         if let Some((head, tail)) = self.b.split_at_checked(N) {
@@ -1026,11 +809,7 @@ impl Reader<'_> {
         u64::from_le_bytes(self.take())
     }
     fn bad(&self, field: &'static str, value: u64) -> DecodeError {
-        DecodeError::BadField {
-            opcode: self.op,
-            field,
-            value,
-        }
+        DecodeError::BadField { opcode: self.op, field, value }
     }
     fn f32(&mut self, field: &'static str) -> Result<f32, DecodeError> {
         let bits = self.u32();

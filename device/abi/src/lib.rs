@@ -19,7 +19,7 @@ pub mod program;
 
 pub use footprint::{Access, AccessKind, FootprintError};
 pub use isa::{
-    Addr, Bcast, BinOp, ConvGeom, DType, DecodeError, Engine, EngineKind, Instr, MatFlags,
-    PoolGeom, PoolOp, RedOp, Space, UnOp,
+    Addr, Bcast, BinOp, ConvGeom, DType, DecodeError, Engine, EngineKind, Instr, MatFlags, PoolGeom, PoolOp,
+    RedOp, Space, UnOp,
 };
 pub use program::{Program, ProgramBuilder, ProgramError, Stream};

@@ -46,46 +46,19 @@ pub struct Program {
 /// Why a byte sequence is not a valid program container.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProgramError {
-    TooShort {
-        len: usize,
-    },
-    TooLarge {
-        len: usize,
-    },
+    TooShort { len: usize },
+    TooLarge { len: usize },
     BadMagic,
     BadVersion(u16),
     BadFlags(u32),
     BadStreamCount(u16),
-    BadEngineKind {
-        stream: usize,
-        kind: u8,
-    },
-    ReservedNonZero {
-        stream: usize,
-    },
-    DuplicateEngine {
-        stream: usize,
-        engine: Engine,
-    },
-    LengthMismatch {
-        declared: u64,
-        actual: usize,
-    },
-    Decode {
-        stream: usize,
-        index: usize,
-        error: DecodeError,
-    },
-    WrongEngine {
-        stream: usize,
-        index: usize,
-        mnemonic: &'static str,
-        engine: Engine,
-    },
-    AfterHalt {
-        stream: usize,
-        index: usize,
-    },
+    BadEngineKind { stream: usize, kind: u8 },
+    ReservedNonZero { stream: usize },
+    DuplicateEngine { stream: usize, engine: Engine },
+    LengthMismatch { declared: u64, actual: usize },
+    Decode { stream: usize, index: usize, error: DecodeError },
+    WrongEngine { stream: usize, index: usize, mnemonic: &'static str, engine: Engine },
+    AfterHalt { stream: usize, index: usize },
 }
 
 impl fmt::Display for ProgramError {
@@ -95,10 +68,7 @@ impl fmt::Display for ProgramError {
                 write!(f, "program of {len} bytes is shorter than its header")
             }
             Self::TooLarge { len } => {
-                write!(
-                    f,
-                    "program of {len} bytes exceeds the limit of {MAX_PROGRAM_BYTES} bytes"
-                )
+                write!(f, "program of {len} bytes exceeds the limit of {MAX_PROGRAM_BYTES} bytes")
             }
             Self::BadMagic => write!(f, "bad magic (expected \"VNPU\")"),
             Self::BadVersion(v) => {
@@ -118,32 +88,16 @@ impl fmt::Display for ProgramError {
                 write!(f, "stream {stream}: engine {engine} already has a stream")
             }
             Self::LengthMismatch { declared, actual } => {
-                write!(
-                    f,
-                    "code length {declared} does not match the {actual} bytes present"
-                )
+                write!(f, "code length {declared} does not match the {actual} bytes present")
             }
-            Self::Decode {
-                stream,
-                index,
-                error,
-            } => {
+            Self::Decode { stream, index, error } => {
                 write!(f, "stream {stream} instruction {index}: {error}")
             }
-            Self::WrongEngine {
-                stream,
-                index,
-                mnemonic,
-                engine,
-            } => write!(
-                f,
-                "stream {stream} instruction {index}: {mnemonic} cannot run on engine {engine}"
-            ),
+            Self::WrongEngine { stream, index, mnemonic, engine } => {
+                write!(f, "stream {stream} instruction {index}: {mnemonic} cannot run on engine {engine}")
+            }
             Self::AfterHalt { stream, index } => {
-                write!(
-                    f,
-                    "stream {stream} instruction {index}: instruction after halt"
-                )
+                write!(f, "stream {stream} instruction {index}: instruction after halt")
             }
         }
     }
@@ -243,23 +197,15 @@ impl Program {
         }
         let code_present = bytes.len() - table_end;
         if declared != code_present as u64 {
-            return Err(ProgramError::LengthMismatch {
-                declared,
-                actual: code_present,
-            });
+            return Err(ProgramError::LengthMismatch { declared, actual: code_present });
         }
         let mut entries: Vec<(Engine, usize)> = Vec::with_capacity(count.into());
         let mut sum: u64 = 0;
         for s in 0..usize::from(count) {
             let at = HEADER_LEN + STREAM_ENTRY_LEN * s;
-            let kind = EngineKind::from_byte(bytes[at]).ok_or(ProgramError::BadEngineKind {
-                stream: s,
-                kind: bytes[at],
-            })?;
-            let engine = Engine {
-                kind,
-                index: bytes[at + 1],
-            };
+            let kind = EngineKind::from_byte(bytes[at])
+                .ok_or(ProgramError::BadEngineKind { stream: s, kind: bytes[at] })?;
+            let engine = Engine { kind, index: bytes[at + 1] };
             if le_u16(bytes, at + 2) != 0 {
                 return Err(ProgramError::ReservedNonZero { stream: s });
             }
@@ -271,10 +217,7 @@ impl Program {
             entries.push((engine, len as usize));
         }
         if sum != declared {
-            return Err(ProgramError::LengthMismatch {
-                declared,
-                actual: sum as usize,
-            });
+            return Err(ProgramError::LengthMismatch { declared, actual: sum as usize });
         }
         let mut streams = Vec::with_capacity(entries.len());
         let mut at = table_end;
@@ -289,12 +232,11 @@ impl Program {
                 if halted {
                     return Err(ProgramError::AfterHalt { stream: s, index });
                 }
-                let (i, used) =
-                    Instr::decode(&code[off..]).map_err(|error| ProgramError::Decode {
-                        stream: s,
-                        index,
-                        error,
-                    })?;
+                let (i, used) = Instr::decode(&code[off..]).map_err(|error| ProgramError::Decode {
+                    stream: s,
+                    index,
+                    error,
+                })?;
                 if let Some(k) = i.engine_kind() {
                     if k != engine.kind {
                         return Err(ProgramError::WrongEngine {
@@ -309,10 +251,7 @@ impl Program {
                 instrs.push(i);
                 off += used;
             }
-            streams.push(Stream {
-                engine,
-                code: instrs,
-            });
+            streams.push(Stream { engine, code: instrs });
         }
         Ok(Self { streams })
     }
@@ -347,10 +286,7 @@ impl ProgramBuilder {
     pub fn push(&mut self, engine: Engine, instr: Instr) -> &mut Self {
         match self.program.streams.iter_mut().find(|s| s.engine == engine) {
             Some(s) => s.code.push(instr),
-            None => self.program.streams.push(Stream {
-                engine,
-                code: alloc::vec![instr],
-            }),
+            None => self.program.streams.push(Stream { engine, code: alloc::vec![instr] }),
         }
         self
     }

@@ -15,10 +15,8 @@ fn addr() -> impl Strategy<Value = Addr> {
     (space(), any::<u64>()).prop_map(|(space, offset)| Addr { space, offset })
 }
 fn flags(allow_t: bool) -> impl Strategy<Value = MatFlags> {
-    (any::<bool>(), any::<bool>()).prop_map(move |(accumulate, t)| MatFlags {
-        accumulate,
-        transpose_b: t && allow_t,
-    })
+    (any::<bool>(), any::<bool>())
+        .prop_map(move |(accumulate, t)| MatFlags { accumulate, transpose_b: t && allow_t })
 }
 fn finite() -> impl Strategy<Value = f32> {
     any::<f32>().prop_filter("finite", |v| v.is_finite())
@@ -29,67 +27,33 @@ fn pick<T: Copy + std::fmt::Debug + 'static>(all: &'static [T]) -> impl Strategy
 
 fn instr() -> impl Strategy<Value = Instr> {
     prop_oneof![
-        (
-            addr(),
-            addr(),
-            any::<u32>(),
-            any::<u32>(),
-            any::<u64>(),
-            any::<u64>()
-        )
-            .prop_map(|(src, dst, rows, row_bytes, src_stride, dst_stride)| {
-                Instr::DmaCopy {
-                    src,
-                    dst,
-                    rows,
-                    row_bytes,
-                    src_stride,
-                    dst_stride,
-                }
-            }),
-        (
-            addr(),
-            any::<u64>(),
-            any::<u64>(),
-            any::<u32>(),
-            any::<u32>(),
-            any::<u32>()
-        )
-            .prop_map(|(table, indices, dst, count, row_bytes, table_rows)| {
-                Instr::DmaGather {
-                    table,
-                    indices,
-                    dst,
-                    count,
-                    row_bytes,
-                    table_rows,
-                }
-            }),
-        (dtype(), flags(true), any::<[u64; 3]>(), any::<[u32; 6]>()).prop_map(
-            |(dtype, flags, p, d)| {
-                Instr::MatMul {
-                    dtype,
-                    flags,
-                    a: p[0],
-                    b: p[1],
-                    c: p[2],
-                    m: d[0],
-                    k: d[1],
-                    n: d[2],
-                    lda: d[3],
-                    ldb: d[4],
-                    ldc: d[5],
-                }
+        (addr(), addr(), any::<u32>(), any::<u32>(), any::<u64>(), any::<u64>()).prop_map(
+            |(src, dst, rows, row_bytes, src_stride, dst_stride)| {
+                Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride }
             }
         ),
-        (
-            dtype(),
-            flags(false),
-            any::<[u64; 3]>(),
-            any::<[u32; 5]>(),
-            any::<[u16; 7]>()
-        )
-            .prop_map(|(dtype, flags, p, d, s)| Instr::Conv2d {
+        (addr(), any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>(), any::<u32>()).prop_map(
+            |(table, indices, dst, count, row_bytes, table_rows)| {
+                Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows }
+            }
+        ),
+        (dtype(), flags(true), any::<[u64; 3]>(), any::<[u32; 6]>()).prop_map(|(dtype, flags, p, d)| {
+            Instr::MatMul {
+                dtype,
+                flags,
+                a: p[0],
+                b: p[1],
+                c: p[2],
+                m: d[0],
+                k: d[1],
+                n: d[2],
+                lda: d[3],
+                ldb: d[4],
+                ldc: d[5],
+            }
+        }),
+        (dtype(), flags(false), any::<[u64; 3]>(), any::<[u32; 5]>(), any::<[u16; 7]>()).prop_map(
+            |(dtype, flags, p, d, s)| Instr::Conv2d {
                 dtype,
                 flags,
                 input: p[0],
@@ -109,15 +73,10 @@ fn instr() -> impl Strategy<Value = Instr> {
                     pad_left: s[5],
                     pad_right: s[6],
                 },
-            }),
-        (
-            pick(BinOp::ALL),
-            pick(Bcast::ALL),
-            any::<[u64; 3]>(),
-            any::<u32>(),
-            any::<u32>()
-        )
-            .prop_map(|(op, bcast, p, rows, cols)| Instr::VBinary {
+            }
+        ),
+        (pick(BinOp::ALL), pick(Bcast::ALL), any::<[u64; 3]>(), any::<u32>(), any::<u32>()).prop_map(
+            |(op, bcast, p, rows, cols)| Instr::VBinary {
                 op,
                 bcast,
                 a: p[0],
@@ -125,63 +84,22 @@ fn instr() -> impl Strategy<Value = Instr> {
                 dst: p[2],
                 rows,
                 cols
-            }),
+            }
+        ),
         (pick(UnOp::ALL), any::<u64>(), any::<u64>(), any::<u32>())
             .prop_map(|(op, src, dst, len)| Instr::VUnary { op, src, dst, len }),
-        (any::<u64>(), any::<u64>(), any::<u32>(), finite(), finite()).prop_map(
-            |(src, dst, len, scale, bias)| Instr::VAffine {
-                src,
-                dst,
-                len,
-                scale,
-                bias
-            }
-        ),
-        (
-            pick(RedOp::ALL),
-            any::<u64>(),
-            any::<u64>(),
-            any::<[u32; 3]>()
-        )
-            .prop_map(|(op, src, dst, d)| {
-                Instr::VReduce {
-                    op,
-                    src,
-                    dst,
-                    outer: d[0],
-                    reduce: d[1],
-                    inner: d[2],
-                }
-            }),
-        (any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>()).prop_map(
-            |(src, dst, rows, cols)| Instr::VSoftmax {
-                src,
-                dst,
-                rows,
-                cols
-            }
-        ),
-        (any::<[u64; 4]>(), any::<u32>(), any::<u32>(), finite()).prop_map(
-            |(p, rows, cols, eps)| {
-                Instr::VLayerNorm {
-                    src: p[0],
-                    dst: p[1],
-                    gamma: p[2],
-                    beta: p[3],
-                    rows,
-                    cols,
-                    eps,
-                }
-            }
-        ),
-        (
-            pick(PoolOp::ALL),
-            any::<u64>(),
-            any::<u64>(),
-            any::<[u32; 4]>(),
-            any::<[u16; 4]>()
-        )
-            .prop_map(|(op, src, dst, d, s)| Instr::VPool {
+        (any::<u64>(), any::<u64>(), any::<u32>(), finite(), finite())
+            .prop_map(|(src, dst, len, scale, bias)| Instr::VAffine { src, dst, len, scale, bias }),
+        (pick(RedOp::ALL), any::<u64>(), any::<u64>(), any::<[u32; 3]>()).prop_map(|(op, src, dst, d)| {
+            Instr::VReduce { op, src, dst, outer: d[0], reduce: d[1], inner: d[2] }
+        }),
+        (any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>())
+            .prop_map(|(src, dst, rows, cols)| Instr::VSoftmax { src, dst, rows, cols }),
+        (any::<[u64; 4]>(), any::<u32>(), any::<u32>(), finite()).prop_map(|(p, rows, cols, eps)| {
+            Instr::VLayerNorm { src: p[0], dst: p[1], gamma: p[2], beta: p[3], rows, cols, eps }
+        }),
+        (pick(PoolOp::ALL), any::<u64>(), any::<u64>(), any::<[u32; 4]>(), any::<[u16; 4]>()).prop_map(
+            |(op, src, dst, d, s)| Instr::VPool {
                 op,
                 src,
                 dst,
@@ -195,16 +113,29 @@ fn instr() -> impl Strategy<Value = Instr> {
                     stride: s[2],
                     pad: s[3]
                 },
-            }),
-        (dtype(), dtype(), any::<u64>(), any::<u64>(), any::<u32>()).prop_map(
-            |(from, to, src, dst, len)| Instr::VConvert {
-                from,
-                to,
-                src,
-                dst,
-                len
             }
         ),
+        (any::<[u64; 3]>(), any::<[u32; 4]>(), any::<[u16; 7]>()).prop_map(|(p, d, s)| Instr::VDepthwise {
+            src: p[0],
+            weights: p[1],
+            dst: p[2],
+            geom: ConvGeom {
+                n: d[0],
+                h: d[1],
+                w: d[2],
+                cin: d[3],
+                cout: d[3],
+                kh: s[0],
+                kw: s[1],
+                stride: s[2],
+                pad_top: s[3],
+                pad_bottom: s[4],
+                pad_left: s[5],
+                pad_right: s[6],
+            },
+        }),
+        (dtype(), dtype(), any::<u64>(), any::<u64>(), any::<u32>())
+            .prop_map(|(from, to, src, dst, len)| Instr::VConvert { from, to, src, dst, len }),
         (0..NUM_SEMAPHORES).prop_map(|sem| Instr::Signal { sem }),
         (0..NUM_SEMAPHORES).prop_map(|sem| Instr::Wait { sem }),
         Just(Instr::Halt),
@@ -295,45 +226,18 @@ fn container_errors_are_specific() {
     let mut bad = good.clone();
     bad[4] = 9;
     assert_eq!(Program::decode(&bad), Err(ProgramError::BadVersion(9)));
-    assert!(matches!(
-        Program::decode(&good[..good.len() - 1]),
-        Err(ProgramError::LengthMismatch { .. })
-    ));
+    assert!(matches!(Program::decode(&good[..good.len() - 1]), Err(ProgramError::LengthMismatch { .. })));
 
     // A VU instruction in an SA stream is refused with its position.
     let mut p = Program::decode(&good).unwrap();
-    p.streams[0].code.insert(
-        0,
-        Instr::VSoftmax {
-            src: 0,
-            dst: 0,
-            rows: 1,
-            cols: 1,
-        },
-    );
+    p.streams[0].code.insert(0, Instr::VSoftmax { src: 0, dst: 0, rows: 1, cols: 1 });
     let err = Program::decode(&p.encode()).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            ProgramError::WrongEngine {
-                stream: 0,
-                index: 0,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, ProgramError::WrongEngine { stream: 0, index: 0, .. }), "{err}");
 
     // Code after halt is refused.
     let mut p = Program::decode(&good).unwrap();
     p.streams[0].code.push(Instr::Signal { sem: 0 });
-    assert!(matches!(
-        Program::decode(&p.encode()),
-        Err(ProgramError::AfterHalt {
-            stream: 0,
-            index: 2
-        })
-    ));
+    assert!(matches!(Program::decode(&p.encode()), Err(ProgramError::AfterHalt { stream: 0, index: 2 })));
 
     // Semaphore ids beyond the limit do not decode.
     assert!(matches!(
@@ -353,24 +257,8 @@ fn footprint_of_strided_dma_is_its_bounding_range() {
         dst_stride: 16,
     };
     let f: Vec<_> = i.footprint().unwrap().iter().copied().collect();
-    assert_eq!(
-        f[0],
-        Access {
-            space: Space::Hbm,
-            start: 100,
-            len: 2 * 64 + 16,
-            kind: AccessKind::Read
-        }
-    );
-    assert_eq!(
-        f[1],
-        Access {
-            space: Space::Sram,
-            start: 0,
-            len: 48,
-            kind: AccessKind::Write
-        }
-    );
+    assert_eq!(f[0], Access { space: Space::Hbm, start: 100, len: 2 * 64 + 16, kind: AccessKind::Read });
+    assert_eq!(f[1], Access { space: Space::Sram, start: 0, len: 48, kind: AccessKind::Write });
     let over = Instr::DmaCopy {
         src: Addr::hbm(u64::MAX - 8),
         dst: Addr::sram(0),
@@ -379,10 +267,7 @@ fn footprint_of_strided_dma_is_its_bounding_range() {
         src_stride: 0,
         dst_stride: 0,
     };
-    assert_eq!(
-        over.footprint().unwrap_err(),
-        FootprintError::Overflow { operand: "src" }
-    );
+    assert_eq!(over.footprint().unwrap_err(), FootprintError::Overflow { operand: "src" });
     let lda_small = Instr::MatMul {
         dtype: DType::F32,
         flags: MatFlags::default(),
@@ -396,8 +281,5 @@ fn footprint_of_strided_dma_is_its_bounding_range() {
         ldb: 2,
         ldc: 2,
     };
-    assert_eq!(
-        lda_small.footprint().unwrap_err(),
-        FootprintError::BadStride { operand: "a" }
-    );
+    assert_eq!(lda_small.footprint().unwrap_err(), FootprintError::BadStride { operand: "a" });
 }

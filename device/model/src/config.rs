@@ -15,10 +15,7 @@ pub const HBM_SLICE: u64 = 256 << 20;
 #[derive(Debug, Error)]
 pub enum ConfigError {
     #[error("cannot read board config {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    Io { path: String, source: std::io::Error },
     #[error("board config: {0}")]
     Parse(String),
     #[error("board config: `{field}` {reason}")]
@@ -115,27 +112,14 @@ impl Default for BoardConfig {
                 vu_transcendental_passes: 4,
                 sram_mib: 32,
             },
-            hbm: HbmConfig {
-                size_gib: 32,
-                channels: 16,
-                channel_gbps: 75.0,
-                latency_ns: 300,
-            },
-            dma: DmaConfig {
-                gbps: 400.0,
-                host_gbps: 25.0,
-                latency_ns: 100,
-                host_latency_ns: 1000,
-            },
+            hbm: HbmConfig { size_gib: 32, channels: 16, channel_gbps: 75.0, latency_ns: 300 },
+            dma: DmaConfig { gbps: 400.0, host_gbps: 25.0, latency_ns: 100, host_latency_ns: 1000 },
         }
     }
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        field,
-        reason: reason.into(),
-    }
+    ConfigError::Invalid { field, reason: reason.into() }
 }
 
 fn range_u32(field: &'static str, v: u32, lo: u32, hi: u32) -> Result<(), ConfigError> {
@@ -162,10 +146,8 @@ impl BoardConfig {
 
     /// Reads, parses and validates a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Io { path: path.display().to_string(), source })?;
         Self::from_toml(&text)
     }
 
@@ -189,18 +171,10 @@ impl BoardConfig {
         range_u32("core.vu_count", c.vu_count, 1, 64)?;
         range_u32("core.vu_lanes", c.vu_lanes, 1, 1 << 16)?;
         range_u32("core.vu_latency_cycles", c.vu_latency_cycles, 0, 1 << 16)?;
-        range_u32(
-            "core.vu_transcendental_passes",
-            c.vu_transcendental_passes,
-            1,
-            64,
-        )?;
+        range_u32("core.vu_transcendental_passes", c.vu_transcendental_passes, 1, 64)?;
         range_u32("core.sram_mib", c.sram_mib, 2, 4096)?;
         if u64::from(c.sram_mib) * (1 << 20) % SRAM_SLICE != 0 {
-            return Err(invalid(
-                "core.sram_mib",
-                format!("is {}, must be a multiple of 2", c.sram_mib),
-            ));
+            return Err(invalid("core.sram_mib", format!("is {}, must be a multiple of 2", c.sram_mib)));
         }
         range_u32("hbm.size_gib", self.hbm.size_gib, 1, 1 << 14)?;
         range_u32("hbm.channels", self.hbm.channels, 1, 1024)?;
@@ -209,12 +183,7 @@ impl BoardConfig {
         positive("dma.gbps", self.dma.gbps, 1e6)?;
         positive("dma.host_gbps", self.dma.host_gbps, 1e6)?;
         range_u32("dma.latency_ns", self.dma.latency_ns, 0, 1_000_000)?;
-        range_u32(
-            "dma.host_latency_ns",
-            self.dma.host_latency_ns,
-            0,
-            10_000_000,
-        )?;
+        range_u32("dma.host_latency_ns", self.dma.host_latency_ns, 0, 10_000_000)?;
         Ok(())
     }
 
@@ -262,40 +231,25 @@ mod tests {
 
     #[test]
     fn bad_fields_are_named() {
-        let text = BoardConfig::default()
-            .to_toml()
-            .replace("sa_rows = 128", "sa_rows = 0");
+        let text = BoardConfig::default().to_toml().replace("sa_rows = 128", "sa_rows = 0");
         let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
-        assert!(
-            e.contains("core.sa_rows") && e.contains("must be in"),
-            "{e}"
-        );
+        assert!(e.contains("core.sa_rows") && e.contains("must be in"), "{e}");
 
-        let text = BoardConfig::default()
-            .to_toml()
-            .replace("sram_mib = 32", "sram_mib = 33");
+        let text = BoardConfig::default().to_toml().replace("sram_mib = 32", "sram_mib = 33");
         let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
-        assert!(
-            e.contains("core.sram_mib") && e.contains("multiple of 2"),
-            "{e}"
-        );
+        assert!(e.contains("core.sram_mib") && e.contains("multiple of 2"), "{e}");
 
-        let text = BoardConfig::default()
-            .to_toml()
-            .replace("channel_gbps = 75.0", "channel_gbps = -1.0");
+        let text = BoardConfig::default().to_toml().replace("channel_gbps = 75.0", "channel_gbps = -1.0");
         let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
         assert!(e.contains("hbm.channel_gbps"), "{e}");
 
-        let text = BoardConfig::default()
-            .to_toml()
-            .replace("chips = 1", "chips = 1\nchipz = 2");
+        let text = BoardConfig::default().to_toml().replace("chips = 1", "chips = 1\nchipz = 2");
         let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
         assert!(e.contains("chipz"), "{e}");
 
-        let text = BoardConfig::default().to_toml().replace(
-            "dataflow = \"weight-stationary\"",
-            "dataflow = \"diagonal\"",
-        );
+        let text = BoardConfig::default()
+            .to_toml()
+            .replace("dataflow = \"weight-stationary\"", "dataflow = \"diagonal\"");
         let e = BoardConfig::from_toml(&text).unwrap_err().to_string();
         assert!(e.contains("diagonal"), "{e}");
     }

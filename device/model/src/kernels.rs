@@ -16,11 +16,7 @@ pub enum KernelError {
     #[error(transparent)]
     Memory(#[from] MemoryError),
     #[error("gather index {index} at position {position} is outside the table of {rows} rows")]
-    GatherIndex {
-        position: u32,
-        index: u32,
-        rows: u32,
-    },
+    GatherIndex { position: u32, index: u32, rows: u32 },
     #[error("invalid geometry: {0}")]
     Geometry(&'static str),
     #[error("operation of {0} elements is larger than this model executes in one instruction")]
@@ -68,9 +64,7 @@ fn read_elems(m: &dyn Memory, addr: u64, n: usize, dtype: DType) -> Result<Vec<f
         DType::Bf16 => {
             let mut b = vec![0u8; n * 2];
             m.read(addr, &mut b)?;
-            b.chunks_exact(2)
-                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect()
+            b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
         }
     })
 }
@@ -104,12 +98,7 @@ fn read_matrix(
     }
     let mut out = Vec::with_capacity(rows * cols);
     for r in 0..rows {
-        out.extend(read_elems(
-            m,
-            addr + (r * ld) as u64 * dtype.size(),
-            cols,
-            dtype,
-        )?);
+        out.extend(read_elems(m, addr + (r * ld) as u64 * dtype.size(), cols, dtype)?);
     }
     Ok(out)
 }
@@ -126,12 +115,7 @@ fn write_matrix(
         return write_elems(m, addr, v, DType::F32);
     }
     for r in 0..rows {
-        write_elems(
-            m,
-            addr + (r * ld * 4) as u64,
-            &v[r * cols..(r + 1) * cols],
-            DType::F32,
-        )?;
+        write_elems(m, addr + (r * ld * 4) as u64, &v[r * cols..(r + 1) * cols], DType::F32)?;
     }
     Ok(())
 }
@@ -150,13 +134,7 @@ pub struct GemmShape {
 
 /// `c (+)= a * b` on dense row-major f32 matrices with the `gemm` crate.
 pub fn gemm_f32(a: &[f32], b: &[f32], c: &mut [f32], shape: GemmShape) {
-    let GemmShape {
-        m,
-        k,
-        n,
-        b_transposed: b_t,
-        accumulate,
-    } = shape;
+    let GemmShape { m, k, n, b_transposed: b_t, accumulate } = shape;
     if m == 0 || n == 0 {
         return;
     }
@@ -166,16 +144,8 @@ pub fn gemm_f32(a: &[f32], b: &[f32], c: &mut [f32], shape: GemmShape) {
         }
         return;
     }
-    let par = if (m * n * k) >= (1 << 18) {
-        gemm::Parallelism::Rayon(0)
-    } else {
-        gemm::Parallelism::None
-    };
-    let (b_cs, b_rs) = if b_t {
-        (k as isize, 1)
-    } else {
-        (1, n as isize)
-    };
+    let par = if (m * n * k) >= (1 << 18) { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    let (b_cs, b_rs) = if b_t { (k as isize, 1) } else { (1, n as isize) };
     // SAFETY: the three slices are live and disjoint for the duration of
     // the call; `a` holds m*k, `b` k*n and `c` m*n elements (checked by the
     // asserts below), and the strides given describe exactly those
@@ -305,26 +275,49 @@ pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
     out
 }
 
+/// Depthwise convolution of an NHWC tensor with `kh x kw x c` weights.
+pub fn depthwise(input: &[f32], weights: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
+    let (h, w, c) = (g.h as usize, g.w as usize, g.cin as usize);
+    let (kh, kw, s) = (g.kh as usize, g.kw as usize, g.stride as usize);
+    let mut out = vec![0.0f32; g.n as usize * ho * wo * c];
+    for b in 0..g.n as usize {
+        for oy in 0..ho {
+            for ox in 0..wo {
+                let o = ((b * ho + oy) * wo + ox) * c;
+                for ky in 0..kh {
+                    let iy = (oy * s + ky) as isize - g.pad_top as isize;
+                    if iy < 0 || iy >= h as isize {
+                        continue;
+                    }
+                    for kx in 0..kw {
+                        let ix = (ox * s + kx) as isize - g.pad_left as isize;
+                        if ix < 0 || ix >= w as isize {
+                            continue;
+                        }
+                        let i = ((b * h + iy as usize) * w + ix as usize) * c;
+                        let wt = (ky * kw + kx) * c;
+                        for ch in 0..c {
+                            out[o + ch] += input[i + ch] * weights[wt + ch];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Pooling over an NHWC tensor.
 pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Vec<f32> {
     let (h, w, c) = (g.h as usize, g.w as usize, g.c as usize);
-    let (kh, kw, s, p) = (
-        g.kh as usize,
-        g.kw as usize,
-        g.stride as usize,
-        g.pad as isize,
-    );
+    let (kh, kw, s, p) = (g.kh as usize, g.kw as usize, g.stride as usize, g.pad as isize);
     let mut out = vec![0.0f32; g.n as usize * ho * wo * c];
     for b in 0..g.n as usize {
         for oy in 0..ho {
             for ox in 0..wo {
                 let o = ((b * ho + oy) * wo + ox) * c;
                 for ch in 0..c {
-                    let mut acc = if op == PoolOp::Max {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    };
+                    let mut acc = if op == PoolOp::Max { f32::NEG_INFINITY } else { 0.0 };
                     let mut count = 0u32;
                     for ky in 0..kh {
                         let iy = (oy * s + ky) as isize - p;
@@ -337,11 +330,7 @@ pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Ve
                                 continue;
                             }
                             let v = input[((b * h + iy as usize) * w + ix as usize) * c + ch];
-                            acc = if op == PoolOp::Max {
-                                acc.max(v)
-                            } else {
-                                acc + v
-                            };
+                            acc = if op == PoolOp::Max { acc.max(v) } else { acc + v };
                             count += 1;
                         }
                     }
@@ -386,39 +375,17 @@ fn copy_rows(
 /// scheduler's business and do nothing here.
 pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelError> {
     match *instr {
-        Instr::DmaCopy {
-            src,
-            dst,
-            rows,
-            row_bytes,
-            src_stride,
-            dst_stride,
-        } => {
+        Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => {
             if rows > 0 && row_bytes > 0 {
                 if rows > 1 && src_stride == u64::from(row_bytes) && dst_stride == src_stride {
                     let total = u64::from(rows) * u64::from(row_bytes);
                     copy_rows(mem, src, dst, 1, limit(total)?, 0, 0)?;
                 } else {
-                    copy_rows(
-                        mem,
-                        src,
-                        dst,
-                        rows.into(),
-                        row_bytes as usize,
-                        src_stride,
-                        dst_stride,
-                    )?;
+                    copy_rows(mem, src, dst, rows.into(), row_bytes as usize, src_stride, dst_stride)?;
                 }
             }
         }
-        Instr::DmaGather {
-            table,
-            indices,
-            dst,
-            count,
-            row_bytes,
-            table_rows,
-        } => {
+        Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {
             limit(u64::from(count) * u64::from(row_bytes))?;
             let mut idx = vec![0u8; count as usize * 4];
             mem.sram.read(indices, &mut idx)?;
@@ -426,31 +393,14 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             for (j, c) in idx.chunks_exact(4).enumerate() {
                 let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                 if i >= table_rows {
-                    return Err(KernelError::GatherIndex {
-                        position: j as u32,
-                        index: i,
-                        rows: table_rows,
-                    });
+                    return Err(KernelError::GatherIndex { position: j as u32, index: i, rows: table_rows });
                 }
                 let s = table.offset + u64::from(i) * u64::from(row_bytes);
                 mem.space(table.space).read(s, &mut buf)?;
-                mem.sram
-                    .write(dst + j as u64 * u64::from(row_bytes), &buf)?;
+                mem.sram.write(dst + j as u64 * u64::from(row_bytes), &buf)?;
             }
         }
-        Instr::MatMul {
-            dtype,
-            flags,
-            a,
-            b,
-            c,
-            m,
-            k,
-            n,
-            lda,
-            ldb,
-            ldc,
-        } => {
+        Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
             let (m, k, n) = (m as usize, k as usize, n as usize);
             limit((m * k + k * n + m * n) as u64)?;
             let av = read_matrix(mem.sram, a, m, k, lda as usize, dtype)?;
@@ -468,27 +418,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                 &av,
                 &bv,
                 &mut cv,
-                GemmShape {
-                    m,
-                    k,
-                    n,
-                    b_transposed: flags.transpose_b,
-                    accumulate: flags.accumulate,
-                },
+                GemmShape { m, k, n, b_transposed: flags.transpose_b, accumulate: flags.accumulate },
             );
             write_matrix(mem.sram, c, &cv, m, n, ldc as usize)?;
         }
-        Instr::Conv2d {
-            dtype,
-            flags,
-            input,
-            weights,
-            output,
-            geom,
-        } => {
-            let (ho, wo) = geom
-                .out_hw()
-                .ok_or(KernelError::Geometry("conv kernel/stride"))?;
+        Instr::Conv2d { dtype, flags, input, weights, output, geom } => {
+            let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("conv kernel/stride"))?;
             let (ho, wo) = (ho as usize, wo as usize);
             let rows = geom.n as usize * ho * wo;
             let kk = geom.kh as usize * geom.kw as usize * geom.cin as usize;
@@ -507,41 +442,21 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                 &cols,
                 &wv,
                 &mut out,
-                GemmShape {
-                    m: rows,
-                    k: kk,
-                    n: cout,
-                    b_transposed: false,
-                    accumulate: flags.accumulate,
-                },
+                GemmShape { m: rows, k: kk, n: cout, b_transposed: false, accumulate: flags.accumulate },
             );
             write_f32s(mem.sram, output, &out)?;
         }
-        Instr::VBinary {
-            op,
-            bcast,
-            a,
-            b,
-            dst,
-            rows,
-            cols,
-        } => {
+        Instr::VBinary { op, bcast, a, b, dst, rows, cols } => {
             let n = limit(u64::from(rows) * u64::from(cols))?;
             let av = read_f32s(mem.sram, a, n)?;
             let out: Vec<f32> = match bcast {
                 Bcast::None => {
                     let bv = read_f32s(mem.sram, b, n)?;
-                    av.iter()
-                        .zip(&bv)
-                        .map(|(x, y)| binary(op, *x, *y))
-                        .collect()
+                    av.iter().zip(&bv).map(|(x, y)| binary(op, *x, *y)).collect()
                 }
                 Bcast::Row => {
                     let bv = read_f32s(mem.sram, b, if n == 0 { 0 } else { cols as usize })?;
-                    av.iter()
-                        .enumerate()
-                        .map(|(i, x)| binary(op, *x, bv[i % cols as usize]))
-                        .collect()
+                    av.iter().enumerate().map(|(i, x)| binary(op, *x, bv[i % cols as usize])).collect()
                 }
                 Bcast::Scalar => {
                     let bv = read_f32s(mem.sram, b, usize::from(n > 0))?;
@@ -555,25 +470,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             v.iter_mut().for_each(|x| *x = unary(op, *x));
             write_f32s(mem.sram, dst, &v)?;
         }
-        Instr::VAffine {
-            src,
-            dst,
-            len,
-            scale,
-            bias,
-        } => {
+        Instr::VAffine { src, dst, len, scale, bias } => {
             let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
             v.iter_mut().for_each(|x| *x = *x * scale + bias);
             write_f32s(mem.sram, dst, &v)?;
         }
-        Instr::VReduce {
-            op,
-            src,
-            dst,
-            outer,
-            reduce,
-            inner,
-        } => {
+        Instr::VReduce { op, src, dst, outer, reduce, inner } => {
             let (o, r, i) = (outer as usize, reduce as usize, inner as usize);
             let v = read_f32s(mem.sram, src, limit((o as u64) * (r as u64) * (i as u64))?)?;
             let mut out = vec![0.0f32; o * i];
@@ -589,25 +491,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             }
             write_f32s(mem.sram, dst, &out)?;
         }
-        Instr::VSoftmax {
-            src,
-            dst,
-            rows,
-            cols,
-        } => {
+        Instr::VSoftmax { src, dst, rows, cols } => {
             let mut v = read_f32s(mem.sram, src, limit(u64::from(rows) * u64::from(cols))?)?;
             softmax_rows(&mut v, cols as usize);
             write_f32s(mem.sram, dst, &v)?;
         }
-        Instr::VLayerNorm {
-            src,
-            dst,
-            gamma,
-            beta,
-            rows,
-            cols,
-            eps,
-        } => {
+        Instr::VLayerNorm { src, dst, gamma, beta, rows, cols, eps } => {
             let n = limit(u64::from(rows) * u64::from(cols))?;
             if n == 0 {
                 return Ok(());
@@ -619,23 +508,24 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             write_f32s(mem.sram, dst, &v)?;
         }
         Instr::VPool { op, src, dst, geom } => {
-            let (ho, wo) = geom
-                .out_hw()
-                .ok_or(KernelError::Geometry("pool window/stride"))?;
-            let n = limit(
-                u64::from(geom.n) * u64::from(geom.h) * u64::from(geom.w) * u64::from(geom.c),
-            )?;
+            let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("pool window/stride"))?;
+            let n = limit(u64::from(geom.n) * u64::from(geom.h) * u64::from(geom.w) * u64::from(geom.c))?;
             let v = read_f32s(mem.sram, src, n)?;
             let out = pool(&v, op, &geom, ho as usize, wo as usize);
             write_f32s(mem.sram, dst, &out)?;
         }
-        Instr::VConvert {
-            from,
-            to,
-            src,
-            dst,
-            len,
-        } => {
+        Instr::VDepthwise { src, weights, dst, geom } => {
+            let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("depthwise kernel/stride"))?;
+            let c = geom.cin as usize;
+            let in_len = geom.n as usize * geom.h as usize * geom.w as usize * c;
+            let taps = geom.kh as usize * geom.kw as usize;
+            let out_len = geom.n as usize * ho as usize * wo as usize * c;
+            limit((in_len + taps * c + out_len) as u64)?;
+            let x = read_f32s(mem.sram, src, in_len)?;
+            let wv = read_f32s(mem.sram, weights, taps * c)?;
+            write_f32s(mem.sram, dst, &depthwise(&x, &wv, &geom, ho as usize, wo as usize))?;
+        }
+        Instr::VConvert { from, to, src, dst, len } => {
             let v = read_elems(mem.sram, src, limit(len.into())?, from)?;
             write_elems(mem.sram, dst, &v, to)?;
         }

@@ -19,7 +19,5 @@ pub mod verify;
 pub use config::BoardConfig;
 pub use kernels::CoreMemory;
 pub use memory::{LazyHbm, Memory, Sram, VecGuestMemory};
-pub use sim::{
-    run_core, run_program, CoreReport, EngineStats, ExecError, Tenant, TenantReport, Totals,
-};
+pub use sim::{run_core, run_program, CoreReport, EngineStats, ExecError, Tenant, TenantReport, Totals};
 pub use verify::{verify, VerifyError, VnpuLimits};

@@ -9,12 +9,7 @@ use thiserror::Error;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum MemoryError {
     #[error("{space} access [{start:#x}, +{len:#x}) outside its {size:#x}-byte segment")]
-    OutOfRange {
-        space: &'static str,
-        start: u64,
-        len: u64,
-        size: u64,
-    },
+    OutOfRange { space: &'static str, start: u64, len: u64, size: u64 },
     #[error("guest memory access at {addr:#x} (+{len:#x}) failed: {reason}")]
     Guest { addr: u64, len: u64, reason: String },
 }
@@ -22,12 +17,7 @@ pub enum MemoryError {
 fn check(space: &'static str, start: u64, len: u64, size: u64) -> Result<(), MemoryError> {
     match start.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(MemoryError::OutOfRange {
-            space,
-            start,
-            len,
-            size,
-        }),
+        _ => Err(MemoryError::OutOfRange { space, start, len, size }),
     }
 }
 
@@ -46,9 +36,7 @@ pub struct Sram {
 
 impl Sram {
     pub fn new(size: u64) -> Self {
-        Self {
-            bytes: vec![0; size as usize],
-        }
+        Self { bytes: vec![0; size as usize] }
     }
 }
 
@@ -84,10 +72,7 @@ pub struct LazyHbm {
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self {
-            size,
-            chunks: HashMap::new(),
-        }
+        Self { size, chunks: HashMap::new() }
     }
 
     /// Host bytes actually allocated for this segment.
@@ -131,10 +116,8 @@ impl Memory for LazyHbm {
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
         check("hbm", addr, data.len() as u64, self.size)?;
         for (chunk, off, at, n) in Self::pieces(addr, data.len()) {
-            let c = self
-                .chunks
-                .entry(chunk)
-                .or_insert_with(|| vec![0u8; HBM_CHUNK as usize].into_boxed_slice());
+            let c =
+                self.chunks.entry(chunk).or_insert_with(|| vec![0u8; HBM_CHUNK as usize].into_boxed_slice());
             c[off..off + n].copy_from_slice(&data[at..at + n]);
         }
         Ok(())
@@ -152,18 +135,11 @@ pub struct VecGuestMemory {
 
 impl VecGuestMemory {
     pub fn new(base: u64, size: usize) -> Self {
-        Self {
-            base,
-            bytes: vec![0; size],
-        }
+        Self { base, bytes: vec![0; size] }
     }
 
     fn range(&self, addr: u64, len: usize) -> Result<std::ops::Range<usize>, MemoryError> {
-        let err = || MemoryError::Guest {
-            addr,
-            len: len as u64,
-            reason: "outside guest memory".into(),
-        };
+        let err = || MemoryError::Guest { addr, len: len as u64, reason: "outside guest memory".into() };
         let off = addr.checked_sub(self.base).ok_or_else(err)?;
         let end = off.checked_add(len as u64).ok_or_else(err)?;
         if end > self.bytes.len() as u64 {
@@ -193,10 +169,7 @@ impl Memory for VecGuestMemory {
 pub fn read_f32s(m: &dyn Memory, addr: u64, n: usize) -> Result<Vec<f32>, MemoryError> {
     let mut bytes = vec![0u8; n * 4];
     m.read(addr, &mut bytes)?;
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
 /// Writes f32 values little-endian.

@@ -28,20 +28,9 @@ const EPS: f64 = 1e-9;
 #[derive(Debug, Error, Clone, PartialEq)]
 pub enum ExecError {
     #[error("stream {stream} ({engine}) instruction {index} ({mnemonic}): {source}")]
-    Kernel {
-        stream: usize,
-        engine: Engine,
-        index: usize,
-        mnemonic: &'static str,
-        source: KernelError,
-    },
+    Kernel { stream: usize, engine: Engine, index: usize, mnemonic: &'static str, source: KernelError },
     #[error("deadlock: stream {stream} ({engine}) waits forever on semaphore {sem} at instruction {index}")]
-    Deadlock {
-        stream: usize,
-        engine: Engine,
-        index: usize,
-        sem: u8,
-    },
+    Deadlock { stream: usize, engine: Engine, index: usize, sem: u8 },
     #[error("cycle budget of {budget} cycles exhausted")]
     Budget { budget: u64 },
 }
@@ -133,21 +122,9 @@ pub struct Tenant<'p, 'm> {
 #[derive(Clone, Copy, Debug)]
 enum State {
     Ready,
-    Busy {
-        until: f64,
-    },
-    Transfer {
-        start: f64,
-        remaining: f64,
-        cap: f64,
-        hbm: bool,
-        issued: f64,
-        ideal: f64,
-    },
-    Waiting {
-        sem: u8,
-        since: f64,
-    },
+    Busy { until: f64 },
+    Transfer { start: f64, remaining: f64, cap: f64, hbm: bool, issued: f64, ideal: f64 },
+    Waiting { sem: u8, since: f64 },
     Done,
 }
 
@@ -158,6 +135,8 @@ struct Run {
     pc: usize,
     state: State,
     finished_at: f64,
+    /// When this stream's last transfer ended (for DMA pipelining).
+    last_transfer_end: f64,
     stats: EngineStats,
     rate: f64,
 }
@@ -190,10 +169,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
     let mut runs: Vec<Run> = Vec::new();
     let mut states: Vec<TenantState> = Vec::new();
     for (t, tenant) in tenants.iter().enumerate() {
-        states.push(TenantState {
-            sems: [0; vnpu_abi::isa::NUM_SEMAPHORES as usize],
-            error: None,
-        });
+        states.push(TenantState { sems: [0; vnpu_abi::isa::NUM_SEMAPHORES as usize], error: None });
         for (s, stream) in tenant.program.streams.iter().enumerate() {
             runs.push(Run {
                 tenant: t,
@@ -201,6 +177,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                 pc: 0,
                 state: State::Ready,
                 finished_at: 0.0,
+                last_transfer_end: f64::NEG_INFINITY,
                 stats: EngineStats {
                     engine: stream.engine,
                     instructions: 0,
@@ -257,10 +234,8 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                             }
                             Instr::Wait { sem } => {
                                 r.stats.instructions += 1;
-                                r.state = State::Waiting {
-                                    sem: sem % vnpu_abi::isa::NUM_SEMAPHORES,
-                                    since: now,
-                                };
+                                r.state =
+                                    State::Waiting { sem: sem % vnpu_abi::isa::NUM_SEMAPHORES, since: now };
                             }
                             ref i => {
                                 if let Some(mem) = tenants[r.tenant].memory.as_mut() {
@@ -286,19 +261,18 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                                         r.stats.active_cycles += cy;
                                         State::Busy { until: now + cy }
                                     }
-                                    Occupancy::Transfer {
-                                        latency,
-                                        bytes,
-                                        cap,
-                                        hbm,
-                                    } => State::Transfer {
-                                        start: now + latency,
-                                        remaining: bytes,
-                                        cap,
-                                        hbm,
-                                        issued: now,
-                                        ideal: latency + bytes / cap,
-                                    },
+                                    Occupancy::Transfer { latency, first_byte, bytes, cap, hbm } => {
+                                        let streaming = (now - r.last_transfer_end).abs() <= EPS;
+                                        let lat = if streaming { latency } else { latency + first_byte };
+                                        State::Transfer {
+                                            start: now + lat,
+                                            remaining: bytes,
+                                            cap,
+                                            hbm,
+                                            issued: now,
+                                            ideal: lat + bytes / cap,
+                                        }
+                                    }
                                     Occupancy::Sync => State::Ready,
                                 };
                             }
@@ -319,14 +293,10 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                 continue;
             }
             let mine = runs.iter().filter(|r| r.tenant == t);
-            let in_flight = mine
-                .clone()
-                .any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
+            let in_flight =
+                mine.clone().any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
             if !in_flight {
-                if let Some(r) = mine
-                    .clone()
-                    .find(|r| matches!(r.state, State::Waiting { .. }))
-                {
+                if let Some(r) = mine.clone().find(|r| matches!(r.state, State::Waiting { .. })) {
                     if let State::Waiting { sem, .. } = r.state {
                         ts.error = Some(ExecError::Deadlock {
                             stream: r.stream,
@@ -347,10 +317,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
         // Rates of the transfers in flight.
         let mut hbm_caps = Vec::new();
         for (i, r) in runs.iter_mut().enumerate() {
-            if let State::Transfer {
-                start, cap, hbm, ..
-            } = r.state
-            {
+            if let State::Transfer { start, cap, hbm, .. } = r.state {
                 r.rate = 0.0;
                 if start <= now + EPS {
                     if hbm {
@@ -370,9 +337,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
         for r in &runs {
             match r.state {
                 State::Busy { until } => next = next.min(until),
-                State::Transfer {
-                    start, remaining, ..
-                } => {
+                State::Transfer { start, remaining, .. } => {
                     if start > now + EPS {
                         next = next.min(start);
                     } else if r.rate > 0.0 {
@@ -386,9 +351,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
             if let Some(b) = tenant.max_cycles {
                 let b = b as f64;
                 let active = states[t].error.is_none()
-                    && runs
-                        .iter()
-                        .any(|r| r.tenant == t && !matches!(r.state, State::Done));
+                    && runs.iter().any(|r| r.tenant == t && !matches!(r.state, State::Done));
                 if active && b > now {
                     next = next.min(b);
                 }
@@ -398,26 +361,30 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
             break;
         }
 
-        let dt = next - now;
+        let prev = now;
         now = next;
         for r in runs.iter_mut() {
             match &mut r.state {
-                State::Busy { until } if *until <= now + EPS => r.state = State::Ready,
-                State::Transfer {
-                    start,
-                    remaining,
-                    issued,
-                    ideal,
-                    ..
-                } => {
-                    if *start <= now - dt + EPS {
-                        *remaining -= r.rate * dt;
-                    }
-                    if *start <= now + EPS && *remaining <= 1e-6 {
+                State::Busy { until } if *until <= now => r.state = State::Ready,
+                State::Transfer { start, remaining, issued, ideal, .. } => {
+                    // A transfer flowing since `prev` finishes when the same
+                    // expression that chose `next` says so; comparing times
+                    // (not leftover bytes) keeps this exact at any magnitude
+                    // of `now`.
+                    let flowing = *start <= prev + EPS;
+                    let done = if flowing && r.rate > 0.0 {
+                        prev + *remaining / r.rate <= now
+                    } else {
+                        *start <= now && *remaining <= 0.0
+                    };
+                    if done {
                         let took = now - *issued;
                         r.stats.active_cycles += *ideal;
                         r.stats.stall_cycles += (took - *ideal).max(0.0);
+                        r.last_transfer_end = now;
                         r.state = State::Ready;
+                    } else if flowing {
+                        *remaining -= r.rate * (now - prev);
                     }
                 }
                 _ => {}
@@ -425,9 +392,7 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
         }
         for (t, tenant) in tenants.iter().enumerate() {
             if let Some(b) = tenant.max_cycles {
-                let active = runs
-                    .iter()
-                    .any(|r| r.tenant == t && !matches!(r.state, State::Done));
+                let active = runs.iter().any(|r| r.tenant == t && !matches!(r.state, State::Done));
                 if states[t].error.is_none() && active && (b as f64) <= now + EPS {
                     states[t].error = Some(ExecError::Budget { budget: b });
                 }
@@ -445,15 +410,9 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
         let mine: Vec<&Run> = runs.iter().filter(|r| r.tenant == t).collect();
         let cycles = mine.iter().map(|r| r.finished_at).fold(0.0, f64::max);
         makespan = makespan.max(cycles);
-        reports.push(Ok(TenantReport {
-            cycles,
-            engines: mine.iter().map(|r| r.stats.clone()).collect(),
-        }));
+        reports.push(Ok(TenantReport { cycles, engines: mine.iter().map(|r| r.stats.clone()).collect() }));
     }
-    CoreReport {
-        cycles: makespan,
-        tenants: reports,
-    }
+    CoreReport { cycles: makespan, tenants: reports }
 }
 
 /// Runs one program alone on a core.
@@ -463,14 +422,7 @@ pub fn run_program(
     memory: Option<CoreMemory<'_>>,
     max_cycles: Option<u64>,
 ) -> Result<TenantReport, ExecError> {
-    let mut t = [Tenant {
-        program,
-        memory,
-        max_cycles,
-    }];
+    let mut t = [Tenant { program, memory, max_cycles }];
     let mut report = run_core(cfg, &mut t);
-    report
-        .tenants
-        .pop()
-        .unwrap_or(Err(ExecError::Budget { budget: 0 }))
+    report.tenants.pop().unwrap_or(Err(ExecError::Budget { budget: 0 }))
 }

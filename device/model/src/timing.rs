@@ -10,7 +10,9 @@
 //! - VU: `passes * ceil(elements / lanes) + latency`, where `passes` is the
 //!   number of element passes the operation needs (1 for add, more for
 //!   transcendentals, softmax and layer norm).
-//! - DMA: a fixed latency, then bytes at a rate capped by the DMA engine
+//! - DMA: an issue overhead, the memory's first-byte latency (HBM or host
+//!   link) unless the engine was already streaming (back-to-back
+//!   descriptors pipeline), then bytes at a rate capped by the DMA engine
 //!   (or the host link for guest memory); transfers touching HBM also share
 //!   the chip's HBM bandwidth with every other such transfer in flight.
 
@@ -23,14 +25,12 @@ use crate::config::{BoardConfig, Dataflow};
 pub enum Occupancy {
     /// Busy for a fixed number of cycles.
     Fixed(f64),
-    /// A transfer: `latency` cycles, then `bytes` at up to `cap` bytes per
-    /// cycle; `hbm` says it competes for HBM bandwidth.
-    Transfer {
-        latency: f64,
-        bytes: f64,
-        cap: f64,
-        hbm: bool,
-    },
+    /// A transfer: `latency` cycles of issue overhead, `first_byte` cycles of
+    /// memory latency (hidden when the engine was streaming right up to
+    /// this instruction: back-to-back descriptors pipeline), then `bytes`
+    /// at up to `cap` bytes per cycle; `hbm` says it competes for HBM
+    /// bandwidth.
+    Transfer { latency: f64, first_byte: f64, bytes: f64, cap: f64, hbm: bool },
     /// Synchronisation: no engine time.
     Sync,
 }
@@ -65,22 +65,18 @@ fn vu(cfg: &BoardConfig, elements: u64, passes: f64) -> Occupancy {
 
 fn transfer(cfg: &BoardConfig, a: Space, b: Space, bytes: u64) -> Occupancy {
     let host = a == Space::Guest || b == Space::Guest;
-    let mut latency = cfg.ns_to_cycles(cfg.dma.latency_ns);
+    let latency = cfg.ns_to_cycles(cfg.dma.latency_ns);
+    let mut first_byte = 0.0;
     let mut cap = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
     if host {
-        latency += cfg.ns_to_cycles(cfg.dma.host_latency_ns);
+        first_byte += cfg.ns_to_cycles(cfg.dma.host_latency_ns);
         cap = cap.min(cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps));
     }
     let hbm = a == Space::Hbm || b == Space::Hbm;
     if hbm {
-        latency += cfg.ns_to_cycles(cfg.hbm.latency_ns);
+        first_byte += cfg.ns_to_cycles(cfg.hbm.latency_ns);
     }
-    Occupancy::Transfer {
-        latency,
-        bytes: bytes as f64,
-        cap,
-        hbm,
-    }
+    Occupancy::Transfer { latency, first_byte, bytes: bytes as f64, cap, hbm }
 }
 
 /// The cost of `instr` on a core of `cfg`.
@@ -89,27 +85,15 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
     let mut flops = 0u64;
     let mut bytes = 0u64;
     let occupancy = match *instr {
-        Instr::DmaCopy {
-            src,
-            dst,
-            rows,
-            row_bytes,
-            ..
-        } => {
+        Instr::DmaCopy { src, dst, rows, row_bytes, .. } => {
             bytes = u64::from(rows) * u64::from(row_bytes);
             transfer(cfg, src.space, dst.space, bytes)
         }
-        Instr::DmaGather {
-            table,
-            count,
-            row_bytes,
-            ..
-        } => {
+        Instr::DmaGather { table, count, row_bytes, .. } => {
             // Each row is a separate burst, rounded up to 64-byte beats,
             // plus the indices themselves.
             bytes = u64::from(count) * u64::from(row_bytes);
-            let beats =
-                u64::from(count) * u64::from(row_bytes).div_ceil(64) * 64 + 4 * u64::from(count);
+            let beats = u64::from(count) * u64::from(row_bytes).div_ceil(64) * 64 + 4 * u64::from(count);
             transfer(cfg, table.space, Space::Sram, beats)
         }
         Instr::MatMul { m, k, n, .. } => {
@@ -145,15 +129,15 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
             flops = 2 * u64::from(len);
             vu(cfg, len.into(), 1.0)
         }
-        Instr::VReduce {
-            outer,
-            reduce,
-            inner,
-            ..
-        } => {
-            let e = u64::from(outer) * u64::from(reduce) * u64::from(inner);
-            flops = e;
-            vu(cfg, e, 1.0)
+        Instr::VReduce { outer, reduce, inner, .. } => {
+            // SIMD runs along the contiguous axis: across `inner` when it is
+            // there (one vector per (outer, reduce) pair and lane group),
+            // else along each row being reduced.
+            let (o, r, i) = (u64::from(outer), u64::from(reduce), u64::from(inner));
+            flops = o * r * i;
+            let lanes = u64::from(cfg.core.vu_lanes);
+            let vectors = if i == 1 { o * r.div_ceil(lanes) } else { o * r * i.div_ceil(lanes) };
+            Occupancy::Fixed(vectors.max(1) as f64 + f64::from(cfg.core.vu_latency_cycles))
         }
         Instr::VSoftmax { rows, cols, .. } => {
             // max, subtract + exp, sum, scale.
@@ -175,13 +159,17 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
             vu(cfg, out * win, 1.0)
         }
         Instr::VConvert { len, .. } => vu(cfg, len.into(), 1.0),
+        Instr::VDepthwise { geom: g, .. } => {
+            // One multiply-add pass over the output per kernel tap.
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            let out = u64::from(g.n) * u64::from(ho) * u64::from(wo) * u64::from(g.cout);
+            let taps = u64::from(g.kh) * u64::from(g.kw);
+            flops = 2 * out * taps;
+            vu(cfg, out, taps as f64)
+        }
         Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => Occupancy::Sync,
     };
-    Cost {
-        occupancy,
-        flops,
-        bytes,
-    }
+    Cost { occupancy, flops, bytes }
 }
 
 #[cfg(test)]

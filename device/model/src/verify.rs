@@ -27,22 +27,10 @@ pub struct VnpuLimits {
 pub enum VerifyError {
     #[error("program has {count} instructions, limit is {MAX_INSTRUCTIONS}")]
     TooLong { count: usize },
-    #[error(
-        "stream {stream}: engine {engine} does not exist on this vNPU ({sa} SAs, {vu} VUs, 1 DMA)"
-    )]
-    NoSuchEngine {
-        stream: usize,
-        engine: vnpu_abi::Engine,
-        sa: u32,
-        vu: u32,
-    },
+    #[error("stream {stream}: engine {engine} does not exist on this vNPU ({sa} SAs, {vu} VUs, 1 DMA)")]
+    NoSuchEngine { stream: usize, engine: vnpu_abi::Engine, sa: u32, vu: u32 },
     #[error("stream {stream} instruction {index} ({mnemonic}): {source}")]
-    Footprint {
-        stream: usize,
-        index: usize,
-        mnemonic: &'static str,
-        source: FootprintError,
-    },
+    Footprint { stream: usize, index: usize, mnemonic: &'static str, source: FootprintError },
     #[error("stream {stream} instruction {index} ({mnemonic}): {kind} of {space} [{start:#x}, +{len:#x}) outside the vNPU's {space} segment")]
     OutOfBounds {
         stream: usize,
@@ -81,12 +69,7 @@ pub fn verify(program: &Program, limits: &VnpuLimits) -> Result<(), VerifyError>
             EngineKind::Vu => u32::from(e.index) < limits.vu,
         };
         if !ok {
-            return Err(VerifyError::NoSuchEngine {
-                stream: s,
-                engine: e,
-                sa: limits.sa,
-                vu: limits.vu,
-            });
+            return Err(VerifyError::NoSuchEngine { stream: s, engine: e, sa: limits.sa, vu: limits.vu });
         }
         for (i, instr) in stream.code.iter().enumerate() {
             let fp = instr.footprint().map_err(|source| VerifyError::Footprint {
@@ -99,21 +82,14 @@ pub fn verify(program: &Program, limits: &VnpuLimits) -> Result<(), VerifyError>
                 let inside = match a.space {
                     Space::Sram => a.end() <= limits.sram_bytes,
                     Space::Hbm => a.end() <= limits.hbm_bytes,
-                    Space::Guest => limits
-                        .guest
-                        .iter()
-                        .any(|r| a.start >= r.start && a.end() <= r.end),
+                    Space::Guest => limits.guest.iter().any(|r| a.start >= r.start && a.end() <= r.end),
                 };
                 if !inside {
                     return Err(VerifyError::OutOfBounds {
                         stream: s,
                         index: i,
                         mnemonic: instr.mnemonic(),
-                        kind: if a.kind == AccessKind::Read {
-                            "read"
-                        } else {
-                            "write"
-                        },
+                        kind: if a.kind == AccessKind::Read { "read" } else { "write" },
                         space: a.space.name(),
                         start: a.start,
                         len: a.len,

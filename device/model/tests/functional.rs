@@ -6,8 +6,7 @@
 use half::bf16;
 use npu_model::memory::{read_f32s, write_f32s};
 use npu_model::{
-    run_core, run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Memory, Sram, Tenant,
-    VecGuestMemory,
+    run_core, run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Memory, Sram, Tenant, VecGuestMemory,
 };
 use proptest::prelude::*;
 use vnpu_abi::*;
@@ -45,11 +44,7 @@ impl Harness {
         read_f32s(&self.guest, GUEST_BASE + at, n).unwrap()
     }
     fn run(&mut self, p: &Program) -> Result<npu_model::TenantReport, ExecError> {
-        let mem = CoreMemory {
-            sram: &mut self.sram,
-            hbm: &mut self.hbm,
-            guest: &mut self.guest,
-        };
+        let mem = CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest };
         run_program(&cfg(), p, Some(mem), Some(1 << 40))
     }
 }
@@ -57,14 +52,7 @@ impl Harness {
 fn dma(b: &mut ProgramBuilder, src: Addr, dst: Addr, bytes: u64) {
     b.push(
         Engine::DMA,
-        Instr::DmaCopy {
-            src,
-            dst,
-            rows: 1,
-            row_bytes: bytes as u32,
-            src_stride: 0,
-            dst_stride: 0,
-        },
+        Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes as u32, src_stride: 0, dst_stride: 0 },
     );
 }
 
@@ -86,27 +74,17 @@ fn reference_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize, bt: bool
 fn close(got: &[f32], want: &[f32], tol: f32) -> Result<(), TestCaseError> {
     prop_assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        prop_assert!(
-            (g - w).abs() <= tol * (1.0 + w.abs()),
-            "element {}: got {} want {}",
-            i,
-            g,
-            w
-        );
+        prop_assert!((g - w).abs() <= tol * (1.0 + w.abs()), "element {}: got {} want {}", i, g, w);
     }
     Ok(())
 }
 
 fn rand_vec(seed: u64, n: usize) -> Vec<f32> {
     // A small deterministic generator so failures reproduce from the seed.
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
@@ -280,6 +258,38 @@ proptest! {
         close(&got(9, n), &x.iter().map(|v| v.exp()).collect::<Vec<_>>(), 1e-6)?;
     }
 
+    /// Depthwise convolution on the VU against a direct reference.
+    #[test]
+    fn depthwise_matches_reference(h in 1u32..10, w in 1u32..10, c in 1u32..9, k in 1u16..4, stride in 1u16..3, pad in 0u16..2, seed in any::<u64>()) {
+        let g = ConvGeom { n: 1, h, w, cin: c, cout: c, kh: k, kw: k, stride, pad_top: pad, pad_bottom: pad, pad_left: pad, pad_right: pad };
+        let Some((ho, wo)) = g.out_hw() else { return Ok(()); };
+        let x = rand_vec(seed, (h * w * c) as usize);
+        let wt = rand_vec(seed ^ 11, (k as u32 * k as u32 * c) as usize);
+        let mut hs = Harness::new();
+        hs.put(0, &x); hs.put(1 << 20, &wt);
+        let mut p = ProgramBuilder::new();
+        dma(&mut p, Addr::guest(GUEST_BASE), Addr::sram(0), x.len() as u64 * 4);
+        dma(&mut p, Addr::guest(GUEST_BASE + (1 << 20)), Addr::sram(1 << 20), wt.len() as u64 * 4);
+        p.sync(Engine::DMA, Engine::vu(0), 0);
+        p.push(Engine::vu(0), Instr::VDepthwise { src: 0, weights: 1 << 20, dst: 2 << 20, geom: g });
+        p.sync(Engine::vu(0), Engine::DMA, 1);
+        let n = (ho * wo * c) as usize;
+        dma(&mut p, Addr::sram(2 << 20), Addr::guest(GUEST_BASE + (2 << 20)), n as u64 * 4);
+        hs.run(&p.finish()).unwrap();
+        let mut want = vec![0.0f32; n];
+        for oy in 0..ho as i64 { for ox in 0..wo as i64 { for ch in 0..c as i64 {
+            let mut s = 0.0f64;
+            for ky in 0..k as i64 { for kx in 0..k as i64 {
+                let iy = oy * stride as i64 + ky - pad as i64; let ix = ox * stride as i64 + kx - pad as i64;
+                if iy >= 0 && ix >= 0 && iy < h as i64 && ix < w as i64 {
+                    s += f64::from(x[((iy * w as i64 + ix) * c as i64 + ch) as usize]) * f64::from(wt[((ky * k as i64 + kx) * c as i64 + ch) as usize]);
+                }
+            }}
+            want[((oy * wo as i64 + ox) * c as i64 + ch) as usize] = s as f32;
+        }}}
+        close(&hs.get(2 << 20, n), &want, 1e-5)?;
+    }
+
     /// Pooling against a direct reference.
     #[test]
     fn pool_matches_reference(h in 1u32..10, w in 1u32..10, c in 1u32..5, k in 1u16..4, stride in 1u16..3, pad in 0u16..2, max in any::<bool>(), seed in any::<u64>()) {
@@ -316,10 +326,7 @@ fn strided_dma_and_gather() {
     let mut h = Harness::new();
     let table: Vec<f32> = (0..40).map(|v| v as f32).collect(); // 10 rows of 4
     h.put(0, &table);
-    let idx: Vec<u8> = [3u32, 0, 9, 3]
-        .iter()
-        .flat_map(|v| v.to_le_bytes())
-        .collect();
+    let idx: Vec<u8> = [3u32, 0, 9, 3].iter().flat_map(|v| v.to_le_bytes()).collect();
     h.guest.write(GUEST_BASE + 4096, &idx).unwrap();
     let mut p = ProgramBuilder::new();
     // Table into HBM, every other row only via a strided copy into SRAM.
@@ -348,23 +355,13 @@ fn strided_dma_and_gather() {
         },
     );
     dma(&mut p, Addr::sram(0), Addr::guest(GUEST_BASE + 8192), 80);
-    dma(
-        &mut p,
-        Addr::sram(8192),
-        Addr::guest(GUEST_BASE + 16384),
-        64,
-    );
+    dma(&mut p, Addr::sram(8192), Addr::guest(GUEST_BASE + 16384), 64);
     h.run(&p.finish()).unwrap();
     let strided = h.get(8192, 20);
-    let want: Vec<f32> = (0..5)
-        .flat_map(|r| (0..4).map(move |c| (r * 8 + c) as f32))
-        .collect();
+    let want: Vec<f32> = (0..5).flat_map(|r| (0..4).map(move |c| (r * 8 + c) as f32)).collect();
     assert_eq!(strided, want);
     let gathered = h.get(16384, 16);
-    let want: Vec<f32> = [3, 0, 9, 3]
-        .iter()
-        .flat_map(|r| (0..4).map(move |c| (r * 4 + c) as f32))
-        .collect();
+    let want: Vec<f32> = [3, 0, 9, 3].iter().flat_map(|r| (0..4).map(move |c| (r * 4 + c) as f32)).collect();
     assert_eq!(gathered, want);
 }
 
@@ -421,11 +418,7 @@ fn engines_run_concurrently_and_semaphores_order_them() {
     p.push(Engine::sa(1), mm(2));
     let r = run_program(&c, &p.finish(), None, None).unwrap();
     assert_eq!(r.cycles, 2.0 * one);
-    let sa1 = r
-        .engines
-        .iter()
-        .find(|e| e.engine == Engine::sa(1))
-        .unwrap();
+    let sa1 = r.engines.iter().find(|e| e.engine == Engine::sa(1)).unwrap();
     assert_eq!(sa1.stall_cycles, one);
     assert_eq!(sa1.active_cycles, one);
 }
@@ -436,27 +429,11 @@ fn deadlock_and_budget_are_reported() {
     let mut p = ProgramBuilder::new();
     p.push(Engine::vu(0), Instr::Wait { sem: 4 });
     let e = run_program(&c, &p.finish(), None, None).unwrap_err();
-    assert_eq!(
-        e,
-        ExecError::Deadlock {
-            stream: 0,
-            engine: Engine::vu(0),
-            index: 0,
-            sem: 4
-        }
-    );
+    assert_eq!(e, ExecError::Deadlock { stream: 0, engine: Engine::vu(0), index: 0, sem: 4 });
 
     let mut p = ProgramBuilder::new();
     for _ in 0..100 {
-        p.push(
-            Engine::vu(0),
-            Instr::VUnary {
-                op: UnOp::Exp,
-                src: 0,
-                dst: 0,
-                len: 1 << 20,
-            },
-        );
+        p.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
     }
     let e = run_program(&c, &p.finish(), None, Some(5000)).unwrap_err();
     assert_eq!(e, ExecError::Budget { budget: 5000 });
@@ -488,16 +465,8 @@ fn colocated_tenants_contend_for_hbm_and_fail_alone() {
     let heavy = hbm_stream(1 << 20, 8);
     let alone = run_program(&c, &heavy, None, None).unwrap();
     let mut ts = [
-        Tenant {
-            program: &heavy,
-            memory: None,
-            max_cycles: None,
-        },
-        Tenant {
-            program: &heavy,
-            memory: None,
-            max_cycles: None,
-        },
+        Tenant { program: &heavy, memory: None, max_cycles: None },
+        Tenant { program: &heavy, memory: None, max_cycles: None },
     ];
     let both = run_core(&c, &mut ts);
     let t0 = both.tenants[0].as_ref().unwrap();
@@ -513,15 +482,7 @@ fn colocated_tenants_contend_for_hbm_and_fail_alone() {
     // A tenant that reads outside its SRAM fails; its neighbour completes
     // with exactly the results and timing it has alone.
     let mut bad = ProgramBuilder::new();
-    bad.push(
-        Engine::vu(0),
-        Instr::VUnary {
-            op: UnOp::Copy,
-            src: SRAM - 8,
-            dst: 0,
-            len: 4,
-        },
-    );
+    bad.push(Engine::vu(0), Instr::VUnary { op: UnOp::Copy, src: SRAM - 8, dst: 0, len: 4 });
     let bad = bad.finish();
     let mut g1 = VecGuestMemory::new(0, 64);
     let (mut s1, mut h1) = (Sram::new(SRAM), LazyHbm::new(1 << 30));
@@ -531,20 +492,12 @@ fn colocated_tenants_contend_for_hbm_and_fail_alone() {
     let mut ts = [
         Tenant {
             program: &bad,
-            memory: Some(CoreMemory {
-                sram: &mut s1,
-                hbm: &mut h1,
-                guest: &mut g1,
-            }),
+            memory: Some(CoreMemory { sram: &mut s1, hbm: &mut h1, guest: &mut g1 }),
             max_cycles: None,
         },
         Tenant {
             program: &light,
-            memory: Some(CoreMemory {
-                sram: &mut s2,
-                hbm: &mut h2,
-                guest: &mut g2,
-            }),
+            memory: Some(CoreMemory { sram: &mut s2, hbm: &mut h2, guest: &mut g2 }),
             max_cycles: None,
         },
     ];
@@ -552,4 +505,52 @@ fn colocated_tenants_contend_for_hbm_and_fail_alone() {
     assert!(matches!(r.tenants[0], Err(ExecError::Kernel { .. })));
     let alone = run_program(&c, &light, None, None).unwrap();
     assert_eq!(r.tenants[1].as_ref().unwrap().cycles, alone.cycles);
+}
+
+/// Transfers whose leftover time is below one float ulp of a large
+/// simulated time still complete (this once livelocked the event loop).
+#[test]
+fn long_runs_with_odd_transfer_sizes_terminate() {
+    let mut c = cfg();
+    c.hbm.channels = 3;
+    let mut p = ProgramBuilder::new();
+    p.push(
+        Engine::sa(0),
+        Instr::MatMul {
+            dtype: DType::F32,
+            flags: MatFlags::default(),
+            a: 0,
+            b: 0,
+            c: 0,
+            m: 1 << 30,
+            k: 16,
+            n: 16,
+            lda: 16,
+            ldb: 16,
+            ldc: 16,
+        },
+    );
+    p.sync(Engine::sa(0), Engine::DMA, 0);
+    for i in 0..200u32 {
+        p.push(
+            Engine::DMA,
+            Instr::DmaCopy {
+                src: Addr::hbm(0),
+                dst: Addr::sram(0),
+                rows: 1,
+                row_bytes: 4097 + i * 131,
+                src_stride: 0,
+                dst_stride: 0,
+            },
+        );
+    }
+    let heavy = hbm_stream(1 << 20, 40);
+    let prog = p.finish();
+    let mut ts = [
+        Tenant { program: &prog, memory: None, max_cycles: None },
+        Tenant { program: &heavy, memory: None, max_cycles: None },
+    ];
+    let r = run_core(&c, &mut ts);
+    assert!(r.tenants.iter().all(|t| t.is_ok()));
+    assert!(r.cycles > (1u64 << 30) as f64);
 }

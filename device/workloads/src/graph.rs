@@ -1,0 +1,656 @@
+//! Layer graphs of published DNN architectures (shapes only).
+//!
+//! A graph is a list of operations over tensors that live in the vNPU's
+//! HBM. Activations are NHWC for CNNs and `[rows][cols]` for everything
+//! else; the batch is part of every activation's leading dimension.
+
+/// Index of a tensor in [`Graph::tensors`].
+pub type TensorId = usize;
+
+/// How the runner fills a tensor before a functional run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform in `±1/sqrt(fan_in)`.
+    Weights {
+        fan_in: u32,
+    },
+    /// Uniform in `±0.1`.
+    Bias,
+    Ones,
+    Zeros,
+    /// Uniform in `±1`: the network's input.
+    Input,
+    /// u32 indices uniform in `0..max`.
+    Indices {
+        max: u32,
+    },
+    /// Written by the program.
+    Activation,
+}
+
+/// A tensor: its size in 4-byte elements and how it is initialised.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub name: String,
+    pub elems: u64,
+    pub init: Init,
+}
+
+/// A row-major matrix view into a tensor: `rows x cols` elements starting
+/// at column `col` of rows `ld` elements long.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct View {
+    pub t: TensorId,
+    pub ld: u32,
+    pub col: u32,
+}
+
+impl View {
+    pub fn dense(t: TensorId, cols: u32) -> Self {
+        Self { t, ld: cols, col: 0 }
+    }
+}
+
+/// Activation applied on the VU after an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Act {
+    None,
+    Relu,
+    Gelu,
+    Sigmoid,
+    /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
+    Swish,
+}
+
+/// Spatial geometry of a square-kernel convolution or pooling window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Spatial {
+    pub h: u32,
+    pub w: u32,
+    pub k: u16,
+    pub stride: u16,
+    pub pad: u16,
+}
+
+impl Spatial {
+    pub fn out(&self) -> (u32, u32) {
+        let f = |x: u32| (x + 2 * u32::from(self.pad) - u32::from(self.k)) / u32::from(self.stride) + 1;
+        (f(self.h), f(self.w))
+    }
+}
+
+/// One operation.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// SA: `y = act(x * w + b)` over `rows` rows.
+    Linear { name: String, x: View, w: TensorId, b: TensorId, y: View, rows: u32, k: u32, n: u32, act: Act },
+    /// SA: NHWC convolution (`batch` images), HWIO weights, bias, activation.
+    Conv {
+        name: String,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        cin: u32,
+        cout: u32,
+        act: Act,
+    },
+    /// VU: depthwise convolution with bias and activation.
+    Depthwise {
+        name: String,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        c: u32,
+        act: Act,
+    },
+    /// VU: max pooling.
+    MaxPool { name: String, x: TensorId, y: TensorId, batch: u32, s: Spatial, c: u32 },
+    /// VU: mean over all pixels of each image: `[batch][hw][c] -> [batch][c]`.
+    GlobalPool { name: String, x: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
+    /// VU: `y = act(a + b)`, element-wise over `rows x cols`.
+    Add { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
+    /// VU: `y = a * b`, element-wise over `rows x cols`.
+    Mul { name: String, a: View, b: View, y: View, rows: u32, cols: u32 },
+    /// VU: `y = layernorm(a + b) * gamma + beta`, row-wise.
+    AddNorm {
+        name: String,
+        a: TensorId,
+        b: TensorId,
+        gamma: TensorId,
+        beta: TensorId,
+        y: TensorId,
+        rows: u32,
+        cols: u32,
+    },
+    /// VU: `y[img] = x[img] * s[img]` per channel: `x` is `[batch][hw][c]`, `s` is `[batch][c]`.
+    ScaleChannels { name: String, x: TensorId, s: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
+    /// SA + VU: multi-head self-attention over `qkv` (`[batch*seq][3*heads*dh]`,
+    /// Q, K, V side by side), writing the context `[batch*seq][heads*dh]`.
+    Attention { name: String, qkv: TensorId, y: TensorId, batch: u32, seq: u32, heads: u32, dh: u32 },
+    /// DMA gather + VU sum: an embedding bag of `pool` rows per sample.
+    Embedding {
+        name: String,
+        table: TensorId,
+        idx: TensorId,
+        y: View,
+        batch: u32,
+        rows: u32,
+        dim: u32,
+        pool: u32,
+    },
+    /// VU: DLRM's dot interaction: per sample, `Z Z^T` of its `f x d` features.
+    Interaction { name: String, z: TensorId, y: View, batch: u32, f: u32, d: u32 },
+    /// DMA: copy `rows x cols` between views.
+    Copy { name: String, x: View, y: View, rows: u32, cols: u32 },
+}
+
+impl Op {
+    pub fn name(&self) -> &str {
+        match self {
+            Op::Linear { name, .. }
+            | Op::Conv { name, .. }
+            | Op::Depthwise { name, .. }
+            | Op::MaxPool { name, .. }
+            | Op::GlobalPool { name, .. }
+            | Op::Add { name, .. }
+            | Op::Mul { name, .. }
+            | Op::AddNorm { name, .. }
+            | Op::ScaleChannels { name, .. }
+            | Op::Attention { name, .. }
+            | Op::Embedding { name, .. }
+            | Op::Interaction { name, .. }
+            | Op::Copy { name, .. } => name,
+        }
+    }
+}
+
+/// A model at a batch size.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    pub batch: u32,
+    pub tensors: Vec<Tensor>,
+    pub ops: Vec<Op>,
+    pub input: TensorId,
+    pub output: TensorId,
+}
+
+impl Graph {
+    pub fn new(name: &str, batch: u32) -> Self {
+        Self { name: name.into(), batch, tensors: Vec::new(), ops: Vec::new(), input: 0, output: 0 }
+    }
+
+    pub fn tensor(&mut self, name: impl Into<String>, elems: u64, init: Init) -> TensorId {
+        self.tensors.push(Tensor { name: name.into(), elems, init });
+        self.tensors.len() - 1
+    }
+
+    pub fn act(&mut self, name: &str, elems: u64) -> TensorId {
+        self.tensor(name, elems, Init::Activation)
+    }
+
+    /// Multiply-accumulates of the whole graph (x2 for FLOPs).
+    pub fn macs(&self) -> u64 {
+        self.ops
+            .iter()
+            .map(|op| match *op {
+                Op::Linear { rows, k, n, .. } => u64::from(rows) * u64::from(k) * u64::from(n),
+                Op::Conv { batch, s, cin, cout, .. } => {
+                    let (ho, wo) = s.out();
+                    u64::from(batch)
+                        * u64::from(ho * wo)
+                        * u64::from(s.k).pow(2)
+                        * u64::from(cin)
+                        * u64::from(cout)
+                }
+                Op::Attention { batch, seq, heads, dh, .. } => {
+                    2 * u64::from(batch) * u64::from(heads) * u64::from(seq).pow(2) * u64::from(dh)
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+
+    // ---- building blocks (public so tests and users can build their own graphs) ----
+
+    pub fn linear(
+        &mut self,
+        name: &str,
+        x: View,
+        rows: u32,
+        k: u32,
+        n: u32,
+        act: Act,
+        y: Option<View>,
+    ) -> View {
+        let w = self.tensor(format!("{name}.w"), u64::from(k) * u64::from(n), Init::Weights { fan_in: k });
+        let b = self.tensor(format!("{name}.b"), n.into(), Init::Bias);
+        let y = y.unwrap_or_else(|| View::dense(self.act(name, u64::from(rows) * u64::from(n)), n));
+        self.ops.push(Op::Linear { name: name.into(), x, w, b, y, rows, k, n, act });
+        y
+    }
+
+    pub fn conv(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        h: u32,
+        w: u32,
+        cin: u32,
+        cout: u32,
+        k: u16,
+        stride: u16,
+        act: Act,
+    ) -> (TensorId, u32, u32) {
+        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let (ho, wo) = s.out();
+        let fan_in = u32::from(k) * u32::from(k) * cin;
+        let wt =
+            self.tensor(format!("{name}.w"), u64::from(fan_in) * u64::from(cout), Init::Weights { fan_in });
+        let b = self.tensor(format!("{name}.b"), cout.into(), Init::Bias);
+        let y = self.act(name, u64::from(self.batch) * u64::from(ho * wo) * u64::from(cout));
+        self.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch: self.batch, s, cin, cout, act });
+        (y, ho, wo)
+    }
+
+    pub fn depthwise(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        h: u32,
+        w: u32,
+        c: u32,
+        k: u16,
+        stride: u16,
+        act: Act,
+    ) -> (TensorId, u32, u32) {
+        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let (ho, wo) = s.out();
+        let fan_in = u32::from(k) * u32::from(k);
+        let wt = self.tensor(format!("{name}.w"), u64::from(fan_in) * u64::from(c), Init::Weights { fan_in });
+        let b = self.tensor(format!("{name}.b"), c.into(), Init::Bias);
+        let y = self.act(name, u64::from(self.batch) * u64::from(ho * wo) * u64::from(c));
+        self.ops.push(Op::Depthwise { name: name.into(), x, w: wt, b, y, batch: self.batch, s, c, act });
+        (y, ho, wo)
+    }
+
+    pub fn add(&mut self, name: &str, a: TensorId, b: TensorId, elems: u64, cols: u32, act: Act) -> TensorId {
+        let y = self.act(name, elems);
+        let rows = (elems / u64::from(cols)) as u32;
+        self.ops.push(Op::Add {
+            name: name.into(),
+            a: View::dense(a, cols),
+            b: View::dense(b, cols),
+            y: View::dense(y, cols),
+            rows,
+            cols,
+            act,
+        });
+        y
+    }
+
+    pub fn global_pool(&mut self, x: TensorId, hw: u32, c: u32) -> TensorId {
+        let y = self.act("avgpool", u64::from(self.batch) * u64::from(c));
+        self.ops.push(Op::GlobalPool { name: "avgpool".into(), x, y, batch: self.batch, hw, c });
+        y
+    }
+
+    pub fn classifier(&mut self, x: TensorId, c: u32, classes: u32) -> TensorId {
+        let b = self.batch;
+        self.linear("fc", View::dense(x, c), b, c, classes, Act::None, None).t
+    }
+
+    pub fn encoder_layer(
+        &mut self,
+        l: u32,
+        x: TensorId,
+        seq: u32,
+        d: u32,
+        heads: u32,
+        ffn: u32,
+        act: Act,
+    ) -> TensorId {
+        let rows = self.batch * seq;
+        let p = format!("layer{l}");
+        let qkv = self.linear(&format!("{p}.qkv"), View::dense(x, d), rows, d, 3 * d, Act::None, None).t;
+        let ctx = self.act(&format!("{p}.attn"), u64::from(rows) * u64::from(d));
+        self.ops.push(Op::Attention {
+            name: format!("{p}.attn"),
+            qkv,
+            y: ctx,
+            batch: self.batch,
+            seq,
+            heads,
+            dh: d / heads,
+        });
+        let o = self.linear(&format!("{p}.out"), View::dense(ctx, d), rows, d, d, Act::None, None).t;
+        let h1 = self.add_norm(&format!("{p}.norm1"), x, o, rows, d);
+        let f1 = self.linear(&format!("{p}.ffn1"), View::dense(h1, d), rows, d, ffn, act, None).t;
+        let f2 = self.linear(&format!("{p}.ffn2"), View::dense(f1, ffn), rows, ffn, d, Act::None, None).t;
+        self.add_norm(&format!("{p}.norm2"), h1, f2, rows, d)
+    }
+
+    pub fn add_norm(&mut self, name: &str, a: TensorId, b: TensorId, rows: u32, cols: u32) -> TensorId {
+        let gamma = self.tensor(format!("{name}.gamma"), cols.into(), Init::Ones);
+        let beta = self.tensor(format!("{name}.beta"), cols.into(), Init::Zeros);
+        let y = self.act(name, u64::from(rows) * u64::from(cols));
+        self.ops.push(Op::AddNorm { name: name.into(), a, b, gamma, beta, y, rows, cols });
+        y
+    }
+
+    pub fn image_input(&mut self, hw: u32, c: u32) -> TensorId {
+        let x = self.tensor("input", u64::from(self.batch) * u64::from(hw * hw) * u64::from(c), Init::Input);
+        self.input = x;
+        x
+    }
+}
+
+/// The workload names, in the order `vnpu workload list` prints them.
+pub const WORKLOADS: &[(&str, &str)] = &[
+    ("resnet50", "ResNet-50 v1.5, 224x224 ImageNet classifier (He et al. 2016)"),
+    ("bert", "BERT-base encoder, 12 layers, hidden 768, 12 heads, sequence 128"),
+    ("dlrm", "DLRM: bottom MLP 13-128-64-32, 32 tables x 32 dims, 120 lookups per bag, dot interaction, top MLP 128-64-1"),
+    ("ncf", "NCF / NeuMF (MovieLens-1M sizes): GMF dim 8 + MLP 64-32-16-8"),
+    ("mobilenet", "MobileNet-v1 1.0, 224x224, depthwise-separable convolutions"),
+    ("efficientnet", "EfficientNet-B0, 224x224, MBConv blocks with squeeze-excite"),
+    ("transformer", "Transformer-base encoder, 6 layers, d 512, 8 heads, FFN 2048, sequence 128"),
+];
+
+/// Builds the named model at `batch`.
+pub fn build(name: &str, batch: u32) -> Option<Graph> {
+    let batch = batch.max(1);
+    Some(match name {
+        "resnet50" => resnet50(batch),
+        "bert" => encoder("bert", batch, 12, 128, 768, 12, 3072, Act::Gelu),
+        "transformer" => encoder("transformer", batch, 6, 128, 512, 8, 2048, Act::Relu),
+        "mobilenet" => mobilenet(batch),
+        "efficientnet" => efficientnet(batch),
+        "dlrm" => dlrm(batch),
+        "ncf" => ncf(batch),
+        _ => return None,
+    })
+}
+
+fn resnet50(batch: u32) -> Graph {
+    let mut g = Graph::new("resnet50", batch);
+    let x = g.image_input(224, 3);
+    let (x, h, w) = g.conv("conv1", x, 224, 224, 3, 64, 7, 2, Act::Relu);
+    let s = Spatial { h, w, k: 3, stride: 2, pad: 1 };
+    let (h, w) = s.out();
+    let mut x_t = g.act("maxpool", u64::from(batch) * u64::from(h * w) * 64);
+    g.ops.push(Op::MaxPool { name: "maxpool".into(), x, y: x_t, batch, s, c: 64 });
+    let (mut h, mut w, mut c) = (h, w, 64u32);
+    for (stage, &(blocks, mid, out, stride)) in
+        [(3u32, 64u32, 256u32, 1u16), (4, 128, 512, 2), (6, 256, 1024, 2), (3, 512, 2048, 2)]
+            .iter()
+            .enumerate()
+    {
+        for blk in 0..blocks {
+            let p = format!("res{}.{}", stage + 2, blk);
+            let st = if blk == 0 { stride } else { 1 };
+            let (a, _, _) = g.conv(&format!("{p}.conv1"), x_t, h, w, c, mid, 1, 1, Act::Relu);
+            let (b, ho, wo) = g.conv(&format!("{p}.conv2"), a, h, w, mid, mid, 3, st, Act::Relu);
+            let (cc, _, _) = g.conv(&format!("{p}.conv3"), b, ho, wo, mid, out, 1, 1, Act::None);
+            let short = if blk == 0 {
+                g.conv(&format!("{p}.proj"), x_t, h, w, c, out, 1, st, Act::None).0
+            } else {
+                x_t
+            };
+            x_t = g.add(
+                &format!("{p}.add"),
+                cc,
+                short,
+                u64::from(batch) * u64::from(ho * wo) * u64::from(out),
+                out,
+                Act::Relu,
+            );
+            (h, w, c) = (ho, wo, out);
+        }
+    }
+    let p = g.global_pool(x_t, h * w, c);
+    g.output = g.classifier(p, c, 1000);
+    g
+}
+
+fn mobilenet(batch: u32) -> Graph {
+    let mut g = Graph::new("mobilenet", batch);
+    let x = g.image_input(224, 3);
+    let (mut x, mut h, mut w) = g.conv("conv1", x, 224, 224, 3, 32, 3, 2, Act::Relu);
+    let mut c = 32;
+    let plan = [
+        (64, 1),
+        (128, 2),
+        (128, 1),
+        (256, 2),
+        (256, 1),
+        (512, 2),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (1024, 2),
+        (1024, 1),
+    ];
+    for (i, &(out, stride)) in plan.iter().enumerate() {
+        let (d, ho, wo) = g.depthwise(&format!("dw{}", i + 1), x, h, w, c, 3, stride, Act::Relu);
+        (x, _, _) = g.conv(&format!("pw{}", i + 1), d, ho, wo, c, out, 1, 1, Act::Relu);
+        (h, w, c) = (ho, wo, out);
+    }
+    let p = g.global_pool(x, h * w, c);
+    g.output = g.classifier(p, c, 1000);
+    g
+}
+
+fn efficientnet(batch: u32) -> Graph {
+    let mut g = Graph::new("efficientnet", batch);
+    let x = g.image_input(224, 3);
+    let (mut x, mut h, mut w) = g.conv("stem", x, 224, 224, 3, 32, 3, 2, Act::Swish);
+    let mut c = 32u32;
+    // (expand ratio, kernel, stride, output channels, repeats)
+    let stages = [
+        (1u32, 3u16, 1u16, 16u32, 1u32),
+        (6, 3, 2, 24, 2),
+        (6, 5, 2, 40, 2),
+        (6, 3, 2, 80, 3),
+        (6, 5, 1, 112, 3),
+        (6, 5, 2, 192, 4),
+        (6, 3, 1, 320, 1),
+    ];
+    let mut blk = 0;
+    for &(e, k, stride, out, reps) in &stages {
+        for r in 0..reps {
+            let p = format!("mb{blk}");
+            blk += 1;
+            let st = if r == 0 { stride } else { 1 };
+            let ce = c * e;
+            let xe =
+                if e == 1 { x } else { g.conv(&format!("{p}.expand"), x, h, w, c, ce, 1, 1, Act::Swish).0 };
+            let (d, ho, wo) = g.depthwise(&format!("{p}.dw"), xe, h, w, ce, k, st, Act::Swish);
+            // Squeeze-excite on a quarter of the block's input channels.
+            let se = (c / 4).max(1);
+            let pooled = g.act(format!("{p}.se.pool").as_str(), u64::from(batch) * u64::from(ce));
+            g.ops.push(Op::GlobalPool {
+                name: format!("{p}.se.pool"),
+                x: d,
+                y: pooled,
+                batch,
+                hw: ho * wo,
+                c: ce,
+            });
+            let s1 =
+                g.linear(&format!("{p}.se.reduce"), View::dense(pooled, ce), batch, ce, se, Act::Swish, None);
+            let s2 = g.linear(&format!("{p}.se.expand"), s1, batch, se, ce, Act::Sigmoid, None);
+            let scaled = g
+                .act(format!("{p}.se.scale").as_str(), u64::from(batch) * u64::from(ho * wo) * u64::from(ce));
+            g.ops.push(Op::ScaleChannels {
+                name: format!("{p}.se.scale"),
+                x: d,
+                s: s2.t,
+                y: scaled,
+                batch,
+                hw: ho * wo,
+                c: ce,
+            });
+            let (pr, _, _) = g.conv(&format!("{p}.project"), scaled, ho, wo, ce, out, 1, 1, Act::None);
+            x = if st == 1 && c == out {
+                g.add(
+                    &format!("{p}.add"),
+                    pr,
+                    x,
+                    u64::from(batch) * u64::from(ho * wo) * u64::from(out),
+                    out,
+                    Act::None,
+                )
+            } else {
+                pr
+            };
+            (h, w, c) = (ho, wo, out);
+        }
+    }
+    let (x, _, _) = g.conv("head", x, h, w, c, 1280, 1, 1, Act::Swish);
+    let p = g.global_pool(x, h * w, 1280);
+    g.output = g.classifier(p, 1280, 1000);
+    g
+}
+
+fn encoder(name: &str, batch: u32, layers: u32, seq: u32, d: u32, heads: u32, ffn: u32, act: Act) -> Graph {
+    let mut g = Graph::new(name, batch);
+    let mut x = g.tensor("input", u64::from(batch * seq) * u64::from(d), Init::Input);
+    g.input = x;
+    for l in 0..layers {
+        x = g.encoder_layer(l, x, seq, d, heads, ffn, act);
+    }
+    g.output = x;
+    g
+}
+
+fn dlrm(batch: u32) -> Graph {
+    const TABLES: u32 = 32;
+    const DIM: u32 = 32;
+    const POOL: u32 = 120;
+    const ROWS: u32 = 100_000;
+    let mut g = Graph::new("dlrm", batch);
+    let dense = g.tensor("dense", u64::from(batch) * 13, Init::Input);
+    g.input = dense;
+    let f = TABLES + 1;
+    let z = g.act("features", u64::from(batch) * u64::from(f * DIM));
+    let b1 = g.linear("bot0", View::dense(dense, 13), batch, 13, 128, Act::Relu, None);
+    let b2 = g.linear("bot1", b1, batch, 128, 64, Act::Relu, None);
+    let zview = |col| View { t: z, ld: f * DIM, col };
+    g.linear("bot2", b2, batch, 64, DIM, Act::Relu, Some(zview(0)));
+    for t in 0..TABLES {
+        let table =
+            g.tensor(format!("emb{t}.table"), u64::from(ROWS) * u64::from(DIM), Init::Weights { fan_in: 1 });
+        let idx =
+            g.tensor(format!("emb{t}.idx"), u64::from(batch) * u64::from(POOL), Init::Indices { max: ROWS });
+        g.ops.push(Op::Embedding {
+            name: format!("emb{t}"),
+            table,
+            idx,
+            y: zview((t + 1) * DIM),
+            batch,
+            rows: ROWS,
+            dim: DIM,
+            pool: POOL,
+        });
+    }
+    let top_in = f * f + DIM;
+    let t_in = g.act("top.in", u64::from(batch) * u64::from(top_in));
+    g.ops.push(Op::Copy {
+        name: "concat".into(),
+        x: zview(0),
+        y: View { t: t_in, ld: top_in, col: 0 },
+        rows: batch,
+        cols: DIM,
+    });
+    g.ops.push(Op::Interaction {
+        name: "interact".into(),
+        z,
+        y: View { t: t_in, ld: top_in, col: DIM },
+        batch,
+        f,
+        d: DIM,
+    });
+    let t1 = g.linear("top0", View::dense(t_in, top_in), batch, top_in, 128, Act::Relu, None);
+    let t2 = g.linear("top1", t1, batch, 128, 64, Act::Relu, None);
+    g.output = g.linear("top2", t2, batch, 64, 1, Act::Sigmoid, None).t;
+    g
+}
+
+fn ncf(batch: u32) -> Graph {
+    const USERS: u32 = 6040;
+    const ITEMS: u32 = 3706;
+    let mut g = Graph::new("ncf", batch);
+    // [gmf_user 8 | gmf_item 8 | mlp_user 32 | mlp_item 32]
+    let emb = g.act("embeddings", u64::from(batch) * 80);
+    let mut first = None;
+    for (i, (name, rows, dim, col)) in [
+        ("gmf_user", USERS, 8u32, 0u32),
+        ("gmf_item", ITEMS, 8, 8),
+        ("mlp_user", USERS, 32, 16),
+        ("mlp_item", ITEMS, 32, 48),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let table =
+            g.tensor(format!("{name}.table"), u64::from(rows) * u64::from(dim), Init::Weights { fan_in: 1 });
+        let idx = g.tensor(format!("{name}.idx"), batch.into(), Init::Indices { max: rows });
+        if i == 0 {
+            first = Some(idx);
+        }
+        g.ops.push(Op::Embedding {
+            name: name.into(),
+            table,
+            idx,
+            y: View { t: emb, ld: 80, col },
+            batch,
+            rows,
+            dim,
+            pool: 1,
+        });
+    }
+    g.input = first.unwrap_or(0);
+    let head = g.act("head.in", u64::from(batch) * 16);
+    g.ops.push(Op::Mul {
+        name: "gmf".into(),
+        a: View { t: emb, ld: 80, col: 0 },
+        b: View { t: emb, ld: 80, col: 8 },
+        y: View { t: head, ld: 16, col: 0 },
+        rows: batch,
+        cols: 8,
+    });
+    let m1 = g.linear("mlp0", View { t: emb, ld: 80, col: 16 }, batch, 64, 32, Act::Relu, None);
+    let m2 = g.linear("mlp1", m1, batch, 32, 16, Act::Relu, None);
+    g.linear("mlp2", m2, batch, 16, 8, Act::Relu, Some(View { t: head, ld: 16, col: 8 }));
+    g.output = g.linear("predict", View::dense(head, 16), batch, 16, 1, Act::Sigmoid, None).t;
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_mac_counts() {
+        // ResNet-50 ~4.1 GMACs, MobileNet-v1 ~569 MMACs, EfficientNet-B0
+        // ~390 MMACs, BERT-base at 128 tokens ~11 GMACs (per sample).
+        let gm = |n: &str| build(n, 1).unwrap().macs() as f64 / 1e9;
+        assert!((gm("resnet50") - 4.1).abs() < 0.15, "{}", gm("resnet50"));
+        assert!((gm("mobilenet") - 0.569).abs() < 0.03, "{}", gm("mobilenet"));
+        assert!((gm("efficientnet") - 0.39).abs() < 0.05, "{}", gm("efficientnet"));
+        assert!((gm("bert") - 11.2).abs() < 0.6, "{}", gm("bert"));
+        assert_eq!(build("resnet50", 8).unwrap().macs(), 8 * build("resnet50", 1).unwrap().macs());
+        for (n, _) in WORKLOADS {
+            assert!(build(n, 2).is_some(), "{n}");
+        }
+        assert!(build("nope", 1).is_none());
+    }
+}

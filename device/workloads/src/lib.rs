@@ -1,0 +1,12 @@
+//! The workload library: layer graphs of published DNNs, lowered to
+//! vNPU programs for a given vNPU shape, and a runner that executes them
+//! on the NPU model (timing only, or functionally on random data).
+
+pub mod graph;
+pub mod lower;
+pub mod reference;
+pub mod run;
+
+pub use graph::{build, Graph, WORKLOADS};
+pub use lower::{lower, LowerError, Lowered, VnpuShape};
+pub use run::{init_hbm, run_workload, RunError, RunOptions, RunReport};

@@ -1,0 +1,994 @@
+//! Lowering a layer graph to one program for a vNPU core.
+//!
+//! Every tensor lives in the vNPU's HBM. Each operation becomes a tiled
+//! pipeline: the DMA engine loads a tile into one of several SRAM slots,
+//! the tile passes through a chain of SA and VU stages, and the DMA engine
+//! stores the result. Stages are ordered by per-slot semaphores; slots are
+//! spread over the vNPU's SAs and VUs and double-buffered (two slots per
+//! engine where SRAM allows), so loads, stores and compute overlap.
+//!
+//! The DMA stream is in order and waits for every tile of an operation
+//! before it stores the last one, so it doubles as the barrier between
+//! operations: SRAM is re-partitioned per operation. Weights that do not
+//! fit half the SRAM are split into column chunks, each its own pipeline.
+
+use std::collections::VecDeque;
+
+use thiserror::Error;
+use vnpu_abi::isa::NUM_SEMAPHORES;
+use vnpu_abi::{
+    Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, PoolOp, Program, ProgramBuilder,
+    RedOp, UnOp,
+};
+
+use crate::graph::{Act, Graph, Init, Op, Spatial, TensorId, View};
+
+/// The vNPU core a program is lowered for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VnpuShape {
+    pub sa: u32,
+    pub vu: u32,
+    pub sram_bytes: u64,
+    pub hbm_bytes: u64,
+    /// Systolic array columns (weight chunks are rounded to them).
+    pub sa_cols: u32,
+}
+
+/// Why a graph cannot be lowered for a vNPU.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LowerError {
+    #[error("a vNPU core needs at least one SA and one VU (got {sa} SAs, {vu} VUs)")]
+    Shape { sa: u32, vu: u32 },
+    #[error("operation `{op}` needs {need} bytes of SRAM for one tile, the vNPU core has {have}")]
+    Sram { op: String, need: u64, have: u64 },
+    #[error("the model's tensors need {need} bytes of HBM, the vNPU core has {have}")]
+    Hbm { need: u64, have: u64 },
+    #[error("the lowering ran out of semaphores (a lowering bug)")]
+    Semaphores,
+}
+
+/// A tensor's place in HBM.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placed {
+    pub offset: u64,
+    pub elems: u64,
+    pub init: Init,
+}
+
+/// The lowered program and where everything lives.
+#[derive(Debug, Clone)]
+pub struct Lowered {
+    pub program: Program,
+    pub tensors: Vec<Placed>,
+    /// HBM bytes the tensors occupy.
+    pub hbm_bytes: u64,
+    pub input: TensorId,
+    pub output: TensorId,
+}
+
+const ALIGN: u64 = 4096;
+/// Smallest tile (SRAM bytes) worth splitting work into.
+const MIN_TILE_BYTES: u64 = 32 << 10;
+/// Most engines of one kind a lowered program spreads work over.
+pub const MAX_ENGINES: u32 = 8;
+const F: u64 = 4;
+
+enum Stage {
+    Sa(Vec<Instr>),
+    Vu(Vec<Instr>),
+}
+
+struct Tile {
+    load: Vec<Instr>,
+    stages: Vec<Stage>,
+    store: Vec<Instr>,
+}
+
+struct Lowerer {
+    b: ProgramBuilder,
+    shape: VnpuShape,
+    hbm: Vec<u64>,
+    chans: Vec<((Engine, Engine), u8)>,
+}
+
+fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
+    if rows > 1
+        && src_stride == row_bytes
+        && dst_stride == row_bytes
+        && rows * row_bytes <= u64::from(u32::MAX)
+    {
+        return Instr::DmaCopy {
+            src,
+            dst,
+            rows: 1,
+            row_bytes: (rows * row_bytes) as u32,
+            src_stride: 0,
+            dst_stride: 0,
+        };
+    }
+    Instr::DmaCopy { src, dst, rows: rows as u32, row_bytes: row_bytes as u32, src_stride, dst_stride }
+}
+
+/// VU instructions for `y = act(y + bias)` over `rows x cols` at `y`.
+fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64) -> Vec<Instr> {
+    let mut v = Vec::new();
+    if let Some(b) = bias {
+        v.push(Instr::VBinary { op: BinOp::Add, bcast: Bcast::Row, a: y, b, dst: y, rows, cols });
+    }
+    let len = rows * cols;
+    match act {
+        Act::None => {}
+        Act::Relu => v.push(Instr::VUnary { op: UnOp::Relu, src: y, dst: y, len }),
+        Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
+        Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
+        Act::Swish => {
+            v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
+            v.push(Instr::VBinary {
+                op: BinOp::Mul,
+                bcast: Bcast::None,
+                a: y,
+                b: tmp,
+                dst: y,
+                rows: 1,
+                cols: len,
+            });
+        }
+    }
+    v
+}
+
+/// Largest `r` in `1..=hi` with `bytes(r) <= budget`, or 0.
+fn max_rows(budget: u64, hi: u32, bytes: impl Fn(u32) -> u64) -> u32 {
+    let (mut lo, mut hi) = (0u32, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if bytes(mid) <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+impl Lowerer {
+    fn addr(&self, t: TensorId, elem: u64) -> Addr {
+        Addr::hbm(self.hbm[t] + elem * F)
+    }
+
+    /// Picks slot count and rows per tile: as many slots as engines allow
+    /// (two per engine), each holding a tile of at most `units` rows whose
+    /// SRAM need is `bytes(r)`, spread so every slot gets work.
+    fn plan(
+        &self,
+        op: &str,
+        fixed: u64,
+        engines: u32,
+        units: u32,
+        bytes: impl Fn(u32) -> u64,
+    ) -> Result<(u32, u32), LowerError> {
+        let mut slots = (2 * engines).max(1);
+        let avail = self.shape.sram_bytes.saturating_sub(fixed);
+        loop {
+            let per_slot = avail / u64::from(slots);
+            // Spread over the engines, but never into tiles so small that
+            // per-tile DMA and synchronisation outweigh the parallelism.
+            let min_rows = max_rows(MIN_TILE_BYTES, units, &bytes).max(1);
+            let want = units.div_ceil(engines.max(1)).max(min_rows).min(units).max(1);
+            let r = max_rows(per_slot, want, &bytes);
+            if r > 0 {
+                return Ok((slots, r));
+            }
+            if slots == 1 {
+                return Err(LowerError::Sram {
+                    op: op.into(),
+                    need: fixed + bytes(1),
+                    have: self.shape.sram_bytes,
+                });
+            }
+            slots -= 1;
+        }
+    }
+
+    /// The semaphore of the channel `from -> to`: every token `from`
+    /// signals on it is consumed by `to`, in program order, so tokens of
+    /// different operations can never be confused.
+    fn chan(&mut self, from: Engine, to: Engine) -> Result<u8, LowerError> {
+        if let Some((_, s)) = self.chans.iter().find(|(k, _)| *k == (from, to)) {
+            return Ok(*s);
+        }
+        let id = self.chans.len();
+        if id >= usize::from(NUM_SEMAPHORES) {
+            return Err(LowerError::Semaphores);
+        }
+        self.chans.push(((from, to), id as u8));
+        Ok(id as u8)
+    }
+
+    /// Emits a pipeline of `n` tiles over `slots` slots. Slot `p` runs its
+    /// SA stages on SA `p % sa` and its VU stages on VU `p % vu`.
+    fn pipeline(
+        &mut self,
+        preload: Vec<Instr>,
+        slots: u32,
+        n: usize,
+        mut tile: impl FnMut(usize, u32) -> Tile,
+    ) -> Result<(), LowerError> {
+        for i in preload {
+            self.b.push(Engine::DMA, i);
+        }
+        let mut pending: VecDeque<(u8, Vec<Instr>)> = VecDeque::new();
+        for t in 0..n {
+            let slot = (t as u32) % slots;
+            let tl = tile(t, slot);
+            if pending.len() as u32 == slots {
+                if let Some((post, store)) = pending.pop_front() {
+                    self.b.push(Engine::DMA, Instr::Wait { sem: post });
+                    for i in store {
+                        self.b.push(Engine::DMA, i);
+                    }
+                }
+            }
+            for i in tl.load {
+                self.b.push(Engine::DMA, i);
+            }
+            let mut prev = Engine::DMA;
+            for st in tl.stages {
+                let (engine, code) = match st {
+                    Stage::Sa(c) => (Engine::sa((slot % self.shape.sa) as u8), c),
+                    Stage::Vu(c) => (Engine::vu((slot % self.shape.vu) as u8), c),
+                };
+                let sem = self.chan(prev, engine)?;
+                self.b.push(prev, Instr::Signal { sem });
+                self.b.push(engine, Instr::Wait { sem });
+                for i in code {
+                    self.b.push(engine, i);
+                }
+                prev = engine;
+            }
+            let post = self.chan(prev, Engine::DMA)?;
+            if prev != Engine::DMA {
+                self.b.push(prev, Instr::Signal { sem: post });
+            } else {
+                // No compute stage: the DMA stream orders itself.
+                self.b.push(Engine::DMA, Instr::Signal { sem: post });
+            }
+            pending.push_back((post, tl.store));
+        }
+        while let Some((post, store)) = pending.pop_front() {
+            self.b.push(Engine::DMA, Instr::Wait { sem: post });
+            for i in store {
+                self.b.push(Engine::DMA, i);
+            }
+        }
+        Ok(())
+    }
+
+    /// Column chunk of weights that fits half the SRAM.
+    fn weight_chunk(&self, k: u64, n: u32) -> u32 {
+        let half = self.shape.sram_bytes / 2;
+        let per_col = (k + 1) * F;
+        if per_col * u64::from(n) <= half {
+            return n;
+        }
+        let cols = (half / per_col) as u32;
+        let sc = self.shape.sa_cols.max(1);
+        if cols >= sc {
+            cols / sc * sc
+        } else {
+            cols.max(1)
+        }
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        x: View,
+        w: TensorId,
+        b: TensorId,
+        y: View,
+        rows: u32,
+        k: u32,
+        n: u32,
+        act: Act,
+    ) -> Result<(), LowerError> {
+        let nt_max = self.weight_chunk(k.into(), n);
+        let mut n0 = 0;
+        while n0 < n {
+            let nt = nt_max.min(n - n0);
+            let wbytes = u64::from(k) * u64::from(nt) * F;
+            let (w_s, b_s) = (0u64, wbytes);
+            let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
+            let tmp_cols = if act == Act::Swish { u64::from(nt) } else { 0 };
+            let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
+            let (slots, rt) = self.plan(name, fixed, self.shape.sa.max(self.shape.vu), rows, row_bytes)?;
+            let slot_bytes = row_bytes(rt).next_multiple_of(64);
+            let preload = vec![
+                copy(
+                    self.addr(w, u64::from(n0)),
+                    Addr::sram(w_s),
+                    k.into(),
+                    u64::from(nt) * F,
+                    u64::from(n) * F,
+                    u64::from(nt) * F,
+                ),
+                copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0),
+            ];
+            let tiles = rows.div_ceil(rt) as usize;
+            let hbm = self.hbm.clone();
+            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            self.pipeline(preload, slots, tiles, |t, slot| {
+                let m0 = t as u32 * rt;
+                let r = rt.min(rows - m0);
+                let base = fixed + u64::from(slot) * slot_bytes;
+                let (inb, outb) = (base, base + u64::from(r) * u64::from(k) * F);
+                let tmpb = outb + u64::from(r) * u64::from(nt) * F;
+                Tile {
+                    load: vec![copy(
+                        at(x.t, u64::from(m0) * u64::from(x.ld) + u64::from(x.col)),
+                        Addr::sram(inb),
+                        r.into(),
+                        u64::from(k) * F,
+                        u64::from(x.ld) * F,
+                        u64::from(k) * F,
+                    )],
+                    stages: vec![
+                        Stage::Sa(vec![Instr::MatMul {
+                            dtype: DType::F32,
+                            flags: MatFlags::default(),
+                            a: inb,
+                            b: w_s,
+                            c: outb,
+                            m: r,
+                            k,
+                            n: nt,
+                            lda: k,
+                            ldb: nt,
+                            ldc: nt,
+                        }]),
+                        Stage::Vu(bias_act(outb, Some(b_s), r, nt, act, tmpb)),
+                    ],
+                    store: vec![copy(
+                        Addr::sram(outb),
+                        at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0)),
+                        r.into(),
+                        u64::from(nt) * F,
+                        u64::from(nt) * F,
+                        u64::from(y.ld) * F,
+                    )],
+                }
+            })?;
+            n0 += nt;
+        }
+        Ok(())
+    }
+
+    /// Input rows of an output band `[oy0, oy0 + r)`: (first row, rows, pad top, pad bottom).
+    fn band(s: &Spatial, oy0: u32, r: u32) -> (u32, u32, u16, u16) {
+        let (st, k, p, h) = (i64::from(s.stride), i64::from(s.k), i64::from(s.pad), i64::from(s.h));
+        let start = i64::from(oy0) * st - p;
+        let end = (i64::from(oy0) + i64::from(r) - 1) * st - p + k;
+        let lo = start.max(0);
+        let hi = end.min(h);
+        ((lo) as u32, (hi - lo).max(0) as u32, (-start).max(0) as u16, (end - h).max(0) as u16)
+    }
+
+    /// Convolution (on the SA) or depthwise convolution (on the VU).
+    fn conv(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        cin: u32,
+        cout: u32,
+        act: Act,
+        depthwise: bool,
+    ) -> Result<(), LowerError> {
+        let (ho, wo) = s.out();
+        let kk = u64::from(s.k) * u64::from(s.k);
+        let krows = if depthwise { kk } else { kk * u64::from(cin) };
+        let nt_max = if depthwise { cout } else { self.weight_chunk(krows, cout) };
+        let mut n0 = 0;
+        while n0 < cout {
+            let nt = nt_max.min(cout - n0);
+            let wbytes = krows * u64::from(nt) * F;
+            let (w_s, b_s) = (0u64, wbytes);
+            let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
+            let tmp = if act == Act::Swish { 1 } else { 0 };
+            let bytes = |r: u32| {
+                let (_, bh, _, _) = Self::band(&s, 0, r.min(ho));
+                let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.stride) + u32::from(s.k)).min(s.h)));
+                in_rows * u64::from(s.w) * u64::from(cin) * F
+                    + (1 + tmp) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
+            };
+            let engines = if depthwise { self.shape.vu } else { self.shape.sa.max(self.shape.vu) };
+            let (slots, rt) = self.plan(name, fixed, engines, ho * batch, bytes)?;
+            let rt = rt.min(ho);
+            let slot_bytes = bytes(rt).next_multiple_of(64);
+            let preload = vec![
+                copy(
+                    self.addr(w, u64::from(n0)),
+                    Addr::sram(w_s),
+                    krows,
+                    u64::from(nt) * F,
+                    u64::from(cout) * F,
+                    u64::from(nt) * F,
+                ),
+                copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0),
+            ];
+            let bands = ho.div_ceil(rt);
+            let tiles = (batch * bands) as usize;
+            let hbm = self.hbm.clone();
+            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            self.pipeline(preload, slots, tiles, |t, slot| {
+                let img = t as u32 / bands;
+                let oy0 = (t as u32 % bands) * rt;
+                let r = rt.min(ho - oy0);
+                let (lo, bh, pt, pb) = Self::band(&s, oy0, r);
+                let in_elems = u64::from(bh) * u64::from(s.w) * u64::from(cin);
+                let base = fixed + u64::from(slot) * slot_bytes;
+                let inb = base;
+                let outb = base + in_elems * F;
+                let out_rows = r * wo;
+                let tmpb = outb + u64::from(out_rows) * u64::from(nt) * F;
+                let geom = ConvGeom {
+                    n: 1,
+                    h: bh,
+                    w: s.w,
+                    cin,
+                    cout: nt,
+                    kh: s.k,
+                    kw: s.k,
+                    stride: s.stride,
+                    pad_top: pt,
+                    pad_bottom: pb,
+                    pad_left: s.pad,
+                    pad_right: s.pad,
+                };
+                let post = bias_act(outb, Some(b_s), out_rows, nt, act, tmpb);
+                let stages = if depthwise {
+                    let mut v = vec![Instr::VDepthwise { src: inb, weights: w_s, dst: outb, geom }];
+                    v.extend(post);
+                    vec![Stage::Vu(v)]
+                } else {
+                    vec![
+                        Stage::Sa(vec![Instr::Conv2d {
+                            dtype: DType::F32,
+                            flags: MatFlags::default(),
+                            input: inb,
+                            weights: w_s,
+                            output: outb,
+                            geom,
+                        }]),
+                        Stage::Vu(post),
+                    ]
+                };
+                let src_e =
+                    (u64::from(img) * u64::from(s.h) + u64::from(lo)) * u64::from(s.w) * u64::from(cin);
+                let dst_e =
+                    (u64::from(img) * u64::from(ho) + u64::from(oy0)) * u64::from(wo) * u64::from(cout)
+                        + u64::from(n0);
+                Tile {
+                    load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)],
+                    stages,
+                    store: vec![copy(
+                        Addr::sram(outb),
+                        at(y, dst_e),
+                        out_rows.into(),
+                        u64::from(nt) * F,
+                        u64::from(nt) * F,
+                        u64::from(cout) * F,
+                    )],
+                }
+            })?;
+            n0 += nt;
+        }
+        Ok(())
+    }
+
+    /// A VU-only pipeline over `units` units of work: `load`, `compute` and
+    /// `store` build one tile of `r` units starting at unit `u0` whose SRAM
+    /// slot starts at `base`.
+    #[allow(clippy::type_complexity)]
+    fn vu_tiles(
+        &mut self,
+        name: &str,
+        preload: Vec<Instr>,
+        fixed: u64,
+        units: u32,
+        bytes: impl Fn(u32) -> u64,
+        mut make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
+    ) -> Result<(), LowerError> {
+        let (slots, rt) = self.plan(name, fixed, self.shape.vu, units, &bytes)?;
+        let slot_bytes = bytes(rt).next_multiple_of(64);
+        let tiles = units.div_ceil(rt) as usize;
+        self.pipeline(preload, slots, tiles, |t, slot| {
+            let u0 = t as u32 * rt;
+            let r = rt.min(units - u0);
+            let (load, compute, store) = make(u0, r, fixed + u64::from(slot) * slot_bytes);
+            Tile { load, stages: vec![Stage::Vu(compute)], store }
+        })
+    }
+
+    fn eltwise(
+        &mut self,
+        name: &str,
+        binop: BinOp,
+        a: View,
+        b: View,
+        y: View,
+        rows: u32,
+        cols: u32,
+        act: Act,
+    ) -> Result<(), LowerError> {
+        let tmp = u64::from(act == Act::Swish);
+        let row = u64::from(cols) * F;
+        let hbm = self.hbm.clone();
+        let at = move |v: View, r0: u32| {
+            Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
+        };
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            rows,
+            |r| u64::from(r) * row * (2 + tmp),
+            |u0, r, base| {
+                let bb = base + u64::from(r) * row;
+                let mut compute = vec![Instr::VBinary {
+                    op: binop,
+                    bcast: Bcast::None,
+                    a: base,
+                    b: bb,
+                    dst: base,
+                    rows: r,
+                    cols,
+                }];
+                compute.extend(bias_act(base, None, r, cols, act, bb));
+                (
+                    vec![
+                        copy(at(a, u0), Addr::sram(base), r.into(), row, u64::from(a.ld) * F, row),
+                        copy(at(b, u0), Addr::sram(bb), r.into(), row, u64::from(b.ld) * F, row),
+                    ],
+                    compute,
+                    vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
+                )
+            },
+        )
+    }
+
+    fn op(&mut self, op: &Op) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let rows_of = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                at(v.t, u64::from(r0) * u64::from(v.ld) + u64::from(v.col)),
+                Addr::sram(sram),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+                u64::from(cols) * F,
+            )
+        };
+        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                Addr::sram(sram),
+                at(v.t, u64::from(r0) * u64::from(v.ld) + u64::from(v.col)),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+            )
+        };
+        match *op {
+            Op::Linear { ref name, x, w, b, y, rows, k, n, act } => {
+                self.linear(name, x, w, b, y, rows, k, n, act)?
+            }
+            Op::Conv { ref name, x, w, b, y, batch, s, cin, cout, act } => {
+                self.conv(name, x, w, b, y, batch, s, cin, cout, act, false)?
+            }
+            Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
+                self.conv(name, x, w, b, y, batch, s, c, c, act, true)?
+            }
+            Op::MaxPool { ref name, x, y, batch, s, c } => {
+                let (ho, wo) = s.out();
+                let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * (inn + out) * F,
+                    |u0, r, base| {
+                        let outb = base + u64::from(r) * inn * F;
+                        let geom = PoolGeom {
+                            n: r,
+                            h: s.h,
+                            w: s.w,
+                            c,
+                            kh: s.k,
+                            kw: s.k,
+                            stride: s.stride,
+                            pad: s.pad,
+                        };
+                        (
+                            vec![copy(
+                                at(x, u64::from(u0) * inn),
+                                Addr::sram(base),
+                                1,
+                                u64::from(r) * inn * F,
+                                0,
+                                0,
+                            )],
+                            vec![Instr::VPool { op: PoolOp::Max, src: base, dst: outb, geom }],
+                            vec![copy(
+                                Addr::sram(outb),
+                                at(y, u64::from(u0) * out),
+                                1,
+                                u64::from(r) * out * F,
+                                0,
+                                0,
+                            )],
+                        )
+                    },
+                )?;
+            }
+            Op::GlobalPool { ref name, x, y, batch, hw, c } => {
+                let (inn, out) = (u64::from(hw) * u64::from(c), u64::from(c));
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * (inn + out) * F,
+                    |u0, r, base| {
+                        let outb = base + u64::from(r) * inn * F;
+                        (
+                            vec![copy(
+                                at(x, u64::from(u0) * inn),
+                                Addr::sram(base),
+                                1,
+                                u64::from(r) * inn * F,
+                                0,
+                                0,
+                            )],
+                            vec![Instr::VReduce {
+                                op: RedOp::Mean,
+                                src: base,
+                                dst: outb,
+                                outer: r,
+                                reduce: hw,
+                                inner: c,
+                            }],
+                            vec![copy(
+                                Addr::sram(outb),
+                                at(y, u64::from(u0) * out),
+                                1,
+                                u64::from(r) * out * F,
+                                0,
+                                0,
+                            )],
+                        )
+                    },
+                )?;
+            }
+            Op::Add { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Add, a, b, y, rows, cols, act)?
+            }
+            Op::Mul { ref name, a, b, y, rows, cols } => {
+                self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, Act::None)?
+            }
+            Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols } => {
+                let row = u64::from(cols) * F;
+                let preload = vec![
+                    copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
+                    copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
+                ];
+                let fixed = (2 * row).next_multiple_of(64);
+                self.vu_tiles(
+                    name,
+                    preload,
+                    fixed,
+                    rows,
+                    |r| u64::from(r) * row * 2,
+                    |u0, r, base| {
+                        let bb = base + u64::from(r) * row;
+                        let (av, bv, yv) = (View::dense(a, cols), View::dense(b, cols), View::dense(y, cols));
+                        (
+                            vec![rows_of(av, u0, r, cols, base), rows_of(bv, u0, r, cols, bb)],
+                            vec![
+                                Instr::VBinary {
+                                    op: BinOp::Add,
+                                    bcast: Bcast::None,
+                                    a: base,
+                                    b: bb,
+                                    dst: base,
+                                    rows: r,
+                                    cols,
+                                },
+                                Instr::VLayerNorm {
+                                    src: base,
+                                    dst: base,
+                                    gamma: 0,
+                                    beta: row,
+                                    rows: r,
+                                    cols,
+                                    eps: 1e-5,
+                                },
+                            ],
+                            vec![rows_to(yv, u0, r, cols, base)],
+                        )
+                    },
+                )?;
+            }
+            Op::ScaleChannels { ref name, x, s, y, batch, hw, c } => {
+                // Units are (image, pixel-row) pairs flattened; a tile never
+                // crosses an image so one scale vector serves it.
+                let row = u64::from(c) * F;
+                let chunk = hw.min(((self.shape.sram_bytes / 4) / (row * 2)).max(1) as u32);
+                let per_img = hw.div_ceil(chunk);
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch * per_img,
+                    |r| u64::from(r) * (u64::from(chunk) + 1) * row,
+                    |u0, r, base| {
+                        let (mut load, mut comp, mut store) = (vec![], vec![], vec![]);
+                        for u in u0..u0 + r {
+                            let (img, part) = (u / per_img, u % per_img);
+                            let p0 = part * chunk;
+                            let n = chunk.min(hw - p0);
+                            let slot = base + u64::from(u - u0) * (u64::from(chunk) + 1) * row;
+                            let sb = slot + u64::from(chunk) * row;
+                            let first = u64::from(img) * u64::from(hw) + u64::from(p0);
+                            load.push(copy(
+                                at(x, first * u64::from(c)),
+                                Addr::sram(slot),
+                                1,
+                                u64::from(n) * row,
+                                0,
+                                0,
+                            ));
+                            load.push(copy(
+                                at(s, u64::from(img) * u64::from(c)),
+                                Addr::sram(sb),
+                                1,
+                                row,
+                                0,
+                                0,
+                            ));
+                            comp.push(Instr::VBinary {
+                                op: BinOp::Mul,
+                                bcast: Bcast::Row,
+                                a: slot,
+                                b: sb,
+                                dst: slot,
+                                rows: n,
+                                cols: c,
+                            });
+                            store.push(copy(
+                                Addr::sram(slot),
+                                at(y, first * u64::from(c)),
+                                1,
+                                u64::from(n) * row,
+                                0,
+                                0,
+                            ));
+                        }
+                        (load, comp, store)
+                    },
+                )?;
+            }
+            Op::Attention { ref name, qkv, y, batch, seq, heads, dh } => {
+                let hid = heads * dh;
+                let (sd, ss) = (u64::from(seq) * u64::from(dh) * F, u64::from(seq) * u64::from(seq) * F);
+                let bytes = 4 * sd + ss;
+                let (slots, _) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
+                let slot_bytes = bytes.next_multiple_of(64);
+                let scale = 1.0 / (dh as f32).sqrt();
+                self.pipeline(vec![], slots, (batch * heads) as usize, |t, slot| {
+                    let (bi, h) = (t as u32 / heads, t as u32 % heads);
+                    let base = u64::from(slot) * slot_bytes;
+                    let (q, k, v, o, sc) = (base, base + sd, base + 2 * sd, base + 3 * sd, base + 4 * sd);
+                    let row0 = u64::from(bi) * u64::from(seq) * u64::from(3 * hid);
+                    let ld = u64::from(3 * hid) * F;
+                    let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
+                    let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
+                    let rowb = u64::from(dh) * F;
+                    Tile {
+                        load: vec![
+                            copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
+                            copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
+                            copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
+                        ],
+                        stages: vec![
+                            Stage::Sa(vec![Instr::MatMul {
+                                dtype: DType::F32,
+                                flags: MatFlags { accumulate: false, transpose_b: true },
+                                a: q,
+                                b: k,
+                                c: sc,
+                                m: seq,
+                                k: dh,
+                                n: seq,
+                                lda: dh,
+                                ldb: dh,
+                                ldc: seq,
+                            }]),
+                            Stage::Vu(vec![
+                                Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
+                                Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
+                            ]),
+                            Stage::Sa(vec![Instr::MatMul {
+                                dtype: DType::F32,
+                                flags: MatFlags::default(),
+                                a: sc,
+                                b: v,
+                                c: o,
+                                m: seq,
+                                k: seq,
+                                n: dh,
+                                lda: seq,
+                                ldb: dh,
+                                ldc: dh,
+                            }]),
+                        ],
+                        store: vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
+                    }
+                })?;
+            }
+            Op::Embedding { ref name, table, idx, y, batch, rows, dim, pool } => {
+                let row = u64::from(dim) * F;
+                let per = u64::from(pool) * (4 + row) + row;
+                let table_addr = at(table, 0);
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * per,
+                    |u0, r, base| {
+                        let n = r * pool;
+                        let rowsb = base + u64::from(n) * 4;
+                        let outb = rowsb + u64::from(n) * row;
+                        (
+                            vec![
+                                copy(
+                                    at(idx, u64::from(u0) * u64::from(pool)),
+                                    Addr::sram(base),
+                                    1,
+                                    u64::from(n) * 4,
+                                    0,
+                                    0,
+                                ),
+                                Instr::DmaGather {
+                                    table: table_addr,
+                                    indices: base,
+                                    dst: rowsb,
+                                    count: n,
+                                    row_bytes: row as u32,
+                                    table_rows: rows,
+                                },
+                            ],
+                            vec![Instr::VReduce {
+                                op: RedOp::Sum,
+                                src: rowsb,
+                                dst: outb,
+                                outer: r,
+                                reduce: pool,
+                                inner: dim,
+                            }],
+                            vec![rows_to(y, u0, r, dim, outb)],
+                        )
+                    },
+                )?;
+            }
+            Op::Interaction { ref name, z, y, batch, f, d } => {
+                let zrow = u64::from(f) * u64::from(d) * F;
+                let orow = u64::from(f) * u64::from(f) * F;
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * (zrow + orow) + zrow,
+                    |u0, r, base| {
+                        let outb = base + u64::from(r) * zrow;
+                        let tmp = outb + u64::from(r) * orow;
+                        let mut comp = Vec::new();
+                        for s in 0..u64::from(r) {
+                            let zs = base + s * zrow;
+                            for i in 0..f {
+                                comp.push(Instr::VBinary {
+                                    op: BinOp::Mul,
+                                    bcast: Bcast::Row,
+                                    a: zs,
+                                    b: zs + u64::from(i) * u64::from(d) * F,
+                                    dst: tmp,
+                                    rows: f,
+                                    cols: d,
+                                });
+                                comp.push(Instr::VReduce {
+                                    op: RedOp::Sum,
+                                    src: tmp,
+                                    dst: outb + s * orow + u64::from(i * f) * F,
+                                    outer: f,
+                                    reduce: d,
+                                    inner: 1,
+                                });
+                            }
+                        }
+                        (
+                            vec![copy(
+                                at(z, u64::from(u0) * u64::from(f * d)),
+                                Addr::sram(base),
+                                1,
+                                u64::from(r) * zrow,
+                                0,
+                                0,
+                            )],
+                            comp,
+                            vec![rows_to(y, u0, r, f * f, outb)],
+                        )
+                    },
+                )?;
+            }
+            Op::Copy { x, y, rows, cols, .. } => {
+                let src = at(x.t, u64::from(x.col));
+                let dst = at(y.t, u64::from(y.col));
+                self.b.push(
+                    Engine::DMA,
+                    copy(
+                        src,
+                        dst,
+                        rows.into(),
+                        u64::from(cols) * F,
+                        u64::from(x.ld) * F,
+                        u64::from(y.ld) * F,
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Lowers `graph` for a vNPU core of `shape`.
+pub fn lower(graph: &Graph, shape: VnpuShape) -> Result<Lowered, LowerError> {
+    if shape.sa == 0 || shape.vu == 0 {
+        return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
+    }
+    // Spread work over at most MAX_ENGINES engines of each kind, so that
+    // the channels between them fit the ISA's semaphores.
+    let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
+    let mut off = 0u64;
+    let mut placed = Vec::with_capacity(graph.tensors.len());
+    for t in &graph.tensors {
+        placed.push(Placed { offset: off, elems: t.elems, init: t.init });
+        off = (off + t.elems * F).next_multiple_of(ALIGN);
+    }
+    if off > shape.hbm_bytes {
+        return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
+    }
+    let mut l = Lowerer {
+        b: ProgramBuilder::new(),
+        shape,
+        hbm: placed.iter().map(|p| p.offset).collect(),
+        chans: Vec::new(),
+    };
+    for op in &graph.ops {
+        l.op(op)?;
+    }
+    Ok(Lowered {
+        program: l.b.finish(),
+        tensors: placed,
+        hbm_bytes: off,
+        input: graph.input,
+        output: graph.output,
+    })
+}

@@ -1,0 +1,248 @@
+//! A plain CPU interpreter of layer graphs: direct loops, f64
+//! accumulation, no tiling. The lowered programs are checked against it.
+
+use crate::graph::{Act, Graph, Op, View};
+
+fn act(a: Act, x: f64) -> f64 {
+    match a {
+        Act::None => x,
+        Act::Relu => x.max(0.0),
+        Act::Gelu => {
+            0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+        }
+        Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Act::Swish => x / (1.0 + (-x).exp()),
+    }
+}
+
+fn get(t: &[Vec<f32>], v: View, r: u32, c: u32) -> f64 {
+    f64::from(t[v.t][(r as usize) * v.ld as usize + (v.col + c) as usize])
+}
+
+fn set(t: &mut [Vec<f32>], v: View, r: u32, c: u32, x: f64) {
+    t[v.t][(r as usize) * v.ld as usize + (v.col + c) as usize] = x as f32;
+}
+
+/// Runs every operation of `graph` on `tensors` (one vector per tensor,
+/// indices stored as the bits of their u32 values), in place.
+pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
+    for op in &graph.ops {
+        match *op {
+            Op::Linear { x, w, b, y, rows, k, n, act: a, .. } => {
+                for r in 0..rows {
+                    for j in 0..n {
+                        let mut s = f64::from(tensors[b][j as usize]);
+                        for p in 0..k {
+                            s += get(tensors, x, r, p) * f64::from(tensors[w][(p * n + j) as usize]);
+                        }
+                        set(tensors, y, r, j, act(a, s));
+                    }
+                }
+            }
+            Op::Conv { x, w, b, y, batch, s, cin, cout, act: a, .. } => {
+                let (ho, wo) = s.out();
+                let k = i64::from(s.k);
+                for img in 0..i64::from(batch) {
+                    for oy in 0..i64::from(ho) {
+                        for ox in 0..i64::from(wo) {
+                            for co in 0..i64::from(cout) {
+                                let mut acc = f64::from(tensors[b][co as usize]);
+                                for ky in 0..k {
+                                    for kx in 0..k {
+                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
+                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                        if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
+                                            continue;
+                                        }
+                                        for ci in 0..i64::from(cin) {
+                                            let xi = ((img * i64::from(s.h) + iy) * i64::from(s.w) + ix)
+                                                * i64::from(cin)
+                                                + ci;
+                                            let wi =
+                                                ((ky * k + kx) * i64::from(cin) + ci) * i64::from(cout) + co;
+                                            acc += f64::from(tensors[x][xi as usize])
+                                                * f64::from(tensors[w][wi as usize]);
+                                        }
+                                    }
+                                }
+                                let yi =
+                                    ((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(cout) + co;
+                                tensors[y][yi as usize] = act(a, acc) as f32;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::Depthwise { x, w, b, y, batch, s, c, act: a, .. } => {
+                let (ho, wo) = s.out();
+                let k = i64::from(s.k);
+                for img in 0..i64::from(batch) {
+                    for oy in 0..i64::from(ho) {
+                        for ox in 0..i64::from(wo) {
+                            for ch in 0..i64::from(c) {
+                                let mut acc = f64::from(tensors[b][ch as usize]);
+                                for ky in 0..k {
+                                    for kx in 0..k {
+                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
+                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                        if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
+                                            continue;
+                                        }
+                                        let xi = ((img * i64::from(s.h) + iy) * i64::from(s.w) + ix)
+                                            * i64::from(c)
+                                            + ch;
+                                        let wi = (ky * k + kx) * i64::from(c) + ch;
+                                        acc += f64::from(tensors[x][xi as usize])
+                                            * f64::from(tensors[w][wi as usize]);
+                                    }
+                                }
+                                let yi =
+                                    ((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(c) + ch;
+                                tensors[y][yi as usize] = act(a, acc) as f32;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::MaxPool { x, y, batch, s, c, .. } => {
+                let (ho, wo) = s.out();
+                for img in 0..i64::from(batch) {
+                    for oy in 0..i64::from(ho) {
+                        for ox in 0..i64::from(wo) {
+                            for ch in 0..i64::from(c) {
+                                let mut m = f32::NEG_INFINITY;
+                                for ky in 0..i64::from(s.k) {
+                                    for kx in 0..i64::from(s.k) {
+                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
+                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                        if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
+                                            continue;
+                                        }
+                                        let xi = ((img * i64::from(s.h) + iy) * i64::from(s.w) + ix)
+                                            * i64::from(c)
+                                            + ch;
+                                        m = m.max(tensors[x][xi as usize]);
+                                    }
+                                }
+                                tensors[y][(((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(c)
+                                    + ch) as usize] = m;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::GlobalPool { x, y, batch, hw, c, .. } => {
+                for img in 0..batch as usize {
+                    for ch in 0..c as usize {
+                        let s: f64 = (0..hw as usize)
+                            .map(|p| f64::from(tensors[x][(img * hw as usize + p) * c as usize + ch]))
+                            .sum();
+                        tensors[y][img * c as usize + ch] = (s / f64::from(hw)) as f32;
+                    }
+                }
+            }
+            Op::Add { a, b, y, rows, cols, act: ac, .. } => {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let v = act(ac, get(tensors, a, r, c) + get(tensors, b, r, c));
+                        set(tensors, y, r, c, v);
+                    }
+                }
+            }
+            Op::Mul { a, b, y, rows, cols, .. } => {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let v = get(tensors, a, r, c) * get(tensors, b, r, c);
+                        set(tensors, y, r, c, v);
+                    }
+                }
+            }
+            Op::AddNorm { a, b, gamma, beta, y, rows, cols, .. } => {
+                let n = cols as usize;
+                for r in 0..rows as usize {
+                    let v: Vec<f64> = (0..n)
+                        .map(|c| f64::from(tensors[a][r * n + c]) + f64::from(tensors[b][r * n + c]))
+                        .collect();
+                    let mean = v.iter().sum::<f64>() / n as f64;
+                    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+                    for c in 0..n {
+                        let z = (v[c] - mean) / (var + 1e-5).sqrt();
+                        tensors[y][r * n + c] =
+                            (z * f64::from(tensors[gamma][c]) + f64::from(tensors[beta][c])) as f32;
+                    }
+                }
+            }
+            Op::ScaleChannels { x, s, y, batch, hw, c, .. } => {
+                let (hw, c) = (hw as usize, c as usize);
+                for img in 0..batch as usize {
+                    for p in 0..hw {
+                        for ch in 0..c {
+                            let i = (img * hw + p) * c + ch;
+                            tensors[y][i] =
+                                (f64::from(tensors[x][i]) * f64::from(tensors[s][img * c + ch])) as f32;
+                        }
+                    }
+                }
+            }
+            Op::Attention { qkv, y, batch, seq, heads, dh, .. } => {
+                let (seq, dh, hid) = (seq as usize, dh as usize, (heads * dh) as usize);
+                let scale = 1.0 / (dh as f64).sqrt();
+                for bi in 0..batch as usize {
+                    for h in 0..heads as usize {
+                        let src = tensors[qkv].clone();
+                        let at = |row: usize, which: usize, d: usize| {
+                            f64::from(src[(bi * seq + row) * 3 * hid + which * hid + h * dh + d])
+                        };
+                        for i in 0..seq {
+                            let logits: Vec<f64> = (0..seq)
+                                .map(|j| (0..dh).map(|d| at(i, 0, d) * at(j, 1, d)).sum::<f64>() * scale)
+                                .collect();
+                            let mx = logits.iter().copied().fold(f64::MIN, f64::max);
+                            let e: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+                            let sum: f64 = e.iter().sum();
+                            for d in 0..dh {
+                                let v: f64 = (0..seq).map(|j| e[j] / sum * at(j, 2, d)).sum();
+                                tensors[y][(bi * seq + i) * hid + h * dh + d] = v as f32;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::Embedding { table, idx, y, batch, dim, pool, .. } => {
+                for b in 0..batch {
+                    for d in 0..dim {
+                        let mut s = 0.0f64;
+                        for p in 0..pool {
+                            let row = tensors[idx][(b * pool + p) as usize].to_bits();
+                            s += f64::from(tensors[table][(row * dim + d) as usize]);
+                        }
+                        set(tensors, y, b, d, s);
+                    }
+                }
+            }
+            Op::Interaction { z, y, batch, f, d, .. } => {
+                for b in 0..batch as usize {
+                    let zb =
+                        |i: usize, k: usize| f64::from(tensors[z][b * (f * d) as usize + i * d as usize + k]);
+                    let mut out = Vec::with_capacity((f * f) as usize);
+                    for i in 0..f as usize {
+                        for j in 0..f as usize {
+                            out.push((0..d as usize).map(|k| zb(i, k) * zb(j, k)).sum::<f64>());
+                        }
+                    }
+                    for (c, v) in out.into_iter().enumerate() {
+                        set(tensors, y, b as u32, c as u32, v);
+                    }
+                }
+            }
+            Op::Copy { x, y, rows, cols, .. } => {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let v = get(tensors, x, r, c);
+                        set(tensors, y, r, c, v);
+                    }
+                }
+            }
+        }
+    }
+}

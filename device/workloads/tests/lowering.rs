@@ -1,0 +1,191 @@
+//! Lowered programs compute what the plain CPU reference computes, for
+//! every operation kind, on vNPU shapes and SRAM sizes that force many
+//! tiles, weight chunks and slot counts.
+#![allow(clippy::unwrap_used)]
+
+use npu_model::memory::read_f32s;
+use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory, VnpuLimits};
+use npu_workloads::graph::{Act, Graph, Init, Op, Spatial, View};
+use npu_workloads::{build, init_hbm, lower, reference, VnpuShape};
+
+fn board() -> BoardConfig {
+    let mut b = BoardConfig::default();
+    b.core.sa_rows = 16;
+    b.core.sa_cols = 16;
+    b
+}
+
+/// Lowers `g` for `shape`, runs it functionally, and compares every
+/// tensor with the reference interpreter.
+fn check(g: &Graph, sa: u32, vu: u32, sram: u64) {
+    let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_cols: 16 };
+    let l = lower(g, shape).unwrap();
+    verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    let mut hbm = LazyHbm::new(1 << 30);
+    init_hbm(&l, &mut hbm, 7).unwrap();
+    let mut tensors: Vec<Vec<f32>> =
+        l.tensors.iter().map(|p| read_f32s(&hbm, p.offset, p.elems as usize).unwrap()).collect();
+    let mut sram_m = Sram::new(sram);
+    let mut guest = VecGuestMemory::new(0, 0);
+    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
+    let r = run_program(&board(), &l.program, Some(mem), None).unwrap();
+    assert!(r.cycles > 0.0);
+    reference::run(g, &mut tensors);
+    for (i, p) in l.tensors.iter().enumerate() {
+        let got = read_f32s(&hbm, p.offset, p.elems as usize).unwrap();
+        for (j, (a, b)) in got.iter().zip(&tensors[i]).enumerate() {
+            let ok = if p.init == (Init::Indices { max: 0 }) || matches!(p.init, Init::Indices { .. }) {
+                a.to_bits() == b.to_bits()
+            } else {
+                (a - b).abs() <= 2e-4 * (1.0 + b.abs())
+            };
+            assert!(
+                ok,
+                "{} ({} SA, {} VU, {} B SRAM): tensor {} `{}` element {j}: model {a}, reference {b}",
+                g.name, sa, vu, sram, i, g.tensors[i].name
+            );
+        }
+    }
+}
+
+fn mini_cnn(batch: u32) -> Graph {
+    let mut g = Graph::new("mini-cnn", batch);
+    let x = g.tensor("input", u64::from(batch) * 9 * 11 * 3, Init::Input);
+    g.input = x;
+    let conv = |g: &mut Graph,
+                name: &str,
+                x: usize,
+                h: u32,
+                w: u32,
+                cin: u32,
+                cout: u32,
+                k: u16,
+                stride: u16,
+                act: Act| {
+        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let (ho, wo) = s.out();
+        let fan_in = u32::from(k) * u32::from(k) * cin;
+        let wt = g.tensor(format!("{name}.w"), u64::from(fan_in * cout), Init::Weights { fan_in });
+        let b = g.tensor(format!("{name}.b"), cout.into(), Init::Bias);
+        let y = g.act(name, u64::from(batch * ho * wo * cout));
+        g.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch, s, cin, cout, act });
+        (y, ho, wo)
+    };
+    let (a, h, w) = conv(&mut g, "c1", x, 9, 11, 3, 37, 3, 2, Act::Swish);
+    let (d, h, w) = g.depthwise("dw", a, h, w, 37, 5, 1, Act::Relu);
+    let s = Spatial { h, w, k: 3, stride: 2, pad: 1 };
+    let (ph, pw) = s.out();
+    let p = g.act("pool", u64::from(batch * ph * pw * 37));
+    g.ops.push(Op::MaxPool { name: "pool".into(), x: d, y: p, batch, s, c: 37 });
+    let (c2, _, _) = conv(&mut g, "c2", p, ph, pw, 37, 37, 1, 1, Act::None);
+    let sum = g.add("res", c2, p, u64::from(batch * ph * pw * 37), 37, Act::Gelu);
+    // Squeeze-excite.
+    let gp = g.global_pool(sum, ph * pw, 37);
+    let s1 = g.linear("se1", View::dense(gp, 37), batch, 37, 9, Act::Swish, None);
+    let s2 = g.linear("se2", s1, batch, 9, 37, Act::Sigmoid, None);
+    let sc = g.act("scale", u64::from(batch * ph * pw * 37));
+    g.ops.push(Op::ScaleChannels { name: "scale".into(), x: sum, s: s2.t, y: sc, batch, hw: ph * pw, c: 37 });
+    let gp2 = g.global_pool(sc, ph * pw, 37);
+    g.output = g.classifier(gp2, 37, 10);
+    g
+}
+
+fn mini_encoder(batch: u32) -> Graph {
+    let mut g = Graph::new("mini-encoder", batch);
+    let x = g.tensor("input", u64::from(batch * 12 * 16), Init::Input);
+    g.input = x;
+    let y = g.encoder_layer(0, x, 12, 16, 2, 24, Act::Gelu);
+    g.output = g.encoder_layer(1, y, 12, 16, 4, 20, Act::Relu);
+    g
+}
+
+fn mini_dlrm(batch: u32) -> Graph {
+    let mut g = Graph::new("mini-dlrm", batch);
+    let (tables, dim, pool, rows) = (3u32, 8u32, 5u32, 50u32);
+    let dense = g.tensor("dense", u64::from(batch * 13), Init::Input);
+    g.input = dense;
+    let f = tables + 1;
+    let z = g.act("z", u64::from(batch * f * dim));
+    let zv = |col| View { t: z, ld: f * dim, col };
+    let b1 = g.linear("bot0", View::dense(dense, 13), batch, 13, 20, Act::Relu, None);
+    g.linear("bot1", b1, batch, 20, dim, Act::Relu, Some(zv(0)));
+    for t in 0..tables {
+        let table = g.tensor(format!("t{t}"), u64::from(rows * dim), Init::Weights { fan_in: 1 });
+        let idx = g.tensor(format!("i{t}"), u64::from(batch * pool), Init::Indices { max: rows });
+        g.ops.push(Op::Embedding {
+            name: format!("e{t}"),
+            table,
+            idx,
+            y: zv((t + 1) * dim),
+            batch,
+            rows,
+            dim,
+            pool,
+        });
+    }
+    let top = f * f + dim;
+    let t_in = g.act("top", u64::from(batch * top));
+    g.ops.push(Op::Copy {
+        name: "cat".into(),
+        x: zv(0),
+        y: View { t: t_in, ld: top, col: 0 },
+        rows: batch,
+        cols: dim,
+    });
+    g.ops.push(Op::Interaction {
+        name: "int".into(),
+        z,
+        y: View { t: t_in, ld: top, col: dim },
+        batch,
+        f,
+        d: dim,
+    });
+    let prod = g.act("prod", u64::from(batch * dim));
+    g.ops.push(Op::Mul {
+        name: "mul".into(),
+        a: zv(0),
+        b: zv(dim),
+        y: View::dense(prod, dim),
+        rows: batch,
+        cols: dim,
+    });
+    let t1 = g.linear("top0", View::dense(t_in, top), batch, top, 19, Act::Relu, None);
+    g.output = g.linear("top1", t1, batch, 19, 1, Act::Sigmoid, None).t;
+    g
+}
+
+#[test]
+fn cnn_ops_match_reference() {
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 3, 96 << 10), (4, 1, 40 << 10), (3, 2, 24 << 10)] {
+        check(&mini_cnn(2), sa, vu, sram);
+    }
+}
+
+#[test]
+fn encoder_ops_match_reference() {
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 2, 64 << 10), (3, 1, 16 << 10)] {
+        check(&mini_encoder(2), sa, vu, sram);
+    }
+}
+
+#[test]
+fn recommendation_ops_match_reference() {
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 4, 32 << 10), (1, 2, 12 << 10)] {
+        check(&mini_dlrm(3), sa, vu, sram);
+    }
+    check(&build("ncf", 5).unwrap(), 2, 2, 1 << 20);
+}
+
+#[test]
+fn too_little_sram_is_a_clear_error() {
+    let g = mini_cnn(1);
+    let e =
+        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1024, hbm_bytes: 1 << 30, sa_cols: 16 }).unwrap_err();
+    assert!(e.to_string().contains("needs") && e.to_string().contains("SRAM"), "{e}");
+    let e =
+        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 4096, sa_cols: 16 }).unwrap_err();
+    assert!(e.to_string().contains("HBM"), "{e}");
+    let e = lower(&g, VnpuShape { sa: 0, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 30, sa_cols: 16 })
+        .unwrap_err();
+    assert!(e.to_string().contains("at least one SA"), "{e}");
+}

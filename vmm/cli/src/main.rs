@@ -1,0 +1,203 @@
+//! `vnpu`: the command-line front end. See `docs/cli.md`.
+
+mod size;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use npu_model::BoardConfig;
+use npu_workloads::{run_workload, RunOptions, RunReport, WORKLOADS};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "vnpu",
+    version,
+    about = "Virtual NPUs: a software NPU model, its workloads, and (soon) VMs that use it"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// DNN workloads lowered to vNPU programs and run on the NPU model.
+    Workload {
+        #[command(subcommand)]
+        command: WorkloadCommand,
+    },
+    /// The physical board model.
+    Board {
+        #[command(subcommand)]
+        command: BoardCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum WorkloadCommand {
+    /// List the workloads.
+    List,
+    /// Run a workload on one vNPU core and report simulated time, engine
+    /// activity and utilization.
+    ///
+    /// Timing only by default (fast, for sweeps); --functional also computes
+    /// real results on seeded random weights and inputs. Cycles are
+    /// simulated NPU cycles; "wall" figures are host time.
+    Run {
+        /// Workload name (see `vnpu workload list`).
+        name: String,
+        /// Systolic arrays of the vNPU core.
+        #[arg(long, default_value_t = 1)]
+        sa: u32,
+        /// Vector units of the vNPU core.
+        #[arg(long, default_value_t = 1)]
+        vu: u32,
+        /// Batch size.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// SRAM of the vNPU core (e.g. 16M); default: the board's SRAM per core.
+        #[arg(long, value_parser = size::parse_size)]
+        sram: Option<u64>,
+        /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
+        #[arg(long, value_parser = size::parse_size)]
+        hbm: Option<u64>,
+        /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+        /// Also compute real results on random data.
+        #[arg(long)]
+        functional: bool,
+        /// Seed for the random data of --functional.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BoardCommand {
+    /// Print the built-in default board as TOML (a starting point for --board files).
+    Default,
+    /// Check a board config file and print it back with every field.
+    Check { file: PathBuf },
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Config(#[from] npu_model::config::ConfigError),
+    #[error(transparent)]
+    Run(#[from] npu_workloads::RunError),
+    #[error("--sa and --vu must be at least 1")]
+    Shape,
+    #[error("--batch must be at least 1")]
+    Batch,
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+}
+
+fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
+    Ok(match path {
+        Some(p) => BoardConfig::load(p)?,
+        None => BoardConfig::default(),
+    })
+}
+
+fn print_report(r: &RunReport) {
+    println!(
+        "workload      {} (batch {}) on {} SA + {} VU, {} MiB SRAM",
+        r.workload,
+        r.batch,
+        r.sa,
+        r.vu,
+        r.sram_bytes >> 20
+    );
+    println!("program       {} instructions", r.instructions);
+    println!(
+        "simulated     {} cycles = {:.3} ms at {} MHz",
+        r.simulated_cycles,
+        r.simulated_seconds * 1e3,
+        r.clock_mhz
+    );
+    println!("SA active     {} cycles  utilization {:.1}%", r.sa_active_cycles, 100.0 * r.sa_utilization);
+    println!("VU active     {} cycles  utilization {:.1}%", r.vu_active_cycles, 100.0 * r.vu_utilization);
+    println!("DMA active    {} cycles  ({} bytes moved)", r.dma_active_cycles, r.dma_bytes);
+    println!("FLOPS util.   {:.1}% of SA peak", 100.0 * r.flops_utilization);
+    println!(
+        "SA/VU ratio   {:.2} (SA-active / VU-active)",
+        r.sa_active_cycles as f64 / (r.vu_active_cycles.max(1)) as f64
+    );
+    println!("engine        instrs      active       stall        FLOPs        bytes");
+    for e in &r.engines {
+        println!(
+            "{:<8} {:>11} {:>11} {:>11} {:>12} {:>12}",
+            e.engine, e.instructions, e.active_cycles, e.stall_cycles, e.flops, e.bytes
+        );
+    }
+    if let (Some(sum), Some(finite)) = (r.output_checksum, r.output_finite) {
+        println!("output        checksum {sum:.6e}, all finite: {finite}");
+    }
+    println!(
+        "wall          lower {:.3} s, run {:.3} s (host time)",
+        r.wall_lower_seconds, r.wall_run_seconds
+    );
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Workload { command: WorkloadCommand::List } => {
+            for (name, what) in WORKLOADS {
+                println!("{name:<14} {what}");
+            }
+        }
+        Command::Workload {
+            command:
+                WorkloadCommand::Run { name, sa, vu, batch, sram, hbm, board: path, functional, seed, json },
+        } => {
+            if sa == 0 || vu == 0 {
+                return Err(CliError::Shape);
+            }
+            if batch == 0 {
+                return Err(CliError::Batch);
+            }
+            let b = board(&path)?;
+            let opts = RunOptions {
+                workload: name,
+                batch,
+                sa,
+                vu,
+                sram_bytes: sram,
+                hbm_bytes: hbm,
+                functional,
+                seed,
+            };
+            if functional && !json {
+                eprintln!("running functionally (real arithmetic on random data); this takes longer than timing only");
+            }
+            let r = run_workload(&b, &opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print_report(&r);
+            }
+        }
+        Command::Board { command: BoardCommand::Default } => print!("{}", BoardConfig::default().to_toml()),
+        Command::Board { command: BoardCommand::Check { file } } => {
+            print!("{}", BoardConfig::load(&file)?.to_toml())
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vnpu: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! The `vnpu` binary as a user runs it.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+fn vnpu(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vnpu")).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+#[test]
+fn workload_list_names_all_seven() {
+    let (code, out, _) = vnpu(&["workload", "list"]);
+    assert_eq!(code, 0);
+    for w in ["resnet50", "bert", "dlrm", "ncf", "mobilenet", "efficientnet", "transformer"] {
+        assert!(out.lines().any(|l| l.starts_with(w)), "{w} missing from:\n{out}");
+    }
+}
+
+#[test]
+fn workload_run_json_has_the_documented_keys() {
+    let (code, out, err) =
+        vnpu(&["workload", "run", "ncf", "--sa", "2", "--vu", "1", "--batch", "4", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for k in [
+        "simulated_cycles",
+        "sa_active_cycles",
+        "vu_active_cycles",
+        "sa_utilization",
+        "vu_utilization",
+        "flops_utilization",
+    ] {
+        assert!(v.get(k).is_some(), "missing {k}");
+    }
+    assert!(v["simulated_cycles"].as_u64().unwrap() > 0);
+    let u = v["sa_utilization"].as_f64().unwrap();
+    assert!(u > 0.0 && u <= 1.0);
+    assert_eq!(v["batch"], 4);
+}
+
+#[test]
+fn functional_run_reports_a_finite_output() {
+    let (code, out, err) = vnpu(&["workload", "run", "ncf", "--batch", "3", "--functional", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["output_finite"], true);
+    assert!(v["output_checksum"].as_f64().is_some());
+}
+
+#[test]
+fn bad_input_gives_one_clear_message() {
+    let (code, _, err) = vnpu(&["workload", "run", "alexnet"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("unknown workload `alexnet`"), "{err}");
+    let (code, _, err) = vnpu(&["workload", "run", "bert", "--sa", "9"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("9 SAs"), "{err}");
+    let (code, _, err) = vnpu(&["workload", "run", "bert", "--sa", "0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("at least 1"), "{err}");
+    let (code, _, err) = vnpu(&["workload", "run", "bert", "--sram", "12Q"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("unknown size unit"), "{err}");
+    let (code, _, err) = vnpu(&["workload", "run", "resnet50", "--sram", "64K"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("SRAM"), "{err}");
+    let (code, _, err) = vnpu(&["workload", "run", "bert", "--board", "/nonexistent.toml"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("/nonexistent.toml"), "{err}");
+}
+
+#[test]
+fn board_default_round_trips_through_check() {
+    let (code, out, _) = vnpu(&["board", "default"]);
+    assert_eq!(code, 0);
+    let dir = std::env::temp_dir().join(format!("vnpu-board-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("b.toml");
+    std::fs::write(&f, &out).unwrap();
+    let (code, again, _) = vnpu(&["board", "check", f.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert_eq!(again, out);
+    std::fs::write(&f, out.replace("vu_lanes = 1024", "vu_lanes = 0")).unwrap();
+    let (code, _, err) = vnpu(&["board", "check", f.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("core.vu_lanes"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
