@@ -355,20 +355,116 @@ fn copy_rows(
     dst_stride: u64,
 ) -> Result<(), KernelError> {
     limit(rows.saturating_mul(row as u64))?;
+    let at = |base: u64, r: u64, stride: u64, what| {
+        base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry(what))
+    };
+    if src.space != dst.space {
+        // Different memories: read straight into the destination when it
+        // is one flat buffer.
+        let (s_mem, d_mem): (&dyn Memory, &mut dyn Memory) = match (src.space, dst.space) {
+            (Space::Sram, Space::Hbm) => (&*mem.sram, &mut *mem.hbm),
+            (Space::Sram, Space::Guest) => (&*mem.sram, &mut *mem.guest),
+            (Space::Hbm, Space::Sram) => (&*mem.hbm, &mut *mem.sram),
+            (Space::Hbm, Space::Guest) => (&*mem.hbm, &mut *mem.guest),
+            (Space::Guest, Space::Sram) => (&*mem.guest, &mut *mem.sram),
+            (Space::Guest, Space::Hbm) => (&*mem.guest, &mut *mem.hbm),
+            _ => return Err(KernelError::Geometry("copy between equal spaces")),
+        };
+        let mut buf = Vec::new();
+        for r in 0..rows {
+            let s = at(src.offset, r, src_stride, "src overflow")?;
+            let d = at(dst.offset, r, dst_stride, "dst overflow")?;
+            match d_mem.slice_mut(d, row as u64) {
+                Some(out) => s_mem.read(s, out)?,
+                None => {
+                    buf.resize(row, 0);
+                    s_mem.read(s, &mut buf)?;
+                    d_mem.write(d, &buf)?;
+                }
+            }
+        }
+        return Ok(());
+    }
     let mut buf = vec![0u8; row];
     for r in 0..rows {
-        let s = src
-            .offset
-            .checked_add(r.saturating_mul(src_stride))
-            .ok_or(KernelError::Geometry("src overflow"))?;
-        let d = dst
-            .offset
-            .checked_add(r.saturating_mul(dst_stride))
-            .ok_or(KernelError::Geometry("dst overflow"))?;
+        let s = at(src.offset, r, src_stride, "src overflow")?;
+        let d = at(dst.offset, r, dst_stride, "dst overflow")?;
         mem.space(src.space).read(s, &mut buf)?;
         mem.space(dst.space).write(d, &buf)?;
     }
     Ok(())
+}
+
+/// `sa.matmul` on f32 operands in place in SRAM, when every operand is
+/// 4-byte aligned and C overlaps neither A nor B (the verifier has checked
+/// the ranges; they are checked again here). Returns false when the fast
+/// path does not apply.
+#[allow(clippy::too_many_arguments)]
+fn matmul_in_place(
+    sram: &mut Sram,
+    a: u64,
+    b: u64,
+    c: u64,
+    s: GemmShape,
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+) -> bool {
+    let GemmShape { m, k, n, b_transposed, accumulate } = s;
+    if m == 0 || n == 0 || k == 0 {
+        return false;
+    }
+    let span = |rows: usize, cols: usize, ld: usize| ((rows - 1) * ld + cols) as u64 * 4;
+    let (a_len, c_len) = (span(m, k, lda), span(m, n, ldc));
+    let b_len = if b_transposed { span(n, k, ldb) } else { span(k, n, ldb) };
+    let size = sram.size();
+    let inside = |o: u64, l: u64| o % 4 == 0 && o.checked_add(l).is_some_and(|e| e <= size);
+    let disjoint = |o1: u64, l1: u64, o2: u64, l2: u64| o1 + l1 <= o2 || o2 + l2 <= o1;
+    let usable = inside(a, a_len)
+        && inside(b, b_len)
+        && inside(c, c_len)
+        && disjoint(a, a_len, c, c_len)
+        && disjoint(b, b_len, c, c_len);
+    if !usable {
+        return false;
+    }
+    let base = sram.bytes_mut().as_mut_ptr();
+    if base as usize % 4 != 0 {
+        return false;
+    }
+    let (b_cs, b_rs) = if b_transposed { (ldb as isize, 1) } else { (1, ldb as isize) };
+    let par = if m * n * k >= (1 << 18) { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    // SAFETY: `base` points to the live SRAM buffer of `size` bytes, which
+    // `sram` (borrowed mutably) keeps alive and unaliased for the call. A,
+    // B and C lie inside it (`inside`), are 4-byte aligned (offsets and
+    // base checked), and C's byte range is disjoint from A's and B's, so
+    // the only writes (to C) never alias a read. The strides describe the
+    // row-major layouts whose extents `span` computed, so gemm touches no
+    // byte outside those ranges.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            base.add(c as usize).cast::<f32>(),
+            1,
+            ldc as isize,
+            accumulate,
+            base.add(a as usize).cast::<f32>().cast_const(),
+            1,
+            lda as isize,
+            base.add(b as usize).cast::<f32>().cast_const(),
+            b_cs,
+            b_rs,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+    true
 }
 
 /// Executes one instruction on real data. Signal, wait and halt are the
@@ -402,6 +498,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
             let (m, k, n) = (m as usize, k as usize, n as usize);
+            let shape = GemmShape { m, k, n, b_transposed: flags.transpose_b, accumulate: flags.accumulate };
+            if dtype == DType::F32
+                && matmul_in_place(mem.sram, a, b, c, shape, lda as usize, ldb as usize, ldc as usize)
+            {
+                return Ok(());
+            }
             limit((m * k + k * n + m * n) as u64)?;
             let av = read_matrix(mem.sram, a, m, k, lda as usize, dtype)?;
             let bv = if flags.transpose_b {

@@ -26,35 +26,57 @@ pub trait Memory {
     fn size(&self) -> u64;
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError>;
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError>;
+    /// The bytes `[addr, addr + len)` as one mutable slice, for memories
+    /// that are one flat buffer (lets DMA copy without a bounce buffer).
+    fn slice_mut(&mut self, _addr: u64, _len: u64) -> Option<&mut [u8]> {
+        None
+    }
 }
 
-/// On-chip SRAM of one vNPU core: plain bytes, allocated up front.
+/// On-chip SRAM of one vNPU core: bytes allocated up front, 8-byte
+/// aligned so aligned f32 operands can be used in place.
 #[derive(Debug, Clone)]
 pub struct Sram {
-    bytes: Vec<u8>,
+    words: Vec<u64>,
+    size: u64,
 }
 
 impl Sram {
     pub fn new(size: u64) -> Self {
-        Self { bytes: vec![0; size as usize] }
+        Self { words: vec![0; size.div_ceil(8) as usize], size }
+    }
+
+    /// All bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.words)[..self.size as usize]
+    }
+
+    /// All bytes, mutably.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let n = self.size as usize;
+        &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
     }
 }
 
 impl Memory for Sram {
     fn size(&self) -> u64 {
-        self.bytes.len() as u64
+        self.size
     }
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
         check("sram", addr, buf.len() as u64, self.size())?;
         let a = addr as usize;
-        buf.copy_from_slice(&self.bytes[a..a + buf.len()]);
+        buf.copy_from_slice(&self.bytes()[a..a + buf.len()]);
         Ok(())
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
         check("sram", addr, data.len() as u64, self.size())?;
         let a = addr as usize;
-        self.bytes[a..a + data.len()].copy_from_slice(data);
+        self.bytes_mut()[a..a + data.len()].copy_from_slice(data);
         Ok(())
+    }
+    fn slice_mut(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
+        check("sram", addr, len, self.size).ok()?;
+        self.bytes_mut().get_mut(addr as usize..(addr + len) as usize)
     }
 }
 
@@ -162,6 +184,10 @@ impl Memory for VecGuestMemory {
         let r = self.range(addr, data.len())?;
         self.bytes[r].copy_from_slice(data);
         Ok(())
+    }
+    fn slice_mut(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
+        let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
+        self.bytes.get_mut(r)
     }
 }
 
