@@ -243,103 +243,124 @@ pub fn layernorm_rows(v: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], e
     }
 }
 
-/// im2col of an NHWC input: one row per output pixel, `kh*kw*cin` columns
-/// in (ky, kx, c) order, zeros where the window leaves the input.
-pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
-    let (h, w, cin) = (g.h as usize, g.w as usize, g.cin as usize);
-    let (kh, kw, s) = (g.kh as usize, g.kw as usize, g.stride as usize);
-    let kcols = kh * kw * cin;
-    let mut out = vec![0.0f32; g.n as usize * ho * wo * kcols];
-    for b in 0..g.n as usize {
-        for oy in 0..ho {
-            for ox in 0..wo {
-                let row = ((b * ho + oy) * wo + ox) * kcols;
-                for ky in 0..kh {
-                    let iy = (oy * s + ky) as isize - g.pad_top as isize;
-                    if iy < 0 || iy >= h as isize {
-                        continue;
-                    }
-                    for kx in 0..kw {
-                        let ix = (ox * s + kx) as isize - g.pad_left as isize;
-                        if ix < 0 || ix >= w as isize {
+/// A sliding window over an NHWC tensor of `n` images `h x w` with `c`
+/// channels: kernel `kh x kw`, `stride`, padding `top`/`left`, output
+/// `ho x wo`.
+struct Window {
+    n: usize,
+    h: usize,
+    w: usize,
+    c: usize,
+    kh: usize,
+    kw: usize,
+    stride: usize,
+    top: usize,
+    left: usize,
+    ho: usize,
+    wo: usize,
+}
+
+impl Window {
+    /// Calls `f(out_pixel, tap, in_pixel)` for every output pixel (index
+    /// over `n * ho * wo`) and every kernel tap (`ky * kw + kx`) whose input
+    /// pixel (index over `n * h * w`) lies inside the image.
+    fn for_each_tap(&self, mut f: impl FnMut(usize, usize, usize)) {
+        for b in 0..self.n {
+            for oy in 0..self.ho {
+                for ox in 0..self.wo {
+                    let o = (b * self.ho + oy) * self.wo + ox;
+                    for ky in 0..self.kh {
+                        let Some(iy) = (oy * self.stride + ky).checked_sub(self.top).filter(|y| *y < self.h)
+                        else {
                             continue;
+                        };
+                        for kx in 0..self.kw {
+                            let Some(ix) =
+                                (ox * self.stride + kx).checked_sub(self.left).filter(|x| *x < self.w)
+                            else {
+                                continue;
+                            };
+                            f(o, ky * self.kw + kx, (b * self.h + iy) * self.w + ix);
                         }
-                        let src = ((b * h + iy as usize) * w + ix as usize) * cin;
-                        let dst = row + (ky * kw + kx) * cin;
-                        out[dst..dst + cin].copy_from_slice(&input[src..src + cin]);
                     }
                 }
             }
         }
     }
+
+    fn conv(g: &ConvGeom, c: u32, ho: usize, wo: usize) -> Self {
+        Self {
+            n: g.n as usize,
+            h: g.h as usize,
+            w: g.w as usize,
+            c: c as usize,
+            kh: g.kh as usize,
+            kw: g.kw as usize,
+            stride: g.stride as usize,
+            top: g.pad_top as usize,
+            left: g.pad_left as usize,
+            ho,
+            wo,
+        }
+    }
+}
+
+/// im2col of an NHWC input: one row per output pixel, `kh*kw*cin` columns
+/// in (ky, kx, c) order, zeros where the window leaves the input.
+pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
+    let win = Window::conv(g, g.cin, ho, wo);
+    let (cin, kcols) = (win.c, win.kh * win.kw * win.c);
+    let mut out = vec![0.0f32; win.n * ho * wo * kcols];
+    win.for_each_tap(|o, tap, i| {
+        let dst = o * kcols + tap * cin;
+        out[dst..dst + cin].copy_from_slice(&input[i * cin..(i + 1) * cin]);
+    });
     out
 }
 
 /// Depthwise convolution of an NHWC tensor with `kh x kw x c` weights.
 pub fn depthwise(input: &[f32], weights: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
-    let (h, w, c) = (g.h as usize, g.w as usize, g.cin as usize);
-    let (kh, kw, s) = (g.kh as usize, g.kw as usize, g.stride as usize);
-    let mut out = vec![0.0f32; g.n as usize * ho * wo * c];
-    for b in 0..g.n as usize {
-        for oy in 0..ho {
-            for ox in 0..wo {
-                let o = ((b * ho + oy) * wo + ox) * c;
-                for ky in 0..kh {
-                    let iy = (oy * s + ky) as isize - g.pad_top as isize;
-                    if iy < 0 || iy >= h as isize {
-                        continue;
-                    }
-                    for kx in 0..kw {
-                        let ix = (ox * s + kx) as isize - g.pad_left as isize;
-                        if ix < 0 || ix >= w as isize {
-                            continue;
-                        }
-                        let i = ((b * h + iy as usize) * w + ix as usize) * c;
-                        let wt = (ky * kw + kx) * c;
-                        for ch in 0..c {
-                            out[o + ch] += input[i + ch] * weights[wt + ch];
-                        }
-                    }
-                }
-            }
+    let win = Window::conv(g, g.cin, ho, wo);
+    let c = win.c;
+    let mut out = vec![0.0f32; win.n * ho * wo * c];
+    win.for_each_tap(|o, tap, i| {
+        for ch in 0..c {
+            out[o * c + ch] += input[i * c + ch] * weights[tap * c + ch];
         }
-    }
+    });
     out
 }
 
-/// Pooling over an NHWC tensor.
+/// Pooling over an NHWC tensor (average over the in-bounds elements).
 pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Vec<f32> {
-    let (h, w, c) = (g.h as usize, g.w as usize, g.c as usize);
-    let (kh, kw, s, p) = (g.kh as usize, g.kw as usize, g.stride as usize, g.pad as isize);
-    let mut out = vec![0.0f32; g.n as usize * ho * wo * c];
-    for b in 0..g.n as usize {
-        for oy in 0..ho {
-            for ox in 0..wo {
-                let o = ((b * ho + oy) * wo + ox) * c;
-                for ch in 0..c {
-                    let mut acc = if op == PoolOp::Max { f32::NEG_INFINITY } else { 0.0 };
-                    let mut count = 0u32;
-                    for ky in 0..kh {
-                        let iy = (oy * s + ky) as isize - p;
-                        if iy < 0 || iy >= h as isize {
-                            continue;
-                        }
-                        for kx in 0..kw {
-                            let ix = (ox * s + kx) as isize - p;
-                            if ix < 0 || ix >= w as isize {
-                                continue;
-                            }
-                            let v = input[((b * h + iy as usize) * w + ix as usize) * c + ch];
-                            acc = if op == PoolOp::Max { acc.max(v) } else { acc + v };
-                            count += 1;
-                        }
-                    }
-                    out[o + ch] = match op {
-                        PoolOp::Max => acc,
-                        PoolOp::Avg => acc / count.max(1) as f32,
-                    };
-                }
-            }
+    let win = Window {
+        n: g.n as usize,
+        h: g.h as usize,
+        w: g.w as usize,
+        c: g.c as usize,
+        kh: g.kh as usize,
+        kw: g.kw as usize,
+        stride: g.stride as usize,
+        top: g.pad as usize,
+        left: g.pad as usize,
+        ho,
+        wo,
+    };
+    let c = win.c;
+    let pixels = win.n * ho * wo;
+    let init = if op == PoolOp::Max { f32::NEG_INFINITY } else { 0.0 };
+    let mut out = vec![init; pixels * c];
+    let mut count = vec![0u32; pixels];
+    win.for_each_tap(|o, _, i| {
+        count[o] += 1;
+        for ch in 0..c {
+            let (acc, v) = (&mut out[o * c + ch], input[i * c + ch]);
+            *acc = if op == PoolOp::Max { acc.max(v) } else { *acc + v };
+        }
+    });
+    if op == PoolOp::Avg {
+        for (o, n) in count.iter().enumerate() {
+            out[o * c..(o + 1) * c].iter_mut().for_each(|v| *v /= (*n).max(1) as f32);
         }
     }
     out

@@ -514,6 +514,38 @@ impl Lowerer {
         })
     }
 
+    /// A VU-only pipeline over whole images: each tile loads `r` images of
+    /// `inn` elements contiguously, `compute(r, src, dst)` turns them into
+    /// `r` outputs of `out` elements, which are stored contiguously.
+    fn image_tiles(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        inn: u64,
+        out: u64,
+        compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * (inn + out) * F,
+            |u0, r, base| {
+                let outb = base + u64::from(r) * inn * F;
+                let (img, n) = (u64::from(u0), u64::from(r));
+                (
+                    vec![copy(Addr::hbm(xa + img * inn * F), Addr::sram(base), 1, n * inn * F, 0, 0)],
+                    compute(r, base, outb),
+                    vec![copy(Addr::sram(outb), Addr::hbm(ya + img * out * F), 1, n * out * F, 0, 0)],
+                )
+            },
+        )
+    }
+
     fn eltwise(
         &mut self,
         name: &str,
@@ -596,15 +628,14 @@ impl Lowerer {
             }
             Op::MaxPool { ref name, x, y, batch, s, c } => {
                 let (ho, wo) = s.out();
-                let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
-                self.vu_tiles(
+                self.image_tiles(
                     name,
-                    vec![],
-                    0,
+                    x,
+                    y,
                     batch,
-                    |r| u64::from(r) * (inn + out) * F,
-                    |u0, r, base| {
-                        let outb = base + u64::from(r) * inn * F;
+                    u64::from(s.h * s.w * c),
+                    u64::from(ho * wo * c),
+                    |r, src, dst| {
                         let geom = PoolGeom {
                             n: r,
                             h: s.h,
@@ -615,64 +646,20 @@ impl Lowerer {
                             stride: s.stride,
                             pad: s.pad,
                         };
-                        (
-                            vec![copy(
-                                at(x, u64::from(u0) * inn),
-                                Addr::sram(base),
-                                1,
-                                u64::from(r) * inn * F,
-                                0,
-                                0,
-                            )],
-                            vec![Instr::VPool { op: PoolOp::Max, src: base, dst: outb, geom }],
-                            vec![copy(
-                                Addr::sram(outb),
-                                at(y, u64::from(u0) * out),
-                                1,
-                                u64::from(r) * out * F,
-                                0,
-                                0,
-                            )],
-                        )
+                        vec![Instr::VPool { op: PoolOp::Max, src, dst, geom }]
                     },
                 )?;
             }
             Op::GlobalPool { ref name, x, y, batch, hw, c } => {
-                let (inn, out) = (u64::from(hw) * u64::from(c), u64::from(c));
-                self.vu_tiles(
+                self.image_tiles(
                     name,
-                    vec![],
-                    0,
+                    x,
+                    y,
                     batch,
-                    |r| u64::from(r) * (inn + out) * F,
-                    |u0, r, base| {
-                        let outb = base + u64::from(r) * inn * F;
-                        (
-                            vec![copy(
-                                at(x, u64::from(u0) * inn),
-                                Addr::sram(base),
-                                1,
-                                u64::from(r) * inn * F,
-                                0,
-                                0,
-                            )],
-                            vec![Instr::VReduce {
-                                op: RedOp::Mean,
-                                src: base,
-                                dst: outb,
-                                outer: r,
-                                reduce: hw,
-                                inner: c,
-                            }],
-                            vec![copy(
-                                Addr::sram(outb),
-                                at(y, u64::from(u0) * out),
-                                1,
-                                u64::from(r) * out * F,
-                                0,
-                                0,
-                            )],
-                        )
+                    u64::from(hw) * u64::from(c),
+                    c.into(),
+                    |r, src, dst| {
+                        vec![Instr::VReduce { op: RedOp::Mean, src, dst, outer: r, reduce: hw, inner: c }]
                     },
                 )?;
             }
