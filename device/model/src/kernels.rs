@@ -50,6 +50,26 @@ impl CoreMemory<'_> {
     }
 }
 
+/// Most sliding-window steps (output pixels x kernel taps) one functional
+/// instruction may take, whatever its operand sizes.
+pub const MAX_WINDOW_STEPS: u64 = 1 << 28;
+
+/// The product of `dims`, or `TooLarge` when it overflows or exceeds
+/// [`MAX_ELEMENTS`].
+fn count(dims: &[u64]) -> Result<usize, KernelError> {
+    let n = dims.iter().try_fold(1u64, |a, d| a.checked_mul(*d)).ok_or(KernelError::TooLarge(u64::MAX))?;
+    limit(n)
+}
+
+/// Checks that walking a window of `taps` over `pixels` outputs is bounded.
+fn window_steps(pixels: usize, taps: usize) -> Result<(), KernelError> {
+    let steps = (pixels as u64).saturating_mul(taps as u64);
+    if steps > MAX_WINDOW_STEPS {
+        return Err(KernelError::TooLarge(steps));
+    }
+    Ok(())
+}
+
 fn limit(n: u64) -> Result<usize, KernelError> {
     if n > MAX_ELEMENTS {
         return Err(KernelError::TooLarge(n));
@@ -59,6 +79,7 @@ fn limit(n: u64) -> Result<usize, KernelError> {
 
 /// Reads `n` elements of `dtype` as f32.
 fn read_elems(m: &dyn Memory, addr: u64, n: usize, dtype: DType) -> Result<Vec<f32>, KernelError> {
+    crate::memory::check_span(m, addr, n as u64 * dtype.size())?;
     Ok(match dtype {
         DType::F32 => read_f32s(m, addr, n)?,
         DType::Bf16 => {
@@ -264,25 +285,25 @@ impl Window {
     /// Calls `f(out_pixel, tap, in_pixel)` for every output pixel (index
     /// over `n * ho * wo`) and every kernel tap (`ky * kw + kx`) whose input
     /// pixel (index over `n * h * w`) lies inside the image.
-    fn for_each_tap(&self, mut f: impl FnMut(usize, usize, usize)) {
-        for b in 0..self.n {
-            for oy in 0..self.ho {
-                for ox in 0..self.wo {
-                    let o = (b * self.ho + oy) * self.wo + ox;
-                    for ky in 0..self.kh {
-                        let Some(iy) = (oy * self.stride + ky).checked_sub(self.top).filter(|y| *y < self.h)
-                        else {
-                            continue;
-                        };
-                        for kx in 0..self.kw {
-                            let Some(ix) =
-                                (ox * self.stride + kx).checked_sub(self.left).filter(|x| *x < self.w)
-                            else {
-                                continue;
-                            };
-                            f(o, ky * self.kw + kx, (b * self.h + iy) * self.w + ix);
-                        }
-                    }
+    fn for_each_tap(&self, f: impl FnMut(usize, usize, usize)) {
+        self.for_each_tap_in(0..self.n * self.ho * self.wo, f);
+    }
+
+    /// [`Self::for_each_tap`] over output pixels `pixels` only.
+    fn for_each_tap_in(&self, pixels: std::ops::Range<usize>, mut f: impl FnMut(usize, usize, usize)) {
+        let per_image = self.ho * self.wo;
+        for o in pixels {
+            let (b, oy, ox) = (o / per_image, (o % per_image) / self.wo, o % self.wo);
+            for ky in 0..self.kh {
+                let Some(iy) = (oy * self.stride + ky).checked_sub(self.top).filter(|y| *y < self.h) else {
+                    continue;
+                };
+                for kx in 0..self.kw {
+                    let Some(ix) = (ox * self.stride + kx).checked_sub(self.left).filter(|x| *x < self.w)
+                    else {
+                        continue;
+                    };
+                    f(o, ky * self.kw + kx, (b * self.h + iy) * self.w + ix);
                 }
             }
         }
@@ -305,18 +326,23 @@ impl Window {
     }
 }
 
-/// im2col of an NHWC input: one row per output pixel, `kh*kw*cin` columns
-/// in (ky, kx, c) order, zeros where the window leaves the input.
-pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
+/// im2col of output pixels `pixels` of an NHWC input: one row per output
+/// pixel, `kh*kw*cin` columns in (ky, kx, c) order, zeros where the window
+/// leaves the input.
+pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize, pixels: std::ops::Range<usize>) -> Vec<f32> {
     let win = Window::conv(g, g.cin, ho, wo);
     let (cin, kcols) = (win.c, win.kh * win.kw * win.c);
-    let mut out = vec![0.0f32; win.n * ho * wo * kcols];
-    win.for_each_tap(|o, tap, i| {
-        let dst = o * kcols + tap * cin;
+    let first = pixels.start;
+    let mut out = vec![0.0f32; pixels.len() * kcols];
+    win.for_each_tap_in(pixels, |o, tap, i| {
+        let dst = (o - first) * kcols + tap * cin;
         out[dst..dst + cin].copy_from_slice(&input[i * cin..(i + 1) * cin]);
     });
     out
 }
+
+/// Elements of im2col built at once (bounds host memory per instruction).
+const IM2COL_CHUNK: usize = 1 << 22;
 
 /// Depthwise convolution of an NHWC tensor with `kh x kw x c` weights.
 pub fn depthwise(input: &[f32], weights: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
@@ -503,6 +529,9 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             }
         }
         Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {
+            if count == 0 || row_bytes == 0 {
+                return Ok(());
+            }
             limit(u64::from(count) * u64::from(row_bytes))?;
             let mut idx = vec![0u8; count as usize * 4];
             mem.sram.read(indices, &mut idx)?;
@@ -519,6 +548,11 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
             let (m, k, n) = (m as usize, k as usize, n as usize);
+            if m == 0 || k == 0 || n == 0 {
+                // A zero dimension makes the instruction a no-op (its
+                // footprint is empty, so it may not touch C either).
+                return Ok(());
+            }
             let shape = GemmShape { m, k, n, b_transposed: flags.transpose_b, accumulate: flags.accumulate };
             if dtype == DType::F32
                 && matmul_in_place(mem.sram, a, b, c, shape, lda as usize, ldb as usize, ldc as usize)
@@ -545,28 +579,36 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             );
             write_matrix(mem.sram, c, &cv, m, n, ldc as usize)?;
         }
-        Instr::Conv2d { dtype, flags, input, weights, output, geom } => {
-            let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("conv kernel/stride"))?;
-            let (ho, wo) = (ho as usize, wo as usize);
-            let rows = geom.n as usize * ho * wo;
-            let kk = geom.kh as usize * geom.kw as usize * geom.cin as usize;
-            let cout = geom.cout as usize;
-            let in_len = geom.n as usize * geom.h as usize * geom.w as usize * geom.cin as usize;
-            limit((in_len + rows * kk + kk * cout + rows * cout) as u64)?;
-            let x = read_elems(mem.sram, input, in_len, dtype)?;
-            let wv = read_elems(mem.sram, weights, kk * cout, dtype)?;
-            let cols = im2col(&x, &geom, ho, wo);
+        Instr::Conv2d { dtype, flags, input, weights, output, geom: g } => {
+            let (ho, wo) = g.out_hw().ok_or(KernelError::Geometry("conv kernel/stride"))?;
+            let rows = count(&[g.n.into(), ho.into(), wo.into()])?;
+            let kk = count(&[g.kh.into(), g.kw.into(), g.cin.into()])?;
+            let cout = g.cout as usize;
+            let in_len = count(&[g.n.into(), g.h.into(), g.w.into(), g.cin.into()])?;
+            limit((in_len + kk * cout + rows * cout) as u64)?;
+            if rows == 0 || cout == 0 {
+                return Ok(());
+            }
             let mut out = if flags.accumulate {
                 read_f32s(mem.sram, output, rows * cout)?
             } else {
                 vec![0.0; rows * cout]
             };
-            gemm_f32(
-                &cols,
-                &wv,
-                &mut out,
-                GemmShape { m: rows, k: kk, n: cout, b_transposed: false, accumulate: flags.accumulate },
-            );
+            if kk > 0 && in_len > 0 {
+                window_steps(rows, usize::from(g.kh) * usize::from(g.kw))?;
+                let x = read_elems(mem.sram, input, in_len, dtype)?;
+                let wv = read_elems(mem.sram, weights, kk * cout, dtype)?;
+                let chunk = (IM2COL_CHUNK / kk).max(1);
+                let mut p0 = 0;
+                while p0 < rows {
+                    let p1 = (p0 + chunk).min(rows);
+                    let cols = im2col(&x, &g, ho as usize, wo as usize, p0..p1);
+                    let shape =
+                        GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
+                    gemm_f32(&cols, &wv, &mut out[p0 * cout..p1 * cout], shape);
+                    p0 = p1;
+                }
+            }
             write_f32s(mem.sram, output, &out)?;
         }
         Instr::VBinary { op, bcast, a, b, dst, rows, cols } => {
@@ -600,7 +642,10 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::VReduce { op, src, dst, outer, reduce, inner } => {
             let (o, r, i) = (outer as usize, reduce as usize, inner as usize);
-            let v = read_f32s(mem.sram, src, limit((o as u64) * (r as u64) * (i as u64))?)?;
+            let v = read_f32s(mem.sram, src, count(&[o as u64, r as u64, i as u64])?)?;
+            if o * i == 0 {
+                return Ok(());
+            }
             let mut out = vec![0.0f32; o * i];
             for a in 0..o {
                 for c in 0..i {
@@ -632,7 +677,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::VPool { op, src, dst, geom } => {
             let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("pool window/stride"))?;
-            let n = limit(u64::from(geom.n) * u64::from(geom.h) * u64::from(geom.w) * u64::from(geom.c))?;
+            let n = count(&[geom.n.into(), geom.h.into(), geom.w.into(), geom.c.into()])?;
+            let pixels = count(&[geom.n.into(), ho.into(), wo.into()])?;
+            if n == 0 || pixels == 0 || geom.c == 0 {
+                return Ok(());
+            }
+            window_steps(pixels, usize::from(geom.kh) * usize::from(geom.kw))?;
             let v = read_f32s(mem.sram, src, n)?;
             let out = pool(&v, op, &geom, ho as usize, wo as usize);
             write_f32s(mem.sram, dst, &out)?;
@@ -640,13 +690,23 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         Instr::VDepthwise { src, weights, dst, geom } => {
             let (ho, wo) = geom.out_hw().ok_or(KernelError::Geometry("depthwise kernel/stride"))?;
             let c = geom.cin as usize;
-            let in_len = geom.n as usize * geom.h as usize * geom.w as usize * c;
-            let taps = geom.kh as usize * geom.kw as usize;
-            let out_len = geom.n as usize * ho as usize * wo as usize * c;
+            let in_len = count(&[geom.n.into(), geom.h.into(), geom.w.into(), geom.cin.into()])?;
+            let taps = usize::from(geom.kh) * usize::from(geom.kw);
+            let pixels = count(&[geom.n.into(), ho.into(), wo.into()])?;
+            let out_len = count(&[pixels as u64, c as u64])?;
             limit((in_len + taps * c + out_len) as u64)?;
-            let x = read_f32s(mem.sram, src, in_len)?;
-            let wv = read_f32s(mem.sram, weights, taps * c)?;
-            write_f32s(mem.sram, dst, &depthwise(&x, &wv, &geom, ho as usize, wo as usize))?;
+            if out_len == 0 {
+                return Ok(());
+            }
+            let out = if in_len == 0 {
+                vec![0.0; out_len]
+            } else {
+                window_steps(pixels, taps)?;
+                let x = read_f32s(mem.sram, src, in_len)?;
+                let wv = read_f32s(mem.sram, weights, taps * c)?;
+                depthwise(&x, &wv, &geom, ho as usize, wo as usize)
+            };
+            write_f32s(mem.sram, dst, &out)?;
         }
         Instr::VConvert { from, to, src, dst, len } => {
             let v = read_elems(mem.sram, src, limit(len.into())?, from)?;
@@ -655,4 +715,35 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn im2col_chunks_concatenate_to_the_whole() {
+        let g = ConvGeom {
+            n: 2,
+            h: 5,
+            w: 4,
+            cin: 3,
+            cout: 1,
+            kh: 3,
+            kw: 2,
+            stride: 1,
+            pad_top: 1,
+            pad_bottom: 1,
+            pad_left: 1,
+            pad_right: 0,
+        };
+        let (ho, wo) = g.out_hw().unwrap();
+        let (ho, wo) = (ho as usize, wo as usize);
+        let input: Vec<f32> = (0..2 * 5 * 4 * 3).map(|v| v as f32).collect();
+        let all = im2col(&input, &g, ho, wo, 0..2 * ho * wo);
+        let mut parts = im2col(&input, &g, ho, wo, 0..7);
+        parts.extend(im2col(&input, &g, ho, wo, 7..2 * ho * wo));
+        assert_eq!(all, parts);
+        assert!(all.iter().any(|v| *v > 0.0));
+    }
 }

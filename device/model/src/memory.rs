@@ -191,8 +191,18 @@ impl Memory for VecGuestMemory {
     }
 }
 
+/// Fails when `[addr, addr + len)` cannot lie inside `m` (checked before
+/// buffers for it are allocated).
+pub fn check_span(m: &dyn Memory, addr: u64, len: u64) -> Result<(), MemoryError> {
+    match addr.checked_add(len) {
+        Some(end) if end <= m.size() => Ok(()),
+        _ => Err(MemoryError::OutOfRange { space: "memory", start: addr, len, size: m.size() }),
+    }
+}
+
 /// Reads `n` little-endian f32 values.
 pub fn read_f32s(m: &dyn Memory, addr: u64, n: usize) -> Result<Vec<f32>, MemoryError> {
+    check_span(m, addr, n as u64 * 4)?;
     let mut bytes = vec![0u8; n * 4];
     m.read(addr, &mut bytes)?;
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())

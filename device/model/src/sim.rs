@@ -238,6 +238,23 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                                     State::Waiting { sem: sem % vnpu_abi::isa::NUM_SEMAPHORES, since: now };
                             }
                             ref i => {
+                                let c = cost(cfg, i);
+                                // Never spend host time on an instruction that
+                                // cannot finish within the tenant's budget.
+                                if let Some(b) = tenants[r.tenant].max_cycles {
+                                    let least = match c.occupancy {
+                                        Occupancy::Fixed(cy) => cy,
+                                        Occupancy::Transfer { latency, bytes, cap, .. } => {
+                                            latency + bytes / cap
+                                        }
+                                        Occupancy::Sync => 0.0,
+                                    };
+                                    if now + least > b as f64 {
+                                        ts.error = Some(ExecError::Budget { budget: b });
+                                        r.state = State::Done;
+                                        continue;
+                                    }
+                                }
                                 if let Some(mem) = tenants[r.tenant].memory.as_mut() {
                                     if let Err(source) = execute(i, mem) {
                                         ts.error = Some(ExecError::Kernel {
@@ -251,10 +268,9 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                                         continue;
                                     }
                                 }
-                                let c = cost(cfg, i);
                                 r.stats.instructions += 1;
-                                r.stats.flops += c.flops;
-                                r.stats.bytes += c.bytes;
+                                r.stats.flops = r.stats.flops.saturating_add(c.flops);
+                                r.stats.bytes = r.stats.bytes.saturating_add(c.bytes);
                                 r.pc += 1;
                                 r.state = match c.occupancy {
                                     Occupancy::Fixed(cy) => {

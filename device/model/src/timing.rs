@@ -45,6 +45,12 @@ pub struct Cost {
     pub bytes: u64,
 }
 
+/// Saturating product: costs of absurd (but verifier-accepted, because
+/// zero-sized) operands stay finite instead of overflowing.
+fn prod(dims: &[u64]) -> u64 {
+    dims.iter().fold(1u64, |a, d| a.saturating_mul(*d))
+}
+
 /// Cycles of a GEMM view `m x k x n` on one `rows x cols` array.
 pub fn sa_gemm_cycles(cfg: &BoardConfig, m: u64, k: u64, n: u64) -> f64 {
     if m == 0 || k == 0 || n == 0 {
@@ -52,10 +58,10 @@ pub fn sa_gemm_cycles(cfg: &BoardConfig, m: u64, k: u64, n: u64) -> f64 {
     }
     let (r, c) = (u64::from(cfg.core.sa_rows), u64::from(cfg.core.sa_cols));
     let (folds, stream) = match cfg.core.dataflow {
-        Dataflow::WeightStationary => (k.div_ceil(r) * n.div_ceil(c), m),
-        Dataflow::OutputStationary => (m.div_ceil(r) * n.div_ceil(c), k),
+        Dataflow::WeightStationary => (prod(&[k.div_ceil(r), n.div_ceil(c)]), m),
+        Dataflow::OutputStationary => (prod(&[m.div_ceil(r), n.div_ceil(c)]), k),
     };
-    (folds as f64) * ((2 * r + c + stream - 2) as f64) - 1.0
+    (folds as f64) * ((2 * r + c - 2) as f64 + stream as f64) - 1.0
 }
 
 fn vu(cfg: &BoardConfig, elements: u64, passes: f64) -> Occupancy {
@@ -86,31 +92,32 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
     let mut bytes = 0u64;
     let occupancy = match *instr {
         Instr::DmaCopy { src, dst, rows, row_bytes, .. } => {
-            bytes = u64::from(rows) * u64::from(row_bytes);
+            bytes = prod(&[rows.into(), row_bytes.into()]);
             transfer(cfg, src.space, dst.space, bytes)
         }
         Instr::DmaGather { table, count, row_bytes, .. } => {
             // Each row is a separate burst, rounded up to 64-byte beats,
             // plus the indices themselves.
-            bytes = u64::from(count) * u64::from(row_bytes);
-            let beats = u64::from(count) * u64::from(row_bytes).div_ceil(64) * 64 + 4 * u64::from(count);
+            bytes = prod(&[count.into(), row_bytes.into()]);
+            let beats = prod(&[count.into(), u64::from(row_bytes).div_ceil(64), 64])
+                .saturating_add(4 * u64::from(count));
             transfer(cfg, table.space, Space::Sram, beats)
         }
         Instr::MatMul { m, k, n, .. } => {
             let (m, k, n) = (u64::from(m), u64::from(k), u64::from(n));
-            flops = 2 * m * k * n;
+            flops = prod(&[2, m, k, n]);
             Occupancy::Fixed(sa_gemm_cycles(cfg, m, k, n))
         }
         Instr::Conv2d { geom: g, .. } => {
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
-            let m = u64::from(g.n) * u64::from(ho) * u64::from(wo);
-            let k = u64::from(g.kh) * u64::from(g.kw) * u64::from(g.cin);
+            let m = prod(&[g.n.into(), ho.into(), wo.into()]);
+            let k = prod(&[g.kh.into(), g.kw.into(), g.cin.into()]);
             let n = u64::from(g.cout);
-            flops = 2 * m * k * n;
+            flops = prod(&[2, m, k, n]);
             Occupancy::Fixed(sa_gemm_cycles(cfg, m, k, n))
         }
         Instr::VBinary { rows, cols, .. } => {
-            let e = u64::from(rows) * u64::from(cols);
+            let e = prod(&[rows.into(), cols.into()]);
             flops = e;
             vu(cfg, e, 1.0)
         }
@@ -122,7 +129,7 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
                 UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => trans,
                 UnOp::Gelu => trans + 3.0,
             };
-            flops = e * passes as u64;
+            flops = prod(&[e, passes as u64]);
             vu(cfg, e, passes)
         }
         Instr::VAffine { len, .. } => {
@@ -134,37 +141,38 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
             // there (one vector per (outer, reduce) pair and lane group),
             // else along each row being reduced.
             let (o, r, i) = (u64::from(outer), u64::from(reduce), u64::from(inner));
-            flops = o * r * i;
+            flops = prod(&[o, r, i]);
             let lanes = u64::from(cfg.core.vu_lanes);
-            let vectors = if i == 1 { o * r.div_ceil(lanes) } else { o * r * i.div_ceil(lanes) };
+            let vectors =
+                if i == 1 { prod(&[o, r.div_ceil(lanes)]) } else { prod(&[o, r, i.div_ceil(lanes)]) };
             Occupancy::Fixed(vectors.max(1) as f64 + f64::from(cfg.core.vu_latency_cycles))
         }
         Instr::VSoftmax { rows, cols, .. } => {
             // max, subtract + exp, sum, scale.
-            let e = u64::from(rows) * u64::from(cols);
-            flops = e * 5;
+            let e = prod(&[rows.into(), cols.into()]);
+            flops = prod(&[e, 5]);
             vu(cfg, e, 3.0 + trans)
         }
         Instr::VLayerNorm { rows, cols, .. } => {
             // mean, variance (2), normalize (2), scale + shift (2).
-            let e = u64::from(rows) * u64::from(cols);
-            flops = e * 7;
+            let e = prod(&[rows.into(), cols.into()]);
+            flops = prod(&[e, 7]);
             vu(cfg, e, 7.0)
         }
         Instr::VPool { geom: g, .. } => {
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
-            let out = u64::from(g.n) * u64::from(ho) * u64::from(wo) * u64::from(g.c);
-            let win = u64::from(g.kh) * u64::from(g.kw);
-            flops = out * win;
-            vu(cfg, out * win, 1.0)
+            let out = prod(&[g.n.into(), ho.into(), wo.into(), g.c.into()]);
+            let win = prod(&[g.kh.into(), g.kw.into()]);
+            flops = prod(&[out, win]);
+            vu(cfg, flops, 1.0)
         }
         Instr::VConvert { len, .. } => vu(cfg, len.into(), 1.0),
         Instr::VDepthwise { geom: g, .. } => {
             // One multiply-add pass over the output per kernel tap.
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
-            let out = u64::from(g.n) * u64::from(ho) * u64::from(wo) * u64::from(g.cout);
-            let taps = u64::from(g.kh) * u64::from(g.kw);
-            flops = 2 * out * taps;
+            let out = prod(&[g.n.into(), ho.into(), wo.into(), g.cout.into()]);
+            let taps = prod(&[g.kh.into(), g.kw.into()]);
+            flops = prod(&[2, out, taps]);
             vu(cfg, out, taps as f64)
         }
         Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => Occupancy::Sync,

@@ -596,3 +596,131 @@ fn matmul_with_unaligned_or_overlapping_operands() {
         }
     }
 }
+
+/// Found by fuzzing: operands with a zero dimension have empty footprints,
+/// so the verifier accepts huge other dimensions. Such instructions must
+/// neither overflow nor loop over the huge dimensions.
+#[test]
+fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
+    let big = u32::MAX;
+    let g = ConvGeom {
+        n: big,
+        h: big,
+        w: big,
+        cin: 0,
+        cout: 0,
+        kh: 1,
+        kw: 1,
+        stride: 1,
+        pad_top: 0,
+        pad_bottom: 0,
+        pad_left: 0,
+        pad_right: 0,
+    };
+    let huge_window = ConvGeom {
+        n: 1,
+        h: 1,
+        w: 1,
+        cin: 1,
+        cout: 1,
+        kh: 60000,
+        kw: 60000,
+        stride: 1,
+        pad_top: 40000,
+        pad_bottom: 40000,
+        pad_left: 40000,
+        pad_right: 40000,
+    };
+    let instrs = [
+        (Engine::vu(0), Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: g }),
+        (
+            Engine::sa(0),
+            Instr::Conv2d {
+                dtype: DType::F32,
+                flags: MatFlags::default(),
+                input: 0,
+                weights: 0,
+                output: 0,
+                geom: g,
+            },
+        ),
+        (
+            Engine::vu(0),
+            Instr::VPool {
+                op: PoolOp::Max,
+                src: 0,
+                dst: 0,
+                geom: PoolGeom { n: big, h: big, w: big, c: 0, kh: 1, kw: 1, stride: 1, pad: 0 },
+            },
+        ),
+        (Engine::vu(0), Instr::VReduce { op: RedOp::Sum, src: 0, dst: 0, outer: big, reduce: big, inner: 0 }),
+        (Engine::vu(0), Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: huge_window }),
+    ];
+    let limits = npu_model::VnpuLimits { sa: 1, vu: 1, sram_bytes: SRAM, hbm_bytes: 1 << 30, guest: vec![] };
+    for (engine, i) in instrs {
+        let mut p = ProgramBuilder::new();
+        p.push(engine, i);
+        let prog = p.finish();
+        if npu_model::verify(&prog, &limits).is_err() {
+            continue;
+        }
+        let start = std::time::Instant::now();
+        let mut h = Harness::new();
+        let _ = h.run(&prog);
+        let _ = run_program(&cfg(), &prog, None, Some(1 << 30));
+        assert!(start.elapsed().as_secs() < 5, "{} took {:?}", i.mnemonic(), start.elapsed());
+    }
+}
+
+/// An instruction that cannot finish within the cycle budget is refused
+/// before the host does its work: its output is never written.
+#[test]
+fn over_budget_instructions_are_not_executed() {
+    let mut h = Harness::new();
+    h.sram.write(0, &1.5f32.to_le_bytes()).unwrap();
+    let mut p = ProgramBuilder::new();
+    p.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 4096, len: 1 << 20 });
+    let prog = p.finish();
+    let mem = CoreMemory { sram: &mut h.sram, hbm: &mut h.hbm, guest: &mut h.guest };
+    let e = run_program(&cfg(), &prog, Some(mem), Some(100)).unwrap_err();
+    assert_eq!(e, ExecError::Budget { budget: 100 });
+    let mut out = [0u8; 4];
+    h.sram.read(4096, &mut out).unwrap();
+    assert_eq!(f32::from_le_bytes(out), 0.0);
+}
+
+/// Found by fuzzing: an empty gather with a huge row size allocated the row.
+#[test]
+fn empty_gather_allocates_nothing() {
+    let mut h = Harness::new();
+    let mut p = ProgramBuilder::new();
+    p.push(
+        Engine::DMA,
+        Instr::DmaGather {
+            table: Addr::guest(0),
+            indices: 0,
+            dst: 0,
+            count: 0,
+            row_bytes: u32::MAX,
+            table_rows: 0,
+        },
+    );
+    p.push(
+        Engine::sa(0),
+        Instr::MatMul {
+            dtype: DType::F32,
+            flags: MatFlags::default(),
+            a: 0,
+            b: 1 << 40,
+            c: 1 << 50,
+            m: u32::MAX,
+            k: 1,
+            n: 0,
+            lda: 0,
+            ldb: 0,
+            ldc: 0,
+        },
+    );
+    let r = h.run(&p.finish()).unwrap();
+    assert_eq!(r.totals().bytes, 0);
+}
