@@ -29,14 +29,17 @@ pub fn values(seed: u64, n: usize) -> Vec<f32> {
 
 /// Times the closures in alternating blocks (A A A, B B B, C C C, then
 /// again), each block after one untimed warm-up call; returns each one's
-/// median seconds. Blocks keep threads that spin after a call (OpenBLAS,
-/// rayon) from stealing the next measurement's cores; alternating them
+/// median seconds. Blocks, with a pause before each, keep threads that
+/// spin after a call (OpenBLAS, rayon) from stealing the next
+/// measurement's cores; alternating them
 /// twice keeps a ratio honest when the machine's speed drifts.
 pub fn interleaved_medians(runs: usize, fs: &mut [&mut dyn FnMut()]) -> Vec<f64> {
     let per_block = runs.div_ceil(2).max(1);
     let mut t = vec![Vec::with_capacity(2 * per_block); fs.len()];
     for _ in 0..2 {
         for (i, f) in fs.iter_mut().enumerate() {
+            // Let the previous contender's spinning worker threads go idle.
+            std::thread::sleep(std::time::Duration::from_millis(300));
             f();
             for _ in 0..per_block {
                 let s = Instant::now();
