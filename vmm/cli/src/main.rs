@@ -75,6 +75,33 @@ enum WorkloadCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Lower a workload for one vNPU core and write the program container
+    /// (docs/isa.md) to a file, after verifying it.
+    Lower {
+        /// Workload name (see `vnpu workload list`).
+        name: String,
+        /// Systolic arrays of the vNPU core.
+        #[arg(long, default_value_t = 1)]
+        sa: u32,
+        /// Vector units of the vNPU core.
+        #[arg(long, default_value_t = 1)]
+        vu: u32,
+        /// Batch size.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// SRAM of the vNPU core; default: the board's SRAM per core.
+        #[arg(long, value_parser = size::parse_size)]
+        sram: Option<u64>,
+        /// HBM of the vNPU core; default: the board's HBM per core.
+        #[arg(long, value_parser = size::parse_size)]
+        hbm: Option<u64>,
+        /// Board config file; default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+        /// Where to write the program.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -97,6 +124,16 @@ enum CliError {
     Batch,
     #[error("{0}")]
     Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Lower(#[from] npu_workloads::LowerError),
+    #[error("the lowered program fails verification (a lowering bug): {0}")]
+    Verify(#[from] npu_model::VerifyError),
+    #[error("cannot write {path}: {source}")]
+    Write { path: String, source: std::io::Error },
+    #[error(
+        "vNPU asks for {sa} SAs and {vu} VUs; a core of this board has {board_sa} SAs and {board_vu} VUs"
+    )]
+    TooBig { sa: u32, vu: u32, board_sa: u32, board_vu: u32 },
 }
 
 fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
@@ -183,6 +220,45 @@ fn run(cli: Cli) -> Result<(), CliError> {
             } else {
                 print_report(&r);
             }
+        }
+        Command::Workload {
+            command: WorkloadCommand::Lower { name, sa, vu, batch, sram, hbm, board: path, output },
+        } => {
+            if sa == 0 || vu == 0 {
+                return Err(CliError::Shape);
+            }
+            if batch == 0 {
+                return Err(CliError::Batch);
+            }
+            let b = board(&path)?;
+            if sa > b.core.sa_count || vu > b.core.vu_count {
+                return Err(CliError::TooBig {
+                    sa,
+                    vu,
+                    board_sa: b.core.sa_count,
+                    board_vu: b.core.vu_count,
+                });
+            }
+            let graph = npu_workloads::build(&name, batch)
+                .ok_or_else(|| npu_workloads::RunError::Unknown(name.clone()))?;
+            let sram_bytes = sram.unwrap_or(b.sram_bytes());
+            let hbm_bytes = hbm.unwrap_or(b.hbm_bytes_per_chip() / u64::from(b.cores_per_chip));
+            let shape = npu_workloads::VnpuShape { sa, vu, sram_bytes, hbm_bytes, sa_cols: b.core.sa_cols };
+            let lowered = npu_workloads::lower(&graph, shape)?;
+            npu_model::verify(
+                &lowered.program,
+                &npu_model::VnpuLimits { sa, vu, sram_bytes, hbm_bytes, guest: Vec::new() },
+            )?;
+            let bytes = lowered.program.encode();
+            std::fs::write(&output, &bytes)
+                .map_err(|source| CliError::Write { path: output.display().to_string(), source })?;
+            println!(
+                "wrote {} ({} bytes, {} instructions in {} streams)",
+                output.display(),
+                bytes.len(),
+                lowered.program.instruction_count(),
+                lowered.program.streams.len()
+            );
         }
         Command::Board { command: BoardCommand::Default } => print!("{}", BoardConfig::default().to_toml()),
         Command::Board { command: BoardCommand::Check { file } } => {

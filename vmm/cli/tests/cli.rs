@@ -91,3 +91,21 @@ fn board_default_round_trips_through_check() {
     assert!(err.contains("core.vu_lanes"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn workload_lower_writes_a_program_that_decodes() {
+    let dir = std::env::temp_dir().join(format!("vnpu-lower-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let f = dir.join("ncf.vnpu");
+    let (code, out, err) =
+        vnpu(&["workload", "lower", "ncf", "--sa", "2", "--vu", "2", "-o", f.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("instructions"), "{out}");
+    let bytes = std::fs::read(&f).unwrap();
+    let program = vnpu_abi::Program::decode(&bytes).unwrap();
+    assert!(program.streams.len() >= 3 && program.instruction_count() > 10);
+    let (code, _, err) = vnpu(&["workload", "lower", "ncf", "-o", "/nonexistent-dir/x.vnpu"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("/nonexistent-dir/x.vnpu"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
