@@ -165,34 +165,40 @@ pub fn gemm_f32(a: &[f32], b: &[f32], c: &mut [f32], shape: GemmShape) {
         }
         return;
     }
-    let par = if (m * n * k) >= (1 << 18) { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
     let (b_cs, b_rs) = if b_t { (k as isize, 1) } else { (1, n as isize) };
-    // SAFETY: the three slices are live and disjoint for the duration of
-    // the call; `a` holds m*k, `b` k*n and `c` m*n elements (checked by the
-    // asserts below), and the strides given describe exactly those
-    // row-major (or, for `b_t`, transposed) layouts, so every element gemm
-    // touches lies inside its slice.
+    // SAFETY: the three slices are live and disjoint for the call; `a`
+    // holds m*k, `b` k*n and `c` m*n elements (asserted above), and the
+    // strides describe exactly those row-major (or, for `b_t`, transposed)
+    // layouts, so every element gemm touches lies inside its slice.
+    unsafe { gemm_raw(c.as_mut_ptr(), n as isize, a.as_ptr(), k as isize, b.as_ptr(), b_cs, b_rs, shape) }
+}
+
+/// `c (+)= a * b` through the `gemm` crate on raw row-major operands with
+/// leading dimensions `ldc`, `lda` and B's column/row strides, using every
+/// core above 2^18 multiply-adds.
+///
+/// # Safety
+/// Every element the shape and strides address must lie in a live
+/// allocation; `c`'s elements must not overlap `a`'s or `b`'s; nothing
+/// else may access them during the call.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw(
+    c: *mut f32,
+    ldc: isize,
+    a: *const f32,
+    lda: isize,
+    b: *const f32,
+    b_cs: isize,
+    b_rs: isize,
+    shape: GemmShape,
+) {
+    let GemmShape { m, k, n, accumulate, .. } = shape;
+    let par = if m * n * k >= (1 << 18) { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
+    // SAFETY: forwarded from this function's contract.
     unsafe {
-        assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
         gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
+            m, n, k, c, 1, ldc, accumulate, a, 1, lda, b, b_cs, b_rs, 1.0f32, 1.0f32, false, false, false,
             par,
         );
     }
@@ -457,7 +463,7 @@ fn matmul_in_place(
     ldb: usize,
     ldc: usize,
 ) -> bool {
-    let GemmShape { m, k, n, b_transposed, accumulate } = s;
+    let GemmShape { m, k, n, b_transposed, .. } = s;
     if m == 0 || n == 0 || k == 0 {
         return false;
     }
@@ -480,7 +486,6 @@ fn matmul_in_place(
         return false;
     }
     let (b_cs, b_rs) = if b_transposed { (ldb as isize, 1) } else { (1, ldb as isize) };
-    let par = if m * n * k >= (1 << 18) { gemm::Parallelism::Rayon(0) } else { gemm::Parallelism::None };
     // SAFETY: `base` points to the live SRAM buffer of `size` bytes, which
     // `sram` (borrowed mutably) keeps alive and unaliased for the call. A,
     // B and C lie inside it (`inside`), are 4-byte aligned (offsets and
@@ -489,26 +494,15 @@ fn matmul_in_place(
     // row-major layouts whose extents `span` computed, so gemm touches no
     // byte outside those ranges.
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        gemm_raw(
             base.add(c as usize).cast::<f32>(),
-            1,
             ldc as isize,
-            accumulate,
             base.add(a as usize).cast::<f32>().cast_const(),
-            1,
             lda as isize,
             base.add(b as usize).cast::<f32>().cast_const(),
             b_cs,
             b_rs,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            par,
+            s,
         );
     }
     true

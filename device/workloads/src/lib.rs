@@ -9,4 +9,4 @@ pub mod run;
 
 pub use graph::{build, Graph, WORKLOADS};
 pub use lower::{lower, LowerError, Lowered, VnpuShape};
-pub use run::{init_hbm, run_workload, RunError, RunOptions, RunReport};
+pub use run::{init_hbm, lower_workload, run_workload, RunError, RunOptions, RunReport};

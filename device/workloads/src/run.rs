@@ -7,7 +7,7 @@ use thiserror::Error;
 use vnpu_abi::EngineKind;
 
 use crate::graph::{build, Init};
-use crate::lower::{lower, LowerError, VnpuShape};
+use crate::lower::{lower, LowerError, Lowered, VnpuShape};
 use npu_model::memory::{write_f32s, Memory};
 use npu_model::{
     run_program, verify, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, VecGuestMemory, VerifyError,
@@ -152,7 +152,7 @@ fn init_tensor(
 
 /// Fills every tensor of `lowered` in `hbm` as its [`Init`] says, from a
 /// generator seeded with `seed`.
-pub fn init_hbm(lowered: &crate::Lowered, hbm: &mut LazyHbm, seed: u64) -> Result<(), RunError> {
+pub fn init_hbm(lowered: &Lowered, hbm: &mut LazyHbm, seed: u64) -> Result<(), RunError> {
     let mut rng = Rng(seed);
     for p in &lowered.tensors {
         init_tensor(hbm, p.offset, p.elems, p.init, &mut rng)?;
@@ -160,8 +160,9 @@ pub fn init_hbm(lowered: &crate::Lowered, hbm: &mut LazyHbm, seed: u64) -> Resul
     Ok(())
 }
 
-/// Lowers, verifies and runs a workload on one vNPU core of `board`.
-pub fn run_workload(board: &BoardConfig, o: &RunOptions) -> Result<RunReport, RunError> {
+/// Lowers workload `o.workload` for one vNPU core of `board` and verifies
+/// the program against that core's limits.
+pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, VnpuShape, u32), RunError> {
     let graph = build(&o.workload, o.batch).ok_or_else(|| RunError::Unknown(o.workload.clone()))?;
     if o.sa > board.core.sa_count || o.vu > board.core.vu_count {
         return Err(RunError::TooBig {
@@ -174,9 +175,15 @@ pub fn run_workload(board: &BoardConfig, o: &RunOptions) -> Result<RunReport, Ru
     let sram_bytes = o.sram_bytes.unwrap_or(board.sram_bytes());
     let hbm_bytes = o.hbm_bytes.unwrap_or(board.hbm_bytes_per_chip() / u64::from(board.cores_per_chip));
     let shape = VnpuShape { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, sa_cols: board.core.sa_cols };
-    let t0 = Instant::now();
     let lowered = lower(&graph, shape)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
+    Ok((lowered, shape, graph.batch))
+}
+
+/// Lowers, verifies and runs a workload on one vNPU core of `board`.
+pub fn run_workload(board: &BoardConfig, o: &RunOptions) -> Result<RunReport, RunError> {
+    let t0 = Instant::now();
+    let (lowered, VnpuShape { sram_bytes, hbm_bytes, .. }, batch) = lower_workload(board, o)?;
     let wall_lower_seconds = t0.elapsed().as_secs_f64();
 
     let t1 = Instant::now();
@@ -209,7 +216,7 @@ pub fn run_workload(board: &BoardConfig, o: &RunOptions) -> Result<RunReport, Ru
     let peak = board.sa_peak_flops_per_cycle() * f64::from(o.sa) * cycles;
     Ok(RunReport {
         workload: o.workload.clone(),
-        batch: graph.batch,
+        batch,
         sa: o.sa,
         vu: o.vu,
         sram_bytes,

@@ -34,6 +34,55 @@ enum Command {
     },
 }
 
+/// The vNPU core a workload is lowered for, and the board it lives on.
+#[derive(clap::Args, Debug)]
+struct VnpuArgs {
+    /// Workload name (see `vnpu workload list`).
+    name: String,
+    /// Systolic arrays of the vNPU core.
+    #[arg(long, default_value_t = 1)]
+    sa: u32,
+    /// Vector units of the vNPU core.
+    #[arg(long, default_value_t = 1)]
+    vu: u32,
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
+    /// SRAM of the vNPU core (e.g. 16M); default: the board's SRAM per core.
+    #[arg(long, value_parser = size::parse_size)]
+    sram: Option<u64>,
+    /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
+    #[arg(long, value_parser = size::parse_size)]
+    hbm: Option<u64>,
+    /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
+    #[arg(long)]
+    board: Option<PathBuf>,
+}
+
+impl VnpuArgs {
+    /// The board and the run options these arguments describe.
+    fn resolve(self, functional: bool, seed: u64) -> Result<(BoardConfig, RunOptions), CliError> {
+        if self.sa == 0 || self.vu == 0 {
+            return Err(CliError::Shape);
+        }
+        if self.batch == 0 {
+            return Err(CliError::Batch);
+        }
+        let b = board(&self.board)?;
+        let o = RunOptions {
+            workload: self.name,
+            batch: self.batch,
+            sa: self.sa,
+            vu: self.vu,
+            sram_bytes: self.sram,
+            hbm_bytes: self.hbm,
+            functional,
+            seed,
+        };
+        Ok((b, o))
+    }
+}
+
 #[derive(Subcommand, Debug)]
 enum WorkloadCommand {
     /// List the workloads.
@@ -45,26 +94,8 @@ enum WorkloadCommand {
     /// real results on seeded random weights and inputs. Cycles are
     /// simulated NPU cycles; "wall" figures are host time.
     Run {
-        /// Workload name (see `vnpu workload list`).
-        name: String,
-        /// Systolic arrays of the vNPU core.
-        #[arg(long, default_value_t = 1)]
-        sa: u32,
-        /// Vector units of the vNPU core.
-        #[arg(long, default_value_t = 1)]
-        vu: u32,
-        /// Batch size.
-        #[arg(long, default_value_t = 1)]
-        batch: u32,
-        /// SRAM of the vNPU core (e.g. 16M); default: the board's SRAM per core.
-        #[arg(long, value_parser = size::parse_size)]
-        sram: Option<u64>,
-        /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
-        #[arg(long, value_parser = size::parse_size)]
-        hbm: Option<u64>,
-        /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
-        #[arg(long)]
-        board: Option<PathBuf>,
+        #[command(flatten)]
+        vnpu: VnpuArgs,
         /// Also compute real results on random data.
         #[arg(long)]
         functional: bool,
@@ -78,26 +109,8 @@ enum WorkloadCommand {
     /// Lower a workload for one vNPU core and write the program container
     /// (docs/isa.md) to a file, after verifying it.
     Lower {
-        /// Workload name (see `vnpu workload list`).
-        name: String,
-        /// Systolic arrays of the vNPU core.
-        #[arg(long, default_value_t = 1)]
-        sa: u32,
-        /// Vector units of the vNPU core.
-        #[arg(long, default_value_t = 1)]
-        vu: u32,
-        /// Batch size.
-        #[arg(long, default_value_t = 1)]
-        batch: u32,
-        /// SRAM of the vNPU core; default: the board's SRAM per core.
-        #[arg(long, value_parser = size::parse_size)]
-        sram: Option<u64>,
-        /// HBM of the vNPU core; default: the board's HBM per core.
-        #[arg(long, value_parser = size::parse_size)]
-        hbm: Option<u64>,
-        /// Board config file; default: the built-in board.
-        #[arg(long)]
-        board: Option<PathBuf>,
+        #[command(flatten)]
+        vnpu: VnpuArgs,
         /// Where to write the program.
         #[arg(short, long)]
         output: PathBuf,
@@ -124,16 +137,8 @@ enum CliError {
     Batch,
     #[error("{0}")]
     Json(#[from] serde_json::Error),
-    #[error(transparent)]
-    Lower(#[from] npu_workloads::LowerError),
-    #[error("the lowered program fails verification (a lowering bug): {0}")]
-    Verify(#[from] npu_model::VerifyError),
     #[error("cannot write {path}: {source}")]
     Write { path: String, source: std::io::Error },
-    #[error(
-        "vNPU asks for {sa} SAs and {vu} VUs; a core of this board has {board_sa} SAs and {board_vu} VUs"
-    )]
-    TooBig { sa: u32, vu: u32, board_sa: u32, board_vu: u32 },
 }
 
 fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
@@ -190,27 +195,8 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 println!("{name:<14} {what}");
             }
         }
-        Command::Workload {
-            command:
-                WorkloadCommand::Run { name, sa, vu, batch, sram, hbm, board: path, functional, seed, json },
-        } => {
-            if sa == 0 || vu == 0 {
-                return Err(CliError::Shape);
-            }
-            if batch == 0 {
-                return Err(CliError::Batch);
-            }
-            let b = board(&path)?;
-            let opts = RunOptions {
-                workload: name,
-                batch,
-                sa,
-                vu,
-                sram_bytes: sram,
-                hbm_bytes: hbm,
-                functional,
-                seed,
-            };
+        Command::Workload { command: WorkloadCommand::Run { vnpu, functional, seed, json } } => {
+            let (b, opts) = vnpu.resolve(functional, seed)?;
             if functional && !json {
                 eprintln!("running functionally (real arithmetic on random data); this takes longer than timing only");
             }
@@ -221,34 +207,9 @@ fn run(cli: Cli) -> Result<(), CliError> {
                 print_report(&r);
             }
         }
-        Command::Workload {
-            command: WorkloadCommand::Lower { name, sa, vu, batch, sram, hbm, board: path, output },
-        } => {
-            if sa == 0 || vu == 0 {
-                return Err(CliError::Shape);
-            }
-            if batch == 0 {
-                return Err(CliError::Batch);
-            }
-            let b = board(&path)?;
-            if sa > b.core.sa_count || vu > b.core.vu_count {
-                return Err(CliError::TooBig {
-                    sa,
-                    vu,
-                    board_sa: b.core.sa_count,
-                    board_vu: b.core.vu_count,
-                });
-            }
-            let graph = npu_workloads::build(&name, batch)
-                .ok_or_else(|| npu_workloads::RunError::Unknown(name.clone()))?;
-            let sram_bytes = sram.unwrap_or(b.sram_bytes());
-            let hbm_bytes = hbm.unwrap_or(b.hbm_bytes_per_chip() / u64::from(b.cores_per_chip));
-            let shape = npu_workloads::VnpuShape { sa, vu, sram_bytes, hbm_bytes, sa_cols: b.core.sa_cols };
-            let lowered = npu_workloads::lower(&graph, shape)?;
-            npu_model::verify(
-                &lowered.program,
-                &npu_model::VnpuLimits { sa, vu, sram_bytes, hbm_bytes, guest: Vec::new() },
-            )?;
+        Command::Workload { command: WorkloadCommand::Lower { vnpu, output } } => {
+            let (b, opts) = vnpu.resolve(false, 0)?;
+            let (lowered, _, _) = npu_workloads::lower_workload(&b, &opts)?;
             let bytes = lowered.program.encode();
             std::fs::write(&output, &bytes)
                 .map_err(|source| CliError::Write { path: output.display().to_string(), source })?;
