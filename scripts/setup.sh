@@ -4,3 +4,5 @@
 set -euo pipefail
 echo "setup: rust toolchain components" >&2
 rustup component add clippy rustfmt >/dev/null 2>&1 || true
+echo "setup: x86_64-unknown-none target (bare-metal guests)" >&2
+rustup target add x86_64-unknown-none >/dev/null

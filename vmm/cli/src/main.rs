@@ -22,6 +22,19 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Boot a VM on /dev/kvm with a bare-metal 64-bit ELF guest.
+    ///
+    /// The guest's serial console (COM1) goes to stdout; vnpu exits with the
+    /// code the guest writes to the exit port (docs/guest-boot.md). vNPU
+    /// devices come with the VMM work (issue 3).
+    Run {
+        /// The guest ELF (e.g. guest-images/target/x86_64-unknown-none/release/hello).
+        #[arg(long)]
+        guest: PathBuf,
+        /// Guest memory, 2M to 1G (e.g. 256M).
+        #[arg(long, default_value = "256M", value_parser = size::parse_size)]
+        memory: u64,
+    },
     /// DNN workloads lowered to vNPU programs and run on the NPU model.
     Workload {
         #[command(subcommand)]
@@ -137,6 +150,8 @@ enum CliError {
     Batch,
     #[error("{0}")]
     Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Vm(#[from] vnpu_vm::VmError),
     #[error("cannot write {path}: {source}")]
     Write { path: String, source: std::io::Error },
 }
@@ -188,8 +203,20 @@ fn print_report(r: &RunReport) {
     );
 }
 
-fn run(cli: Cli) -> Result<(), CliError> {
+fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
+        Command::Run { guest, memory } => {
+            let mut vm = vnpu_vm::Vm::new(memory, &guest, std::io::stdout())?;
+            let code = vm.run()?;
+            // Exit codes above 255 are reported and truncated, as a shell would.
+            if code > 255 {
+                eprintln!(
+                    "vnpu: guest exit code {code} does not fit a process exit code; exiting with {}",
+                    code & 0xff
+                );
+            }
+            return Ok((code & 0xff) as u8);
+        }
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {
                 println!("{name:<14} {what}");
@@ -226,12 +253,12 @@ fn run(cli: Cli) -> Result<(), CliError> {
             print!("{}", BoardConfig::load(&file)?.to_toml())
         }
     }
-    Ok(())
+    Ok(0)
 }
 
 fn main() -> ExitCode {
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("vnpu: {e}");
             ExitCode::FAILURE

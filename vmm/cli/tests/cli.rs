@@ -109,3 +109,19 @@ fn workload_lower_writes_a_program_that_decodes() {
     assert!(err.contains("/nonexistent-dir/x.vnpu"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn run_boots_the_hello_guest_and_returns_its_exit_code() {
+    let g = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../guest-images/target/x86_64-unknown-none/release/hello");
+    assert!(g.exists(), "guest {} missing: run scripts/build-guests.sh first", g.display());
+    let (code, out, err) = vnpu(&["run", "--guest", g.to_str().unwrap(), "--memory", "16M"]);
+    assert_eq!(code, 42, "{err}");
+    assert_eq!(out, "hello from the guest\n");
+    let (code, _, err) = vnpu(&["run", "--guest", "/nonexistent/guest"]);
+    assert_eq!(code, 1);
+    assert!(err.starts_with("vnpu: ") && err.contains("/nonexistent/guest"), "{err}");
+    let (code, _, err) = vnpu(&["run", "--guest", g.to_str().unwrap(), "--memory", "1M"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("between"), "{err}");
+}

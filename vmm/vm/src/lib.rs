@@ -1,0 +1,226 @@
+//! A KVM virtual machine that boots a bare-metal 64-bit ELF guest.
+//!
+//! The VMM builds what firmware would: identity-mapped page tables for the
+//! first GiB (2 MiB pages), a GDT with one 64-bit code and one data
+//! segment, and long mode in the vCPU's control registers; then it loads
+//! the ELF with linux-loader and enters it at its entry point with a stack
+//! below 512 KiB. See `docs/guest-boot.md` for the guest's view.
+//!
+//! Devices so far: a 16550 UART at I/O port 0x3f8 (vm-superio) whose
+//! output goes to a writer, and an exit port at 0xf4: a 32-bit write of
+//! `code` ends the VM with exit code `code`.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+
+use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use linux_loader::loader::{elf::Elf, KernelLoader};
+use thiserror::Error;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_superio::{Serial, Trigger};
+
+/// Serial port base (COM1).
+pub const SERIAL_PORT: u16 = 0x3f8;
+/// Exit port: a 32-bit `out` ends the VM with that exit code.
+pub const EXIT_PORT: u16 = 0xf4;
+/// Smallest guest memory: page tables, GDT and stack live below 1 MiB and
+/// the ELF is expected at 1 MiB or above.
+pub const MIN_MEMORY: u64 = 2 << 20;
+
+const GDT_ADDR: u64 = 0x500;
+const PML4_ADDR: u64 = 0x9000;
+const PDPT_ADDR: u64 = 0xa000;
+const PD_ADDR: u64 = 0xb000;
+const STACK_TOP: u64 = 0x8_0000;
+const HIGHMEM_START: u64 = 0x10_0000;
+
+/// Why a VM could not be built or run.
+#[derive(Debug, Error)]
+pub enum VmError {
+    #[error("cannot open /dev/kvm: {0} (this needs KVM; on a host without it, no VM can run)")]
+    Kvm(kvm_ioctls::Error),
+    #[error("KVM: {what}: {source}")]
+    Ioctl { what: &'static str, source: kvm_ioctls::Error },
+    #[error("guest memory of {size} bytes: {reason}")]
+    Memory { size: u64, reason: String },
+    #[error("cannot open guest {path}: {source}")]
+    Open { path: String, source: std::io::Error },
+    #[error("cannot load guest ELF {path}: {reason}")]
+    Load { path: String, reason: String },
+    #[error("guest stopped: {0}")]
+    Guest(String),
+}
+
+fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Ioctl { what, source }
+}
+
+/// The serial port raises no interrupt yet; guests poll it.
+#[derive(Debug)]
+struct NoInterrupt;
+
+impl Trigger for NoInterrupt {
+    type E = std::convert::Infallible;
+    fn trigger(&self) -> Result<(), Self::E> {
+        Ok(())
+    }
+}
+
+/// A VM with one vCPU running a bare-metal ELF guest.
+pub struct Vm<W: Write> {
+    // Kept alive for the VM's lifetime.
+    _kvm: Kvm,
+    _vm: VmFd,
+    vcpu: VcpuFd,
+    _memory: GuestMemoryMmap<()>,
+    serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
+}
+
+impl<W: Write> std::fmt::Debug for Vm<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vm").finish_non_exhaustive()
+    }
+}
+
+fn segment(selector: u16, code: bool) -> kvm_segment {
+    kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector,
+        type_: if code { 0xb } else { 0x3 },
+        present: 1,
+        dpl: 0,
+        db: u8::from(!code),
+        s: 1,
+        l: u8::from(code),
+        g: 1,
+        ..Default::default()
+    }
+}
+
+impl<W: Write> Vm<W> {
+    /// Creates a VM with `memory_bytes` of RAM at guest address 0, loads the
+    /// ELF at `guest` and prepares its one vCPU to enter it in long mode.
+    /// Serial output goes to `console`.
+    pub fn new(memory_bytes: u64, guest: &Path, console: W) -> Result<Self, VmError> {
+        if !(MIN_MEMORY..=(1 << 30)).contains(&memory_bytes) {
+            return Err(VmError::Memory {
+                size: memory_bytes,
+                reason: format!(
+                    "must be between {MIN_MEMORY} bytes and 1 GiB (the identity map covers 1 GiB)"
+                ),
+            });
+        }
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
+        let memory: GuestMemoryMmap<()> =
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
+                .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let host = memory
+            .get_host_address(GuestAddress(0))
+            .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: memory_bytes,
+            userspace_addr: host as u64,
+            flags: 0,
+        };
+        // SAFETY: `host` is the start of a mapping of `memory_bytes` bytes
+        // owned by `memory`, which this Vm keeps alive as long as the VM fd.
+        unsafe { vm.set_user_memory_region(region) }.map_err(ioctl("set memory region"))?;
+        // The in-kernel irqchip must exist before any vCPU.
+        vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
+
+        let mut file = File::open(guest)
+            .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
+        let loaded = Elf::load(&memory, None, &mut file, Some(GuestAddress(HIGHMEM_START)))
+            .map_err(|e| VmError::Load { path: guest.display().to_string(), reason: e.to_string() })?;
+
+        Self::write_boot_tables(&memory)?;
+        let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
+        let mut sregs = vcpu.get_sregs().map_err(ioctl("get sregs"))?;
+        let (code, data) = (segment(0x8, true), segment(0x10, false));
+        sregs.cs = code;
+        sregs.ds = data;
+        sregs.es = data;
+        sregs.fs = data;
+        sregs.gs = data;
+        sregs.ss = data;
+        sregs.gdt.base = GDT_ADDR;
+        sregs.gdt.limit = 3 * 8 - 1;
+        sregs.cr3 = PML4_ADDR;
+        sregs.cr4 |= 1 << 5; // PAE
+        sregs.cr0 |= (1 << 0) | (1 << 31); // PE, PG
+        sregs.efer |= (1 << 8) | (1 << 10); // LME, LMA
+        vcpu.set_sregs(&sregs).map_err(ioctl("set sregs"))?;
+        let mut regs = vcpu.get_regs().map_err(ioctl("get regs"))?;
+        regs.rip = loaded.kernel_load.0;
+        regs.rsp = STACK_TOP;
+        regs.rflags = 2;
+        vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
+
+        Ok(Self { _kvm: kvm, _vm: vm, vcpu, _memory: memory, serial: Serial::new(NoInterrupt, console) })
+    }
+
+    fn write_boot_tables(m: &GuestMemoryMmap<()>) -> Result<(), VmError> {
+        let err = |e: vm_memory::GuestMemoryError| VmError::Memory { size: 0, reason: e.to_string() };
+        let gdt: [u64; 3] = [0, 0x00af_9b00_0000_ffff, 0x00cf_9300_0000_ffff];
+        for (i, d) in gdt.iter().enumerate() {
+            m.write_obj(*d, GuestAddress(GDT_ADDR + 8 * i as u64)).map_err(err)?;
+        }
+        m.write_obj(PDPT_ADDR | 3, GuestAddress(PML4_ADDR)).map_err(err)?;
+        m.write_obj(PD_ADDR | 3, GuestAddress(PDPT_ADDR)).map_err(err)?;
+        for i in 0..512u64 {
+            // 2 MiB pages: present, writable, page size.
+            m.write_obj((i << 21) | 0x83, GuestAddress(PD_ADDR + 8 * i)).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Runs the guest until it writes the exit port; returns its exit code.
+    pub fn run(&mut self) -> Result<u32, VmError> {
+        loop {
+            match self.vcpu.run().map_err(ioctl("run vCPU"))? {
+                VcpuExit::IoOut(port, data) => {
+                    if port == EXIT_PORT {
+                        let mut b = [0u8; 4];
+                        let n = data.len().min(4);
+                        b[..n].copy_from_slice(&data[..n]);
+                        let _ = self.serial.writer_mut().flush();
+                        return Ok(u32::from_le_bytes(b));
+                    }
+                    if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
+                        if let Some(v) = data.first() {
+                            // A write the UART cannot take is dropped, as on hardware.
+                            let _ = self.serial.write((port - SERIAL_PORT) as u8, *v);
+                        }
+                    }
+                }
+                VcpuExit::IoIn(port, data) => {
+                    let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
+                        self.serial.read((port - SERIAL_PORT) as u8)
+                    } else {
+                        0xff
+                    };
+                    data.iter_mut().for_each(|b| *b = v);
+                }
+                VcpuExit::MmioRead(_, data) => data.iter_mut().for_each(|b| *b = 0xff),
+                VcpuExit::MmioWrite(..) => {}
+                VcpuExit::Hlt => return Err(VmError::Guest("halted without writing the exit port".into())),
+                VcpuExit::Shutdown => {
+                    let rip = self.vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
+                    return Err(VmError::Guest(format!("shutdown (triple fault?) near rip {rip:#x}")));
+                }
+                other => return Err(VmError::Guest(format!("unexpected exit {other:?}"))),
+            }
+        }
+    }
+
+    /// The console writer (for tests that capture output).
+    pub fn console(&self) -> &W {
+        self.serial.writer()
+    }
+}
