@@ -56,3 +56,21 @@ fn bad_guests_and_sizes_are_clear_errors() {
     let e = e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("cannot") || e.contains("ELF"), "{e}");
 }
+
+#[test]
+fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
+    let console = Console::default();
+    let mut vm = Vm::new(16 << 20, &guest("pci-enum"), console.clone()).unwrap();
+    let code = vm.run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out,
+        "00:00.0 5650:0000 class 060000\n\
+         00:01.0 5650:0001 class 120000\n\
+         vnpu bar0 size 00004000 64-bit\n\
+         vnpu msix vectors 0008\n"
+    );
+    // The guest restored BAR 0 after sizing it.
+    assert_eq!(vm.pci().function(1).unwrap().config().bar_address(0), Some(0));
+}

@@ -7,8 +7,11 @@
 //! below 512 KiB. See `docs/guest-boot.md` for the guest's view.
 //!
 //! Devices so far: a 16550 UART at I/O port 0x3f8 (vm-superio) whose
-//! output goes to a writer, and an exit port at 0xf4: a 32-bit write of
-//! `code` ends the VM with exit code `code`.
+//! output goes to a writer; an exit port at 0xf4 (a 32-bit write of `code`
+//! ends the VM with exit code `code`); and PCI bus 0 (`vnpu-pci`) through
+//! ports 0xCF8..0xCFF and an ECAM window at [`ECAM_BASE`], with a host
+//! bridge at 00:00.0 and a vNPU function at 00:01.0 (configuration space
+//! only for now).
 
 use std::fs::File;
 use std::io::Write;
@@ -20,6 +23,7 @@ use linux_loader::loader::{elf::Elf, KernelLoader};
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vm_superio::{Serial, Trigger};
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciBus, PlainFunction};
 
 /// Serial port base (COM1).
 pub const SERIAL_PORT: u16 = 0x3f8;
@@ -29,9 +33,21 @@ pub const EXIT_PORT: u16 = 0xf4;
 /// the ELF is expected at 1 MiB or above.
 pub const MIN_MEMORY: u64 = 2 << 20;
 
+/// Guest-physical base of the ECAM window (bus 0 only: 1 MiB).
+pub const ECAM_BASE: u64 = 0xe000_0000;
+/// Size of the ECAM window.
+pub const ECAM_SIZE: u64 = 1 << 20;
+/// Our PCI vendor ID (see docs/pci.md).
+pub const VENDOR_ID: u16 = 0x5650;
+/// Device ID of the vNPU function.
+pub const VNPU_DEVICE_ID: u16 = 0x0001;
+/// Device ID of the host bridge.
+pub const HOST_BRIDGE_DEVICE_ID: u16 = 0x0000;
+
 const GDT_ADDR: u64 = 0x500;
 const PML4_ADDR: u64 = 0x9000;
 const PDPT_ADDR: u64 = 0xa000;
+/// Four page directories (0xb000..0xf000) map the first 4 GiB.
 const PD_ADDR: u64 = 0xb000;
 const STACK_TOP: u64 = 0x8_0000;
 const HIGHMEM_START: u64 = 0x10_0000;
@@ -51,6 +67,8 @@ pub enum VmError {
     Load { path: String, reason: String },
     #[error("guest stopped: {0}")]
     Guest(String),
+    #[error("PCI layout: {0}")]
+    Pci(#[from] vnpu_pci::PciError),
 }
 
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -76,6 +94,7 @@ pub struct Vm<W: Write> {
     vcpu: VcpuFd,
     _memory: GuestMemoryMmap<()>,
     serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
+    pci: PciBus,
 }
 
 impl<W: Write> std::fmt::Debug for Vm<W> {
@@ -162,7 +181,49 @@ impl<W: Write> Vm<W> {
         regs.rflags = 2;
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
 
-        Ok(Self { _kvm: kvm, _vm: vm, vcpu, _memory: memory, serial: Serial::new(NoInterrupt, console) })
+        Ok(Self {
+            _kvm: kvm,
+            _vm: vm,
+            vcpu,
+            _memory: memory,
+            serial: Serial::new(NoInterrupt, console),
+            pci: Self::pci_bus()?,
+        })
+    }
+
+    /// Bus 0: host bridge at 00:00.0, the vNPU function at 00:01.0.
+    fn pci_bus() -> Result<PciBus, VmError> {
+        let mut bus = PciBus::new();
+        let bridge = Identity {
+            vendor_id: VENDOR_ID,
+            device_id: HOST_BRIDGE_DEVICE_ID,
+            class: 0x06_00_00,
+            revision: 0,
+            subsystem_vendor_id: VENDOR_ID,
+            subsystem_id: 0,
+        };
+        let vnpu = Identity {
+            vendor_id: VENDOR_ID,
+            device_id: VNPU_DEVICE_ID,
+            class: 0x12_00_00,
+            revision: 1,
+            subsystem_vendor_id: VENDOR_ID,
+            subsystem_id: VNPU_DEVICE_ID,
+        };
+        let mut c = ConfigSpace::new(vnpu);
+        // Layout placeholder until the vNPU device lands (issue 3): BAR 0
+        // registers, BAR 2 MSI-X table and PBA.
+        c.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: 0x4000 })?;
+        c.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: 0x2000 })?;
+        MsixCap::add(&mut c, 8, 2, 0, 2, 0x1000)?;
+        bus.add(0, Box::new(PlainFunction(ConfigSpace::new(bridge))))?;
+        bus.add(1, Box::new(PlainFunction(c)))?;
+        Ok(bus)
+    }
+
+    /// The PCI bus (for tests and the device layer).
+    pub fn pci(&self) -> &PciBus {
+        &self.pci
     }
 
     fn write_boot_tables(m: &GuestMemoryMmap<()>) -> Result<(), VmError> {
@@ -172,10 +233,14 @@ impl<W: Write> Vm<W> {
             m.write_obj(*d, GuestAddress(GDT_ADDR + 8 * i as u64)).map_err(err)?;
         }
         m.write_obj(PDPT_ADDR | 3, GuestAddress(PML4_ADDR)).map_err(err)?;
-        m.write_obj(PD_ADDR | 3, GuestAddress(PDPT_ADDR)).map_err(err)?;
-        for i in 0..512u64 {
-            // 2 MiB pages: present, writable, page size.
-            m.write_obj((i << 21) | 0x83, GuestAddress(PD_ADDR + 8 * i)).map_err(err)?;
+        for d in 0..4u64 {
+            m.write_obj((PD_ADDR + 0x1000 * d) | 3, GuestAddress(PDPT_ADDR + 8 * d)).map_err(err)?;
+        }
+        for i in 0..4 * 512u64 {
+            // 2 MiB pages: present, writable, page size; the top GiB (MMIO)
+            // also cache-disabled.
+            let flags = if i >= 3 * 512 { 0x93 } else { 0x83 };
+            m.write_obj((i << 21) | flags, GuestAddress(PD_ADDR + 8 * i)).map_err(err)?;
         }
         Ok(())
     }
@@ -197,18 +262,33 @@ impl<W: Write> Vm<W> {
                             // A write the UART cannot take is dropped, as on hardware.
                             let _ = self.serial.write((port - SERIAL_PORT) as u8, *v);
                         }
+                    } else if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
+                        self.pci.pio_write(port, data);
                     }
                 }
                 VcpuExit::IoIn(port, data) => {
-                    let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
-                        self.serial.read((port - SERIAL_PORT) as u8)
+                    if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
+                        self.pci.pio_read(port, data);
                     } else {
-                        0xff
-                    };
-                    data.iter_mut().for_each(|b| *b = v);
+                        let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
+                            self.serial.read((port - SERIAL_PORT) as u8)
+                        } else {
+                            0xff
+                        };
+                        data.iter_mut().for_each(|b| *b = v);
+                    }
                 }
-                VcpuExit::MmioRead(_, data) => data.iter_mut().for_each(|b| *b = 0xff),
-                VcpuExit::MmioWrite(..) => {}
+                VcpuExit::MmioRead(addr, data) => {
+                    match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
+                        Some(off) => self.pci.ecam_read(off, data),
+                        None => data.iter_mut().for_each(|b| *b = 0xff),
+                    }
+                }
+                VcpuExit::MmioWrite(addr, data) => {
+                    if let Some(off) = addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
+                        self.pci.ecam_write(off, data);
+                    }
+                }
                 VcpuExit::Hlt => return Err(VmError::Guest("halted without writing the exit port".into())),
                 VcpuExit::Shutdown => {
                     let rip = self.vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
