@@ -9,6 +9,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
+use npu_model::BoardConfig;
+use vnpu_device::VnpuSpec;
 use vnpu_vm::{Vm, VmError};
 
 fn guest(name: &str) -> PathBuf {
@@ -39,7 +41,7 @@ impl Write for Console {
 #[test]
 fn hello_guest_prints_and_exits_with_its_code() {
     let console = Console::default();
-    let mut vm = Vm::new(16 << 20, &guest("hello"), console.clone()).unwrap();
+    let mut vm = Vm::new(16 << 20, &guest("hello"), console.clone(), &[], &BoardConfig::default()).unwrap();
     assert_eq!(vm.run().unwrap(), 42);
     assert_eq!(String::from_utf8_lossy(&console.0.lock().unwrap()), "hello from the guest\n");
 }
@@ -47,12 +49,20 @@ fn hello_guest_prints_and_exits_with_its_code() {
 #[test]
 fn bad_guests_and_sizes_are_clear_errors() {
     let g = guest("hello");
-    let e = Vm::new(1 << 20, &g, Console::default()).unwrap_err();
+    let e = Vm::new(1 << 20, &g, Console::default(), &[], &BoardConfig::default()).unwrap_err();
     assert!(matches!(e, VmError::Memory { .. }), "{e}");
-    let e = Vm::new(16 << 20, std::path::Path::new("/nonexistent/guest"), Console::default()).unwrap_err();
+    let e = Vm::new(
+        16 << 20,
+        std::path::Path::new("/nonexistent/guest"),
+        Console::default(),
+        &[],
+        &BoardConfig::default(),
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("/nonexistent/guest"), "{e}");
     // Not an ELF: this test file itself.
-    let e = Vm::new(16 << 20, std::path::Path::new(file!()), Console::default());
+    let e =
+        Vm::new(16 << 20, std::path::Path::new(file!()), Console::default(), &[], &BoardConfig::default());
     let e = e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("cannot") || e.contains("ELF"), "{e}");
 }
@@ -60,7 +70,11 @@ fn bad_guests_and_sizes_are_clear_errors() {
 #[test]
 fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
     let console = Console::default();
-    let mut vm = Vm::new(16 << 20, &guest("pci-enum"), console.clone()).unwrap();
+    let small = VnpuSpec::named("small").unwrap();
+    let custom = VnpuSpec::parse("sa=3,vu=2,sram=8M,hbm=512M,cores=2").unwrap();
+    let mut vm =
+        Vm::new(16 << 20, &guest("pci-enum"), console.clone(), &[small, custom], &BoardConfig::default())
+            .unwrap();
     let code = vm.run().unwrap();
     let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
     assert_eq!(code, 0, "{out}");
@@ -68,9 +82,13 @@ fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
         out,
         "00:00.0 5650:0000 class 060000\n\
          00:01.0 5650:0001 class 120000\n\
+         00:02.0 5650:0001 class 120000\n\
          vnpu bar0 size 00004000 64-bit\n\
-         vnpu msix vectors 0008\n"
+         vnpu msix vectors 0008\n\
+         vnpu 00:01.0 abi 00010000 chips 01 cores 01 sa 01 vu 01 sram 0000000000400000 hbm 0000000040000000 array 0080 lanes 0400\n\
+         vnpu 00:02.0 abi 00010000 chips 01 cores 02 sa 03 vu 02 sram 0000000000800000 hbm 0000000020000000 array 0080 lanes 0400\n"
     );
-    // The guest restored BAR 0 after sizing it.
-    assert_eq!(vm.pci().function(1).unwrap().config().bar_address(0), Some(0));
+    // The guest left BAR 0 of each vNPU where it placed it.
+    assert_eq!(vm.pci().function(1).unwrap().config().bar_address(0), Some(0xc001_0000));
+    assert_eq!(vm.pci().function(2).unwrap().config().bar_address(0), Some(0xc002_0000));
 }

@@ -1,7 +1,9 @@
 //! Enumerates PCI bus 0 through conf1 (ports 0xCF8/0xCFC) and ECAM (MMIO at
 //! 0xE000_0000), prints each function, checks both mechanisms agree, sizes
-//! the vNPU's BAR 0 and walks its capabilities to MSI-X. Exits 0 when the
-//! vNPU (class 0x12) was found and everything agreed, else 1.
+//! the first vNPU's BAR 0 and walks its capabilities to MSI-X; then, for
+//! every vNPU (class 0x12), places BAR 0 in the MMIO hole, enables memory
+//! decoding and prints its hierarchy registers. Exits 0 when at least one
+//! vNPU was found and everything agreed, else 1.
 #![no_std]
 #![no_main]
 
@@ -33,6 +35,8 @@ fn ecam_write(dev: u32, reg: u32, v: u32) {
 pub extern "C" fn _start() -> ! {
     let mut ok = true;
     let mut vnpu = None;
+    let mut all = [0u32; 32];
+    let mut count = 0;
     for dev in 0..32 {
         let id = conf1_read(dev, 0);
         if id != ecam_read(dev, 0) {
@@ -53,7 +57,9 @@ pub extern "C" fn _start() -> ! {
         print_hex(u64::from(class), 6);
         print("\n");
         if class >> 16 == 0x12 {
-            vnpu = Some(dev);
+            vnpu = vnpu.or(Some(dev));
+            all[count] = dev;
+            count += 1;
         }
     }
     let Some(dev) = vnpu else {
@@ -89,7 +95,50 @@ pub extern "C" fn _start() -> ! {
         }
         at = (hdr >> 8) & 0xff;
     }
+    for &dev in &all[..count] {
+        ok &= hierarchy(dev);
+    }
     exit(if ok && found { 0 } else { 1 })
+}
+
+fn mmio32(addr: usize) -> u32 {
+    // SAFETY: `addr` lies in a BAR this guest just programmed, identity-mapped.
+    unsafe { core::ptr::read_volatile(addr as *const u32) }
+}
+
+/// Places BAR 0 of `dev` at 0xC000_0000 + dev * 64 KiB, enables memory
+/// decoding and prints the hierarchy registers. False if the magic is wrong.
+fn hierarchy(dev: u32) -> bool {
+    let base = 0xc000_0000usize + ((dev as usize) << 16);
+    ecam_write(dev, 0x10, base as u32);
+    ecam_write(dev, 0x14, 0);
+    let cmd = ecam_read(dev, 0x04) & 0xffff;
+    ecam_write(dev, 0x04, cmd | 0x2);
+    let magic = mmio32(base);
+    print("vnpu 00:");
+    print_hex(u64::from(dev), 2);
+    print(".0 abi ");
+    print_hex(u64::from(mmio32(base + 0x04)), 8);
+    let fields: [(&str, usize, u32); 8] = [
+        (" chips ", 0x10, 2),
+        (" cores ", 0x14, 2),
+        (" sa ", 0x18, 2),
+        (" vu ", 0x1c, 2),
+        (" sram ", 0x20, 16),
+        (" hbm ", 0x28, 16),
+        (" array ", 0x30, 4),
+        (" lanes ", 0x38, 4),
+    ];
+    for (name, off, digits) in fields {
+        print(name);
+        let mut v = u64::from(mmio32(base + off));
+        if digits == 16 {
+            v |= u64::from(mmio32(base + off + 4)) << 32;
+        }
+        print_hex(v, digits);
+    }
+    print("\n");
+    magic == u32::from_le_bytes(*b"VNPU")
 }
 
 #[panic_handler]

@@ -34,6 +34,13 @@ enum Command {
         /// Guest memory, 2M to 1G (e.g. 256M).
         #[arg(long, default_value = "256M", value_parser = size::parse_size)]
         memory: u64,
+        /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`
+        /// or `type=small|medium|large` (docs/cli.md). Each becomes a PCI function.
+        #[arg(long = "vnpu", value_parser = parse_vnpu)]
+        vnpus: Vec<vnpu_device::VnpuSpec>,
+        /// Board config file (TOML, docs/board-config.md); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
     },
     /// DNN workloads lowered to vNPU programs and run on the NPU model.
     Workload {
@@ -156,6 +163,10 @@ enum CliError {
     Write { path: String, source: std::io::Error },
 }
 
+fn parse_vnpu(s: &str) -> Result<vnpu_device::VnpuSpec, String> {
+    vnpu_device::VnpuSpec::parse(s).map_err(|e| e.to_string())
+}
+
 fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
     Ok(match path {
         Some(p) => BoardConfig::load(p)?,
@@ -205,8 +216,9 @@ fn print_report(r: &RunReport) {
 
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
-        Command::Run { guest, memory } => {
-            let mut vm = vnpu_vm::Vm::new(memory, &guest, std::io::stdout())?;
+        Command::Run { guest, memory, vnpus, board: path } => {
+            let b = board(&path)?;
+            let mut vm = vnpu_vm::Vm::new(memory, &guest, std::io::stdout(), &vnpus, &b)?;
             let code = vm.run()?;
             // Exit codes above 255 are reported and truncated, as a shell would.
             if code > 255 {

@@ -305,6 +305,12 @@ pub trait PciFunction: Send {
     /// Called after a guest wrote configuration space (BAR moves, command
     /// and MSI-X control changes are acted on here).
     fn config_written(&mut self, _offset: usize, _len: usize) {}
+    /// A guest read at `offset` into memory BAR `bar`.
+    fn bar_read(&mut self, _bar: usize, _offset: u64, data: &mut [u8]) {
+        data.fill(0xff);
+    }
+    /// A guest write at `offset` into memory BAR `bar`.
+    fn bar_write(&mut self, _bar: usize, _offset: u64, _data: &[u8]) {}
 }
 
 /// A plain function: configuration space only (the host bridge).
@@ -436,6 +442,47 @@ impl PciBus {
             ((offset >> 12) & 0x7) as u32,
             reg,
         ))
+    }
+
+    /// The function, BAR and offset that guest-physical `addr` (an access of
+    /// `len` bytes) falls in: memory BARs of functions with memory decoding
+    /// enabled and a non-zero address.
+    fn bar_at(&self, addr: u64, len: usize) -> Option<(usize, usize, u64)> {
+        for (slot, f) in self.slots.iter().enumerate() {
+            let Some(f) = f else { continue };
+            let c = f.config();
+            if !c.memory_enabled() {
+                continue;
+            }
+            for bar in 0..NUM_BARS {
+                let (Some(b), Some(base)) = (c.bar(bar), c.bar_address(bar)) else { continue };
+                if b.kind == BarKind::Io || base == 0 {
+                    continue;
+                }
+                if let Some(off) = addr.checked_sub(base).filter(|o| o.saturating_add(len as u64) <= b.size) {
+                    return Some((slot, bar, off));
+                }
+            }
+        }
+        None
+    }
+
+    /// A guest MMIO read: returns false when no BAR decodes `addr`.
+    pub fn mmio_read(&mut self, addr: u64, data: &mut [u8]) -> bool {
+        let Some((slot, bar, off)) = self.bar_at(addr, data.len()) else { return false };
+        if let Some(f) = self.function_mut(slot) {
+            f.bar_read(bar, off, data);
+        }
+        true
+    }
+
+    /// A guest MMIO write: returns false when no BAR decodes `addr`.
+    pub fn mmio_write(&mut self, addr: u64, data: &[u8]) -> bool {
+        let Some((slot, bar, off)) = self.bar_at(addr, data.len()) else { return false };
+        if let Some(f) = self.function_mut(slot) {
+            f.bar_write(bar, off, data);
+        }
+        true
     }
 
     /// A read at `offset` into the ECAM window.

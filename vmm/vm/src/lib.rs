@@ -10,8 +10,9 @@
 //! output goes to a writer; an exit port at 0xf4 (a 32-bit write of `code`
 //! ends the VM with exit code `code`); and PCI bus 0 (`vnpu-pci`) through
 //! ports 0xCF8..0xCFF and an ECAM window at [`ECAM_BASE`], with a host
-//! bridge at 00:00.0 and a vNPU function at 00:01.0 (configuration space
-//! only for now).
+//! bridge at 00:00.0 and one vNPU function per `--vnpu` from 00:01.0 on
+//! (`vnpu-device`: configuration space, hierarchy registers in BAR 0,
+//! MSI-X table in BAR 2).
 
 use std::fs::File;
 use std::io::Write;
@@ -20,10 +21,12 @@ use std::path::Path;
 use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use linux_loader::loader::{elf::Elf, KernelLoader};
+use npu_model::BoardConfig;
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vm_superio::{Serial, Trigger};
-use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciBus, PlainFunction};
+use vnpu_device::{VnpuFunction, VnpuSpec};
+use vnpu_pci::{ConfigSpace, Identity, PciBus, PlainFunction};
 
 /// Serial port base (COM1).
 pub const SERIAL_PORT: u16 = 0x3f8;
@@ -37,10 +40,8 @@ pub const MIN_MEMORY: u64 = 2 << 20;
 pub const ECAM_BASE: u64 = 0xe000_0000;
 /// Size of the ECAM window.
 pub const ECAM_SIZE: u64 = 1 << 20;
-/// Our PCI vendor ID (see docs/pci.md).
-pub const VENDOR_ID: u16 = 0x5650;
-/// Device ID of the vNPU function.
-pub const VNPU_DEVICE_ID: u16 = 0x0001;
+/// Most vNPU functions one VM can have (slots 1..=31 of bus 0).
+pub const MAX_VNPUS: usize = 31;
 /// Device ID of the host bridge.
 pub const HOST_BRIDGE_DEVICE_ID: u16 = 0x0000;
 
@@ -69,6 +70,8 @@ pub enum VmError {
     Guest(String),
     #[error("PCI layout: {0}")]
     Pci(#[from] vnpu_pci::PciError),
+    #[error("{count} vNPUs asked for; a VM has at most {MAX_VNPUS}")]
+    TooManyVnpus { count: usize },
 }
 
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -120,10 +123,20 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
 }
 
 impl<W: Write> Vm<W> {
-    /// Creates a VM with `memory_bytes` of RAM at guest address 0, loads the
+    /// Creates a VM with `memory_bytes` of RAM at guest address 0 and one
+    /// vNPU function per entry of `vnpus` (on a board of `board`), loads the
     /// ELF at `guest` and prepares its one vCPU to enter it in long mode.
     /// Serial output goes to `console`.
-    pub fn new(memory_bytes: u64, guest: &Path, console: W) -> Result<Self, VmError> {
+    pub fn new(
+        memory_bytes: u64,
+        guest: &Path,
+        console: W,
+        vnpus: &[VnpuSpec],
+        board: &BoardConfig,
+    ) -> Result<Self, VmError> {
+        if vnpus.len() > MAX_VNPUS {
+            return Err(VmError::TooManyVnpus { count: vnpus.len() });
+        }
         if !(MIN_MEMORY..=(1 << 30)).contains(&memory_bytes) {
             return Err(VmError::Memory {
                 size: memory_bytes,
@@ -187,37 +200,25 @@ impl<W: Write> Vm<W> {
             vcpu,
             _memory: memory,
             serial: Serial::new(NoInterrupt, console),
-            pci: Self::pci_bus()?,
+            pci: Self::pci_bus(vnpus, board)?,
         })
     }
 
-    /// Bus 0: host bridge at 00:00.0, the vNPU function at 00:01.0.
-    fn pci_bus() -> Result<PciBus, VmError> {
+    /// Bus 0: host bridge at 00:00.0, vNPU functions from 00:01.0 on.
+    fn pci_bus(vnpus: &[VnpuSpec], board: &BoardConfig) -> Result<PciBus, VmError> {
         let mut bus = PciBus::new();
         let bridge = Identity {
-            vendor_id: VENDOR_ID,
+            vendor_id: vnpu_device::VENDOR_ID,
             device_id: HOST_BRIDGE_DEVICE_ID,
             class: 0x06_00_00,
             revision: 0,
-            subsystem_vendor_id: VENDOR_ID,
+            subsystem_vendor_id: vnpu_device::VENDOR_ID,
             subsystem_id: 0,
         };
-        let vnpu = Identity {
-            vendor_id: VENDOR_ID,
-            device_id: VNPU_DEVICE_ID,
-            class: 0x12_00_00,
-            revision: 1,
-            subsystem_vendor_id: VENDOR_ID,
-            subsystem_id: VNPU_DEVICE_ID,
-        };
-        let mut c = ConfigSpace::new(vnpu);
-        // Layout placeholder until the vNPU device lands (issue 3): BAR 0
-        // registers, BAR 2 MSI-X table and PBA.
-        c.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: 0x4000 })?;
-        c.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: 0x2000 })?;
-        MsixCap::add(&mut c, 8, 2, 0, 2, 0x1000)?;
         bus.add(0, Box::new(PlainFunction(ConfigSpace::new(bridge))))?;
-        bus.add(1, Box::new(PlainFunction(c)))?;
+        for (i, spec) in vnpus.iter().enumerate() {
+            bus.add(i + 1, Box::new(VnpuFunction::new(spec, board)?))?;
+        }
         Ok(bus)
     }
 
@@ -281,12 +282,20 @@ impl<W: Write> Vm<W> {
                 VcpuExit::MmioRead(addr, data) => {
                     match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
                         Some(off) => self.pci.ecam_read(off, data),
-                        None => data.iter_mut().for_each(|b| *b = 0xff),
+                        None => {
+                            if !self.pci.mmio_read(addr, data) {
+                                data.iter_mut().for_each(|b| *b = 0xff);
+                            }
+                        }
                     }
                 }
                 VcpuExit::MmioWrite(addr, data) => {
-                    if let Some(off) = addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
-                        self.pci.ecam_write(off, data);
+                    match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
+                        Some(off) => self.pci.ecam_write(off, data),
+                        None => {
+                            // Writes nothing decodes are dropped, as on a bus.
+                            let _ = self.pci.mmio_write(addr, data);
+                        }
                     }
                 }
                 VcpuExit::Hlt => return Err(VmError::Guest("halted without writing the exit port".into())),

@@ -1,0 +1,163 @@
+//! vNPU specifications as the CLI takes them (`--vnpu SPEC`).
+
+use npu_model::config::{HBM_SLICE, SRAM_SLICE};
+use thiserror::Error;
+
+/// The vNPU board a tenant asked for (Listing 1 of the design).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VnpuSpec {
+    pub chips: u32,
+    pub cores_per_chip: u32,
+    pub sa_per_core: u32,
+    pub vu_per_core: u32,
+    pub sram_per_core: u64,
+    pub hbm_per_core: u64,
+}
+
+/// A bad `--vnpu` specification.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("vNPU spec `{spec}`: `{item}` is not key=value")]
+    Syntax { spec: String, item: String },
+    #[error("vNPU spec `{spec}`: unknown key `{key}` (keys: sa, vu, sram, hbm, cores, chips, or type=small|medium|large)")]
+    Key { spec: String, key: String },
+    #[error("vNPU spec `{spec}`: `{key}` {reason}")]
+    Value { spec: String, key: &'static str, reason: String },
+    #[error("vNPU spec `{spec}`: missing `{key}`")]
+    Missing { spec: String, key: &'static str },
+}
+
+fn size(v: &str) -> Option<u64> {
+    let t = v.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let m: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(m)
+}
+
+impl VnpuSpec {
+    /// The named types: the smallest runnable vNPU and two larger ones
+    /// (2, 4 and 8 execution units).
+    pub fn named(name: &str) -> Option<Self> {
+        let (eu, sram, hbm) = match name {
+            "small" => (1, 4u64 << 20, 1u64 << 30),
+            "medium" => (2, 16 << 20, 4 << 30),
+            "large" => (4, 32 << 20, 8 << 30),
+            _ => return None,
+        };
+        Some(Self {
+            chips: 1,
+            cores_per_chip: 1,
+            sa_per_core: eu,
+            vu_per_core: eu,
+            sram_per_core: sram,
+            hbm_per_core: hbm,
+        })
+    }
+
+    /// Parses `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]` or
+    /// `type=small|medium|large`.
+    pub fn parse(spec: &str) -> Result<Self, SpecError> {
+        let s = spec.to_string();
+        let mut kv = Vec::new();
+        for item in spec.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (k, v) = item
+                .split_once('=')
+                .ok_or_else(|| SpecError::Syntax { spec: s.clone(), item: item.into() })?;
+            kv.push((k.trim(), v.trim()));
+        }
+        if let Some((_, t)) = kv.iter().find(|(k, _)| *k == "type") {
+            if kv.len() != 1 {
+                return Err(SpecError::Value {
+                    spec: s,
+                    key: "type",
+                    reason: "cannot be combined with other keys".into(),
+                });
+            }
+            return Self::named(t).ok_or(SpecError::Value {
+                spec: s,
+                key: "type",
+                reason: format!("`{t}` is not small, medium or large"),
+            });
+        }
+        let mut out = Self {
+            chips: 1,
+            cores_per_chip: 1,
+            sa_per_core: 0,
+            vu_per_core: 0,
+            sram_per_core: 0,
+            hbm_per_core: 0,
+        };
+        let mut seen = [false; 4];
+        for (k, v) in kv {
+            let count = |key: &'static str| {
+                v.parse::<u32>().ok().filter(|n| (1..=64).contains(n)).ok_or(SpecError::Value {
+                    spec: s.clone(),
+                    key,
+                    reason: format!("is `{v}`, must be a whole number in 1..=64"),
+                })
+            };
+            let bytes = |key: &'static str, slice: u64| {
+                size(v).filter(|b| *b > 0 && b % slice == 0).ok_or(SpecError::Value {
+                    spec: s.clone(),
+                    key,
+                    reason: format!("is `{v}`, must be a positive multiple of {} MiB", slice >> 20),
+                })
+            };
+            match k {
+                "sa" => (out.sa_per_core, seen[0]) = (count("sa")?, true),
+                "vu" => (out.vu_per_core, seen[1]) = (count("vu")?, true),
+                "sram" => (out.sram_per_core, seen[2]) = (bytes("sram", SRAM_SLICE)?, true),
+                "hbm" => (out.hbm_per_core, seen[3]) = (bytes("hbm", HBM_SLICE)?, true),
+                "cores" => out.cores_per_chip = count("cores")?,
+                "chips" => out.chips = count("chips")?,
+                other => return Err(SpecError::Key { spec: s, key: other.into() }),
+            }
+        }
+        for (i, key) in ["sa", "vu", "sram", "hbm"].into_iter().enumerate() {
+            if !seen[i] {
+                return Err(SpecError::Missing { spec: s, key });
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_and_bad_ones_name_the_key() {
+        let v = VnpuSpec::parse("sa=2,vu=1,sram=8M,hbm=1G,cores=2").unwrap();
+        assert_eq!(
+            v,
+            VnpuSpec {
+                chips: 1,
+                cores_per_chip: 2,
+                sa_per_core: 2,
+                vu_per_core: 1,
+                sram_per_core: 8 << 20,
+                hbm_per_core: 1 << 30
+            }
+        );
+        assert_eq!(VnpuSpec::parse("type=medium").unwrap(), VnpuSpec::named("medium").unwrap());
+        let e = |s: &str| VnpuSpec::parse(s).unwrap_err().to_string();
+        assert!(e("sa=0,vu=1,sram=2M,hbm=256M").contains("`sa`"));
+        assert!(e("sa=1,vu=1,sram=3M,hbm=256M").contains("`sram`"));
+        assert!(e("sa=1,vu=1,sram=2M,hbm=100M").contains("`hbm`"));
+        assert!(e("sa=1,vu=1,sram=2M").contains("missing `hbm`"));
+        assert!(e("sa=1,vu=1,sram=2M,hbm=256M,gpu=1").contains("unknown key `gpu`"));
+        assert!(e("sa=1,vu").contains("not key=value"));
+        assert!(e("type=huge").contains("huge"));
+        assert!(e("type=small,sa=2").contains("combined"));
+        assert!(e("sa=1,vu=1,sram=99999999999999999999G,hbm=256M").contains("`sram`"));
+    }
+}
