@@ -133,6 +133,27 @@ impl VnpuSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any string: refused with an error or accepted as a valid spec.
+        #[test]
+        fn parse_never_panics_and_accepts_only_valid_specs(s in "[a-z=,0-9MGK ]{0,40}") {
+            if let Ok(v) = VnpuSpec::parse(&s) {
+                prop_assert!(v.sa_per_core >= 1 && v.vu_per_core >= 1 && v.chips >= 1 && v.cores_per_chip >= 1);
+                prop_assert!(v.sram_per_core > 0 && v.sram_per_core % SRAM_SLICE == 0);
+                prop_assert!(v.hbm_per_core > 0 && v.hbm_per_core % HBM_SLICE == 0);
+            }
+        }
+
+        /// Well-formed specs round-trip their numbers.
+        #[test]
+        fn well_formed_specs_parse(sa in 1u32..=64, vu in 1u32..=64, sram in 1u64..64, hbm in 1u64..64) {
+            let v = VnpuSpec::parse(&format!("vu={vu},sa={sa},hbm={}M,sram={}M", hbm * 256, sram * 2)).unwrap();
+            prop_assert_eq!((v.sa_per_core, v.vu_per_core), (sa, vu));
+            prop_assert_eq!((v.sram_per_core, v.hbm_per_core), (sram * SRAM_SLICE, hbm * HBM_SLICE));
+        }
+    }
 
     #[test]
     fn specs_parse_and_bad_ones_name_the_key() {
