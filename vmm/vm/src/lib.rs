@@ -14,6 +14,10 @@
 //! (`vnpu-device`: configuration space, hierarchy registers in BAR 0,
 //! MSI-X table in BAR 2).
 
+mod guest_memory;
+
+pub use guest_memory::GuestRam;
+
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;

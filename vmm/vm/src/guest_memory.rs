@@ -1,0 +1,85 @@
+//! Guest memory as the NPU model sees it: every DMA access goes through
+//! vm-memory's checked accessors, so a bad guest address fails that
+//! request with an error and never touches host memory outside the guest.
+
+use npu_model::memory::{Memory, MemoryError};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+/// A view of guest RAM for DMA by the NPU model.
+#[derive(Debug)]
+pub struct GuestRam<'a> {
+    mem: &'a GuestMemoryMmap<()>,
+}
+
+impl<'a> GuestRam<'a> {
+    pub fn new(mem: &'a GuestMemoryMmap<()>) -> Self {
+        Self { mem }
+    }
+}
+
+fn err(addr: u64, len: usize, e: impl std::fmt::Display) -> MemoryError {
+    MemoryError::Guest { addr, len: len as u64, reason: e.to_string() }
+}
+
+impl Memory for GuestRam<'_> {
+    fn size(&self) -> u64 {
+        self.mem.last_addr().0.saturating_add(1)
+    }
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        self.mem.read_slice(buf, GuestAddress(addr)).map_err(|e| err(addr, buf.len(), e))
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
+        self.mem.write_slice(data, GuestAddress(addr)).map_err(|e| err(addr, data.len(), e))
+    }
+    // No `slice_mut`: guest memory is shared with a running guest and is
+    // only ever accessed through vm-memory's volatile, checked copies.
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Sram};
+    use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+    fn ram() -> GuestMemoryMmap<()> {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap()
+    }
+
+    #[test]
+    fn checked_accesses() {
+        let m = ram();
+        let mut g = GuestRam::new(&m);
+        assert_eq!(g.size(), 1 << 20);
+        g.write(0x1000, &[1, 2, 3]).unwrap();
+        let mut b = [0u8; 3];
+        g.read(0x1000, &mut b).unwrap();
+        assert_eq!(b, [1, 2, 3]);
+        assert!(g.write((1 << 20) - 1, &[0, 0]).is_err(), "straddles the end");
+        assert!(g.read(1 << 20, &mut b).is_err());
+        assert!(g.read(u64::MAX - 1, &mut b).is_err());
+    }
+
+    /// A program DMAs from guest RAM to SRAM and back through vm-memory;
+    /// a DMA past the end of guest RAM fails the program, not the process.
+    #[test]
+    fn the_model_dmas_through_vm_memory() {
+        let m = ram();
+        m.write_slice(b"tensor!!", GuestAddress(0x2000)).unwrap();
+        let dma = |src, dst| Instr::DmaCopy { src, dst, rows: 1, row_bytes: 8, src_stride: 0, dst_stride: 0 };
+        let mut p = ProgramBuilder::new();
+        p.push(Engine::DMA, dma(Addr::guest(0x2000), Addr::sram(0)));
+        p.push(Engine::DMA, dma(Addr::sram(0), Addr::guest(0x3000)));
+        let (mut sram, mut hbm, mut g) = (Sram::new(4096), LazyHbm::new(1 << 20), GuestRam::new(&m));
+        let mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut g };
+        run_program(&BoardConfig::default(), &p.finish(), Some(mem), None).unwrap();
+        let mut out = [0u8; 8];
+        m.read_slice(&mut out, GuestAddress(0x3000)).unwrap();
+        assert_eq!(&out, b"tensor!!");
+
+        let mut bad = ProgramBuilder::new();
+        bad.push(Engine::DMA, dma(Addr::guest((1 << 20) - 4), Addr::sram(0)));
+        let mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut g };
+        let e = run_program(&BoardConfig::default(), &bad.finish(), Some(mem), None).unwrap_err();
+        assert!(e.to_string().contains("guest memory access"), "{e}");
+    }
+}
