@@ -92,3 +92,23 @@ fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
     assert_eq!(vm.pci().function(1).unwrap().config().bar_address(0), Some(0xc001_0000));
     assert_eq!(vm.pci().function(2).unwrap().config().bar_address(0), Some(0xc002_0000));
 }
+
+#[test]
+fn guest_receives_msix_with_masking_and_pending_bits() {
+    let console = Console::default();
+    let small = VnpuSpec::named("small").unwrap();
+    let mut vm =
+        Vm::new(16 << 20, &guest("msix-test"), console.clone(), &[small], &BoardConfig::default()).unwrap();
+    let code = vm.run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert_eq!(code, 0, "{out}");
+    assert_eq!(
+        out,
+        "msi delivered ok\n\
+         masked vector not delivered ok\n\
+         pending bit set ok\n\
+         pending vector delivered on unmask ok\n\
+         pending bit cleared ok\n\
+         interrupts 02\n"
+    );
+}

@@ -6,7 +6,7 @@ mod spec;
 pub use spec::{SpecError, VnpuSpec};
 
 use npu_model::BoardConfig;
-use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, MsixTable, PciError, PciFunction};
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsiMessage, MsixCap, MsixTable, PciError, PciFunction};
 
 /// Our PCI vendor ID.
 pub const VENDOR_ID: u16 = 0x5650;
@@ -44,8 +44,11 @@ pub mod regs {
     pub const SA_COLS: u64 = 0x034;
     pub const VU_LANES: u64 = 0x038;
     pub const CLOCK_MHZ: u64 = 0x03c;
+    /// u32, write-only (reads 0): writing `v` raises MSI-X vector `v`
+    /// (interrupt self-test for drivers).
+    pub const INT_TEST: u64 = 0x040;
     /// End of the registers implemented so far.
-    pub const END: u64 = 0x040;
+    pub const END: u64 = 0x044;
 }
 
 /// `STATUS` bit: the device is ready.
@@ -57,6 +60,8 @@ pub struct VnpuFunction {
     msix: MsixCap,
     table: MsixTable,
     regs: [u8; regs::END as usize],
+    /// Messages to deliver, in order.
+    outbox: Vec<MsiMessage>,
 }
 
 impl std::fmt::Debug for VnpuFunction {
@@ -96,12 +101,26 @@ impl VnpuFunction {
         put(regs::SA_COLS, &board.core.sa_cols.to_le_bytes());
         put(regs::VU_LANES, &board.core.vu_lanes.to_le_bytes());
         put(regs::CLOCK_MHZ, &board.clock_mhz.to_le_bytes());
-        Ok(Self { config, table: MsixTable::new(msix.vectors), msix, regs: r })
+        Ok(Self { config, table: MsixTable::new(msix.vectors), msix, regs: r, outbox: Vec::new() })
     }
 
     /// The MSI-X capability.
     pub fn msix(&self) -> MsixCap {
         self.msix
+    }
+
+    /// Raises MSI-X `vector`: queued for delivery now, or left pending
+    /// while masked, or dropped while MSI-X is disabled.
+    pub fn raise(&mut self, vector: u16) {
+        let (en, fm) = (self.msix.enabled(&self.config), self.msix.function_masked(&self.config));
+        if let Some(m) = self.table.trigger(vector, en, fm) {
+            self.outbox.push(m);
+        }
+    }
+
+    fn release_pending(&mut self) {
+        let (en, fm) = (self.msix.enabled(&self.config), self.msix.function_masked(&self.config));
+        self.outbox.extend(self.table.take_deliverable(en, fm));
     }
 }
 
@@ -112,8 +131,16 @@ impl PciFunction for VnpuFunction {
     fn config_mut(&mut self) -> &mut ConfigSpace {
         &mut self.config
     }
+    fn config_written(&mut self, _offset: usize, _len: usize) {
+        // Enabling MSI-X or clearing the function mask releases pending vectors.
+        self.release_pending();
+    }
+    fn take_interrupts(&mut self) -> Vec<MsiMessage> {
+        std::mem::take(&mut self.outbox)
+    }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match bar {
+            0 if (regs::INT_TEST..regs::INT_TEST + 4).contains(&offset) => data.fill(0),
             0 => {
                 for (i, d) in data.iter_mut().enumerate() {
                     *d = offset
@@ -129,10 +156,18 @@ impl PciFunction for VnpuFunction {
         }
     }
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
-        if bar == 2 && offset < 0x1000 {
-            self.table.write(offset, data);
+        match bar {
+            0 if offset == regs::INT_TEST && data.len() >= 2 => {
+                self.raise(u16::from_le_bytes([data[0], data[1]]));
+            }
+            2 if offset < 0x1000 => {
+                self.table.write(offset, data);
+                // Unmasking a vector releases it if pending.
+                self.release_pending();
+            }
+            // Other BAR 0 registers are read-only; the PBA ignores writes.
+            _ => {}
         }
-        // BAR 0 registers are read-only so far; writes are ignored.
     }
 }
 
@@ -165,6 +200,42 @@ mod tests {
         let mut b = [0u8; 8];
         f.bar_read(0, u64::MAX - 2, &mut b);
         assert_eq!(b, [0; 8]);
+    }
+}
+
+#[cfg(test)]
+mod interrupt_tests {
+    use super::*;
+
+    #[test]
+    fn int_test_raises_vectors_by_the_msix_rules() {
+        let mut f = VnpuFunction::new(&VnpuSpec::named("small").unwrap(), &BoardConfig::default()).unwrap();
+        let cap = f.msix().offset;
+        // MSI-X disabled: dropped.
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert!(f.take_interrupts().is_empty());
+        // Program vector 1, enable MSI-X: still masked after reset, so pending.
+        f.bar_write(2, 16, &0xfee0_0000u32.to_le_bytes());
+        f.bar_write(2, 24, &0x41u32.to_le_bytes());
+        f.config_mut().write(cap + 2, &0x8000u16.to_le_bytes());
+        f.config_written(cap + 2, 2);
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert!(f.take_interrupts().is_empty());
+        let mut pba = [0u8];
+        f.bar_read(2, 0x1000, &mut pba);
+        assert_eq!(pba[0], 0b10);
+        // Unmask: the pending vector is delivered once.
+        f.bar_write(2, 28, &0u32.to_le_bytes());
+        assert_eq!(f.take_interrupts(), vec![MsiMessage { address: 0xfee0_0000, data: 0x41 }]);
+        assert!(f.take_interrupts().is_empty());
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert_eq!(f.take_interrupts().len(), 1);
+        // Nonexistent vectors do nothing; INT_TEST reads 0.
+        f.bar_write(0, regs::INT_TEST, &500u32.to_le_bytes());
+        assert!(f.take_interrupts().is_empty());
+        let mut b = [9u8; 4];
+        f.bar_read(0, regs::INT_TEST, &mut b);
+        assert_eq!(b, [0; 4]);
     }
 }
 

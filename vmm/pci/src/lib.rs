@@ -311,6 +311,10 @@ pub trait PciFunction: Send {
     }
     /// A guest write at `offset` into memory BAR `bar`.
     fn bar_write(&mut self, _bar: usize, _offset: u64, _data: &[u8]) {}
+    /// MSI messages the function raised since the last call, in order.
+    fn take_interrupts(&mut self) -> Vec<MsiMessage> {
+        Vec::new()
+    }
 }
 
 /// A plain function: configuration space only (the host bridge).
@@ -483,6 +487,11 @@ impl PciBus {
             f.bar_write(bar, off, data);
         }
         true
+    }
+
+    /// MSI messages every function raised since the last call.
+    pub fn take_interrupts(&mut self) -> Vec<MsiMessage> {
+        self.slots.iter_mut().flatten().flat_map(|f| f.take_interrupts()).collect()
     }
 
     /// A read at `offset` into the ECAM window.

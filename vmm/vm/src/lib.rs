@@ -97,7 +97,7 @@ impl Trigger for NoInterrupt {
 pub struct Vm<W: Write> {
     // Kept alive for the VM's lifetime.
     _kvm: Kvm,
-    _vm: VmFd,
+    vm: VmFd,
     vcpu: VcpuFd,
     _memory: GuestMemoryMmap<()>,
     serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
@@ -200,7 +200,7 @@ impl<W: Write> Vm<W> {
 
         Ok(Self {
             _kvm: kvm,
-            _vm: vm,
+            vm,
             vcpu,
             _memory: memory,
             serial: Serial::new(NoInterrupt, console),
@@ -250,9 +250,26 @@ impl<W: Write> Vm<W> {
         Ok(())
     }
 
+    /// Delivers the MSIs the PCI functions raised (KVM_SIGNAL_MSI into the
+    /// in-kernel irqchip).
+    fn deliver_interrupts(&mut self) {
+        for m in self.pci.take_interrupts() {
+            let msi = kvm_bindings::kvm_msi {
+                address_lo: m.address as u32,
+                address_hi: (m.address >> 32) as u32,
+                data: m.data,
+                ..Default::default()
+            };
+            // A message the irqchip rejects (a bogus address the guest
+            // programmed) is dropped, as on hardware.
+            let _ = self.vm.signal_msi(msi);
+        }
+    }
+
     /// Runs the guest until it writes the exit port; returns its exit code.
     pub fn run(&mut self) -> Result<u32, VmError> {
         loop {
+            self.deliver_interrupts();
             match self.vcpu.run().map_err(ioctl("run vCPU"))? {
                 VcpuExit::IoOut(port, data) => {
                     if port == EXIT_PORT {
