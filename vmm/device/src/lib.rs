@@ -226,7 +226,7 @@ mod interrupt_tests {
         assert_eq!(pba[0], 0b10);
         // Unmask: the pending vector is delivered once.
         f.bar_write(2, 28, &0u32.to_le_bytes());
-        assert_eq!(f.take_interrupts(), vec![MsiMessage { address: 0xfee0_0000, data: 0x41 }]);
+        assert_eq!(f.take_interrupts(), vec![MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }]);
         assert!(f.take_interrupts().is_empty());
         f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
         assert_eq!(f.take_interrupts().len(), 1);

@@ -489,9 +489,16 @@ impl PciBus {
         true
     }
 
-    /// MSI messages every function raised since the last call.
-    pub fn take_interrupts(&mut self) -> Vec<MsiMessage> {
-        self.slots.iter_mut().flatten().flat_map(|f| f.take_interrupts()).collect()
+    /// MSI messages every function raised since the last call, with the
+    /// slot of the function that raised each.
+    pub fn take_interrupts(&mut self) -> Vec<(usize, MsiMessage)> {
+        let mut out = Vec::new();
+        for (slot, f) in self.slots.iter_mut().enumerate() {
+            if let Some(f) = f {
+                out.extend(f.take_interrupts().into_iter().map(|m| (slot, m)));
+            }
+        }
+        out
     }
 
     /// A read at `offset` into the ECAM window.

@@ -15,6 +15,8 @@ const CTRL_FUNCTION_MASK: u16 = 1 << 14;
 /// An MSI write the interrupt controller should see.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MsiMessage {
+    /// The MSI-X vector (table entry) it came from.
+    pub vector: u16,
     pub address: u64,
     pub data: u32,
 }
@@ -132,7 +134,7 @@ impl MsixTable {
 
     fn message(&self, v: usize) -> MsiMessage {
         let e = self.entries[v];
-        MsiMessage { address: u64::from(e[0]) | (u64::from(e[1]) << 32), data: e[2] }
+        MsiMessage { vector: v as u16, address: u64::from(e[0]) | (u64::from(e[1]) << 32), data: e[2] }
     }
 
     fn masked(&self, v: usize) -> bool {

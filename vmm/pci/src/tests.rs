@@ -128,11 +128,11 @@ fn msix_masking_pending_and_delivery() {
     t.read(28, &mut b);
     assert_eq!(u32::from_le_bytes(b), 0);
     let msgs = t.take_deliverable(m.enabled(&c), m.function_masked(&c));
-    assert_eq!(msgs, vec![MsiMessage { address: 0xfee0_0000, data: 0x41 }]);
+    assert_eq!(msgs, vec![MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }]);
     t.pba_read(0, &mut b[..1]);
     assert_eq!(b[0], 0);
     // Unmasked: delivered at once.
-    assert_eq!(t.trigger(1, true, false), Some(MsiMessage { address: 0xfee0_0000, data: 0x41 }));
+    assert_eq!(t.trigger(1, true, false), Some(MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }));
     // Function mask holds everything back until cleared.
     c.write(m.offset + 2, &0xc000u16.to_le_bytes());
     assert!(m.function_masked(&c));

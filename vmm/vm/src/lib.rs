@@ -15,6 +15,7 @@
 //! MSI-X table in BAR 2).
 
 mod guest_memory;
+mod irq;
 
 pub use guest_memory::GuestRam;
 
@@ -102,6 +103,7 @@ pub struct Vm<W: Write> {
     _memory: GuestMemoryMmap<()>,
     serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
     pci: PciBus,
+    msi: irq::MsiRoutes,
 }
 
 impl<W: Write> std::fmt::Debug for Vm<W> {
@@ -205,6 +207,7 @@ impl<W: Write> Vm<W> {
             _memory: memory,
             serial: Serial::new(NoInterrupt, console),
             pci: Self::pci_bus(vnpus, board)?,
+            msi: irq::MsiRoutes::default(),
         })
     }
 
@@ -250,19 +253,13 @@ impl<W: Write> Vm<W> {
         Ok(())
     }
 
-    /// Delivers the MSIs the PCI functions raised (KVM_SIGNAL_MSI into the
-    /// in-kernel irqchip).
+    /// Delivers the MSIs the PCI functions raised, each through the irqfd
+    /// of its (function, vector) GSI.
     fn deliver_interrupts(&mut self) {
-        for m in self.pci.take_interrupts() {
-            let msi = kvm_bindings::kvm_msi {
-                address_lo: m.address as u32,
-                address_hi: (m.address >> 32) as u32,
-                data: m.data,
-                ..Default::default()
-            };
-            // A message the irqchip rejects (a bogus address the guest
-            // programmed) is dropped, as on hardware.
-            let _ = self.vm.signal_msi(msi);
+        for (slot, m) in self.pci.take_interrupts() {
+            // A message that cannot be routed (a bogus address the guest
+            // programmed, routes exhausted) is dropped, as on hardware.
+            let _ = self.msi.deliver(&self.vm, slot, m);
         }
     }
 
