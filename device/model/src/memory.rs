@@ -194,10 +194,7 @@ impl Memory for VecGuestMemory {
 /// Fails when `[addr, addr + len)` cannot lie inside `m` (checked before
 /// buffers for it are allocated).
 pub fn check_span(m: &dyn Memory, addr: u64, len: u64) -> Result<(), MemoryError> {
-    match addr.checked_add(len) {
-        Some(end) if end <= m.size() => Ok(()),
-        _ => Err(MemoryError::OutOfRange { space: "memory", start: addr, len, size: m.size() }),
-    }
+    check("memory", addr, len, m.size())
 }
 
 /// Reads `n` little-endian f32 values.
