@@ -1,7 +1,5 @@
 //! `vnpu`: the command-line front end. See `docs/cli.md`.
 
-mod size;
-
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -32,7 +30,7 @@ enum Command {
         #[arg(long)]
         guest: PathBuf,
         /// Guest memory, 2M to 1G (e.g. 256M).
-        #[arg(long, default_value = "256M", value_parser = size::parse_size)]
+        #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
         /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`
         /// or `type=small|medium|large` (docs/cli.md). Each becomes a PCI function.
@@ -69,10 +67,10 @@ struct VnpuArgs {
     #[arg(long, default_value_t = 1)]
     batch: u32,
     /// SRAM of the vNPU core (e.g. 16M); default: the board's SRAM per core.
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = vnpu_device::parse_size)]
     sram: Option<u64>,
     /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
-    #[arg(long, value_parser = size::parse_size)]
+    #[arg(long, value_parser = vnpu_device::parse_size)]
     hbm: Option<u64>,
     /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
     #[arg(long)]

@@ -3,7 +3,7 @@
 
 mod spec;
 
-pub use spec::{SpecError, VnpuSpec};
+pub use spec::{parse_size, SpecError, VnpuSpec};
 
 use npu_model::BoardConfig;
 use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsiMessage, MsixCap, MsixTable, PciError, PciFunction};

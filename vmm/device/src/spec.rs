@@ -27,19 +27,22 @@ pub enum SpecError {
     Missing { spec: String, key: &'static str },
 }
 
-fn size(v: &str) -> Option<u64> {
-    let t = v.trim();
+/// Parses a byte size: `4096`, `64K`, `2MiB`, `8G`, `1TiB` (binary units;
+/// `K`, `KB` and `KiB` all mean 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let m: u64 = match unit.to_ascii_lowercase().as_str() {
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a size (examples: 4096, 64K, 2MiB, 8G)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        _ => return None,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit `{other}` in `{s}` (use K, M, G or T)")),
     };
-    n.checked_mul(m)
+    n.checked_mul(mult).ok_or_else(|| format!("size `{s}` is too large"))
 }
 
 impl VnpuSpec {
@@ -105,7 +108,7 @@ impl VnpuSpec {
                 })
             };
             let bytes = |key: &'static str, slice: u64| {
-                size(v).filter(|b| *b > 0 && b % slice == 0).ok_or(SpecError::Value {
+                parse_size(v).ok().filter(|b| *b > 0 && b % slice == 0).ok_or(SpecError::Value {
                     spec: s.clone(),
                     key,
                     reason: format!("is `{v}`, must be a positive multiple of {} MiB", slice >> 20),
@@ -153,6 +156,18 @@ mod tests {
             prop_assert_eq!((v.sa_per_core, v.vu_per_core), (sa, vu));
             prop_assert_eq!((v.sram_per_core, v.hbm_per_core), (sram * SRAM_SLICE, hbm * HBM_SLICE));
         }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(64 << 10));
+        assert_eq!(parse_size("2MiB"), Ok(2 << 20));
+        assert_eq!(parse_size("8g"), Ok(8 << 30));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("12Q").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
     }
 
     #[test]
