@@ -13,6 +13,7 @@
 
 extern crate alloc;
 
+pub mod device;
 pub mod footprint;
 pub mod isa;
 pub mod program;

@@ -1,67 +1,55 @@
-//! The vNPU PCI function: identity, configuration space and BAR 0
-//! registers (`docs/device-interface.md`), and the `--vnpu` specification.
+//! The vNPU PCI function (`docs/device-interface.md`): configuration
+//! space, the BAR 0 registers and control mailbox, the MSI-X table in BAR
+//! 2, and the NPU worker thread that serves the command ring (a virtio
+//! split ring, walked with the `virtio-queue` crate) on the software NPU.
+//!
+//! The guest-visible constants (offsets, opcodes, status codes, wire
+//! formats) live in `vnpu_abi::device`, shared with the guest driver.
 
+mod guest_ram;
+mod msi;
+mod regfile;
 mod spec;
+mod worker;
 
+pub use guest_ram::GuestRam;
+pub use msi::{MsiSink, RecordingSink};
 pub use spec::{parse_size, SpecError, VnpuSpec};
+pub use vnpu_abi::device::{
+    regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
+};
+pub use worker::{DEFAULT_BUDGET, MAX_BUDGET};
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
 
 use npu_model::BoardConfig;
-use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsiMessage, MsixCap, MsixTable, PciError, PciFunction};
+use thiserror::Error;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vnpu_abi::device as abi;
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, MsixTable, PciError, PciFunction};
 
-/// Our PCI vendor ID.
-pub const VENDOR_ID: u16 = 0x5650;
-/// Device ID of the vNPU function.
-pub const DEVICE_ID: u16 = 0x0001;
-/// PCI class: processing accelerator.
-pub const CLASS: u32 = 0x12_00_00;
-/// Size of BAR 0 (registers; doorbells on their own page).
-pub const BAR0_SIZE: u64 = 0x4000;
-/// Size of BAR 2 (MSI-X table at 0, PBA at 0x1000).
-pub const BAR2_SIZE: u64 = 0x2000;
-/// MSI-X vectors.
-pub const MSIX_VECTORS: u16 = 8;
-/// ABI version in `ABI_VERSION` (major << 16 | minor).
-pub const ABI_VERSION: u32 = 1 << 16;
+use msi::{lock, Interrupts, MsixState};
+use worker::{Control, Shared, Worker};
 
-/// BAR 0 register offsets (all little-endian).
-pub mod regs {
-    /// u32 `"VNPU"` (0x5550_4e56).
-    pub const MAGIC: u64 = 0x000;
-    pub const ABI_VERSION: u64 = 0x004;
-    /// u32: bit 0 ready.
-    pub const STATUS: u64 = 0x008;
-    /// u32: last device error code, 0 for none.
-    pub const ERROR: u64 = 0x00c;
-    pub const NUM_CHIPS: u64 = 0x010;
-    pub const CORES_PER_CHIP: u64 = 0x014;
-    pub const SA_PER_CORE: u64 = 0x018;
-    pub const VU_PER_CORE: u64 = 0x01c;
-    /// u64 bytes.
-    pub const SRAM_PER_CORE: u64 = 0x020;
-    /// u64 bytes.
-    pub const HBM_PER_CORE: u64 = 0x028;
-    pub const SA_ROWS: u64 = 0x030;
-    pub const SA_COLS: u64 = 0x034;
-    pub const VU_LANES: u64 = 0x038;
-    pub const CLOCK_MHZ: u64 = 0x03c;
-    /// u32, write-only (reads 0): writing `v` raises MSI-X vector `v`
-    /// (interrupt self-test for drivers).
-    pub const INT_TEST: u64 = 0x040;
-    /// End of the registers implemented so far.
-    pub const END: u64 = 0x044;
+/// Why a vNPU function could not be created.
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    #[error("PCI layout: {0}")]
+    Pci(#[from] PciError),
+    #[error("vNPU worker: {0}")]
+    Io(#[from] std::io::Error),
 }
 
-/// `STATUS` bit: the device is ready.
-pub const STATUS_READY: u32 = 1;
-
-/// One vNPU as a PCI function.
+/// One vNPU as a PCI function, with its worker thread.
 pub struct VnpuFunction {
     config: ConfigSpace,
     msix: MsixCap,
-    table: MsixTable,
-    regs: [u8; regs::END as usize],
-    /// Messages to deliver, in order.
-    outbox: Vec<MsiMessage>,
+    shared: Arc<Shared>,
+    /// Target of `CAL_NOP` (never read: the raw cost of an ioeventfd write).
+    cal_nop: EventFd,
+    worker: Option<std::thread::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for VnpuFunction {
@@ -70,9 +58,25 @@ impl std::fmt::Debug for VnpuFunction {
     }
 }
 
+/// Little-endian value of a register write of 1 to 8 bytes.
+fn value(data: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = data.len().min(8);
+    b[..n].copy_from_slice(&data[..n]);
+    u64::from_le_bytes(b)
+}
+
 impl VnpuFunction {
-    /// A vNPU of `spec` on a board of `board`.
-    pub fn new(spec: &VnpuSpec, board: &BoardConfig) -> Result<Self, PciError> {
+    /// A vNPU granted `spec` on a board of `board`, whose DMA reaches
+    /// `memory` (the guest's RAM), raising interrupts into `sink`. Starts
+    /// the worker thread, named `name`.
+    pub fn new(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        memory: GuestMemoryMmap<()>,
+        sink: Arc<dyn MsiSink>,
+        name: &str,
+    ) -> Result<Self, DeviceError> {
         let id = Identity {
             vendor_id: VENDOR_ID,
             device_id: DEVICE_ID,
@@ -84,24 +88,36 @@ impl VnpuFunction {
         let mut config = ConfigSpace::new(id);
         config.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR0_SIZE })?;
         config.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR2_SIZE })?;
-        let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, 0x1000)?;
-        let mut r = [0u8; regs::END as usize];
-        let mut put =
-            |off: u64, bytes: &[u8]| r[off as usize..off as usize + bytes.len()].copy_from_slice(bytes);
-        put(regs::MAGIC, b"VNPU");
-        put(regs::ABI_VERSION, &ABI_VERSION.to_le_bytes());
-        put(regs::STATUS, &STATUS_READY.to_le_bytes());
-        put(regs::NUM_CHIPS, &spec.chips.to_le_bytes());
-        put(regs::CORES_PER_CHIP, &spec.cores_per_chip.to_le_bytes());
-        put(regs::SA_PER_CORE, &spec.sa_per_core.to_le_bytes());
-        put(regs::VU_PER_CORE, &spec.vu_per_core.to_le_bytes());
-        put(regs::SRAM_PER_CORE, &spec.sram_per_core.to_le_bytes());
-        put(regs::HBM_PER_CORE, &spec.hbm_per_core.to_le_bytes());
-        put(regs::SA_ROWS, &board.core.sa_rows.to_le_bytes());
-        put(regs::SA_COLS, &board.core.sa_cols.to_le_bytes());
-        put(regs::VU_LANES, &board.core.vu_lanes.to_le_bytes());
-        put(regs::CLOCK_MHZ, &board.clock_mhz.to_le_bytes());
-        Ok(Self { config, table: MsixTable::new(msix.vectors), msix, regs: r, outbox: Vec::new() })
+        let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, abi::MSIX_PBA_OFFSET as u32)?;
+        let mut r = regfile::RegFile::new();
+        r.set_u32(regs::MAGIC, abi::MAGIC);
+        r.set_u32(regs::ABI_VERSION, ABI_VERSION);
+        r.set_u32(regs::SA_ROWS, board.core.sa_rows);
+        r.set_u32(regs::SA_COLS, board.core.sa_cols);
+        r.set_u32(regs::VU_LANES, board.core.vu_lanes);
+        r.set_u32(regs::CLOCK_MHZ, board.clock_mhz);
+        r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
+        r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
+        r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
+        let shared = Arc::new(Shared {
+            regs: Mutex::new(r),
+            irq: Interrupts {
+                state: Mutex::new(MsixState {
+                    table: MsixTable::new(msix.vectors),
+                    enabled: false,
+                    function_masked: false,
+                }),
+                sink,
+            },
+            controls: Mutex::new(VecDeque::new()),
+            control_evt: EventFd::new(EFD_NONBLOCK)?,
+            doorbell: EventFd::new(EFD_NONBLOCK)?,
+        });
+        // The worker shows the granted configuration in the registers
+        // before the thread starts, so the guest sees it from the first read.
+        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec);
+        let worker = Some(worker::spawn(w, name.to_string())?);
+        Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
     }
 
     /// The MSI-X capability.
@@ -109,18 +125,92 @@ impl VnpuFunction {
         self.msix
     }
 
-    /// Raises MSI-X `vector`: queued for delivery now, or left pending
-    /// while masked, or dropped while MSI-X is disabled.
-    pub fn raise(&mut self, vector: u16) {
-        let (en, fm) = (self.msix.enabled(&self.config), self.msix.function_masked(&self.config));
-        if let Some(m) = self.table.trigger(vector, en, fm) {
-            self.outbox.push(m);
-        }
+    /// Eventfds to register as ioeventfds at these offsets of BAR 0: the
+    /// doorbell and the `CAL_NOP` calibration doorbell. (`CAL_LOOPBACK` is
+    /// the VMM's: it needs the irqfd of vector `LOOPBACK_VECTOR`.)
+    pub fn ioevents(&self) -> std::io::Result<Vec<(u64, EventFd)>> {
+        Ok(vec![
+            (regs::DOORBELL, self.shared.doorbell.try_clone()?),
+            (regs::CAL_NOP, self.cal_nop.try_clone()?),
+        ])
     }
 
-    fn release_pending(&mut self) {
-        let (en, fm) = (self.msix.enabled(&self.config), self.msix.function_masked(&self.config));
-        self.outbox.extend(self.table.take_deliverable(en, fm));
+    /// Raises MSI-X `vector` by the MSI-X rules.
+    pub fn raise(&self, vector: u16) {
+        self.shared.irq.raise(vector);
+    }
+
+    fn register_write(&mut self, offset: u64, data: &[u8]) {
+        let v = value(data);
+        match offset {
+            regs::DOORBELL => {
+                // Reached only while the ioeventfd is not registered.
+                let _ = self.shared.doorbell.write(1);
+            }
+            regs::CAL_NOP => {}
+            regs::CAL_LOOPBACK => self.raise(abi::LOOPBACK_VECTOR),
+            regs::INT_TEST => self.raise(v as u16),
+            regs::INT_STATUS => lock(&self.shared.regs).update_u32(regs::INT_STATUS, |s| s & !(v as u32)),
+            regs::QUEUE_ENABLE if v & 1 == 1 => {
+                let c = {
+                    let mut r = lock(&self.shared.regs);
+                    if r.u32(regs::QUEUE_ENABLE) != 0
+                        || r.u32(regs::STATUS) & (abi::STATUS_RESETTING | abi::STATUS_FAILED) != 0
+                    {
+                        return;
+                    }
+                    r.set_u32(regs::QUEUE_ENABLE, 1);
+                    Control::Enable {
+                        size: r.u32(regs::QUEUE_SIZE),
+                        desc: r.u64(regs::QUEUE_DESC),
+                        avail: r.u64(regs::QUEUE_AVAIL),
+                        used: r.u64(regs::QUEUE_USED),
+                    }
+                };
+                self.shared.post(c);
+            }
+            regs::QUEUE_ENABLE | regs::DEVICE_RESET => {
+                if offset == regs::DEVICE_RESET && v & 1 == 0 {
+                    return;
+                }
+                lock(&self.shared.regs).update_u32(regs::STATUS, |s| s | abi::STATUS_RESETTING);
+                self.shared.post(Control::Reset);
+            }
+            regs::MBOX_CMD => {
+                let c = {
+                    let mut r = lock(&self.shared.regs);
+                    if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
+                        return;
+                    }
+                    r.set_u32(regs::MBOX_CMD, v as u32);
+                    r.set_u32(regs::MBOX_STATUS, abi::MBOX_BUSY);
+                    let mut args = [0u64; 6];
+                    for (i, a) in args.iter_mut().enumerate() {
+                        *a = r.u64(regs::MBOX_ARG0 + 8 * i as u64);
+                    }
+                    Control::Mailbox { cmd: v as u32, args }
+                };
+                self.shared.post(c);
+            }
+            _ => {
+                let mut r = lock(&self.shared.regs);
+                // The ring's registers are frozen while it is enabled.
+                let ring = (regs::QUEUE_SIZE..regs::QUEUE_ENABLE).contains(&offset);
+                if !(ring && r.u32(regs::QUEUE_ENABLE) != 0) {
+                    r.store(offset, data);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for VnpuFunction {
+    fn drop(&mut self) {
+        self.shared.post(Control::Stop);
+        if let Some(w) = self.worker.take() {
+            // A worker that panicked has nothing left to clean up.
+            let _ = w.join();
+        }
     }
 }
 
@@ -132,43 +222,43 @@ impl PciFunction for VnpuFunction {
         &mut self.config
     }
     fn config_written(&mut self, _offset: usize, _len: usize) {
+        {
+            let mut s = lock(&self.shared.irq.state);
+            s.enabled = self.msix.enabled(&self.config);
+            s.function_masked = self.msix.function_masked(&self.config);
+        }
         // Enabling MSI-X or clearing the function mask releases pending vectors.
-        self.release_pending();
-    }
-    fn take_interrupts(&mut self) -> Vec<MsiMessage> {
-        std::mem::take(&mut self.outbox)
+        self.shared.irq.release_pending();
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match bar {
-            0 if (regs::INT_TEST..regs::INT_TEST + 4).contains(&offset) => data.fill(0),
-            0 => {
-                for (i, d) in data.iter_mut().enumerate() {
-                    *d = offset
-                        .checked_add(i as u64)
-                        .and_then(|o| self.regs.get(o as usize))
-                        .copied()
-                        .unwrap_or(0);
-                }
-            }
-            2 if offset < 0x1000 => self.table.read(offset, data),
-            2 => self.table.pba_read(offset - 0x1000, data),
+            0 => lock(&self.shared.regs).read(offset, data),
+            2 if offset < abi::MSIX_PBA_OFFSET => lock(&self.shared.irq.state).table.read(offset, data),
+            2 => lock(&self.shared.irq.state).table.pba_read(offset - abi::MSIX_PBA_OFFSET, data),
             _ => data.fill(0xff),
         }
     }
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
         match bar {
-            0 if offset == regs::INT_TEST && data.len() >= 2 => {
-                self.raise(u16::from_le_bytes([data[0], data[1]]));
-            }
-            2 if offset < 0x1000 => {
-                self.table.write(offset, data);
+            0 => self.register_write(offset, data),
+            2 if offset < abi::MSIX_PBA_OFFSET => {
+                lock(&self.shared.irq.state).table.write(offset, data);
                 // Unmasking a vector releases it if pending.
-                self.release_pending();
+                self.shared.irq.release_pending();
             }
-            // Other BAR 0 registers are read-only; the PBA ignores writes.
+            // The PBA ignores writes.
             _ => {}
         }
     }
+}
+
+/// A function over 1 MiB of fresh guest memory with a recording sink.
+#[cfg(test)]
+pub(crate) fn test_function(spec: &VnpuSpec) -> (VnpuFunction, Arc<RecordingSink>) {
+    let mem = GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)]).unwrap();
+    let sink = Arc::new(RecordingSink::default());
+    let f = VnpuFunction::new(spec, &BoardConfig::default(), mem, sink.clone(), "test").unwrap();
+    (f, sink)
 }
 
 #[cfg(test)]
@@ -178,7 +268,7 @@ mod tests {
     #[test]
     fn bar0_exposes_the_hierarchy() {
         let spec = VnpuSpec::parse("sa=2,vu=3,sram=8M,hbm=1G,cores=2,chips=1").unwrap();
-        let mut f = VnpuFunction::new(&spec, &BoardConfig::default()).unwrap();
+        let mut f = test_function(&spec).0;
         let rd = |f: &mut VnpuFunction, off: u64, n: usize| {
             let mut b = [0u8; 8];
             f.bar_read(0, off, &mut b[..n]);
@@ -209,30 +299,30 @@ mod interrupt_tests {
 
     #[test]
     fn int_test_raises_vectors_by_the_msix_rules() {
-        let mut f = VnpuFunction::new(&VnpuSpec::named("small").unwrap(), &BoardConfig::default()).unwrap();
+        let (mut f, sink) = test_function(&VnpuSpec::named("small").unwrap());
         let cap = f.msix().offset;
         // MSI-X disabled: dropped.
         f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
-        assert!(f.take_interrupts().is_empty());
+        assert!(sink.take().is_empty());
         // Program vector 1, enable MSI-X: still masked after reset, so pending.
         f.bar_write(2, 16, &0xfee0_0000u32.to_le_bytes());
         f.bar_write(2, 24, &0x41u32.to_le_bytes());
         f.config_mut().write(cap + 2, &0x8000u16.to_le_bytes());
         f.config_written(cap + 2, 2);
         f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
-        assert!(f.take_interrupts().is_empty());
+        assert!(sink.take().is_empty());
         let mut pba = [0u8];
         f.bar_read(2, 0x1000, &mut pba);
         assert_eq!(pba[0], 0b10);
         // Unmask: the pending vector is delivered once.
         f.bar_write(2, 28, &0u32.to_le_bytes());
-        assert_eq!(f.take_interrupts(), vec![MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }]);
-        assert!(f.take_interrupts().is_empty());
+        assert_eq!(sink.take(), vec![vnpu_pci::MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }]);
+        assert!(sink.take().is_empty());
         f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
-        assert_eq!(f.take_interrupts().len(), 1);
+        assert_eq!(sink.take().len(), 1);
         // Nonexistent vectors do nothing; INT_TEST reads 0.
         f.bar_write(0, regs::INT_TEST, &500u32.to_le_bytes());
-        assert!(f.take_interrupts().is_empty());
+        assert!(sink.take().is_empty());
         let mut b = [9u8; 4];
         f.bar_read(0, regs::INT_TEST, &mut b);
         assert_eq!(b, [0; 4]);
@@ -249,11 +339,7 @@ mod bus_tests {
     #[test]
     fn registers_are_reachable_through_a_programmed_bar() {
         let mut bus = PciBus::new();
-        bus.add(
-            1,
-            Box::new(VnpuFunction::new(&VnpuSpec::named("small").unwrap(), &BoardConfig::default()).unwrap()),
-        )
-        .unwrap();
+        bus.add(1, Box::new(test_function(&VnpuSpec::named("small").unwrap()).0)).unwrap();
         let mut b = [0u8; 4];
         assert!(!bus.mmio_read(0xc001_0000, &mut b), "not decoded before programming");
         bus.ecam_write((1 << 15) | 0x10, &0xc001_0000u32.to_le_bytes());

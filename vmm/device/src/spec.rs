@@ -46,6 +46,33 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 impl VnpuSpec {
+    /// Checks a configuration the guest asks for (mailbox `CONFIGURE`)
+    /// against the rules of `--vnpu` and against `grant`, what the host
+    /// gave the VM. Returns the mailbox status code on refusal.
+    pub fn check_within(&self, grant: &VnpuSpec) -> Result<(), u32> {
+        use vnpu_abi::device::{ST_BAD_ARGUMENT, ST_EXCEEDS_GRANT};
+        let counts = [self.chips, self.cores_per_chip, self.sa_per_core, self.vu_per_core];
+        if counts.iter().any(|c| !(1..=64).contains(c))
+            || self.sram_per_core == 0
+            || self.sram_per_core % SRAM_SLICE != 0
+            || self.hbm_per_core == 0
+            || self.hbm_per_core % HBM_SLICE != 0
+        {
+            return Err(ST_BAD_ARGUMENT);
+        }
+        let fits = self.chips <= grant.chips
+            && self.cores_per_chip <= grant.cores_per_chip
+            && self.sa_per_core <= grant.sa_per_core
+            && self.vu_per_core <= grant.vu_per_core
+            && self.sram_per_core <= grant.sram_per_core
+            && self.hbm_per_core <= grant.hbm_per_core;
+        if fits {
+            Ok(())
+        } else {
+            Err(ST_EXCEEDS_GRANT)
+        }
+    }
+
     /// The named types: the smallest runnable vNPU and two larger ones
     /// (2, 4 and 8 execution units).
     pub fn named(name: &str) -> Option<Self> {

@@ -68,6 +68,24 @@ impl MsiRoutes {
         Ok(())
     }
 
+    /// The irqfd of (`slot`, `vector`), created and registered on first
+    /// use; returns a second handle to it.
+    pub fn irqfd(&mut self, vm: &VmFd, slot: usize, vector: u16) -> Result<EventFd, IrqError> {
+        let gsi = Self::gsi(slot, vector).ok_or(IrqError::NoGsi(vector))?;
+        Ok(self.fd(vm, gsi)?.try_clone()?)
+    }
+
+    fn fd(&mut self, vm: &VmFd, gsi: u32) -> Result<&EventFd, IrqError> {
+        Ok(match self.irqfds.entry(gsi) {
+            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::btree_map::Entry::Vacant(e) => {
+                let fd = EventFd::new(EFD_NONBLOCK)?;
+                vm.register_irqfd(&fd, gsi)?;
+                e.insert(fd)
+            }
+        })
+    }
+
     /// Delivers `m`, raised by the function in `slot`, through its irqfd,
     /// first (re)programming its route if the message changed.
     pub fn deliver(&mut self, vm: &VmFd, slot: usize, m: MsiMessage) -> Result<(), IrqError> {
@@ -79,15 +97,7 @@ impl MsiRoutes {
                 return Err(e);
             }
         }
-        let fd = match self.irqfds.entry(gsi) {
-            std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::btree_map::Entry::Vacant(e) => {
-                let fd = EventFd::new(EFD_NONBLOCK)?;
-                vm.register_irqfd(&fd, gsi)?;
-                e.insert(fd)
-            }
-        };
-        fd.write(1)?;
+        self.fd(vm, gsi)?.write(1)?;
         Ok(())
     }
 }

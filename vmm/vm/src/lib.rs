@@ -14,24 +14,25 @@
 //! (`vnpu-device`: configuration space, hierarchy registers in BAR 0,
 //! MSI-X table in BAR 2).
 
-mod guest_memory;
 mod irq;
 
-pub use guest_memory::GuestRam;
+pub use vnpu_device::GuestRam;
 
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
-use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
+use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VcpuExit, VcpuFd, VmFd};
 use linux_loader::loader::{elf::Elf, KernelLoader};
 use npu_model::BoardConfig;
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
 use vnpu_device::{VnpuFunction, VnpuSpec};
-use vnpu_pci::{ConfigSpace, Identity, PciBus, PlainFunction};
+use vnpu_pci::{ConfigSpace, Identity, MsiMessage, PciBus, PlainFunction};
 
 /// Serial port base (COM1).
 pub const SERIAL_PORT: u16 = 0x3f8;
@@ -40,6 +41,16 @@ pub const EXIT_PORT: u16 = 0xf4;
 /// Smallest guest memory: page tables, GDT and stack live below 1 MiB and
 /// the ELF is expected at 1 MiB or above.
 pub const MIN_MEMORY: u64 = 2 << 20;
+
+/// Guest-physical base of the system controller page: a 32-bit write at
+/// +0 prints its low byte on the console, a 32-bit write at +4 ends the VM
+/// with that exit code. The MMIO twins of the UART and the exit port, for
+/// guest code at CPL3 (where port I/O faults on this machine kind).
+pub const SYSCON_BASE: u64 = 0xf000_0000;
+/// Offset of the console register in the system controller page.
+pub const SYSCON_CONSOLE: u64 = 0;
+/// Offset of the exit register in the system controller page.
+pub const SYSCON_EXIT: u64 = 4;
 
 /// Guest-physical base of the ECAM window (bus 0 only: 1 MiB).
 pub const ECAM_BASE: u64 = 0xe000_0000;
@@ -75,6 +86,8 @@ pub enum VmError {
     Guest(String),
     #[error("PCI layout: {0}")]
     Pci(#[from] vnpu_pci::PciError),
+    #[error("vNPU device: {0}")]
+    Device(#[from] vnpu_device::DeviceError),
     #[error("{count} vNPUs asked for; a VM has at most {MAX_VNPUS}")]
     TooManyVnpus { count: usize },
 }
@@ -98,18 +111,52 @@ impl Trigger for NoInterrupt {
 pub struct Vm<W: Write> {
     // Kept alive for the VM's lifetime.
     _kvm: Kvm,
-    vm: VmFd,
+    vm: Arc<VmFd>,
     vcpu: VcpuFd,
     _memory: GuestMemoryMmap<()>,
     serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
     pci: PciBus,
-    msi: irq::MsiRoutes,
+    msi: Arc<Mutex<irq::MsiRoutes>>,
+    doorbells: Vec<Doorbells>,
+}
+
+/// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
+/// current address while memory decoding is on.
+#[derive(Debug)]
+struct Doorbells {
+    slot: usize,
+    events: Vec<(u64, EventFd)>,
+    registered: Option<u64>,
+}
+
+/// Delivers a function's MSIs through the VM's irqfds, from any thread.
+struct SlotSink {
+    slot: usize,
+    vm: Arc<VmFd>,
+    routes: Arc<Mutex<irq::MsiRoutes>>,
+}
+
+impl vnpu_device::MsiSink for SlotSink {
+    fn deliver(&self, m: MsiMessage) {
+        let mut r = self.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A message that cannot be routed (a bogus address the guest
+        // programmed, routes exhausted) is dropped, as on hardware.
+        let _ = r.deliver(&self.vm, self.slot, m);
+    }
 }
 
 impl<W: Write> std::fmt::Debug for Vm<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Vm").finish_non_exhaustive()
     }
+}
+
+/// The little-endian value of up to 4 bytes.
+fn le_u32(data: &[u8]) -> u32 {
+    let mut b = [0u8; 4];
+    let n = data.len().min(4);
+    b[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(b)
 }
 
 fn segment(selector: u16, code: bool) -> kvm_segment {
@@ -200,19 +247,29 @@ impl<W: Write> Vm<W> {
         regs.rflags = 2;
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
 
+        let vm = Arc::new(vm);
+        let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
+        let (pci, doorbells) = Self::pci_bus(vnpus, board, &memory, &vm, &msi)?;
         Ok(Self {
             _kvm: kvm,
             vm,
             vcpu,
             _memory: memory,
             serial: Serial::new(NoInterrupt, console),
-            pci: Self::pci_bus(vnpus, board)?,
-            msi: irq::MsiRoutes::default(),
+            pci,
+            msi,
+            doorbells,
         })
     }
 
     /// Bus 0: host bridge at 00:00.0, vNPU functions from 00:01.0 on.
-    fn pci_bus(vnpus: &[VnpuSpec], board: &BoardConfig) -> Result<PciBus, VmError> {
+    fn pci_bus(
+        vnpus: &[VnpuSpec],
+        board: &BoardConfig,
+        memory: &GuestMemoryMmap<()>,
+        vm: &Arc<VmFd>,
+        msi: &Arc<Mutex<irq::MsiRoutes>>,
+    ) -> Result<(PciBus, Vec<Doorbells>), VmError> {
         let mut bus = PciBus::new();
         let bridge = Identity {
             vendor_id: vnpu_device::VENDOR_ID,
@@ -223,10 +280,62 @@ impl<W: Write> Vm<W> {
             subsystem_id: 0,
         };
         bus.add(0, Box::new(PlainFunction(ConfigSpace::new(bridge))))?;
+        let mut doorbells = Vec::new();
         for (i, spec) in vnpus.iter().enumerate() {
-            bus.add(i + 1, Box::new(VnpuFunction::new(spec, board)?))?;
+            let slot = i + 1;
+            let sink = Arc::new(SlotSink { slot, vm: Arc::clone(vm), routes: Arc::clone(msi) });
+            let f = VnpuFunction::new(spec, board, memory.clone(), sink, &format!("vnpu-{slot}"))?;
+            let mut events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
+            let loopback = msi
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
+                .map_err(|e| VmError::Guest(format!("loopback irqfd: {e}")))?;
+            events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
+            bus.add(slot, Box::new(f))?;
+            doorbells.push(Doorbells { slot, events, registered: None });
         }
-        Ok(bus)
+        Ok((bus, doorbells))
+    }
+
+    /// Moves each vNPU's doorbell ioeventfds to where its BAR 0 is now
+    /// decoded (after any configuration write: BAR moves and command
+    /// register changes).
+    fn sync_doorbells(&mut self) {
+        for d in &mut self.doorbells {
+            let now = self
+                .pci
+                .function(d.slot)
+                .map(|f| f.config())
+                .filter(|c| c.memory_enabled())
+                .and_then(|c| c.bar_address(0))
+                .filter(|a| *a != 0);
+            if now == d.registered {
+                continue;
+            }
+            if let Some(old) = d.registered.take() {
+                for (off, fd) in &d.events {
+                    // Failing to remove one that was never added is harmless.
+                    let _ = self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(old + off), NoDatamatch);
+                }
+            }
+            if let Some(base) = now {
+                let ok = d.events.iter().all(|(off, fd)| {
+                    base.checked_add(*off).is_some_and(|a| {
+                        self.vm.register_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch).is_ok()
+                    })
+                });
+                // Without the ioeventfds the doorbells still work, through
+                // MMIO exits to the function.
+                d.registered = ok.then_some(base);
+                if !ok {
+                    for (off, fd) in &d.events {
+                        let _ =
+                            self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(base + off), NoDatamatch);
+                    }
+                }
+            }
+        }
     }
 
     /// The PCI bus (for tests and the device layer).
@@ -253,14 +362,19 @@ impl<W: Write> Vm<W> {
         Ok(())
     }
 
-    /// Delivers the MSIs the PCI functions raised, each through the irqfd
-    /// of its (function, vector) GSI.
+    /// Delivers the MSIs PCI functions queued (functions without their own
+    /// sink), each through the irqfd of its (function, vector) GSI.
     fn deliver_interrupts(&mut self) {
         for (slot, m) in self.pci.take_interrupts() {
-            // A message that cannot be routed (a bogus address the guest
-            // programmed, routes exhausted) is dropped, as on hardware.
-            let _ = self.msi.deliver(&self.vm, slot, m);
+            let mut r = self.msi.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Undeliverable messages are dropped, as on hardware.
+            let _ = r.deliver(&self.vm, slot, m);
         }
+    }
+
+    fn exit(&mut self, code: u32) -> u32 {
+        let _ = self.serial.writer_mut().flush();
+        code
     }
 
     /// Runs the guest until it writes the exit port; returns its exit code.
@@ -270,11 +384,8 @@ impl<W: Write> Vm<W> {
             match self.vcpu.run().map_err(ioctl("run vCPU"))? {
                 VcpuExit::IoOut(port, data) => {
                     if port == EXIT_PORT {
-                        let mut b = [0u8; 4];
-                        let n = data.len().min(4);
-                        b[..n].copy_from_slice(&data[..n]);
-                        let _ = self.serial.writer_mut().flush();
-                        return Ok(u32::from_le_bytes(b));
+                        let code = le_u32(data);
+                        return Ok(self.exit(code));
                     }
                     if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
                         if let Some(v) = data.first() {
@@ -283,6 +394,7 @@ impl<W: Write> Vm<W> {
                         }
                     } else if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
                         self.pci.pio_write(port, data);
+                        self.sync_doorbells();
                     }
                 }
                 VcpuExit::IoIn(port, data) => {
@@ -308,8 +420,21 @@ impl<W: Write> Vm<W> {
                     }
                 }
                 VcpuExit::MmioWrite(addr, data) => {
+                    if addr == SYSCON_BASE + SYSCON_EXIT {
+                        let code = le_u32(data);
+                        return Ok(self.exit(code));
+                    }
+                    if addr == SYSCON_BASE + SYSCON_CONSOLE {
+                        if let Some(v) = data.first() {
+                            let _ = self.serial.write(0, *v);
+                        }
+                        continue;
+                    }
                     match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
-                        Some(off) => self.pci.ecam_write(off, data),
+                        Some(off) => {
+                            self.pci.ecam_write(off, data);
+                            self.sync_doorbells();
+                        }
                         None => {
                             // Writes nothing decodes are dropped, as on a bus.
                             let _ = self.pci.mmio_write(addr, data);

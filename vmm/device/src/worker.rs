@@ -1,0 +1,592 @@
+//! The NPU worker: one thread per vNPU that owns the command ring, the
+//! vNPU's SRAM and HBM, and its counters. It sleeps in an event-manager
+//! loop on two eventfds: the doorbell (an ioeventfd, so a guest's doorbell
+//! write wakes it without a vCPU exit to userspace) and the control
+//! channel (ring set-up, reset and mailbox commands posted by the vCPU
+//! thread). The vCPU thread never waits for it.
+//!
+//! Every request is checked before anything runs: the descriptor chain's
+//! shape, the header, the program's decoding and the static verifier
+//! against the vNPU's current configuration. Guest memory is touched only
+//! through vm-memory's checked accessors, so a bad address fails that
+//! request (or, for the ring itself, puts the device in its failed state
+//! until the driver resets it) and never the VMM.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use npu_model::{run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VnpuLimits};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+use vnpu_abi::device::{self as abi, regs};
+use vnpu_abi::{EngineKind, Program};
+
+use crate::msi::{lock, Interrupts};
+use crate::regfile::RegFile;
+use crate::{GuestRam, VnpuSpec};
+
+/// Cycle budget of a request whose header asks for none (about 18 s of
+/// simulated time at 940 MHz).
+pub const DEFAULT_BUDGET: u64 = 1 << 34;
+/// Largest cycle budget a request may ask for.
+pub const MAX_BUDGET: u64 = 1 << 40;
+/// Longest error message written to a request's message buffer.
+const MAX_MESSAGE: usize = 512;
+/// No instruction to blame (`detail`).
+const NO_DETAIL: u32 = 0xffff_ffff;
+
+/// What the vCPU thread asks of the worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Control {
+    Enable { size: u32, desc: u64, avail: u64, used: u64 },
+    Reset,
+    Mailbox { cmd: u32, args: [u64; 6] },
+    Stop,
+}
+
+/// State shared by the PCI function (vCPU thread) and the worker.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub regs: Mutex<RegFile>,
+    pub irq: Interrupts,
+    pub controls: Mutex<VecDeque<Control>>,
+    pub control_evt: EventFd,
+    pub doorbell: EventFd,
+}
+
+impl Shared {
+    /// Posts `c` to the worker.
+    pub fn post(&self, c: Control) {
+        lock(&self.controls).push_back(c);
+        // An eventfd write fails only when the counter would overflow, in
+        // which case the worker is already due to wake.
+        let _ = self.control_evt.write(1);
+    }
+
+    /// Records `bit` in `INT_STATUS` and raises the vector named by the
+    /// register at `vector_reg`, if any.
+    fn notify(&self, bit: u32, vector_reg: u64) {
+        let v = {
+            let mut r = lock(&self.regs);
+            r.update_u32(regs::INT_STATUS, |s| s | bit);
+            r.u32(vector_reg)
+        };
+        if let Ok(v) = u16::try_from(v) {
+            if u32::from(v) != abi::NO_VECTOR {
+                self.irq.raise(v);
+            }
+        }
+    }
+}
+
+/// One core of the vNPU: its SRAM and HBM segments, created on first use.
+#[derive(Debug)]
+struct Core {
+    sram: Sram,
+    hbm: LazyHbm,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct EngineTotals {
+    active: f64,
+    stall: f64,
+    instructions: u64,
+    flops: u64,
+    bytes: u64,
+}
+
+/// The vNPU's performance counters (`MBOX_READ_COUNTERS`).
+#[derive(Debug, Default)]
+struct Counters {
+    requests: u64,
+    failed: u64,
+    cycles: f64,
+    flops: u64,
+    bytes: u64,
+    wall_ns: u64,
+    /// Keyed by (core, kind code, index).
+    engines: BTreeMap<(u32, u8, u8), EngineTotals>,
+}
+
+fn kind_code(k: EngineKind) -> u8 {
+    match k {
+        EngineKind::Dma => 0,
+        EngineKind::Sa => 1,
+        EngineKind::Vu => 2,
+    }
+}
+
+impl Counters {
+    fn add(&mut self, core: u32, r: &TenantReport) {
+        self.cycles += r.cycles;
+        for e in &r.engines {
+            let t = self.engines.entry((core, kind_code(e.engine.kind), e.engine.index)).or_default();
+            t.active += e.active_cycles;
+            t.stall += e.stall_cycles;
+            t.instructions += e.instructions;
+            t.flops += e.flops;
+            t.bytes += e.bytes;
+            self.flops += e.flops;
+            self.bytes += e.bytes;
+        }
+    }
+
+    /// The counter block for a vNPU of `spec` (layout: `vnpu_abi::device`).
+    fn block(&self, spec: Option<&VnpuSpec>) -> Vec<u8> {
+        let mut engines = Vec::new();
+        if let Some(s) = spec {
+            for core in 0..s.chips.saturating_mul(s.cores_per_chip) {
+                let sa = (0..s.sa_per_core).map(|i| (1u8, i as u8));
+                let vu = (0..s.vu_per_core).map(|i| (2u8, i as u8));
+                for (kind, index) in sa.chain(vu).chain([(0u8, 0u8)]) {
+                    let t = self.engines.get(&(core, kind, index)).copied().unwrap_or_default();
+                    engines.push((core, kind, index, t));
+                }
+            }
+        }
+        let mut b =
+            Vec::with_capacity(abi::COUNTERS_HEADER_BYTES + engines.len() * abi::COUNTERS_ENGINE_BYTES);
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&(engines.len() as u32).to_le_bytes());
+        for w in [self.requests, self.failed, self.cycles as u64, self.flops, self.bytes, self.wall_ns, 0] {
+            b.extend_from_slice(&w.to_le_bytes());
+        }
+        for (core, kind, index, t) in engines {
+            b.extend_from_slice(&[kind, 0]);
+            b.extend_from_slice(&u16::from(index).to_le_bytes());
+            b.extend_from_slice(&core.to_le_bytes());
+            for w in [t.active as u64, t.stall as u64, t.instructions, t.flops, t.bytes] {
+                b.extend_from_slice(&w.to_le_bytes());
+            }
+        }
+        b
+    }
+}
+
+/// A descriptor of a request chain.
+#[derive(Clone, Copy, Debug)]
+struct Desc {
+    addr: u64,
+    len: u32,
+    write: bool,
+}
+
+/// How a request ended.
+#[derive(Debug, Default)]
+struct Outcome {
+    status: u32,
+    detail: u32,
+    report: Option<TenantReport>,
+    message: String,
+}
+
+impl Outcome {
+    fn fail(status: u32, message: impl Into<String>) -> Self {
+        Self { status, detail: NO_DETAIL, report: None, message: message.into() }
+    }
+}
+
+/// The worker's state; runs on its own thread (see [`spawn`]).
+#[derive(Debug)]
+pub(crate) struct Worker {
+    shared: Arc<Shared>,
+    mem: GuestMemoryMmap<()>,
+    board: BoardConfig,
+    grant: VnpuSpec,
+    config: Option<VnpuSpec>,
+    cores: Vec<Option<Core>>,
+    queue: Option<Queue>,
+    counters: Counters,
+    stopped: bool,
+}
+
+impl Worker {
+    pub fn new(shared: Arc<Shared>, mem: GuestMemoryMmap<()>, board: BoardConfig, grant: VnpuSpec) -> Self {
+        let mut w = Self {
+            shared,
+            mem,
+            board,
+            grant,
+            config: None,
+            cores: Vec::new(),
+            queue: None,
+            counters: Counters::default(),
+            stopped: false,
+        };
+        w.configure(grant);
+        w
+    }
+
+    fn regs(&self) -> std::sync::MutexGuard<'_, RegFile> {
+        lock(&self.shared.regs)
+    }
+
+    fn configure(&mut self, spec: VnpuSpec) {
+        let n = spec.chips.saturating_mul(spec.cores_per_chip) as usize;
+        self.cores = (0..n).map(|_| None).collect();
+        self.config = Some(spec);
+        let mut r = self.regs();
+        r.set_hierarchy(Some(&spec));
+        r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
+    }
+
+    fn release(&mut self) {
+        self.cores.clear();
+        self.config = None;
+        let mut r = self.regs();
+        r.set_hierarchy(None);
+        r.update_u32(regs::STATUS, |s| s & !abi::STATUS_READY);
+    }
+
+    /// Handles every posted control message, in order.
+    fn handle_controls(&mut self) {
+        loop {
+            let next = lock(&self.shared.controls).pop_front();
+            match next {
+                None => return,
+                Some(Control::Stop) => {
+                    self.stopped = true;
+                    return;
+                }
+                Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
+                Some(Control::Reset) => self.reset(),
+                Some(Control::Mailbox { cmd, args }) => {
+                    let (status, result) = self.mailbox(cmd, args);
+                    {
+                        let mut r = self.regs();
+                        r.set_u64(regs::MBOX_RESULT, result);
+                        r.set_u32(regs::MBOX_STATUS, status);
+                    }
+                    self.shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
+                }
+            }
+        }
+    }
+
+    fn enable(&mut self, size: u32, desc: u64, avail: u64, used: u64) {
+        let q = (|| {
+            let mut q = Queue::new(abi::QUEUE_SIZE_MAX).ok()?;
+            q.try_set_size(u16::try_from(size).ok()?).ok()?;
+            q.try_set_desc_table_address(GuestAddress(desc)).ok()?;
+            q.try_set_avail_ring_address(GuestAddress(avail)).ok()?;
+            q.try_set_used_ring_address(GuestAddress(used)).ok()?;
+            q.set_ready(true);
+            q.is_valid(&self.mem).then_some(q)
+        })();
+        let ok = q.is_some();
+        self.queue = q;
+        let mut r = self.regs();
+        match ok {
+            true => r.update_u32(regs::STATUS, |s| s | abi::STATUS_QUEUE_READY),
+            false => {
+                r.set_u32(regs::QUEUE_ENABLE, 0);
+                r.set_u32(regs::ERROR, abi::ERR_QUEUE_INVALID);
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.queue = None;
+        let mut r = self.regs();
+        r.set_u32(regs::QUEUE_ENABLE, 0);
+        r.set_u32(regs::COMPLETED, 0);
+        r.set_u32(regs::ERROR, 0);
+        r.set_u32(regs::INT_STATUS, 0);
+        r.update_u32(regs::STATUS, |s| {
+            s & !(abi::STATUS_QUEUE_READY | abi::STATUS_FAILED | abi::STATUS_RESETTING)
+        });
+    }
+
+    /// Stops using the ring until the driver resets the device.
+    fn fail(&mut self, code: u32) {
+        self.queue = None;
+        let mut r = self.regs();
+        r.set_u32(regs::ERROR, code);
+        r.update_u32(regs::STATUS, |s| (s | abi::STATUS_FAILED) & !abi::STATUS_QUEUE_READY);
+    }
+
+    fn mailbox(&mut self, cmd: u32, a: [u64; 6]) -> (u32, u64) {
+        match cmd {
+            abi::MBOX_CONFIGURE => {
+                let n = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+                let spec = VnpuSpec {
+                    sa_per_core: n(a[0]),
+                    vu_per_core: n(a[1]),
+                    sram_per_core: a[2],
+                    hbm_per_core: a[3],
+                    cores_per_chip: n(a[4]),
+                    chips: n(a[5]),
+                };
+                match spec.check_within(&self.grant) {
+                    Ok(()) => {
+                        self.configure(spec);
+                        (abi::ST_OK, 0)
+                    }
+                    Err(st) => (st, 0),
+                }
+            }
+            abi::MBOX_RELEASE => {
+                self.release();
+                (abi::ST_OK, 0)
+            }
+            abi::MBOX_READ_COUNTERS => {
+                let block = self.counters.block(self.config.as_ref());
+                let len = block.len().min(usize::try_from(a[1]).unwrap_or(usize::MAX));
+                match self.mem.write_slice(&block[..len], GuestAddress(a[0])) {
+                    Ok(()) => (abi::ST_OK, len as u64),
+                    Err(_) => (abi::ST_BAD_ADDRESS, 0),
+                }
+            }
+            abi::MBOX_RESET_COUNTERS => {
+                self.counters = Counters::default();
+                (abi::ST_OK, 0)
+            }
+            abi::MBOX_QUERY_GRANT => {
+                let g = &self.grant;
+                let r = u64::from(g.sa_per_core)
+                    | u64::from(g.vu_per_core) << 16
+                    | u64::from(g.cores_per_chip) << 32
+                    | u64::from(g.chips) << 48;
+                (abi::ST_OK, r)
+            }
+            _ => {
+                self.regs().set_u32(regs::ERROR, abi::ERR_MBOX_UNKNOWN);
+                (abi::ST_UNKNOWN_OPCODE, 0)
+            }
+        }
+    }
+
+    /// Takes every available request off the ring and completes it.
+    fn drain_ring(&mut self) {
+        loop {
+            let Some(q) = self.queue.as_mut() else { return };
+            let next = match q.iter(&self.mem) {
+                Ok(mut it) => it.next().map(|chain| {
+                    let head = chain.head_index();
+                    let descs: Vec<Desc> = chain
+                        .map(|d| Desc { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
+                        .collect();
+                    (head, descs)
+                }),
+                Err(_) => {
+                    // The available index is more than a ring ahead.
+                    self.fail(abi::ERR_QUEUE_BROKEN);
+                    return;
+                }
+            };
+            let Some((head, descs)) = next else { return };
+            let (len, interrupt) = self.process(&descs);
+            let Some(q) = self.queue.as_mut() else { return };
+            if q.add_used(&self.mem, head, len).is_err() {
+                self.fail(abi::ERR_QUEUE_BROKEN);
+                return;
+            }
+            self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
+            if interrupt {
+                self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
+            }
+        }
+    }
+
+    /// Runs one request; returns the used length and whether to interrupt.
+    fn process(&mut self, descs: &[Desc]) -> (u32, bool) {
+        let t0 = Instant::now();
+        let writable: Vec<&Desc> = descs.iter().filter(|d| d.write).collect();
+        let Some(status_desc) = writable.last().filter(|d| d.len as usize >= abi::STATUS_BYTES) else {
+            self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
+            self.counters.failed += 1;
+            return (0, true);
+        };
+        let message_desc = (writable.len() > 1).then(|| writable[0]);
+        let mut header = abi::RequestHeader::default();
+        let outcome = self.run_request(descs, &mut header);
+        let wall_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+
+        self.counters.requests += 1;
+        self.counters.wall_ns += wall_ns;
+        if outcome.status != abi::ST_OK {
+            self.counters.failed += 1;
+        }
+        let mut block = abi::StatusBlock {
+            status: outcome.status,
+            detail: outcome.detail,
+            tag: header.tag,
+            wall_ns,
+            ..Default::default()
+        };
+        if let Some(r) = &outcome.report {
+            let t = r.totals();
+            block.cycles = r.cycles.ceil() as u64;
+            block.sa_active = t.sa_active_cycles.round() as u64;
+            block.vu_active = t.vu_active_cycles.round() as u64;
+            block.dma_active = t.dma_active_cycles.round() as u64;
+            block.flops = t.flops;
+        }
+        let mut used = 0u32;
+        if let Some(m) = message_desc {
+            let text = outcome.message.as_bytes();
+            let n = text.len().min(MAX_MESSAGE).min(m.len as usize);
+            if n > 0 && self.mem.write_slice(&text[..n], GuestAddress(m.addr)).is_ok() {
+                used += n as u32;
+            }
+        }
+        if self.mem.write_slice(&block.to_bytes(), GuestAddress(status_desc.addr)).is_err() {
+            self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
+            return (0, true);
+        }
+        used += abi::STATUS_BYTES as u32;
+        (used, header.flags & abi::FLAG_NO_INTERRUPT == 0)
+    }
+
+    fn run_request(&mut self, descs: &[Desc], header: &mut abi::RequestHeader) -> Outcome {
+        // Device-readable descriptors come first, then device-writable ones.
+        let first_write = descs.iter().position(|d| d.write).unwrap_or(descs.len());
+        if descs[first_write..].iter().any(|d| !d.write) {
+            return Outcome::fail(abi::ST_BAD_REQUEST, "a device-readable descriptor follows a writable one");
+        }
+        let readable = &descs[..first_write];
+        let Some(h) = readable.first().filter(|d| d.len as usize >= abi::HEADER_BYTES) else {
+            return Outcome::fail(
+                abi::ST_BAD_REQUEST,
+                "the first descriptor is not a 32-byte request header",
+            );
+        };
+        let mut hb = [0u8; abi::HEADER_BYTES];
+        if self.mem.read_slice(&mut hb, GuestAddress(h.addr)).is_err() {
+            return Outcome::fail(
+                abi::ST_BAD_REQUEST,
+                format!("header at {:#x} is not in guest memory", h.addr),
+            );
+        }
+        *header = abi::RequestHeader::from_bytes(&hb);
+        match header.opcode {
+            abi::OP_NOP => Outcome::default(),
+            abi::OP_RUN => self.run(&readable[1..], header),
+            op => Outcome::fail(abi::ST_UNKNOWN_OPCODE, format!("unknown opcode {op}")),
+        }
+    }
+
+    fn run(&mut self, payload: &[Desc], header: &abi::RequestHeader) -> Outcome {
+        let Some(spec) = self.config else {
+            return Outcome::fail(abi::ST_NOT_CONFIGURED, "the vNPU is released; configure it first");
+        };
+        let Some(Some(core_slot)) = usize::try_from(header.core).ok().map(|c| self.cores.get(c).map(|_| c))
+        else {
+            let n = spec.chips.saturating_mul(spec.cores_per_chip);
+            return Outcome::fail(
+                abi::ST_BAD_CORE,
+                format!("core {} does not exist ({n} cores)", header.core),
+            );
+        };
+        let total: u64 = payload.iter().map(|d| u64::from(d.len)).sum();
+        if total > u64::from(abi::MAX_PROGRAM_BYTES) {
+            return Outcome::fail(
+                abi::ST_TOO_LARGE,
+                format!("program of {total} bytes, limit {}", abi::MAX_PROGRAM_BYTES),
+            );
+        }
+        let mut bytes = vec![0u8; total as usize];
+        let mut at = 0usize;
+        for d in payload {
+            let end = at + d.len as usize;
+            if self.mem.read_slice(&mut bytes[at..end], GuestAddress(d.addr)).is_err() {
+                return Outcome::fail(
+                    abi::ST_BAD_REQUEST,
+                    format!("program buffer [{:#x}, +{:#x}) is not in guest memory", d.addr, d.len),
+                );
+            }
+            at = end;
+        }
+        let program = match Program::decode(&bytes) {
+            Ok(p) => p,
+            Err(e) => return Outcome::fail(abi::ST_BAD_PROGRAM, e.to_string()),
+        };
+        let limits = VnpuLimits {
+            sa: spec.sa_per_core,
+            vu: spec.vu_per_core,
+            sram_bytes: spec.sram_per_core,
+            hbm_bytes: spec.hbm_per_core,
+            guest: self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect(),
+        };
+        if let Err(e) = npu_model::verify(&program, &limits) {
+            let detail = e.position().map_or(NO_DETAIL, |(s, i)| (s as u32) << 16 | (i as u32 & 0xffff));
+            return Outcome { status: abi::ST_VERIFY_FAILED, detail, report: None, message: e.to_string() };
+        }
+        let budget = match header.max_cycles {
+            0 => DEFAULT_BUDGET,
+            n => n.min(MAX_BUDGET),
+        };
+        let core = self.cores[core_slot].get_or_insert_with(|| Core {
+            sram: Sram::new(spec.sram_per_core),
+            hbm: LazyHbm::new(spec.hbm_per_core),
+        });
+        let mut guest = GuestRam::new(&self.mem);
+        let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
+        match run_program(&self.board, &program, Some(mem), Some(budget)) {
+            Ok(report) => {
+                self.counters.add(header.core, &report);
+                Outcome { status: abi::ST_OK, detail: 0, report: Some(report), message: String::new() }
+            }
+            Err(e) => {
+                let (status, detail) = match &e {
+                    ExecError::Budget { .. } => (abi::ST_BUDGET_EXHAUSTED, NO_DETAIL),
+                    ExecError::Kernel { stream, index, .. } | ExecError::Deadlock { stream, index, .. } => {
+                        (abi::ST_EXEC_FAULT, (*stream as u32) << 16 | (*index as u32 & 0xffff))
+                    }
+                };
+                Outcome { status, detail, report: None, message: e.to_string() }
+            }
+        }
+    }
+}
+
+impl MutEventSubscriber for Worker {
+    fn init(&mut self, ops: &mut EventOps) {
+        let ok = ops.add(Events::new(&self.shared.control_evt, EventSet::IN)).is_ok()
+            && ops.add(Events::new(&self.shared.doorbell, EventSet::IN)).is_ok();
+        if !ok {
+            // Without its events the worker cannot serve the guest; the
+            // device reports the failure instead of hanging requests.
+            self.fail(abi::ERR_QUEUE_BROKEN);
+            self.stopped = true;
+        }
+    }
+
+    fn process(&mut self, events: Events, _ops: &mut EventOps) {
+        // Reading resets the eventfd counters; EAGAIN (already zero) is fine.
+        if events.fd() == std::os::fd::AsRawFd::as_raw_fd(&self.shared.control_evt) {
+            let _ = self.shared.control_evt.read();
+        } else {
+            let _ = self.shared.doorbell.read();
+        }
+        // Control messages first: a ring enabled just before a doorbell
+        // must exist when the doorbell is served.
+        self.handle_controls();
+        if !self.stopped {
+            self.drain_ring();
+        }
+    }
+}
+
+/// Starts the worker thread for `worker`; it runs until [`Control::Stop`].
+pub(crate) fn spawn(worker: Worker, name: String) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new().name(name).spawn(move || {
+        let mut em = match EventManager::<Worker>::new() {
+            Ok(em) => em,
+            Err(_) => return,
+        };
+        let id = em.add_subscriber(worker);
+        loop {
+            match em.subscriber_mut(id) {
+                Ok(w) if !w.stopped => {}
+                _ => return,
+            }
+            if em.run().is_err() {
+                return;
+            }
+        }
+    })
+}
