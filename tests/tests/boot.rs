@@ -9,9 +9,8 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use npu_model::BoardConfig;
 use vnpu_device::VnpuSpec;
-use vnpu_vm::{Vm, VmError};
+use vnpu_vm::{Vm, VmConfig, VmError};
 
 fn guest(name: &str) -> PathBuf {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -41,7 +40,7 @@ impl Write for Console {
 #[test]
 fn hello_guest_prints_and_exits_with_its_code() {
     let console = Console::default();
-    let mut vm = Vm::new(16 << 20, &guest("hello"), console.clone(), &[], &BoardConfig::default()).unwrap();
+    let mut vm = Vm::new(&VmConfig::new(16 << 20, guest("hello")), console.clone()).unwrap();
     assert_eq!(vm.run().unwrap(), 42);
     assert_eq!(String::from_utf8_lossy(&console.0.lock().unwrap()), "hello from the guest\n");
 }
@@ -49,20 +48,12 @@ fn hello_guest_prints_and_exits_with_its_code() {
 #[test]
 fn bad_guests_and_sizes_are_clear_errors() {
     let g = guest("hello");
-    let e = Vm::new(1 << 20, &g, Console::default(), &[], &BoardConfig::default()).unwrap_err();
+    let e = Vm::new(&VmConfig::new(1 << 20, &g), Console::default()).unwrap_err();
     assert!(matches!(e, VmError::Memory { .. }), "{e}");
-    let e = Vm::new(
-        16 << 20,
-        std::path::Path::new("/nonexistent/guest"),
-        Console::default(),
-        &[],
-        &BoardConfig::default(),
-    )
-    .unwrap_err();
+    let e = Vm::new(&VmConfig::new(16 << 20, "/nonexistent/guest"), Console::default()).unwrap_err();
     assert!(e.to_string().contains("/nonexistent/guest"), "{e}");
     // Not an ELF: this test file itself.
-    let e =
-        Vm::new(16 << 20, std::path::Path::new(file!()), Console::default(), &[], &BoardConfig::default());
+    let e = Vm::new(&VmConfig::new(16 << 20, file!()), Console::default());
     let e = e.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("cannot") || e.contains("ELF"), "{e}");
 }
@@ -73,7 +64,7 @@ fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
     let small = VnpuSpec::named("small").unwrap();
     let custom = VnpuSpec::parse("sa=3,vu=2,sram=8M,hbm=512M,cores=2").unwrap();
     let mut vm =
-        Vm::new(16 << 20, &guest("pci-enum"), console.clone(), &[small, custom], &BoardConfig::default())
+        Vm::new(&VmConfig::new(16 << 20, guest("pci-enum")).vnpus(&[small, custom]), console.clone())
             .unwrap();
     let code = vm.run().unwrap();
     let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
@@ -98,7 +89,7 @@ fn guest_receives_msix_with_masking_and_pending_bits() {
     let console = Console::default();
     let small = VnpuSpec::named("small").unwrap();
     let mut vm =
-        Vm::new(16 << 20, &guest("msix-test"), console.clone(), &[small], &BoardConfig::default()).unwrap();
+        Vm::new(&VmConfig::new(16 << 20, guest("msix-test")).vnpus(&[small]), console.clone()).unwrap();
     let code = vm.run().unwrap();
     let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
     assert_eq!(code, 0, "{out}");
@@ -111,4 +102,19 @@ fn guest_receives_msix_with_masking_and_pending_bits() {
          pending bit cleared ok\n\
          interrupts 02\n"
     );
+}
+
+#[test]
+fn user_mode_guest_measures_the_ring_round_trip() {
+    let console = Console::default();
+    let small = VnpuSpec::named("small").unwrap();
+    let mut vm =
+        Vm::new(&VmConfig::new(64 << 20, guest("ring-bench")).vnpus(&[small]), console.clone()).unwrap();
+    let code = vm.run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert_eq!(code, 0, "{out}");
+    for line in ["raw ioeventfd write", "raw ioeventfd->irqfd MSI", "vNPU nop, polled", "vNPU nop, interrupt"]
+    {
+        assert!(out.contains(line), "{line} missing from:\n{out}");
+    }
 }

@@ -39,6 +39,11 @@ enum Command {
         /// Board config file (TOML, docs/board-config.md); default: the built-in board.
         #[arg(long)]
         board: Option<PathBuf>,
+        /// After serving requests, each vNPU worker keeps polling its ring
+        /// this many microseconds (doorbells suppressed) before sleeping;
+        /// 0 = never poll (lowest host CPU use, higher latency).
+        #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
+        poll_us: u64,
     },
     /// DNN workloads lowered to vNPU programs and run on the NPU model.
     Workload {
@@ -214,9 +219,15 @@ fn print_report(r: &RunReport) {
 
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
-        Command::Run { guest, memory, vnpus, board: path } => {
-            let b = board(&path)?;
-            let mut vm = vnpu_vm::Vm::new(memory, &guest, std::io::stdout(), &vnpus, &b)?;
+        Command::Run { guest, memory, vnpus, board: path, poll_us } => {
+            let cfg = vnpu_vm::VmConfig {
+                memory,
+                guest,
+                vnpus,
+                board: board(&path)?,
+                device: vnpu_device::DeviceOptions { poll: std::time::Duration::from_micros(poll_us) },
+            };
+            let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             let code = vm.run()?;
             // Exit codes above 255 are reported and truncated, as a shell would.
             if code > 255 {

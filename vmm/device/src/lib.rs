@@ -18,7 +18,7 @@ pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
 };
-pub use worker::{DEFAULT_BUDGET, MAX_BUDGET};
+pub use worker::{DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET};
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -69,13 +69,14 @@ fn value(data: &[u8]) -> u64 {
 impl VnpuFunction {
     /// A vNPU granted `spec` on a board of `board`, whose DMA reaches
     /// `memory` (the guest's RAM), raising interrupts into `sink`. Starts
-    /// the worker thread, named `name`.
+    /// the worker thread, named `name`, which serves the ring as `opts` say.
     pub fn new(
         spec: &VnpuSpec,
         board: &BoardConfig,
         memory: GuestMemoryMmap<()>,
         sink: Arc<dyn MsiSink>,
         name: &str,
+        opts: DeviceOptions,
     ) -> Result<Self, DeviceError> {
         let id = Identity {
             vendor_id: VENDOR_ID,
@@ -115,7 +116,7 @@ impl VnpuFunction {
         });
         // The worker shows the granted configuration in the registers
         // before the thread starts, so the guest sees it from the first read.
-        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec);
+        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts);
         let worker = Some(worker::spawn(w, name.to_string())?);
         Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
     }
@@ -257,7 +258,9 @@ impl PciFunction for VnpuFunction {
 pub(crate) fn test_function(spec: &VnpuSpec) -> (VnpuFunction, Arc<RecordingSink>) {
     let mem = GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)]).unwrap();
     let sink = Arc::new(RecordingSink::default());
-    let f = VnpuFunction::new(spec, &BoardConfig::default(), mem, sink.clone(), "test").unwrap();
+    let f =
+        VnpuFunction::new(spec, &BoardConfig::default(), mem, sink.clone(), "test", DeviceOptions::default())
+            .unwrap();
     (f, sink)
 }
 

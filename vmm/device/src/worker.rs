@@ -189,6 +189,24 @@ impl Outcome {
     }
 }
 
+/// How a vNPU's worker serves its ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceOptions {
+    /// After serving requests, keep polling the ring for this long (with
+    /// the driver told not to ring the doorbell) before sleeping. 0 turns
+    /// polling off: every request then waits for a thread wake-up.
+    pub poll: std::time::Duration,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US) }
+    }
+}
+
+/// Default polling window after activity, in microseconds.
+pub const DEFAULT_POLL_US: u64 = 200;
+
 /// The worker's state; runs on its own thread (see [`spawn`]).
 #[derive(Debug)]
 pub(crate) struct Worker {
@@ -201,11 +219,19 @@ pub(crate) struct Worker {
     queue: Option<Queue>,
     counters: Counters,
     stopped: bool,
+    opts: DeviceOptions,
 }
 
 impl Worker {
-    pub fn new(shared: Arc<Shared>, mem: GuestMemoryMmap<()>, board: BoardConfig, grant: VnpuSpec) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        mem: GuestMemoryMmap<()>,
+        board: BoardConfig,
+        grant: VnpuSpec,
+        opts: DeviceOptions,
+    ) -> Self {
         let mut w = Self {
+            opts,
             shared,
             mem,
             board,
@@ -567,6 +593,60 @@ impl MutEventSubscriber for Worker {
         self.handle_controls();
         if !self.stopped {
             self.drain_ring();
+            self.poll_ring();
+        }
+    }
+}
+
+impl Worker {
+    /// Whether the driver has posted requests not yet taken.
+    fn ring_pending(&self) -> bool {
+        self.queue.as_ref().is_some_and(|q| {
+            q.avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire).is_ok_and(|i| i.0 != q.next_avail())
+        })
+    }
+
+    /// Polls the ring for `opts.poll` after the last request, with doorbells
+    /// suppressed (`VRING_USED_F_NO_NOTIFY`), so back-to-back requests skip
+    /// both the doorbell exit and the thread wake-up.
+    fn poll_ring(&mut self) {
+        if self.opts.poll.is_zero() {
+            return;
+        }
+        let mut deadline = Instant::now() + self.opts.poll;
+        loop {
+            let Some(q) = self.queue.as_mut() else { return };
+            if q.disable_notification(&self.mem).is_err() {
+                return;
+            }
+            let mut spins = 0u32;
+            loop {
+                if self.ring_pending() {
+                    self.drain_ring();
+                    deadline = Instant::now() + self.opts.poll;
+                }
+                if !lock(&self.shared.controls).is_empty() {
+                    self.handle_controls();
+                    if self.stopped {
+                        return;
+                    }
+                }
+                spins = spins.wrapping_add(1);
+                if spins % 64 == 0 && Instant::now() >= deadline {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            // Re-enable doorbells, then look once more: a request posted in
+            // between would otherwise wait for a doorbell that never comes.
+            let Some(q) = self.queue.as_mut() else { return };
+            match q.enable_notification(&self.mem) {
+                Ok(true) => {
+                    self.drain_ring();
+                    deadline = Instant::now() + self.opts.poll;
+                }
+                _ => return,
+            }
         }
     }
 }

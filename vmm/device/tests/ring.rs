@@ -13,7 +13,7 @@ use npu_model::BoardConfig;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vnpu_abi::device::{self as abi, regs};
 use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder, UnOp};
-use vnpu_device::{MsiSink, VnpuFunction, VnpuSpec};
+use vnpu_device::{DeviceOptions, MsiSink, VnpuFunction, VnpuSpec};
 use vnpu_driver::{DmaRegion, Error, Hierarchy, RunOptions, Vnpu, Wait};
 use vnpu_pci::{MsiMessage, PciFunction};
 
@@ -50,6 +50,10 @@ struct Setup {
 }
 
 fn setup(spec: &str) -> Setup {
+    setup_with(spec, DeviceOptions::default())
+}
+
+fn setup_with(spec: &str, opts: DeviceOptions) -> Setup {
     let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM as usize)]).unwrap();
     let irqs: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(0)));
     let f = VnpuFunction::new(
@@ -58,6 +62,7 @@ fn setup(spec: &str) -> Setup {
         mem.clone(),
         Arc::new(CountingSink(irqs)),
         "ring-test",
+        opts,
     )
     .unwrap();
     Setup { mem, f: RefCell::new(f), irqs }
@@ -97,7 +102,13 @@ fn relu_program() -> Vec<u8> {
 
 #[test]
 fn driver_runs_programs_by_polling_and_by_interrupt() {
-    let s = setup("sa=1,vu=1,sram=4M,hbm=256M");
+    for poll in [0, 200] {
+        driver_round_trips(DeviceOptions { poll: std::time::Duration::from_micros(poll) });
+    }
+}
+
+fn driver_round_trips(opts: DeviceOptions) {
+    let s = setup_with("sa=1,vu=1,sram=4M,hbm=256M", opts);
     s.enable_msix();
     let mut dma = s.dma();
     let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();

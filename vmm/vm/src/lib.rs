@@ -20,7 +20,6 @@ pub use vnpu_device::GuestRam;
 
 use std::fs::File;
 use std::io::Write;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
@@ -175,18 +174,48 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
     }
 }
 
+/// What a VM is made of.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// RAM at guest address 0, in bytes.
+    pub memory: u64,
+    /// The bare-metal ELF to boot.
+    pub guest: std::path::PathBuf,
+    /// One vNPU function per entry, from 00:01.0 on.
+    pub vnpus: Vec<VnpuSpec>,
+    /// The physical board the vNPUs are cut from.
+    pub board: BoardConfig,
+    /// How the vNPU workers serve their rings.
+    pub device: vnpu_device::DeviceOptions,
+}
+
+impl VmConfig {
+    /// `memory` bytes, booting `guest`, no vNPUs, the default board.
+    pub fn new(memory: u64, guest: impl Into<std::path::PathBuf>) -> Self {
+        Self {
+            memory,
+            guest: guest.into(),
+            vnpus: Vec::new(),
+            board: BoardConfig::default(),
+            device: vnpu_device::DeviceOptions::default(),
+        }
+    }
+
+    /// With these vNPUs.
+    pub fn vnpus(mut self, vnpus: &[VnpuSpec]) -> Self {
+        self.vnpus = vnpus.to_vec();
+        self
+    }
+}
+
 impl<W: Write> Vm<W> {
-    /// Creates a VM with `memory_bytes` of RAM at guest address 0 and one
-    /// vNPU function per entry of `vnpus` (on a board of `board`), loads the
-    /// ELF at `guest` and prepares its one vCPU to enter it in long mode.
-    /// Serial output goes to `console`.
-    pub fn new(
-        memory_bytes: u64,
-        guest: &Path,
-        console: W,
-        vnpus: &[VnpuSpec],
-        board: &BoardConfig,
-    ) -> Result<Self, VmError> {
+    /// Creates the VM `cfg` describes: its RAM at guest address 0, one vNPU
+    /// function (and worker thread) per vNPU; loads the guest ELF and
+    /// prepares its one vCPU to enter it in long mode. Serial output goes
+    /// to `console`.
+    pub fn new(cfg: &VmConfig, console: W) -> Result<Self, VmError> {
+        let (memory_bytes, guest, vnpus, board) =
+            (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..], &cfg.board);
         if vnpus.len() > MAX_VNPUS {
             return Err(VmError::TooManyVnpus { count: vnpus.len() });
         }
@@ -245,11 +274,14 @@ impl<W: Write> Vm<W> {
         regs.rip = loaded.kernel_load.0;
         regs.rsp = STACK_TOP;
         regs.rflags = 2;
+        // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
+        regs.rdi = memory_bytes;
+        regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
 
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (pci, doorbells) = Self::pci_bus(vnpus, board, &memory, &vm, &msi)?;
+        let (pci, doorbells) = Self::pci_bus(vnpus, board, cfg.device, &memory, &vm, &msi)?;
         Ok(Self {
             _kvm: kvm,
             vm,
@@ -266,6 +298,7 @@ impl<W: Write> Vm<W> {
     fn pci_bus(
         vnpus: &[VnpuSpec],
         board: &BoardConfig,
+        device: vnpu_device::DeviceOptions,
         memory: &GuestMemoryMmap<()>,
         vm: &Arc<VmFd>,
         msi: &Arc<Mutex<irq::MsiRoutes>>,
@@ -284,7 +317,7 @@ impl<W: Write> Vm<W> {
         for (i, spec) in vnpus.iter().enumerate() {
             let slot = i + 1;
             let sink = Arc::new(SlotSink { slot, vm: Arc::clone(vm), routes: Arc::clone(msi) });
-            let f = VnpuFunction::new(spec, board, memory.clone(), sink, &format!("vnpu-{slot}"))?;
+            let f = VnpuFunction::new(spec, board, memory.clone(), sink, &format!("vnpu-{slot}"), device)?;
             let mut events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
             let loopback = msi
                 .lock()
