@@ -124,6 +124,8 @@ struct Slot {
     message: DmaBuf,
     busy: bool,
     done: bool,
+    /// The request asked for a completion interrupt.
+    interrupt: bool,
 }
 
 /// A vNPU function and the driver side of its command ring.
@@ -142,6 +144,7 @@ pub struct Vnpu<B: Bar> {
     next_tag: u64,
     irq_counter: Option<&'static AtomicU32>,
     irq_seen: u32,
+    idle: Option<(fn(u32), u64)>,
     timeout_spins: u64,
 }
 
@@ -199,6 +202,7 @@ impl<B: Bar> Vnpu<B> {
                 message: dma.alloc(MESSAGE_BYTES, 8)?,
                 busy: false,
                 done: false,
+                interrupt: false,
             });
         }
         let mut v = Self {
@@ -215,6 +219,7 @@ impl<B: Bar> Vnpu<B> {
             next_tag: 1,
             irq_counter: None,
             irq_seen: 0,
+            idle: None,
             timeout_spins: 1 << 36,
         };
         v.reset()?;
@@ -315,6 +320,14 @@ impl<B: Bar> Vnpu<B> {
         self.irq_counter = Some(counter);
     }
 
+    /// While waiting by interrupt, after `spins` fruitless polls call
+    /// `idle(seen)`, which may sleep until the next interrupt (unless the
+    /// counter already moved past `seen`): long requests then leave the
+    /// CPU to others instead of spinning.
+    pub fn use_idle(&mut self, idle: fn(u32), spins: u64) {
+        self.idle = Some((idle, spins.max(1)));
+    }
+
     /// Copies a program (encoded with `vnpu_abi::Program::encode`) into DMA memory.
     pub fn load(&self, dma: &mut DmaRegion, program: &[u8]) -> Result<DmaBuf, Error> {
         let b = dma.alloc(program.len().max(1), 64)?;
@@ -340,12 +353,13 @@ impl<B: Bar> Vnpu<B> {
         let slot =
             (0..self.nslots).find(|&i| self.slots[i].is_some_and(|s| !s.busy)).ok_or(Error::RingFull)?;
         let Some(s) = self.slots[slot].as_mut() else { return Err(Error::RingFull) };
+        let interrupt = opts.wait == Wait::Interrupt && self.irq_counter.is_some();
         s.busy = true;
         s.done = false;
+        s.interrupt = interrupt;
         let s = *s;
         let tag = self.next_tag;
         self.next_tag += 1;
-        let interrupt = opts.wait == Wait::Interrupt && self.irq_counter.is_some();
         let header = abi::RequestHeader {
             opcode: if program.is_some() { abi::OP_RUN } else { abi::OP_NOP },
             flags: if interrupt { 0 } else { abi::FLAG_NO_INTERRUPT },
@@ -423,9 +437,11 @@ impl<B: Bar> Vnpu<B> {
     /// Waits for `t` (by polling, or on the interrupt counter when
     /// interrupts are in use).
     pub fn wait(&mut self, t: Ticket) -> Result<StatusBlock, Error> {
-        if !self.slots.get(t.slot).and_then(|s| s.as_ref()).is_some_and(|s| s.busy) {
+        let Some(slot) = self.slots.get(t.slot).and_then(|s| s.as_ref()).filter(|s| s.busy) else {
             return Err(Error::NoSuchRequest);
-        }
+        };
+        // Only a request that raises an interrupt may sleep on the counter.
+        let counter = self.irq_counter.filter(|_| slot.interrupt);
         for spin in 0..self.timeout_spins {
             if let Some(r) = self.poll(t) {
                 return r;
@@ -434,7 +450,7 @@ impl<B: Bar> Vnpu<B> {
             if spin % (1 << 16) == (1 << 16) - 1 && self.bar.read32(regs::STATUS) & abi::STATUS_FAILED != 0 {
                 return Err(Error::DeviceFailed(self.bar.read32(regs::ERROR)));
             }
-            if let Some(c) = self.irq_counter {
+            if let Some(c) = counter {
                 // Sleep (spin) until the handler saw another interrupt.
                 let seen = self.irq_seen;
                 let mut spins = 0u64;
@@ -451,6 +467,11 @@ impl<B: Bar> Vnpu<B> {
                     // A polled request completes without an interrupt.
                     if spins % 1024 == 0 && vol_read16(&self.used, 2) != self.last_used {
                         break;
+                    }
+                    if let Some((idle, after)) = self.idle {
+                        if spins % after == 0 {
+                            idle(seen);
+                        }
                     }
                     relax();
                 }

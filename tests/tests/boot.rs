@@ -118,3 +118,38 @@ fn user_mode_guest_measures_the_ring_round_trip() {
         assert!(out.contains(line), "{line} missing from:\n{out}");
     }
 }
+
+/// The digits guest classifies the whole held-out split on the vNPU, one
+/// image at a time and as a batch, and on its CPU: every prediction agrees
+/// and the accuracies are those of the training script.
+#[test]
+fn digits_guest_classifies_on_the_vnpu_like_the_cpu() {
+    let console = Console::default();
+    let small = VnpuSpec::named("small").unwrap();
+    let mut vm = Vm::new(&VmConfig::new(64 << 20, guest("digits")).vnpus(&[small]), console.clone()).unwrap();
+    let code = vm.run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains("accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"),
+        "{out}"
+    );
+    assert!(
+        out.contains("accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"),
+        "{out}"
+    );
+    assert!(out.contains("latency per image (batch 1):"), "{out}");
+    assert!(out.contains("SA active"), "{out}");
+    assert!(out.ends_with("digits: vNPU and CPU agree on every image\n"), "{out}");
+}
+
+/// A vNPU too small for the guest's SRAM plan: a clear message, exit 1.
+#[test]
+fn digits_guest_refuses_a_vnpu_without_enough_sram() {
+    let console = Console::default();
+    let tiny = VnpuSpec::parse("sa=1,vu=1,sram=2M,hbm=256M").unwrap();
+    let mut vm = Vm::new(&VmConfig::new(64 << 20, guest("digits")).vnpus(&[tiny]), console.clone()).unwrap();
+    assert_eq!(vm.run().unwrap(), 1);
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert!(out.contains("this guest needs"), "{out}");
+}

@@ -122,6 +122,16 @@ pub fn tsc_to_ns(ticks: u64) -> u64 {
     }
 }
 
+/// Sleeps until an interrupt arrives, unless [`IRQ_COUNT`] already moved
+/// past `seen`. For waits longer than a few tens of microseconds: the
+/// vCPU halts, so its host thread gives the CPU back (to the NPU worker,
+/// for one) instead of spinning. Costs one trap to the CPL0 stub.
+pub fn idle(seen: u32) {
+    // SAFETY: `ud2` traps to the stub's #UD handler, which recognises it,
+    // halts until an interrupt unless the count moved, and resumes after it.
+    unsafe { asm!("ud2", in("edi") seen, options(nostack)) }
+}
+
 /// Prints the panic and exits with 101.
 pub fn on_panic(info: &core::panic::PanicInfo) -> ! {
     println!("guest panic: {info}");
@@ -188,7 +198,7 @@ global_asm!(
     "jmp 2b",
     ".text",
     // Exceptions without an error code push a 0 so every frame looks alike.
-    ".irp n, 0,1,2,3,4,5,6,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31",
+    ".irp n, 0,1,2,3,4,5,7,9,15,16,18,19,20,22,23,24,25,26,27,28,31",
     "exc_\\n: push 0",
     "push \\n",
     "jmp exc_common",
@@ -197,6 +207,28 @@ global_asm!(
     "exc_\\n: push \\n",
     "jmp exc_common",
     ".endr",
+    // #UD: a `ud2` is the application's request to sleep until the next
+    // interrupt (see `idle`); anything else is a real #UD.
+    "exc_6:",
+    "push rax",
+    "mov rax, [rsp + 8]",
+    "cmp word ptr [rax], 0x0b0f",
+    "jne 5f",
+    "add qword ptr [rsp + 8], 2",
+    "mov eax, dword ptr [rip + IRQ_COUNT]",
+    "cmp eax, edi",
+    "jne 4f",
+    // sti's one-instruction shadow makes `sti; hlt` atomic: an interrupt
+    // that is already pending wakes the hlt instead of being lost.
+    "sti",
+    "hlt",
+    "cli",
+    "4: pop rax",
+    "iretq",
+    "5: pop rax",
+    "push 0",
+    "push 6",
+    "jmp exc_common",
     "exc_common:",
     "mov rdi, [rsp]",
     "mov rsi, [rsp + 8]",

@@ -8,6 +8,9 @@ use crate::{Env, IRQ_COUNT, NPU_VECTOR};
 const ECAM_BASE: usize = 0xe000_0000;
 /// BARs go at 0xC000_0000 + slot * 64 KiB (BAR 0) and + 32 KiB (BAR 2).
 const BAR_BASE: u64 = 0xc000_0000;
+/// Busy-wait polls before an interrupt wait halts the vCPU (a few tens of
+/// microseconds: short requests are served faster by spinning).
+pub const IDLE_AFTER_SPINS: u64 = 1 << 14;
 
 /// The ECAM window.
 pub fn ecam() -> Ecam {
@@ -43,5 +46,6 @@ pub fn open(env: &mut Env, slot: u8, ring: u16) -> Result<Vnpu<MmioBar>, Error> 
     pci::enable_msix(&e, slot, &table, vnpu_abi::device::LOOPBACK_VECTOR, 0xfee0_0000, u32::from(NPU_VECTOR));
     let mut npu = Vnpu::new(regs, &mut env.dma, ring)?;
     npu.use_interrupts(0, &IRQ_COUNT);
+    npu.use_idle(crate::idle, IDLE_AFTER_SPINS);
     Ok(npu)
 }

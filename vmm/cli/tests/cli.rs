@@ -125,3 +125,23 @@ fn run_boots_the_hello_guest_and_returns_its_exit_code() {
     assert_eq!(code, 1);
     assert!(err.contains("between"), "{err}");
 }
+
+/// README command 1: the demo prints the accuracy line with equal vNPU and
+/// CPU accuracy, and the throughput ratio.
+#[test]
+fn demo_prints_equal_accuracies_and_the_benchmark() {
+    let (code, out, err) = vnpu(&["demo"]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    let line = out.lines().find(|l| l.starts_with("accuracy vnpu=")).unwrap_or_default();
+    let (v, c) = line.split_once(" cpu=").unwrap();
+    assert_eq!(v.trim_start_matches("accuracy vnpu="), c.split_whitespace().next().unwrap(), "{line}");
+    assert!(out.contains("benchmark mlp: batch 450"), "{out}");
+    assert!(out.contains("ratio"), "{out}");
+}
+
+#[test]
+fn demo_without_the_guest_says_how_to_build_it() {
+    let (code, _, err) = vnpu(&["demo", "--guest", "/nonexistent/digits"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("bash scripts/build-guests.sh"), "{err}");
+}

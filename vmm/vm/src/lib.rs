@@ -245,6 +245,11 @@ impl<W: Write> Vm<W> {
         // SAFETY: `host` is the start of a mapping of `memory_bytes` bytes
         // owned by `memory`, which this Vm keeps alive as long as the VM fd.
         unsafe { vm.set_user_memory_region(region) }.map_err(ioctl("set memory region"))?;
+        // No halt polling: a guest that halts while the vNPU works wants its
+        // CPU given to the NPU worker, not spun on for KVM's default 200 us.
+        // (Best effort: older kernels lack the capability.)
+        let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
+        let _ = vm.enable_cap(&cap);
         // The in-kernel irqchip must exist before any vCPU.
         vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
 
