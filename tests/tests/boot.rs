@@ -153,3 +153,29 @@ fn digits_guest_refuses_a_vnpu_without_enough_sram() {
     let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
     assert!(out.contains("this guest needs"), "{out}");
 }
+
+fn run_user_guest(name: &str) -> (u32, String) {
+    let console = Console::default();
+    let small = VnpuSpec::named("small").unwrap();
+    let mut vm = Vm::new(&VmConfig::new(64 << 20, guest(name)).vnpus(&[small]), console.clone()).unwrap();
+    let code = vm.run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    (code, out)
+}
+
+/// 60 random GEMM and convolution cases (f32 and bf16) through the ring,
+/// each checked in the guest against its CPU.
+#[test]
+fn selfcheck_guest_matches_its_cpu_on_random_shapes() {
+    let (code, out) = run_user_guest("selfcheck");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("selfcheck: 60/60 cases match the CPU"), "{out}");
+}
+
+/// A Transformer encoder layer on the vNPU against the guest's CPU.
+#[test]
+fn transformer_guest_matches_its_cpu() {
+    let (code, out) = run_user_guest("transformer");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("transformer: max abs error vs CPU") && out.contains("(ok)"), "{out}");
+}

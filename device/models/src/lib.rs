@@ -11,6 +11,8 @@
 extern crate alloc;
 
 pub mod digits;
+pub mod selfcheck;
+pub mod transformer;
 
 use vnpu_abi::{Engine, ProgramBuilder};
 

@@ -1,0 +1,81 @@
+//! One Transformer encoder layer on the vNPU (runs at CPL3): 16 tokens,
+//! width 64, 4 heads, feed-forward 128; Q/K/V, attention scores, context,
+//! projections and feed-forward on the SA; bias, scaling, softmax,
+//! residuals, layer norms and GELU on the VU. The guest computes the same
+//! layer on its CPU and compares. Exits 0 when every output is within 1e-3.
+#![no_std]
+#![no_main]
+
+extern crate alloc;
+
+use guest_rt::vnpu_driver::{DmaBuf, RunOptions};
+use guest_rt::{println, rdtsc, tsc_to_ns, Env};
+use vnpu_models::transformer::{self, Shape};
+
+const SHAPE: Shape = Shape { seq: 16, d: 64, heads: 4, ffn: 128 };
+const WEIGHTS: u64 = 0x300_0000;
+const X: u64 = 0x310_0000;
+const OUT: u64 = 0x318_0000;
+
+fn at(addr: u64, len: usize) -> DmaBuf {
+    DmaBuf { virt: addr as *mut u8, phys: addr, len }
+}
+
+#[no_mangle]
+fn guest_main(env: &mut Env) -> u32 {
+    let Some(&slot) = guest_rt::vnpu::slots().first() else {
+        println!("no vNPU found");
+        return 1;
+    };
+    let mut npu = match guest_rt::vnpu::open(env, slot, 64) {
+        Ok(n) => n,
+        Err(e) => {
+            println!("cannot open the vNPU: {e}");
+            return 1;
+        }
+    };
+    let h = npu.hierarchy();
+    if h.sram_per_core < transformer::sram_bytes(SHAPE) {
+        println!("this guest needs {} KiB of SRAM per core", transformer::sram_bytes(SHAPE) >> 10);
+        return 1;
+    }
+    let w = transformer::Weights::random(SHAPE, 1);
+    let x = transformer::random_input(SHAPE, 2);
+    let wb = w.bytes();
+    at(WEIGHTS, wb.len()).write(0, &wb);
+    at(X, 4 * x.len()).write_f32s(0, &x);
+    let prog = match npu.load(&mut env.dma, &transformer::program(SHAPE, WEIGHTS, X, OUT).encode()) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("{e}");
+            return 1;
+        }
+    };
+    let t0 = rdtsc();
+    let st = match npu
+        .run(&prog, &RunOptions { wait: guest_rt::vnpu_driver::Wait::Interrupt, ..Default::default() })
+    {
+        Ok(s) => s,
+        Err(e) => {
+            println!("layer failed: {e}");
+            return 1;
+        }
+    };
+    let wall = tsc_to_ns(rdtsc() - t0);
+    let mut got = alloc::vec![0f32; x.len()];
+    at(OUT, 4 * got.len()).read_f32s(0, &mut got);
+    let want = transformer::cpu(&w, &x);
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    println!(
+        "transformer layer seq {} d {} heads {} ffn {}: {} simulated cycles (SA active {}, VU active {}), {} us guest wall",
+        SHAPE.seq, SHAPE.d, SHAPE.heads, SHAPE.ffn, st.cycles, st.sa_active, st.vu_active, wall / 1000
+    );
+    let ok = err < 1e-3;
+    println!("transformer: max abs error vs CPU {err:e} ({})", if ok { "ok" } else { "MISMATCH" });
+    u32::from(!ok)
+}
+
+#[panic_handler]
+fn panic(info: &core::panic::PanicInfo) -> ! {
+    guest_rt::on_panic(info)
+}
