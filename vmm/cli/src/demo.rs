@@ -107,7 +107,11 @@ pub fn run(guest: Option<PathBuf>, vnpu: vnpu_device::VnpuSpec, board: BoardConf
         else {
             continue;
         };
-        let (local, n) = in_process(model, &board)?;
+        // On a thread of its own, like the vNPU's worker.
+        let b = board.clone();
+        let (local, n) = std::thread::spawn(move || in_process(model, &b))
+            .join()
+            .map_err(|_| DemoError::Baseline("the baseline thread panicked".into()))??;
         let vm = n as f64 * 1e9 / ns;
         println!(
             "benchmark {model}: batch {n}, VM path {vm:.0} images/s, in-process model {local:.0} images/s, ratio {:.3}",
