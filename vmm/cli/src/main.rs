@@ -67,6 +67,23 @@ enum Command {
         #[arg(long)]
         board: Option<PathBuf>,
     },
+    /// Check a program file offline with the hypervisor's static verifier.
+    ///
+    /// Decodes FILE (the program container of docs/isa.md, as written by
+    /// `vnpu workload lower`) and checks every instruction against one core
+    /// of the vNPU SPEC and a guest of --memory bytes, exactly as the vNPU
+    /// does before running a request. Prints `accepted` and exits 0, or
+    /// prints the stream, instruction index and reason and exits 1.
+    Verify {
+        /// The program file.
+        file: PathBuf,
+        /// The vNPU to check against (`type=...` or `sa=N,vu=M,sram=SIZE,hbm=SIZE`).
+        #[arg(long = "vnpu", value_parser = parse_vnpu)]
+        vnpu: vnpu_device::VnpuSpec,
+        /// Guest RAM the program may DMA to and from (from address 0).
+        #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
+        memory: u64,
+    },
     /// DNN workloads lowered to vNPU programs and run on the NPU model.
     Workload {
         #[command(subcommand)]
@@ -186,6 +203,8 @@ enum CliError {
     Vm(#[from] vnpu_vm::VmError),
     #[error(transparent)]
     Demo(#[from] demo::DemoError),
+    #[error("cannot read {path}: {source}")]
+    Read { path: String, source: std::io::Error },
     #[error("cannot write {path}: {source}")]
     Write { path: String, source: std::io::Error },
 }
@@ -263,6 +282,31 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok((code & 0xff) as u8);
         }
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
+        Command::Verify { file, vnpu, memory } => {
+            let bytes = std::fs::read(&file)
+                .map_err(|source| CliError::Read { path: file.display().to_string(), source })?;
+            let program = match vnpu_abi::Program::decode(&bytes) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("rejected: {} does not decode: {e}", file.display());
+                    return Ok(1);
+                }
+            };
+            return Ok(match npu_model::verify(&program, &vnpu.limits(vec![0..memory])) {
+                Ok(()) => {
+                    println!(
+                        "accepted: {} instructions in {} streams",
+                        program.instruction_count(),
+                        program.streams.len()
+                    );
+                    0
+                }
+                Err(e) => {
+                    println!("rejected: {e}");
+                    1
+                }
+            });
+        }
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {
                 println!("{name:<14} {what}");

@@ -145,3 +145,29 @@ fn demo_without_the_guest_says_how_to_build_it() {
     assert_eq!(code, 1);
     assert!(err.contains("bash scripts/build-guests.sh"), "{err}");
 }
+
+#[test]
+fn verify_accepts_a_lowered_workload_and_names_the_bad_instruction() {
+    let dir = std::env::temp_dir().join(format!("vnpu-verify-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bert.vnpu");
+    let f = file.to_str().unwrap();
+    let (code, _, err) = vnpu(&["workload", "lower", "bert", "--sa", "1", "--vu", "1", "-o", f]);
+    assert_eq!(code, 0, "{err}");
+    let (code, out, _) = vnpu(&["verify", f, "--vnpu", "sa=1,vu=1,sram=32M,hbm=8G"]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.starts_with("accepted: "), "{out}");
+    // The same program on a vNPU with less SRAM than it addresses.
+    let (code, out, _) = vnpu(&["verify", f, "--vnpu", "sa=1,vu=1,sram=2M,hbm=256M"]);
+    assert_eq!(code, 1);
+    assert!(
+        out.starts_with("rejected: stream ") && out.contains(" instruction ") && out.contains("outside"),
+        "{out}"
+    );
+    // Not a program.
+    std::fs::write(&file, b"VNPU but not really").unwrap();
+    let (code, out, _) = vnpu(&["verify", f, "--vnpu", "type=small"]);
+    assert_eq!(code, 1);
+    assert!(out.contains("does not decode"), "{out}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

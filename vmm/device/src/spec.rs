@@ -46,6 +46,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 impl VnpuSpec {
+    /// What the verifier checks a program against on one core of this vNPU,
+    /// whose DMA may reach `guest` (guest-physical ranges).
+    pub fn limits(&self, guest: Vec<std::ops::Range<u64>>) -> npu_model::VnpuLimits {
+        npu_model::VnpuLimits {
+            sa: self.sa_per_core,
+            vu: self.vu_per_core,
+            sram_bytes: self.sram_per_core,
+            hbm_bytes: self.hbm_per_core,
+            guest,
+        }
+    }
+
     /// Checks a configuration the guest asks for (mailbox `CONFIGURE`)
     /// against the rules of `--vnpu` and against `grant`, what the host
     /// gave the VM. Returns the mailbox status code on refusal.

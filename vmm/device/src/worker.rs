@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
-use npu_model::{run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VnpuLimits};
+use npu_model::{run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
@@ -530,13 +530,8 @@ impl Worker {
             Ok(p) => p,
             Err(e) => return Outcome::fail(abi::ST_BAD_PROGRAM, e.to_string()),
         };
-        let limits = VnpuLimits {
-            sa: spec.sa_per_core,
-            vu: spec.vu_per_core,
-            sram_bytes: spec.sram_per_core,
-            hbm_bytes: spec.hbm_per_core,
-            guest: self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect(),
-        };
+        let limits =
+            spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
         if let Err(e) = npu_model::verify(&program, &limits) {
             let detail = e.position().map_or(NO_DETAIL, |(s, i)| (s as u32) << 16 | (i as u32 & 0xffff));
             return Outcome { status: abi::ST_VERIFY_FAILED, detail, report: None, message: e.to_string() };
