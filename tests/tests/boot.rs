@@ -179,3 +179,31 @@ fn transformer_guest_matches_its_cpu() {
     assert_eq!(code, 0, "{out}");
     assert!(out.contains("transformer: max abs error vs CPU") && out.contains("(ok)"), "{out}");
 }
+
+fn deterministic_lines(out: &str) -> Vec<String> {
+    out.lines().filter(|l| l.starts_with("accuracy") || l.starts_with("counters")).map(String::from).collect()
+}
+
+/// The hostile-guest suite: 40 attacks on the guest's first vNPU, each
+/// contained, while its second vNPU recomputes bit-identical results; and
+/// at the same time an honest VM next to it classifies the digits with
+/// exactly the results (and simulated cycles) it gets alone.
+#[test]
+fn hostile_guest_attacks_are_contained_and_neighbours_undisturbed() {
+    let (code, alone) = run_user_guest("digits");
+    assert_eq!(code, 0, "{alone}");
+    let neighbour = std::thread::spawn(|| run_user_guest("digits"));
+    let console = Console::default();
+    let small = VnpuSpec::named("small").unwrap();
+    let cfg = VmConfig::new(64 << 20, guest("hostile")).vnpus(&[small, small]);
+    let code = Vm::new(&cfg, console.clone()).unwrap().run().unwrap();
+    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    assert_eq!(code, 0, "{out}");
+    let attacks = out.lines().filter(|l| l.starts_with("attack ") && l.ends_with(": contained")).count();
+    assert!(attacks >= 25, "{out}");
+    assert!(out.contains(&format!("hostile: {attacks}/{attacks} attacks contained")), "{out}");
+    let (code, next_door) = neighbour.join().unwrap();
+    assert_eq!(code, 0, "{next_door}");
+    assert_eq!(deterministic_lines(&next_door), deterministic_lines(&alone));
+    assert_eq!(deterministic_lines(&alone).len(), 4, "{alone}");
+}
