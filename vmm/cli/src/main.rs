@@ -292,20 +292,22 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     return Ok(1);
                 }
             };
-            return Ok(match npu_model::verify(&program, &vnpu.limits(vec![0..memory])) {
-                Ok(()) => {
-                    println!(
-                        "accepted: {} instructions in {} streams",
-                        program.instruction_count(),
-                        program.streams.len()
-                    );
-                    0
-                }
-                Err(e) => {
-                    println!("rejected: {e}");
-                    1
-                }
-            });
+            return Ok(
+                match npu_model::verify(&program, &vnpu.limits(std::iter::once(0..memory).collect())) {
+                    Ok(()) => {
+                        println!(
+                            "accepted: {} instructions in {} streams",
+                            program.instruction_count(),
+                            program.streams.len()
+                        );
+                        0
+                    }
+                    Err(e) => {
+                        println!("rejected: {e}");
+                        1
+                    }
+                },
+            );
         }
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {
