@@ -666,16 +666,19 @@ pub(crate) fn spawn(worker: Worker, name: String) -> std::io::Result<std::thread
     })
 }
 
-/// Drives a worker synchronously from fuzzer bytes (no thread): guest
-/// memory contents, a ring set-up, mailbox commands and ring drains, in an
-/// order the bytes choose. Used by the `vnpu_ring` fuzz target and a unit
+/// Drives a worker synchronously from fuzzer bytes (no thread): an
+/// operation count, that many 16-byte operations (ring set-up with any
+/// size and addresses, reset, mailbox commands, ring drains), then guest
+/// memory contents. Used by the `vnpu_ring` fuzz target and a unit
 /// test; not part of the device's API.
 #[doc(hidden)]
 pub fn fuzz_drive(data: &[u8]) {
     const MEM: usize = 16 << 10;
     let Ok(mem) = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), MEM)]) else { return };
-    let (init, ops) = data.split_at(data.len().min(MEM / 4));
-    // The first bytes seed guest memory (repeated to fill it).
+    // The first byte says how many 16-byte operations follow; the bytes
+    // after them seed guest memory (repeated to fill it).
+    let Some((&n, rest)) = data.split_first() else { return };
+    let (ops, init) = rest.split_at(rest.len().min(16 * usize::from(n)));
     if !init.is_empty() {
         let fill: Vec<u8> = init.iter().copied().cycle().take(MEM).collect();
         let _ = mem.write_slice(&fill, GuestAddress(0));
@@ -714,8 +717,9 @@ pub fn fuzz_drive(data: &[u8]) {
     );
     let u64_at = |b: &[u8], o: usize| {
         let mut x = [0u8; 8];
-        let n = b.len().saturating_sub(o).min(8);
-        x[..n].copy_from_slice(&b[o..o + n]);
+        for (i, v) in b.iter().skip(o).take(8).enumerate() {
+            x[i] = *v;
+        }
         u64::from_le_bytes(x)
     };
     for op in ops.chunks(16) {
@@ -753,5 +757,8 @@ mod fuzz_tests {
                 .collect();
             super::fuzz_drive(&data);
         }
+        // Short operations (a harness bug the fuzzer found in its first minute).
+        super::fuzz_drive(&[1, 0, 8, 0, 0, 0, 0, 0]);
+        super::fuzz_drive(&[1, 2, 1, 9]);
     }
 }
