@@ -50,7 +50,7 @@ fn main() {
                 vu: 1,
                 sram_bytes: shape.sram_bytes,
                 hbm_bytes: shape.hbm_bytes,
-                guest: vec![0..1 << 30],
+                guest: std::iter::once(0..1 << 30).collect(),
             };
             let mut times = Vec::new();
             let t_all = Instant::now();
