@@ -110,6 +110,10 @@ pub struct RunOptions {
     pub max_cycles: u64,
 }
 
+/// A program the device verified once and keeps (`Vnpu::register`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProgramHandle(pub u32);
+
 /// A request in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Ticket {
@@ -347,6 +351,41 @@ impl<B: Bar> Vnpu<B> {
     /// Puts a request on the ring and rings the doorbell: `program` = None
     /// is an empty (`NOP`) request.
     pub fn submit(&mut self, program: Option<&DmaBuf>, opts: &RunOptions) -> Result<Ticket, Error> {
+        let op = if program.is_some() { abi::OP_RUN } else { abi::OP_NOP };
+        self.submit_op(op, program, 0, opts)
+    }
+
+    /// Submits a run of registered program `handle` (see [`Vnpu::register`]).
+    pub fn submit_registered(&mut self, handle: ProgramHandle, opts: &RunOptions) -> Result<Ticket, Error> {
+        self.submit_op(abi::OP_RUN_REGISTERED, None, handle.0, opts)
+    }
+
+    /// Has the device decode and verify `program` once and keep it: later
+    /// runs by handle skip both (and the program copy).
+    pub fn register(&mut self, program: &DmaBuf) -> Result<ProgramHandle, Error> {
+        let t = self.submit_op(abi::OP_REGISTER, Some(program), 0, &RunOptions::default())?;
+        self.wait(t).map(|st| ProgramHandle(st.detail))
+    }
+
+    /// Runs registered program `handle` and waits for it.
+    pub fn run_registered(&mut self, handle: ProgramHandle, opts: &RunOptions) -> Result<StatusBlock, Error> {
+        let t = self.submit_registered(handle, opts)?;
+        self.wait(t)
+    }
+
+    /// Forgets registered program `handle`.
+    pub fn unregister(&mut self, handle: ProgramHandle) -> Result<(), Error> {
+        let t = self.submit_op(abi::OP_UNREGISTER, None, handle.0, &RunOptions::default())?;
+        self.wait(t).map(|_| ())
+    }
+
+    fn submit_op(
+        &mut self,
+        opcode: u32,
+        program: Option<&DmaBuf>,
+        handle: u32,
+        opts: &RunOptions,
+    ) -> Result<Ticket, Error> {
         // No register read here: from CPL3 each costs an MMIO exit. A
         // failed device is noticed by `wait`.
         self.reap();
@@ -361,10 +400,11 @@ impl<B: Bar> Vnpu<B> {
         let tag = self.next_tag;
         self.next_tag += 1;
         let header = abi::RequestHeader {
-            opcode: if program.is_some() { abi::OP_RUN } else { abi::OP_NOP },
+            opcode,
             flags: if interrupt { 0 } else { abi::FLAG_NO_INTERRUPT },
             tag,
             core: opts.core,
+            handle,
             max_cycles: opts.max_cycles,
         };
         s.header.write(0, &header.to_bytes());
@@ -375,6 +415,8 @@ impl<B: Bar> Vnpu<B> {
         if let Some(p) = program {
             i += 1;
             self.write_desc(i, p.phys, p.len as u32, DESC_F_NEXT, next(i));
+        }
+        if opcode != abi::OP_NOP {
             i += 1;
             self.write_desc(i, s.message.phys, MESSAGE_BYTES as u32, DESC_F_NEXT | DESC_F_WRITE, next(i));
         }

@@ -9,8 +9,11 @@ pub const VENDOR_ID: u16 = 0x5650;
 pub const DEVICE_ID: u16 = 0x0001;
 /// PCI class code: processing accelerator.
 pub const CLASS: u32 = 0x12_00_00;
-/// Value of `ABI_VERSION` (major << 16 | minor).
-pub const ABI_VERSION: u32 = 1 << 16;
+/// Value of `ABI_VERSION` (major << 16 | minor). Minor 1 added program
+/// registration (`OP_REGISTER`, `OP_RUN_REGISTERED`, `OP_UNREGISTER`).
+pub const ABI_VERSION: u32 = 1 << 16 | 1;
+/// Programs a vNPU keeps registered at once.
+pub const MAX_REGISTERED: usize = 64;
 /// `MAGIC` as a little-endian u32 (the bytes `"VNPU"`).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"VNPU");
 /// Size of BAR 0 (registers on page 0, doorbells on page 1).
@@ -155,6 +158,14 @@ pub const MBOX_QUERY_GRANT: u32 = 5;
 pub const OP_NOP: u32 = 0;
 /// Run the program carried in the request's readable descriptors.
 pub const OP_RUN: u32 = 1;
+/// Decode and verify the program carried in the request once and keep
+/// it; the handle comes back in the status block's `detail`.
+pub const OP_REGISTER: u32 = 2;
+/// Run the registered program named by the header's `handle` (no program
+/// descriptors; not verified again).
+pub const OP_RUN_REGISTERED: u32 = 3;
+/// Forget the registered program named by the header's `handle`.
+pub const OP_UNREGISTER: u32 = 4;
 /// Header flag: complete without raising an interrupt (the driver polls).
 pub const FLAG_NO_INTERRUPT: u32 = 1 << 0;
 
@@ -184,6 +195,10 @@ pub const ST_BAD_ARGUMENT: u32 = 10;
 pub const ST_EXCEEDS_GRANT: u32 = 11;
 /// A mailbox buffer in guest memory could not be written.
 pub const ST_BAD_ADDRESS: u32 = 12;
+/// No registered program has the header's handle.
+pub const ST_BAD_HANDLE: u32 = 13;
+/// All [`MAX_REGISTERED`] handles are in use.
+pub const ST_NO_SPACE: u32 = 14;
 
 /// A short name for a status code.
 pub fn status_name(code: u32) -> &'static str {
@@ -201,6 +216,8 @@ pub fn status_name(code: u32) -> &'static str {
         ST_BAD_ARGUMENT => "bad argument",
         ST_EXCEEDS_GRANT => "exceeds the host's grant",
         ST_BAD_ADDRESS => "bad guest address",
+        ST_BAD_HANDLE => "no such program handle",
+        ST_NO_SPACE => "no free program handle",
         _ => "unknown status",
     }
 }
@@ -219,6 +236,8 @@ pub struct RequestHeader {
     pub tag: u64,
     /// Core of the vNPU to run on (chip * cores_per_chip + core).
     pub core: u32,
+    /// Registered program (`OP_RUN_REGISTERED`, `OP_UNREGISTER`).
+    pub handle: u32,
     /// Cycle budget; 0 for the device's default.
     pub max_cycles: u64,
 }
@@ -231,15 +250,23 @@ impl RequestHeader {
         b[4..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..16].copy_from_slice(&self.tag.to_le_bytes());
         b[16..20].copy_from_slice(&self.core.to_le_bytes());
+        b[20..24].copy_from_slice(&self.handle.to_le_bytes());
         b[24..32].copy_from_slice(&self.max_cycles.to_le_bytes());
         b
     }
 
-    /// Parses the wire format (bytes 20..24 are reserved and ignored).
+    /// Parses the wire format.
     pub fn from_bytes(b: &[u8; HEADER_BYTES]) -> Self {
         let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
         let u64_at = |o: usize| u64::from(u32_at(o)) | u64::from(u32_at(o + 4)) << 32;
-        Self { opcode: u32_at(0), flags: u32_at(4), tag: u64_at(8), core: u32_at(16), max_cycles: u64_at(24) }
+        Self {
+            opcode: u32_at(0),
+            flags: u32_at(4),
+            tag: u64_at(8),
+            core: u32_at(16),
+            handle: u32_at(20),
+            max_cycles: u64_at(24),
+        }
     }
 }
 
@@ -330,7 +357,8 @@ mod tests {
 
     #[test]
     fn wire_formats_round_trip() {
-        let h = RequestHeader { opcode: 1, flags: 1, tag: u64::MAX - 5, core: 3, max_cycles: 1 << 40 };
+        let h =
+            RequestHeader { opcode: 1, flags: 1, tag: u64::MAX - 5, core: 3, handle: 7, max_cycles: 1 << 40 };
         assert_eq!(RequestHeader::from_bytes(&h.to_bytes()), h);
         let s = StatusBlock {
             status: 4,

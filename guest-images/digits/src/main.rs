@@ -73,9 +73,12 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     let _ = npu.mailbox(abi::MBOX_RESET_COUNTERS, &[]);
 
     // One image at a time: the latency a client would see.
+    // Registered once: the device decodes and verifies it once, and each
+    // run below only names it.
     let one = npu
         .load(&mut env.dma, &(m.infer)(m.plan, 1, layout::ONE_X, layout::ONE_OUT).encode())
         .map_err(|e| fail("load", &e))?;
+    let one = npu.register(&one).map_err(|e| fail("register", &e))?;
     let (x1, out1) = (fixed(layout::ONE_X, 4 * PIXELS), fixed(layout::ONE_OUT, 4 * CLASSES));
     let mut preds = Vec::with_capacity(n);
     let (mut wall, mut sim) = (0u64, 0u64);
@@ -83,7 +86,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
         x1.write(0, &TEST_X[i * 4 * PIXELS..(i + 1) * 4 * PIXELS]);
         let t0 = rdtsc();
         let st = npu
-            .run(&one, &RunOptions { wait: Wait::Interrupt, ..Default::default() })
+            .run_registered(one, &RunOptions { wait: Wait::Interrupt, ..Default::default() })
             .map_err(|e| fail("run", &e))?;
         wall += rdtsc() - t0;
         sim += st.cycles;
@@ -98,8 +101,9 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     let batch = npu
         .load(&mut env.dma, &(m.infer)(m.plan, n, layout::TEST_X, layout::BATCH_OUT).encode())
         .map_err(|e| fail("load", &e))?;
+    let batch = npu.register(&batch).map_err(|e| fail("register", &e))?;
     // One untimed run first, as the in-process baseline does.
-    npu.run(&batch, &RunOptions { wait: Wait::Interrupt, ..Default::default() })
+    npu.run_registered(batch, &RunOptions { wait: Wait::Interrupt, ..Default::default() })
         .map_err(|e| fail("batch", &e))?;
     // Two requests in flight, as a throughput client keeps its queue: the
     // next batch is on the ring while the guest takes the last completion.
@@ -108,7 +112,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     let (mut batch_sim, mut batch_host) = (0, 0);
     let mut inflight = alloc::collections::VecDeque::new();
     for _ in 0..QUEUE_DEPTH.min(BATCH_RUNS) {
-        inflight.push_back(npu.submit(Some(&batch), &opts).map_err(|e| fail("batch", &e))?);
+        inflight.push_back(npu.submit_registered(batch, &opts).map_err(|e| fail("batch", &e))?);
     }
     let mut submitted = inflight.len();
     while let Some(t) = inflight.pop_front() {
@@ -116,7 +120,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
         batch_sim = st.cycles;
         batch_host += st.wall_ns;
         if submitted < BATCH_RUNS {
-            inflight.push_back(npu.submit(Some(&batch), &opts).map_err(|e| fail("batch", &e))?);
+            inflight.push_back(npu.submit_registered(batch, &opts).map_err(|e| fail("batch", &e))?);
             submitted += 1;
         }
     }
@@ -170,6 +174,8 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
             h.vu_per_core
         );
     }
+    let _ = npu.unregister(one);
+    let _ = npu.unregister(batch);
     Ok(agree == n && batch_agree == n && ok_npu == ok_cpu)
 }
 

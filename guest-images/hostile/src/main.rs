@@ -331,6 +331,37 @@ fn guest_main(env: &mut Env) -> u32 {
     let st = run(&mut npu, env, &good, RunOptions { core: 7, ..d });
     s.check("a core the vNPU does not have", st == abi::ST_BAD_CORE, &mut honest);
 
+    // Registered programs.
+    let st = status(npu.run_registered(guest_rt::vnpu_driver::ProgramHandle(41), &d));
+    s.check("run a program handle never registered", st == abi::ST_BAD_HANDLE, &mut honest);
+    let src = at(0x3a1_0000, 16);
+    src.write(0, b"verified program");
+    let dst = at(0x3a2_0000, 16);
+    dst.write(0, &[0u8; 16]);
+    let mut cp = ProgramBuilder::new();
+    cp.push(Engine::DMA, copy(Addr::guest(src.phys), Addr::sram(0), 16));
+    cp.push(Engine::DMA, copy(Addr::sram(0), Addr::guest(dst.phys), 16));
+    let cp = cp.finish().encode();
+    let contained = match npu.load(&mut env.dma, &cp) {
+        Ok(buf) => match npu.register(&buf) {
+            Ok(h) => {
+                // Swap in a program the verifier would refuse, same length.
+                let mut evil = ProgramBuilder::new();
+                evil.push(Engine::DMA, copy(Addr::guest(src.phys), Addr::sram(0), 16));
+                evil.push(Engine::DMA, copy(Addr::sram(0), Addr::guest(0xfee0_0000), 16));
+                buf.write(0, &evil.finish().encode());
+                let ran = npu.run_registered(h, &d).is_ok();
+                let mut out = [0u8; 16];
+                dst.read(0, &mut out);
+                let _ = npu.unregister(h);
+                ran && &out == b"verified program"
+            }
+            Err(_) => false,
+        },
+        Err(_) => false,
+    };
+    s.check("change a program after it was verified", contained, &mut honest);
+
     // Mailbox and registers.
     let st = status(npu.mailbox(abi::MBOX_CONFIGURE, &[64, 64, 1 << 30, 1 << 40, 64, 64]));
     s.check(

@@ -220,6 +220,9 @@ pub(crate) struct Worker {
     counters: Counters,
     stopped: bool,
     opts: DeviceOptions,
+    /// Programs verified once (`REGISTER`), by handle; dropped whenever
+    /// the configuration changes, since they were checked against it.
+    programs: Vec<Option<Arc<Program>>>,
 }
 
 impl Worker {
@@ -241,6 +244,7 @@ impl Worker {
             queue: None,
             counters: Counters::default(),
             stopped: false,
+            programs: Vec::new(),
         };
         w.configure(grant);
         w
@@ -251,6 +255,7 @@ impl Worker {
     }
 
     fn configure(&mut self, spec: VnpuSpec) {
+        self.programs.clear();
         let n = spec.chips.saturating_mul(spec.cores_per_chip) as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
@@ -260,6 +265,7 @@ impl Worker {
     }
 
     fn release(&mut self) {
+        self.programs.clear();
         self.cores.clear();
         self.config = None;
         let mut r = self.regs();
@@ -491,11 +497,100 @@ impl Worker {
         match header.opcode {
             abi::OP_NOP => Outcome::default(),
             abi::OP_RUN => self.run(&readable[1..], header),
+            abi::OP_REGISTER => self.register(&readable[1..]),
+            abi::OP_RUN_REGISTERED => match self.registered(header.handle) {
+                Ok(p) => self.execute(&p, header),
+                Err(o) => o,
+            },
+            abi::OP_UNREGISTER => match self.registered(header.handle) {
+                Ok(_) => {
+                    self.programs[header.handle as usize] = None;
+                    Outcome::default()
+                }
+                Err(o) => o,
+            },
             op => Outcome::fail(abi::ST_UNKNOWN_OPCODE, format!("unknown opcode {op}")),
         }
     }
 
+    /// Copies the program out of guest memory, decodes and verifies it
+    /// against the current configuration.
+    fn load_verified(&self, payload: &[Desc]) -> Result<Program, Outcome> {
+        let Some(spec) = self.config else {
+            return Err(Outcome::fail(abi::ST_NOT_CONFIGURED, "the vNPU is released; configure it first"));
+        };
+        let total: u64 = payload.iter().map(|d| u64::from(d.len)).sum();
+        if total > u64::from(abi::MAX_PROGRAM_BYTES) {
+            return Err(Outcome::fail(
+                abi::ST_TOO_LARGE,
+                format!("program of {total} bytes, limit {}", abi::MAX_PROGRAM_BYTES),
+            ));
+        }
+        // Copied out first: the guest cannot change what was checked.
+        let mut bytes = vec![0u8; total as usize];
+        let mut at = 0usize;
+        for d in payload {
+            let end = at + d.len as usize;
+            if self.mem.read_slice(&mut bytes[at..end], GuestAddress(d.addr)).is_err() {
+                return Err(Outcome::fail(
+                    abi::ST_BAD_REQUEST,
+                    format!("program buffer [{:#x}, +{:#x}) is not in guest memory", d.addr, d.len),
+                ));
+            }
+            at = end;
+        }
+        let program =
+            Program::decode(&bytes).map_err(|e| Outcome::fail(abi::ST_BAD_PROGRAM, e.to_string()))?;
+        let limits =
+            spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
+        if let Err(e) = npu_model::verify(&program, &limits) {
+            let detail = e.position().map_or(NO_DETAIL, |(s, i)| (s as u32) << 16 | (i as u32 & 0xffff));
+            return Err(Outcome {
+                status: abi::ST_VERIFY_FAILED,
+                detail,
+                report: None,
+                message: e.to_string(),
+            });
+        }
+        Ok(program)
+    }
+
+    /// `RUN`: load, verify, execute.
     fn run(&mut self, payload: &[Desc], header: &abi::RequestHeader) -> Outcome {
+        match self.load_verified(payload) {
+            Ok(program) => self.execute(&program, header),
+            Err(o) => o,
+        }
+    }
+
+    /// `REGISTER`: load and verify once; the handle is in `detail`.
+    fn register(&mut self, payload: &[Desc]) -> Outcome {
+        let program = match self.load_verified(payload) {
+            Ok(p) => p,
+            Err(o) => return o,
+        };
+        let Some(slot) = (0..abi::MAX_REGISTERED).find(|&i| self.programs.get(i).is_none_or(Option::is_none))
+        else {
+            return Outcome::fail(
+                abi::ST_NO_SPACE,
+                format!("all {} program handles are in use", abi::MAX_REGISTERED),
+            );
+        };
+        if slot >= self.programs.len() {
+            self.programs.resize_with(slot + 1, || None);
+        }
+        self.programs[slot] = Some(Arc::new(program));
+        Outcome { status: abi::ST_OK, detail: slot as u32, report: None, message: String::new() }
+    }
+
+    fn registered(&self, handle: u32) -> Result<Arc<Program>, Outcome> {
+        self.programs.get(handle as usize).and_then(Clone::clone).ok_or_else(|| {
+            Outcome::fail(abi::ST_BAD_HANDLE, format!("no program is registered under handle {handle}"))
+        })
+    }
+
+    /// Runs a verified program on the header's core.
+    fn execute(&mut self, program: &Program, header: &abi::RequestHeader) -> Outcome {
         let Some(spec) = self.config else {
             return Outcome::fail(abi::ST_NOT_CONFIGURED, "the vNPU is released; configure it first");
         };
@@ -507,35 +602,6 @@ impl Worker {
                 format!("core {} does not exist ({n} cores)", header.core),
             );
         };
-        let total: u64 = payload.iter().map(|d| u64::from(d.len)).sum();
-        if total > u64::from(abi::MAX_PROGRAM_BYTES) {
-            return Outcome::fail(
-                abi::ST_TOO_LARGE,
-                format!("program of {total} bytes, limit {}", abi::MAX_PROGRAM_BYTES),
-            );
-        }
-        let mut bytes = vec![0u8; total as usize];
-        let mut at = 0usize;
-        for d in payload {
-            let end = at + d.len as usize;
-            if self.mem.read_slice(&mut bytes[at..end], GuestAddress(d.addr)).is_err() {
-                return Outcome::fail(
-                    abi::ST_BAD_REQUEST,
-                    format!("program buffer [{:#x}, +{:#x}) is not in guest memory", d.addr, d.len),
-                );
-            }
-            at = end;
-        }
-        let program = match Program::decode(&bytes) {
-            Ok(p) => p,
-            Err(e) => return Outcome::fail(abi::ST_BAD_PROGRAM, e.to_string()),
-        };
-        let limits =
-            spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
-        if let Err(e) = npu_model::verify(&program, &limits) {
-            let detail = e.position().map_or(NO_DETAIL, |(s, i)| (s as u32) << 16 | (i as u32 & 0xffff));
-            return Outcome { status: abi::ST_VERIFY_FAILED, detail, report: None, message: e.to_string() };
-        }
         let budget = match header.max_cycles {
             0 => DEFAULT_BUDGET,
             n => n.min(MAX_BUDGET),
@@ -546,7 +612,7 @@ impl Worker {
         });
         let mut guest = GuestRam::new(&self.mem);
         let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
-        match run_program(&self.board, &program, Some(mem), Some(budget)) {
+        match run_program(&self.board, program, Some(mem), Some(budget)) {
             Ok(report) => {
                 self.counters.add(header.core, &report);
                 Outcome { status: abi::ST_OK, detail: 0, report: Some(report), message: String::new() }

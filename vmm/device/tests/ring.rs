@@ -433,3 +433,63 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
     write_reg(&s, regs::QUEUE_ENABLE, 1);
     assert_eq!(reg(&s, regs::STATUS) & abi::STATUS_QUEUE_READY, 0);
 }
+
+#[test]
+fn registered_programs_are_verified_once_and_kept_by_value() {
+    let s = setup("sa=1,vu=1,sram=4M,hbm=256M");
+    let mut dma = s.dma();
+    let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();
+    let input: Vec<u8> = [-1.0f32, 2.0, -3.5, 4.25].iter().flat_map(|x| x.to_le_bytes()).collect();
+    s.mem.write_slice(&input, GuestAddress(0x1000)).unwrap();
+    let prog = npu.load(&mut dma, &relu_program()).unwrap();
+    let h = npu.register(&prog).unwrap();
+    // The guest overwrites its copy: the device runs what it verified.
+    prog.write(0, &[0xff; 64]);
+    for _ in 0..10 {
+        s.mem.write_slice(&[0u8; 16], GuestAddress(0x2000)).unwrap();
+        let st = npu.run_registered(h, &RunOptions::default()).unwrap();
+        assert!(st.cycles > 0);
+        let mut out = [0u8; 16];
+        s.mem.read_slice(&mut out, GuestAddress(0x2000)).unwrap();
+        assert_eq!(&out[4..8], &2.0f32.to_le_bytes());
+    }
+    // Registration refuses what RUN refuses.
+    let junk = npu.load(&mut dma, b"junk").unwrap();
+    assert!(matches!(npu.register(&junk), Err(Error::Request { status: abi::ST_BAD_PROGRAM, .. })));
+    // Unknown handles, unregistered handles.
+    let bad = vnpu_driver::ProgramHandle(63);
+    assert!(matches!(
+        npu.run_registered(bad, &RunOptions::default()),
+        Err(Error::Request { status: abi::ST_BAD_HANDLE, .. })
+    ));
+    let ok = npu.load(&mut dma, &relu_program()).unwrap();
+    let h2 = npu.register(&ok).unwrap();
+    npu.unregister(h2).unwrap();
+    assert!(matches!(
+        npu.run_registered(h2, &RunOptions::default()),
+        Err(Error::Request { status: abi::ST_BAD_HANDLE, .. })
+    ));
+    // The table holds MAX_REGISTERED programs.
+    let mut n = 1; // `h` is still registered
+    while npu.register(&ok).is_ok() {
+        n += 1;
+        assert!(n <= abi::MAX_REGISTERED);
+    }
+    assert_eq!(n, abi::MAX_REGISTERED);
+    assert!(matches!(npu.register(&ok), Err(Error::Request { status: abi::ST_NO_SPACE, .. })));
+    // A new configuration drops them all (they were checked against the old one).
+    let cfg = Hierarchy {
+        sa_per_core: 1,
+        vu_per_core: 1,
+        sram_per_core: 2 << 20,
+        hbm_per_core: 256 << 20,
+        cores_per_chip: 1,
+        chips: 1,
+        ..Default::default()
+    };
+    npu.configure(&cfg).unwrap();
+    assert!(matches!(
+        npu.run_registered(h, &RunOptions::default()),
+        Err(Error::Request { status: abi::ST_BAD_HANDLE, .. })
+    ));
+}
