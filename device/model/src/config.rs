@@ -75,6 +75,23 @@ pub struct HbmConfig {
     /// Bandwidth of one channel in GB/s (1e9 bytes per second).
     pub channel_gbps: f64,
     pub latency_ns: u32,
+    /// How co-located vNPUs share the bandwidth (performance isolation).
+    #[serde(default)]
+    pub partition: HbmPartition,
+}
+
+/// How the vNPUs on one core share HBM bandwidth.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HbmPartition {
+    /// Max-min fair sharing of the whole bandwidth among the transfers in
+    /// flight: a vNPU gets everything its neighbours leave unused.
+    #[default]
+    Shared,
+    /// Each of the `n` vNPUs on the core owns `1/n` of the bandwidth (as
+    /// if the channels were split), used or not: a vNPU's HBM time no
+    /// longer depends on what its neighbours do.
+    Equal,
 }
 
 /// The DMA engine of each core.
@@ -112,7 +129,13 @@ impl Default for BoardConfig {
                 vu_transcendental_passes: 4,
                 sram_mib: 32,
             },
-            hbm: HbmConfig { size_gib: 32, channels: 16, channel_gbps: 75.0, latency_ns: 300 },
+            hbm: HbmConfig {
+                size_gib: 32,
+                channels: 16,
+                channel_gbps: 75.0,
+                latency_ns: 300,
+                partition: HbmPartition::Shared,
+            },
             dma: DmaConfig { gbps: 400.0, host_gbps: 25.0, latency_ns: 100, host_latency_ns: 1000 },
         }
     }

@@ -18,7 +18,7 @@
 use thiserror::Error;
 use vnpu_abi::{Engine, EngineKind, Instr, Program};
 
-use crate::config::BoardConfig;
+use crate::config::{BoardConfig, HbmPartition};
 use crate::kernels::{execute, CoreMemory, KernelError};
 use crate::timing::{cost, Occupancy};
 
@@ -344,8 +344,23 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                 }
             }
         }
-        for (i, rate) in water_fill(hbm_bw, &mut hbm_caps) {
-            runs[i].rate = rate;
+        match cfg.hbm.partition {
+            HbmPartition::Shared => {
+                for (i, rate) in water_fill(hbm_bw, &mut hbm_caps) {
+                    runs[i].rate = rate;
+                }
+            }
+            HbmPartition::Equal => {
+                // Each tenant fills its own share; unused shares stay unused.
+                let share = hbm_bw / states.len().max(1) as f64;
+                for t in 0..states.len() {
+                    let mut mine: Vec<(usize, f64)> =
+                        hbm_caps.iter().copied().filter(|&(i, _)| runs[i].tenant == t).collect();
+                    for (i, rate) in water_fill(share, &mut mine) {
+                        runs[i].rate = rate;
+                    }
+                }
+            }
         }
 
         // The next event.

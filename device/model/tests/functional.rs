@@ -724,3 +724,46 @@ fn empty_gather_allocates_nothing() {
     let r = h.run(&p.finish()).unwrap();
     assert_eq!(r.totals().bytes, 0);
 }
+
+/// With `hbm.partition = "equal"` a tenant's HBM time no longer depends on
+/// how hard its neighbour streams; with `shared` it takes what is left.
+#[test]
+fn equal_hbm_partition_makes_a_tenant_independent_of_its_neighbour() {
+    let mut c = cfg();
+    c.hbm.channels = 2;
+    let victim = hbm_stream(1 << 18, 16);
+    let heavy = hbm_stream(1 << 20, 64);
+    // A light neighbour: a long VU computation, then a little HBM traffic.
+    let mut light = ProgramBuilder::new();
+    light.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
+    light.sync(Engine::vu(0), Engine::DMA, 0);
+    let light = {
+        let mut p = light;
+        p.push(
+            Engine::DMA,
+            Instr::DmaCopy {
+                src: Addr::hbm(0),
+                dst: Addr::sram(0),
+                rows: 1,
+                row_bytes: 4096,
+                src_stride: 0,
+                dst_stride: 0,
+            },
+        );
+        p.finish()
+    };
+    let victim_next_to = |c: &BoardConfig, n: &Program| {
+        let mut ts = [
+            Tenant { program: &victim, memory: None, max_cycles: None },
+            Tenant { program: n, memory: None, max_cycles: None },
+        ];
+        run_core(c, &mut ts).tenants[0].as_ref().unwrap().cycles
+    };
+    let (shared_light, shared_heavy) = (victim_next_to(&c, &light), victim_next_to(&c, &heavy));
+    assert!(shared_heavy > 1.8 * shared_light, "{shared_heavy} vs {shared_light}");
+    c.hbm.partition = npu_model::config::HbmPartition::Equal;
+    let (eq_light, eq_heavy) = (victim_next_to(&c, &light), victim_next_to(&c, &heavy));
+    assert!((eq_heavy - eq_light).abs() < 1e-6 * eq_light, "{eq_heavy} vs {eq_light}");
+    // The price: the victim cannot use the bandwidth the light neighbour leaves idle.
+    assert!(eq_light > 1.8 * shared_light);
+}
