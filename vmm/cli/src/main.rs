@@ -1,6 +1,7 @@
 //! `vnpu`: the command-line front end. See `docs/cli.md`.
 
 mod demo;
+mod manage;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -34,10 +35,15 @@ enum Command {
         /// Guest memory, 2M to 1G (e.g. 256M).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
-        /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`
-        /// or `type=small|medium|large` (docs/cli.md). Each becomes a PCI function.
-        #[arg(long = "vnpu", value_parser = parse_vnpu)]
-        vnpus: Vec<vnpu_device::VnpuSpec>,
+        /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`,
+        /// `type=small|medium|large`, or `uuid=UUID` of a started instance
+        /// (`vnpu create` / `vnpu start`; docs/management.md). Each becomes a PCI function.
+        #[arg(long = "vnpu", value_parser = parse_vnpu_arg)]
+        vnpus: Vec<VnpuArg>,
+        /// State directory of the vNPU manager, for `--vnpu uuid=...`
+        /// (default: $VNPU_STATE_DIR, else ~/.local/state/vnpu).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
         /// Board config file (TOML, docs/board-config.md); default: the built-in board.
         #[arg(long)]
         board: Option<PathBuf>,
@@ -83,6 +89,60 @@ enum Command {
         /// Guest RAM the program may DMA to and from (from address 0).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
+    },
+    /// The named vNPU types of the board and how many more of each fit.
+    Types {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create a transient vNPU instance and start it at once (gone when stopped).
+    Create {
+        #[command(flatten)]
+        shape: manage::ShapeArgs,
+        /// Use this UUID instead of a random one.
+        #[arg(long)]
+        uuid: Option<String>,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Define a persistent vNPU instance (not started).
+    Define {
+        #[command(flatten)]
+        shape: manage::ShapeArgs,
+        /// Use this UUID instead of a random one.
+        #[arg(long)]
+        uuid: Option<String>,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Start a defined vNPU instance: place it on physical cores.
+    Start {
+        uuid: String,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Stop a vNPU instance: free its cores (a transient one is removed).
+    Stop {
+        uuid: String,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Remove a vNPU instance, started or not.
+    Remove {
+        uuid: String,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// List the vNPU instances, defined and active.
+    List {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// A JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
     },
     /// DNN workloads lowered to vNPU programs and run on the NPU model.
     Workload {
@@ -203,10 +263,28 @@ enum CliError {
     Vm(#[from] vnpu_vm::VmError),
     #[error(transparent)]
     Demo(#[from] demo::DemoError),
+    #[error(transparent)]
+    Manage(#[from] vnpu_manager::StoreError),
+    #[error("{0}")]
+    Usage(String),
     #[error("cannot read {path}: {source}")]
     Read { path: String, source: std::io::Error },
     #[error("cannot write {path}: {source}")]
     Write { path: String, source: std::io::Error },
+}
+
+/// A `--vnpu` of `vnpu run`: a shape, or a managed instance.
+#[derive(Clone, Debug)]
+enum VnpuArg {
+    Spec(vnpu_device::VnpuSpec),
+    Uuid(String),
+}
+
+fn parse_vnpu_arg(s: &str) -> Result<VnpuArg, String> {
+    match s.trim().strip_prefix("uuid=") {
+        Some(u) => Ok(VnpuArg::Uuid(u.trim().to_string())),
+        None => parse_vnpu(s).map(VnpuArg::Spec),
+    }
 }
 
 fn parse_vnpu(s: &str) -> Result<vnpu_device::VnpuSpec, String> {
@@ -262,12 +340,21 @@ fn print_report(r: &RunReport) {
 
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
-        Command::Run { guest, memory, vnpus, board: path, poll_us } => {
+        Command::Run { guest, memory, vnpus, state_dir, board: path, poll_us } => {
+            let b = board(&path)?;
+            let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
+            let vnpus = vnpus
+                .into_iter()
+                .map(|v| match v {
+                    VnpuArg::Spec(s) => Ok(s),
+                    VnpuArg::Uuid(u) => manage::active_spec(&dir, &b, &u).map_err(CliError::Usage),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
             let cfg = vnpu_vm::VmConfig {
                 memory,
                 guest,
                 vnpus,
-                board: board(&path)?,
+                board: b,
                 device: vnpu_device::DeviceOptions { poll: std::time::Duration::from_micros(poll_us) },
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
@@ -308,6 +395,41 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     }
                 },
             );
+        }
+        Command::Types { manage, json } => {
+            let b = board(&manage.board)?;
+            let store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            manage::types(&b, &store, json)?;
+        }
+        Command::Create { shape, uuid, manage } => {
+            let b = board(&manage.board)?;
+            let (s, t) = shape.resolve().map_err(CliError::Usage)?;
+            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            println!("{}", store.create(s, t.as_deref(), uuid.as_deref())?);
+        }
+        Command::Define { shape, uuid, manage } => {
+            let b = board(&manage.board)?;
+            let (s, t) = shape.resolve().map_err(CliError::Usage)?;
+            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            println!("{}", store.define(s, t.as_deref(), uuid.as_deref())?);
+        }
+        Command::Start { uuid, manage } => {
+            let b = board(&manage.board)?;
+            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            let i = store.start(&uuid)?;
+            println!("{uuid} started on physical cores {:?}", i.cores);
+        }
+        Command::Stop { uuid, manage } => {
+            let b = board(&manage.board)?;
+            vnpu_manager::Store::open(&manage.dir(), &b)?.stop(&uuid)?;
+        }
+        Command::Remove { uuid, manage } => {
+            let b = board(&manage.board)?;
+            vnpu_manager::Store::open(&manage.dir(), &b)?.remove(&uuid)?;
+        }
+        Command::List { manage, json } => {
+            let b = board(&manage.board)?;
+            manage::list(&vnpu_manager::Store::open(&manage.dir(), &b)?, json);
         }
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {

@@ -171,3 +171,71 @@ fn verify_accepts_a_lowered_workload_and_names_the_bad_instruction() {
     assert!(out.contains("does not decode"), "{out}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn vnpu_in(dir: &std::path::Path, args: &[&str]) -> (i32, String, String) {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_vnpu")).env("VNPU_STATE_DIR", dir).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+/// mdevctl-style management across separate `vnpu` processes: define and
+/// start, create, list, a VM booted with `--vnpu uuid=...`, stop, remove.
+#[test]
+fn manage_instances_across_processes_and_boot_a_vm_with_one() {
+    let dir = std::env::temp_dir().join(format!("vnpu-manage-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, out, _) = vnpu_in(&dir, &["types", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["types"][0]["type"], "small");
+    assert_eq!(v["types"][0]["available_instances"], 16);
+    let (code, u, err) = vnpu_in(&dir, &["define", "--type", "medium"]);
+    assert_eq!(code, 0, "{err}");
+    let u = u.trim().to_string();
+    let (code, _, err) = vnpu_in(&dir, &["start", &u]);
+    assert_eq!(code, 0, "{err}");
+    let (code, c, _) = vnpu_in(&dir, &["create", "--spec", "sa=2,vu=2,sram=4M,hbm=1G"]);
+    assert_eq!(code, 0);
+    let c = c.trim().to_string();
+    let (_, out, _) = vnpu_in(&dir, &["list", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 2);
+    assert_eq!(v[0]["uuid"], u.as_str());
+    assert_eq!(v[0]["active"], true);
+    assert_eq!(v[1]["persistent"], false);
+    // Both placed: two 2+2 vNPUs fill one 4+4 core exactly.
+    assert_eq!(v[0]["physical_cores"], v[1]["physical_cores"]);
+    let (_, out, _) = vnpu_in(&dir, &["types", "--json"]);
+    let t: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(t["types"][2]["available_instances"], 3, "{t}");
+    // A VM with the managed instance: the guest reads its hierarchy.
+    let guest = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../guest-images/target/x86_64-unknown-none/release/pci-enum"
+    );
+    let (code, out, err) =
+        vnpu_in(&dir, &["run", "--guest", guest, "--memory", "16M", "--vnpu", &format!("uuid={u}")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("sa 02 vu 02 sram 0000000001000000"), "{out}");
+    // Stop: the transient one disappears, the defined one stays defined.
+    assert_eq!(vnpu_in(&dir, &["stop", &c]).0, 0);
+    assert_eq!(vnpu_in(&dir, &["stop", &u]).0, 0);
+    let (code, _, err) = vnpu_in(&dir, &["run", "--guest", guest, "--vnpu", &format!("uuid={u}")]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not started"), "{err}");
+    let (_, out, _) = vnpu_in(&dir, &["list", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v.as_array().unwrap().len(), 1);
+    assert_eq!(vnpu_in(&dir, &["remove", &u]).0, 0);
+    let (code, _, err) = vnpu_in(&dir, &["start", &u]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no vNPU instance"), "{err}");
+    let (code, _, err) = vnpu_in(&dir, &["define", "--type", "huge"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("unknown type"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

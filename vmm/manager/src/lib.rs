@@ -1,0 +1,79 @@
+//! The vNPU manager's bookkeeping, modelled on `mdevctl`
+//! (`docs/management.md`): named types per physical board, instances
+//! named by UUID that are defined (persistent) and/or active (started and
+//! placed on physical cores), and a state file written atomically so a
+//! crash mid-write loses nothing and corrupts nothing.
+
+mod placement;
+mod store;
+
+pub use placement::{Board, CoreLoad, Placement, PlacementError};
+pub use store::{Store, StoreError};
+
+use serde::{Deserialize, Serialize};
+use vnpu_device::VnpuSpec;
+
+/// The named types, smallest first.
+pub const TYPES: [&str; 3] = ["small", "medium", "large"];
+
+/// A vNPU shape as stored (`VnpuSpec` in serializable form).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shape {
+    pub chips: u32,
+    pub cores_per_chip: u32,
+    pub sa_per_core: u32,
+    pub vu_per_core: u32,
+    pub sram_per_core: u64,
+    pub hbm_per_core: u64,
+}
+
+impl From<VnpuSpec> for Shape {
+    fn from(s: VnpuSpec) -> Self {
+        Self {
+            chips: s.chips,
+            cores_per_chip: s.cores_per_chip,
+            sa_per_core: s.sa_per_core,
+            vu_per_core: s.vu_per_core,
+            sram_per_core: s.sram_per_core,
+            hbm_per_core: s.hbm_per_core,
+        }
+    }
+}
+
+impl From<Shape> for VnpuSpec {
+    fn from(s: Shape) -> Self {
+        Self {
+            chips: s.chips,
+            cores_per_chip: s.cores_per_chip,
+            sa_per_core: s.sa_per_core,
+            vu_per_core: s.vu_per_core,
+            sram_per_core: s.sram_per_core,
+            hbm_per_core: s.hbm_per_core,
+        }
+    }
+}
+
+/// One vNPU instance.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Instance {
+    pub uuid: String,
+    /// The named type it was made from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub type_name: Option<String>,
+    pub shape: Shape,
+    /// Defined: survives `stop` and manager restarts.
+    pub persistent: bool,
+    /// Started: placed on physical cores and usable by a VM.
+    pub active: bool,
+    /// Physical cores (chip * cores_per_chip + core) of the active instance,
+    /// one per vNPU core, in vNPU core order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cores: Vec<u32>,
+}
+
+impl Instance {
+    /// Execution units per vNPU core.
+    pub fn eus(&self) -> u32 {
+        self.shape.sa_per_core + self.shape.vu_per_core
+    }
+}

@@ -1,0 +1,234 @@
+//! Placing vNPU cores on physical cores: every vNPU core needs a physical
+//! core with room for its SAs, VUs and SRAM, and its chip's HBM pool room
+//! for its HBM. Among the cores that fit, the choice fills EUs as far as
+//! they go (best fit on execution units) and, between equally good cores,
+//! keeps EU use and memory use of the core balanced, so many-EU /
+//! small-memory vNPUs end up beside few-EU / large-memory ones.
+
+use npu_model::BoardConfig;
+use thiserror::Error;
+
+use crate::Shape;
+
+/// Why a vNPU does not fit.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum PlacementError {
+    #[error("a vNPU core needs {sa} SAs, {vu} VUs, {sram} B SRAM; a physical core has {board_sa} SAs, {board_vu} VUs, {board_sram} B")]
+    NeverFits { sa: u32, vu: u32, sram: u64, board_sa: u32, board_vu: u32, board_sram: u64 },
+    #[error("{chips} vNPU chips wanted, the board has {board_chips}")]
+    TooManyChips { chips: u32, board_chips: u32 },
+    #[error(
+        "no room: the board's free execution units or memory cannot take this vNPU (stop another one first)"
+    )]
+    NoRoom,
+}
+
+/// What is in use on one physical core.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CoreLoad {
+    pub sa: u32,
+    pub vu: u32,
+    pub sram: u64,
+}
+
+/// The physical board's capacity and current use.
+#[derive(Clone, Debug)]
+pub struct Board {
+    pub chips: u32,
+    pub cores_per_chip: u32,
+    pub sa: u32,
+    pub vu: u32,
+    pub sram: u64,
+    /// HBM per chip.
+    pub hbm: u64,
+    pub cores: Vec<CoreLoad>,
+    /// HBM in use per chip.
+    pub hbm_used: Vec<u64>,
+}
+
+/// Where the cores of one vNPU went.
+pub type Placement = Vec<u32>;
+
+impl Board {
+    /// An empty board of `cfg`.
+    pub fn new(cfg: &BoardConfig) -> Self {
+        let n = (cfg.chips * cfg.cores_per_chip) as usize;
+        Self {
+            chips: cfg.chips,
+            cores_per_chip: cfg.cores_per_chip,
+            sa: cfg.core.sa_count,
+            vu: cfg.core.vu_count,
+            sram: cfg.sram_bytes(),
+            hbm: cfg.hbm_bytes_per_chip(),
+            cores: vec![CoreLoad::default(); n],
+            hbm_used: vec![0; cfg.chips as usize],
+        }
+    }
+
+    fn fits(&self, core: usize, s: &Shape) -> bool {
+        let c = &self.cores[core];
+        let chip = core / self.cores_per_chip as usize;
+        c.sa + s.sa_per_core <= self.sa
+            && c.vu + s.vu_per_core <= self.vu
+            && c.sram + s.sram_per_core <= self.sram
+            && self.hbm_used[chip] + s.hbm_per_core <= self.hbm
+    }
+
+    /// Lower is better: EUs left free on the core after placing `s` (fill
+    /// cores up), then the gap between its EU and memory fill (balance).
+    fn score(&self, core: usize, s: &Shape) -> (u32, u64) {
+        let c = &self.cores[core];
+        let (sa, vu, sram) = (c.sa + s.sa_per_core, c.vu + s.vu_per_core, c.sram + s.sram_per_core);
+        let eu_left = self.sa + self.vu - sa - vu;
+        let eu_fill = f64::from(sa + vu) / f64::from(self.sa + self.vu);
+        let mem_fill = sram as f64 / self.sram as f64;
+        (eu_left, ((eu_fill - mem_fill).abs() * 1e6) as u64)
+    }
+
+    /// Takes `cores` for a vNPU of shape `s`.
+    pub fn occupy(&mut self, s: &Shape, cores: &[u32]) {
+        for &c in cores {
+            let (i, chip) = (c as usize, (c / self.cores_per_chip) as usize);
+            if let Some(l) = self.cores.get_mut(i) {
+                l.sa += s.sa_per_core;
+                l.vu += s.vu_per_core;
+                l.sram += s.sram_per_core;
+            }
+            if let Some(h) = self.hbm_used.get_mut(chip) {
+                *h += s.hbm_per_core;
+            }
+        }
+    }
+
+    /// Places a vNPU of shape `s`: each vNPU chip on a distinct physical
+    /// chip, each of its cores on a distinct core of that chip.
+    pub fn place(&mut self, s: &Shape) -> Result<Placement, PlacementError> {
+        if s.sa_per_core > self.sa || s.vu_per_core > self.vu || s.sram_per_core > self.sram {
+            return Err(PlacementError::NeverFits {
+                sa: s.sa_per_core,
+                vu: s.vu_per_core,
+                sram: s.sram_per_core,
+                board_sa: self.sa,
+                board_vu: self.vu,
+                board_sram: self.sram,
+            });
+        }
+        if s.chips > self.chips || s.cores_per_chip > self.cores_per_chip {
+            return Err(PlacementError::TooManyChips { chips: s.chips, board_chips: self.chips });
+        }
+        let mut trial = self.clone();
+        let mut placed = Vec::new();
+        let mut used_chips = Vec::new();
+        for _ in 0..s.chips {
+            // The chip whose best cores score best, among chips not yet used.
+            let mut best: Option<(Vec<u32>, (u32, u64))> = None;
+            for chip in 0..self.chips {
+                if used_chips.contains(&chip) {
+                    continue;
+                }
+                let mut t = trial.clone();
+                let mut cores = Vec::new();
+                let mut total = (0u32, 0u64);
+                for _ in 0..s.cores_per_chip {
+                    let base = chip * self.cores_per_chip;
+                    let pick = (base..base + self.cores_per_chip)
+                        .filter(|c| !cores.contains(c) && t.fits(*c as usize, s))
+                        .min_by_key(|c| t.score(*c as usize, s));
+                    let Some(c) = pick else { break };
+                    let sc = t.score(c as usize, s);
+                    total = (total.0 + sc.0, total.1 + sc.1);
+                    t.occupy(s, &[c]);
+                    cores.push(c);
+                }
+                if cores.len() == s.cores_per_chip as usize && best.as_ref().is_none_or(|b| total < b.1) {
+                    best = Some((cores, total));
+                }
+            }
+            let (cores, _) = best.ok_or(PlacementError::NoRoom)?;
+            used_chips.push(cores[0] / self.cores_per_chip);
+            trial.occupy(s, &cores);
+            placed.extend(cores);
+        }
+        *self = trial;
+        Ok(placed)
+    }
+
+    /// How many more vNPUs of shape `s` fit.
+    pub fn room_for(&self, s: &Shape) -> u32 {
+        let mut b = self.clone();
+        let mut n = 0;
+        while b.place(s).is_ok() {
+            n += 1;
+            if n >= 4096 {
+                break;
+            }
+        }
+        n
+    }
+
+    /// Execution units in use over all cores, and the total.
+    pub fn eu_use(&self) -> (u64, u64) {
+        let used = self.cores.iter().map(|c| u64::from(c.sa + c.vu)).sum();
+        (used, self.cores.len() as u64 * u64::from(self.sa + self.vu))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vnpu_device::VnpuSpec;
+
+    fn shape(s: &str) -> Shape {
+        VnpuSpec::parse(s).unwrap().into()
+    }
+
+    #[test]
+    fn fills_cores_before_opening_new_ones_and_says_when_full() {
+        let mut b = Board::new(&BoardConfig::default()); // 4 cores of 4 SA + 4 VU, 32 MiB
+        let small = shape("type=small");
+        let first = b.place(&small).unwrap();
+        let second = b.place(&small).unwrap();
+        assert_eq!(first, second, "best fit packs the same core");
+        assert_eq!(b.room_for(&small), 14);
+        let large = shape("type=large");
+        // 4 SA + 4 VU: needs an empty core; three are left.
+        assert_eq!(b.room_for(&large), 3);
+        for _ in 0..3 {
+            b.place(&large).unwrap();
+        }
+        assert_eq!(b.place(&large), Err(PlacementError::NoRoom));
+        assert_eq!(b.room_for(&small), 2);
+        assert!(matches!(
+            b.place(&shape("sa=5,vu=1,sram=2M,hbm=256M")),
+            Err(PlacementError::NeverFits { .. })
+        ));
+    }
+
+    #[test]
+    fn balances_eus_against_memory() {
+        let mut b = Board::new(&BoardConfig::default());
+        // An EU-heavy, memory-light vNPU and a memory-heavy, EU-light one
+        // share a core instead of each filling one dimension of a core.
+        let eu_heavy = shape("sa=3,vu=3,sram=2M,hbm=256M");
+        let mem_heavy = shape("sa=1,vu=1,sram=28M,hbm=256M");
+        let a = b.place(&eu_heavy).unwrap();
+        let m = b.place(&mem_heavy).unwrap();
+        assert_eq!(a, m);
+        let (used, total) = b.eu_use();
+        assert_eq!((used, total), (8, 32));
+    }
+
+    #[test]
+    fn multi_core_vnpus_take_distinct_cores() {
+        let mut b = Board::new(&BoardConfig::default());
+        let p = b.place(&shape("sa=2,vu=2,sram=8M,hbm=1G,cores=3")).unwrap();
+        assert_eq!(p.len(), 3);
+        let mut d = p.clone();
+        d.dedup();
+        assert_eq!(d.len(), 3);
+        assert!(matches!(
+            b.place(&shape("sa=1,vu=1,sram=2M,hbm=256M,cores=5")),
+            Err(PlacementError::TooManyChips { .. })
+        ));
+    }
+}

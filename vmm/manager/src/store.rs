@@ -1,0 +1,304 @@
+//! The manager's state: every instance, in one JSON file in a state
+//! directory. Each change holds an exclusive lock on the directory's lock
+//! file, writes the whole state to a temporary file, flushes it to disk and
+//! renames it over the old one (then syncs the directory), so a crash at
+//! any point leaves either the old state or the new one, never a mix.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use npu_model::BoardConfig;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::placement::{Board, PlacementError};
+use crate::{Instance, Shape};
+
+const STATE: &str = "vnpu-state.json";
+const LOCK: &str = "vnpu-state.lock";
+
+/// Why a management operation failed.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("state directory {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("state file {path} is not valid: {reason}")]
+    Corrupt { path: String, reason: String },
+    #[error("no vNPU instance {0}")]
+    Unknown(String),
+    #[error("a vNPU instance {0} already exists")]
+    Exists(String),
+    #[error("`{0}` is not a UUID")]
+    BadUuid(String),
+    #[error("vNPU {0} is already started")]
+    AlreadyActive(String),
+    #[error("vNPU {0} is not started")]
+    NotActive(String),
+    #[error("cannot place vNPU {uuid}: {source}")]
+    Placement { uuid: String, source: PlacementError },
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    instances: Vec<Instance>,
+}
+
+/// The state directory, locked for the lifetime of the value.
+#[derive(Debug)]
+pub struct Store {
+    dir: PathBuf,
+    _lock: File,
+    instances: Vec<Instance>,
+    board: BoardConfig,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
+    move |source| StoreError::Io { path: path.display().to_string(), source }
+}
+
+impl Store {
+    /// Opens (creating it if needed) the state in `dir` for a board of
+    /// `board`, waiting for other managers to finish.
+    pub fn open(dir: &Path, board: &BoardConfig) -> Result<Self, StoreError> {
+        fs::create_dir_all(dir).map_err(io(dir))?;
+        let lock_path = dir.join(LOCK);
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        lock.lock().map_err(io(&lock_path))?;
+        let path = dir.join(STATE);
+        let instances = match fs::read(&path) {
+            Ok(bytes) => {
+                let s: StateFile = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                s.instances
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(io(&path)(e)),
+        };
+        Ok(Self { dir: dir.to_path_buf(), _lock: lock, instances, board: board.clone() })
+    }
+
+    /// Every instance, defined or active.
+    pub fn instances(&self) -> &[Instance] {
+        &self.instances
+    }
+
+    /// The board with the active instances on it.
+    pub fn board(&self) -> Board {
+        let mut b = Board::new(&self.board);
+        for i in self.instances.iter().filter(|i| i.active) {
+            b.occupy(&i.shape, &i.cores);
+        }
+        b
+    }
+
+    /// The instance `uuid`.
+    pub fn get(&self, uuid: &str) -> Result<&Instance, StoreError> {
+        self.instances.iter().find(|i| i.uuid == uuid).ok_or_else(|| StoreError::Unknown(uuid.into()))
+    }
+
+    fn save(&self) -> Result<(), StoreError> {
+        let path = self.dir.join(STATE);
+        let tmp = self.dir.join(format!(".{STATE}.tmp"));
+        let body = serde_json::to_vec_pretty(&StateFile { version: 1, instances: self.instances.clone() })
+            .map_err(|e| StoreError::Corrupt { path: path.display().to_string(), reason: e.to_string() })?;
+        let mut f = File::create(&tmp).map_err(io(&tmp))?;
+        f.write_all(&body).map_err(io(&tmp))?;
+        f.sync_all().map_err(io(&tmp))?;
+        fs::rename(&tmp, &path).map_err(io(&path))?;
+        // Make the rename itself durable.
+        File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(&self.dir))?;
+        Ok(())
+    }
+
+    fn new_uuid(&self, uuid: Option<&str>) -> Result<String, StoreError> {
+        let u = match uuid {
+            Some(u) => uuid::Uuid::parse_str(u).map_err(|_| StoreError::BadUuid(u.into()))?.to_string(),
+            None => uuid::Uuid::new_v4().to_string(),
+        };
+        if self.instances.iter().any(|i| i.uuid == u) {
+            return Err(StoreError::Exists(u));
+        }
+        Ok(u)
+    }
+
+    /// `define`: a persistent instance, not started.
+    pub fn define(
+        &mut self,
+        shape: Shape,
+        type_name: Option<&str>,
+        uuid: Option<&str>,
+    ) -> Result<String, StoreError> {
+        let uuid = self.new_uuid(uuid)?;
+        self.instances.push(Instance {
+            uuid: uuid.clone(),
+            type_name: type_name.map(String::from),
+            shape,
+            persistent: true,
+            active: false,
+            cores: Vec::new(),
+        });
+        self.save()?;
+        Ok(uuid)
+    }
+
+    /// `create`: a transient instance, started at once (gone when stopped).
+    pub fn create(
+        &mut self,
+        shape: Shape,
+        type_name: Option<&str>,
+        uuid: Option<&str>,
+    ) -> Result<String, StoreError> {
+        let uuid = self.new_uuid(uuid)?;
+        let cores = self
+            .board()
+            .place(&shape)
+            .map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?;
+        self.instances.push(Instance {
+            uuid: uuid.clone(),
+            type_name: type_name.map(String::from),
+            shape,
+            persistent: false,
+            active: true,
+            cores,
+        });
+        self.save()?;
+        Ok(uuid)
+    }
+
+    /// `start`: places a defined instance.
+    pub fn start(&mut self, uuid: &str) -> Result<&Instance, StoreError> {
+        let i = self
+            .instances
+            .iter()
+            .position(|i| i.uuid == uuid)
+            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        if self.instances[i].active {
+            return Err(StoreError::AlreadyActive(uuid.into()));
+        }
+        let shape = self.instances[i].shape;
+        let cores = self
+            .board()
+            .place(&shape)
+            .map_err(|source| StoreError::Placement { uuid: uuid.into(), source })?;
+        self.instances[i].active = true;
+        self.instances[i].cores = cores;
+        self.save()?;
+        Ok(&self.instances[i])
+    }
+
+    /// `stop`: releases its cores; a transient instance is removed.
+    pub fn stop(&mut self, uuid: &str) -> Result<(), StoreError> {
+        let i = self
+            .instances
+            .iter()
+            .position(|i| i.uuid == uuid)
+            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        if !self.instances[i].active {
+            return Err(StoreError::NotActive(uuid.into()));
+        }
+        if self.instances[i].persistent {
+            self.instances[i].active = false;
+            self.instances[i].cores.clear();
+        } else {
+            self.instances.remove(i);
+        }
+        self.save()
+    }
+
+    /// `remove`: stops it if started and forgets it.
+    pub fn remove(&mut self, uuid: &str) -> Result<(), StoreError> {
+        let i = self
+            .instances
+            .iter()
+            .position(|i| i.uuid == uuid)
+            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        self.instances.remove(i);
+        self.save()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vnpu_device::VnpuSpec;
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vnpu-store-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&d);
+        d
+    }
+
+    fn small() -> Shape {
+        VnpuSpec::named("small").unwrap().into()
+    }
+
+    #[test]
+    fn definitions_survive_a_restart_and_transients_go_when_stopped() {
+        let d = dir("restart");
+        let b = BoardConfig::default();
+        let (defined, created) = {
+            let mut s = Store::open(&d, &b).unwrap();
+            let u = s.define(small(), Some("small"), None).unwrap();
+            s.start(&u).unwrap();
+            let c = s.create(small(), None, Some("6f1c2f39-3a39-4c36-9a6e-0c1a2b3c4d5e")).unwrap();
+            (u, c)
+        };
+        // A new manager process sees both, placed where they were.
+        let mut s = Store::open(&d, &b).unwrap();
+        assert!(s.get(&defined).unwrap().active);
+        assert_eq!(s.get(&created).unwrap().cores.len(), 1);
+        assert_eq!(s.board().eu_use().0, 4);
+        s.stop(&created).unwrap();
+        assert!(matches!(s.get(&created), Err(StoreError::Unknown(_))));
+        s.stop(&defined).unwrap();
+        assert!(!s.get(&defined).unwrap().active);
+        assert!(matches!(s.stop(&defined), Err(StoreError::NotActive(_))));
+        assert!(matches!(s.define(small(), None, Some("nope")), Err(StoreError::BadUuid(_))));
+        assert!(matches!(s.define(small(), None, Some(&defined)), Err(StoreError::Exists(_))));
+        s.remove(&defined).unwrap();
+        drop(s);
+        assert!(Store::open(&d, &b).unwrap().instances().is_empty());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_crash_mid_write_leaves_the_old_state() {
+        let d = dir("crash");
+        let b = BoardConfig::default();
+        let u = Store::open(&d, &b).unwrap().define(small(), None, None).unwrap();
+        // A writer that died after writing half of its temporary file.
+        fs::write(d.join(format!(".{STATE}.tmp")), b"{\"version\":1,\"insta").unwrap();
+        let s = Store::open(&d, &b).unwrap();
+        assert_eq!(s.instances().len(), 1);
+        assert_eq!(s.instances()[0].uuid, u);
+        drop(s);
+        // A state file that is not JSON is reported, not replaced.
+        fs::write(d.join(STATE), b"garbage").unwrap();
+        assert!(matches!(Store::open(&d, &b), Err(StoreError::Corrupt { .. })));
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_full_board_refuses_to_start_more() {
+        let d = dir("full");
+        let b = BoardConfig::default();
+        let mut s = Store::open(&d, &b).unwrap();
+        let large: Shape = VnpuSpec::named("large").unwrap().into();
+        for _ in 0..4 {
+            s.create(large, Some("large"), None).unwrap();
+        }
+        let u = s.define(large, Some("large"), None).unwrap();
+        assert!(matches!(s.start(&u), Err(StoreError::Placement { source: PlacementError::NoRoom, .. })));
+        assert!(!s.get(&u).unwrap().active);
+        fs::remove_dir_all(&d).unwrap();
+    }
+}
