@@ -507,11 +507,11 @@ impl<B: Bar> Vnpu<B> {
                         return Err(Error::Timeout);
                     }
                     // A polled request completes without an interrupt.
-                    if spins % 1024 == 0 && vol_read16(&self.used, 2) != self.last_used {
+                    if spins.is_multiple_of(1024) && vol_read16(&self.used, 2) != self.last_used {
                         break;
                     }
                     if let Some((idle, after)) = self.idle {
-                        if spins % after == 0 {
+                        if spins.is_multiple_of(after) {
                             idle(seen);
                         }
                     }

@@ -471,7 +471,7 @@ fn matmul_in_place(
     let (a_len, c_len) = (span(m, k, lda), span(m, n, ldc));
     let b_len = if b_transposed { span(n, k, ldb) } else { span(k, n, ldb) };
     let size = sram.size();
-    let inside = |o: u64, l: u64| o % 4 == 0 && o.checked_add(l).is_some_and(|e| e <= size);
+    let inside = |o: u64, l: u64| o.is_multiple_of(4) && o.checked_add(l).is_some_and(|e| e <= size);
     let disjoint = |o1: u64, l1: u64, o2: u64, l2: u64| o1 + l1 <= o2 || o2 + l2 <= o1;
     let usable = inside(a, a_len)
         && inside(b, b_len)
@@ -482,7 +482,7 @@ fn matmul_in_place(
         return false;
     }
     let base = sram.bytes_mut().as_mut_ptr();
-    if base as usize % 4 != 0 {
+    if !(base as usize).is_multiple_of(4) {
         return false;
     }
     let (b_cs, b_rs) = if b_transposed { (ldb as isize, 1) } else { (1, ldb as isize) };

@@ -55,7 +55,7 @@ impl ShapeArgs {
 }
 
 fn mib(b: u64) -> String {
-    if b >= 1 << 30 && b % (1 << 30) == 0 {
+    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
         format!("{}G", b >> 30)
     } else {
         format!("{}M", b >> 20)

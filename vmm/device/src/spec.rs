@@ -66,9 +66,9 @@ impl VnpuSpec {
         let counts = [self.chips, self.cores_per_chip, self.sa_per_core, self.vu_per_core];
         if counts.iter().any(|c| !(1..=64).contains(c))
             || self.sram_per_core == 0
-            || self.sram_per_core % SRAM_SLICE != 0
+            || !self.sram_per_core.is_multiple_of(SRAM_SLICE)
             || self.hbm_per_core == 0
-            || self.hbm_per_core % HBM_SLICE != 0
+            || !self.hbm_per_core.is_multiple_of(HBM_SLICE)
         {
             return Err(ST_BAD_ARGUMENT);
         }

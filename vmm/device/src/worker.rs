@@ -693,7 +693,7 @@ impl Worker {
                     }
                 }
                 spins = spins.wrapping_add(1);
-                if spins % 64 == 0 && Instant::now() >= deadline {
+                if spins.is_multiple_of(64) && Instant::now() >= deadline {
                     break;
                 }
                 std::hint::spin_loop();
