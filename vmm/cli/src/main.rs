@@ -2,6 +2,7 @@
 
 mod demo;
 mod manage;
+mod profile;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -89,6 +90,30 @@ enum Command {
         /// Guest RAM the program may DMA to and from (from address 0).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
+    },
+    /// Profile a workload on 1 SA + 1 VU and size a vNPU for it.
+    ///
+    /// Reports x (SA-active time), y (VU-active time), a = x/y and the
+    /// SA:VU ratio k = sqrt(a) that maximizes utilization; for each EU
+    /// count of one core the shape closest to k with its predicted (Eq. 1)
+    /// and measured speedup; and the smallest shape whose simulated time
+    /// meets --slo-ms (1 SA + 1 VU without an SLO). Exit 1 when no shape
+    /// meets the SLO.
+    Profile {
+        /// Workload name (see `vnpu workload list`).
+        name: String,
+        /// Batch size.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Latency target in milliseconds of simulated time.
+        #[arg(long)]
+        slo_ms: Option<f64>,
+        /// One JSON object instead of a table (keys x, y, a, k, sa, vu, ...).
+        #[arg(long)]
+        json: bool,
+        /// Board config file (TOML); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
     },
     /// The named vNPU types of the board and how many more of each fit.
     Types {
@@ -395,6 +420,26 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     }
                 },
             );
+        }
+        Command::Profile { name, batch, slo_ms, json, board: path } => {
+            if batch == 0 {
+                return Err(CliError::Batch);
+            }
+            if slo_ms.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+                return Err(CliError::Usage("--slo-ms must be a positive number of milliseconds".into()));
+            }
+            let b = board(&path)?;
+            let o = RunOptions {
+                workload: name,
+                batch,
+                sa: 1,
+                vu: 1,
+                sram_bytes: None,
+                hbm_bytes: None,
+                functional: false,
+                seed: 1,
+            };
+            return Ok(profile::run(&b, o, slo_ms, json)?);
         }
         Command::Types { manage, json } => {
             let b = board(&manage.board)?;

@@ -239,3 +239,33 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
     assert!(err.contains("unknown type"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
+    let (code, out, err) = vnpu(&["profile", "bert", "--batch", "8", "--slo-ms", "10", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for k in ["x", "y", "a", "k", "sa", "vu", "predicted_speedup", "measured_speedup"] {
+        assert!(v.get(k).is_some(), "missing {k}: {v}");
+    }
+    let (x, y, a, k) = (
+        v["x"].as_f64().unwrap(),
+        v["y"].as_f64().unwrap(),
+        v["a"].as_f64().unwrap(),
+        v["k"].as_f64().unwrap(),
+    );
+    assert!((a - x / y).abs() < 1e-9 && (k - a.sqrt()).abs() < 1e-9);
+    assert!(a > 5.0, "BERT is SA-heavy: {a}");
+    // The fewest EUs that meet 10 ms: more SAs than VUs, and it does meet it.
+    let (sa, vu) = (v["sa"].as_u64().unwrap(), v["vu"].as_u64().unwrap());
+    assert!(sa > vu, "{v}");
+    let chosen = v["candidates"].as_array().unwrap().iter().find(|c| c["sa"] == sa && c["vu"] == vu).unwrap();
+    assert!(chosen["measured_ms"].as_f64().unwrap() <= 10.0);
+    // An SLO no shape meets: exit 1, said plainly.
+    let (code, out, _) = vnpu(&["profile", "ncf", "--slo-ms", "0.0001"]);
+    assert_eq!(code, 1);
+    assert!(out.contains("no shape of one core meets"), "{out}");
+    let (code, _, err) = vnpu(&["profile", "ncf", "--slo-ms", "0"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("--slo-ms"), "{err}");
+}
