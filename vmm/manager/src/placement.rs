@@ -65,7 +65,8 @@ impl Board {
         }
     }
 
-    fn fits(&self, core: usize, s: &Shape) -> bool {
+    /// Whether a core of shape `s` fits on physical core `core`.
+    pub fn fits(&self, core: usize, s: &Shape) -> bool {
         let c = &self.cores[core];
         let chip = core / self.cores_per_chip as usize;
         c.sa + s.sa_per_core <= self.sa
@@ -76,7 +77,7 @@ impl Board {
 
     /// Lower is better: EUs left free on the core after placing `s` (fill
     /// cores up), then the gap between its EU and memory fill (balance).
-    fn score(&self, core: usize, s: &Shape) -> (u32, u64) {
+    pub fn score(&self, core: usize, s: &Shape) -> (u32, u64) {
         let c = &self.cores[core];
         let (sa, vu, sram) = (c.sa + s.sa_per_core, c.vu + s.vu_per_core, c.sram + s.sram_per_core);
         let eu_left = self.sa + self.vu - sa - vu;
@@ -164,6 +165,16 @@ impl Board {
             }
         }
         n
+    }
+
+    /// The best core for a one-core vNPU of shape `s` and its score.
+    pub fn best_core(&self, s: &Shape) -> Option<(usize, (u32, u64))> {
+        (0..self.cores.len()).filter(|&c| self.fits(c, s)).map(|c| (c, self.score(c, s))).min_by_key(|x| x.1)
+    }
+
+    /// SRAM in use over all cores, and the total.
+    pub fn sram_use(&self) -> (u64, u64) {
+        (self.cores.iter().map(|c| c.sram).sum(), self.cores.len() as u64 * self.sram)
     }
 
     /// Execution units in use over all cores, and the total.
