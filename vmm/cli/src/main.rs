@@ -380,7 +380,11 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 guest,
                 vnpus,
                 board: b,
-                device: vnpu_device::DeviceOptions { poll: std::time::Duration::from_micros(poll_us) },
+                device: vnpu_device::DeviceOptions {
+                    poll: std::time::Duration::from_micros(poll_us),
+                    ..Default::default()
+                },
+                shared_cores: Vec::new(),
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             let code = vm.run()?;

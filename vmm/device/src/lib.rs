@@ -9,11 +9,13 @@
 mod guest_ram;
 mod msi;
 mod regfile;
+mod shared_core;
 mod spec;
 mod worker;
 
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink};
+pub use shared_core::{Interval, SharedCore, SharingStats};
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
@@ -116,7 +118,7 @@ impl VnpuFunction {
         });
         // The worker shows the granted configuration in the registers
         // before the thread starts, so the guest sees it from the first read.
-        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts);
+        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);
         let worker = Some(worker::spawn(w, name.to_string())?);
         Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
     }

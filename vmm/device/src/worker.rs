@@ -83,11 +83,7 @@ impl Shared {
 }
 
 /// One core of the vNPU: its SRAM and HBM segments, created on first use.
-#[derive(Debug)]
-struct Core {
-    sram: Sram,
-    hbm: LazyHbm,
-}
+type Core = crate::shared_core::CoreMem;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct EngineTotals {
@@ -190,17 +186,21 @@ impl Outcome {
 }
 
 /// How a vNPU's worker serves its ring.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct DeviceOptions {
     /// After serving requests, keep polling the ring for this long (with
     /// the driver told not to ring the doorbell) before sleeping. 0 turns
     /// polling off: every request then waits for a thread wake-up.
     pub poll: std::time::Duration,
+    /// The physical cores the vNPU's cores are placed on, shared with the
+    /// other vNPUs placed there (in vNPU core order). A vNPU core without
+    /// one runs alone on a core of its own.
+    pub cores: Vec<crate::SharedCore>,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US) }
+        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US), cores: Vec::new() }
     }
 }
 
@@ -220,6 +220,8 @@ pub(crate) struct Worker {
     counters: Counters,
     stopped: bool,
     opts: DeviceOptions,
+    /// The vNPU's name (its tenant name on shared cores).
+    name: String,
     /// Programs verified once (`REGISTER`), by handle; dropped whenever
     /// the configuration changes, since they were checked against it.
     programs: Vec<Option<Arc<Program>>>,
@@ -232,9 +234,11 @@ impl Worker {
         board: BoardConfig,
         grant: VnpuSpec,
         opts: DeviceOptions,
+        name: &str,
     ) -> Self {
         let mut w = Self {
             opts,
+            name: name.to_string(),
             shared,
             mem,
             board,
@@ -499,7 +503,7 @@ impl Worker {
             abi::OP_RUN => self.run(&readable[1..], header),
             abi::OP_REGISTER => self.register(&readable[1..]),
             abi::OP_RUN_REGISTERED => match self.registered(header.handle) {
-                Ok(p) => self.execute(&p, header),
+                Ok(p) => self.execute(p, header),
                 Err(o) => o,
             },
             abi::OP_UNREGISTER => match self.registered(header.handle) {
@@ -558,7 +562,7 @@ impl Worker {
     /// `RUN`: load, verify, execute.
     fn run(&mut self, payload: &[Desc], header: &abi::RequestHeader) -> Outcome {
         match self.load_verified(payload) {
-            Ok(program) => self.execute(&program, header),
+            Ok(program) => self.execute(Arc::new(program), header),
             Err(o) => o,
         }
     }
@@ -590,7 +594,7 @@ impl Worker {
     }
 
     /// Runs a verified program on the header's core.
-    fn execute(&mut self, program: &Program, header: &abi::RequestHeader) -> Outcome {
+    fn execute(&mut self, program: Arc<Program>, header: &abi::RequestHeader) -> Outcome {
         let Some(spec) = self.config else {
             return Outcome::fail(abi::ST_NOT_CONFIGURED, "the vNPU is released; configure it first");
         };
@@ -610,9 +614,22 @@ impl Worker {
             sram: Sram::new(spec.sram_per_core),
             hbm: LazyHbm::new(spec.hbm_per_core),
         });
-        let mut guest = GuestRam::new(&self.mem);
-        let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
-        match run_program(&self.board, program, Some(mem), Some(budget)) {
+        let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
+            // Lend the core's memory to the shared physical core for the batch.
+            let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
+            match shared.run(&self.name, program, lent, self.mem.clone(), budget) {
+                Some((back, r, _, _)) => {
+                    *core = back;
+                    r
+                }
+                None => return Outcome::fail(abi::ST_EXEC_FAULT, "the physical core stopped"),
+            }
+        } else {
+            let mut guest = GuestRam::new(&self.mem);
+            let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
+            run_program(&self.board, &program, Some(mem), Some(budget))
+        };
+        match result {
             Ok(report) => {
                 self.counters.add(header.core, &report);
                 Outcome { status: abi::ST_OK, detail: 0, report: Some(report), message: String::new() }
@@ -779,7 +796,8 @@ pub fn fuzz_drive(data: &[u8]) {
         mem,
         BoardConfig::default(),
         grant,
-        DeviceOptions { poll: std::time::Duration::ZERO },
+        DeviceOptions { poll: std::time::Duration::ZERO, cores: Vec::new() },
+        "fuzz",
     );
     let u64_at = |b: &[u8], o: usize| {
         let mut x = [0u8; 8];

@@ -103,7 +103,10 @@ fn relu_program() -> Vec<u8> {
 #[test]
 fn driver_runs_programs_by_polling_and_by_interrupt() {
     for poll in [0, 200] {
-        driver_round_trips(DeviceOptions { poll: std::time::Duration::from_micros(poll) });
+        driver_round_trips(DeviceOptions {
+            poll: std::time::Duration::from_micros(poll),
+            ..Default::default()
+        });
     }
 }
 

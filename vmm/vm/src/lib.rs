@@ -187,6 +187,9 @@ pub struct VmConfig {
     pub board: BoardConfig,
     /// How the vNPU workers serve their rings.
     pub device: vnpu_device::DeviceOptions,
+    /// For each vNPU (by index), the shared physical cores its cores are
+    /// placed on (empty: a core of its own). Overrides `device.cores`.
+    pub shared_cores: Vec<Vec<vnpu_device::SharedCore>>,
 }
 
 impl VmConfig {
@@ -198,6 +201,7 @@ impl VmConfig {
             vnpus: Vec::new(),
             board: BoardConfig::default(),
             device: vnpu_device::DeviceOptions::default(),
+            shared_cores: Vec::new(),
         }
     }
 
@@ -214,8 +218,7 @@ impl<W: Write> Vm<W> {
     /// prepares its one vCPU to enter it in long mode. Serial output goes
     /// to `console`.
     pub fn new(cfg: &VmConfig, console: W) -> Result<Self, VmError> {
-        let (memory_bytes, guest, vnpus, board) =
-            (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..], &cfg.board);
+        let (memory_bytes, guest, vnpus) = (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..]);
         if vnpus.len() > MAX_VNPUS {
             return Err(VmError::TooManyVnpus { count: vnpus.len() });
         }
@@ -286,7 +289,7 @@ impl<W: Write> Vm<W> {
 
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (pci, doorbells) = Self::pci_bus(vnpus, board, cfg.device, &memory, &vm, &msi)?;
+        let (pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
         Ok(Self {
             _kvm: kvm,
             vm,
@@ -301,9 +304,7 @@ impl<W: Write> Vm<W> {
 
     /// Bus 0: host bridge at 00:00.0, vNPU functions from 00:01.0 on.
     fn pci_bus(
-        vnpus: &[VnpuSpec],
-        board: &BoardConfig,
-        device: vnpu_device::DeviceOptions,
+        cfg: &VmConfig,
         memory: &GuestMemoryMmap<()>,
         vm: &Arc<VmFd>,
         msi: &Arc<Mutex<irq::MsiRoutes>>,
@@ -319,8 +320,13 @@ impl<W: Write> Vm<W> {
         };
         bus.add(0, Box::new(PlainFunction(ConfigSpace::new(bridge))))?;
         let mut doorbells = Vec::new();
+        let (vnpus, board) = (&cfg.vnpus, &cfg.board);
         for (i, spec) in vnpus.iter().enumerate() {
             let slot = i + 1;
+            let mut device = cfg.device.clone();
+            if let Some(cores) = cfg.shared_cores.get(i) {
+                device.cores = cores.clone();
+            }
             let sink = Arc::new(SlotSink { slot, vm: Arc::clone(vm), routes: Arc::clone(msi) });
             let f = VnpuFunction::new(spec, board, memory.clone(), sink, &format!("vnpu-{slot}"), device)?;
             let mut events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;

@@ -1,0 +1,269 @@
+//! A physical core shared by several vNPUs, of one VM or of several: the
+//! requests they have pending at the same moment run together in one
+//! simulation of the core (`npu_model::run_core`), so their engines are
+//! busy in the same simulated interval (spatial sharing) and they contend
+//! for the core's HBM bandwidth as the board says. Requests that arrive
+//! while a batch runs go into the next one; the core's simulated clock
+//! advances by each batch's makespan (time sharing between batches).
+
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use npu_model::{run_core, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, Tenant, TenantReport};
+use vm_memory::GuestMemoryMmap;
+use vnpu_abi::Program;
+
+use crate::msi::lock;
+use crate::GuestRam;
+
+/// How long the core waits for other vNPUs' requests to join a batch.
+const GATHER: Duration = Duration::from_micros(200);
+
+/// One vNPU core's memory, lent to the shared core for a request.
+#[derive(Debug)]
+pub(crate) struct CoreMem {
+    pub sram: Sram,
+    pub hbm: LazyHbm,
+}
+
+/// What a request gets back: its memory, its result, and where it ran on
+/// the core's simulated timeline (cycles).
+pub(crate) type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
+
+struct Job {
+    tenant: String,
+    program: Arc<Program>,
+    mem: CoreMem,
+    guest: GuestMemoryMmap<()>,
+    budget: u64,
+    reply: mpsc::Sender<JobResult>,
+}
+
+/// A tenant's busy interval on the core's simulated timeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Interval {
+    pub tenant: String,
+    pub start: f64,
+    pub end: f64,
+}
+
+#[derive(Default)]
+struct Queue {
+    pending: Vec<Job>,
+    now: f64,
+    log: Vec<Interval>,
+    batches: u64,
+    stop: bool,
+    paused: bool,
+}
+
+struct Inner {
+    board: BoardConfig,
+    q: Mutex<Queue>,
+    cv: Condvar,
+}
+
+/// A shared physical core; clone it into every vNPU placed on the core.
+#[derive(Clone)]
+pub struct SharedCore {
+    inner: Arc<Inner>,
+    thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
+}
+
+impl std::fmt::Debug for SharedCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedCore").finish_non_exhaustive()
+    }
+}
+
+/// What the core did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SharingStats {
+    /// Batches run.
+    pub batches: u64,
+    /// Simulated cycles the core was busy.
+    pub busy_cycles: f64,
+    /// Simulated cycles during which two or more tenants ran at once.
+    pub overlap_cycles: f64,
+    /// Busy cycles per tenant.
+    pub tenants: Vec<(String, f64)>,
+}
+
+impl SharedCore {
+    /// A core of `board` with its engine thread.
+    pub fn new(board: &BoardConfig, name: &str) -> std::io::Result<Self> {
+        let inner =
+            Arc::new(Inner { board: board.clone(), q: Mutex::new(Queue::default()), cv: Condvar::new() });
+        let i = Arc::clone(&inner);
+        let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
+        Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
+    }
+
+    /// Runs `program` for `tenant` with the batch that forms next; blocks
+    /// until it is done.
+    pub(crate) fn run(
+        &self,
+        tenant: &str,
+        program: Arc<Program>,
+        mem: CoreMem,
+        guest: GuestMemoryMmap<()>,
+        budget: u64,
+    ) -> Option<JobResult> {
+        let (tx, rx) = mpsc::channel();
+        {
+            let mut q = lock(&self.inner.q);
+            if q.stop {
+                return None;
+            }
+            q.pending.push(Job { tenant: tenant.into(), program, mem, guest, budget, reply: tx });
+        }
+        self.inner.cv.notify_all();
+        rx.recv().ok()
+    }
+
+    /// Busy time, overlap and per-tenant use so far.
+    pub fn stats(&self) -> SharingStats {
+        let q = lock(&self.inner.q);
+        let mut tenants: Vec<(String, f64)> = Vec::new();
+        for iv in &q.log {
+            match tenants.iter_mut().find(|(t, _)| *t == iv.tenant) {
+                Some(e) => e.1 += iv.end - iv.start,
+                None => tenants.push((iv.tenant.clone(), iv.end - iv.start)),
+            }
+        }
+        // Overlap: sweep the interval end points.
+        let mut ev: Vec<(f64, i32)> = q.log.iter().flat_map(|i| [(i.start, 1), (i.end, -1)]).collect();
+        ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let (mut active, mut last, mut overlap) = (0, 0.0, 0.0);
+        for (t, d) in ev {
+            if active >= 2 {
+                overlap += t - last;
+            }
+            active += d;
+            last = t;
+        }
+        SharingStats { batches: q.batches, busy_cycles: q.now, overlap_cycles: overlap, tenants }
+    }
+
+    /// Holds batches back until [`SharedCore::resume`] (for tests that need
+    /// several requests in one batch).
+    pub fn pause(&self) {
+        lock(&self.inner.q).paused = true;
+    }
+
+    /// Lets batches run again.
+    pub fn resume(&self) {
+        lock(&self.inner.q).paused = false;
+        self.inner.cv.notify_all();
+    }
+
+    /// Requests waiting for the next batch.
+    pub fn pending(&self) -> usize {
+        lock(&self.inner.q).pending.len()
+    }
+
+    /// Stops the engine thread (pending requests get no answer).
+    pub fn stop(&self) {
+        lock(&self.inner.q).stop = true;
+        self.inner.cv.notify_all();
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn engine(inner: &Inner) {
+    loop {
+        {
+            let mut q = lock(&inner.q);
+            while (q.pending.is_empty() || q.paused) && !q.stop {
+                q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            if q.stop {
+                return;
+            }
+        }
+        // Let the other vNPUs' requests of this moment join the batch.
+        std::thread::sleep(GATHER);
+        let (mut jobs, start) = {
+            let mut q = lock(&inner.q);
+            (std::mem::take(&mut q.pending), q.now)
+        };
+        let mut guests: Vec<GuestRam<'_>> = Vec::new();
+        let guest_mems: Vec<GuestMemoryMmap<()>> = jobs.iter().map(|j| j.guest.clone()).collect();
+        for g in &guest_mems {
+            guests.push(GuestRam::new(g));
+        }
+        let mut tenants: Vec<Tenant<'_, '_>> = Vec::new();
+        for (j, g) in jobs.iter_mut().zip(guests.iter_mut()) {
+            tenants.push(Tenant {
+                program: &j.program,
+                memory: Some(CoreMemory { sram: &mut j.mem.sram, hbm: &mut j.mem.hbm, guest: g }),
+                max_cycles: Some(j.budget),
+            });
+        }
+        let report = run_core(&inner.board, &mut tenants);
+        drop(tenants);
+        drop(guests);
+        let mut q = lock(&inner.q);
+        q.batches += 1;
+        q.now = start + report.cycles;
+        for (j, r) in jobs.into_iter().zip(report.tenants) {
+            let end = start + r.as_ref().map_or(0.0, |t| t.cycles);
+            q.log.push(Interval { tenant: j.tenant.clone(), start, end });
+            // A vNPU that went away does not stop the core.
+            let _ = j.reply.send((j.mem, r, start, end));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+    #[test]
+    fn concurrent_tenants_share_the_simulated_timeline() {
+        let board = BoardConfig::default();
+        let core = SharedCore::new(&board, "core-test").unwrap();
+        core.pause();
+        let mut p = ProgramBuilder::new();
+        p.push(
+            Engine::DMA,
+            Instr::DmaCopy {
+                src: Addr::hbm(0),
+                dst: Addr::sram(0),
+                rows: 1,
+                row_bytes: 1 << 20,
+                src_stride: 0,
+                dst_stride: 0,
+            },
+        );
+        let prog = Arc::new(p.finish());
+        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
+        let threads: Vec<_> = (0..2)
+            .map(|i| {
+                let (c, p, g) = (core.clone(), Arc::clone(&prog), guest.clone());
+                std::thread::spawn(move || {
+                    let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
+                    c.run(&format!("t{i}"), p, mem, g, 1 << 30).unwrap()
+                })
+            })
+            .collect();
+        while core.pending() < 2 {
+            std::thread::yield_now();
+        }
+        core.resume();
+        for t in threads {
+            let (_, r, s, e) = t.join().unwrap();
+            assert!(r.is_ok() && e > s);
+        }
+        let st = core.stats();
+        assert_eq!(st.tenants.len(), 2);
+        // One batch: both ran at once, sharing HBM.
+        assert_eq!(st.batches, 1);
+        assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
+        core.stop();
+    }
+}
