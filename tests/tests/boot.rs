@@ -177,7 +177,11 @@ fn selfcheck_guest_matches_its_cpu_on_random_shapes() {
 fn transformer_guest_matches_its_cpu() {
     let (code, out) = run_user_guest("transformer");
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("transformer: max abs error vs CPU") && out.contains("(ok)"), "{out}");
+    assert_eq!(
+        out.lines().filter(|l| l.contains("max abs error vs CPU") && l.ends_with("(ok)")).count(),
+        2,
+        "{out}"
+    );
 }
 
 fn deterministic_lines(out: &str) -> Vec<String> {

@@ -3,6 +3,7 @@
 mod demo;
 mod manage;
 mod profile;
+mod scenario;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -114,6 +115,17 @@ enum Command {
         /// Board config file (TOML); default: the built-in board.
         #[arg(long)]
         board: Option<PathBuf>,
+    },
+    /// Run several VMs at once on one modelled board (docs/management.md).
+    ///
+    /// FILE (TOML) lists the VMs: `[[vm]]` with `name`, `guest`, `memory`
+    /// and `vnpu = ["SPEC", ...]`, and optionally `board`. Their vNPUs are
+    /// placed on physical cores; vNPUs on one core share it. Prints each
+    /// VM's output and exit code and, per physical core, the simulated time
+    /// its tenants ran side by side. Exit 0 when every VM exits 0.
+    Scenario {
+        /// The scenario file.
+        file: PathBuf,
     },
     /// The named vNPU types of the board and how many more of each fit.
     Types {
@@ -290,6 +302,8 @@ enum CliError {
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
     Manage(#[from] vnpu_manager::StoreError),
+    #[error(transparent)]
+    Scenario(#[from] scenario::ScenarioError),
     #[error("{0}")]
     Usage(String),
     #[error("cannot read {path}: {source}")]
@@ -385,6 +399,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     ..Default::default()
                 },
                 shared_cores: Vec::new(),
+                name: "vm".into(),
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             let code = vm.run()?;
@@ -445,6 +460,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             };
             return Ok(profile::run(&b, o, slo_ms, json)?);
         }
+        Command::Scenario { file } => return Ok(scenario::run(&file)?),
         Command::Types { manage, json } => {
             let b = board(&manage.board)?;
             let store = vnpu_manager::Store::open(&manage.dir(), &b)?;

@@ -269,3 +269,24 @@ fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
     assert_eq!(code, 1);
     assert!(err.contains("--slo-ms"), "{err}");
 }
+
+/// Three VMs whose vNPUs share one physical core run concurrently; every
+/// tenant's results are correct and their work overlapped in simulated time.
+#[test]
+fn scenario_runs_three_vms_sharing_one_core() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/three-tenants.toml");
+    let (code, out, err) = vnpu(&["scenario", file]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for vm in ["digits", "transformer", "selfcheck"] {
+        assert!(out.contains(&format!("{vm}: vNPU 0 (")) && out.contains("on physical core(s) [0]"), "{out}");
+        assert!(out.contains(&format!("[{vm}] exit code 0")), "{out}");
+    }
+    assert!(out.contains("[digits] digits: vNPU and CPU agree on every image"), "{out}");
+    assert!(out.contains("[selfcheck] selfcheck: 60/60"), "{out}");
+    let core = out.lines().find(|l| l.starts_with("0 ")).unwrap();
+    let shared: f64 = core.split_whitespace().nth(3).unwrap().parse().unwrap();
+    assert!(shared > 0.0, "no spatial sharing: {core}");
+    let (code, _, err) = vnpu(&["scenario", "/nonexistent.toml"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot read scenario"), "{err}");
+}

@@ -190,6 +190,9 @@ pub struct VmConfig {
     /// For each vNPU (by index), the shared physical cores its cores are
     /// placed on (empty: a core of its own). Overrides `device.cores`.
     pub shared_cores: Vec<Vec<vnpu_device::SharedCore>>,
+    /// Names the VM's vNPU worker threads and shared-core tenants
+    /// (`NAME/vnpu-SLOT`).
+    pub name: String,
 }
 
 impl VmConfig {
@@ -202,6 +205,7 @@ impl VmConfig {
             board: BoardConfig::default(),
             device: vnpu_device::DeviceOptions::default(),
             shared_cores: Vec::new(),
+            name: "vm".into(),
         }
     }
 
@@ -328,7 +332,14 @@ impl<W: Write> Vm<W> {
                 device.cores = cores.clone();
             }
             let sink = Arc::new(SlotSink { slot, vm: Arc::clone(vm), routes: Arc::clone(msi) });
-            let f = VnpuFunction::new(spec, board, memory.clone(), sink, &format!("vnpu-{slot}"), device)?;
+            let f = VnpuFunction::new(
+                spec,
+                board,
+                memory.clone(),
+                sink,
+                &format!("{}/vnpu-{slot}", cfg.name),
+                device,
+            )?;
             let mut events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
             let loopback = msi
                 .lock()
