@@ -181,17 +181,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
-    let Some(&slot) = guest_rt::vnpu::slots().first() else {
-        println!("no vNPU found");
-        return 1;
-    };
-    let mut npu = match guest_rt::vnpu::open(env, slot, 64) {
-        Ok(n) => n,
-        Err(e) => {
-            println!("cannot open the vNPU: {e}");
-            return 1;
-        }
-    };
+    let Some((slot, mut npu)) = guest_rt::vnpu::open_first(env) else { return 1 };
     let h = npu.hierarchy();
     println!(
         "vnpu 00:{slot:02x}.0: {} chip x {} core, {} SA ({}x{}) + {} VU ({} lanes) per core, SRAM {} MiB, HBM {} MiB, {} MHz",

@@ -38,17 +38,7 @@ fn measure(mut f: impl FnMut()) -> u64 {
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
-    let Some(&slot) = guest_rt::vnpu::slots().first() else {
-        println!("no vNPU");
-        return 1;
-    };
-    let mut npu = match guest_rt::vnpu::open(env, slot, 64) {
-        Ok(n) => n,
-        Err(e) => {
-            println!("open: {e}");
-            return 1;
-        }
-    };
+    let Some((_, mut npu)) = guest_rt::vnpu::open_first(env) else { return 1 };
     // Program the loopback vector's route once (INT_TEST raises it through the VMM).
     let c = IRQ_COUNT.load(Ordering::Acquire);
     npu.bar().write32(regs::INT_TEST, u32::from(vnpu_abi::device::LOOPBACK_VECTOR));

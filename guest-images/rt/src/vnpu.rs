@@ -49,3 +49,19 @@ pub fn open(env: &mut Env, slot: u8, ring: u16) -> Result<Vnpu<MmioBar>, Error> 
     npu.use_idle(crate::idle, IDLE_AFTER_SPINS);
     Ok(npu)
 }
+
+/// Opens the first vNPU on the bus (ring of 64), or says on the console
+/// why it cannot and returns `None`.
+pub fn open_first(env: &mut Env) -> Option<(u8, Vnpu<MmioBar>)> {
+    let Some(&slot) = slots().first() else {
+        crate::println!("no vNPU found");
+        return None;
+    };
+    match open(env, slot, 64) {
+        Ok(n) => Some((slot, n)),
+        Err(e) => {
+            crate::println!("cannot open the vNPU: {e}");
+            None
+        }
+    }
+}

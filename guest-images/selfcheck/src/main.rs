@@ -20,17 +20,7 @@ const BASE: u64 = 0x300_0000;
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
-    let Some(&slot) = guest_rt::vnpu::slots().first() else {
-        println!("no vNPU found");
-        return 1;
-    };
-    let mut npu = match guest_rt::vnpu::open(env, slot, 64) {
-        Ok(n) => n,
-        Err(e) => {
-            println!("cannot open the vNPU: {e}");
-            return 1;
-        }
-    };
+    let Some((_, mut npu)) = guest_rt::vnpu::open_first(env) else { return 1 };
     let mut rng = Rng::new(SEED);
     let (mut ok, mut counts) = (0, [0usize; 4]);
     for i in 0..CASES {

@@ -26,17 +26,7 @@ fn at(addr: u64, len: usize) -> DmaBuf {
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
-    let Some(&slot) = guest_rt::vnpu::slots().first() else {
-        println!("no vNPU found");
-        return 1;
-    };
-    let mut npu = match guest_rt::vnpu::open(env, slot, 64) {
-        Ok(n) => n,
-        Err(e) => {
-            println!("cannot open the vNPU: {e}");
-            return 1;
-        }
-    };
+    let Some((_, mut npu)) = guest_rt::vnpu::open_first(env) else { return 1 };
     let mut ok = true;
     for (shape, what) in [(SHAPE, "BERT-like"), (LONG_SHAPE, "long sequence")] {
         ok &= layer(&mut npu, env, shape, what);

@@ -130,6 +130,10 @@ impl Store {
         Ok(u)
     }
 
+    fn index(&self, uuid: &str) -> Result<usize, StoreError> {
+        self.instances.iter().position(|i| i.uuid == uuid).ok_or_else(|| StoreError::Unknown(uuid.into()))
+    }
+
     /// `define`: a persistent instance, not started.
     pub fn define(
         &mut self,
@@ -176,11 +180,7 @@ impl Store {
 
     /// `start`: places a defined instance.
     pub fn start(&mut self, uuid: &str) -> Result<&Instance, StoreError> {
-        let i = self
-            .instances
-            .iter()
-            .position(|i| i.uuid == uuid)
-            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        let i = self.index(uuid)?;
         if self.instances[i].active {
             return Err(StoreError::AlreadyActive(uuid.into()));
         }
@@ -197,11 +197,7 @@ impl Store {
 
     /// `stop`: releases its cores; a transient instance is removed.
     pub fn stop(&mut self, uuid: &str) -> Result<(), StoreError> {
-        let i = self
-            .instances
-            .iter()
-            .position(|i| i.uuid == uuid)
-            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        let i = self.index(uuid)?;
         if !self.instances[i].active {
             return Err(StoreError::NotActive(uuid.into()));
         }
@@ -216,11 +212,7 @@ impl Store {
 
     /// `remove`: stops it if started and forgets it.
     pub fn remove(&mut self, uuid: &str) -> Result<(), StoreError> {
-        let i = self
-            .instances
-            .iter()
-            .position(|i| i.uuid == uuid)
-            .ok_or_else(|| StoreError::Unknown(uuid.into()))?;
+        let i = self.index(uuid)?;
         self.instances.remove(i);
         self.save()
     }
