@@ -211,3 +211,13 @@ fn hostile_guest_attacks_are_contained_and_neighbours_undisturbed() {
     assert_eq!(deterministic_lines(&next_door), deterministic_lines(&alone));
     assert_eq!(deterministic_lines(&alone).len(), 4, "{alone}");
 }
+
+/// The DLRM-like guest: VU-heavy (a < 1) and equal to its CPU.
+#[test]
+fn recsys_guest_is_vu_heavy_and_matches_its_cpu() {
+    let (code, out) = run_user_guest("recsys");
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("recsys: max abs error vs CPU") && out.ends_with("(ok)\n"), "{out}");
+    let a: f64 = out.split("(a = ").nth(1).and_then(|r| r.split(')').next()).unwrap().parse().unwrap();
+    assert!(a < 1.0, "{out}");
+}

@@ -11,6 +11,7 @@
 extern crate alloc;
 
 pub mod digits;
+pub mod recsys;
 pub mod selfcheck;
 pub mod transformer;
 

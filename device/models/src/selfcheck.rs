@@ -27,6 +27,10 @@ impl Rng {
     pub fn range(&mut self, lo: u32, hi: u32) -> u32 {
         lo + (self.next_u64() % u64::from(hi - lo + 1)) as u32
     }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u32) -> u32 {
+        (self.next_u64() % u64::from(n.max(1))) as u32
+    }
     /// Uniform in [-1, 1).
     pub fn unit(&mut self) -> f32 {
         (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0

@@ -73,3 +73,33 @@ fn transformer_layer_matches_the_cpu() {
     // Layer-normed output: not all zeros, unit-ish scale.
     assert!(want.iter().map(|v| v.abs()).sum::<f32>() > 100.0);
 }
+
+#[test]
+fn recsys_matches_the_cpu_and_is_vu_heavy() {
+    use vnpu_models::recsys;
+    let m = recsys::Model::random(5);
+    let batch = 128;
+    let idx = recsys::random_indices(batch, 6);
+    let (table, mlp) = recsys::weight_bytes(&m);
+    let (ta, ma, ia, oa) = (0x1000u64, 0x60000u64, 0x70000u64, 0x80000u64);
+    let mut guest = VecGuestMemory::new(0, 1 << 20);
+    guest.write(ta, &table).unwrap();
+    guest.write(ma, &mlp).unwrap();
+    guest.write(ia, &idx.iter().flat_map(|i| i.to_le_bytes()).collect::<Vec<_>>()).unwrap();
+    let (mut sram, mut hbm) = (Sram::new(4 << 20), LazyHbm::new(1 << 28));
+    assert!(recsys::sram_bytes(batch) < 4 << 20);
+    let cfg = BoardConfig::default();
+    let mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
+    run_program(&cfg, &recsys::load(ta, ma), Some(mem), None).unwrap();
+    let mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
+    let r = run_program(&cfg, &recsys::infer(batch, ia, oa), Some(mem), None).unwrap();
+    let t = r.totals();
+    assert!(t.vu_active_cycles > 3.0 * t.sa_active_cycles, "{t:?}");
+    let mut out = vec![0u8; 4 * batch];
+    guest.read(oa, &mut out).unwrap();
+    let got = f32s(&out);
+    let want = recsys::cpu(&m, &idx);
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(err < 1e-5, "{err}");
+    assert!(want.iter().any(|p| *p > 0.6) && want.iter().any(|p| *p < 0.4), "{want:?}");
+}

@@ -270,19 +270,25 @@ fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
     assert!(err.contains("--slo-ms"), "{err}");
 }
 
-/// Three VMs whose vNPUs share one physical core run concurrently; every
-/// tenant's results are correct and their work overlapped in simulated time.
+/// Four VMs; three share physical core 0 (SA-heavy and VU-heavy tenants).
+/// Every tenant's results are correct and their work overlapped in
+/// simulated time.
 #[test]
-fn scenario_runs_three_vms_sharing_one_core() {
-    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/three-tenants.toml");
+fn scenario_runs_vms_whose_vnpus_share_a_core() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/shared-core.toml");
     let (code, out, err) = vnpu(&["scenario", file]);
     assert_eq!(code, 0, "{out}\n{err}");
-    for vm in ["digits", "transformer", "selfcheck"] {
-        assert!(out.contains(&format!("{vm}: vNPU 0 (")) && out.contains("on physical core(s) [0]"), "{out}");
+    for (vm, core) in [("digits", 0), ("transformer", 0), ("recsys", 0), ("selfcheck", 1)] {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("{vm}: vNPU 0 (")) && l.ends_with(&format!("[{core}]"))),
+            "{out}"
+        );
         assert!(out.contains(&format!("[{vm}] exit code 0")), "{out}");
     }
     assert!(out.contains("[digits] digits: vNPU and CPU agree on every image"), "{out}");
     assert!(out.contains("[selfcheck] selfcheck: 60/60"), "{out}");
+    assert!(out.contains("[recsys] recsys: max abs error vs CPU") && out.contains("(ok)"), "{out}");
     let core = out.lines().find(|l| l.starts_with("0 ")).unwrap();
     let shared: f64 = core.split_whitespace().nth(3).unwrap().parse().unwrap();
     assert!(shared > 0.0, "no spatial sharing: {core}");
