@@ -25,7 +25,11 @@ fn sharing_eval_writes_both_systems_as_json() {
         assert!(s["p99_latency_s"].as_f64().unwrap() >= s["avg_latency_s"].as_f64().unwrap() * 0.5);
     }
     let r = v["throughput_ratio"].as_f64().unwrap();
-    assert!((r - systems[0]["throughput_rps"].as_f64().unwrap() / systems[1]["throughput_rps"].as_f64().unwrap()).abs() < 1e-9);
+    assert!(
+        (r - systems[0]["throughput_rps"].as_f64().unwrap() / systems[1]["throughput_rps"].as_f64().unwrap())
+            .abs()
+            < 1e-9
+    );
     // The spatial system never preempts.
     assert_eq!(systems[0]["context_switches"], 0);
 }
