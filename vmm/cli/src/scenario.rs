@@ -36,6 +36,9 @@ pub enum ScenarioError {
 struct File {
     /// Board config file, relative to the scenario file.
     board: Option<PathBuf>,
+    /// Allow placing vNPUs beyond a core's EUs, up to this factor; the
+    /// vNPUs of an oversubscribed core time-share it by priority.
+    oversubscribe: Option<u32>,
     #[serde(default)]
     vm: Vec<VmEntry>,
 }
@@ -49,6 +52,9 @@ struct VmEntry {
     #[serde(default = "default_memory")]
     memory: String,
     vnpu: Vec<String>,
+    /// Priority of its vNPUs on oversubscribed cores (higher first).
+    #[serde(default)]
+    priority: u8,
 }
 
 fn default_memory() -> String {
@@ -96,7 +102,12 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         let mut shared = Vec::new();
         for (i, v) in vm.vnpu.iter().enumerate() {
             let spec = VnpuSpec::parse(v).map_err(|e| invalid(e.to_string()))?;
-            let placed = placement.place(&Shape::from(spec)).map_err(|source| ScenarioError::Placement {
+            let shape = Shape::from(spec);
+            let placed = match file.oversubscribe {
+                Some(f) => placement.place_oversubscribed(&shape, f),
+                None => placement.place(&shape),
+            }
+            .map_err(|source| ScenarioError::Placement {
                 path: p.clone(),
                 vm: vm.name.clone(),
                 index: i,
@@ -119,6 +130,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         cfg.board = board.clone();
         cfg.shared_cores = shared;
         cfg.name = vm.name.clone();
+        cfg.device.priority = vm.priority;
         configs.push(cfg);
     }
     let handles: Vec<_> = configs
@@ -156,20 +168,22 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
     }
     let mhz = f64::from(board.clock_mhz);
     println!(
-        "{:<6} {:>8} {:>14} {:>14} {:>8}  tenants (busy us)",
-        "core", "batches", "busy us", "shared us", "shared"
+        "{:<6} {:>8} {:>7} {:>14} {:>14} {:>8}  tenants (busy us)",
+        "core", "batches", "rounds", "busy us", "shared us", "shared"
     );
     for (c, sc) in &cores {
         let st = sc.stats();
         let tenants: Vec<String> =
             st.tenants.iter().map(|(t, cyc)| format!("{t} {:.1}", cyc / mhz)).collect();
         println!(
-            "{c:<6} {:>8} {:>14.1} {:>14.1} {:>7.1}%  {}",
+            "{c:<6} {:>8} {:>7} {:>14.1} {:>14.1} {:>7.1}%  {}{}",
             st.batches,
+            st.rounds,
             st.busy_cycles / mhz,
             st.overlap_cycles / mhz,
             100.0 * st.overlap_cycles / st.busy_cycles.max(1.0),
-            tenants.join(", ")
+            tenants.join(", "),
+            if placement.oversubscribed(*c as usize) { "  (oversubscribed: time-shared)" } else { "" }
         );
         sc.stop();
     }

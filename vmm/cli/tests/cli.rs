@@ -290,9 +290,26 @@ fn scenario_runs_vms_whose_vnpus_share_a_core() {
     assert!(out.contains("[selfcheck] selfcheck: 60/60"), "{out}");
     assert!(out.contains("[recsys] recsys: max abs error vs CPU") && out.contains("(ok)"), "{out}");
     let core = out.lines().find(|l| l.starts_with("0 ")).unwrap();
-    let shared: f64 = core.split_whitespace().nth(3).unwrap().parse().unwrap();
+    let shared: f64 = core.split_whitespace().nth(4).unwrap().parse().unwrap();
     assert!(shared > 0.0, "no spatial sharing: {core}");
     let (code, _, err) = vnpu(&["scenario", "/nonexistent.toml"]);
     assert_eq!(code, 1);
     assert!(err.contains("cannot read scenario"), "{err}");
+}
+
+/// A fifth whole-core vNPU on a four-core board: placed on an oversubscribed
+/// core, where the two tenants time-share (rounds, no overlap); all correct.
+#[test]
+fn scenario_time_shares_an_oversubscribed_core() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/oversubscribed.toml");
+    let (code, out, err) = vnpu(&["scenario", file]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(out.matches("] exit code 0").count(), 5, "{out}");
+    let core = out.lines().find(|l| l.contains("(oversubscribed: time-shared)")).unwrap();
+    let f: Vec<&str> = core.split_whitespace().collect();
+    let (batches, rounds, shared): (u64, u64, f64) =
+        (f[1].parse().unwrap(), f[2].parse().unwrap(), f[4].parse().unwrap());
+    assert!(rounds > batches, "{core}");
+    assert_eq!(shared, 0.0, "{core}");
+    assert!(core.contains("digits/") && core.contains("recsys-2/"), "{core}");
 }

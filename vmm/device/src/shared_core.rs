@@ -5,6 +5,11 @@
 //! for the core's HBM bandwidth as the board says. Requests that arrive
 //! while a batch runs go into the next one; the core's simulated clock
 //! advances by each batch's makespan (time sharing between batches).
+//!
+//! An oversubscribed core (its vNPUs hold more SAs or VUs than it has) runs
+//! a batch whose tenants do not fit together in rounds: higher priority
+//! first (then arrival order), each round as many tenants as the engines
+//! hold, and a context switch between rounds ([`switch_cycles`]).
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -31,8 +36,18 @@ pub(crate) struct CoreMem {
 /// the core's simulated timeline (cycles).
 pub(crate) type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
 
+/// What a tenant occupies on the core and how urgent it is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Claim {
+    pub sa: u32,
+    pub vu: u32,
+    /// Higher runs first when the core is oversubscribed.
+    pub priority: u8,
+}
+
 struct Job {
     tenant: String,
+    claim: Claim,
     program: Arc<Program>,
     mem: CoreMem,
     guest: GuestMemoryMmap<()>,
@@ -54,6 +69,7 @@ struct Queue {
     now: f64,
     log: Vec<Interval>,
     batches: u64,
+    rounds: u64,
     stop: bool,
     paused: bool,
 }
@@ -82,6 +98,8 @@ impl std::fmt::Debug for SharedCore {
 pub struct SharingStats {
     /// Batches run.
     pub batches: u64,
+    /// Rounds run (more than batches when the core was oversubscribed).
+    pub rounds: u64,
     /// Simulated cycles the core was busy.
     pub busy_cycles: f64,
     /// Simulated cycles during which two or more tenants ran at once.
@@ -105,6 +123,7 @@ impl SharedCore {
     pub(crate) fn run(
         &self,
         tenant: &str,
+        claim: Claim,
         program: Arc<Program>,
         mem: CoreMem,
         guest: GuestMemoryMmap<()>,
@@ -116,7 +135,7 @@ impl SharedCore {
             if q.stop {
                 return None;
             }
-            q.pending.push(Job { tenant: tenant.into(), program, mem, guest, budget, reply: tx });
+            q.pending.push(Job { tenant: tenant.into(), claim, program, mem, guest, budget, reply: tx });
         }
         self.inner.cv.notify_all();
         rx.recv().ok()
@@ -143,7 +162,13 @@ impl SharedCore {
             active += d;
             last = t;
         }
-        SharingStats { batches: q.batches, busy_cycles: q.now, overlap_cycles: overlap, tenants }
+        SharingStats {
+            batches: q.batches,
+            rounds: q.rounds,
+            busy_cycles: q.now,
+            overlap_cycles: overlap,
+            tenants,
+        }
     }
 
     /// Holds batches back until [`SharedCore::resume`] (for tests that need
@@ -173,6 +198,35 @@ impl SharedCore {
     }
 }
 
+/// Cycles to switch the core's engines from one round of tenants to the
+/// next: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
+/// load the next tenants' first weights (one SA tile over the DMA engine).
+pub fn switch_cycles(board: &BoardConfig) -> f64 {
+    let c = &board.core;
+    let drain = f64::from(2 * c.sa_rows + c.sa_cols + c.vu_latency_cycles);
+    let tile = f64::from(c.sa_rows * c.sa_cols * 4);
+    drain + board.ns_to_cycles(board.dma.latency_ns) + tile / board.gbps_to_bytes_per_cycle(board.dma.gbps)
+}
+
+/// Splits jobs into rounds that fit the core: by priority, then arrival.
+fn rounds(board: &BoardConfig, mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
+    // Stable: equal priorities keep their arrival order.
+    jobs.sort_by_key(|j| std::cmp::Reverse(j.claim.priority));
+    let mut out: Vec<Vec<Job>> = Vec::new();
+    for j in jobs {
+        let fits = |r: &Vec<Job>| {
+            let sa: u32 = r.iter().map(|x| x.claim.sa).sum::<u32>() + j.claim.sa;
+            let vu: u32 = r.iter().map(|x| x.claim.vu).sum::<u32>() + j.claim.vu;
+            r.is_empty() || (sa <= board.core.sa_count && vu <= board.core.vu_count)
+        };
+        match out.iter_mut().find(|r| fits(r)) {
+            Some(r) => r.push(j),
+            None => out.push(vec![j]),
+        }
+    }
+    out
+}
+
 fn engine(inner: &Inner) {
     loop {
         {
@@ -186,34 +240,42 @@ fn engine(inner: &Inner) {
         }
         // Let the other vNPUs' requests of this moment join the batch.
         std::thread::sleep(GATHER);
-        let (mut jobs, start) = {
+        let (jobs, mut start) = {
             let mut q = lock(&inner.q);
             (std::mem::take(&mut q.pending), q.now)
         };
-        let mut guests: Vec<GuestRam<'_>> = Vec::new();
-        let guest_mems: Vec<GuestMemoryMmap<()>> = jobs.iter().map(|j| j.guest.clone()).collect();
-        for g in &guest_mems {
-            guests.push(GuestRam::new(g));
-        }
-        let mut tenants: Vec<Tenant<'_, '_>> = Vec::new();
-        for (j, g) in jobs.iter_mut().zip(guests.iter_mut()) {
-            tenants.push(Tenant {
-                program: &j.program,
-                memory: Some(CoreMemory { sram: &mut j.mem.sram, hbm: &mut j.mem.hbm, guest: g }),
-                max_cycles: Some(j.budget),
-            });
-        }
-        let report = run_core(&inner.board, &mut tenants);
-        drop(tenants);
-        drop(guests);
-        let mut q = lock(&inner.q);
-        q.batches += 1;
-        q.now = start + report.cycles;
-        for (j, r) in jobs.into_iter().zip(report.tenants) {
-            let end = start + r.as_ref().map_or(0.0, |t| t.cycles);
-            q.log.push(Interval { tenant: j.tenant.clone(), start, end });
-            // A vNPU that went away does not stop the core.
-            let _ = j.reply.send((j.mem, r, start, end));
+        let all = rounds(&inner.board, jobs);
+        let n_rounds = all.len();
+        for (i, mut jobs) in all.into_iter().enumerate() {
+            if i > 0 {
+                start += switch_cycles(&inner.board);
+            }
+            let guest_mems: Vec<GuestMemoryMmap<()>> = jobs.iter().map(|j| j.guest.clone()).collect();
+            let mut guests: Vec<GuestRam<'_>> = guest_mems.iter().map(GuestRam::new).collect();
+            let mut tenants: Vec<Tenant<'_, '_>> = Vec::new();
+            for (j, g) in jobs.iter_mut().zip(guests.iter_mut()) {
+                tenants.push(Tenant {
+                    program: &j.program,
+                    memory: Some(CoreMemory { sram: &mut j.mem.sram, hbm: &mut j.mem.hbm, guest: g }),
+                    max_cycles: Some(j.budget),
+                });
+            }
+            let report = run_core(&inner.board, &mut tenants);
+            drop(tenants);
+            drop(guests);
+            let mut q = lock(&inner.q);
+            q.rounds += 1;
+            if i + 1 == n_rounds {
+                q.batches += 1;
+            }
+            q.now = start + report.cycles;
+            for (j, r) in jobs.into_iter().zip(report.tenants) {
+                let end = start + r.as_ref().map_or(0.0, |t| t.cycles);
+                q.log.push(Interval { tenant: j.tenant.clone(), start, end });
+                // A vNPU that went away does not stop the core.
+                let _ = j.reply.send((j.mem, r, start, end));
+            }
+            start = q.now;
         }
     }
 }
@@ -247,7 +309,7 @@ mod tests {
                 let (c, p, g) = (core.clone(), Arc::clone(&prog), guest.clone());
                 std::thread::spawn(move || {
                     let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-                    c.run(&format!("t{i}"), p, mem, g, 1 << 30).unwrap()
+                    c.run(&format!("t{i}"), Claim { sa: 1, vu: 1, priority: 0 }, p, mem, g, 1 << 30).unwrap()
                 })
             })
             .collect();
@@ -264,6 +326,61 @@ mod tests {
         // One batch: both ran at once, sharing HBM.
         assert_eq!(st.batches, 1);
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
+        core.stop();
+    }
+}
+
+#[cfg(test)]
+mod oversubscription_tests {
+    use super::*;
+    use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+    /// Two tenants that each claim the whole core run in two rounds, the
+    /// higher priority first, with a context switch between them.
+    #[test]
+    fn an_oversubscribed_core_runs_rounds_by_priority() {
+        let board = BoardConfig::default();
+        let core = SharedCore::new(&board, "core-over").unwrap();
+        core.pause();
+        let mut p = ProgramBuilder::new();
+        p.push(
+            Engine::DMA,
+            Instr::DmaCopy {
+                src: Addr::hbm(0),
+                dst: Addr::sram(0),
+                rows: 1,
+                row_bytes: 1 << 20,
+                src_stride: 0,
+                dst_stride: 0,
+            },
+        );
+        let prog = Arc::new(p.finish());
+        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
+        let whole = |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority };
+        let threads: Vec<_> = [("low", 1u8), ("high", 9u8)]
+            .into_iter()
+            .map(|(name, prio)| {
+                let (c, p, g) = (core.clone(), Arc::clone(&prog), guest.clone());
+                let claim = whole(prio);
+                let t = std::thread::spawn(move || {
+                    let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
+                    c.run(name, claim, p, mem, g, 1 << 30).unwrap()
+                });
+                // Submit in this order: low first.
+                while core.pending() < if name == "low" { 1 } else { 2 } {
+                    std::thread::yield_now();
+                }
+                t
+            })
+            .collect();
+        core.resume();
+        let res: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let (low, high) = (&res[0], &res[1]);
+        assert!(high.3 <= low.2, "high priority ran first: {:?} {:?}", (high.2, high.3), (low.2, low.3));
+        assert!((low.2 - high.3 - switch_cycles(&board)).abs() < 1e-6);
+        let st = core.stats();
+        assert_eq!((st.batches, st.rounds), (1, 2));
+        assert_eq!(st.overlap_cycles, 0.0);
         core.stop();
     }
 }

@@ -196,11 +196,13 @@ pub struct DeviceOptions {
     /// other vNPUs placed there (in vNPU core order). A vNPU core without
     /// one runs alone on a core of its own.
     pub cores: Vec<crate::SharedCore>,
+    /// Priority on an oversubscribed shared core (higher runs first).
+    pub priority: u8,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US), cores: Vec::new() }
+        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US), cores: Vec::new(), priority: 0 }
     }
 }
 
@@ -617,7 +619,12 @@ impl Worker {
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
-            match shared.run(&self.name, program, lent, self.mem.clone(), budget) {
+            let claim = crate::shared_core::Claim {
+                sa: spec.sa_per_core,
+                vu: spec.vu_per_core,
+                priority: self.opts.priority,
+            };
+            match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget) {
                 Some((back, r, _, _)) => {
                     *core = back;
                     r
@@ -796,7 +803,7 @@ pub fn fuzz_drive(data: &[u8]) {
         mem,
         BoardConfig::default(),
         grant,
-        DeviceOptions { poll: std::time::Duration::ZERO, cores: Vec::new() },
+        DeviceOptions { poll: std::time::Duration::ZERO, ..Default::default() },
         "fuzz",
     );
     let u64_at = |b: &[u8], o: usize| {

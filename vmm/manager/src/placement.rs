@@ -154,6 +154,44 @@ impl Board {
         Ok(placed)
     }
 
+    /// Places a one-core vNPU of shape `s` even when no core has free EUs
+    /// left (oversubscription): on the core, among those with room for its
+    /// SRAM and HBM (memory is never oversubscribed), whose engines are
+    /// least oversubscribed afterwards, up to `max_factor` times the core's
+    /// SAs and VUs. The vNPUs of such a core time-share it.
+    pub fn place_oversubscribed(&mut self, s: &Shape, max_factor: u32) -> Result<Placement, PlacementError> {
+        if let Ok(p) = self.place(s) {
+            return Ok(p);
+        }
+        if s.chips != 1 || s.cores_per_chip != 1 {
+            return Err(PlacementError::NoRoom);
+        }
+        let (cap_sa, cap_vu) = (self.sa * max_factor.max(1), self.vu * max_factor.max(1));
+        let best = (0..self.cores.len())
+            .filter(|&c| {
+                let l = &self.cores[c];
+                let chip = c / self.cores_per_chip as usize;
+                l.sram + s.sram_per_core <= self.sram
+                    && self.hbm_used[chip] + s.hbm_per_core <= self.hbm
+                    && l.sa + s.sa_per_core <= cap_sa
+                    && l.vu + s.vu_per_core <= cap_vu
+            })
+            .min_by_key(|&c| {
+                let l = &self.cores[c];
+                let over = |used: u32, cap: u32| u64::from(used) * 1000 / u64::from(cap.max(1));
+                over(l.sa + s.sa_per_core, self.sa).max(over(l.vu + s.vu_per_core, self.vu))
+            })
+            .ok_or(PlacementError::NoRoom)?;
+        let p = vec![best as u32];
+        self.occupy(s, &p);
+        Ok(p)
+    }
+
+    /// Whether physical core `core` holds more SAs or VUs than it has.
+    pub fn oversubscribed(&self, core: usize) -> bool {
+        self.cores.get(core).is_some_and(|l| l.sa > self.sa || l.vu > self.vu)
+    }
+
     /// How many more vNPUs of shape `s` fit.
     pub fn room_for(&self, s: &Shape) -> u32 {
         let mut b = self.clone();
@@ -227,6 +265,33 @@ mod tests {
         assert_eq!(a, m);
         let (used, total) = b.eu_use();
         assert_eq!((used, total), (8, 32));
+    }
+
+    #[test]
+    fn oversubscription_shares_the_least_loaded_core_within_memory() {
+        let mut b = Board::new(&BoardConfig::default());
+        let large = shape("type=large"); // 4 + 4, 32 MiB: a whole core
+        for _ in 0..4 {
+            b.place(&large).unwrap();
+        }
+        // Memory is full everywhere: even oversubscription refuses.
+        assert_eq!(b.place_oversubscribed(&large, 2), Err(PlacementError::NoRoom));
+        let mut b = Board::new(&BoardConfig::default());
+        let big = shape("sa=4,vu=4,sram=8M,hbm=1G");
+        for _ in 0..4 {
+            b.place(&big).unwrap();
+        }
+        assert_eq!(b.place(&big), Err(PlacementError::NoRoom));
+        let p = b.place_oversubscribed(&big, 2).unwrap();
+        assert!(b.oversubscribed(p[0] as usize));
+        // The next one goes to another core, not on top of the same one.
+        let q = b.place_oversubscribed(&big, 2).unwrap();
+        assert_ne!(p, q);
+        for _ in 0..2 {
+            b.place_oversubscribed(&big, 2).unwrap();
+        }
+        // Every core at 2x: the factor is the limit.
+        assert_eq!(b.place_oversubscribed(&big, 2), Err(PlacementError::NoRoom));
     }
 
     #[test]
