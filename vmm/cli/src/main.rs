@@ -142,6 +142,10 @@ enum Command {
         /// Use this UUID instead of a random one.
         #[arg(long)]
         uuid: Option<String>,
+        /// When no core has free EUs, share one up to this many times its
+        /// EUs (its vNPUs then time-share it).
+        #[arg(long)]
+        oversubscribe: Option<u32>,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -158,6 +162,10 @@ enum Command {
     /// Start a defined vNPU instance: place it on physical cores.
     Start {
         uuid: String,
+        /// When no core has free EUs, share one up to this many times its
+        /// EUs (its vNPUs then time-share it).
+        #[arg(long)]
+        oversubscribe: Option<u32>,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -466,10 +474,13 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             manage::types(&b, &store, json)?;
         }
-        Command::Create { shape, uuid, manage } => {
+        Command::Create { shape, uuid, oversubscribe, manage } => {
             let b = board(&manage.board)?;
             let (s, t) = shape.resolve().map_err(CliError::Usage)?;
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            if let Some(f) = oversubscribe {
+                store.allow_oversubscription(f);
+            }
             println!("{}", store.create(s, t.as_deref(), uuid.as_deref())?);
         }
         Command::Define { shape, uuid, manage } => {
@@ -478,9 +489,12 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             println!("{}", store.define(s, t.as_deref(), uuid.as_deref())?);
         }
-        Command::Start { uuid, manage } => {
+        Command::Start { uuid, oversubscribe, manage } => {
             let b = board(&manage.board)?;
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            if let Some(f) = oversubscribe {
+                store.allow_oversubscription(f);
+            }
             let i = store.start(&uuid)?;
             println!("{uuid} started on physical cores {:?}", i.cores);
         }

@@ -52,6 +52,7 @@ pub struct Store {
     _lock: File,
     instances: Vec<Instance>,
     board: BoardConfig,
+    oversubscribe: Option<u32>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -83,7 +84,21 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(io(&path)(e)),
         };
-        Ok(Self { dir: dir.to_path_buf(), _lock: lock, instances, board: board.clone() })
+        Ok(Self { dir: dir.to_path_buf(), _lock: lock, instances, board: board.clone(), oversubscribe: None })
+    }
+
+    /// Lets `create` and `start` oversubscribe a core's EUs up to `factor`
+    /// when nothing fits (the vNPUs on such a core time-share it).
+    pub fn allow_oversubscription(&mut self, factor: u32) {
+        self.oversubscribe = Some(factor);
+    }
+
+    fn place(&self, shape: &Shape) -> Result<crate::Placement, PlacementError> {
+        let mut b = self.board();
+        match self.oversubscribe {
+            Some(f) => b.place_oversubscribed(shape, f),
+            None => b.place(shape),
+        }
     }
 
     /// Every instance, defined or active.
@@ -162,10 +177,8 @@ impl Store {
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
         let uuid = self.new_uuid(uuid)?;
-        let cores = self
-            .board()
-            .place(&shape)
-            .map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?;
+        let cores =
+            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?;
         self.instances.push(Instance {
             uuid: uuid.clone(),
             type_name: type_name.map(String::from),
@@ -185,10 +198,8 @@ impl Store {
             return Err(StoreError::AlreadyActive(uuid.into()));
         }
         let shape = self.instances[i].shape;
-        let cores = self
-            .board()
-            .place(&shape)
-            .map_err(|source| StoreError::Placement { uuid: uuid.into(), source })?;
+        let cores =
+            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.into(), source })?;
         self.instances[i].active = true;
         self.instances[i].cores = cores;
         self.save()?;
@@ -291,6 +302,28 @@ mod tests {
         let u = s.define(large, Some("large"), None).unwrap();
         assert!(matches!(s.start(&u), Err(StoreError::Placement { source: PlacementError::NoRoom, .. })));
         assert!(!s.get(&u).unwrap().active);
+        // Large vNPUs fill SRAM too: oversubscription cannot help them.
+        s.allow_oversubscription(2);
+        assert!(s.start(&u).is_err());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn oversubscription_is_opt_in() {
+        let d = dir("over");
+        let mut s = Store::open(&d, &BoardConfig::default()).unwrap();
+        let lean: Shape = VnpuSpec::parse("sa=4,vu=4,sram=2M,hbm=1G").unwrap().into();
+        for _ in 0..4 {
+            s.create(lean, None, None).unwrap();
+        }
+        assert!(matches!(
+            s.create(lean, None, None),
+            Err(StoreError::Placement { source: PlacementError::NoRoom, .. })
+        ));
+        s.allow_oversubscription(2);
+        let u = s.create(lean, None, None).unwrap();
+        let core = s.get(&u).unwrap().cores[0] as usize;
+        assert!(s.board().oversubscribed(core));
         fs::remove_dir_all(&d).unwrap();
     }
 }
