@@ -3,6 +3,8 @@
 //! ring, and every status code. The VMM's device and the guest driver both
 //! use these definitions; `docs/device-interface.md` is the prose version.
 
+use crate::program::{le_u32, le_u64};
+
 /// PCI vendor ID of the vNPU function (and of the host bridge).
 pub const VENDOR_ID: u16 = 0x5650;
 /// PCI device ID of the vNPU function.
@@ -257,8 +259,8 @@ impl RequestHeader {
 
     /// Parses the wire format.
     pub fn from_bytes(b: &[u8; HEADER_BYTES]) -> Self {
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| u64::from(u32_at(o)) | u64::from(u32_at(o + 4)) << 32;
+        let u32_at = |o| le_u32(b, o);
+        let u64_at = |o| le_u64(b, o);
         Self {
             opcode: u32_at(0),
             flags: u32_at(4),
@@ -322,8 +324,8 @@ impl StatusBlock {
 
     /// Parses the wire format.
     pub fn from_bytes(b: &[u8; STATUS_BYTES]) -> Self {
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| u64::from(u32_at(o)) | u64::from(u32_at(o + 4)) << 32;
+        let u32_at = |o| le_u32(b, o);
+        let u64_at = |o| le_u64(b, o);
         Self {
             status: u32_at(0),
             detail: u32_at(4),

@@ -105,7 +105,7 @@ impl fmt::Display for ProgramError {
 
 impl core::error::Error for ProgramError {}
 
-fn le_u16(b: &[u8], at: usize) -> u16 {
+pub(crate) fn le_u16(b: &[u8], at: usize) -> u16 {
     let mut a = [0u8; 2];
     if let Some(s) = b.get(at..at + 2) {
         a.copy_from_slice(s);
@@ -113,12 +113,16 @@ fn le_u16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes(a)
 }
 
-fn le_u32(b: &[u8], at: usize) -> u32 {
+pub(crate) fn le_u32(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
     if let Some(s) = b.get(at..at + 4) {
         a.copy_from_slice(s);
     }
     u32::from_le_bytes(a)
+}
+
+pub(crate) fn le_u64(b: &[u8], at: usize) -> u64 {
+    u64::from(le_u32(b, at)) | u64::from(le_u32(b, at + 4)) << 32
 }
 
 impl Program {
