@@ -22,17 +22,16 @@ pub use vnpu_abi::device::{
 };
 pub use worker::{fuzz_drive, DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET};
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use npu_model::BoardConfig;
 use thiserror::Error;
 use vm_memory::GuestMemoryMmap;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vnpu_abi::device as abi;
-use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, MsixTable, PciError, PciFunction};
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciError, PciFunction};
 
-use msi::{lock, Interrupts, MsixState};
+use msi::lock;
 use worker::{Control, Shared, Worker};
 
 /// Why a vNPU function could not be created.
@@ -102,20 +101,7 @@ impl VnpuFunction {
         r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
         r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
         r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
-        let shared = Arc::new(Shared {
-            regs: Mutex::new(r),
-            irq: Interrupts {
-                state: Mutex::new(MsixState {
-                    table: MsixTable::new(msix.vectors),
-                    enabled: false,
-                    function_masked: false,
-                }),
-                sink,
-            },
-            controls: Mutex::new(VecDeque::new()),
-            control_evt: EventFd::new(EFD_NONBLOCK)?,
-            doorbell: EventFd::new(EFD_NONBLOCK)?,
-        });
+        let shared = Arc::new(Shared::new(r, msix.vectors, sink)?);
         // The worker shows the granted configuration in the registers
         // before the thread starts, so the guest sees it from the first read.
         let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);

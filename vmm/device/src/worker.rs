@@ -58,6 +58,26 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Registers `regs`, `vectors` MSI-X vectors (disabled, as after reset)
+    /// raised into `sink`, an empty control queue and fresh eventfds.
+    pub fn new(regs: RegFile, vectors: u16, sink: Arc<dyn crate::MsiSink>) -> std::io::Result<Self> {
+        let nonblock = vmm_sys_util::eventfd::EFD_NONBLOCK;
+        Ok(Self {
+            regs: Mutex::new(regs),
+            irq: Interrupts {
+                state: Mutex::new(crate::msi::MsixState {
+                    table: vnpu_pci::MsixTable::new(vectors),
+                    enabled: false,
+                    function_masked: false,
+                }),
+                sink,
+            },
+            controls: Mutex::new(VecDeque::new()),
+            control_evt: EventFd::new(nonblock)?,
+            doorbell: EventFd::new(nonblock)?,
+        })
+    }
+
     /// Posts `c` to the worker.
     pub fn post(&self, c: Control) {
         lock(&self.controls).push_back(c);
@@ -773,22 +793,12 @@ pub fn fuzz_drive(data: &[u8]) {
         let fill: Vec<u8> = init.iter().copied().cycle().take(MEM).collect();
         let _ = mem.write_slice(&fill, GuestAddress(0));
     }
-    let Ok(control_evt) = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK) else { return };
-    let Ok(doorbell) = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK) else { return };
-    let shared = Arc::new(Shared {
-        regs: Mutex::new(RegFile::new()),
-        irq: Interrupts {
-            state: Mutex::new(crate::msi::MsixState {
-                table: vnpu_pci::MsixTable::new(8),
-                enabled: true,
-                function_masked: false,
-            }),
-            sink: Arc::new(crate::RecordingSink::default()),
-        },
-        controls: Mutex::new(VecDeque::new()),
-        control_evt,
-        doorbell,
-    });
+    let Ok(shared) = Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default())) else {
+        return;
+    };
+    // Completions raise vectors through the sink.
+    lock(&shared.irq.state).enabled = true;
+    let shared = Arc::new(shared);
     let grant = VnpuSpec {
         chips: 1,
         cores_per_chip: 2,
