@@ -285,37 +285,40 @@ mod tests {
     use super::*;
     use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
 
+    /// Submits, from a thread of its own, a request of `name` that streams
+    /// 1 MiB from HBM, and waits until the (paused) core holds it.
+    fn submit(core: &SharedCore, name: &'static str, claim: Claim) -> std::thread::JoinHandle<JobResult> {
+        let mut p = ProgramBuilder::new();
+        let copy = Instr::DmaCopy {
+            src: Addr::hbm(0),
+            dst: Addr::sram(0),
+            rows: 1,
+            row_bytes: 1 << 20,
+            src_stride: 0,
+            dst_stride: 0,
+        };
+        p.push(Engine::DMA, copy);
+        let prog = Arc::new(p.finish());
+        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
+        let before = core.pending();
+        let c = core.clone();
+        let t = std::thread::spawn(move || {
+            let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
+            c.run(name, claim, prog, mem, guest, 1 << 30).unwrap()
+        });
+        while core.pending() <= before {
+            std::thread::yield_now();
+        }
+        t
+    }
+
     #[test]
     fn concurrent_tenants_share_the_simulated_timeline() {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-test").unwrap();
         core.pause();
-        let mut p = ProgramBuilder::new();
-        p.push(
-            Engine::DMA,
-            Instr::DmaCopy {
-                src: Addr::hbm(0),
-                dst: Addr::sram(0),
-                rows: 1,
-                row_bytes: 1 << 20,
-                src_stride: 0,
-                dst_stride: 0,
-            },
-        );
-        let prog = Arc::new(p.finish());
-        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
-        let threads: Vec<_> = (0..2)
-            .map(|i| {
-                let (c, p, g) = (core.clone(), Arc::clone(&prog), guest.clone());
-                std::thread::spawn(move || {
-                    let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-                    c.run(&format!("t{i}"), Claim { sa: 1, vu: 1, priority: 0 }, p, mem, g, 1 << 30).unwrap()
-                })
-            })
-            .collect();
-        while core.pending() < 2 {
-            std::thread::yield_now();
-        }
+        let claim = Claim { sa: 1, vu: 1, priority: 0 };
+        let threads = [submit(&core, "t0", claim), submit(&core, "t1", claim)];
         core.resume();
         for t in threads {
             let (_, r, s, e) = t.join().unwrap();
@@ -328,12 +331,6 @@ mod tests {
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
         core.stop();
     }
-}
-
-#[cfg(test)]
-mod oversubscription_tests {
-    use super::*;
-    use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
 
     /// Two tenants that each claim the whole core run in two rounds, the
     /// higher priority first, with a context switch between them.
@@ -342,40 +339,12 @@ mod oversubscription_tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
-        let mut p = ProgramBuilder::new();
-        p.push(
-            Engine::DMA,
-            Instr::DmaCopy {
-                src: Addr::hbm(0),
-                dst: Addr::sram(0),
-                rows: 1,
-                row_bytes: 1 << 20,
-                src_stride: 0,
-                dst_stride: 0,
-            },
-        );
-        let prog = Arc::new(p.finish());
-        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
         let whole = |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority };
-        let threads: Vec<_> = [("low", 1u8), ("high", 9u8)]
-            .into_iter()
-            .map(|(name, prio)| {
-                let (c, p, g) = (core.clone(), Arc::clone(&prog), guest.clone());
-                let claim = whole(prio);
-                let t = std::thread::spawn(move || {
-                    let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-                    c.run(name, claim, p, mem, g, 1 << 30).unwrap()
-                });
-                // Submit in this order: low first.
-                while core.pending() < if name == "low" { 1 } else { 2 } {
-                    std::thread::yield_now();
-                }
-                t
-            })
-            .collect();
+        // Submitted in this order: low first.
+        let low = submit(&core, "low", whole(1));
+        let high = submit(&core, "high", whole(9));
         core.resume();
-        let res: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        let (low, high) = (&res[0], &res[1]);
+        let (low, high) = (low.join().unwrap(), high.join().unwrap());
         assert!(high.3 <= low.2, "high priority ran first: {:?} {:?}", (high.2, high.3), (low.2, low.3));
         assert!((low.2 - high.3 - switch_cycles(&board)).abs() < 1e-6);
         let st = core.stats();
