@@ -13,7 +13,7 @@ extern crate alloc;
 use alloc::vec::Vec;
 
 use guest_rt::vnpu_driver::{Bar, DmaBuf, MmioBar, RunOptions, Vnpu, Wait};
-use guest_rt::{println, rdtsc, tsc_to_ns, Env};
+use guest_rt::{phys, println, rdtsc, tsc_to_ns, Env};
 use vnpu_abi::device as abi;
 use vnpu_models::digits::{self, layout, SramPlan, CLASSES, PIXELS};
 use vnpu_models::{argmax, f32s};
@@ -27,11 +27,6 @@ static CNN: &[u8] = include_bytes!("../fixtures/cnn.bin");
 const BATCH_RUNS: usize = 10;
 /// Batch requests kept in flight while timing throughput.
 const QUEUE_DEPTH: usize = 2;
-
-/// A buffer at a fixed guest-physical address of the layout.
-fn fixed(addr: u64, len: usize) -> DmaBuf {
-    DmaBuf { virt: addr as *mut u8, phys: addr, len }
-}
 
 struct Model {
     name: &'static str,
@@ -66,7 +61,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     let fail = |what: &str, e: &dyn core::fmt::Display| {
         println!("{}: {what}: {e}", m.name);
     };
-    fixed(m.weights_at, m.weights.len()).write(0, m.weights);
+    phys(m.weights_at, m.weights.len()).write(0, m.weights);
     let load = digits::load_weights(m.plan, m.weights_at, m.weights.len()).encode();
     let load = npu.load(&mut env.dma, &load).map_err(|e| fail("load", &e))?;
     npu.run(&load, &RunOptions::default()).map_err(|e| fail("weights", &e))?;
@@ -79,7 +74,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
         .load(&mut env.dma, &(m.infer)(m.plan, 1, layout::ONE_X, layout::ONE_OUT).encode())
         .map_err(|e| fail("load", &e))?;
     let one = npu.register(&one).map_err(|e| fail("register", &e))?;
-    let (x1, out1) = (fixed(layout::ONE_X, 4 * PIXELS), fixed(layout::ONE_OUT, 4 * CLASSES));
+    let (x1, out1) = (phys(layout::ONE_X, 4 * PIXELS), phys(layout::ONE_OUT, 4 * CLASSES));
     let mut preds = Vec::with_capacity(n);
     let (mut wall, mut sim) = (0u64, 0u64);
     for i in 0..n {
@@ -97,7 +92,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     let counted = counters(npu, counters_buf);
 
     // The whole split as one batch: throughput.
-    fixed(layout::TEST_X, TEST_X.len()).write(0, TEST_X);
+    phys(layout::TEST_X, TEST_X.len()).write(0, TEST_X);
     let batch = npu
         .load(&mut env.dma, &(m.infer)(m.plan, n, layout::TEST_X, layout::BATCH_OUT).encode())
         .map_err(|e| fail("load", &e))?;
@@ -126,7 +121,7 @@ fn run_model(npu: &mut Vnpu<MmioBar>, env: &mut Env, m: &Model, counters_buf: &D
     }
     let batch_wall = (rdtsc() - t0) / BATCH_RUNS as u64;
     let mut out = alloc::vec![0u8; 4 * n * CLASSES];
-    fixed(layout::BATCH_OUT, out.len()).read(0, &mut out);
+    phys(layout::BATCH_OUT, out.len()).read(0, &mut out);
     let logits = f32s(&out);
 
     // The CPU with the same weights.

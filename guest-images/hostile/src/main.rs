@@ -12,7 +12,7 @@ extern crate alloc;
 use alloc::vec::Vec;
 
 use guest_rt::vnpu_driver::{pci, Bar, DmaBuf, Error, MmioBar, RunOptions, Vnpu};
-use guest_rt::{println, Env};
+use guest_rt::{phys, println, Env};
 use vnpu_abi::device::{self as abi, regs};
 use vnpu_abi::{Addr, Engine, Instr, MatFlags, ProgramBuilder, UnOp};
 use vnpu_models::digits::{self, layout};
@@ -21,10 +21,6 @@ static TEST_X: &[u8] = include_bytes!("../../digits/fixtures/test_x.bin");
 static MLP: &[u8] = include_bytes!("../../digits/fixtures/mlp.bin");
 
 const MEM_END: u64 = 64 << 20;
-
-fn at(addr: u64, len: usize) -> DmaBuf {
-    DmaBuf { virt: addr as *mut u8, phys: addr, len }
-}
 
 fn copy(src: Addr, dst: Addr, bytes: u32) -> Instr {
     Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes, src_stride: 0, dst_stride: 0 }
@@ -46,7 +42,7 @@ struct Honest {
 
 impl Honest {
     fn run(&mut self) -> Option<(Vec<u8>, u64)> {
-        let out = at(layout::BATCH_OUT, 4 * 450 * digits::CLASSES);
+        let out = phys(layout::BATCH_OUT, 4 * 450 * digits::CLASSES);
         out.write(0, &alloc::vec![0u8; out.len]);
         let st = self.npu.run(&self.prog, &RunOptions::default()).ok()?;
         let mut b = alloc::vec![0u8; out.len];
@@ -108,7 +104,7 @@ impl RawRing {
 
     fn enable(bar: MmioBar, size: u32, desc: u64) -> (Self, u32) {
         Self::reset(&bar);
-        at(RAW, 0x4000).write(0, &[0u8; 0x4000]);
+        phys(RAW, 0x4000).write(0, &[0u8; 0x4000]);
         let r = Self { bar, desc, avail: RAW + 0x1000, used: RAW + 0x2000, idx: 0 };
         bar.write32(regs::QUEUE_SIZE, size);
         bar.write64(regs::QUEUE_DESC, desc);
@@ -129,21 +125,21 @@ impl RawRing {
         d[8..12].copy_from_slice(&len.to_le_bytes());
         d[12..14].copy_from_slice(&flags.to_le_bytes());
         d[14..16].copy_from_slice(&next.to_le_bytes());
-        at(self.desc + 16 * i, 16).write(0, &d);
+        phys(self.desc + 16 * i, 16).write(0, &d);
     }
 
     fn used_idx(&self) -> u16 {
         let mut b = [0u8; 2];
-        at(self.used + 2, 2).read(0, &mut b);
+        phys(self.used + 2, 2).read(0, &mut b);
         u16::from_le_bytes(b)
     }
 
     /// Posts `head`; returns true when the device completed it.
     fn post(&mut self, head: u16) -> bool {
-        at(self.avail + 4 + 2 * u64::from(self.idx % 8), 2).write(0, &head.to_le_bytes());
+        phys(self.avail + 4 + 2 * u64::from(self.idx % 8), 2).write(0, &head.to_le_bytes());
         self.idx = self.idx.wrapping_add(1);
         core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-        at(self.avail + 2, 2).write(0, &self.idx.to_le_bytes());
+        phys(self.avail + 2, 2).write(0, &self.idx.to_le_bytes());
         core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
         self.bar.write32(regs::DOORBELL, 1);
         for _ in 0..200_000_000u64 {
@@ -159,7 +155,7 @@ impl RawRing {
 
     fn status(&self) -> u32 {
         let mut b = [0u8; 4];
-        at(RAW + 0x3000, 4).read(0, &mut b);
+        phys(RAW + 0x3000, 4).read(0, &mut b);
         u32::from_le_bytes(b)
     }
 }
@@ -187,8 +183,8 @@ fn guest_main(env: &mut Env) -> u32 {
         }
     };
     // The honest tenant: the digits MLP over the whole test split.
-    at(layout::MLP_WEIGHTS, MLP.len()).write(0, MLP);
-    at(layout::TEST_X, TEST_X.len()).write(0, TEST_X);
+    phys(layout::MLP_WEIGHTS, MLP.len()).write(0, MLP);
+    phys(layout::TEST_X, TEST_X.len()).write(0, TEST_X);
     let mut honest = {
         let mut n = hnpu;
         let load = digits::load_weights(layout::MLP_SRAM, layout::MLP_WEIGHTS, MLP.len()).encode();
@@ -222,7 +218,7 @@ fn guest_main(env: &mut Env) -> u32 {
 
     // Another tenant's SRAM: the honest vNPU holds the MLP weights at SRAM
     // 0; the same offsets of the attacker's SRAM hold only its own zeros.
-    let peek = at(0x3a0_0000, MLP.len());
+    let peek = phys(0x3a0_0000, MLP.len());
     peek.write(0, &alloc::vec![0xaa; MLP.len()]);
     let st = run(
         &mut npu,
@@ -334,9 +330,9 @@ fn guest_main(env: &mut Env) -> u32 {
     // Registered programs.
     let st = status(npu.run_registered(guest_rt::vnpu_driver::ProgramHandle(41), &d));
     s.check("run a program handle never registered", st == abi::ST_BAD_HANDLE, &mut honest);
-    let src = at(0x3a1_0000, 16);
+    let src = phys(0x3a1_0000, 16);
     src.write(0, b"verified program");
-    let dst = at(0x3a2_0000, 16);
+    let dst = phys(0x3a2_0000, 16);
     dst.write(0, &[0u8; 16]);
     let mut cp = ProgramBuilder::new();
     cp.push(Engine::DMA, copy(Addr::guest(src.phys), Addr::sram(0), 16));
@@ -403,12 +399,12 @@ fn guest_main(env: &mut Env) -> u32 {
     // there and nothing else changes; moved back, it works again.
     let bar0 = 0xc000_0000u64 + u64::from(victim_slot) * 0x1_0000;
     let over = 0x3c0_0000u64;
-    at(over, 8).write(0, b"RAM!RAM!");
+    phys(over, 8).write(0, b"RAM!RAM!");
     pci::set_bar(&e, victim_slot, 0, over);
     let mut m = [0u8; 4];
-    at(over, 4).read(0, &mut m);
+    phys(over, 4).read(0, &mut m);
     let shadowed = &m == b"RAM!";
-    at(over + regs::DOORBELL, 4).write(0, &[1, 0, 0, 0]);
+    phys(over + regs::DOORBELL, 4).write(0, &[1, 0, 0, 0]);
     pci::set_bar(&e, victim_slot, 0, bar0);
     s.check(
         "BAR 0 relocated over guest RAM",
@@ -423,7 +419,7 @@ fn guest_main(env: &mut Env) -> u32 {
     s.check("ring size not a power of two", e2 == abi::ERR_QUEUE_INVALID, &mut honest);
     let (mut r, _) = RawRing::enable(bar, 8, RAW);
     let hdr = RAW + 0x3800;
-    at(hdr, 32).write(0, &abi::RequestHeader { opcode: 99, ..Default::default() }.to_bytes());
+    phys(hdr, 32).write(0, &abi::RequestHeader { opcode: 99, ..Default::default() }.to_bytes());
     r.put(0, hdr, 32, 1, 1);
     r.put(1, RAW + 0x3000, 64, 2, 0);
     s.check("unknown request opcode", r.post(0) && r.status() == abi::ST_UNKNOWN_OPCODE, &mut honest);
@@ -433,7 +429,7 @@ fn guest_main(env: &mut Env) -> u32 {
         r.post(0) && r.status() == abi::ST_BAD_REQUEST,
         &mut honest,
     );
-    at(hdr, 32).write(0, &abi::RequestHeader { opcode: abi::OP_RUN, ..Default::default() }.to_bytes());
+    phys(hdr, 32).write(0, &abi::RequestHeader { opcode: abi::OP_RUN, ..Default::default() }.to_bytes());
     r.put(0, hdr, 32, 1, 1);
     r.put(1, MEM_END - 8, 4096, 1, 2);
     r.put(2, RAW + 0x3000, 64, 2, 0);
@@ -459,7 +455,7 @@ fn guest_main(env: &mut Env) -> u32 {
         dsc[8..12].copy_from_slice(&32u32.to_le_bytes());
         dsc[12..14].copy_from_slice(&1u16.to_le_bytes());
         dsc[14..16].copy_from_slice(&((i + 1) as u16).to_le_bytes());
-        at(table + 16 * i, 16).write(0, &dsc);
+        phys(table + 16 * i, 16).write(0, &dsc);
     }
     r.put(0, table, 200 * 16, 4, 0);
     s.check("indirect chain longer than the ring", r.post(0), &mut honest);

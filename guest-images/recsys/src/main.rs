@@ -8,8 +8,8 @@
 
 extern crate alloc;
 
-use guest_rt::vnpu_driver::{DmaBuf, RunOptions, Wait};
-use guest_rt::{println, Env};
+use guest_rt::vnpu_driver::{RunOptions, Wait};
+use guest_rt::{phys, println, Env};
 use vnpu_models::recsys;
 
 const BATCH: usize = 128;
@@ -18,10 +18,6 @@ const TABLE: u64 = 0x300_0000;
 const MLP: u64 = 0x310_0000;
 const INDICES: u64 = 0x318_0000;
 const OUT: u64 = 0x31c_0000;
-
-fn at(addr: u64, len: usize) -> DmaBuf {
-    DmaBuf { virt: addr as *mut u8, phys: addr, len }
-}
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
@@ -32,8 +28,8 @@ fn guest_main(env: &mut Env) -> u32 {
     }
     let m = recsys::Model::random(5);
     let (table, mlp) = recsys::weight_bytes(&m);
-    at(TABLE, table.len()).write(0, &table);
-    at(MLP, mlp.len()).write(0, &mlp);
+    phys(TABLE, table.len()).write(0, &table);
+    phys(MLP, mlp.len()).write(0, &mlp);
     let run = |npu: &mut guest_rt::vnpu_driver::Vnpu<_>, env: &mut Env, bytes: &[u8]| {
         npu.load(&mut env.dma, bytes)
             .and_then(|p| npu.run(&p, &RunOptions { wait: Wait::Interrupt, ..Default::default() }))
@@ -53,7 +49,7 @@ fn guest_main(env: &mut Env) -> u32 {
     for b in 0..BATCHES {
         let idx = recsys::random_indices(BATCH, 100 + b);
         let bytes: alloc::vec::Vec<u8> = idx.iter().flat_map(|i| i.to_le_bytes()).collect();
-        at(INDICES, bytes.len()).write(0, &bytes);
+        phys(INDICES, bytes.len()).write(0, &bytes);
         let st = match npu.run(&infer, &RunOptions { wait: Wait::Interrupt, ..Default::default() }) {
             Ok(s) => s,
             Err(e) => {
@@ -63,7 +59,7 @@ fn guest_main(env: &mut Env) -> u32 {
         };
         (sa, vu, cycles) = (sa + st.sa_active, vu + st.vu_active, cycles + st.cycles);
         let mut got = alloc::vec![0f32; BATCH];
-        at(OUT, 4 * BATCH).read_f32s(0, &mut got);
+        phys(OUT, 4 * BATCH).read_f32s(0, &mut got);
         let want = recsys::cpu(&m, &idx);
         worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
     }

@@ -132,6 +132,13 @@ pub fn idle(seen: u32) {
     unsafe { asm!("ud2", in("edi") seen, options(nostack)) }
 }
 
+/// The guest RAM at `addr..addr + len` as a DMA buffer (RAM is
+/// identity-mapped, so the device sees it at the same address). Accesses
+/// outside RAM fault in the guest, not in the device.
+pub fn phys(addr: u64, len: usize) -> vnpu_driver::DmaBuf {
+    vnpu_driver::DmaBuf { virt: addr as *mut u8, phys: addr, len }
+}
+
 /// Prints the panic and exits with 101.
 pub fn on_panic(info: &core::panic::PanicInfo) -> ! {
     println!("guest panic: {info}");

@@ -8,8 +8,8 @@
 
 extern crate alloc;
 
-use guest_rt::vnpu_driver::{DmaBuf, RunOptions};
-use guest_rt::{println, Env};
+use guest_rt::vnpu_driver::RunOptions;
+use guest_rt::{phys, println, Env};
 use vnpu_abi::DType;
 use vnpu_models::selfcheck::{self, Case, Rng};
 
@@ -27,7 +27,7 @@ fn guest_main(env: &mut Env) -> u32 {
         let case = selfcheck::case(&mut rng, i);
         let p = selfcheck::prepare(case.clone(), &mut rng, BASE);
         for (addr, bytes) in &p.inputs {
-            DmaBuf { virt: *addr as *mut u8, phys: *addr, len: bytes.len() }.write(0, bytes);
+            phys(*addr, bytes.len()).write(0, bytes);
         }
         let prog = match npu.load(&mut env.dma, &p.program.encode()) {
             Ok(b) => b,
@@ -41,7 +41,7 @@ fn guest_main(env: &mut Env) -> u32 {
             continue;
         }
         let mut got = alloc::vec![0f32; p.expected.len()];
-        DmaBuf { virt: p.output as *mut u8, phys: p.output, len: 4 * got.len() }.read_f32s(0, &mut got);
+        phys(p.output, 4 * got.len()).read_f32s(0, &mut got);
         match selfcheck::matches(&p, &got) {
             Ok(()) => ok += 1,
             Err((at, g, e)) => println!("case {i} {case:?}: element {at} is {g}, expected {e}"),

@@ -8,8 +8,8 @@
 
 extern crate alloc;
 
-use guest_rt::vnpu_driver::{DmaBuf, RunOptions};
-use guest_rt::{println, rdtsc, tsc_to_ns, Env};
+use guest_rt::vnpu_driver::RunOptions;
+use guest_rt::{phys, println, rdtsc, tsc_to_ns, Env};
 use vnpu_models::transformer::{self, Shape};
 
 /// BERT-like proportions.
@@ -19,10 +19,6 @@ const LONG_SHAPE: Shape = Shape { seq: 128, d: 16, heads: 1, ffn: 16 };
 const WEIGHTS: u64 = 0x300_0000;
 const X: u64 = 0x310_0000;
 const OUT: u64 = 0x318_0000;
-
-fn at(addr: u64, len: usize) -> DmaBuf {
-    DmaBuf { virt: addr as *mut u8, phys: addr, len }
-}
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
@@ -48,8 +44,8 @@ fn layer(
     let w = transformer::Weights::random(shape, 1);
     let x = transformer::random_input(shape, 2);
     let wb = w.bytes();
-    at(WEIGHTS, wb.len()).write(0, &wb);
-    at(X, 4 * x.len()).write_f32s(0, &x);
+    phys(WEIGHTS, wb.len()).write(0, &wb);
+    phys(X, 4 * x.len()).write_f32s(0, &x);
     let prog = match npu.load(&mut env.dma, &transformer::program(shape, WEIGHTS, X, OUT).encode()) {
         Ok(p) => p,
         Err(e) => {
@@ -69,7 +65,7 @@ fn layer(
     };
     let wall = tsc_to_ns(rdtsc() - t0);
     let mut got = alloc::vec![0f32; x.len()];
-    at(OUT, 4 * got.len()).read_f32s(0, &mut got);
+    phys(OUT, 4 * got.len()).read_f32s(0, &mut got);
     let want = transformer::cpu(&w, &x);
     let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     println!(
