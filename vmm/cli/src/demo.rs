@@ -5,9 +5,7 @@
 //! (guest -> ring -> verifier -> model -> interrupt) to the in-process
 //! model (the issue 4 benchmark).
 
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Memory, Sram, VecGuestMemory};
@@ -36,21 +34,6 @@ pub enum DemoError {
     Guest(u32),
     #[error("in-process baseline: {0}")]
     Baseline(String),
-}
-
-/// Console that goes to stdout and is kept for parsing.
-#[derive(Clone, Default)]
-struct Tee(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Tee {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend_from_slice(b);
-        std::io::stdout().write_all(b)?;
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        std::io::stdout().flush()
-    }
 }
 
 /// Images per second of the batch program of `model`, run in-process.
@@ -92,7 +75,7 @@ pub fn run(guest: Option<PathBuf>, vnpu: vnpu_device::VnpuSpec, board: BoardConf
         return Err(DemoError::NoGuest(guest.display().to_string()));
     }
     println!("booting {} with a vNPU on /dev/kvm", guest.display());
-    let tee = Tee::default();
+    let tee = crate::capture::Capture::echoing();
     let mut cfg = vnpu_vm::VmConfig::new(64 << 20, guest).vnpus(&[vnpu]);
     cfg.board = board.clone();
     let t0 = Instant::now();
@@ -101,8 +84,7 @@ pub fn run(guest: Option<PathBuf>, vnpu: vnpu_device::VnpuSpec, board: BoardConf
     if code != 0 {
         return Err(DemoError::Guest(code));
     }
-    let out =
-        String::from_utf8_lossy(&tee.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).to_string();
+    let out = tee.text();
     for model in ["mlp", "cnn"] {
         let prefix = format!("throughput {model} batch_wall_ns=");
         let Some(ns) = out

@@ -1,5 +1,6 @@
 //! `vnpu`: the command-line front end. See `docs/cli.md`.
 
+mod capture;
 mod demo;
 mod manage;
 mod profile;

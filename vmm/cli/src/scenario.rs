@@ -7,9 +7,7 @@
 //! ran at once (spatial sharing). Format: `docs/management.md`.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 
 use npu_model::BoardConfig;
 use serde::Deserialize;
@@ -59,19 +57,6 @@ struct VmEntry {
 
 fn default_memory() -> String {
     "64M".into()
-}
-
-#[derive(Clone, Default)]
-struct Buffer(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Buffer {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
 }
 
 /// Runs the scenario in `path`; returns 0 when every VM exits 0.
@@ -137,11 +122,9 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         .into_iter()
         .map(|cfg| {
             std::thread::spawn(move || {
-                let out = Buffer::default();
+                let out = crate::capture::Capture::default();
                 let code = vnpu_vm::Vm::new(&cfg, out.clone()).and_then(|mut vm| vm.run());
-                let text =
-                    String::from_utf8_lossy(&out.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
-                        .to_string();
+                let text = out.text();
                 (cfg.name, code, text)
             })
         })
