@@ -88,15 +88,8 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         for (i, v) in vm.vnpu.iter().enumerate() {
             let spec = VnpuSpec::parse(v).map_err(|e| invalid(e.to_string()))?;
             let shape = Shape::from(spec);
-            let placed = match file.oversubscribe {
-                Some(f) => placement.place_oversubscribed(&shape, f),
-                None => placement.place(&shape),
-            }
-            .map_err(|source| ScenarioError::Placement {
-                path: p.clone(),
-                vm: vm.name.clone(),
-                index: i,
-                source,
+            let placed = placement.place_allowing(&shape, file.oversubscribe).map_err(|source| {
+                ScenarioError::Placement { path: p.clone(), vm: vm.name.clone(), index: i, source }
             })?;
             let mut mine = Vec::new();
             for c in &placed {

@@ -187,6 +187,18 @@ impl Board {
         Ok(p)
     }
 
+    /// [`Board::place`], or with `Some(factor)` [`Board::place_oversubscribed`].
+    pub fn place_allowing(
+        &mut self,
+        s: &Shape,
+        oversubscribe: Option<u32>,
+    ) -> Result<Placement, PlacementError> {
+        match oversubscribe {
+            Some(f) => self.place_oversubscribed(s, f),
+            None => self.place(s),
+        }
+    }
+
     /// Whether physical core `core` holds more SAs or VUs than it has.
     pub fn oversubscribed(&self, core: usize) -> bool {
         self.cores.get(core).is_some_and(|l| l.sa > self.sa || l.vu > self.vu)

@@ -94,11 +94,7 @@ impl Store {
     }
 
     fn place(&self, shape: &Shape) -> Result<crate::Placement, PlacementError> {
-        let mut b = self.board();
-        match self.oversubscribe {
-            Some(f) => b.place_oversubscribed(shape, f),
-            None => b.place(shape),
-        }
+        self.board().place_allowing(shape, self.oversubscribe)
     }
 
     /// Every instance, defined or active.
