@@ -6,3 +6,12 @@ echo "setup: rust toolchain components" >&2
 rustup component add clippy rustfmt >/dev/null 2>&1 || true
 echo "setup: x86_64-unknown-none target (bare-metal guests)" >&2
 rustup target add x86_64-unknown-none >/dev/null
+echo "setup: QEMU, cpio (the nested Linux-guest test path, docs/linux-guests.md)" >&2
+if ! command -v qemu-system-x86_64 >/dev/null || ! command -v cpio >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        (apt-get install -y -q qemu-system-x86 cpio >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null && apt-get install -y -q qemu-system-x86 cpio >/dev/null; })
+    else
+        echo "setup: install qemu-system-x86 and cpio (Debian packages) for scripts/nested-test.sh" >&2
+    fi
+fi

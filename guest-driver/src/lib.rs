@@ -24,10 +24,15 @@
 //! let _simulated_cycles = done.cycles;
 //! # Ok(()) }
 //! ```
+//!
+//! With the `std` feature, [`linux`] finds and opens the vNPU from Linux
+//! user space (sysfs, huge-page DMA memory, polled completions).
 #![no_std]
 
 mod bar;
 mod dma;
+#[cfg(feature = "std")]
+pub mod linux;
 pub mod pci;
 
 pub use bar::{Bar, MmioBar};

@@ -24,17 +24,33 @@ struct Cli {
     command: Command,
 }
 
+/// The default Linux command line: console on COM1, reboot through the
+/// i8042 (which ends the VM), no ACPI tables to look for.
+const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 acpi=off";
+
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Boot a VM on /dev/kvm with a bare-metal 64-bit ELF guest.
+    /// Boot a VM on /dev/kvm with a bare-metal 64-bit ELF guest or a Linux kernel.
     ///
     /// The guest's serial console (COM1) goes to stdout; vnpu exits with the
-    /// code the guest writes to the exit port (docs/guest-boot.md). Each
-    /// --vnpu becomes a vNPU PCI function (docs/device-interface.md).
+    /// code the guest writes to the exit port (docs/guest-boot.md), or 0 when
+    /// a Linux guest reboots (docs/linux-guests.md). Each --vnpu becomes a
+    /// vNPU PCI function (docs/device-interface.md).
+    #[command(group(clap::ArgGroup::new("image").required(true).args(["guest", "kernel"])))]
     Run {
         /// The guest ELF (e.g. guest-images/target/x86_64-unknown-none/release/hello).
         #[arg(long)]
-        guest: PathBuf,
+        guest: Option<PathBuf>,
+        /// A Linux kernel to boot instead (bzImage, e.g. Debian's
+        /// /boot/vmlinuz-*, or an ELF vmlinux), by the 64-bit boot protocol.
+        #[arg(long)]
+        kernel: Option<PathBuf>,
+        /// The Linux guest's initramfs (with --kernel).
+        #[arg(long, requires = "kernel")]
+        initrd: Option<PathBuf>,
+        /// The Linux kernel command line (with --kernel).
+        #[arg(long, requires = "kernel", default_value = DEFAULT_CMDLINE)]
+        cmdline: String,
         /// Guest memory, 2M to 1G (e.g. 256M).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
@@ -388,7 +404,7 @@ fn print_report(r: &RunReport) {
 
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
-        Command::Run { guest, memory, vnpus, state_dir, board: path, poll_us } => {
+        Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
             let b = board(&path)?;
             let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
             let vnpus = vnpus
@@ -398,9 +414,11 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     VnpuArg::Uuid(u) => manage::active_spec(&dir, &b, &u).map_err(CliError::Usage),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
+            let linux = kernel.is_some().then_some(vnpu_vm::LinuxBoot { initrd, cmdline });
             let cfg = vnpu_vm::VmConfig {
                 memory,
-                guest,
+                // clap requires one of the two.
+                guest: guest.or(kernel).unwrap_or_default(),
                 vnpus,
                 board: b,
                 device: vnpu_device::DeviceOptions {
@@ -409,6 +427,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 },
                 shared_cores: Vec::new(),
                 name: "vm".into(),
+                linux,
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             let code = vm.run()?;

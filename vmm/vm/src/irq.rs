@@ -1,8 +1,9 @@
 //! MSI delivery through irqfds and KVM GSI routing.
 //!
 //! Each (PCI slot, MSI-X vector) pair has its own GSI and eventfd,
-//! registered with KVM as an irqfd. The GSI routing table keeps the
-//! IOAPIC's 24 pins and adds one MSI route per GSI with the address and
+//! registered with KVM as an irqfd. The GSI routing table keeps KVM's
+//! default routes (GSIs 0..16 to the PICs, GSIs 0..24 to the IOAPIC pin
+//! of the same number) and adds one MSI route per GSI with the address and
 //! data the guest programmed; it is rewritten only when a vector's message
 //! changes. Raising an interrupt is then one eventfd write, which any
 //! thread can do without the vCPU (how the NPU workers will complete
@@ -11,7 +12,8 @@
 use std::collections::BTreeMap;
 
 use kvm_bindings::{
-    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
+    kvm_irq_routing_entry, KvmIrqRouting, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_IRQ_ROUTING_IRQCHIP, KVM_IRQ_ROUTING_MSI,
 };
 use kvm_ioctls::VmFd;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -50,6 +52,13 @@ impl MsiRoutes {
 
     fn program(&self, vm: &VmFd) -> Result<(), IrqError> {
         let mut table = KvmIrqRouting::new(0).map_err(IrqError::Table)?;
+        // KVM's default routes first: GSIs 0..16 also reach the PICs.
+        for gsi in 0..16 {
+            let mut e = kvm_irq_routing_entry { gsi, type_: KVM_IRQ_ROUTING_IRQCHIP, ..Default::default() };
+            e.u.irqchip.irqchip = if gsi < 8 { KVM_IRQCHIP_PIC_MASTER } else { KVM_IRQCHIP_PIC_SLAVE };
+            e.u.irqchip.pin = gsi % 8;
+            table.push(e).map_err(IrqError::Table)?;
+        }
         for pin in 0..FIRST_MSI_GSI {
             let mut e =
                 kvm_irq_routing_entry { gsi: pin, type_: KVM_IRQ_ROUTING_IRQCHIP, ..Default::default() };

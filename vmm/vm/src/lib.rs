@@ -13,9 +13,19 @@
 //! bridge at 00:00.0 and one vNPU function per `--vnpu` from 00:01.0 on
 //! (`vnpu-device`: configuration space, hierarchy registers in BAR 0,
 //! MSI-X table in BAR 2).
+//!
+//! With [`VmConfig::linux`] the guest image is a Linux kernel instead,
+//! booted by the x86 64-bit boot protocol (module `linux`): zero page,
+//! e820 map, MP table, in-kernel IOAPIC/PIC/PIT, the UART's interrupt on
+//! IRQ 4, BARs placed as firmware would, and an i8042 reset line that ends
+//! the VM (`docs/linux-guests.md`).
 
+mod cmos;
 mod irq;
+mod linux;
+mod mptable;
 
+pub use linux::LinuxBoot;
 pub use vnpu_device::GuestRam;
 
 use std::fs::File;
@@ -95,16 +105,28 @@ fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
     move |source| VmError::Ioctl { what, source }
 }
 
-/// The serial port raises no interrupt yet; guests poll it.
+/// The UART's interrupt line: an irqfd on GSI [`SERIAL_IRQ`] (IOAPIC pin
+/// 4 and the PIC's IRQ 4). Bare-metal guests poll and never enable it.
 #[derive(Debug)]
-struct NoInterrupt;
+struct IrqLine(EventFd);
 
-impl Trigger for NoInterrupt {
-    type E = std::convert::Infallible;
+impl Trigger for IrqLine {
+    type E = std::io::Error;
     fn trigger(&self) -> Result<(), Self::E> {
-        Ok(())
+        self.0.write(1)
     }
 }
+
+/// The UART's ISA IRQ.
+pub const SERIAL_IRQ: u32 = 4;
+/// The i8042 command port: writing 0xfe (pulse the reset line) ends the VM
+/// with exit code 0; it is how Linux reboots without ACPI (`reboot=k`).
+pub const I8042_COMMAND_PORT: u16 = 0x64;
+/// The i8042 command that resets the machine.
+pub const I8042_RESET: u8 = 0xfe;
+/// Where the VMM places BAR 0 of the vNPU in `slot` before a Linux guest
+/// boots: `PCI_MMIO_BASE + slot * 64 KiB` (BAR 2 at +32 KiB).
+pub const PCI_MMIO_BASE: u64 = 0xc000_0000;
 
 /// A VM with one vCPU running a bare-metal ELF guest.
 pub struct Vm<W: Write> {
@@ -113,7 +135,8 @@ pub struct Vm<W: Write> {
     vm: Arc<VmFd>,
     vcpu: VcpuFd,
     _memory: GuestMemoryMmap<()>,
-    serial: Serial<NoInterrupt, vm_superio::serial::NoEvents, W>,
+    serial: Serial<IrqLine, vm_superio::serial::NoEvents, W>,
+    cmos: cmos::Cmos,
     pci: PciBus,
     msi: Arc<Mutex<irq::MsiRoutes>>,
     doorbells: Vec<Doorbells>,
@@ -148,6 +171,22 @@ impl<W: Write> std::fmt::Debug for Vm<W> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Vm").finish_non_exhaustive()
     }
+}
+
+/// Whether this VMM itself runs in a QEMU TCG guest (CPUID hypervisor
+/// signature "TCGTCGTCGTCG"): the nested test path (docs/linux-guests.md).
+fn host_is_qemu_tcg() -> bool {
+    let hv = core::arch::x86_64::__cpuid(1);
+    if hv.ecx & (1 << 31) == 0 {
+        return false;
+    }
+    // The hypervisor range exists when bit 31 is set.
+    let sig = core::arch::x86_64::__cpuid(0x4000_0000);
+    let mut name = [0u8; 12];
+    name[..4].copy_from_slice(&sig.ebx.to_le_bytes());
+    name[4..8].copy_from_slice(&sig.ecx.to_le_bytes());
+    name[8..].copy_from_slice(&sig.edx.to_le_bytes());
+    &name == b"TCGTCGTCGTCG"
 }
 
 /// The little-endian value of up to 4 bytes.
@@ -193,6 +232,9 @@ pub struct VmConfig {
     /// Names the VM's vNPU worker threads and shared-core tenants
     /// (`NAME/vnpu-SLOT`).
     pub name: String,
+    /// Boot `guest` as a Linux kernel (bzImage or vmlinux) with this initrd
+    /// and command line, instead of as a bare-metal ELF.
+    pub linux: Option<LinuxBoot>,
 }
 
 impl VmConfig {
@@ -206,7 +248,14 @@ impl VmConfig {
             device: vnpu_device::DeviceOptions::default(),
             shared_cores: Vec::new(),
             name: "vm".into(),
+            linux: None,
         }
+    }
+
+    /// Boots `guest` as a Linux kernel.
+    pub fn linux(mut self, boot: LinuxBoot) -> Self {
+        self.linux = Some(boot);
+        self
     }
 
     /// With these vNPUs.
@@ -259,16 +308,37 @@ impl<W: Write> Vm<W> {
         let _ = vm.enable_cap(&cap);
         // The in-kernel irqchip must exist before any vCPU.
         vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
-
-        let mut file = File::open(guest)
-            .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
-        let loaded = Elf::load(&memory, None, &mut file, Some(GuestAddress(HIGHMEM_START)))
-            .map_err(|e| VmError::Load { path: guest.display().to_string(), reason: e.to_string() })?;
-
-        Self::write_boot_tables(&memory)?;
+        let linux = cfg.linux.as_ref();
+        let entry = match linux {
+            Some(boot) => {
+                // What a PC kernel expects beside the irqchip: the PIT (with
+                // the speaker port stubbed) and, on VMX hosts, the TSS area.
+                let pit = kvm_bindings::kvm_pit_config {
+                    flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+                    ..Default::default()
+                };
+                vm.create_pit2(pit).map_err(ioctl("create PIT"))?;
+                vm.set_tss_address(0xfffb_d000).map_err(ioctl("set TSS address"))?;
+                linux::load(&memory, memory_bytes, guest, boot, 1)?
+            }
+            None => {
+                let mut file = File::open(guest)
+                    .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
+                let loaded =
+                    Elf::load(&memory, None, &mut file, Some(GuestAddress(HIGHMEM_START))).map_err(|e| {
+                        VmError::Load { path: guest.display().to_string(), reason: e.to_string() }
+                    })?;
+                loaded.kernel_load.0
+            }
+        };
+        let (cs, ds) = if linux.is_some() { (linux::BOOT_CS, linux::BOOT_DS) } else { (0x8, 0x10) };
+        Self::write_boot_tables(&memory, cs, ds)?;
         let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
+        if linux.is_some() {
+            Self::linux_vcpu(&kvm, &vcpu)?;
+        }
         let mut sregs = vcpu.get_sregs().map_err(ioctl("get sregs"))?;
-        let (code, data) = (segment(0x8, true), segment(0x10, false));
+        let (code, data) = (segment(cs, true), segment(ds, false));
         sregs.cs = code;
         sregs.ds = data;
         sregs.es = data;
@@ -276,34 +346,121 @@ impl<W: Write> Vm<W> {
         sregs.gs = data;
         sregs.ss = data;
         sregs.gdt.base = GDT_ADDR;
-        sregs.gdt.limit = 3 * 8 - 1;
+        sregs.gdt.limit = 4 * 8 - 1;
         sregs.cr3 = PML4_ADDR;
         sregs.cr4 |= 1 << 5; // PAE
         sregs.cr0 |= (1 << 0) | (1 << 31); // PE, PG
         sregs.efer |= (1 << 8) | (1 << 10); // LME, LMA
         vcpu.set_sregs(&sregs).map_err(ioctl("set sregs"))?;
         let mut regs = vcpu.get_regs().map_err(ioctl("get regs"))?;
-        regs.rip = loaded.kernel_load.0;
+        regs.rip = entry;
         regs.rsp = STACK_TOP;
         regs.rflags = 2;
-        // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
-        regs.rdi = memory_bytes;
-        regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
+        if linux.is_some() {
+            // The 64-bit boot protocol: rsi = the zero page.
+            regs.rsi = linux::ZERO_PAGE;
+        } else {
+            // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
+            regs.rdi = memory_bytes;
+            regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
+        }
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
 
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
-        Ok(Self {
+        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
+        if linux.is_some() {
+            Self::place_bars(&mut pci, cfg.vnpus.len());
+        }
+        let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+            .map_err(|e| VmError::Guest(format!("serial eventfd: {e}")))?;
+        vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
+        let mut vm = Self {
             _kvm: kvm,
             vm,
             vcpu,
             _memory: memory,
-            serial: Serial::new(NoInterrupt, console),
+            serial: Serial::new(IrqLine(irq), console),
+            cmos: cmos::Cmos::default(),
             pci,
             msi,
             doorbells,
-        })
+        };
+        vm.sync_doorbells();
+        Ok(vm)
+    }
+
+    /// CPUID, FPU and local APIC set up as a PC's firmware leaves them, for
+    /// a Linux kernel: the host's supported CPUID with this vCPU's APIC ID
+    /// (0) and one logical processor; LINT0 = ExtINT, LINT1 = NMI.
+    fn linux_vcpu(kvm: &Kvm, vcpu: &VcpuFd) -> Result<(), VmError> {
+        let mut cpuid = kvm
+            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(ioctl("get supported CPUID"))?;
+        let tcg = host_is_qemu_tcg();
+        for e in cpuid.as_mut_slice() {
+            match e.function {
+                // QEMU's TCG, when it is the host (the nested test path),
+                // does not let KVM see a nested guest's XSETBV, so KVM
+                // reports the XSAVE size of the reset XCR0 and Linux warns
+                // at boot; such guests get FXSAVE only (no XSAVE, no AVX).
+                1 if tcg => {
+                    e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
+                    e.ecx =
+                        (e.ecx | (1 << 31)) & !((1 << 26) | (1 << 27) | (1 << 28) | (1 << 12) | (1 << 29));
+                }
+                7 if tcg && e.index == 0 => {
+                    e.ebx &= !((1 << 5) | (1 << 16) | (1 << 17) | (1 << 28) | (1 << 30) | (1 << 31))
+                }
+                0xd if tcg => {
+                    e.eax = 0;
+                    e.ebx = 0;
+                    e.ecx = 0;
+                    e.edx = 0;
+                }
+                1 => {
+                    e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
+                    // "Running under a hypervisor": the guest then finds
+                    // KVM's leaves (kvm-clock, paravirtual features).
+                    e.ecx |= 1 << 31;
+                }
+                0xb | 0x1f => e.edx = 0,
+                // XSAVE area size for the enabled features: a kernel enables
+                // every supported one, so it is the size for all (ECX).
+                0xd if e.index == 0 => e.ebx = e.ecx,
+                _ => {}
+            }
+        }
+        vcpu.set_cpuid2(&cpuid).map_err(ioctl("set CPUID"))?;
+        let fpu = kvm_bindings::kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+        vcpu.set_fpu(&fpu).map_err(ioctl("set FPU"))?;
+        let mut lapic = vcpu.get_lapic().map_err(ioctl("get local APIC"))?;
+        for (reg, mode) in [(0x350usize, 7u32), (0x360, 4)] {
+            let mut b = [0u8; 4];
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = lapic.regs[reg + i] as u8;
+            }
+            let v = (u32::from_le_bytes(b) & !0x700) | (mode << 8);
+            for (i, x) in v.to_le_bytes().iter().enumerate() {
+                lapic.regs[reg + i] = *x as _;
+            }
+        }
+        vcpu.set_lapic(&lapic).map_err(ioctl("set local APIC"))?;
+        Ok(())
+    }
+
+    /// Places each vNPU's BARs (BAR 0 at `PCI_MMIO_BASE + slot * 64 KiB`,
+    /// BAR 2 at +32 KiB) and leaves decoding off, as firmware does before
+    /// an OS that keeps firmware assignments.
+    fn place_bars(pci: &mut PciBus, vnpus: usize) {
+        for slot in 1..=vnpus {
+            let bar0 = PCI_MMIO_BASE + slot as u64 * 0x1_0000;
+            for (reg, addr) in [(0x10u64, bar0), (0x18, bar0 + 0x8000)] {
+                let off = ((slot as u64) << 15) | reg;
+                pci.ecam_write(off, &(addr as u32).to_le_bytes());
+                pci.ecam_write(off + 4, &((addr >> 32) as u32).to_le_bytes());
+            }
+        }
     }
 
     /// Bus 0: host bridge at 00:00.0, vNPU functions from 00:01.0 on.
@@ -398,9 +555,13 @@ impl<W: Write> Vm<W> {
         &self.pci
     }
 
-    fn write_boot_tables(m: &GuestMemoryMmap<()>) -> Result<(), VmError> {
+    /// The GDT (a flat 64-bit code segment at selector `cs`, a flat data
+    /// segment at `ds`) and the identity map of the first 4 GiB.
+    fn write_boot_tables(m: &GuestMemoryMmap<()>, cs: u16, ds: u16) -> Result<(), VmError> {
         let err = |e: vm_memory::GuestMemoryError| VmError::Memory { size: 0, reason: e.to_string() };
-        let gdt: [u64; 3] = [0, 0x00af_9b00_0000_ffff, 0x00cf_9300_0000_ffff];
+        let mut gdt = [0u64; 4];
+        gdt[usize::from(cs >> 3)] = 0x00af_9b00_0000_ffff;
+        gdt[usize::from(ds >> 3)] = 0x00cf_9300_0000_ffff;
         for (i, d) in gdt.iter().enumerate() {
             m.write_obj(*d, GuestAddress(GDT_ADDR + 8 * i as u64)).map_err(err)?;
         }
@@ -432,7 +593,8 @@ impl<W: Write> Vm<W> {
         code
     }
 
-    /// Runs the guest until it writes the exit port; returns its exit code.
+    /// Runs the guest until it writes the exit port (or, for a Linux
+    /// guest, resets through the i8042: exit code 0); returns its exit code.
     pub fn run(&mut self) -> Result<u32, VmError> {
         loop {
             self.deliver_interrupts();
@@ -441,6 +603,14 @@ impl<W: Write> Vm<W> {
                     if port == EXIT_PORT {
                         let code = le_u32(data);
                         return Ok(self.exit(code));
+                    }
+                    if port == I8042_COMMAND_PORT && data.first() == Some(&I8042_RESET) {
+                        return Ok(self.exit(0));
+                    }
+                    if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
+                        if let Some(v) = data.first() {
+                            self.cmos.write(port, *v);
+                        }
                     }
                     if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
                         if let Some(v) = data.first() {
@@ -458,6 +628,14 @@ impl<W: Write> Vm<W> {
                     } else {
                         let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
                             self.serial.read((port - SERIAL_PORT) as u8)
+                        } else if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
+                            self.cmos.read(port)
+                        } else if port == I8042_COMMAND_PORT {
+                            // Status: input buffer empty, so a reset command
+                            // is taken at once; output buffer always full,
+                            // so a probing OS finds no controller (its
+                            // flush never drains) and says so quietly.
+                            0x01
                         } else {
                             0xff
                         };

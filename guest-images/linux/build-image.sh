@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds the Linux guest images from Debian packages (docs/linux-guests.md):
+#   OUT/vmlinuz        Debian's linux-image-amd64 kernel (L1 and L2)
+#   OUT/l2-initrd.gz   L2: busybox-static + vnpu-digits + l2-init
+#   OUT/l1-initrd.gz   L1: busybox-static + kvm/kvm-amd modules + vnpu
+#                      (static) + the L2 kernel and initrd + l1-init
+# Needs apt-get (Debian's packages), cpio and gzip, and the binaries built
+# first: `bash scripts/build-guests.sh` (vnpu-digits) and the static VMM
+#   RUSTFLAGS="-C target-feature=+crt-static" cargo build --release \
+#       -p vnpu-cli --target x86_64-unknown-linux-gnu
+# OUT defaults to guest-images/target/linux.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+out="${1:-$root/guest-images/target/linux}"
+digits="$root/guest-images/target/x86_64-unknown-linux-gnu/release/vnpu-digits"
+vmm="$root/target/x86_64-unknown-linux-gnu/release/vnpu"
+for f in "$digits" "$vmm"; do
+    [ -x "$f" ] || { echo "build-image: $f is missing; see the header of $0" >&2; exit 1; }
+done
+mkdir -p "$out/debs"
+cd "$out/debs"
+# The kernel package linux-image-amd64 points at, and busybox-static.
+kpkg="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')"
+[ -n "$kpkg" ] || { echo "build-image: apt knows no linux-image-amd64 (apt-get update?)" >&2; exit 1; }
+for p in "$kpkg" busybox-static; do
+    ls "${p}"_*.deb >/dev/null 2>&1 || { echo "build-image: fetching $p" >&2; apt-get download "$p" >/dev/null 2>&1 || apt-get download "$p"; }
+done
+rm -rf "$out/pkgs" && mkdir -p "$out/pkgs"
+for d in ./*.deb; do dpkg-deb -x "$d" "$out/pkgs"; done
+kver="${kpkg#linux-image-}"
+mods="$out/pkgs/lib/modules/$kver/kernel"
+cp "$out/pkgs/boot/vmlinuz-$kver" "$out/vmlinuz"
+
+pack() { (cd "$1" && find . | cpio -o -H newc --quiet | gzip -1) > "$2"; }
+
+l2="$out/l2-root"
+rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys}
+cp "$out/pkgs/bin/busybox" "$digits" "$l2/bin/"
+install -m 755 "$here/l2-init" "$l2/init"
+pack "$l2" "$out/l2-initrd.gz"
+
+l1="$out/l1-root"
+rm -rf "$l1" && mkdir -p "$l1"/{bin,dev,proc,sys,l2,lib/modules}
+cp "$out/pkgs/bin/busybox" "$l1/bin/"
+install -m 755 "$vmm" "$l1/bin/vnpu"
+strip "$l1/bin/vnpu" 2>/dev/null || true
+cp "$mods/virt/lib/irqbypass.ko" "$mods/arch/x86/kvm/kvm.ko" "$mods/arch/x86/kvm/kvm-amd.ko" \
+    "$mods/drivers/crypto/ccp/ccp.ko" "$l1/lib/modules/"
+cp "$out/vmlinuz" "$l1/l2/vmlinuz"
+cp "$out/l2-initrd.gz" "$l1/l2/initrd.gz"
+install -m 755 "$here/l1-init" "$l1/init"
+pack "$l1" "$out/l1-initrd.gz"
+echo "build-image: $kpkg; $(du -h "$out/l2-initrd.gz" | cut -f1) L2 initrd, $(du -h "$out/l1-initrd.gz" | cut -f1) L1 initrd in $out" >&2

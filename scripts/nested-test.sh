@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The nested test path (docs/linux-guests.md): QEMU/TCG with -cpu EPYC (L1:
+# Debian's kernel + an initramfs with kvm_amd and our VMM) boots, inside
+# which our VMM boots the L2 Debian kernel with a vNPU; L2 runs the digits
+# classifier through the Linux user-space driver. Asserts the L2 PCI view,
+# the accuracies (the same as the bare-metal guest's and the CPU's), the
+# exit codes and a kernel log free of warnings about the vNPU, and prints
+# the boot and run times. Needs qemu-system-x86 (scripts/setup.sh) and
+# the guests built (scripts/build-guests.sh). NESTED_TIMEOUT in seconds
+# (default 1200).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v qemu-system-x86_64 >/dev/null || { echo "nested-test: qemu-system-x86_64 missing (bash scripts/setup.sh)" >&2; exit 1; }
+echo "nested-test: building the static VMM" >&2
+RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release -q -p vnpu-cli --target x86_64-unknown-linux-gnu
+bash guest-images/linux/build-image.sh
+img=guest-images/target/linux
+log=target/nested-test.log
+mkdir -p target
+echo "nested-test: booting L1 (QEMU/TCG, -cpu EPYC) -> vnpu -> L2; log in $log" >&2
+start=$(date +%s.%N)
+timeout "${NESTED_TIMEOUT:-1200}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
+    -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
+    -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
+    2>&1 | grep --line-buffered -v "TCG doesn't support requested feature" | tee "$log" \
+    | grep --line-buffered -E '^(L1|L2|accuracy|latency|batch|vnpu|pci|dma|digits|model)' >&2 || true
+end=$(date +%s.%N)
+fail=0
+need() {
+    if ! grep -qF -- "$1" "$log"; then
+        echo "nested-test: FAIL: missing: $1" >&2
+        fail=1
+    fi
+}
+need "L2: pci 0000:00:01.0 vendor 0x5650 device 0x0001 class 0x120000"
+need "pci 0000:00:01.0: vendor 0x5650 device 0x0001 class 0x120000 driver none"
+need "msix: capability with 8 vectors"
+need "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"
+need "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"
+need "digits: vNPU and CPU agree on every image"
+need "L2: vnpu-digits exit 0"
+need "L1: vnpu exit 0"
+# No kernel warning splat, and no warning that names PCI, MSI or the vNPU.
+if grep -E '^L2: kmsg' "$log" | grep -qiE 'cut here|pci|msi|00:01\.0|vnpu'; then
+    echo "nested-test: FAIL: L2 kernel warnings about the device:" >&2
+    grep -E '^L2: kmsg' "$log" | grep -iE 'cut here|pci|msi|00:01\.0|vnpu' >&2
+    fail=1
+fi
+awk -v s="$start" -v e="$end" 'BEGIN { printf "nested-test: whole run %.1f s wall\n", e - s }' >&2
+grep -E '^L[12]: (up|user space|vnpu)' "$log" >&2 || true
+[ "$fail" = 0 ] && echo "nested-test: PASS" >&2
+exit "$fail"
