@@ -13,9 +13,10 @@
 //!   `/proc/self/pagemap` stays valid while the mapping lives. Needs root
 //!   (pagemap hides frame numbers otherwise) and free huge pages (taken
 //!   from `/proc/sys/vm/nr_hugepages`, raised here if none are free).
-//! - **Completions**: polled ([`crate::Wait::Poll`]): no kernel module, so
-//!   no interrupt reaches user space; the vNPU's adaptive polling keeps the
-//!   doorbell path cheap anyway.
+//! - **Completions**: with the `vnpu` kernel module loaded
+//!   (`guest-images/linux/kmod`), which enables MSI-X and counts vector 0,
+//!   by interrupt: [`LinuxVnpu::completions`] is the file to sleep on.
+//!   Without it, polled ([`crate::Wait::Poll`]).
 //!
 //! Everything read from sysfs and procfs is checked; failures are
 //! [`LinuxError`]s that name the file.
@@ -181,6 +182,14 @@ impl LinuxVnpu {
             at = usize::from(byte(at + 1) & 0xfc);
         }
         Ok(None)
+    }
+
+    /// The completion counter of the `vnpu` kernel module for this
+    /// function (`/dev/vnpu-ADDRESS`), when the module drives its MSI-X
+    /// vector 0: each 4-byte read blocks until the count of completion
+    /// interrupts differs from what this file last returned, and returns it.
+    pub fn completions(&self) -> Option<File> {
+        File::open(Path::new("/dev").join(std::format!("vnpu-{}", self.address()))).ok()
     }
 
     /// BAR 0's registers, for [`crate::Vnpu::new`]. Valid while `self` lives.

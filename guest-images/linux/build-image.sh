@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the Linux guest images from Debian packages (docs/linux-guests.md):
 #   OUT/vmlinuz        Debian's linux-image-amd64 kernel (L1 and L2)
-#   OUT/l2-initrd.gz   L2: busybox-static + vnpu-digits + l2-init
+#   OUT/l2-initrd.gz   L2: busybox-static + vnpu-digits + the vnpu kernel
+#                      module (kmod/, built against linux-headers-KVER) + l2-init
 #   OUT/l1-initrd.gz   L1: busybox-static + kvm/kvm-amd modules + vnpu
 #                      (static) + the L2 kernel and initrd + l1-init
 # Needs apt-get (Debian's packages), cpio and gzip, and the binaries built
@@ -35,8 +36,24 @@ cp "$out/pkgs/boot/vmlinuz-$kver" "$out/vmlinuz"
 pack() { (cd "$1" && find . | cpio -o -H newc --quiet | gzip -1) > "$2"; }
 
 l2="$out/l2-root"
-rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys}
+rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys,lib/modules}
 cp "$out/pkgs/bin/busybox" "$digits" "$l2/bin/"
+# The vnpu kernel module (MSI-X completions), built against the headers of
+# the same kernel (Debian's linux-headers-$kver, installed if missing).
+hdr="/lib/modules/$kver/build"
+if [ ! -d "$hdr" ] && [ "$(id -u)" = 0 ]; then
+    echo "build-image: installing linux-headers-$kver" >&2
+    apt-get install -y -q "linux-headers-$kver" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null && apt-get install -y -q "linux-headers-$kver" >/dev/null; } || true
+fi
+if [ -d "$hdr" ]; then
+    rm -rf "$out/kmod" && cp -r "$here/kmod" "$out/kmod"
+    make -s -C "$hdr" M="$out/kmod" modules >"$out/kmod/build.log" 2>&1 \
+        || { cat "$out/kmod/build.log" >&2; exit 1; }
+    cp "$out/kmod/vnpu.ko" "$l2/lib/modules/"
+else
+    echo "build-image: no headers for $kver: the L2 guest polls (no vnpu.ko)" >&2
+fi
 install -m 755 "$here/l2-init" "$l2/init"
 pack "$l2" "$out/l2-initrd.gz"
 

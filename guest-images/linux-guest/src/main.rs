@@ -1,13 +1,17 @@
 //! `vnpu-digits`: the digits classifier of the bare-metal `digits` guest,
 //! in Linux user space. Finds the first vNPU under /sys/bus/pci, maps its
 //! BAR 0, takes one 2 MiB huge page for DMA (tensors in its first half,
-//! ring, programs and counters in the second) and polls for completions
-//! (`docs/linux-guests.md`). Prints the device's PCI view and the same
+//! ring, programs and counters in the second) and waits for completions by
+//! interrupt when the `vnpu` kernel module drives the function's MSI-X, by
+//! polling otherwise (`docs/linux-guests.md`). Prints the device's PCI view and the same
 //! report as the bare-metal guest; exits 0 only when the vNPU and the CPU
 //! agree on every image.
 
-use std::io::Write;
+use std::fs::File;
+use std::io::{Read, Write};
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
 use std::time::Instant;
 
 use guest_apps::Platform;
@@ -17,6 +21,22 @@ use vnpu_driver::{DmaBuf, Vnpu, Wait};
 struct LinuxUser {
     start: Instant,
     dma: HugeDma,
+    wait: Wait,
+}
+
+/// Completion interrupts seen so far (the kernel module's count).
+static COMPLETIONS: AtomicU32 = AtomicU32::new(0);
+/// The kernel module's completion file, when it is loaded.
+static EVENTS: OnceLock<File> = OnceLock::new();
+
+/// Sleeps until the next completion interrupt (the driver's idle hook).
+fn sleep_for_interrupt(_seen: u32) {
+    let mut b = [0u8; 4];
+    if let Some(mut f) = EVENTS.get() {
+        if f.read_exact(&mut b).is_ok() {
+            COMPLETIONS.store(u32::from_le_bytes(b), Ordering::Release);
+        }
+    }
 }
 
 impl Platform for LinuxUser {
@@ -32,7 +52,7 @@ impl Platform for LinuxUser {
         (len <= HUGE_PAGE / 2).then(|| self.dma.buf(0, len)).flatten()
     }
     fn wait(&self) -> Wait {
-        Wait::Poll
+        self.wait
     }
 }
 
@@ -64,16 +84,30 @@ fn run() -> Result<bool, Box<dyn std::error::Error>> {
             .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "none".into())
     );
+    let events = dev.completions();
+    let wait = if events.is_some() { Wait::Interrupt } else { Wait::Poll };
     match dev.msix()? {
         Some((n, on)) => println!(
-            "msix: capability with {n} vectors, {} (completions are polled: no kernel driver owns the device)",
-            if on { "enabled" } else { "not enabled" }
+            "msix: capability with {n} vectors, {}; completions {}",
+            if on { "enabled" } else { "not enabled" },
+            if events.is_some() {
+                "by interrupt (vnpu kernel module)"
+            } else {
+                "polled (no vnpu kernel module)"
+            }
         ),
         None => println!("msix: no capability"),
     }
-    let p = LinuxUser { start: Instant::now(), dma: HugeDma::new()? };
+    let p = LinuxUser { start: Instant::now(), dma: HugeDma::new()?, wait };
     println!("dma: one 2 MiB huge page at physical {:#x}", p.dma.phys());
     let mut region = p.dma.region(HUGE_PAGE / 2, HUGE_PAGE / 2);
     let mut npu = Vnpu::new(dev.bar(), &mut region, 64)?;
+    if let Some(f) = events {
+        let _ = EVENTS.set(f);
+        // The kernel programmed MSI-X vector 0; completions raise it, and
+        // after a short spin a wait sleeps in the module's read.
+        npu.use_interrupts(0, &COMPLETIONS);
+        npu.use_idle(sleep_for_interrupt, 1 << 10);
+    }
     Ok(guest_apps::digits::run(&mut npu, &mut region, &p))
 }

@@ -1,0 +1,179 @@
+// SPDX-License-Identifier: GPL-2.0
+/*
+ * vnpu: the kernel half of the vNPU's Linux user-space driver
+ * (docs/linux-guests.md). It binds the vNPU PCI function (5650:0001),
+ * enables it with bus mastering, allocates one MSI-X vector for ring
+ * completions and counts them; user space maps BAR 0 through sysfs as
+ * before and sleeps on completions by reading /dev/vnpu-BB:DD.F:
+ *
+ *   read(fd, &u32, 4)  blocks until the completion count differs from the
+ *                      value this file last returned, then returns it
+ *                      (O_NONBLOCK: -EAGAIN instead of blocking).
+ *
+ * An event count, so a completion between user space's last look at the
+ * ring and its read is never lost. Everything else (ring, mailbox, DMA
+ * memory) stays in user space.
+ */
+#include <linux/atomic.h>
+#include <linux/fs.h>
+#include <linux/interrupt.h>
+#include <linux/miscdevice.h>
+#include <linux/module.h>
+#include <linux/pci.h>
+#include <linux/poll.h>
+#include <linux/slab.h>
+#include <linux/uaccess.h>
+#include <linux/wait.h>
+
+#define VNPU_VENDOR 0x5650
+#define VNPU_DEVICE 0x0001
+
+struct vnpu {
+	struct pci_dev *pdev;
+	struct miscdevice misc;
+	char name[32];
+	atomic_t completions;
+	wait_queue_head_t wait;
+};
+
+struct vnpu_file {
+	struct vnpu *v;
+	u32 last;
+};
+
+static irqreturn_t vnpu_irq(int irq, void *data)
+{
+	struct vnpu *v = data;
+
+	atomic_inc(&v->completions);
+	wake_up_interruptible(&v->wait);
+	return IRQ_HANDLED;
+}
+
+static int vnpu_open(struct inode *inode, struct file *f)
+{
+	struct vnpu *v = container_of(f->private_data, struct vnpu, misc);
+	struct vnpu_file *vf = kzalloc(sizeof(*vf), GFP_KERNEL);
+
+	if (!vf)
+		return -ENOMEM;
+	vf->v = v;
+	vf->last = atomic_read(&v->completions);
+	f->private_data = vf;
+	return 0;
+}
+
+static int vnpu_release(struct inode *inode, struct file *f)
+{
+	kfree(f->private_data);
+	return 0;
+}
+
+static ssize_t vnpu_read(struct file *f, char __user *buf, size_t len, loff_t *off)
+{
+	struct vnpu_file *vf = f->private_data;
+	struct vnpu *v = vf->v;
+	u32 now;
+	int ret;
+
+	if (len < sizeof(u32))
+		return -EINVAL;
+	if (f->f_flags & O_NONBLOCK) {
+		if ((u32)atomic_read(&v->completions) == vf->last)
+			return -EAGAIN;
+	} else {
+		ret = wait_event_interruptible(v->wait, (u32)atomic_read(&v->completions) != vf->last);
+		if (ret)
+			return ret;
+	}
+	now = atomic_read(&v->completions);
+	vf->last = now;
+	if (copy_to_user(buf, &now, sizeof(now)))
+		return -EFAULT;
+	return sizeof(now);
+}
+
+static __poll_t vnpu_poll(struct file *f, poll_table *pt)
+{
+	struct vnpu_file *vf = f->private_data;
+
+	poll_wait(f, &vf->v->wait, pt);
+	return (u32)atomic_read(&vf->v->completions) != vf->last ? EPOLLIN | EPOLLRDNORM : 0;
+}
+
+static const struct file_operations vnpu_fops = {
+	.owner = THIS_MODULE,
+	.open = vnpu_open,
+	.release = vnpu_release,
+	.read = vnpu_read,
+	.poll = vnpu_poll,
+	.llseek = noop_llseek,
+};
+
+static int vnpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
+{
+	struct vnpu *v;
+	int ret;
+
+	v = devm_kzalloc(&pdev->dev, sizeof(*v), GFP_KERNEL);
+	if (!v)
+		return -ENOMEM;
+	ret = pcim_enable_device(pdev);
+	if (ret)
+		return ret;
+	pci_set_master(pdev);
+	ret = pci_alloc_irq_vectors(pdev, 1, 1, PCI_IRQ_MSIX);
+	if (ret < 0) {
+		dev_err(&pdev->dev, "no MSI-X vector: %d\n", ret);
+		return ret;
+	}
+	v->pdev = pdev;
+	atomic_set(&v->completions, 0);
+	init_waitqueue_head(&v->wait);
+	snprintf(v->name, sizeof(v->name), "vnpu-%s", pci_name(pdev));
+	ret = request_irq(pci_irq_vector(pdev, 0), vnpu_irq, 0, v->name, v);
+	if (ret)
+		goto free_vectors;
+	v->misc.minor = MISC_DYNAMIC_MINOR;
+	v->misc.name = v->name;
+	v->misc.fops = &vnpu_fops;
+	v->misc.parent = &pdev->dev;
+	ret = misc_register(&v->misc);
+	if (ret)
+		goto free_irq;
+	pci_set_drvdata(pdev, v);
+	dev_info(&pdev->dev, "MSI-X vector 0 on IRQ %d; completions on /dev/%s\n",
+		 pci_irq_vector(pdev, 0), v->name);
+	return 0;
+free_irq:
+	free_irq(pci_irq_vector(pdev, 0), v);
+free_vectors:
+	pci_free_irq_vectors(pdev);
+	return ret;
+}
+
+static void vnpu_remove(struct pci_dev *pdev)
+{
+	struct vnpu *v = pci_get_drvdata(pdev);
+
+	misc_deregister(&v->misc);
+	free_irq(pci_irq_vector(pdev, 0), v);
+	pci_free_irq_vectors(pdev);
+}
+
+static const struct pci_device_id vnpu_ids[] = {
+	{ PCI_DEVICE(VNPU_VENDOR, VNPU_DEVICE) },
+	{ 0 }
+};
+MODULE_DEVICE_TABLE(pci, vnpu_ids);
+
+static struct pci_driver vnpu_driver = {
+	.name = "vnpu",
+	.id_table = vnpu_ids,
+	.probe = vnpu_probe,
+	.remove = vnpu_remove,
+};
+module_pci_driver(vnpu_driver);
+
+MODULE_DESCRIPTION("vNPU: MSI-X completions for the user-space driver");
+MODULE_LICENSE("GPL");
