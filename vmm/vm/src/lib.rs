@@ -398,6 +398,10 @@ impl<W: Write> Vm<W> {
             .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
             .map_err(ioctl("get supported CPUID"))?;
         let tcg = host_is_qemu_tcg();
+        // KVM emulates the local APIC's TSC-deadline mode; a kernel that sees
+        // it needs no APIC timer calibration (which the nested path's
+        // timing fails).
+        let deadline = kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
         for e in cpuid.as_mut_slice() {
             match e.function {
                 // QEMU's TCG, when it is the host (the nested test path),
@@ -406,6 +410,9 @@ impl<W: Write> Vm<W> {
                 // at boot; such guests get FXSAVE only (no XSAVE, no AVX).
                 1 if tcg => {
                     e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
+                    if deadline {
+                        e.ecx |= 1 << 24;
+                    }
                     e.ecx =
                         (e.ecx | (1 << 31)) & !((1 << 26) | (1 << 27) | (1 << 28) | (1 << 12) | (1 << 29));
                 }
@@ -420,6 +427,9 @@ impl<W: Write> Vm<W> {
                 }
                 1 => {
                     e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
+                    if deadline {
+                        e.ecx |= 1 << 24;
+                    }
                     // "Running under a hypervisor": the guest then finds
                     // KVM's leaves (kvm-clock, paravirtual features).
                     e.ecx |= 1 << 31;
