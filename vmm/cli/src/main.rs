@@ -43,13 +43,13 @@ enum Command {
         guest: Option<PathBuf>,
         /// A Linux kernel to boot instead (bzImage, e.g. Debian's
         /// /boot/vmlinuz-*, or an ELF vmlinux), by the 64-bit boot protocol.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "guest")]
         kernel: Option<PathBuf>,
         /// The Linux guest's initramfs (with --kernel).
-        #[arg(long, requires = "kernel")]
+        #[arg(long, requires = "kernel", conflicts_with = "guest")]
         initrd: Option<PathBuf>,
         /// The Linux kernel command line (with --kernel).
-        #[arg(long, requires = "kernel", default_value = DEFAULT_CMDLINE)]
+        #[arg(long, requires = "kernel", conflicts_with = "guest", default_value = DEFAULT_CMDLINE)]
         cmdline: String,
         /// Guest memory, 2M to 1G (e.g. 256M).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]

@@ -126,6 +126,31 @@ fn run_boots_the_hello_guest_and_returns_its_exit_code() {
     assert!(err.contains("between"), "{err}");
 }
 
+/// `run --kernel`: argument rules and clear errors before any guest runs
+/// (a Linux kernel itself cannot boot on this machine kind's /dev/kvm;
+/// scripts/nested-test.sh boots one under QEMU).
+#[test]
+fn run_kernel_arguments_and_bad_kernels_are_clear_errors() {
+    // Neither --guest nor --kernel, or both: usage errors (clap, exit 2).
+    let (code, _, err) = vnpu(&["run"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--guest") && err.contains("--kernel"), "{err}");
+    let (code, _, err) = vnpu(&["run", "--guest", "a", "--kernel", "b"]);
+    assert_eq!(code, 2, "{err}");
+    // --initrd needs --kernel.
+    let (code, _, err) = vnpu(&["run", "--guest", "a", "--initrd", "b"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--kernel"), "{err}");
+    // Not a kernel: this test file.
+    let (code, _, err) =
+        vnpu(&["run", "--kernel", concat!(env!("CARGO_MANIFEST_DIR"), "/tests/cli.rs"), "--memory", "64M"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.starts_with("vnpu: ") && err.contains("neither a bzImage nor a loadable ELF"), "{err}");
+    let (code, _, err) = vnpu(&["run", "--kernel", "/nonexistent/vmlinuz"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("/nonexistent/vmlinuz"), "{err}");
+}
+
 /// README command 1: the demo prints the accuracy line with equal vNPU and
 /// CPU accuracy, and the throughput ratio.
 #[test]
