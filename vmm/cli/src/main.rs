@@ -186,6 +186,38 @@ enum Command {
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
+    /// Reshape a vNPU instance for a new workload, on the physical cores it
+    /// already has (its HBM data stays where it is).
+    ///
+    /// Either give the new SA and VU counts per core, or `--workload NAME`:
+    /// the workload is profiled on 1 SA + 1 VU (as `vnpu profile` does) and
+    /// the instance's EUs per core are split by the ratio k = sqrt(x/y)
+    /// that maximizes utilization. Refused, with nothing changed, when the
+    /// new shape does not fit beside the core's other vNPUs
+    /// (docs/management.md).
+    Remap {
+        uuid: String,
+        /// New SAs per core.
+        #[arg(long, conflicts_with = "workload")]
+        sa: Option<u32>,
+        /// New VUs per core.
+        #[arg(long, conflicts_with = "workload")]
+        vu: Option<u32>,
+        /// New SRAM per core (e.g. 8M).
+        #[arg(long, value_parser = vnpu_device::parse_size)]
+        sram: Option<u64>,
+        /// Split the instance's EUs for this workload (see `vnpu workload list`).
+        #[arg(long)]
+        workload: Option<String>,
+        /// Batch size of --workload.
+        #[arg(long, default_value_t = 1, requires = "workload")]
+        batch: u32,
+        /// Allow up to this many times a core's SAs and VUs (time-shared).
+        #[arg(long)]
+        oversubscribe: Option<u32>,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
     /// Stop a vNPU instance: free its cores (a transient one is removed).
     Stop {
         uuid: String,
@@ -517,6 +549,59 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             }
             let i = store.start(&uuid)?;
             println!("{uuid} started on physical cores {:?}", i.cores);
+        }
+        Command::Remap { uuid, sa, vu, sram, workload, batch, oversubscribe, manage } => {
+            let b = board(&manage.board)?;
+            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
+            let old = store.get(&uuid)?.shape;
+            let mut to = old;
+            if let Some(name) = workload {
+                if batch == 0 {
+                    return Err(CliError::Batch);
+                }
+                let o = RunOptions {
+                    workload: name.clone(),
+                    batch,
+                    sa: 1,
+                    vu: 1,
+                    sram_bytes: None,
+                    hbm_bytes: None,
+                    functional: false,
+                    seed: 1,
+                };
+                let r = run_workload(&b, &o)?;
+                let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
+                let k = (x / y).sqrt();
+                let eus = old.sa_per_core + old.vu_per_core;
+                let (nsa, nvu) = vnpu_manager::split_for_ratio(eus, k, b.core.sa_count, b.core.vu_count)
+                    .ok_or_else(|| {
+                        CliError::Usage(format!("{eus} EUs per core cannot hold both an SA and a VU"))
+                    })?;
+                println!("{name} batch {batch}: a = x/y = {:.3}, k = sqrt(a) = {k:.3}: {nsa} SA + {nvu} VU of {eus} EUs", x / y);
+                to.sa_per_core = nsa;
+                to.vu_per_core = nvu;
+            } else if sa.is_none() && vu.is_none() && sram.is_none() {
+                return Err(CliError::Usage("remap needs --sa/--vu/--sram or --workload".into()));
+            }
+            to.sa_per_core = sa.unwrap_or(to.sa_per_core);
+            to.vu_per_core = vu.unwrap_or(to.vu_per_core);
+            to.sram_per_core = sram.unwrap_or(to.sram_per_core);
+            if to.sa_per_core + to.vu_per_core == 0 {
+                return Err(CliError::Usage("a vNPU needs at least one SA or VU".into()));
+            }
+            let i = store.remap(&uuid, to, oversubscribe)?;
+            println!(
+                "{uuid} remapped from {} SA + {} VU to {} SA + {} VU per core{}",
+                old.sa_per_core,
+                old.vu_per_core,
+                i.shape.sa_per_core,
+                i.shape.vu_per_core,
+                if i.active {
+                    format!(" on physical cores {:?} (its HBM data stays)", i.cores)
+                } else {
+                    String::new()
+                }
+            );
         }
         Command::Stop { uuid, manage } => {
             let b = board(&manage.board)?;

@@ -39,13 +39,10 @@ pub fn run(
     let max = board.core.sa_count + board.core.vu_count;
     for n in 2..=max {
         // The split of n EUs closest to ratio k (in log space).
-        let best =
-            (1..n).filter(|sa| *sa <= board.core.sa_count && n - sa <= board.core.vu_count).min_by(|p, q| {
-                let d = |sa: u32| ((f64::from(sa) / f64::from(n - sa)).ln() - k.ln()).abs();
-                d(*p).total_cmp(&d(*q))
-            });
-        let Some(sa) = best else { continue };
-        let vu = n - sa;
+        let Some((sa, vu)) = vnpu_manager::split_for_ratio(n, k, board.core.sa_count, board.core.vu_count)
+        else {
+            continue;
+        };
         let r: RunReport = run_workload(board, &RunOptions { sa, vu, ..base.clone() })?;
         let (fs, fv) = (f64::from(sa), f64::from(vu));
         let predicted_speedup = (x + y) / (x / fs + y / fv);

@@ -338,3 +338,48 @@ fn scenario_time_shares_an_oversubscribed_core() {
     assert_eq!(shared, 0.0, "{core}");
     assert!(core.contains("digits/") && core.contains("recsys-2/"), "{core}");
 }
+
+/// `vnpu remap`: a workload change reshapes an instance on its own core,
+/// or is refused with nothing changed; a VM then sees the new shape.
+#[test]
+fn remap_reshapes_an_instance_on_its_core() {
+    let dir = std::env::temp_dir().join(format!("vnpu-remap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, a, err) = vnpu_in(&dir, &["create", "--spec", "sa=2,vu=2,sram=4M,hbm=1G"]);
+    assert_eq!(code, 0, "{err}");
+    let a = a.trim().to_string();
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", "sa=2,vu=2,sram=4M,hbm=1G"]);
+    assert_eq!(code, 0, "{err}");
+    let cores = |dir: &std::path::Path| {
+        let (_, out, _) = vnpu_in(dir, &["list", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (v[0]["physical_cores"].clone(), v[1]["physical_cores"].clone())
+    };
+    let (before, neighbour) = cores(&dir);
+    assert_eq!(before, neighbour, "two 2+2 vNPUs share one 4+4 core");
+    // BERT is SA-heavy: its split of 4 EUs has more SAs than VUs; the
+    // neighbour holds 2 + 2, so 3 SAs do not fit beside it: refused.
+    let (code, out, err) = vnpu_in(&dir, &["remap", &a, "--workload", "bert"]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(out.contains("k = sqrt(a)") && err.contains("no room for 3 SAs"), "{out}{err}");
+    // Explicit shapes: shrinking fits and keeps the core.
+    let (code, out, err) = vnpu_in(&dir, &["remap", &a, "--sa", "1", "--vu", "2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("from 2 SA + 2 VU to 1 SA + 2 VU") && out.contains("HBM data stays"), "{out}");
+    assert_eq!(cores(&dir).0, before);
+    // A VM with the remapped instance sees 1 SA + 2 VU.
+    let guest = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../guest-images/target/x86_64-unknown-none/release/pci-enum"
+    );
+    let (code, out, err) =
+        vnpu_in(&dir, &["run", "--guest", guest, "--memory", "16M", "--vnpu", &format!("uuid={a}")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("sa 01 vu 02"), "{out}");
+    // Bad input: nothing to change, unknown instance.
+    assert_eq!(vnpu_in(&dir, &["remap", &a]).0, 1);
+    let (code, _, err) = vnpu_in(&dir, &["remap", "6f1c2f39-3a39-4c36-9a6e-0c1a2b3c4d5e", "--sa", "1"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("no vNPU instance"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

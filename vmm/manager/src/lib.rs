@@ -71,6 +71,19 @@ pub struct Instance {
     pub cores: Vec<u32>,
 }
 
+/// The split of `eus` execution units into SAs and VUs closest (in log
+/// space) to the SA:VU ratio `k` (design Eq. 3: k = sqrt(x/y)), with at
+/// least one of each and at most `max_sa` SAs and `max_vu` VUs.
+pub fn split_for_ratio(eus: u32, k: f64, max_sa: u32, max_vu: u32) -> Option<(u32, u32)> {
+    (1..eus)
+        .filter(|sa| *sa <= max_sa && eus - sa <= max_vu)
+        .min_by(|p, q| {
+            let d = |sa: u32| ((f64::from(sa) / f64::from(eus - sa)).ln() - k.ln()).abs();
+            d(*p).total_cmp(&d(*q))
+        })
+        .map(|sa| (sa, eus - sa))
+}
+
 impl Instance {
     /// Execution units per vNPU core.
     pub fn eus(&self) -> u32 {

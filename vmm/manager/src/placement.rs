@@ -21,6 +21,12 @@ pub enum PlacementError {
         "no room: the board's free execution units or memory cannot take this vNPU (stop another one first)"
     )]
     NoRoom,
+    #[error(
+        "physical core {core} has no room for {sa} SAs + {vu} VUs + {sram} B SRAM beside its other vNPUs"
+    )]
+    NoRoomOnCore { core: u32, sa: u32, vu: u32, sram: u64 },
+    #[error("a remap keeps the vNPU's cores: {from} -> {to} cores per chip or chips (stop and start it to change them)")]
+    CoreCountChange { from: u32, to: u32 },
 }
 
 /// What is in use on one physical core.
@@ -99,6 +105,63 @@ impl Board {
                 *h += s.hbm_per_core;
             }
         }
+    }
+
+    /// Gives back what a vNPU of shape `s` on `cores` took.
+    pub fn release(&mut self, s: &Shape, cores: &[u32]) {
+        for &c in cores {
+            let (i, chip) = (c as usize, (c / self.cores_per_chip) as usize);
+            if let Some(l) = self.cores.get_mut(i) {
+                l.sa = l.sa.saturating_sub(s.sa_per_core);
+                l.vu = l.vu.saturating_sub(s.vu_per_core);
+                l.sram = l.sram.saturating_sub(s.sram_per_core);
+            }
+            if let Some(h) = self.hbm_used.get_mut(chip) {
+                *h = h.saturating_sub(s.hbm_per_core);
+            }
+        }
+    }
+
+    /// Remaps a vNPU of shape `from` on `cores` to shape `to` on the same
+    /// cores (a workload change: its HBM data stays where it is), within
+    /// each core's free EUs and memory (or, with `Some(factor)`, up to
+    /// `factor` times the core's SAs and VUs). On error nothing changes.
+    pub fn remap(
+        &mut self,
+        from: &Shape,
+        to: &Shape,
+        cores: &[u32],
+        oversubscribe: Option<u32>,
+    ) -> Result<(), PlacementError> {
+        if (from.chips, from.cores_per_chip) != (to.chips, to.cores_per_chip) {
+            return Err(PlacementError::CoreCountChange {
+                from: from.chips * from.cores_per_chip,
+                to: to.chips * to.cores_per_chip,
+            });
+        }
+        let mut trial = self.clone();
+        trial.release(from, cores);
+        let f = oversubscribe.unwrap_or(1).max(1);
+        for &c in cores {
+            let i = c as usize;
+            let chip = i / self.cores_per_chip as usize;
+            let Some(l) = trial.cores.get(i) else { return Err(PlacementError::NoRoom) };
+            let ok = l.sa + to.sa_per_core <= self.sa * f
+                && l.vu + to.vu_per_core <= self.vu * f
+                && l.sram + to.sram_per_core <= self.sram
+                && trial.hbm_used.get(chip).is_some_and(|h| h + to.hbm_per_core <= self.hbm);
+            if !ok {
+                return Err(PlacementError::NoRoomOnCore {
+                    core: c,
+                    sa: to.sa_per_core,
+                    vu: to.vu_per_core,
+                    sram: to.sram_per_core,
+                });
+            }
+            trial.occupy(to, &[c]);
+        }
+        *self = trial;
+        Ok(())
     }
 
     /// Places a vNPU of shape `s`: each vNPU chip on a distinct physical

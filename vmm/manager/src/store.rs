@@ -202,6 +202,34 @@ impl Store {
         Ok(&self.instances[i])
     }
 
+    /// `remap`: gives instance `uuid` the shape `to` (a workload change).
+    /// A started instance keeps its physical cores (its HBM data stays):
+    /// the new shape must fit on them beside the other vNPUs (with
+    /// `oversubscribe`, up to that many times their EUs); otherwise nothing
+    /// changes. A defined one just takes the new shape.
+    pub fn remap(
+        &mut self,
+        uuid: &str,
+        to: Shape,
+        oversubscribe: Option<u32>,
+    ) -> Result<&Instance, StoreError> {
+        let i = self.index(uuid)?;
+        let inst = &self.instances[i];
+        if inst.active {
+            let mut board = self.board();
+            board
+                .remap(&inst.shape, &to, &inst.cores, oversubscribe)
+                .map_err(|source| StoreError::Placement { uuid: uuid.into(), source })?;
+        }
+        if self.instances[i].shape != to {
+            // No longer the named type it was made as.
+            self.instances[i].type_name = None;
+        }
+        self.instances[i].shape = to;
+        self.save()?;
+        Ok(&self.instances[i])
+    }
+
     /// `stop`: releases its cores; a transient instance is removed.
     pub fn stop(&mut self, uuid: &str) -> Result<(), StoreError> {
         let i = self.index(uuid)?;
@@ -266,6 +294,48 @@ mod tests {
         s.remove(&defined).unwrap();
         drop(s);
         assert!(Store::open(&d, &b).unwrap().instances().is_empty());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn remap_keeps_the_cores_and_refuses_what_does_not_fit_there() {
+        let d = dir("remap");
+        let b = BoardConfig::default();
+        let shape = |sa, vu| Shape { sa_per_core: sa, vu_per_core: vu, ..small() };
+        let mut s = Store::open(&d, &b).unwrap();
+        // Two tenants filling one 4 SA + 4 VU core between them.
+        let a = s.create(shape(3, 1), None, None).unwrap();
+        let c = s.create(shape(1, 3), None, None).unwrap();
+        let core = s.get(&a).unwrap().cores.clone();
+        assert_eq!(s.get(&c).unwrap().cores, core);
+        // A's new workload wants 2 + 2: its core has only 1 + 3 beside C.
+        let e = s.remap(&a, shape(2, 2), None).unwrap_err();
+        assert!(
+            matches!(e, StoreError::Placement { source: PlacementError::NoRoomOnCore { .. }, .. }),
+            "{e}"
+        );
+        assert_eq!(s.get(&a).unwrap().shape, shape(3, 1));
+        // Shrinking fits, on the same core.
+        assert_eq!(s.remap(&a, shape(2, 1), None).unwrap().cores, core);
+        assert_eq!(s.board().eu_use().0, 7);
+        // With oversubscription allowed, 2 + 2 fits there too (time-shared).
+        s.remap(&a, shape(2, 2), Some(2)).unwrap();
+        assert!(s.board().oversubscribed(core[0] as usize));
+        // The number of cores is not a remap.
+        let two = Shape { cores_per_chip: 2, ..shape(1, 1) };
+        let e = s.remap(&a, two, None).unwrap_err();
+        assert!(
+            matches!(e, StoreError::Placement { source: PlacementError::CoreCountChange { .. }, .. }),
+            "{e}"
+        );
+        // A new manager process sees the remapped shape on the same core.
+        drop(s);
+        let mut s = Store::open(&d, &b).unwrap();
+        assert_eq!((s.get(&a).unwrap().shape, s.get(&a).unwrap().cores.clone()), (shape(2, 2), core));
+        // A defined instance just takes the shape.
+        let u = s.define(small(), Some("small"), None).unwrap();
+        let i = s.remap(&u, shape(1, 2), None).unwrap();
+        assert_eq!((i.shape, i.type_name.clone()), (shape(1, 2), None));
         fs::remove_dir_all(&d).unwrap();
     }
 
