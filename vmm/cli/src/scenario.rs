@@ -53,6 +53,11 @@ struct VmEntry {
     /// Priority of its vNPUs on oversubscribed cores (higher first).
     #[serde(default)]
     priority: u8,
+    /// Latency target of each of its requests on a shared core, in
+    /// microseconds of simulated time (0: none): among equal priorities
+    /// the earliest deadline runs first; misses are counted.
+    #[serde(default)]
+    slo_us: u64,
 }
 
 fn default_memory() -> String {
@@ -109,6 +114,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         cfg.shared_cores = shared;
         cfg.name = vm.name.clone();
         cfg.device.priority = vm.priority;
+        cfg.device.slo_us = vm.slo_us;
         configs.push(cfg);
     }
     let handles: Vec<_> = configs
@@ -161,6 +167,12 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
             tenants.join(", "),
             if placement.oversubscribed(*c as usize) { "  (oversubscribed: time-shared)" } else { "" }
         );
+        if st.slo_requests > 0 {
+            println!(
+                "{c:<6} SLO: {} of {} requests missed their latency target",
+                st.slo_misses, st.slo_requests
+            );
+        }
         sc.stop();
     }
     Ok(if all_ok { 0 } else { 1 })

@@ -337,6 +337,11 @@ fn scenario_time_shares_an_oversubscribed_core() {
     assert!(rounds > batches, "{core}");
     assert_eq!(shared, 0.0, "{core}");
     assert!(core.contains("digits/") && core.contains("recsys-2/"), "{core}");
+    // digits' 1 ms latency target: every request of it is accounted for.
+    let slo = out.lines().find(|l| l.contains("SLO:")).unwrap_or_else(|| panic!("{out}"));
+    let f: Vec<&str> = slo.split_whitespace().collect();
+    let (missed, total): (u64, u64) = (f[2].parse().unwrap(), f[4].parse().unwrap());
+    assert!(total >= 900 && missed <= total, "{slo}");
 }
 
 /// `vnpu remap`: a workload change reshapes an instance on its own core,

@@ -8,8 +8,11 @@
 //!
 //! An oversubscribed core (its vNPUs hold more SAs or VUs than it has) runs
 //! a batch whose tenants do not fit together in rounds: higher priority
-//! first (then arrival order), each round as many tenants as the engines
-//! hold, and a context switch between rounds ([`switch_cycles`]).
+//! first, then earliest SLO deadline (arrival on the core's timeline plus
+//! the tenant's latency target; tenants without one last), then arrival
+//! order; each round as many tenants as the engines hold, and a context
+//! switch between rounds ([`switch_cycles`]). Requests that finish later
+//! than their deadline are counted ([`SharingStats::slo_misses`]).
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -43,11 +46,16 @@ pub struct Claim {
     pub vu: u32,
     /// Higher runs first when the core is oversubscribed.
     pub priority: u8,
+    /// Latency target in simulated cycles from arrival on the core (0:
+    /// none); among equal priorities the earliest deadline runs first.
+    pub slo_cycles: u64,
 }
 
 struct Job {
     tenant: String,
     claim: Claim,
+    /// The core's simulated time when the request arrived.
+    arrival: f64,
     program: Arc<Program>,
     mem: CoreMem,
     guest: GuestMemoryMmap<()>,
@@ -70,6 +78,8 @@ struct Queue {
     log: Vec<Interval>,
     batches: u64,
     rounds: u64,
+    slo_requests: u64,
+    slo_misses: u64,
     stop: bool,
     paused: bool,
 }
@@ -106,6 +116,9 @@ pub struct SharingStats {
     pub overlap_cycles: f64,
     /// Busy cycles per tenant.
     pub tenants: Vec<(String, f64)>,
+    /// Requests that had a latency target, and those that missed it.
+    pub slo_requests: u64,
+    pub slo_misses: u64,
 }
 
 impl SharedCore {
@@ -135,7 +148,17 @@ impl SharedCore {
             if q.stop {
                 return None;
             }
-            q.pending.push(Job { tenant: tenant.into(), claim, program, mem, guest, budget, reply: tx });
+            let arrival = q.now;
+            q.pending.push(Job {
+                tenant: tenant.into(),
+                claim,
+                arrival,
+                program,
+                mem,
+                guest,
+                budget,
+                reply: tx,
+            });
         }
         self.inner.cv.notify_all();
         rx.recv().ok()
@@ -168,6 +191,8 @@ impl SharedCore {
             busy_cycles: q.now,
             overlap_cycles: overlap,
             tenants,
+            slo_requests: q.slo_requests,
+            slo_misses: q.slo_misses,
         }
     }
 
@@ -208,10 +233,19 @@ pub fn switch_cycles(board: &BoardConfig) -> f64 {
     drain + board.ns_to_cycles(board.dma.latency_ns) + tile / board.gbps_to_bytes_per_cycle(board.dma.gbps)
 }
 
-/// Splits jobs into rounds that fit the core: by priority, then arrival.
+/// When `j` must finish on the core's timeline (infinity: no target).
+fn deadline(j: &Job) -> f64 {
+    match j.claim.slo_cycles {
+        0 => f64::INFINITY,
+        c => j.arrival + c as f64,
+    }
+}
+
+/// Splits jobs into rounds that fit the core: by priority, then earliest
+/// deadline, then arrival.
 fn rounds(board: &BoardConfig, mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
-    // Stable: equal priorities keep their arrival order.
-    jobs.sort_by_key(|j| std::cmp::Reverse(j.claim.priority));
+    // Stable: equal priorities and deadlines keep their arrival order.
+    jobs.sort_by(|a, b| b.claim.priority.cmp(&a.claim.priority).then(deadline(a).total_cmp(&deadline(b))));
     let mut out: Vec<Vec<Job>> = Vec::new();
     for j in jobs {
         let fits = |r: &Vec<Job>| {
@@ -272,6 +306,10 @@ fn engine(inner: &Inner) {
             for (j, r) in jobs.into_iter().zip(report.tenants) {
                 let end = start + r.as_ref().map_or(0.0, |t| t.cycles);
                 q.log.push(Interval { tenant: j.tenant.clone(), start, end });
+                if j.claim.slo_cycles > 0 {
+                    q.slo_requests += 1;
+                    q.slo_misses += u64::from(end > deadline(&j));
+                }
                 // A vNPU that went away does not stop the core.
                 let _ = j.reply.send((j.mem, r, start, end));
             }
@@ -317,7 +355,7 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-test").unwrap();
         core.pause();
-        let claim = Claim { sa: 1, vu: 1, priority: 0 };
+        let claim = Claim { sa: 1, vu: 1, priority: 0, slo_cycles: 0 };
         let threads = [submit(&core, "t0", claim), submit(&core, "t1", claim)];
         core.resume();
         for t in threads {
@@ -332,6 +370,29 @@ mod tests {
         core.stop();
     }
 
+    /// Among equal priorities the tighter latency target runs first, and a
+    /// request that ends after its deadline is counted as a miss.
+    #[test]
+    fn an_oversubscribed_core_runs_the_earliest_deadline_first() {
+        let board = BoardConfig::default();
+        let core = SharedCore::new(&board, "core-slo").unwrap();
+        core.pause();
+        let whole =
+            |slo_cycles| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority: 0, slo_cycles };
+        // Submitted in this order: no target, a loose one, a tight one.
+        let none = submit(&core, "none", whole(0));
+        let loose = submit(&core, "loose", whole(1 << 40));
+        let tight = submit(&core, "tight", whole(1));
+        core.resume();
+        let (none, loose, tight) = (none.join().unwrap(), loose.join().unwrap(), tight.join().unwrap());
+        assert!(tight.3 <= loose.2 && loose.3 <= none.2, "{:?} {:?} {:?}", tight.2, loose.2, none.2);
+        let st = core.stats();
+        assert_eq!((st.rounds, st.slo_requests), (3, 2));
+        // One simulated cycle is beyond any program: the tight one missed.
+        assert_eq!(st.slo_misses, 1);
+        core.stop();
+    }
+
     /// Two tenants that each claim the whole core run in two rounds, the
     /// higher priority first, with a context switch between them.
     #[test]
@@ -339,7 +400,8 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
-        let whole = |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority };
+        let whole =
+            |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority, slo_cycles: 0 };
         // Submitted in this order: low first.
         let low = submit(&core, "low", whole(1));
         let high = submit(&core, "high", whole(9));

@@ -218,11 +218,20 @@ pub struct DeviceOptions {
     pub cores: Vec<crate::SharedCore>,
     /// Priority on an oversubscribed shared core (higher runs first).
     pub priority: u8,
+    /// Latency target of each request on a shared core, in microseconds of
+    /// simulated time from its arrival (0: none): among equal priorities
+    /// the earliest deadline runs first.
+    pub slo_us: u64,
 }
 
 impl Default for DeviceOptions {
     fn default() -> Self {
-        Self { poll: std::time::Duration::from_micros(DEFAULT_POLL_US), cores: Vec::new(), priority: 0 }
+        Self {
+            poll: std::time::Duration::from_micros(DEFAULT_POLL_US),
+            cores: Vec::new(),
+            priority: 0,
+            slo_us: 0,
+        }
     }
 }
 
@@ -643,6 +652,7 @@ impl Worker {
                 sa: spec.sa_per_core,
                 vu: spec.vu_per_core,
                 priority: self.opts.priority,
+                slo_cycles: self.opts.slo_us.saturating_mul(u64::from(self.board.clock_mhz)),
             };
             match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget) {
                 Some((back, r, _, _)) => {
