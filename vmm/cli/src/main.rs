@@ -51,7 +51,7 @@ enum Command {
         /// The Linux kernel command line (with --kernel).
         #[arg(long, requires = "kernel", conflicts_with = "guest", default_value = DEFAULT_CMDLINE)]
         cmdline: String,
-        /// Guest memory, 2M to 1G (e.g. 256M).
+        /// Guest memory, 2M to 1G for an ELF guest, to 3G for a Linux kernel (e.g. 256M).
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
         /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`,

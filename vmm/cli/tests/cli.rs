@@ -149,6 +149,10 @@ fn run_kernel_arguments_and_bad_kernels_are_clear_errors() {
     let (code, _, err) = vnpu(&["run", "--kernel", "/nonexistent/vmlinuz"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("/nonexistent/vmlinuz"), "{err}");
+    // Linux guests may have up to 3 GiB (bare-metal ones 1 GiB).
+    let (code, _, err) = vnpu(&["run", "--kernel", "/nonexistent/vmlinuz", "--memory", "4G"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("3 GiB"), "{err}");
 }
 
 /// README command 1: the demo prints the accuracy line with equal vNPU and

@@ -275,12 +275,17 @@ impl<W: Write> Vm<W> {
         if vnpus.len() > MAX_VNPUS {
             return Err(VmError::TooManyVnpus { count: vnpus.len() });
         }
-        if !(MIN_MEMORY..=(1 << 30)).contains(&memory_bytes) {
+        // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
+        // guest's RAM may reach the PCI hole, where the BARs go.
+        let (max, why) = if cfg.linux.is_some() {
+            (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)")
+        } else {
+            (1 << 30, "1 GiB (the identity map covers 1 GiB)")
+        };
+        if !(MIN_MEMORY..=max).contains(&memory_bytes) {
             return Err(VmError::Memory {
                 size: memory_bytes,
-                reason: format!(
-                    "must be between {MIN_MEMORY} bytes and 1 GiB (the identity map covers 1 GiB)"
-                ),
+                reason: format!("must be between {MIN_MEMORY} bytes and {why}"),
             });
         }
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
