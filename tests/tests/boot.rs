@@ -45,6 +45,19 @@ fn hello_guest_prints_and_exits_with_its_code() {
     assert_eq!(String::from_utf8_lossy(&console.0.lock().unwrap()), "hello from the guest\n");
 }
 
+/// Console input: bytes given to `forward_input` reach the guest's UART
+/// receive buffer, in order, none lost (more than the 64-byte FIFO holds).
+#[test]
+fn console_input_reaches_the_guest_uart() {
+    let console = Console::default();
+    let vm = Vm::new(&VmConfig::new(16 << 20, guest("echo")), console.clone()).unwrap();
+    let line = format!("{}\n", "the quick brown fox jumps over the lazy dog ".repeat(3));
+    vm.forward_input(std::io::Cursor::new(line.clone().into_bytes())).unwrap();
+    let mut vm = vm;
+    assert_eq!(vm.run().unwrap() as usize, line.len() - 1);
+    assert_eq!(String::from_utf8_lossy(&console.0.lock().unwrap()), format!("echo: {line}"));
+}
+
 #[test]
 fn bad_guests_and_sizes_are_clear_errors() {
     let g = guest("hello");

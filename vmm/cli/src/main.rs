@@ -462,6 +462,11 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 linux,
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
+            // A Linux guest's console takes our standard input.
+            if cfg.linux.is_some() {
+                vm.forward_input(std::io::stdin())
+                    .map_err(|e| CliError::Usage(format!("console input: {e}")))?;
+            }
             let code = vm.run()?;
             // Exit codes above 255 are reported and truncated, as a shell would.
             if code > 255 {

@@ -117,6 +117,13 @@ impl Trigger for IrqLine {
     }
 }
 
+/// The 16550 model with its interrupt line.
+type Uart<W> = Serial<IrqLine, vm_superio::serial::NoEvents, W>;
+
+fn uart<W: Write>(serial: &Mutex<Uart<W>>) -> std::sync::MutexGuard<'_, Uart<W>> {
+    serial.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The UART's ISA IRQ.
 pub const SERIAL_IRQ: u32 = 4;
 /// The i8042 command port: writing 0xfe (pulse the reset line) ends the VM
@@ -135,7 +142,8 @@ pub struct Vm<W: Write> {
     vm: Arc<VmFd>,
     vcpu: VcpuFd,
     _memory: GuestMemoryMmap<()>,
-    serial: Serial<IrqLine, vm_superio::serial::NoEvents, W>,
+    /// Shared with the console-input thread ([`Vm::forward_input`]).
+    serial: Arc<Mutex<Uart<W>>>,
     cmos: cmos::Cmos,
     pci: PciBus,
     msi: Arc<Mutex<irq::MsiRoutes>>,
@@ -385,7 +393,7 @@ impl<W: Write> Vm<W> {
             vm,
             vcpu,
             _memory: memory,
-            serial: Serial::new(IrqLine(irq), console),
+            serial: Arc::new(Mutex::new(Serial::new(IrqLine(irq), console))),
             cmos: cmos::Cmos::default(),
             pci,
             msi,
@@ -604,7 +612,7 @@ impl<W: Write> Vm<W> {
     }
 
     fn exit(&mut self, code: u32) -> u32 {
-        let _ = self.serial.writer_mut().flush();
+        let _ = uart(&self.serial).writer_mut().flush();
         code
     }
 
@@ -630,7 +638,7 @@ impl<W: Write> Vm<W> {
                     if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
                         if let Some(v) = data.first() {
                             // A write the UART cannot take is dropped, as on hardware.
-                            let _ = self.serial.write((port - SERIAL_PORT) as u8, *v);
+                            let _ = uart(&self.serial).write((port - SERIAL_PORT) as u8, *v);
                         }
                     } else if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
                         self.pci.pio_write(port, data);
@@ -642,7 +650,7 @@ impl<W: Write> Vm<W> {
                         self.pci.pio_read(port, data);
                     } else {
                         let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
-                            self.serial.read((port - SERIAL_PORT) as u8)
+                            uart(&self.serial).read((port - SERIAL_PORT) as u8)
                         } else if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
                             self.cmos.read(port)
                         } else if port == I8042_COMMAND_PORT {
@@ -674,7 +682,7 @@ impl<W: Write> Vm<W> {
                     }
                     if addr == SYSCON_BASE + SYSCON_CONSOLE {
                         if let Some(v) = data.first() {
-                            let _ = self.serial.write(0, *v);
+                            let _ = uart(&self.serial).write(0, *v);
                         }
                         continue;
                     }
@@ -699,8 +707,40 @@ impl<W: Write> Vm<W> {
         }
     }
 
-    /// The console writer (for tests that capture output).
-    pub fn console(&self) -> &W {
-        self.serial.writer()
+    /// Feeds the bytes read from `input` to the UART's receive FIFO (the
+    /// guest's console input, with an interrupt on IRQ 4 when the guest
+    /// enabled it), on a thread of its own, until end of input. When the
+    /// FIFO is full it waits for the guest to drain it: nothing is dropped.
+    pub fn forward_input<R: std::io::Read + Send + 'static>(&self, mut input: R) -> std::io::Result<()>
+    where
+        W: Send + 'static,
+    {
+        let serial = Arc::clone(&self.serial);
+        std::thread::Builder::new().name("serial-in".into()).spawn(move || {
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match input.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let mut rest = &buf[..n];
+                while !rest.is_empty() {
+                    let taken = {
+                        let mut u = uart(&serial);
+                        let room = u.fifo_capacity().min(rest.len());
+                        if room == 0 {
+                            0
+                        } else {
+                            u.enqueue_raw_bytes(&rest[..room]).unwrap_or(0)
+                        }
+                    };
+                    if taken == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    rest = &rest[taken..];
+                }
+            }
+        })?;
+        Ok(())
     }
 }
