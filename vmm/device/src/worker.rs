@@ -33,6 +33,11 @@ use crate::{GuestRam, VnpuSpec};
 pub const DEFAULT_BUDGET: u64 = 1 << 34;
 /// Largest cycle budget a request may ask for.
 pub const MAX_BUDGET: u64 = 1 << 40;
+/// Most simulated cycles one request may run on a *shared* physical core
+/// (about 4.6 s at 940 MHz): its co-located tenants wait for the batch it
+/// is in, so a long request there must not hold them for the whole
+/// [`MAX_BUDGET`]. [`DeviceOptions::shared_max_cycles`] overrides it.
+pub const SHARED_MAX_BUDGET: u64 = 1 << 32;
 /// Longest error message written to a request's message buffer.
 const MAX_MESSAGE: usize = 512;
 /// No instruction to blame (`detail`).
@@ -222,6 +227,8 @@ pub struct DeviceOptions {
     /// simulated time from its arrival (0: none): among equal priorities
     /// the earliest deadline runs first.
     pub slo_us: u64,
+    /// Cap of a request's cycle budget on a shared core.
+    pub shared_max_cycles: u64,
 }
 
 impl Default for DeviceOptions {
@@ -231,6 +238,7 @@ impl Default for DeviceOptions {
             cores: Vec::new(),
             priority: 0,
             slo_us: 0,
+            shared_max_cycles: SHARED_MAX_BUDGET,
         }
     }
 }
@@ -654,6 +662,8 @@ impl Worker {
                 priority: self.opts.priority,
                 slo_cycles: self.opts.slo_us.saturating_mul(u64::from(self.board.clock_mhz)),
             };
+            // Co-located tenants wait for this batch: a tighter budget.
+            let budget = budget.min(self.opts.shared_max_cycles.max(1));
             match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget) {
                 Some((back, r, _, _)) => {
                     *core = back;

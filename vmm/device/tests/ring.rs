@@ -110,6 +110,33 @@ fn driver_runs_programs_by_polling_and_by_interrupt() {
     }
 }
 
+/// On a shared physical core a request's budget is capped, so one
+/// tenant's long request cannot hold its neighbours' batch: the same
+/// program that runs on a core of its own fails there with the budget
+/// status when the cap is below its cycles.
+#[test]
+fn shared_cores_cap_the_request_budget() {
+    let board = BoardConfig::default();
+    let run = |cap: Option<u64>| {
+        let core = vnpu_device::SharedCore::new(&board, "cap-test").unwrap();
+        let opts = DeviceOptions {
+            cores: vec![core.clone()],
+            shared_max_cycles: cap.unwrap_or(vnpu_device::SHARED_MAX_BUDGET),
+            ..Default::default()
+        };
+        let s = setup_with("sa=1,vu=1,sram=4M,hbm=256M", opts);
+        let mut dma = s.dma();
+        let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();
+        let ok = npu.load(&mut dma, &relu_program()).unwrap();
+        let r = npu.run(&ok, &RunOptions::default());
+        core.stop();
+        r
+    };
+    assert!(run(None).is_ok());
+    let e = run(Some(3)).unwrap_err();
+    assert!(matches!(e, Error::Request { status: abi::ST_BUDGET_EXHAUSTED, .. }), "{e}");
+}
+
 fn driver_round_trips(opts: DeviceOptions) {
     let s = setup_with("sa=1,vu=1,sram=4M,hbm=256M", opts);
     s.enable_msix();
