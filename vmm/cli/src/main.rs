@@ -513,17 +513,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 return Err(CliError::Usage("--slo-ms must be a positive number of milliseconds".into()));
             }
             let b = board(&path)?;
-            let o = RunOptions {
-                workload: name,
-                batch,
-                sa: 1,
-                vu: 1,
-                sram_bytes: None,
-                hbm_bytes: None,
-                functional: false,
-                seed: 1,
-            };
-            return Ok(profile::run(&b, o, slo_ms, json)?);
+            return Ok(profile::run(&b, profile::one_pair(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
         Command::Types { manage, json } => {
@@ -564,17 +554,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 if batch == 0 {
                     return Err(CliError::Batch);
                 }
-                let o = RunOptions {
-                    workload: name.clone(),
-                    batch,
-                    sa: 1,
-                    vu: 1,
-                    sram_bytes: None,
-                    hbm_bytes: None,
-                    functional: false,
-                    seed: 1,
-                };
-                let r = run_workload(&b, &o)?;
+                let r = run_workload(&b, &profile::one_pair(name.clone(), batch))?;
                 let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
                 let k = (x / y).sqrt();
                 let eus = old.sa_per_core + old.vu_per_core;
