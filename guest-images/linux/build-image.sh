@@ -22,7 +22,12 @@ done
 mkdir -p "$out/debs"
 cd "$out/debs"
 # The kernel package linux-image-amd64 points at, and busybox-static.
-kpkg="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')"
+kpkg_of() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}'; }
+kpkg="$(kpkg_of)"
+if [ -z "$kpkg" ] && [ "$(id -u)" = 0 ]; then
+    echo "build-image: apt-get update (no package lists yet)" >&2
+    apt-get update -q >/dev/null && kpkg="$(kpkg_of)"
+fi
 [ -n "$kpkg" ] || { echo "build-image: apt knows no linux-image-amd64 (apt-get update?)" >&2; exit 1; }
 for p in "$kpkg" busybox-static; do
     ls "${p}"_*.deb >/dev/null 2>&1 || { echo "build-image: fetching $p" >&2; apt-get download "$p" >/dev/null 2>&1 || apt-get download "$p"; }
