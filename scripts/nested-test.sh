@@ -22,21 +22,26 @@ mkdir -p target
 echo "nested-test: booting L1 (QEMU/TCG, -cpu EPYC) -> vnpu -> L2; log in $log" >&2
 start=$(date +%s.%N)
 : > "$log"
-# QEMU runs as a coprocess so the harness can type on the L2 console when
-# L2 asks (console input through L1 and our VMM).
-coproc QEMU { timeout "${NESTED_TIMEOUT:-1200}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
+# QEMU reads its serial input from a FIFO the harness also holds open, so
+# the harness can type on the L2 console when L2 asks (console input
+# through L1 and our VMM) and QEMU never sees end of input.
+fifo="$(mktemp -u)"
+mkfifo "$fifo"
+exec 3<>"$fifo"
+rm -f "$fifo"
+timeout "${NESTED_TIMEOUT:-1200}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
     -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
-    -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot 2>&1; }
-while IFS= read -r line <&"${QEMU[0]}"; do
-    line="${line%$'\r'}"
-    case "$line" in *"TCG doesn't support requested feature"*) continue ;; esac
-    printf '%s\n' "$line" >> "$log"
-    case "$line" in
-        L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*) printf '%s\n' "$line" >&2 ;;
-    esac
-    case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&"${QEMU[1]}" ;; esac
-done
-wait "$QEMU_PID" 2>/dev/null || true
+    -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
+    <&3 2>&1 | while IFS= read -r line; do
+        line="${line%$'\r'}"
+        case "$line" in *"TCG doesn't support requested feature"*) continue ;; esac
+        printf '%s\n' "$line" >> "$log"
+        case "$line" in
+            L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*) printf '%s\n' "$line" >&2 ;;
+        esac
+        case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&3 ;; esac
+    done || true
+exec 3>&-
 end=$(date +%s.%N)
 fail=0
 need() {
