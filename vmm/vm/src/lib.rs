@@ -87,9 +87,9 @@ pub enum VmError {
     Ioctl { what: &'static str, source: kvm_ioctls::Error },
     #[error("guest memory of {size} bytes: {reason}")]
     Memory { size: u64, reason: String },
-    #[error("cannot open guest {path}: {source}")]
+    #[error("cannot open {path}: {source}")]
     Open { path: String, source: std::io::Error },
-    #[error("cannot load guest ELF {path}: {reason}")]
+    #[error("cannot load {path}: {reason}")]
     Load { path: String, reason: String },
     #[error("guest stopped: {0}")]
     Guest(String),
