@@ -30,6 +30,24 @@ pub struct RunOptions {
     pub seed: u64,
 }
 
+impl RunOptions {
+    /// `workload` at `batch` on 1 SA + 1 VU with the board's SRAM and HBM
+    /// per core, timing only (seed 1): the profiling run, and the base the
+    /// other shapes are written against (`RunOptions { sa, vu, ..timing }`).
+    pub fn timing(workload: impl Into<String>, batch: u32) -> Self {
+        Self {
+            workload: workload.into(),
+            batch,
+            sa: 1,
+            vu: 1,
+            sram_bytes: None,
+            hbm_bytes: None,
+            functional: false,
+            seed: 1,
+        }
+    }
+}
+
 /// A failed run.
 #[derive(Debug, Error)]
 pub enum RunError {

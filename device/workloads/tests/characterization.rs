@@ -6,16 +6,7 @@ use npu_model::BoardConfig;
 use npu_workloads::{run_workload, RunOptions, WORKLOADS};
 
 fn opts(w: &str, batch: u32, functional: bool) -> RunOptions {
-    RunOptions {
-        workload: w.into(),
-        batch,
-        sa: 1,
-        vu: 1,
-        sram_bytes: None,
-        hbm_bytes: None,
-        functional,
-        seed: 3,
-    }
+    RunOptions { functional, seed: 3, ..RunOptions::timing(w, batch) }
 }
 
 #[test]

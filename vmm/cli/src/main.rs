@@ -513,7 +513,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 return Err(CliError::Usage("--slo-ms must be a positive number of milliseconds".into()));
             }
             let b = board(&path)?;
-            return Ok(profile::run(&b, profile::one_pair(name, batch), slo_ms, json)?);
+            return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
         Command::Types { manage, json } => {
@@ -554,7 +554,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 if batch == 0 {
                     return Err(CliError::Batch);
                 }
-                let r = run_workload(&b, &profile::one_pair(name.clone(), batch))?;
+                let r = run_workload(&b, &RunOptions::timing(name.clone(), batch))?;
                 let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
                 let k = (x / y).sqrt();
                 let eus = old.sa_per_core + old.vu_per_core;

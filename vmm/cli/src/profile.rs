@@ -22,21 +22,6 @@ struct Candidate {
     measured_speedup: f64,
 }
 
-/// Timing-only options for `workload` at `batch` on 1 SA + 1 VU: the
-/// profiling run that measures x and y.
-pub fn one_pair(workload: String, batch: u32) -> RunOptions {
-    RunOptions {
-        workload,
-        batch,
-        sa: 1,
-        vu: 1,
-        sram_bytes: None,
-        hbm_bytes: None,
-        functional: false,
-        seed: 1,
-    }
-}
-
 /// Runs the profile; returns the process exit code.
 pub fn run(
     board: &BoardConfig,

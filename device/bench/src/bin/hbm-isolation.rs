@@ -56,14 +56,9 @@ fn main() {
     );
     for (name, batch) in [("dlrm", 8u32), ("ncf", 8), ("mobilenet", 1), ("bert", 1), ("resnet50", 1)] {
         let o = RunOptions {
-            workload: name.into(),
-            batch,
-            sa: 1,
-            vu: 1,
             sram_bytes: Some(8 << 20),
             hbm_bytes: Some(8 << 30),
-            functional: false,
-            seed: 1,
+            ..RunOptions::timing(name, batch)
         };
         let victim = match lower_workload(&board, &o) {
             Ok((l, _, _)) => l.program,

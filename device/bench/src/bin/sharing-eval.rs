@@ -183,14 +183,11 @@ fn main() {
     for (w, batch) in mix {
         let run = |sa, vu| {
             let o = RunOptions {
-                workload: w.into(),
-                batch,
                 sa,
                 vu,
                 sram_bytes: Some(8 << 20),
                 hbm_bytes: Some(8 << 30),
-                functional: false,
-                seed: 1,
+                ..RunOptions::timing(w, batch)
             };
             run_workload(&board, &o).unwrap_or_else(|e| panic!("{w}: {e}"))
         };

@@ -21,16 +21,7 @@ fn main() {
     let (mut total_instrs, mut total_secs) = (0usize, 0f64);
     for (name, _) in WORKLOADS {
         for batch in [1u32, 8] {
-            let o = RunOptions {
-                workload: name.to_string(),
-                batch,
-                sa: 1,
-                vu: 1,
-                sram_bytes: None,
-                hbm_bytes: None,
-                functional: false,
-                seed: 1,
-            };
+            let o = RunOptions::timing(*name, batch);
             let (lowered, shape, _) = match lower_workload(&board, &o) {
                 Ok(l) => l,
                 Err(e) => {
