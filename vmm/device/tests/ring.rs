@@ -49,6 +49,20 @@ struct Setup {
     irqs: &'static AtomicU32,
 }
 
+/// One core of 1 SA + 1 VU, 2 MiB SRAM, 256 MiB HBM: a configuration
+/// inside every grant these tests use.
+fn one_core_hierarchy() -> Hierarchy {
+    Hierarchy {
+        sa_per_core: 1,
+        vu_per_core: 1,
+        sram_per_core: 2 << 20,
+        hbm_per_core: 256 << 20,
+        cores_per_chip: 1,
+        chips: 1,
+        ..Default::default()
+    }
+}
+
 fn setup(spec: &str) -> Setup {
     setup_with(spec, DeviceOptions::default())
 }
@@ -270,15 +284,7 @@ fn mailbox_configures_within_the_grant_and_reads_counters() {
     assert_eq!(u64_at(rec(2) + 8), 0);
 
     // Shrink: fine. Grow past the grant: refused, configuration unchanged.
-    let small = Hierarchy {
-        sa_per_core: 1,
-        vu_per_core: 1,
-        sram_per_core: 2 << 20,
-        hbm_per_core: 256 << 20,
-        cores_per_chip: 1,
-        chips: 1,
-        ..Default::default()
-    };
+    let small = one_core_hierarchy();
     npu.configure(&small).unwrap();
     assert_eq!(npu.hierarchy().sram_per_core, 2 << 20);
     let big = Hierarchy { sa_per_core: 3, ..small };
@@ -508,15 +514,7 @@ fn registered_programs_are_verified_once_and_kept_by_value() {
     assert_eq!(n, abi::MAX_REGISTERED);
     assert!(matches!(npu.register(&ok), Err(Error::Request { status: abi::ST_NO_SPACE, .. })));
     // A new configuration drops them all (they were checked against the old one).
-    let cfg = Hierarchy {
-        sa_per_core: 1,
-        vu_per_core: 1,
-        sram_per_core: 2 << 20,
-        hbm_per_core: 256 << 20,
-        cores_per_chip: 1,
-        chips: 1,
-        ..Default::default()
-    };
+    let cfg = one_core_hierarchy();
     npu.configure(&cfg).unwrap();
     assert!(matches!(
         npu.run_registered(h, &RunOptions::default()),
