@@ -388,7 +388,7 @@ impl<W: Write> Vm<W> {
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
             .map_err(|e| VmError::Guest(format!("serial eventfd: {e}")))?;
         vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
-        let mut vm = Self {
+        Ok(Self {
             _kvm: kvm,
             vm,
             vcpu,
@@ -398,9 +398,7 @@ impl<W: Write> Vm<W> {
             pci,
             msi,
             doorbells,
-        };
-        vm.sync_doorbells();
-        Ok(vm)
+        })
     }
 
     /// CPUID, FPU and local APIC set up as a PC's firmware leaves them, for
@@ -415,29 +413,15 @@ impl<W: Write> Vm<W> {
         // it needs no APIC timer calibration (which the nested path's
         // timing fails).
         let deadline = kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
+        // QEMU's TCG, when it is the host (the nested test path), does not
+        // let KVM see a nested guest's XSETBV, so KVM reports the XSAVE size
+        // of the reset XCR0 and Linux warns at boot; such guests get FXSAVE
+        // only: no XSAVE, OSXSAVE, AVX, FMA, F16C (leaf 1), AVX2, AVX-512
+        // (leaf 7), and no leaf 0xD.
+        const LEAF1_XSAVE_ECX: u32 = (1 << 26) | (1 << 27) | (1 << 28) | (1 << 12) | (1 << 29);
+        const LEAF7_AVX_EBX: u32 = (1 << 5) | (1 << 16) | (1 << 17) | (1 << 28) | (1 << 30) | (1 << 31);
         for e in cpuid.as_mut_slice() {
             match e.function {
-                // QEMU's TCG, when it is the host (the nested test path),
-                // does not let KVM see a nested guest's XSETBV, so KVM
-                // reports the XSAVE size of the reset XCR0 and Linux warns
-                // at boot; such guests get FXSAVE only (no XSAVE, no AVX).
-                1 if tcg => {
-                    e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
-                    if deadline {
-                        e.ecx |= 1 << 24;
-                    }
-                    e.ecx =
-                        (e.ecx | (1 << 31)) & !((1 << 26) | (1 << 27) | (1 << 28) | (1 << 12) | (1 << 29));
-                }
-                7 if tcg && e.index == 0 => {
-                    e.ebx &= !((1 << 5) | (1 << 16) | (1 << 17) | (1 << 28) | (1 << 30) | (1 << 31))
-                }
-                0xd if tcg => {
-                    e.eax = 0;
-                    e.ebx = 0;
-                    e.ecx = 0;
-                    e.edx = 0;
-                }
                 1 => {
                     e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
                     if deadline {
@@ -446,6 +430,16 @@ impl<W: Write> Vm<W> {
                     // "Running under a hypervisor": the guest then finds
                     // KVM's leaves (kvm-clock, paravirtual features).
                     e.ecx |= 1 << 31;
+                    if tcg {
+                        e.ecx &= !LEAF1_XSAVE_ECX;
+                    }
+                }
+                7 if tcg && e.index == 0 => e.ebx &= !LEAF7_AVX_EBX,
+                0xd if tcg => {
+                    e.eax = 0;
+                    e.ebx = 0;
+                    e.ecx = 0;
+                    e.edx = 0;
                 }
                 0xb | 0x1f => e.edx = 0,
                 // XSAVE area size for the enabled features: a kernel enables
