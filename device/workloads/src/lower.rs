@@ -30,7 +30,9 @@ pub struct VnpuShape {
     pub vu: u32,
     pub sram_bytes: u64,
     pub hbm_bytes: u64,
-    /// Systolic array columns (weight chunks are rounded to them).
+    /// Systolic array rows and columns (weight chunks are rounded to the
+    /// columns; both decide how a matrix product is split over SAs).
+    pub sa_rows: u32,
     pub sa_cols: u32,
 }
 
@@ -78,10 +80,31 @@ enum Stage {
     Vu(Vec<Instr>),
 }
 
+/// One tile: the DMA engine loads it once, then each lane runs its chain
+/// of stages and the DMA engine stores that lane's result. A tile of one
+/// lane runs on the engines of its slot; lane `i` of a wider tile runs on
+/// SA `i` and VU `i % vu` (a matrix product split by weight columns).
 struct Tile {
     load: Vec<Instr>,
+    lanes: Vec<Lane>,
+}
+
+struct Lane {
     stages: Vec<Stage>,
     store: Vec<Instr>,
+}
+
+impl Tile {
+    fn single(load: Vec<Instr>, stages: Vec<Stage>, store: Vec<Instr>) -> Self {
+        Tile { load, lanes: vec![Lane { stages, store }] }
+    }
+}
+
+/// A column block of a weight chunk: first column (within the chunk) and width.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    c0: u32,
+    cols: u32,
 }
 
 struct Lowerer {
@@ -206,7 +229,8 @@ impl Lowerer {
     }
 
     /// Emits a pipeline of `n` tiles over `slots` slots. Slot `p` runs its
-    /// SA stages on SA `p % sa` and its VU stages on VU `p % vu`.
+    /// SA stages on SA `p % sa` and its VU stages on VU `p % vu` (see
+    /// [`Tile`] for tiles of several lanes).
     fn pipeline(
         &mut self,
         preload: Vec<Instr>,
@@ -217,51 +241,138 @@ impl Lowerer {
         for i in preload {
             self.b.push(Engine::DMA, i);
         }
-        let mut pending: VecDeque<(u8, Vec<Instr>)> = VecDeque::new();
+        let mut pending: VecDeque<Vec<(u8, Vec<Instr>)>> = VecDeque::new();
         for t in 0..n {
             let slot = (t as u32) % slots;
             let tl = tile(t, slot);
             if pending.len() as u32 == slots {
-                if let Some((post, store)) = pending.pop_front() {
-                    self.b.push(Engine::DMA, Instr::Wait { sem: post });
-                    for i in store {
-                        self.b.push(Engine::DMA, i);
-                    }
+                if let Some(lanes) = pending.pop_front() {
+                    self.drain(lanes);
                 }
             }
             for i in tl.load {
                 self.b.push(Engine::DMA, i);
             }
-            let mut prev = Engine::DMA;
-            for st in tl.stages {
-                let (engine, code) = match st {
-                    Stage::Sa(c) => (Engine::sa((slot % self.shape.sa) as u8), c),
-                    Stage::Vu(c) => (Engine::vu((slot % self.shape.vu) as u8), c),
-                };
-                let sem = self.chan(prev, engine)?;
-                self.b.push(prev, Instr::Signal { sem });
-                self.b.push(engine, Instr::Wait { sem });
-                for i in code {
-                    self.b.push(engine, i);
+            let wide = tl.lanes.len() > 1;
+            let mut posts = Vec::with_capacity(tl.lanes.len());
+            for (lane, l) in tl.lanes.into_iter().enumerate() {
+                let e = if wide { lane as u32 } else { slot };
+                let mut prev = Engine::DMA;
+                for st in l.stages {
+                    let (engine, code) = match st {
+                        Stage::Sa(c) => (Engine::sa((e % self.shape.sa) as u8), c),
+                        Stage::Vu(c) => (Engine::vu((e % self.shape.vu) as u8), c),
+                    };
+                    let sem = self.chan(prev, engine)?;
+                    self.b.push(prev, Instr::Signal { sem });
+                    self.b.push(engine, Instr::Wait { sem });
+                    for i in code {
+                        self.b.push(engine, i);
+                    }
+                    prev = engine;
                 }
-                prev = engine;
-            }
-            let post = self.chan(prev, Engine::DMA)?;
-            if prev != Engine::DMA {
+                // Without a compute stage the DMA stream orders itself.
+                let post = self.chan(prev, Engine::DMA)?;
                 self.b.push(prev, Instr::Signal { sem: post });
-            } else {
-                // No compute stage: the DMA stream orders itself.
-                self.b.push(Engine::DMA, Instr::Signal { sem: post });
+                posts.push((post, l.store));
             }
-            pending.push_back((post, tl.store));
+            pending.push_back(posts);
         }
-        while let Some((post, store)) = pending.pop_front() {
+        while let Some(lanes) = pending.pop_front() {
+            self.drain(lanes);
+        }
+        Ok(())
+    }
+
+    /// The DMA engine waits for each lane of a tile and stores its result.
+    fn drain(&mut self, lanes: Vec<(u8, Vec<Instr>)>) {
+        for (post, store) in lanes {
             self.b.push(Engine::DMA, Instr::Wait { sem: post });
             for i in store {
                 self.b.push(Engine::DMA, i);
             }
         }
-        Ok(())
+    }
+
+    /// SA cycles of an `m x k x n` product (weight-stationary estimate,
+    /// used only to choose how to split work).
+    fn sa_estimate(&self, m: u32, k: u64, n: u32) -> u64 {
+        let (r, c) = (u64::from(self.shape.sa_rows.max(1)), u64::from(self.shape.sa_cols.max(1)));
+        k.div_ceil(r) * u64::from(n).div_ceil(c) * (2 * r + c - 2 + u64::from(m))
+    }
+
+    /// How to spread a product of `units` row units (`m_per_unit` GEMM rows
+    /// each) by `k` by a weight chunk of `nt` columns over the SAs: either
+    /// row tiles spread over the slots (every SA holds all `nt` columns) or,
+    /// when the SAs' weight loads would dominate, every tile split by
+    /// column blocks, one per SA. Returns the slots, units per tile and the
+    /// column blocks (one block = row split).
+    #[allow(clippy::too_many_arguments)]
+    fn split(
+        &self,
+        op: &str,
+        fixed: u64,
+        units: u32,
+        m_per_unit: u32,
+        k: u64,
+        nt: u32,
+        bytes: impl Fn(u32) -> u64,
+    ) -> Result<(u32, u32, Vec<Block>), LowerError> {
+        let engines = self.shape.sa.max(self.shape.vu);
+        let (slots, rt) = self.plan(op, fixed, engines, units, &bytes)?;
+        let whole = vec![Block { c0: 0, cols: nt }];
+        let c = self.shape.sa_cols.max(1);
+        let folds = nt.div_ceil(c);
+        let lanes = self.shape.sa.min(folds);
+        if lanes < 2 {
+            return Ok((slots, rt, whole));
+        }
+        let per_sa = |rt: u32, tiles_per_sa: u32, cols: u32| {
+            u64::from(tiles_per_sa) * self.sa_estimate(rt.saturating_mul(m_per_unit), k, cols)
+        };
+        let rows_cost = per_sa(rt, units.div_ceil(rt).div_ceil(self.shape.sa), nt);
+        let (cslots, crt) = self.plan(op, fixed, engines.div_ceil(lanes), units, &bytes)?;
+        let mut blocks = Vec::with_capacity(lanes as usize);
+        let mut c0 = 0;
+        for i in 0..lanes {
+            let f = folds / lanes + u32::from(i < folds % lanes);
+            let cols = (f * c).min(nt - c0);
+            blocks.push(Block { c0, cols });
+            c0 += cols;
+        }
+        let cols_cost = per_sa(crt, units.div_ceil(crt), blocks[0].cols);
+        if cols_cost < rows_cost {
+            Ok((cslots, crt, blocks))
+        } else {
+            Ok((slots, rt, whole))
+        }
+    }
+
+    /// Loads a weight chunk (columns `n0..n0 + nt` of a `krows x n` matrix)
+    /// into SRAM at `dst`, block by block, each block contiguous with its
+    /// width as leading dimension.
+    fn load_weights(
+        &self,
+        w: TensorId,
+        krows: u64,
+        n: u32,
+        n0: u32,
+        blocks: &[Block],
+        dst: u64,
+    ) -> Vec<Instr> {
+        blocks
+            .iter()
+            .map(|bl| {
+                copy(
+                    self.addr(w, u64::from(n0 + bl.c0)),
+                    Addr::sram(dst + krows * u64::from(bl.c0) * F),
+                    krows,
+                    u64::from(bl.cols) * F,
+                    u64::from(n) * F,
+                    u64::from(bl.cols) * F,
+                )
+            })
+            .collect()
     }
 
     /// Column chunk of weights that fits half the SRAM.
@@ -301,19 +412,10 @@ impl Lowerer {
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
             let tmp_cols = if act == Act::Swish { u64::from(nt) } else { 0 };
             let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
-            let (slots, rt) = self.plan(name, fixed, self.shape.sa.max(self.shape.vu), rows, row_bytes)?;
+            let (slots, rt, blocks) = self.split(name, fixed, rows, 1, k.into(), nt, row_bytes)?;
             let slot_bytes = row_bytes(rt).next_multiple_of(64);
-            let preload = vec![
-                copy(
-                    self.addr(w, u64::from(n0)),
-                    Addr::sram(w_s),
-                    k.into(),
-                    u64::from(nt) * F,
-                    u64::from(n) * F,
-                    u64::from(nt) * F,
-                ),
-                copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0),
-            ];
+            let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
+            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let tiles = rows.div_ceil(rt) as usize;
             let hbm = self.hbm.clone();
             let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
@@ -323,6 +425,46 @@ impl Lowerer {
                 let base = fixed + u64::from(slot) * slot_bytes;
                 let (inb, outb) = (base, base + u64::from(r) * u64::from(k) * F);
                 let tmpb = outb + u64::from(r) * u64::from(nt) * F;
+                let lanes = blocks
+                    .iter()
+                    .map(|bl| {
+                        // Block `bl` of the output: `r x cols`, contiguous.
+                        let off = u64::from(r) * u64::from(bl.c0) * F;
+                        Lane {
+                            stages: vec![
+                                Stage::Sa(vec![Instr::MatMul {
+                                    dtype: DType::F32,
+                                    flags: MatFlags::default(),
+                                    a: inb,
+                                    b: w_s + u64::from(k) * u64::from(bl.c0) * F,
+                                    c: outb + off,
+                                    m: r,
+                                    k,
+                                    n: bl.cols,
+                                    lda: k,
+                                    ldb: bl.cols,
+                                    ldc: bl.cols,
+                                }]),
+                                Stage::Vu(bias_act(
+                                    outb + off,
+                                    Some(b_s + u64::from(bl.c0) * F),
+                                    r,
+                                    bl.cols,
+                                    act,
+                                    tmpb + off,
+                                )),
+                            ],
+                            store: vec![copy(
+                                Addr::sram(outb + off),
+                                at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0 + bl.c0)),
+                                r.into(),
+                                u64::from(bl.cols) * F,
+                                u64::from(bl.cols) * F,
+                                u64::from(y.ld) * F,
+                            )],
+                        }
+                    })
+                    .collect();
                 Tile {
                     load: vec![copy(
                         at(x.t, u64::from(m0) * u64::from(x.ld) + u64::from(x.col)),
@@ -332,30 +474,7 @@ impl Lowerer {
                         u64::from(x.ld) * F,
                         u64::from(k) * F,
                     )],
-                    stages: vec![
-                        Stage::Sa(vec![Instr::MatMul {
-                            dtype: DType::F32,
-                            flags: MatFlags::default(),
-                            a: inb,
-                            b: w_s,
-                            c: outb,
-                            m: r,
-                            k,
-                            n: nt,
-                            lda: k,
-                            ldb: nt,
-                            ldc: nt,
-                        }]),
-                        Stage::Vu(bias_act(outb, Some(b_s), r, nt, act, tmpb)),
-                    ],
-                    store: vec![copy(
-                        Addr::sram(outb),
-                        at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0)),
-                        r.into(),
-                        u64::from(nt) * F,
-                        u64::from(nt) * F,
-                        u64::from(y.ld) * F,
-                    )],
+                    lanes,
                 }
             })?;
             n0 += nt;
@@ -405,21 +524,16 @@ impl Lowerer {
                 in_rows * u64::from(s.w) * u64::from(cin) * F
                     + (1 + tmp) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
             };
-            let engines = if depthwise { self.shape.vu } else { self.shape.sa.max(self.shape.vu) };
-            let (slots, rt) = self.plan(name, fixed, engines, ho * batch, bytes)?;
+            let (slots, rt, blocks) = if depthwise {
+                let (slots, rt) = self.plan(name, fixed, self.shape.vu, ho * batch, bytes)?;
+                (slots, rt, vec![Block { c0: 0, cols: nt }])
+            } else {
+                self.split(name, fixed, ho * batch, wo, krows, nt, bytes)?
+            };
             let rt = rt.min(ho);
             let slot_bytes = bytes(rt).next_multiple_of(64);
-            let preload = vec![
-                copy(
-                    self.addr(w, u64::from(n0)),
-                    Addr::sram(w_s),
-                    krows,
-                    u64::from(nt) * F,
-                    u64::from(cout) * F,
-                    u64::from(nt) * F,
-                ),
-                copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0),
-            ];
+            let mut preload = self.load_weights(w, krows, cout, n0, &blocks, w_s);
+            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let bands = ho.div_ceil(rt);
             let tiles = (batch * bands) as usize;
             let hbm = self.hbm.clone();
@@ -435,55 +549,70 @@ impl Lowerer {
                 let outb = base + in_elems * F;
                 let out_rows = r * wo;
                 let tmpb = outb + u64::from(out_rows) * u64::from(nt) * F;
-                let geom = ConvGeom {
-                    n: 1,
-                    h: bh,
-                    w: s.w,
-                    cin,
-                    cout: nt,
-                    kh: s.k,
-                    kw: s.k,
-                    stride: s.stride,
-                    pad_top: pt,
-                    pad_bottom: pb,
-                    pad_left: s.pad,
-                    pad_right: s.pad,
-                };
-                let post = bias_act(outb, Some(b_s), out_rows, nt, act, tmpb);
-                let stages = if depthwise {
-                    let mut v = vec![Instr::VDepthwise { src: inb, weights: w_s, dst: outb, geom }];
-                    v.extend(post);
-                    vec![Stage::Vu(v)]
-                } else {
-                    vec![
-                        Stage::Sa(vec![Instr::Conv2d {
-                            dtype: DType::F32,
-                            flags: MatFlags::default(),
-                            input: inb,
-                            weights: w_s,
-                            output: outb,
-                            geom,
-                        }]),
-                        Stage::Vu(post),
-                    ]
-                };
                 let src_e =
                     (u64::from(img) * u64::from(s.h) + u64::from(lo)) * u64::from(s.w) * u64::from(cin);
                 let dst_e =
                     (u64::from(img) * u64::from(ho) + u64::from(oy0)) * u64::from(wo) * u64::from(cout)
                         + u64::from(n0);
-                Tile {
-                    load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)],
-                    stages,
-                    store: vec![copy(
-                        Addr::sram(outb),
-                        at(y, dst_e),
-                        out_rows.into(),
-                        u64::from(nt) * F,
-                        u64::from(nt) * F,
-                        u64::from(cout) * F,
-                    )],
-                }
+                let lanes = blocks
+                    .iter()
+                    .map(|bl| {
+                        // Block `bl` of the output: `out_rows x cols`, contiguous.
+                        let off = u64::from(out_rows) * u64::from(bl.c0) * F;
+                        let geom = ConvGeom {
+                            n: 1,
+                            h: bh,
+                            w: s.w,
+                            cin,
+                            cout: bl.cols,
+                            kh: s.k,
+                            kw: s.k,
+                            stride: s.stride,
+                            pad_top: pt,
+                            pad_bottom: pb,
+                            pad_left: s.pad,
+                            pad_right: s.pad,
+                        };
+                        let (wb, ob) = (w_s + krows * u64::from(bl.c0) * F, outb + off);
+                        let post = bias_act(
+                            ob,
+                            Some(b_s + u64::from(bl.c0) * F),
+                            out_rows,
+                            bl.cols,
+                            act,
+                            tmpb + off,
+                        );
+                        let stages = if depthwise {
+                            let mut v = vec![Instr::VDepthwise { src: inb, weights: wb, dst: ob, geom }];
+                            v.extend(post);
+                            vec![Stage::Vu(v)]
+                        } else {
+                            vec![
+                                Stage::Sa(vec![Instr::Conv2d {
+                                    dtype: DType::F32,
+                                    flags: MatFlags::default(),
+                                    input: inb,
+                                    weights: wb,
+                                    output: ob,
+                                    geom,
+                                }]),
+                                Stage::Vu(post),
+                            ]
+                        };
+                        Lane {
+                            stages,
+                            store: vec![copy(
+                                Addr::sram(ob),
+                                at(y, dst_e + u64::from(bl.c0)),
+                                out_rows.into(),
+                                u64::from(bl.cols) * F,
+                                u64::from(bl.cols) * F,
+                                u64::from(cout) * F,
+                            )],
+                        }
+                    })
+                    .collect();
+                Tile { load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)], lanes }
             })?;
             n0 += nt;
         }
@@ -510,7 +639,7 @@ impl Lowerer {
             let u0 = t as u32 * rt;
             let r = rt.min(units - u0);
             let (load, compute, store) = make(u0, r, fixed + u64::from(slot) * slot_bytes);
-            Tile { load, stages: vec![Stage::Vu(compute)], store }
+            Tile::single(load, vec![Stage::Vu(compute)], store)
         })
     }
 
@@ -787,13 +916,13 @@ impl Lowerer {
                     let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
                     let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
                     let rowb = u64::from(dh) * F;
-                    Tile {
-                        load: vec![
+                    Tile::single(
+                        vec![
                             copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
                             copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
                             copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
                         ],
-                        stages: vec![
+                        vec![
                             Stage::Sa(vec![Instr::MatMul {
                                 dtype: DType::F32,
                                 flags: MatFlags { accumulate: false, transpose_b: true },
@@ -825,8 +954,8 @@ impl Lowerer {
                                 ldc: dh,
                             }]),
                         ],
-                        store: vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
-                    }
+                        vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
+                    )
                 })?;
             }
             Op::Embedding { ref name, table, idx, y, batch, rows, dim, pool } => {

@@ -7,6 +7,7 @@ use npu_model::memory::read_f32s;
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory, VnpuLimits};
 use npu_workloads::graph::{Act, Graph, Init, Op, Spatial, View};
 use npu_workloads::{build, init_hbm, lower, reference, VnpuShape};
+use vnpu_abi::{Engine, Instr};
 
 fn board() -> BoardConfig {
     let mut b = BoardConfig::default();
@@ -18,7 +19,7 @@ fn board() -> BoardConfig {
 /// Lowers `g` for `shape`, runs it functionally, and compares every
 /// tensor with the reference interpreter.
 fn check(g: &Graph, sa: u32, vu: u32, sram: u64) {
-    let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_cols: 16 };
+    let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
     let l = lower(g, shape).unwrap();
     verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
     let mut hbm = LazyHbm::new(1 << 30);
@@ -176,16 +177,61 @@ fn recommendation_ops_match_reference() {
     check(&build("ncf", 5).unwrap(), 2, 2, 1 << 20);
 }
 
+/// Few rows against many weight columns: the weight loads of a
+/// weight-stationary SA dominate, so the lowering splits each tile by
+/// column blocks over the SAs instead of by rows.
+fn wide_products(batch: u32) -> Graph {
+    let mut g = Graph::new("wide-products", batch);
+    let x = g.tensor("input", u64::from(batch * 5 * 5 * 8), Init::Input);
+    g.input = x;
+    let (c, h, w) = g.conv("conv", x, 5, 5, 8, 70, 3, 1, Act::Swish);
+    let flat = View::dense(c, h * w * 70);
+    let y = g.linear("fc1", flat, batch, h * w * 70, 70, Act::Swish, None);
+    // Into a column range of a wider tensor: strided stores per block.
+    let wide = g.act("wide", u64::from(batch * 90));
+    g.linear("fc2", y, batch, 70, 50, Act::Relu, Some(View { t: wide, ld: 90, col: 20 }));
+    g.output = wide;
+    g
+}
+
+#[test]
+fn wide_products_are_split_by_columns_and_match_reference() {
+    for (sa, vu, sram) in [(4, 2, 4 << 20), (3, 1, 1 << 20), (2, 3, 2 << 20)] {
+        let g = wide_products(2);
+        check(&g, sa, vu, sram);
+        let l =
+            lower(&g, VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 })
+                .unwrap();
+        // Every SA computes products narrower than the layer.
+        for i in 0..sa {
+            let s = l.program.stream(Engine::sa(i as u8)).unwrap();
+            assert!(
+                s.code.iter().any(|c| matches!(c, Instr::MatMul { k: 1750, n, .. } if *n < 70)),
+                "SA {i} of {sa}"
+            );
+            assert!(
+                s.code.iter().any(|c| matches!(c, Instr::Conv2d { geom, .. } if geom.cout < 70)),
+                "SA {i} of {sa}"
+            );
+        }
+    }
+}
+
 #[test]
 fn too_little_sram_is_a_clear_error() {
     let g = mini_cnn(1);
     let e =
-        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1024, hbm_bytes: 1 << 30, sa_cols: 16 }).unwrap_err();
+        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1024, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 })
+            .unwrap_err();
     assert!(e.to_string().contains("needs") && e.to_string().contains("SRAM"), "{e}");
     let e =
-        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 4096, sa_cols: 16 }).unwrap_err();
+        lower(&g, VnpuShape { sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 4096, sa_rows: 16, sa_cols: 16 })
+            .unwrap_err();
     assert!(e.to_string().contains("HBM"), "{e}");
-    let e = lower(&g, VnpuShape { sa: 0, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 30, sa_cols: 16 })
-        .unwrap_err();
+    let e = lower(
+        &g,
+        VnpuShape { sa: 0, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 },
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("at least one SA"), "{e}");
 }
