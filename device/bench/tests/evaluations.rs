@@ -8,30 +8,56 @@ use std::process::Command;
 fn sharing_eval_writes_both_systems_as_json() {
     let path = std::env::temp_dir().join(format!("sharing-eval-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
-        .args(["--seconds", "0.05", "--load", "0.7", "--json", path.to_str().unwrap()])
+        .args(["--seconds", "0.05", "--load", "0.2,0.7", "--json", path.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).unwrap();
-    let systems = v["systems"].as_array().unwrap();
-    assert_eq!(systems.len(), 2);
-    for s in systems {
-        for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
-            let x = s[k].as_f64().unwrap();
-            assert!(x.is_finite() && x > 0.0, "{k} = {x}");
-        }
-        assert!(s["fairness"].as_f64().unwrap() <= 1.0);
-        assert!(s["p99_latency_s"].as_f64().unwrap() >= s["avg_latency_s"].as_f64().unwrap() * 0.5);
+    let tenants = v["tenants"].as_array().unwrap();
+    assert_eq!(tenants.len(), 4);
+    for t in tenants {
+        // Co-location never makes a tenant faster than alone.
+        assert!(t["t_1sa_1vu_colocated_s"].as_f64().unwrap() >= t["t_1sa_1vu_s"].as_f64().unwrap());
     }
-    let r = v["throughput_ratio"].as_f64().unwrap();
-    assert!(
-        (r - systems[0]["throughput_rps"].as_f64().unwrap() / systems[1]["throughput_rps"].as_f64().unwrap())
-            .abs()
-            < 1e-9
-    );
-    // The spatial system never preempts.
-    assert_eq!(systems[0]["context_switches"], 0);
+    let loads = v["loads"].as_array().unwrap();
+    assert_eq!(loads.len(), 2);
+    for l in loads {
+        let systems = l["systems"].as_array().unwrap();
+        assert_eq!(systems.len(), 2);
+        for s in systems {
+            for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
+                let x = s[k].as_f64().unwrap();
+                assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+            }
+            assert!(s["fairness"].as_f64().unwrap() <= 1.0);
+            let sla = s["sla_satisfaction"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&sla));
+            assert!(s["p99_latency_s"].as_f64().unwrap() >= s["avg_latency_s"].as_f64().unwrap() * 0.5);
+        }
+        let r = l["throughput_ratio"].as_f64().unwrap();
+        let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
+        assert!((r - t(0) / t(1)).abs() < 1e-9);
+        // The spatial system never preempts.
+        assert_eq!(systems[0]["context_switches"], 0);
+    }
+    // More load never raises a system's SLA satisfaction here.
+    let rates = |l: &serde_json::Value| -> Vec<f64> {
+        l["systems"].as_array().unwrap().iter().map(|s| s["sla_satisfaction"].as_f64().unwrap()).collect()
+    };
+    for (low, high) in rates(&loads[0]).iter().zip(rates(&loads[1])) {
+        assert!(high <= low + 1e-9, "{high} at load 0.7 > {low} at 0.2");
+    }
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn sharing_eval_refuses_bad_arguments() {
+    for args in [&["--load", "abc"][..], &["--load", "-1"], &["--qos"], &["--frobnicate"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval")).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("usage"), "{args:?}");
+    }
 }
 
 #[test]

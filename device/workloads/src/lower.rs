@@ -82,8 +82,9 @@ enum Stage {
 
 /// One tile: the DMA engine loads it once, then each lane runs its chain
 /// of stages and the DMA engine stores that lane's result. A tile of one
-/// lane runs on the engines of its slot; lane `i` of a wider tile runs on
-/// SA `i` and VU `i % vu` (a matrix product split by weight columns).
+/// lane runs on the engines of its slot; lane `i` of an `L`-lane tile in
+/// slot `p` runs on SA `(p L + i) % sa` and VU `(p L + i) % vu` (a matrix
+/// product split by weight columns).
 struct Tile {
     load: Vec<Instr>,
     lanes: Vec<Lane>,
@@ -254,9 +255,10 @@ impl Lowerer {
                 self.b.push(Engine::DMA, i);
             }
             let wide = tl.lanes.len() > 1;
+            let n_lanes = tl.lanes.len() as u32;
             let mut posts = Vec::with_capacity(tl.lanes.len());
             for (lane, l) in tl.lanes.into_iter().enumerate() {
-                let e = if wide { lane as u32 } else { slot };
+                let e = if wide { slot * n_lanes + lane as u32 } else { slot };
                 let mut prev = Engine::DMA;
                 for st in l.stages {
                     let (engine, code) = match st {
@@ -302,11 +304,16 @@ impl Lowerer {
     }
 
     /// How to spread a product of `units` row units (`m_per_unit` GEMM rows
-    /// each) by `k` by a weight chunk of `nt` columns over the SAs: either
-    /// row tiles spread over the slots (every SA holds all `nt` columns) or,
-    /// when the SAs' weight loads would dominate, every tile split by
-    /// column blocks, one per SA. Returns the slots, units per tile and the
-    /// column blocks (one block = row split).
+    /// each) by `k` by a weight chunk of `nt` columns over the SAs. The
+    /// candidates: row tiles spread over all slots (every SA holds all `nt`
+    /// columns, so each one loads every weight fold), for products shorter
+    /// than an array's rows one tile as large as SRAM allows, and tiles
+    /// split into column blocks (one lane per block,
+    /// `sa / lanes` groups of SAs working on different row tiles). The
+    /// shortest by a weight-stationary cycle estimate wins; among those
+    /// within 10% of it, the one with the least SA work (no SA reloads
+    /// weights for a few percent of time). Returns the slots, units per
+    /// tile and the column blocks (one block = no column split).
     #[allow(clippy::too_many_arguments)]
     fn split(
         &self,
@@ -318,34 +325,55 @@ impl Lowerer {
         nt: u32,
         bytes: impl Fn(u32) -> u64,
     ) -> Result<(u32, u32, Vec<Block>), LowerError> {
-        let engines = self.shape.sa.max(self.shape.vu);
-        let (slots, rt) = self.plan(op, fixed, engines, units, &bytes)?;
+        let sa = self.shape.sa;
+        let engines = sa.max(self.shape.vu);
+        // (time per SA, total SA work, slots, units per tile, blocks)
+        let mut cands: Vec<(u64, u64, u32, u32, Vec<Block>)> = Vec::new();
+        let mut add = |slots: u32, rt: u32, blocks: Vec<Block>| {
+            let lanes = blocks.len() as u32;
+            let groups = (sa / lanes).max(1);
+            let tiles = units.div_ceil(rt.max(1));
+            let widest = blocks.iter().map(|b| b.cols).max().unwrap_or(nt);
+            let per_tile = self.sa_estimate(rt.saturating_mul(m_per_unit), k, widest);
+            let work: u64 = blocks
+                .iter()
+                .map(|b| u64::from(tiles) * self.sa_estimate(rt.saturating_mul(m_per_unit), k, b.cols))
+                .sum();
+            cands.push((u64::from(tiles.div_ceil(groups)) * per_tile, work, slots, rt, blocks));
+        };
         let whole = vec![Block { c0: 0, cols: nt }];
+        let (slots, rt) = self.plan(op, fixed, engines, units, &bytes)?;
+        add(slots, rt, whole.clone());
+        if u64::from(units) * u64::from(m_per_unit) <= u64::from(self.shape.sa_rows) {
+            // Fewer rows than an array fold streams: splitting them only
+            // multiplies weight loads.
+            let (s2, r2) = self.plan(op, fixed, 1, units, &bytes)?;
+            add(s2, r2, whole);
+        }
         let c = self.shape.sa_cols.max(1);
         let folds = nt.div_ceil(c);
-        let lanes = self.shape.sa.min(folds);
-        if lanes < 2 {
-            return Ok((slots, rt, whole));
+        let lanes = sa.min(folds);
+        if lanes >= 2 {
+            let mut blocks = Vec::with_capacity(lanes as usize);
+            let mut c0 = 0;
+            for i in 0..lanes {
+                let f = folds / lanes + u32::from(i < folds % lanes);
+                let cols = (f * c).min(nt - c0);
+                blocks.push(Block { c0, cols });
+                c0 += cols;
+            }
+            let (slots, rt) = self.plan(op, fixed, engines.div_ceil(lanes), units, &bytes)?;
+            add(slots, rt, blocks);
         }
-        let per_sa = |rt: u32, tiles_per_sa: u32, cols: u32| {
-            u64::from(tiles_per_sa) * self.sa_estimate(rt.saturating_mul(m_per_unit), k, cols)
-        };
-        let rows_cost = per_sa(rt, units.div_ceil(rt).div_ceil(self.shape.sa), nt);
-        let (cslots, crt) = self.plan(op, fixed, engines.div_ceil(lanes), units, &bytes)?;
-        let mut blocks = Vec::with_capacity(lanes as usize);
-        let mut c0 = 0;
-        for i in 0..lanes {
-            let f = folds / lanes + u32::from(i < folds % lanes);
-            let cols = (f * c).min(nt - c0);
-            blocks.push(Block { c0, cols });
-            c0 += cols;
+        let best = cands.iter().map(|c| c.0).min().unwrap_or(0);
+        let mut pick: Option<(u64, u64, u32, u32, Vec<Block>)> = None;
+        for c in cands {
+            let better = pick.as_ref().is_none_or(|p| (c.1, c.0) < (p.1, p.0));
+            if c.0 * 10 <= best * 11 && better {
+                pick = Some(c);
+            }
         }
-        let cols_cost = per_sa(crt, units.div_ceil(crt), blocks[0].cols);
-        if cols_cost < rows_cost {
-            Ok((cslots, crt, blocks))
-        } else {
-            Ok((slots, rt, whole))
-        }
+        Ok(pick.map_or((slots, rt, vec![Block { c0: 0, cols: nt }]), |p| (p.2, p.3, p.4)))
     }
 
     /// Loads a weight chunk (columns `n0..n0 + nt` of a `krows x n` matrix)
