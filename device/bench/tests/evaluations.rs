@@ -53,7 +53,13 @@ fn sharing_eval_writes_both_systems_as_json() {
 
 #[test]
 fn sharing_eval_refuses_bad_arguments() {
-    for args in [&["--load", "abc"][..], &["--load", "-1"], &["--qos"], &["--frobnicate"]] {
+    for args in [
+        &["--load", "abc"][..],
+        &["--load", "-1"],
+        &["--qos"],
+        &["--preempt-margin", "-3"],
+        &["--frobnicate"],
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval")).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("usage"), "{args:?}");

@@ -101,6 +101,35 @@ impl Tile {
     }
 }
 
+/// Where a pipeline's preloaded data (`fixed` bytes at `wbase`) and its
+/// slots (`used` bytes at `sbase`) sit in SRAM.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    wbase: u64,
+    fixed: u64,
+    sbase: u64,
+    used: u64,
+}
+
+impl Layout {
+    /// Preloaded data at the bottom of SRAM, slots right above it.
+    fn low(fixed: u64, used: u64) -> Self {
+        Layout { wbase: 0, fixed, sbase: fixed, used }
+    }
+
+    fn preload(&self) -> (u64, u64) {
+        (self.wbase, self.wbase + self.fixed)
+    }
+
+    fn live(&self) -> [(u64, u64); 2] {
+        [self.preload(), (self.sbase, self.sbase + self.used)]
+    }
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1
+}
+
 /// A column block of a weight chunk: first column (within the chunk) and width.
 #[derive(Clone, Copy, Debug)]
 struct Block {
@@ -113,6 +142,11 @@ struct Lowerer {
     shape: VnpuShape,
     hbm: Vec<u64>,
     chans: Vec<((Engine, Engine), u8)>,
+    /// The last pipeline's final waits and stores, not yet emitted: the
+    /// next pipeline's preload goes first when it does not touch `live`.
+    deferred: VecDeque<Vec<(u8, Vec<Instr>)>>,
+    /// SRAM ranges the last pipeline still uses until `deferred` is emitted.
+    live: Vec<(u64, u64)>,
 }
 
 fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
@@ -229,19 +263,31 @@ impl Lowerer {
         Ok(id as u8)
     }
 
-    /// Emits a pipeline of `n` tiles over `slots` slots. Slot `p` runs its
-    /// SA stages on SA `p % sa` and its VU stages on VU `p % vu` (see
-    /// [`Tile`] for tiles of several lanes).
+    /// Emits a pipeline of `n` tiles over `slots` slots laid out as
+    /// `layout` says. Slot `p` runs its SA stages on SA `p % sa` and its VU
+    /// stages on VU `p % vu` (see [`Tile`] for tiles of several lanes).
+    ///
+    /// The preload (weights and other parameters: never data an earlier
+    /// operation writes) is issued before the previous pipeline's final
+    /// waits and stores when it lands outside the SRAM that pipeline still
+    /// uses, so the DMA engine loads the next weights while the SAs and VUs
+    /// finish the previous operation. The pipeline's own final waits and
+    /// stores are deferred the same way ([`Lowerer::flush`]).
     fn pipeline(
         &mut self,
+        layout: Layout,
         preload: Vec<Instr>,
         slots: u32,
         n: usize,
         mut tile: impl FnMut(usize, u32) -> Tile,
     ) -> Result<(), LowerError> {
+        if preload.is_empty() || self.live.iter().any(|r| overlaps(*r, layout.preload())) {
+            self.flush();
+        }
         for i in preload {
             self.b.push(Engine::DMA, i);
         }
+        self.flush();
         let mut pending: VecDeque<Vec<(u8, Vec<Instr>)>> = VecDeque::new();
         for t in 0..n {
             let slot = (t as u32) % slots;
@@ -280,10 +326,31 @@ impl Lowerer {
             }
             pending.push_back(posts);
         }
-        while let Some(lanes) = pending.pop_front() {
+        self.deferred = pending;
+        self.live = layout.live().to_vec();
+        Ok(())
+    }
+
+    /// Emits the deferred final waits and stores of the last pipeline.
+    fn flush(&mut self) {
+        while let Some(lanes) = self.deferred.pop_front() {
             self.drain(lanes);
         }
-        Ok(())
+        self.live.clear();
+    }
+
+    /// Where a pipeline with `fixed` preloaded bytes and `used` bytes of
+    /// slots goes: preload at the top of SRAM with the slots right below
+    /// when that misses what the last pipeline still uses (so its preload
+    /// can overlap that pipeline's end), else at the bottom.
+    fn bank(&self, fixed: u64, used: u64) -> Layout {
+        let wbase = self.shape.sram_bytes.saturating_sub(fixed) / 64 * 64;
+        let high = Layout { wbase, fixed, sbase: wbase.saturating_sub(used), used };
+        if fixed > 0 && wbase >= used && !self.live.iter().any(|r| overlaps(*r, high.preload())) {
+            high
+        } else {
+            Layout::low(fixed, used)
+        }
     }
 
     /// The DMA engine waits for each lane of a tile and stores its result.
@@ -436,21 +503,22 @@ impl Lowerer {
         while n0 < n {
             let nt = nt_max.min(n - n0);
             let wbytes = u64::from(k) * u64::from(nt) * F;
-            let (w_s, b_s) = (0u64, wbytes);
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
             let tmp_cols = if act == Act::Swish { u64::from(nt) } else { 0 };
             let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
             let (slots, rt, blocks) = self.split(name, fixed, rows, 1, k.into(), nt, row_bytes)?;
             let slot_bytes = row_bytes(rt).next_multiple_of(64);
+            let tiles = rows.div_ceil(rt) as usize;
+            let layout = self.bank(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+            let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
             let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
             preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
-            let tiles = rows.div_ceil(rt) as usize;
             let hbm = self.hbm.clone();
             let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
-            self.pipeline(preload, slots, tiles, |t, slot| {
+            self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let m0 = t as u32 * rt;
                 let r = rt.min(rows - m0);
-                let base = fixed + u64::from(slot) * slot_bytes;
+                let base = layout.sbase + u64::from(slot) * slot_bytes;
                 let (inb, outb) = (base, base + u64::from(r) * u64::from(k) * F);
                 let tmpb = outb + u64::from(r) * u64::from(nt) * F;
                 let lanes = blocks
@@ -543,7 +611,6 @@ impl Lowerer {
         while n0 < cout {
             let nt = nt_max.min(cout - n0);
             let wbytes = krows * u64::from(nt) * F;
-            let (w_s, b_s) = (0u64, wbytes);
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
             let tmp = if act == Act::Swish { 1 } else { 0 };
             let bytes = |r: u32| {
@@ -560,19 +627,21 @@ impl Lowerer {
             };
             let rt = rt.min(ho);
             let slot_bytes = bytes(rt).next_multiple_of(64);
-            let mut preload = self.load_weights(w, krows, cout, n0, &blocks, w_s);
-            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let bands = ho.div_ceil(rt);
             let tiles = (batch * bands) as usize;
+            let layout = self.bank(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+            let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
+            let mut preload = self.load_weights(w, krows, cout, n0, &blocks, w_s);
+            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let hbm = self.hbm.clone();
             let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
-            self.pipeline(preload, slots, tiles, |t, slot| {
+            self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let img = t as u32 / bands;
                 let oy0 = (t as u32 % bands) * rt;
                 let r = rt.min(ho - oy0);
                 let (lo, bh, pt, pb) = Self::band(&s, oy0, r);
                 let in_elems = u64::from(bh) * u64::from(s.w) * u64::from(cin);
-                let base = fixed + u64::from(slot) * slot_bytes;
+                let base = layout.sbase + u64::from(slot) * slot_bytes;
                 let inb = base;
                 let outb = base + in_elems * F;
                 let out_rows = r * wo;
@@ -663,7 +732,8 @@ impl Lowerer {
         let (slots, rt) = self.plan(name, fixed, self.shape.vu, units, &bytes)?;
         let slot_bytes = bytes(rt).next_multiple_of(64);
         let tiles = units.div_ceil(rt) as usize;
-        self.pipeline(preload, slots, tiles, |t, slot| {
+        let layout = Layout::low(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+        self.pipeline(layout, preload, slots, tiles, |t, slot| {
             let u0 = t as u32 * rt;
             let r = rt.min(units - u0);
             let (load, compute, store) = make(u0, r, fixed + u64::from(slot) * slot_bytes);
@@ -935,7 +1005,9 @@ impl Lowerer {
                 let (slots, _) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
                 let slot_bytes = bytes.next_multiple_of(64);
                 let scale = 1.0 / (dh as f32).sqrt();
-                self.pipeline(vec![], slots, (batch * heads) as usize, |t, slot| {
+                let n = (batch * heads) as usize;
+                let layout = Layout::low(0, u64::from(slots.min(n as u32)) * slot_bytes);
+                self.pipeline(layout, vec![], slots, n, |t, slot| {
                     let (bi, h) = (t as u32 / heads, t as u32 % heads);
                     let base = u64::from(slot) * slot_bytes;
                     let (q, k, v, o, sc) = (base, base + sd, base + 2 * sd, base + 3 * sd, base + 4 * sd);
@@ -1124,10 +1196,13 @@ pub fn lower(graph: &Graph, shape: VnpuShape) -> Result<Lowered, LowerError> {
         shape,
         hbm: placed.iter().map(|p| p.offset).collect(),
         chans: Vec::new(),
+        deferred: VecDeque::new(),
+        live: Vec::new(),
     };
     for op in &graph.ops {
         l.op(op)?;
     }
+    l.flush();
     Ok(Lowered {
         program: l.b.finish(),
         tensors: placed,

@@ -7,7 +7,7 @@ use npu_model::memory::read_f32s;
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory, VnpuLimits};
 use npu_workloads::graph::{Act, Graph, Init, Op, Spatial, View};
 use npu_workloads::{build, init_hbm, lower, reference, VnpuShape};
-use vnpu_abi::{Engine, Instr};
+use vnpu_abi::{Engine, Instr, Space};
 
 fn board() -> BoardConfig {
     let mut b = BoardConfig::default();
@@ -202,6 +202,15 @@ fn wide_products_are_split_by_columns_and_match_reference() {
         let l =
             lower(&g, VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 })
                 .unwrap();
+        // Some weights go to the top of SRAM, so they load while the
+        // previous operation finishes (and the results above still match).
+        let dma = l.program.stream(Engine::DMA).unwrap();
+        assert!(
+            dma.code.iter().any(
+                |c| matches!(c, Instr::DmaCopy { dst, .. } if dst.space == Space::Sram && dst.offset >= sram / 2)
+            ),
+            "no weights prefetched into the upper bank ({sa} SA, {sram} B)"
+        );
         // Every SA computes products narrower than the layer.
         for i in 0..sa {
             let s = l.program.stream(Engine::sa(i as u8)).unwrap();

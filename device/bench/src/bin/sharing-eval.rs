@@ -12,8 +12,8 @@
 //!   running one, paying a context switch (saving and restoring the SRAM
 //!   state through the DMA engine) unless the running one is about to end
 //!   (then it drains). Decisions are taken at arrivals and at the moment a
-//!   waiter's tokens overtake the running request's by the switch cost
-//!   normalized to the waiter (no preemption that the switch would eat).
+//!   waiter's tokens overtake the running request's (by `--preempt-margin`
+//!   context switches normalized to the waiter; default 0).
 //!
 //! Service times come from the NPU model (simulated) for each workload on
 //! 1+1 and on 4+4; the arrivals are the same for both systems. For each
@@ -28,14 +28,18 @@ use npu_model::{run_core, run_program, BoardConfig, Tenant as CoreTenant};
 use npu_workloads::{lower_workload, run_workload, RunOptions, RunReport};
 use vnpu_abi::{Instr, Program, Stream};
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--json PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--json PATH]
 
   --load     offered loads: each tenant's arrival rate as a fraction of what
-             its own 1 SA + 1 VU vNPU serves (default 0.05,0.1,0.2,...,0.9)
+             its own 1 SA + 1 VU vNPU serves (default 0.01,0.02,0.05,0.1,0.2,...,0.9)
   --seconds  simulated seconds of arrivals per load (default 1)
   --seed     arrival seed (default 1)
   --qos      latency bound of each request: F times its workload's isolated
              latency on the whole core (default 10)
+  --preempt-margin M
+             PREMA-like: a waiter preempts once its tokens exceed the running
+             request's by M context switches (normalized to the waiter);
+             0 (default) is PREMA's plain token rule
   --json     also write the results as JSON to PATH";
 
 struct Rng(u64);
@@ -89,7 +93,9 @@ fn spatial(ws: &[Workload], arrivals: &[Vec<f64>]) -> Outcome {
     o
 }
 
-fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64) -> Outcome {
+/// `margin`: how many context switches' worth of tokens (normalized to the
+/// waiter) a waiter must be ahead before it preempts (0: PREMA's token rule).
+fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64, margin: f64) -> Outcome {
     #[derive(Clone, Copy)]
     struct Req {
         tenant: usize,
@@ -146,8 +152,8 @@ fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64) -> Outcome {
         let tr = ws[r.tenant].t44;
         for w in &queue {
             let tw = ws[w.tenant].t44;
-            if tw < tr && tokens(w, now) <= tokens(&r, now) + switch / tw {
-                let t = (w.arrival / tw - r.arrival / tr + switch / tw) / (1.0 / tw - 1.0 / tr);
+            if tw < tr && tokens(w, now) <= tokens(&r, now) + margin * switch / tw {
+                let t = (w.arrival / tw - r.arrival / tr + margin * switch / tw) / (1.0 / tw - 1.0 / tr);
                 // A nanosecond past the crossing, so the waiter is strictly ahead.
                 next_event = next_event.min(t.max(now) + 1e-9);
             }
@@ -167,7 +173,7 @@ fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64) -> Outcome {
         admit(&mut queue, &mut next, now);
         match best(&queue, now) {
             Some(k)
-                if tokens(&queue[k], now) > tokens(&r, now) + switch / ws[queue[k].tenant].t44
+                if tokens(&queue[k], now) > tokens(&r, now) + margin * switch / ws[queue[k].tenant].t44
                     && r.left > switch =>
             {
                 now += switch / 2.0; // saving its state
@@ -244,15 +250,17 @@ struct Args {
     seconds: f64,
     seed: u64,
     qos: f64,
+    margin: f64,
     json: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
-        loads: [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9].to_vec(),
+        loads: [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9].to_vec(),
         seconds: 1.0,
         seed: 1,
         qos: 10.0,
+        margin: 0.0,
         json: None,
     };
     let mut it = std::env::args().skip(1);
@@ -285,6 +293,13 @@ fn parse_args() -> Result<Args, String> {
                 a.seed = v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))?;
             }
             "--qos" => a.qos = num("--qos", it.next())?,
+            "--preempt-margin" => {
+                let v = it.next().ok_or("--preempt-margin needs a value")?;
+                a.margin = v.parse().map_err(|_| format!("--preempt-margin: `{v}` is not a number"))?;
+                if !(0.0..=100.0).contains(&a.margin) {
+                    return Err(format!("--preempt-margin: {v} must be in 0..=100"));
+                }
+            }
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
             other => return Err(format!("unknown argument `{other}`")),
         }
@@ -426,7 +441,7 @@ fn run() -> Result<(), String> {
             .collect();
         let rows = [
             summarize("vNPU", spatial(&ws, &arrivals), &ws, args.qos, eus),
-            summarize("PREMA-like", prema(&ws, &arrivals, switch), &ws, args.qos, eus),
+            summarize("PREMA-like", prema(&ws, &arrivals, switch, args.margin), &ws, args.qos, eus),
         ];
         for r in &rows {
             println!(
@@ -478,7 +493,7 @@ fn run() -> Result<(), String> {
                 "tenant_p99_latency_s": r.tenants_p99})
         };
         let v = serde_json::json!({
-            "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "context_switch_s": switch,
+            "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin, "context_switch_s": switch,
             "tenants": ws.iter().map(|w| serde_json::json!({"name": w.name, "t_1sa_1vu_s": w.t11,
                 "t_1sa_1vu_colocated_s": w.t11_shared, "t_4sa_4vu_s": w.t44,
                 "sla_latency_s": args.qos * w.t44})).collect::<Vec<_>>(),
@@ -517,7 +532,7 @@ mod tests {
     fn a_short_request_preempts_a_long_one_once_its_tokens_pay_for_the_switch() {
         let ws = [w("long", 4e-3, 2e-3), w("short", 10e-6, 10e-6)];
         // The long request starts at 0; the short one arrives at 100 us.
-        let o = prema(&ws, &[vec![0.0], vec![100e-6]], 40e-6);
+        let o = prema(&ws, &[vec![0.0], vec![100e-6]], 40e-6, 1.0);
         assert_eq!(o.switches, 1);
         let short = o.latencies[1][0];
         // Waits until its tokens exceed the long one's by switch / 10 us = 4,
