@@ -19,5 +19,8 @@ pub mod verify;
 pub use config::BoardConfig;
 pub use kernels::CoreMemory;
 pub use memory::{LazyHbm, Memory, Sram, VecGuestMemory};
-pub use sim::{run_core, run_program, CoreReport, EngineStats, ExecError, Tenant, TenantReport, Totals};
+pub use sim::{
+    run_core, run_core_admitted, run_program, Admission, CoreReport, CoreSim, EngineStats, ExecError,
+    Finished, SimTenant, Tenant, TenantReport, Totals,
+};
 pub use verify::{verify, VerifyError, VnpuLimits};

@@ -77,8 +77,14 @@ impl Totals {
 /// What one tenant's program did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TenantReport {
-    /// Simulated cycles from start until its last stream finished.
+    /// Simulated cycles from the core's start until the tenant's last
+    /// stream finished.
     pub cycles: f64,
+    /// When the tenant was admitted to the core (0 unless it had to wait
+    /// for engines, see [`run_core_admitted`]); its program's first
+    /// instruction issues `switch_cycles` later when it took over engines
+    /// another tenant used.
+    pub started: f64,
     pub engines: Vec<EngineStats>,
 }
 
@@ -119,6 +125,21 @@ pub struct Tenant<'p, 'm> {
     pub max_cycles: Option<u64>,
 }
 
+/// Tenants that together claim more engines than the core has: each
+/// tenant's claim, and the order in which waiting tenants are considered
+/// whenever engines free up (first fit: a later tenant that fits starts
+/// before an earlier one that does not).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Admission {
+    /// (SAs, VUs) per tenant, in the order of the tenants.
+    pub claims: Vec<(u32, u32)>,
+    /// Tenant indices, most urgent first.
+    pub order: Vec<usize>,
+    /// Delay before a tenant admitted after time 0 issues its first
+    /// instruction (the context switch onto engines another tenant used).
+    pub switch_cycles: f64,
+}
+
 #[derive(Clone, Copy, Debug)]
 enum State {
     Ready,
@@ -141,12 +162,6 @@ struct Run {
     rate: f64,
 }
 
-#[derive(Debug)]
-struct TenantState {
-    sems: [u32; vnpu_abi::isa::NUM_SEMAPHORES as usize],
-    error: Option<ExecError>,
-}
-
 /// Max-min fair shares of `total` among demands capped at `caps`.
 fn water_fill(total: f64, caps: &mut [(usize, f64)]) -> Vec<(usize, f64)> {
     caps.sort_by(|a, b| a.1.total_cmp(&b.1));
@@ -162,24 +177,122 @@ fn water_fill(total: f64, caps: &mut [(usize, f64)]) -> Vec<(usize, f64)> {
     out
 }
 
-/// Runs the tenants' programs on one core of `cfg` until every one has
-/// finished or failed. A failing tenant stops alone; the others go on.
-pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport {
-    let hbm_bw = cfg.hbm_bytes_per_cycle();
-    let mut runs: Vec<Run> = Vec::new();
-    let mut states: Vec<TenantState> = Vec::new();
-    for (t, tenant) in tenants.iter().enumerate() {
-        states.push(TenantState { sems: [0; vnpu_abi::isa::NUM_SEMAPHORES as usize], error: None });
-        for (s, stream) in tenant.program.streams.iter().enumerate() {
-            runs.push(Run {
-                tenant: t,
+/// A tenant of a [`CoreSim`]: its program, memories and budget.
+pub trait SimTenant {
+    fn program(&self) -> &Program;
+    /// Memories for functional execution; `None` runs timing only.
+    fn memory(&mut self) -> Option<CoreMemory<'_>>;
+    /// Cycles the tenant may run, counted from when its streams start.
+    fn max_cycles(&self) -> Option<u64>;
+}
+
+impl SimTenant for &mut Tenant<'_, '_> {
+    fn program(&self) -> &Program {
+        self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        self.memory.as_mut().map(|m| CoreMemory {
+            sram: &mut *m.sram,
+            hbm: &mut *m.hbm,
+            guest: &mut *m.guest,
+        })
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        self.max_cycles
+    }
+}
+
+struct Slot<J> {
+    job: J,
+    sems: [u32; vnpu_abi::isa::NUM_SEMAPHORES as usize],
+    error: Option<ExecError>,
+    /// When it was placed on the core.
+    started: f64,
+    /// Simulated time at which its budget runs out (infinity: none).
+    budget_end: f64,
+}
+
+/// What [`CoreSim::step`] hands back for a tenant that finished or failed:
+/// its id, the tenant itself and its report.
+pub type Finished<J> = (usize, J, Result<TenantReport, ExecError>);
+
+/// A core that tenants join and leave while simulated time runs: the
+/// event-driven simulation behind [`run_core`], kept across calls so a
+/// tenant can be placed on the core while others are half-way through
+/// their programs (a shared core serving requests as they come).
+pub struct CoreSim<'c, J> {
+    cfg: &'c BoardConfig,
+    now: f64,
+    slots: Vec<Option<Slot<J>>>,
+    runs: Vec<Run>,
+    /// Shares of HBM bandwidth under `hbm.partition = "equal"`.
+    shares: usize,
+}
+
+impl<J> std::fmt::Debug for CoreSim<'_, J> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CoreSim")
+            .field("now", &self.now)
+            .field("runs", &self.runs.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'c, J: SimTenant> CoreSim<'c, J> {
+    /// An idle core at time 0. Under `hbm.partition = "equal"` each tenant
+    /// owns `1 / shares` of the HBM bandwidth, used or not.
+    pub fn new(cfg: &'c BoardConfig, shares: usize) -> Self {
+        Self { cfg, now: 0.0, slots: Vec::new(), runs: Vec::new(), shares: shares.max(1) }
+    }
+
+    /// Simulated cycles since the core started.
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    /// Sets the number of HBM shares under `hbm.partition = "equal"`.
+    pub fn set_shares(&mut self, shares: usize) {
+        self.shares = shares.max(1);
+    }
+
+    /// No tenant is on the core.
+    pub fn is_idle(&self) -> bool {
+        self.slots.iter().all(Option::is_none)
+    }
+
+    /// Places `job` on the core now; its streams issue from `now + delay`.
+    /// Returns its id (reused once it has finished).
+    pub fn add(&mut self, job: J, delay: f64) -> usize {
+        let delay = delay.max(0.0);
+        let budget_end = job.max_cycles().map_or(f64::INFINITY, |b| self.now + delay + b as f64);
+        let streams: Vec<Engine> = job.program().streams.iter().map(|s| s.engine).collect();
+        let slot = Slot {
+            job,
+            sems: [0; vnpu_abi::isa::NUM_SEMAPHORES as usize],
+            error: None,
+            started: self.now,
+            budget_end,
+        };
+        let id = match self.slots.iter().position(Option::is_none) {
+            Some(i) => {
+                self.slots[i] = Some(slot);
+                i
+            }
+            None => {
+                self.slots.push(Some(slot));
+                self.slots.len() - 1
+            }
+        };
+        for (s, engine) in streams.into_iter().enumerate() {
+            self.runs.push(Run {
+                tenant: id,
                 stream: s,
                 pc: 0,
-                state: State::Ready,
-                finished_at: 0.0,
+                state: if delay > 0.0 { State::Busy { until: self.now + delay } } else { State::Ready },
+                finished_at: self.now,
                 last_transfer_end: f64::NEG_INFINITY,
                 stats: EngineStats {
-                    engine: stream.engine,
+                    engine,
                     instructions: 0,
                     active_cycles: 0.0,
                     stall_cycles: 0.0,
@@ -189,59 +302,83 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                 rate: 0.0,
             });
         }
+        id
     }
 
-    let mut now = 0.0f64;
-    loop {
-        // Issue everything that can issue at `now`, until nothing changes.
+    /// Advances simulated time until at least one tenant has finished or
+    /// failed and returns those; empty when no tenant is on the core.
+    pub fn step(&mut self) -> Vec<Finished<J>> {
+        self.step_until(f64::INFINITY)
+    }
+
+    /// As [`CoreSim::step`], but stops at simulated time `limit` if no
+    /// tenant finishes before (an idle core just moves its clock there).
+    pub fn step_until(&mut self, limit: f64) -> Vec<Finished<J>> {
+        let cfg = self.cfg;
+        let hbm_bw = cfg.hbm_bytes_per_cycle();
         loop {
-            let mut progressed = false;
-            for r in runs.iter_mut() {
-                let ts = &mut states[r.tenant];
-                if ts.error.is_some() {
-                    r.state = State::Done;
-                    continue;
-                }
-                let code = &tenants[r.tenant].program.streams[r.stream].code;
-                match r.state {
-                    State::Waiting { sem, since } => {
-                        if ts.sems[sem as usize] > 0 {
-                            ts.sems[sem as usize] -= 1;
-                            r.stats.stall_cycles += now - since;
-                            r.pc += 1;
-                            r.state = State::Ready;
-                            progressed = true;
-                        }
+            let now = self.now;
+            let Self { slots, runs, .. } = self;
+            // Issue everything that can issue at `now`, until nothing changes.
+            loop {
+                let mut progressed = false;
+                for r in runs.iter_mut() {
+                    let Some(ts) = slots.get_mut(r.tenant).and_then(Option::as_mut) else {
+                        r.state = State::Done;
+                        continue;
+                    };
+                    if ts.error.is_some() {
+                        r.state = State::Done;
+                        continue;
                     }
-                    State::Ready => {
-                        progressed = true;
-                        let Some(instr) = code.get(r.pc) else {
-                            r.state = State::Done;
-                            r.finished_at = now;
-                            continue;
-                        };
-                        match *instr {
-                            Instr::Halt => {
-                                r.stats.instructions += 1;
+                    match r.state {
+                        State::Waiting { sem, since } => {
+                            if ts.sems[sem as usize] > 0 {
+                                ts.sems[sem as usize] -= 1;
+                                r.stats.stall_cycles += now - since;
+                                r.pc += 1;
+                                r.state = State::Ready;
+                                progressed = true;
+                            }
+                        }
+                        State::Ready => {
+                            progressed = true;
+                            let instr = ts
+                                .job
+                                .program()
+                                .streams
+                                .get(r.stream)
+                                .and_then(|s| s.code.get(r.pc))
+                                .copied();
+                            let Some(instr) = instr else {
                                 r.state = State::Done;
                                 r.finished_at = now;
-                            }
-                            Instr::Signal { sem } => {
-                                r.stats.instructions += 1;
-                                let v = &mut ts.sems[usize::from(sem) % ts.sems.len()];
-                                *v = v.saturating_add(1);
-                                r.pc += 1;
-                            }
-                            Instr::Wait { sem } => {
-                                r.stats.instructions += 1;
-                                r.state =
-                                    State::Waiting { sem: sem % vnpu_abi::isa::NUM_SEMAPHORES, since: now };
-                            }
-                            ref i => {
-                                let c = cost(cfg, i);
-                                // Never spend host time on an instruction that
-                                // cannot finish within the tenant's budget.
-                                if let Some(b) = tenants[r.tenant].max_cycles {
+                                continue;
+                            };
+                            match instr {
+                                Instr::Halt => {
+                                    r.stats.instructions += 1;
+                                    r.state = State::Done;
+                                    r.finished_at = now;
+                                }
+                                Instr::Signal { sem } => {
+                                    r.stats.instructions += 1;
+                                    let v = &mut ts.sems
+                                        [usize::from(sem) % vnpu_abi::isa::NUM_SEMAPHORES as usize];
+                                    *v = v.saturating_add(1);
+                                    r.pc += 1;
+                                }
+                                Instr::Wait { sem } => {
+                                    r.stats.instructions += 1;
+                                    r.state = State::Waiting {
+                                        sem: sem % vnpu_abi::isa::NUM_SEMAPHORES,
+                                        since: now,
+                                    };
+                                }
+                                i => {
+                                    let c = cost(cfg, &i);
+                                    // Never spend host time on an instruction that
+                                    // cannot finish within the tenant's budget.
                                     let least = match c.occupancy {
                                         Occupancy::Fixed(cy) => cy,
                                         Occupancy::Transfer { latency, bytes, cap, .. } => {
@@ -249,201 +386,301 @@ pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport
                                         }
                                         Occupancy::Sync => 0.0,
                                     };
-                                    if now + least > b as f64 {
-                                        ts.error = Some(ExecError::Budget { budget: b });
-                                        r.state = State::Done;
-                                        continue;
-                                    }
-                                }
-                                if let Some(mem) = tenants[r.tenant].memory.as_mut() {
-                                    if let Err(source) = execute(i, mem) {
-                                        ts.error = Some(ExecError::Kernel {
-                                            stream: r.stream,
-                                            engine: r.stats.engine,
-                                            index: r.pc,
-                                            mnemonic: i.mnemonic(),
-                                            source,
+                                    if now + least > ts.budget_end {
+                                        ts.error = Some(ExecError::Budget {
+                                            budget: ts.job.max_cycles().unwrap_or(0),
                                         });
                                         r.state = State::Done;
                                         continue;
                                     }
-                                }
-                                r.stats.instructions += 1;
-                                r.stats.flops = r.stats.flops.saturating_add(c.flops);
-                                r.stats.bytes = r.stats.bytes.saturating_add(c.bytes);
-                                r.pc += 1;
-                                r.state = match c.occupancy {
-                                    Occupancy::Fixed(cy) => {
-                                        r.stats.active_cycles += cy;
-                                        State::Busy { until: now + cy }
-                                    }
-                                    Occupancy::Transfer { latency, first_byte, bytes, cap, hbm } => {
-                                        let streaming = (now - r.last_transfer_end).abs() <= EPS;
-                                        let lat = if streaming { latency } else { latency + first_byte };
-                                        State::Transfer {
-                                            start: now + lat,
-                                            remaining: bytes,
-                                            cap,
-                                            hbm,
-                                            issued: now,
-                                            ideal: lat + bytes / cap,
+                                    if let Some(mut mem) = ts.job.memory() {
+                                        if let Err(source) = execute(&i, &mut mem) {
+                                            ts.error = Some(ExecError::Kernel {
+                                                stream: r.stream,
+                                                engine: r.stats.engine,
+                                                index: r.pc,
+                                                mnemonic: i.mnemonic(),
+                                                source,
+                                            });
+                                            r.state = State::Done;
+                                            continue;
                                         }
                                     }
-                                    Occupancy::Sync => State::Ready,
-                                };
+                                    r.stats.instructions += 1;
+                                    r.stats.flops = r.stats.flops.saturating_add(c.flops);
+                                    r.stats.bytes = r.stats.bytes.saturating_add(c.bytes);
+                                    r.pc += 1;
+                                    r.state = match c.occupancy {
+                                        Occupancy::Fixed(cy) => {
+                                            r.stats.active_cycles += cy;
+                                            State::Busy { until: now + cy }
+                                        }
+                                        Occupancy::Transfer { latency, first_byte, bytes, cap, hbm } => {
+                                            let streaming = (now - r.last_transfer_end).abs() <= EPS;
+                                            let lat = if streaming { latency } else { latency + first_byte };
+                                            State::Transfer {
+                                                start: now + lat,
+                                                remaining: bytes,
+                                                cap,
+                                                hbm,
+                                                issued: now,
+                                                ideal: lat + bytes / cap,
+                                            }
+                                        }
+                                        Occupancy::Sync => State::Ready,
+                                    };
+                                }
                             }
                         }
+                        State::Busy { .. } | State::Transfer { .. } | State::Done => {}
                     }
-                    State::Busy { .. } | State::Transfer { .. } | State::Done => {}
+                }
+                if !progressed {
+                    break;
                 }
             }
-            if !progressed {
-                break;
-            }
-        }
 
-        // A tenant whose every unfinished stream waits, with nothing in
-        // flight, can never move again.
-        for (t, ts) in states.iter_mut().enumerate() {
-            if ts.error.is_some() {
-                continue;
-            }
-            let mine = runs.iter().filter(|r| r.tenant == t);
-            let in_flight =
-                mine.clone().any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
-            if !in_flight {
-                if let Some(r) = mine.clone().find(|r| matches!(r.state, State::Waiting { .. })) {
-                    if let State::Waiting { sem, .. } = r.state {
-                        ts.error = Some(ExecError::Deadlock {
-                            stream: r.stream,
-                            engine: r.stats.engine,
-                            index: r.pc,
-                            sem,
-                        });
+            // A tenant whose every unfinished stream waits, with nothing in
+            // flight, can never move again.
+            for (t, ts) in slots.iter_mut().enumerate() {
+                let Some(ts) = ts.as_mut() else { continue };
+                if ts.error.is_some() {
+                    continue;
+                }
+                let mine = runs.iter().filter(|r| r.tenant == t);
+                let in_flight =
+                    mine.clone().any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
+                if !in_flight {
+                    if let Some(r) = mine.clone().find(|r| matches!(r.state, State::Waiting { .. })) {
+                        if let State::Waiting { sem, .. } = r.state {
+                            ts.error = Some(ExecError::Deadlock {
+                                stream: r.stream,
+                                engine: r.stats.engine,
+                                index: r.pc,
+                                sem,
+                            });
+                        }
                     }
                 }
             }
-        }
-        for r in runs.iter_mut() {
-            if states[r.tenant].error.is_some() {
-                r.state = State::Done;
+            for r in runs.iter_mut() {
+                if slots.get(r.tenant).and_then(Option::as_ref).is_none_or(|s| s.error.is_some()) {
+                    r.state = State::Done;
+                }
             }
-        }
 
-        // Rates of the transfers in flight.
-        let mut hbm_caps = Vec::new();
-        for (i, r) in runs.iter_mut().enumerate() {
-            if let State::Transfer { start, cap, hbm, .. } = r.state {
-                r.rate = 0.0;
-                if start <= now + EPS {
-                    if hbm {
-                        hbm_caps.push((i, cap));
-                    } else {
-                        r.rate = cap;
+            // Tenants that finished or failed leave the core.
+            let mut out = Vec::new();
+            for (t, slot) in slots.iter_mut().enumerate() {
+                let done = slot.is_some()
+                    && runs.iter().filter(|r| r.tenant == t).all(|r| matches!(r.state, State::Done));
+                if !done {
+                    continue;
+                }
+                let Some(ts) = slot.take() else { continue };
+                let report = match ts.error {
+                    Some(e) => Err(e),
+                    None => {
+                        let mine = runs.iter().filter(|r| r.tenant == t);
+                        Ok(TenantReport {
+                            cycles: mine.clone().map(|r| r.finished_at).fold(ts.started, f64::max),
+                            started: ts.started,
+                            engines: mine.map(|r| r.stats.clone()).collect(),
+                        })
+                    }
+                };
+                runs.retain(|r| r.tenant != t);
+                out.push((t, ts.job, report));
+            }
+            if !out.is_empty() {
+                return out;
+            }
+
+            // Rates of the transfers in flight.
+            let mut hbm_caps = Vec::new();
+            for (i, r) in runs.iter_mut().enumerate() {
+                if let State::Transfer { start, cap, hbm, .. } = r.state {
+                    r.rate = 0.0;
+                    if start <= now + EPS {
+                        if hbm {
+                            hbm_caps.push((i, cap));
+                        } else {
+                            r.rate = cap;
+                        }
                     }
                 }
             }
-        }
-        match cfg.hbm.partition {
-            HbmPartition::Shared => {
-                for (i, rate) in water_fill(hbm_bw, &mut hbm_caps) {
-                    runs[i].rate = rate;
-                }
-            }
-            HbmPartition::Equal => {
-                // Each tenant fills its own share; unused shares stay unused.
-                let share = hbm_bw / states.len().max(1) as f64;
-                for t in 0..states.len() {
-                    let mut mine: Vec<(usize, f64)> =
-                        hbm_caps.iter().copied().filter(|&(i, _)| runs[i].tenant == t).collect();
-                    for (i, rate) in water_fill(share, &mut mine) {
+            match cfg.hbm.partition {
+                HbmPartition::Shared => {
+                    for (i, rate) in water_fill(hbm_bw, &mut hbm_caps) {
                         runs[i].rate = rate;
                     }
                 }
-            }
-        }
-
-        // The next event.
-        let mut next = f64::INFINITY;
-        for r in &runs {
-            match r.state {
-                State::Busy { until } => next = next.min(until),
-                State::Transfer { start, remaining, .. } => {
-                    if start > now + EPS {
-                        next = next.min(start);
-                    } else if r.rate > 0.0 {
-                        next = next.min(now + remaining / r.rate);
+                HbmPartition::Equal => {
+                    // Each tenant fills its own share; unused shares stay unused.
+                    let share = hbm_bw / self.shares as f64;
+                    for t in 0..slots.len() {
+                        let mut mine: Vec<(usize, f64)> =
+                            hbm_caps.iter().copied().filter(|&(i, _)| runs[i].tenant == t).collect();
+                        for (i, rate) in water_fill(share, &mut mine) {
+                            runs[i].rate = rate;
+                        }
                     }
                 }
-                _ => {}
             }
-        }
-        for (t, tenant) in tenants.iter().enumerate() {
-            if let Some(b) = tenant.max_cycles {
-                let b = b as f64;
-                let active = states[t].error.is_none()
-                    && runs.iter().any(|r| r.tenant == t && !matches!(r.state, State::Done));
-                if active && b > now {
-                    next = next.min(b);
+
+            // The next event.
+            let mut next = f64::INFINITY;
+            for r in runs.iter() {
+                match r.state {
+                    State::Busy { until } => next = next.min(until),
+                    State::Transfer { start, remaining, .. } => {
+                        if start > now + EPS {
+                            next = next.min(start);
+                        } else if r.rate > 0.0 {
+                            next = next.min(now + remaining / r.rate);
+                        }
+                    }
+                    _ => {}
                 }
             }
+            for ts in slots.iter().flatten() {
+                if ts.budget_end > now {
+                    next = next.min(ts.budget_end);
+                }
+            }
+            if next > limit {
+                if limit.is_finite() && limit > now {
+                    next = limit;
+                } else {
+                    // Nothing on the core (a tenant that cannot move has
+                    // been reported above), or the limit is reached.
+                    return Vec::new();
+                }
+            }
+            if !next.is_finite() {
+                return Vec::new();
+            }
+
+            let prev = now;
+            let now = next;
+            self.now = now;
+            let Self { slots, runs, .. } = self;
+            for r in runs.iter_mut() {
+                match &mut r.state {
+                    State::Busy { until } if *until <= now => r.state = State::Ready,
+                    State::Transfer { start, remaining, issued, ideal, .. } => {
+                        // A transfer flowing since `prev` finishes when the same
+                        // expression that chose `next` says so; comparing times
+                        // (not leftover bytes) keeps this exact at any magnitude
+                        // of `now`.
+                        let flowing = *start <= prev + EPS;
+                        let done = if flowing && r.rate > 0.0 {
+                            prev + *remaining / r.rate <= now
+                        } else {
+                            *start <= now && *remaining <= 0.0
+                        };
+                        if done {
+                            let took = now - *issued;
+                            r.stats.active_cycles += *ideal;
+                            r.stats.stall_cycles += (took - *ideal).max(0.0);
+                            r.last_transfer_end = now;
+                            r.state = State::Ready;
+                        } else if flowing {
+                            *remaining -= r.rate * (now - prev);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for ts in slots.iter_mut().flatten() {
+                if ts.error.is_none() && ts.budget_end <= now + EPS {
+                    ts.error = Some(ExecError::Budget { budget: ts.job.max_cycles().unwrap_or(0) });
+                }
+            }
+            if now >= limit && slots.iter().flatten().all(|ts| ts.error.is_none()) {
+                return Vec::new();
+            }
         }
-        if !next.is_finite() {
+    }
+}
+
+/// Runs the tenants' programs on one core of `cfg` until every one has
+/// finished or failed. A failing tenant stops alone; the others go on.
+pub fn run_core(cfg: &BoardConfig, tenants: &mut [Tenant<'_, '_>]) -> CoreReport {
+    let n = tenants.len();
+    let mut sim = CoreSim::new(cfg, n);
+    let mut index = Vec::with_capacity(n);
+    for t in tenants.iter_mut() {
+        index.push(sim.add(t, 0.0));
+    }
+    let mut results: Vec<Option<Result<TenantReport, ExecError>>> = (0..n).map(|_| None).collect();
+    while !sim.is_idle() {
+        for (id, _, r) in sim.step() {
+            if let Some(k) = index.iter().position(|&i| i == id) {
+                results[k] = Some(r);
+            }
+        }
+    }
+    report(results)
+}
+
+fn report(results: Vec<Option<Result<TenantReport, ExecError>>>) -> CoreReport {
+    let tenants: Vec<Result<TenantReport, ExecError>> =
+        results.into_iter().map(|r| r.unwrap_or(Err(ExecError::Budget { budget: 0 }))).collect();
+    let cycles = tenants.iter().flatten().map(|t| t.cycles).fold(0.0, f64::max);
+    CoreReport { cycles, tenants }
+}
+
+/// Like [`run_core`], for tenants that together claim more engines than the
+/// core has: a tenant starts only when its claim fits beside the claims of
+/// the tenants still running (in `admission.order`, first fit), so a short
+/// tenant's engines pass to the next one the moment it finishes and
+/// everyone admitted at the same time shares HBM as in [`run_core`].
+/// A tenant that fits nowhere while nothing runs is admitted anyway.
+/// Budgets count from when a tenant's streams start.
+pub fn run_core_admitted(
+    cfg: &BoardConfig,
+    tenants: &mut [Tenant<'_, '_>],
+    admission: &Admission,
+) -> CoreReport {
+    let n = tenants.len();
+    let claim = |t: usize| admission.claims.get(t).copied().unwrap_or((0, 0));
+    let mut order: Vec<usize> = admission.order.iter().copied().filter(|&t| t < n).collect();
+    order.extend((0..n).filter(|t| !admission.order.contains(t)));
+    let mut waiting: Vec<Option<&mut Tenant<'_, '_>>> = tenants.iter_mut().map(Some).collect();
+    let mut sim = CoreSim::new(cfg, n);
+    // (sim id, tenant index) of the tenants on the core.
+    let mut running: Vec<(usize, usize)> = Vec::new();
+    let mut results: Vec<Option<Result<TenantReport, ExecError>>> = (0..n).map(|_| None).collect();
+    loop {
+        let (mut sa, mut vu) = running.iter().fold((0u32, 0u32), |(a, b), &(_, t)| {
+            (a.saturating_add(claim(t).0), b.saturating_add(claim(t).1))
+        });
+        for &t in &order {
+            let (csa, cvu) = claim(t);
+            let fits =
+                sa.saturating_add(csa) <= cfg.core.sa_count && vu.saturating_add(cvu) <= cfg.core.vu_count;
+            if !fits && !running.is_empty() {
+                continue;
+            }
+            let Some(job) = waiting[t].take() else { continue };
+            let delay = if sim.now() > EPS { admission.switch_cycles } else { 0.0 };
+            running.push((sim.add(job, delay), t));
+            sa = sa.saturating_add(csa);
+            vu = vu.saturating_add(cvu);
+        }
+        if running.is_empty() {
             break;
         }
-
-        let prev = now;
-        now = next;
-        for r in runs.iter_mut() {
-            match &mut r.state {
-                State::Busy { until } if *until <= now => r.state = State::Ready,
-                State::Transfer { start, remaining, issued, ideal, .. } => {
-                    // A transfer flowing since `prev` finishes when the same
-                    // expression that chose `next` says so; comparing times
-                    // (not leftover bytes) keeps this exact at any magnitude
-                    // of `now`.
-                    let flowing = *start <= prev + EPS;
-                    let done = if flowing && r.rate > 0.0 {
-                        prev + *remaining / r.rate <= now
-                    } else {
-                        *start <= now && *remaining <= 0.0
-                    };
-                    if done {
-                        let took = now - *issued;
-                        r.stats.active_cycles += *ideal;
-                        r.stats.stall_cycles += (took - *ideal).max(0.0);
-                        r.last_transfer_end = now;
-                        r.state = State::Ready;
-                    } else if flowing {
-                        *remaining -= r.rate * (now - prev);
-                    }
-                }
-                _ => {}
-            }
-        }
-        for (t, tenant) in tenants.iter().enumerate() {
-            if let Some(b) = tenant.max_cycles {
-                let active = runs.iter().any(|r| r.tenant == t && !matches!(r.state, State::Done));
-                if states[t].error.is_none() && active && (b as f64) <= now + EPS {
-                    states[t].error = Some(ExecError::Budget { budget: b });
-                }
+        for (id, _, r) in sim.step() {
+            if let Some(k) = running.iter().position(|&(i, _)| i == id) {
+                let (_, t) = running.swap_remove(k);
+                results[t] = Some(r);
             }
         }
     }
-
-    let mut reports = Vec::with_capacity(tenants.len());
-    let mut makespan = 0.0f64;
-    for (t, ts) in states.into_iter().enumerate() {
-        if let Some(e) = ts.error {
-            reports.push(Err(e));
-            continue;
-        }
-        let mine: Vec<&Run> = runs.iter().filter(|r| r.tenant == t).collect();
-        let cycles = mine.iter().map(|r| r.finished_at).fold(0.0, f64::max);
-        makespan = makespan.max(cycles);
-        reports.push(Ok(TenantReport { cycles, engines: mine.iter().map(|r| r.stats.clone()).collect() }));
-    }
-    CoreReport { cycles: makespan, tenants: reports }
+    report(results)
 }
 
 /// Runs one program alone on a core.

@@ -151,7 +151,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
     let mhz = f64::from(board.clock_mhz);
     println!(
         "{:<6} {:>8} {:>7} {:>14} {:>14} {:>8}  tenants (busy us)",
-        "core", "batches", "rounds", "busy us", "shared us", "shared"
+        "core", "requests", "waited", "busy us", "shared us", "shared"
     );
     for (c, sc) in &cores {
         let st = sc.stats();
@@ -159,8 +159,8 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
             st.tenants.iter().map(|(t, cyc)| format!("{t} {:.1}", cyc / mhz)).collect();
         println!(
             "{c:<6} {:>8} {:>7} {:>14.1} {:>14.1} {:>7.1}%  {}{}",
-            st.batches,
-            st.rounds,
+            st.requests,
+            st.waited,
             st.busy_cycles / mhz,
             st.overlap_cycles / mhz,
             100.0 * st.overlap_cycles / st.busy_cycles.max(1.0),

@@ -5,15 +5,16 @@
 use npu_model::memory::{Memory, MemoryError};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
-/// A view of guest RAM for DMA by the NPU model.
-#[derive(Debug)]
-pub struct GuestRam<'a> {
-    mem: &'a GuestMemoryMmap<()>,
+/// A view of guest RAM for DMA by the NPU model (it holds a handle to
+/// the guest's memory regions, so it can travel with a request).
+#[derive(Debug, Clone)]
+pub struct GuestRam {
+    mem: GuestMemoryMmap<()>,
 }
 
-impl<'a> GuestRam<'a> {
-    pub fn new(mem: &'a GuestMemoryMmap<()>) -> Self {
-        Self { mem }
+impl GuestRam {
+    pub fn new(mem: &GuestMemoryMmap<()>) -> Self {
+        Self { mem: mem.clone() }
     }
 }
 
@@ -21,7 +22,7 @@ fn err(addr: u64, len: usize, e: impl std::fmt::Display) -> MemoryError {
     MemoryError::Guest { addr, len: len as u64, reason: e.to_string() }
 }
 
-impl Memory for GuestRam<'_> {
+impl Memory for GuestRam {
     fn size(&self) -> u64 {
         self.mem.last_addr().0.saturating_add(1)
     }

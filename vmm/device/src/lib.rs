@@ -15,7 +15,9 @@ mod worker;
 
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink};
-pub use shared_core::{switch_cycles, Claim, Interval, SharedCore, SharingStats};
+pub use shared_core::{
+    admission_order, placements, switch_cycles, Claim, Interval, SharedCore, SharingStats,
+};
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,

@@ -1,31 +1,36 @@
-//! A physical core shared by several vNPUs, of one VM or of several: the
-//! requests they have pending at the same moment run together in one
-//! simulation of the core (`npu_model::run_core`), so their engines are
-//! busy in the same simulated interval (spatial sharing) and they contend
-//! for the core's HBM bandwidth as the board says. Requests that arrive
-//! while a batch runs go into the next one; the core's simulated clock
-//! advances by each batch's makespan (time sharing between batches).
+//! A physical core shared by several vNPUs, of one VM or of several: one
+//! simulation of the core (`npu_model::CoreSim`) runs for as long as the
+//! core serves requests, and every request joins it when it arrives, so
+//! requests of different vNPUs run in the same simulated interval on their
+//! own engines (spatial sharing) and contend for the core's HBM bandwidth
+//! as the board says. A request's arrival is the core's simulated time
+//! when it is submitted; after each completion the core waits (at most
+//! 200 us of wall time) for the vNPUs that just got results to submit
+//! their next request, so a vNPU that issues back-to-back requests keeps
+//! its engines busy while its neighbours' long requests go on.
 //!
-//! An oversubscribed core (its vNPUs hold more SAs or VUs than it has) runs
-//! a batch whose tenants do not fit together in rounds: higher priority
-//! first, then earliest SLO deadline (arrival on the core's timeline plus
-//! the tenant's latency target; tenants without one last), then arrival
-//! order; each round as many tenants as the engines hold, and a context
-//! switch between rounds ([`switch_cycles`]). Requests that finish later
-//! than their deadline are counted ([`SharingStats::slo_misses`]).
+//! An oversubscribed core (its vNPUs claim more SAs or VUs than it has)
+//! places waiting requests in order of higher priority, then earliest SLO
+//! deadline (arrival plus the tenant's latency target; tenants without one
+//! last), then arrival, each as soon as its claim fits beside the requests
+//! still running (first fit, in that order). A request that had to wait
+//! for engines pays a context switch ([`switch_cycles`]) before it starts.
+//! Requests that finish later than their deadline are counted
+//! ([`SharingStats::slo_misses`]).
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use npu_model::{run_core, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, Tenant, TenantReport};
+use npu_model::{BoardConfig, CoreMemory, CoreSim, ExecError, LazyHbm, SimTenant, Sram, TenantReport};
 use vm_memory::GuestMemoryMmap;
 use vnpu_abi::Program;
 
 use crate::msi::lock;
 use crate::GuestRam;
 
-/// How long the core waits for other vNPUs' requests to join a batch.
+/// How long the core waits (wall time) for vNPUs to submit before it
+/// advances simulated time.
 const GATHER: Duration = Duration::from_micros(200);
 
 /// One vNPU core's memory, lent to the shared core for a request.
@@ -58,9 +63,25 @@ struct Job {
     arrival: f64,
     program: Arc<Program>,
     mem: CoreMem,
-    guest: GuestMemoryMmap<()>,
+    guest: GuestRam,
     budget: u64,
     reply: mpsc::Sender<JobResult>,
+    /// A placement pass found no room for it (it pays a context switch).
+    deferred: bool,
+    /// When its program starts on the core's timeline.
+    begin: f64,
+}
+
+impl SimTenant for Job {
+    fn program(&self) -> &Program {
+        &self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        Some(CoreMemory { sram: &mut self.mem.sram, hbm: &mut self.mem.hbm, guest: &mut self.guest })
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        Some(self.budget)
+    }
 }
 
 /// A tenant's busy interval on the core's simulated timeline.
@@ -76,8 +97,8 @@ struct Queue {
     pending: Vec<Job>,
     now: f64,
     log: Vec<Interval>,
-    batches: u64,
-    rounds: u64,
+    requests: u64,
+    waited: u64,
     slo_requests: u64,
     slo_misses: u64,
     stop: bool,
@@ -86,6 +107,8 @@ struct Queue {
 
 struct Inner {
     board: BoardConfig,
+    /// How long the core waits for submissions before time moves on.
+    gather: Duration,
     q: Mutex<Queue>,
     cv: Condvar,
 }
@@ -106,10 +129,11 @@ impl std::fmt::Debug for SharedCore {
 /// What the core did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SharingStats {
-    /// Batches run.
-    pub batches: u64,
-    /// Rounds run (more than batches when the core was oversubscribed).
-    pub rounds: u64,
+    /// Requests served.
+    pub requests: u64,
+    /// Requests that had to wait for engines (only on an oversubscribed
+    /// core).
+    pub waited: u64,
     /// Simulated cycles the core was busy.
     pub busy_cycles: f64,
     /// Simulated cycles during which two or more tenants ran at once.
@@ -124,15 +148,25 @@ pub struct SharingStats {
 impl SharedCore {
     /// A core of `board` with its engine thread.
     pub fn new(board: &BoardConfig, name: &str) -> std::io::Result<Self> {
-        let inner =
-            Arc::new(Inner { board: board.clone(), q: Mutex::new(Queue::default()), cv: Condvar::new() });
+        Self::with_gather(board, name, GATHER)
+    }
+
+    /// A core that waits up to `gather` (wall time) for the vNPUs that just
+    /// got results to submit again before it advances simulated time (200 us
+    /// for [`SharedCore::new`]); the wait ends as soon as they have.
+    pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
+        let inner = Arc::new(Inner {
+            board: board.clone(),
+            gather,
+            q: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+        });
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
     }
 
-    /// Runs `program` for `tenant` with the batch that forms next; blocks
-    /// until it is done.
+    /// Runs `program` for `tenant` on the core; blocks until it is done.
     pub(crate) fn run(
         &self,
         tenant: &str,
@@ -155,9 +189,11 @@ impl SharedCore {
                 arrival,
                 program,
                 mem,
-                guest,
+                guest: GuestRam::new(&guest),
                 budget,
                 reply: tx,
+                deferred: false,
+                begin: arrival,
             });
         }
         self.inner.cv.notify_all();
@@ -186,8 +222,8 @@ impl SharedCore {
             last = t;
         }
         SharingStats {
-            batches: q.batches,
-            rounds: q.rounds,
+            requests: q.requests,
+            waited: q.waited,
             busy_cycles: q.now,
             overlap_cycles: overlap,
             tenants,
@@ -196,19 +232,19 @@ impl SharedCore {
         }
     }
 
-    /// Holds batches back until [`SharedCore::resume`] (for tests that need
-    /// several requests in one batch).
+    /// Holds submitted requests back until [`SharedCore::resume`] (for
+    /// tests that need several requests to arrive at the same moment).
     pub fn pause(&self) {
         lock(&self.inner.q).paused = true;
     }
 
-    /// Lets batches run again.
+    /// Lets held requests through.
     pub fn resume(&self) {
         lock(&self.inner.q).paused = false;
         self.inner.cv.notify_all();
     }
 
-    /// Requests waiting for the next batch.
+    /// Requests submitted and not yet taken by the core.
     pub fn pending(&self) -> usize {
         lock(&self.inner.q).pending.len()
     }
@@ -223,8 +259,7 @@ impl SharedCore {
     }
 }
 
-/// Cycles to switch the core's engines from one round of tenants to the
-/// next: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
+/// Cycles to switch engines from one tenant's request to another's: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
 /// load the next tenants' first weights (one SA tile over the DMA engine).
 pub fn switch_cycles(board: &BoardConfig) -> f64 {
     let c = &board.core;
@@ -233,87 +268,135 @@ pub fn switch_cycles(board: &BoardConfig) -> f64 {
     drain + board.ns_to_cycles(board.dma.latency_ns) + tile / board.gbps_to_bytes_per_cycle(board.dma.gbps)
 }
 
-/// When `j` must finish on the core's timeline (infinity: no target).
-fn deadline(j: &Job) -> f64 {
-    match j.claim.slo_cycles {
+/// The order in which waiting requests get engines on an oversubscribed
+/// core: by priority, then earliest deadline (`arrival + slo_cycles`; no
+/// target = last), then arrival order (requests are given in the order
+/// they arrived). `arrivals` are on the core's timeline, one per claim.
+pub fn admission_order(claims: &[Claim], arrivals: &[f64]) -> Vec<usize> {
+    let deadline = |i: usize| match claims[i].slo_cycles {
         0 => f64::INFINITY,
-        c => j.arrival + c as f64,
-    }
+        c => arrivals.get(i).copied().unwrap_or(0.0) + c as f64,
+    };
+    let mut order: Vec<usize> = (0..claims.len()).collect();
+    // Stable: equal priorities and deadlines keep their arrival order.
+    order.sort_by(|&a, &b| {
+        claims[b].priority.cmp(&claims[a].priority).then(deadline(a).total_cmp(&deadline(b)))
+    });
+    order
 }
 
-/// Splits jobs into rounds that fit the core: by priority, then earliest
-/// deadline, then arrival.
-fn rounds(board: &BoardConfig, mut jobs: Vec<Job>) -> Vec<Vec<Job>> {
-    // Stable: equal priorities and deadlines keep their arrival order.
-    jobs.sort_by(|a, b| b.claim.priority.cmp(&a.claim.priority).then(deadline(a).total_cmp(&deadline(b))));
-    let mut out: Vec<Vec<Job>> = Vec::new();
-    for j in jobs {
-        let fits = |r: &Vec<Job>| {
-            let sa: u32 = r.iter().map(|x| x.claim.sa).sum::<u32>() + j.claim.sa;
-            let vu: u32 = r.iter().map(|x| x.claim.vu).sum::<u32>() + j.claim.vu;
-            r.is_empty() || (sa <= board.core.sa_count && vu <= board.core.vu_count)
-        };
-        match out.iter_mut().find(|r| fits(r)) {
-            Some(r) => r.push(j),
-            None => out.push(vec![j]),
+/// Which waiting requests go on the core now: in `order` (most urgent
+/// first, see [`admission_order`]), each one whose claim fits beside the
+/// `running` claims and those placed before it (first fit); on an idle
+/// core the first one in any case. Returns indices into `waiting`.
+pub fn placements(board: &BoardConfig, waiting: &[Claim], order: &[usize], running: &[Claim]) -> Vec<usize> {
+    let (mut sa, mut vu) =
+        running.iter().fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)));
+    let mut place = Vec::new();
+    for &i in order {
+        let Some(c) = waiting.get(i) else { continue };
+        let fits =
+            sa.saturating_add(c.sa) <= board.core.sa_count && vu.saturating_add(c.vu) <= board.core.vu_count;
+        if fits || (running.is_empty() && place.is_empty()) {
+            place.push(i);
+            sa = sa.saturating_add(c.sa);
+            vu = vu.saturating_add(c.vu);
         }
     }
-    out
+    place
 }
 
 fn engine(inner: &Inner) {
+    let board = &inner.board;
+    let switch = switch_cycles(board);
+    let mut sim: CoreSim<'_, Job> = CoreSim::new(board, 1);
+    // Requests taken from the queue and not yet on the core.
+    let mut waiting: Vec<Job> = Vec::new();
+    // (sim id, claim) of the requests on the core.
+    let mut running: Vec<(usize, Claim)> = Vec::new();
+    // Tenants seen (HBM shares under the "equal" policy).
+    let mut tenants: Vec<String> = Vec::new();
+    // Tenants that just got a result and may submit their next request.
+    let mut replied: Vec<String> = Vec::new();
     loop {
+        // Sleep until there is something to do.
+        let fresh = {
+            let mut q = lock(&inner.q);
+            loop {
+                if q.stop {
+                    return;
+                }
+                let work = !q.pending.is_empty() || !waiting.is_empty() || !sim.is_idle();
+                if work && !q.paused {
+                    break;
+                }
+                q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            sim.is_idle() && waiting.is_empty()
+        };
+        // Before simulated time moves on, let the vNPUs that just got a
+        // result submit their next request (and, on an idle core, let the
+        // other vNPUs' requests of this moment arrive).
+        let until = std::time::Instant::now() + if fresh { GATHER } else { inner.gather };
         {
             let mut q = lock(&inner.q);
-            while (q.pending.is_empty() || q.paused) && !q.stop {
-                q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+            loop {
+                let missing = replied.iter().any(|t| !q.pending.iter().any(|j| &j.tenant == t));
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if q.stop || left.is_zero() || !(fresh || missing) {
+                    break;
+                }
+                q = inner.cv.wait_timeout(q, left).map_or_else(|e| e.into_inner().0, |r| r.0);
             }
             if q.stop {
                 return;
             }
+            waiting.append(&mut q.pending);
         }
-        // Let the other vNPUs' requests of this moment join the batch.
-        std::thread::sleep(GATHER);
-        let (jobs, mut start) = {
-            let mut q = lock(&inner.q);
-            (std::mem::take(&mut q.pending), q.now)
-        };
-        let all = rounds(&inner.board, jobs);
-        let n_rounds = all.len();
-        for (i, mut jobs) in all.into_iter().enumerate() {
-            if i > 0 {
-                start += switch_cycles(&inner.board);
+        replied.clear();
+        for j in &waiting {
+            if !tenants.contains(&j.tenant) {
+                tenants.push(j.tenant.clone());
+                sim.set_shares(tenants.len());
             }
-            let guest_mems: Vec<GuestMemoryMmap<()>> = jobs.iter().map(|j| j.guest.clone()).collect();
-            let mut guests: Vec<GuestRam<'_>> = guest_mems.iter().map(GuestRam::new).collect();
-            let mut tenants: Vec<Tenant<'_, '_>> = Vec::new();
-            for (j, g) in jobs.iter_mut().zip(guests.iter_mut()) {
-                tenants.push(Tenant {
-                    program: &j.program,
-                    memory: Some(CoreMemory { sram: &mut j.mem.sram, hbm: &mut j.mem.hbm, guest: g }),
-                    max_cycles: Some(j.budget),
-                });
+        }
+        // Place what fits, most urgent first; the rest wait (and pay a
+        // context switch when they get engines).
+        let claims: Vec<Claim> = waiting.iter().map(|j| j.claim).collect();
+        let order = admission_order(&claims, &waiting.iter().map(|j| j.arrival).collect::<Vec<_>>());
+        let on_core: Vec<Claim> = running.iter().map(|(_, c)| *c).collect();
+        let mut place = placements(board, &claims, &order, &on_core);
+        for (i, j) in waiting.iter_mut().enumerate() {
+            j.deferred |= !place.contains(&i);
+        }
+        place.sort_unstable_by(|a, b| b.cmp(a));
+        let mut waited = 0;
+        for i in place {
+            let mut job = waiting.swap_remove(i);
+            let delay = if job.deferred { switch } else { 0.0 };
+            waited += u64::from(job.deferred);
+            job.begin = sim.now() + delay;
+            let claim = job.claim;
+            running.push((sim.add(job, delay), claim));
+        }
+        // Advance to the next completion.
+        let done = sim.step();
+        let mut q = lock(&inner.q);
+        q.now = sim.now();
+        q.waited += waited;
+        for (id, job, r) in done {
+            running.retain(|(i, _)| *i != id);
+            let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
+            let begin = job.begin.min(end);
+            q.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
+            q.requests += 1;
+            if job.claim.slo_cycles > 0 {
+                q.slo_requests += 1;
+                q.slo_misses += u64::from(end > job.arrival + job.claim.slo_cycles as f64);
             }
-            let report = run_core(&inner.board, &mut tenants);
-            drop(tenants);
-            drop(guests);
-            let mut q = lock(&inner.q);
-            q.rounds += 1;
-            if i + 1 == n_rounds {
-                q.batches += 1;
-            }
-            q.now = start + report.cycles;
-            for (j, r) in jobs.into_iter().zip(report.tenants) {
-                let end = start + r.as_ref().map_or(0.0, |t| t.cycles);
-                q.log.push(Interval { tenant: j.tenant.clone(), start, end });
-                if j.claim.slo_cycles > 0 {
-                    q.slo_requests += 1;
-                    q.slo_misses += u64::from(end > deadline(&j));
-                }
-                // A vNPU that went away does not stop the core.
-                let _ = j.reply.send((j.mem, r, start, end));
-            }
-            start = q.now;
+            replied.push(job.tenant.clone());
+            // A vNPU that went away does not stop the core.
+            let _ = job.reply.send((job.mem, r, begin, end));
         }
     }
 }
@@ -326,6 +409,11 @@ mod tests {
     /// Submits, from a thread of its own, a request of `name` that streams
     /// 1 MiB from HBM, and waits until the (paused) core holds it.
     fn submit(core: &SharedCore, name: &'static str, claim: Claim) -> std::thread::JoinHandle<JobResult> {
+        submit_copies(core, name, claim, 1)
+    }
+
+    /// A program that streams `n` MiB from HBM.
+    fn copies(n: usize) -> Arc<Program> {
         let mut p = ProgramBuilder::new();
         let copy = Instr::DmaCopy {
             src: Addr::hbm(0),
@@ -335,15 +423,29 @@ mod tests {
             src_stride: 0,
             dst_stride: 0,
         };
-        p.push(Engine::DMA, copy);
-        let prog = Arc::new(p.finish());
+        for _ in 0..n {
+            p.push(Engine::DMA, copy);
+        }
+        Arc::new(p.finish())
+    }
+
+    /// Runs `n` MiB of copies for `name` on the calling thread.
+    fn run_copies(core: &SharedCore, name: &str, claim: Claim, n: usize) -> JobResult {
         let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
+        let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
+        core.run(name, claim, copies(n), mem, guest, 1 << 30).unwrap()
+    }
+
+    /// As [`submit`], streaming `n` MiB (the core must be paused).
+    fn submit_copies(
+        core: &SharedCore,
+        name: &'static str,
+        claim: Claim,
+        n: usize,
+    ) -> std::thread::JoinHandle<JobResult> {
         let before = core.pending();
         let c = core.clone();
-        let t = std::thread::spawn(move || {
-            let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-            c.run(name, claim, prog, mem, guest, 1 << 30).unwrap()
-        });
+        let t = std::thread::spawn(move || run_copies(&c, name, claim, n));
         while core.pending() <= before {
             std::thread::yield_now();
         }
@@ -364,8 +466,8 @@ mod tests {
         }
         let st = core.stats();
         assert_eq!(st.tenants.len(), 2);
-        // One batch: both ran at once, sharing HBM.
-        assert_eq!(st.batches, 1);
+        // Both ran at once, sharing HBM; neither waited for engines.
+        assert_eq!((st.requests, st.waited), (2, 0));
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
         core.stop();
     }
@@ -387,16 +489,16 @@ mod tests {
         let (none, loose, tight) = (none.join().unwrap(), loose.join().unwrap(), tight.join().unwrap());
         assert!(tight.3 <= loose.2 && loose.3 <= none.2, "{:?} {:?} {:?}", tight.2, loose.2, none.2);
         let st = core.stats();
-        assert_eq!((st.rounds, st.slo_requests), (3, 2));
+        assert_eq!((st.requests, st.waited, st.slo_requests), (3, 2, 2));
         // One simulated cycle is beyond any program: the tight one missed.
         assert_eq!(st.slo_misses, 1);
         core.stop();
     }
 
-    /// Two tenants that each claim the whole core run in two rounds, the
-    /// higher priority first, with a context switch between them.
+    /// Two tenants that each claim the whole core run one after the other,
+    /// the higher priority first, with a context switch between them.
     #[test]
-    fn an_oversubscribed_core_runs_rounds_by_priority() {
+    fn an_oversubscribed_core_runs_the_higher_priority_first() {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
@@ -410,8 +512,58 @@ mod tests {
         assert!(high.3 <= low.2, "high priority ran first: {:?} {:?}", (high.2, high.3), (low.2, low.3));
         assert!((low.2 - high.3 - switch_cycles(&board)).abs() < 1e-6);
         let st = core.stats();
-        assert_eq!((st.batches, st.rounds), (1, 2));
+        assert_eq!((st.requests, st.waited), (2, 1));
         assert_eq!(st.overlap_cycles, 0.0);
+        core.stop();
+    }
+
+    /// Vnpus of different shapes on an oversubscribed core: the engines a
+    /// short request frees go to the next waiting one at once, not when
+    /// the longest request of its wave ends.
+    #[test]
+    fn freed_engines_pass_to_the_next_request_without_waiting_for_the_wave() {
+        let board = BoardConfig::default();
+        let core = SharedCore::new(&board, "core-admit").unwrap();
+        core.pause();
+        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let long = submit_copies(&core, "long", half, 16);
+        let short = submit_copies(&core, "short", half, 1);
+        let next = submit_copies(&core, "next", half, 1);
+        core.resume();
+        let (long, short, next) = (long.join().unwrap(), short.join().unwrap(), next.join().unwrap());
+        assert_eq!((long.2, short.2), (0.0, 0.0));
+        assert!((next.2 - short.3 - switch_cycles(&board)).abs() < 1e-6, "{} {}", short.3, next.2);
+        assert!(next.3 < long.3, "next ended at {} after the long one ({})", next.3, long.3);
+        let st = core.stats();
+        assert_eq!((st.requests, st.waited), (3, 1));
+        core.stop();
+    }
+
+    /// A vNPU that submits its next request as soon as it gets a result
+    /// runs it while its neighbour's long request is still going: the
+    /// core's timeline is not cut into batches.
+    #[test]
+    fn a_short_tenant_runs_request_after_request_beside_a_long_one() {
+        let board = BoardConfig::default();
+        // Waits as long as it takes for "short" to submit again.
+        let core = SharedCore::with_gather(&board, "core-continuous", Duration::from_secs(2)).unwrap();
+        core.pause();
+        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let long = submit_copies(&core, "long", half, 64);
+        let first = submit_copies(&core, "short", half, 1);
+        core.resume();
+        let first = first.join().unwrap();
+        let mut last = first.3;
+        for _ in 0..5 {
+            let (_, r, s, e) = run_copies(&core, "short", half, 1);
+            assert!(r.is_ok() && s >= last && e > s);
+            last = e;
+        }
+        let long = long.join().unwrap();
+        // All six short requests ran inside the long one's interval.
+        assert!(last < long.3, "short ones ended at {last}, the long one at {}", long.3);
+        let st = core.stats();
+        assert_eq!((st.requests, st.waited), (7, 0));
         core.stop();
     }
 }

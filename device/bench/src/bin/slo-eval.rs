@@ -1,0 +1,350 @@
+//! SLO evaluation of an oversubscribed core (issue 5): vNPUs of different
+//! shapes whose claims exceed one physical core (4 SA + 4 VU), two of them
+//! latency-critical with a latency target, two batch-like without, all
+//! with Poisson arrivals. The core runs as the device's shared core does
+//! (`vnpu_device::SharedCore`): one continuous simulation of the core
+//! (`npu_model::CoreSim`) that each vNPU's requests join in turn (one at a
+//! time per vNPU, the rest queue in the guest's ring), waiting requests
+//! placed with `vnpu_device::placements` as soon as their claims fit, a
+//! request that had to wait paying `vnpu_device::switch_cycles`. Only the
+//! order in which waiting requests are considered differs:
+//!
+//! - **priority + EDF** (this system, `vnpu_device::admission_order`):
+//!   priority, then earliest deadline, then arrival;
+//! - **FIFO**: arrival order only.
+//!
+//! For each offered load it prints, per order, the latency-critical
+//! tenants' SLO attainment and p99, the throughput and the core's EU
+//! utilization; `--json PATH` writes the same with every tenant.
+//!
+//! `cargo build --release -p npu-bench && target/release/slo-eval [--load 0.3,0.5,0.7,0.9] [--seconds 0.5] [--seed 1] [--json out.json]`
+
+use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
+use npu_workloads::{lower_workload, RunOptions};
+use vnpu_abi::Program;
+use vnpu_device::{admission_order, placements, switch_cycles, Claim};
+
+const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] [--json PATH]
+
+  --load     offered loads: at 1.0 the tenants' requests, each run alone on
+             its vNPU's shape, would keep every EU of the core busy
+             (default 0.3,0.5,0.7,0.9)
+  --seconds  simulated seconds of arrivals per load (default 0.5)
+  --seed     arrival seed (default 1)
+  --json     also write the results as JSON to PATH";
+
+struct Rng(u64);
+
+impl Rng {
+    fn unit(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn exp(&mut self, mean: f64) -> f64 {
+        -mean * self.unit().ln()
+    }
+}
+
+struct VnpuTenant {
+    name: &'static str,
+    program: Program,
+    claim: Claim,
+    /// Cycles of one request alone on the core.
+    alone: f64,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Policy {
+    PriorityEdf,
+    Fifo,
+}
+
+impl Policy {
+    fn name(self) -> &'static str {
+        match self {
+            Policy::PriorityEdf => "priority+EDF",
+            Policy::Fifo => "FIFO",
+        }
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    /// Latencies (cycles) per tenant.
+    latencies: Vec<Vec<f64>>,
+    slo_met: Vec<usize>,
+    end: f64,
+    eu_cycles: f64,
+    waited: usize,
+}
+
+/// One request on the simulated core.
+struct Request<'p> {
+    tenant: usize,
+    arrival: f64,
+    program: &'p Program,
+}
+
+impl SimTenant for Request<'_> {
+    fn program(&self) -> &Program {
+        self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        None
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        None
+    }
+}
+
+fn simulate(
+    board: &BoardConfig,
+    ts: &[VnpuTenant],
+    arrivals: &[Vec<f64>],
+    policy: Policy,
+) -> Result<Outcome, String> {
+    let n = ts.len();
+    let switch = switch_cycles(board);
+    let mut o = Outcome { latencies: vec![Vec::new(); n], slo_met: vec![0; n], ..Default::default() };
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut next = vec![0usize; n];
+    // Per tenant: its request on the core (sim id) or waiting for engines
+    // (with whether a placement pass has passed it over).
+    let mut on_core: Vec<Option<usize>> = vec![None; n];
+    let mut waiting: Vec<(usize, bool)> = Vec::new();
+    loop {
+        let now = sim.now();
+        // Each vNPU submits its oldest request once the previous one is done.
+        for i in 0..n {
+            let busy = on_core[i].is_some() || waiting.iter().any(|w| w.0 == i);
+            if !busy && next[i] < arrivals[i].len() && arrivals[i][next[i]] <= now {
+                waiting.push((i, false));
+            }
+        }
+        let claims: Vec<Claim> = waiting.iter().map(|w| ts[w.0].claim).collect();
+        let arr: Vec<f64> = waiting.iter().map(|w| arrivals[w.0][next[w.0]]).collect();
+        let order = match policy {
+            Policy::PriorityEdf => admission_order(&claims, &arr),
+            Policy::Fifo => {
+                let mut v: Vec<usize> = (0..waiting.len()).collect();
+                v.sort_by(|&a, &b| arr[a].total_cmp(&arr[b]));
+                v
+            }
+        };
+        let running: Vec<Claim> = (0..n).filter(|&i| on_core[i].is_some()).map(|i| ts[i].claim).collect();
+        let mut place = placements(board, &claims, &order, &running);
+        place.sort_unstable_by(|a, b| b.cmp(a));
+        let placed: Vec<usize> = place.iter().map(|&k| waiting[k].0).collect();
+        for k in place {
+            let (i, deferred) = waiting.swap_remove(k);
+            o.waited += usize::from(deferred);
+            let req = Request { tenant: i, arrival: arrivals[i][next[i]], program: &ts[i].program };
+            on_core[i] = Some(sim.add(req, if deferred { switch } else { 0.0 }));
+        }
+        for w in waiting.iter_mut() {
+            w.1 |= !placed.contains(&w.0);
+        }
+        // Run until a request finishes or the next one arrives.
+        let next_arrival = (0..n)
+            .filter(|&i| on_core[i].is_none() && !waiting.iter().any(|w| w.0 == i))
+            .filter_map(|i| arrivals[i].get(next[i]).copied())
+            .fold(f64::INFINITY, f64::min);
+        if sim.is_idle() && waiting.is_empty() && !next_arrival.is_finite() {
+            break;
+        }
+        for (_, req, r) in sim.step_until(next_arrival) {
+            let t = r.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
+            let tot = t.totals();
+            o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+            let lat = t.cycles - req.arrival;
+            o.latencies[req.tenant].push(lat);
+            let slo = ts[req.tenant].claim.slo_cycles;
+            if slo > 0 && lat <= slo as f64 {
+                o.slo_met[req.tenant] += 1;
+            }
+            on_core[req.tenant] = None;
+            next[req.tenant] += 1;
+        }
+    }
+    o.end = sim.now();
+    Ok(o)
+}
+
+fn p99(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
+}
+
+struct Args {
+    loads: Vec<f64>,
+    seconds: f64,
+    seed: u64,
+    json: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args { loads: vec![0.3, 0.5, 0.7, 0.9], seconds: 0.5, seed: 1, json: None };
+    let mut it = std::env::args().skip(1);
+    let num = |flag: &str, v: Option<String>| -> Result<f64, String> {
+        let v = v.ok_or(format!("{flag} needs a value"))?;
+        let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
+        if x.is_finite() && x > 0.0 {
+            Ok(x)
+        } else {
+            Err(format!("{flag}: {v} must be positive"))
+        }
+    };
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--load" => {
+                let v = it.next().ok_or("--load needs a value")?;
+                a.loads =
+                    v.split(',').map(|x| num("--load", Some(x.to_string()))).collect::<Result<_, _>>()?;
+                if a.loads.iter().any(|l| *l > 2.0) {
+                    return Err("--load: loads above 2 would never drain".into());
+                }
+            }
+            "--seconds" => a.seconds = num("--seconds", it.next())?.min(10.0),
+            "--seed" => {
+                let v = it.next().ok_or("--seed needs a value")?;
+                a.seed = v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))?;
+            }
+            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(a)
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let board = BoardConfig::default();
+    let hz = f64::from(board.clock_mhz) * 1e6;
+    let us = |c: f64| c / hz * 1e6;
+    // (name, workload, batch, SAs, VUs, latency target in ms or 0).
+    let mix = [
+        ("ncf-rt", "ncf", 8u32, 1u32, 1u32, 1.0f64),
+        ("dlrm-rt", "dlrm", 8, 1, 2, 1.0),
+        ("bert", "bert", 1, 2, 1, 0.0),
+        ("resnet50", "resnet50", 1, 2, 1, 0.0),
+    ];
+    let mut ts = Vec::new();
+    for (name, w, batch, sa, vu, slo_ms) in mix {
+        let o = RunOptions {
+            sa,
+            vu,
+            sram_bytes: Some(8 << 20),
+            hbm_bytes: Some(8 << 30),
+            ..RunOptions::timing(w, batch)
+        };
+        let (lowered, _, _) = lower_workload(&board, &o).map_err(|e| format!("{w}: {e}"))?;
+        let alone = npu_model::run_program(&board, &lowered.program, None, None)
+            .map_err(|e| format!("{w}: {e}"))?
+            .cycles;
+        let claim = Claim { sa, vu, priority: 0, slo_cycles: (slo_ms * 1e-3 * hz) as u64 };
+        ts.push(VnpuTenant { name, program: lowered.program, claim, alone });
+    }
+    let (csa, cvu) = (board.core.sa_count, board.core.vu_count);
+    let eus = f64::from(csa + cvu);
+    let claimed: (u32, u32) = ts.iter().fold((0, 0), |a, t| (a.0 + t.claim.sa, a.1 + t.claim.vu));
+    println!(
+        "{} vNPUs claiming {} SA + {} VU on one core of {csa} SA + {cvu} VU; context switch {:.2} us; Poisson arrivals for {} s, seed {}",
+        ts.len(),
+        claimed.0,
+        claimed.1,
+        us(switch_cycles(&board)),
+        args.seconds,
+        args.seed
+    );
+    for t in &ts {
+        println!(
+            "  {:<9} {} SA + {} VU  alone {:>8.1} us  latency target {}",
+            t.name,
+            t.claim.sa,
+            t.claim.vu,
+            us(t.alone),
+            if t.claim.slo_cycles > 0 {
+                format!("{:.1} ms", us(t.claim.slo_cycles as f64) / 1e3)
+            } else {
+                "none".into()
+            }
+        );
+    }
+    println!(
+        "\n{:>5} {:<13} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8}",
+        "load", "order", "ncf-rt SLO", "dlrm-rt SLO", "ncf-rt p99", "dlrm-rt p99", "req/s", "EU util"
+    );
+    let mut rows = Vec::new();
+    for &load in &args.loads {
+        let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ load.to_bits());
+        // Each tenant offers an equal share of the core's EU time.
+        let arrivals: Vec<Vec<f64>> = ts
+            .iter()
+            .map(|t| {
+                let share = eus / ts.len() as f64 / f64::from(t.claim.sa + t.claim.vu);
+                let mean_gap = t.alone / (load * share);
+                let mut v = Vec::new();
+                let mut x = rng.exp(mean_gap);
+                while x < args.seconds * hz {
+                    v.push(x);
+                    x += rng.exp(mean_gap);
+                }
+                v
+            })
+            .collect();
+        for policy in [Policy::PriorityEdf, Policy::Fifo] {
+            let o = simulate(&board, &ts, &arrivals, policy)?;
+            let done: usize = o.latencies.iter().map(Vec::len).sum();
+            let attain = |i: usize| o.slo_met[i] as f64 / o.latencies[i].len().max(1) as f64;
+            let throughput = done as f64 / (o.end / hz);
+            let util = o.eu_cycles / (eus * o.end);
+            println!(
+                "{load:>5} {:<13} {:>11.1}% {:>11.1}% {:>9.1} us {:>9.1} us {:>9.0} {:>7.1}%",
+                policy.name(),
+                100.0 * attain(0),
+                100.0 * attain(1),
+                us(p99(&o.latencies[0])),
+                us(p99(&o.latencies[1])),
+                throughput,
+                100.0 * util
+            );
+            rows.push(serde_json::json!({
+                "load": load, "order": policy.name(), "requests_that_waited": o.waited,
+                "throughput_rps": throughput, "eu_utilization": util,
+                "tenants": ts.iter().enumerate().map(|(i, t)| serde_json::json!({
+                    "name": t.name, "requests": o.latencies[i].len(),
+                    "slo_s": if t.claim.slo_cycles > 0 { Some(t.claim.slo_cycles as f64 / hz) } else { None },
+                    "slo_attainment": if t.claim.slo_cycles > 0 { Some(attain(i)) } else { None },
+                    "avg_latency_s": o.latencies[i].iter().sum::<f64>() / o.latencies[i].len().max(1) as f64 / hz,
+                    "p99_latency_s": p99(&o.latencies[i]) / hz,
+                })).collect::<Vec<_>>(),
+            }));
+        }
+    }
+    if let Some(path) = &args.json {
+        let v = serde_json::json!({"seconds": args.seconds, "seed": args.seed, "results": rows});
+        std::fs::write(path, v.to_string()).map_err(|e| format!("cannot write {path}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("slo-eval: {e}");
+        if e.starts_with("--") || e.starts_with("unknown") {
+            eprintln!("{USAGE}");
+            std::process::exit(2);
+        }
+        std::process::exit(1);
+    }
+}
