@@ -55,3 +55,80 @@ pub fn interleaved_medians(runs: usize, fs: &mut [&mut dyn FnMut()]) -> Vec<f64>
         })
         .collect()
 }
+
+/// Xorshift64 random numbers for the evaluations' arrival streams.
+#[derive(Debug, Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// Uniform in (0, 1).
+    pub fn unit(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    /// Exponentially distributed with mean `mean` (Poisson gaps).
+    pub fn exp(&mut self, mean: f64) -> f64 {
+        -mean * self.unit().ln()
+    }
+    /// Poisson arrival times with mean gap `mean_gap` in `[0, until)`.
+    pub fn arrivals(&mut self, mean_gap: f64, until: f64) -> Vec<f64> {
+        let mut v = Vec::new();
+        let mut t = self.exp(mean_gap);
+        while t < until {
+            v.push(t);
+            t += self.exp(mean_gap);
+        }
+        v
+    }
+}
+
+/// The 99th percentile (nearest rank) of `v`; 0 for no values.
+pub fn p99(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
+}
+
+/// The positive number `flag` was given.
+pub fn positive(flag: &str, v: Option<String>) -> Result<f64, String> {
+    let v = v.ok_or(format!("{flag} needs a value"))?;
+    let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
+    if x.is_finite() && x > 0.0 {
+        Ok(x)
+    } else {
+        Err(format!("{flag}: {v} must be positive"))
+    }
+}
+
+/// A comma-separated list of positive loads, none above `max`.
+pub fn loads(v: Option<String>, max: f64) -> Result<Vec<f64>, String> {
+    let v = v.ok_or("--load needs a value")?;
+    let l: Vec<f64> =
+        v.split(',').map(|x| positive("--load", Some(x.to_string()))).collect::<Result<_, _>>()?;
+    if l.iter().any(|x| *x > max) {
+        return Err(format!("--load: loads above {max} would never drain"));
+    }
+    Ok(l)
+}
+
+/// An integer seed.
+pub fn seed(v: Option<String>) -> Result<u64, String> {
+    let v = v.ok_or("--seed needs a value")?;
+    v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))
+}
+
+/// Exits after an evaluation failed: 2 with the usage for bad arguments
+/// (messages that start with the flag or "unknown"), else 1.
+pub fn fail(program: &str, usage: &str, e: &str) -> ! {
+    eprintln!("{program}: {e}");
+    if e.starts_with("--") || e.starts_with("unknown") {
+        eprintln!("{usage}");
+        std::process::exit(2);
+    }
+    std::process::exit(1);
+}

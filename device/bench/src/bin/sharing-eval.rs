@@ -24,6 +24,7 @@
 //!
 //! `cargo build --release -p npu-bench && target/release/sharing-eval [--load 0.05,0.1,...] [--seconds 1] [--seed 1] [--qos 10] [--json out.json]`
 
+use npu_bench::{fail, loads, p99, positive, seed, Rng};
 use npu_model::{run_core, run_program, BoardConfig, Tenant as CoreTenant};
 use npu_workloads::{lower_workload, run_workload, RunOptions, RunReport};
 use vnpu_abi::{Instr, Program, Stream};
@@ -41,20 +42,6 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              request's by M context switches (normalized to the waiter);
              0 (default) is PREMA's plain token rule
   --json     also write the results as JSON to PATH";
-
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn exp(&mut self, mean: f64) -> f64 {
-        -mean * self.unit().ln()
-    }
-}
 
 #[derive(Clone, Debug)]
 struct Workload {
@@ -193,14 +180,6 @@ fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64, margin: f64) -> Ou
     o
 }
 
-fn p99(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
-}
-
 /// `p` with every stream's code repeated `n` times (one final halt):
 /// back-to-back requests of one tenant.
 fn repeated(p: &Program, n: usize) -> Program {
@@ -264,35 +243,16 @@ fn parse_args() -> Result<Args, String> {
         json: None,
     };
     let mut it = std::env::args().skip(1);
-    let num = |flag: &str, v: Option<String>| -> Result<f64, String> {
-        let v = v.ok_or(format!("{flag} needs a value"))?;
-        let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
-        if x.is_finite() && x > 0.0 {
-            Ok(x)
-        } else {
-            Err(format!("{flag}: {v} must be positive"))
-        }
-    };
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
-            "--load" => {
-                let v = it.next().ok_or("--load needs a value")?;
-                a.loads =
-                    v.split(',').map(|x| num("--load", Some(x.to_string()))).collect::<Result<_, _>>()?;
-                if a.loads.iter().any(|l| *l > 4.0) {
-                    return Err("--load: loads above 4 would never drain".into());
-                }
-            }
-            "--seconds" => a.seconds = num("--seconds", it.next())?.min(60.0),
-            "--seed" => {
-                let v = it.next().ok_or("--seed needs a value")?;
-                a.seed = v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))?;
-            }
-            "--qos" => a.qos = num("--qos", it.next())?,
+            "--load" => a.loads = loads(it.next(), 4.0)?,
+            "--seconds" => a.seconds = positive("--seconds", it.next())?.min(60.0),
+            "--seed" => a.seed = seed(it.next())?,
+            "--qos" => a.qos = positive("--qos", it.next())?,
             "--preempt-margin" => {
                 let v = it.next().ok_or("--preempt-margin needs a value")?;
                 a.margin = v.parse().map_err(|_| format!("--preempt-margin: `{v}` is not a number"))?;
@@ -321,13 +281,13 @@ struct Row {
     tenants_p99: Vec<f64>,
 }
 
-fn summarize(system: &'static str, mut o: Outcome, ws: &[Workload], qos: f64, eus: f64) -> Row {
+fn summarize(system: &'static str, o: Outcome, ws: &[Workload], qos: f64, eus: f64) -> Row {
     let done: usize = o.latencies.iter().map(Vec::len).sum();
-    let mut all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
+    let all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
     let within: usize =
         o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= qos * w.t44).count()).sum();
     let avg = all.iter().sum::<f64>() / all.len().max(1) as f64;
-    let tail = p99(&mut all);
+    let tail = p99(&all);
     // PREMA's fairness: min over tenants of normalized progress (isolated
     // time on the whole core / time in the shared system) over the max.
     let np: Vec<f64> = o
@@ -338,7 +298,7 @@ fn summarize(system: &'static str, mut o: Outcome, ws: &[Workload], qos: f64, eu
         .map(|(l, w)| w.t44 / (l.iter().sum::<f64>() / l.len() as f64))
         .collect();
     let fairness = np.iter().copied().fold(f64::INFINITY, f64::min) / np.iter().copied().fold(0.0, f64::max);
-    let tenants_p99: Vec<f64> = o.latencies.iter_mut().map(|l| p99(l)).collect();
+    let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l)).collect();
     let sla_met = tenants_p99.iter().zip(ws).all(|(p, w)| *p <= qos * w.t44);
     Row {
         system,
@@ -426,19 +386,7 @@ fn run() -> Result<(), String> {
     for &load in &args.loads {
         let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ load.to_bits());
         // Each tenant's arrival rate is `load` of what its own 1+1 vNPU serves alone.
-        let arrivals: Vec<Vec<f64>> = ws
-            .iter()
-            .map(|w| {
-                let mean_gap = w.t11 / load;
-                let mut v = Vec::new();
-                let mut t = rng.exp(mean_gap);
-                while t < args.seconds {
-                    v.push(t);
-                    t += rng.exp(mean_gap);
-                }
-                v
-            })
-            .collect();
+        let arrivals: Vec<Vec<f64>> = ws.iter().map(|w| rng.arrivals(w.t11 / load, args.seconds)).collect();
         let rows = [
             summarize("vNPU", spatial(&ws, &arrivals), &ws, args.qos, eus),
             summarize("PREMA-like", prema(&ws, &arrivals, switch, args.margin), &ws, args.qos, eus),
@@ -511,12 +459,7 @@ fn run() -> Result<(), String> {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("sharing-eval: {e}");
-        if e.starts_with("--") || e.starts_with("unknown") {
-            eprintln!("{USAGE}");
-            std::process::exit(2);
-        }
-        std::process::exit(1);
+        fail("sharing-eval", USAGE, &e);
     }
 }
 

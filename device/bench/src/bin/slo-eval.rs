@@ -19,6 +19,7 @@
 //!
 //! `cargo build --release -p npu-bench && target/release/slo-eval [--load 0.3,0.5,0.7,0.9] [--seconds 0.5] [--seed 1] [--json out.json]`
 
+use npu_bench::{fail, loads, p99, positive, seed, Rng};
 use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
@@ -32,20 +33,6 @@ const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] 
   --seconds  simulated seconds of arrivals per load (default 0.5)
   --seed     arrival seed (default 1)
   --json     also write the results as JSON to PATH";
-
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn exp(&mut self, mean: f64) -> f64 {
-        -mean * self.unit().ln()
-    }
-}
 
 struct VnpuTenant {
     name: &'static str,
@@ -172,15 +159,6 @@ fn simulate(
     Ok(o)
 }
 
-fn p99(v: &[f64]) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
-}
-
 struct Args {
     loads: Vec<f64>,
     seconds: f64,
@@ -191,34 +169,15 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut a = Args { loads: vec![0.3, 0.5, 0.7, 0.9], seconds: 0.5, seed: 1, json: None };
     let mut it = std::env::args().skip(1);
-    let num = |flag: &str, v: Option<String>| -> Result<f64, String> {
-        let v = v.ok_or(format!("{flag} needs a value"))?;
-        let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
-        if x.is_finite() && x > 0.0 {
-            Ok(x)
-        } else {
-            Err(format!("{flag}: {v} must be positive"))
-        }
-    };
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "-h" | "--help" => {
                 println!("{USAGE}");
                 std::process::exit(0);
             }
-            "--load" => {
-                let v = it.next().ok_or("--load needs a value")?;
-                a.loads =
-                    v.split(',').map(|x| num("--load", Some(x.to_string()))).collect::<Result<_, _>>()?;
-                if a.loads.iter().any(|l| *l > 2.0) {
-                    return Err("--load: loads above 2 would never drain".into());
-                }
-            }
-            "--seconds" => a.seconds = num("--seconds", it.next())?.min(10.0),
-            "--seed" => {
-                let v = it.next().ok_or("--seed needs a value")?;
-                a.seed = v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))?;
-            }
+            "--load" => a.loads = loads(it.next(), 2.0)?,
+            "--seconds" => a.seconds = positive("--seconds", it.next())?.min(10.0),
+            "--seed" => a.seed = seed(it.next())?,
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
             other => return Err(format!("unknown argument `{other}`")),
         }
@@ -292,14 +251,7 @@ fn run() -> Result<(), String> {
             .iter()
             .map(|t| {
                 let share = eus / ts.len() as f64 / f64::from(t.claim.sa + t.claim.vu);
-                let mean_gap = t.alone / (load * share);
-                let mut v = Vec::new();
-                let mut x = rng.exp(mean_gap);
-                while x < args.seconds * hz {
-                    v.push(x);
-                    x += rng.exp(mean_gap);
-                }
-                v
+                rng.arrivals(t.alone / (load * share), args.seconds * hz)
             })
             .collect();
         for policy in [Policy::PriorityEdf, Policy::Fifo] {
@@ -340,11 +292,6 @@ fn run() -> Result<(), String> {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("slo-eval: {e}");
-        if e.starts_with("--") || e.starts_with("unknown") {
-            eprintln!("{USAGE}");
-            std::process::exit(2);
-        }
-        std::process::exit(1);
+        fail("slo-eval", USAGE, &e);
     }
 }
