@@ -210,6 +210,8 @@ struct Slot<J> {
     started: f64,
     /// Simulated time at which its budget runs out (infinity: none).
     budget_end: f64,
+    /// When it was suspended (it issues nothing until resumed).
+    suspended_at: Option<f64>,
 }
 
 /// What [`CoreSim::step`] hands back for a tenant that finished or failed:
@@ -272,6 +274,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             error: None,
             started: self.now,
             budget_end,
+            suspended_at: None,
         };
         let id = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -305,6 +308,54 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         id
     }
 
+    /// Stops tenant `id` from issuing instructions (preemption at
+    /// instruction boundaries: what it has in flight finishes, its memories
+    /// stay as they are); its budget stops counting. False if there is no
+    /// such tenant or it is suspended already.
+    pub fn suspend(&mut self, id: usize) -> bool {
+        match self.slots.get_mut(id).and_then(Option::as_mut) {
+            Some(ts) if ts.suspended_at.is_none() => {
+                ts.suspended_at = Some(self.now);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Lets suspended tenant `id` go on, issuing again from `now + delay`
+    /// (a context switch back onto its engines). False if it is not
+    /// suspended.
+    pub fn resume(&mut self, id: usize, delay: f64) -> bool {
+        let now = self.now;
+        let delay = delay.max(0.0);
+        let Some(ts) = self.slots.get_mut(id).and_then(Option::as_mut) else { return false };
+        let Some(at) = ts.suspended_at.take() else { return false };
+        ts.budget_end += now - at + delay;
+        for r in self.runs.iter_mut().filter(|r| r.tenant == id) {
+            if matches!(r.state, State::Ready) && delay > 0.0 {
+                r.state = State::Busy { until: now + delay };
+            }
+        }
+        true
+    }
+
+    /// Cycles until what tenant `id` has in flight is done (at its
+    /// uncontended rate): when its engines are free after a suspension.
+    pub fn drain_cycles(&self, id: usize) -> f64 {
+        let now = self.now;
+        self.runs
+            .iter()
+            .filter(|r| r.tenant == id)
+            .map(|r| match r.state {
+                State::Busy { until } => until - now,
+                State::Transfer { start, remaining, cap, .. } => {
+                    start.max(now) - now + remaining / cap.max(EPS)
+                }
+                _ => 0.0,
+            })
+            .fold(0.0, f64::max)
+    }
+
     /// Advances simulated time until at least one tenant has finished or
     /// failed and returns those; empty when no tenant is on the core.
     pub fn step(&mut self) -> Vec<Finished<J>> {
@@ -329,6 +380,9 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     };
                     if ts.error.is_some() {
                         r.state = State::Done;
+                        continue;
+                    }
+                    if ts.suspended_at.is_some() {
                         continue;
                     }
                     match r.state {
@@ -444,7 +498,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             // flight, can never move again.
             for (t, ts) in slots.iter_mut().enumerate() {
                 let Some(ts) = ts.as_mut() else { continue };
-                if ts.error.is_some() {
+                if ts.error.is_some() || ts.suspended_at.is_some() {
                     continue;
                 }
                 let mine = runs.iter().filter(|r| r.tenant == t);
@@ -544,7 +598,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     _ => {}
                 }
             }
-            for ts in slots.iter().flatten() {
+            for ts in slots.iter().flatten().filter(|ts| ts.suspended_at.is_none()) {
                 if ts.budget_end > now {
                     next = next.min(ts.budget_end);
                 }
@@ -594,7 +648,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 }
             }
             for ts in slots.iter_mut().flatten() {
-                if ts.error.is_none() && ts.budget_end <= now + EPS {
+                if ts.error.is_none() && ts.suspended_at.is_none() && ts.budget_end <= now + EPS {
                     ts.error = Some(ExecError::Budget { budget: ts.job.max_cycles().unwrap_or(0) });
                 }
             }

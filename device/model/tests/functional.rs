@@ -6,8 +6,8 @@
 use half::bf16;
 use npu_model::memory::{read_f32s, write_f32s};
 use npu_model::{
-    run_core, run_core_admitted, run_program, Admission, BoardConfig, CoreMemory, ExecError, LazyHbm, Memory,
-    Sram, Tenant, VecGuestMemory,
+    run_core, run_core_admitted, run_program, Admission, BoardConfig, CoreMemory, CoreSim, ExecError,
+    LazyHbm, Memory, Sram, Tenant, VecGuestMemory,
 };
 use proptest::prelude::*;
 use vnpu_abi::*;
@@ -825,4 +825,36 @@ fn admission_follows_the_order_and_budgets_count_from_admission() {
     let mut big = [Tenant { program: &p, memory: None, max_cycles: None }];
     let adm = Admission { claims: vec![(99, 99)], order: vec![0], switch_cycles: 0.0 };
     assert!(run_core_admitted(&c, &mut big, &adm).tenants[0].is_ok());
+}
+
+#[test]
+fn a_suspended_tenant_resumes_where_it_stopped() {
+    let c = BoardConfig::default();
+    let (long, short) = (vu_work(40), vu_work(10));
+    let alone = |p: &Program| run_program(&c, p, None, None).unwrap().cycles;
+    let (ta, tb) = (alone(&long), alone(&short));
+    let mut a = Tenant { program: &long, memory: None, max_cycles: Some(ta.ceil() as u64 + 1) };
+    let mut b = Tenant { program: &short, memory: None, max_cycles: None };
+    let mut sim = CoreSim::new(&c, 2);
+    let ia = sim.add(&mut a, 0.0);
+    // Mid-way through an instruction.
+    let t1 = ta * 0.51;
+    assert!(sim.step_until(t1).is_empty());
+    assert!(sim.suspend(ia) && !sim.suspend(ia));
+    // Its instruction in flight finishes before its engines are free.
+    let drain = sim.drain_cycles(ia);
+    assert!(drain > 0.0 && drain < ta / 40.0 + 1.0, "{drain}");
+    let ib = sim.add(&mut b, drain);
+    let done = sim.step();
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].0, ib);
+    let b_end = done[0].2.as_ref().unwrap().cycles;
+    assert!((b_end - (t1 + drain + tb)).abs() < 1e-6);
+    assert!(sim.resume(ia, 500.0) && !sim.resume(ia, 0.0));
+    let done = sim.step();
+    // A did all its work once, plus B's time and the switch back; its
+    // budget (its own time alone) did not run while it was suspended.
+    let a_rep = done[0].2.as_ref().unwrap();
+    assert!((a_rep.cycles - (ta + tb + 500.0)).abs() < 1e-6, "{} vs {}", a_rep.cycles, ta + tb + 500.0);
+    assert!(sim.is_idle());
 }

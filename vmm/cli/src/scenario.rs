@@ -169,8 +169,8 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         );
         if st.slo_requests > 0 {
             println!(
-                "{c:<6} SLO: {} of {} requests missed their latency target",
-                st.slo_misses, st.slo_requests
+                "{c:<6} SLO: {} of {} requests missed their latency target; {} preemptions",
+                st.slo_misses, st.slo_requests, st.preempted
             );
         }
         sc.stop();

@@ -16,7 +16,8 @@ mod worker;
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink};
 pub use shared_core::{
-    admission_order, placements, switch_cycles, Claim, Interval, SharedCore, SharingStats,
+    admission_order, placements, schedule, switch_cycles, Claim, Decision, Interval, Pending, SharedCore,
+    SharingStats,
 };
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{

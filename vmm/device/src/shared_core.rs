@@ -99,6 +99,7 @@ struct Queue {
     log: Vec<Interval>,
     requests: u64,
     waited: u64,
+    preempted: u64,
     slo_requests: u64,
     slo_misses: u64,
     stop: bool,
@@ -134,6 +135,8 @@ pub struct SharingStats {
     /// Requests that had to wait for engines (only on an oversubscribed
     /// core).
     pub waited: u64,
+    /// Times a running request was suspended for a more urgent one.
+    pub preempted: u64,
     /// Simulated cycles the core was busy.
     pub busy_cycles: f64,
     /// Simulated cycles during which two or more tenants ran at once.
@@ -224,6 +227,7 @@ impl SharedCore {
         SharingStats {
             requests: q.requests,
             waited: q.waited,
+            preempted: q.preempted,
             busy_cycles: q.now,
             overlap_cycles: overlap,
             tenants,
@@ -306,14 +310,90 @@ pub fn placements(board: &BoardConfig, waiting: &[Claim], order: &[usize], runni
     place
 }
 
+/// A request as the placement policy sees it: what it claims and when it
+/// arrived on the core's timeline.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Pending {
+    pub claim: Claim,
+    pub arrival: f64,
+}
+
+impl Pending {
+    /// Urgency: higher priority, then earlier deadline (none = last).
+    fn urgency(&self) -> (u8, std::cmp::Reverse<u64>) {
+        let deadline = match self.claim.slo_cycles {
+            0 => u64::MAX,
+            c => (self.arrival + c as f64).min(u64::MAX as f64) as u64,
+        };
+        (self.claim.priority, std::cmp::Reverse(deadline))
+    }
+}
+
+/// One scheduling pass of an oversubscribed core.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// Waiting requests that go on the core now (indices into `waiting`).
+    pub place: Vec<usize>,
+    /// Running requests to suspend so the most urgent waiting one fits
+    /// (indices into `running`); it is the last of `place`.
+    pub preempt: Vec<usize>,
+}
+
+/// The placement policy: what fits goes on the core ([`placements`], most
+/// urgent first); then, if the most urgent request left over is more
+/// urgent (higher priority, or the same priority and an earlier deadline)
+/// than some running ones, the least urgent of those are suspended until
+/// it fits. Requests of equal priority without latency targets never
+/// preempt each other, and a preempted request is less urgent than the one
+/// that preempted it, so preemption cannot go in circles.
+pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> Decision {
+    let claims: Vec<Claim> = waiting.iter().map(|p| p.claim).collect();
+    let order = admission_order(&claims, &waiting.iter().map(|p| p.arrival).collect::<Vec<_>>());
+    let on_core: Vec<Claim> = running.iter().map(|p| p.claim).collect();
+    let mut place = placements(board, &claims, &order, &on_core);
+    let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
+        return Decision { place, preempt: Vec::new() };
+    };
+    let want = waiting[w];
+    let mut victims: Vec<usize> =
+        (0..running.len()).filter(|&r| running[r].urgency() < want.urgency()).collect();
+    // Least urgent first; among equals the latest arrival.
+    victims.sort_by(|&a, &b| {
+        running[a]
+            .urgency()
+            .cmp(&running[b].urgency())
+            .then(running[b].arrival.total_cmp(&running[a].arrival))
+    });
+    let used = |skip: &[usize]| {
+        let on = (0..running.len()).filter(|r| !skip.contains(r)).map(|r| running[r].claim);
+        on.chain(place.iter().map(|&i| waiting[i].claim))
+            .fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)))
+    };
+    let fits = |(sa, vu): (u32, u32)| {
+        sa.saturating_add(want.claim.sa) <= board.core.sa_count
+            && vu.saturating_add(want.claim.vu) <= board.core.vu_count
+    };
+    let mut preempt = Vec::new();
+    for v in victims {
+        preempt.push(v);
+        if fits(used(&preempt)) {
+            place.push(w);
+            return Decision { place, preempt };
+        }
+    }
+    Decision { place, preempt: Vec::new() }
+}
+
 fn engine(inner: &Inner) {
     let board = &inner.board;
     let switch = switch_cycles(board);
     let mut sim: CoreSim<'_, Job> = CoreSim::new(board, 1);
     // Requests taken from the queue and not yet on the core.
     let mut waiting: Vec<Job> = Vec::new();
-    // (sim id, claim) of the requests on the core.
-    let mut running: Vec<(usize, Claim)> = Vec::new();
+    // (sim id, request) of the requests running on the core, and of those
+    // suspended to let a more urgent one run.
+    let mut running: Vec<(usize, Pending)> = Vec::new();
+    let mut suspended: Vec<(usize, Pending)> = Vec::new();
     // Tenants seen (HBM shares under the "equal" policy).
     let mut tenants: Vec<String> = Vec::new();
     // Tenants that just got a result and may submit their next request.
@@ -360,32 +440,63 @@ fn engine(inner: &Inner) {
                 sim.set_shares(tenants.len());
             }
         }
-        // Place what fits, most urgent first; the rest wait (and pay a
-        // context switch when they get engines).
-        let claims: Vec<Claim> = waiting.iter().map(|j| j.claim).collect();
-        let order = admission_order(&claims, &waiting.iter().map(|j| j.arrival).collect::<Vec<_>>());
-        let on_core: Vec<Claim> = running.iter().map(|(_, c)| *c).collect();
-        let mut place = placements(board, &claims, &order, &on_core);
-        for (i, j) in waiting.iter_mut().enumerate() {
-            j.deferred |= !place.contains(&i);
+        // Place what fits, most urgent first, preempting less urgent
+        // requests for the most urgent one left over; the rest wait (and
+        // pay a context switch when they get engines).
+        let cands: Vec<Pending> = waiting
+            .iter()
+            .map(|j| Pending { claim: j.claim, arrival: j.arrival })
+            .chain(suspended.iter().map(|s| s.1))
+            .collect();
+        let on_core: Vec<Pending> = running.iter().map(|r| r.1).collect();
+        let d = schedule(board, &cands, &on_core);
+        let preemptor = if d.preempt.is_empty() { None } else { d.place.last().copied() };
+        let mut drain: f64 = 0.0;
+        let mut victims = d.preempt.clone();
+        victims.sort_unstable_by(|a, b| b.cmp(a));
+        for r in victims {
+            let (id, p) = running.swap_remove(r);
+            sim.suspend(id);
+            drain = drain.max(sim.drain_cycles(id));
+            suspended.push((id, p));
         }
+        let n_waiting = waiting.len();
+        for (i, j) in waiting.iter_mut().enumerate() {
+            j.deferred |= !d.place.contains(&i);
+        }
+        let mut place = d.place.clone();
         place.sort_unstable_by(|a, b| b.cmp(a));
         let mut waited = 0;
         for i in place {
+            if i >= n_waiting {
+                // A suspended request goes on where it stopped.
+                let (id, p) = suspended.remove(i - n_waiting);
+                sim.resume(id, switch);
+                running.push((id, p));
+                continue;
+            }
             let mut job = waiting.swap_remove(i);
-            let delay = if job.deferred { switch } else { 0.0 };
+            let delay = if Some(i) == preemptor {
+                switch.max(drain)
+            } else if job.deferred {
+                switch
+            } else {
+                0.0
+            };
             waited += u64::from(job.deferred);
             job.begin = sim.now() + delay;
-            let claim = job.claim;
-            running.push((sim.add(job, delay), claim));
+            let p = Pending { claim: job.claim, arrival: job.arrival };
+            running.push((sim.add(job, delay), p));
         }
         // Advance to the next completion.
         let done = sim.step();
         let mut q = lock(&inner.q);
         q.now = sim.now();
         q.waited += waited;
+        q.preempted += d.preempt.len() as u64;
         for (id, job, r) in done {
             running.retain(|(i, _)| *i != id);
+            suspended.retain(|(i, _)| *i != id);
             let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
             let begin = job.begin.min(end);
             q.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
@@ -564,6 +675,57 @@ mod tests {
         assert!(last < long.3, "short ones ended at {last}, the long one at {}", long.3);
         let st = core.stats();
         assert_eq!((st.requests, st.waited), (7, 0));
+        core.stop();
+    }
+
+    #[test]
+    fn schedule_preempts_only_for_more_urgent_requests() {
+        let board = BoardConfig::default();
+        let half = |slo_cycles, priority| Claim { sa: 2, vu: 2, priority, slo_cycles };
+        let p = |claim, arrival| Pending { claim, arrival };
+        let running = [p(half(0, 0), 0.0), p(half(0, 0), 10.0)];
+        // A request with a latency target preempts the later of two equal
+        // requests without one.
+        let d = schedule(&board, &[p(half(1000, 0), 20.0)], &running);
+        assert_eq!(d, Decision { place: vec![0], preempt: vec![1] });
+        // Without a target it waits.
+        assert_eq!(schedule(&board, &[p(half(0, 0), 20.0)], &running), Decision::default());
+        // A higher priority preempts a lower one, never the reverse.
+        let mixed = [p(half(0, 3), 0.0), p(half(0, 1), 5.0)];
+        assert_eq!(schedule(&board, &[p(half(0, 2), 9.0)], &mixed).preempt, vec![1]);
+        assert_eq!(schedule(&board, &[p(half(0, 0), 9.0)], &mixed), Decision::default());
+        // A running request with an earlier deadline is not preempted.
+        let tight = [p(half(100, 0), 0.0), p(half(50, 0), 0.0)];
+        assert_eq!(schedule(&board, &[p(half(1000, 0), 1.0)], &tight), Decision::default());
+        // A request that would not fit even alone beside nothing suspends
+        // as many as it needs.
+        let whole = Claim { sa: 4, vu: 4, priority: 0, slo_cycles: 10 };
+        let d = schedule(&board, &[p(whole, 30.0)], &running);
+        assert_eq!((d.place, d.preempt.len()), (vec![0], 2));
+    }
+
+    /// A request with a latency target that finds the engines taken by a
+    /// long request without one suspends it, runs, and the long one goes
+    /// on where it stopped.
+    #[test]
+    fn an_urgent_request_preempts_a_long_one_on_an_oversubscribed_core() {
+        let board = BoardConfig::default();
+        let core = SharedCore::with_gather(&board, "core-preempt", Duration::from_secs(2)).unwrap();
+        core.pause();
+        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let long = submit_copies(&core, "long", half, 64);
+        let short = submit_copies(&core, "rt", half, 1);
+        core.resume();
+        let short = short.join().unwrap();
+        // The same vNPU's next request needs the whole core, within 1 ms.
+        let whole = Claim { sa: board.core.sa_count, vu: 2, priority: 0, slo_cycles: 940_000 };
+        let (_, r, s, e) = run_copies(&core, "rt", whole, 1);
+        assert!(r.is_ok() && s >= short.3);
+        let long = long.join().unwrap();
+        assert!(e < long.3, "the urgent request ended at {e}, after the long one ({})", long.3);
+        let st = core.stats();
+        assert_eq!((st.requests, st.preempted), (3, 1));
+        assert!(long.1.is_ok());
         core.stop();
     }
 }

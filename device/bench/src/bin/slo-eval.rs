@@ -7,11 +7,15 @@
 //! time per vNPU, the rest queue in the guest's ring), waiting requests
 //! placed with `vnpu_device::placements` as soon as their claims fit, a
 //! request that had to wait paying `vnpu_device::switch_cycles`. Only the
-//! order in which waiting requests are considered differs:
+//! scheduling policy differs:
 //!
-//! - **priority + EDF** (this system, `vnpu_device::admission_order`):
-//!   priority, then earliest deadline, then arrival;
-//! - **FIFO**: arrival order only.
+//! - **EDF+preempt** (this system, `vnpu_device::schedule`): waiting
+//!   requests by priority, then earliest deadline, then arrival, first fit;
+//!   the most urgent one left over suspends less urgent running requests
+//!   (`CoreSim::suspend`, resumed where they stopped after a context
+//!   switch) until it fits;
+//! - **priority + EDF**: the same order, no preemption;
+//! - **FIFO**: arrival order only, no preemption.
 //!
 //! For each offered load it prints, per order, the latency-critical
 //! tenants' SLO attainment and p99, the throughput and the core's EU
@@ -23,7 +27,7 @@ use npu_bench::{fail, loads, p99, positive, seed, Rng};
 use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
-use vnpu_device::{admission_order, placements, switch_cycles, Claim};
+use vnpu_device::{admission_order, placements, schedule, switch_cycles, Claim, Pending};
 
 const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] [--json PATH]
 
@@ -44,6 +48,8 @@ struct VnpuTenant {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Policy {
+    /// The device's policy: `vnpu_device::schedule`.
+    Preemptive,
     PriorityEdf,
     Fifo,
 }
@@ -51,6 +57,7 @@ enum Policy {
 impl Policy {
     fn name(self) -> &'static str {
         match self {
+            Policy::Preemptive => "EDF+preempt",
             Policy::PriorityEdf => "priority+EDF",
             Policy::Fifo => "FIFO",
         }
@@ -65,6 +72,7 @@ struct Outcome {
     end: f64,
     eu_cycles: f64,
     waited: usize,
+    preempted: usize,
 }
 
 /// One request on the simulated core.
@@ -101,6 +109,7 @@ fn simulate(
     // (with whether a placement pass has passed it over).
     let mut on_core: Vec<Option<usize>> = vec![None; n];
     let mut waiting: Vec<(usize, bool)> = Vec::new();
+    let mut suspended = vec![false; n];
     loop {
         let now = sim.now();
         // Each vNPU submits its oldest request once the previous one is done.
@@ -112,26 +121,69 @@ fn simulate(
         }
         let claims: Vec<Claim> = waiting.iter().map(|w| ts[w.0].claim).collect();
         let arr: Vec<f64> = waiting.iter().map(|w| arrivals[w.0][next[w.0]]).collect();
-        let order = match policy {
-            Policy::PriorityEdf => admission_order(&claims, &arr),
-            Policy::Fifo => {
-                let mut v: Vec<usize> = (0..waiting.len()).collect();
-                v.sort_by(|&a, &b| arr[a].total_cmp(&arr[b]));
-                v
+        let running: Vec<usize> = (0..n).filter(|&i| on_core[i].is_some() && !suspended[i]).collect();
+        let (place, preempt) = match policy {
+            Policy::Preemptive => {
+                // Candidates: the waiting requests, then the suspended ones.
+                let held: Vec<usize> = (0..n).filter(|&i| suspended[i]).collect();
+                let pend = |i: usize| Pending { claim: ts[i].claim, arrival: arrivals[i][next[i]] };
+                let cands: Vec<Pending> =
+                    waiting.iter().map(|w| pend(w.0)).chain(held.iter().map(|&i| pend(i))).collect();
+                let d = schedule(board, &cands, &running.iter().map(|&i| pend(i)).collect::<Vec<_>>());
+                let who = |k: usize| if k < waiting.len() { waiting[k].0 } else { held[k - waiting.len()] };
+                (
+                    d.place.iter().map(|&k| who(k)).collect::<Vec<_>>(),
+                    d.preempt.iter().map(|&r| running[r]).collect(),
+                )
+            }
+            Policy::PriorityEdf | Policy::Fifo => {
+                let order = if policy == Policy::PriorityEdf {
+                    admission_order(&claims, &arr)
+                } else {
+                    let mut v: Vec<usize> = (0..waiting.len()).collect();
+                    v.sort_by(|&a, &b| arr[a].total_cmp(&arr[b]));
+                    v
+                };
+                let on: Vec<Claim> = running.iter().map(|&i| ts[i].claim).collect();
+                (
+                    placements(board, &claims, &order, &on).into_iter().map(|k| waiting[k].0).collect(),
+                    Vec::new(),
+                )
             }
         };
-        let running: Vec<Claim> = (0..n).filter(|&i| on_core[i].is_some()).map(|i| ts[i].claim).collect();
-        let mut place = placements(board, &claims, &order, &running);
-        place.sort_unstable_by(|a, b| b.cmp(a));
-        let placed: Vec<usize> = place.iter().map(|&k| waiting[k].0).collect();
-        for k in place {
-            let (i, deferred) = waiting.swap_remove(k);
+        let mut drain: f64 = 0.0;
+        for &i in &preempt {
+            if let Some(id) = on_core[i] {
+                sim.suspend(id);
+                drain = drain.max(sim.drain_cycles(id));
+                suspended[i] = true;
+                o.preempted += 1;
+            }
+        }
+        let preemptor = if preempt.is_empty() { None } else { place.last().copied() };
+        for &i in &place {
+            if suspended[i] {
+                if let Some(id) = on_core[i] {
+                    sim.resume(id, switch);
+                }
+                suspended[i] = false;
+                continue;
+            }
+            let Some(k) = waiting.iter().position(|w| w.0 == i) else { continue };
+            let (_, deferred) = waiting.swap_remove(k);
             o.waited += usize::from(deferred);
+            let delay = if Some(i) == preemptor {
+                switch.max(drain)
+            } else if deferred {
+                switch
+            } else {
+                0.0
+            };
             let req = Request { tenant: i, arrival: arrivals[i][next[i]], program: &ts[i].program };
-            on_core[i] = Some(sim.add(req, if deferred { switch } else { 0.0 }));
+            on_core[i] = Some(sim.add(req, delay));
         }
         for w in waiting.iter_mut() {
-            w.1 |= !placed.contains(&w.0);
+            w.1 |= !place.contains(&w.0);
         }
         // Run until a request finishes or the next one arrives.
         let next_arrival = (0..n)
@@ -152,6 +204,7 @@ fn simulate(
                 o.slo_met[req.tenant] += 1;
             }
             on_core[req.tenant] = None;
+            suspended[req.tenant] = false;
             next[req.tenant] += 1;
         }
     }
@@ -240,8 +293,17 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "\n{:>5} {:<13} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8}",
-        "load", "order", "ncf-rt SLO", "dlrm-rt SLO", "ncf-rt p99", "dlrm-rt p99", "req/s", "EU util"
+        "\n{:>5} {:<13} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9} {:>8} {:>8}",
+        "load",
+        "order",
+        "ncf-rt SLO",
+        "dlrm-rt SLO",
+        "ncf-rt p99",
+        "dlrm-rt p99",
+        "bert avg",
+        "req/s",
+        "EU util",
+        "preempt"
     );
     let mut rows = Vec::new();
     for &load in &args.loads {
@@ -254,24 +316,26 @@ fn run() -> Result<(), String> {
                 rng.arrivals(t.alone / (load * share), args.seconds * hz)
             })
             .collect();
-        for policy in [Policy::PriorityEdf, Policy::Fifo] {
+        for policy in [Policy::Preemptive, Policy::PriorityEdf, Policy::Fifo] {
             let o = simulate(&board, &ts, &arrivals, policy)?;
             let done: usize = o.latencies.iter().map(Vec::len).sum();
             let attain = |i: usize| o.slo_met[i] as f64 / o.latencies[i].len().max(1) as f64;
             let throughput = done as f64 / (o.end / hz);
             let util = o.eu_cycles / (eus * o.end);
             println!(
-                "{load:>5} {:<13} {:>11.1}% {:>11.1}% {:>9.1} us {:>9.1} us {:>9.0} {:>7.1}%",
+                "{load:>5} {:<13} {:>11.1}% {:>11.1}% {:>9.1} us {:>9.1} us {:>9.1} us {:>9.0} {:>7.1}% {:>8}",
                 policy.name(),
                 100.0 * attain(0),
                 100.0 * attain(1),
                 us(p99(&o.latencies[0])),
                 us(p99(&o.latencies[1])),
+                us(o.latencies[2].iter().sum::<f64>() / o.latencies[2].len().max(1) as f64),
                 throughput,
-                100.0 * util
+                100.0 * util,
+                o.preempted
             );
             rows.push(serde_json::json!({
-                "load": load, "order": policy.name(), "requests_that_waited": o.waited,
+                "load": load, "order": policy.name(), "requests_that_waited": o.waited, "preemptions": o.preempted,
                 "throughput_rps": throughput, "eu_utilization": util,
                 "tenants": ts.iter().enumerate().map(|(i, t)| serde_json::json!({
                     "name": t.name, "requests": o.latencies[i].len(),
