@@ -17,3 +17,31 @@ fn mapping_eval_ranks_the_policies() {
     assert!(util("Ours") > 1.5 * util("WholeCore"), "{text}");
     assert!(util("Ours") >= util("FirstFit") - 1.0, "{text}");
 }
+
+/// With departures the cluster reaches a steady state: utilization is
+/// averaged after the warm-up, and whole-core allocation rejects far more.
+#[test]
+fn mapping_eval_with_churn_reaches_a_steady_state() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mapping-eval"))
+        .args(["--requests", "4000", "--boards", "40", "--churn"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.contains("vNPUs leave after"), "{text}");
+    let field = |name: &str, k: usize| -> f64 {
+        let l = text.lines().find(|l| l.starts_with(name)).unwrap();
+        l.split_whitespace().nth(k).unwrap().trim_end_matches('%').parse().unwrap()
+    };
+    for p in ["Ours", "FirstFit", "WholeCore"] {
+        let u = field(p, 1);
+        assert!(u > 20.0 && u < 100.0, "{p}: {text}");
+    }
+    assert!(field("Ours", 1) > 1.5 * field("WholeCore", 1), "{text}");
+    assert!(field("WholeCore", 3) > 5.0 * field("Ours", 3).max(1.0), "{text}");
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_mapping-eval"))
+        .args(["--lifetime", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
