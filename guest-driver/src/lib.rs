@@ -581,6 +581,27 @@ impl<B: Bar> Vnpu<B> {
         self.mailbox(abi::MBOX_CONFIGURE, &args).map(|_| ())
     }
 
+    /// The host's grant: (SAs per core, VUs per core, cores per chip,
+    /// chips).
+    pub fn grant(&mut self) -> Result<(u32, u32, u32, u32), Error> {
+        let g = self.mailbox(abi::MBOX_QUERY_GRANT, &[])?;
+        let f = |s: u32| ((g >> s) & 0xffff) as u32;
+        Ok((f(0), f(16), f(32), f(48)))
+    }
+
+    /// Whether the host changed the grant (a live remap) since the last
+    /// call; clears the indication. The configuration has been shrunk to
+    /// the new grant if it no longer fit (then [`Vnpu::hierarchy`] shows the
+    /// new one and registered programs are gone).
+    pub fn grant_changed(&mut self) -> bool {
+        let changed = self.bar.read32(regs::INT_STATUS) & abi::INT_GRANT != 0;
+        if changed {
+            self.bar.write32(regs::INT_STATUS, abi::INT_GRANT);
+            self.hierarchy = self.read_hierarchy();
+        }
+        changed
+    }
+
     /// Reads the counter block into `buf` (layout: `vnpu_abi::device`);
     /// returns the bytes written.
     pub fn read_counters(&mut self, buf: &DmaBuf) -> Result<usize, Error> {

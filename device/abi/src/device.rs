@@ -129,6 +129,10 @@ pub const STATUS_RESETTING: u32 = 1 << 3;
 pub const INT_QUEUE: u32 = 1 << 0;
 /// `INT_STATUS` bit: a mailbox command completed.
 pub const INT_MAILBOX: u32 = 1 << 1;
+/// `INT_STATUS` bit: the host changed the vNPU's grant (a live remap):
+/// `QUERY_GRANT` returns the new one; a configuration beyond it has been
+/// shrunk to it. Raised on `MBOX_VECTOR`.
+pub const INT_GRANT: u32 = 1 << 2;
 
 /// `ERROR`: `QUEUE_ENABLE` with a size or addresses the device refuses.
 pub const ERR_QUEUE_INVALID: u32 = 0x100;

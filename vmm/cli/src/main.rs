@@ -439,6 +439,15 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
             let b = board(&path)?;
             let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
+            // Managed instances: (index among the vNPUs, UUID) to follow.
+            let managed: Vec<(usize, String)> = vnpus
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| match v {
+                    VnpuArg::Uuid(u) => Some((i, u.clone())),
+                    VnpuArg::Spec(_) => None,
+                })
+                .collect();
             let vnpus = vnpus
                 .into_iter()
                 .map(|v| match v {
@@ -462,6 +471,15 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 linux,
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
+            if !managed.is_empty() {
+                let handles = vm.grant_handles();
+                let follow = managed
+                    .into_iter()
+                    .filter_map(|(i, u)| Some((u, handles.get(i)?.clone(), *cfg.vnpus.get(i)?)))
+                    .collect();
+                manage::follow_remaps(dir.clone(), cfg.board.clone(), follow)
+                    .map_err(|e| CliError::Usage(format!("cannot follow remaps: {e}")))?;
+            }
             // A Linux guest's console takes our standard input.
             if cfg.linux.is_some() {
                 vm.forward_input(std::io::stdin())

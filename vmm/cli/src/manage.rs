@@ -152,6 +152,41 @@ pub fn list(store: &Store, json: bool) {
 }
 
 /// The spec of active instance `uuid` (for `vnpu run --vnpu uuid=...`).
+/// Follows `vnpu remap` of the managed instances a running VM uses: a
+/// thread checks the state file (every 200 ms, re-reading it only when it
+/// changed) and hands each instance's new shape to its vNPU, which applies
+/// it between requests and tells the guest (a live remap).
+pub fn follow_remaps(
+    dir: std::path::PathBuf,
+    board: BoardConfig,
+    mut instances: Vec<(String, vnpu_device::GrantHandle, VnpuSpec)>,
+) -> std::io::Result<()> {
+    let state = dir.join("vnpu-state.json");
+    let stamp = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let mut seen = stamp(&state);
+    std::thread::Builder::new().name("remaps".into()).spawn(move || loop {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let now = stamp(&state);
+        if now == seen {
+            continue;
+        }
+        seen = now;
+        for (uuid, handle, current) in instances.iter_mut() {
+            // A removed or stopped instance keeps the grant it had.
+            let Ok(spec) = active_spec(&dir, &board, uuid) else { continue };
+            if spec != *current {
+                eprintln!(
+                    "vnpu: {uuid} remapped to {} SA + {} VU per core while running",
+                    spec.sa_per_core, spec.vu_per_core
+                );
+                handle.regrant(spec);
+                *current = spec;
+            }
+        }
+    })?;
+    Ok(())
+}
+
 pub fn active_spec(dir: &std::path::Path, board: &BoardConfig, uuid: &str) -> Result<VnpuSpec, String> {
     let store = Store::open(dir, board).map_err(|e| e.to_string())?;
     let i = store.get(uuid).map_err(|e| e.to_string())?;

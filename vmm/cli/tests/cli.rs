@@ -392,3 +392,54 @@ fn remap_reshapes_an_instance_on_its_core() {
     assert!(err.contains("no vNPU instance"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A live remap: `vnpu remap` of the managed instance a running VM uses
+/// reaches the VM's vNPU; the guest sees its grant change, grows into it
+/// and runs on every SA of the new shape.
+#[test]
+fn remap_reaches_a_running_vm() {
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("vnpu-live-remap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, u, err) = vnpu_in(&dir, &["create", "--spec", "sa=1,vu=1,sram=4M,hbm=1G"]);
+    assert_eq!(code, 0, "{err}");
+    let u = u.trim().to_string();
+    let guest =
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../guest-images/target/x86_64-unknown-none/release/regrant");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .env("VNPU_STATE_DIR", &dir)
+        .args(["run", "--guest", guest, "--memory", "64M", "--vnpu", &format!("uuid={u}")])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let mut wait_for = |what: &str| loop {
+        match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+            Ok(l) if l.contains(what) => {
+                seen.push(l);
+                return;
+            }
+            Ok(l) => seen.push(l),
+            Err(e) => panic!("no `{what}` ({e}); console so far: {seen:?}"),
+        }
+    };
+    wait_for("regrant: grant 1 SA + 1 VU");
+    let (code, out, err) = vnpu_in(&dir, &["remap", &u, "--sa", "2"]);
+    assert_eq!(code, 0, "{out}{err}");
+    wait_for("regrant: grant changed to 2 SA + 1 VU");
+    wait_for("regrant: ran on 2 SAs: ok");
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{status:?}: {err}");
+    assert!(err.contains("remapped to 2 SA + 1 VU per core while running"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

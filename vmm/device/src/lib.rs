@@ -112,6 +112,13 @@ impl VnpuFunction {
         Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
     }
 
+    /// A handle that changes this vNPU's grant from any thread (a live
+    /// remap): the worker applies it between requests and tells the guest
+    /// (`INT_STATUS` bit `INT_GRANT` on `MBOX_VECTOR`).
+    pub fn grant_handle(&self) -> GrantHandle {
+        GrantHandle { shared: Arc::clone(&self.shared) }
+    }
+
     /// The MSI-X capability.
     pub fn msix(&self) -> MsixCap {
         self.msix
@@ -193,6 +200,25 @@ impl VnpuFunction {
                 }
             }
         }
+    }
+}
+
+/// Changes a running vNPU's grant (see [`VnpuFunction::grant_handle`]).
+#[derive(Clone)]
+pub struct GrantHandle {
+    shared: Arc<worker::Shared>,
+}
+
+impl std::fmt::Debug for GrantHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantHandle").finish_non_exhaustive()
+    }
+}
+
+impl GrantHandle {
+    /// Grants `spec` from now on.
+    pub fn regrant(&self, spec: VnpuSpec) {
+        self.shared.post(Control::Regrant(spec));
     }
 }
 

@@ -46,9 +46,19 @@ const NO_DETAIL: u32 = 0xffff_ffff;
 /// What the vCPU thread asks of the worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Control {
-    Enable { size: u32, desc: u64, avail: u64, used: u64 },
+    Enable {
+        size: u32,
+        desc: u64,
+        avail: u64,
+        used: u64,
+    },
     Reset,
-    Mailbox { cmd: u32, args: [u64; 6] },
+    Mailbox {
+        cmd: u32,
+        args: [u64; 6],
+    },
+    /// The host changed the grant (a live remap).
+    Regrant(VnpuSpec),
     Stop,
 }
 
@@ -307,6 +317,18 @@ impl Worker {
         r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
     }
 
+    /// A new grant from the host. The configuration stays if it still fits
+    /// (the vNPU's SRAM, HBM and registered programs with it); otherwise
+    /// the vNPU is reconfigured to the new grant, as a `CONFIGURE` would.
+    fn regrant(&mut self, grant: VnpuSpec) {
+        self.grant = grant;
+        match self.config {
+            Some(c) if c.check_within(&grant).is_ok() => {}
+            Some(_) => self.configure(grant),
+            None => {}
+        }
+    }
+
     fn release(&mut self) {
         self.programs.clear();
         self.cores.clear();
@@ -328,6 +350,10 @@ impl Worker {
                 }
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
+                Some(Control::Regrant(spec)) => {
+                    self.regrant(spec);
+                    self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
+                }
                 Some(Control::Mailbox { cmd, args }) => {
                     let (status, result) = self.mailbox(cmd, args);
                     {

@@ -315,6 +315,42 @@ fn mailbox_configures_within_the_grant_and_reads_counters() {
     assert!(matches!(e, Error::Mailbox { status: abi::ST_BAD_ADDRESS, .. }));
 }
 
+/// A live remap: the host grows the grant (the configuration stays, the
+/// guest may grow into it), then shrinks it below the configuration (the
+/// vNPU is reconfigured to the new grant); the guest is told each time.
+#[test]
+fn the_host_changes_the_grant_of_a_running_vnpu() {
+    let s = setup("sa=2,vu=2,sram=8M,hbm=1G");
+    let mut dma = s.dma();
+    let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 16).unwrap();
+    let prog = npu.load(&mut dma, &relu_program()).unwrap();
+    npu.run(&prog, &RunOptions::default()).unwrap();
+    assert!(!npu.grant_changed());
+    let handle = s.f.borrow().grant_handle();
+    handle.regrant(VnpuSpec::parse("sa=4,vu=2,sram=8M,hbm=1G").unwrap());
+    wait_for(|| reg(&s, regs::INT_STATUS) & abi::INT_GRANT != 0);
+    assert!(npu.grant_changed() && !npu.grant_changed());
+    assert_eq!(npu.grant().unwrap(), (4, 2, 1, 1));
+    // Still configured as before: the same program runs.
+    assert_eq!(npu.hierarchy().sa_per_core, 2);
+    npu.run(&prog, &RunOptions::default()).unwrap();
+    let grown = Hierarchy { sa_per_core: 4, ..npu.hierarchy() };
+    npu.configure(&grown).unwrap();
+    assert_eq!(npu.hierarchy().sa_per_core, 4);
+    // Shrink below the configuration: the vNPU now has the new grant.
+    handle.regrant(VnpuSpec::parse("sa=1,vu=1,sram=4M,hbm=1G").unwrap());
+    wait_for(|| reg(&s, regs::INT_STATUS) & abi::INT_GRANT != 0);
+    assert!(npu.grant_changed());
+    let h = npu.hierarchy();
+    assert_eq!((h.sa_per_core, h.vu_per_core, h.sram_per_core), (1, 1, 4 << 20));
+    assert_eq!(
+        npu.configure(&grown),
+        Err(Error::Mailbox { cmd: abi::MBOX_CONFIGURE, status: abi::ST_EXCEEDS_GRANT })
+    );
+    let prog = npu.load(&mut dma, &relu_program()).unwrap();
+    npu.run(&prog, &RunOptions::default()).unwrap();
+}
+
 fn reg(s: &Setup, off: u64) -> u32 {
     let mut b = [0u8; 4];
     s.f.borrow_mut().bar_read(0, off, &mut b);

@@ -151,12 +151,14 @@ pub struct Vm<W: Write> {
 }
 
 /// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
-/// current address while memory decoding is on.
+/// current address while memory decoding is on (and the handle that
+/// changes the vNPU's grant).
 #[derive(Debug)]
 struct Doorbells {
     slot: usize,
     events: Vec<(u64, EventFd)>,
     registered: Option<u64>,
+    grant: vnpu_device::GrantHandle,
 }
 
 /// Delivers a function's MSIs through the VM's irqfds, from any thread.
@@ -521,8 +523,9 @@ impl<W: Write> Vm<W> {
                 .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
                 .map_err(|e| VmError::Guest(format!("loopback irqfd: {e}")))?;
             events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
+            let grant = f.grant_handle();
             bus.add(slot, Box::new(f))?;
-            doorbells.push(Doorbells { slot, events, registered: None });
+            doorbells.push(Doorbells { slot, events, registered: None, grant });
         }
         Ok((bus, doorbells))
     }
@@ -568,6 +571,12 @@ impl<W: Write> Vm<W> {
     }
 
     /// The PCI bus (for tests and the device layer).
+    /// Handles that change each vNPU's grant while the VM runs (a live
+    /// remap), in the order of [`VmConfig::vnpus`].
+    pub fn grant_handles(&self) -> Vec<vnpu_device::GrantHandle> {
+        self.doorbells.iter().map(|d| d.grant.clone()).collect()
+    }
+
     pub fn pci(&self) -> &PciBus {
         &self.pci
     }
