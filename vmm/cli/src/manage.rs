@@ -46,9 +46,9 @@ impl ShapeArgs {
     pub fn resolve(&self) -> Result<(Shape, Option<String>), String> {
         match (&self.type_name, &self.spec) {
             (Some(t), _) => VnpuSpec::named(t)
-                .map(|s| (s.into(), Some(t.clone())))
+                .map(|s| (s, Some(t.clone())))
                 .ok_or_else(|| format!("unknown type `{t}` (types: {})", TYPES.join(", "))),
-            (None, Some(s)) => VnpuSpec::parse(s).map(|s| (s.into(), None)).map_err(|e| e.to_string()),
+            (None, Some(s)) => VnpuSpec::parse(s).map(|s| (s, None)).map_err(|e| e.to_string()),
             (None, None) => Err("give --type or --spec".into()),
         }
     }
@@ -101,7 +101,7 @@ pub fn types(board: &BoardConfig, store: &Store, json: bool) -> Result<(), Store
     let b = store.board();
     let rows: Vec<(&str, Shape, u32)> = TYPES
         .iter()
-        .filter_map(|t| VnpuSpec::named(t).map(|s| (*t, Shape::from(s))))
+        .filter_map(|t| VnpuSpec::named(t).map(|s| (*t, s)))
         .map(|(t, s)| (t, s, b.room_for(&s)))
         .collect();
     if json {
@@ -193,5 +193,5 @@ pub fn active_spec(dir: &std::path::Path, board: &BoardConfig, uuid: &str) -> Re
     if !i.active {
         return Err(format!("vNPU {uuid} is defined but not started (vnpu start {uuid})"));
     }
-    Ok(i.shape.into())
+    Ok(i.shape)
 }

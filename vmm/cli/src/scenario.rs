@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use npu_model::BoardConfig;
 use serde::Deserialize;
 use vnpu_device::{SharedCore, VnpuSpec};
-use vnpu_manager::{Board, Shape};
+use vnpu_manager::Board;
 
 /// Why a scenario could not run.
 #[derive(Debug, thiserror::Error)]
@@ -92,7 +92,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         let mut shared = Vec::new();
         for (i, v) in vm.vnpu.iter().enumerate() {
             let spec = VnpuSpec::parse(v).map_err(|e| invalid(e.to_string()))?;
-            let shape = Shape::from(spec);
+            let shape = spec;
             let placed = placement.place_allowing(&shape, file.oversubscribe).map_err(|source| {
                 ScenarioError::Placement { path: p.clone(), vm: vm.name.clone(), index: i, source }
             })?;

@@ -3,8 +3,9 @@
 use npu_model::config::{HBM_SLICE, SRAM_SLICE};
 use thiserror::Error;
 
-/// The vNPU board a tenant asked for (Listing 1 of the design).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The vNPU board a tenant asked for (Listing 1 of the design). The
+/// manager stores it as JSON with these field names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VnpuSpec {
     pub chips: u32,
     pub cores_per_chip: u32,

@@ -16,42 +16,9 @@ use vnpu_device::VnpuSpec;
 /// The named types, smallest first.
 pub const TYPES: [&str; 3] = ["small", "medium", "large"];
 
-/// A vNPU shape as stored (`VnpuSpec` in serializable form).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Shape {
-    pub chips: u32,
-    pub cores_per_chip: u32,
-    pub sa_per_core: u32,
-    pub vu_per_core: u32,
-    pub sram_per_core: u64,
-    pub hbm_per_core: u64,
-}
-
-impl From<VnpuSpec> for Shape {
-    fn from(s: VnpuSpec) -> Self {
-        Self {
-            chips: s.chips,
-            cores_per_chip: s.cores_per_chip,
-            sa_per_core: s.sa_per_core,
-            vu_per_core: s.vu_per_core,
-            sram_per_core: s.sram_per_core,
-            hbm_per_core: s.hbm_per_core,
-        }
-    }
-}
-
-impl From<Shape> for VnpuSpec {
-    fn from(s: Shape) -> Self {
-        Self {
-            chips: s.chips,
-            cores_per_chip: s.cores_per_chip,
-            sa_per_core: s.sa_per_core,
-            vu_per_core: s.vu_per_core,
-            sram_per_core: s.sram_per_core,
-            hbm_per_core: s.hbm_per_core,
-        }
-    }
-}
+/// A vNPU shape as stored in the state file: the device's `VnpuSpec` (its
+/// JSON keys are the field names).
+pub type Shape = VnpuSpec;
 
 /// One vNPU instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -303,7 +303,7 @@ mod tests {
     use vnpu_device::VnpuSpec;
 
     fn shape(s: &str) -> Shape {
-        VnpuSpec::parse(s).unwrap().into()
+        VnpuSpec::parse(s).unwrap()
     }
 
     #[test]

@@ -265,7 +265,7 @@ mod tests {
     }
 
     fn small() -> Shape {
-        VnpuSpec::named("small").unwrap().into()
+        VnpuSpec::named("small").unwrap()
     }
 
     #[test]
@@ -361,7 +361,7 @@ mod tests {
         let d = dir("full");
         let b = BoardConfig::default();
         let mut s = Store::open(&d, &b).unwrap();
-        let large: Shape = VnpuSpec::named("large").unwrap().into();
+        let large: Shape = VnpuSpec::named("large").unwrap();
         for _ in 0..4 {
             s.create(large, Some("large"), None).unwrap();
         }
@@ -378,7 +378,7 @@ mod tests {
     fn oversubscription_is_opt_in() {
         let d = dir("over");
         let mut s = Store::open(&d, &BoardConfig::default()).unwrap();
-        let lean: Shape = VnpuSpec::parse("sa=4,vu=4,sram=2M,hbm=1G").unwrap().into();
+        let lean: Shape = VnpuSpec::parse("sa=4,vu=4,sram=2M,hbm=1G").unwrap();
         for _ in 0..4 {
             s.create(lean, None, None).unwrap();
         }
