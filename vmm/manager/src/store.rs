@@ -152,17 +152,7 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
-        let uuid = self.new_uuid(uuid)?;
-        self.instances.push(Instance {
-            uuid: uuid.clone(),
-            type_name: type_name.map(String::from),
-            shape,
-            persistent: true,
-            active: false,
-            cores: Vec::new(),
-        });
-        self.save()?;
-        Ok(uuid)
+        self.add(shape, type_name, uuid, true)
     }
 
     /// `create`: a transient instance, started at once (gone when stopped).
@@ -172,15 +162,29 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
+        self.add(shape, type_name, uuid, false)
+    }
+
+    /// A new instance: persistent and stopped, or transient and placed.
+    fn add(
+        &mut self,
+        shape: Shape,
+        type_name: Option<&str>,
+        uuid: Option<&str>,
+        persistent: bool,
+    ) -> Result<String, StoreError> {
         let uuid = self.new_uuid(uuid)?;
-        let cores =
-            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?;
+        let cores = if persistent {
+            Vec::new()
+        } else {
+            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?
+        };
         self.instances.push(Instance {
             uuid: uuid.clone(),
             type_name: type_name.map(String::from),
             shape,
-            persistent: false,
-            active: true,
+            persistent,
+            active: !persistent,
             cores,
         });
         self.save()?;
