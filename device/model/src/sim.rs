@@ -80,10 +80,9 @@ pub struct TenantReport {
     /// Simulated cycles from the core's start until the tenant's last
     /// stream finished.
     pub cycles: f64,
-    /// When the tenant was admitted to the core (0 unless it had to wait
-    /// for engines, see [`run_core_admitted`]); its program's first
-    /// instruction issues `switch_cycles` later when it took over engines
-    /// another tenant used.
+    /// When the tenant was placed on the core ([`CoreSim::add`]; 0 for
+    /// [`run_core`]); its first instruction issues after the delay it was
+    /// added with.
     pub started: f64,
     pub engines: Vec<EngineStats>,
 }
@@ -123,21 +122,6 @@ pub struct Tenant<'p, 'm> {
     pub memory: Option<CoreMemory<'m>>,
     /// Stop the program (with [`ExecError::Budget`]) after this many cycles.
     pub max_cycles: Option<u64>,
-}
-
-/// Tenants that together claim more engines than the core has: each
-/// tenant's claim, and the order in which waiting tenants are considered
-/// whenever engines free up (first fit: a later tenant that fits starts
-/// before an earlier one that does not).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Admission {
-    /// (SAs, VUs) per tenant, in the order of the tenants.
-    pub claims: Vec<(u32, u32)>,
-    /// Tenant indices, most urgent first.
-    pub order: Vec<usize>,
-    /// Delay before a tenant admitted after time 0 issues its first
-    /// instruction (the context switch onto engines another tenant used).
-    pub switch_cycles: f64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -684,57 +668,6 @@ fn report(results: Vec<Option<Result<TenantReport, ExecError>>>) -> CoreReport {
         results.into_iter().map(|r| r.unwrap_or(Err(ExecError::Budget { budget: 0 }))).collect();
     let cycles = tenants.iter().flatten().map(|t| t.cycles).fold(0.0, f64::max);
     CoreReport { cycles, tenants }
-}
-
-/// Like [`run_core`], for tenants that together claim more engines than the
-/// core has: a tenant starts only when its claim fits beside the claims of
-/// the tenants still running (in `admission.order`, first fit), so a short
-/// tenant's engines pass to the next one the moment it finishes and
-/// everyone admitted at the same time shares HBM as in [`run_core`].
-/// A tenant that fits nowhere while nothing runs is admitted anyway.
-/// Budgets count from when a tenant's streams start.
-pub fn run_core_admitted(
-    cfg: &BoardConfig,
-    tenants: &mut [Tenant<'_, '_>],
-    admission: &Admission,
-) -> CoreReport {
-    let n = tenants.len();
-    let claim = |t: usize| admission.claims.get(t).copied().unwrap_or((0, 0));
-    let mut order: Vec<usize> = admission.order.iter().copied().filter(|&t| t < n).collect();
-    order.extend((0..n).filter(|t| !admission.order.contains(t)));
-    let mut waiting: Vec<Option<&mut Tenant<'_, '_>>> = tenants.iter_mut().map(Some).collect();
-    let mut sim = CoreSim::new(cfg, n);
-    // (sim id, tenant index) of the tenants on the core.
-    let mut running: Vec<(usize, usize)> = Vec::new();
-    let mut results: Vec<Option<Result<TenantReport, ExecError>>> = (0..n).map(|_| None).collect();
-    loop {
-        let (mut sa, mut vu) = running.iter().fold((0u32, 0u32), |(a, b), &(_, t)| {
-            (a.saturating_add(claim(t).0), b.saturating_add(claim(t).1))
-        });
-        for &t in &order {
-            let (csa, cvu) = claim(t);
-            let fits =
-                sa.saturating_add(csa) <= cfg.core.sa_count && vu.saturating_add(cvu) <= cfg.core.vu_count;
-            if !fits && !running.is_empty() {
-                continue;
-            }
-            let Some(job) = waiting[t].take() else { continue };
-            let delay = if sim.now() > EPS { admission.switch_cycles } else { 0.0 };
-            running.push((sim.add(job, delay), t));
-            sa = sa.saturating_add(csa);
-            vu = vu.saturating_add(cvu);
-        }
-        if running.is_empty() {
-            break;
-        }
-        for (id, _, r) in sim.step() {
-            if let Some(k) = running.iter().position(|&(i, _)| i == id) {
-                let (_, t) = running.swap_remove(k);
-                results[t] = Some(r);
-            }
-        }
-    }
-    report(results)
 }
 
 /// Runs one program alone on a core.

@@ -6,8 +6,8 @@
 use half::bf16;
 use npu_model::memory::{read_f32s, write_f32s};
 use npu_model::{
-    run_core, run_core_admitted, run_program, Admission, BoardConfig, CoreMemory, CoreSim, ExecError,
-    LazyHbm, Memory, Sram, Tenant, VecGuestMemory,
+    run_core, run_program, BoardConfig, CoreMemory, CoreSim, ExecError, LazyHbm, Memory, Sram, Tenant,
+    VecGuestMemory,
 };
 use proptest::prelude::*;
 use vnpu_abi::*;
@@ -776,55 +776,6 @@ fn vu_work(n: usize) -> Program {
         p.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
     }
     p.finish()
-}
-
-#[test]
-fn admitted_tenants_take_over_engines_as_soon_as_they_free_up() {
-    let c = BoardConfig::default();
-    let (long, short) = (vu_work(40), vu_work(10));
-    let alone = |p: &Program| run_program(&c, p, None, None).unwrap().cycles;
-    let (tl, ts) = (alone(&long), alone(&short));
-    let mut tenants: Vec<Tenant> = [&long, &short, &short, &long]
-        .into_iter()
-        .map(|program| Tenant { program, memory: None, max_cycles: None })
-        .collect();
-    // Each claims half the VUs: two run at once. Order: 0, 1, 2, 3.
-    let half = c.core.vu_count / 2;
-    let adm = Admission { claims: vec![(0, half); 4], order: vec![0, 1, 2, 3], switch_cycles: 500.0 };
-    let r = run_core_admitted(&c, &mut tenants, &adm);
-    let t: Vec<_> = r.tenants.iter().map(|t| t.as_ref().unwrap()).collect();
-    assert_eq!((t[0].started, t[1].started), (0.0, 0.0));
-    // Tenant 2 takes tenant 1's VUs when it ends, not when tenant 0 ends.
-    assert!((t[2].started - ts).abs() < 1e-6, "{} vs {ts}", t[2].started);
-    assert!((t[2].cycles - (2.0 * ts + 500.0)).abs() < 1e-6);
-    // Tenant 3 waits for the next free half: tenant 2's end.
-    assert!((t[3].started - t[2].cycles).abs() < 1e-6);
-    assert!((t[3].cycles - (t[3].started + 500.0 + tl)).abs() < 1e-6);
-    assert!((r.cycles - t[3].cycles).abs() < 1e-6 && t[3].started < t[0].cycles);
-    // Without admission all four run at once.
-    let all = run_core(&c, &mut tenants);
-    assert!(all.cycles < r.cycles);
-}
-
-#[test]
-fn admission_follows_the_order_and_budgets_count_from_admission() {
-    let c = BoardConfig::default();
-    let p = vu_work(10);
-    let one = run_program(&c, &p, None, None).unwrap().cycles;
-    let whole = (c.core.sa_count, c.core.vu_count);
-    let mut tenants: Vec<Tenant> = (0..3)
-        .map(|_| Tenant { program: &p, memory: None, max_cycles: Some(one.ceil() as u64 + 1000) })
-        .collect();
-    let adm = Admission { claims: vec![whole; 3], order: vec![2, 0, 1], switch_cycles: 0.0 };
-    let r = run_core_admitted(&c, &mut tenants, &adm);
-    let start = |i: usize| r.tenants[i].as_ref().unwrap().started;
-    assert!(start(2) == 0.0 && start(0) > 0.0 && start(1) > start(0));
-    // Each would exceed its budget if it counted from the core's start.
-    assert!(r.tenants.iter().all(Result::is_ok), "{:?}", r.tenants);
-    // A claim larger than the core still runs, alone.
-    let mut big = [Tenant { program: &p, memory: None, max_cycles: None }];
-    let adm = Admission { claims: vec![(99, 99)], order: vec![0], switch_cycles: 0.0 };
-    assert!(run_core_admitted(&c, &mut big, &adm).tenants[0].is_ok());
 }
 
 #[test]

@@ -66,10 +66,14 @@ struct Job {
     guest: GuestRam,
     budget: u64,
     reply: mpsc::Sender<JobResult>,
-    /// A placement pass found no room for it (it pays a context switch).
-    deferred: bool,
     /// When its program starts on the core's timeline.
     begin: f64,
+}
+
+impl Job {
+    fn pending(&self) -> Pending {
+        Pending { claim: self.claim, arrival: self.arrival }
+    }
 }
 
 impl SimTenant for Job {
@@ -195,7 +199,6 @@ impl SharedCore {
                 guest: GuestRam::new(&guest),
                 budget,
                 reply: tx,
-                deferred: false,
                 begin: arrival,
             });
         }
@@ -273,19 +276,12 @@ pub fn switch_cycles(board: &BoardConfig) -> f64 {
 }
 
 /// The order in which waiting requests get engines on an oversubscribed
-/// core: by priority, then earliest deadline (`arrival + slo_cycles`; no
-/// target = last), then arrival order (requests are given in the order
-/// they arrived). `arrivals` are on the core's timeline, one per claim.
-pub fn admission_order(claims: &[Claim], arrivals: &[f64]) -> Vec<usize> {
-    let deadline = |i: usize| match claims[i].slo_cycles {
-        0 => f64::INFINITY,
-        c => arrivals.get(i).copied().unwrap_or(0.0) + c as f64,
-    };
-    let mut order: Vec<usize> = (0..claims.len()).collect();
+/// core: most urgent first ([`Pending::urgency`]), then arrival order
+/// (requests are given in the order they arrived).
+pub fn admission_order(waiting: &[Pending]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..waiting.len()).collect();
     // Stable: equal priorities and deadlines keep their arrival order.
-    order.sort_by(|&a, &b| {
-        claims[b].priority.cmp(&claims[a].priority).then(deadline(a).total_cmp(&deadline(b)))
-    });
+    order.sort_by(|&a, &b| waiting[b].urgency(&waiting[a]));
     order
 }
 
@@ -319,13 +315,18 @@ pub struct Pending {
 }
 
 impl Pending {
-    /// Urgency: higher priority, then earlier deadline (none = last).
-    fn urgency(&self) -> (u8, std::cmp::Reverse<u64>) {
-        let deadline = match self.claim.slo_cycles {
-            0 => u64::MAX,
-            c => (self.arrival + c as f64).min(u64::MAX as f64) as u64,
-        };
-        (self.claim.priority, std::cmp::Reverse(deadline))
+    /// When it must finish on the core's timeline (infinity: no target).
+    pub fn deadline(&self) -> f64 {
+        match self.claim.slo_cycles {
+            0 => f64::INFINITY,
+            c => self.arrival + c as f64,
+        }
+    }
+
+    /// How its urgency compares with `other`'s (greater = more urgent):
+    /// higher priority, then earlier deadline.
+    pub fn urgency(&self, other: &Pending) -> std::cmp::Ordering {
+        self.claim.priority.cmp(&other.claim.priority).then(other.deadline().total_cmp(&self.deadline()))
     }
 }
 
@@ -348,21 +349,17 @@ pub struct Decision {
 /// that preempted it, so preemption cannot go in circles.
 pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> Decision {
     let claims: Vec<Claim> = waiting.iter().map(|p| p.claim).collect();
-    let order = admission_order(&claims, &waiting.iter().map(|p| p.arrival).collect::<Vec<_>>());
+    let order = admission_order(waiting);
     let on_core: Vec<Claim> = running.iter().map(|p| p.claim).collect();
     let mut place = placements(board, &claims, &order, &on_core);
     let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
         return Decision { place, preempt: Vec::new() };
     };
     let want = waiting[w];
-    let mut victims: Vec<usize> =
-        (0..running.len()).filter(|&r| running[r].urgency() < want.urgency()).collect();
+    let mut victims: Vec<usize> = (0..running.len()).filter(|&r| running[r].urgency(&want).is_lt()).collect();
     // Least urgent first; among equals the latest arrival.
     victims.sort_by(|&a, &b| {
-        running[a]
-            .urgency()
-            .cmp(&running[b].urgency())
-            .then(running[b].arrival.total_cmp(&running[a].arrival))
+        running[a].urgency(&running[b]).then(running[b].arrival.total_cmp(&running[a].arrival))
     });
     let used = |skip: &[usize]| {
         let on = (0..running.len()).filter(|r| !skip.contains(r)).map(|r| running[r].claim);
@@ -384,16 +381,118 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
     Decision { place, preempt: Vec::new() }
 }
 
+/// The requests of one shared core that have not finished: waiting for
+/// engines, running, or suspended. [`Dispatcher::dispatch`] applies a
+/// scheduling [`Decision`] to the core's simulation. The device's shared
+/// core and `slo-eval` both run their cores through it.
+#[derive(Debug)]
+pub struct Dispatcher<J> {
+    /// Not on the core yet, in arrival order, with whether a pass has
+    /// passed it over (it then pays a context switch).
+    waiting: Vec<(J, Pending, bool)>,
+    /// (simulation id, request) on the core, issuing or suspended.
+    running: Vec<(usize, Pending)>,
+    suspended: Vec<(usize, Pending)>,
+}
+
+/// What one [`Dispatcher::dispatch`] pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Dispatched {
+    /// Requests placed that had waited for engines.
+    pub waited: u64,
+    /// Running requests suspended for a more urgent one.
+    pub preempted: u64,
+}
+
+impl<J> Default for Dispatcher<J> {
+    fn default() -> Self {
+        Self { waiting: Vec::new(), running: Vec::new(), suspended: Vec::new() }
+    }
+}
+
+impl<J: SimTenant> Dispatcher<J> {
+    /// A request arrives (after those already waiting).
+    pub fn submit(&mut self, job: J, p: Pending) {
+        self.waiting.push((job, p, false));
+    }
+
+    /// Requests not on the core yet.
+    pub fn waiting(&self) -> impl Iterator<Item = &J> {
+        self.waiting.iter().map(|w| &w.0)
+    }
+
+    /// One scheduling pass: `decide` sees the waiting requests followed by
+    /// the suspended ones, and the running ones (the arguments of
+    /// [`schedule`]). Victims are suspended; a request placed after
+    /// waiting, or resumed, starts after a context switch of `switch`
+    /// cycles, and the one that preempted after the victims' engines have
+    /// drained too. `starts` learns when each newly placed request starts.
+    pub fn dispatch(
+        &mut self,
+        sim: &mut CoreSim<'_, J>,
+        switch: f64,
+        decide: impl FnOnce(&[Pending], &[Pending]) -> Decision,
+        mut starts: impl FnMut(&mut J, f64),
+    ) -> Dispatched {
+        let cands: Vec<Pending> =
+            self.waiting.iter().map(|w| w.1).chain(self.suspended.iter().map(|s| s.1)).collect();
+        let on_core: Vec<Pending> = self.running.iter().map(|r| r.1).collect();
+        let d = decide(&cands, &on_core);
+        let preemptor = if d.preempt.is_empty() { None } else { d.place.last().copied() };
+        let mut drain: f64 = 0.0;
+        let mut victims = d.preempt.clone();
+        victims.sort_unstable_by(|a, b| b.cmp(a));
+        victims.dedup();
+        victims.retain(|&r| r < self.running.len());
+        let mut out = Dispatched::default();
+        for r in victims {
+            let (id, p) = self.running.swap_remove(r);
+            sim.suspend(id);
+            drain = drain.max(sim.drain_cycles(id));
+            self.suspended.push((id, p));
+            out.preempted += 1;
+        }
+        let n_waiting = self.waiting.len();
+        for (i, w) in self.waiting.iter_mut().enumerate() {
+            w.2 |= !d.place.contains(&i);
+        }
+        let mut place = d.place;
+        place.sort_unstable_by(|a, b| b.cmp(a));
+        place.dedup();
+        for i in place.into_iter().filter(|&i| i < cands.len()) {
+            let delay = |waited: bool| match (Some(i) == preemptor, waited) {
+                (true, _) => switch.max(drain),
+                (false, true) => switch,
+                (false, false) => 0.0,
+            };
+            if i >= n_waiting {
+                // A suspended request goes on where it stopped.
+                let (id, p) = self.suspended.remove(i - n_waiting);
+                sim.resume(id, delay(true));
+                self.running.push((id, p));
+                continue;
+            }
+            let (mut job, p, waited) = self.waiting.swap_remove(i);
+            let delay = delay(waited);
+            out.waited += u64::from(waited);
+            starts(&mut job, sim.now() + delay);
+            self.running.push((sim.add(job, delay), p));
+        }
+        out
+    }
+
+    /// Forgets request `id` once the core reports it finished.
+    pub fn finished(&mut self, id: usize) {
+        self.running.retain(|(i, _)| *i != id);
+        self.suspended.retain(|(i, _)| *i != id);
+    }
+}
+
 fn engine(inner: &Inner) {
     let board = &inner.board;
     let switch = switch_cycles(board);
     let mut sim: CoreSim<'_, Job> = CoreSim::new(board, 1);
-    // Requests taken from the queue and not yet on the core.
-    let mut waiting: Vec<Job> = Vec::new();
-    // (sim id, request) of the requests running on the core, and of those
-    // suspended to let a more urgent one run.
-    let mut running: Vec<(usize, Pending)> = Vec::new();
-    let mut suspended: Vec<(usize, Pending)> = Vec::new();
+    let mut dispatcher: Dispatcher<Job> = Dispatcher::default();
     // Tenants seen (HBM shares under the "equal" policy).
     let mut tenants: Vec<String> = Vec::new();
     // Tenants that just got a result and may submit their next request.
@@ -406,13 +505,13 @@ fn engine(inner: &Inner) {
                 if q.stop {
                     return;
                 }
-                let work = !q.pending.is_empty() || !waiting.is_empty() || !sim.is_idle();
-                if work && !q.paused {
+                let waiting = dispatcher.waiting().next().is_some();
+                if (!q.pending.is_empty() || waiting || !sim.is_idle()) && !q.paused {
                     break;
                 }
                 q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            sim.is_idle() && waiting.is_empty()
+            sim.is_idle() && dispatcher.waiting().next().is_none()
         };
         // Before simulated time moves on, let the vNPUs that just got a
         // result submit their next request (and, on an idle core, let the
@@ -431,79 +530,34 @@ fn engine(inner: &Inner) {
             if q.stop {
                 return;
             }
-            waiting.append(&mut q.pending);
+            for j in q.pending.drain(..) {
+                if !tenants.contains(&j.tenant) {
+                    tenants.push(j.tenant.clone());
+                    sim.set_shares(tenants.len());
+                }
+                let p = j.pending();
+                dispatcher.submit(j, p);
+            }
         }
         replied.clear();
-        for j in &waiting {
-            if !tenants.contains(&j.tenant) {
-                tenants.push(j.tenant.clone());
-                sim.set_shares(tenants.len());
-            }
-        }
         // Place what fits, most urgent first, preempting less urgent
-        // requests for the most urgent one left over; the rest wait (and
-        // pay a context switch when they get engines).
-        let cands: Vec<Pending> = waiting
-            .iter()
-            .map(|j| Pending { claim: j.claim, arrival: j.arrival })
-            .chain(suspended.iter().map(|s| s.1))
-            .collect();
-        let on_core: Vec<Pending> = running.iter().map(|r| r.1).collect();
-        let d = schedule(board, &cands, &on_core);
-        let preemptor = if d.preempt.is_empty() { None } else { d.place.last().copied() };
-        let mut drain: f64 = 0.0;
-        let mut victims = d.preempt.clone();
-        victims.sort_unstable_by(|a, b| b.cmp(a));
-        for r in victims {
-            let (id, p) = running.swap_remove(r);
-            sim.suspend(id);
-            drain = drain.max(sim.drain_cycles(id));
-            suspended.push((id, p));
-        }
-        let n_waiting = waiting.len();
-        for (i, j) in waiting.iter_mut().enumerate() {
-            j.deferred |= !d.place.contains(&i);
-        }
-        let mut place = d.place.clone();
-        place.sort_unstable_by(|a, b| b.cmp(a));
-        let mut waited = 0;
-        for i in place {
-            if i >= n_waiting {
-                // A suspended request goes on where it stopped.
-                let (id, p) = suspended.remove(i - n_waiting);
-                sim.resume(id, switch);
-                running.push((id, p));
-                continue;
-            }
-            let mut job = waiting.swap_remove(i);
-            let delay = if Some(i) == preemptor {
-                switch.max(drain)
-            } else if job.deferred {
-                switch
-            } else {
-                0.0
-            };
-            waited += u64::from(job.deferred);
-            job.begin = sim.now() + delay;
-            let p = Pending { claim: job.claim, arrival: job.arrival };
-            running.push((sim.add(job, delay), p));
-        }
+        // requests for the most urgent one left over; the rest wait.
+        let n = dispatcher.dispatch(&mut sim, switch, |w, r| schedule(board, w, r), |j, at| j.begin = at);
         // Advance to the next completion.
         let done = sim.step();
         let mut q = lock(&inner.q);
         q.now = sim.now();
-        q.waited += waited;
-        q.preempted += d.preempt.len() as u64;
+        q.waited += n.waited;
+        q.preempted += n.preempted;
         for (id, job, r) in done {
-            running.retain(|(i, _)| *i != id);
-            suspended.retain(|(i, _)| *i != id);
+            dispatcher.finished(id);
             let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
             let begin = job.begin.min(end);
             q.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
             q.requests += 1;
             if job.claim.slo_cycles > 0 {
                 q.slo_requests += 1;
-                q.slo_misses += u64::from(end > job.arrival + job.claim.slo_cycles as f64);
+                q.slo_misses += u64::from(end > job.pending().deadline());
             }
             replied.push(job.tenant.clone());
             // A vNPU that went away does not stop the core.
@@ -727,5 +781,105 @@ mod tests {
         assert_eq!((st.requests, st.preempted), (3, 1));
         assert!(long.1.is_ok());
         core.stop();
+    }
+
+    /// A VU-only program busy for `n` exp passes over 1 Mi elements.
+    fn vu_work(n: usize) -> Program {
+        let mut p = ProgramBuilder::new();
+        for _ in 0..n {
+            p.push(Engine::vu(0), Instr::VUnary { op: vnpu_abi::UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
+        }
+        p.finish()
+    }
+
+    /// Timing-only requests of `programs` with `claims`, all arriving at
+    /// time 0 in this order, dispatched by [`schedule`] with a context
+    /// switch of `switch` cycles until all finish: each one's report.
+    fn dispatch_all(
+        board: &BoardConfig,
+        programs: &[&Program],
+        claims: &[Claim],
+        budget: Option<u64>,
+        switch: f64,
+    ) -> Vec<TenantReport> {
+        struct T<'p>(&'p Program, usize, Option<u64>);
+        impl SimTenant for T<'_> {
+            fn program(&self) -> &Program {
+                self.0
+            }
+            fn memory(&mut self) -> Option<CoreMemory<'_>> {
+                None
+            }
+            fn max_cycles(&self) -> Option<u64> {
+                self.2
+            }
+        }
+        let mut sim = CoreSim::new(board, programs.len());
+        let mut d = Dispatcher::default();
+        for (i, (p, c)) in programs.iter().zip(claims).enumerate() {
+            d.submit(T(p, i, budget), Pending { claim: *c, arrival: 0.0 });
+        }
+        let mut out: Vec<Option<TenantReport>> = vec![None; programs.len()];
+        loop {
+            d.dispatch(&mut sim, switch, |w, r| schedule(board, w, r), |_, _| {});
+            let done = sim.step();
+            if done.is_empty() && d.waiting().next().is_none() {
+                break;
+            }
+            for (id, t, r) in done {
+                d.finished(id);
+                out[t.1] = Some(r.unwrap());
+            }
+        }
+        out.into_iter().map(Option::unwrap).collect()
+    }
+
+    /// Requests take over engines as soon as they free up, in order.
+    #[test]
+    fn dispatched_requests_take_over_engines_as_soon_as_they_free_up() {
+        let c = BoardConfig::default();
+        let (long, short) = (vu_work(40), vu_work(10));
+        let alone = |p: &Program| npu_model::run_program(&c, p, None, None).unwrap().cycles;
+        let (tl, ts) = (alone(&long), alone(&short));
+        // Each claims half the VUs: two run at once. Order: 0, 1, 2, 3.
+        let half = Claim { sa: 0, vu: c.core.vu_count / 2, priority: 0, slo_cycles: 0 };
+        let t = dispatch_all(&c, &[&long, &short, &short, &long], &[half; 4], None, 500.0);
+        assert_eq!((t[0].started, t[1].started), (0.0, 0.0));
+        // Request 2 takes request 1's VUs when it ends, not when request 0 ends.
+        assert!((t[2].started - ts).abs() < 1e-6, "{} vs {ts}", t[2].started);
+        assert!((t[2].cycles - (2.0 * ts + 500.0)).abs() < 1e-6);
+        // Request 3 waits for the next free half: request 2's end.
+        assert!((t[3].started - t[2].cycles).abs() < 1e-6);
+        assert!((t[3].cycles - (t[3].started + 500.0 + tl)).abs() < 1e-6);
+        let makespan = t.iter().map(|t| t.cycles).fold(0.0, f64::max);
+        assert!((makespan - t[3].cycles).abs() < 1e-6 && t[3].started < t[0].cycles);
+        // All four at once (no claims) would finish sooner.
+        let mut all: Vec<npu_model::Tenant> = [&long, &short, &short, &long]
+            .into_iter()
+            .map(|program| npu_model::Tenant { program, memory: None, max_cycles: None })
+            .collect();
+        assert!(npu_model::run_core(&c, &mut all).cycles < makespan);
+    }
+
+    /// Whole-core requests run one after the other by priority, each
+    /// within a budget that counts from its own start; a claim larger than
+    /// the core still runs, alone.
+    #[test]
+    fn dispatch_follows_priority_and_budgets_count_from_the_start() {
+        let c = BoardConfig::default();
+        let p = vu_work(10);
+        let one = npu_model::run_program(&c, &p, None, None).unwrap().cycles;
+        let whole = |priority| Claim { sa: c.core.sa_count, vu: c.core.vu_count, priority, slo_cycles: 0 };
+        let t = dispatch_all(
+            &c,
+            &[&p, &p, &p],
+            &[whole(2), whole(1), whole(3)],
+            Some(one.ceil() as u64 + 1000),
+            0.0,
+        );
+        assert!(t[2].started == 0.0 && t[0].started > 0.0 && t[1].started > t[0].started);
+        // (Each would have exceeded its budget if it counted from the core's start.)
+        let big = Claim { sa: 99, vu: 99, priority: 0, slo_cycles: 0 };
+        assert_eq!(dispatch_all(&c, &[&p], &[big], None, 0.0).len(), 1);
     }
 }

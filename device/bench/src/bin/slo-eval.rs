@@ -27,7 +27,9 @@ use npu_bench::{fail, loads, p99, positive, seed, Rng};
 use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
-use vnpu_device::{admission_order, placements, schedule, switch_cycles, Claim, Pending};
+use vnpu_device::{
+    admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatcher, Pending,
+};
 
 const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] [--json PATH]
 
@@ -104,96 +106,50 @@ fn simulate(
     let switch = switch_cycles(board);
     let mut o = Outcome { latencies: vec![Vec::new(); n], slo_met: vec![0; n], ..Default::default() };
     let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut dispatcher: Dispatcher<Request<'_>> = Dispatcher::default();
     let mut next = vec![0usize; n];
-    // Per tenant: its request on the core (sim id) or waiting for engines
-    // (with whether a placement pass has passed it over).
-    let mut on_core: Vec<Option<usize>> = vec![None; n];
-    let mut waiting: Vec<(usize, bool)> = Vec::new();
-    let mut suspended = vec![false; n];
+    // Per tenant: a request of it is submitted and not finished.
+    let mut busy = vec![false; n];
+    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
     loop {
         let now = sim.now();
         // Each vNPU submits its oldest request once the previous one is done.
         for i in 0..n {
-            let busy = on_core[i].is_some() || waiting.iter().any(|w| w.0 == i);
-            if !busy && next[i] < arrivals[i].len() && arrivals[i][next[i]] <= now {
-                waiting.push((i, false));
+            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
+                busy[i] = true;
+                let req = Request { tenant: i, arrival, program: &ts[i].program };
+                dispatcher.submit(req, Pending { claim: ts[i].claim, arrival });
             }
         }
-        let claims: Vec<Claim> = waiting.iter().map(|w| ts[w.0].claim).collect();
-        let arr: Vec<f64> = waiting.iter().map(|w| arrivals[w.0][next[w.0]]).collect();
-        let running: Vec<usize> = (0..n).filter(|&i| on_core[i].is_some() && !suspended[i]).collect();
-        let (place, preempt) = match policy {
-            Policy::Preemptive => {
-                // Candidates: the waiting requests, then the suspended ones.
-                let held: Vec<usize> = (0..n).filter(|&i| suspended[i]).collect();
-                let pend = |i: usize| Pending { claim: ts[i].claim, arrival: arrivals[i][next[i]] };
-                let cands: Vec<Pending> =
-                    waiting.iter().map(|w| pend(w.0)).chain(held.iter().map(|&i| pend(i))).collect();
-                let d = schedule(board, &cands, &running.iter().map(|&i| pend(i)).collect::<Vec<_>>());
-                let who = |k: usize| if k < waiting.len() { waiting[k].0 } else { held[k - waiting.len()] };
-                (
-                    d.place.iter().map(|&k| who(k)).collect::<Vec<_>>(),
-                    d.preempt.iter().map(|&r| running[r]).collect(),
-                )
-            }
-            Policy::PriorityEdf | Policy::Fifo => {
-                let order = if policy == Policy::PriorityEdf {
-                    admission_order(&claims, &arr)
-                } else {
-                    let mut v: Vec<usize> = (0..waiting.len()).collect();
-                    v.sort_by(|&a, &b| arr[a].total_cmp(&arr[b]));
-                    v
-                };
-                let on: Vec<Claim> = running.iter().map(|&i| ts[i].claim).collect();
-                (
-                    placements(board, &claims, &order, &on).into_iter().map(|k| waiting[k].0).collect(),
-                    Vec::new(),
-                )
-            }
-        };
-        let mut drain: f64 = 0.0;
-        for &i in &preempt {
-            if let Some(id) = on_core[i] {
-                sim.suspend(id);
-                drain = drain.max(sim.drain_cycles(id));
-                suspended[i] = true;
-                o.preempted += 1;
-            }
-        }
-        let preemptor = if preempt.is_empty() { None } else { place.last().copied() };
-        for &i in &place {
-            if suspended[i] {
-                if let Some(id) = on_core[i] {
-                    sim.resume(id, switch);
+        let n_disp = dispatcher.dispatch(
+            &mut sim,
+            switch,
+            |w, r| match policy {
+                Policy::Preemptive => schedule(board, w, r),
+                Policy::PriorityEdf => Decision {
+                    place: placements(board, &claims(w), &admission_order(w), &claims(r)),
+                    preempt: vec![],
+                },
+                Policy::Fifo => {
+                    let mut order: Vec<usize> = (0..w.len()).collect();
+                    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
+                    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: vec![] }
                 }
-                suspended[i] = false;
-                continue;
-            }
-            let Some(k) = waiting.iter().position(|w| w.0 == i) else { continue };
-            let (_, deferred) = waiting.swap_remove(k);
-            o.waited += usize::from(deferred);
-            let delay = if Some(i) == preemptor {
-                switch.max(drain)
-            } else if deferred {
-                switch
-            } else {
-                0.0
-            };
-            let req = Request { tenant: i, arrival: arrivals[i][next[i]], program: &ts[i].program };
-            on_core[i] = Some(sim.add(req, delay));
-        }
-        for w in waiting.iter_mut() {
-            w.1 |= !place.contains(&w.0);
-        }
+            },
+            |_, _| {},
+        );
+        o.waited += n_disp.waited as usize;
+        o.preempted += n_disp.preempted as usize;
         // Run until a request finishes or the next one arrives.
         let next_arrival = (0..n)
-            .filter(|&i| on_core[i].is_none() && !waiting.iter().any(|w| w.0 == i))
+            .filter(|&i| !busy[i])
             .filter_map(|i| arrivals[i].get(next[i]).copied())
             .fold(f64::INFINITY, f64::min);
-        if sim.is_idle() && waiting.is_empty() && !next_arrival.is_finite() {
+        if sim.is_idle() && dispatcher.waiting().next().is_none() && !next_arrival.is_finite() {
             break;
         }
-        for (_, req, r) in sim.step_until(next_arrival) {
+        for (id, req, r) in sim.step_until(next_arrival) {
+            dispatcher.finished(id);
             let t = r.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
             let tot = t.totals();
             o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
@@ -203,8 +159,7 @@ fn simulate(
             if slo > 0 && lat <= slo as f64 {
                 o.slo_met[req.tenant] += 1;
             }
-            on_core[req.tenant] = None;
-            suspended[req.tenant] = false;
+            busy[req.tenant] = false;
             next[req.tenant] += 1;
         }
     }
