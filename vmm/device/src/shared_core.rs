@@ -276,12 +276,13 @@ pub fn switch_cycles(board: &BoardConfig) -> f64 {
 }
 
 /// The order in which waiting requests get engines on an oversubscribed
-/// core: most urgent first ([`Pending::urgency`]), then arrival order
-/// (requests are given in the order they arrived).
+/// core: most urgent first ([`Pending::urgency`]), then earliest arrival,
+/// then the order given.
 pub fn admission_order(waiting: &[Pending]) -> Vec<usize> {
     let mut order: Vec<usize> = (0..waiting.len()).collect();
-    // Stable: equal priorities and deadlines keep their arrival order.
-    order.sort_by(|&a, &b| waiting[b].urgency(&waiting[a]));
+    order.sort_by(|&a, &b| {
+        waiting[b].urgency(&waiting[a]).then(waiting[a].arrival.total_cmp(&waiting[b].arrival))
+    });
     order
 }
 
@@ -472,7 +473,8 @@ impl<J: SimTenant> Dispatcher<J> {
                 self.running.push((id, p));
                 continue;
             }
-            let (mut job, p, waited) = self.waiting.swap_remove(i);
+            // `remove` (not `swap_remove`): the rest stay in arrival order.
+            let (mut job, p, waited) = self.waiting.remove(i);
             let delay = delay(waited);
             out.waited += u64::from(waited);
             starts(&mut job, sim.now() + delay);
@@ -730,6 +732,16 @@ mod tests {
         let st = core.stats();
         assert_eq!((st.requests, st.waited), (7, 0));
         core.stop();
+    }
+
+    /// Equal urgency goes by arrival time, whatever order the waiting
+    /// requests are held in; urgency goes first.
+    #[test]
+    fn admission_order_breaks_ties_by_arrival() {
+        let c = |priority, slo_cycles| Claim { sa: 1, vu: 1, priority, slo_cycles };
+        let p = |claim, arrival| Pending { claim, arrival };
+        assert_eq!(admission_order(&[p(c(0, 0), 5.0), p(c(0, 0), 1.0), p(c(0, 0), 1.0)]), vec![1, 2, 0]);
+        assert_eq!(admission_order(&[p(c(0, 0), 1.0), p(c(0, 100), 50.0), p(c(1, 0), 9.0)]), vec![2, 1, 0]);
     }
 
     #[test]
