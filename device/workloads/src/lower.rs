@@ -433,13 +433,7 @@ impl Lowerer {
             add(slots, rt, blocks);
         }
         let best = cands.iter().map(|c| c.0).min().unwrap_or(0);
-        let mut pick: Option<(u64, u64, u32, u32, Vec<Block>)> = None;
-        for c in cands {
-            let better = pick.as_ref().is_none_or(|p| (c.1, c.0) < (p.1, p.0));
-            if c.0 * 10 <= best * 11 && better {
-                pick = Some(c);
-            }
-        }
+        let pick = cands.into_iter().filter(|c| c.0 * 10 <= best * 11).min_by_key(|c| (c.1, c.0));
         Ok(pick.map_or((slots, rt, vec![Block { c0: 0, cols: nt }]), |p| (p.2, p.3, p.4)))
     }
 
