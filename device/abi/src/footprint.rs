@@ -43,6 +43,9 @@ pub enum FootprintError {
     /// A geometry field makes the operation meaningless (zero stride,
     /// kernel larger than the padded input, empty reduction).
     BadGeometry { what: &'static str },
+    /// The instruction touches more ranges than a [`Footprint`] holds
+    /// ([`MAX_ACCESSES`]): refused rather than checked in part.
+    TooManyAccesses,
 }
 
 impl fmt::Display for FootprintError {
@@ -53,27 +56,37 @@ impl fmt::Display for FootprintError {
                 write!(f, "stride of `{operand}` is smaller than its row")
             }
             Self::BadGeometry { what } => write!(f, "invalid geometry: {what}"),
+            Self::TooManyAccesses => {
+                write!(f, "instruction touches more than {MAX_ACCESSES} memory ranges")
+            }
         }
     }
 }
 
 impl core::error::Error for FootprintError {}
 
-/// Up to five accesses, without allocation.
+/// Most memory ranges one instruction's footprint holds.
+pub const MAX_ACCESSES: usize = 5;
+
+/// Up to [`MAX_ACCESSES`] accesses, without allocation.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Footprint {
-    items: [Option<Access>; 5],
+    items: [Option<Access>; MAX_ACCESSES],
     len: usize,
 }
 
 impl Footprint {
-    fn add(&mut self, a: Access) {
-        if a.len > 0 {
-            if let Some(slot) = self.items.get_mut(self.len) {
-                *slot = Some(a);
-                self.len += 1;
-            }
+    /// Records `a` (an empty access touches nothing and is left out). An
+    /// access beyond the capacity is an error, never dropped: a verifier
+    /// that checked only some of an instruction's ranges would pass it.
+    fn add(&mut self, a: Access) -> Result<(), FootprintError> {
+        if a.len == 0 {
+            return Ok(());
         }
+        let slot = self.items.get_mut(self.len).ok_or(FootprintError::TooManyAccesses)?;
+        *slot = Some(a);
+        self.len += 1;
+        Ok(())
     }
 
     /// The accesses, empty ones left out.
@@ -159,30 +172,30 @@ impl Instr {
         match *self {
             Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => {
                 let (r, b) = (u64::from(rows), u64::from(row_bytes));
-                f.add(strided(src.space, src.offset, r, b, src_stride, Read, "src")?);
-                f.add(strided(dst.space, dst.offset, r, b, dst_stride, Write, "dst")?);
+                f.add(strided(src.space, src.offset, r, b, src_stride, Read, "src")?)?;
+                f.add(strided(dst.space, dst.offset, r, b, dst_stride, Write, "dst")?)?;
             }
             Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {
                 let rb = u64::from(row_bytes);
-                f.add(dense(table.space, table.offset, table_rows.into(), rb, Read, "table")?);
-                f.add(dense(Space::Sram, indices, count.into(), 4, Read, "indices")?);
-                f.add(dense(Space::Sram, dst, count.into(), rb, Write, "dst")?);
+                f.add(dense(table.space, table.offset, table_rows.into(), rb, Read, "table")?)?;
+                f.add(dense(Space::Sram, indices, count.into(), 4, Read, "indices")?)?;
+                f.add(dense(Space::Sram, dst, count.into(), rb, Write, "dst")?)?;
             }
             Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
                 if m == 0 || k == 0 || n == 0 {
                     return Ok(f);
                 }
                 let s = dtype.size();
-                f.add(matrix(a, m, k, lda, s, Read, "a")?);
+                f.add(matrix(a, m, k, lda, s, Read, "a")?)?;
                 if flags.transpose_b {
-                    f.add(matrix(b, n, k, ldb, s, Read, "b")?);
+                    f.add(matrix(b, n, k, ldb, s, Read, "b")?)?;
                 } else {
-                    f.add(matrix(b, k, n, ldb, s, Read, "b")?);
+                    f.add(matrix(b, k, n, ldb, s, Read, "b")?)?;
                 }
                 if flags.accumulate {
-                    f.add(matrix(c, m, n, ldc, F32, Read, "c")?);
+                    f.add(matrix(c, m, n, ldc, F32, Read, "c")?)?;
                 }
-                f.add(matrix(c, m, n, ldc, F32, Write, "c")?);
+                f.add(matrix(c, m, n, ldc, F32, Write, "c")?)?;
             }
             Instr::Conv2d { dtype, flags, input, weights, output, geom: g } => {
                 let (ho, wo) =
@@ -200,12 +213,12 @@ impl Instr {
                     g.cout.into(),
                     "output",
                 )?;
-                f.add(dense(Space::Sram, input, inp, s, Read, "input")?);
-                f.add(dense(Space::Sram, weights, wts, s, Read, "weights")?);
+                f.add(dense(Space::Sram, input, inp, s, Read, "input")?)?;
+                f.add(dense(Space::Sram, weights, wts, s, Read, "weights")?)?;
                 if flags.accumulate {
-                    f.add(dense(Space::Sram, output, out, F32, Read, "output")?);
+                    f.add(dense(Space::Sram, output, out, F32, Read, "output")?)?;
                 }
-                f.add(dense(Space::Sram, output, out, F32, Write, "output")?);
+                f.add(dense(Space::Sram, output, out, F32, Write, "output")?)?;
             }
             Instr::VBinary { bcast, a, b, dst, rows, cols, .. } => {
                 let n = mul(rows.into(), cols.into(), "a")?;
@@ -214,21 +227,21 @@ impl Instr {
                     Bcast::Row => u64::from(cols).min(n),
                     Bcast::Scalar => u64::from(n > 0),
                 };
-                f.add(dense(Space::Sram, a, n, F32, Read, "a")?);
-                f.add(dense(Space::Sram, b, nb, F32, Read, "b")?);
-                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, a, n, F32, Read, "a")?)?;
+                f.add(dense(Space::Sram, b, nb, F32, Read, "b")?)?;
+                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
             }
             Instr::VUnary { src, dst, len, .. } | Instr::VAffine { src, dst, len, .. } => {
-                f.add(dense(Space::Sram, src, len.into(), F32, Read, "src")?);
-                f.add(dense(Space::Sram, dst, len.into(), F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, len.into(), F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, dst, len.into(), F32, Write, "dst")?)?;
             }
             Instr::VReduce { src, dst, outer, reduce, inner, .. } => {
                 let oi = mul(outer.into(), inner.into(), "dst")?;
                 if reduce == 0 && oi > 0 {
                     return Err(FootprintError::BadGeometry { what: "empty reduction" });
                 }
-                f.add(dense(Space::Sram, src, mul(oi, reduce.into(), "src")?, F32, Read, "src")?);
-                f.add(dense(Space::Sram, dst, oi, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, mul(oi, reduce.into(), "src")?, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, dst, oi, F32, Write, "dst")?)?;
             }
             Instr::VDepthwise { src, weights, dst, geom: g } => {
                 if g.cin != g.cout {
@@ -240,22 +253,22 @@ impl Instr {
                 let inp = mul(mul(nc, g.h.into(), "src")?, g.w.into(), "src")?;
                 let wts = mul(mul(g.kh.into(), g.kw.into(), "weights")?, g.cin.into(), "weights")?;
                 let out = mul(mul(nc, ho.into(), "dst")?, wo.into(), "dst")?;
-                f.add(dense(Space::Sram, src, inp, F32, Read, "src")?);
-                f.add(dense(Space::Sram, weights, wts, F32, Read, "weights")?);
-                f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, inp, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, weights, wts, F32, Read, "weights")?)?;
+                f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?)?;
             }
             Instr::VSoftmax { src, dst, rows, cols } => {
                 let n = mul(rows.into(), cols.into(), "src")?;
-                f.add(dense(Space::Sram, src, n, F32, Read, "src")?);
-                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, n, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
             }
             Instr::VLayerNorm { src, dst, gamma, beta, rows, cols, .. } => {
                 let n = mul(rows.into(), cols.into(), "src")?;
                 let c = if n == 0 { 0 } else { cols.into() };
-                f.add(dense(Space::Sram, src, n, F32, Read, "src")?);
-                f.add(dense(Space::Sram, gamma, c, F32, Read, "gamma")?);
-                f.add(dense(Space::Sram, beta, c, F32, Read, "beta")?);
-                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, n, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, gamma, c, F32, Read, "gamma")?)?;
+                f.add(dense(Space::Sram, beta, c, F32, Read, "beta")?)?;
+                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
             }
             Instr::VPool { src, dst, geom: g, .. } => {
                 let (ho, wo) =
@@ -266,15 +279,35 @@ impl Instr {
                 let nc = mul(g.n.into(), g.c.into(), "src")?;
                 let inp = mul(mul(nc, g.h.into(), "src")?, g.w.into(), "src")?;
                 let out = mul(mul(nc, ho.into(), "dst")?, wo.into(), "dst")?;
-                f.add(dense(Space::Sram, src, inp, F32, Read, "src")?);
-                f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?);
+                f.add(dense(Space::Sram, src, inp, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, dst, out, F32, Write, "dst")?)?;
             }
             Instr::VConvert { from, to, src, dst, len } => {
-                f.add(dense(Space::Sram, src, len.into(), from.size(), Read, "src")?);
-                f.add(dense(Space::Sram, dst, len.into(), to.size(), Write, "dst")?);
+                f.add(dense(Space::Sram, src, len.into(), from.size(), Read, "src")?)?;
+                f.add(dense(Space::Sram, dst, len.into(), to.size(), Write, "dst")?)?;
             }
             Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => {}
         }
         Ok(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An access beyond the capacity is refused, never silently dropped
+    /// (a verifier would then check only part of the instruction).
+    #[test]
+    fn an_access_beyond_the_capacity_is_an_error() {
+        let mut f = Footprint::default();
+        let at = |i: u64| Access { space: Space::Sram, start: 64 * i, len: 8, kind: AccessKind::Read };
+        for i in 0..MAX_ACCESSES as u64 {
+            assert_eq!(f.add(at(i)), Ok(()));
+        }
+        assert_eq!(f.add(at(99)), Err(FootprintError::TooManyAccesses));
+        assert_eq!(f.iter().count(), MAX_ACCESSES);
+        // Empty accesses take no slot and are never an error.
+        assert_eq!(f.add(Access { len: 0, ..at(7) }), Ok(()));
     }
 }

@@ -448,6 +448,25 @@ fn copy_rows(
     Ok(())
 }
 
+/// Byte spans of A, B and C of an in-place GEMM of shape `s` with
+/// leading dimensions `lda`, `ldb`, `ldc` (elements), from the first byte
+/// of the first row to the last byte of the last row; `None` when any
+/// span overflows 64 bits, a leading dimension is smaller than its row
+/// (rows would overlap, and C's rows would alias each other), or a stride
+/// does not fit the pointer arithmetic of the GEMM (`isize`).
+fn in_place_spans(s: GemmShape, lda: usize, ldb: usize, ldc: usize) -> Option<(u64, u64, u64)> {
+    let span = |rows: usize, cols: usize, ld: usize| -> Option<u64> {
+        if rows == 0 || cols == 0 || (rows > 1 && ld < cols) || isize::try_from(ld).is_err() {
+            return None;
+        }
+        let elems = (rows - 1).checked_mul(ld)?.checked_add(cols)?;
+        u64::try_from(elems).ok()?.checked_mul(4)
+    };
+    let GemmShape { m, k, n, b_transposed, .. } = s;
+    let b = if b_transposed { span(n, k, ldb)? } else { span(k, n, ldb)? };
+    Some((span(m, k, lda)?, b, span(m, n, ldc)?))
+}
+
 /// `sa.matmul` on f32 operands in place in SRAM, when every operand is
 /// 4-byte aligned and C overlaps neither A nor B (the verifier has checked
 /// the ranges; they are checked again here). Returns false when the fast
@@ -463,16 +482,17 @@ fn matmul_in_place(
     ldb: usize,
     ldc: usize,
 ) -> bool {
-    let GemmShape { m, k, n, b_transposed, .. } = s;
-    if m == 0 || n == 0 || k == 0 {
+    let Some((a_len, b_len, c_len)) = in_place_spans(s, lda, ldb, ldc) else {
         return false;
-    }
-    let span = |rows: usize, cols: usize, ld: usize| ((rows - 1) * ld + cols) as u64 * 4;
-    let (a_len, c_len) = (span(m, k, lda), span(m, n, ldc));
-    let b_len = if b_transposed { span(n, k, ldb) } else { span(k, n, ldb) };
-    let size = sram.size();
+    };
+    let bytes = sram.bytes_mut();
+    let Ok(size) = u64::try_from(bytes.len()) else { return false };
+    // Every sum below is overflow-checked: in release builds plain `+` and
+    // `*` wrap, and a wrapped span would pass the range checks.
     let inside = |o: u64, l: u64| o.is_multiple_of(4) && o.checked_add(l).is_some_and(|e| e <= size);
-    let disjoint = |o1: u64, l1: u64, o2: u64, l2: u64| o1 + l1 <= o2 || o2 + l2 <= o1;
+    let disjoint = |o1: u64, l1: u64, o2: u64, l2: u64| {
+        o1.checked_add(l1).is_some_and(|e| e <= o2) || o2.checked_add(l2).is_some_and(|e| e <= o1)
+    };
     let usable = inside(a, a_len)
         && inside(b, b_len)
         && inside(c, c_len)
@@ -481,17 +501,20 @@ fn matmul_in_place(
     if !usable {
         return false;
     }
-    let base = sram.bytes_mut().as_mut_ptr();
+    let base = bytes.as_mut_ptr();
     if !(base as usize).is_multiple_of(4) {
         return false;
     }
-    let (b_cs, b_rs) = if b_transposed { (ldb as isize, 1) } else { (1, ldb as isize) };
+    // The leading dimensions fit `isize` (checked by `in_place_spans`).
+    let (b_cs, b_rs) = if s.b_transposed { (ldb as isize, 1) } else { (1, ldb as isize) };
     // SAFETY: `base` points to the live SRAM buffer of `size` bytes, which
-    // `sram` (borrowed mutably) keeps alive and unaliased for the call. A,
-    // B and C lie inside it (`inside`), are 4-byte aligned (offsets and
-    // base checked), and C's byte range is disjoint from A's and B's, so
-    // the only writes (to C) never alias a read. The strides describe the
-    // row-major layouts whose extents `span` computed, so gemm touches no
+    // `sram` (borrowed mutably through `bytes`) keeps alive and unaliased
+    // for the call. A, B and C lie inside it (`inside`, on spans computed
+    // with overflow-checked arithmetic), are 4-byte aligned (offsets and
+    // base checked), C's byte range is disjoint from A's and B's, and C's
+    // rows do not overlap (ldc >= n), so the only writes (to C) never
+    // alias a read or each other. The strides describe the row-major
+    // layouts whose extents `in_place_spans` computed, so gemm touches no
     // byte outside those ranges.
     unsafe {
         gemm_raw(
@@ -739,5 +762,32 @@ mod tests {
         parts.extend(im2col(&input, &g, ho, wo, 7..2 * ho * wo));
         assert_eq!(all, parts);
         assert!(all.iter().any(|v| *v > 0.0));
+    }
+
+    /// Shapes whose spans wrap around 2^64 (or whose rows overlap) are
+    /// refused by the second bounds check before the unsafe GEMM, not
+    /// wrapped into small spans that pass it.
+    #[test]
+    fn in_place_gemm_refuses_wrapping_and_overlapping_shapes() {
+        let shape = |m, k, n| GemmShape { m, k, n, b_transposed: false, accumulate: false };
+        let mut sram = Sram::new(1 << 12);
+        // (rows - 1) * ld * 4 = 2^64 + 4: wraps to 4 bytes without checks.
+        let wrap = 1usize << 62;
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(2, 1, 1), wrap, 1, 1), "A wraps");
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(1, 2, 1), 2, wrap, 1), "B wraps");
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(2, 1, 1), 1, 1, wrap), "C wraps");
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(usize::MAX, 1, 1), 1, 1, 1), "rows wrap");
+        assert_eq!(in_place_spans(shape(2, 1, 1), wrap, 1, 1), None);
+        // Overlapping rows of C (ldc < n) would alias the GEMM's writes.
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(2, 1, 4), 1, 4, 2), "ldc < n");
+        // A leading dimension past isize cannot be a GEMM stride.
+        assert!(!matmul_in_place(&mut sram, 0, 64, 128, shape(1, 1, 1), usize::MAX, 1, 1));
+        // The fast path still applies to a good shape, with the right result.
+        sram.write(0, &[0, 0, 0x80, 0x3f, 0, 0, 0, 0x40]).unwrap(); // a = [1, 2]
+        sram.write(64, &[0, 0, 0x40, 0x40, 0, 0, 0x80, 0x40]).unwrap(); // b = [3; 4]
+        assert!(matmul_in_place(&mut sram, 0, 64, 128, shape(1, 2, 1), 2, 1, 1));
+        let mut c = [0u8; 4];
+        sram.read(128, &mut c).unwrap();
+        assert_eq!(f32::from_le_bytes(c), 11.0);
     }
 }

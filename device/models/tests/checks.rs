@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Memory, Sram, VecGuestMemory};
-use vnpu_models::{f32s, selfcheck, transformer};
+use vnpu_models::{f32s, max_abs_error, selfcheck, transformer};
 
 fn run(program: &vnpu_abi::Program, guest: &mut VecGuestMemory) {
     let (mut sram, mut hbm) = (Sram::new(4 << 20), LazyHbm::new(1 << 28));
@@ -68,7 +68,7 @@ fn transformer_layer_matches_the_cpu() {
     guest.read(oa, &mut out).unwrap();
     let got = f32s(&out);
     let want = transformer::cpu(&w, &x);
-    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let err = max_abs_error(&got, &want);
     assert!(err < 1e-3, "max abs error {err}");
     // Layer-normed output: not all zeros, unit-ish scale.
     assert!(want.iter().map(|v| v.abs()).sum::<f32>() > 100.0);
@@ -99,7 +99,23 @@ fn recsys_matches_the_cpu_and_is_vu_heavy() {
     guest.read(oa, &mut out).unwrap();
     let got = f32s(&out);
     let want = recsys::cpu(&m, &idx);
-    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let err = max_abs_error(&got, &want);
     assert!(err < 1e-5, "{err}");
     assert!(want.iter().any(|p| *p > 0.6) && want.iter().any(|p| *p < 0.4), "{want:?}");
+}
+
+/// The comparison these checks use fails an all-NaN output (and one NaN
+/// among good values), which a fold with `f32::max` let through.
+#[test]
+fn a_nan_output_fails_the_checks() {
+    let shape = transformer::Shape { seq: 16, d: 64, heads: 4, ffn: 128 };
+    let want =
+        transformer::cpu(&transformer::Weights::random(shape, 1), &transformer::random_input(shape, 2));
+    let passes = |got: &[f32]| max_abs_error(got, &want) < 1e-3;
+    assert!(!passes(&vec![f32::NAN; want.len()]), "all-NaN output passed");
+    let mut one = want.clone();
+    one[17] = f32::NAN;
+    assert!(!passes(&one), "one NaN passed");
+    assert!(!passes(&want[..want.len() - 1]), "a short output passed");
+    assert!(passes(&want));
 }

@@ -61,7 +61,7 @@ fn guest_main(env: &mut Env) -> u32 {
         let mut got = alloc::vec![0f32; BATCH];
         phys(OUT, 4 * BATCH).read_f32s(0, &mut got);
         let want = recsys::cpu(&m, &idx);
-        worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
+        worst = vnpu_models::worst(worst, vnpu_models::max_abs_error(&got, &want));
     }
     println!(
         "recsys: {BATCHES} batches of {BATCH}: {cycles} simulated cycles, SA active {sa}, VU active {vu} (a = {:.3})",

@@ -67,7 +67,7 @@ fn layer(
     let mut got = alloc::vec![0f32; x.len()];
     phys(OUT, 4 * got.len()).read_f32s(0, &mut got);
     let want = transformer::cpu(&w, &x);
-    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    let err = vnpu_models::max_abs_error(&got, &want);
     println!(
         "transformer layer ({what}) seq {} d {} heads {} ffn {}: {} simulated cycles (SA active {}, VU active {}), {} us guest wall",
         shape.seq, shape.d, shape.heads, shape.ffn, st.cycles, st.sa_active, st.vu_active, wall / 1000

@@ -148,8 +148,10 @@ fn main() -> ExitCode {
         let t = interleaved_medians(runs, &mut [&mut model, &mut blas, &mut direct]);
         let (t_model, t_blas, t_crate) = (t[0], t[1], t[2]);
         let got = read_f32s(&guest, gc, m * n).unwrap_or_default();
-        let max_err = got.iter().zip(&c).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0.0f32, f32::max);
-        if max_err > 1e-3 || got.len() != c.len() {
+        let max_err = vnpu_models::max_rel_error(&got, &c);
+        // Written so that NaN (and a length mismatch: infinity) fails.
+        let agree = max_err <= 1e-3;
+        if !agree {
             eprintln!("gemm-bench: model and BLAS results differ (max rel err {max_err})");
             return ExitCode::FAILURE;
         }

@@ -147,7 +147,9 @@ fn main() -> ExitCode {
         for ((name, _), c) in layers.iter().zip(ours) {
             let s = theirs["cycles"][name].as_f64().unwrap_or(f64::NAN);
             let diff = 100.0 * (c - s) / s;
-            worst = worst.max(diff.abs());
+            // NaN-propagating (a layer SCALE-Sim did not report is a failure;
+            // `f64::max` would skip it).
+            worst = if diff.is_nan() || worst.is_nan() { f64::NAN } else { worst.max(diff.abs()) };
             println!("{name:<16} {:>7} {c:>12.0} {s:>12.0} {diff:>8.3}", format!("{size}x{size}"));
         }
     }
