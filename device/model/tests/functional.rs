@@ -632,9 +632,22 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
         pad_left: 40000,
         pad_right: 40000,
     };
-    let instrs = [
-        (Engine::vu(0), Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: g }),
+    // (case, engine, instruction, whether the verifier accepts it, whether
+    // the functional model runs it). Zero-sized operands have empty
+    // footprints and pass the verifier (but for the conv, whose input
+    // size overflows); the huge window's weights do not fit SRAM. Every
+    // case also runs as a program that skipped the verifier would: the
+    // model refuses what it will not do with a clean error, cheaply.
+    let cases = [
         (
+            "depthwise with zero channels",
+            Engine::vu(0),
+            Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: g },
+            true,
+            false,
+        ),
+        (
+            "conv with zero channels",
             Engine::sa(0),
             Instr::Conv2d {
                 dtype: DType::F32,
@@ -644,8 +657,11 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
                 output: 0,
                 geom: g,
             },
+            false,
+            false,
         ),
         (
+            "pool with zero channels",
             Engine::vu(0),
             Instr::VPool {
                 op: PoolOp::Max,
@@ -653,23 +669,47 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
                 dst: 0,
                 geom: PoolGeom { n: big, h: big, w: big, c: 0, kh: 1, kw: 1, stride: 1, pad: 0 },
             },
+            true,
+            false,
         ),
-        (Engine::vu(0), Instr::VReduce { op: RedOp::Sum, src: 0, dst: 0, outer: big, reduce: big, inner: 0 }),
-        (Engine::vu(0), Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: huge_window }),
+        (
+            "reduce with an empty inner dimension",
+            Engine::vu(0),
+            Instr::VReduce { op: RedOp::Sum, src: 0, dst: 0, outer: big, reduce: big, inner: 0 },
+            true,
+            true,
+        ),
+        (
+            "depthwise with a 60000x60000 window",
+            Engine::vu(0),
+            Instr::VDepthwise { src: 0, weights: 0, dst: 0, geom: huge_window },
+            false,
+            false,
+        ),
     ];
     let limits = npu_model::VnpuLimits { sa: 1, vu: 1, sram_bytes: SRAM, hbm_bytes: 1 << 30, guest: vec![] };
-    for (engine, i) in instrs {
+    for (name, engine, i, accepted, runs) in cases {
         let mut p = ProgramBuilder::new();
         p.push(engine, i);
         let prog = p.finish();
-        if npu_model::verify(&prog, &limits).is_err() {
-            continue;
-        }
+        assert_eq!(npu_model::verify(&prog, &limits).is_ok(), accepted, "{name}: verifier verdict");
         let start = std::time::Instant::now();
         let mut h = Harness::new();
-        let _ = h.run(&prog);
-        let _ = run_program(&cfg(), &prog, None, Some(1 << 30));
-        assert!(start.elapsed().as_secs() < 5, "{} took {:?}", i.mnemonic(), start.elapsed());
+        let functional = h.run(&prog);
+        let timing = run_program(&cfg(), &prog, None, Some(1 << 30));
+        // Run, or refused with a clean error (too large for the model, or
+        // past the cycle budget before any host work), as named.
+        let refused = |r: &Result<npu_model::TenantReport, ExecError>| match r {
+            Ok(_) => false,
+            Err(ExecError::Kernel { source: npu_model::kernels::KernelError::TooLarge(_), .. })
+            | Err(ExecError::Budget { .. }) => true,
+            Err(e) => panic!("{name}: {e}"),
+        };
+        assert_eq!(refused(&functional), !runs, "{name}: {functional:?}");
+        // Timing alone needs no data; only the huge window costs more
+        // than its 2^30-cycle budget.
+        assert_eq!(refused(&timing), name.contains("window"), "{name}: timing {timing:?}");
+        assert!(start.elapsed().as_secs() < 5, "{name} took {:?}", start.elapsed());
     }
 }
 

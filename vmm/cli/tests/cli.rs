@@ -341,11 +341,14 @@ fn scenario_time_shares_an_oversubscribed_core() {
     assert!(waited > 0 && waited < requests, "{core}");
     assert_eq!(shared, 0.0, "{core}");
     assert!(core.contains("digits/") && core.contains("recsys-2/"), "{core}");
-    // digits' 1 ms latency target: every request of it is accounted for.
+    // digits' 1 ms latency target: every one of its 924 requests on the
+    // core (the guest's fixed sequence: weight loads, 450 + 450 batch-1
+    // images, the batches) is counted, and none misses: the longest wait is
+    // one recsys-2 request (about 11 us here) plus a context switch.
     let slo = out.lines().find(|l| l.contains("SLO:")).unwrap_or_else(|| panic!("{out}"));
     let f: Vec<&str> = slo.split_whitespace().collect();
     let (missed, total): (u64, u64) = (f[2].parse().unwrap(), f[4].parse().unwrap());
-    assert!(total >= 900 && missed <= total, "{slo}");
+    assert_eq!((missed, total), (0, 924), "{slo}");
 }
 
 /// `vnpu remap`: a workload change reshapes an instance on its own core,

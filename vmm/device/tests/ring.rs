@@ -418,13 +418,31 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
         s.mem.read_slice(&mut b, GuestAddress(0x20000)).unwrap();
         abi::StatusBlock::from_bytes(&b)
     };
-    let mut idx = 0u16;
-    let mut submit = |s: &Setup, head: u16| {
+    let idx = std::cell::Cell::new(0u16);
+    // Each request's status block is poisoned first, so a check never
+    // reads a status the previous request left.
+    let submit = |s: &Setup, head: u16| {
         s.mem.write_slice(&[0xee; 64], GuestAddress(0x20000)).unwrap();
-        post(s, idx, head);
-        idx = idx.wrapping_add(1);
-        let want = idx;
+        post(s, idx.get(), head);
+        idx.set(idx.get().wrapping_add(1));
+        let want = idx.get();
         wait_for(|| used_idx(s) == want);
+    };
+    // Used length of the last completed request.
+    let last_used_len = |s: &Setup| -> u32 {
+        let slot = u64::from(idx.get().wrapping_sub(1) % 8);
+        s.mem.read_obj(GuestAddress(0x12004 + 8 * slot + 4)).unwrap()
+    };
+    // A reset and a new ring: ERROR is 0 again, so a check of ERROR after
+    // the next request sees what that request did.
+    let fresh_ring = |s: &Setup| {
+        write_reg(s, regs::DEVICE_RESET, 1);
+        wait_for(|| reg(s, regs::STATUS) & abi::STATUS_RESETTING == 0);
+        s.mem.write_obj(0u16, GuestAddress(0x11002)).unwrap();
+        s.mem.write_obj(0u16, GuestAddress(0x12002)).unwrap();
+        raw_ring(s, 8, 0x10000);
+        idx.set(0);
+        assert_eq!(reg(s, regs::ERROR), 0);
     };
     // Unknown opcode.
     s.mem
@@ -452,10 +470,13 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
     assert_eq!(status(&s).status, abi::ST_BAD_REQUEST);
     // No writable descriptor for a status block: reported in ERROR, used length 0.
     put_desc(&s, 0, 0x30000, 32, 0, 0);
+    assert_eq!(reg(&s, regs::ERROR), 0);
     submit(&s, 0);
     assert_eq!(reg(&s, regs::ERROR), abi::ERR_NO_STATUS_BLOCK);
-    assert_eq!(s.mem.read_obj::<u32>(GuestAddress(0x12004 + 8 * 4 + 4)).unwrap(), 0);
-    // A descriptor loop (1 -> 2 -> 1 ...): the chain walk stops at the ring size.
+    assert_eq!(last_used_len(&s), 0);
+    // A descriptor loop (1 -> 2 -> 1 ...): the chain walk stops at the ring
+    // size; no status block, so ERROR (cleared by a fresh ring) says so.
+    fresh_ring(&s);
     s.mem
         .write_slice(
             &abi::RequestHeader { opcode: 1, ..Default::default() }.to_bytes(),
@@ -466,16 +487,39 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
     put_desc(&s, 1, 0x31000, 16, 1, 2);
     put_desc(&s, 2, 0x31000, 16, 1, 1);
     write_reg(&s, regs::DEVICE_RESET, 0); // not a reset (bit 0 clear)
+    assert_eq!(reg(&s, regs::STATUS) & abi::STATUS_QUEUE_READY, abi::STATUS_QUEUE_READY);
     submit(&s, 0);
     assert_eq!(reg(&s, regs::ERROR), abi::ERR_NO_STATUS_BLOCK);
+    assert_eq!(last_used_len(&s), 0);
+    // The same loop with a status block reachable before it repeats: the
+    // request is walked to its end and answered (ST_OK for a NOP).
+    s.mem
+        .write_slice(
+            &abi::RequestHeader { opcode: abi::OP_NOP, ..Default::default() }.to_bytes(),
+            GuestAddress(0x30000),
+        )
+        .unwrap();
+    put_desc(&s, 0, 0x30000, 32, 1, 1);
+    put_desc(&s, 1, 0x20000, 64, 3, 2);
+    put_desc(&s, 2, 0x20000, 64, 3, 1);
+    fresh_ring(&s);
+    submit(&s, 0);
+    assert_eq!(reg(&s, regs::ERROR), 0);
+    assert_eq!(status(&s).status, abi::ST_OK);
     // A huge program length: refused before any allocation.
+    s.mem
+        .write_slice(
+            &abi::RequestHeader { opcode: abi::OP_RUN, ..Default::default() }.to_bytes(),
+            GuestAddress(0x30000),
+        )
+        .unwrap();
     put_desc(&s, 1, 0x31000, 1 << 31, 1, 2);
     put_desc(&s, 2, 0x20000, 64, 2, 0);
     submit(&s, 0);
     assert_eq!(status(&s).status, abi::ST_TOO_LARGE);
     // Head index beyond the ring: the device stops the ring (it cannot
     // complete a request it cannot name) and says so.
-    post(&s, idx, 200);
+    post(&s, idx.get(), 200);
     wait_for(|| reg(&s, regs::STATUS) & abi::STATUS_FAILED != 0);
     assert_eq!(reg(&s, regs::ERROR), abi::ERR_QUEUE_BROKEN);
     // Reset recovers.

@@ -6,18 +6,21 @@
 //!
 //! `cargo build --release -p npu-bench && target/release/verifier-bench`
 
+use std::process::ExitCode;
 use std::time::Instant;
 
 use npu_model::{verify, BoardConfig, VnpuLimits};
 use npu_workloads::{lower_workload, run_workload, RunOptions, WORKLOADS};
 
-fn main() {
+fn main() -> ExitCode {
     let board = BoardConfig::default();
     println!(
         "{:<13} {:>5} {:>8} {:>12} {:>14} {:>14} {:>10}",
         "workload", "batch", "instrs", "verify us", "instr/s", "simulated us", "fraction"
     );
     let mut worst = 0f64;
+    // A workload that cannot be lowered or run fails the benchmark.
+    let mut failed = false;
     let (mut total_instrs, mut total_secs) = (0usize, 0f64);
     for (name, _) in WORKLOADS {
         for batch in [1u32, 8] {
@@ -26,6 +29,7 @@ fn main() {
                 Ok(l) => l,
                 Err(e) => {
                     println!("{name:<13} {batch:>5} cannot lower: {e}");
+                    failed = true;
                     continue;
                 }
             };
@@ -33,6 +37,7 @@ fn main() {
                 Ok(r) => r,
                 Err(e) => {
                     println!("{name:<13} {batch:>5} cannot run: {e}");
+                    failed = true;
                     continue;
                 }
             };
@@ -69,4 +74,9 @@ fn main() {
     }
     println!("overall verifier throughput {:.3e} instructions/s", total_instrs as f64 / total_secs);
     println!("worst verifier cost: {:.4}% of simulated execution time (target <= 1%)", 100.0 * worst);
+    if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }
