@@ -40,8 +40,9 @@ pub(crate) struct CoreMem {
     pub hbm: LazyHbm,
 }
 
-/// What a request gets back: its memory, its result, and where it ran on
-/// the core's simulated timeline (cycles).
+/// What a request gets back: its memory, its result (`cycles` counted
+/// from the request's start on the core), and where it ran on the core's
+/// simulated timeline (cycles).
 pub(crate) type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
 
 /// What a tenant occupies on the core and how urgent it is.
@@ -562,6 +563,16 @@ fn engine(inner: &Inner) {
                 q.slo_misses += u64::from(end > job.pending().deadline());
             }
             replied.push(job.tenant.clone());
+            // The requester sees its own request's time: cycles from its
+            // start on the core (after any wait for engines) to its
+            // completion, not the core's clock. (Its arrival is the core's
+            // time when it was submitted, which runs ahead of the wall
+            // clock in steps: no basis for a latency.)
+            let r = r.map(|mut t| {
+                t.cycles = (t.cycles - t.started).max(0.0);
+                t.started = 0.0;
+                t
+            });
             // A vNPU that went away does not stop the core.
             let _ = job.reply.send((job.mem, r, begin, end));
         }
@@ -601,6 +612,21 @@ mod tests {
         let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
         let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
         core.run(name, claim, copies(n), mem, guest, 1 << 30).unwrap()
+    }
+
+    /// A request's report counts its own cycles from its start, not the
+    /// core's clock: the same request run twice reports the same cycles,
+    /// though the second ends later on the core's timeline.
+    #[test]
+    fn reports_count_from_the_requests_start() {
+        let core = SharedCore::new(&BoardConfig::default(), "test").unwrap();
+        let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
+        let first = run_copies(&core, "a", claim, 2);
+        let second = run_copies(&core, "a", claim, 2);
+        core.stop();
+        let (c1, c2) = (first.1.unwrap().cycles, second.1.unwrap().cycles);
+        assert!(second.3 >= first.3 + c1 - 1e-6, "second ends at {} on the core", second.3);
+        assert!(c1 > 0.0 && (c2 - c1).abs() < 1e-6, "{c1} vs {c2}");
     }
 
     /// As [`submit`], streaming `n` MiB (the core must be paused).
