@@ -142,6 +142,11 @@ pub const ERR_QUEUE_BROKEN: u32 = 0x101;
 pub const ERR_NO_STATUS_BLOCK: u32 = 0x102;
 /// `ERROR`: an unknown mailbox command was written.
 pub const ERR_MBOX_UNKNOWN: u32 = 0x103;
+/// `ERROR`: the device's worker stopped on an internal fault (a bug of the
+/// host, never the guest's request): `FAILED` is set for good; requests
+/// and mailbox commands are no longer served. The driver sees it as a
+/// failed device instead of waiting.
+pub const ERR_DEVICE_FAULT: u32 = 0x104;
 
 /// Mailbox: `MBOX_STATUS` while a command runs.
 pub const MBOX_BUSY: u32 = 0xffff_ffff;

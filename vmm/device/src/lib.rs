@@ -270,6 +270,13 @@ impl PciFunction for VnpuFunction {
     }
 }
 
+#[cfg(test)]
+impl VnpuFunction {
+    pub(crate) fn shared_for_tests(&self) -> &Shared {
+        &self.shared
+    }
+}
+
 /// A function over 1 MiB of fresh guest memory with a recording sink.
 #[cfg(test)]
 pub(crate) fn test_function(spec: &VnpuSpec) -> (VnpuFunction, Arc<RecordingSink>) {

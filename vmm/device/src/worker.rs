@@ -60,6 +60,9 @@ pub(crate) enum Control {
     /// The host changed the grant (a live remap).
     Regrant(VnpuSpec),
     Stop,
+    /// Makes the worker panic (tests of the fault path only).
+    #[cfg(test)]
+    Panic,
 }
 
 /// State shared by the PCI function (vCPU thread) and the worker.
@@ -70,6 +73,9 @@ pub(crate) struct Shared {
     pub controls: Mutex<VecDeque<Control>>,
     pub control_evt: EventFd,
     pub doorbell: EventFd,
+    /// The worker thread has stopped on a fault: nothing is served, and
+    /// nothing more is queued for it.
+    pub dead: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -90,11 +96,16 @@ impl Shared {
             controls: Mutex::new(VecDeque::new()),
             control_evt: EventFd::new(nonblock)?,
             doorbell: EventFd::new(nonblock)?,
+            dead: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
-    /// Posts `c` to the worker.
+    /// Posts `c` to the worker (dropped once the worker is dead, so a
+    /// guest cannot grow the queue without bound).
     pub fn post(&self, c: Control) {
+        if self.dead.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         lock(&self.controls).push_back(c);
         // An eventfd write fails only when the counter would overflow, in
         // which case the worker is already due to wake.
@@ -348,6 +359,8 @@ impl Worker {
                     self.stopped = true;
                     return;
                 }
+                #[cfg(test)]
+                Some(Control::Panic) => panic!("injected worker fault"),
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
                 Some(Control::Regrant(spec)) => {
@@ -803,23 +816,55 @@ impl Worker {
 }
 
 /// Starts the worker thread for `worker`; it runs until [`Control::Stop`].
+/// Should it panic (a host bug), the vNPU is left in a failed state the
+/// driver can read (`ERR_DEVICE_FAULT`), never a silent hang.
 pub(crate) fn spawn(worker: Worker, name: String) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let shared = Arc::clone(&worker.shared);
     std::thread::Builder::new().name(name).spawn(move || {
-        let mut em = match EventManager::<Worker>::new() {
-            Ok(em) => em,
-            Err(_) => return,
-        };
-        let id = em.add_subscriber(worker);
-        loop {
-            match em.subscriber_mut(id) {
-                Ok(w) if !w.stopped => {}
-                _ => return,
-            }
-            if em.run().is_err() {
-                return;
-            }
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(worker)));
+        if served.is_err() {
+            died(&shared);
         }
     })
+}
+
+/// The worker's event loop.
+fn serve(worker: Worker) {
+    let mut em = match EventManager::<Worker>::new() {
+        Ok(em) => em,
+        Err(_) => return,
+    };
+    let id = em.add_subscriber(worker);
+    loop {
+        match em.subscriber_mut(id) {
+            Ok(w) if !w.stopped => {}
+            _ => return,
+        }
+        if em.run().is_err() {
+            return;
+        }
+    }
+}
+
+/// Puts the vNPU of a worker that panicked in its failed state and wakes
+/// a driver waiting on an interrupt.
+fn died(shared: &Shared) {
+    shared.dead.store(true, std::sync::atomic::Ordering::Release);
+    lock(&shared.controls).clear();
+    {
+        let mut r = lock(&shared.regs);
+        r.set_u32(regs::ERROR, abi::ERR_DEVICE_FAULT);
+        r.set_u32(regs::QUEUE_ENABLE, 0);
+        r.update_u32(regs::STATUS, |s| {
+            (s | abi::STATUS_FAILED) & !(abi::STATUS_QUEUE_READY | abi::STATUS_RESETTING)
+        });
+        // A mailbox command in flight ends with an error.
+        if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
+            r.set_u32(regs::MBOX_STATUS, abi::ST_EXEC_FAULT);
+        }
+    }
+    shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
+    shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
 }
 
 /// Drives a worker synchronously from fuzzer bytes (no thread): an
@@ -884,6 +929,40 @@ pub fn fuzz_drive(data: &[u8]) {
             }
             _ => w.drain_ring(),
         }
+    }
+}
+
+#[cfg(test)]
+mod fault_tests {
+    use super::*;
+
+    /// A worker that panics leaves its vNPU failed with `ERR_DEVICE_FAULT`
+    /// (what the driver reads), the mailbox not busy forever, and further
+    /// controls dropped instead of queued.
+    #[test]
+    fn a_worker_panic_is_a_device_error_the_driver_can_read() {
+        let (mut f, _sink) = crate::test_function(&VnpuSpec::named("small").unwrap());
+        let rd = |f: &mut crate::VnpuFunction, off: u64| {
+            let mut b = [0u8; 4];
+            vnpu_pci::PciFunction::bar_read(f, 0, off, &mut b);
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(rd(&mut f, regs::ERROR), 0);
+        // A mailbox command posted just before the fault.
+        vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::MBOX_CMD, &abi::MBOX_QUERY_GRANT.to_le_bytes());
+        f.shared_for_tests().post(Control::Panic);
+        let t0 = Instant::now();
+        while rd(&mut f, regs::STATUS) & abi::STATUS_FAILED == 0 {
+            assert!(t0.elapsed().as_secs() < 10, "the vNPU never reported its fault");
+            std::thread::yield_now();
+        }
+        assert_eq!(rd(&mut f, regs::ERROR), abi::ERR_DEVICE_FAULT);
+        assert_eq!(rd(&mut f, regs::STATUS) & abi::STATUS_QUEUE_READY, 0);
+        assert_ne!(rd(&mut f, regs::MBOX_STATUS), abi::MBOX_BUSY);
+        for _ in 0..1000 {
+            vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::DEVICE_RESET, &1u32.to_le_bytes());
+        }
+        assert!(lock(&f.shared_for_tests().controls).is_empty());
     }
 }
 
