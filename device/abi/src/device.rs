@@ -16,6 +16,10 @@ pub const CLASS: u32 = 0x12_00_00;
 pub const ABI_VERSION: u32 = 1 << 16 | 1;
 /// Programs a vNPU keeps registered at once.
 pub const MAX_REGISTERED: usize = 64;
+/// Most instructions all of a vNPU's registered programs may hold together
+/// (each at most `program::MAX_INSTRUCTIONS`): bounds the host memory a
+/// guest can keep allocated through `REGISTER` (about 200 MiB per vNPU).
+pub const MAX_REGISTERED_INSTRUCTIONS: usize = 1 << 22;
 /// `MAGIC` as a little-endian u32 (the bytes `"VNPU"`).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"VNPU");
 /// Size of BAR 0 (registers on page 0, doorbells on page 1).

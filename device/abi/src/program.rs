@@ -29,6 +29,11 @@ pub const STREAM_ENTRY_LEN: usize = 8;
 pub const MAX_STREAMS: usize = 64;
 /// Largest encoded program accepted, in bytes.
 pub const MAX_PROGRAM_BYTES: usize = 64 << 20;
+/// Most instructions a program may hold (all streams together). The
+/// decoder stops at the first one past it, so the decoded form of any
+/// input stays below this many instructions (about 48 MiB: an `Instr` is
+/// `size_of::<Instr>()` bytes), whatever the encoded size.
+pub const MAX_INSTRUCTIONS: usize = 1 << 20;
 
 /// One engine's instruction stream.
 #[derive(Clone, Debug, PartialEq)]
@@ -46,19 +51,48 @@ pub struct Program {
 /// Why a byte sequence is not a valid program container.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProgramError {
-    TooShort { len: usize },
-    TooLarge { len: usize },
+    TooShort {
+        len: usize,
+    },
+    TooLarge {
+        len: usize,
+    },
     BadMagic,
     BadVersion(u16),
     BadFlags(u32),
     BadStreamCount(u16),
-    BadEngineKind { stream: usize, kind: u8 },
-    ReservedNonZero { stream: usize },
-    DuplicateEngine { stream: usize, engine: Engine },
-    LengthMismatch { declared: u64, actual: usize },
-    Decode { stream: usize, index: usize, error: DecodeError },
-    WrongEngine { stream: usize, index: usize, mnemonic: &'static str, engine: Engine },
-    AfterHalt { stream: usize, index: usize },
+    BadEngineKind {
+        stream: usize,
+        kind: u8,
+    },
+    ReservedNonZero {
+        stream: usize,
+    },
+    DuplicateEngine {
+        stream: usize,
+        engine: Engine,
+    },
+    LengthMismatch {
+        declared: u64,
+        actual: usize,
+    },
+    Decode {
+        stream: usize,
+        index: usize,
+        error: DecodeError,
+    },
+    WrongEngine {
+        stream: usize,
+        index: usize,
+        mnemonic: &'static str,
+        engine: Engine,
+    },
+    AfterHalt {
+        stream: usize,
+        index: usize,
+    },
+    /// More than [`MAX_INSTRUCTIONS`] instructions.
+    TooManyInstructions,
 }
 
 impl fmt::Display for ProgramError {
@@ -95,6 +129,9 @@ impl fmt::Display for ProgramError {
             }
             Self::WrongEngine { stream, index, mnemonic, engine } => {
                 write!(f, "stream {stream} instruction {index}: {mnemonic} cannot run on engine {engine}")
+            }
+            Self::TooManyInstructions => {
+                write!(f, "program has more than {MAX_INSTRUCTIONS} instructions")
             }
             Self::AfterHalt { stream, index } => {
                 write!(f, "stream {stream} instruction {index}: instruction after halt")
@@ -225,6 +262,7 @@ impl Program {
         }
         let mut streams = Vec::with_capacity(entries.len());
         let mut at = table_end;
+        let mut total = 0usize;
         for (s, (engine, len)) in entries.into_iter().enumerate() {
             let code = &bytes[at..at + len];
             at += len;
@@ -252,6 +290,12 @@ impl Program {
                     }
                 }
                 halted = matches!(i, Instr::Halt);
+                // Checked before the push: no input makes the decoded form
+                // grow past the limit the verifier enforces anyway.
+                total += 1;
+                if total > MAX_INSTRUCTIONS {
+                    return Err(ProgramError::TooManyInstructions);
+                }
                 instrs.push(i);
                 off += used;
             }

@@ -283,3 +283,24 @@ fn footprint_of_strided_dma_is_its_bounding_range() {
     };
     assert_eq!(lda_small.footprint().unwrap_err(), FootprintError::BadStride { operand: "a" });
 }
+
+/// A program of more than `MAX_INSTRUCTIONS` tiny instructions (within the
+/// byte limit) is refused by the decoder itself, before its decoded form
+/// (several times the encoded size) is built.
+#[test]
+fn decoding_stops_at_the_instruction_limit() {
+    use vnpu_abi::program::MAX_INSTRUCTIONS;
+    let mut b = ProgramBuilder::new();
+    for i in 0..=MAX_INSTRUCTIONS {
+        b.push(Engine::DMA, Instr::Signal { sem: (i % 64) as u8 });
+    }
+    let bytes = b.finish().encode();
+    assert!(bytes.len() <= vnpu_abi::program::MAX_PROGRAM_BYTES);
+    assert_eq!(Program::decode(&bytes), Err(ProgramError::TooManyInstructions));
+    // Exactly the limit decodes (the builder ends the stream with a halt).
+    let mut b = ProgramBuilder::new();
+    for i in 0..MAX_INSTRUCTIONS - 1 {
+        b.push(Engine::DMA, Instr::Signal { sem: (i % 64) as u8 });
+    }
+    assert_eq!(Program::decode(&b.finish().encode()).map(|p| p.instruction_count()), Ok(MAX_INSTRUCTIONS));
+}

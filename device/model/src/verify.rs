@@ -8,8 +8,9 @@ use std::ops::Range;
 use thiserror::Error;
 use vnpu_abi::{AccessKind, EngineKind, FootprintError, Program, Space};
 
-/// Most instructions a program may hold.
-pub const MAX_INSTRUCTIONS: usize = 1 << 20;
+/// Most instructions a program may hold (the container's limit, which
+/// the decoder already enforces; checked again here).
+pub use vnpu_abi::program::MAX_INSTRUCTIONS;
 
 /// What a program may use: the vNPU core's engines and segments.
 #[derive(Clone, Debug, PartialEq, Eq)]

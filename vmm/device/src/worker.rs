@@ -658,6 +658,17 @@ impl Worker {
                 format!("all {} program handles are in use", abi::MAX_REGISTERED),
             );
         };
+        let held: usize = self.programs.iter().flatten().map(|p| p.instruction_count()).sum();
+        let count = program.instruction_count();
+        if held.saturating_add(count) > abi::MAX_REGISTERED_INSTRUCTIONS {
+            return Outcome::fail(
+                abi::ST_NO_SPACE,
+                format!(
+                    "registered programs hold {held} instructions; {count} more would pass the limit of {}",
+                    abi::MAX_REGISTERED_INSTRUCTIONS
+                ),
+            );
+        }
         if slot >= self.programs.len() {
             self.programs.resize_with(slot + 1, || None);
         }
@@ -963,6 +974,41 @@ mod fault_tests {
             vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::DEVICE_RESET, &1u32.to_le_bytes());
         }
         assert!(lock(&f.shared_for_tests().controls).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod registration_tests {
+    use super::*;
+
+    /// The instructions a guest can keep registered are bounded: programs
+    /// of the largest size register until `MAX_REGISTERED_INSTRUCTIONS`,
+    /// the next is refused with `NO_SPACE`, and a free handle's room is
+    /// usable again.
+    #[test]
+    fn registered_programs_are_bounded_in_instructions() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 32 << 20)]).unwrap();
+        let mut b = vnpu_abi::ProgramBuilder::new();
+        for i in 0..vnpu_abi::program::MAX_INSTRUCTIONS - 1 {
+            b.push(vnpu_abi::Engine::DMA, vnpu_abi::Instr::Signal { sem: (i % 64) as u8 });
+        }
+        let bytes = b.finish().encode();
+        mem.write_slice(&bytes, GuestAddress(0x1000)).unwrap();
+        let payload = [Desc { addr: 0x1000, len: bytes.len() as u32, write: false }];
+        let shared =
+            Arc::new(Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default())).unwrap());
+        let spec = VnpuSpec::named("small").unwrap();
+        let mut w = Worker::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
+        let fits = abi::MAX_REGISTERED_INSTRUCTIONS / vnpu_abi::program::MAX_INSTRUCTIONS;
+        for i in 0..fits {
+            let o = w.register(&payload);
+            assert_eq!((o.status, o.detail), (abi::ST_OK, i as u32), "{}", o.message);
+        }
+        let o = w.register(&payload);
+        assert_eq!(o.status, abi::ST_NO_SPACE, "{}", o.message);
+        assert!(o.message.contains("would pass the limit"), "{}", o.message);
+        w.programs[1] = None;
+        assert_eq!(w.register(&payload).status, abi::ST_OK);
     }
 }
 
