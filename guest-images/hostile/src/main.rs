@@ -655,20 +655,12 @@ fn guest_main(env: &mut Env) -> u32 {
         seen.read(0, &mut b);
         Some(b)
     };
-    let hier_h = honest.npu.hierarchy();
-    let grant = [
-        u64::from(hier_h.sa_per_core),
-        u64::from(hier_h.vu_per_core),
-        hier_h.sram_per_core,
-        hier_h.hbm_per_core,
-        u64::from(hier_h.cores_per_chip),
-        u64::from(hier_h.chips),
-    ];
+    let shape = honest.npu.hierarchy();
     let wrote = honest.npu.load(&mut env.dma, &w).is_ok_and(|p| honest.npu.run(&p, &d).is_ok())
         && read_back(&mut honest.npu, env).is_some_and(|b| b.iter().all(|&x| x == 0x5a));
     let released = honest.npu.mailbox(abi::MBOX_RELEASE, &[]).is_ok();
     let attacker_sees = read_back(&mut npu, env);
-    let reconfigured = honest.npu.mailbox(abi::MBOX_CONFIGURE, &grant).is_ok();
+    let reconfigured = honest.npu.configure(&shape).is_ok();
     let honest_sees = read_back(&mut honest.npu, env);
     let reloaded = honest.npu.run(&honest.load, &d).is_ok();
     let ok = undisturbed
