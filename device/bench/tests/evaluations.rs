@@ -136,7 +136,9 @@ fn verifier_bench_covers_every_workload_with_its_real_program() {
             assert!((us - sim_us).abs() <= 0.05 + 1e-3 * sim_us, "{row}: model says {sim_us} us");
             let verify_us: f64 = f[3].parse().unwrap();
             let frac: f64 = f[6].trim_end_matches('%').parse().unwrap();
-            assert!(verify_us > 0.0 && (frac - 100.0 * verify_us / us).abs() <= 0.01 * frac + 1e-3, "{row}");
+            // verify us is printed to 0.1 us: allow that rounding.
+            let slack = 100.0 * 0.051 / us + 0.01 * frac + 1e-3;
+            assert!(verify_us > 0.0 && (frac - 100.0 * verify_us / us).abs() <= slack, "{row}");
         }
     }
     assert!(out.contains("worst verifier cost:"), "{out}");

@@ -33,6 +33,11 @@ pub enum ExecError {
     Deadlock { stream: usize, engine: Engine, index: usize, sem: u8 },
     #[error("cycle budget of {budget} cycles exhausted")]
     Budget { budget: u64 },
+    /// The host work the model would spend on the request passed its
+    /// budget (see [`crate::timing::host_work`]); checked before the
+    /// instruction that would pass it runs.
+    #[error("host-work budget of {budget} units exhausted (the request asks the simulator for more work than a shared core allows one request)")]
+    HostWork { budget: u64 },
 }
 
 /// Counters of one engine of one tenant.
@@ -168,6 +173,11 @@ pub trait SimTenant {
     fn memory(&mut self) -> Option<CoreMemory<'_>>;
     /// Cycles the tenant may run, counted from when its streams start.
     fn max_cycles(&self) -> Option<u64>;
+    /// Host-work units ([`crate::timing::host_work`]) the functional model
+    /// may spend on the tenant (none: unbounded).
+    fn max_host_work(&self) -> Option<u64> {
+        None
+    }
 }
 
 impl SimTenant for &mut Tenant<'_, '_> {
@@ -196,6 +206,8 @@ struct Slot<J> {
     budget_end: f64,
     /// When it was suspended (it issues nothing until resumed).
     suspended_at: Option<f64>,
+    /// Host-work units spent on it so far.
+    host_work: u64,
 }
 
 /// What [`CoreSim::step`] hands back for a tenant that finished or failed:
@@ -259,6 +271,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             started: self.now,
             budget_end,
             suspended_at: None,
+            host_work: 0,
         };
         let id = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -431,6 +444,16 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                         r.state = State::Done;
                                         continue;
                                     }
+                                    // Nor host time past the tenant's host-work budget.
+                                    let work = ts.host_work.saturating_add(crate::timing::host_work(&i));
+                                    if let Some(budget) = ts.job.max_host_work() {
+                                        if work > budget {
+                                            ts.error = Some(ExecError::HostWork { budget });
+                                            r.state = State::Done;
+                                            continue;
+                                        }
+                                    }
+                                    ts.host_work = work;
                                     if let Some(mut mem) = ts.job.memory() {
                                         if let Err(source) = execute(&i, &mut mem) {
                                             ts.error = Some(ExecError::Kernel {

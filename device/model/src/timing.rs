@@ -180,6 +180,72 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
     Cost { occupancy, flops, bytes }
 }
 
+/// Host work the functional model spends on `instr`, in units calibrated
+/// to about one nanosecond of one host core at most (`docs/isolation.md`
+/// has the measurement): a VU element costs [`VU_ELEMENT_UNITS`] (a
+/// transcendental one [`TRANSCENDENTAL_UNITS`]), a window step or reduced
+/// element 2, a DMA four bytes a unit, and [`MACS_PER_UNIT`] SA
+/// multiply-adds a unit (the GEMM crate is that much faster per
+/// operation). Counted against a request's host-work budget before the
+/// instruction runs, so a verified request cannot hold a shared core's
+/// thread for longer than its budget. Saturating, like the cycle costs.
+pub fn host_work(instr: &Instr) -> u64 {
+    let unary = |op: UnOp| match op {
+        UnOp::Gelu | UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => TRANSCENDENTAL_UNITS,
+        _ => VU_ELEMENT_UNITS,
+    };
+    let window = |n: u32, ho: u32, wo: u32, c: u32, kh: u32, kw: u32| {
+        prod(&[n.into(), ho.into(), wo.into(), c.into(), kh.into(), kw.into(), 2])
+    };
+    let v = VU_ELEMENT_UNITS;
+    match *instr {
+        Instr::DmaCopy { rows, row_bytes, .. } => prod(&[rows.into(), row_bytes.into()]) / 4,
+        Instr::DmaGather { count, row_bytes, .. } => {
+            prod(&[count.into(), row_bytes.into()]) / 4 + u64::from(count)
+        }
+        Instr::MatMul { m, k, n, .. } => {
+            let (m, k, n) = (u64::from(m), u64::from(k), u64::from(n));
+            (prod(&[m, k, n]) / MACS_PER_UNIT).saturating_add(prod(&[m, n, v]))
+        }
+        Instr::Conv2d { geom: g, .. } => {
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            let macs = prod(&[
+                g.n.into(),
+                ho.into(),
+                wo.into(),
+                g.cout.into(),
+                g.kh.into(),
+                g.kw.into(),
+                g.cin.into(),
+            ]);
+            (macs / MACS_PER_UNIT).saturating_add(prod(&[g.n.into(), ho.into(), wo.into(), g.cout.into(), v]))
+        }
+        Instr::VUnary { op, len, .. } => prod(&[len.into(), unary(op)]),
+        Instr::VAffine { len, .. } | Instr::VConvert { len, .. } => prod(&[len.into(), v]),
+        Instr::VBinary { rows, cols, .. } => prod(&[rows.into(), cols.into(), v]),
+        Instr::VReduce { outer, reduce, inner, .. } => prod(&[outer.into(), reduce.into(), inner.into(), 2]),
+        Instr::VSoftmax { rows, cols, .. } => prod(&[rows.into(), cols.into(), TRANSCENDENTAL_UNITS]),
+        Instr::VLayerNorm { rows, cols, .. } => prod(&[rows.into(), cols.into(), v]),
+        Instr::VPool { geom: g, .. } => {
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            window(g.n, ho, wo, g.c, g.kh.into(), g.kw.into())
+        }
+        Instr::VDepthwise { geom: g, .. } => {
+            let (ho, wo) = g.out_hw().unwrap_or((0, 0));
+            window(g.n, ho, wo, g.cout, g.kh.into(), g.kw.into())
+        }
+        Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => 0,
+    }
+}
+
+/// Host-work units of one VU element (read, operate, write back).
+pub const VU_ELEMENT_UNITS: u64 = 4;
+/// Host-work units of one transcendental element (exp, GELU, tanh,
+/// sigmoid, and softmax's exp).
+pub const TRANSCENDENTAL_UNITS: u64 = 8;
+/// SA multiply-adds per host-work unit.
+pub const MACS_PER_UNIT: u64 = 8;
+
 #[cfg(test)]
 mod tests {
     use super::*;

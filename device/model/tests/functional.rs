@@ -849,3 +849,63 @@ fn a_suspended_tenant_resumes_where_it_stopped() {
     assert!((a_rep.cycles - (ta + tb + 500.0)).abs() < 1e-6, "{} vs {}", a_rep.cycles, ta + tb + 500.0);
     assert!(sim.is_idle());
 }
+
+/// A tenant with a host-work budget (as the device gives one on a shared
+/// core): the instruction that would pass it is refused before the model
+/// does its work, and everything before it ran.
+#[test]
+fn the_instruction_that_passes_the_host_work_budget_is_not_executed() {
+    use npu_model::timing::{host_work, TRANSCENDENTAL_UNITS};
+    use npu_model::SimTenant;
+    struct Capped {
+        program: Program,
+        sram: Sram,
+        hbm: LazyHbm,
+        guest: VecGuestMemory,
+        budget: u64,
+    }
+    impl SimTenant for Capped {
+        fn program(&self) -> &Program {
+            &self.program
+        }
+        fn memory(&mut self) -> Option<CoreMemory<'_>> {
+            Some(CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest })
+        }
+        fn max_cycles(&self) -> Option<u64> {
+            None
+        }
+        fn max_host_work(&self) -> Option<u64> {
+            Some(self.budget)
+        }
+    }
+    let exp = |i: u64| Instr::VUnary { op: UnOp::Exp, src: 0, dst: 16384 * (i + 1), len: 4096 };
+    assert_eq!(host_work(&exp(0)), 4096 * TRANSCENDENTAL_UNITS);
+    let mut p = ProgramBuilder::new();
+    for i in 0..5 {
+        p.push(Engine::vu(0), exp(i));
+    }
+    let budget = 3 * host_work(&exp(0));
+    let t = Capped {
+        program: p.finish(),
+        sram: Sram::new(SRAM),
+        hbm: LazyHbm::new(1 << 20),
+        guest: VecGuestMemory::new(0, 4096),
+        budget,
+    };
+    let board = cfg();
+    let mut sim = CoreSim::new(&board, 1);
+    sim.add(t, 0.0);
+    let mut done = Vec::new();
+    while !sim.is_idle() {
+        done.extend(sim.step());
+    }
+    let (_, t, r) = done.pop().unwrap();
+    assert_eq!(r.unwrap_err(), ExecError::HostWork { budget });
+    let at = |t: &Capped, i: u64| {
+        let mut b = [0u8; 4];
+        t.sram.read(16384 * (i + 1), &mut b).unwrap();
+        f32::from_le_bytes(b)
+    };
+    // exp(0) = 1 where an instruction ran; untouched zeros after the cap.
+    assert_eq!([at(&t, 0), at(&t, 1), at(&t, 2), at(&t, 3), at(&t, 4)], [1.0, 1.0, 1.0, 0.0, 0.0]);
+}

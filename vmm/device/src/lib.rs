@@ -23,7 +23,10 @@ pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
 };
-pub use worker::{fuzz_drive, DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET};
+pub use worker::{
+    fuzz_drive, DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET,
+    SHARED_MAX_HOST_WORK,
+};
 
 use std::sync::Arc;
 

@@ -66,6 +66,8 @@ struct Job {
     mem: CoreMem,
     guest: GuestRam,
     budget: u64,
+    /// Host-work budget (`npu_model::timing::host_work` units).
+    host_work: u64,
     reply: mpsc::Sender<JobResult>,
     /// When its program starts on the core's timeline.
     begin: f64,
@@ -86,6 +88,9 @@ impl SimTenant for Job {
     }
     fn max_cycles(&self) -> Option<u64> {
         Some(self.budget)
+    }
+    fn max_host_work(&self) -> Option<u64> {
+        Some(self.host_work)
     }
 }
 
@@ -174,7 +179,9 @@ impl SharedCore {
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
     }
 
-    /// Runs `program` for `tenant` on the core; blocks until it is done.
+    /// Runs `program` for `tenant` on the core within `budget` cycles and
+    /// `host_work` units of host work; blocks until it is done.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &self,
         tenant: &str,
@@ -183,6 +190,7 @@ impl SharedCore {
         mem: CoreMem,
         guest: GuestMemoryMmap<()>,
         budget: u64,
+        host_work: u64,
     ) -> Option<JobResult> {
         let (tx, rx) = mpsc::channel();
         {
@@ -199,6 +207,7 @@ impl SharedCore {
                 mem,
                 guest: GuestRam::new(&guest),
                 budget,
+                host_work,
                 reply: tx,
                 begin: arrival,
             });
@@ -611,7 +620,7 @@ mod tests {
     fn run_copies(core: &SharedCore, name: &str, claim: Claim, n: usize) -> JobResult {
         let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
         let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-        core.run(name, claim, copies(n), mem, guest, 1 << 30).unwrap()
+        core.run(name, claim, copies(n), mem, guest, 1 << 30, crate::SHARED_MAX_HOST_WORK).unwrap()
     }
 
     /// A request's report counts its own cycles from its start, not the

@@ -38,6 +38,14 @@ pub const MAX_BUDGET: u64 = 1 << 40;
 /// is in, so a long request there must not hold them for the whole
 /// [`MAX_BUDGET`]. [`DeviceOptions::shared_max_cycles`] overrides it.
 pub const SHARED_MAX_BUDGET: u64 = 1 << 32;
+/// Most host work (`npu_model::timing::host_work` units, about a
+/// nanosecond each at most on the machines measured) the functional model
+/// may spend on one request on a *shared* physical core: its co-located
+/// tenants' simulation waits while the core's thread executes it, so this
+/// bounds how long one request can hold them up in wall time (about 0.4 s
+/// here; `docs/isolation.md`). [`DeviceOptions::shared_max_host_work`]
+/// overrides it.
+pub const SHARED_MAX_HOST_WORK: u64 = 1 << 28;
 /// Longest error message written to a request's message buffer.
 const MAX_MESSAGE: usize = 512;
 /// No instruction to blame (`detail`).
@@ -250,6 +258,8 @@ pub struct DeviceOptions {
     pub slo_us: u64,
     /// Cap of a request's cycle budget on a shared core.
     pub shared_max_cycles: u64,
+    /// Host-work budget of a request on a shared core.
+    pub shared_max_host_work: u64,
 }
 
 impl Default for DeviceOptions {
@@ -260,6 +270,7 @@ impl Default for DeviceOptions {
             priority: 0,
             slo_us: 0,
             shared_max_cycles: SHARED_MAX_BUDGET,
+            shared_max_host_work: SHARED_MAX_HOST_WORK,
         }
     }
 }
@@ -714,7 +725,8 @@ impl Worker {
             };
             // Co-located tenants wait for this batch: a tighter budget.
             let budget = budget.min(self.opts.shared_max_cycles.max(1));
-            match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget) {
+            let host_work = self.opts.shared_max_host_work;
+            match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget, host_work) {
                 Some((back, r, _, _)) => {
                     *core = back;
                     r
@@ -733,7 +745,9 @@ impl Worker {
             }
             Err(e) => {
                 let (status, detail) = match &e {
-                    ExecError::Budget { .. } => (abi::ST_BUDGET_EXHAUSTED, NO_DETAIL),
+                    ExecError::Budget { .. } | ExecError::HostWork { .. } => {
+                        (abi::ST_BUDGET_EXHAUSTED, NO_DETAIL)
+                    }
                     ExecError::Kernel { stream, index, .. } | ExecError::Deadlock { stream, index, .. } => {
                         (abi::ST_EXEC_FAULT, (*stream as u32) << 16 | (*index as u32 & 0xffff))
                     }

@@ -151,6 +151,47 @@ fn shared_cores_cap_the_request_budget() {
     assert!(matches!(e, Error::Request { status: abi::ST_BUDGET_EXHAUSTED, .. }), "{e}");
 }
 
+/// On a shared core a request also has a host-work budget: a verified
+/// request whose functional work passes it fails with the budget status
+/// and says why, before the host does that work; within it, it runs; and
+/// the default budget admits the guests' real requests (the hostile and
+/// digits guests run on shared cores in `tests/tests/boot.rs`).
+#[test]
+fn shared_cores_bound_the_host_work_of_a_request() {
+    let board = BoardConfig::default();
+    // Four exp passes over 2^18 elements: 4 x 2^18 x 8 units.
+    let mut p = vnpu_abi::ProgramBuilder::new();
+    for _ in 0..4 {
+        p.push(
+            vnpu_abi::Engine::vu(0),
+            vnpu_abi::Instr::VUnary { op: vnpu_abi::UnOp::Exp, src: 0, dst: 1 << 20, len: 1 << 18 },
+        );
+    }
+    let heavy = p.finish().encode();
+    let units = 4 * (1u64 << 18) * npu_model::timing::TRANSCENDENTAL_UNITS;
+    let run = |cap: u64| {
+        let core = vnpu_device::SharedCore::new(&board, "host-work-test").unwrap();
+        let opts =
+            DeviceOptions { cores: vec![core.clone()], shared_max_host_work: cap, ..Default::default() };
+        let s = setup_with("sa=1,vu=1,sram=4M,hbm=256M", opts);
+        let mut dma = s.dma();
+        let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();
+        let prog = npu.load(&mut dma, &heavy).unwrap();
+        let t = npu.submit(Some(&prog), &RunOptions::default()).unwrap();
+        let r = npu.wait(t);
+        let mut msg = [0u8; 256];
+        let n = npu.message(t, &mut msg);
+        core.stop();
+        (r, String::from_utf8_lossy(&msg[..n]).to_string())
+    };
+    assert!(run(units).0.is_ok());
+    assert!(run(vnpu_device::SHARED_MAX_HOST_WORK).0.is_ok());
+    let (r, msg) = run(units - 1);
+    let e = r.unwrap_err();
+    assert!(matches!(e, Error::Request { status: abi::ST_BUDGET_EXHAUSTED, .. }), "{e}");
+    assert!(msg.contains(&format!("host-work budget of {} units", units - 1)), "{msg}");
+}
+
 fn driver_round_trips(opts: DeviceOptions) {
     let s = setup_with("sa=1,vu=1,sram=4M,hbm=256M", opts);
     s.enable_msix();
