@@ -5,6 +5,24 @@
 use npu_model::timing::host_work;
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory};
 use vnpu_abi::*;
+/// A 3x3, stride-1, padding-1 geometry over an `hw` x `hw` image of `c` channels.
+fn same_3x3(hw: u32, c: u32) -> ConvGeom {
+    ConvGeom {
+        n: 1,
+        h: hw,
+        w: hw,
+        cin: c,
+        cout: c,
+        kh: 3,
+        kw: 3,
+        stride: 1,
+        pad_top: 1,
+        pad_bottom: 1,
+        pad_left: 1,
+        pad_right: 1,
+    }
+}
+
 fn main() {
     let cfg = BoardConfig::default();
     let cases: Vec<(&str, Instr, Engine)> = vec![
@@ -85,25 +103,7 @@ fn main() {
         ),
         (
             "depthwise 3x3",
-            Instr::VDepthwise {
-                src: 0,
-                weights: 7 << 20,
-                dst: 8 << 20,
-                geom: ConvGeom {
-                    n: 1,
-                    h: 256,
-                    w: 256,
-                    cin: 16,
-                    cout: 16,
-                    kh: 3,
-                    kw: 3,
-                    stride: 1,
-                    pad_top: 1,
-                    pad_bottom: 1,
-                    pad_left: 1,
-                    pad_right: 1,
-                },
-            },
+            Instr::VDepthwise { src: 0, weights: 7 << 20, dst: 8 << 20, geom: same_3x3(256, 16) },
             Engine::vu(0),
         ),
         (
@@ -114,20 +114,7 @@ fn main() {
                 input: 0,
                 weights: 2 << 20,
                 output: 4 << 20,
-                geom: ConvGeom {
-                    n: 1,
-                    h: 64,
-                    w: 64,
-                    cin: 64,
-                    cout: 64,
-                    kh: 3,
-                    kw: 3,
-                    stride: 1,
-                    pad_top: 1,
-                    pad_bottom: 1,
-                    pad_left: 1,
-                    pad_right: 1,
-                },
+                geom: same_3x3(64, 64),
             },
             Engine::sa(0),
         ),
