@@ -206,7 +206,7 @@ struct Slot<J> {
     budget_end: f64,
     /// When it was suspended (it issues nothing until resumed).
     suspended_at: Option<f64>,
-    /// Host-work units spent on it so far.
+    /// Host-work units spent on it so far (counted when it has a budget).
     host_work: u64,
 }
 
@@ -444,16 +444,17 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                         r.state = State::Done;
                                         continue;
                                     }
-                                    // Nor host time past the tenant's host-work budget.
-                                    let work = ts.host_work.saturating_add(crate::timing::host_work(&i));
+                                    // Nor host time past the tenant's host-work budget
+                                    // (counted only for tenants that have one).
                                     if let Some(budget) = ts.job.max_host_work() {
+                                        let work = ts.host_work.saturating_add(crate::timing::host_work(&i));
                                         if work > budget {
                                             ts.error = Some(ExecError::HostWork { budget });
                                             r.state = State::Done;
                                             continue;
                                         }
+                                        ts.host_work = work;
                                     }
-                                    ts.host_work = work;
                                     if let Some(mut mem) = ts.job.memory() {
                                         if let Err(source) = execute(&i, &mut mem) {
                                             ts.error = Some(ExecError::Kernel {
