@@ -51,47 +51,19 @@ pub struct Program {
 /// Why a byte sequence is not a valid program container.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ProgramError {
-    TooShort {
-        len: usize,
-    },
-    TooLarge {
-        len: usize,
-    },
+    TooShort { len: usize },
+    TooLarge { len: usize },
     BadMagic,
     BadVersion(u16),
     BadFlags(u32),
     BadStreamCount(u16),
-    BadEngineKind {
-        stream: usize,
-        kind: u8,
-    },
-    ReservedNonZero {
-        stream: usize,
-    },
-    DuplicateEngine {
-        stream: usize,
-        engine: Engine,
-    },
-    LengthMismatch {
-        declared: u64,
-        actual: usize,
-    },
-    Decode {
-        stream: usize,
-        index: usize,
-        error: DecodeError,
-    },
-    WrongEngine {
-        stream: usize,
-        index: usize,
-        mnemonic: &'static str,
-        engine: Engine,
-    },
-    AfterHalt {
-        stream: usize,
-        index: usize,
-    },
-    /// More than [`MAX_INSTRUCTIONS`] instructions.
+    BadEngineKind { stream: usize, kind: u8 },
+    ReservedNonZero { stream: usize },
+    DuplicateEngine { stream: usize, engine: Engine },
+    LengthMismatch { declared: u64, actual: usize },
+    Decode { stream: usize, index: usize, error: DecodeError },
+    WrongEngine { stream: usize, index: usize, mnemonic: &'static str, engine: Engine },
+    AfterHalt { stream: usize, index: usize },
     TooManyInstructions,
 }
 
