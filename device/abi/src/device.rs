@@ -18,7 +18,8 @@ pub const ABI_VERSION: u32 = 1 << 16 | 1;
 pub const MAX_REGISTERED: usize = 64;
 /// Most instructions all of a vNPU's registered programs may hold together
 /// (each at most `program::MAX_INSTRUCTIONS`): bounds the host memory a
-/// guest can keep allocated through `REGISTER` (about 200 MiB per vNPU).
+/// guest can keep allocated through `REGISTER` (256 MiB per vNPU: an
+/// `Instr` is 64 bytes).
 pub const MAX_REGISTERED_INSTRUCTIONS: usize = 1 << 22;
 /// `MAGIC` as a little-endian u32 (the bytes `"VNPU"`).
 pub const MAGIC: u32 = u32::from_le_bytes(*b"VNPU");
