@@ -428,9 +428,7 @@ impl Worker {
     /// Stops using the ring until the driver resets the device.
     fn fail(&mut self, code: u32) {
         self.queue = None;
-        let mut r = self.regs();
-        r.set_u32(regs::ERROR, code);
-        r.update_u32(regs::STATUS, |s| (s | abi::STATUS_FAILED) & !abi::STATUS_QUEUE_READY);
+        mark_failed(&mut self.regs(), code);
     }
 
     fn mailbox(&mut self, cmd: u32, a: [u64; 6]) -> (u32, u64) {
@@ -871,6 +869,13 @@ fn serve(worker: Worker) {
     }
 }
 
+/// The device's failed state with `code` in `ERROR`: the ring is not
+/// served until the driver resets the device.
+fn mark_failed(r: &mut RegFile, code: u32) {
+    r.set_u32(regs::ERROR, code);
+    r.update_u32(regs::STATUS, |s| (s | abi::STATUS_FAILED) & !abi::STATUS_QUEUE_READY);
+}
+
 /// Puts the vNPU of a worker that panicked in its failed state and wakes
 /// a driver waiting on an interrupt.
 fn died(shared: &Shared) {
@@ -878,11 +883,10 @@ fn died(shared: &Shared) {
     lock(&shared.controls).clear();
     {
         let mut r = lock(&shared.regs);
-        r.set_u32(regs::ERROR, abi::ERR_DEVICE_FAULT);
+        mark_failed(&mut r, abi::ERR_DEVICE_FAULT);
+        // No reset will ever complete.
         r.set_u32(regs::QUEUE_ENABLE, 0);
-        r.update_u32(regs::STATUS, |s| {
-            (s | abi::STATUS_FAILED) & !(abi::STATUS_QUEUE_READY | abi::STATUS_RESETTING)
-        });
+        r.update_u32(regs::STATUS, |s| s & !abi::STATUS_RESETTING);
         // A mailbox command in flight ends with an error.
         if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
             r.set_u32(regs::MBOX_STATUS, abi::ST_EXEC_FAULT);
