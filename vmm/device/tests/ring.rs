@@ -478,7 +478,8 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
     // the next request sees what that request did.
     let fresh_ring = |s: &Setup| {
         write_reg(s, regs::DEVICE_RESET, 1);
-        wait_for(|| reg(s, regs::STATUS) & abi::STATUS_RESETTING == 0);
+        wait_for(|| reg(s, regs::STATUS) & (abi::STATUS_RESETTING | abi::STATUS_FAILED) == 0);
+        assert_eq!(reg(s, regs::ERROR), 0);
         s.mem.write_obj(0u16, GuestAddress(0x11002)).unwrap();
         s.mem.write_obj(0u16, GuestAddress(0x12002)).unwrap();
         raw_ring(s, 8, 0x10000);
@@ -563,13 +564,8 @@ fn hostile_rings_get_error_statuses_never_a_hang() {
     post(&s, idx.get(), 200);
     wait_for(|| reg(&s, regs::STATUS) & abi::STATUS_FAILED != 0);
     assert_eq!(reg(&s, regs::ERROR), abi::ERR_QUEUE_BROKEN);
-    // Reset recovers.
-    write_reg(&s, regs::DEVICE_RESET, 1);
-    wait_for(|| reg(&s, regs::STATUS) & (abi::STATUS_RESETTING | abi::STATUS_FAILED) == 0);
-    assert_eq!(reg(&s, regs::ERROR), 0);
-    s.mem.write_obj(0u16, GuestAddress(0x11002)).unwrap();
-    s.mem.write_obj(0u16, GuestAddress(0x12002)).unwrap();
-    raw_ring(&s, 8, 0x10000);
+    // Reset recovers (ERROR and FAILED cleared, the ring usable again).
+    fresh_ring(&s);
     s.mem
         .write_slice(
             &abi::RequestHeader { opcode: 0, tag: 9, ..Default::default() }.to_bytes(),
