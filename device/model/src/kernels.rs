@@ -79,6 +79,9 @@ fn limit(n: u64) -> Result<usize, KernelError> {
 
 /// Reads `n` elements of `dtype` as f32.
 fn read_elems(m: &dyn Memory, addr: u64, n: usize, dtype: DType) -> Result<Vec<f32>, KernelError> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     crate::memory::check_span(m, addr, n as u64 * dtype.size())?;
     Ok(match dtype {
         DType::F32 => read_f32s(m, addr, n)?,
@@ -91,6 +94,9 @@ fn read_elems(m: &dyn Memory, addr: u64, n: usize, dtype: DType) -> Result<Vec<f
 }
 
 fn write_elems(m: &mut dyn Memory, addr: u64, v: &[f32], dtype: DType) -> Result<(), KernelError> {
+    if v.is_empty() {
+        return Ok(());
+    }
     match dtype {
         DType::F32 => write_f32s(m, addr, v)?,
         DType::Bf16 => {
@@ -210,11 +216,30 @@ fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
 }
 
+/// IEEE 754-2019 `maximum`: NaN propagates (as in XLA and PyTorch), so a
+/// NaN is never hidden by `relu`, `max`, a max-reduction or max-pooling.
+pub fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// IEEE 754-2019 `minimum`: NaN propagates.
+pub fn min_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.min(b)
+    }
+}
+
 /// Applies a unary operation to one value.
 pub fn unary(op: UnOp, x: f32) -> f32 {
     match op {
         UnOp::Copy => x,
-        UnOp::Relu => x.max(0.0),
+        UnOp::Relu => max_nan(x, 0.0),
         UnOp::Gelu => gelu(x),
         UnOp::Exp => x.exp(),
         UnOp::Tanh => x.tanh(),
@@ -231,8 +256,8 @@ pub fn binary(op: BinOp, a: f32, b: f32) -> f32 {
         BinOp::Add => a + b,
         BinOp::Sub => a - b,
         BinOp::Mul => a * b,
-        BinOp::Max => a.max(b),
-        BinOp::Min => a.min(b),
+        BinOp::Max => max_nan(a, b),
+        BinOp::Min => min_nan(a, b),
     }
 }
 
@@ -242,7 +267,7 @@ pub fn softmax_rows(v: &mut [f32], cols: usize) {
         return;
     }
     for row in v.chunks_exact_mut(cols) {
-        let mx = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mx = row.iter().copied().fold(f32::NEG_INFINITY, max_nan);
         let mut sum = 0.0f32;
         for x in row.iter_mut() {
             *x = (*x - mx).exp();
@@ -355,11 +380,27 @@ pub fn depthwise(input: &[f32], weights: &[f32], g: &ConvGeom, ho: usize, wo: us
     let win = Window::conv(g, g.cin, ho, wo);
     let c = win.c;
     let mut out = vec![0.0f32; win.n * ho * wo * c];
+    let taps = win.kh * win.kw;
+    // Padding is zeros that take part in the products, as in `sa.conv2d`
+    // (im2col): only a non-finite weight makes that visible (0 x inf is
+    // NaN), so padded taps are walked only for such weights.
+    let odd: Vec<usize> = (0..taps * c).filter(|&j| !weights[j].is_finite()).collect();
+    let mut inside = if odd.is_empty() { Vec::new() } else { vec![false; win.n * ho * wo * taps] };
     win.for_each_tap(|o, tap, i| {
         for ch in 0..c {
             out[o * c + ch] += input[i * c + ch] * weights[tap * c + ch];
         }
+        if let Some(seen) = inside.get_mut(o * taps + tap) {
+            *seen = true;
+        }
     });
+    for o in 0..inside.len() / taps.max(1) {
+        for &j in &odd {
+            if !inside[o * taps + j / c] {
+                out[o * c + j % c] += 0.0 * weights[j];
+            }
+        }
+    }
     out
 }
 
@@ -387,7 +428,7 @@ pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Ve
         count[o] += 1;
         for ch in 0..c {
             let (acc, v) = (&mut out[o * c + ch], input[i * c + ch]);
-            *acc = if op == PoolOp::Max { acc.max(v) } else { *acc + v };
+            *acc = if op == PoolOp::Max { max_nan(*acc, v) } else { *acc + v };
         }
     });
     if op == PoolOp::Avg {
@@ -438,12 +479,16 @@ fn copy_rows(
         }
         return Ok(());
     }
-    let mut buf = vec![0u8; row];
-    for r in 0..rows {
+    // One memory: every row is read before any is written (the ISA's rule
+    // for all instructions), so overlapping rows copy the old bytes.
+    let mut buf = vec![0u8; rows as usize * row];
+    for (r, chunk) in (0..rows).zip(buf.chunks_exact_mut(row.max(1))) {
         let s = at(src.offset, r, src_stride, "src overflow")?;
+        mem.space(src.space).read(s, chunk)?;
+    }
+    for (r, chunk) in (0..rows).zip(buf.chunks_exact(row.max(1))) {
         let d = at(dst.offset, r, dst_stride, "dst overflow")?;
-        mem.space(src.space).read(s, &mut buf)?;
-        mem.space(dst.space).write(d, &buf)?;
+        mem.space(dst.space).write(d, chunk)?;
     }
     Ok(())
 }
@@ -552,16 +597,22 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             limit(u64::from(count) * u64::from(row_bytes))?;
             let mut idx = vec![0u8; count as usize * 4];
             mem.sram.read(indices, &mut idx)?;
-            let mut buf = vec![0u8; row_bytes as usize];
-            for (j, c) in idx.chunks_exact(4).enumerate() {
+            // Every row is read (and every index checked) before any is
+            // written: a table in SRAM may overlap the destination.
+            let row = row_bytes as usize;
+            let mut buf = vec![0u8; count as usize * row];
+            for (j, (c, out)) in idx.chunks_exact(4).zip(buf.chunks_exact_mut(row)).enumerate() {
                 let i = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
                 if i >= table_rows {
                     return Err(KernelError::GatherIndex { position: j as u32, index: i, rows: table_rows });
                 }
-                let s = table.offset + u64::from(i) * u64::from(row_bytes);
-                mem.space(table.space).read(s, &mut buf)?;
-                mem.sram.write(dst + j as u64 * u64::from(row_bytes), &buf)?;
+                let s = table
+                    .offset
+                    .checked_add(u64::from(i) * u64::from(row_bytes))
+                    .ok_or(KernelError::Geometry("gather table overflow"))?;
+                mem.space(table.space).read(s, out)?;
             }
+            mem.sram.write(dst, &buf)?;
         }
         Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
             let (m, k, n) = (m as usize, k as usize, n as usize);
@@ -670,7 +721,7 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                     out[a * i + c] = match op {
                         RedOp::Sum => it.sum(),
                         RedOp::Mean => it.sum::<f32>() / r as f32,
-                        RedOp::Max => it.fold(f32::NEG_INFINITY, f32::max),
+                        RedOp::Max => it.fold(f32::NEG_INFINITY, max_nan),
                     };
                 }
             }

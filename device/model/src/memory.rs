@@ -197,16 +197,23 @@ pub fn check_span(m: &dyn Memory, addr: u64, len: u64) -> Result<(), MemoryError
     check("memory", addr, len, m.size())
 }
 
-/// Reads `n` little-endian f32 values.
+/// Reads `n` little-endian f32 values (none: nothing is touched, at any
+/// address, as the ISA says of zero-sized operands).
 pub fn read_f32s(m: &dyn Memory, addr: u64, n: usize) -> Result<Vec<f32>, MemoryError> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     check_span(m, addr, n as u64 * 4)?;
     let mut bytes = vec![0u8; n * 4];
     m.read(addr, &mut bytes)?;
     Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
-/// Writes f32 values little-endian.
+/// Writes f32 values little-endian (none: nothing is touched).
 pub fn write_f32s(m: &mut dyn Memory, addr: u64, v: &[f32]) -> Result<(), MemoryError> {
+    if v.is_empty() {
+        return Ok(());
+    }
     let mut bytes = Vec::with_capacity(v.len() * 4);
     for x in v {
         bytes.extend_from_slice(&x.to_le_bytes());

@@ -178,6 +178,13 @@ pub trait SimTenant {
     fn max_host_work(&self) -> Option<u64> {
         None
     }
+    /// Called when instruction `index` of stream `stream` takes effect:
+    /// a compute or DMA instruction just before it executes, a `signal`
+    /// when it increments, a `wait` when it consumes its semaphore, a
+    /// `halt` when it stops its stream. The calls give the order in which
+    /// the model applied the program (a differential check replays it on
+    /// the reference interpreter); the default does nothing.
+    fn took_effect(&mut self, _stream: usize, _index: usize) {}
 }
 
 impl SimTenant for &mut Tenant<'_, '_> {
@@ -386,6 +393,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                         State::Waiting { sem, since } => {
                             if ts.sems[sem as usize] > 0 {
                                 ts.sems[sem as usize] -= 1;
+                                ts.job.took_effect(r.stream, r.pc);
                                 r.stats.stall_cycles += now - since;
                                 r.pc += 1;
                                 r.state = State::Ready;
@@ -408,11 +416,13 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                             };
                             match instr {
                                 Instr::Halt => {
+                                    ts.job.took_effect(r.stream, r.pc);
                                     r.stats.instructions += 1;
                                     r.state = State::Done;
                                     r.finished_at = now;
                                 }
                                 Instr::Signal { sem } => {
+                                    ts.job.took_effect(r.stream, r.pc);
                                     r.stats.instructions += 1;
                                     let v = &mut ts.sems
                                         [usize::from(sem) % vnpu_abi::isa::NUM_SEMAPHORES as usize];
@@ -455,6 +465,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                         }
                                         ts.host_work = work;
                                     }
+                                    ts.job.took_effect(r.stream, r.pc);
                                     if let Some(mut mem) = ts.job.memory() {
                                         if let Err(source) = execute(&i, &mut mem) {
                                             ts.error = Some(ExecError::Kernel {
