@@ -250,3 +250,33 @@ pub mod layout {
     /// SRAM plan of the CNN.
     pub const CNN_SRAM: super::SramPlan = super::SramPlan { base: 0x8_0000 };
 }
+
+/// The throughput benchmark's protocol between the `digits` guest and the
+/// host (`vnpu demo`): round by round, the guest times one batch request
+/// (one in flight) on the TSC and reports it through the VMM's benchmark
+/// register `id(model, warm)`; the host then runs the same batch program
+/// in-process, timed on the same TSC, before the guest's next round.
+pub mod bench {
+    /// Untimed rounds first on both sides.
+    pub const WARMUP: usize = 2;
+    /// Timed rounds per model.
+    pub const ROUNDS: usize = 15;
+    /// Index of the MLP in `id`.
+    pub const MLP: u32 = 0;
+    /// Index of the CNN in `id`.
+    pub const CNN: u32 = 1;
+
+    /// The benchmark register a round of `model` is reported on.
+    pub const fn id(model: u32, warm: bool) -> u32 {
+        2 * model + warm as u32
+    }
+
+    /// `(model, warm)` of a benchmark register id (`None` for others).
+    pub const fn parse(id: u32) -> Option<(u32, bool)> {
+        if id < 4 {
+            Some((id / 2, id % 2 == 1))
+        } else {
+            None
+        }
+    }
+}

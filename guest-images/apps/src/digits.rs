@@ -4,12 +4,11 @@
 //! again on the CPU with the same weights, and prints the accuracies, the
 //! agreement, the latency per image and the vNPU's counters.
 
-use alloc::collections::VecDeque;
 use alloc::vec::Vec;
 
 use vnpu_abi::device as abi;
 use vnpu_driver::{Bar, DmaBuf, DmaRegion, RunOptions, Vnpu};
-use vnpu_models::digits::{self, layout, SramPlan, CLASSES, PIXELS};
+use vnpu_models::digits::{self, bench, layout, SramPlan, CLASSES, PIXELS};
 use vnpu_models::{argmax, f32s};
 
 use crate::{out, sub, Platform};
@@ -19,10 +18,6 @@ static TEST_Y: &[u8] = include_bytes!("../../digits/fixtures/test_y.bin");
 static MLP: &[u8] = include_bytes!("../../digits/fixtures/mlp.bin");
 static CNN: &[u8] = include_bytes!("../../digits/fixtures/cnn.bin");
 
-/// Batch runs timed for the throughput figure.
-const BATCH_RUNS: usize = 10;
-/// Batch requests kept in flight while timing throughput.
-const QUEUE_DEPTH: usize = 2;
 /// Bytes of the tensor area ([`Platform::data`]): `layout` relative to its
 /// first address.
 pub const DATA_BYTES: usize = (layout::END - layout::MLP_WEIGHTS) as usize;
@@ -49,6 +44,8 @@ struct Model {
     plan: SramPlan,
     infer: fn(SramPlan, usize, u64, u64) -> vnpu_abi::Program,
     cpu: fn(&[f32], &[f32]) -> [f32; CLASSES],
+    /// Its index in the benchmark protocol (`bench::MLP`, `bench::CNN`).
+    bench: u32,
 }
 
 fn counters<B: Bar>(npu: &mut Vnpu<B>, buf: &DmaBuf) -> Option<(u64, u64, u64)> {
@@ -115,27 +112,25 @@ fn run_model<B: Bar, P: Platform>(
     let batch = (m.infer)(m.plan, n, data.addr(layout::TEST_X), data.addr(layout::BATCH_OUT)).encode();
     let batch = npu.load(dma, &batch).map_err(|e| fail("load", &e))?;
     let batch = npu.register(&batch).map_err(|e| fail("register", &e))?;
-    // One untimed run first, as the in-process baseline does.
-    npu.run_registered(batch, &opts).map_err(|e| fail("batch", &e))?;
-    // Two requests in flight, as a throughput client keeps its queue: the
-    // next batch is on the ring while the guest takes the last completion.
-    let t0 = p.now_ns();
+    // Throughput: one request in flight, round by round interleaved with
+    // the host's in-process run of the same program (`digits::bench`), so
+    // both sides are timed on the same clock under the same conditions.
+    let mut walls = Vec::with_capacity(bench::ROUNDS);
     let (mut batch_sim, mut batch_host) = (0, 0);
-    let mut inflight = VecDeque::new();
-    for _ in 0..QUEUE_DEPTH.min(BATCH_RUNS) {
-        inflight.push_back(npu.submit_registered(batch, &opts).map_err(|e| fail("batch", &e))?);
-    }
-    let mut submitted = inflight.len();
-    while let Some(t) = inflight.pop_front() {
-        let st = npu.wait(t).map_err(|e| fail("batch", &e))?;
-        batch_sim = st.cycles;
-        batch_host += st.wall_ns;
-        if submitted < BATCH_RUNS {
-            inflight.push_back(npu.submit_registered(batch, &opts).map_err(|e| fail("batch", &e))?);
-            submitted += 1;
+    for r in 0..bench::WARMUP + bench::ROUNDS {
+        let warm = r < bench::WARMUP;
+        let (t0, ns0) = (p.ticks(), p.now_ns());
+        let st = npu.run_registered(batch, &opts).map_err(|e| fail("batch", &e))?;
+        let (ticks, ns) = (p.ticks().wrapping_sub(t0), p.now_ns().wrapping_sub(ns0));
+        p.host_round(bench::id(m.bench, warm), ticks);
+        if !warm {
+            walls.push(ns);
+            batch_sim = st.cycles;
+            batch_host += st.wall_ns;
         }
     }
-    let batch_wall = (p.now_ns() - t0) / BATCH_RUNS as u64;
+    walls.sort_unstable();
+    let batch_wall = walls[walls.len() / 2];
     let mut logits = alloc::vec![0u8; 4 * n * CLASSES];
     data.buf(layout::BATCH_OUT, logits.len()).read(0, &mut logits);
     let logits = f32s(&logits);
@@ -169,15 +164,19 @@ fn run_model<B: Bar, P: Platform>(
     let batch_ns = batch_wall.max(1);
     out!(
         p,
-        "batch of {n}: {:.0} images/s guest wall, {:.1} us simulated NPU time",
+        "batch of {n}: {:.0} images/s guest wall (median of {} runs, one in flight), {:.1} us simulated NPU time",
         n as f64 * 1e9 / batch_ns as f64,
+        bench::ROUNDS,
         batch_sim as f64 / mhz as f64
     );
     out!(
         p,
-        "throughput {} batch_wall_ns={batch_ns} images={n} device_host_ns={}",
+        "throughput {} batch_wall_ns={batch_ns} min_ns={} max_ns={} runs={} images={n} device_host_ns={}",
         m.name,
-        batch_host / BATCH_RUNS as u64
+        walls[0],
+        walls[walls.len() - 1],
+        bench::ROUNDS,
+        batch_host / bench::ROUNDS as u64
     );
     if let Some((cycles, sa, vu)) = counted {
         let util = |a: u64, units: u32| 100.0 * a as f64 / (cycles.max(1) as f64 * f64::from(units.max(1)));
@@ -243,6 +242,7 @@ pub fn run<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P) -
             plan: layout::MLP_SRAM,
             infer: digits::mlp_infer,
             cpu: digits::mlp_cpu,
+            bench: bench::MLP,
         },
         Model {
             name: "cnn",
@@ -251,6 +251,7 @@ pub fn run<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P) -
             plan: layout::CNN_SRAM,
             infer: digits::cnn_infer,
             cpu: digits::cnn_cpu,
+            bench: bench::CNN,
         },
     ];
     let mut ok = true;

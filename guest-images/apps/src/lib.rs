@@ -20,6 +20,17 @@ pub trait Platform {
     fn data(&self, len: usize) -> Option<DmaBuf>;
     /// How to wait for completions.
     fn wait(&self) -> Wait;
+    /// Raw ticks of the clock the host's benchmark side also reads (the
+    /// TSC on the bare-metal platform); `now_ns` where there is none.
+    fn ticks(&self) -> u64 {
+        self.now_ns()
+    }
+    /// After a timed round of benchmark `id` that took `ticks`: lets the
+    /// host run its side of the round before the next (bare metal: the
+    /// VMM's benchmark hook). Does nothing where there is no host side.
+    fn host_round(&self, id: u32, ticks: u64) {
+        let _ = (id, ticks);
+    }
 }
 
 /// `println!` to a [`Platform`].

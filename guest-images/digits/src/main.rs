@@ -28,6 +28,12 @@ impl Platform for BareMetal {
     fn wait(&self) -> Wait {
         Wait::Interrupt
     }
+    fn ticks(&self) -> u64 {
+        rdtsc()
+    }
+    fn host_round(&self, id: u32, ticks: u64) {
+        guest_rt::benchmark_report(id, ticks);
+    }
 }
 
 #[no_mangle]

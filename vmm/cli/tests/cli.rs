@@ -156,7 +156,9 @@ fn run_kernel_arguments_and_bad_kernels_are_clear_errors() {
 }
 
 /// README command 1: the demo prints the accuracy line with equal vNPU and
-/// CPU accuracy, and the throughput ratio.
+/// CPU accuracy, and for each model the interleaved benchmark: every one of
+/// the guest's timed rounds paired with a host round (so the guest's
+/// reports reached the VMM's benchmark hook), with positive finite times.
 #[test]
 fn demo_prints_equal_accuracies_and_the_benchmark() {
     let (code, out, err) = vnpu(&["demo"]);
@@ -164,8 +166,26 @@ fn demo_prints_equal_accuracies_and_the_benchmark() {
     let line = out.lines().find(|l| l.starts_with("accuracy vnpu=")).unwrap_or_default();
     let (v, c) = line.split_once(" cpu=").unwrap();
     assert_eq!(v.trim_start_matches("accuracy vnpu="), c.split_whitespace().next().unwrap(), "{line}");
-    assert!(out.contains("benchmark mlp: batch 450"), "{out}");
-    assert!(out.contains("ratio"), "{out}");
+    for model in ["mlp", "cnn"] {
+        let prefix = format!("benchmark {model}: batch 450, 15 interleaved runs, one request in flight;");
+        let line = out.lines().find(|l| l.starts_with(&prefix));
+        let line = line.unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"));
+        // min/median/max of the VM path, of in-process, of the ratio.
+        let triples: Vec<Vec<f64>> = line
+            .split("min/median/max ")
+            .skip(1)
+            .map(|t| {
+                let t = t.split_whitespace().next().unwrap_or_default();
+                t.split('/').map(|v| v.parse::<f64>().unwrap_or(f64::NAN)).collect()
+            })
+            .collect();
+        assert_eq!(triples.len(), 3, "{line}");
+        for t in &triples {
+            assert_eq!(t.len(), 3, "{line}");
+            // NaN fails every comparison here.
+            assert!(t[0] > 0.0 && t[0] <= t[1] && t[1] <= t[2] && t[2].is_finite(), "{model}: {line}");
+        }
+    }
 }
 
 #[test]

@@ -60,6 +60,18 @@ pub const SYSCON_BASE: u64 = 0xf000_0000;
 pub const SYSCON_CONSOLE: u64 = 0;
 /// Offset of the exit register in the system controller page.
 pub const SYSCON_EXIT: u64 = 4;
+/// Offset of the first of [`SYSCON_BENCH_SLOTS`] benchmark registers in the
+/// system controller page: a write of up to 8 bytes at
+/// `SYSCON_BENCH + 8 * id` pauses the vCPU and hands `(id, value)` to the
+/// hook set with [`Vm::set_benchmark_hook`] (ignored without one). It lets
+/// a host benchmark interleave its own side with the guest's, on the same
+/// clock, while the guest waits (`vnpu demo`).
+pub const SYSCON_BENCH: u64 = 0x10;
+/// Number of benchmark registers.
+pub const SYSCON_BENCH_SLOTS: u64 = 16;
+
+/// What a benchmark register write calls: `(id, value)`, on the vCPU thread.
+pub type BenchmarkHook = Box<dyn FnMut(u32, u64) + Send>;
 
 /// Guest-physical base of the ECAM window (bus 0 only: 1 MiB).
 pub const ECAM_BASE: u64 = 0xe000_0000;
@@ -148,6 +160,7 @@ pub struct Vm<W: Write> {
     pci: PciBus,
     msi: Arc<Mutex<irq::MsiRoutes>>,
     doorbells: Vec<Doorbells>,
+    benchmark: Option<BenchmarkHook>,
 }
 
 /// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
@@ -400,7 +413,20 @@ impl<W: Write> Vm<W> {
             pci,
             msi,
             doorbells,
+            benchmark: None,
         })
+    }
+
+    /// Calls `hook` for every write to a benchmark register
+    /// ([`SYSCON_BENCH`]), on the vCPU thread while the guest waits.
+    pub fn set_benchmark_hook(&mut self, hook: BenchmarkHook) {
+        self.benchmark = Some(hook);
+    }
+
+    /// The vCPU's TSC rate in kHz, as the guest was told it (0 if KVM
+    /// could not tell).
+    pub fn tsc_khz(&self) -> u32 {
+        self.vcpu.get_tsc_khz().unwrap_or(0)
     }
 
     /// CPUID, FPU and local APIC set up as a PC's firmware leaves them, for
@@ -682,6 +708,19 @@ impl<W: Write> Vm<W> {
                     if addr == SYSCON_BASE + SYSCON_EXIT {
                         let code = le_u32(data);
                         return Ok(self.exit(code));
+                    }
+                    if let Some(id) = addr
+                        .checked_sub(SYSCON_BASE + SYSCON_BENCH)
+                        .filter(|o| *o < 8 * SYSCON_BENCH_SLOTS)
+                        .map(|o| (o / 8) as u32)
+                    {
+                        let mut v = [0u8; 8];
+                        let n = data.len().min(8);
+                        v[..n].copy_from_slice(&data[..n]);
+                        if let Some(hook) = self.benchmark.as_mut() {
+                            hook(id, u64::from_le_bytes(v));
+                        }
+                        continue;
                     }
                     if addr == SYSCON_BASE + SYSCON_CONSOLE {
                         if let Some(v) = data.first() {
