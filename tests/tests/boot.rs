@@ -294,8 +294,9 @@ fn hostile_guest_attacks_are_contained_and_neighbours_on_its_core_undisturbed() 
     );
     assert!(out.contains(&format!("hostile: {n}/{n} attacks contained; honest tenant correct")), "{out}");
     // The honest tenant ran beside every attack: one run alone, one per
-    // attack, one before it released its memory, one after the last attack.
-    assert!(out.contains(&format!("in all {} runs", n + 3)), "{out}");
+    // attack, three more around each of the three floods, one before it
+    // released its memory, one after the last attack.
+    assert!(out.contains(&format!("in all {} runs", n + 3 + 9)), "{out}");
     assert_eq!(ncode, 0, "{next_door}");
     for want in [
         "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450",

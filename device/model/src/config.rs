@@ -63,6 +63,15 @@ pub struct CoreConfig {
     pub vu_transcendental_passes: u32,
     /// SRAM per core in MiB; a multiple of the 2 MiB slice.
     pub sram_mib: u32,
+    /// DMA engines of the core, shared by every program on it: the
+    /// transfers in flight of all co-located tenants share them by fair
+    /// queuing (max-min), one engine's rate at most per transfer.
+    #[serde(default = "one")]
+    pub dma_engines: u32,
+}
+
+fn one() -> u32 {
+    1
 }
 
 /// HBM of one chip, shared by its cores.
@@ -94,13 +103,15 @@ pub enum HbmPartition {
     Equal,
 }
 
-/// The DMA engine of each core.
+/// The DMA engines of each core (how many: `core.dma_engines`) and the
+/// board's host link.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DmaConfig {
-    /// Peak rate of the engine in GB/s (caps every transfer).
+    /// Peak rate of one engine in GB/s (caps every transfer).
     pub gbps: f64,
-    /// Host link (guest memory) bandwidth in GB/s.
+    /// Host link (guest memory) bandwidth in GB/s: one link, shared by
+    /// every transfer that touches guest memory.
     pub host_gbps: f64,
     /// Fixed cost of a DMA instruction in ns (descriptor + first beat).
     pub latency_ns: u32,
@@ -128,6 +139,7 @@ impl Default for BoardConfig {
                 vu_latency_cycles: 16,
                 vu_transcendental_passes: 4,
                 sram_mib: 32,
+                dma_engines: 1,
             },
             hbm: HbmConfig {
                 size_gib: 32,
@@ -196,6 +208,7 @@ impl BoardConfig {
         range_u32("core.vu_latency_cycles", c.vu_latency_cycles, 0, 1 << 16)?;
         range_u32("core.vu_transcendental_passes", c.vu_transcendental_passes, 1, 64)?;
         range_u32("core.sram_mib", c.sram_mib, 2, 4096)?;
+        range_u32("core.dma_engines", c.dma_engines, 1, 64)?;
         if u64::from(c.sram_mib) * (1 << 20) % SRAM_SLICE != 0 {
             return Err(invalid("core.sram_mib", format!("is {}, must be a multiple of 2", c.sram_mib)));
         }

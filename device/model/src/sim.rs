@@ -4,9 +4,12 @@
 //! stream per engine; all streams of all tenants advance concurrently in
 //! simulated time. An instruction occupies its engine for the cycles the
 //! timing model gives; `signal`/`wait` order streams of one tenant. DMA
-//! transfers that touch HBM share the chip's HBM bandwidth fairly
-//! (max-min, each capped by its own engine rate) with every other such
-//! transfer in flight, which is where co-located tenants slow each other.
+//! transfers in flight share, max-min fairly (progressive filling), the
+//! resources they use: the core's DMA engines (`core.dma_engines` times
+//! one engine's rate, every transfer, at most one engine's rate each), the
+//! HBM bandwidth (transfers that touch HBM; per tenant under
+//! `hbm.partition = "equal"`) and the host link (transfers that touch guest
+//! memory). That is where co-located tenants slow each other.
 //!
 //! Functional execution (when the tenant has memory attached) happens when
 //! an instruction issues; a program whose streams are ordered by semaphores
@@ -133,7 +136,7 @@ pub struct Tenant<'p, 'm> {
 enum State {
     Ready,
     Busy { until: f64 },
-    Transfer { start: f64, remaining: f64, cap: f64, hbm: bool, issued: f64, ideal: f64 },
+    Transfer { start: f64, remaining: f64, cap: f64, hbm: bool, host: bool, issued: f64, ideal: f64 },
     Waiting { sem: u8, since: f64 },
     Done,
 }
@@ -151,19 +154,57 @@ struct Run {
     rate: f64,
 }
 
-/// Max-min fair shares of `total` among demands capped at `caps`.
-fn water_fill(total: f64, caps: &mut [(usize, f64)]) -> Vec<(usize, f64)> {
-    caps.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let mut left = total;
-    let mut out = Vec::with_capacity(caps.len());
-    let n = caps.len();
-    for (i, &(id, cap)) in caps.iter().enumerate() {
-        let share = left / (n - i) as f64;
-        let r = cap.min(share);
-        left -= r;
-        out.push((id, r));
+/// A flow of [`max_min_rates`]: its own cap and the resources it uses.
+#[derive(Clone, Debug)]
+struct Flow {
+    cap: f64,
+    uses: [Option<usize>; 3],
+}
+
+/// Max-min fair rates of `flows` over resources of `capacity` (progressive
+/// filling: every unfrozen flow's rate grows at the same pace until it
+/// reaches its cap or one of its resources is full; then it is frozen).
+fn max_min_rates(flows: &[Flow], capacity: &[f64]) -> Vec<f64> {
+    let mut rate = vec![0.0; flows.len()];
+    let mut left: Vec<f64> = capacity.to_vec();
+    let mut active: Vec<bool> = flows.iter().map(|f| f.cap > EPS).collect();
+    let uses = |f: &Flow, r: usize| f.uses.contains(&Some(r));
+    while active.iter().any(|a| *a) {
+        let mut step = f64::INFINITY;
+        for (r, l) in left.iter().enumerate() {
+            let n = flows.iter().zip(&active).filter(|(f, a)| **a && uses(f, r)).count();
+            if n > 0 {
+                step = step.min(l.max(0.0) / n as f64);
+            }
+        }
+        for ((f, a), x) in flows.iter().zip(&active).zip(&rate) {
+            if *a {
+                step = step.min(f.cap - x);
+            }
+        }
+        let step = step.max(0.0);
+        for (i, f) in flows.iter().enumerate() {
+            if active[i] {
+                rate[i] += step;
+                for r in f.uses.iter().flatten() {
+                    left[*r] -= step;
+                }
+            }
+        }
+        let mut frozen = false;
+        for (i, f) in flows.iter().enumerate() {
+            let full = f.uses.iter().flatten().any(|r| left[*r] <= EPS * capacity[*r].max(1.0));
+            if active[i] && (full || f.cap - rate[i] <= EPS * f.cap.max(1.0)) {
+                active[i] = false;
+                frozen = true;
+            }
+        }
+        if !frozen {
+            // Cannot happen (the step froze something); never loop forever.
+            break;
+        }
     }
-    out
+    rate
 }
 
 /// A tenant of a [`CoreSim`]: its program, memories and budget.
@@ -488,7 +529,14 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                             r.stats.active_cycles += cy;
                                             State::Busy { until: now + cy }
                                         }
-                                        Occupancy::Transfer { latency, first_byte, bytes, cap, hbm } => {
+                                        Occupancy::Transfer {
+                                            latency,
+                                            first_byte,
+                                            bytes,
+                                            cap,
+                                            hbm,
+                                            host,
+                                        } => {
                                             let streaming = (now - r.last_transfer_end).abs() <= EPS;
                                             let lat = if streaming { latency } else { latency + first_byte };
                                             State::Transfer {
@@ -496,6 +544,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                                 remaining: bytes,
                                                 cap,
                                                 hbm,
+                                                host,
                                                 issued: now,
                                                 ideal: lat + bytes / cap,
                                             }
@@ -569,37 +618,39 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 return out;
             }
 
-            // Rates of the transfers in flight.
-            let mut hbm_caps = Vec::new();
+            // Rates of the transfers in flight: max-min over the core's DMA
+            // engines, its HBM bandwidth and the host link: one pool of each
+            // (`hbm.partition = "shared"`), or one share of each per tenant,
+            // used or not (`"equal"`).
+            let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
+            let pools = [
+                engine * f64::from(cfg.core.dma_engines.max(1)),
+                cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps),
+                hbm_bw,
+            ];
+            let (capacity, base): (Vec<f64>, fn(usize) -> usize) = match cfg.hbm.partition {
+                HbmPartition::Shared => (pools.to_vec(), |_| 0),
+                HbmPartition::Equal => {
+                    let n = self.shares as f64;
+                    let per = pools.map(|p| p / n);
+                    ((0..slots.len()).flat_map(|_| per).collect(), |t| 3 * t)
+                }
+            };
+            let mut flows = Vec::new();
+            let mut which = Vec::new();
             for (i, r) in runs.iter_mut().enumerate() {
-                if let State::Transfer { start, cap, hbm, .. } = r.state {
+                if let State::Transfer { start, cap, hbm, host, .. } = r.state {
                     r.rate = 0.0;
                     if start <= now + EPS {
-                        if hbm {
-                            hbm_caps.push((i, cap));
-                        } else {
-                            r.rate = cap;
-                        }
+                        let at = base(r.tenant);
+                        let uses = [Some(at), host.then_some(at + 1), hbm.then_some(at + 2)];
+                        flows.push(Flow { cap: cap.min(engine), uses });
+                        which.push(i);
                     }
                 }
             }
-            match cfg.hbm.partition {
-                HbmPartition::Shared => {
-                    for (i, rate) in water_fill(hbm_bw, &mut hbm_caps) {
-                        runs[i].rate = rate;
-                    }
-                }
-                HbmPartition::Equal => {
-                    // Each tenant fills its own share; unused shares stay unused.
-                    let share = hbm_bw / self.shares as f64;
-                    for t in 0..slots.len() {
-                        let mut mine: Vec<(usize, f64)> =
-                            hbm_caps.iter().copied().filter(|&(i, _)| runs[i].tenant == t).collect();
-                        for (i, rate) in water_fill(share, &mut mine) {
-                            runs[i].rate = rate;
-                        }
-                    }
-                }
+            for (i, rate) in which.into_iter().zip(max_min_rates(&flows, &capacity)) {
+                runs[i].rate = rate;
             }
 
             // The next event.

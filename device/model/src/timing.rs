@@ -28,9 +28,12 @@ pub enum Occupancy {
     /// A transfer: `latency` cycles of issue overhead, `first_byte` cycles of
     /// memory latency (hidden when the engine was streaming right up to
     /// this instruction: back-to-back descriptors pipeline), then `bytes`
-    /// at up to `cap` bytes per cycle; `hbm` says it competes for HBM
-    /// bandwidth.
-    Transfer { latency: f64, first_byte: f64, bytes: f64, cap: f64, hbm: bool },
+    /// at up to `cap` bytes per cycle (its rate alone on the core); while
+    /// in flight it shares the core's DMA engines with every other
+    /// transfer on the core, and the core's HBM bandwidth (`hbm`) and the
+    /// host link (`host`: it touches guest memory) with the transfers that
+    /// use them.
+    Transfer { latency: f64, first_byte: f64, bytes: f64, cap: f64, hbm: bool, host: bool },
     /// Synchronisation: no engine time.
     Sync,
 }
@@ -82,7 +85,7 @@ fn transfer(cfg: &BoardConfig, a: Space, b: Space, bytes: u64) -> Occupancy {
     if hbm {
         first_byte += cfg.ns_to_cycles(cfg.hbm.latency_ns);
     }
-    Occupancy::Transfer { latency, first_byte, bytes: bytes as f64, cap, hbm }
+    Occupancy::Transfer { latency, first_byte, bytes: bytes as f64, cap, hbm, host }
 }
 
 /// The cost of `instr` on a core of `cfg`.

@@ -6,8 +6,10 @@
 //! *while* each attack runs (its request is in flight across the attack)
 //! and every result is checked against the guest's CPU reference and the
 //! labels, and must be bit-identical to its first run; its simulated time
-//! must stay within its guaranteed share (at most `SHARE_SLOWDOWN` times
-//! its time alone). Prints one line per attack and exits 0 when all are
+//! must stay within its guaranteed share: the core's DMA engine is
+//! shared by fair queuing among the `TENANTS` tenants on the core, so its
+//! DMA time may grow up to `TENANTS` times and nothing else may grow
+//! (its SAs and VUs are its own), within `SHARE_SLACK`. Prints one line per attack and exits 0 when all are
 //! contained.
 #![no_std]
 #![no_main]
@@ -37,11 +39,31 @@ fn one(engine: Engine, i: Instr) -> Vec<u8> {
     p.finish().encode()
 }
 
+/// Active cycles of the DMA engines in the vNPU's counters.
+fn dma_active_cycles(npu: &mut Vnpu<MmioBar>, dma: &mut guest_rt::vnpu_driver::DmaRegion) -> Option<u64> {
+    let buf = dma.alloc(64 * 1024, 64).ok()?;
+    let n = npu.read_counters(&buf).ok()?;
+    let mut b = alloc::vec![0u8; n.min(buf.len)];
+    buf.read(0, &mut b);
+    let records = b.len().checked_sub(abi::COUNTERS_HEADER_BYTES)? / abi::COUNTERS_ENGINE_BYTES;
+    let mut active = 0u64;
+    for r in 0..records {
+        let at = abi::COUNTERS_HEADER_BYTES + r * abi::COUNTERS_ENGINE_BYTES;
+        if b[at] == 0 {
+            active += u64::from_le_bytes(b.get(at + 8..at + 16)?.try_into().ok()?);
+        }
+    }
+    Some(active)
+}
+
 static TEST_Y: &[u8] = include_bytes!("../../digits/fixtures/test_y.bin");
 
-/// Most the honest tenant's simulated time may grow beside the attacker
-/// (its engines are its own; it shares HBM bandwidth and the core).
-const SHARE_SLOWDOWN: f64 = 1.25;
+/// Tenants the integration test places on the core (attacked vNPU, honest
+/// vNPU, the neighbour VM's vNPU): fair queuing gives each at least this
+/// fraction of the core's DMA engine.
+const TENANTS: f64 = 3.0;
+/// Slack on the guaranteed-share bound (latencies that are not shared).
+const SHARE_SLACK: f64 = 1.05;
 
 struct Honest {
     npu: Vnpu<MmioBar>,
@@ -54,6 +76,9 @@ struct Honest {
     /// The first vNPU run's logits and simulated cycles (alone on the core).
     reference: Vec<u8>,
     cycles: u64,
+    /// Most its time may grow beside the others: 1 + (TENANTS - 1) x the
+    /// DMA engine's share of its time alone, times SHARE_SLACK.
+    share_slowdown: f64,
     runs: usize,
     worst_slowdown: f64,
     in_flight: Option<guest_rt::vnpu_driver::Ticket>,
@@ -111,10 +136,11 @@ impl Honest {
         if slowdown > self.worst_slowdown {
             self.worst_slowdown = slowdown;
         }
-        let (correct, same, share) = (self.correct(&b), b == self.reference, slowdown <= SHARE_SLOWDOWN);
+        let (correct, same, share) = (self.correct(&b), b == self.reference, slowdown <= self.share_slowdown);
         if !(correct && same && share) {
             println!(
-                "honest tenant: correct {correct}, bit-identical {same}, {c} cycles = {slowdown:.3}x alone (bound {SHARE_SLOWDOWN})"
+                "honest tenant: correct {correct}, bit-identical {same}, {c} cycles = {slowdown:.3}x alone (bound {:.3})",
+                self.share_slowdown
             );
         }
         correct && same && share
@@ -131,8 +157,14 @@ impl Suite {
     /// was in flight, checks that request, and starts the next one (which
     /// the next attack then runs beside).
     fn check(&mut self, name: &str, contained: bool, honest: &mut Honest) {
+        self.check_beside(name, contained, true, honest);
+    }
+
+    /// As `check`, when the honest tenant also ran requests during the
+    /// attack (`during`: all of them undisturbed).
+    fn check_beside(&mut self, name: &str, contained: bool, during: bool, honest: &mut Honest) {
         self.n += 1;
-        let same = honest.undisturbed();
+        let same = honest.undisturbed() && during;
         honest.start();
         let good = contained && same;
         self.ok += usize::from(good);
@@ -301,22 +333,31 @@ fn guest_main(env: &mut Env) -> u32 {
             correct,
             reference: Vec::new(),
             cycles: 0,
+            share_slowdown: 1.0,
             runs: 0,
             worst_slowdown: 0.0,
             in_flight: None,
         };
+        let _ = h.npu.mailbox(abi::MBOX_RESET_COUNTERS, &[]);
         h.start();
         let Some((r, c)) = h.finish() else {
             println!("honest tenant failed");
             return 1;
         };
+        // Its DMA engine's active cycles alone, from the vNPU's counters.
+        let Some(dma_active) = dma_active_cycles(&mut h.npu, &mut env.dma) else {
+            println!("honest tenant could not read its counters");
+            return 1;
+        };
+        h.share_slowdown = (1.0 + (TENANTS - 1.0) * dma_active as f64 / c.max(1) as f64) * SHARE_SLACK;
         if !h.correct(&r) {
             println!("honest tenant disagrees with its CPU reference before any attack");
             return 1;
         }
         println!(
-            "honest tenant: vNPU = CPU on all 450 images, {}/450 correct by the labels, {c} simulated cycles alone",
-            h.correct
+            "honest tenant: vNPU = CPU on all 450 images, {}/450 correct by the labels, {c} simulated cycles alone ({dma_active} on its DMA engine; guaranteed-share bound {:.3}x)",
+            h.correct,
+            h.share_slowdown
         );
         h.reference = r;
         h.cycles = c;
@@ -608,20 +649,40 @@ fn guest_main(env: &mut Env) -> u32 {
         }
         p.finish().encode()
     };
-    let flood = |npu: &mut Vnpu<MmioBar>, env: &mut Env, bytes: &[u8], opts: RunOptions, want: u32| -> bool {
-        let Ok(p) = npu.load(&mut env.dma, bytes) else { return false };
+    // A flood: a full ring of the attacker's requests. The honest tenant's
+    // request from the previous attack is finished first; then, while the
+    // flood is queued and running on the core, the honest tenant runs two
+    // more requests, each checked (correct, bit-identical, within its
+    // guaranteed share of the shared DMA engine); the check after the flood
+    // covers a third, started as the flood drains.
+    let flood = |npu: &mut Vnpu<MmioBar>,
+                 env: &mut Env,
+                 bytes: &[u8],
+                 opts: RunOptions,
+                 want: u32,
+                 honest: &mut Honest|
+     -> (bool, bool) {
+        let before = honest.undisturbed();
+        let Ok(p) = npu.load(&mut env.dma, bytes) else { return (false, before) };
         let mut tickets = Vec::new();
         while let Ok(t) = npu.submit(Some(&p), &opts) {
             tickets.push(t);
         }
+        let mut during = before;
+        for _ in 0..2 {
+            honest.start();
+            during &= honest.undisturbed();
+        }
+        honest.start();
         let n = tickets.len();
         let all = tickets.into_iter().all(|t| status(npu.wait(t)) == want);
-        n >= 8 && all
+        (n >= 8 && all, during)
     };
-    let ok = flood(&mut npu, env, &heavy, d, abi::ST_OK);
-    s.check("a flood of maximal requests (a full ring, each 2M exps)", ok, &mut honest);
-    let ok = flood(&mut npu, env, &heavy, RunOptions { max_cycles: 3000, ..d }, abi::ST_BUDGET_EXHAUSTED);
-    s.check("a flood of requests that each hit the cycle budget", ok, &mut honest);
+    let (ok, during) = flood(&mut npu, env, &heavy, d, abi::ST_OK, &mut honest);
+    s.check_beside("a flood of maximal requests (a full ring, each 2M exps)", ok, during, &mut honest);
+    let budget = RunOptions { max_cycles: 3000, ..d };
+    let (ok, during) = flood(&mut npu, env, &heavy, budget, abi::ST_BUDGET_EXHAUSTED, &mut honest);
+    s.check_beside("a flood of requests that each hit the cycle budget", ok, during, &mut honest);
     let hold = {
         let mut p = ProgramBuilder::new();
         for i in 0..48u64 {
@@ -630,8 +691,8 @@ fn guest_main(env: &mut Env) -> u32 {
         }
         p.finish().encode()
     };
-    let ok = flood(&mut npu, env, &hold, d, abi::ST_OK);
-    s.check("requests that hold the DMA engine (96 MiB each, a full ring)", ok, &mut honest);
+    let (ok, during) = flood(&mut npu, env, &hold, d, abi::ST_OK, &mut honest);
+    s.check_beside("requests that hold the DMA engine (96 MiB each, a full ring)", ok, during, &mut honest);
 
     // The neighbour's memory after it releases its configuration: the
     // honest tenant writes a secret to its SRAM and HBM and releases; the
@@ -681,8 +742,8 @@ fn guest_main(env: &mut Env) -> u32 {
         return 1;
     }
     println!(
-        "hostile: {}/{} attacks contained; honest tenant correct and bit-identical in all {} runs, at most {:.3}x its time alone",
-        s.ok, s.n, honest.runs, honest.worst_slowdown
+        "hostile: {}/{} attacks contained; honest tenant correct and bit-identical in all {} runs, at most {:.3}x its time alone (guaranteed-share bound {:.3}x)",
+        s.ok, s.n, honest.runs, honest.worst_slowdown, honest.share_slowdown
     );
     u32::from(s.ok != s.n)
 }

@@ -1,0 +1,172 @@
+//! The physical resources co-located tenants share on a core, checked
+//! against times computed by hand from the board's rates: the DMA engines
+//! (`core.dma_engines`), the HBM bandwidth and the host link. Timing only
+//! (no memories), so the programs' addresses need not hold data.
+#![allow(clippy::unwrap_used)]
+
+use npu_model::config::HbmPartition;
+use npu_model::{run_core, run_program, BoardConfig, Tenant};
+use vnpu_abi::*;
+
+/// One transfer of `bytes` bytes from `src` to `dst` on the tenant's DMA
+/// stream.
+fn one_transfer(src: Addr, dst: Addr, bytes: u32) -> Program {
+    let mut b = ProgramBuilder::new();
+    b.push(Engine::DMA, Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes, src_stride: 0, dst_stride: 0 });
+    b.finish()
+}
+
+/// Cycles of each tenant when `programs` run together on one core of `cfg`.
+fn together(cfg: &BoardConfig, programs: &[Program]) -> Vec<f64> {
+    let mut tenants: Vec<Tenant<'_, '_>> =
+        programs.iter().map(|p| Tenant { program: p, memory: None, max_cycles: None }).collect();
+    let report = run_core(cfg, &mut tenants);
+    report.tenants.into_iter().map(|t| t.unwrap().cycles).collect()
+}
+
+fn alone(cfg: &BoardConfig, p: &Program) -> f64 {
+    run_program(cfg, p, None, None).unwrap().cycles
+}
+
+/// Relative difference, NaN-propagating (a NaN fails every `<` below).
+fn rel(a: f64, b: f64) -> f64 {
+    ((a - b) / b).abs()
+}
+
+const MIB: u32 = 1 << 20;
+
+/// HBM -> SRAM, 4 MiB: DMA-bound (400 GB/s engine, 1.2 TB/s HBM).
+fn hbm_read() -> Program {
+    one_transfer(Addr::hbm(0), Addr::sram(0), 4 * MIB)
+}
+
+/// Guest -> SRAM, 1 MiB: host-link-bound (25 GB/s link).
+fn guest_read() -> Program {
+    one_transfer(Addr::guest(0x10_0000), Addr::sram(0), MIB)
+}
+
+/// Fixed part of a transfer (issue + first-byte latencies), in cycles.
+fn fixed(cfg: &BoardConfig, hbm: bool, host: bool) -> f64 {
+    let mut ns = cfg.dma.latency_ns;
+    if hbm {
+        ns += cfg.hbm.latency_ns;
+    }
+    if host {
+        ns += cfg.dma.host_latency_ns;
+    }
+    cfg.ns_to_cycles(ns)
+}
+
+#[test]
+fn one_dma_engine_serves_two_tenants_at_half_rate_each() {
+    let cfg = BoardConfig::default();
+    assert_eq!(cfg.core.dma_engines, 1, "the documented default");
+    let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
+    let solo = alone(&cfg, &hbm_read());
+    let expect_solo = fixed(&cfg, true, false) + f64::from(4 * MIB) / engine;
+    assert!(rel(solo, expect_solo) < 1e-9, "alone: {solo} cycles, expected {expect_solo}");
+    let both = together(&cfg, &[hbm_read(), hbm_read()]);
+    // One engine, two transfers in flight: each gets half of it (800 GB/s
+    // of HBM demand is under the 1.2 TB/s the chip has).
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (engine / 2.0);
+    for (i, c) in both.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect} (alone {solo})");
+    }
+    // About twice as long as alone (the fixed latencies are not shared).
+    assert!(both[0] / solo > 1.95 && both[0] / solo < 2.0, "{} / {solo}", both[0]);
+}
+
+#[test]
+fn two_dma_engines_give_two_tenants_full_rate_until_hbm_is_the_limit() {
+    let mut cfg = BoardConfig::default();
+    cfg.core.dma_engines = 2;
+    let solo = alone(&cfg, &hbm_read());
+    let both = together(&cfg, &[hbm_read(), hbm_read()]);
+    for (i, c) in both.iter().enumerate() {
+        assert!(rel(*c, solo) < 1e-9, "tenant {i}: {c} cycles, alone {solo}");
+    }
+    // Four tenants on four engines want 1.6 TB/s; HBM has 1.2 TB/s, so each
+    // gets a quarter of it.
+    cfg.core.dma_engines = 4;
+    let hbm = cfg.hbm_bytes_per_cycle();
+    let four = together(&cfg, &[hbm_read(), hbm_read(), hbm_read(), hbm_read()]);
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0);
+    for (i, c) in four.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect}");
+    }
+}
+
+#[test]
+fn the_host_link_is_shared_even_with_an_engine_each() {
+    let mut cfg = BoardConfig::default();
+    cfg.core.dma_engines = 2;
+    let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    let solo = alone(&cfg, &guest_read());
+    let expect_solo = fixed(&cfg, false, true) + f64::from(MIB) / link;
+    assert!(rel(solo, expect_solo) < 1e-9, "alone: {solo}, expected {expect_solo}");
+    let both = together(&cfg, &[guest_read(), guest_read()]);
+    let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 2.0);
+    for (i, c) in both.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect}");
+    }
+    // A guest read and an HBM read on two engines: the HBM reader is not
+    // held back by the link it does not use.
+    let mixed = together(&cfg, &[guest_read(), hbm_read()]);
+    assert!(rel(mixed[0], solo) < 1e-9, "guest reader {} vs alone {solo}", mixed[0]);
+    let hbm_solo = alone(&cfg, &hbm_read());
+    assert!(rel(mixed[1], hbm_solo) < 1e-9, "hbm reader {} vs alone {hbm_solo}", mixed[1]);
+}
+
+#[test]
+fn max_min_gives_the_link_bound_transfer_its_share_and_the_rest_to_the_other() {
+    // One engine, a guest read (capped at the 25 GB/s link) and an HBM
+    // read: the guest read gets min(link, engine/2) = link, the HBM read the
+    // rest of the engine (375 GB/s) while both flow.
+    let cfg = BoardConfig::default();
+    let (engine, link) =
+        (cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps), cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps));
+    let small_hbm = one_transfer(Addr::hbm(0), Addr::sram(0), MIB);
+    let c = together(&cfg, &[guest_read(), small_hbm.clone()]);
+    // The HBM read starts after its latency and finishes long before the
+    // guest read: at (engine - link) while they overlap.
+    let hbm_start = fixed(&cfg, true, false);
+    let guest_start = fixed(&cfg, false, true);
+    assert!(guest_start > hbm_start);
+    // Before the guest read starts the HBM read runs at the full engine rate.
+    let head = (guest_start - hbm_start) * engine;
+    let expect_hbm = guest_start + (f64::from(MIB) - head) / (engine - link);
+    assert!(rel(c[1], expect_hbm) < 1e-9, "hbm reader {} expected {expect_hbm}", c[1]);
+    let expect_guest = guest_start + f64::from(MIB) / link;
+    assert!(rel(c[0], expect_guest) < 1e-9, "guest reader {} expected {expect_guest}", c[0]);
+}
+
+#[test]
+fn equal_partition_splits_every_shared_resource() {
+    let mut cfg = BoardConfig::default();
+    cfg.hbm.partition = HbmPartition::Equal;
+    let hbm = cfg.hbm_bytes_per_cycle();
+    let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
+    let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    // One tenant reading while three others only do a tiny SRAM copy:
+    // run_core gives each of the four a quarter, used or not.
+    let tiny = one_transfer(Addr::sram(0), Addr::sram(64), 64);
+    let quiet = [tiny.clone(), tiny.clone(), tiny];
+    let with = |p: Program, cfg: &BoardConfig| {
+        let mut all = vec![p];
+        all.extend(quiet.iter().cloned());
+        together(cfg, &all)[0]
+    };
+    // One engine: a quarter of it (106 GB/s), below a quarter of HBM.
+    let c = with(hbm_read(), &cfg);
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (engine / 4.0);
+    assert!(rel(c, expect) < 1e-9, "1 engine: {c} expected {expect}");
+    // Four engines: a quarter of HBM (300 GB/s) is the limit.
+    cfg.core.dma_engines = 4;
+    let c = with(hbm_read(), &cfg);
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0);
+    assert!(rel(c, expect) < 1e-9, "4 engines: {c} expected {expect}");
+    // A quarter of the host link.
+    let c = with(guest_read(), &cfg);
+    let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 4.0);
+    assert!(rel(c, expect) < 1e-9, "host link: {c} expected {expect}");
+}
