@@ -103,7 +103,7 @@ fn conv2d_pads_with_zeros_and_sums_in_bounds_taps() {
         pad_left: 1,
         pad_right: 1,
     };
-    let i = Instr::Conv2d {
+    let conv = |geom| Instr::Conv2d {
         dtype: DType::F32,
         flags: MatFlags::default(),
         input: 0,
@@ -111,18 +111,10 @@ fn conv2d_pads_with_zeros_and_sums_in_bounds_taps() {
         output: 128,
         geom,
     };
-    assert_values(&m.effects(&i).unwrap(), &[10.0, 10.0, 10.0, 10.0]);
-    // Stride 2 without padding on a 3x3 kernel over 2x2: refused geometry.
+    assert_values(&m.effects(&conv(geom)).unwrap(), &[10.0, 10.0, 10.0, 10.0]);
+    // A 3x3 kernel over 2x2 without padding: refused geometry.
     let bad = ConvGeom { pad_top: 0, pad_bottom: 0, pad_left: 0, pad_right: 0, ..geom };
-    let i = Instr::Conv2d {
-        dtype: DType::F32,
-        flags: MatFlags::default(),
-        input: 0,
-        weights: 64,
-        output: 128,
-        geom: bad,
-    };
-    assert_eq!(m.effects(&i), Err(RefError::Geometry("conv kernel/stride")));
+    assert_eq!(m.effects(&conv(bad)), Err(RefError::Geometry("conv kernel/stride")));
 }
 
 #[test]
