@@ -385,7 +385,10 @@ impl Machine {
                         if flags.accumulate {
                             acc.add(f64::from(self.f32_at(o_at)?));
                         }
-                        for (tap, in_pixel) in taps(&geom, pixel) {
+                        // No input channels: no products (and no taps to
+                        // list, however large the kernel).
+                        let taps = if geom.cin == 0 { Vec::new() } else { taps(&geom, pixel) };
+                        for (tap, in_pixel) in taps {
                             for ci in 0..u64::from(geom.cin) {
                                 // Padding is zeros that take part in the
                                 // products (0 x inf is NaN).

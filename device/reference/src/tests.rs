@@ -117,6 +117,38 @@ fn conv2d_pads_with_zeros_and_sums_in_bounds_taps() {
     assert_eq!(m.effects(&conv(bad)), Err(RefError::Geometry("conv kernel/stride")));
 }
 
+/// No input channels: every output is 0, whatever the kernel size (a
+/// fuzz input with a 26890 x 65385 kernel made the reference list 1.7e9
+/// taps per pixel and run out of memory).
+#[test]
+fn conv2d_without_input_channels_writes_zeros_without_listing_taps() {
+    let m = machine();
+    let geom = ConvGeom {
+        n: 1,
+        h: 0,
+        w: 0,
+        cin: 0,
+        cout: 2,
+        kh: 26890,
+        kw: 65385,
+        stride: 65535,
+        pad_top: 65535,
+        pad_bottom: 65535,
+        pad_left: 12543,
+        pad_right: 65535,
+    };
+    let i = Instr::Conv2d {
+        dtype: DType::F32,
+        flags: MatFlags::default(),
+        input: 0,
+        weights: 0,
+        output: 0,
+        geom,
+    };
+    // Output 2 x 1 pixels x 2 channels.
+    assert_values(&m.effects(&i).unwrap(), &[0.0; 4]);
+}
+
 #[test]
 fn dma_copy_reads_every_row_before_writing() {
     let mut m = machine();
