@@ -154,7 +154,9 @@ struct Run {
     rate: f64,
 }
 
-/// A flow of [`max_min_rates`]: its own cap and the resources it uses.
+/// A flow of [`max_min_rates`]: its own cap (a transfer's rate alone, at
+/// most one engine's: `timing` caps every transfer by it) and the
+/// resources it uses.
 #[derive(Clone, Debug)]
 struct Flow {
     cap: f64,
@@ -644,7 +646,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     if start <= now + EPS {
                         let at = base(r.tenant);
                         let uses = [Some(at), host.then_some(at + 1), hbm.then_some(at + 2)];
-                        flows.push(Flow { cap: cap.min(engine), uses });
+                        flows.push(Flow { cap, uses });
                         which.push(i);
                     }
                 }

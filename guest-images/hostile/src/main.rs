@@ -9,8 +9,8 @@
 //! must stay within its guaranteed share: the core's DMA engine is
 //! shared by fair queuing among the `TENANTS` tenants on the core, so its
 //! DMA time may grow up to `TENANTS` times and nothing else may grow
-//! (its SAs and VUs are its own), within `SHARE_SLACK`. Prints one line per attack and exits 0 when all are
-//! contained.
+//! (its SAs and VUs are its own), within `SHARE_SLACK`. Prints one line
+//! per attack and exits 0 when all are contained.
 #![no_std]
 #![no_main]
 
@@ -37,23 +37,6 @@ fn one(engine: Engine, i: Instr) -> Vec<u8> {
     let mut p = ProgramBuilder::new();
     p.push(engine, i);
     p.finish().encode()
-}
-
-/// Active cycles of the DMA engines in the vNPU's counters.
-fn dma_active_cycles(npu: &mut Vnpu<MmioBar>, dma: &mut guest_rt::vnpu_driver::DmaRegion) -> Option<u64> {
-    let buf = dma.alloc(64 * 1024, 64).ok()?;
-    let n = npu.read_counters(&buf).ok()?;
-    let mut b = alloc::vec![0u8; n.min(buf.len)];
-    buf.read(0, &mut b);
-    let records = b.len().checked_sub(abi::COUNTERS_HEADER_BYTES)? / abi::COUNTERS_ENGINE_BYTES;
-    let mut active = 0u64;
-    for r in 0..records {
-        let at = abi::COUNTERS_HEADER_BYTES + r * abi::COUNTERS_ENGINE_BYTES;
-        if b[at] == 0 {
-            active += u64::from_le_bytes(b.get(at + 8..at + 16)?.try_into().ok()?);
-        }
-    }
-    Some(active)
 }
 
 static TEST_Y: &[u8] = include_bytes!("../../digits/fixtures/test_y.bin");
@@ -97,14 +80,15 @@ impl Honest {
         self.in_flight = self.npu.submit(Some(&self.prog), &RunOptions::default()).ok();
     }
 
-    /// Waits for the request in flight; its logits and simulated cycles.
-    fn finish(&mut self) -> Option<(Vec<u8>, u64)> {
+    /// Waits for the request in flight; its logits, simulated cycles and
+    /// the cycles its DMA engine was active.
+    fn finish(&mut self) -> Option<(Vec<u8>, u64, u64)> {
         let st = self.npu.wait(self.in_flight.take()?).ok()?;
         let out = Self::out();
         let mut b = alloc::vec![0u8; out.len];
         out.read(0, &mut b);
         self.runs += 1;
-        Some((b, st.cycles))
+        Some((b, st.cycles, st.dma_active))
     }
 
     /// The CPU reference and the labels agree with `logits`: every logit
@@ -131,7 +115,7 @@ impl Honest {
 
     /// Finishes the request that ran during the attack and checks it.
     fn undisturbed(&mut self) -> bool {
-        let Some((b, c)) = self.finish() else { return false };
+        let Some((b, c, _)) = self.finish() else { return false };
         let slowdown = c as f64 / self.cycles.max(1) as f64;
         if slowdown > self.worst_slowdown {
             self.worst_slowdown = slowdown;
@@ -338,15 +322,10 @@ fn guest_main(env: &mut Env) -> u32 {
             worst_slowdown: 0.0,
             in_flight: None,
         };
-        let _ = h.npu.mailbox(abi::MBOX_RESET_COUNTERS, &[]);
         h.start();
-        let Some((r, c)) = h.finish() else {
+        // Its DMA engine's active cycles alone come with its status block.
+        let Some((r, c, dma_active)) = h.finish() else {
             println!("honest tenant failed");
-            return 1;
-        };
-        // Its DMA engine's active cycles alone, from the vNPU's counters.
-        let Some(dma_active) = dma_active_cycles(&mut h.npu, &mut env.dma) else {
-            println!("honest tenant could not read its counters");
             return 1;
         };
         h.share_slowdown = (1.0 + (TENANTS - 1.0) * dma_active as f64 / c.max(1) as f64) * SHARE_SLACK;

@@ -214,10 +214,15 @@ fn host_is_qemu_tcg() -> bool {
 
 /// The little-endian value of up to 4 bytes.
 fn le_u32(data: &[u8]) -> u32 {
-    let mut b = [0u8; 4];
-    let n = data.len().min(4);
+    le_u64(&data[..data.len().min(4)]) as u32
+}
+
+/// Up to the first 8 bytes of `data`, little-endian, zero-extended.
+fn le_u64(data: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = data.len().min(8);
     b[..n].copy_from_slice(&data[..n]);
-    u32::from_le_bytes(b)
+    u64::from_le_bytes(b)
 }
 
 fn segment(selector: u16, code: bool) -> kvm_segment {
@@ -714,11 +719,8 @@ impl<W: Write> Vm<W> {
                         .filter(|o| *o < 8 * SYSCON_BENCH_SLOTS)
                         .map(|o| (o / 8) as u32)
                     {
-                        let mut v = [0u8; 8];
-                        let n = data.len().min(8);
-                        v[..n].copy_from_slice(&data[..n]);
                         if let Some(hook) = self.benchmark.as_mut() {
-                            hook(id, u64::from_le_bytes(v));
+                            hook(id, le_u64(data));
                         }
                         continue;
                     }
