@@ -9,7 +9,10 @@
 //! one engine's rate, every transfer, at most one engine's rate each), the
 //! HBM bandwidth (transfers that touch HBM; per tenant under
 //! `hbm.partition = "equal"`) and the host link (transfers that touch guest
-//! memory). That is where co-located tenants slow each other.
+//! memory). That is where co-located tenants slow each other. A
+//! [`BoardSim`] advances every core of a board together, so the transfers
+//! of all cores share each chip's HBM and the board's host link; a
+//! [`CoreSim`] stepped alone is a core alone on its board.
 //!
 //! Functional execution (when the tenant has memory attached) happens when
 //! an instruction issues; a program whose streams are ordered by semaphores
@@ -230,7 +233,7 @@ pub trait SimTenant {
     fn took_effect(&mut self, _stream: usize, _index: usize) {}
 }
 
-impl SimTenant for &mut Tenant<'_, '_> {
+impl SimTenant for Tenant<'_, '_> {
     fn program(&self) -> &Program {
         self.program
     }
@@ -243,6 +246,18 @@ impl SimTenant for &mut Tenant<'_, '_> {
     }
     fn max_cycles(&self) -> Option<u64> {
         self.max_cycles
+    }
+}
+
+impl SimTenant for &mut Tenant<'_, '_> {
+    fn program(&self) -> &Program {
+        (**self).program()
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        (**self).memory()
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        (**self).max_cycles()
     }
 }
 
@@ -411,323 +426,491 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
 
     /// As [`CoreSim::step`], but stops at simulated time `limit` if no
     /// tenant finishes before (an idle core just moves its clock there).
+    /// The core is alone on its board: its transfers have the chip's HBM
+    /// and the board's host link to themselves.
     pub fn step_until(&mut self, limit: f64) -> Vec<Finished<J>> {
+        step_cores(std::slice::from_mut(self), &[0], limit).into_iter().map(|(_, f)| f).collect()
+    }
+
+    /// Issues everything that can issue now; returns the tenants that
+    /// finished or failed (they leave the core).
+    fn issue(&mut self) -> Vec<Finished<J>> {
         let cfg = self.cfg;
-        let hbm_bw = cfg.hbm_bytes_per_cycle();
+        let now = self.now;
+        let Self { slots, runs, .. } = self;
+        // Issue everything that can issue at `now`, until nothing changes.
         loop {
-            let now = self.now;
-            let Self { slots, runs, .. } = self;
-            // Issue everything that can issue at `now`, until nothing changes.
-            loop {
-                let mut progressed = false;
-                for r in runs.iter_mut() {
-                    let Some(ts) = slots.get_mut(r.tenant).and_then(Option::as_mut) else {
-                        r.state = State::Done;
-                        continue;
-                    };
-                    if ts.error.is_some() {
-                        r.state = State::Done;
-                        continue;
-                    }
-                    if ts.suspended_at.is_some() {
-                        continue;
-                    }
-                    match r.state {
-                        State::Waiting { sem, since } => {
-                            if ts.sems[sem as usize] > 0 {
-                                ts.sems[sem as usize] -= 1;
-                                ts.job.took_effect(r.stream, r.pc);
-                                r.stats.stall_cycles += now - since;
-                                r.pc += 1;
-                                r.state = State::Ready;
-                                progressed = true;
-                            }
-                        }
-                        State::Ready => {
+            let mut progressed = false;
+            for r in runs.iter_mut() {
+                let Some(ts) = slots.get_mut(r.tenant).and_then(Option::as_mut) else {
+                    r.state = State::Done;
+                    continue;
+                };
+                if ts.error.is_some() {
+                    r.state = State::Done;
+                    continue;
+                }
+                if ts.suspended_at.is_some() {
+                    continue;
+                }
+                match r.state {
+                    State::Waiting { sem, since } => {
+                        if ts.sems[sem as usize] > 0 {
+                            ts.sems[sem as usize] -= 1;
+                            ts.job.took_effect(r.stream, r.pc);
+                            r.stats.stall_cycles += now - since;
+                            r.pc += 1;
+                            r.state = State::Ready;
                             progressed = true;
-                            let instr = ts
-                                .job
-                                .program()
-                                .streams
-                                .get(r.stream)
-                                .and_then(|s| s.code.get(r.pc))
-                                .copied();
-                            let Some(instr) = instr else {
+                        }
+                    }
+                    State::Ready => {
+                        progressed = true;
+                        let instr =
+                            ts.job.program().streams.get(r.stream).and_then(|s| s.code.get(r.pc)).copied();
+                        let Some(instr) = instr else {
+                            r.state = State::Done;
+                            r.finished_at = now;
+                            continue;
+                        };
+                        match instr {
+                            Instr::Halt => {
+                                ts.job.took_effect(r.stream, r.pc);
+                                r.stats.instructions += 1;
                                 r.state = State::Done;
                                 r.finished_at = now;
-                                continue;
-                            };
-                            match instr {
-                                Instr::Halt => {
-                                    ts.job.took_effect(r.stream, r.pc);
-                                    r.stats.instructions += 1;
+                            }
+                            Instr::Signal { sem } => {
+                                ts.job.took_effect(r.stream, r.pc);
+                                r.stats.instructions += 1;
+                                let v =
+                                    &mut ts.sems[usize::from(sem) % vnpu_abi::isa::NUM_SEMAPHORES as usize];
+                                *v = v.saturating_add(1);
+                                r.pc += 1;
+                            }
+                            Instr::Wait { sem } => {
+                                r.stats.instructions += 1;
+                                r.state =
+                                    State::Waiting { sem: sem % vnpu_abi::isa::NUM_SEMAPHORES, since: now };
+                            }
+                            i => {
+                                let c = cost(cfg, &i);
+                                // Never spend host time on an instruction that
+                                // cannot finish within the tenant's budget.
+                                let least = match c.occupancy {
+                                    Occupancy::Fixed(cy) => cy,
+                                    Occupancy::Transfer { latency, bytes, cap, .. } => latency + bytes / cap,
+                                    Occupancy::Sync => 0.0,
+                                };
+                                if now + least > ts.budget_end {
+                                    ts.error =
+                                        Some(ExecError::Budget { budget: ts.job.max_cycles().unwrap_or(0) });
                                     r.state = State::Done;
-                                    r.finished_at = now;
+                                    continue;
                                 }
-                                Instr::Signal { sem } => {
-                                    ts.job.took_effect(r.stream, r.pc);
-                                    r.stats.instructions += 1;
-                                    let v = &mut ts.sems
-                                        [usize::from(sem) % vnpu_abi::isa::NUM_SEMAPHORES as usize];
-                                    *v = v.saturating_add(1);
-                                    r.pc += 1;
+                                // Nor host time past the tenant's host-work budget
+                                // (counted only for tenants that have one).
+                                if let Some(budget) = ts.job.max_host_work() {
+                                    let work = ts.host_work.saturating_add(crate::timing::host_work(&i));
+                                    if work > budget {
+                                        ts.error = Some(ExecError::HostWork { budget });
+                                        r.state = State::Done;
+                                        continue;
+                                    }
+                                    ts.host_work = work;
                                 }
-                                Instr::Wait { sem } => {
-                                    r.stats.instructions += 1;
-                                    r.state = State::Waiting {
-                                        sem: sem % vnpu_abi::isa::NUM_SEMAPHORES,
-                                        since: now,
-                                    };
-                                }
-                                i => {
-                                    let c = cost(cfg, &i);
-                                    // Never spend host time on an instruction that
-                                    // cannot finish within the tenant's budget.
-                                    let least = match c.occupancy {
-                                        Occupancy::Fixed(cy) => cy,
-                                        Occupancy::Transfer { latency, bytes, cap, .. } => {
-                                            latency + bytes / cap
-                                        }
-                                        Occupancy::Sync => 0.0,
-                                    };
-                                    if now + least > ts.budget_end {
-                                        ts.error = Some(ExecError::Budget {
-                                            budget: ts.job.max_cycles().unwrap_or(0),
+                                ts.job.took_effect(r.stream, r.pc);
+                                if let Some(mut mem) = ts.job.memory() {
+                                    if let Err(source) = execute(&i, &mut mem) {
+                                        ts.error = Some(ExecError::Kernel {
+                                            stream: r.stream,
+                                            engine: r.stats.engine,
+                                            index: r.pc,
+                                            mnemonic: i.mnemonic(),
+                                            source,
                                         });
                                         r.state = State::Done;
                                         continue;
                                     }
-                                    // Nor host time past the tenant's host-work budget
-                                    // (counted only for tenants that have one).
-                                    if let Some(budget) = ts.job.max_host_work() {
-                                        let work = ts.host_work.saturating_add(crate::timing::host_work(&i));
-                                        if work > budget {
-                                            ts.error = Some(ExecError::HostWork { budget });
-                                            r.state = State::Done;
-                                            continue;
-                                        }
-                                        ts.host_work = work;
+                                }
+                                r.stats.instructions += 1;
+                                r.stats.flops = r.stats.flops.saturating_add(c.flops);
+                                r.stats.bytes = r.stats.bytes.saturating_add(c.bytes);
+                                r.pc += 1;
+                                r.state = match c.occupancy {
+                                    Occupancy::Fixed(cy) => {
+                                        r.stats.active_cycles += cy;
+                                        State::Busy { until: now + cy }
                                     }
-                                    ts.job.took_effect(r.stream, r.pc);
-                                    if let Some(mut mem) = ts.job.memory() {
-                                        if let Err(source) = execute(&i, &mut mem) {
-                                            ts.error = Some(ExecError::Kernel {
-                                                stream: r.stream,
-                                                engine: r.stats.engine,
-                                                index: r.pc,
-                                                mnemonic: i.mnemonic(),
-                                                source,
-                                            });
-                                            r.state = State::Done;
-                                            continue;
-                                        }
-                                    }
-                                    r.stats.instructions += 1;
-                                    r.stats.flops = r.stats.flops.saturating_add(c.flops);
-                                    r.stats.bytes = r.stats.bytes.saturating_add(c.bytes);
-                                    r.pc += 1;
-                                    r.state = match c.occupancy {
-                                        Occupancy::Fixed(cy) => {
-                                            r.stats.active_cycles += cy;
-                                            State::Busy { until: now + cy }
-                                        }
-                                        Occupancy::Transfer {
-                                            latency,
-                                            first_byte,
-                                            bytes,
+                                    Occupancy::Transfer { latency, first_byte, bytes, cap, hbm, host } => {
+                                        let streaming = (now - r.last_transfer_end).abs() <= EPS;
+                                        let lat = if streaming { latency } else { latency + first_byte };
+                                        State::Transfer {
+                                            start: now + lat,
+                                            remaining: bytes,
                                             cap,
                                             hbm,
                                             host,
-                                        } => {
-                                            let streaming = (now - r.last_transfer_end).abs() <= EPS;
-                                            let lat = if streaming { latency } else { latency + first_byte };
-                                            State::Transfer {
-                                                start: now + lat,
-                                                remaining: bytes,
-                                                cap,
-                                                hbm,
-                                                host,
-                                                issued: now,
-                                                ideal: lat + bytes / cap,
-                                            }
+                                            issued: now,
+                                            ideal: lat + bytes / cap,
                                         }
-                                        Occupancy::Sync => State::Ready,
-                                    };
-                                }
+                                    }
+                                    Occupancy::Sync => State::Ready,
+                                };
                             }
                         }
-                        State::Busy { .. } | State::Transfer { .. } | State::Done => {}
+                    }
+                    State::Busy { .. } | State::Transfer { .. } | State::Done => {}
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+
+        // A tenant whose every unfinished stream waits, with nothing in
+        // flight, can never move again.
+        for (t, ts) in slots.iter_mut().enumerate() {
+            let Some(ts) = ts.as_mut() else { continue };
+            if ts.error.is_some() || ts.suspended_at.is_some() {
+                continue;
+            }
+            let mine = runs.iter().filter(|r| r.tenant == t);
+            let in_flight =
+                mine.clone().any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
+            if !in_flight {
+                if let Some(r) = mine.clone().find(|r| matches!(r.state, State::Waiting { .. })) {
+                    if let State::Waiting { sem, .. } = r.state {
+                        ts.error = Some(ExecError::Deadlock {
+                            stream: r.stream,
+                            engine: r.stats.engine,
+                            index: r.pc,
+                            sem,
+                        });
                     }
                 }
-                if !progressed {
-                    break;
-                }
             }
+        }
+        for r in runs.iter_mut() {
+            if slots.get(r.tenant).and_then(Option::as_ref).is_none_or(|s| s.error.is_some()) {
+                r.state = State::Done;
+            }
+        }
 
-            // A tenant whose every unfinished stream waits, with nothing in
-            // flight, can never move again.
-            for (t, ts) in slots.iter_mut().enumerate() {
-                let Some(ts) = ts.as_mut() else { continue };
-                if ts.error.is_some() || ts.suspended_at.is_some() {
-                    continue;
-                }
-                let mine = runs.iter().filter(|r| r.tenant == t);
-                let in_flight =
-                    mine.clone().any(|r| matches!(r.state, State::Busy { .. } | State::Transfer { .. }));
-                if !in_flight {
-                    if let Some(r) = mine.clone().find(|r| matches!(r.state, State::Waiting { .. })) {
-                        if let State::Waiting { sem, .. } = r.state {
-                            ts.error = Some(ExecError::Deadlock {
-                                stream: r.stream,
-                                engine: r.stats.engine,
-                                index: r.pc,
-                                sem,
-                            });
-                        }
-                    }
-                }
+        // Tenants that finished or failed leave the core.
+        let mut out = Vec::new();
+        for (t, slot) in slots.iter_mut().enumerate() {
+            let done = slot.is_some()
+                && runs.iter().filter(|r| r.tenant == t).all(|r| matches!(r.state, State::Done));
+            if !done {
+                continue;
             }
-            for r in runs.iter_mut() {
-                if slots.get(r.tenant).and_then(Option::as_ref).is_none_or(|s| s.error.is_some()) {
-                    r.state = State::Done;
-                }
-            }
-
-            // Tenants that finished or failed leave the core.
-            let mut out = Vec::new();
-            for (t, slot) in slots.iter_mut().enumerate() {
-                let done = slot.is_some()
-                    && runs.iter().filter(|r| r.tenant == t).all(|r| matches!(r.state, State::Done));
-                if !done {
-                    continue;
-                }
-                let Some(ts) = slot.take() else { continue };
-                let report = match ts.error {
-                    Some(e) => Err(e),
-                    None => {
-                        let mine = runs.iter().filter(|r| r.tenant == t);
-                        Ok(TenantReport {
-                            cycles: mine.clone().map(|r| r.finished_at).fold(ts.started, f64::max),
-                            started: ts.started,
-                            engines: mine.map(|r| r.stats.clone()).collect(),
-                        })
-                    }
-                };
-                runs.retain(|r| r.tenant != t);
-                out.push((t, ts.job, report));
-            }
-            if !out.is_empty() {
-                return out;
-            }
-
-            // Rates of the transfers in flight: max-min over the core's DMA
-            // engines, its HBM bandwidth and the host link: one pool of each
-            // (`hbm.partition = "shared"`), or one share of each per tenant,
-            // used or not (`"equal"`).
-            let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
-            let pools = [
-                engine * f64::from(cfg.core.dma_engines.max(1)),
-                cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps),
-                hbm_bw,
-            ];
-            let (capacity, base): (Vec<f64>, fn(usize) -> usize) = match cfg.hbm.partition {
-                HbmPartition::Shared => (pools.to_vec(), |_| 0),
-                HbmPartition::Equal => {
-                    let n = self.shares as f64;
-                    let per = pools.map(|p| p / n);
-                    ((0..slots.len()).flat_map(|_| per).collect(), |t| 3 * t)
+            let Some(ts) = slot.take() else { continue };
+            let report = match ts.error {
+                Some(e) => Err(e),
+                None => {
+                    let mine = runs.iter().filter(|r| r.tenant == t);
+                    Ok(TenantReport {
+                        cycles: mine.clone().map(|r| r.finished_at).fold(ts.started, f64::max),
+                        started: ts.started,
+                        engines: mine.map(|r| r.stats.clone()).collect(),
+                    })
                 }
             };
-            let mut flows = Vec::new();
-            let mut which = Vec::new();
-            for (i, r) in runs.iter_mut().enumerate() {
-                if let State::Transfer { start, cap, hbm, host, .. } = r.state {
-                    r.rate = 0.0;
-                    if start <= now + EPS {
-                        let at = base(r.tenant);
-                        let uses = [Some(at), host.then_some(at + 1), hbm.then_some(at + 2)];
-                        flows.push(Flow { cap, uses });
-                        which.push(i);
-                    }
-                }
-            }
-            for (i, rate) in which.into_iter().zip(max_min_rates(&flows, &capacity)) {
-                runs[i].rate = rate;
-            }
+            runs.retain(|r| r.tenant != t);
+            out.push((t, ts.job, report));
+        }
+        out
+    }
 
-            // The next event.
-            let mut next = f64::INFINITY;
-            for r in runs.iter() {
-                match r.state {
-                    State::Busy { until } => next = next.min(until),
-                    State::Transfer { start, remaining, .. } => {
-                        if start > now + EPS {
-                            next = next.min(start);
-                        } else if r.rate > 0.0 {
-                            next = next.min(now + remaining / r.rate);
-                        }
-                    }
-                    _ => {}
+    /// The transfers in flight that move data now (their rates are set by
+    /// [`CoreSim::set_rate`] before time advances); every transfer's rate
+    /// is reset to 0.
+    fn demands(&mut self) -> Vec<Demand> {
+        let now = self.now;
+        let mut out = Vec::new();
+        for (run, r) in self.runs.iter_mut().enumerate() {
+            if let State::Transfer { start, cap, hbm, host, .. } = r.state {
+                r.rate = 0.0;
+                if start <= now + EPS {
+                    out.push(Demand { run, tenant: r.tenant, cap, hbm, host });
                 }
             }
-            for ts in slots.iter().flatten().filter(|ts| ts.suspended_at.is_none()) {
-                if ts.budget_end > now {
-                    next = next.min(ts.budget_end);
-                }
-            }
-            if next > limit {
-                if limit.is_finite() && limit > now {
-                    next = limit;
-                } else {
-                    // Nothing on the core (a tenant that cannot move has
-                    // been reported above), or the limit is reached.
-                    return Vec::new();
-                }
-            }
-            if !next.is_finite() {
-                return Vec::new();
-            }
+        }
+        out
+    }
 
-            let prev = now;
-            let now = next;
-            self.now = now;
-            let Self { slots, runs, .. } = self;
-            for r in runs.iter_mut() {
-                match &mut r.state {
-                    State::Busy { until } if *until <= now => r.state = State::Ready,
-                    State::Transfer { start, remaining, issued, ideal, .. } => {
-                        // A transfer flowing since `prev` finishes when the same
-                        // expression that chose `next` says so; comparing times
-                        // (not leftover bytes) keeps this exact at any magnitude
-                        // of `now`.
-                        let flowing = *start <= prev + EPS;
-                        let done = if flowing && r.rate > 0.0 {
-                            prev + *remaining / r.rate <= now
-                        } else {
-                            *start <= now && *remaining <= 0.0
-                        };
-                        if done {
-                            let took = now - *issued;
-                            r.stats.active_cycles += *ideal;
-                            r.stats.stall_cycles += (took - *ideal).max(0.0);
-                            r.last_transfer_end = now;
-                            r.state = State::Ready;
-                        } else if flowing {
-                            *remaining -= r.rate * (now - prev);
-                        }
+    fn set_rate(&mut self, run: usize, rate: f64) {
+        if let Some(r) = self.runs.get_mut(run) {
+            r.rate = rate;
+        }
+    }
+
+    /// When the next thing happens on the core at the current rates
+    /// (infinity: nothing can).
+    fn next_event(&self) -> f64 {
+        let now = self.now;
+        let Self { slots, runs, .. } = self;
+        // The next event.
+        let mut next = f64::INFINITY;
+        for r in runs.iter() {
+            match r.state {
+                State::Busy { until } => next = next.min(until),
+                State::Transfer { start, remaining, .. } => {
+                    if start > now + EPS {
+                        next = next.min(start);
+                    } else if r.rate > 0.0 {
+                        next = next.min(now + remaining / r.rate);
                     }
-                    _ => {}
+                }
+                _ => {}
+            }
+        }
+        for ts in slots.iter().flatten().filter(|ts| ts.suspended_at.is_none()) {
+            if ts.budget_end > now {
+                next = next.min(ts.budget_end);
+            }
+        }
+        next
+    }
+
+    /// Moves simulated time to `next` (no later than [`CoreSim::next_event`]).
+    fn advance(&mut self, next: f64) {
+        let prev = self.now;
+        let now = next;
+        self.now = now;
+        let Self { slots, runs, .. } = self;
+        for r in runs.iter_mut() {
+            match &mut r.state {
+                State::Busy { until } if *until <= now => r.state = State::Ready,
+                State::Transfer { start, remaining, issued, ideal, .. } => {
+                    // A transfer flowing since `prev` finishes when the same
+                    // expression that chose `next` says so; comparing times
+                    // (not leftover bytes) keeps this exact at any magnitude
+                    // of `now`.
+                    let flowing = *start <= prev + EPS;
+                    let done = if flowing && r.rate > 0.0 {
+                        prev + *remaining / r.rate <= now
+                    } else {
+                        *start <= now && *remaining <= 0.0
+                    };
+                    if done {
+                        let took = now - *issued;
+                        r.stats.active_cycles += *ideal;
+                        r.stats.stall_cycles += (took - *ideal).max(0.0);
+                        r.last_transfer_end = now;
+                        r.state = State::Ready;
+                    } else if flowing {
+                        *remaining -= r.rate * (now - prev);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for ts in slots.iter_mut().flatten() {
+            if ts.error.is_none() && ts.suspended_at.is_none() && ts.budget_end <= now + EPS {
+                ts.error = Some(ExecError::Budget { budget: ts.job.max_cycles().unwrap_or(0) });
+            }
+        }
+    }
+
+    /// A tenant failed and has not been reported yet.
+    fn has_errors(&self) -> bool {
+        self.slots.iter().flatten().any(|ts| ts.error.is_some())
+    }
+
+    /// HBM shares the tenants of this core hold under
+    /// `hbm.partition = "equal"`.
+    fn shares(&self) -> usize {
+        self.shares
+    }
+}
+
+/// A transfer that moves data now: which run, whose, its own cap and
+/// whether it uses HBM and the host link.
+#[derive(Clone, Copy, Debug)]
+struct Demand {
+    run: usize,
+    tenant: usize,
+    cap: f64,
+    hbm: bool,
+    host: bool,
+}
+
+/// Sets the rates of every transfer in flight on `cores` (core `i` on chip
+/// `chips[i]`, all of one board): max-min over each core's DMA engines,
+/// each chip's HBM bandwidth and the board's host link, one pool of each
+/// (`hbm.partition = "shared"`), or, under `"equal"`, one share of each
+/// per tenant, used or not: `1/n` of its core's engines for the `n`
+/// shares of the core, of its chip's HBM for the shares of the chip, of
+/// the host link for the shares of the board.
+fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
+    let Some(cfg) = cores.first().map(|c| c.cfg) else { return };
+    let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
+    let engines = engine * f64::from(cfg.core.dma_engines.max(1));
+    let host = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    let hbm = cfg.hbm_bytes_per_cycle();
+    let chip_of = |c: usize| chips.get(c).copied().unwrap_or(0);
+    let n_chips = chips.iter().copied().max().map_or(1, |m| m + 1);
+    let mut chip_shares = vec![0usize; n_chips];
+    for (c, core) in cores.iter().enumerate() {
+        chip_shares[chip_of(c)] += core.shares();
+    }
+    let board_shares: usize = chip_shares.iter().sum::<usize>().max(1);
+    let mut capacity: Vec<f64> = Vec::new();
+    let mut flows = Vec::new();
+    let mut which = Vec::new();
+    match cfg.hbm.partition {
+        HbmPartition::Shared => {
+            // Engines of core c: c; HBM of chip h: cores + h; host link: last.
+            capacity.extend(std::iter::repeat_n(engines, cores.len()));
+            capacity.extend(std::iter::repeat_n(hbm, n_chips));
+            capacity.push(host);
+            let link = capacity.len() - 1;
+            let hbm_at = cores.len();
+            for (c, core) in cores.iter_mut().enumerate() {
+                for d in core.demands() {
+                    let uses = [Some(c), d.host.then_some(link), d.hbm.then_some(hbm_at + chip_of(c))];
+                    flows.push(Flow { cap: d.cap, uses });
+                    which.push((c, d.run));
                 }
             }
-            for ts in slots.iter_mut().flatten() {
-                if ts.error.is_none() && ts.suspended_at.is_none() && ts.budget_end <= now + EPS {
-                    ts.error = Some(ExecError::Budget { budget: ts.job.max_cycles().unwrap_or(0) });
+        }
+        HbmPartition::Equal => {
+            for (c, core) in cores.iter_mut().enumerate() {
+                let n = core.shares().max(1) as f64;
+                let on_chip = chip_shares[chip_of(c)].max(1) as f64;
+                let first = capacity.len();
+                let mut tenants: Vec<usize> = Vec::new();
+                for d in core.demands() {
+                    let t = match tenants.iter().position(|&t| t == d.tenant) {
+                        Some(t) => t,
+                        None => {
+                            tenants.push(d.tenant);
+                            capacity.extend([engines / n, host / board_shares as f64, hbm / on_chip]);
+                            tenants.len() - 1
+                        }
+                    };
+                    let at = first + 3 * t;
+                    let uses = [Some(at), d.host.then_some(at + 1), d.hbm.then_some(at + 2)];
+                    flows.push(Flow { cap: d.cap, uses });
+                    which.push((c, d.run));
                 }
             }
-            if now >= limit && slots.iter().flatten().all(|ts| ts.error.is_none()) {
+        }
+    }
+    for ((c, run), rate) in which.into_iter().zip(max_min_rates(&flows, &capacity)) {
+        cores[c].set_rate(run, rate);
+    }
+}
+
+/// Advances the cores of one board together (core `i` on chip
+/// `chips[i]`; their clocks agree) until a tenant of one of them finishes
+/// or fails, or simulated time reaches `limit`; returns those tenants with
+/// their core's index.
+fn step_cores<J: SimTenant>(
+    cores: &mut [CoreSim<'_, J>],
+    chips: &[usize],
+    limit: f64,
+) -> Vec<(usize, Finished<J>)> {
+    loop {
+        let mut out = Vec::new();
+        for (c, core) in cores.iter_mut().enumerate() {
+            out.extend(core.issue().into_iter().map(|f| (c, f)));
+        }
+        if !out.is_empty() {
+            return out;
+        }
+        assign_rates(cores, chips);
+        let now = cores.iter().map(CoreSim::now).fold(f64::NEG_INFINITY, f64::max);
+        let mut next = cores.iter().map(CoreSim::next_event).fold(f64::INFINITY, f64::min);
+        if next > limit {
+            if limit.is_finite() && limit > now {
+                next = limit;
+            } else {
+                // Nothing on the cores (a tenant that cannot move has been
+                // reported above), or the limit is reached.
                 return Vec::new();
             }
         }
+        if !next.is_finite() {
+            return Vec::new();
+        }
+        for core in cores.iter_mut() {
+            core.advance(next);
+        }
+        if next >= limit && !cores.iter().any(CoreSim::has_errors) {
+            return Vec::new();
+        }
+    }
+}
+
+/// Every core of a board, simulated together so that the transfers of all
+/// tenants on all cores share what the hardware shares: each core's DMA
+/// engines, each chip's HBM bandwidth and the board's host link (see
+/// [`CoreSim`] for one core alone). Tenants join a core with
+/// [`BoardSim::core`] (`add`, `suspend`, `resume` on it); time moves only
+/// through [`BoardSim::step_until`], on every core at once.
+pub struct BoardSim<'c, J> {
+    cores: Vec<CoreSim<'c, J>>,
+    chips: Vec<usize>,
+}
+
+impl<J> std::fmt::Debug for BoardSim<'_, J> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BoardSim").field("cores", &self.cores).finish_non_exhaustive()
+    }
+}
+
+impl<'c, J: SimTenant> BoardSim<'c, J> {
+    /// Every core of `cfg` (`chips x cores_per_chip`, core `i` on chip
+    /// `i / cores_per_chip`), idle at time 0, with one HBM share each.
+    pub fn new(cfg: &'c BoardConfig) -> Self {
+        let per = cfg.cores_per_chip.max(1) as usize;
+        let n = (cfg.chips as usize).saturating_mul(per).max(1);
+        Self {
+            cores: (0..n).map(|_| CoreSim::new(cfg, 1)).collect(),
+            chips: (0..n).map(|i| i / per).collect(),
+        }
+    }
+
+    /// Number of cores.
+    pub fn len(&self) -> usize {
+        self.cores.len()
+    }
+
+    /// Never: a board has a core at least.
+    pub fn is_empty(&self) -> bool {
+        self.cores.is_empty()
+    }
+
+    /// Simulated cycles since the board started.
+    pub fn now(&self) -> f64 {
+        self.cores.first().map_or(0.0, CoreSim::now)
+    }
+
+    /// Core `i`, to place, suspend or resume tenants on it (its own
+    /// `step`/`step_until` would run it alone: use the board's).
+    pub fn core(&mut self, i: usize) -> Option<&mut CoreSim<'c, J>> {
+        self.cores.get_mut(i)
+    }
+
+    /// No tenant is on any core.
+    pub fn is_idle(&self) -> bool {
+        self.cores.iter().all(CoreSim::is_idle)
+    }
+
+    /// As [`CoreSim::step_until`] for every core at once: stops when a
+    /// tenant of some core finishes or fails (returned with its core's
+    /// index), or at simulated time `limit`.
+    pub fn step_until(&mut self, limit: f64) -> Vec<(usize, Finished<J>)> {
+        step_cores(&mut self.cores, &self.chips, limit)
+    }
+
+    /// Advances until a tenant finishes or fails; empty when the board is
+    /// idle.
+    pub fn step(&mut self) -> Vec<(usize, Finished<J>)> {
+        self.step_until(f64::INFINITY)
     }
 }
 

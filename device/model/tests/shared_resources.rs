@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::config::HbmPartition;
-use npu_model::{run_core, run_program, BoardConfig, Tenant};
+use npu_model::{run_core, run_program, BoardConfig, BoardSim, Tenant};
 use vnpu_abi::*;
 
 /// One transfer of `bytes` bytes from `src` to `dst` on the tenant's DMA
@@ -169,4 +169,89 @@ fn equal_partition_splits_every_shared_resource() {
     let c = with(guest_read(), &cfg);
     let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 4.0);
     assert!(rel(c, expect) < 1e-9, "host link: {c} expected {expect}");
+}
+
+/// Cycles of each program when `placed[i]` runs alone on core `i` of a
+/// [`BoardSim`] of `cfg` (timing only); `shares` HBM shares per core.
+fn on_cores(cfg: &BoardConfig, placed: &[(usize, Program)], shares: usize) -> Vec<f64> {
+    let mut board: BoardSim<'_, Tenant<'_, '_>> = BoardSim::new(cfg);
+    for c in 0..board.len() {
+        board.core(c).unwrap().set_shares(shares);
+    }
+    let mut ids = Vec::new();
+    for (core, p) in placed {
+        let t = Tenant { program: p, memory: None, max_cycles: None };
+        ids.push((*core, board.core(*core).unwrap().add(t, 0.0)));
+    }
+    let mut cycles = vec![f64::NAN; placed.len()];
+    while !board.is_idle() {
+        for (core, (id, _, r)) in board.step() {
+            let k = ids.iter().position(|&x| x == (core, id)).unwrap();
+            cycles[k] = r.unwrap().cycles;
+        }
+    }
+    cycles
+}
+
+#[test]
+fn the_host_link_is_shared_by_the_cores_of_the_board() {
+    // Two chips of two cores: guest reads on three cores of two chips
+    // share the one 25 GB/s link three ways.
+    let mut cfg = BoardConfig::default();
+    (cfg.chips, cfg.cores_per_chip) = (2, 2);
+    let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    let solo = on_cores(&cfg, &[(3, guest_read())], 1)[0];
+    let expect_solo = fixed(&cfg, false, true) + f64::from(MIB) / link;
+    assert!(rel(solo, expect_solo) < 1e-9, "alone: {solo}, expected {expect_solo}");
+    let three = on_cores(&cfg, &[(0, guest_read()), (1, guest_read()), (3, guest_read())], 1);
+    let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 3.0);
+    for (i, c) in three.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "core {i}: {c} cycles, expected {expect} (alone {solo})");
+    }
+    // A guest-DMA-heavy tenant slows by about 3x (the fixed latency is
+    // its own).
+    assert!(three[2] / solo > 2.9 && three[2] / solo < 3.0, "{} / {solo}", three[2]);
+}
+
+#[test]
+fn hbm_is_shared_by_the_cores_of_a_chip_and_not_across_chips() {
+    let mut cfg = BoardConfig::default();
+    (cfg.chips, cfg.cores_per_chip) = (2, 4);
+    let hbm = cfg.hbm_bytes_per_cycle();
+    let solo = on_cores(&cfg, &[(0, hbm_read())], 1)[0];
+    // Four cores of chip 0 want 4 x 400 GB/s of its 1.2 TB/s: 300 each.
+    let chip0: Vec<(usize, Program)> = (0..4).map(|c| (c, hbm_read())).collect();
+    let four = on_cores(&cfg, &chip0, 1);
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0);
+    for (i, c) in four.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "core {i}: {c} cycles, expected {expect} (alone {solo})");
+    }
+    // Two cores on each chip want 800 GB/s of each chip's 1.2 TB/s: no
+    // contention, every transfer at its engine's rate.
+    let split = on_cores(&cfg, &[(0, hbm_read()), (1, hbm_read()), (4, hbm_read()), (5, hbm_read())], 1);
+    for (i, c) in split.iter().enumerate() {
+        assert!(rel(*c, solo) < 1e-9, "transfer {i}: {c} cycles, alone {solo}");
+    }
+}
+
+#[test]
+fn equal_partition_gives_each_share_of_the_board_its_part_of_the_link_used_or_not() {
+    // Four cores of one chip, one vNPU each: under "equal" the lone guest
+    // reader gets a quarter of the host link although nobody else uses it;
+    // under "shared" it gets all of it.
+    let mut cfg = BoardConfig::default();
+    let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    let shared = on_cores(&cfg, &[(2, guest_read())], 1)[0];
+    let expect = fixed(&cfg, false, true) + f64::from(MIB) / link;
+    assert!(rel(shared, expect) < 1e-9, "shared: {shared}, expected {expect}");
+    cfg.hbm.partition = HbmPartition::Equal;
+    let equal = on_cores(&cfg, &[(2, guest_read())], 1)[0];
+    let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 4.0);
+    assert!(rel(equal, expect) < 1e-9, "equal: {equal}, expected {expect}");
+    // And a twelfth of the chip's HBM with three vNPUs per core (4 x 3
+    // shares), below a third of the core's engine: 100 GB/s.
+    let hbm = cfg.hbm_bytes_per_cycle();
+    let c = on_cores(&cfg, &[(1, hbm_read())], 3)[0];
+    let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 12.0);
+    assert!(rel(c, expect) < 1e-9, "hbm share: {c}, expected {expect}");
 }
