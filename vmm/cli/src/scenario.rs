@@ -1,7 +1,9 @@
 //! `vnpu scenario FILE`: several VMs on one modelled board. The vNPUs of
 //! all VMs are placed on physical cores by the manager's placement; vNPUs
 //! on the same physical core share it (their pending requests run together
-//! on one simulated timeline, `vnpu_device::SharedCore`). The VMs run
+//! on one simulated timeline, `vnpu_device::SharedCore`), and the cores of
+//! the board share its chips' HBM and its host link (one simulation of the
+//! whole board, `vnpu_device::SharedBoard`). The VMs run
 //! concurrently; then each VM's output and exit code, and for each
 //! physical core its tenants, busy time and the time two or more tenants
 //! ran at once (spatial sharing). Format: `docs/management.md`.
@@ -11,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use npu_model::BoardConfig;
 use serde::Deserialize;
-use vnpu_device::{SharedCore, VnpuSpec};
+use vnpu_device::{SharedBoard, SharedCore, VnpuSpec};
 use vnpu_manager::Board;
 
 /// Why a scenario could not run.
@@ -80,6 +82,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         None => BoardConfig::default(),
     };
     let mut placement = Board::new(&board);
+    let shared_board = SharedBoard::new(&board, "board")?;
     let mut cores: BTreeMap<u32, SharedCore> = BTreeMap::new();
     let mut configs = Vec::new();
     for vm in &file.vm {
@@ -99,7 +102,13 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
             let mut mine = Vec::new();
             for c in &placed {
                 if !cores.contains_key(c) {
-                    cores.insert(*c, SharedCore::new(&board, &format!("core-{c}"))?);
+                    let Some(core) = shared_board.core(*c) else {
+                        return Err(ScenarioError::Invalid {
+                            path: p.clone(),
+                            reason: format!("the placement chose core {c}, which the board does not have"),
+                        });
+                    };
+                    cores.insert(*c, core);
                 }
                 if let Some(sc) = cores.get(c) {
                     mine.push(sc.clone());
@@ -173,7 +182,7 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
                 st.slo_misses, st.slo_requests, st.preempted
             );
         }
-        sc.stop();
     }
+    shared_board.stop();
     Ok(if all_ok { 0 } else { 1 })
 }

@@ -17,7 +17,7 @@ pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink};
 pub use shared_core::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Interval,
-    Pending, SharedCore, SharingStats,
+    Pending, SharedBoard, SharedCore, SharingStats,
 };
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{

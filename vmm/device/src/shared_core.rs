@@ -1,11 +1,13 @@
-//! A physical core shared by several vNPUs, of one VM or of several: one
-//! simulation of the core (`npu_model::CoreSim`) runs for as long as the
-//! core serves requests, and every request joins it when it arrives, so
-//! requests of different vNPUs run in the same simulated interval on their
-//! own engines (spatial sharing) and contend for the core's HBM bandwidth
-//! as the board says. A request's arrival is the core's simulated time
-//! when it is submitted; after each completion the core waits (at most
-//! 200 us of wall time) for the vNPUs that just got results to submit
+//! The physical cores of a board shared by vNPUs, of one VM or of several:
+//! one simulation of the whole board (`npu_model::BoardSim`) runs for as
+//! long as the board serves requests, and every request joins its core
+//! when it arrives, so requests of different vNPUs run in the same
+//! simulated interval on their own engines (spatial sharing) and contend
+//! for what the hardware shares: the core's DMA engines, the chip's HBM
+//! bandwidth (all cores of the chip) and the board's host link (all
+//! cores), as the board says. A request's arrival is the board's simulated
+//! time when it is submitted; after each completion the board waits (at
+//! most 200 us of wall time) for the vNPUs that just got results to submit
 //! their next request, so a vNPU that issues back-to-back requests keeps
 //! its engines busy while its neighbours' long requests go on.
 //!
@@ -22,7 +24,9 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use npu_model::{BoardConfig, CoreMemory, CoreSim, ExecError, LazyHbm, SimTenant, Sram, TenantReport};
+use npu_model::{
+    BoardConfig, BoardSim, CoreMemory, CoreSim, ExecError, LazyHbm, SimTenant, Sram, TenantReport,
+};
 use vm_memory::GuestMemoryMmap;
 use vnpu_abi::Program;
 
@@ -58,6 +62,8 @@ pub struct Claim {
 }
 
 struct Job {
+    /// The board's core it runs on.
+    core: usize,
     tenant: String,
     claim: Claim,
     /// The core's simulated time when the request arrived.
@@ -102,38 +108,62 @@ pub struct Interval {
     pub end: f64,
 }
 
+/// What happened on one core of the board.
 #[derive(Default)]
-struct Queue {
-    pending: Vec<Job>,
-    now: f64,
+struct CoreLog {
     log: Vec<Interval>,
     requests: u64,
     waited: u64,
     preempted: u64,
     slo_requests: u64,
     slo_misses: u64,
+}
+
+#[derive(Default)]
+struct Queue {
+    pending: Vec<Job>,
+    /// The board's simulated time.
+    now: f64,
+    cores: Vec<CoreLog>,
     stop: bool,
     paused: bool,
 }
 
 struct Inner {
     board: BoardConfig,
-    /// How long the core waits for submissions before time moves on.
+    /// How long the board waits for submissions before time moves on.
     gather: Duration,
     q: Mutex<Queue>,
     cv: Condvar,
 }
 
-/// A shared physical core; clone it into every vNPU placed on the core.
+/// The board's cores in one simulation (`npu_model::BoardSim`) with one
+/// engine thread: requests on every core share each chip's HBM and the
+/// board's host link on one simulated timeline. Hand its cores
+/// ([`SharedBoard::core`]) to the vNPUs placed on them.
 #[derive(Clone)]
-pub struct SharedCore {
+pub struct SharedBoard {
     inner: Arc<Inner>,
     thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
+impl std::fmt::Debug for SharedBoard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBoard").finish_non_exhaustive()
+    }
+}
+
+/// One physical core of a [`SharedBoard`]; clone it into every vNPU placed
+/// on the core.
+#[derive(Clone)]
+pub struct SharedCore {
+    board: SharedBoard,
+    index: usize,
+}
+
 impl std::fmt::Debug for SharedCore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedCore").finish_non_exhaustive()
+        f.debug_struct("SharedCore").field("index", &self.index).finish_non_exhaustive()
     }
 }
 
@@ -158,25 +188,68 @@ pub struct SharingStats {
     pub slo_misses: u64,
 }
 
-impl SharedCore {
-    /// A core of `board` with its engine thread.
+impl SharedBoard {
+    /// Every core of `board` with the board's engine thread.
     pub fn new(board: &BoardConfig, name: &str) -> std::io::Result<Self> {
         Self::with_gather(board, name, GATHER)
     }
 
-    /// A core that waits up to `gather` (wall time) for the vNPUs that just
-    /// got results to submit again before it advances simulated time (200 us
-    /// for [`SharedCore::new`]); the wait ends as soon as they have.
+    /// A board that waits up to `gather` (wall time) for the vNPUs that
+    /// just got results to submit again before it advances simulated time
+    /// (200 us for [`SharedBoard::new`]); the wait ends as soon as they
+    /// have.
     pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
-        let inner = Arc::new(Inner {
-            board: board.clone(),
-            gather,
-            q: Mutex::new(Queue::default()),
-            cv: Condvar::new(),
-        });
+        let n = board.chips.saturating_mul(board.cores_per_chip).max(1) as usize;
+        let q = Queue { cores: (0..n).map(|_| CoreLog::default()).collect(), ..Queue::default() };
+        let inner = Arc::new(Inner { board: board.clone(), gather, q: Mutex::new(q), cv: Condvar::new() });
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
+    }
+
+    /// Core `index` (`chip x cores_per_chip + core`), if the board has it.
+    pub fn core(&self, index: u32) -> Option<SharedCore> {
+        let n = self.inner.board.chips.saturating_mul(self.inner.board.cores_per_chip);
+        (index < n).then(|| SharedCore { board: self.clone(), index: index as usize })
+    }
+
+    /// Holds submitted requests back until [`SharedBoard::resume`] (for
+    /// tests that need several requests to arrive at the same moment).
+    pub fn pause(&self) {
+        lock(&self.inner.q).paused = true;
+    }
+
+    /// Lets held requests through.
+    pub fn resume(&self) {
+        lock(&self.inner.q).paused = false;
+        self.inner.cv.notify_all();
+    }
+
+    /// Stops the engine thread (pending requests get no answer).
+    pub fn stop(&self) {
+        lock(&self.inner.q).stop = true;
+        self.inner.cv.notify_all();
+        if let Some(t) = lock(&self.thread).take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl SharedCore {
+    /// Core 0 of a board of its own (`board`'s other cores idle), with its
+    /// engine thread.
+    pub fn new(board: &BoardConfig, name: &str) -> std::io::Result<Self> {
+        Self::with_gather(board, name, GATHER)
+    }
+
+    /// As [`SharedCore::new`] with [`SharedBoard::with_gather`]'s wait.
+    pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
+        Ok(SharedCore { board: SharedBoard::with_gather(board, name, gather)?, index: 0 })
+    }
+
+    /// The core's index on its board.
+    pub fn index(&self) -> usize {
+        self.index
     }
 
     /// Runs `program` for `tenant` on the core within `budget` cycles and
@@ -193,13 +266,15 @@ impl SharedCore {
         host_work: u64,
     ) -> Option<JobResult> {
         let (tx, rx) = mpsc::channel();
+        let inner = &self.board.inner;
         {
-            let mut q = lock(&self.inner.q);
+            let mut q = lock(&inner.q);
             if q.stop {
                 return None;
             }
             let arrival = q.now;
             q.pending.push(Job {
+                core: self.index,
                 tenant: tenant.into(),
                 claim,
                 arrival,
@@ -212,22 +287,23 @@ impl SharedCore {
                 begin: arrival,
             });
         }
-        self.inner.cv.notify_all();
+        inner.cv.notify_all();
         rx.recv().ok()
     }
 
-    /// Busy time, overlap and per-tenant use so far.
+    /// Busy time, overlap and per-tenant use of this core so far.
     pub fn stats(&self) -> SharingStats {
-        let q = lock(&self.inner.q);
+        let q = lock(&self.board.inner.q);
+        let Some(c) = q.cores.get(self.index) else { return SharingStats::default() };
         let mut tenants: Vec<(String, f64)> = Vec::new();
-        for iv in &q.log {
+        for iv in &c.log {
             match tenants.iter_mut().find(|(t, _)| *t == iv.tenant) {
                 Some(e) => e.1 += iv.end - iv.start,
                 None => tenants.push((iv.tenant.clone(), iv.end - iv.start)),
             }
         }
         // Overlap: sweep the interval end points.
-        let mut ev: Vec<(f64, i32)> = q.log.iter().flat_map(|i| [(i.start, 1), (i.end, -1)]).collect();
+        let mut ev: Vec<(f64, i32)> = c.log.iter().flat_map(|i| [(i.start, 1), (i.end, -1)]).collect();
         ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         let (mut active, mut last, mut overlap) = (0, 0.0, 0.0);
         for (t, d) in ev {
@@ -238,41 +314,35 @@ impl SharedCore {
             last = t;
         }
         SharingStats {
-            requests: q.requests,
-            waited: q.waited,
-            preempted: q.preempted,
+            requests: c.requests,
+            waited: c.waited,
+            preempted: c.preempted,
             busy_cycles: q.now,
             overlap_cycles: overlap,
             tenants,
-            slo_requests: q.slo_requests,
-            slo_misses: q.slo_misses,
+            slo_requests: c.slo_requests,
+            slo_misses: c.slo_misses,
         }
     }
 
-    /// Holds submitted requests back until [`SharedCore::resume`] (for
-    /// tests that need several requests to arrive at the same moment).
+    /// Holds the board's submitted requests back ([`SharedBoard::pause`]).
     pub fn pause(&self) {
-        lock(&self.inner.q).paused = true;
+        self.board.pause();
     }
 
     /// Lets held requests through.
     pub fn resume(&self) {
-        lock(&self.inner.q).paused = false;
-        self.inner.cv.notify_all();
+        self.board.resume();
     }
 
-    /// Requests submitted and not yet taken by the core.
+    /// Requests submitted to this core and not yet taken by the board.
     pub fn pending(&self) -> usize {
-        lock(&self.inner.q).pending.len()
+        lock(&self.board.inner.q).pending.iter().filter(|j| j.core == self.index).count()
     }
 
-    /// Stops the engine thread (pending requests get no answer).
+    /// Stops the board's engine thread (pending requests get no answer).
     pub fn stop(&self) {
-        lock(&self.inner.q).stop = true;
-        self.inner.cv.notify_all();
-        if let Some(t) = lock(&self.thread).take() {
-            let _ = t.join();
-        }
+        self.board.stop();
     }
 }
 
@@ -503,12 +573,15 @@ impl<J: SimTenant> Dispatcher<J> {
 fn engine(inner: &Inner) {
     let board = &inner.board;
     let switch = switch_cycles(board);
-    let mut sim: CoreSim<'_, Job> = CoreSim::new(board, 1);
-    let mut dispatcher: Dispatcher<Job> = Dispatcher::default();
-    // Tenants seen (HBM shares under the "equal" policy).
-    let mut tenants: Vec<String> = Vec::new();
-    // Tenants that just got a result and may submit their next request.
-    let mut replied: Vec<String> = Vec::new();
+    let mut sim: BoardSim<'_, Job> = BoardSim::new(board);
+    let n = sim.len();
+    let mut dispatchers: Vec<Dispatcher<Job>> = (0..n).map(|_| Dispatcher::default()).collect();
+    // Tenants seen on each core (HBM shares under the "equal" policy).
+    let mut tenants: Vec<Vec<String>> = vec![Vec::new(); n];
+    // Tenants (core, name) that just got a result and may submit their
+    // next request.
+    let mut replied: Vec<(usize, String)> = Vec::new();
+    let waiting = |d: &[Dispatcher<Job>]| d.iter().any(|d| d.waiting().next().is_some());
     loop {
         // Sleep until there is something to do.
         let fresh = {
@@ -517,22 +590,22 @@ fn engine(inner: &Inner) {
                 if q.stop {
                     return;
                 }
-                let waiting = dispatcher.waiting().next().is_some();
-                if (!q.pending.is_empty() || waiting || !sim.is_idle()) && !q.paused {
+                if (!q.pending.is_empty() || waiting(&dispatchers) || !sim.is_idle()) && !q.paused {
                     break;
                 }
                 q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            sim.is_idle() && dispatcher.waiting().next().is_none()
+            sim.is_idle() && !waiting(&dispatchers)
         };
         // Before simulated time moves on, let the vNPUs that just got a
-        // result submit their next request (and, on an idle core, let the
+        // result submit their next request (and, on an idle board, let the
         // other vNPUs' requests of this moment arrive).
         let until = std::time::Instant::now() + if fresh { GATHER } else { inner.gather };
         {
             let mut q = lock(&inner.q);
             loop {
-                let missing = replied.iter().any(|t| !q.pending.iter().any(|j| &j.tenant == t));
+                let missing =
+                    replied.iter().any(|(c, t)| !q.pending.iter().any(|j| j.core == *c && &j.tenant == t));
                 let left = until.saturating_duration_since(std::time::Instant::now());
                 if q.stop || left.is_zero() || !(fresh || missing) {
                     break;
@@ -543,38 +616,55 @@ fn engine(inner: &Inner) {
                 return;
             }
             for j in q.pending.drain(..) {
-                if !tenants.contains(&j.tenant) {
-                    tenants.push(j.tenant.clone());
-                    sim.set_shares(tenants.len());
+                let (Some(seen), Some(core)) = (tenants.get_mut(j.core), sim.core(j.core)) else {
+                    // Cannot happen (cores come from `SharedBoard::core`);
+                    // the requester gets no answer rather than a wrong one.
+                    continue;
+                };
+                if !seen.contains(&j.tenant) {
+                    seen.push(j.tenant.clone());
+                    core.set_shares(seen.len());
                 }
                 let p = j.pending();
-                dispatcher.submit(j, p);
+                dispatchers[j.core].submit(j, p);
             }
         }
         replied.clear();
-        // Place what fits, most urgent first, preempting less urgent
-        // requests for the most urgent one left over; the rest wait.
-        let n = dispatcher.dispatch(&mut sim, switch, |w, r| schedule(board, w, r), |j, at| j.begin = at);
-        // Advance to the next completion.
+        // On each core, place what fits, most urgent first, preempting less
+        // urgent requests for the most urgent one left over; the rest wait.
+        let mut passes = Vec::with_capacity(n);
+        for (c, d) in dispatchers.iter_mut().enumerate() {
+            let Some(core) = sim.core(c) else { continue };
+            passes.push((c, d.dispatch(core, switch, |w, r| schedule(board, w, r), |j, at| j.begin = at)));
+        }
+        // Advance the whole board to the next completion.
         let done = sim.step();
         let mut q = lock(&inner.q);
         q.now = sim.now();
-        q.waited += n.waited;
-        q.preempted += n.preempted;
-        for (id, job, r) in done {
-            dispatcher.finished(id);
+        for (c, pass) in passes {
+            if let Some(log) = q.cores.get_mut(c) {
+                log.waited += pass.waited;
+                log.preempted += pass.preempted;
+            }
+        }
+        for (c, (id, job, r)) in done {
+            if let Some(d) = dispatchers.get_mut(c) {
+                d.finished(id);
+            }
             let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
             let begin = job.begin.min(end);
-            q.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
-            q.requests += 1;
-            if job.claim.slo_cycles > 0 {
-                q.slo_requests += 1;
-                q.slo_misses += u64::from(end > job.pending().deadline());
+            if let Some(log) = q.cores.get_mut(c) {
+                log.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
+                log.requests += 1;
+                if job.claim.slo_cycles > 0 {
+                    log.slo_requests += 1;
+                    log.slo_misses += u64::from(end > job.pending().deadline());
+                }
             }
-            replied.push(job.tenant.clone());
+            replied.push((c, job.tenant.clone()));
             // The requester sees its own request's time: cycles from its
             // start on the core (after any wait for engines) to its
-            // completion, not the core's clock. (Its arrival is the core's
+            // completion, not the board's clock. (Its arrival is the board's
             // time when it was submitted, which runs ahead of the wall
             // clock in steps: no basis for a latency.)
             let r = r.map(|mut t| {
@@ -582,7 +672,7 @@ fn engine(inner: &Inner) {
                 t.started = 0.0;
                 t
             });
-            // A vNPU that went away does not stop the core.
+            // A vNPU that went away does not stop the board.
             let _ = job.reply.send((job.mem, r, begin, end));
         }
     }
@@ -672,6 +762,47 @@ mod tests {
         assert_eq!((st.requests, st.waited), (2, 0));
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
         core.stop();
+    }
+
+    /// The cores of one board share the chip's HBM: four cores streaming
+    /// from HBM at once (4 x 400 GB/s wanted of 1.2 TB/s) each take about
+    /// 4/3 as long as one core alone; on four boards of their own they do
+    /// not slow each other.
+    #[test]
+    fn the_cores_of_a_board_share_the_chips_hbm() {
+        let board = BoardConfig::default();
+        let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
+        let alone = {
+            let core = SharedCore::new(&board, "alone").unwrap();
+            let r = run_copies(&core, "a", claim, 4).1.unwrap().cycles;
+            core.stop();
+            r
+        };
+        let shared = SharedBoard::new(&board, "board").unwrap();
+        let cores: Vec<SharedCore> = (0..4).map(|c| shared.core(c).unwrap()).collect();
+        assert!(shared.core(4).is_none(), "the default board has four cores");
+        shared.pause();
+        let names = ["c0", "c1", "c2", "c3"];
+        let threads: Vec<_> = cores.iter().zip(names).map(|(c, n)| submit_copies(c, n, claim, 4)).collect();
+        shared.resume();
+        for (i, t) in threads.into_iter().enumerate() {
+            let c = t.join().unwrap().1.unwrap().cycles;
+            assert!(c / alone > 1.3 && c / alone < 1.34, "core {i}: {c} cycles, alone {alone}");
+            assert_eq!(cores[i].stats().requests, 1);
+        }
+        shared.stop();
+        let boards: Vec<SharedCore> =
+            (0..4).map(|i| SharedCore::new(&board, &format!("b{i}")).unwrap()).collect();
+        for b in &boards {
+            b.pause();
+        }
+        let threads: Vec<_> = boards.iter().zip(names).map(|(c, n)| submit_copies(c, n, claim, 4)).collect();
+        boards.iter().for_each(SharedCore::resume);
+        for (i, t) in threads.into_iter().enumerate() {
+            let c = t.join().unwrap().1.unwrap().cycles;
+            assert!((c - alone).abs() < 1e-6, "board {i}: {c} cycles, alone {alone}");
+        }
+        boards.iter().for_each(SharedCore::stop);
     }
 
     /// Among equal priorities the tighter latency target runs first, and a
