@@ -5,11 +5,11 @@
 //! (`vnpu_device::SharedCore`): one continuous simulation of the core
 //! (`npu_model::CoreSim`) that each vNPU's requests join in turn (one at a
 //! time per vNPU, the rest queue in the guest's ring), waiting requests
-//! placed with `vnpu_device::placements` as soon as their claims fit, a
-//! request that had to wait paying `vnpu_device::switch_cycles`. Only the
+//! placed with `npu_scheduler::placements` as soon as their claims fit, a
+//! request that had to wait paying `npu_scheduler::switch_cycles`. Only the
 //! scheduling policy differs:
 //!
-//! - **EDF+preempt** (this system, `vnpu_device::schedule`): waiting
+//! - **EDF+preempt** (this system, `npu_scheduler::schedule`): waiting
 //!   requests by priority, then earliest deadline, then arrival, first fit;
 //!   the most urgent one left over suspends less urgent running requests
 //!   (`CoreSim::suspend`, resumed where they stopped after a context
@@ -25,11 +25,11 @@
 
 use npu_bench::{fail, loads, p99, positive, seed, Rng};
 use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
-use npu_workloads::{lower_workload, RunOptions};
-use vnpu_abi::Program;
-use vnpu_device::{
+use npu_scheduler::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatcher, Pending,
 };
+use npu_workloads::{lower_workload, RunOptions};
+use vnpu_abi::Program;
 
 const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] [--json PATH]
 
@@ -50,7 +50,7 @@ struct VnpuTenant {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Policy {
-    /// The device's policy: `vnpu_device::schedule`.
+    /// The device's policy: `npu_scheduler::schedule`.
     Preemptive,
     PriorityEdf,
     Fifo,
