@@ -132,3 +132,79 @@ pub fn fail(program: &str, usage: &str, e: &str) -> ! {
     }
     std::process::exit(1);
 }
+
+/// One chart of [`line_plots`]: a line per series.
+#[derive(Clone, Debug, Default)]
+pub struct Panel {
+    pub title: String,
+    pub x_label: String,
+    pub y_label: String,
+    /// Logarithmic y axis (points at or below 0 are left out).
+    pub log_y: bool,
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+}
+
+/// Draws `panels` side by side into an SVG file at `path` (no fonts
+/// needed: the text stays text). Non-finite points are left out.
+pub fn line_plots(path: &str, panels: &[Panel]) -> Result<(), String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {path}: {e}");
+    let n = panels.len().max(1) as u32;
+    let root = SVGBackend::new(path, (520 * n, 420)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let colors =
+        [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+    for (panel, area) in panels.iter().zip(root.split_evenly((1, n as usize))) {
+        let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite() && (!panel.log_y || p.1 > 0.0);
+        let pts = || panel.series.iter().flat_map(|s| s.1.iter().filter(|p| ok(p)));
+        let (x0, x1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (y0, y1) = pts().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        if !(x0.is_finite() && y0.is_finite()) {
+            continue;
+        }
+        let xr = x0..(x1 + (x1 - x0).abs().max(1e-9) * 0.02);
+        let mut chart = ChartBuilder::on(&area);
+        chart
+            .caption(&panel.title, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70);
+        macro_rules! draw {
+            ($c:expr) => {{
+                let mut c = $c;
+                c.configure_mesh()
+                    .x_desc(panel.x_label.as_str())
+                    .y_desc(panel.y_label.as_str())
+                    .draw()
+                    .map_err(|e| err(&e))?;
+                for (i, (name, points)) in panel.series.iter().enumerate() {
+                    let color = colors[i % colors.len()];
+                    let line: Vec<(f64, f64)> = points.iter().copied().filter(|p| ok(p)).collect();
+                    c.draw_series(LineSeries::new(line.clone(), color.stroke_width(2)))
+                        .map_err(|e| err(&e))?
+                        .label(name.as_str())
+                        .legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                        });
+                    c.draw_series(line.into_iter().map(|p| Circle::new(p, 3, color.filled())))
+                        .map_err(|e| err(&e))?;
+                }
+                c.configure_series_labels()
+                    .position(SeriesLabelPosition::UpperLeft)
+                    .background_style(WHITE.mix(0.8))
+                    .border_style(BLACK)
+                    .draw()
+                    .map_err(|e| err(&e))?;
+            }};
+        }
+        if panel.log_y {
+            let yr = (y0 * 0.8)..(y1 * 1.25);
+            draw!(chart.build_cartesian_2d(xr, yr.log_scale()).map_err(|e| err(&e))?);
+        } else {
+            let yr = 0.0..(y1 * 1.08).max(1e-9);
+            draw!(chart.build_cartesian_2d(xr, yr).map_err(|e| err(&e))?);
+        }
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

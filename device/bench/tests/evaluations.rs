@@ -4,51 +4,71 @@
 
 use std::process::Command;
 
+/// The whole-stream sharing evaluation: every system at every rate, its
+/// load the rate over its own saturation, and a system that is not
+/// saturated completes what is offered (the arrivals are the independent
+/// reference: a stable queue serves its arrival rate).
 #[test]
-fn sharing_eval_writes_both_systems_as_json() {
-    let path = std::env::temp_dir().join(format!("sharing-eval-{}.json", std::process::id()));
+fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
+    let dir = std::env::temp_dir();
+    let path = dir.join(format!("sharing-eval-{}.json", std::process::id()));
+    let svg = dir.join(format!("sharing-eval-{}.svg", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
         .args(["--seconds", "0.05", "--load", "0.2,0.7", "--json", path.to_str().unwrap()])
+        .args(["--svg", svg.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
     std::fs::remove_file(&path).unwrap();
-    let tenants = v["tenants"].as_array().unwrap();
-    assert_eq!(tenants.len(), 4);
-    for t in tenants {
-        // Co-location never makes a tenant faster than alone.
-        assert!(t["t_1sa_1vu_colocated_s"].as_f64().unwrap() >= t["t_1sa_1vu_s"].as_f64().unwrap());
+    let drawing = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).unwrap();
+    assert!(drawing.starts_with("<svg"), "{}", &drawing[..drawing.len().min(100)]);
+    for name in ["vNPU", "PREMA-ckpt", "PREMA-drain", "throughput", "p99 latency"] {
+        assert!(drawing.contains(name), "the plot has no `{name}`");
     }
-    let loads = v["loads"].as_array().unwrap();
-    assert_eq!(loads.len(), 2);
-    for l in loads {
-        let systems = l["systems"].as_array().unwrap();
-        assert_eq!(systems.len(), 2);
+    assert_eq!(v["tenants"].as_array().unwrap().len(), 4);
+    let sat = |s: &str| v["saturation_rps"][s].as_f64().unwrap();
+    let (sat_vnpu, sat_prema) = (sat("vNPU"), sat("PREMA-like"));
+    assert!(sat_vnpu.is_finite() && sat_prema.is_finite() && sat_prema > 0.0);
+    let rates = v["rates"].as_array().unwrap();
+    // 0.2 and 0.7 of each system's saturation.
+    assert_eq!(rates.len(), 4);
+    for r in rates {
+        let offered = r["offered_rps"].as_f64().unwrap();
+        let systems = r["systems"].as_array().unwrap();
+        let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
+        assert_eq!(names, ["vNPU", "PREMA-ckpt", "PREMA-drain"]);
         for s in systems {
+            let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
                 let x = s[k].as_f64().unwrap();
-                assert!(x.is_finite() && x > 0.0, "{k} = {x}");
+                assert!(x.is_finite() && x > 0.0, "{name}: {k} = {x}");
             }
-            assert!(s["fairness"].as_f64().unwrap() <= 1.0);
-            let sla = s["sla_satisfaction"].as_f64().unwrap();
-            assert!((0.0..=1.0).contains(&sla));
-            assert!(s["p99_latency_s"].as_f64().unwrap() >= s["avg_latency_s"].as_f64().unwrap() * 0.5);
+            assert!(s["fairness"].as_f64().unwrap() <= 1.0 + 1e-9, "{name}");
+            assert!((0.0..=1.0).contains(&s["sla_satisfaction"].as_f64().unwrap()), "{name}");
+            assert_eq!(s["failed"], 0, "{name}");
+            let load = s["load"].as_f64().unwrap();
+            let own = if name == "vNPU" { sat_vnpu } else { sat_prema };
+            assert!(
+                (load * own - offered).abs() <= 1e-6 * offered,
+                "{name}: load {load} x {own} != {offered}"
+            );
+            if load <= 0.7 + 1e-9 && name != "PREMA-ckpt" {
+                // Not saturated (PREMA-ckpt's switches cost it capacity
+                // its saturation does not count): it serves what comes.
+                let t = s["throughput_rps"].as_f64().unwrap();
+                assert!((t / offered - 1.0).abs() < 0.1, "{name} at load {load}: {t} req/s of {offered}");
+            }
         }
-        let r = l["throughput_ratio"].as_f64().unwrap();
-        let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
-        assert!((r - t(0) / t(1)).abs() < 1e-9);
-        // The spatial system never preempts.
+        // vNPU and PREMA-drain never preempt.
         assert_eq!(systems[0]["context_switches"], 0);
+        assert_eq!(systems[2]["context_switches"], 0);
+        let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
+        let ratio = r["vs_best_baseline"]["throughput_ratio"].as_f64().unwrap();
+        assert!((ratio - t(0) / t(1).max(t(2))).abs() < 1e-9, "{ratio}");
     }
-    // More load never raises a system's SLA satisfaction here.
-    let rates = |l: &serde_json::Value| -> Vec<f64> {
-        l["systems"].as_array().unwrap().iter().map(|s| s["sla_satisfaction"].as_f64().unwrap()).collect()
-    };
-    for (low, high) in rates(&loads[0]).iter().zip(rates(&loads[1])) {
-        assert!(high <= low + 1e-9, "{high} at load 0.7 > {low} at 0.2");
-    }
-    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 2);
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 3);
 }
 
 #[test]

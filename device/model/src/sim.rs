@@ -746,6 +746,10 @@ struct Demand {
 /// the host link for the shares of the board.
 fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
     let Some(cfg) = cores.first().map(|c| c.cfg) else { return };
+    if !cores.iter().any(|c| c.runs.iter().any(|r| matches!(r.state, State::Transfer { .. }))) {
+        // Nothing to share (most events of compute-bound programs).
+        return;
+    }
     let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
     let engines = engine * f64::from(cfg.core.dma_engines.max(1));
     let host = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);

@@ -1,227 +1,349 @@
-//! Sharing evaluation (issue 5): SA-heavy and VU-heavy tenants with Poisson
-//! arrivals on one physical core (4 SA + 4 VU), served by
+//! Sharing evaluation (issues 5 and 14): SA-heavy and VU-heavy tenants with
+//! Poisson arrivals on one physical core (4 SA + 4 VU). Every request of the
+//! arrival stream is simulated on the core as it arrives and runs (one
+//! continuous `npu_model::CoreSim` per system and load), so what co-located
+//! requests share (the core's DMA engine, HBM, the host link) slows them
+//! only while they really overlap. Two systems, the same arrivals:
 //!
-//! - **vNPU** (this system): each tenant owns a 1 SA + 1 VU vNPU of the core
-//!   (spatial sharing at EU granularity); its requests queue FIFO on it, and
-//!   its service time includes the slowdown the model measures when the
-//!   other three tenants run on the same core at the same time (HBM
-//!   contention), whether or not they are busy then (pessimistic for vNPU);
-//! - **PREMA-like**: the whole core time-shared, one request at a time on
-//!   all 4 SA + 4 VU, preemptive: a waiting request with more tokens (waiting
-//!   time normalized by its isolated time, PREMA's token rule) preempts the
-//!   running one, paying a context switch (saving and restoring the SRAM
-//!   state through the DMA engine) unless the running one is about to end
-//!   (then it drains). Decisions are taken at arrivals and at the moment a
-//!   waiter's tokens overtake the running request's (by `--preempt-margin`
-//!   context switches normalized to the waiter; default 0).
+//! - **vNPU** (this system): each tenant owns a 1 SA + 1 VU vNPU of the
+//!   core (8 MiB SRAM, a quarter); its requests run one at a time on it in
+//!   arrival order (the rest queue in the guest's ring);
+//! - **PREMA-like**, two variants: the whole core (4 SA + 4 VU, 32 MiB SRAM)
+//!   serves one request at a time; tokens = waiting time / isolated
+//!   whole-core time (PREMA's slowdown-normalized priority, equal
+//!   priorities); when the core is free the request with the most tokens
+//!   runs. **PREMA-ckpt** also preempts: at each arrival and at the moment
+//!   a waiter's tokens overtake the running request's (plus
+//!   `--preempt-margin` context switches, normalized to the waiter), the
+//!   waiter takes over: the running request stops issuing
+//!   (`CoreSim::suspend`), its transfers in flight drain, its SRAM state is
+//!   checkpointed (half a context switch) and later restored (the other
+//!   half) before it goes on where it stopped; unless it would end within
+//!   one switch anyway (then it drains). **PREMA-drain** never preempts.
+//!   Ratios are against the better of the two on each metric.
 //!
-//! Service times come from the NPU model (simulated) for each workload on
-//! 1+1 and on 4+4; the arrivals are the same for both systems. For each
-//! offered load it reports throughput, EU utilization, average and p99
-//! latency, PREMA's fairness and the SLA satisfaction rate (requests within
-//! `--qos` times their isolated whole-core latency); then the throughput
-//! each system sustains at the SLA (every tenant's p99 within its bound).
+//! Load is stated against each system's own saturation: the per-tenant
+//! arrival rates at which it is busy all the time (vNPU: every tenant
+//! backlogged on its vNPU, all neighbours busy, the rate of the first
+//! tenant to saturate; PREMA-like: one request after another on the whole
+//! core). The default sweep runs both systems at 0.1 .. 1.0 of each one's
+//! saturation, so every row shows both systems at the same offered rate,
+//! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load 0.05,0.1,...] [--seconds 1] [--seed 1] [--qos 10] [--json out.json]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--json PATH] [--svg PATH]`
 
-use npu_bench::{fail, loads, p99, positive, seed, Rng};
-use npu_model::{run_core, run_program, BoardConfig, Tenant as CoreTenant};
-use npu_workloads::{lower_workload, run_workload, RunOptions, RunReport};
-use vnpu_abi::{Instr, Program, Stream};
+use std::collections::VecDeque;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--json PATH]
+use npu_bench::{fail, line_plots, loads, p99, positive, seed, Panel, Rng};
+use npu_model::{run_program, BoardConfig, CoreMemory, CoreSim, SimTenant, TenantReport};
+use npu_workloads::{lower_workload, RunOptions};
+use vnpu_abi::Program;
 
-  --load     offered loads: each tenant's arrival rate as a fraction of what
-             its own 1 SA + 1 VU vNPU serves (default 0.01,0.02,0.05,0.1,0.2,...,0.9)
-  --seconds  simulated seconds of arrivals per load (default 1)
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--json PATH] [--svg PATH]
+
+  --load     offered loads as fractions of each system's own saturation
+             rate; each system runs at every rate of both lists (default
+             0.1,0.2,...,1.0)
+  --seconds  simulated seconds of arrivals per load (default 0.5)
   --seed     arrival seed (default 1)
   --qos      latency bound of each request: F times its workload's isolated
              latency on the whole core (default 10)
   --preempt-margin M
-             PREMA-like: a waiter preempts once its tokens exceed the running
+             PREMA-ckpt: a waiter preempts once its tokens exceed the running
              request's by M context switches (normalized to the waiter);
              0 (default) is PREMA's plain token rule
-  --json     also write the results as JSON to PATH";
+  --mix      relative arrival rates of the tenants: `balanced` (default:
+             inversely proportional to each one's time on its 1 SA + 1 VU
+             vNPU, so every vNPU is equally loaded) or `equal` (the same
+             request rate for every tenant)
+  --json     also write the results as JSON to PATH
+  --svg      also draw throughput, p99 latency and EU utilization against
+             the offered rate into an SVG file at PATH";
+
+/// The four tenants: workload and batch.
+const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
 
 #[derive(Clone, Debug)]
 struct Workload {
     name: String,
-    /// Seconds on 1 SA + 1 VU alone, on 1+1 beside the other tenants'
-    /// 1+1 vNPUs (all busy), and on the whole core.
+    /// The program lowered for a 1 SA + 1 VU vNPU and for the whole core.
+    p11: Program,
+    p44: Program,
+    /// Cycles of one request alone on each.
     t11: f64,
-    t11_shared: f64,
     t44: f64,
-    /// Active EU-seconds of one request on either shape (summed over
-    /// engines; a transfer's contention does not count as activity).
-    eu11: f64,
-    eu44: f64,
+}
+
+/// One request on a simulated core (timing only).
+struct Request<'p> {
+    tenant: usize,
+    arrival: f64,
+    program: &'p Program,
+}
+
+impl SimTenant for Request<'_> {
+    fn program(&self) -> &Program {
+        self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        None
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[derive(Debug, Default, Clone)]
 struct Outcome {
-    makespan: f64,
+    /// Latencies (cycles) per tenant, in completion order.
     latencies: Vec<Vec<f64>>,
-    eu_seconds: f64,
+    /// When the last request completed (cycles).
+    end: f64,
+    /// The arrival window (cycles) and the requests completed within it.
+    window: f64,
+    in_window: u64,
+    /// Active SA + VU cycles of every request, summed over engines.
+    eu_cycles: f64,
     switches: u64,
+    /// Requests whose program failed (none expected; counted, not hidden).
+    failed: u64,
 }
 
-fn spatial(ws: &[Workload], arrivals: &[Vec<f64>]) -> Outcome {
-    let mut o = Outcome { latencies: vec![Vec::new(); ws.len()], ..Default::default() };
-    for (i, (w, arr)) in ws.iter().zip(arrivals).enumerate() {
-        let mut free = 0f64;
-        for &a in arr {
-            let start = free.max(a);
-            free = start + w.t11_shared;
-            o.latencies[i].push(free - a);
-            o.eu_seconds += w.eu11;
+impl Outcome {
+    fn new(n: usize, window: f64) -> Self {
+        Self { latencies: vec![Vec::new(); n], window, ..Self::default() }
+    }
+
+    fn record(&mut self, req: &Request<'_>, r: Result<TenantReport, npu_model::ExecError>, now: f64) {
+        match r {
+            Ok(t) => {
+                let tot = t.totals();
+                self.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+                self.latencies[req.tenant].push(t.cycles - req.arrival);
+                self.end = self.end.max(t.cycles);
+                self.in_window += u64::from(t.cycles <= self.window);
+            }
+            Err(_) => {
+                self.failed += 1;
+                self.end = self.end.max(now);
+            }
         }
-        o.makespan = o.makespan.max(free);
+    }
+}
+
+/// The vNPU system: every tenant's requests one at a time on its own 1+1
+/// vNPU, all four vNPUs on one core simulation.
+fn simulate_vnpu(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], window: f64) -> Outcome {
+    let n = ws.len();
+    let mut o = Outcome::new(n, window);
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut next = vec![0usize; n];
+    let mut busy = vec![false; n];
+    loop {
+        let now = sim.now();
+        for i in 0..n {
+            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
+                busy[i] = true;
+                next[i] += 1;
+                sim.add(Request { tenant: i, arrival, program: &ws[i].p11 }, 0.0);
+            }
+        }
+        // The next arrival a free vNPU takes.
+        let limit = (0..n)
+            .filter(|&i| !busy[i])
+            .filter_map(|i| arrivals[i].get(next[i]).copied())
+            .fold(f64::INFINITY, f64::min);
+        if sim.is_idle() && !limit.is_finite() {
+            break;
+        }
+        for (_, req, r) in sim.step_until(limit) {
+            busy[req.tenant] = false;
+            o.record(&req, r, sim.now());
+        }
     }
     o
 }
 
-/// `margin`: how many context switches' worth of tokens (normalized to the
-/// waiter) a waiter must be ahead before it preempts (0: PREMA's token rule).
-fn prema(ws: &[Workload], arrivals: &[Vec<f64>], switch: f64, margin: f64) -> Outcome {
-    #[derive(Clone, Copy)]
-    struct Req {
-        tenant: usize,
-        arrival: f64,
-        left: f64,
-        started: bool,
-    }
-    let mut o = Outcome { latencies: vec![Vec::new(); ws.len()], ..Default::default() };
-    let mut all: Vec<(f64, usize)> =
-        arrivals.iter().enumerate().flat_map(|(i, a)| a.iter().map(move |a| (*a, i))).collect();
-    all.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut next = 0;
-    let mut queue: Vec<Req> = Vec::new();
-    let mut running: Option<Req> = None;
-    let mut now = 0f64;
-    // Tokens: waiting time over isolated time (PREMA's slowdown-normalized
-    // priority, all tenants of equal priority).
-    let tokens = |r: &Req, now: f64| (now - r.arrival) / ws[r.tenant].t44;
-    let admit = |queue: &mut Vec<Req>, next: &mut usize, now: f64| {
-        while *next < all.len() && all[*next].0 <= now {
-            let (a, i) = all[*next];
-            queue.push(Req { tenant: i, arrival: a, left: ws[i].t44, started: false });
-            *next += 1;
-        }
-    };
-    let best = |queue: &[Req], now: f64| {
-        (0..queue.len()).max_by(|&x, &y| tokens(&queue[x], now).total_cmp(&tokens(&queue[y], now)))
+/// A request of the PREMA-like core that is not running: waiting for its
+/// first start or suspended.
+struct Waiting<'p> {
+    req: Option<Request<'p>>,
+    arrival: f64,
+    /// Its simulation id once it has started.
+    id: Option<usize>,
+    /// Cycles it has run (its isolated time minus this estimates what is
+    /// left, as PREMA's scheduler does).
+    executed: f64,
+}
+
+/// The PREMA-like system: one request at a time on the whole core,
+/// token-based preemption with checkpointing (see the module doc).
+fn simulate_prema(
+    board: &BoardConfig,
+    ws: &[Workload],
+    arrivals: &[Vec<f64>],
+    switch: f64,
+    margin: f64,
+    window: f64,
+) -> Outcome {
+    let n = ws.len();
+    let mut o = Outcome::new(n, window);
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, 1);
+    let mut next = vec![0usize; n];
+    // Per tenant, in arrival order; a preempted request goes back to the
+    // front of its tenant's queue (it is that tenant's oldest: it had the
+    // most tokens, and a tenant's oldest request has the most).
+    let mut queues: Vec<VecDeque<Waiting<'_>>> = (0..n).map(|_| VecDeque::new()).collect();
+    // The running request: (tenant, arrival, sim id, executed before this
+    // run, when this run started issuing).
+    let mut running: Option<(usize, f64, usize, f64, f64)> = None;
+    let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) / ws[tenant].t44;
+    let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
+        (0..n)
+            .filter_map(|i| queues[i].front().map(|w| (i, tokens(i, w.arrival, now))))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
     };
     loop {
-        if running.is_none() && queue.is_empty() {
-            if next >= all.len() {
+        let now = sim.now();
+        for (i, q) in queues.iter_mut().enumerate() {
+            while let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
+                next[i] += 1;
+                let req = Request { tenant: i, arrival, program: &ws[i].p44 };
+                q.push_back(Waiting { req: Some(req), arrival, id: None, executed: 0.0 });
+            }
+        }
+        let next_arrival =
+            (0..n).filter_map(|i| arrivals[i].get(next[i]).copied()).fold(f64::INFINITY, f64::min);
+        let Some((tenant, arrival, id, executed, since)) = running else {
+            // Start (or restore) the waiter with the most tokens.
+            if let Some((i, _)) = best(&queues, now) {
+                if let Some(w) = queues[i].pop_front() {
+                    running = Some(start(&mut sim, w, i, switch, 0.0));
+                }
+                continue;
+            }
+            if !next_arrival.is_finite() {
                 break;
             }
-            now = now.max(all[next].0);
-        }
-        admit(&mut queue, &mut next, now);
-        let Some(mut r) = running else {
-            if let Some(k) = best(&queue, now) {
-                let mut r = queue.swap_remove(k);
-                if r.started {
-                    // Restoring its state.
-                    now += switch / 2.0;
-                }
-                r.started = true;
-                running = Some(r);
-            }
+            sim.step_until(next_arrival);
             continue;
         };
-        let done_at = now + r.left;
-        // The next scheduling decision: an arrival, or the moment a
-        // waiter's tokens overtake the running request's (tokens grow with
-        // time over isolated time, so only a shorter request overtakes).
-        let mut next_event = all.get(next).map_or(f64::INFINITY, |x| x.0);
-        let tr = ws[r.tenant].t44;
-        for w in &queue {
-            let tw = ws[w.tenant].t44;
-            if tw < tr && tokens(w, now) <= tokens(&r, now) + margin * switch / tw {
-                let t = (w.arrival / tw - r.arrival / tr + margin * switch / tw) / (1.0 / tw - 1.0 / tr);
-                // A nanosecond past the crossing, so the waiter is strictly ahead.
-                next_event = next_event.min(t.max(now) + 1e-9);
+        // The next decision: an arrival, or the moment a waiter's tokens
+        // overtake the running request's (only a shorter request's tokens
+        // grow faster).
+        let tr = ws[tenant].t44;
+        let mut decide = next_arrival;
+        for (i, q) in queues.iter().enumerate() {
+            let Some(w) = q.front() else { continue };
+            let tw = ws[i].t44;
+            if tw < tr {
+                let t = (w.arrival / tw - arrival / tr + margin * switch / tw) / (1.0 / tw - 1.0 / tr);
+                // A little past the crossing, so the waiter is strictly
+                // ahead. A crossing already past was decided on (the
+                // running request drains): the next decision is an arrival
+                // or its completion.
+                if t > now {
+                    decide = decide.min(t + 1e-3);
+                }
             }
         }
-        if done_at <= next_event {
-            now = done_at;
-            o.latencies[r.tenant].push(now - r.arrival);
-            o.eu_seconds += ws[r.tenant].eu44;
+        let done = sim.step_until(decide);
+        if let Some((_, req, r)) = done.into_iter().next() {
+            o.record(&req, r, sim.now());
             running = None;
             continue;
         }
-        // An arrival or an overtaking waiter: preempt if a waiter now has
-        // more tokens and the running request is not about to finish (else
-        // drain).
-        r.left -= next_event - now;
-        now = next_event;
-        admit(&mut queue, &mut next, now);
-        match best(&queue, now) {
-            Some(k)
-                if tokens(&queue[k], now) > tokens(&r, now) + margin * switch / ws[queue[k].tenant].t44
-                    && r.left > switch =>
-            {
-                now += switch / 2.0; // saving its state
-                o.switches += 1;
-                queue.push(r);
-                let mut n = queue.swap_remove(k);
-                if n.started {
-                    now += switch / 2.0;
-                }
-                n.started = true;
-                running = Some(n);
+        let now = sim.now();
+        if now < decide {
+            // Nothing left to run and no decision ahead (cannot happen while
+            // a request runs); never spin.
+            break;
+        }
+        for (i, q) in queues.iter_mut().enumerate() {
+            while let Some(&a) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
+                next[i] += 1;
+                let req = Request { tenant: i, arrival: a, program: &ws[i].p44 };
+                q.push_back(Waiting { req: Some(req), arrival: a, id: None, executed: 0.0 });
             }
-            _ => running = Some(r),
+        }
+        let ran = executed + (now - since).max(0.0);
+        let Some((k, tk)) = best(&queues, now) else { continue };
+        let ahead = tk > tokens(tenant, arrival, now) + margin * switch / ws[k].t44;
+        if ahead && tr - ran > switch {
+            // Preempt: stop issuing, drain what is in flight, checkpoint.
+            sim.suspend(id);
+            let drain = sim.drain_cycles(id);
+            o.switches += 1;
+            queues[tenant].push_front(Waiting { req: None, arrival, id: Some(id), executed: ran });
+            if let Some(w) = queues[k].pop_front() {
+                running = Some(start(&mut sim, w, k, switch, drain + switch / 2.0));
+            }
+        } else {
+            running = Some((tenant, arrival, id, executed, since));
         }
     }
-    o.makespan = now;
     o
 }
 
-/// `p` with every stream's code repeated `n` times (one final halt):
-/// back-to-back requests of one tenant.
-fn repeated(p: &Program, n: usize) -> Program {
-    let streams = p
-        .streams
-        .iter()
-        .map(|s| {
-            let body: Vec<Instr> = s.code.iter().copied().filter(|i| *i != Instr::Halt).collect();
-            let mut code = Vec::with_capacity(body.len() * n + 1);
-            for _ in 0..n {
-                code.extend_from_slice(&body);
-            }
-            code.push(Instr::Halt);
-            Stream { engine: s.engine, code }
-        })
-        .collect();
-    Program { streams }
+/// Puts waiter `w` of `tenant` on the PREMA-like core after `delay` cycles
+/// (plus the restore of its checkpoint if it ran before).
+fn start<'p>(
+    sim: &mut CoreSim<'_, Request<'p>>,
+    w: Waiting<'p>,
+    tenant: usize,
+    switch: f64,
+    delay: f64,
+) -> (usize, f64, usize, f64, f64) {
+    let now = sim.now();
+    match (w.id, w.req) {
+        (Some(id), _) => {
+            let d = delay + switch / 2.0;
+            sim.resume(id, d);
+            (tenant, w.arrival, id, w.executed, now + d)
+        }
+        (None, Some(req)) => {
+            let id = sim.add(req, delay);
+            (tenant, w.arrival, id, 0.0, now + delay)
+        }
+        // A waiter has a request or an id; keep the books straight anyway.
+        (None, None) => (tenant, w.arrival, usize::MAX, w.executed, now),
+    }
 }
 
-/// Per tenant: its 1+1 time on a core whose other three 1+1 vNPUs run
-/// their own workloads back to back for the whole time.
-fn shared_times(board: &BoardConfig, programs: &[Program], alone: &[f64]) -> Result<Vec<f64>, String> {
-    let mut out = Vec::with_capacity(programs.len());
-    for (i, victim) in programs.iter().enumerate() {
-        let neighbours: Vec<Program> = programs
-            .iter()
-            .zip(alone)
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .map(|(_, (p, t))| repeated(p, (alone[i] / t).ceil() as usize + 1))
-            .collect();
-        let mut ts = vec![CoreTenant { program: victim, memory: None, max_cycles: None }];
-        ts.extend(neighbours.iter().map(|p| CoreTenant { program: p, memory: None, max_cycles: None }));
-        let r = run_core(board, &mut ts);
-        let cycles = match r.tenants.first() {
-            Some(Ok(t)) => t.cycles,
-            Some(Err(e)) => return Err(format!("co-located run failed: {e}")),
-            None => return Err("co-located run returned no tenant".into()),
-        };
-        out.push(cycles / (f64::from(board.clock_mhz) * 1e6));
+/// Per-tenant request rates (per cycle) at which the vNPU system saturates,
+/// for relative rates `weights`: every tenant backlogged on its vNPU (each
+/// resubmits at once) until every one has completed `rounds` requests;
+/// the scale of `weights` at which the first tenant's vNPU is busy all the
+/// time.
+fn saturation_vnpu(board: &BoardConfig, ws: &[Workload], weights: &[f64], rounds: usize) -> f64 {
+    let n = ws.len();
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut done = vec![0usize; n];
+    let mut last = vec![0f64; n];
+    for (i, w) in ws.iter().enumerate() {
+        sim.add(Request { tenant: i, arrival: 0.0, program: &w.p11 }, 0.0);
     }
-    Ok(out)
+    while done.iter().any(|d| *d < rounds) {
+        let finished = sim.step();
+        if finished.is_empty() {
+            break;
+        }
+        for (_, req, r) in finished {
+            let i = req.tenant;
+            if let Ok(t) = r {
+                done[i] += 1;
+                last[i] = t.cycles;
+            }
+            sim.add(Request { tenant: i, arrival: sim.now(), program: &ws[i].p11 }, 0.0);
+        }
+    }
+    (0..n).map(|i| done[i] as f64 / last[i].max(1.0) / weights[i]).fold(f64::INFINITY, f64::min)
+}
+
+/// The same for the PREMA-like core: one request after another, so the
+/// scale at which the weighted mix of whole-core times fills it.
+fn saturation_prema(ws: &[Workload], weights: &[f64]) -> f64 {
+    1.0 / ws.iter().zip(weights).map(|(w, x)| w.t44 * x).sum::<f64>()
 }
 
 struct Args {
@@ -230,17 +352,21 @@ struct Args {
     seed: u64,
     qos: f64,
     margin: f64,
+    equal_mix: bool,
     json: Option<String>,
+    svg: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
-        loads: [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9].to_vec(),
-        seconds: 1.0,
+        loads: (1..=10).map(|i| f64::from(i) / 10.0).collect(),
+        seconds: 0.5,
         seed: 1,
         qos: 10.0,
         margin: 0.0,
+        equal_mix: false,
         json: None,
+        svg: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -260,7 +386,16 @@ fn parse_args() -> Result<Args, String> {
                     return Err(format!("--preempt-margin: {v} must be in 0..=100"));
                 }
             }
+            "--mix" => {
+                a.equal_mix = match it.next().as_deref() {
+                    Some("balanced") => false,
+                    Some("equal") => true,
+                    Some(v) => return Err(format!("--mix: `{v}` is neither `balanced` nor `equal`")),
+                    None => return Err("--mix needs `balanced` or `equal`".into()),
+                }
+            }
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
+            "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
@@ -269,6 +404,8 @@ fn parse_args() -> Result<Args, String> {
 
 struct Row {
     system: &'static str,
+    /// The offered rate as a fraction of this system's saturation.
+    load: f64,
     throughput: f64,
     util: f64,
     avg: f64,
@@ -279,15 +416,61 @@ struct Row {
     /// Every tenant's p99 within its bound.
     sla_met: bool,
     tenants_p99: Vec<f64>,
+    failed: u64,
 }
 
-fn summarize(system: &'static str, o: Outcome, ws: &[Workload], qos: f64, eus: f64) -> Row {
+/// vNPU (the first row) against the best of the baselines (the others)
+/// on each metric: throughput and EU utilization over the highest, p99 of
+/// the lowest over vNPU's.
+struct Ratios {
+    throughput: f64,
+    util: f64,
+    p99: f64,
+}
+
+impl Ratios {
+    fn of(rows: &[Row]) -> Self {
+        let Some((us, base)) = rows.split_first() else {
+            return Self { throughput: f64::NAN, util: f64::NAN, p99: f64::NAN };
+        };
+        // NaN-propagating max / min (a NaN in any row makes the ratio NaN).
+        let max = |f: fn(&Row) -> f64| {
+            base.iter().map(f).fold(f64::NEG_INFINITY, |a, b| {
+                if a.is_nan() || b.is_nan() {
+                    f64::NAN
+                } else {
+                    a.max(b)
+                }
+            })
+        };
+        let min = |f: fn(&Row) -> f64| {
+            base.iter()
+                .map(f)
+                .fold(f64::INFINITY, |a, b| if a.is_nan() || b.is_nan() { f64::NAN } else { a.min(b) })
+        };
+        Self {
+            throughput: us.throughput / max(|r| r.throughput),
+            util: us.util / max(|r| r.util),
+            p99: min(|r| r.p99) / us.p99,
+        }
+    }
+}
+
+/// `o` in seconds and ratios; `hz` cycles per second.
+fn summarize(
+    system: &'static str,
+    load: f64,
+    o: &Outcome,
+    ws: &[Workload],
+    qos: f64,
+    eus: f64,
+    hz: f64,
+) -> Row {
     let done: usize = o.latencies.iter().map(Vec::len).sum();
     let all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
     let within: usize =
         o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= qos * w.t44).count()).sum();
     let avg = all.iter().sum::<f64>() / all.len().max(1) as f64;
-    let tail = p99(&all);
     // PREMA's fairness: min over tenants of normalized progress (isolated
     // time on the whole core / time in the shared system) over the max.
     let np: Vec<f64> = o
@@ -298,157 +481,245 @@ fn summarize(system: &'static str, o: Outcome, ws: &[Workload], qos: f64, eus: f
         .map(|(l, w)| w.t44 / (l.iter().sum::<f64>() / l.len() as f64))
         .collect();
     let fairness = np.iter().copied().fold(f64::INFINITY, f64::min) / np.iter().copied().fold(0.0, f64::max);
-    let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l)).collect();
-    let sla_met = tenants_p99.iter().zip(ws).all(|(p, w)| *p <= qos * w.t44);
+    let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l) / hz).collect();
+    let sla_met = o.latencies.iter().zip(ws).all(|(l, w)| p99(l) <= qos * w.t44);
     Row {
         system,
-        throughput: done as f64 / o.makespan,
-        util: o.eu_seconds / (eus * o.makespan),
-        avg,
-        p99: tail,
+        load,
+        throughput: o.in_window as f64 / (o.window / hz),
+        util: o.eu_cycles / (eus * o.end),
+        avg: avg / hz,
+        p99: p99(&all) / hz,
         fairness,
         switches: o.switches,
         sla_rate: within as f64 / done.max(1) as f64,
         sla_met,
         tenants_p99,
+        failed: o.failed,
     }
+}
+
+fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Result<(Program, f64), String> {
+    let opts = RunOptions {
+        sa,
+        vu: sa,
+        sram_bytes: Some(sram),
+        hbm_bytes: Some(8 << 30),
+        ..RunOptions::timing(w, batch)
+    };
+    let (l, _, _) = lower_workload(board, &opts).map_err(|e| format!("{w}: {e}"))?;
+    let t = run_program(board, &l.program, None, None).map_err(|e| format!("{w}: {e}"))?.cycles;
+    Ok((l.program, t))
 }
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
     let board = BoardConfig::default();
     let hz = f64::from(board.clock_mhz) * 1e6;
-    let mix = [("bert", 1u32), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
     let mut ws = Vec::new();
-    let mut programs = Vec::new();
-    for (w, batch) in mix {
-        let opts = |sa, vu| RunOptions {
-            sa,
-            vu,
-            sram_bytes: Some(8 << 20),
-            hbm_bytes: Some(8 << 30),
-            ..RunOptions::timing(w, batch)
-        };
-        let run = |sa, vu| run_workload(&board, &opts(sa, vu)).map_err(|e| format!("{w}: {e}"));
-        let (r11, r44) = (run(1, 1)?, run(4, 4)?);
-        let (lowered, _, _) = lower_workload(&board, &opts(1, 1)).map_err(|e| format!("{w}: {e}"))?;
-        // The program the co-located run uses must be the one timed alone.
-        let alone = run_program(&board, &lowered.program, None, None).map_err(|e| format!("{w}: {e}"))?;
-        if (alone.cycles / hz - r11.simulated_seconds).abs() > 1e-9 {
-            return Err(format!("{w}: lowered program and workload run disagree"));
-        }
-        programs.push(lowered.program);
-        let eu = |r: &RunReport| (r.sa_active_cycles + r.vu_active_cycles) as f64 / hz;
-        ws.push(Workload {
-            name: format!("{w} b{batch}"),
-            t11: r11.simulated_seconds,
-            t11_shared: r11.simulated_seconds,
-            t44: r44.simulated_seconds,
-            eu11: eu(&r11),
-            eu44: eu(&r44),
-        });
+    for (w, batch) in MIX {
+        let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
+        let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
+        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44 });
     }
-    let alone: Vec<f64> = ws.iter().map(|w| w.t11).collect();
-    for (w, t) in ws.iter_mut().zip(shared_times(&board, &programs, &alone)?) {
-        w.t11_shared = t;
-    }
-    // Context switch: save and restore the SRAM state of one vNPU-sized
-    // tenant (8 MiB each way) at the DMA engine's rate.
-    let switch = 2.0 * (8u64 << 20) as f64 / (board.dma.gbps * 1e9);
+    let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
+    let wsum: f64 = weights.iter().sum();
+    eprintln!("measuring each system's saturation ...");
+    let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
+    let sat_prema = saturation_prema(&ws, &weights);
+    // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
+    // engine's rate.
+    let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
     println!(
-        "4 tenants on one core (4 SA + 4 VU); Poisson arrivals for {} s, seed {}; PREMA context switch {:.1} us; SLA: latency <= {} x isolated whole-core latency",
+        "4 tenants on one core (4 SA + 4 VU); Poisson arrivals for {} s, seed {}, {} mix; PREMA context switch {:.1} us; SLA: latency <= {} x isolated whole-core latency",
         args.seconds,
         args.seed,
-        switch * 1e6,
+        if args.equal_mix { "equal-rate" } else { "balanced" },
+        switch / hz * 1e6,
         args.qos
     );
     println!(
-        "  {:<12} {:>10} {:>14} {:>10} {:>9} {:>10}",
-        "tenant", "1+1 us", "1+1 shared us", "4+4 us", "4+4 gain", "SLA us"
+        "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7}",
+        "tenant", "1+1 us", "4+4 us", "4+4 gain", "SLA us", "share"
     );
-    for w in &ws {
+    for (w, x) in ws.iter().zip(&weights) {
         println!(
-            "  {:<12} {:>10.1} {:>14.1} {:>10.1} {:>8.2}x {:>10.1}",
+            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>10.1} {:>6.1}%",
             w.name,
-            w.t11 * 1e6,
-            w.t11_shared * 1e6,
-            w.t44 * 1e6,
+            w.t11 / hz * 1e6,
+            w.t44 / hz * 1e6,
             w.t11 / w.t44,
-            args.qos * w.t44 * 1e6
+            args.qos * w.t44 / hz * 1e6,
+            100.0 * x / wsum
         );
     }
+    println!(
+        "saturation (all tenants' requests per second): vNPU {:.0}, PREMA-like {:.0} ({:.2}x)",
+        sat_vnpu * wsum * hz,
+        sat_prema * wsum * hz,
+        sat_vnpu / sat_prema
+    );
+    // Every load of the list for each system, as rates; sorted.
+    let mut scales: Vec<f64> = args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_prema]).collect();
+    scales.sort_by(f64::total_cmp);
+    scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
     let eus = f64::from(board.core.sa_count + board.core.vu_count);
     println!(
-        "\n{:>5} {:<12} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}",
-        "load", "system", "req/s", "EU util", "avg us", "p99 us", "fairness", "in SLA", "switches"
+        "\n{:>9} {:<11} {:>6} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "offered/s",
+        "system",
+        "load",
+        "req/s",
+        "EU util",
+        "avg us",
+        "p99 us",
+        "fairness",
+        "in SLA",
+        "switches"
     );
     let mut results = Vec::new();
-    for &load in &args.loads {
-        let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ load.to_bits());
-        // Each tenant's arrival rate is `load` of what its own 1+1 vNPU serves alone.
-        let arrivals: Vec<Vec<f64>> = ws.iter().map(|w| rng.arrivals(w.t11 / load, args.seconds)).collect();
-        let rows = [
-            summarize("vNPU", spatial(&ws, &arrivals), &ws, args.qos, eus),
-            summarize("PREMA-like", prema(&ws, &arrivals, switch, args.margin), &ws, args.qos, eus),
+    for (k, &scale) in scales.iter().enumerate() {
+        eprintln!("rate {}/{} ...", k + 1, scales.len());
+        let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ scale.to_bits());
+        let arrivals: Vec<Vec<f64>> =
+            weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
+        let offered = scale * wsum * hz;
+        let rows = vec![
+            summarize(
+                "vNPU",
+                scale / sat_vnpu,
+                &simulate_vnpu(&board, &ws, &arrivals, args.seconds * hz),
+                &ws,
+                args.qos,
+                eus,
+                hz,
+            ),
+            summarize(
+                "PREMA-ckpt",
+                scale / sat_prema,
+                &simulate_prema(&board, &ws, &arrivals, switch, args.margin, args.seconds * hz),
+                &ws,
+                args.qos,
+                eus,
+                hz,
+            ),
+            summarize(
+                "PREMA-drain",
+                scale / sat_prema,
+                &simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY, args.seconds * hz),
+                &ws,
+                args.qos,
+                eus,
+                hz,
+            ),
         ];
         for r in &rows {
             println!(
-                "{load:>5} {:<12} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>7.1}% {:>8}",
+                "{offered:>9.0} {:<11} {:>6.2} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>7.1}% {:>8}{}",
                 r.system,
+                r.load,
                 r.throughput,
                 100.0 * r.util,
                 r.avg * 1e6,
                 r.p99 * 1e6,
                 r.fairness,
                 100.0 * r.sla_rate,
-                r.switches
+                r.switches,
+                if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
+        let ratios = Ratios::of(&rows);
         println!(
-            "{:>5} vNPU / PREMA-like: throughput {:.2}x, EU utilization {:.2}x",
-            "",
-            rows[0].throughput / rows[1].throughput,
-            rows[0].util / rows[1].util
+            "{:>9} vNPU / best PREMA-like: throughput {:.2}x, EU utilization {:.2}x, p99 {:.2}x lower",
+            "", ratios.throughput, ratios.util, ratios.p99
         );
         let n: usize = arrivals.iter().map(Vec::len).sum();
-        results.push((load, n, rows));
+        results.push((offered, n, rows));
     }
-    // Throughput at the SLA: the highest offered load at which every
+    // Throughput at the SLA: the highest offered rate at which every
     // tenant's p99 is within its bound.
-    println!("\nthroughput at the SLA (highest load above with every tenant's p99 within its bound):");
+    println!(
+        "\nthroughput at the SLA (highest offered rate above with every tenant's p99 within its bound):"
+    );
     let mut at_sla = Vec::new();
-    for s in 0..2 {
+    let systems = results.first().map_or(0, |r| r.2.len());
+    let mut best_rps = vec![0.0f64; systems];
+    for s in 0..systems {
         let best = results.iter().filter(|(_, _, rows)| rows[s].sla_met).max_by(|a, b| a.0.total_cmp(&b.0));
         let name = results.first().map_or("", |r| r.2[s].system);
         match best {
-            Some((load, _, rows)) => {
-                println!("  {name:<12} load {load}: {:.0} req/s", rows[s].throughput);
-                at_sla.push(
-                    serde_json::json!({"system": name, "load": load, "throughput_rps": rows[s].throughput}),
+            Some((offered, _, rows)) => {
+                println!(
+                    "  {name:<11} {offered:.0}/s offered (load {:.2}): {:.0} req/s",
+                    rows[s].load, rows[s].throughput
                 );
+                best_rps[s] = rows[s].throughput;
+                at_sla.push(serde_json::json!({"system": name, "offered_rps": offered, "load": rows[s].load,
+                    "throughput_rps": rows[s].throughput}));
             }
             None => {
-                println!("  {name:<12} none of the loads");
-                at_sla.push(serde_json::json!({"system": name, "load": null, "throughput_rps": 0.0}));
+                println!("  {name:<11} none of the rates");
+                at_sla.push(serde_json::json!({"system": name, "offered_rps": null, "throughput_rps": 0.0}));
             }
         }
     }
+    let base = best_rps.iter().skip(1).copied().fold(0.0, f64::max);
+    if base > 0.0 {
+        println!("  ratio vNPU / best PREMA-like: {:.2}x", best_rps.first().copied().unwrap_or(0.0) / base);
+    }
+    if let Some(path) = &args.svg {
+        let series = |f: fn(&Row) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+            (0..systems)
+                .map(|s| {
+                    let name = results.first().map_or("", |r| r.2[s].system).to_string();
+                    (name, results.iter().map(|(o, _, rows)| (o / 1e3, f(&rows[s]))).collect())
+                })
+                .collect()
+        };
+        let x = "offered rate (thousand requests/s)".to_string();
+        let panels = [
+            Panel {
+                title: "throughput".into(),
+                x_label: x.clone(),
+                y_label: "completed (thousand requests/s)".into(),
+                log_y: false,
+                series: series(|r| r.throughput / 1e3),
+            },
+            Panel {
+                title: "p99 latency (all requests)".into(),
+                x_label: x.clone(),
+                y_label: "p99 latency (us, log)".into(),
+                log_y: true,
+                series: series(|r| r.p99 * 1e6),
+            },
+            Panel {
+                title: "busy-EU utilization".into(),
+                x_label: x,
+                y_label: "active SA+VU time / (8 EUs x time) (%)".into(),
+                log_y: false,
+                series: series(|r| 100.0 * r.util),
+            },
+        ];
+        line_plots(path, &panels)?;
+    }
     if let Some(path) = &args.json {
         let sys = |r: &Row| {
-            serde_json::json!({"system": r.system, "throughput_rps": r.throughput, "eu_utilization": r.util,
-                "avg_latency_s": r.avg, "p99_latency_s": r.p99, "fairness": r.fairness,
-                "context_switches": r.switches, "sla_satisfaction": r.sla_rate, "sla_met": r.sla_met,
-                "tenant_p99_latency_s": r.tenants_p99})
+            serde_json::json!({"system": r.system, "load": r.load, "throughput_rps": r.throughput,
+                "eu_utilization": r.util, "avg_latency_s": r.avg, "p99_latency_s": r.p99,
+                "fairness": r.fairness, "context_switches": r.switches, "sla_satisfaction": r.sla_rate,
+                "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed})
         };
         let v = serde_json::json!({
-            "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin, "context_switch_s": switch,
-            "tenants": ws.iter().map(|w| serde_json::json!({"name": w.name, "t_1sa_1vu_s": w.t11,
-                "t_1sa_1vu_colocated_s": w.t11_shared, "t_4sa_4vu_s": w.t44,
-                "sla_latency_s": args.qos * w.t44})).collect::<Vec<_>>(),
-            "loads": results.iter().map(|(load, n, rows)| serde_json::json!({
-                "load": load, "requests": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
-                "throughput_ratio": rows[0].throughput / rows[1].throughput,
-                "eu_utilization_ratio": rows[0].util / rows[1].util,
+            "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin,
+            "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
+            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "PREMA-like": sat_prema * wsum * hz},
+            "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
+                "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": args.qos * w.t44 / hz,
+                "rate_share": x / wsum})).collect::<Vec<_>>(),
+            "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
+                "offered_rps": offered, "requests": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
+                "vs_best_baseline": {"throughput_ratio": Ratios::of(rows).throughput,
+                    "eu_utilization_ratio": Ratios::of(rows).util, "p99_lower_ratio": Ratios::of(rows).p99},
             })).collect::<Vec<_>>(),
             "throughput_at_sla": at_sla,
         });
@@ -465,32 +736,78 @@ fn main() {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+    use vnpu_abi::{Engine, Instr, ProgramBuilder, UnOp};
 
-    fn w(name: &str, t11: f64, t44: f64) -> Workload {
-        Workload { name: name.into(), t11, t11_shared: t11, t44, eu11: t11, eu44: t44 }
+    /// `n` exp passes over 1 Mi elements on VU 0: compute only, so times
+    /// add up by hand (each pass the same cycles, nothing shared).
+    fn vu_work(n: usize) -> Program {
+        let mut p = ProgramBuilder::new();
+        for _ in 0..n {
+            p.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
+        }
+        p.finish()
+    }
+
+    fn workload(board: &BoardConfig, name: &str, n11: usize, n44: usize) -> Workload {
+        let (p11, p44) = (vu_work(n11), vu_work(n44));
+        let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
+        Workload { name: name.into(), t11: t(&p11), t44: t(&p44), p11, p44 }
     }
 
     #[test]
-    fn a_short_request_preempts_a_long_one_once_its_tokens_pay_for_the_switch() {
-        let ws = [w("long", 4e-3, 2e-3), w("short", 10e-6, 10e-6)];
-        // The long request starts at 0; the short one arrives at 100 us.
-        let o = prema(&ws, &[vec![0.0], vec![100e-6]], 40e-6, 1.0);
-        assert_eq!(o.switches, 1);
-        let short = o.latencies[1][0];
-        // Waits until its tokens exceed the long one's by switch / 10 us = 4,
-        // then pays half a switch (checkpoint) and runs.
-        assert!(short > 40e-6 && short < 100e-6, "{short}");
-        // The long one is delayed by the checkpoint, the short run and its restore.
-        assert!((o.latencies[0][0] - (2e-3 + 20e-6 + 10e-6 + 20e-6)).abs() < 1e-9, "{:?}", o.latencies);
+    fn each_vnpu_serves_its_tenants_requests_in_order_beside_the_others() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "a", 4, 1), workload(&board, "b", 8, 2)];
+        let pass = ws[0].t11 / 4.0;
+        // a: two requests at 0 (the second queues behind the first), one
+        // long after; b: one at 0, running beside a's on its own VU.
+        let o = simulate_vnpu(&board, &ws, &[vec![0.0, 0.0, 100.0 * pass], vec![0.0]], 1e12);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        let (a, b) = (&o.latencies[0], &o.latencies[1]);
+        assert!(close(a[0], 4.0 * pass) && close(a[1], 8.0 * pass) && close(a[2], 4.0 * pass), "{a:?}");
+        assert!(close(b[0], 8.0 * pass), "{b:?}");
+        assert!(close(o.end, 104.0 * pass), "{}", o.end);
+        assert_eq!((o.switches, o.failed), (0, 0));
     }
 
     #[test]
-    fn without_contention_the_spatial_system_is_one_fifo_per_tenant() {
-        let ws = [w("a", 1.0, 0.5), w("b", 2.0, 1.0)];
-        let o = spatial(&ws, &[vec![0.0, 0.5, 5.0], vec![0.0]]);
-        assert_eq!(o.latencies, vec![vec![1.0, 1.5, 1.0], vec![2.0]]);
-        assert_eq!(o.makespan, 6.0);
+    fn the_prema_core_runs_one_request_at_a_time_and_a_short_one_preempts_a_long_one() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
+        let pass = ws[1].t44;
+        // No preemption between equals: two long requests at 0 run one
+        // after the other on the whole core.
+        let o = simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], 10.0 * pass, 0.0, 1e12);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
         assert_eq!(o.switches, 0);
+        // A short request arriving mid-way has more tokens at once (its
+        // isolated time is 400 times shorter): the long one stops at the
+        // end of its current pass, is checkpointed (5 passes), the short
+        // one runs (1 pass), the long one is restored (5 passes) and ends.
+        let switch = 10.0 * pass;
+        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0, 1e12);
+        assert_eq!(o.switches, 1);
+        // Tokens overtake a moment after the arrival; the long one drains
+        // the pass it is in (until 101 passes).
+        let short = o.latencies[1][0];
+        assert!(close(short, (101.0 + 5.0 + 1.0 - 100.5) * pass), "short: {short} vs pass {pass}");
+        assert!(close(o.latencies[0][0], (400.0 + 11.0) * pass), "long: {}", o.latencies[0][0]);
+        assert!(close(o.eu_cycles, 401.0 * pass), "{} vs {}", o.eu_cycles, 401.0 * pass);
+    }
+
+    #[test]
+    fn saturation_is_where_the_busiest_vnpu_or_the_whole_core_is_always_busy() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "a", 2, 1), workload(&board, "b", 8, 4)];
+        let w = [1.0, 1.0];
+        // vNPU: b's vNPU saturates first at 1 / t11(b) per cycle.
+        let s = saturation_vnpu(&board, &ws, &w, 20);
+        assert!((s * ws[1].t11 - 1.0).abs() < 1e-6, "{s} vs {}", 1.0 / ws[1].t11);
+        // PREMA-like: one of each per t44(a) + t44(b).
+        let p = saturation_prema(&ws, &w);
+        assert!((p * (ws[0].t44 + ws[1].t44) - 1.0).abs() < 1e-12);
     }
 }
