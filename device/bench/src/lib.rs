@@ -2,6 +2,30 @@
 
 use std::time::Instant;
 
+use npu_model::{CoreMemory, SimTenant};
+use vnpu_abi::Program;
+
+/// One request of an arrival stream on a simulated core, timing only:
+/// which tenant sent it, when it arrived (cycles) and its program.
+#[derive(Debug)]
+pub struct Request<'p> {
+    pub tenant: usize,
+    pub arrival: f64,
+    pub program: &'p Program,
+}
+
+impl SimTenant for Request<'_> {
+    fn program(&self) -> &Program {
+        self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        None
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        None
+    }
+}
+
 /// Runs `f` once to warm up, then `runs` times; returns the median seconds.
 pub fn median_seconds(runs: usize, mut f: impl FnMut()) -> f64 {
     f();

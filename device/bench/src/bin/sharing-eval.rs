@@ -34,8 +34,8 @@
 
 use std::collections::VecDeque;
 
-use npu_bench::{fail, line_plots, loads, p99, positive, seed, Panel, Rng};
-use npu_model::{run_program, BoardConfig, CoreMemory, CoreSim, SimTenant, TenantReport};
+use npu_bench::{fail, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
+use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
 
@@ -72,25 +72,6 @@ struct Workload {
     /// Cycles of one request alone on each.
     t11: f64,
     t44: f64,
-}
-
-/// One request on a simulated core (timing only).
-struct Request<'p> {
-    tenant: usize,
-    arrival: f64,
-    program: &'p Program,
-}
-
-impl SimTenant for Request<'_> {
-    fn program(&self) -> &Program {
-        self.program
-    }
-    fn memory(&mut self) -> Option<CoreMemory<'_>> {
-        None
-    }
-    fn max_cycles(&self) -> Option<u64> {
-        None
-    }
 }
 
 #[derive(Debug, Default, Clone)]

@@ -23,8 +23,8 @@
 //!
 //! `cargo build --release -p npu-bench && target/release/slo-eval [--load 0.3,0.5,0.7,0.9] [--seconds 0.5] [--seed 1] [--json out.json]`
 
-use npu_bench::{fail, loads, p99, positive, seed, Rng};
-use npu_model::{BoardConfig, CoreMemory, CoreSim, SimTenant};
+use npu_bench::{fail, loads, p99, positive, seed, Request, Rng};
+use npu_model::{BoardConfig, CoreSim};
 use npu_scheduler::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatcher, Pending,
 };
@@ -75,25 +75,6 @@ struct Outcome {
     eu_cycles: f64,
     waited: usize,
     preempted: usize,
-}
-
-/// One request on the simulated core.
-struct Request<'p> {
-    tenant: usize,
-    arrival: f64,
-    program: &'p Program,
-}
-
-impl SimTenant for Request<'_> {
-    fn program(&self) -> &Program {
-        self.program
-    }
-    fn memory(&mut self) -> Option<CoreMemory<'_>> {
-        None
-    }
-    fn max_cycles(&self) -> Option<u64> {
-        None
-    }
 }
 
 fn simulate(
