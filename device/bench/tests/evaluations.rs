@@ -46,6 +46,11 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 assert!(x.is_finite() && x > 0.0, "{name}: {k} = {x}");
             }
             assert!(s["fairness"].as_f64().unwrap() <= 1.0 + 1e-9, "{name}");
+            // No request beats its isolated whole-core time here (NCF's
+            // 1+1 time equals it; the others' are longer): ANTT >= 1, STP
+            // at most the number of tenants.
+            let (antt, stp) = (s["antt"].as_f64().unwrap(), s["stp"].as_f64().unwrap());
+            assert!(antt >= 1.0 - 1e-9 && stp > 0.0 && stp <= 4.0 + 1e-9, "{name}: ANTT {antt} STP {stp}");
             assert!((0.0..=1.0).contains(&s["sla_satisfaction"].as_f64().unwrap()), "{name}");
             assert_eq!(s["failed"], 0, "{name}");
             let load = s["load"].as_f64().unwrap();

@@ -387,6 +387,12 @@ struct Row {
     avg: f64,
     p99: f64,
     fairness: f64,
+    /// Average normalized turnaround time (mean over tenants of average
+    /// latency / isolated whole-core time; lower is better) and system
+    /// throughput (sum over tenants of its inverse; higher is better), as
+    /// PREMA and Planaria define them.
+    antt: f64,
+    stp: f64,
     switches: u64,
     sla_rate: f64,
     /// Every tenant's p99 within its bound.
@@ -457,6 +463,8 @@ fn summarize(
         .map(|(l, w)| w.t44 / (l.iter().sum::<f64>() / l.len() as f64))
         .collect();
     let fairness = np.iter().copied().fold(f64::INFINITY, f64::min) / np.iter().copied().fold(0.0, f64::max);
+    let antt = np.iter().map(|x| 1.0 / x).sum::<f64>() / np.len().max(1) as f64;
+    let stp = np.iter().sum::<f64>();
     let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l) / hz).collect();
     let sla_met = o.latencies.iter().zip(ws).all(|(l, w)| p99(l) <= qos * w.t44);
     Row {
@@ -471,6 +479,8 @@ fn summarize(
         avg: avg / hz,
         p99: p99(&all) / hz,
         fairness,
+        antt,
+        stp,
         switches: o.switches,
         sla_rate: within as f64 / done.max(1) as f64,
         sla_met,
@@ -545,7 +555,7 @@ fn run() -> Result<(), String> {
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
     let eus = f64::from(board.core.sa_count + board.core.vu_count);
     println!(
-        "\n{:>9} {:<11} {:>6} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "\n{:>9} {:<11} {:>6} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8} {:>8}",
         "offered/s",
         "system",
         "load",
@@ -554,6 +564,8 @@ fn run() -> Result<(), String> {
         "avg us",
         "p99 us",
         "fairness",
+        "ANTT",
+        "STP",
         "in SLA",
         "switches"
     );
@@ -595,7 +607,7 @@ fn run() -> Result<(), String> {
         ];
         for r in &rows {
             println!(
-                "{offered:>9.0} {:<11} {:>6.2} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>7.1}% {:>8}{}",
+                "{offered:>9.0} {:<11} {:>6.2} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>8.1} {:>6.2} {:>7.1}% {:>8}{}",
                 r.system,
                 r.load,
                 r.throughput,
@@ -603,6 +615,8 @@ fn run() -> Result<(), String> {
                 r.avg * 1e6,
                 r.p99 * 1e6,
                 r.fairness,
+                r.antt,
+                r.stp,
                 100.0 * r.sla_rate,
                 r.switches,
                 if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
@@ -686,7 +700,7 @@ fn run() -> Result<(), String> {
         let sys = |r: &Row| {
             serde_json::json!({"system": r.system, "load": r.load, "throughput_rps": r.throughput,
                 "eu_utilization": r.util, "avg_latency_s": r.avg, "p99_latency_s": r.p99,
-                "fairness": r.fairness, "context_switches": r.switches, "sla_satisfaction": r.sla_rate,
+                "fairness": r.fairness, "antt": r.antt, "stp": r.stp, "context_switches": r.switches, "sla_satisfaction": r.sla_rate,
                 "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed})
         };
         let v = serde_json::json!({
@@ -763,6 +777,15 @@ mod tests {
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
         assert_eq!(o.switches, 0);
+        // Normalized progress of "long": 400 passes alone / 600 on average;
+        // "short" sent nothing and does not count.
+        let r = summarize("PREMA", 0.5, &o, &ws, 10.0, 8.0, 1.0);
+        assert!(
+            close(r.antt, 1.5) && close(r.stp, 2.0 / 3.0) && close(r.fairness, 1.0),
+            "{} {}",
+            r.antt,
+            r.stp
+        );
         // A short request arriving mid-way has more tokens at once (its
         // isolated time is 400 times shorter): the long one stops at the
         // end of its current pass, is checkpointed (5 passes), the short
