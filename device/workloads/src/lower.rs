@@ -1170,6 +1170,24 @@ impl Lowerer {
 
 /// Lowers `graph` for a vNPU core of `shape`.
 pub fn lower(graph: &Graph, shape: VnpuShape) -> Result<Lowered, LowerError> {
+    lower_ops(graph, 0..graph.ops.len(), shape)
+}
+
+/// Lowers operation `index` of `graph` alone for a vNPU core of `shape`:
+/// an operator-level task. Tensors are placed in HBM exactly as [`lower`]
+/// places them whatever the shape, and a task leaves nothing in SRAM for
+/// the next one (its outputs are in HBM when it ends), so the tasks of one
+/// request can run one after the other on different shapes: the engines a
+/// scheduler hands out at each operation boundary (`docs/workloads.md`).
+/// An index past the last operation gives an empty program.
+pub fn lower_op(graph: &Graph, index: usize, shape: VnpuShape) -> Result<Lowered, LowerError> {
+    let end = index.saturating_add(1).min(graph.ops.len());
+    lower_ops(graph, index.min(end)..end, shape)
+}
+
+/// Lowers the operations `ops` of `graph` (in order) for `shape`, with
+/// every tensor of the graph placed.
+fn lower_ops(graph: &Graph, ops: std::ops::Range<usize>, shape: VnpuShape) -> Result<Lowered, LowerError> {
     if shape.sa == 0 || shape.vu == 0 {
         return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
     }
@@ -1193,7 +1211,7 @@ pub fn lower(graph: &Graph, shape: VnpuShape) -> Result<Lowered, LowerError> {
         deferred: VecDeque::new(),
         live: Vec::new(),
     };
-    for op in &graph.ops {
+    for op in graph.ops.get(ops).unwrap_or_default() {
         l.op(op)?;
     }
     l.flush();
