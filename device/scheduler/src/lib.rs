@@ -157,12 +157,18 @@ pub struct Dispatcher<J> {
 }
 
 /// What one [`Dispatcher::dispatch`] pass did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Dispatched {
     /// Requests placed that had waited for engines.
     pub waited: u64,
     /// Running requests suspended for a more urgent one.
     pub preempted: u64,
+    /// (simulation id, when its engines are free: now plus what it had in
+    /// flight) of each request suspended.
+    pub suspended: Vec<(usize, f64)>,
+    /// (simulation id, when it issues again) of each suspended request
+    /// resumed.
+    pub resumed: Vec<(usize, f64)>,
 }
 
 impl<J> Default for Dispatcher<J> {
@@ -209,7 +215,9 @@ impl<J: SimTenant> Dispatcher<J> {
         for r in victims {
             let (id, p) = self.running.swap_remove(r);
             sim.suspend(id);
-            drain = drain.max(sim.drain_cycles(id));
+            let own = sim.drain_cycles(id);
+            drain = drain.max(own);
+            out.suspended.push((id, sim.now() + own));
             self.suspended.push((id, p));
             out.preempted += 1;
         }
@@ -229,7 +237,9 @@ impl<J: SimTenant> Dispatcher<J> {
             if i >= n_waiting {
                 // A suspended request goes on where it stopped.
                 let (id, p) = self.suspended.remove(i - n_waiting);
-                sim.resume(id, delay(true));
+                let d = delay(true);
+                sim.resume(id, d);
+                out.resumed.push((id, sim.now() + d));
                 self.running.push((id, p));
                 continue;
             }

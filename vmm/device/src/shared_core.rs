@@ -347,6 +347,10 @@ fn engine(inner: &Inner) {
     // next request.
     let mut replied: Vec<(usize, String)> = Vec::new();
     let waiting = |d: &[Dispatcher<Job>]| d.iter().any(|d| d.waiting().next().is_some());
+    // Per core, (simulation id, engines free, issuing again) of every
+    // suspension of a request still on the core: its busy interval leaves
+    // them out (infinity: not resumed yet).
+    let mut gaps: Vec<Vec<(usize, f64, f64)>> = vec![Vec::new(); n];
     loop {
         // Sleep until there is something to do.
         let fresh = {
@@ -411,6 +415,13 @@ fn engine(inner: &Inner) {
                 log.waited += pass.waited;
                 log.preempted += pass.preempted;
             }
+            let Some(g) = gaps.get_mut(c) else { continue };
+            g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
+            for (id, at) in pass.resumed {
+                if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
+                    open.2 = at;
+                }
+            }
         }
         for (c, (id, job, r)) in done {
             if let Some(d) = dispatchers.get_mut(c) {
@@ -418,8 +429,29 @@ fn engine(inner: &Inner) {
             }
             let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
             let begin = job.begin.min(end);
+            // Its busy intervals: from its start to its end, less the
+            // times it was suspended.
+            let mut mine: Vec<(f64, f64)> = Vec::new();
+            if let Some(g) = gaps.get_mut(c) {
+                mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2.min(end))).collect();
+                g.retain(|x| x.0 != id);
+            }
+            mine.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let mut runs = Vec::new();
+            let mut from = begin;
+            for (stop, again) in mine {
+                if stop > from {
+                    runs.push((from, stop.min(end)));
+                }
+                from = from.max(again);
+            }
+            if end > from || runs.is_empty() {
+                runs.push((from.min(end), end));
+            }
             if let Some(log) = q.cores.get_mut(c) {
-                log.log.push(Interval { tenant: job.tenant.clone(), start: begin, end });
+                for (start, stop) in runs {
+                    log.log.push(Interval { tenant: job.tenant.clone(), start, end: stop });
+                }
                 log.requests += 1;
                 if job.claim.slo_cycles > 0 {
                     log.slo_requests += 1;
@@ -527,6 +559,42 @@ mod tests {
         assert_eq!((st.requests, st.waited), (2, 0));
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
         core.stop();
+    }
+
+    /// A preempted request is not busy while it is suspended: two
+    /// whole-core tenants that preempt each other never count as running
+    /// at once. (A request on core 1 finishing early is what lets the
+    /// urgent one arrive while the long one runs on core 0.)
+    #[test]
+    fn a_suspended_request_is_not_counted_busy() {
+        let board = BoardConfig::default();
+        let shared = SharedBoard::with_gather(&board, "board-preempt", Duration::from_secs(2)).unwrap();
+        let (c0, c1) = (shared.core(0).unwrap(), shared.core(1).unwrap());
+        let whole =
+            |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority, slo_cycles: 0 };
+        shared.pause();
+        let long = submit_copies(&c0, "long", whole(0), 64);
+        let early = submit_copies(&c1, "early", whole(0), 1);
+        shared.resume();
+        assert!(early.join().unwrap().1.is_ok());
+        // The board waits for "early" to submit again; first the urgent one.
+        let urgent = submit_copies(&c0, "urgent", whole(9), 1);
+        let again = run_copies(&c1, "early", whole(0), 1);
+        let (urgent, long) = (urgent.join().unwrap(), long.join().unwrap());
+        assert!(again.1.is_ok() && urgent.1.is_ok() && long.1.is_ok());
+        assert!(
+            urgent.3 < long.3,
+            "the urgent request ended at {} after the long one ({})",
+            urgent.3,
+            long.3
+        );
+        let st = c0.stats();
+        assert_eq!((st.requests, st.preempted), (2, 1));
+        assert_eq!(st.overlap_cycles, 0.0, "{st:?}");
+        // The long one's busy time leaves its suspension out.
+        let busy = |t: &str| st.tenants.iter().find(|x| x.0 == t).map_or(f64::NAN, |x| x.1);
+        assert!(busy("long") < long.3 - long.2 - (urgent.3 - urgent.2), "{st:?} {long:?}");
+        shared.stop();
     }
 
     /// The cores of one board share the chip's HBM: four cores streaming
