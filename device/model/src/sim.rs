@@ -718,12 +718,6 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
     fn has_errors(&self) -> bool {
         self.slots.iter().flatten().any(|ts| ts.error.is_some())
     }
-
-    /// HBM shares the tenants of this core hold under
-    /// `hbm.partition = "equal"`.
-    fn shares(&self) -> usize {
-        self.shares
-    }
 }
 
 /// A transfer that moves data now: which run, whose, its own cap and
@@ -758,7 +752,7 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
     let n_chips = chips.iter().copied().max().map_or(1, |m| m + 1);
     let mut chip_shares = vec![0usize; n_chips];
     for (c, core) in cores.iter().enumerate() {
-        chip_shares[chip_of(c)] += core.shares();
+        chip_shares[chip_of(c)] += core.shares;
     }
     let board_shares: usize = chip_shares.iter().sum::<usize>().max(1);
     let mut capacity: Vec<f64> = Vec::new();
@@ -782,7 +776,7 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
         }
         HbmPartition::Equal => {
             for (c, core) in cores.iter_mut().enumerate() {
-                let n = core.shares().max(1) as f64;
+                let n = core.shares as f64;
                 let on_chip = chip_shares[chip_of(c)].max(1) as f64;
                 let first = capacity.len();
                 let mut tenants: Vec<usize> = Vec::new();

@@ -33,6 +33,13 @@ fn rel(a: f64, b: f64) -> f64 {
     ((a - b) / b).abs()
 }
 
+/// Every one of `cycles` is `expect` (relative 1e-9; NaN fails).
+fn all_take(cycles: &[f64], expect: f64, who: &str) {
+    for (i, c) in cycles.iter().enumerate() {
+        assert!(rel(*c, expect) < 1e-9, "{who} {i}: {c} cycles, expected {expect} (all: {cycles:?})");
+    }
+}
+
 const MIB: u32 = 1 << 20;
 
 /// HBM -> SRAM, 4 MiB: DMA-bound (400 GB/s engine, 1.2 TB/s HBM).
@@ -69,9 +76,7 @@ fn one_dma_engine_serves_two_tenants_at_half_rate_each() {
     // One engine, two transfers in flight: each gets half of it (800 GB/s
     // of HBM demand is under the 1.2 TB/s the chip has).
     let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (engine / 2.0);
-    for (i, c) in both.iter().enumerate() {
-        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect} (alone {solo})");
-    }
+    all_take(&both, expect, "tenant");
     // About twice as long as alone (the fixed latencies are not shared).
     assert!(both[0] / solo > 1.95 && both[0] / solo < 2.0, "{} / {solo}", both[0]);
 }
@@ -82,18 +87,14 @@ fn two_dma_engines_give_two_tenants_full_rate_until_hbm_is_the_limit() {
     cfg.core.dma_engines = 2;
     let solo = alone(&cfg, &hbm_read());
     let both = together(&cfg, &[hbm_read(), hbm_read()]);
-    for (i, c) in both.iter().enumerate() {
-        assert!(rel(*c, solo) < 1e-9, "tenant {i}: {c} cycles, alone {solo}");
-    }
+    all_take(&both, solo, "tenant");
     // Four tenants on four engines want 1.6 TB/s; HBM has 1.2 TB/s, so each
     // gets a quarter of it.
     cfg.core.dma_engines = 4;
     let hbm = cfg.hbm_bytes_per_cycle();
     let four = together(&cfg, &[hbm_read(), hbm_read(), hbm_read(), hbm_read()]);
     let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0);
-    for (i, c) in four.iter().enumerate() {
-        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect}");
-    }
+    all_take(&four, expect, "tenant");
 }
 
 #[test]
@@ -106,9 +107,7 @@ fn the_host_link_is_shared_even_with_an_engine_each() {
     assert!(rel(solo, expect_solo) < 1e-9, "alone: {solo}, expected {expect_solo}");
     let both = together(&cfg, &[guest_read(), guest_read()]);
     let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 2.0);
-    for (i, c) in both.iter().enumerate() {
-        assert!(rel(*c, expect) < 1e-9, "tenant {i}: {c} cycles, expected {expect}");
-    }
+    all_take(&both, expect, "tenant");
     // A guest read and an HBM read on two engines: the HBM reader is not
     // held back by the link it does not use.
     let mixed = together(&cfg, &[guest_read(), hbm_read()]);
@@ -205,9 +204,7 @@ fn the_host_link_is_shared_by_the_cores_of_the_board() {
     assert!(rel(solo, expect_solo) < 1e-9, "alone: {solo}, expected {expect_solo}");
     let three = on_cores(&cfg, &[(0, guest_read()), (1, guest_read()), (3, guest_read())], 1);
     let expect = fixed(&cfg, false, true) + f64::from(MIB) / (link / 3.0);
-    for (i, c) in three.iter().enumerate() {
-        assert!(rel(*c, expect) < 1e-9, "core {i}: {c} cycles, expected {expect} (alone {solo})");
-    }
+    all_take(&three, expect, "core");
     // A guest-DMA-heavy tenant slows by about 3x (the fixed latency is
     // its own).
     assert!(three[2] / solo > 2.9 && three[2] / solo < 3.0, "{} / {solo}", three[2]);
@@ -223,15 +220,11 @@ fn hbm_is_shared_by_the_cores_of_a_chip_and_not_across_chips() {
     let chip0: Vec<(usize, Program)> = (0..4).map(|c| (c, hbm_read())).collect();
     let four = on_cores(&cfg, &chip0, 1);
     let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0);
-    for (i, c) in four.iter().enumerate() {
-        assert!(rel(*c, expect) < 1e-9, "core {i}: {c} cycles, expected {expect} (alone {solo})");
-    }
+    all_take(&four, expect, "core");
     // Two cores on each chip want 800 GB/s of each chip's 1.2 TB/s: no
     // contention, every transfer at its engine's rate.
     let split = on_cores(&cfg, &[(0, hbm_read()), (1, hbm_read()), (4, hbm_read()), (5, hbm_read())], 1);
-    for (i, c) in split.iter().enumerate() {
-        assert!(rel(*c, solo) < 1e-9, "transfer {i}: {c} cycles, alone {solo}");
-    }
+    all_take(&split, solo, "transfer");
 }
 
 #[test]

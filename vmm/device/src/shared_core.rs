@@ -429,25 +429,12 @@ fn engine(inner: &Inner) {
             }
             let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
             let begin = job.begin.min(end);
-            // Its busy intervals: from its start to its end, less the
-            // times it was suspended.
             let mut mine: Vec<(f64, f64)> = Vec::new();
             if let Some(g) = gaps.get_mut(c) {
-                mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2.min(end))).collect();
+                mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
                 g.retain(|x| x.0 != id);
             }
-            mine.sort_by(|a, b| a.0.total_cmp(&b.0));
-            let mut runs = Vec::new();
-            let mut from = begin;
-            for (stop, again) in mine {
-                if stop > from {
-                    runs.push((from, stop.min(end)));
-                }
-                from = from.max(again);
-            }
-            if end > from || runs.is_empty() {
-                runs.push((from.min(end), end));
-            }
+            let runs = busy_intervals(begin, end, mine);
             if let Some(log) = q.cores.get_mut(c) {
                 for (start, stop) in runs {
                     log.log.push(Interval { tenant: job.tenant.clone(), start, end: stop });
@@ -473,6 +460,24 @@ fn engine(inner: &Inner) {
             let _ = job.reply.send((job.mem, r, begin, end));
         }
     }
+}
+
+/// A request's busy intervals: from `begin` to `end`, less its
+/// suspensions (engines free, issuing again; infinity: never resumed).
+fn busy_intervals(begin: f64, end: f64, mut gaps: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    gaps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut runs = Vec::new();
+    let mut from = begin;
+    for (stop, again) in gaps {
+        if stop > from {
+            runs.push((from, stop.min(end)));
+        }
+        from = from.max(again.min(end));
+    }
+    if end > from || runs.is_empty() {
+        runs.push((from.min(end), end));
+    }
+    runs
 }
 
 #[cfg(test)]

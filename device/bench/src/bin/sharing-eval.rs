@@ -141,16 +141,49 @@ fn simulate_vnpu(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>]) ->
     o
 }
 
-/// A request of the PREMA-like core that is not running: waiting for its
-/// first start or suspended.
+/// A request of the PREMA-like core that is not running.
 struct Waiting<'p> {
-    req: Option<Request<'p>>,
     arrival: f64,
-    /// Its simulation id once it has started.
-    id: Option<usize>,
-    /// Cycles it has run (its isolated time minus this estimates what is
-    /// left, as PREMA's scheduler does).
+    stage: Stage<'p>,
+}
+
+enum Stage<'p> {
+    /// Not started yet.
+    New(Request<'p>),
+    /// Suspended: its simulation id and the cycles it has run (its
+    /// isolated time minus these estimates what is left, as PREMA's
+    /// scheduler does).
+    Suspended { id: usize, executed: f64 },
+}
+
+/// The request on the PREMA-like core.
+#[derive(Clone, Copy)]
+struct Running {
+    tenant: usize,
+    arrival: f64,
+    id: usize,
+    /// Cycles it ran before this run.
     executed: f64,
+    /// When this run started issuing.
+    since: f64,
+}
+
+/// Queues, in its tenant's queue, every request of `arrivals` that has
+/// arrived by `now` (`next`: each tenant's first request not queued yet).
+fn admit<'p>(
+    queues: &mut [VecDeque<Waiting<'p>>],
+    arrivals: &[Vec<f64>],
+    next: &mut [usize],
+    ws: &'p [Workload],
+    now: f64,
+) {
+    for (i, q) in queues.iter_mut().enumerate() {
+        while let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
+            next[i] += 1;
+            let req = Request { tenant: i, arrival, program: &ws[i].p44 };
+            q.push_back(Waiting { arrival, stage: Stage::New(req) });
+        }
+    }
 }
 
 /// The PREMA-like system: one request at a time on the whole core,
@@ -170,9 +203,7 @@ fn simulate_prema(
     // front of its tenant's queue (it is that tenant's oldest: it had the
     // most tokens, and a tenant's oldest request has the most).
     let mut queues: Vec<VecDeque<Waiting<'_>>> = (0..n).map(|_| VecDeque::new()).collect();
-    // The running request: (tenant, arrival, sim id, executed before this
-    // run, when this run started issuing).
-    let mut running: Option<(usize, f64, usize, f64, f64)> = None;
+    let mut running: Option<Running> = None;
     let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) / ws[tenant].t44;
     let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
         (0..n)
@@ -181,16 +212,10 @@ fn simulate_prema(
     };
     loop {
         let now = sim.now();
-        for (i, q) in queues.iter_mut().enumerate() {
-            while let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
-                next[i] += 1;
-                let req = Request { tenant: i, arrival, program: &ws[i].p44 };
-                q.push_back(Waiting { req: Some(req), arrival, id: None, executed: 0.0 });
-            }
-        }
+        admit(&mut queues, arrivals, &mut next, ws, now);
         let next_arrival =
             (0..n).filter_map(|i| arrivals[i].get(next[i]).copied()).fold(f64::INFINITY, f64::min);
-        let Some((tenant, arrival, id, executed, since)) = running else {
+        let Some(run) = running else {
             // Start (or restore) the waiter with the most tokens.
             if let Some((i, _)) = best(&queues, now) {
                 if let Some(w) = queues[i].pop_front() {
@@ -207,6 +232,7 @@ fn simulate_prema(
         // The next decision: an arrival, or the moment a waiter's tokens
         // overtake the running request's (only a shorter request's tokens
         // grow faster).
+        let Running { tenant, arrival, id, executed, since } = run;
         let tr = ws[tenant].t44;
         let mut decide = next_arrival;
         for (i, q) in queues.iter().enumerate() {
@@ -235,13 +261,7 @@ fn simulate_prema(
             // a request runs); never spin.
             break;
         }
-        for (i, q) in queues.iter_mut().enumerate() {
-            while let Some(&a) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
-                next[i] += 1;
-                let req = Request { tenant: i, arrival: a, program: &ws[i].p44 };
-                q.push_back(Waiting { req: Some(req), arrival: a, id: None, executed: 0.0 });
-            }
-        }
+        admit(&mut queues, arrivals, &mut next, ws, now);
         let ran = executed + (now - since).max(0.0);
         let Some((k, tk)) = best(&queues, now) else { continue };
         let ahead = tk > tokens(tenant, arrival, now) + margin * switch / ws[k].t44;
@@ -250,12 +270,12 @@ fn simulate_prema(
             sim.suspend(id);
             let drain = sim.drain_cycles(id);
             o.switches += 1;
-            queues[tenant].push_front(Waiting { req: None, arrival, id: Some(id), executed: ran });
+            queues[tenant].push_front(Waiting { arrival, stage: Stage::Suspended { id, executed: ran } });
             if let Some(w) = queues[k].pop_front() {
                 running = Some(start(&mut sim, w, k, switch, drain + switch / 2.0));
             }
         } else {
-            running = Some((tenant, arrival, id, executed, since));
+            running = Some(run);
         }
     }
     o
@@ -269,20 +289,18 @@ fn start<'p>(
     tenant: usize,
     switch: f64,
     delay: f64,
-) -> (usize, f64, usize, f64, f64) {
+) -> Running {
     let now = sim.now();
-    match (w.id, w.req) {
-        (Some(id), _) => {
+    match w.stage {
+        Stage::Suspended { id, executed } => {
             let d = delay + switch / 2.0;
             sim.resume(id, d);
-            (tenant, w.arrival, id, w.executed, now + d)
+            Running { tenant, arrival: w.arrival, id, executed, since: now + d }
         }
-        (None, Some(req)) => {
+        Stage::New(req) => {
             let id = sim.add(req, delay);
-            (tenant, w.arrival, id, 0.0, now + delay)
+            Running { tenant, arrival: w.arrival, id, executed: 0.0, since: now + delay }
         }
-        // A waiter has a request or an id; keep the books straight anyway.
-        (None, None) => (tenant, w.arrival, usize::MAX, w.executed, now),
     }
 }
 
@@ -416,20 +434,13 @@ impl Ratios {
             return Self { throughput: f64::NAN, util: f64::NAN, p99: f64::NAN };
         };
         // NaN-propagating max / min (a NaN in any row makes the ratio NaN).
-        let max = |f: fn(&Row) -> f64| {
-            base.iter().map(f).fold(f64::NEG_INFINITY, |a, b| {
-                if a.is_nan() || b.is_nan() {
-                    f64::NAN
-                } else {
-                    a.max(b)
-                }
-            })
-        };
-        let min = |f: fn(&Row) -> f64| {
+        let best = |f: fn(&Row) -> f64, pick: fn(f64, f64) -> f64, start: f64| {
             base.iter()
                 .map(f)
-                .fold(f64::INFINITY, |a, b| if a.is_nan() || b.is_nan() { f64::NAN } else { a.min(b) })
+                .fold(start, |a, b| if a.is_nan() || b.is_nan() { f64::NAN } else { pick(a, b) })
         };
+        let max = |f| best(f, f64::max, f64::NEG_INFINITY);
+        let min = |f| best(f, f64::min, f64::INFINITY);
         Self {
             throughput: us.throughput / max(|r| r.throughput),
             util: us.util / max(|r| r.util),
@@ -576,35 +587,14 @@ fn run() -> Result<(), String> {
         let arrivals: Vec<Vec<f64>> =
             weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
         let offered = scale * wsum * hz;
-        let rows = vec![
-            summarize(
-                "vNPU",
-                scale / sat_vnpu,
-                &simulate_vnpu(&board, &ws, &arrivals),
-                &ws,
-                args.qos,
-                eus,
-                hz,
-            ),
-            summarize(
-                "PREMA-ckpt",
-                scale / sat_prema,
-                &simulate_prema(&board, &ws, &arrivals, switch, args.margin),
-                &ws,
-                args.qos,
-                eus,
-                hz,
-            ),
-            summarize(
-                "PREMA-drain",
-                scale / sat_prema,
-                &simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY),
-                &ws,
-                args.qos,
-                eus,
-                hz,
-            ),
-        ];
+        let rows: Vec<Row> = [
+            ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
+            ("PREMA-ckpt", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, args.margin)),
+            ("PREMA-drain", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY)),
+        ]
+        .iter()
+        .map(|(name, load, o)| summarize(name, *load, o, &ws, args.qos, eus, hz))
+        .collect();
         for r in &rows {
             println!(
                 "{offered:>9.0} {:<11} {:>6.2} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>8.1} {:>6.2} {:>7.1}% {:>8}{}",
