@@ -57,6 +57,10 @@ pub struct EngineStats {
     pub stall_cycles: f64,
     pub flops: u64,
     pub bytes: u64,
+    /// Bytes of the transfers that touch HBM (a provider's HBM counter).
+    pub hbm_bytes: u64,
+    /// Bytes of the transfers that touch guest memory (over the host link).
+    pub host_bytes: u64,
 }
 
 /// Sums over engines.
@@ -68,6 +72,8 @@ pub struct Totals {
     pub stall_cycles: f64,
     pub flops: u64,
     pub bytes: u64,
+    pub hbm_bytes: u64,
+    pub host_bytes: u64,
     pub instructions: u64,
 }
 
@@ -81,6 +87,8 @@ impl Totals {
         self.stall_cycles += e.stall_cycles;
         self.flops += e.flops;
         self.bytes += e.bytes;
+        self.hbm_bytes += e.hbm_bytes;
+        self.host_bytes += e.host_bytes;
         self.instructions += e.instructions;
     }
 }
@@ -290,6 +298,8 @@ pub struct CoreSim<'c, J> {
     runs: Vec<Run>,
     /// Shares of HBM bandwidth under `hbm.partition = "equal"`.
     shares: usize,
+    /// What its tenants contend for (read from a board's first core).
+    contention: Contention,
 }
 
 impl<J> std::fmt::Debug for CoreSim<'_, J> {
@@ -305,7 +315,20 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
     /// An idle core at time 0. Under `hbm.partition = "equal"` each tenant
     /// owns `1 / shares` of the HBM bandwidth, used or not.
     pub fn new(cfg: &'c BoardConfig, shares: usize) -> Self {
-        Self { cfg, now: 0.0, slots: Vec::new(), runs: Vec::new(), shares: shares.max(1) }
+        Self {
+            cfg,
+            now: 0.0,
+            slots: Vec::new(),
+            runs: Vec::new(),
+            shares: shares.max(1),
+            contention: Contention::default(),
+        }
+    }
+
+    /// Which resources its tenants contend for (all, as on the hardware,
+    /// unless a what-if says otherwise).
+    pub fn set_contention(&mut self, contention: Contention) {
+        self.contention = contention;
     }
 
     /// Simulated cycles since the core started.
@@ -363,6 +386,8 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     stall_cycles: 0.0,
                     flops: 0,
                     bytes: 0,
+                    hbm_bytes: 0,
+                    host_bytes: 0,
                 },
                 rate: 0.0,
             });
@@ -543,6 +568,12 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                         State::Busy { until: now + cy }
                                     }
                                     Occupancy::Transfer { latency, first_byte, bytes, cap, hbm, host } => {
+                                        if hbm {
+                                            r.stats.hbm_bytes = r.stats.hbm_bytes.saturating_add(c.bytes);
+                                        }
+                                        if host {
+                                            r.stats.host_bytes = r.stats.host_bytes.saturating_add(c.bytes);
+                                        }
                                         let streaming = (now - r.last_transfer_end).abs() <= EPS;
                                         let lat = if streaming { latency } else { latency + first_byte };
                                         State::Transfer {
@@ -731,15 +762,59 @@ struct Demand {
     host: bool,
 }
 
+/// Which physical resources co-located tenants contend for. On the
+/// hardware, all of them (the default); turning one off gives every
+/// tenant a private copy of it at full capacity. A what-if that no board
+/// has: the interference characterization runs the same tenants with each
+/// combination to attribute a slowdown to each resource.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Contention {
+    /// The DMA engines of a core.
+    pub dma_engines: bool,
+    /// The HBM bandwidth of a chip.
+    pub hbm: bool,
+    /// The board's host link (transfers to and from guest memory).
+    pub host_link: bool,
+}
+
+impl Default for Contention {
+    fn default() -> Self {
+        Self { dma_engines: true, hbm: true, host_link: true }
+    }
+}
+
+/// Resource pools of one rate assignment, created on first use: a pool
+/// per key, so a shared resource's key names the core, chip or board and
+/// a private one's the tenant as well.
+#[derive(Default)]
+struct Pools {
+    keys: Vec<(u8, usize, usize)>,
+    capacity: Vec<f64>,
+}
+
+impl Pools {
+    fn get(&mut self, key: (u8, usize, usize), capacity: f64) -> usize {
+        match self.keys.iter().position(|k| *k == key) {
+            Some(i) => i,
+            None => {
+                self.keys.push(key);
+                self.capacity.push(capacity);
+                self.capacity.len() - 1
+            }
+        }
+    }
+}
+
 /// Sets the rates of every transfer in flight on `cores` (core `i` on chip
 /// `chips[i]`, all of one board): max-min over each core's DMA engines,
 /// each chip's HBM bandwidth and the board's host link, one pool of each
 /// (`hbm.partition = "shared"`), or, under `"equal"`, one share of each
 /// per tenant, used or not: `1/n` of its core's engines for the `n`
 /// shares of the core, of its chip's HBM for the shares of the chip, of
-/// the host link for the shares of the board.
+/// the host link for the shares of the board. A resource the cores'
+/// [`Contention`] leaves out is a private pool of full capacity per tenant.
 fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
-    let Some(cfg) = cores.first().map(|c| c.cfg) else { return };
+    let Some((cfg, contention)) = cores.first().map(|c| (c.cfg, c.contention)) else { return };
     if !cores.iter().any(|c| c.runs.iter().any(|r| matches!(r.state, State::Transfer { .. }))) {
         // Nothing to share (most events of compute-bound programs).
         return;
@@ -755,49 +830,50 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
         chip_shares[chip_of(c)] += core.shares;
     }
     let board_shares: usize = chip_shares.iter().sum::<usize>().max(1);
-    let mut capacity: Vec<f64> = Vec::new();
+    let equal = cfg.hbm.partition == HbmPartition::Equal;
+    let mut pools = Pools::default();
     let mut flows = Vec::new();
     let mut which = Vec::new();
-    match cfg.hbm.partition {
-        HbmPartition::Shared => {
-            // Engines of core c: c; HBM of chip h: cores + h; host link: last.
-            capacity.extend(std::iter::repeat_n(engines, cores.len()));
-            capacity.extend(std::iter::repeat_n(hbm, n_chips));
-            capacity.push(host);
-            let link = capacity.len() - 1;
-            let hbm_at = cores.len();
-            for (c, core) in cores.iter_mut().enumerate() {
-                for d in core.demands() {
-                    let uses = [Some(c), d.host.then_some(link), d.hbm.then_some(hbm_at + chip_of(c))];
-                    flows.push(Flow { cap: d.cap, uses });
-                    which.push((c, d.run));
+    for (c, core) in cores.iter_mut().enumerate() {
+        let chip = chip_of(c);
+        // Under "equal" every tenant has its share (a pool of its own);
+        // a resource without contention is the tenant's, whole.
+        let (engine_pool, hbm_pool, link_pool) = if equal {
+            let n = core.shares as f64;
+            let on_chip = chip_shares[chip].max(1) as f64;
+            let board = board_shares as f64;
+            (
+                if contention.dma_engines { engines / n } else { engines },
+                if contention.hbm { hbm / on_chip } else { hbm },
+                if contention.host_link { host / board } else { host },
+            )
+        } else {
+            (engines, hbm, host)
+        };
+        for d in core.demands() {
+            // A pool key: (resource, owner, tenant on core c or MAX).
+            let own = |shared: bool, owner: usize| {
+                if shared && !equal {
+                    (owner, usize::MAX)
+                } else {
+                    (c, d.tenant)
                 }
-            }
-        }
-        HbmPartition::Equal => {
-            for (c, core) in cores.iter_mut().enumerate() {
-                let n = core.shares as f64;
-                let on_chip = chip_shares[chip_of(c)].max(1) as f64;
-                let first = capacity.len();
-                let mut tenants: Vec<usize> = Vec::new();
-                for d in core.demands() {
-                    let t = match tenants.iter().position(|&t| t == d.tenant) {
-                        Some(t) => t,
-                        None => {
-                            tenants.push(d.tenant);
-                            capacity.extend([engines / n, host / board_shares as f64, hbm / on_chip]);
-                            tenants.len() - 1
-                        }
-                    };
-                    let at = first + 3 * t;
-                    let uses = [Some(at), d.host.then_some(at + 1), d.hbm.then_some(at + 2)];
-                    flows.push(Flow { cap: d.cap, uses });
-                    which.push((c, d.run));
-                }
-            }
+            };
+            let (o, t) = own(contention.dma_engines, c);
+            let e = pools.get((0, o, t), engine_pool);
+            let l = d.host.then(|| {
+                let (o, t) = own(contention.host_link, 0);
+                pools.get((1, o, t), link_pool)
+            });
+            let h = d.hbm.then(|| {
+                let (o, t) = own(contention.hbm, chip);
+                pools.get((2, o, t), hbm_pool)
+            });
+            flows.push(Flow { cap: d.cap, uses: [Some(e), l, h] });
+            which.push((c, d.run));
         }
     }
-    for ((c, run), rate) in which.into_iter().zip(max_min_rates(&flows, &capacity)) {
+    for ((c, run), rate) in which.into_iter().zip(max_min_rates(&flows, &pools.capacity)) {
         cores[c].set_rate(run, rate);
     }
 }
@@ -896,6 +972,12 @@ impl<'c, J: SimTenant> BoardSim<'c, J> {
     /// No tenant is on any core.
     pub fn is_idle(&self) -> bool {
         self.cores.iter().all(CoreSim::is_idle)
+    }
+
+    /// Which resources the tenants of all cores contend for (all, as on
+    /// the hardware, unless a what-if says otherwise).
+    pub fn set_contention(&mut self, contention: Contention) {
+        self.cores.iter_mut().for_each(|c| c.set_contention(contention));
     }
 
     /// As [`CoreSim::step_until`] for every core at once: stops when a

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::config::HbmPartition;
-use npu_model::{run_core, run_program, BoardConfig, BoardSim, Tenant};
+use npu_model::{run_core, run_program, BoardConfig, BoardSim, Contention, Tenant};
 use vnpu_abi::*;
 
 /// One transfer of `bytes` bytes from `src` to `dst` on the tenant's DMA
@@ -173,7 +173,18 @@ fn equal_partition_splits_every_shared_resource() {
 /// Cycles of each program when `placed[i]` runs alone on core `i` of a
 /// [`BoardSim`] of `cfg` (timing only); `shares` HBM shares per core.
 fn on_cores(cfg: &BoardConfig, placed: &[(usize, Program)], shares: usize) -> Vec<f64> {
+    on_cores_with(cfg, placed, shares, Contention::default())
+}
+
+/// As [`on_cores`], contending only for what `contention` says.
+fn on_cores_with(
+    cfg: &BoardConfig,
+    placed: &[(usize, Program)],
+    shares: usize,
+    contention: Contention,
+) -> Vec<f64> {
     let mut board: BoardSim<'_, Tenant<'_, '_>> = BoardSim::new(cfg);
+    board.set_contention(contention);
     for c in 0..board.len() {
         board.core(c).unwrap().set_shares(shares);
     }
@@ -247,4 +258,60 @@ fn equal_partition_gives_each_share_of_the_board_its_part_of_the_link_used_or_no
     let c = on_cores(&cfg, &[(1, hbm_read())], 3)[0];
     let expect = fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 12.0);
     assert!(rel(c, expect) < 1e-9, "hbm share: {c}, expected {expect}");
+}
+
+#[test]
+fn a_resource_left_out_of_contention_is_each_tenants_own() {
+    let none = Contention { dma_engines: false, hbm: false, host_link: false };
+    let only = |dma_engines, hbm, host_link| Contention { dma_engines, hbm, host_link };
+    let mut cfg = BoardConfig::default();
+    (cfg.chips, cfg.cores_per_chip) = (1, 4);
+    let solo = on_cores(&cfg, &[(0, hbm_read())], 1)[0];
+    // Two HBM readers on core 0's one engine: half rate each when they
+    // contend for it, their solo time when each has an engine of its own.
+    let two = [(0, hbm_read()), (0, hbm_read())];
+    let contended = on_cores_with(&cfg, &two, 1, only(true, false, false));
+    all_take(
+        &contended,
+        fixed(&cfg, true, false) + f64::from(4 * MIB) / (cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps) / 2.0),
+        "engine-bound",
+    );
+    all_take(&on_cores_with(&cfg, &two, 1, only(false, true, true)), solo, "private engines");
+    // Four cores' readers: HBM is the limit (1.6 TB/s asked of 1.2) unless
+    // each has HBM of its own.
+    let four: Vec<(usize, Program)> = (0..4).map(|c| (c, hbm_read())).collect();
+    let hbm = cfg.hbm_bytes_per_cycle();
+    all_take(
+        &on_cores_with(&cfg, &four, 1, only(false, true, false)),
+        fixed(&cfg, true, false) + f64::from(4 * MIB) / (hbm / 4.0),
+        "hbm-bound",
+    );
+    all_take(&on_cores_with(&cfg, &four, 1, only(true, false, true)), solo, "private hbm");
+    // Three guest readers on three cores: a third of the link each, or
+    // all of it when it is private.
+    let guest_solo = on_cores(&cfg, &[(3, guest_read())], 1)[0];
+    let three = [(0, guest_read()), (1, guest_read()), (3, guest_read())];
+    let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
+    all_take(
+        &on_cores_with(&cfg, &three, 1, only(false, false, true)),
+        fixed(&cfg, false, true) + f64::from(MIB) / (link / 3.0),
+        "link-bound",
+    );
+    all_take(&on_cores_with(&cfg, &three, 1, only(true, true, false)), guest_solo, "private link");
+    all_take(&on_cores_with(&cfg, &three, 1, none), guest_solo, "nothing shared");
+}
+
+#[test]
+fn transfers_count_their_hbm_and_guest_bytes() {
+    let cfg = BoardConfig::default();
+    let t = run_program(&cfg, &hbm_read(), None, None).unwrap().totals();
+    assert_eq!((t.bytes, t.hbm_bytes, t.host_bytes), (u64::from(4 * MIB), u64::from(4 * MIB), 0));
+    let t = run_program(&cfg, &guest_read(), None, None).unwrap().totals();
+    assert_eq!((t.bytes, t.hbm_bytes, t.host_bytes), (u64::from(MIB), 0, u64::from(MIB)));
+    let both = one_transfer(Addr::guest(0), Addr::hbm(0), MIB);
+    let t = run_program(&cfg, &both, None, None).unwrap().totals();
+    assert_eq!((t.bytes, t.hbm_bytes, t.host_bytes), (u64::from(MIB), u64::from(MIB), u64::from(MIB)));
+    let sram = one_transfer(Addr::sram(0), Addr::sram(64), 64);
+    let t = run_program(&cfg, &sram, None, None).unwrap().totals();
+    assert_eq!((t.bytes, t.hbm_bytes, t.host_bytes), (64, 0, 0));
 }
