@@ -1,0 +1,274 @@
+//! Tenants in a closed loop on a simulated board: each sends one
+//! inference request after another (input from guest memory over the host
+//! link, the workload's program, output back to guest memory) while the
+//! others do the same, so every request meets the others' whole programs
+//! at every phase. What they contend for is the board model's
+//! ([`npu_model::BoardSim`]): each core's DMA engines, each chip's HBM,
+//! the board's host link; tenants of one time-shared group also wait for
+//! each other's engines (one request of the group at a time, round robin).
+
+use npu_model::{BoardConfig, BoardSim, Contention, CoreMemory, ExecError, SimTenant, Totals};
+use npu_workloads::{lower_workload, RunError, RunOptions};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder};
+
+/// Why a co-run could not be made or finish.
+#[derive(Debug, Error)]
+pub enum CoRunError {
+    #[error("{workload} batch {batch} on {sa} SA + {vu} VU: {source}")]
+    Lower { workload: String, batch: u32, sa: u32, vu: u32, source: Box<RunError> },
+    #[error("{workload}: its input or output ({bytes} bytes) is larger than one DMA descriptor moves")]
+    TooLarge { workload: String, bytes: u64 },
+    #[error("tenant {tenant} placed on core {core}; the board has {cores} cores")]
+    NoCore { tenant: usize, core: usize, cores: usize },
+    #[error("tenant {tenant} ({workload}) failed: {source}")]
+    Exec { tenant: usize, workload: String, source: ExecError },
+    #[error("the simulation stopped with requests unfinished (a model bug)")]
+    Stuck,
+}
+
+/// A tenant: which workload at which batch on which vNPU shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Spec {
+    pub workload: String,
+    pub batch: u32,
+    pub sa: u32,
+    pub vu: u32,
+}
+
+impl std::fmt::Display for Spec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} b{} {}+{}", self.workload, self.batch, self.sa, self.vu)
+    }
+}
+
+/// The three programs of one request of a tenant.
+#[derive(Clone, Debug)]
+pub struct RequestPrograms {
+    pub spec: Spec,
+    /// Guest memory -> HBM: the input tensor.
+    pub input: Program,
+    /// The workload, HBM to HBM.
+    pub body: Program,
+    /// HBM -> guest memory: the output tensor.
+    pub output: Program,
+}
+
+fn copy(src: Addr, dst: Addr, bytes: u64, workload: &str) -> Result<Program, CoRunError> {
+    let row_bytes =
+        u32::try_from(bytes).map_err(|_| CoRunError::TooLarge { workload: workload.to_string(), bytes })?;
+    let mut b = ProgramBuilder::new();
+    b.push(Engine::DMA, Instr::DmaCopy { src, dst, rows: 1, row_bytes, src_stride: 0, dst_stride: 0 });
+    Ok(b.finish())
+}
+
+impl RequestPrograms {
+    /// Lowers `spec` for a vNPU of its shape with the core's SRAM and HBM
+    /// in proportion to its EUs (what a tenant of that shape is given).
+    pub fn lower(cfg: &BoardConfig, spec: &Spec) -> Result<Self, CoRunError> {
+        let eus = u64::from(cfg.core.sa_count + cfg.core.vu_count).max(1);
+        let mine = u64::from(spec.sa + spec.vu);
+        let hbm_core = cfg.hbm_bytes_per_chip() / u64::from(cfg.cores_per_chip.max(1));
+        // SRAM in whole 2 MiB slices, as the manager allocates it.
+        let slice = 2u64 << 20;
+        let sram = (cfg.sram_bytes() * mine / eus / slice).max(1) * slice;
+        let o = RunOptions {
+            sram_bytes: Some(sram),
+            hbm_bytes: Some(hbm_core * mine / eus),
+            sa: spec.sa,
+            vu: spec.vu,
+            ..RunOptions::timing(spec.workload.clone(), spec.batch)
+        };
+        let lower_err = |source| CoRunError::Lower {
+            workload: spec.workload.clone(),
+            batch: spec.batch,
+            sa: spec.sa,
+            vu: spec.vu,
+            source: Box::new(source),
+        };
+        let (lowered, _, _) = lower_workload(cfg, &o).map_err(lower_err)?;
+        let input = &lowered.tensors[lowered.input];
+        let output = &lowered.tensors[lowered.output];
+        Ok(Self {
+            spec: spec.clone(),
+            input: copy(Addr::guest(0), Addr::hbm(input.offset), input.elems * 4, &spec.workload)?,
+            body: lowered.program,
+            output: copy(Addr::hbm(output.offset), Addr::guest(0), output.elems * 4, &spec.workload)?,
+        })
+    }
+
+    fn phase(&self, phase: usize) -> &Program {
+        match phase {
+            0 => &self.input,
+            1 => &self.body,
+            _ => &self.output,
+        }
+    }
+}
+
+/// A tenant placed on the board: on `core`, and in time-shared `group`
+/// (tenants of one group use the same engines: one request at a time).
+#[derive(Clone, Copy, Debug)]
+pub struct Placed<'p> {
+    pub request: &'p RequestPrograms,
+    pub core: usize,
+    pub group: Option<usize>,
+}
+
+/// What one tenant measured: every request it finished while all tenants
+/// were sending theirs (a tenant with short requests finishes many while a
+/// long one finishes its few, and so meets every phase of it), but the
+/// first (a warm-up: all first requests start together at time 0).
+#[derive(Clone, Debug, Default)]
+pub struct Measured {
+    /// Mean cycles from a request's start (its previous one's end) to its
+    /// end, waiting for a time-shared group's turn included.
+    pub latency: f64,
+    /// Mean cycles of those requests spent waiting for the group's turn.
+    pub waiting: f64,
+    /// Requests it finished.
+    pub requests: usize,
+    /// Counters of those requests, summed over their three programs.
+    pub totals: Totals,
+}
+
+struct Job<'p> {
+    tenant: usize,
+    program: &'p Program,
+}
+
+impl SimTenant for Job<'_> {
+    fn program(&self) -> &Program {
+        self.program
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        None
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        None
+    }
+}
+
+fn add_totals(a: &mut Totals, b: &Totals) {
+    a.sa_active_cycles += b.sa_active_cycles;
+    a.vu_active_cycles += b.vu_active_cycles;
+    a.dma_active_cycles += b.dma_active_cycles;
+    a.stall_cycles += b.stall_cycles;
+    a.flops += b.flops;
+    a.bytes += b.bytes;
+    a.hbm_bytes += b.hbm_bytes;
+    a.host_bytes += b.host_bytes;
+    a.instructions += b.instructions;
+}
+
+#[derive(Default)]
+struct State {
+    /// Its first request has ended (the warm-up: every tenant's first
+    /// starts at time 0, in step, an alignment no later request has).
+    warm: bool,
+    done: usize,
+    phase: usize,
+    /// When its current request started (its previous one ended).
+    since: f64,
+    /// When it got its group's turn for the current request.
+    turn: f64,
+    latency: f64,
+    waiting: f64,
+    totals: Totals,
+}
+
+/// Runs `tenants` together on a board of `cfg`, contending for what
+/// `contention` says, until each has finished `iterations` requests after
+/// its first (every tenant keeps sending until the last one is done, and
+/// all its finished requests but the first count); returns what each
+/// measured, in order.
+pub fn closed_loop<'p>(
+    cfg: &BoardConfig,
+    tenants: &[Placed<'p>],
+    contention: Contention,
+    iterations: usize,
+) -> Result<Vec<Measured>, CoRunError> {
+    let iterations = iterations.max(1);
+    let mut board: BoardSim<'_, Job<'p>> = BoardSim::new(cfg);
+    board.set_contention(contention);
+    let cores = board.len();
+    for (tenant, t) in tenants.iter().enumerate() {
+        if t.core >= cores {
+            return Err(CoRunError::NoCore { tenant, core: t.core, cores });
+        }
+    }
+    let mut state: Vec<State> = tenants.iter().map(|_| State::default()).collect();
+    // Per time-shared group, the tenants waiting for their turn in order.
+    let mut queues: Vec<(usize, std::collections::VecDeque<usize>)> = Vec::new();
+    let start = |board: &mut BoardSim<'_, Job<'p>>, tenant: usize, phase: usize| {
+        let t = &tenants[tenant];
+        if let Some(core) = board.core(t.core) {
+            core.add(Job { tenant, program: t.request.phase(phase) }, 0.0);
+        }
+    };
+    for (tenant, t) in tenants.iter().enumerate() {
+        match t.group {
+            Some(g) => match queues.iter_mut().find(|(k, _)| *k == g) {
+                Some((_, q)) => q.push_back(tenant),
+                None => {
+                    queues.push((g, std::collections::VecDeque::new()));
+                    start(&mut board, tenant, 0);
+                }
+            },
+            None => start(&mut board, tenant, 0),
+        }
+    }
+    while state.iter().any(|s| s.done < iterations) {
+        let finished = board.step();
+        if finished.is_empty() {
+            return Err(CoRunError::Stuck);
+        }
+        let now = board.now();
+        for (_, (_, job, report)) in finished {
+            let tenant = job.tenant;
+            let report = report.map_err(|source| CoRunError::Exec {
+                tenant,
+                workload: tenants[tenant].request.spec.workload.clone(),
+                source,
+            })?;
+            let s = &mut state[tenant];
+            add_totals(&mut s.totals, &report.totals());
+            if s.phase < 2 {
+                s.phase += 1;
+                start(&mut board, tenant, s.phase);
+                continue;
+            }
+            // A request ended: count it (after the first, which started
+            // in step with every other tenant's), send the next one.
+            if s.warm {
+                s.latency += now - s.since;
+                s.waiting += s.turn - s.since;
+                s.done += 1;
+            }
+            s.warm = true;
+            s.phase = 0;
+            s.since = now;
+            s.turn = now;
+            let next = match tenants[tenant].group {
+                Some(g) => match queues.iter_mut().find(|(k, _)| *k == g) {
+                    Some((_, q)) => {
+                        q.push_back(tenant);
+                        q.pop_front().unwrap_or(tenant)
+                    }
+                    None => tenant,
+                },
+                None => tenant,
+            };
+            state[next].turn = now;
+            start(&mut board, next, 0);
+        }
+    }
+    Ok(state
+        .into_iter()
+        .map(|s| {
+            let n = s.done.max(1) as f64;
+            Measured { latency: s.latency / n, waiting: s.waiting / n, requests: s.done, totals: s.totals }
+        })
+        .collect())
+}
