@@ -1,4 +1,4 @@
-//! Every pair (and triple) of workloads co-located on the board model,
+//! Every pair (and triple, quadruple) of workloads co-located on the board model,
 //! each tenant's slowdown against running alone, and the share of it each
 //! cause accounts for: contention for the DMA engines of a core, for the
 //! HBM of a chip, for the board's host link, and waiting for the engines
@@ -244,15 +244,18 @@ pub struct Plan {
     /// vNPU shapes (SA, VU); every tenant of a case has the same.
     pub shapes: Vec<(u32, u32)>,
     pub placements: Vec<Placement>,
-    /// Batch of the triples (one of every three distinct workloads).
-    pub triple_batch: Option<u32>,
+    /// Sizes of the larger groups (3: every triple of distinct
+    /// workloads, 4: every quadruple, ...), all at `group_batch`.
+    pub groups: Vec<usize>,
+    pub group_batch: u32,
     pub iterations: usize,
     pub threads: usize,
 }
 
 /// Every case of `plan` that fits a core of `cfg`: every pair of (workload,
 /// batch) items, a workload with itself included, per shape and placement;
-/// then every triple of distinct workloads at the triple batch.
+/// then every group of distinct workloads of each size of `plan.groups`
+/// at the group batch (placements `core` and `chip`).
 pub fn cases(cfg: &BoardConfig, plan: &Plan) -> Vec<Case> {
     let mut out = Vec::new();
     for &(sa, vu) in &plan.shapes {
@@ -270,24 +273,46 @@ pub fn cases(cfg: &BoardConfig, plan: &Plan) -> Vec<Case> {
                     }
                 }
             }
-            let Some(batch) = plan.triple_batch else { continue };
-            let w = &plan.workloads;
-            for i in 0..w.len() {
-                for j in i + 1..w.len() {
-                    for k in j + 1..w.len() {
-                        let tenants: Vec<Spec> = [i, j, k]
-                            .iter()
-                            .map(|&x| Spec { workload: w[x].clone(), batch, sa, vu })
-                            .collect();
-                        if placement != Placement::TimeShared && placement.fits(cfg, &tenants) {
-                            out.push(Case { placement, tenants });
-                        }
+            if placement == Placement::TimeShared {
+                continue;
+            }
+            for &size in &plan.groups {
+                for pick in combinations(plan.workloads.len(), size) {
+                    let tenants: Vec<Spec> = pick
+                        .iter()
+                        .map(|&x| Spec {
+                            workload: plan.workloads[x].clone(),
+                            batch: plan.group_batch,
+                            sa,
+                            vu,
+                        })
+                        .collect();
+                    if placement.fits(cfg, &tenants) {
+                        out.push(Case { placement, tenants });
                     }
                 }
             }
         }
     }
     out
+}
+
+/// Every `k`-subset of `0..n`, in lexicographic order.
+fn combinations(n: usize, k: usize) -> Vec<Vec<usize>> {
+    if k == 0 || k > n {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut pick: Vec<usize> = (0..k).collect();
+    loop {
+        out.push(pick.clone());
+        // The rightmost index that can still move right.
+        let Some(i) = (0..k).rev().find(|&i| pick[i] < n - k + i) else { return out };
+        pick[i] += 1;
+        for j in i + 1..k {
+            pick[j] = pick[j - 1] + 1;
+        }
+    }
 }
 
 /// Runs every case of `plan` on `threads` threads; `progress` is called
@@ -355,7 +380,8 @@ fn shares<'a>(t: impl Iterator<Item = &'a TenantOutcome>) -> [f64; 4] {
         }
     }
     let total: f64 = sum.iter().sum();
-    sum.map(|s| if total > 0.0 { 100.0 * s / total } else { 0.0 })
+    // Rounding leaves shares of -1e-14 (printed -0.0): under 0.05% is 0.
+    sum.map(|s| if total > 0.0 && (s / total).abs() >= 5e-4 { 100.0 * s / total } else { 0.0 })
 }
 
 /// A text summary: per placement and shape, the slowdowns and the share of
@@ -413,7 +439,9 @@ pub fn summary(m: &Matrix) -> String {
         .iter()
         .filter(|c| c.placement != Placement::TimeShared)
         .flat_map(|c| {
-            c.tenants.iter().enumerate().map(move |(i, t)| {
+            // A workload with itself: one line, not two.
+            let twin = |i: usize| c.tenants[..i].iter().any(|o| o.spec == c.tenants[i].spec);
+            c.tenants.iter().enumerate().filter(move |(i, _)| !twin(*i)).map(move |(i, t)| {
                 let others: Vec<String> = c
                     .tenants
                     .iter()
@@ -479,6 +507,15 @@ mod tests {
         for (r, (x, y)) in a.iter().zip(b).enumerate() {
             assert!((x - y).abs() < 1e-12, "resource {r}: {x} expected {y} (all {a:?})");
         }
+    }
+
+    #[test]
+    fn combinations_are_every_subset_once() {
+        assert_eq!(combinations(4, 2), [[0, 1], [0, 2], [0, 3], [1, 2], [1, 3], [2, 3]]);
+        assert_eq!(combinations(7, 3).len(), 35);
+        assert_eq!(combinations(7, 4).len(), 35);
+        assert_eq!(combinations(3, 3), [[0, 1, 2]]);
+        assert!(combinations(2, 3).is_empty() && combinations(3, 0).is_empty());
     }
 
     #[test]

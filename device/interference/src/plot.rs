@@ -102,8 +102,8 @@ pub fn heat_maps(m: &Matrix, path: &str) -> Result<(), PlotError> {
         let mut chart = ChartBuilder::on(&area)
             .caption(&panel.title, ("sans-serif", 16))
             .margin(10)
-            .x_label_area_size(90)
-            .y_label_area_size(90)
+            .x_label_area_size(40)
+            .y_label_area_size(100)
             .build_cartesian_2d((0..n).into_segmented(), (0..n).into_segmented())
             .map_err(|e| err(&e))?;
         let name = |v: &SegmentValue<i32>| match v {
@@ -112,16 +112,29 @@ pub fn heat_maps(m: &Matrix, path: &str) -> Result<(), PlotError> {
             }
             SegmentValue::Last => String::new(),
         };
+        // Columns by number (the row of the same number names it).
+        let number = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) if (*i as usize) < panel.items.len() => {
+                format!("{}", i + 1)
+            }
+            _ => String::new(),
+        };
+        let named = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(i) | SegmentValue::Exact(i) if (*i as usize) < panel.items.len() => {
+                format!("{} ({})", name(v), i + 1)
+            }
+            _ => String::new(),
+        };
         chart
             .configure_mesh()
             .disable_mesh()
             .x_labels(n as usize)
             .y_labels(n as usize)
-            .x_label_formatter(&name)
-            .y_label_formatter(&name)
-            .x_label_style(("sans-serif", 11).into_font().transform(FontTransform::Rotate90))
+            .x_label_formatter(&number)
+            .y_label_formatter(&named)
+            .x_label_style(("sans-serif", 10))
             .y_label_style(("sans-serif", 11))
-            .x_desc("neighbour")
+            .x_desc("neighbour (the row of that number)")
             .y_desc("tenant (its slowdown)")
             .draw()
             .map_err(|e| err(&e))?;

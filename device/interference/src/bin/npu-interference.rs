@@ -1,5 +1,5 @@
 //! Interference between co-located vNPUs: characterize every pair and
-//! triple of workloads on the board model, then train and cross-validate
+//! group of workloads on the board model, then train and cross-validate
 //! predictors of the slowdown from solo counters (docs/interference.md).
 
 use std::path::PathBuf;
@@ -20,7 +20,7 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Co-locate every pair (and triple) of workloads, measure each
+    /// Co-locate every pair (and triple, quadruple) of workloads, measure each
     /// tenant's slowdown against running alone and split it by cause
     /// (DMA engines, HBM, host link, waiting for a time-shared core's
     /// engines).
@@ -42,9 +42,13 @@ enum Command {
         /// each on one chip), time-shared (the same EUs, in turn).
         #[arg(long, value_delimiter = ',', default_values = ["core", "chip", "time-shared"])]
         placements: Vec<Placement>,
-        /// Batch of the triples of distinct workloads; 0: no triples.
+        /// Sizes of the larger groups of distinct workloads (3: every
+        /// triple, 4: every quadruple); `--groups` alone: pairs only.
+        #[arg(long, value_delimiter = ',', num_args = 0.., default_values_t = [3usize, 4])]
+        groups: Vec<usize>,
+        /// Batch of every tenant of the larger groups.
         #[arg(long, default_value_t = 8)]
-        triple_batch: u32,
+        group_batch: u32,
         /// Requests each tenant of a co-run finishes after its first (a
         /// warm-up); the others keep sending until the last is done.
         #[arg(long, default_value_t = 2)]
@@ -56,6 +60,16 @@ enum Command {
         /// as JSON here.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Draw the pair heat maps into an SVG file here.
+        #[arg(long)]
+        svg: Option<PathBuf>,
+    },
+    /// Print the summary of a characterization's matrix again, and draw
+    /// its heat maps.
+    Report {
+        /// The matrix written by `characterize --json`.
+        #[arg(long)]
+        matrix: PathBuf,
         /// Draw the pair heat maps into an SVG file here.
         #[arg(long)]
         svg: Option<PathBuf>,
@@ -94,6 +108,11 @@ fn write(path: &PathBuf, text: &str) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
+fn read_matrix(path: &PathBuf) -> Result<Matrix, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: not a matrix: {e}", path.display()))
+}
+
 fn run(cli: Cli) -> Result<(), String> {
     match cli.command {
         Command::Characterize {
@@ -102,7 +121,8 @@ fn run(cli: Cli) -> Result<(), String> {
             batches,
             shapes,
             placements,
-            triple_batch,
+            groups,
+            group_batch,
             iterations,
             threads,
             json,
@@ -117,7 +137,7 @@ fn run(cli: Cli) -> Result<(), String> {
             if let Some(w) = workloads.iter().find(|w| !all.contains(w)) {
                 return Err(format!("unknown workload `{w}` (known: {})", all.join(", ")));
             }
-            if batches.contains(&0) {
+            if batches.contains(&0) || group_batch == 0 {
                 return Err("batch sizes start at 1".into());
             }
             let plan = Plan {
@@ -125,7 +145,8 @@ fn run(cli: Cli) -> Result<(), String> {
                 batches,
                 shapes: shapes.iter().map(|s| shape(s)).collect::<Result<_, _>>()?,
                 placements,
-                triple_batch: (triple_batch > 0).then_some(triple_batch),
+                groups,
+                group_batch,
                 iterations,
                 threads,
             };
@@ -138,7 +159,7 @@ fn run(cli: Cli) -> Result<(), String> {
             let m = characterize(&cfg, &plan, &progress).map_err(|e| e.to_string())?;
             print!("{}", summary(&m));
             if let Some(p) = json {
-                let text = serde_json::to_string_pretty(&m).map_err(|e| e.to_string())?;
+                let text = serde_json::to_string(&m).map_err(|e| e.to_string())?;
                 write(&p, &text)?;
             }
             if let Some(p) = svg {
@@ -146,11 +167,16 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
+        Command::Report { matrix, svg } => {
+            let m = read_matrix(&matrix)?;
+            print!("{}", summary(&m));
+            if let Some(p) = svg {
+                heat_maps(&m, &p.display().to_string()).map_err(|e| e.to_string())?;
+            }
+            Ok(())
+        }
         Command::Predict { matrix, trees, seed, json } => {
-            let text = std::fs::read_to_string(&matrix)
-                .map_err(|e| format!("cannot read {}: {e}", matrix.display()))?;
-            let m: Matrix = serde_json::from_str(&text)
-                .map_err(|e| format!("{}: not a matrix: {e}", matrix.display()))?;
+            let m = read_matrix(&matrix)?;
             let r = cross_validate(&m, &[Model::Mean, Model::Linear, Model::Forest { trees, seed }])
                 .map_err(|e| e.to_string())?;
             println!("{} tenants, {} workload pairs held out one at a time", r.samples, r.folds);
