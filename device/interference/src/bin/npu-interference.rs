@@ -185,17 +185,20 @@ fn run(cli: Cli) -> Result<(), String> {
                 "model", "MSE", "MSE/var", "max err", "core MSE", "chip MSE", "time-sh. MSE", "choices"
             );
             for e in &r.models {
-                let at =
-                    |p: Placement| e.per_placement.iter().find(|x| x.0 == p).map_or(f64::NAN, |x| x.1.mse);
+                // A placement the matrix has no pairs of: n/a.
+                let at = |p: Placement, digits: usize| match e.per_placement.iter().find(|x| x.0 == p) {
+                    Some((_, x)) if x.tenants > 0 => format!("{:.*}", digits, x.mse),
+                    _ => "n/a".to_string(),
+                };
                 println!(
-                    "{:<24} {:>10.5} {:>8.3} {:>8.3}   {:>10.5} {:>10.5} {:>12.3}   {:>7.1}%",
+                    "{:<24} {:>10.5} {:>8.3} {:>8.3}   {:>10} {:>10} {:>12}   {:>7.1}%",
                     e.name,
                     e.concurrent.mse,
                     e.concurrent.normalized_mse,
                     e.concurrent.max_abs_error,
-                    at(Placement::Core),
-                    at(Placement::Chip),
-                    at(Placement::TimeShared),
+                    at(Placement::Core, 5),
+                    at(Placement::Chip, 5),
+                    at(Placement::TimeShared, 3),
                     100.0 * e.choice_accuracy
                 );
             }
