@@ -176,8 +176,16 @@ pub fn line_plots(path: &str, panels: &[Panel]) -> Result<(), String> {
     let n = panels.len().max(1) as u32;
     let root = SVGBackend::new(path, (520 * n, 420)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let colors =
-        [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+    let colors = [
+        RGBColor(31, 119, 180),
+        RGBColor(214, 39, 40),
+        RGBColor(44, 160, 44),
+        RGBColor(148, 103, 189),
+        RGBColor(255, 127, 14),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
     for (panel, area) in panels.iter().zip(root.split_evenly((1, n as usize))) {
         let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite() && (!panel.log_y || p.1 > 0.0);
         let pts = || panel.series.iter().flat_map(|s| s.1.iter().filter(|p| ok(p)));
