@@ -150,18 +150,6 @@ impl SimTenant for Job<'_> {
     }
 }
 
-fn add_totals(a: &mut Totals, b: &Totals) {
-    a.sa_active_cycles += b.sa_active_cycles;
-    a.vu_active_cycles += b.vu_active_cycles;
-    a.dma_active_cycles += b.dma_active_cycles;
-    a.stall_cycles += b.stall_cycles;
-    a.flops += b.flops;
-    a.bytes += b.bytes;
-    a.hbm_bytes += b.hbm_bytes;
-    a.host_bytes += b.host_bytes;
-    a.instructions += b.instructions;
-}
-
 #[derive(Default)]
 struct State {
     /// Its first request has ended (the warm-up: every tenant's first
@@ -233,7 +221,7 @@ pub fn closed_loop<'p>(
                 source,
             })?;
             let s = &mut state[tenant];
-            add_totals(&mut s.totals, &report.totals());
+            s.totals.merge(&report.totals());
             if s.phase < 2 {
                 s.phase += 1;
                 start(&mut board, tenant, s.phase);

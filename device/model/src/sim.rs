@@ -78,6 +78,19 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// Adds `other`'s counts to these (sums over several requests).
+    pub fn merge(&mut self, other: &Totals) {
+        self.sa_active_cycles += other.sa_active_cycles;
+        self.vu_active_cycles += other.vu_active_cycles;
+        self.dma_active_cycles += other.dma_active_cycles;
+        self.stall_cycles += other.stall_cycles;
+        self.flops += other.flops;
+        self.bytes += other.bytes;
+        self.hbm_bytes += other.hbm_bytes;
+        self.host_bytes += other.host_bytes;
+        self.instructions += other.instructions;
+    }
+
     fn add(&mut self, e: &EngineStats) {
         match e.engine.kind {
             EngineKind::Sa => self.sa_active_cycles += e.active_cycles,

@@ -253,7 +253,8 @@ mod tests {
     #[test]
     fn eq3_peaks_at_the_square_root_of_a() {
         for a in [0.01, 0.5, 1.0, 4.0, 30.0] {
-            let best = (1..=4000).map(|i| f64::from(i) * 0.01).max_by(|x, y| eq3(*x, a).total_cmp(&eq3(*y, a)));
+            let best =
+                (1..=4000).map(|i| f64::from(i) * 0.01).max_by(|x, y| eq3(*x, a).total_cmp(&eq3(*y, a)));
             let best = best.unwrap_or(f64::NAN);
             assert!((best - f64::sqrt(a)).abs() <= 0.01, "a = {a}: peak at k = {best}");
             // SA and VU phases one after the other: at the peak,
