@@ -125,8 +125,6 @@ pub struct Measured {
     /// Mean cycles from a request's start (its previous one's end) to its
     /// end, waiting for a time-shared group's turn included.
     pub latency: f64,
-    /// Mean cycles of those requests spent waiting for the group's turn.
-    pub waiting: f64,
     /// Requests it finished.
     pub requests: usize,
     /// Counters of those requests, summed over their three programs.
@@ -159,10 +157,7 @@ struct State {
     phase: usize,
     /// When its current request started (its previous one ended).
     since: f64,
-    /// When it got its group's turn for the current request.
-    turn: f64,
     latency: f64,
-    waiting: f64,
     totals: Totals,
 }
 
@@ -231,13 +226,11 @@ pub fn closed_loop<'p>(
             // in step with every other tenant's), send the next one.
             if s.warm {
                 s.latency += now - s.since;
-                s.waiting += s.turn - s.since;
                 s.done += 1;
             }
             s.warm = true;
             s.phase = 0;
             s.since = now;
-            s.turn = now;
             let next = match tenants[tenant].group {
                 Some(g) => match queues.iter_mut().find(|(k, _)| *k == g) {
                     Some((_, q)) => {
@@ -248,7 +241,6 @@ pub fn closed_loop<'p>(
                 },
                 None => tenant,
             };
-            state[next].turn = now;
             start(&mut board, next, 0);
         }
     }
@@ -256,7 +248,7 @@ pub fn closed_loop<'p>(
         .into_iter()
         .map(|s| {
             let n = s.done.max(1) as f64;
-            Measured { latency: s.latency / n, waiting: s.waiting / n, requests: s.done, totals: s.totals }
+            Measured { latency: s.latency / n, requests: s.done, totals: s.totals }
         })
         .collect())
 }

@@ -20,6 +20,8 @@ pub struct PlotError {
 /// (NaN: not measured).
 struct Panel {
     title: String,
+    /// The largest slowdown measured (the colour scale's top).
+    max: f64,
     items: Vec<Spec>,
     slowdown: Vec<Vec<f64>>,
 }
@@ -70,6 +72,7 @@ fn panels(m: &Matrix) -> Vec<Panel> {
             let max = slowdown.iter().flatten().copied().filter(|x| x.is_finite()).fold(1.0, f64::max);
             Panel {
                 title: format!("{} placement, {sa} SA + {vu} VU each (max {max:.2}x)", placement.name()),
+                max,
                 items,
                 slowdown,
             }
@@ -97,8 +100,7 @@ pub fn heat_maps(m: &Matrix, path: &str) -> Result<(), PlotError> {
     let root = SVGBackend::new(path, (640 * cols as u32, 640 * rows as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
     for (panel, area) in panels.iter().zip(root.split_evenly((rows, cols))) {
-        let n = panel.items.len() as i32;
-        let max = panel.slowdown.iter().flatten().copied().filter(|x| x.is_finite()).fold(1.0, f64::max);
+        let (n, max) = (panel.items.len() as i32, panel.max);
         let mut chart = ChartBuilder::on(&area)
             .caption(&panel.title, ("sans-serif", 16))
             .margin(10)

@@ -38,6 +38,11 @@ fn list<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<Vec<T>, S
     v.split(',').map(|x| x.trim().parse().map_err(|_| format!("{flag}: `{x}` is not valid"))).collect()
 }
 
+fn one(flag: &str, v: Option<String>) -> Result<u32, String> {
+    let v = v.ok_or(format!("{flag} needs a value"))?;
+    v.trim().parse().map_err(|_| format!("{flag}: `{v}` is not a whole number"))
+}
+
 fn parse() -> Result<Args, String> {
     let all: Vec<String> = npu_workloads::WORKLOADS.iter().map(|w| w.0.to_string()).collect();
     let mut a = Args {
@@ -53,10 +58,8 @@ fn parse() -> Result<Args, String> {
         match flag.as_str() {
             "--workloads" => a.workloads = list("--workloads", it.next())?,
             "--batches" => a.batches = list("--batches", it.next())?,
-            "--eus" => a.eus = list::<u32>("--eus", it.next())?.first().copied().unwrap_or(0),
-            "--sweep-batch" => {
-                a.sweep_batch = list::<u32>("--sweep-batch", it.next())?.first().copied().unwrap_or(0)
-            }
+            "--eus" => a.eus = one("--eus", it.next())?,
+            "--sweep-batch" => a.sweep_batch = one("--sweep-batch", it.next())?,
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
             "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
             "-h" | "--help" => {
