@@ -158,6 +158,9 @@ struct State {
     /// When its current request started (its previous one ended).
     since: f64,
     latency: f64,
+    /// Counters of the current request so far.
+    request: Totals,
+    /// Counters of the counted requests.
     totals: Totals,
 }
 
@@ -216,7 +219,7 @@ pub fn closed_loop<'p>(
                 source,
             })?;
             let s = &mut state[tenant];
-            s.totals.merge(&report.totals());
+            s.request.merge(&report.totals());
             if s.phase < 2 {
                 s.phase += 1;
                 start(&mut board, tenant, s.phase);
@@ -226,8 +229,10 @@ pub fn closed_loop<'p>(
             // in step with every other tenant's), send the next one.
             if s.warm {
                 s.latency += now - s.since;
+                s.totals.merge(&s.request);
                 s.done += 1;
             }
+            s.request = Totals::default();
             s.warm = true;
             s.phase = 0;
             s.since = now;

@@ -245,3 +245,21 @@ fn the_command_characterizes_predicts_and_refuses_bad_input() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn counters_cover_exactly_the_requests_measured() {
+    use npu_interference::corun::{closed_loop, Placed};
+    let cfg = BoardConfig::default();
+    let a = one_transfer("a", Addr::hbm(0), 4 * MIB);
+    let g = one_transfer("g", Addr::guest(0), MIB);
+    let placed = [Placed { request: &a, core: 0, group: None }, Placed { request: &g, core: 1, group: None }];
+    let m = closed_loop(&cfg, &placed, npu_model::Contention::default(), 3).unwrap();
+    // Bytes by hand: one transfer per request; the warm-up request is
+    // neither timed nor counted.
+    for (i, (m, bytes)) in m.iter().zip([4 * MIB, MIB]).enumerate() {
+        assert!(m.requests >= 3, "tenant {i}: {} requests", m.requests);
+        assert_eq!(m.totals.bytes, m.requests as u64 * u64::from(bytes), "tenant {i}");
+        // The copy and the halt the builder ends its stream with.
+        assert_eq!(m.totals.instructions, 2 * m.requests as u64, "tenant {i}");
+    }
+}
