@@ -127,6 +127,16 @@ pub struct Solo {
 }
 
 impl Solo {
+    /// Measures `spec` alone on a board of `cfg` (lowered as
+    /// [`RequestPrograms::lower`] does, one counted request after a
+    /// warm-up), as [`characterize`] does for every tenant.
+    pub fn measure(cfg: &BoardConfig, spec: &Spec) -> Result<Self, CoRunError> {
+        let p = RequestPrograms::lower(cfg, spec)?;
+        let m = closed_loop(cfg, &[Placed { request: &p, core: 0, group: None }], Contention::default(), 1)?;
+        let m = m.first().ok_or(CoRunError::Stuck)?;
+        Ok(Self::new(spec, m))
+    }
+
     fn new(spec: &Spec, m: &Measured) -> Self {
         let t: &Totals = &m.totals;
         let n = m.requests.max(1) as f64;

@@ -98,7 +98,7 @@ impl RequestPrograms {
         })
     }
 
-    fn phase(&self, phase: usize) -> &Program {
+    pub(crate) fn phase(&self, phase: usize) -> &Program {
         match phase {
             0 => &self.input,
             1 => &self.body,
@@ -131,9 +131,9 @@ pub struct Measured {
     pub totals: Totals,
 }
 
-struct Job<'p> {
-    tenant: usize,
-    program: &'p Program,
+pub(crate) struct Job<'p> {
+    pub(crate) tenant: usize,
+    pub(crate) program: &'p Program,
 }
 
 impl SimTenant for Job<'_> {

@@ -157,3 +157,65 @@ pub fn heat_maps(m: &Matrix, path: &str) -> Result<(), PlotError> {
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }
+
+/// Draws bar charts into an SVG file at `path`: one panel per series
+/// (name, per label `[min, median, max]`), a bar per label from 1 to the
+/// median with a whisker from min to max.
+pub fn bars(
+    path: &str,
+    title: &str,
+    labels: &[String],
+    series: &[(&str, Vec<[f64; 3]>)],
+) -> Result<(), PlotError> {
+    let err = |e: &dyn std::fmt::Display| PlotError { path: path.to_string(), reason: e.to_string() };
+    let n = labels.len() as i32;
+    let cols = series.len().max(1);
+    let root = SVGBackend::new(path, (90 * n.max(4) as u32 * cols as u32, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = root.titled(title, ("sans-serif", 18)).map_err(|e| err(&e))?;
+    let palette = [RGBColor(31, 119, 180), RGBColor(255, 127, 14)];
+    for (k, ((name, values), area)) in series.iter().zip(root.split_evenly((1, cols))).enumerate() {
+        let top = values.iter().map(|v| v[2]).filter(|x| x.is_finite()).fold(1.0, f64::max);
+        let top = 1.0 + (top - 1.0) * 1.1 + 1e-3;
+        let mut chart = ChartBuilder::on(&area)
+            .caption(*name, ("sans-serif", 16))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((0..n).into_segmented(), 1.0..top)
+            .map_err(|e| err(&e))?;
+        let label = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(i) => labels.get(*i as usize).cloned().unwrap_or_default(),
+            _ => String::new(),
+        };
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(n as usize)
+            .x_label_formatter(&label)
+            .x_label_style(("sans-serif", 11))
+            .y_desc("slowdown (x solo)")
+            .draw()
+            .map_err(|e| err(&e))?;
+        let colour = palette[k % palette.len()];
+        chart
+            .draw_series(values.iter().enumerate().map(|(i, v)| {
+                let i = i as i32;
+                let mut r = Rectangle::new(
+                    [(SegmentValue::Exact(i), 1.0), (SegmentValue::Exact(i + 1), v[1])],
+                    colour.mix(0.7).filled(),
+                );
+                r.set_margin(0, 0, 12, 12);
+                r
+            }))
+            .map_err(|e| err(&e))?;
+        chart
+            .draw_series(values.iter().enumerate().map(|(i, v)| {
+                let c = SegmentValue::CenterOf(i as i32);
+                PathElement::new(vec![(c.clone(), v[0]), (c, v[2])], BLACK.stroke_width(2))
+            }))
+            .map_err(|e| err(&e))?;
+    }
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}

@@ -172,48 +172,151 @@ fn matrix(rows: &[&Sample], model: &'static str) -> Result<DenseMatrix<f64>, Pre
     DenseMatrix::from_2d_vec(&v).map_err(|e| PredictError::Model { model, reason: e.to_string() })
 }
 
+/// A model fitted to a training set.
+enum Fitted {
+    Mean(f64),
+    Linear(Box<LinearRegression<f64, f64, DenseMatrix<f64>, Vec<f64>>>),
+    Forest(Box<RandomForestRegressor<f64, f64, DenseMatrix<f64>, Vec<f64>>>),
+}
+
+impl Fitted {
+    fn fit(model: Model, train: &[&Sample]) -> Result<Self, PredictError> {
+        let y: Vec<f64> = train.iter().map(|s| s.slowdown).collect();
+        let name = model.name();
+        let fail = |e: smartcore::error::Failed| PredictError::Model { model: name, reason: e.to_string() };
+        if train.is_empty() {
+            return Err(PredictError::Model { model: name, reason: "no training tenants".into() });
+        }
+        Ok(match model {
+            Model::Mean => Fitted::Mean(y.iter().sum::<f64>() / y.len() as f64),
+            Model::Linear => {
+                if train.len() <= FEATURES.len() {
+                    return Err(PredictError::Model {
+                        model: name,
+                        reason: format!(
+                            "{} training tenants for {} features: characterize more workloads, batches or shapes",
+                            train.len(),
+                            FEATURES.len()
+                        ),
+                    });
+                }
+                let x = matrix(train, name)?;
+                Fitted::Linear(Box::new(
+                    LinearRegression::fit(&x, &y, LinearRegressionParameters::default()).map_err(fail)?,
+                ))
+            }
+            Model::Forest { trees, seed } => {
+                let x = matrix(train, name)?;
+                let params = RandomForestRegressorParameters {
+                    max_depth: None,
+                    min_samples_leaf: 1,
+                    min_samples_split: 2,
+                    n_trees: trees.max(1),
+                    m: None,
+                    keep_samples: false,
+                    seed,
+                };
+                Fitted::Forest(Box::new(RandomForestRegressor::fit(&x, &y, params).map_err(fail)?))
+            }
+        })
+    }
+
+    fn predict(&self, rows: &[&Sample], model: Model) -> Result<Vec<f64>, PredictError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let name = model.name();
+        let fail = |e: smartcore::error::Failed| PredictError::Model { model: name, reason: e.to_string() };
+        match self {
+            Fitted::Mean(m) => Ok(vec![*m; rows.len()]),
+            Fitted::Linear(f) => f.predict(&matrix(rows, name)?).map_err(fail),
+            Fitted::Forest(f) => f.predict(&matrix(rows, name)?).map_err(fail),
+        }
+    }
+}
+
 /// Trains `model` on `train` and predicts the slowdowns of `test`.
 pub fn fit_predict(model: Model, train: &[&Sample], test: &[&Sample]) -> Result<Vec<f64>, PredictError> {
     if test.is_empty() {
         return Ok(Vec::new());
     }
-    let y: Vec<f64> = train.iter().map(|s| s.slowdown).collect();
-    let name = model.name();
-    let fail = |e: smartcore::error::Failed| PredictError::Model { model: name, reason: e.to_string() };
-    match model {
-        Model::Mean => {
-            let mean = y.iter().sum::<f64>() / y.len().max(1) as f64;
-            Ok(vec![mean; test.len()])
-        }
-        Model::Linear => {
-            if train.len() <= FEATURES.len() {
-                return Err(PredictError::Model {
-                    model: name,
-                    reason: format!(
-                        "{} training tenants for {} features: characterize more workloads, batches or shapes",
-                        train.len(),
-                        FEATURES.len()
-                    ),
-                });
+    Fitted::fit(model, train)?.predict(test, model)
+}
+
+/// A model trained on every tenant of a matrix, one per placement, that
+/// predicts the slowdown of tenants in configurations nobody measured.
+pub struct Predictor {
+    model: Model,
+    fitted: Vec<(Placement, Fitted)>,
+}
+
+impl std::fmt::Debug for Predictor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Predictor").field("model", &self.model).finish_non_exhaustive()
+    }
+}
+
+impl Predictor {
+    /// Trains `model` on every tenant of `m`, per placement (`core` and
+    /// `chip`; time-shared too when the matrix has such cases).
+    pub fn train(m: &Matrix, model: Model) -> Result<Self, PredictError> {
+        let samples = dataset(m)?;
+        let mut fitted = Vec::new();
+        for placement in Placement::ALL {
+            let train: Vec<&Sample> = samples.iter().filter(|s| s.placement == placement).collect();
+            if !train.is_empty() {
+                fitted.push((placement, Fitted::fit(model, &train)?));
             }
-            let x = matrix(train, name)?;
-            let fit = LinearRegression::fit(&x, &y, LinearRegressionParameters::default()).map_err(fail)?;
-            fit.predict(&matrix(test, name)?).map_err(fail)
         }
-        Model::Forest { trees, seed } => {
-            let x = matrix(train, name)?;
-            let params = RandomForestRegressorParameters {
-                max_depth: None,
-                min_samples_leaf: 1,
-                min_samples_split: 2,
-                n_trees: trees.max(1),
-                m: None,
-                keep_samples: false,
-                seed,
-            };
-            let fit = RandomForestRegressor::fit(&x, &y, params).map_err(fail)?;
-            fit.predict(&matrix(test, name)?).map_err(fail)
+        Ok(Self { model, fitted })
+    }
+
+    pub fn model(&self) -> Model {
+        self.model
+    }
+
+    /// The predicted slowdown of `own` placed as `placement` with
+    /// `neighbours` (1 with no neighbours).
+    pub fn predict(
+        &self,
+        own: &Solo,
+        neighbours: &[&Solo],
+        placement: Placement,
+    ) -> Result<f64, PredictError> {
+        if neighbours.is_empty() {
+            return Ok(1.0);
         }
+        let Some((_, f)) = self.fitted.iter().find(|(p, _)| *p == placement) else {
+            return Err(PredictError::Model {
+                model: self.model.name(),
+                reason: format!("the matrix has no `{}` cases to learn from", placement.name()),
+            });
+        };
+        let sample = Sample {
+            features: features(own, neighbours, placement),
+            slowdown: f64::NAN,
+            case: 0,
+            tenant: 0,
+            workloads: Vec::new(),
+            placement,
+        };
+        Ok(f.predict(&[&sample], self.model)?.first().copied().unwrap_or(f64::NAN))
+    }
+
+    /// The predicted slowdown of `own` with `same_core` neighbours on EUs
+    /// of their own on its core and `elsewhere` on other cores: the two
+    /// overheads (`core` and `chip` models) added. An approximation: the
+    /// models learnt each kind of neighbour alone, and `chip` cases had all
+    /// their tenants on one chip.
+    pub fn slowdown(
+        &self,
+        own: &Solo,
+        same_core: &[&Solo],
+        elsewhere: &[&Solo],
+    ) -> Result<f64, PredictError> {
+        let core = self.predict(own, same_core, Placement::Core)?;
+        let chip = self.predict(own, elsewhere, Placement::Chip)?;
+        Ok(core + chip - 1.0)
     }
 }
 

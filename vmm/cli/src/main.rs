@@ -159,10 +159,16 @@ enum Command {
         /// Use this UUID instead of a random one.
         #[arg(long)]
         uuid: Option<String>,
+        /// The workload the vNPU will run, NAME or NAME:BATCH (`vnpu
+        /// workload list`): what interference-aware placement prices.
+        #[arg(long)]
+        workload: Option<vnpu_manager::Workload>,
         /// When no core has free EUs, share one up to this many times its
         /// EUs (its vNPUs then time-share it).
         #[arg(long)]
         oversubscribe: Option<u32>,
+        #[command(flatten)]
+        placement: manage::PlacementArgs,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -173,6 +179,10 @@ enum Command {
         /// Use this UUID instead of a random one.
         #[arg(long)]
         uuid: Option<String>,
+        /// The workload the vNPU will run, NAME or NAME:BATCH: what
+        /// interference-aware placement prices when it is started.
+        #[arg(long)]
+        workload: Option<vnpu_manager::Workload>,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -183,6 +193,8 @@ enum Command {
         /// EUs (its vNPUs then time-share it).
         #[arg(long)]
         oversubscribe: Option<u32>,
+        #[command(flatten)]
+        placement: manage::PlacementArgs,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -359,6 +371,8 @@ enum CliError {
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
     Manage(#[from] vnpu_manager::StoreError),
+    #[error(transparent)]
+    Interference(#[from] vnpu_manager::InterferenceError),
     #[error(transparent)]
     Scenario(#[from] scenario::ScenarioError),
     #[error("{0}")]
@@ -539,27 +553,29 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             manage::types(&b, &store, json)?;
         }
-        Command::Create { shape, uuid, oversubscribe, manage } => {
+        Command::Create { shape, uuid, workload, oversubscribe, placement, manage } => {
             let b = board(&manage.board)?;
             let (s, t) = shape.resolve().map_err(CliError::Usage)?;
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             if let Some(f) = oversubscribe {
                 store.allow_oversubscription(f);
             }
-            println!("{}", store.create(s, t.as_deref(), uuid.as_deref())?);
+            placement.apply(&mut store, &b)?;
+            println!("{}", store.create_for(s, t.as_deref(), uuid.as_deref(), workload)?);
         }
-        Command::Define { shape, uuid, manage } => {
+        Command::Define { shape, uuid, workload, manage } => {
             let b = board(&manage.board)?;
             let (s, t) = shape.resolve().map_err(CliError::Usage)?;
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            println!("{}", store.define(s, t.as_deref(), uuid.as_deref())?);
+            println!("{}", store.define_for(s, t.as_deref(), uuid.as_deref(), workload)?);
         }
-        Command::Start { uuid, oversubscribe, manage } => {
+        Command::Start { uuid, oversubscribe, placement, manage } => {
             let b = board(&manage.board)?;
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             if let Some(f) = oversubscribe {
                 store.allow_oversubscription(f);
             }
+            placement.apply(&mut store, &b)?;
             let i = store.start(&uuid)?;
             println!("{uuid} started on physical cores {:?}", i.cores);
         }
@@ -568,7 +584,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
             let old = store.get(&uuid)?.shape;
             let mut to = old;
-            if let Some(name) = workload {
+            if let Some(name) = &workload {
                 if batch == 0 {
                     return Err(CliError::Batch);
                 }
@@ -592,7 +608,11 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             if to.sa_per_core + to.vu_per_core == 0 {
                 return Err(CliError::Usage("a vNPU needs at least one SA or VU".into()));
             }
-            let i = store.remap(&uuid, to, oversubscribe)?;
+            store.remap(&uuid, to, oversubscribe)?;
+            if let Some(name) = workload {
+                store.set_workload(&uuid, Some(vnpu_manager::Workload { name, batch }))?;
+            }
+            let i = store.get(&uuid)?;
             println!(
                 "{uuid} remapped from {} SA + {} VU to {} SA + {} VU per core{}",
                 old.sa_per_core,

@@ -30,6 +30,45 @@ impl ManageArgs {
     }
 }
 
+/// How `create` and `start` choose physical cores (docs/management.md,
+/// "Placement").
+#[derive(clap::Args, Debug, Clone)]
+pub struct PlacementArgs {
+    /// pack: fill EUs, balance EUs against memory (the default);
+    /// interference: as pack, and among equally packed cores the one
+    /// with the least predicted slowdown of the board's tenants;
+    /// interference-first: the least predicted slowdown first, packing
+    /// breaks ties. The interference policies need the vNPU's
+    /// --workload and --interference-matrix.
+    #[arg(long, default_value = "pack")]
+    pub placement: vnpu_manager::Policy,
+    /// Characterization matrix of this board (`npu-interference
+    /// characterize --json`, e.g. docs/plots/interference.json) to train
+    /// the interference predictor on.
+    #[arg(long)]
+    pub interference_matrix: Option<PathBuf>,
+}
+
+impl PlacementArgs {
+    /// Sets `store` to place as asked (training the predictor if needed).
+    pub fn apply(
+        &self,
+        store: &mut Store,
+        board: &BoardConfig,
+    ) -> Result<(), vnpu_manager::InterferenceError> {
+        let model = match (&self.interference_matrix, self.placement) {
+            (_, vnpu_manager::Policy::Pack) | (None, _) => None,
+            (Some(path), _) => Some(vnpu_manager::InterferenceModel::from_file(
+                path,
+                board,
+                npu_interference::predict::Model::Linear,
+            )?),
+        };
+        store.set_placement(self.placement, model);
+        Ok(())
+    }
+}
+
 /// What a new instance is made of: `--type NAME` or `--spec SPEC`.
 #[derive(clap::Args, Debug, Clone)]
 #[group(required = true, multiple = false)]
@@ -93,6 +132,7 @@ fn instance_json(i: &Instance) -> serde_json::Value {
         "persistent": i.persistent,
         "active": i.active,
         "physical_cores": i.cores,
+        "workload": i.workload.as_ref().map(|w| format!("{}:{}", w.name, w.batch)),
     })
 }
 
@@ -137,15 +177,19 @@ pub fn list(store: &Store, json: bool) {
         println!("{}", serde_json::Value::Array(v));
         return;
     }
-    println!("{:<36} {:<7} {:<30} {:<10} {:<7} cores", "uuid", "type", "spec", "persistent", "state");
+    println!(
+        "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} cores",
+        "uuid", "type", "spec", "persistent", "state", "workload"
+    );
     for i in store.instances() {
         println!(
-            "{:<36} {:<7} {:<30} {:<10} {:<7} {}",
+            "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} {}",
             i.uuid,
             i.type_name.as_deref().unwrap_or("-"),
             shape_text(&i.shape),
             if i.persistent { "yes" } else { "no" },
             if i.active { "active" } else { "defined" },
+            i.workload.as_ref().map_or("-".to_string(), |w| format!("{}:{}", w.name, w.batch)),
             i.cores.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
         );
     }

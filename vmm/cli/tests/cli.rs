@@ -466,3 +466,76 @@ fn remap_reaches_a_running_vm() {
     assert!(err.contains("remapped to 2 SA + 1 VU per core while running"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--placement interference-first`: a second MobileNet goes to another
+/// core than the first (two on one DMA engine slow each other ~1.45x,
+/// docs/interference.md); packing first keeps it on the same core; the
+/// policies refuse clearly without what they need.
+#[test]
+fn interference_placement_keeps_dma_heavy_neighbours_apart() {
+    let dir = std::env::temp_dir().join(format!("vnpu-interference-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let matrix = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json");
+    let spec = "sa=1,vu=1,sram=8M,hbm=2G";
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--workload", "mobilenet:1"]);
+    assert_eq!(code, 0, "{err}");
+    let create = |policy: &str| {
+        vnpu_in(
+            &dir,
+            &[
+                "create",
+                "--spec",
+                spec,
+                "--workload",
+                "mobilenet:1",
+                "--placement",
+                policy,
+                "--interference-matrix",
+                matrix,
+            ],
+        )
+    };
+    let (code, _, err) = create("interference");
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = create("interference-first");
+    assert_eq!(code, 0, "{err}");
+    let (_, out, _) = vnpu_in(&dir, &["list", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let core = |i: usize| v[i]["physical_cores"][0].as_u64().unwrap();
+    assert_eq!(v[0]["workload"], "mobilenet:1", "{v}");
+    assert_eq!(core(1), core(0), "packing first: the only best-packed core");
+    assert_ne!(core(2), core(0), "interference first: another core");
+    // Refusals name what is missing.
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--placement", "interference"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("needs an interference matrix"), "{err}");
+    let (code, _, err) = vnpu_in(
+        &dir,
+        &["create", "--spec", spec, "--placement", "interference", "--interference-matrix", matrix],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("needs the vNPU's workload"), "{err}");
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--workload", "mobilenet:0"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("batch of 1 or more"), "{err}");
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--placement", "spread"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("pack, interference, interference-first"), "{err}");
+    let (code, _, err) = vnpu_in(
+        &dir,
+        &[
+            "create",
+            "--spec",
+            spec,
+            "--workload",
+            "mobilenet",
+            "--placement",
+            "interference",
+            "--interference-matrix",
+            "/nonexistent.json",
+        ],
+    );
+    assert_eq!(code, 1);
+    assert!(err.contains("/nonexistent.json"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -4,10 +4,13 @@
 //! placed on physical cores), and a state file written atomically so a
 //! crash mid-write loses nothing and corrupts nothing.
 
+pub mod evaluation;
+mod interference;
 mod placement;
 mod store;
 
-pub use placement::{Board, CoreLoad, Placement, PlacementError};
+pub use interference::{spec_of, InterferenceError, InterferenceModel};
+pub use placement::{Board, CoreLoad, Placement, PlacementError, Policy};
 pub use store::{Store, StoreError};
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +22,33 @@ pub const TYPES: [&str; 3] = ["small", "medium", "large"];
 /// A vNPU shape as stored in the state file: the device's `VnpuSpec` (its
 /// JSON keys are the field names).
 pub type Shape = VnpuSpec;
+
+/// The workload a tenant says its vNPU runs (a name from `vnpu workload
+/// list` and a batch size): what interference-aware placement prices.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Workload {
+    pub name: String,
+    pub batch: u32,
+}
+
+impl std::str::FromStr for Workload {
+    type Err = String;
+    /// `NAME` (batch 1) or `NAME:BATCH`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (name, batch) = match s.split_once(':') {
+            Some((n, b)) => {
+                let b: u32 =
+                    b.parse().map_err(|_| format!("`{b}` is not a batch size (NAME or NAME:BATCH)"))?;
+                (n, b)
+            }
+            None => (s, 1),
+        };
+        if name.is_empty() || batch == 0 {
+            return Err(format!("`{s}`: give NAME or NAME:BATCH with a batch of 1 or more"));
+        }
+        Ok(Self { name: name.to_string(), batch })
+    }
+}
 
 /// One vNPU instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,6 +66,10 @@ pub struct Instance {
     /// one per vNPU core, in vNPU core order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cores: Vec<u32>,
+    /// The workload it runs, if its tenant said (for interference-aware
+    /// placement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workload: Option<Workload>,
 }
 
 /// The split of `eus` execution units into SAs and VUs closest (in log

@@ -6,6 +6,7 @@
 //! small-memory vNPUs end up beside few-EU / large-memory ones.
 
 use npu_model::BoardConfig;
+use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use crate::Shape;
@@ -27,6 +28,55 @@ pub enum PlacementError {
     NoRoomOnCore { core: u32, sa: u32, vu: u32, sram: u64 },
     #[error("a remap keeps the vNPU's cores: {from} -> {to} cores per chip or chips (stop and start it to change them)")]
     CoreCountChange { from: u32, to: u32 },
+}
+
+/// How [`Board::place_scored`] chooses among the cores where a one-core
+/// vNPU fits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Fill execution units (best fit), then balance EU against memory use:
+    /// [`Board::place`].
+    #[default]
+    Pack,
+    /// As `pack` first; among the cores that pack equally well, the one
+    /// where the predicted interference is least.
+    Interference,
+    /// The least predicted interference first; packing breaks ties.
+    InterferenceFirst,
+}
+
+impl Policy {
+    pub const ALL: [Policy; 3] = [Policy::Pack, Policy::Interference, Policy::InterferenceFirst];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Pack => "pack",
+            Policy::Interference => "interference",
+            Policy::InterferenceFirst => "interference-first",
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown placement policy `{s}` (pack, interference, interference-first)"))
+    }
+}
+
+/// An interference cost as an ordered key: overheads closer than 1e-4
+/// (0.01% of a solo run) are a tie; a cost that could not be computed
+/// (NaN) comes last.
+fn cost_key(cost: f64) -> i64 {
+    if cost.is_nan() {
+        i64::MAX
+    } else {
+        (cost * 1e4).round().clamp(i64::MIN as f64, (i64::MAX - 1) as f64) as i64
+    }
 }
 
 /// What is in use on one physical core.
@@ -280,6 +330,56 @@ impl Board {
         n
     }
 
+    /// The cores where a one-core vNPU of shape `s` fits, in index order.
+    pub fn fitting_cores(&self, s: &Shape) -> Vec<usize> {
+        (0..self.cores.len()).filter(|&c| self.fits(c, s)).collect()
+    }
+
+    /// Places a vNPU of shape `s` as `policy` says: `cost(core)` is the
+    /// interference of putting a one-core vNPU on physical core `core`
+    /// (e.g. the predicted overhead of every tenant of the board
+    /// afterwards; lower is better), asked only for the cores that are
+    /// still candidates after the first criterion and only when there are
+    /// two or more. Multi-core vNPUs, and `Policy::Pack`, are placed by
+    /// [`Board::place`].
+    pub fn place_scored(
+        &mut self,
+        s: &Shape,
+        policy: Policy,
+        cost: &mut dyn FnMut(&Board, usize) -> f64,
+    ) -> Result<Placement, PlacementError> {
+        if policy == Policy::Pack || s.chips != 1 || s.cores_per_chip != 1 {
+            return self.place(s);
+        }
+        let fitting = self.fitting_cores(s);
+        if fitting.is_empty() {
+            // The same error `place` gives (never fits / no room).
+            return self.place(s);
+        }
+        let candidates: Vec<usize> = match policy {
+            Policy::Interference => {
+                let best = fitting.iter().map(|&c| self.score(c, s).0).min().unwrap_or(0);
+                fitting.into_iter().filter(|&c| self.score(c, s).0 == best).collect()
+            }
+            _ => fitting,
+        };
+        let pick = if candidates.len() == 1 {
+            candidates[0]
+        } else {
+            let keyed: Vec<(usize, i64)> = candidates.iter().map(|&c| (c, cost_key(cost(self, c)))).collect();
+            let Some(&(pick, _)) = keyed.iter().min_by_key(|&&(c, k)| {
+                let (eu_left, balance) = self.score(c, s);
+                (k, eu_left, balance)
+            }) else {
+                return Err(PlacementError::NoRoom);
+            };
+            pick
+        };
+        let p = vec![pick as u32];
+        self.occupy(s, &p);
+        Ok(p)
+    }
+
     /// The best core for a one-core vNPU of shape `s` and its score.
     pub fn best_core(&self, s: &Shape) -> Option<(usize, (u32, u64))> {
         (0..self.cores.len()).filter(|&c| self.fits(c, s)).map(|c| (c, self.score(c, s))).min_by_key(|x| x.1)
@@ -381,5 +481,52 @@ mod tests {
             b.place(&shape("sa=1,vu=1,sram=2M,hbm=256M,cores=5")),
             Err(PlacementError::TooManyChips { .. })
         ));
+    }
+
+    #[test]
+    fn scored_placement_follows_its_policy() {
+        let small = shape("sa=1,vu=1,sram=2M,hbm=256M");
+        // Cores 0 and 1 hold one small vNPU each, 2 and 3 are empty.
+        let fresh = || {
+            let mut b = Board::new(&BoardConfig::default());
+            b.occupy(&small, &[0]);
+            b.occupy(&small, &[1]);
+            b
+        };
+        // Interference is cheapest on core 3, then 1, then 2, then 0.
+        let price = [4.0, 2.0, 3.0, 1.0];
+        let asked = std::cell::RefCell::new(Vec::new());
+        let mut cost = |_: &Board, c: usize| {
+            asked.borrow_mut().push(c);
+            price[c]
+        };
+        // Packing first: only cores 0 and 1 pack best; 1 is cheaper.
+        assert_eq!(fresh().place_scored(&small, Policy::Interference, &mut cost), Ok(vec![1]));
+        assert_eq!(*asked.borrow(), [0, 1], "only the best-packed cores are priced");
+        asked.borrow_mut().clear();
+        // Interference first: the cheapest core, though it is empty.
+        assert_eq!(fresh().place_scored(&small, Policy::InterferenceFirst, &mut cost), Ok(vec![3]));
+        assert_eq!(*asked.borrow(), [0, 1, 2, 3]);
+        asked.borrow_mut().clear();
+        // Pack never asks; it takes the lowest-numbered best fit.
+        assert_eq!(fresh().place_scored(&small, Policy::Pack, &mut cost), Ok(vec![0]));
+        assert!(asked.borrow().is_empty());
+        // A cost that could not be computed comes last; ties fall to packing.
+        let mut nan = |_: &Board, c: usize| if c == 3 { f64::NAN } else { 1.0 };
+        assert_eq!(fresh().place_scored(&small, Policy::InterferenceFirst, &mut nan), Ok(vec![0]));
+        // One candidate: nothing to price.
+        let mut b = fresh();
+        b.occupy(&shape("sa=3,vu=3,sram=2M,hbm=256M"), &[1]);
+        let mut never = |_: &Board, _: usize| -> f64 { panic!("priced a forced choice") };
+        assert_eq!(b.place_scored(&small, Policy::Interference, &mut never), Ok(vec![0]));
+        // Full: the same error as `place`.
+        let mut b = Board::new(&BoardConfig::default());
+        let large = shape("type=large");
+        for c in 0..4 {
+            b.occupy(&large, &[c]);
+        }
+        assert_eq!(b.place_scored(&small, Policy::InterferenceFirst, &mut nan), Err(PlacementError::NoRoom));
+        assert_eq!("interference-first".parse(), Ok(Policy::InterferenceFirst));
+        assert!("spread".parse::<Policy>().unwrap_err().contains("pack, interference"));
     }
 }

@@ -12,8 +12,9 @@ use npu_model::BoardConfig;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::placement::{Board, PlacementError};
-use crate::{Instance, Shape};
+use crate::interference::{spec_of, InterferenceError, InterferenceModel};
+use crate::placement::{Board, PlacementError, Policy};
+use crate::{Instance, Shape, Workload};
 
 const STATE: &str = "vnpu-state.json";
 const LOCK: &str = "vnpu-state.lock";
@@ -37,6 +38,10 @@ pub enum StoreError {
     NotActive(String),
     #[error("cannot place vNPU {uuid}: {source}")]
     Placement { uuid: String, source: PlacementError },
+    #[error("placement `{policy}` needs {what}")]
+    PolicyNeeds { policy: &'static str, what: &'static str },
+    #[error("cannot place vNPU {uuid} by interference: {source}")]
+    Interference { uuid: String, source: Box<InterferenceError> },
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -53,6 +58,8 @@ pub struct Store {
     instances: Vec<Instance>,
     board: BoardConfig,
     oversubscribe: Option<u32>,
+    policy: Policy,
+    interference: Option<InterferenceModel>,
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> StoreError + '_ {
@@ -84,7 +91,15 @@ impl Store {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
             Err(e) => return Err(io(&path)(e)),
         };
-        Ok(Self { dir: dir.to_path_buf(), _lock: lock, instances, board: board.clone(), oversubscribe: None })
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            instances,
+            board: board.clone(),
+            oversubscribe: None,
+            policy: Policy::Pack,
+            interference: None,
+        })
     }
 
     /// Lets `create` and `start` oversubscribe a core's EUs up to `factor`
@@ -93,8 +108,59 @@ impl Store {
         self.oversubscribe = Some(factor);
     }
 
-    fn place(&self, shape: &Shape) -> Result<crate::Placement, PlacementError> {
-        self.board().place_allowing(shape, self.oversubscribe)
+    /// Places `create` and `start` as `policy` says (`pack` by default);
+    /// the interference policies price cores with `model` and need the
+    /// instance's workload.
+    pub fn set_placement(&mut self, policy: Policy, model: Option<InterferenceModel>) {
+        self.policy = policy;
+        self.interference = model;
+    }
+
+    fn place(
+        &mut self,
+        uuid: &str,
+        shape: &Shape,
+        workload: Option<&Workload>,
+    ) -> Result<crate::Placement, StoreError> {
+        let placement = |source| StoreError::Placement { uuid: uuid.into(), source };
+        let mut board = self.board();
+        if self.policy == Policy::Pack {
+            return board.place_allowing(shape, self.oversubscribe).map_err(placement);
+        }
+        let policy = self.policy.name();
+        let Some(model) = self.interference.as_mut() else {
+            return Err(StoreError::PolicyNeeds {
+                policy,
+                what: "an interference matrix (--interference-matrix)",
+            });
+        };
+        let Some(w) = workload else {
+            return Err(StoreError::PolicyNeeds {
+                policy,
+                what: "the vNPU's workload (--workload NAME[:BATCH])",
+            });
+        };
+        let priced = |source| StoreError::Interference { uuid: uuid.into(), source: Box::new(source) };
+        let mut tenants = model.tenants(&self.instances).map_err(priced)?;
+        let own = model.solo(&spec_of(w, shape.sa_per_core, shape.vu_per_core)).map_err(priced)?;
+        let model = &*model;
+        let mut failed = None;
+        let r = board.place_scored(shape, self.policy, &mut |_, core| {
+            tenants.push((own, core));
+            let cost = model.overhead(&tenants);
+            tenants.pop();
+            cost.unwrap_or_else(|e| {
+                failed.get_or_insert(e);
+                f64::NAN
+            })
+        });
+        if let Some(e) = failed {
+            return Err(priced(e));
+        }
+        match (r, self.oversubscribe) {
+            (Err(PlacementError::NoRoom), Some(f)) => board.place_oversubscribed(shape, f).map_err(placement),
+            (r, _) => r.map_err(placement),
+        }
     }
 
     /// Every instance, defined or active.
@@ -152,7 +218,18 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, true)
+        self.add(shape, type_name, uuid, true, None)
+    }
+
+    /// `define` of a vNPU whose tenant says which workload it runs.
+    pub fn define_for(
+        &mut self,
+        shape: Shape,
+        type_name: Option<&str>,
+        uuid: Option<&str>,
+        workload: Option<Workload>,
+    ) -> Result<String, StoreError> {
+        self.add(shape, type_name, uuid, true, workload)
     }
 
     /// `create`: a transient instance, started at once (gone when stopped).
@@ -162,7 +239,18 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, false)
+        self.add(shape, type_name, uuid, false, None)
+    }
+
+    /// `create` of a vNPU whose tenant says which workload it runs.
+    pub fn create_for(
+        &mut self,
+        shape: Shape,
+        type_name: Option<&str>,
+        uuid: Option<&str>,
+        workload: Option<Workload>,
+    ) -> Result<String, StoreError> {
+        self.add(shape, type_name, uuid, false, workload)
     }
 
     /// A new instance: persistent and stopped, or transient and placed.
@@ -172,13 +260,10 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
         persistent: bool,
+        workload: Option<Workload>,
     ) -> Result<String, StoreError> {
         let uuid = self.new_uuid(uuid)?;
-        let cores = if persistent {
-            Vec::new()
-        } else {
-            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.clone(), source })?
-        };
+        let cores = if persistent { Vec::new() } else { self.place(&uuid, &shape, workload.as_ref())? };
         self.instances.push(Instance {
             uuid: uuid.clone(),
             type_name: type_name.map(String::from),
@@ -186,6 +271,7 @@ impl Store {
             persistent,
             active: !persistent,
             cores,
+            workload,
         });
         self.save()?;
         Ok(uuid)
@@ -198,8 +284,8 @@ impl Store {
             return Err(StoreError::AlreadyActive(uuid.into()));
         }
         let shape = self.instances[i].shape;
-        let cores =
-            self.place(&shape).map_err(|source| StoreError::Placement { uuid: uuid.into(), source })?;
+        let workload = self.instances[i].workload.clone();
+        let cores = self.place(uuid, &shape, workload.as_ref())?;
         self.instances[i].active = true;
         self.instances[i].cores = cores;
         self.save()?;
@@ -230,6 +316,15 @@ impl Store {
             self.instances[i].type_name = None;
         }
         self.instances[i].shape = to;
+        self.save()?;
+        Ok(&self.instances[i])
+    }
+
+    /// Attaches (or, with `None`, detaches) the workload instance `uuid`
+    /// says it runs; its placement stays as it is.
+    pub fn set_workload(&mut self, uuid: &str, workload: Option<Workload>) -> Result<&Instance, StoreError> {
+        let i = self.index(uuid)?;
+        self.instances[i].workload = workload;
         self.save()?;
         Ok(&self.instances[i])
     }

@@ -1,0 +1,114 @@
+//! A stream of tenants on one simulated board: each arrives at a time of
+//! its own on the core it is given, sends a fixed number of inference
+//! requests back to back (input over the host link, program, output, as in
+//! [`crate::corun`]) and leaves when the last one is done. Everything the
+//! tenants meet on the way (co-tenants that come and go, each core's DMA
+//! engines, each chip's HBM, the board's host link) is the board model's,
+//! in one continuous simulation: what a placement policy's choices cost
+//! its tenants, measured rather than predicted.
+
+use npu_model::{BoardConfig, BoardSim};
+
+use crate::corun::{CoRunError, Job, RequestPrograms};
+
+struct Tenant<'p> {
+    request: &'p RequestPrograms,
+    core: usize,
+    /// Requests still to send, the current one included.
+    left: u64,
+    phase: usize,
+    arrived: f64,
+    left_at: Option<f64>,
+}
+
+/// The board and its tenants, advanced in time by the caller (between
+/// arrivals).
+pub struct Stream<'c, 'p> {
+    board: BoardSim<'c, Job<'p>>,
+    tenants: Vec<Tenant<'p>>,
+}
+
+impl std::fmt::Debug for Stream<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream").field("now", &self.now()).field("tenants", &self.tenants.len()).finish()
+    }
+}
+
+impl<'c, 'p> Stream<'c, 'p> {
+    /// An idle board of `cfg` at time 0 (every resource contended, as on
+    /// the hardware).
+    pub fn new(cfg: &'c BoardConfig) -> Self {
+        Self { board: BoardSim::new(cfg), tenants: Vec::new() }
+    }
+
+    /// Simulated cycles since the stream began.
+    pub fn now(&self) -> f64 {
+        self.board.now()
+    }
+
+    /// A tenant arrives now on `core` with `requests` requests (at least
+    /// one) of `request` to send; returns its id (0, 1, ... in arrival
+    /// order).
+    pub fn admit(
+        &mut self,
+        request: &'p RequestPrograms,
+        core: usize,
+        requests: u64,
+    ) -> Result<usize, CoRunError> {
+        let id = self.tenants.len();
+        let cores = self.board.len();
+        let Some(c) = self.board.core(core) else {
+            return Err(CoRunError::NoCore { tenant: id, core, cores });
+        };
+        c.add(Job { tenant: id, program: request.phase(0) }, 0.0);
+        let arrived = self.board.now();
+        self.tenants.push(Tenant { request, core, left: requests.max(1), phase: 0, arrived, left_at: None });
+        Ok(id)
+    }
+
+    /// Runs the board until simulated time `until` (or, with infinity,
+    /// until every tenant has left); returns the tenants that left on the
+    /// way, in the order they did.
+    pub fn run_until(&mut self, until: f64) -> Result<Vec<usize>, CoRunError> {
+        let mut gone = Vec::new();
+        loop {
+            let finished = self.board.step_until(until);
+            if finished.is_empty() {
+                if until.is_infinite() && self.tenants.iter().any(|t| t.left_at.is_none()) {
+                    return Err(CoRunError::Stuck);
+                }
+                return Ok(gone);
+            }
+            let now = self.board.now();
+            for (_, (_, job, report)) in finished {
+                let id = job.tenant;
+                let Some(t) = self.tenants.get_mut(id) else { return Err(CoRunError::Stuck) };
+                report.map_err(|source| CoRunError::Exec {
+                    tenant: id,
+                    workload: t.request.spec.workload.clone(),
+                    source,
+                })?;
+                if t.phase < 2 {
+                    t.phase += 1;
+                } else {
+                    t.phase = 0;
+                    t.left -= 1;
+                    if t.left == 0 {
+                        t.left_at = Some(now);
+                        gone.push(id);
+                        continue;
+                    }
+                }
+                let (program, core) = (t.request.phase(t.phase), t.core);
+                if let Some(c) = self.board.core(core) {
+                    c.add(Job { tenant: id, program }, 0.0);
+                }
+            }
+        }
+    }
+
+    /// When tenant `id` arrived and (once it has) left.
+    pub fn times(&self, id: usize) -> Option<(f64, Option<f64>)> {
+        self.tenants.get(id).map(|t| (t.arrived, t.left_at))
+    }
+}

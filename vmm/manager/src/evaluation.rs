@@ -1,0 +1,495 @@
+//! The placement evaluation (`placement-eval`, docs/interference.md):
+//! a stream of vNPUs with workloads attached arrives at one board; each
+//! policy places the same stream, and one continuous simulation of the
+//! board model ([`npu_interference::stream::Stream`]) runs every admitted
+//! vNPU's requests beside whatever shares the board with it at the time.
+//! A vNPU's slowdown is its run time over its run time alone.
+//!
+//! Policies: `first-fit` (lowest-numbered core that fits), `balance`
+//! (this manager's default: best fit on EUs, EU/memory balance),
+//! `random` (any core that fits), `interference` and
+//! `interference-first` ([`Policy`], priced by a [`Predictor`] trained on
+//! a characterization matrix), and `oracle` / `oracle-first`: as the two
+//! interference policies, but pricing each candidate core by the measured
+//! overhead of the board's tenants with the new one there (a co-run of
+//! the whole board on the model, [`closed_loop`]).
+
+use std::collections::HashMap;
+
+use npu_interference::characterize::{Matrix, Solo};
+use npu_interference::corun::{closed_loop, CoRunError, Placed, RequestPrograms, Spec};
+use npu_interference::predict::{Model, PredictError, Predictor};
+use npu_interference::stream::Stream;
+use npu_model::{BoardConfig, Contention};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::{Board, Policy, Shape};
+
+/// Why an evaluation could not run.
+#[derive(Debug, Error)]
+pub enum EvalError {
+    #[error(transparent)]
+    Model(#[from] CoRunError),
+    #[error(transparent)]
+    Predict(#[from] PredictError),
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A placement policy of the evaluation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EvalPolicy {
+    FirstFit,
+    Balance,
+    Random,
+    Interference,
+    InterferenceFirst,
+    Oracle,
+    OracleFirst,
+}
+
+impl EvalPolicy {
+    pub const ALL: [EvalPolicy; 7] = [
+        EvalPolicy::FirstFit,
+        EvalPolicy::Balance,
+        EvalPolicy::Random,
+        EvalPolicy::Interference,
+        EvalPolicy::InterferenceFirst,
+        EvalPolicy::Oracle,
+        EvalPolicy::OracleFirst,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EvalPolicy::FirstFit => "first-fit",
+            EvalPolicy::Balance => "balance",
+            EvalPolicy::Random => "random",
+            EvalPolicy::Interference => "interference",
+            EvalPolicy::InterferenceFirst => "interference-first",
+            EvalPolicy::Oracle => "oracle",
+            EvalPolicy::OracleFirst => "oracle-first",
+        }
+    }
+}
+
+impl std::str::FromStr for EvalPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        EvalPolicy::ALL.into_iter().find(|p| p.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = EvalPolicy::ALL.iter().map(|p| p.name()).collect();
+            format!("unknown policy `{s}` ({})", names.join(", "))
+        })
+    }
+}
+
+/// What stream to place.
+#[derive(Clone, Debug)]
+pub struct StreamPlan {
+    pub workloads: Vec<String>,
+    pub batches: Vec<u32>,
+    /// vNPU shapes (SA, VU), one core each.
+    pub shapes: Vec<(u32, u32)>,
+    pub vnpus: usize,
+    /// Offered load: the EU-time the stream asks for over the EU-time the
+    /// board has while it arrives (solo run times).
+    pub load: f64,
+    /// Mean work of a vNPU, in simulated cycles of running alone
+    /// (exponentially distributed; at least one request).
+    pub work_cycles: f64,
+    /// Arrivals at the start left out of the statistics (the board fills
+    /// up): a fraction of `vnpus`.
+    pub warmup: f64,
+    pub seed: u64,
+}
+
+/// One vNPU of a stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Job {
+    pub arrival: f64,
+    /// Index into the stream's items.
+    pub item: usize,
+    pub requests: u64,
+}
+
+/// A stream: its distinct items and its vNPUs in arrival order.
+#[derive(Clone, Debug)]
+pub struct JobStream {
+    pub items: Vec<Spec>,
+    pub jobs: Vec<Job>,
+}
+
+/// The manager's shape of a tenant `spec`: SRAM and HBM of the core in
+/// proportion to its EUs, as [`RequestPrograms::lower`] lowers for.
+pub fn shape_of(cfg: &BoardConfig, spec: &Spec) -> Shape {
+    let eus = u64::from(cfg.core.sa_count + cfg.core.vu_count).max(1);
+    let mine = u64::from(spec.sa + spec.vu);
+    let slice = 2u64 << 20;
+    let hbm_core = cfg.hbm_bytes_per_chip() / u64::from(cfg.cores_per_chip.max(1));
+    Shape {
+        chips: 1,
+        cores_per_chip: 1,
+        sa_per_core: spec.sa,
+        vu_per_core: spec.vu,
+        sram_per_core: (cfg.sram_bytes() * mine / eus / slice).max(1) * slice,
+        hbm_per_core: hbm_core * mine / eus,
+    }
+}
+
+fn exp(rng: &mut StdRng, mean: f64) -> f64 {
+    let u: f64 = rng.random();
+    -mean * (1.0 - u).ln()
+}
+
+/// Draws the stream of `plan`: items uniformly, work exponentially, then
+/// Poisson arrivals at the rate that offers `plan.load` of the board's EUs.
+/// `latency(item)` is an item's solo request latency in cycles.
+pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Spec) -> f64) -> JobStream {
+    let items: Vec<Spec> = plan
+        .workloads
+        .iter()
+        .flat_map(|w| {
+            plan.batches.iter().flat_map(move |&batch| {
+                plan.shapes.iter().map(move |&(sa, vu)| Spec { workload: w.clone(), batch, sa, vu })
+            })
+        })
+        .collect();
+    let mut rng = StdRng::seed_from_u64(plan.seed);
+    let mut jobs = Vec::with_capacity(plan.vnpus);
+    let mut eu_time = 0.0;
+    for _ in 0..plan.vnpus {
+        let item = rng.random_range(0..items.len().max(1));
+        let lat = latency(&items[item]).max(1.0);
+        let requests = (exp(&mut rng, plan.work_cycles) / lat).round().max(1.0) as u64;
+        eu_time += f64::from(items[item].sa + items[item].vu) * requests as f64 * lat;
+        jobs.push(Job { arrival: 0.0, item, requests });
+    }
+    let total_eus = f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
+    let gap = eu_time / (plan.vnpus.max(1) as f64 * plan.load.max(1e-6) * total_eus);
+    let mut t = 0.0;
+    for j in &mut jobs {
+        t += exp(&mut rng, gap);
+        j.arrival = t;
+    }
+    JobStream { items, jobs }
+}
+
+/// What the board model knows of each item: its programs and its solo
+/// counters.
+#[derive(Debug)]
+pub struct Items {
+    pub programs: Vec<RequestPrograms>,
+    pub solos: Vec<Solo>,
+}
+
+impl Items {
+    /// Lowers every item; solo counters from `matrix` where it has them,
+    /// else measured.
+    pub fn new(cfg: &BoardConfig, items: &[Spec], matrix: &Matrix) -> Result<Self, EvalError> {
+        let mut programs = Vec::with_capacity(items.len());
+        let mut solos = Vec::with_capacity(items.len());
+        for s in items {
+            programs.push(RequestPrograms::lower(cfg, s)?);
+            solos.push(match matrix.solo(s) {
+                Some(x) => x.clone(),
+                None => Solo::measure(cfg, s)?,
+            });
+        }
+        Ok(Self { programs, solos })
+    }
+}
+
+/// One tenant's fate under one policy.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Fate {
+    pub core: Option<usize>,
+    /// Run time over run time alone (NaN: rejected).
+    pub slowdown: f64,
+}
+
+/// One policy on one stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PolicyRun {
+    pub policy: EvalPolicy,
+    pub seed: u64,
+    /// vNPUs counted (after the warm-up) and how many of them were
+    /// rejected (no core had room).
+    pub counted: usize,
+    pub rejected: usize,
+    /// Over the accepted counted vNPUs.
+    pub mean_slowdown: f64,
+    pub p95_slowdown: f64,
+    pub max_slowdown: f64,
+    /// Allocated EUs over the board's EUs, averaged over time from the
+    /// first counted arrival to the last arrival.
+    pub eu_utilization: f64,
+    /// Decisions with two or more candidate cores after the first
+    /// criterion (where pricing could change anything).
+    pub contested: usize,
+    /// Board co-runs the oracle measured (cache misses).
+    pub measured: usize,
+    pub wall_seconds: f64,
+    pub fates: Vec<Fate>,
+}
+
+/// The oracle's measurements: total overhead of a board configuration
+/// (per chip, per core, the items on it; cores of a chip are alike).
+type Cache = HashMap<Vec<Vec<Vec<usize>>>, f64>;
+
+fn canonical(cfg: &BoardConfig, tenants: &[(usize, usize)]) -> Vec<Vec<Vec<usize>>> {
+    let per = cfg.cores_per_chip.max(1) as usize;
+    let mut chips: Vec<Vec<Vec<usize>>> = vec![vec![Vec::new(); per]; cfg.chips.max(1) as usize];
+    for &(item, core) in tenants {
+        if let Some(c) = chips.get_mut(core / per).and_then(|ch| ch.get_mut(core % per)) {
+            c.push(item);
+        }
+    }
+    for ch in &mut chips {
+        for c in ch.iter_mut() {
+            c.sort_unstable();
+        }
+        ch.sort();
+    }
+    chips
+}
+
+/// The measured total overhead (sum of slowdown - 1) of `tenants`
+/// (item, core) running together on the board.
+fn measured_overhead(
+    cfg: &BoardConfig,
+    items: &Items,
+    tenants: &[(usize, usize)],
+    cache: &mut Cache,
+    misses: &mut usize,
+) -> Result<f64, EvalError> {
+    let key = canonical(cfg, tenants);
+    if let Some(&v) = cache.get(&key) {
+        return Ok(v);
+    }
+    let placed: Vec<Placed> =
+        tenants.iter().map(|&(i, core)| Placed { request: &items.programs[i], core, group: None }).collect();
+    let m = closed_loop(cfg, &placed, Contention::default(), 1)?;
+    let v = tenants.iter().zip(&m).map(|(&(i, _), m)| m.latency / items.solos[i].latency - 1.0).sum();
+    *misses += 1;
+    cache.insert(key, v);
+    Ok(v)
+}
+
+fn quantile(v: &[f64], q: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n => v[((n - 1) as f64 * q).round() as usize],
+    }
+}
+
+/// Places `stream` by `policy` on a board of `cfg` and simulates it.
+pub fn run_policy(
+    cfg: &BoardConfig,
+    stream: &JobStream,
+    items: &Items,
+    predictor: Option<&Predictor>,
+    policy: EvalPolicy,
+    plan: &StreamPlan,
+) -> Result<PolicyRun, EvalError> {
+    let started = std::time::Instant::now();
+    let shapes: Vec<Shape> = stream.items.iter().map(|s| shape_of(cfg, s)).collect();
+    let mut board = Board::new(cfg);
+    let mut sim = Stream::new(cfg);
+    let mut rng = StdRng::seed_from_u64(plan.seed ^ 0x9e37_79b9_7f4a_7c15);
+    // (item, core) of each tenant on the board, and its job.
+    let mut resident: Vec<(usize, usize, usize)> = Vec::new();
+    let mut fates: Vec<Fate> = vec![Fate { core: None, slowdown: f64::NAN }; stream.jobs.len()];
+    let mut sim_ids: Vec<usize> = Vec::new();
+    let (mut contested, mut measured) = (0, 0);
+    let mut cache = Cache::new();
+    let depart = |gone: Vec<usize>, board: &mut Board, resident: &mut Vec<(usize, usize, usize)>| {
+        for id in gone {
+            if let Some(k) = resident.iter().position(|r| r.2 == id) {
+                let (item, core, _) = resident.swap_remove(k);
+                board.release(&shapes[item], &[core as u32]);
+            }
+        }
+    };
+    for (j, job) in stream.jobs.iter().enumerate() {
+        let gone = sim.run_until(job.arrival)?;
+        depart(gone, &mut board, &mut resident);
+        let shape = &shapes[job.item];
+        let fitting = board.fitting_cores(shape);
+        let core = match policy {
+            EvalPolicy::FirstFit => fitting.first().copied().inspect(|&c| board.occupy(shape, &[c as u32])),
+            EvalPolicy::Random => {
+                (!fitting.is_empty()).then(|| fitting[rng.random_range(0..fitting.len())]).inspect(|&c| {
+                    board.occupy(shape, &[c as u32]);
+                })
+            }
+            EvalPolicy::Balance => board.place(shape).ok().map(|p| p[0] as usize),
+            _ => {
+                let first = matches!(policy, EvalPolicy::InterferenceFirst | EvalPolicy::OracleFirst);
+                let order = if first { Policy::InterferenceFirst } else { Policy::Interference };
+                let tenants: Vec<(usize, usize)> = resident.iter().map(|r| (r.0, r.1)).collect();
+                let mut failed: Option<EvalError> = None;
+                let mut asked = false;
+                let r = board.place_scored(shape, order, &mut |_, core| {
+                    asked = true;
+                    let mut t = tenants.clone();
+                    t.push((job.item, core));
+                    let cost = match (policy, predictor) {
+                        (EvalPolicy::Oracle | EvalPolicy::OracleFirst, _) => {
+                            measured_overhead(cfg, items, &t, &mut cache, &mut measured)
+                        }
+                        (_, Some(p)) => predicted_overhead(p, items, &t),
+                        (_, None) => {
+                            Err(EvalError::Input("the interference policies need a predictor".into()))
+                        }
+                    };
+                    cost.unwrap_or_else(|e| {
+                        failed.get_or_insert(e);
+                        f64::NAN
+                    })
+                });
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                contested += usize::from(asked);
+                r.ok().map(|p| p[0] as usize)
+            }
+        };
+        if let Some(core) = core {
+            let id = sim.admit(&items.programs[job.item], core, job.requests)?;
+            if sim_ids.len() <= id {
+                sim_ids.resize(id + 1, usize::MAX);
+            }
+            sim_ids[id] = j;
+            resident.push((job.item, core, id));
+            fates[j].core = Some(core);
+        }
+    }
+    sim.run_until(f64::INFINITY)?;
+    // Slowdowns and EU-time.
+    let skip = ((stream.jobs.len() as f64) * plan.warmup.clamp(0.0, 0.99)) as usize;
+    let window =
+        (stream.jobs.get(skip).map_or(0.0, |j| j.arrival), stream.jobs.last().map_or(0.0, |j| j.arrival));
+    let mut eu_time = 0.0;
+    for (id, &j) in sim_ids.iter().enumerate() {
+        let Some((arrived, Some(left))) = sim.times(id) else { continue };
+        let job = &stream.jobs[j];
+        let alone = job.requests as f64 * items.solos[job.item].latency;
+        fates[j].slowdown = (left - arrived) / alone;
+        let spec = &stream.items[job.item];
+        let overlap = (left.min(window.1) - arrived.max(window.0)).max(0.0);
+        eu_time += f64::from(spec.sa + spec.vu) * overlap;
+    }
+    let counted = &fates[skip.min(fates.len())..];
+    let accepted: Vec<f64> = counted.iter().filter(|f| f.core.is_some()).map(|f| f.slowdown).collect();
+    let total_eus = f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
+    Ok(PolicyRun {
+        policy,
+        seed: plan.seed,
+        counted: counted.len(),
+        rejected: counted.iter().filter(|f| f.core.is_none()).count(),
+        mean_slowdown: accepted.iter().sum::<f64>() / accepted.len().max(1) as f64,
+        p95_slowdown: quantile(&accepted, 0.95),
+        max_slowdown: quantile(&accepted, 1.0),
+        eu_utilization: eu_time / (total_eus * (window.1 - window.0)).max(1.0),
+        contested,
+        measured,
+        wall_seconds: started.elapsed().as_secs_f64(),
+        fates,
+    })
+}
+
+/// The predicted total overhead of `tenants` (item, core).
+fn predicted_overhead(p: &Predictor, items: &Items, tenants: &[(usize, usize)]) -> Result<f64, EvalError> {
+    let mut total = 0.0;
+    for (k, &(own, core)) in tenants.iter().enumerate() {
+        let (mut same, mut elsewhere) = (Vec::new(), Vec::new());
+        for (j, &(other, c)) in tenants.iter().enumerate() {
+            if j != k {
+                if c == core {
+                    same.push(&items.solos[other])
+                } else {
+                    elsewhere.push(&items.solos[other])
+                }
+            }
+        }
+        total += p.slowdown(&items.solos[own], &same, &elsewhere)? - 1.0;
+    }
+    Ok(total)
+}
+
+/// Min, median and max.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct Spread {
+    pub min: f64,
+    pub median: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(v: &[f64]) -> Self {
+        Self { min: quantile(v, 0.0), median: quantile(v, 0.5), max: quantile(v, 1.0) }
+    }
+}
+
+/// One policy over every seed.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PolicySummary {
+    pub policy: EvalPolicy,
+    pub mean_slowdown: Spread,
+    pub p95_slowdown: Spread,
+    pub eu_utilization: Spread,
+    pub rejected_percent: Spread,
+    /// 1 - overhead / balance's overhead (mean slowdown - 1) on the same
+    /// stream, in percent: how much of the interference-blind overhead the
+    /// policy removes.
+    pub overhead_cut_vs_balance: Spread,
+    pub wall_seconds: Spread,
+}
+
+/// Per policy, min/median/max over the seeds of `runs`.
+pub fn summarize(runs: &[PolicyRun]) -> Vec<PolicySummary> {
+    let mut policies: Vec<EvalPolicy> = Vec::new();
+    for r in runs {
+        if !policies.contains(&r.policy) {
+            policies.push(r.policy);
+        }
+    }
+    policies
+        .into_iter()
+        .map(|p| {
+            let mine: Vec<&PolicyRun> = runs.iter().filter(|r| r.policy == p).collect();
+            let of =
+                |f: &dyn Fn(&PolicyRun) -> f64| Spread::of(&mine.iter().map(|r| f(r)).collect::<Vec<_>>());
+            let cut = |r: &PolicyRun| {
+                runs.iter()
+                    .find(|b| b.policy == EvalPolicy::Balance && b.seed == r.seed)
+                    .map_or(f64::NAN, |b| 100.0 * (1.0 - (r.mean_slowdown - 1.0) / (b.mean_slowdown - 1.0)))
+            };
+            PolicySummary {
+                policy: p,
+                mean_slowdown: of(&|r| r.mean_slowdown),
+                p95_slowdown: of(&|r| r.p95_slowdown),
+                eu_utilization: of(&|r| 100.0 * r.eu_utilization),
+                rejected_percent: of(&|r| 100.0 * r.rejected as f64 / r.counted.max(1) as f64),
+                overhead_cut_vs_balance: of(&cut),
+                wall_seconds: of(&|r| r.wall_seconds),
+            }
+        })
+        .collect()
+}
+
+/// A predictor of `model` trained on `matrix`, when any policy needs one.
+pub fn predictor_for(
+    matrix: &Matrix,
+    model: Model,
+    policies: &[EvalPolicy],
+) -> Result<Option<Predictor>, EvalError> {
+    let needs =
+        policies.iter().any(|p| matches!(p, EvalPolicy::Interference | EvalPolicy::InterferenceFirst));
+    Ok(if needs { Some(Predictor::train(matrix, model)?) } else { None })
+}
