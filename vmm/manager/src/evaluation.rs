@@ -7,7 +7,8 @@
 //!
 //! Policies: `first-fit` (lowest-numbered core that fits), `balance`
 //! (this manager's default: best fit on EUs, EU/memory balance),
-//! `random` (any core that fits), `interference` and
+//! `random` (any core that fits), `spread` (worst fit: the core with the
+//! most EUs left, i.e. the fewest neighbours' EUs), `interference` and
 //! `interference-first` ([`Policy`], priced by a [`Predictor`] trained on
 //! a characterization matrix), and `oracle` / `oracle-first`: as the two
 //! interference policies, but pricing each candidate core by the measured
@@ -46,6 +47,7 @@ pub enum EvalPolicy {
     FirstFit,
     Balance,
     Random,
+    Spread,
     Interference,
     InterferenceFirst,
     Oracle,
@@ -53,10 +55,11 @@ pub enum EvalPolicy {
 }
 
 impl EvalPolicy {
-    pub const ALL: [EvalPolicy; 7] = [
+    pub const ALL: [EvalPolicy; 8] = [
         EvalPolicy::FirstFit,
         EvalPolicy::Balance,
         EvalPolicy::Random,
+        EvalPolicy::Spread,
         EvalPolicy::Interference,
         EvalPolicy::InterferenceFirst,
         EvalPolicy::Oracle,
@@ -68,6 +71,7 @@ impl EvalPolicy {
             EvalPolicy::FirstFit => "first-fit",
             EvalPolicy::Balance => "balance",
             EvalPolicy::Random => "random",
+            EvalPolicy::Spread => "spread",
             EvalPolicy::Interference => "interference",
             EvalPolicy::InterferenceFirst => "interference-first",
             EvalPolicy::Oracle => "oracle",
@@ -328,6 +332,11 @@ pub fn run_policy(
                 })
             }
             EvalPolicy::Balance => board.place(shape).ok().map(|p| p[0] as usize),
+            EvalPolicy::Spread => fitting
+                .iter()
+                .copied()
+                .max_by_key(|&c| (board.score(c, shape).0, std::cmp::Reverse(c)))
+                .inspect(|&c| board.occupy(shape, &[c as u32])),
             _ => {
                 let first = matches!(policy, EvalPolicy::InterferenceFirst | EvalPolicy::OracleFirst);
                 let order = if first { Policy::InterferenceFirst } else { Policy::Interference };

@@ -88,3 +88,91 @@ fn a_vnpu_alone_runs_its_solo_time_and_two_on_one_core_slow_each_other() {
     let s = shape_of(&cfg, &items[0]);
     assert_eq!((s.sa_per_core, s.vu_per_core, s.sram_per_core), (1, 1, 8 << 20));
 }
+
+fn eval(args: &[&str]) -> (i32, String, String) {
+    let matrix = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_placement-eval"))
+        .args(["--matrix", matrix])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// The evaluation end to end on a small stream: every vNPU is accounted
+/// for, no accepted one runs faster than alone, the measuring oracle does
+/// not lose to packing, and the trained predictor does better than one
+/// that ignores its features.
+#[test]
+fn placement_eval_on_a_small_stream() {
+    let json = std::env::temp_dir().join(format!("placement-eval-{}.json", std::process::id()));
+    let common = [
+        "--vnpus",
+        "120",
+        "--seeds",
+        "7",
+        "--work-ms",
+        "2",
+        "--load",
+        "0.6",
+        "--workloads",
+        "mobilenet,efficientnet,ncf,dlrm",
+        "--batches",
+        "1",
+    ];
+    let run = |model: &str, policies: &str| {
+        let mut a: Vec<&str> = common.to_vec();
+        let j = json.to_str().unwrap();
+        a.extend(["--model", model, "--policies", policies, "--json", j]);
+        let (code, out, err) = eval(&a);
+        assert_eq!(code, 0, "{out}{err}");
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        v
+    };
+    let v = run("linear", "balance,spread,interference-first,oracle-first");
+    let overhead = |v: &serde_json::Value, p: &str| {
+        let r = v["runs"].as_array().unwrap().iter().find(|r| r["policy"] == p).unwrap();
+        assert_eq!(r["fates"].as_array().unwrap().len(), 120, "{p}: a fate per vNPU");
+        for f in r["fates"].as_array().unwrap() {
+            if !f["core"].is_null() {
+                let s = f["slowdown"].as_f64().unwrap();
+                assert!(s >= 1.0 - 1e-9, "{p}: slowdown {s} below running alone");
+            }
+        }
+        r["mean_slowdown"].as_f64().unwrap() - 1.0
+    };
+    let (balance, spread, trained, oracle) = (
+        overhead(&v, "balance"),
+        overhead(&v, "spread"),
+        overhead(&v, "interference-first"),
+        overhead(&v, "oracle-first"),
+    );
+    let blind = run("mean", "interference-first");
+    let blind = overhead(&blind, "interference-first");
+    eprintln!(
+        "overheads: balance {balance} spread {spread} linear {trained} mean-model {blind} oracle {oracle}"
+    );
+    assert!(oracle < balance, "the oracle ({oracle}) beats packing ({balance})");
+    assert!(trained < balance, "the trained predictor ({trained}) beats packing ({balance})");
+    assert!(trained < blind, "the trained predictor ({trained}) beats one blind to its features ({blind})");
+    // Bad input: named.
+    for (args, says) in [
+        (vec!["--load", "0"], "--load"),
+        (vec!["--shapes", "5+1"], "larger than a core"),
+        (vec!["--model", "svm"], "unknown model"),
+        (vec!["--policies", "best"], "unknown policy"),
+        (vec!["--warmup", "1"], "--warmup"),
+    ] {
+        let (code, out, err) = eval(&args);
+        assert_ne!(code, 0, "{args:?}: {out}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    let (code, _, err) = eval(&["--board", "/nonexistent.toml"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("/nonexistent.toml"), "{err}");
+    let _ = std::fs::remove_file(&json);
+}

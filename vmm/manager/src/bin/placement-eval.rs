@@ -61,11 +61,14 @@ struct Cli {
     /// vNPU shapes, SA+VU (one core each).
     #[arg(long, value_delimiter = ',', default_values = ["1+1", "2+2"])]
     shapes: Vec<String>,
-    /// Policies to compare (first-fit, balance, random, interference,
-    /// interference-first, oracle, oracle-first).
-    #[arg(long, value_delimiter = ',', default_values = ["first-fit", "balance", "random", "interference", "interference-first", "oracle", "oracle-first"])]
+    /// Policies to compare (first-fit, balance, random, spread,
+    /// interference, interference-first, oracle, oracle-first).
+    #[arg(long, value_delimiter = ',', default_values = ["first-fit", "balance", "random", "spread", "interference", "interference-first", "oracle", "oracle-first"])]
     policies: Vec<EvalPolicy>,
-    /// Predictor of the interference policies: linear or forest.
+    /// Predictor of the interference policies: linear, forest, or mean (a
+    /// predictor that ignores its features: the training set's mean
+    /// slowdown for any tenant with neighbours on its core, another for
+    /// neighbours elsewhere, 1 alone).
     #[arg(long, default_value = "linear")]
     model: String,
     /// Worker threads (one policy and stream each at a time).
@@ -107,7 +110,8 @@ fn run(cli: Cli) -> Result<(), EvalError> {
     let model = match cli.model.as_str() {
         "linear" => Model::Linear,
         "forest" => Model::Forest { trees: 100, seed: 1 },
-        m => return Err(input(format!("unknown model `{m}` (linear, forest)"))),
+        "mean" => Model::Mean,
+        m => return Err(input(format!("unknown model `{m}` (linear, forest, mean)"))),
     };
     if cli.vnpus == 0 || cli.seeds.is_empty() || cli.policies.is_empty() {
         return Err(input("give at least one vNPU, seed and policy".into()));
