@@ -27,6 +27,7 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use crate::interference::predicted_slowdowns;
 use crate::{Board, Policy, Shape};
 
 /// Why an evaluation could not run.
@@ -414,21 +415,8 @@ pub fn run_policy(
 
 /// The predicted total overhead of `tenants` (item, core).
 fn predicted_overhead(p: &Predictor, items: &Items, tenants: &[(usize, usize)]) -> Result<f64, EvalError> {
-    let mut total = 0.0;
-    for (k, &(own, core)) in tenants.iter().enumerate() {
-        let (mut same, mut elsewhere) = (Vec::new(), Vec::new());
-        for (j, &(other, c)) in tenants.iter().enumerate() {
-            if j != k {
-                if c == core {
-                    same.push(&items.solos[other])
-                } else {
-                    elsewhere.push(&items.solos[other])
-                }
-            }
-        }
-        total += p.slowdown(&items.solos[own], &same, &elsewhere)? - 1.0;
-    }
-    Ok(total)
+    let with: Vec<(&Solo, usize)> = tenants.iter().map(|&(i, core)| (&items.solos[i], core)).collect();
+    Ok(predicted_slowdowns(p, &with)?.iter().map(|s| s - 1.0).sum())
 }
 
 /// Min, median and max.

@@ -41,6 +41,27 @@ pub fn spec_of(workload: &Workload, inst_sa: u32, inst_vu: u32) -> Spec {
     Spec { workload: workload.name.clone(), batch: workload.batch, sa: inst_sa, vu: inst_vu }
 }
 
+/// The predicted slowdown of each tenant `(solo counters, physical core)`
+/// beside the others: [`Predictor::slowdown`] with the tenants of its
+/// core as one kind of neighbour and all the others as the other.
+pub fn predicted_slowdowns(p: &Predictor, tenants: &[(&Solo, usize)]) -> Result<Vec<f64>, PredictError> {
+    let mut out = Vec::with_capacity(tenants.len());
+    for (k, &(own, core)) in tenants.iter().enumerate() {
+        let (mut same, mut elsewhere) = (Vec::new(), Vec::new());
+        for (j, &(other, c)) in tenants.iter().enumerate() {
+            if j != k {
+                if c == core {
+                    same.push(other)
+                } else {
+                    elsewhere.push(other)
+                }
+            }
+        }
+        out.push(p.slowdown(own, &same, &elsewhere)?);
+    }
+    Ok(out)
+}
+
 impl InterferenceModel {
     /// Trains `model` on `matrix` (measured on a board named as `board`).
     pub fn new(matrix: &Matrix, board: &BoardConfig, model: Model) -> Result<Self, InterferenceError> {
@@ -84,28 +105,16 @@ impl InterferenceModel {
     /// The predicted slowdown of each tenant `(solo index, physical core)`
     /// beside the others (neighbours on its core, and elsewhere).
     pub fn slowdowns(&self, tenants: &[(usize, usize)]) -> Result<Vec<f64>, InterferenceError> {
-        let solo = |i: usize| {
-            self.solos.get(i).ok_or_else(|| {
+        let mut with = Vec::with_capacity(tenants.len());
+        for &(i, core) in tenants {
+            let s = self.solos.get(i).ok_or_else(|| {
                 InterferenceError::Predict(PredictError::NoSolo(format!(
                     "solo index {i} (not from this model)"
                 )))
-            })
-        };
-        let mut out = Vec::with_capacity(tenants.len());
-        for (k, &(own, core)) in tenants.iter().enumerate() {
-            let (mut same, mut elsewhere) = (Vec::new(), Vec::new());
-            for (j, &(other, c)) in tenants.iter().enumerate() {
-                if j != k {
-                    if c == core {
-                        same.push(solo(other)?)
-                    } else {
-                        elsewhere.push(solo(other)?)
-                    }
-                }
-            }
-            out.push(self.predictor.slowdown(solo(own)?, &same, &elsewhere)?);
+            })?;
+            with.push((s, core));
         }
-        Ok(out)
+        Ok(predicted_slowdowns(&self.predictor, &with)?)
     }
 
     /// The predicted overhead of the board: the sum of every tenant's

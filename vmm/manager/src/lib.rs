@@ -9,7 +9,7 @@ mod interference;
 mod placement;
 mod store;
 
-pub use interference::{spec_of, InterferenceError, InterferenceModel};
+pub use interference::{predicted_slowdowns, spec_of, InterferenceError, InterferenceModel};
 pub use placement::{Board, CoreLoad, Placement, PlacementError, Policy};
 pub use store::{Store, StoreError};
 
