@@ -182,7 +182,8 @@ pub fn bars(
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d((0..n).into_segmented(), 1.0..top)
+            // A segmented 0..k has k + 1 segments: 0..n - 1 gives one per label.
+            .build_cartesian_2d((0..(n - 1).max(0)).into_segmented(), 1.0..top)
             .map_err(|e| err(&e))?;
         let label = |v: &SegmentValue<i32>| match v {
             SegmentValue::CenterOf(i) => labels.get(*i as usize).cloned().unwrap_or_default(),

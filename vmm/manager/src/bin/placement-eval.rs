@@ -80,6 +80,10 @@ struct Cli {
     /// Draw the summary (overhead cut and slowdowns per policy) here.
     #[arg(long)]
     svg: Option<PathBuf>,
+    /// Simulate nothing: read the summary of an earlier `--json` file,
+    /// print its table and draw `--svg` from it.
+    #[arg(long, value_name = "JSON")]
+    replot: Option<PathBuf>,
 }
 
 fn shape(s: &str) -> Result<(u32, u32), String> {
@@ -91,7 +95,50 @@ fn shape(s: &str) -> Result<(u32, u32), String> {
     }
 }
 
+/// `--replot`: the table and the plot of an earlier run's summary.
+fn replot(cli: &Cli, from: &std::path::Path) -> Result<(), EvalError> {
+    let input = |m: String| EvalError::Input(format!("{}: {m}", from.display()));
+    let bytes = std::fs::read(from).map_err(|e| input(e.to_string()))?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).map_err(|e| input(e.to_string()))?;
+    let field = |k: &str| v.get(k).cloned().ok_or_else(|| input(format!("no `{k}` field")));
+    let summary: Vec<PolicySummary> =
+        serde_json::from_value(field("summary")?).map_err(|e| input(e.to_string()))?;
+    let vnpus = field("vnpus")?.as_u64().ok_or_else(|| input("`vnpus` is not a count".into()))?;
+    let streams = field("seeds")?.as_array().map_or(0, Vec::len);
+    let load = field("load")?.as_f64().ok_or_else(|| input("`load` is not a number".into()))?;
+    print!("{}", table(&summary));
+    if let Some(path) = &cli.svg {
+        draw(path, &summary, vnpus, streams, load)?;
+    }
+    Ok(())
+}
+
+fn draw(
+    path: &std::path::Path,
+    summary: &[PolicySummary],
+    vnpus: u64,
+    streams: usize,
+    load: f64,
+) -> Result<(), EvalError> {
+    let labels: Vec<String> = summary.iter().map(|s| s.policy.name().to_string()).collect();
+    let three = |s: &vnpu_manager::evaluation::Spread| [s.min, s.median, s.max];
+    let mean: Vec<_> = summary.iter().map(|s| three(&s.mean_slowdown)).collect();
+    let p95: Vec<_> = summary.iter().map(|s| three(&s.p95_slowdown)).collect();
+    npu_interference::plot::bars(
+        &path.display().to_string(),
+        &format!("{vnpus} vNPUs x {streams} streams at load {load}: slowdown per policy (min/median/max over streams)"),
+        &labels,
+        &[("mean slowdown of the tenants", mean), ("p95 slowdown of the tenants", p95)],
+    )
+    .map_err(|e| EvalError::Input(e.to_string()))?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<(), EvalError> {
+    if let Some(from) = &cli.replot {
+        return replot(&cli, from);
+    }
     let input = |m: String| EvalError::Input(m);
     let cfg = match &cli.board {
         Some(p) => BoardConfig::load(p).map_err(|e| input(format!("{}: {e}", p.display())))?,
@@ -219,23 +266,7 @@ fn run(cli: Cli) -> Result<(), EvalError> {
         eprintln!("wrote {}", path.display());
     }
     if let Some(path) = &cli.svg {
-        let labels: Vec<String> = summary.iter().map(|s| s.policy.name().to_string()).collect();
-        let three = |s: &vnpu_manager::evaluation::Spread| [s.min, s.median, s.max];
-        let mean: Vec<_> = summary.iter().map(|s| three(&s.mean_slowdown)).collect();
-        let p95: Vec<_> = summary.iter().map(|s| three(&s.p95_slowdown)).collect();
-        npu_interference::plot::bars(
-            &path.display().to_string(),
-            &format!(
-                "{} vNPUs x {} streams at load {}: slowdown per policy (min/median/max over streams)",
-                cli.vnpus,
-                cli.seeds.len(),
-                cli.load
-            ),
-            &labels,
-            &[("mean slowdown of the tenants", mean), ("p95 slowdown of the tenants", p95)],
-        )
-        .map_err(|e| input(e.to_string()))?;
-        eprintln!("wrote {}", path.display());
+        draw(path, &summary, cli.vnpus as u64, cli.seeds.len(), cli.load)?;
     }
     Ok(())
 }
