@@ -14,7 +14,7 @@ mod spec;
 mod worker;
 
 pub use guest_ram::GuestRam;
-pub use msi::{MsiSink, RecordingSink};
+pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use shared_core::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Interval,
     Pending, SharedBoard, SharedCore, SharingStats,
@@ -85,6 +85,43 @@ impl VnpuFunction {
         name: &str,
         opts: DeviceOptions,
     ) -> Result<Self, DeviceError> {
+        Self::build(spec, board, memory, sink, None, name, opts)
+    }
+
+    /// A vNPU served to a VMM in another process (the board daemon's
+    /// vfio-user server): no guest memory until [`Self::set_memory`], and
+    /// MSI-X vectors raised by number into `vectors` (the VMM owns the
+    /// MSI-X table; this function's own table stays unused).
+    pub fn served(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        vectors: Arc<dyn VectorSink>,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, DeviceError> {
+        let sink: Arc<dyn MsiSink> = Arc::new(RecordingSink::default());
+        Self::build(spec, board, GuestMemoryMmap::new(), sink, Some(vectors), name, opts)
+    }
+
+    /// Replaces the guest memory the vNPU's DMA reaches (between requests).
+    pub fn set_memory(&self, memory: GuestMemoryMmap<()>) {
+        self.shared.post(Control::Memory(memory));
+    }
+
+    /// Whether the worker thread stopped on a fault (nothing is served).
+    pub fn is_dead(&self) -> bool {
+        self.shared.dead.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn build(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        memory: GuestMemoryMmap<()>,
+        sink: Arc<dyn MsiSink>,
+        vectors: Option<Arc<dyn VectorSink>>,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, DeviceError> {
         let id = Identity {
             vendor_id: VENDOR_ID,
             device_id: DEVICE_ID,
@@ -107,7 +144,7 @@ impl VnpuFunction {
         r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
         r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
         r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
-        let shared = Arc::new(Shared::new(r, msix.vectors, sink)?);
+        let shared = Arc::new(Shared::new(r, msix.vectors, sink, vectors)?);
         // The worker shows the granted configuration in the registers
         // before the thread starts, so the guest sees it from the first read.
         let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);

@@ -14,6 +14,15 @@ pub trait MsiSink: Send + Sync {
     fn deliver(&self, m: MsiMessage);
 }
 
+/// Where a function whose MSI-X table lives in another process (a VMM
+/// attached over vfio-user) raises its vectors: by number, one eventfd
+/// each; the table, masking and pending bits are the VMM's. Called from
+/// any thread.
+pub trait VectorSink: Send + Sync {
+    /// Signals `vector` (dropped when it has no eventfd).
+    fn signal(&self, vector: u16);
+}
+
 /// A sink that records messages, for tests and for devices built without a VM.
 #[derive(Debug, Default)]
 pub struct RecordingSink(Mutex<Vec<MsiMessage>>);
@@ -49,6 +58,9 @@ pub(crate) struct MsixState {
 pub(crate) struct Interrupts {
     pub state: Mutex<MsixState>,
     pub sink: Arc<dyn MsiSink>,
+    /// Set for a function served over vfio-user: vectors go here by
+    /// number and the local table is not consulted.
+    pub vectors: Option<Arc<dyn VectorSink>>,
 }
 
 impl std::fmt::Debug for Interrupts {
@@ -61,6 +73,10 @@ impl Interrupts {
     /// Raises `vector`: delivered now, left pending while masked, dropped
     /// while MSI-X is disabled or when the vector does not exist.
     pub fn raise(&self, vector: u16) {
+        if let Some(v) = &self.vectors {
+            v.signal(vector);
+            return;
+        }
         let mut s = lock(&self.state);
         let (en, fm) = (s.enabled, s.function_masked);
         if let Some(m) = s.table.trigger(vector, en, fm) {

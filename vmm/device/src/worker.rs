@@ -52,7 +52,7 @@ const MAX_MESSAGE: usize = 512;
 const NO_DETAIL: u32 = 0xffff_ffff;
 
 /// What the vCPU thread asks of the worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(crate) enum Control {
     Enable {
         size: u32,
@@ -67,6 +67,9 @@ pub(crate) enum Control {
     },
     /// The host changed the grant (a live remap).
     Regrant(VnpuSpec),
+    /// Guest memory is now this (a vfio-user client mapped or unmapped
+    /// DMA regions); applied between requests.
+    Memory(GuestMemoryMmap<()>),
     Stop,
     /// Makes the worker panic (tests of the fault path only).
     #[cfg(test)]
@@ -89,7 +92,12 @@ pub(crate) struct Shared {
 impl Shared {
     /// Registers `regs`, `vectors` MSI-X vectors (disabled, as after reset)
     /// raised into `sink`, an empty control queue and fresh eventfds.
-    pub fn new(regs: RegFile, vectors: u16, sink: Arc<dyn crate::MsiSink>) -> std::io::Result<Self> {
+    pub fn new(
+        regs: RegFile,
+        vectors: u16,
+        sink: Arc<dyn crate::MsiSink>,
+        by_vector: Option<Arc<dyn crate::VectorSink>>,
+    ) -> std::io::Result<Self> {
         let nonblock = vmm_sys_util::eventfd::EFD_NONBLOCK;
         Ok(Self {
             regs: Mutex::new(regs),
@@ -100,6 +108,7 @@ impl Shared {
                     function_masked: false,
                 }),
                 sink,
+                vectors: by_vector,
             },
             controls: Mutex::new(VecDeque::new()),
             control_evt: EventFd::new(nonblock)?,
@@ -374,6 +383,7 @@ impl Worker {
                 Some(Control::Panic) => panic!("injected worker fault"),
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
+                Some(Control::Memory(mem)) => self.mem = mem,
                 Some(Control::Regrant(spec)) => {
                     self.regrant(spec);
                     self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
@@ -913,7 +923,7 @@ pub fn fuzz_drive(data: &[u8]) {
         let fill: Vec<u8> = init.iter().copied().cycle().take(MEM).collect();
         let _ = mem.write_slice(&fill, GuestAddress(0));
     }
-    let Ok(shared) = Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default())) else {
+    let Ok(shared) = Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None) else {
         return;
     };
     // Completions raise vectors through the sink.
@@ -1013,8 +1023,9 @@ mod registration_tests {
         let bytes = b.finish().encode();
         mem.write_slice(&bytes, GuestAddress(0x1000)).unwrap();
         let payload = [Desc { addr: 0x1000, len: bytes.len() as u32, write: false }];
-        let shared =
-            Arc::new(Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default())).unwrap());
+        let shared = Arc::new(
+            Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).unwrap(),
+        );
         let spec = VnpuSpec::named("small").unwrap();
         let mut w = Worker::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
         let fits = abi::MAX_REGISTERED_INSTRUCTIONS / vnpu_abi::program::MAX_INSTRUCTIONS;
