@@ -133,6 +133,26 @@ enum Command {
         #[arg(long)]
         board: Option<PathBuf>,
     },
+    /// Run the board daemon in the foreground (docs/vfio-user.md).
+    ///
+    /// Owns one modelled board (every core's simulation and scheduler)
+    /// and serves each started vNPU instance of the state directory as a
+    /// vfio-user PCI device at SOCKET_DIR/UUID.sock, for a VMM in another
+    /// process (QEMU >= 10.1 `-device vfio-user-pci`, Cloud Hypervisor
+    /// `--user-device`). Follows `vnpu start/stop/remap` as they write the
+    /// state directory. Logs to stderr (RUST_LOG=debug for more). Stops
+    /// cleanly on SIGTERM or SIGINT, removing its sockets.
+    Daemon {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// Where the instances' sockets go (default: STATE_DIR/sockets).
+        #[arg(long)]
+        socket_dir: Option<PathBuf>,
+        /// After serving requests, each vNPU polls its ring this long
+        /// before sleeping (microseconds; 0 = wake by doorbell only).
+        #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
+        poll_us: u64,
+    },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
     /// FILE (TOML) lists the VMs: `[[vm]]` with `name`, `guest`, `memory`
@@ -375,6 +395,8 @@ enum CliError {
     Interference(#[from] vnpu_manager::InterferenceError),
     #[error(transparent)]
     Scenario(#[from] scenario::ScenarioError),
+    #[error(transparent)]
+    Daemon(#[from] vnpu_daemon::DaemonError),
     #[error("{0}")]
     Usage(String),
     #[error("cannot read {path}: {source}")]
@@ -548,6 +570,25 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
+        Command::Daemon { manage, socket_dir, poll_us } => {
+            env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+            let state_dir = manage.dir();
+            let opts = vnpu_daemon::DaemonOptions {
+                board: board(&manage.board)?,
+                socket_dir: socket_dir.unwrap_or_else(|| state_dir.join("sockets")),
+                state_dir,
+                rescan: std::time::Duration::from_millis(100),
+                device: vnpu_device::DeviceOptions {
+                    poll: std::time::Duration::from_micros(poll_us),
+                    ..Default::default()
+                },
+            };
+            vnpu_daemon::stop_on_signals();
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let dir = opts.socket_dir.clone();
+            vnpu_daemon::run(&opts, &stop, || eprintln!("vnpu daemon: serving at {}", dir.display()))?;
+            eprintln!("vnpu daemon: stopped");
+        }
         Command::Types { manage, json } => {
             let b = board(&manage.board)?;
             let store = vnpu_manager::Store::open(&manage.dir(), &b)?;
