@@ -55,8 +55,12 @@ enum Command {
         #[arg(long, default_value = "256M", value_parser = vnpu_device::parse_size)]
         memory: u64,
         /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`,
-        /// `type=small|medium|large`, or `uuid=UUID` of a started instance
-        /// (`vnpu create` / `vnpu start`; docs/management.md). Each becomes a PCI function.
+        /// `type=small|medium|large`, `uuid=UUID` of a started instance
+        /// (`vnpu create` / `vnpu start`; docs/management.md; attached
+        /// through the board daemon when `vnpu daemon` serves it at
+        /// STATE_DIR/sockets/UUID.sock, else in-process), or
+        /// `socket=PATH` of a vfio-user socket (docs/vfio-user.md).
+        /// Each becomes a PCI function (daemon-served ones after the others).
         #[arg(long = "vnpu", value_parser = parse_vnpu_arg)]
         vnpus: Vec<VnpuArg>,
         /// State directory of the vNPU manager, for `--vnpu uuid=...`
@@ -410,9 +414,14 @@ enum CliError {
 enum VnpuArg {
     Spec(vnpu_device::VnpuSpec),
     Uuid(String),
+    /// A vNPU served by a board daemon at this vfio-user socket.
+    Socket(PathBuf),
 }
 
 fn parse_vnpu_arg(s: &str) -> Result<VnpuArg, String> {
+    if let Some(p) = s.trim().strip_prefix("socket=") {
+        return Ok(VnpuArg::Socket(PathBuf::from(p.trim())));
+    }
     match s.trim().strip_prefix("uuid=") {
         Some(u) => Ok(VnpuArg::Uuid(u.trim().to_string())),
         None => parse_vnpu(s).map(VnpuArg::Spec),
@@ -475,20 +484,37 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
             let b = board(&path)?;
             let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
-            // Managed instances: (index among the vNPUs, UUID) to follow.
+            // A started instance that a board daemon serves is attached
+            // through the daemon (docs/vfio-user.md); otherwise in-process.
+            let served = |u: &str| Some(dir.join("sockets").join(format!("{u}.sock"))).filter(|p| p.exists());
+            let (remote, vnpus): (Vec<VnpuArg>, Vec<VnpuArg>) = vnpus.into_iter().partition(|v| match v {
+                VnpuArg::Socket(_) => true,
+                VnpuArg::Uuid(u) => served(u).is_some(),
+                VnpuArg::Spec(_) => false,
+            });
+            let remote_vnpus: Vec<PathBuf> = remote
+                .into_iter()
+                .filter_map(|v| match v {
+                    VnpuArg::Socket(p) => Some(p),
+                    VnpuArg::Uuid(u) => served(&u),
+                    VnpuArg::Spec(_) => None,
+                })
+                .collect();
+            // Managed in-process instances: (index among the vNPUs, UUID) to follow.
             let managed: Vec<(usize, String)> = vnpus
                 .iter()
                 .enumerate()
                 .filter_map(|(i, v)| match v {
                     VnpuArg::Uuid(u) => Some((i, u.clone())),
-                    VnpuArg::Spec(_) => None,
+                    _ => None,
                 })
                 .collect();
             let vnpus = vnpus
                 .into_iter()
-                .map(|v| match v {
-                    VnpuArg::Spec(s) => Ok(s),
-                    VnpuArg::Uuid(u) => manage::active_spec(&dir, &b, &u).map_err(CliError::Usage),
+                .filter_map(|v| match v {
+                    VnpuArg::Spec(s) => Some(Ok(s)),
+                    VnpuArg::Uuid(u) => Some(manage::active_spec(&dir, &b, &u).map_err(CliError::Usage)),
+                    VnpuArg::Socket(_) => None,
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let linux = kernel.is_some().then_some(vnpu_vm::LinuxBoot { initrd, cmdline });
@@ -505,6 +531,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 shared_cores: Vec::new(),
                 name: "vm".into(),
                 linux,
+                remote_vnpus,
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             if !managed.is_empty() {

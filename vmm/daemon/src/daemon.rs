@@ -78,9 +78,27 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     let result = (|| {
         reconcile(opts, &board, &mut served)?;
         ready();
+        // Once running, a state directory that cannot be read for a moment
+        // (or an instance that cannot be served) is logged, once per
+        // distinct error, and the daemon keeps serving what it serves.
+        let mut last_error = String::new();
+        let mut scanned = std::time::Instant::now();
         while !stop.load(Ordering::SeqCst) && !STOP.load(Ordering::SeqCst) {
-            std::thread::sleep(opts.rescan.min(Duration::from_millis(100)));
-            reconcile(opts, &board, &mut served)?;
+            std::thread::sleep(Duration::from_millis(20));
+            if scanned.elapsed() < opts.rescan {
+                continue;
+            }
+            scanned = std::time::Instant::now();
+            match reconcile(opts, &board, &mut served) {
+                Ok(()) => last_error.clear(),
+                Err(e) => {
+                    let e = e.to_string();
+                    if e != last_error {
+                        log::error!("{e}");
+                        last_error = e;
+                    }
+                }
+            }
         }
         Ok(())
     })();

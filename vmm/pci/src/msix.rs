@@ -141,6 +141,19 @@ impl MsixTable {
         self.entries[v][3] & 1 != 0
     }
 
+    /// Whether `vector`'s own mask bit is set (a vector that does not
+    /// exist counts as masked).
+    pub fn is_masked(&self, vector: u16) -> bool {
+        let v = usize::from(vector);
+        v >= self.entries.len() || self.masked(v)
+    }
+
+    /// The message `vector` is programmed with, if it exists.
+    pub fn entry_message(&self, vector: u16) -> Option<MsiMessage> {
+        let v = usize::from(vector);
+        (v < self.entries.len()).then(|| self.message(v))
+    }
+
     /// The device raises `vector`. Returns the message to deliver now, or
     /// `None` when MSI-X is disabled (dropped), the vector does not exist
     /// (dropped), or it is masked (its pending bit is set).

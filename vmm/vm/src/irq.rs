@@ -95,9 +95,10 @@ impl MsiRoutes {
         })
     }
 
-    /// Delivers `m`, raised by the function in `slot`, through its irqfd,
-    /// first (re)programming its route if the message changed.
-    pub fn deliver(&mut self, vm: &VmFd, slot: usize, m: MsiMessage) -> Result<(), IrqError> {
+    /// Routes (`slot`, `m.vector`)'s GSI by `m`, reprogramming KVM's
+    /// table only when the message changed (a function whose irqfds are
+    /// signalled by another process: `remote.rs`).
+    pub fn set_route(&mut self, vm: &VmFd, slot: usize, m: MsiMessage) -> Result<(), IrqError> {
         let gsi = Self::gsi(slot, m.vector).ok_or(IrqError::NoGsi(m.vector))?;
         if self.routes.get(&gsi) != Some(&(m.address, m.data)) {
             self.routes.insert(gsi, (m.address, m.data));
@@ -106,6 +107,34 @@ impl MsiRoutes {
                 return Err(e);
             }
         }
+        Ok(())
+    }
+
+    /// Assigns or deassigns (`slot`, `vector`)'s irqfd in KVM (a masked
+    /// vector's signals wait in the eventfd; KVM delivers them when it is
+    /// assigned again).
+    pub fn set_irqfd_assigned(
+        &mut self,
+        vm: &VmFd,
+        slot: usize,
+        vector: u16,
+        on: bool,
+    ) -> Result<(), IrqError> {
+        let gsi = Self::gsi(slot, vector).ok_or(IrqError::NoGsi(vector))?;
+        let fd = self.fd(vm, gsi)?;
+        if on {
+            vm.register_irqfd(fd, gsi)?;
+        } else {
+            vm.unregister_irqfd(fd, gsi)?;
+        }
+        Ok(())
+    }
+
+    /// Delivers `m`, raised by the function in `slot`, through its irqfd,
+    /// first (re)programming its route if the message changed.
+    pub fn deliver(&mut self, vm: &VmFd, slot: usize, m: MsiMessage) -> Result<(), IrqError> {
+        self.set_route(vm, slot, m)?;
+        let gsi = Self::gsi(slot, m.vector).ok_or(IrqError::NoGsi(m.vector))?;
         self.fd(vm, gsi)?.write(1)?;
         Ok(())
     }

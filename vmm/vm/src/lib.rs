@@ -24,6 +24,7 @@ mod cmos;
 mod irq;
 mod linux;
 mod mptable;
+pub mod remote;
 
 pub use linux::LinuxBoot;
 pub use vnpu_device::GuestRam;
@@ -171,7 +172,32 @@ struct Doorbells {
     slot: usize,
     events: Vec<(u64, EventFd)>,
     registered: Option<u64>,
-    grant: vnpu_device::GrantHandle,
+    /// None for a function served by a daemon (its grant is the daemon's).
+    grant: Option<vnpu_device::GrantHandle>,
+}
+
+/// Guest RAM in a memfd sealed against shrinking and growing, so a
+/// vfio-user server can map it (`docs/vfio-user.md`).
+fn shared_ram(bytes: u64) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: memfd_create with a NUL-terminated name; the new descriptor
+    // is owned by the File below.
+    let fd = unsafe {
+        libc::memfd_create(c"vnpu-guest-ram".as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(bytes)?;
+    // SAFETY: adds seals to our own memfd; no memory is touched.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) }
+        != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
 }
 
 /// Delivers a function's MSIs through the VM's irqfds, from any thread.
@@ -263,6 +289,10 @@ pub struct VmConfig {
     /// Boot `guest` as a Linux kernel (bzImage or vmlinux) with this initrd
     /// and command line, instead of as a bare-metal ELF.
     pub linux: Option<LinuxBoot>,
+    /// vNPUs served by a board daemon (`docs/vfio-user.md`): the vfio-user
+    /// socket of each, attached as PCI functions after `vnpus`. Guest RAM
+    /// is then a sealed memfd shared with the daemon.
+    pub remote_vnpus: Vec<std::path::PathBuf>,
 }
 
 impl VmConfig {
@@ -277,6 +307,7 @@ impl VmConfig {
             shared_cores: Vec::new(),
             name: "vm".into(),
             linux: None,
+            remote_vnpus: Vec::new(),
         }
     }
 
@@ -300,8 +331,9 @@ impl<W: Write> Vm<W> {
     /// to `console`.
     pub fn new(cfg: &VmConfig, console: W) -> Result<Self, VmError> {
         let (memory_bytes, guest, vnpus) = (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..]);
-        if vnpus.len() > MAX_VNPUS {
-            return Err(VmError::TooManyVnpus { count: vnpus.len() });
+        let count = vnpus.len() + cfg.remote_vnpus.len();
+        if count > MAX_VNPUS {
+            return Err(VmError::TooManyVnpus { count });
         }
         // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
         // guest's RAM may reach the PCI hole, where the BARs go.
@@ -318,9 +350,18 @@ impl<W: Write> Vm<W> {
         }
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
-        let memory: GuestMemoryMmap<()> =
+        let memory: GuestMemoryMmap<()> = if cfg.remote_vnpus.is_empty() {
             GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
-                .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        } else {
+            let file = shared_ram(memory_bytes)
+                .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("memfd: {e}") })?;
+            GuestMemoryMmap::from_ranges_with_files([(
+                GuestAddress(0),
+                memory_bytes as usize,
+                Some(vm_memory::FileOffset::new(file, 0)),
+            )])
+        }
+        .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
         let host = memory
             .get_host_address(GuestAddress(0))
             .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
@@ -403,7 +444,7 @@ impl<W: Write> Vm<W> {
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
         let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
         if linux.is_some() {
-            Self::place_bars(&mut pci, cfg.vnpus.len());
+            Self::place_bars(&mut pci, count);
         }
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
             .map_err(|e| VmError::Guest(format!("serial eventfd: {e}")))?;
@@ -554,9 +595,17 @@ impl<W: Write> Vm<W> {
                 .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
                 .map_err(|e| VmError::Guest(format!("loopback irqfd: {e}")))?;
             events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
-            let grant = f.grant_handle();
+            let grant = Some(f.grant_handle());
             bus.add(slot, Box::new(f))?;
             doorbells.push(Doorbells { slot, events, registered: None, grant });
+        }
+        for (i, path) in cfg.remote_vnpus.iter().enumerate() {
+            let slot = vnpus.len() + i + 1;
+            let f = remote::RemoteFunction::attach(path, slot, memory, Arc::clone(vm), Arc::clone(msi))
+                .map_err(|e| VmError::Guest(e.to_string()))?;
+            let events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
+            bus.add(slot, Box::new(f))?;
+            doorbells.push(Doorbells { slot, events, registered: None, grant: None });
         }
         Ok((bus, doorbells))
     }
@@ -605,7 +654,7 @@ impl<W: Write> Vm<W> {
     /// Handles that change each vNPU's grant while the VM runs (a live
     /// remap), in the order of [`VmConfig::vnpus`].
     pub fn grant_handles(&self) -> Vec<vnpu_device::GrantHandle> {
-        self.doorbells.iter().map(|d| d.grant.clone()).collect()
+        self.doorbells.iter().filter_map(|d| d.grant.clone()).collect()
     }
 
     pub fn pci(&self) -> &PciBus {

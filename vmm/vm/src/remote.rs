@@ -1,0 +1,330 @@
+//! A PCI function served by another process over vfio-user (the board
+//! daemon, `docs/vfio-user.md`): this VMM is the client.
+//!
+//! Configuration space is mirrored locally from the server's at attach
+//! time (IDs, class, BAR kinds and sizes, the MSI-X capability), as
+//! QEMU's vfio-user-pci does, so BAR placement and MSI-X stay the VMM's;
+//! every configuration write is forwarded too. BAR 0 accesses go to the
+//! server as region reads and writes, except the doorbells, which the
+//! server hands over as ioeventfds (`GET_REGION_IO_FDS`) for KVM. The
+//! MSI-X table lives here: each vector is a KVM irqfd handed to the server
+//! by `SET_IRQS`, routed by this table's entry, and deassigned while the
+//! vector is masked (KVM delivers it on reassignment if it fired meanwhile,
+//! which is the pending bit). Guest RAM is shared with `DMA_MAP` of the
+//! memfd it lives in.
+
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use kvm_ioctls::VmFd;
+use thiserror::Error;
+use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD, VFIO_PCI_CONFIG_REGION_INDEX,
+    VFIO_PCI_MSIX_IRQ_INDEX,
+};
+use vfio_user::Client;
+use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, MsixTable, PciFunction, CAP_ID_MSIX};
+
+use crate::irq::MsiRoutes;
+
+/// Why a remote function could not be attached.
+#[derive(Debug, Error)]
+pub enum RemoteError {
+    #[error("vfio-user server {path}: {source}")]
+    Client { path: String, source: vfio_user::Error },
+    #[error("vfio-user server {path}: {what}")]
+    Device { path: String, what: String },
+    #[error("guest memory is not in a shared file (needed to share it with the server)")]
+    NotShared,
+    #[error("PCI layout: {0}")]
+    Pci(#[from] vnpu_pci::PciError),
+    #[error("MSI-X routing: {0}")]
+    Irq(#[from] crate::irq::IrqError),
+}
+
+/// A PCI function whose device model runs in a vfio-user server.
+pub struct RemoteFunction {
+    path: String,
+    client: Mutex<Client>,
+    config: ConfigSpace,
+    msix: Option<(MsixCap, u8, u64, u8, u64)>,
+    table: MsixTable,
+    slot: usize,
+    vm: Arc<VmFd>,
+    routes: Arc<Mutex<MsiRoutes>>,
+    /// Whether each vector's irqfd is assigned in KVM now.
+    live: Vec<bool>,
+    /// The vectors' irqfds (the server signals them).
+    irqfds: Vec<EventFd>,
+    /// The server's ioeventfds (BAR 0 offset, eventfd).
+    ioevents: Vec<(u64, EventFd)>,
+    /// The connection failed: reads return all ones, writes are dropped.
+    broken: bool,
+}
+
+impl std::fmt::Debug for RemoteFunction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteFunction")
+            .field("path", &self.path)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+impl RemoteFunction {
+    /// Attaches to the server at `path` as the function in `slot`: mirrors
+    /// its configuration space, shares `memory` (which must be backed by
+    /// a file, e.g. a sealed memfd), hands over one irqfd per MSI-X vector
+    /// and takes its ioeventfds.
+    pub fn attach(
+        path: &Path,
+        slot: usize,
+        memory: &GuestMemoryMmap<()>,
+        vm: Arc<VmFd>,
+        routes: Arc<Mutex<MsiRoutes>>,
+    ) -> Result<Self, RemoteError> {
+        let name = path.display().to_string();
+        let client_err = |source| RemoteError::Client { path: name.clone(), source };
+        let device = |what: String| RemoteError::Device { path: name.clone(), what };
+        let mut client = Client::new(path).map_err(client_err)?;
+        let mut remote = [0u8; 256];
+        for at in (0..256).step_by(4) {
+            client
+                .region_read(VFIO_PCI_CONFIG_REGION_INDEX, at as u64, &mut remote[at..at + 4])
+                .map_err(client_err)?;
+        }
+        let id = Identity {
+            vendor_id: le16(&remote, 0),
+            device_id: le16(&remote, 2),
+            class: le32(&remote, 8) >> 8,
+            revision: remote[8],
+            subsystem_vendor_id: le16(&remote, 0x2c),
+            subsystem_id: le16(&remote, 0x2e),
+        };
+        let mut config = ConfigSpace::new(id);
+        // BARs: kinds from the server's BAR registers, sizes from its regions.
+        let mut bar = 0;
+        while bar < 6 {
+            let reg = le32(&remote, 0x10 + 4 * bar);
+            let size = client.region(bar as u32).map_or(0, |r| r.size);
+            let wide = reg & 1 == 0 && (reg >> 1) & 3 == 2;
+            if size > 0 {
+                let kind = if reg & 1 == 1 {
+                    BarKind::Io
+                } else if wide {
+                    BarKind::Mem64 { prefetchable: reg & 8 != 0 }
+                } else {
+                    BarKind::Mem32
+                };
+                config.add_bar(bar, Bar { kind, size })?;
+            }
+            bar += if wide { 2 } else { 1 };
+        }
+        // MSI-X, found by walking the server's capability list.
+        let mut msix = None;
+        let mut cap = usize::from(remote[0x34]) & !3;
+        let mut hops = 0;
+        while cap >= 0x40 && cap + 12 <= 256 && hops < 48 {
+            if remote[cap] == CAP_ID_MSIX {
+                let vectors = (le16(&remote, cap + 2) & 0x7ff) + 1;
+                let (t, p) = (le32(&remote, cap + 4), le32(&remote, cap + 8));
+                let c = MsixCap::add(&mut config, vectors, (t & 7) as u8, t & !7, (p & 7) as u8, p & !7)?;
+                msix = Some((c, (t & 7) as u8, u64::from(t & !7), (p & 7) as u8, u64::from(p & !7)));
+                break;
+            }
+            cap = usize::from(remote[cap + 1]) & !3;
+            hops += 1;
+        }
+        let vectors = msix.map_or(0, |m| m.0.vectors);
+        let mut irqfds = Vec::new();
+        // Guest RAM, shared by descriptor.
+        for r in memory.iter() {
+            let fo = r.file_offset().ok_or(RemoteError::NotShared)?;
+            client
+                .dma_map(fo.start(), r.start_addr().0, r.len(), fo.file().as_raw_fd())
+                .map_err(client_err)?;
+        }
+        // One irqfd per vector, routed by the table here.
+        if vectors > 0 {
+            let mut fds = Vec::new();
+            {
+                let mut r = routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                for v in 0..vectors {
+                    fds.push(r.irqfd(&vm, slot, v)?);
+                }
+            }
+            let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
+            let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+            client
+                .set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, u32::from(vectors), &raw)
+                .map_err(client_err)?;
+            irqfds = fds;
+        }
+        // Doorbells as ioeventfds, when the server offers them.
+        let ioevents = match client.get_region_io_fds(0) {
+            Ok(list) => list
+                .into_iter()
+                .filter(|(s, _)| s.flags == 0)
+                .map(|(s, f)| {
+                    // SAFETY: `into_raw_fd` gives up the File's ownership
+                    // of the descriptor, which the EventFd takes over.
+                    (s.offset, unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        if msix.is_none() {
+            return Err(device("has no MSI-X capability".into()));
+        }
+        let mut f = Self {
+            path: name,
+            client: Mutex::new(client),
+            config,
+            msix,
+            table: MsixTable::new(vectors),
+            slot,
+            vm,
+            routes,
+            live: vec![true; usize::from(vectors)],
+            irqfds,
+            ioevents,
+            broken: false,
+        };
+        // Every vector starts masked (and MSI-X disabled): no irqfd yet.
+        f.sync_vectors();
+        Ok(f)
+    }
+
+    /// The server's ioeventfds: (BAR 0 offset, eventfd) for KVM.
+    pub fn ioevents(&self) -> std::io::Result<Vec<(u64, EventFd)>> {
+        self.ioevents.iter().map(|(o, e)| Ok((*o, e.try_clone()?))).collect()
+    }
+
+    fn client(&self) -> std::sync::MutexGuard<'_, Client> {
+        self.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn fail(&mut self, e: vfio_user::Error) {
+        if !self.broken {
+            eprintln!("vnpu: vfio-user server {}: {e}; the device reads as all ones from now on", self.path);
+        }
+        self.broken = true;
+    }
+
+    /// Makes KVM's irqfds match the table: a vector is live while MSI-X is
+    /// enabled, the function is not masked and its entry is not masked;
+    /// its route follows its entry.
+    fn sync_vectors(&mut self) {
+        let Some((cap, ..)) = self.msix else { return };
+        let on = cap.enabled(&self.config) && !cap.function_masked(&self.config);
+        let mut routes = self.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for v in 0..cap.vectors {
+            let live = on && !self.table.is_masked(v);
+            if live {
+                if let Some(m) = self.table.entry_message(v) {
+                    let _ = routes.set_route(&self.vm, self.slot, m);
+                }
+            }
+            if self.live[usize::from(v)] != live {
+                let _ = routes.set_irqfd_assigned(&self.vm, self.slot, v, live);
+                self.live[usize::from(v)] = live;
+            }
+        }
+    }
+
+    fn in_table(&self, bar: usize, offset: u64) -> Option<(bool, u64)> {
+        let (_, tb, to, pb, po) = self.msix?;
+        if bar == usize::from(tb) && (to..to + self.table.table_bytes()).contains(&offset) {
+            return Some((true, offset - to));
+        }
+        if bar == usize::from(pb) && (po..po + self.table.pba_bytes()).contains(&offset) {
+            return Some((false, offset - po));
+        }
+        None
+    }
+}
+
+/// Whether an eventfd's counter is above zero, without consuming it.
+fn readable(fd: i32) -> bool {
+    let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    // SAFETY: poll(2) on one valid pollfd with a zero timeout; it only
+    // fills in `revents`.
+    unsafe { libc::poll(&mut p, 1, 0) == 1 && p.revents & libc::POLLIN != 0 }
+}
+
+impl PciFunction for RemoteFunction {
+    fn config(&self) -> &ConfigSpace {
+        &self.config
+    }
+    fn config_mut(&mut self) -> &mut ConfigSpace {
+        &mut self.config
+    }
+    fn config_written(&mut self, offset: usize, len: usize) {
+        // BAR placement is the VMM's alone; everything else (command
+        // register, MSI-X control) goes to the server too.
+        let bars = 0x10..0x28;
+        if !self.broken && !bars.contains(&offset) {
+            let mut data = vec![0u8; len];
+            self.config.read(offset, &mut data);
+            let r = self.client().region_write(VFIO_PCI_CONFIG_REGION_INDEX, offset as u64, &data);
+            if let Err(e) = r {
+                self.fail(e);
+            }
+        }
+        self.sync_vectors();
+    }
+    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
+        match self.in_table(bar, offset) {
+            Some((true, at)) => self.table.read(at, data),
+            Some((false, at)) => {
+                // A vector that fired while masked is still counted in its
+                // unassigned irqfd (KVM has not consumed it): that is its
+                // pending bit.
+                for (i, d) in data.iter_mut().enumerate() {
+                    let first = (at + i as u64) * 8;
+                    *d = (0..8u64).fold(0u8, |byte, b| {
+                        let v = (first + b) as usize;
+                        let pending = self.live.get(v) == Some(&false)
+                            && self.irqfds.get(v).is_some_and(|fd| readable(fd.as_raw_fd()));
+                        byte | (u8::from(pending) << b)
+                    });
+                }
+            }
+            None if self.broken => data.fill(0xff),
+            None => {
+                let r = self.client().region_read(bar as u32, offset, data);
+                if let Err(e) = r {
+                    data.fill(0xff);
+                    self.fail(e);
+                }
+            }
+        }
+    }
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
+        match self.in_table(bar, offset) {
+            Some((true, at)) => {
+                self.table.write(at, data);
+                self.sync_vectors();
+            }
+            Some((false, _)) => {}
+            None if self.broken => {}
+            None => {
+                let r = self.client().region_write(bar as u32, offset, data);
+                if let Err(e) = r {
+                    self.fail(e);
+                }
+            }
+        }
+    }
+}
