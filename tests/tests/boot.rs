@@ -5,37 +5,11 @@
 //! rather than pass vacuously.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+mod common;
 
+use common::{guest, Console};
 use vnpu_device::VnpuSpec;
 use vnpu_vm::{Vm, VmConfig, VmError};
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../guest-images/target/x86_64-unknown-none/release")
-        .join(name);
-    assert!(p.exists(), "guest {} missing: run scripts/build-guests.sh first", p.display());
-    assert!(
-        std::path::Path::new("/dev/kvm").exists(),
-        "/dev/kvm is missing: these tests boot real guests and cannot run here"
-    );
-    p
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Console {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[test]
 fn hello_guest_prints_and_exits_with_its_code() {

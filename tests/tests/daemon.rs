@@ -7,35 +7,15 @@
 //! Needs /dev/kvm and the guests built by `scripts/build-guests.sh`.
 #![allow(clippy::unwrap_used)]
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+mod common;
 
+use std::path::PathBuf;
+
+use common::{guest, Console};
 use npu_model::BoardConfig;
 use vnpu_daemon::{InstanceServer, VnpuBackend};
 use vnpu_device::{DeviceOptions, VnpuSpec};
 use vnpu_vm::{Vm, VmConfig};
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../guest-images/target/x86_64-unknown-none/release")
-        .join(name);
-    assert!(p.exists(), "guest {} missing: run scripts/build-guests.sh first", p.display());
-    p
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Console {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 /// Serves a `small` vNPU at a fresh socket.
 fn serve(name: &str) -> (InstanceServer, PathBuf) {
@@ -60,7 +40,7 @@ fn boot(guest_name: &str, socket: PathBuf) -> (u32, String) {
     cfg.remote_vnpus = vec![socket];
     let mut vm = Vm::new(&cfg, console.clone()).unwrap();
     let code = vm.run().unwrap();
-    let out = String::from_utf8_lossy(&console.0.lock().unwrap()).to_string();
+    let out = console.text();
     (code, out)
 }
 
