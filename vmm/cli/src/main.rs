@@ -486,18 +486,26 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
             // A started instance that a board daemon serves is attached
             // through the daemon (docs/vfio-user.md); otherwise in-process.
-            let served = |u: &str| Some(dir.join("sockets").join(format!("{u}.sock"))).filter(|p| p.exists());
-            let (remote, vnpus): (Vec<VnpuArg>, Vec<VnpuArg>) = vnpus.into_iter().partition(|v| match v {
-                VnpuArg::Socket(_) => true,
-                VnpuArg::Uuid(u) => served(u).is_some(),
-                VnpuArg::Spec(_) => false,
-            });
-            let remote_vnpus: Vec<PathBuf> = remote
+            // Each is resolved once, so a socket that appears or goes
+            // meanwhile cannot drop a vNPU.
+            let mut remote_vnpus: Vec<PathBuf> = Vec::new();
+            let vnpus: Vec<VnpuArg> = vnpus
                 .into_iter()
-                .filter_map(|v| match v {
-                    VnpuArg::Socket(p) => Some(p),
-                    VnpuArg::Uuid(u) => served(&u),
-                    VnpuArg::Spec(_) => None,
+                .filter_map(|v| {
+                    let socket = match &v {
+                        VnpuArg::Socket(p) => Some(p.clone()),
+                        VnpuArg::Uuid(u) => {
+                            Some(dir.join("sockets").join(format!("{u}.sock"))).filter(|p| p.exists())
+                        }
+                        VnpuArg::Spec(_) => None,
+                    };
+                    match socket {
+                        Some(p) => {
+                            remote_vnpus.push(p);
+                            None
+                        }
+                        None => Some(v),
+                    }
                 })
                 .collect();
             // Managed in-process instances: (index among the vNPUs, UUID) to follow.

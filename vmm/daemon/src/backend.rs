@@ -76,8 +76,9 @@ impl From<BackendError> for std::io::Error {
     }
 }
 
-/// The MSI-X eventfds a client handed over with `SET_IRQS`.
-#[derive(Debug, Default)]
+/// The MSI-X eventfds a client handed over with `SET_IRQS`, one slot
+/// per vector.
+#[derive(Debug)]
 pub struct Vectors(Mutex<Vec<Option<File>>>);
 
 impl VectorSink for Vectors {
@@ -91,16 +92,21 @@ impl VectorSink for Vectors {
     }
 }
 
+/// Size of VFIO PCI region `index` as a vNPU function serves it (0: absent).
+fn region_size(index: u32) -> u64 {
+    match index {
+        0 => BAR0_SIZE,
+        2 => BAR2_SIZE,
+        VFIO_PCI_CONFIG_REGION_INDEX => CONFIG_REGION_SIZE,
+        _ => 0,
+    }
+}
+
 /// The regions a vNPU function serves, in VFIO PCI order.
 pub fn regions() -> Vec<ServerRegion> {
     (0..VFIO_PCI_NUM_REGIONS)
         .map(|index| {
-            let size = match index {
-                0 => BAR0_SIZE,
-                2 => BAR2_SIZE,
-                VFIO_PCI_CONFIG_REGION_INDEX => CONFIG_REGION_SIZE,
-                _ => 0,
-            };
+            let size = region_size(index);
             let flags = if size > 0 { VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE } else { 0 };
             ServerRegion {
                 region_info: vfio_bindings::bindings::vfio::vfio_region_info {
@@ -167,15 +173,10 @@ impl VnpuBackend {
         name: &str,
         opts: DeviceOptions,
     ) -> Result<Self, BackendError> {
-        let vectors = Arc::new(Vectors::default());
+        let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
         let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
         let ioevents = function.ioevents()?;
         Ok(Self { function, vectors, memory: GuestMemoryMmap::new(), ioevents })
-    }
-
-    /// The function (for tests and the daemon's counters).
-    pub fn function(&self) -> &VnpuFunction {
-        &self.function
     }
 
     fn map(&mut self, offset: u64, address: u64, size: u64, fd: Option<File>) -> Result<(), BackendError> {
@@ -220,12 +221,10 @@ impl VnpuBackend {
     }
 
     fn check_access(region: u32, offset: u64, len: usize) -> Result<(), BackendError> {
-        let size = match region {
-            0 => BAR0_SIZE,
-            2 => BAR2_SIZE,
-            VFIO_PCI_CONFIG_REGION_INDEX => CONFIG_REGION_SIZE,
-            _ => return Err(BackendError::NoRegion(region)),
-        };
+        let size = region_size(region);
+        if size == 0 {
+            return Err(BackendError::NoRegion(region));
+        }
         let fits = offset.checked_add(len as u64).is_some_and(|end| end <= size);
         if !fits || !matches!(len, 1 | 2 | 4 | 8) {
             return Err(BackendError::BadAccess { region, offset, len });
@@ -250,7 +249,6 @@ impl VnpuBackend {
             return Err(BackendError::Irqs("only the TRIGGER action is supported (the VMM masks)".into()));
         }
         let mut v = self.vectors.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        v.resize_with(usize::from(MSIX_VECTORS), || None);
         let range = start as usize..(start as usize).saturating_add(count as usize);
         if flags & VFIO_IRQ_SET_DATA_NONE != 0 && count == 0 {
             // Disable every vector of the index.

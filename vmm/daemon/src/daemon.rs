@@ -63,10 +63,8 @@ pub fn stop_on_signals() {
     }
 }
 
-/// The running daemon's state.
-struct Served {
-    servers: BTreeMap<String, (Instance, InstanceServer)>,
-}
+/// The instances being served, by UUID, as they were when served.
+type Served = BTreeMap<String, (Instance, InstanceServer)>;
 
 /// Runs the daemon until [`stop_on_signals`]' signals (or `stop`) say
 /// stop. `ready` is called once every started instance is served.
@@ -74,7 +72,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     std::fs::create_dir_all(&opts.socket_dir)
         .map_err(|source| DaemonError::SocketDir { dir: opts.socket_dir.clone(), source })?;
     let board = SharedBoard::new(&opts.board, "board").map_err(DaemonError::Board)?;
-    let mut served = Served { servers: BTreeMap::new() };
+    let mut served = Served::new();
     let result = (|| {
         reconcile(opts, &board, &mut served)?;
         ready();
@@ -102,7 +100,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
         }
         Ok(())
     })();
-    for (_, (_, mut s)) in std::mem::take(&mut served.servers) {
+    for (_, (_, mut s)) in std::mem::take(&mut served) {
         s.stop();
     }
     board.stop();
@@ -118,19 +116,18 @@ fn reconcile(opts: &DaemonOptions, board: &SharedBoard, served: &mut Served) -> 
     // Stop what is no longer started, or was remapped (a client attached
     // to it is disconnected; it reattaches to the new placement).
     let stale: Vec<String> = served
-        .servers
         .iter()
         .filter(|(u, (i, _))| wanted.get(*u).is_none_or(|w| w.shape != i.shape || w.cores != i.cores))
         .map(|(u, _)| u.clone())
         .collect();
     for u in stale {
-        if let Some((_, mut s)) = served.servers.remove(&u) {
+        if let Some((_, mut s)) = served.remove(&u) {
             s.stop();
             log::info!("{u}: no longer served");
         }
     }
     for (uuid, inst) in wanted {
-        if served.servers.contains_key(&uuid) {
+        if served.contains_key(&uuid) {
             continue;
         }
         let path = opts.socket_dir.join(format!("{uuid}.sock"));
@@ -146,7 +143,7 @@ fn reconcile(opts: &DaemonOptions, board: &SharedBoard, served: &mut Served) -> 
         )
         .map_err(|source| DaemonError::Serve { uuid: uuid.clone(), source })?;
         log::info!("{uuid}: served at {}", path.display());
-        served.servers.insert(uuid, (inst, server));
+        served.insert(uuid, (inst, server));
     }
     Ok(())
 }

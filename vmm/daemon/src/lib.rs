@@ -4,13 +4,12 @@
 //! driver serves its instances.
 
 pub mod backend;
+pub mod daemon;
 pub mod serve;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};
-pub use serve::{InstanceServer, ServeError};
-pub mod daemon;
-
 pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions};
+pub use serve::{InstanceServer, ServeError};
 
 /// Serves `data` as the byte stream of one vfio-user connection (no file
 /// descriptors) to a vNPU backend shared by every call; replies are read

@@ -80,11 +80,6 @@ impl InstanceServer {
         Ok(Self { path: path.to_path_buf(), listener_fd, client, thread: Some(thread) })
     }
 
-    /// The socket's path.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Disconnects the client, if any, stops serving and removes the socket.
     pub fn stop(&mut self) {
         if let Some(c) = lock(&self.client).as_ref() {

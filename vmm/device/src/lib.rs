@@ -108,11 +108,6 @@ impl VnpuFunction {
         self.shared.post(Control::Memory(memory));
     }
 
-    /// Whether the worker thread stopped on a fault (nothing is served).
-    pub fn is_dead(&self) -> bool {
-        self.shared.dead.load(std::sync::atomic::Ordering::Acquire)
-    }
-
     fn build(
         spec: &VnpuSpec,
         board: &BoardConfig,

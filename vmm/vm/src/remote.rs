@@ -45,12 +45,22 @@ pub enum RemoteError {
     Irq(#[from] crate::irq::IrqError),
 }
 
+/// The function's MSI-X capability and where its table and PBA sit.
+#[derive(Clone, Copy, Debug)]
+struct Msix {
+    cap: MsixCap,
+    table_bar: usize,
+    table_offset: u64,
+    pba_bar: usize,
+    pba_offset: u64,
+}
+
 /// A PCI function whose device model runs in a vfio-user server.
 pub struct RemoteFunction {
     path: String,
     client: Mutex<Client>,
     config: ConfigSpace,
-    msix: Option<(MsixCap, u8, u64, u8, u64)>,
+    msix: Msix,
     table: MsixTable,
     slot: usize,
     vm: Arc<VmFd>,
@@ -96,7 +106,6 @@ impl RemoteFunction {
     ) -> Result<Self, RemoteError> {
         let name = path.display().to_string();
         let client_err = |source| RemoteError::Client { path: name.clone(), source };
-        let device = |what: String| RemoteError::Device { path: name.clone(), what };
         let mut client = Client::new(path).map_err(client_err)?;
         let mut remote = [0u8; 256];
         for at in (0..256).step_by(4) {
@@ -140,14 +149,23 @@ impl RemoteFunction {
                 let vectors = (le16(&remote, cap + 2) & 0x7ff) + 1;
                 let (t, p) = (le32(&remote, cap + 4), le32(&remote, cap + 8));
                 let c = MsixCap::add(&mut config, vectors, (t & 7) as u8, t & !7, (p & 7) as u8, p & !7)?;
-                msix = Some((c, (t & 7) as u8, u64::from(t & !7), (p & 7) as u8, u64::from(p & !7)));
+                msix = Some(Msix {
+                    cap: c,
+                    table_bar: (t & 7) as usize,
+                    table_offset: u64::from(t & !7),
+                    pba_bar: (p & 7) as usize,
+                    pba_offset: u64::from(p & !7),
+                });
                 break;
             }
             cap = usize::from(remote[cap + 1]) & !3;
             hops += 1;
         }
-        let vectors = msix.map_or(0, |m| m.0.vectors);
-        let mut irqfds = Vec::new();
+        let msix = msix.ok_or_else(|| RemoteError::Device {
+            path: name.clone(),
+            what: "has no MSI-X capability".into(),
+        })?;
+        let vectors = msix.cap.vectors;
         // Guest RAM, shared by descriptor.
         for r in memory.iter() {
             let fo = r.file_offset().ok_or(RemoteError::NotShared)?;
@@ -156,21 +174,13 @@ impl RemoteFunction {
                 .map_err(client_err)?;
         }
         // One irqfd per vector, routed by the table here.
-        if vectors > 0 {
-            let mut fds = Vec::new();
-            {
-                let mut r = routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                for v in 0..vectors {
-                    fds.push(r.irqfd(&vm, slot, v)?);
-                }
-            }
-            let raw: Vec<i32> = fds.iter().map(|f| f.as_raw_fd()).collect();
-            let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
-            client
-                .set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, u32::from(vectors), &raw)
-                .map_err(client_err)?;
-            irqfds = fds;
-        }
+        let irqfds = {
+            let mut r = routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            (0..vectors).map(|v| r.irqfd(&vm, slot, v)).collect::<Result<Vec<_>, _>>()?
+        };
+        let raw: Vec<i32> = irqfds.iter().map(|f| f.as_raw_fd()).collect();
+        let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+        client.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, u32::from(vectors), &raw).map_err(client_err)?;
         // Doorbells as ioeventfds, when the server offers them.
         let ioevents = match client.get_region_io_fds(0) {
             Ok(list) => list
@@ -184,9 +194,6 @@ impl RemoteFunction {
                 .collect(),
             Err(_) => Vec::new(),
         };
-        if msix.is_none() {
-            return Err(device("has no MSI-X capability".into()));
-        }
         let mut f = Self {
             path: name,
             client: Mutex::new(client),
@@ -226,7 +233,7 @@ impl RemoteFunction {
     /// enabled, the function is not masked and its entry is not masked;
     /// its route follows its entry.
     fn sync_vectors(&mut self) {
-        let Some((cap, ..)) = self.msix else { return };
+        let cap = self.msix.cap;
         let on = cap.enabled(&self.config) && !cap.function_masked(&self.config);
         let mut routes = self.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for v in 0..cap.vectors {
@@ -244,12 +251,13 @@ impl RemoteFunction {
     }
 
     fn in_table(&self, bar: usize, offset: u64) -> Option<(bool, u64)> {
-        let (_, tb, to, pb, po) = self.msix?;
-        if bar == usize::from(tb) && (to..to + self.table.table_bytes()).contains(&offset) {
-            return Some((true, offset - to));
+        let m = self.msix;
+        if bar == m.table_bar && (m.table_offset..m.table_offset + self.table.table_bytes()).contains(&offset)
+        {
+            return Some((true, offset - m.table_offset));
         }
-        if bar == usize::from(pb) && (po..po + self.table.pba_bytes()).contains(&offset) {
-            return Some((false, offset - po));
+        if bar == m.pba_bar && (m.pba_offset..m.pba_offset + self.table.pba_bytes()).contains(&offset) {
+            return Some((false, offset - m.pba_offset));
         }
         None
     }
