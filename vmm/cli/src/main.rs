@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use npu_model::BoardConfig;
 use npu_workloads::{run_workload, RunOptions, RunReport, WORKLOADS};
+use vnpu_manager::{Instance, Outcome, Request};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -149,9 +150,6 @@ enum Command {
     Daemon {
         #[command(flatten)]
         manage: manage::ManageArgs,
-        /// Where the instances' sockets go (default: STATE_DIR/sockets).
-        #[arg(long)]
-        socket_dir: Option<PathBuf>,
         /// After serving requests, each vNPU polls its ring this long
         /// before sleeping (microseconds; 0 = wake by doorbell only).
         #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
@@ -187,10 +185,6 @@ enum Command {
         /// workload list`): what interference-aware placement prices.
         #[arg(long)]
         workload: Option<vnpu_manager::Workload>,
-        /// When no core has free EUs, share one up to this many times its
-        /// EUs (its vNPUs then time-share it).
-        #[arg(long)]
-        oversubscribe: Option<u32>,
         #[command(flatten)]
         placement: manage::PlacementArgs,
         #[command(flatten)]
@@ -213,10 +207,6 @@ enum Command {
     /// Start a defined vNPU instance: place it on physical cores.
     Start {
         uuid: String,
-        /// When no core has free EUs, share one up to this many times its
-        /// EUs (its vNPUs then time-share it).
-        #[arg(long)]
-        oversubscribe: Option<u32>,
         #[command(flatten)]
         placement: manage::PlacementArgs,
         #[command(flatten)]
@@ -396,6 +386,8 @@ enum CliError {
     #[error(transparent)]
     Manage(#[from] vnpu_manager::StoreError),
     #[error(transparent)]
+    Control(#[from] vnpu_manager::ControlError),
+    #[error(transparent)]
     Interference(#[from] vnpu_manager::InterferenceError),
     #[error(transparent)]
     Scenario(#[from] scenario::ScenarioError),
@@ -483,7 +475,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
         Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
             let b = board(&path)?;
-            let dir = manage::ManageArgs { state_dir, board: path.clone() }.dir();
+            let dir = manage::state_dir(&state_dir);
             // A started instance that a board daemon serves is attached
             // through the daemon (docs/vfio-user.md); otherwise in-process.
             // Each is resolved once, so a socket that appears or goes
@@ -605,12 +597,12 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, socket_dir, poll_us } => {
+        Command::Daemon { manage, poll_us } => {
             env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
             let state_dir = manage.dir();
             let opts = vnpu_daemon::DaemonOptions {
                 board: board(&manage.board)?,
-                socket_dir: socket_dir.unwrap_or_else(|| state_dir.join("sockets")),
+                socket_dir: manage.socket_dir(),
                 state_dir,
                 rescan: std::time::Duration::from_millis(100),
                 device: vnpu_device::DeviceOptions {
@@ -624,71 +616,56 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             vnpu_daemon::run(&opts, &stop, || eprintln!("vnpu daemon: serving at {}", dir.display()))?;
             eprintln!("vnpu daemon: stopped");
         }
-        Command::Types { manage, json } => {
-            let b = board(&manage.board)?;
-            let store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            manage::types(&b, &store, json)?;
-        }
-        Command::Create { shape, uuid, workload, oversubscribe, placement, manage } => {
-            let b = board(&manage.board)?;
-            let (s, t) = shape.resolve().map_err(CliError::Usage)?;
-            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            if let Some(f) = oversubscribe {
-                store.allow_oversubscription(f);
-            }
-            placement.apply(&mut store, &b)?;
-            println!("{}", store.create_for(s, t.as_deref(), uuid.as_deref(), workload)?);
+        Command::Types { manage, json } => manage::print(&manage.call(&Request::Types {})?, json),
+        Command::Create { shape, uuid, workload, placement, manage } => {
+            let req = Request::Create {
+                type_name: shape.type_name,
+                spec: shape.spec,
+                uuid,
+                workload,
+                place: placement.options()?,
+            };
+            println!("{}", created(&manage.call(&req)?)?.uuid);
         }
         Command::Define { shape, uuid, workload, manage } => {
-            let b = board(&manage.board)?;
-            let (s, t) = shape.resolve().map_err(CliError::Usage)?;
-            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            println!("{}", store.define_for(s, t.as_deref(), uuid.as_deref(), workload)?);
+            let req = Request::Define { type_name: shape.type_name, spec: shape.spec, uuid, workload };
+            println!("{}", created(&manage.call(&req)?)?.uuid);
         }
-        Command::Start { uuid, oversubscribe, placement, manage } => {
-            let b = board(&manage.board)?;
-            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            if let Some(f) = oversubscribe {
-                store.allow_oversubscription(f);
-            }
-            placement.apply(&mut store, &b)?;
-            let i = store.start(&uuid)?;
+        Command::Start { uuid, placement, manage } => {
+            let outcome = manage.call(&Request::Start { uuid: uuid.clone(), place: placement.options()? })?;
+            let i = created(&outcome)?;
             println!("{uuid} started on physical cores {:?}", i.cores);
         }
         Command::Remap { uuid, sa, vu, sram, workload, batch, oversubscribe, manage } => {
-            let b = board(&manage.board)?;
-            let mut store = vnpu_manager::Store::open(&manage.dir(), &b)?;
-            let old = store.get(&uuid)?.shape;
-            let mut to = old;
+            let mut ratio = None;
             if let Some(name) = &workload {
                 if batch == 0 {
                     return Err(CliError::Batch);
                 }
-                let r = run_workload(&b, &RunOptions::timing(name.clone(), batch))?;
+                // Profiled here, on the board this command was given; the
+                // split over the instance's EUs is made where its state is.
+                let r = run_workload(&board(&manage.board)?, &RunOptions::timing(name.clone(), batch))?;
                 let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
                 let k = (x / y).sqrt();
-                let eus = old.sa_per_core + old.vu_per_core;
-                let (nsa, nvu) = vnpu_manager::split_for_ratio(eus, k, b.core.sa_count, b.core.vu_count)
-                    .ok_or_else(|| {
-                        CliError::Usage(format!("{eus} EUs per core cannot hold both an SA and a VU"))
-                    })?;
-                println!("{name} batch {batch}: a = x/y = {:.3}, k = sqrt(a) = {k:.3}: {nsa} SA + {nvu} VU of {eus} EUs", x / y);
-                to.sa_per_core = nsa;
-                to.vu_per_core = nvu;
+                println!("{name} batch {batch}: a = x/y = {:.3}, k = sqrt(a) = {k:.3}", x / y);
+                ratio = Some(k);
             } else if sa.is_none() && vu.is_none() && sram.is_none() {
                 return Err(CliError::Usage("remap needs --sa/--vu/--sram or --workload".into()));
             }
-            to.sa_per_core = sa.unwrap_or(to.sa_per_core);
-            to.vu_per_core = vu.unwrap_or(to.vu_per_core);
-            to.sram_per_core = sram.unwrap_or(to.sram_per_core);
-            if to.sa_per_core + to.vu_per_core == 0 {
-                return Err(CliError::Usage("a vNPU needs at least one SA or VU".into()));
-            }
-            store.remap(&uuid, to, oversubscribe)?;
-            if let Some(name) = workload {
-                store.set_workload(&uuid, Some(vnpu_manager::Workload { name, batch }))?;
-            }
-            let i = store.get(&uuid)?;
+            let req = Request::Remap {
+                uuid: uuid.clone(),
+                sa,
+                vu,
+                sram,
+                ratio,
+                workload: workload.map(|name| vnpu_manager::Workload { name, batch }),
+                oversubscribe,
+            };
+            let outcome = manage.call(&req)?;
+            let i = created(&outcome)?;
+            let Outcome::Instance { previous: Some(old), .. } = &outcome else {
+                return Err(CliError::Usage("the remap reply has no previous shape".into()));
+            };
             println!(
                 "{uuid} remapped from {} SA + {} VU to {} SA + {} VU per core{}",
                 old.sa_per_core,
@@ -703,17 +680,12 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             );
         }
         Command::Stop { uuid, manage } => {
-            let b = board(&manage.board)?;
-            vnpu_manager::Store::open(&manage.dir(), &b)?.stop(&uuid)?;
+            manage.call(&Request::Stop { uuid })?;
         }
         Command::Remove { uuid, manage } => {
-            let b = board(&manage.board)?;
-            vnpu_manager::Store::open(&manage.dir(), &b)?.remove(&uuid)?;
+            manage.call(&Request::Remove { uuid })?;
         }
-        Command::List { manage, json } => {
-            let b = board(&manage.board)?;
-            manage::list(&vnpu_manager::Store::open(&manage.dir(), &b)?, json);
-        }
+        Command::List { manage, json } => manage::print(&manage.call(&Request::List {})?, json),
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {
                 println!("{name:<14} {what}");
@@ -751,6 +723,14 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         }
     }
     Ok(0)
+}
+
+/// The instance a define, create, start or remap reply carries.
+fn created(outcome: &Outcome) -> Result<&Instance, CliError> {
+    match outcome {
+        Outcome::Instance { instance, .. } => Ok(instance),
+        other => Err(CliError::Usage(format!("unexpected reply {other:?}"))),
+    }
 }
 
 /// Keeps freed memory in the process (glibc): the NPU model allocates

@@ -5,29 +5,69 @@ use std::path::PathBuf;
 
 use npu_model::BoardConfig;
 use vnpu_device::VnpuSpec;
-use vnpu_manager::{Instance, Shape, Store, StoreError, TYPES};
+use vnpu_manager::{
+    shape_text, ControlClient, ControlError, Instance, Outcome, PlaceOptions, Request, Store,
+};
 
-/// Where the state lives and which board it is for.
+use crate::CliError;
+
+/// Where the state lives, which board it is for, and where a running
+/// daemon's control socket is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ManageArgs {
     /// State directory (default: $VNPU_STATE_DIR, else ~/.local/state/vnpu).
     #[arg(long)]
     pub state_dir: Option<PathBuf>,
-    /// Board config file (TOML); default: the built-in board.
+    /// Board config file (TOML); default: the built-in board. When a
+    /// daemon answers on the control socket, its board is used instead.
     #[arg(long)]
     pub board: Option<PathBuf>,
+    /// The board daemon's socket directory (default: STATE_DIR/sockets).
+    /// When its control.sock answers, management goes through the daemon.
+    #[arg(long)]
+    pub socket_dir: Option<PathBuf>,
 }
 
 impl ManageArgs {
     pub fn dir(&self) -> PathBuf {
-        self.state_dir
-            .clone()
-            .or_else(|| std::env::var_os("VNPU_STATE_DIR").map(PathBuf::from))
-            .unwrap_or_else(|| {
-                let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-                home.join(".local/state/vnpu")
-            })
+        state_dir(&self.state_dir)
     }
+
+    pub fn socket_dir(&self) -> PathBuf {
+        self.socket_dir.clone().unwrap_or_else(|| self.dir().join("sockets"))
+    }
+
+    /// Executes `req` through the daemon's control socket when a daemon
+    /// answers there, else directly on the state directory.
+    pub fn call(&self, req: &Request) -> Result<Outcome, CliError> {
+        let sock = self.socket_dir().join(vnpu_manager::control::CONTROL_SOCKET);
+        if sock.exists() {
+            match ControlClient::connect(&sock) {
+                Ok(mut c) => return Ok(c.call(req)?),
+                // A socket left by a daemon that died.
+                Err(ControlError::Connect { source, .. })
+                    if source.kind() == std::io::ErrorKind::ConnectionRefused =>
+                {
+                    eprintln!(
+                        "vnpu: no daemon answers at {} (left by one that stopped); managing {} directly",
+                        sock.display(),
+                        self.dir().display()
+                    );
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let board = crate::board(&self.board)?;
+        Ok(vnpu_manager::control::execute(&self.dir(), &board, req)?)
+    }
+}
+
+/// `--state-dir`, else $VNPU_STATE_DIR, else ~/.local/state/vnpu.
+pub fn state_dir(given: &Option<PathBuf>) -> PathBuf {
+    given.clone().or_else(|| std::env::var_os("VNPU_STATE_DIR").map(PathBuf::from)).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        home.join(".local/state/vnpu")
+    })
 }
 
 /// How `create` and `start` choose physical cores (docs/management.md,
@@ -47,25 +87,23 @@ pub struct PlacementArgs {
     /// the interference predictor on.
     #[arg(long)]
     pub interference_matrix: Option<PathBuf>,
+    /// When no core has free EUs, share one up to this many times its
+    /// EUs (its vNPUs then time-share it).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub oversubscribe: Option<u32>,
 }
 
 impl PlacementArgs {
-    /// Sets `store` to place as asked (training the predictor if needed).
-    pub fn apply(
-        &self,
-        store: &mut Store,
-        board: &BoardConfig,
-    ) -> Result<(), vnpu_manager::InterferenceError> {
-        let model = match (&self.interference_matrix, self.placement) {
-            (_, vnpu_manager::Policy::Pack) | (None, _) => None,
-            (Some(path), _) => Some(vnpu_manager::InterferenceModel::from_file(
-                path,
-                board,
-                npu_interference::predict::Model::Linear,
-            )?),
+    /// As sent: the matrix path made absolute (a daemon may run elsewhere).
+    pub fn options(&self) -> Result<PlaceOptions, CliError> {
+        let interference_matrix = match &self.interference_matrix {
+            Some(p) => Some(
+                std::path::absolute(p)
+                    .map_err(|source| CliError::Read { path: p.display().to_string(), source })?,
+            ),
+            None => None,
         };
-        store.set_placement(self.placement, model);
-        Ok(())
+        Ok(PlaceOptions { oversubscribe: self.oversubscribe, placement: self.placement, interference_matrix })
     }
 }
 
@@ -79,43 +117,6 @@ pub struct ShapeArgs {
     /// An explicit shape: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`.
     #[arg(long)]
     pub spec: Option<String>,
-}
-
-impl ShapeArgs {
-    pub fn resolve(&self) -> Result<(Shape, Option<String>), String> {
-        match (&self.type_name, &self.spec) {
-            (Some(t), _) => VnpuSpec::named(t)
-                .map(|s| (s, Some(t.clone())))
-                .ok_or_else(|| format!("unknown type `{t}` (types: {})", TYPES.join(", "))),
-            (None, Some(s)) => VnpuSpec::parse(s).map(|s| (s, None)).map_err(|e| e.to_string()),
-            (None, None) => Err("give --type or --spec".into()),
-        }
-    }
-}
-
-fn mib(b: u64) -> String {
-    if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
-        format!("{}G", b >> 30)
-    } else {
-        format!("{}M", b >> 20)
-    }
-}
-
-fn shape_text(s: &Shape) -> String {
-    let mut t = format!(
-        "sa={},vu={},sram={},hbm={}",
-        s.sa_per_core,
-        s.vu_per_core,
-        mib(s.sram_per_core),
-        mib(s.hbm_per_core)
-    );
-    if s.cores_per_chip != 1 {
-        t += &format!(",cores={}", s.cores_per_chip);
-    }
-    if s.chips != 1 {
-        t += &format!(",chips={}", s.chips);
-    }
-    t
 }
 
 fn instance_json(i: &Instance) -> serde_json::Value {
@@ -136,62 +137,44 @@ fn instance_json(i: &Instance) -> serde_json::Value {
     })
 }
 
-/// `vnpu types`.
-pub fn types(board: &BoardConfig, store: &Store, json: bool) -> Result<(), StoreError> {
-    let b = store.board();
-    let rows: Vec<(&str, Shape, u32)> = TYPES
-        .iter()
-        .filter_map(|t| VnpuSpec::named(t).map(|s| (*t, s)))
-        .map(|(t, s)| (t, s, b.room_for(&s)))
-        .collect();
-    if json {
-        let v: Vec<_> = rows
-            .iter()
-            .map(|(t, s, n)| {
-                serde_json::json!({
-                    "type": t,
-                    "spec": shape_text(s),
-                    "execution_units": s.sa_per_core + s.vu_per_core,
-                    "available_instances": n,
-                })
-            })
-            .collect();
-        println!("{}", serde_json::json!({ "board": board.name, "types": v }));
-    } else {
-        println!(
-            "board {} ({} chip(s) x {} cores, {} SA + {} VU per core)",
-            board.name, board.chips, board.cores_per_chip, board.core.sa_count, board.core.vu_count
-        );
-        println!("{:<8} {:<36} {:>3} {:>10}", "type", "spec", "EUs", "available");
-        for (t, s, n) in rows {
-            println!("{t:<8} {:<36} {:>3} {n:>10}", shape_text(&s), s.sa_per_core + s.vu_per_core);
+/// Prints what a management request did, as each command always has.
+pub fn print(outcome: &Outcome, json: bool) {
+    match outcome {
+        Outcome::Types { board, types, .. } if json => {
+            println!("{}", serde_json::json!({ "board": board, "types": types }));
         }
-    }
-    Ok(())
-}
-
-/// `vnpu list`.
-pub fn list(store: &Store, json: bool) {
-    if json {
-        let v: Vec<_> = store.instances().iter().map(instance_json).collect();
-        println!("{}", serde_json::Value::Array(v));
-        return;
-    }
-    println!(
-        "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} cores",
-        "uuid", "type", "spec", "persistent", "state", "workload"
-    );
-    for i in store.instances() {
-        println!(
-            "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} {}",
-            i.uuid,
-            i.type_name.as_deref().unwrap_or("-"),
-            shape_text(&i.shape),
-            if i.persistent { "yes" } else { "no" },
-            if i.active { "active" } else { "defined" },
-            i.workload.as_ref().map_or("-".to_string(), |w| format!("{}:{}", w.name, w.batch)),
-            i.cores.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-        );
+        Outcome::Types { board, layout, types } => {
+            println!("board {board} ({layout})");
+            println!("{:<8} {:<36} {:>3} {:>10}", "type", "spec", "EUs", "available");
+            for t in types {
+                println!(
+                    "{:<8} {:<36} {:>3} {:>10}",
+                    t.type_name, t.spec, t.execution_units, t.available_instances
+                );
+            }
+        }
+        Outcome::Instances(list) if json => {
+            println!("{}", serde_json::Value::Array(list.iter().map(instance_json).collect()));
+        }
+        Outcome::Instances(list) => {
+            println!(
+                "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} cores",
+                "uuid", "type", "spec", "persistent", "state", "workload"
+            );
+            for i in list {
+                println!(
+                    "{:<36} {:<7} {:<30} {:<10} {:<7} {:<16} {}",
+                    i.uuid,
+                    i.type_name.as_deref().unwrap_or("-"),
+                    shape_text(&i.shape),
+                    if i.persistent { "yes" } else { "no" },
+                    if i.active { "active" } else { "defined" },
+                    i.workload.as_ref().map_or("-".to_string(), |w| format!("{}:{}", w.name, w.batch)),
+                    i.cores.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+                );
+            }
+        }
+        Outcome::Instance { .. } | Outcome::Done => {}
     }
 }
 

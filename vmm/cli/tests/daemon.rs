@@ -19,15 +19,29 @@ fn vnpu(state: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).to_string()
 }
 
-fn daemon(state: &Path, sockets: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_vnpu"))
+/// A daemon process, killed if a test fails before it terminates it.
+struct Daemon(Option<Child>);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn daemon(state: &Path, sockets: &Path) -> Daemon {
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
         .args(["daemon", "--state-dir"])
         .arg(state)
         .arg("--socket-dir")
         .arg(sockets)
+        .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap()
+        .unwrap();
+    Daemon(Some(child))
 }
 
 fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
@@ -47,10 +61,11 @@ fn vendor_and_magic(sock: &Path) -> (u16, u32) {
     (u16::from_le_bytes(id), u32::from_le_bytes(magic))
 }
 
-fn terminate(mut d: Child) -> std::process::ExitStatus {
+fn terminate(mut d: Daemon) -> std::process::ExitStatus {
+    let mut c = d.0.take().unwrap();
     // SAFETY: kill(2) on our own child's pid.
-    unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
-    d.wait().unwrap()
+    unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+    c.wait().unwrap()
 }
 
 #[test]
@@ -86,6 +101,124 @@ fn the_daemon_serves_started_instances_and_follows_start_and_stop() {
     let d = daemon(&state, &sockets);
     wait_for("the socket after a restart", || sock.exists());
     assert_eq!(vendor_and_magic(&sock).0, vnpu_abi::device::VENDOR_ID);
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+fn vnpu_fails(state: &Path, args: &[&str]) -> String {
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_vnpu")).args(args).arg("--state-dir").arg(state).output().unwrap();
+    assert_eq!(out.status.code(), Some(1), "vnpu {args:?} must fail");
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+fn control_line(sock: &Path, lines: &[u8]) -> Vec<serde_json::Value> {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.write_all(lines).unwrap();
+    s.shutdown(std::net::Shutdown::Write).unwrap();
+    std::io::BufReader::new(s).lines().map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect()
+}
+
+#[test]
+fn management_goes_through_the_control_socket_and_loses_no_update() {
+    use vnpu_manager::{ControlClient, Outcome, Request};
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-control-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    // The default socket directory: STATE_DIR/sockets.
+    let sockets = state.join("sockets");
+    let d = daemon(&state, &sockets);
+    let control = sockets.join("control.sock");
+    wait_for("the control socket", || ControlClient::connect(&control).is_ok());
+
+    // A second daemon on the same sockets refuses to start.
+    let second = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert_eq!(second.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&second.stderr).contains("already answers"));
+
+    // create through the daemon: served before the command returns.
+    let uuid = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    let sock = sockets.join(format!("{uuid}.sock"));
+    assert!(sock.exists(), "{} must exist when create returns", sock.display());
+    assert_eq!(vendor_and_magic(&sock), (vnpu_abi::device::VENDOR_ID, vnpu_abi::device::MAGIC));
+    // Errors arrive as the CLI always printed them.
+    let e = vnpu_fails(&state, &["start", "00000000-0000-0000-0000-000000000000"]);
+    assert!(e.contains("no vNPU instance 00000000-0000-0000-0000-000000000000"), "{e}");
+    let e = vnpu_fails(&state, &["create", "--spec", "sa=9,vu=1,sram=4M,hbm=1G"]);
+    assert!(e.contains("a physical core has 4 SAs"), "{e}");
+    // stop through the daemon: no longer served when the command returns.
+    vnpu(&state, &["stop", &uuid]);
+    assert!(!sock.exists());
+
+    // Two managers at once, one through the daemon and one writing the
+    // state directory directly (another socket dir: no daemon there):
+    // every definition lands.
+    let direct = {
+        let state = state.clone();
+        let root = root.clone();
+        std::thread::spawn(move || {
+            for _ in 0..10 {
+                let out = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+                    .args(["define", "--type", "small", "--socket-dir"])
+                    .arg(root.join("elsewhere"))
+                    .arg("--state-dir")
+                    .arg(&state)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            }
+        })
+    };
+    let mut c = ControlClient::connect(&control).unwrap();
+    let mut via_daemon = Vec::new();
+    for _ in 0..20 {
+        let o = c
+            .call(&Request::Define {
+                type_name: Some("medium".into()),
+                spec: None,
+                uuid: None,
+                workload: None,
+            })
+            .unwrap();
+        let Outcome::Instance { instance, .. } = o else { panic!("define replied {o:?}") };
+        via_daemon.push(instance.uuid);
+    }
+    direct.join().unwrap();
+    let Outcome::Instances(all) = c.call(&Request::List {}).unwrap() else { panic!("list") };
+    assert_eq!(all.iter().filter(|i| i.type_name.as_deref() == Some("small")).count(), 10);
+    assert_eq!(all.iter().filter(|i| i.type_name.as_deref() == Some("medium")).count(), 20);
+    assert!(via_daemon.iter().all(|u| all.iter().any(|i| &i.uuid == u)));
+
+    // Hostile lines: each gets a readable refusal, the connection and the
+    // daemon carry on.
+    let replies =
+        control_line(&control, b"not json\n{\"op\":\"launch\"}\n{\"op\":\"stop\"}\n\n{\"op\":\"types\"}\n");
+    assert_eq!(replies.len(), 4, "{replies:?}");
+    for r in &replies[..3] {
+        assert_eq!(r["ok"], false, "{r}");
+        assert_eq!(r["error"]["kind"], "bad_request", "{r}");
+    }
+    assert_eq!(replies[3]["ok"], true, "{}", replies[3]);
+    assert_eq!(replies[3]["result"]["types"]["types"][0]["type"], "small", "{}", replies[3]);
+    // A line over the limit ends that connection only.
+    let mut huge = vec![b'x'; vnpu_manager::control::MAX_LINE + 2];
+    huge.push(b'\n');
+    assert!(control_line(&control, &huge).is_empty());
+    assert!(matches!(c.call(&Request::List {}), Ok(Outcome::Instances(_))));
+
+    // The definitions survive a restart of the daemon.
+    assert!(terminate(d).success());
+    assert!(!control.exists());
+    let d = daemon(&state, &sockets);
+    wait_for("the control socket after a restart", || ControlClient::connect(&control).is_ok());
+    let mut c = ControlClient::connect(&control).unwrap();
+    let Outcome::Instances(again) = c.call(&Request::List {}).unwrap() else { panic!("list") };
+    assert_eq!(again.len(), 30);
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }

@@ -3,20 +3,26 @@
 //! in the state directory, and a vfio-user socket per started instance at
 //! `<socket-dir>/<uuid>.sock`.
 //!
-//! Until the control socket exists (issue 13 item 2), management commands
-//! (`vnpu create/start/stop/remove`) write the state directory as before
-//! and the daemon follows it: it rereads the definitions every
-//! [`DaemonOptions::rescan`] and serves what is started, stops serving
-//! what is not.
+//! Management requests arrive on the control socket
+//! `<socket-dir>/control.sock` (`vnpu_manager::control`): each is
+//! executed on the state directory and the instance is served (or no
+//! longer served) before the reply goes out. A manager that writes the
+//! state directory without the daemon is followed too: the daemon checks
+//! the state file every [`DaemonOptions::rescan`] and, when it changed,
+//! serves what is started and stops serving what is not.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use npu_model::BoardConfig;
 use thiserror::Error;
 use vnpu_device::{DeviceOptions, SharedBoard};
+use vnpu_manager::control::{self, ControlError, Outcome, Request, CONTROL_SOCKET};
 use vnpu_manager::{Instance, Store};
 
 use crate::backend::VnpuBackend;
@@ -33,6 +39,10 @@ pub enum DaemonError {
     Board(std::io::Error),
     #[error("instance {uuid}: {source}")]
     Serve { uuid: String, source: ServeError },
+    #[error("control socket {path}: {source}")]
+    Control { path: PathBuf, source: std::io::Error },
+    #[error("a daemon already answers at {0}")]
+    Running(PathBuf),
 }
 
 /// What `vnpu daemon` was asked to do.
@@ -66,15 +76,154 @@ pub fn stop_on_signals() {
 /// The instances being served, by UUID, as they were when served.
 type Served = BTreeMap<String, (Instance, InstanceServer)>;
 
+/// Most control connections served at once; more are refused.
+pub const MAX_CONTROL_CONNECTIONS: usize = 32;
+
+/// What the control threads share with the main loop.
+struct Daemon {
+    opts: DaemonOptions,
+    board: SharedBoard,
+    served: Mutex<Served>,
+    /// Set (under the `served` lock) when the daemon stops: no request
+    /// serves anything after that.
+    stopping: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The state file's modification time and length: what says it changed.
+fn stamp(dir: &Path) -> Option<(SystemTime, u64)> {
+    let m = std::fs::metadata(dir.join("vnpu-state.json")).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+impl Daemon {
+    /// One management request: executed on the state directory, then the
+    /// served instances follow, all under the served-map lock (requests
+    /// are serialized; the state directory's lock keeps managers that
+    /// bypass the daemon from losing updates).
+    fn handle(&self, req: &Request) -> Result<Outcome, ControlError> {
+        let mut served = lock(&self.served);
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(ControlError::Protocol("the daemon is stopping".into()));
+        }
+        let mut outcome = control::execute(&self.opts.state_dir, &self.opts.board, req)?;
+        if req.changes_state() {
+            reconcile(&self.opts, &self.board, &mut served)
+                .map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
+        }
+        if let Outcome::Instance { instance, socket, .. } = &mut outcome {
+            if served.contains_key(&instance.uuid) {
+                *socket = Some(self.opts.socket_dir.join(format!("{}.sock", instance.uuid)));
+            }
+        }
+        Ok(outcome)
+    }
+}
+
+/// The control socket's listener thread and its connections.
+struct ControlServer {
+    path: PathBuf,
+    listener_fd: i32,
+    /// Each open connection (to shut down at stop), by a serial number.
+    clients: Arc<Mutex<BTreeMap<u64, UnixStream>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ControlServer {
+    fn start(daemon: Arc<Daemon>) -> Result<Self, DaemonError> {
+        let path = daemon.opts.socket_dir.join(CONTROL_SOCKET);
+        let err = |source| DaemonError::Control { path: path.clone(), source };
+        if UnixStream::connect(&path).is_ok() {
+            return Err(DaemonError::Running(path));
+        }
+        // A socket left by a daemon that died.
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).map_err(err)?;
+        let listener_fd = listener.as_raw_fd();
+        let clients: Arc<Mutex<BTreeMap<u64, UnixStream>>> = Arc::default();
+        let open = Arc::clone(&clients);
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                let active = Arc::new(AtomicUsize::new(0));
+                let mut serial = 0u64;
+                while let Ok((stream, _)) = listener.accept() {
+                    serial += 1;
+                    if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
+                        let mut s = stream;
+                        let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(
+                            "{MAX_CONTROL_CONNECTIONS} management connections are open; try again"
+                        )));
+                        let reply = control::Reply::from(busy);
+                        let _ = serde_json::to_writer(&mut s, &reply);
+                        let _ = std::io::Write::write_all(&mut s, b"\n");
+                        continue;
+                    }
+                    if let Ok(c) = stream.try_clone() {
+                        lock(&open).insert(serial, c);
+                    }
+                    active.fetch_add(1, Ordering::SeqCst);
+                    let done = {
+                        let (active, open) = (Arc::clone(&active), Arc::clone(&open));
+                        move || {
+                            lock(&open).remove(&serial);
+                            active.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    };
+                    let daemon = Arc::clone(&daemon);
+                    let spawned = std::thread::Builder::new().name("control client".into()).spawn({
+                        let done = done.clone();
+                        move || {
+                            if let Err(e) = control::serve_connection(stream, |req| daemon.handle(req)) {
+                                log::warn!("control connection dropped: {e}");
+                            }
+                            done();
+                        }
+                    });
+                    if spawned.is_err() {
+                        done();
+                    }
+                }
+            })
+            .map_err(|e| DaemonError::Control { path: path.clone(), source: e })?;
+        Ok(Self { path, listener_fd, clients, thread: Some(thread) })
+    }
+
+    fn stop(&mut self) {
+        // SAFETY: shutdown(2) of the listening socket the thread owns and
+        // keeps open until it returns: the blocked accept() fails.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        for c in std::mem::take(&mut *lock(&self.clients)).into_values() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
 /// Runs the daemon until [`stop_on_signals`]' signals (or `stop`) say
-/// stop. `ready` is called once every started instance is served.
+/// stop. `ready` is called once every started instance is served and the
+/// control socket answers.
 pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Result<(), DaemonError> {
     std::fs::create_dir_all(&opts.socket_dir)
         .map_err(|source| DaemonError::SocketDir { dir: opts.socket_dir.clone(), source })?;
     let board = SharedBoard::new(&opts.board, "board").map_err(DaemonError::Board)?;
-    let mut served = Served::new();
+    let daemon = Arc::new(Daemon {
+        opts: opts.clone(),
+        board,
+        served: Mutex::new(Served::new()),
+        stopping: AtomicBool::new(false),
+    });
+    let mut control_server = None;
     let result = (|| {
-        reconcile(opts, &board, &mut served)?;
+        let mut seen = stamp(&opts.state_dir);
+        reconcile(opts, &daemon.board, &mut lock(&daemon.served))?;
+        control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
         ready();
         // Once running, a state directory that cannot be read for a moment
         // (or an instance that cannot be served) is logged, once per
@@ -87,7 +236,12 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
                 continue;
             }
             scanned = std::time::Instant::now();
-            match reconcile(opts, &board, &mut served) {
+            let now = stamp(&opts.state_dir);
+            if now == seen && last_error.is_empty() {
+                continue;
+            }
+            seen = now;
+            match reconcile(opts, &daemon.board, &mut lock(&daemon.served)) {
                 Ok(()) => last_error.clear(),
                 Err(e) => {
                     let e = e.to_string();
@@ -100,10 +254,18 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
         }
         Ok(())
     })();
-    for (_, (_, mut s)) in std::mem::take(&mut served) {
+    if let Some(mut c) = control_server {
+        c.stop();
+    }
+    let served = {
+        let mut served = lock(&daemon.served);
+        daemon.stopping.store(true, Ordering::SeqCst);
+        std::mem::take(&mut *served)
+    };
+    for (_, (_, mut s)) in served {
         s.stop();
     }
-    board.stop();
+    daemon.board.stop();
     result
 }
 

@@ -4,11 +4,13 @@
 //! placed on physical cores), and a state file written atomically so a
 //! crash mid-write loses nothing and corrupts nothing.
 
+pub mod control;
 pub mod evaluation;
 mod interference;
 mod placement;
 mod store;
 
+pub use control::{shape_text, ControlClient, ControlError, Outcome, PlaceOptions, Request};
 pub use interference::{predicted_slowdowns, spec_of, InterferenceError, InterferenceModel};
 pub use placement::{Board, CoreLoad, Placement, PlacementError, Policy};
 pub use store::{Store, StoreError};
