@@ -109,11 +109,13 @@ impl Daemon {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(ControlError::Protocol("the daemon is stopping".into()));
         }
-        let mut outcome = control::execute(&self.opts.state_dir, &self.opts.board, req)?;
-        if req.changes_state() {
-            reconcile(&self.opts, &self.board, &mut served)
-                .map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
-        }
+        let mut serving = Ok(());
+        let mut outcome = control::execute_then(&self.opts.state_dir, &self.opts.board, req, |instances| {
+            if req.changes_state() {
+                serving = serve_started(&self.opts, &self.board, &mut served, instances);
+            }
+        })?;
+        serving.map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
         if let Outcome::Instance { instance, socket, .. } = &mut outcome {
             if served.contains_key(&instance.uuid) {
                 *socket = Some(self.opts.socket_dir.join(format!("{}.sock", instance.uuid)));
@@ -273,8 +275,18 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
 fn reconcile(opts: &DaemonOptions, board: &SharedBoard, served: &mut Served) -> Result<(), DaemonError> {
     let store = Store::open(&opts.state_dir, &opts.board)
         .map_err(|source| DaemonError::Store { dir: opts.state_dir.clone(), source })?;
+    serve_started(opts, board, served, store.instances())
+}
+
+/// Serves the started ones of `instances`, and only them.
+fn serve_started(
+    opts: &DaemonOptions,
+    board: &SharedBoard,
+    served: &mut Served,
+    instances: &[Instance],
+) -> Result<(), DaemonError> {
     let wanted: BTreeMap<String, Instance> =
-        store.instances().iter().filter(|i| i.active).map(|i| (i.uuid.clone(), i.clone())).collect();
+        instances.iter().filter(|i| i.active).map(|i| (i.uuid.clone(), i.clone())).collect();
     // Stop what is no longer started, or was remapped (a client attached
     // to it is disconnected; it reattaches to the new placement).
     let stale: Vec<String> = served

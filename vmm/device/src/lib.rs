@@ -16,8 +16,8 @@ mod worker;
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use shared_core::{
-    admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Interval,
-    Pending, SharedBoard, SharedCore, SharingStats,
+    admission_order, placements, schedule, switch_cycles, Attachment, Claim, Decision, Dispatched,
+    Dispatcher, Interval, Pending, SharedBoard, SharedCore, SharingStats,
 };
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use vnpu_abi::device::{

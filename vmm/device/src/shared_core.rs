@@ -97,6 +97,29 @@ pub struct Interval {
     pub end: f64,
 }
 
+/// A vNPU core's attachment to a physical core of a [`SharedBoard`]: while
+/// it lives, the board counts the vNPU as one that may submit requests
+/// (an idle board waits for the attached vNPUs' simultaneous requests
+/// before simulated time moves on, and for no one else).
+pub struct Attachment {
+    board: SharedBoard,
+}
+
+impl std::fmt::Debug for Attachment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Attachment").finish_non_exhaustive()
+    }
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        let mut q = lock(&self.board.inner.q);
+        q.attached = q.attached.saturating_sub(1);
+        drop(q);
+        self.board.inner.cv.notify_all();
+    }
+}
+
 /// What happened on one core of the board.
 #[derive(Default)]
 struct CoreLog {
@@ -116,6 +139,9 @@ struct Queue {
     cores: Vec<CoreLog>,
     stop: bool,
     paused: bool,
+    /// vNPU cores attached to the board ([`SharedCore::attach`]): who may
+    /// submit at any moment.
+    attached: usize,
 }
 
 struct Inner {
@@ -234,6 +260,12 @@ impl SharedCore {
     /// As [`SharedCore::new`] with [`SharedBoard::with_gather`]'s wait.
     pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
         Ok(SharedCore { board: SharedBoard::with_gather(board, name, gather)?, index: 0 })
+    }
+
+    /// Attaches one vNPU core (its worker holds the guard while it serves).
+    pub fn attach(&self) -> Attachment {
+        lock(&self.board.inner.q).attached += 1;
+        Attachment { board: self.board.clone() }
     }
 
     /// The core's index on its board.
@@ -368,15 +400,24 @@ fn engine(inner: &Inner) {
         };
         // Before simulated time moves on, let the vNPUs that just got a
         // result submit their next request (and, on an idle board, let the
-        // other vNPUs' requests of this moment arrive).
+        // other attached vNPUs' requests of this moment arrive: the wait
+        // ends once every attached vNPU core has one pending, at once for
+        // a vNPU alone on the board).
         let until = std::time::Instant::now() + if fresh { GATHER } else { inner.gather };
         {
             let mut q = lock(&inner.q);
             loop {
                 let missing =
                     replied.iter().any(|(c, t)| !q.pending.iter().any(|j| j.core == *c && &j.tenant == t));
+                let others_may_come = fresh && {
+                    let mut submitters: Vec<(usize, &str)> =
+                        q.pending.iter().map(|j| (j.core, j.tenant.as_str())).collect();
+                    submitters.sort_unstable();
+                    submitters.dedup();
+                    submitters.len() < q.attached
+                };
                 let left = until.saturating_duration_since(std::time::Instant::now());
-                if q.stop || left.is_zero() || !(fresh || missing) {
+                if q.stop || left.is_zero() || !(others_may_come || missing) {
                     break;
                 }
                 q = inner.cv.wait_timeout(q, left).map_or_else(|e| e.into_inner().0, |r| r.0);

@@ -291,6 +291,25 @@ fn apply_placement(store: &mut Store, board: &BoardConfig, place: &PlaceOptions)
 /// Executes `req` against the state directory `dir` (holding its lock for
 /// the whole request, so concurrent managers never lose an update).
 pub fn execute(dir: &Path, board: &BoardConfig, req: &Request) -> Result<Outcome, ControlError> {
+    execute_then(dir, board, req, |_| {})
+}
+
+/// As [`execute`]; when the request succeeds, `then` sees every instance
+/// as the request left them, still under the state directory's lock (the
+/// daemon serves the started ones before anyone else can change them).
+pub fn execute_then(
+    dir: &Path,
+    board: &BoardConfig,
+    req: &Request,
+    then: impl FnOnce(&[Instance]),
+) -> Result<Outcome, ControlError> {
+    let mut store = Store::open(dir, board)?;
+    let outcome = execute_on(&mut store, board, req)?;
+    then(store.instances());
+    Ok(outcome)
+}
+
+fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<Outcome, ControlError> {
     if let Request::Define { workload: Some(w), .. }
     | Request::Create { workload: Some(w), .. }
     | Request::Remap { workload: Some(w), .. } = req
@@ -302,7 +321,6 @@ pub fn execute(dir: &Path, board: &BoardConfig, req: &Request) -> Result<Outcome
             )));
         }
     }
-    let mut store = Store::open(dir, board)?;
     let instance = |store: &Store, uuid: &str| -> Result<Outcome, ControlError> {
         Ok(Outcome::Instance { instance: store.get(uuid)?.clone(), previous: None, socket: None })
     };
@@ -329,18 +347,18 @@ pub fn execute(dir: &Path, board: &BoardConfig, req: &Request) -> Result<Outcome
         Request::Define { type_name, spec, uuid, workload } => {
             let shape = resolve_shape(type_name, spec)?;
             let u = store.define_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone())?;
-            instance(&store, &u)
+            instance(store, &u)
         }
         Request::Create { type_name, spec, uuid, workload, place } => {
             let shape = resolve_shape(type_name, spec)?;
-            apply_placement(&mut store, board, place)?;
+            apply_placement(store, board, place)?;
             let u = store.create_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone())?;
-            instance(&store, &u)
+            instance(store, &u)
         }
         Request::Start { uuid, place } => {
-            apply_placement(&mut store, board, place)?;
+            apply_placement(store, board, place)?;
             store.start(uuid)?;
-            instance(&store, uuid)
+            instance(store, uuid)
         }
         Request::Remap { uuid, sa, vu, sram, ratio, workload, oversubscribe } => {
             let old = store.get(uuid)?.shape;
