@@ -154,6 +154,11 @@ enum Command {
         /// before sleeping (microseconds; 0 = wake by doorbell only).
         #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
         poll_us: u64,
+        /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+        /// 127.0.0.1:9400; port 0 picks a free one, logged at start).
+        /// Per vNPU instance and per physical core: docs/metrics.md.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<std::net::SocketAddr>,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -597,7 +602,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, poll_us } => {
+        Command::Daemon { manage, poll_us, metrics } => {
             env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
             let state_dir = manage.dir();
             let opts = vnpu_daemon::DaemonOptions {
@@ -609,6 +614,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     poll: std::time::Duration::from_micros(poll_us),
                     ..Default::default()
                 },
+                metrics,
             };
             vnpu_daemon::stop_on_signals();
             let stop = std::sync::atomic::AtomicBool::new(false);

@@ -222,3 +222,195 @@ fn management_goes_through_the_control_socket_and_loses_no_update() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+fn guest(name: &str) -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../guest-images/target/x86_64-unknown-none/release")
+        .join(name);
+    assert!(p.exists(), "guest {} missing: run scripts/build-guests.sh first", p.display());
+    p
+}
+
+/// A VM as its own `vnpu run` process, attached to instance `uuid`.
+fn vm(state: &Path, guest_name: &str, uuid: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["run", "--memory", "64M", "--guest"])
+        .arg(guest(guest_name))
+        .arg("--vnpu")
+        .arg(format!("uuid={uuid}"))
+        .arg("--state-dir")
+        .arg(state)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn finish(c: Child) -> (i32, String) {
+    let out = c.wait_with_output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code().unwrap_or(-1), text)
+}
+
+fn metrics_daemon(state: &Path) -> (Daemon, u16) {
+    // A free port: bound, read, released (the daemon binds it next).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--metrics", &format!("127.0.0.1:{port}"), "--state-dir"])
+        .arg(state)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    wait_for("the control socket", || {
+        vnpu_manager::ControlClient::connect(&state.join("sockets/control.sock")).is_ok()
+    });
+    (d, port)
+}
+
+/// GET /metrics: every sample line as (name with labels, value).
+fn scrape(port: u16) -> Vec<(String, f64)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).unwrap();
+    assert!(body.starts_with("HTTP/1.0 200") || body.starts_with("HTTP/1.1 200"), "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(' '))
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn metric(samples: &[(String, f64)], name: &str, label: &str) -> f64 {
+    let hits: Vec<f64> = samples
+        .iter()
+        .filter(|(k, _)| k.starts_with(&format!("{name}{{")) && k.contains(label))
+        .map(|(_, v)| *v)
+        .collect();
+    assert_eq!(hits.len(), 1, "{name} with {label}: {hits:?} in {samples:?}");
+    hits[0]
+}
+
+/// Three VMs, each its own `vnpu run` process started at a different
+/// time, attach to one daemon: an SA-heavy (digits), a bigger SA-heavy
+/// (transformer) and a VU-heavy (recsys) tenant, all placed on physical
+/// core 0. Every result is checked against the guest's CPU reference, and
+/// the scraped metrics show their requests overlapping on the core's
+/// simulated timeline and each tenant's engine mix.
+#[test]
+fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-three-vms-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let (d, port) = metrics_daemon(&state);
+    let mut uuids = Vec::new();
+    for spec in ["type=small", "sa=2,vu=2,sram=8M,hbm=1G", "sa=1,vu=1,sram=4M,hbm=1G"] {
+        let args: Vec<&str> = match spec.strip_prefix("type=") {
+            Some(t) => vec!["create", "--type", t],
+            None => vec!["create", "--spec", spec],
+        };
+        uuids.push(vnpu(&state, &args).trim().to_string());
+    }
+    let list = vnpu(&state, &["list", "--json"]);
+    let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+    for i in list.as_array().unwrap() {
+        assert_eq!(i["physical_cores"], serde_json::json!([0]), "{i}");
+    }
+    let mut vms = Vec::new();
+    for (guest_name, uuid) in ["digits", "transformer", "recsys"].iter().zip(&uuids) {
+        vms.push((guest_name, vm(&state, guest_name, uuid)));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for (name, c) in vms {
+        let (code, out) = finish(c);
+        assert_eq!(code, 0, "{name}: {out}");
+        let ok = match *name {
+            "digits" => out.contains("digits: vNPU and CPU agree on every image"),
+            "transformer" => {
+                out.contains("transformer (") && out.contains("max abs error vs CPU") && out.contains("(ok)")
+            }
+            _ => out.contains("recsys: max abs error vs CPU") && out.contains("(ok)"),
+        };
+        assert!(ok, "{name}: {out}");
+    }
+    let m = scrape(port);
+    let overlap = metric(&m, "vnpu_core_overlap_cycles_total", "core=\"0\"");
+    assert!(overlap > 0.0, "no two tenants ran at once on core 0: {overlap}");
+    for (name, uuid) in ["digits", "transformer", "recsys"].iter().zip(&uuids) {
+        let label = format!("uuid=\"{uuid}\"");
+        let requests = metric(&m, "vnpu_requests_total", &label);
+        let sa = metric(&m, "VNPU_FI_PROF_SA_ACTIVE", &label);
+        let vu = metric(&m, "VNPU_FI_PROF_VU_ACTIVE", &label);
+        assert!(requests > 0.0, "{name}: {requests}");
+        assert!(sa.is_finite() && vu.is_finite() && sa <= 1.0 && vu <= 1.0, "{name}: SA {sa} VU {vu}");
+        if *name == "recsys" {
+            assert!(vu > sa, "{name} is VU-heavy: SA {sa} VU {vu}");
+        } else {
+            assert!(sa > vu, "{name} is SA-heavy: SA {sa} VU {vu}");
+        }
+        assert_eq!(metric(&m, "vnpu_attached", &label), 0.0, "{name} detached");
+        assert_eq!(metric(&m, "vnpu_request_failures_total", &label), 0.0, "{name}");
+    }
+    // The instances' simulated cycles are the core's (two independent
+    // counts: the vNPUs' reports and the board's timeline).
+    let per_instance: f64 =
+        uuids.iter().map(|u| metric(&m, "vnpu_busy_cycles_total", &format!("uuid=\"{u}\""))).sum();
+    let core = metric(&m, "vnpu_core_tenant_busy_cycles_total", "core=\"0\"");
+    assert!((per_instance - core).abs() <= 1e-6 * core.max(1.0), "instances {per_instance} vs core {core}");
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A VM killed with SIGKILL in the middle of its work: the daemon sees it
+/// go, its instance is free for the next VM at once (measured, reported),
+/// and a co-tenant on the same core computes exactly what it computes
+/// alone. Then a VM that exits normally and a new VM on the same instance.
+#[test]
+fn a_killed_vm_frees_its_instance_and_leaves_its_co_tenant_untouched() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-killed-vm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let (d, port) = metrics_daemon(&state);
+    let victim = vnpu(&state, &["create", "--spec", "sa=2,vu=2,sram=8M,hbm=1G"]).trim().to_string();
+    let tenant = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    let results = |out: &str| -> Vec<String> {
+        out.lines().filter(|l| l.contains("accuracy") || l.contains("agree")).map(String::from).collect()
+    };
+    // The co-tenant alone first: its reference results.
+    let (code, alone) = finish(vm(&state, "digits", &tenant));
+    assert_eq!(code, 0, "{alone}");
+    let reference = results(&alone);
+    assert!(reference.iter().any(|l| l.contains("agree on every image")), "{alone}");
+
+    let victim_label = format!("uuid=\"{victim}\"");
+    let mut killed = vm(&state, "transformer", &victim);
+    let co = vm(&state, "digits", &tenant);
+    // Kill it once it has had requests served.
+    wait_for("the victim's first requests", || {
+        metric(&scrape(port), "vnpu_requests_total", &victim_label) > 0.0
+    });
+    killed.kill().unwrap();
+    let t = Instant::now();
+    let _ = killed.wait();
+    wait_for("the victim's detach", || metric(&scrape(port), "vnpu_attached", &victim_label) == 0.0);
+    let freed = t.elapsed();
+    eprintln!("the killed VM's instance was free {} ms after SIGKILL", freed.as_millis());
+    let (code, with_kill) = finish(co);
+    assert_eq!(code, 0, "{with_kill}");
+    assert_eq!(results(&with_kill), reference, "the co-tenant's results changed");
+
+    // Its instance serves the next VM, which runs to the end; and the one
+    // after it (detach, then a new attach).
+    for _ in 0..2 {
+        let (code, out) = finish(vm(&state, "transformer", &victim));
+        assert_eq!(code, 0, "{out}");
+        assert!(out.contains("max abs error vs CPU") && out.contains("(ok)"), "{out}");
+    }
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -21,7 +21,7 @@ use std::time::{Duration, SystemTime};
 
 use npu_model::BoardConfig;
 use thiserror::Error;
-use vnpu_device::{DeviceOptions, SharedBoard};
+use vnpu_device::{DeviceOptions, SharedBoard, Telemetry};
 use vnpu_manager::control::{self, ControlError, Outcome, Request, CONTROL_SOCKET};
 use vnpu_manager::{Instance, Store};
 
@@ -43,6 +43,8 @@ pub enum DaemonError {
     Control { path: PathBuf, source: std::io::Error },
     #[error("a daemon already answers at {0}")]
     Running(PathBuf),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// What `vnpu daemon` was asked to do.
@@ -55,6 +57,8 @@ pub struct DaemonOptions {
     pub rescan: Duration,
     /// How each vNPU's worker serves its ring.
     pub device: DeviceOptions,
+    /// Serve Prometheus metrics over HTTP here (`docs/metrics.md`).
+    pub metrics: Option<std::net::SocketAddr>,
 }
 
 /// Set by SIGTERM / SIGINT: the daemon stops serving and exits.
@@ -73,23 +77,33 @@ pub fn stop_on_signals() {
     }
 }
 
-/// The instances being served, by UUID, as they were when served.
-type Served = BTreeMap<String, (Instance, InstanceServer)>;
+/// An instance being served.
+pub(crate) struct ServedInstance {
+    /// As it was when served.
+    pub instance: Instance,
+    pub server: InstanceServer,
+    /// What its vNPU did, across the VMs that attached (and remaps).
+    pub telemetry: Arc<Telemetry>,
+}
+
+/// The instances being served, by UUID.
+pub(crate) type Served = BTreeMap<String, ServedInstance>;
 
 /// Most control connections served at once; more are refused.
 pub const MAX_CONTROL_CONNECTIONS: usize = 32;
 
-/// What the control threads share with the main loop.
-struct Daemon {
-    opts: DaemonOptions,
-    board: SharedBoard,
-    served: Mutex<Served>,
+/// What the control threads (and the metrics endpoint) share with the
+/// main loop.
+pub(crate) struct Daemon {
+    pub opts: DaemonOptions,
+    pub board: SharedBoard,
+    pub served: Mutex<Served>,
     /// Set (under the `served` lock) when the daemon stops: no request
     /// serves anything after that.
     stopping: AtomicBool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
@@ -222,10 +236,16 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
         stopping: AtomicBool::new(false),
     });
     let mut control_server = None;
+    let mut metrics_server = None;
     let result = (|| {
         let mut seen = stamp(&opts.state_dir);
         reconcile(opts, &daemon.board, &mut lock(&daemon.served))?;
         control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
+        if let Some(addr) = opts.metrics {
+            let m = crate::metrics::MetricsServer::start(addr, &daemon)?;
+            log::info!("metrics at http://{}/metrics", m.addr);
+            metrics_server = Some(m);
+        }
         ready();
         // Once running, a state directory that cannot be read for a moment
         // (or an instance that cannot be served) is logged, once per
@@ -259,13 +279,16 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     if let Some(mut c) = control_server {
         c.stop();
     }
+    if let Some(mut m) = metrics_server {
+        m.stop();
+    }
     let served = {
         let mut served = lock(&daemon.served);
         daemon.stopping.store(true, Ordering::SeqCst);
         std::mem::take(&mut *served)
     };
-    for (_, (_, mut s)) in served {
-        s.stop();
+    for (_, mut s) in served {
+        s.server.stop();
     }
     daemon.board.stop();
     result
@@ -291,13 +314,18 @@ fn serve_started(
     // to it is disconnected; it reattaches to the new placement).
     let stale: Vec<String> = served
         .iter()
-        .filter(|(u, (i, _))| wanted.get(*u).is_none_or(|w| w.shape != i.shape || w.cores != i.cores))
+        .filter(|(u, s)| {
+            wanted.get(*u).is_none_or(|w| w.shape != s.instance.shape || w.cores != s.instance.cores)
+        })
         .map(|(u, _)| u.clone())
         .collect();
+    // A remapped instance keeps its totals.
+    let mut kept: BTreeMap<String, Arc<Telemetry>> = BTreeMap::new();
     for u in stale {
-        if let Some((_, mut s)) = served.remove(&u) {
-            s.stop();
+        if let Some(mut s) = served.remove(&u) {
+            s.server.stop();
             log::info!("{u}: no longer served");
+            kept.insert(u, s.telemetry);
         }
     }
     for (uuid, inst) in wanted {
@@ -308,7 +336,8 @@ fn serve_started(
         // A socket left by a daemon that died.
         let _ = std::fs::remove_file(&path);
         let cores = inst.cores.iter().filter_map(|&c| board.core(c)).collect();
-        let device = DeviceOptions { cores, ..opts.device.clone() };
+        let telemetry = kept.remove(&uuid).unwrap_or_default();
+        let device = DeviceOptions { cores, telemetry: Some(Arc::clone(&telemetry)), ..opts.device.clone() };
         let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());
         let server = InstanceServer::start(
             &path,
@@ -317,7 +346,7 @@ fn serve_started(
         )
         .map_err(|source| DaemonError::Serve { uuid: uuid.clone(), source })?;
         log::info!("{uuid}: served at {}", path.display());
-        served.insert(uuid, (inst, server));
+        served.insert(uuid, ServedInstance { instance: inst, server, telemetry });
     }
     Ok(())
 }

@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod daemon;
+pub mod metrics;
 pub mod serve;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};

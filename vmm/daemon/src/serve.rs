@@ -80,6 +80,11 @@ impl InstanceServer {
         Ok(Self { path: path.to_path_buf(), listener_fd, client, thread: Some(thread) })
     }
 
+    /// Whether a VMM is attached now.
+    pub fn attached(&self) -> bool {
+        lock(&self.client).is_some()
+    }
+
     /// Disconnects the client, if any, stops serving and removes the socket.
     pub fn stop(&mut self) {
         if let Some(c) = lock(&self.client).as_ref() {

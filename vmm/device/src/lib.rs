@@ -11,6 +11,7 @@ mod msi;
 mod regfile;
 mod shared_core;
 mod spec;
+mod telemetry;
 mod worker;
 
 pub use guest_ram::GuestRam;
@@ -20,6 +21,7 @@ pub use shared_core::{
     Dispatcher, Interval, Pending, SharedBoard, SharedCore, SharingStats,
 };
 pub use spec::{parse_size, SpecError, VnpuSpec};
+pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
 };

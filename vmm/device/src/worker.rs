@@ -269,6 +269,8 @@ pub struct DeviceOptions {
     pub shared_max_cycles: u64,
     /// Host-work budget of a request on a shared core.
     pub shared_max_host_work: u64,
+    /// Where the worker adds up what it does (the daemon's metrics).
+    pub telemetry: Option<Arc<crate::Telemetry>>,
 }
 
 impl Default for DeviceOptions {
@@ -280,6 +282,7 @@ impl Default for DeviceOptions {
             slo_us: 0,
             shared_max_cycles: SHARED_MAX_BUDGET,
             shared_max_host_work: SHARED_MAX_HOST_WORK,
+            telemetry: None,
         }
     }
 }
@@ -346,6 +349,9 @@ impl Worker {
         let n = spec.chips.saturating_mul(spec.cores_per_chip) as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
+        if let Some(t) = &self.opts.telemetry {
+            t.configured(Some(spec));
+        }
         let mut r = self.regs();
         r.set_hierarchy(Some(&spec));
         r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
@@ -367,6 +373,9 @@ impl Worker {
         self.programs.clear();
         self.cores.clear();
         self.config = None;
+        if let Some(t) = &self.opts.telemetry {
+            t.configured(None);
+        }
         let mut r = self.regs();
         r.set_hierarchy(None);
         r.update_u32(regs::STATUS, |s| s & !abi::STATUS_READY);
@@ -543,6 +552,9 @@ impl Worker {
 
         self.counters.requests += 1;
         self.counters.wall_ns += wall_ns;
+        if let Some(t) = &self.opts.telemetry {
+            t.request(outcome.status, wall_ns, outcome.report.as_ref());
+        }
         if outcome.status != abi::ST_OK {
             self.counters.failed += 1;
         }

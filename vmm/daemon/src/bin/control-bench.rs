@@ -103,6 +103,7 @@ fn main() -> Result<(), String> {
         socket_dir: sockets.clone(),
         rescan: Duration::from_millis(100),
         device: Default::default(),
+        metrics: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
