@@ -155,6 +155,9 @@ pub struct Vnpu<B: Bar> {
     irq_seen: u32,
     idle: Option<(fn(u32), u64)>,
     timeout_spins: u64,
+    /// The device stopped the ring (its ERROR): requests fail at once
+    /// until a reset succeeds.
+    failed: Option<u32>,
 }
 
 /// One step of a busy-wait. Deliberately not `pause`
@@ -230,6 +233,7 @@ impl<B: Bar> Vnpu<B> {
             irq_seen: 0,
             idle: None,
             timeout_spins: 1 << 36,
+            failed: None,
         };
         v.reset()?;
         v.hierarchy = v.read_hierarchy();
@@ -282,7 +286,19 @@ impl<B: Bar> Vnpu<B> {
     pub fn reset(&mut self) -> Result<(), Error> {
         self.bar.write32(regs::DEVICE_RESET, 1);
         let bar = &self.bar;
-        self.spin_until(|| bar.read32(regs::STATUS) & abi::STATUS_RESETTING == 0)?;
+        // All ones: the device is gone (as a PCI read of a removed device
+        // reads); nothing will finish resetting.
+        let mut gone = false;
+        self.spin_until(|| {
+            let s = bar.read32(regs::STATUS);
+            gone = s == u32::MAX;
+            gone || s & abi::STATUS_RESETTING == 0
+        })?;
+        if gone {
+            self.failed = Some(u32::MAX);
+            return Err(Error::DeviceFailed(u32::MAX));
+        }
+        self.failed = None;
         for s in self.slots.iter_mut().flatten() {
             s.busy = false;
             s.done = false;
@@ -392,7 +408,10 @@ impl<B: Bar> Vnpu<B> {
         opts: &RunOptions,
     ) -> Result<Ticket, Error> {
         // No register read here: from CPL3 each costs an MMIO exit. A
-        // failed device is noticed by `wait`.
+        // failed device is noticed by `wait`, and from then on here.
+        if let Some(e) = self.failed {
+            return Err(Error::DeviceFailed(e));
+        }
         self.reap();
         let slot =
             (0..self.nslots).find(|&i| self.slots[i].is_some_and(|s| !s.busy)).ok_or(Error::RingFull)?;
@@ -489,14 +508,23 @@ impl<B: Bar> Vnpu<B> {
         };
         // Only a request that raises an interrupt may sleep on the counter.
         let counter = self.irq_counter.filter(|_| slot.interrupt);
+        // An interrupt that did not complete the request (the device's
+        // way of waking a waiter when it fails or goes away).
+        let mut woke = false;
         for spin in 0..self.timeout_spins {
             if let Some(r) = self.poll(t) {
                 return r;
             }
-            // Now and then, look whether the device stopped the ring.
-            if spin % (1 << 16) == (1 << 16) - 1 && self.bar.read32(regs::STATUS) & abi::STATUS_FAILED != 0 {
-                return Err(Error::DeviceFailed(self.bar.read32(regs::ERROR)));
+            // After such a wake-up, and now and then, look whether the
+            // device stopped the ring.
+            if (woke || spin % (1 << 16) == (1 << 16) - 1)
+                && self.bar.read32(regs::STATUS) & abi::STATUS_FAILED != 0
+            {
+                let e = self.bar.read32(regs::ERROR);
+                self.failed = Some(e);
+                return Err(Error::DeviceFailed(e));
             }
+            woke = false;
             if let Some(c) = counter {
                 // Sleep (spin) until the handler saw another interrupt.
                 let seen = self.irq_seen;
@@ -505,6 +533,7 @@ impl<B: Bar> Vnpu<B> {
                     let now = c.load(Ordering::Acquire);
                     if now != seen {
                         self.irq_seen = now;
+                        woke = true;
                         break;
                     }
                     spins += 1;

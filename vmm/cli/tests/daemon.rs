@@ -246,6 +246,21 @@ fn vm(state: &Path, guest_name: &str, uuid: &str) -> Child {
         .unwrap()
 }
 
+/// As [`finish`], but a VM still running after `limit` is killed and
+/// the test fails (a hang is the bug these tests look for).
+fn finish_within(mut c: Child, limit: Duration) -> (i32, String) {
+    let t = Instant::now();
+    while c.try_wait().unwrap().is_none() {
+        if t.elapsed() > limit {
+            let _ = c.kill();
+            let (_, out) = finish(c);
+            panic!("the VM still ran {} s later:\n{out}", limit.as_secs());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    finish(c)
+}
+
 fn finish(c: Child) -> (i32, String) {
     let out = c.wait_with_output().unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -411,6 +426,60 @@ fn a_killed_vm_frees_its_instance_and_leaves_its_co_tenant_untouched() {
         assert_eq!(code, 0, "{out}");
         assert!(out.contains("max abs error vs CPU") && out.contains("(ok)"), "{out}");
     }
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The daemon killed with SIGKILL under a running VM: the VM's driver
+/// reads a device error (all ones: the device is gone) instead of waiting
+/// for ever, the guest's own work carries on to its end, and a restarted
+/// daemon still has the definition and serves it to a new VM.
+#[test]
+fn a_killed_daemon_leaves_its_vms_a_readable_device_error() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-killed-daemon-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let uuid = vnpu(&state, &["define", "--spec", "sa=2,vu=2,sram=8M,hbm=1G"]).trim().to_string();
+    vnpu(&state, &["start", &uuid]);
+    let label = format!("uuid=\"{uuid}\"");
+    // The kill must land while the guest still has requests to make; a
+    // guest that finished first is tried again (at most 5 times).
+    let mut landed = None;
+    for _ in 0..5 {
+        let (mut d, port) = metrics_daemon(&state);
+        let run = vm(&state, "digits", &uuid);
+        wait_for("the guest's first requests", || {
+            metric(&scrape(port), "vnpu_requests_total", &label) > 470.0
+        });
+        let mut child = d.0.take().unwrap();
+        child.kill().unwrap();
+        let _ = child.wait();
+        let t = Instant::now();
+        let (code, out) = finish_within(run, Duration::from_secs(30));
+        if code == 0 {
+            eprintln!("the guest finished before the kill; again");
+            continue;
+        }
+        landed = Some((code, out, t.elapsed()));
+        break;
+    }
+    let (code, out, took) = landed.expect("the kill never landed mid-run in 5 tries");
+    eprintln!("the VM exited {} ms after the daemon's SIGKILL", took.as_millis());
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("the device stopped the ring (ERROR 0xffffffff)"), "{out}");
+    // Its own CPU work went on: the guest compared with its CPU reference.
+    assert!(out.contains("digits: MISMATCH between vNPU and CPU"), "{out}");
+    assert!(out.contains("hung up"), "{out}");
+
+    // A restarted daemon still has the definition, started, and serves it.
+    let (d, _) = metrics_daemon(&state);
+    let list: serde_json::Value = serde_json::from_str(&vnpu(&state, &["list", "--json"])).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
+    assert_eq!(list[0]["uuid"], uuid.as_str());
+    assert_eq!(list[0]["active"], true);
+    let (code, out) = finish(vm(&state, "digits", &uuid));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("digits: vNPU and CPU agree on every image"), "{out}");
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }

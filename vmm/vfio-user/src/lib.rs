@@ -426,6 +426,12 @@ enum CapabilityError {
 }
 
 impl Client {
+    /// A second descriptor of the connection, for watching it (e.g. for
+    /// the server hanging up) without reading from it.
+    pub fn connection(&self) -> std::io::Result<UnixStream> {
+        self.stream.try_clone()
+    }
+
     pub fn new(path: &Path) -> Result<Client, Error> {
         let stream = UnixStream::connect(path).map_err(Error::Connect)?;
 

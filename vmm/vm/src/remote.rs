@@ -39,6 +39,8 @@ pub enum RemoteError {
     Device { path: String, what: String },
     #[error("guest memory is not in a shared file (needed to share it with the server)")]
     NotShared,
+    #[error("watching the connection: {0}")]
+    Io(std::io::Error),
     #[error("PCI layout: {0}")]
     Pci(#[from] vnpu_pci::PciError),
     #[error("MSI-X routing: {0}")]
@@ -73,6 +75,43 @@ pub struct RemoteFunction {
     ioevents: Vec<(u64, EventFd)>,
     /// The connection failed: reads return all ones, writes are dropped.
     broken: bool,
+    /// Stops the thread that watches the connection.
+    watch_stop: EventFd,
+}
+
+/// Waits for the server to hang up (or `stop`); when it does, signals
+/// every vector's irqfd, so a guest waiting for an interrupt wakes, reads
+/// the device (all ones now: failed) and sees the error instead of
+/// waiting for a completion that cannot come.
+fn watch(path: String, conn: std::os::unix::net::UnixStream, stop: EventFd, irqfds: Vec<EventFd>) {
+    let mut fds = [
+        libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 },
+        libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+    ];
+    loop {
+        // SAFETY: poll(2) on two valid pollfds this function owns for
+        // the whole call; it only fills in `revents`.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
+        if fds[1].revents != 0 || n < 0 {
+            return;
+        }
+        if fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            eprintln!("vnpu: vfio-user server {path} hung up; the device reads as failed from now on");
+            for f in &irqfds {
+                let _ = f.write(1);
+            }
+            return;
+        }
+    }
+}
+
+impl Drop for RemoteFunction {
+    fn drop(&mut self) {
+        let _ = self.watch_stop.write(1);
+    }
 }
 
 impl std::fmt::Debug for RemoteFunction {
@@ -194,7 +233,23 @@ impl RemoteFunction {
                 .collect(),
             Err(_) => Vec::new(),
         };
+        let watch_stop = EventFd::new(0).map_err(RemoteError::Io)?;
+        {
+            let conn = client.connection().map_err(RemoteError::Io)?;
+            let stop = watch_stop.try_clone().map_err(RemoteError::Io)?;
+            let fds = irqfds
+                .iter()
+                .map(EventFd::try_clone)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(RemoteError::Io)?;
+            let path = name.clone();
+            std::thread::Builder::new()
+                .name("vfio-user watch".into())
+                .spawn(move || watch(path, conn, stop, fds))
+                .map_err(RemoteError::Io)?;
+        }
         let mut f = Self {
+            watch_stop,
             path: name,
             client: Mutex::new(client),
             config,
