@@ -79,31 +79,43 @@ pub struct RemoteFunction {
     watch_stop: EventFd,
 }
 
-/// Waits for the server to hang up (or `stop`); when it does, signals
-/// every vector's irqfd, so a guest waiting for an interrupt wakes, reads
-/// the device (all ones now: failed) and sees the error instead of
-/// waiting for a completion that cannot come.
+/// How often a dead server's vectors are signalled again.
+const DEAD_SERVER_WAKE: libc::c_int = 10; // ms
+
+/// Waits for the server to hang up (or `stop`). From then on it signals
+/// every vector's irqfd, and again every [`DEAD_SERVER_WAKE`] ms until
+/// `stop`, so a guest waiting for an interrupt wakes, reads the device
+/// (all ones now: failed) and sees the error instead of waiting for a
+/// completion that cannot come. Once is not enough: a guest that took
+/// that interrupt as the completion of a request already done, then
+/// submits another and halts, would never wake again.
 fn watch(path: String, conn: std::os::unix::net::UnixStream, stop: EventFd, irqfds: Vec<EventFd>) {
     let mut fds = [
         libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 },
         libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
     ];
+    let mut hung_up = false;
     loop {
-        // SAFETY: poll(2) on two valid pollfds this function owns for
-        // the whole call; it only fills in `revents`.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        let timeout = if hung_up { DEAD_SERVER_WAKE } else { -1 };
+        // SAFETY: poll(2) on two pollfds this function owns for the whole
+        // call (a negative fd is ignored); it only fills in `revents`.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
         if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
             continue;
         }
         if fds[1].revents != 0 || n < 0 {
             return;
         }
-        if fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+        if !hung_up && fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
             eprintln!("vnpu: vfio-user server {path} hung up; the device reads as failed from now on");
+            hung_up = true;
+            // Nothing more to hear from it.
+            fds[0].fd = -1;
+        }
+        if hung_up {
             for f in &irqfds {
                 let _ = f.write(1);
             }
-            return;
         }
     }
 }
