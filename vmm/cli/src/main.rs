@@ -492,7 +492,8 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     let socket = match &v {
                         VnpuArg::Socket(p) => Some(p.clone()),
                         VnpuArg::Uuid(u) => {
-                            Some(dir.join("sockets").join(format!("{u}.sock"))).filter(|p| p.exists())
+                            let sockets = vnpu_manager::control::default_socket_dir(&dir);
+                            Some(vnpu_manager::control::instance_socket(&sockets, u)).filter(|p| p.exists())
                         }
                         VnpuArg::Spec(_) => None,
                     };

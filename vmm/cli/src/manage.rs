@@ -34,7 +34,7 @@ impl ManageArgs {
     }
 
     pub fn socket_dir(&self) -> PathBuf {
-        self.socket_dir.clone().unwrap_or_else(|| self.dir().join("sockets"))
+        self.socket_dir.clone().unwrap_or_else(|| vnpu_manager::control::default_socket_dir(&self.dir()))
     }
 
     /// Executes `req` through the daemon's control socket when a daemon
@@ -188,12 +188,10 @@ pub fn follow_remaps(
     board: BoardConfig,
     mut instances: Vec<(String, vnpu_device::GrantHandle, VnpuSpec)>,
 ) -> std::io::Result<()> {
-    let state = dir.join("vnpu-state.json");
-    let stamp = |p: &std::path::Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let mut seen = stamp(&state);
+    let mut seen = Store::stamp(&dir);
     std::thread::Builder::new().name("remaps".into()).spawn(move || loop {
         std::thread::sleep(std::time::Duration::from_millis(200));
-        let now = stamp(&state);
+        let now = Store::stamp(&dir);
         if now == seen {
             continue;
         }

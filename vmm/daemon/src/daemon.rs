@@ -14,10 +14,10 @@
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use npu_model::BoardConfig;
 use thiserror::Error;
@@ -107,12 +107,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-/// The state file's modification time and length: what says it changed.
-fn stamp(dir: &Path) -> Option<(SystemTime, u64)> {
-    let m = std::fs::metadata(dir.join("vnpu-state.json")).ok()?;
-    Some((m.modified().ok()?, m.len()))
-}
-
 impl Daemon {
     /// One management request: executed on the state directory, then the
     /// served instances follow, all under the served-map lock (requests
@@ -132,7 +126,7 @@ impl Daemon {
         serving.map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
         if let Outcome::Instance { instance, socket, .. } = &mut outcome {
             if served.contains_key(&instance.uuid) {
-                *socket = Some(self.opts.socket_dir.join(format!("{}.sock", instance.uuid)));
+                *socket = Some(control::instance_socket(&self.opts.socket_dir, &instance.uuid));
             }
         }
         Ok(outcome)
@@ -173,9 +167,7 @@ impl ControlServer {
                         let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(
                             "{MAX_CONTROL_CONNECTIONS} management connections are open; try again"
                         )));
-                        let reply = control::Reply::from(busy);
-                        let _ = serde_json::to_writer(&mut s, &reply);
-                        let _ = std::io::Write::write_all(&mut s, b"\n");
+                        let _ = control::write_line(&mut s, &control::Reply::from(busy));
                         continue;
                     }
                     if let Ok(c) = stream.try_clone() {
@@ -238,7 +230,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     let mut control_server = None;
     let mut metrics_server = None;
     let result = (|| {
-        let mut seen = stamp(&opts.state_dir);
+        let mut seen = Store::stamp(&opts.state_dir);
         reconcile(opts, &daemon.board, &mut lock(&daemon.served))?;
         control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
         if let Some(addr) = opts.metrics {
@@ -258,7 +250,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
                 continue;
             }
             scanned = std::time::Instant::now();
-            let now = stamp(&opts.state_dir);
+            let now = Store::stamp(&opts.state_dir);
             if now == seen && last_error.is_empty() {
                 continue;
             }
@@ -332,7 +324,7 @@ fn serve_started(
         if served.contains_key(&uuid) {
             continue;
         }
-        let path = opts.socket_dir.join(format!("{uuid}.sock"));
+        let path = control::instance_socket(&opts.socket_dir, &uuid);
         // A socket left by a daemon that died.
         let _ = std::fs::remove_file(&path);
         let cores = inst.cores.iter().filter_map(|&c| board.core(c)).collect();

@@ -96,7 +96,7 @@ impl Collector for BoardCollector {
                 ];
                 let t = s.telemetry.snapshot();
                 let shape = t.config.unwrap_or(i.shape);
-                let cores = f64::from(shape.chips.saturating_mul(shape.cores_per_chip));
+                let cores = f64::from(shape.cores());
                 let peak =
                     cores * (f64::from(shape.sa_per_core) * sa_peak + f64::from(shape.vu_per_core) * vu_peak);
                 InstanceSample { labels, t, attached: s.server.attached(), peak_flops_per_cycle: peak }
@@ -106,9 +106,7 @@ impl Collector for BoardCollector {
             samples.iter().map(|s| (s.labels.clone(), f(s))).collect()
         };
         let engines = |s: &InstanceSample, per_core: fn(&vnpu_device::VnpuSpec) -> u32| {
-            let c = s.t.config.map_or(0.0, |c| {
-                f64::from(per_core(&c)) * f64::from(c.chips.saturating_mul(c.cores_per_chip))
-            });
+            let c = s.t.config.map_or(0.0, |c| f64::from(per_core(&c)) * f64::from(c.cores()));
             c * s.t.cycles
         };
         use MetricType::{Counter, Gauge};
@@ -145,11 +143,7 @@ impl Collector for BoardCollector {
             "VNPU_FI_DEV_HBM_USED",
             "HBM bytes allocated to the vNPU's configuration (as DCGM_FI_DEV_FB_USED)",
             Gauge,
-            per(&|s| {
-                s.t.config.map_or(0.0, |c| {
-                    c.hbm_per_core as f64 * f64::from(c.chips.saturating_mul(c.cores_per_chip))
-                })
-            }),
+            per(&|s| s.t.config.map_or(0.0, |c| c.hbm_per_core as f64 * f64::from(c.cores()))),
         )?;
         family(
             &mut enc,

@@ -49,6 +49,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 impl VnpuSpec {
     /// What the verifier checks a program against on one core of this vNPU,
     /// whose DMA may reach `guest` (guest-physical ranges).
+    /// vNPU cores: chips x cores per chip.
+    pub fn cores(&self) -> u32 {
+        self.chips.saturating_mul(self.cores_per_chip)
+    }
+
     pub fn limits(&self, guest: Vec<std::ops::Range<u64>>) -> npu_model::VnpuLimits {
         npu_model::VnpuLimits {
             sa: self.sa_per_core,

@@ -197,7 +197,7 @@ impl Counters {
     fn block(&self, spec: Option<&VnpuSpec>) -> Vec<u8> {
         let mut engines = Vec::new();
         if let Some(s) = spec {
-            for core in 0..s.chips.saturating_mul(s.cores_per_chip) {
+            for core in 0..s.cores() {
                 let sa = (0..s.sa_per_core).map(|i| (1u8, i as u8));
                 let vu = (0..s.vu_per_core).map(|i| (2u8, i as u8));
                 for (kind, index) in sa.chain(vu).chain([(0u8, 0u8)]) {
@@ -346,7 +346,7 @@ impl Worker {
 
     fn configure(&mut self, spec: VnpuSpec) {
         self.programs.clear();
-        let n = spec.chips.saturating_mul(spec.cores_per_chip) as usize;
+        let n = spec.cores() as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
         if let Some(t) = &self.opts.telemetry {
@@ -723,7 +723,7 @@ impl Worker {
         };
         let Some(Some(core_slot)) = usize::try_from(header.core).ok().map(|c| self.cores.get(c).map(|_| c))
         else {
-            let n = spec.chips.saturating_mul(spec.cores_per_chip);
+            let n = spec.cores();
             return Outcome::fail(
                 abi::ST_BAD_CORE,
                 format!("core {} does not exist ({n} cores)", header.core),

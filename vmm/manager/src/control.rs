@@ -30,6 +30,16 @@ pub const MAX_LINE: usize = 1 << 20;
 /// The control socket's file name in the daemon's socket directory.
 pub const CONTROL_SOCKET: &str = "control.sock";
 
+/// The daemon's socket directory when none is given: `STATE_DIR/sockets`.
+pub fn default_socket_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("sockets")
+}
+
+/// Where the daemon serves instance `uuid`: `SOCKET_DIR/UUID.sock`.
+pub fn instance_socket(socket_dir: &Path, uuid: &str) -> PathBuf {
+    socket_dir.join(format!("{uuid}.sock"))
+}
+
 /// Why a management request failed.
 #[derive(Debug, Error)]
 pub enum ControlError {
@@ -423,6 +433,13 @@ pub fn read_line(r: &mut impl BufRead) -> Result<Option<String>, ControlError> {
     String::from_utf8(buf).map(Some).map_err(|_| ControlError::Protocol("a line that is not UTF-8".into()))
 }
 
+/// Writes `value` as one JSON line.
+pub fn write_line(w: &mut impl Write, value: &impl Serialize) -> Result<(), ControlError> {
+    let mut out = serde_json::to_vec(value).map_err(|e| ControlError::Protocol(e.to_string()))?;
+    out.push(b'\n');
+    Ok(w.write_all(&out)?)
+}
+
 /// Serves one control connection: each request line is parsed and handed
 /// to `handle`, whose reply is written back. Returns when the client
 /// closes, or sends a line that is too long or not UTF-8.
@@ -440,9 +457,7 @@ pub fn serve_connection(
             Ok(req) => handle(&req).into(),
             Err(e) => Err(ControlError::BadRequest(format!("not a request: {e}"))).into(),
         };
-        let mut out = serde_json::to_vec(&reply).map_err(|e| ControlError::Protocol(e.to_string()))?;
-        out.push(b'\n');
-        writer.write_all(&out)?;
+        write_line(&mut writer, &reply)?;
     }
     Ok(())
 }
@@ -492,9 +507,7 @@ impl ControlClient {
 
     /// Sends `req` and waits for its reply.
     pub fn call(&mut self, req: &Request) -> Result<Outcome, ControlError> {
-        let mut out = serde_json::to_vec(req).map_err(|e| ControlError::Protocol(e.to_string()))?;
-        out.push(b'\n');
-        self.writer.write_all(&out)?;
+        write_line(&mut self.writer, req)?;
         let line = read_line(&mut self.reader)?
             .ok_or_else(|| ControlError::Protocol("the daemon closed the connection".into()))?;
         let reply: Reply = serde_json::from_str(&line)

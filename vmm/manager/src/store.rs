@@ -102,6 +102,18 @@ impl Store {
         })
     }
 
+    /// The state file of state directory `dir`.
+    pub fn state_file(dir: &Path) -> PathBuf {
+        dir.join(STATE)
+    }
+
+    /// The state file's modification time and length, for noticing that
+    /// another manager changed it (`None` while there is none).
+    pub fn stamp(dir: &Path) -> Option<(std::time::SystemTime, u64)> {
+        let m = fs::metadata(Self::state_file(dir)).ok()?;
+        Some((m.modified().ok()?, m.len()))
+    }
+
     /// Lets `create` and `start` oversubscribe a core's EUs up to `factor`
     /// when nothing fits (the vNPUs on such a core time-share it).
     pub fn allow_oversubscription(&mut self, factor: u32) {

@@ -143,7 +143,7 @@ fn bench(
         }
     }
     std::fs::create_dir_all(direct).map_err(|e| e.to_string())?;
-    std::fs::copy(state.join("vnpu-state.json"), direct.join("vnpu-state.json"))
+    std::fs::copy(vnpu_manager::Store::state_file(state), vnpu_manager::Store::state_file(direct))
         .map_err(|e| e.to_string())?;
     let defined = "00000000-0000-4000-8000-000000000000";
     let mut samples: Vec<[Vec<f64>; 2]> = (0..OPS.len()).map(|_| [Vec::new(), Vec::new()]).collect();
