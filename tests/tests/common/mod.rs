@@ -40,3 +40,28 @@ impl Write for Console {
         Ok(())
     }
 }
+
+/// What the `msix-test` guest prints when every MSI-X check holds.
+#[allow(dead_code)] // not every test file boots it
+pub const MSIX_TEST_PASSES: &str = "msi delivered ok\n\
+     masked vector not delivered ok\n\
+     pending bit set ok\n\
+     pending vector delivered on unmask ok\n\
+     pending bit cleared ok\n\
+     interrupts 02\n";
+
+/// The digits guest's verdicts on the held-out split: every prediction
+/// of the vNPU (one image at a time and as a batch) agrees with its CPU
+/// reference, at the accuracies of the training script.
+#[allow(dead_code)] // not every test file boots it
+pub fn assert_digits_agree_with_the_cpu(out: &str) {
+    assert!(
+        out.contains("accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"),
+        "{out}"
+    );
+    assert!(
+        out.contains("accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"),
+        "{out}"
+    );
+    assert!(out.ends_with("digits: vNPU and CPU agree on every image\n"), "{out}");
+}
