@@ -24,21 +24,21 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
     let drawing = std::fs::read_to_string(&svg).unwrap();
     std::fs::remove_file(&svg).unwrap();
     assert!(drawing.starts_with("<svg"), "{}", &drawing[..drawing.len().min(100)]);
-    for name in ["vNPU", "PREMA-ckpt", "PREMA-drain", "throughput", "p99 latency"] {
+    for name in ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "throughput", "p99 latency"] {
         assert!(drawing.contains(name), "the plot has no `{name}`");
     }
     assert_eq!(v["tenants"].as_array().unwrap().len(), 4);
     let sat = |s: &str| v["saturation_rps"][s].as_f64().unwrap();
-    let (sat_vnpu, sat_prema) = (sat("vNPU"), sat("PREMA-like"));
-    assert!(sat_vnpu.is_finite() && sat_prema.is_finite() && sat_prema > 0.0);
+    let (sat_vnpu, sat_wc, sat_prema) = (sat("vNPU"), sat("vNPU-WC"), sat("PREMA-like"));
+    assert!(sat_vnpu.is_finite() && sat_wc.is_finite() && sat_prema.is_finite() && sat_prema > 0.0);
     let rates = v["rates"].as_array().unwrap();
     // 0.2 and 0.7 of each system's saturation.
-    assert_eq!(rates.len(), 4);
+    assert_eq!(rates.len(), 6);
     for r in rates {
         let offered = r["offered_rps"].as_f64().unwrap();
         let systems = r["systems"].as_array().unwrap();
         let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
-        assert_eq!(names, ["vNPU", "PREMA-ckpt", "PREMA-drain"]);
+        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain"]);
         for s in systems {
             let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
@@ -54,7 +54,11 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
             assert!((0.0..=1.0).contains(&s["sla_satisfaction"].as_f64().unwrap()), "{name}");
             assert_eq!(s["failed"], 0, "{name}");
             let load = s["load"].as_f64().unwrap();
-            let own = if name == "vNPU" { sat_vnpu } else { sat_prema };
+            let own = match name {
+                "vNPU" => sat_vnpu,
+                "vNPU-WC" => sat_wc,
+                _ => sat_prema,
+            };
             assert!(
                 (load * own - offered).abs() <= 1e-6 * offered,
                 "{name}: load {load} x {own} != {offered}"
@@ -73,14 +77,21 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 assert!(t <= 1.05 * sat_prema, "{name}: {t} req/s above its saturation {sat_prema}");
             }
         }
-        // vNPU and PREMA-drain never preempt.
-        assert_eq!(systems[0]["context_switches"], 0);
-        assert_eq!(systems[2]["context_switches"], 0);
+        // vNPU, vNPU-WC and PREMA-drain never preempt; only vNPU-WC
+        // borrows engines (the static vNPUs run whole programs).
+        for i in [0, 1, 3] {
+            assert_eq!(systems[i]["context_switches"], 0, "{}", names[i]);
+        }
+        assert_eq!(systems[0]["tasks"], 0);
+        let wc = &systems[1];
+        assert!(wc["tasks"].as_u64().unwrap() > 0 && wc["borrowed_eu_share"].as_f64().unwrap() > 0.0, "{wc}");
         let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
-        let ratio = r["vs_best_baseline"]["throughput_ratio"].as_f64().unwrap();
-        assert!((ratio - t(0) / t(1).max(t(2))).abs() < 1e-9, "{ratio}");
+        for (i, name) in [(0, "vNPU"), (1, "vNPU-WC")] {
+            let ratio = r["vs_best_baseline"][name]["throughput_ratio"].as_f64().unwrap();
+            assert!((ratio - t(i) / t(2).max(t(3))).abs() < 1e-9, "{name}: {ratio}");
+        }
     }
-    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 3);
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 4);
 }
 
 #[test]
@@ -90,6 +101,8 @@ fn sharing_eval_refuses_bad_arguments() {
         &["--load", "-1"],
         &["--qos"],
         &["--preempt-margin", "-3"],
+        &["--task-us", "0"],
+        &["--lend-tolerance", "x"],
         &["--frobnicate"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval")).args(args).output().unwrap();

@@ -8,11 +8,18 @@
 //!   applying the policy's decisions to the core's simulation
 //!   (`npu_model::CoreSim`, or a core of a `npu_model::BoardSim`).
 //!
+//! - [`lending`]: work-conserving lending of idle engines at task
+//!   boundaries (guarantees first, then idle engines by urgency along each
+//!   tenant's profile), used by `sharing-eval`'s work-conserving system.
+//!
 //! The device's shared board (`vnpu_device::SharedBoard`) and the
 //! evaluations (`npu-bench`'s `slo-eval`, `sharing-eval`) run their cores
 //! through it; `docs/management.md` describes the policy.
 
 use npu_model::{BoardConfig, CoreSim, SimTenant};
+
+pub mod lending;
+pub use lending::{lend, lending_order, pick_shape, AtBoundary, Engines};
 
 /// What a tenant occupies on the core and how urgent it is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

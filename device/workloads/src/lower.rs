@@ -1186,8 +1186,15 @@ pub fn lower_op(graph: &Graph, index: usize, shape: VnpuShape) -> Result<Lowered
 }
 
 /// Lowers the operations `ops` of `graph` (in order) for `shape`, with
-/// every tensor of the graph placed.
-fn lower_ops(graph: &Graph, ops: std::ops::Range<usize>, shape: VnpuShape) -> Result<Lowered, LowerError> {
+/// every tensor of the graph placed as [`lower`] places it: a task of
+/// several operations, which leaves its outputs in HBM (as [`lower_op`]),
+/// so consecutive ranges of one request can run on different shapes. An
+/// empty or out-of-range `ops` gives an empty program.
+pub fn lower_ops(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+) -> Result<Lowered, LowerError> {
     if shape.sa == 0 || shape.vu == 0 {
         return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
     }

@@ -8,6 +8,11 @@
 //! - **vNPU** (this system): each tenant owns a 1 SA + 1 VU vNPU of the
 //!   core (8 MiB SRAM, a quarter); its requests run one at a time on it in
 //!   arrival order (the rest queue in the guest's ring);
+//! - **vNPU-WC** (this system, work-conserving): the same 1 SA + 1 VU
+//!   vNPUs, but requests run as operator-level tasks and at each task
+//!   boundary a tenant gets its guarantee plus the engines idle on the core
+//!   (least slack first, along its per-operation profile); lent engines
+//!   come back at the borrower's next boundary (`lending.rs`);
 //! - **PREMA-like**, two variants: the whole core (4 SA + 4 VU, 32 MiB SRAM)
 //!   serves one request at a time; tokens = waiting time / isolated
 //!   whole-core time (PREMA's slowdown-normalized priority, equal
@@ -30,16 +35,20 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+
+mod lending;
 
 use std::collections::VecDeque;
 
+use lending::{saturation_lending, simulate_lending, Lending, Tasks};
+
 use npu_bench::{fail, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
 use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
-use npu_workloads::{lower_workload, RunOptions};
+use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--json PATH] [--svg PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
 
   --load     offered loads as fractions of each system's own saturation
              rate; each system runs at every rate of both lists (default
@@ -56,9 +65,19 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              inversely proportional to each one's time on its 1 SA + 1 VU
              vNPU, so every vNPU is equally loaded) or `equal` (the same
              request rate for every tenant)
+  --task-us  vNPU-WC: target length of one operator-level task on the
+             engines it runs on, in microseconds (default 25; at least one
+             operation): how long an owner can wait for engines it lent
+  --lend-tolerance F
+             vNPU-WC: an idle engine is borrowed only if it makes the task
+             more than F faster (fraction, default 0.05)
   --json     also write the results as JSON to PATH
   --svg      also draw throughput, p99 latency and EU utilization against
              the offered rate into an SVG file at PATH";
+
+/// The systems compared are this project's (the first `OURS` rows) and the
+/// baselines (the rest).
+const OURS: usize = 2;
 
 /// The four tenants: workload and batch.
 const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
@@ -85,6 +104,13 @@ struct Outcome {
     switches: u64,
     /// Requests whose program failed (none expected; counted, not hidden).
     failed: u64,
+    /// Work-conserving system: tasks run, how often a tenant at a boundary
+    /// waited for engines it had lent, and the longest such wait (cycles).
+    tasks: u64,
+    reclaim_waits: u64,
+    reclaim_max: f64,
+    /// Engine-cycles tasks ran on beyond their tenant's guarantee.
+    borrowed_eu_cycles: f64,
 }
 
 impl Outcome {
@@ -347,6 +373,8 @@ struct Args {
     qos: f64,
     margin: f64,
     equal_mix: bool,
+    task_us: f64,
+    tolerance: f64,
     json: Option<String>,
     svg: Option<String>,
 }
@@ -359,6 +387,8 @@ fn parse_args() -> Result<Args, String> {
         qos: 10.0,
         margin: 0.0,
         equal_mix: false,
+        task_us: 25.0,
+        tolerance: 0.05,
         json: None,
         svg: None,
     };
@@ -386,6 +416,14 @@ fn parse_args() -> Result<Args, String> {
                     Some("equal") => true,
                     Some(v) => return Err(format!("--mix: `{v}` is neither `balanced` nor `equal`")),
                     None => return Err("--mix needs `balanced` or `equal`".into()),
+                }
+            }
+            "--task-us" => a.task_us = positive("--task-us", it.next())?,
+            "--lend-tolerance" => {
+                let v = it.next().ok_or("--lend-tolerance needs a value")?;
+                a.tolerance = v.parse().map_err(|_| format!("--lend-tolerance: `{v}` is not a number"))?;
+                if !(0.0..=10.0).contains(&a.tolerance) {
+                    return Err(format!("--lend-tolerance: {v} must be in 0..=10"));
                 }
             }
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
@@ -417,11 +455,17 @@ struct Row {
     sla_met: bool,
     tenants_p99: Vec<f64>,
     failed: u64,
+    tasks: u64,
+    reclaim_waits: u64,
+    /// Seconds.
+    reclaim_max: f64,
+    /// Engine time held beyond guarantees (borrowed from idle neighbours)
+    /// over all engine time.
+    borrowed: f64,
 }
 
-/// vNPU (the first row) against the best of the baselines (the others)
-/// on each metric: throughput and EU utilization over the highest, p99 of
-/// the lowest over vNPU's.
+/// A system against the best of the baselines on each metric: throughput
+/// and EU utilization over the highest, p99 of the lowest over its own.
 struct Ratios {
     throughput: f64,
     util: f64,
@@ -429,10 +473,10 @@ struct Ratios {
 }
 
 impl Ratios {
-    fn of(rows: &[Row]) -> Self {
-        let Some((us, base)) = rows.split_first() else {
+    fn of(us: &Row, base: &[Row]) -> Self {
+        if base.is_empty() {
             return Self { throughput: f64::NAN, util: f64::NAN, p99: f64::NAN };
-        };
+        }
         // NaN-propagating max / min (a NaN in any row makes the ratio NaN).
         let best = |f: fn(&Row) -> f64, pick: fn(f64, f64) -> f64, start: f64| {
             base.iter()
@@ -497,6 +541,10 @@ fn summarize(
         sla_met,
         tenants_p99,
         failed: o.failed,
+        tasks: o.tasks,
+        reclaim_waits: o.reclaim_waits,
+        reclaim_max: o.reclaim_max / hz,
+        borrowed: o.borrowed_eu_cycles / (eus * o.end),
     }
 }
 
@@ -518,16 +566,21 @@ fn run() -> Result<(), String> {
     let board = BoardConfig::default();
     let hz = f64::from(board.clock_mhz) * 1e6;
     let mut ws = Vec::new();
+    let mut tasks = Vec::new();
+    eprintln!("lowering the workloads, and each operation for every shape of the core ...");
     for (w, batch) in MIX {
         let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
         let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
         ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44 });
+        tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
+    let how = Lending { task_cycles: args.task_us * f64::from(board.clock_mhz), tolerance: args.tolerance };
     let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
     let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
     let sat_prema = saturation_prema(&ws, &weights);
+    let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, args.qos, how)?;
     // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
     // engine's rate.
     let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
@@ -555,13 +608,21 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "saturation (all tenants' requests per second): vNPU {:.0}, PREMA-like {:.0} ({:.2}x)",
+        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0} ({:.2}x, {:.2}x)",
         sat_vnpu * wsum * hz,
+        sat_wc * wsum * hz,
         sat_prema * wsum * hz,
-        sat_vnpu / sat_prema
+        sat_vnpu / sat_prema,
+        sat_wc / sat_prema
+    );
+    println!(
+        "vNPU-WC: tasks of ~{} us (at least one operation), an idle engine borrowed if it makes a task > {:.0}% faster",
+        args.task_us,
+        100.0 * args.tolerance
     );
     // Every load of the list for each system, as rates; sorted.
-    let mut scales: Vec<f64> = args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_prema]).collect();
+    let mut scales: Vec<f64> =
+        args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema]).collect();
     scales.sort_by(f64::total_cmp);
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
     let eus = f64::from(board.core.sa_count + board.core.vu_count);
@@ -587,8 +648,10 @@ fn run() -> Result<(), String> {
         let arrivals: Vec<Vec<f64>> =
             weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
         let offered = scale * wsum * hz;
+        let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, args.qos, how)?;
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
+            ("vNPU-WC", scale / sat_wc, wc),
             ("PREMA-ckpt", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, args.margin)),
             ("PREMA-drain", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY)),
         ]
@@ -612,11 +675,23 @@ fn run() -> Result<(), String> {
                 if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
-        let ratios = Ratios::of(&rows);
+        let wc = &rows[1];
         println!(
-            "{:>9} vNPU / best PREMA-like: throughput {:.2}x, EU utilization {:.2}x, p99 {:.2}x lower",
-            "", ratios.throughput, ratios.util, ratios.p99
+            "{:>9} vNPU-WC: {} tasks, {:.1}% of engine time borrowed, {} waits for lent engines, longest {:.1} us",
+            "",
+            wc.tasks,
+            100.0 * wc.borrowed,
+            wc.reclaim_waits,
+            wc.reclaim_max * 1e6
         );
+        let (ours, base) = rows.split_at(OURS);
+        for us in ours {
+            let ratios = Ratios::of(us, base);
+            println!(
+                "{:>9} {} / best PREMA-like: throughput {:.2}x, EU utilization {:.2}x, p99 {:.2}x lower",
+                "", us.system, ratios.throughput, ratios.util, ratios.p99
+            );
+        }
         let n: usize = arrivals.iter().map(Vec::len).sum();
         results.push((offered, n, rows));
     }
@@ -647,9 +722,12 @@ fn run() -> Result<(), String> {
             }
         }
     }
-    let base = best_rps.iter().skip(1).copied().fold(0.0, f64::max);
+    let base = best_rps.iter().skip(OURS).copied().fold(0.0, f64::max);
     if base > 0.0 {
-        println!("  ratio vNPU / best PREMA-like: {:.2}x", best_rps.first().copied().unwrap_or(0.0) / base);
+        for (s, rps) in best_rps.iter().enumerate().take(OURS) {
+            let name = results.first().map_or("", |r| r.2[s].system);
+            println!("  ratio {name} / best PREMA-like: {:.2}x", rps / base);
+        }
     }
     if let Some(path) = &args.svg {
         let series = |f: fn(&Row) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
@@ -691,19 +769,26 @@ fn run() -> Result<(), String> {
             serde_json::json!({"system": r.system, "load": r.load, "throughput_rps": r.throughput,
                 "eu_utilization": r.util, "avg_latency_s": r.avg, "p99_latency_s": r.p99,
                 "fairness": r.fairness, "antt": r.antt, "stp": r.stp, "context_switches": r.switches, "sla_satisfaction": r.sla_rate,
-                "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed})
+                "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed,
+                "tasks": r.tasks, "reclaim_waits": r.reclaim_waits, "reclaim_max_s": r.reclaim_max,
+                "borrowed_eu_share": r.borrowed})
         };
         let v = serde_json::json!({
             "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin,
             "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
-            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "PREMA-like": sat_prema * wsum * hz},
+            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
+                "PREMA-like": sat_prema * wsum * hz},
+            "task_us": args.task_us, "lend_tolerance": args.tolerance,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": args.qos * w.t44 / hz,
                 "rate_share": x / wsum})).collect::<Vec<_>>(),
             "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
                 "offered_rps": offered, "requests": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
-                "vs_best_baseline": {"throughput_ratio": Ratios::of(rows).throughput,
-                    "eu_utilization_ratio": Ratios::of(rows).util, "p99_lower_ratio": Ratios::of(rows).p99},
+                "vs_best_baseline": rows.iter().take(OURS).map(|us| {
+                    let r = Ratios::of(us, &rows[OURS..]);
+                    (us.system.to_string(), serde_json::json!({"throughput_ratio": r.throughput,
+                        "eu_utilization_ratio": r.util, "p99_lower_ratio": r.p99}))
+                }).collect::<serde_json::Map<_, _>>(),
             })).collect::<Vec<_>>(),
             "throughput_at_sla": at_sla,
         });
