@@ -123,6 +123,40 @@ pub fn lend(
     grant
 }
 
+/// Planaria-style dynamic fission, for comparison: no guarantees. Tenants
+/// at a boundary, most urgent first ([`lending_order`]), each take what
+/// `need(i, free)` asks of the engines still free (the least that meets its
+/// deadline, as Planaria allocates; `None`: nothing it can run on is
+/// free, it waits and reserves nothing); then what is left goes, in the
+/// same order, as in [`lend`]'s second step. A tenant can be starved by
+/// more urgent ones: nothing is its own.
+pub fn fission(
+    core: Engines,
+    running: &[Engines],
+    waiting: &[AtBoundary],
+    mut need: impl FnMut(usize, Engines) -> Option<Engines>,
+    mut choose: impl FnMut(usize, Engines, Engines) -> Engines,
+) -> Vec<Option<Engines>> {
+    let held = running.iter().fold(Engines::default(), |a, r| a.saturating_add(*r));
+    let mut free = core.saturating_sub(held);
+    let order = lending_order(waiting);
+    let mut grant: Vec<Option<Engines>> = vec![None; waiting.len()];
+    for &i in &order {
+        if let Some(n) = need(i, free).filter(|n| n.within(free) && n.total() > 0) {
+            grant[i] = Some(n);
+            free = free.saturating_sub(n);
+        }
+    }
+    for &i in &order {
+        let Some(base) = grant[i] else { continue };
+        let cap = base.saturating_add(free);
+        let shape = choose(i, base, cap).max(base).min(cap);
+        free = free.saturating_sub(shape.saturating_sub(base));
+        grant[i] = Some(shape);
+    }
+    grant
+}
+
 /// The shape between `base` and `cap` (inclusive, both counts) with the
 /// fewest engines (then the fewest SAs) whose `time` is within
 /// `tolerance` (a fraction) of the fastest of them: extra engines are
@@ -214,6 +248,27 @@ mod tests {
         let big = AtBoundary { guaranteed: Engines::new(8, 8), ..at(0.0) };
         assert_eq!(lend(CORE, &[], &[big], |_, b, _| b), [Some(CORE)]);
         assert_eq!(lend(CORE, &[ONE], &[big], |_, b, _| b), [None]);
+    }
+
+    #[test]
+    fn fission_gives_the_urgent_what_they_need_and_reserves_nothing() {
+        // The most urgent needs 3+3, the next 1+1: both fit, the rest (0+0)
+        // is lent to no one.
+        let need = |i: usize, _| Some(if i == 0 { Engines::new(3, 3) } else { ONE });
+        let g = fission(CORE, &[], &[at(0.0), at(9.0)], need, greedy);
+        assert_eq!(g, [Some(Engines::new(3, 3)), Some(ONE)]);
+        // A running task holds 3+3: the more urgent tenant needs 2+2 and
+        // waits, the less urgent takes the free 1+1 (no reservation, no
+        // guarantee: the opposite of `lend`).
+        let need = |i: usize, _| Some(if i == 0 { Engines::new(2, 2) } else { ONE });
+        let g = fission(CORE, &[Engines::new(3, 3)], &[at(0.0), at(9.0)], need, greedy);
+        assert_eq!(g, [None, Some(ONE)]);
+        // What is left after the needs goes to the most urgent.
+        let g = fission(CORE, &[], &[at(5.0), at(1.0)], |_, _| Some(ONE), greedy);
+        assert_eq!(g, [Some(ONE), Some(Engines::new(3, 3))]);
+        // A need that is not free, or empty, is not granted.
+        assert_eq!(fission(CORE, &[CORE], &[at(0.0)], |_, _| Some(ONE), greedy), [None]);
+        assert_eq!(fission(CORE, &[], &[at(0.0)], |_, _| Some(Engines::new(0, 0)), greedy), [None]);
     }
 
     #[test]

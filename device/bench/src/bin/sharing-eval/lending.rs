@@ -7,13 +7,22 @@
 //! borrower's next task boundary. Tasks are cut so that one lasts about
 //! `task_cycles` on the engines it runs on (at least one operation), which
 //! bounds how long an owner waits for engines it lent.
+//!
+//! The same core also runs the **Planaria-like** comparison system
+//! (`Lending::fission`): no guarantees; at each task boundary the most
+//! urgent tenant takes the least shape whose time for the rest of its
+//! request meets its deadline (the fastest free shape if none does), the
+//! next one the same from what is left, then idle engines as above
+//! (`npu_scheduler::fission`). Unlike Planaria's hardware, a running task
+//! is not re-split when a request arrives: it keeps its engines until its
+//! boundary, as in the work-conserving system.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::rc::Rc;
 
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, CoreSim, SimTenant, VnpuLimits};
-use npu_scheduler::{lend, pick_shape, AtBoundary, Engines};
+use npu_scheduler::{fission, lend, pick_shape, AtBoundary, Engines};
 use npu_workloads::{lower_ops, Graph, VnpuShape};
 use vnpu_abi::Program;
 
@@ -27,6 +36,8 @@ pub struct Lending {
     /// An engine more is taken only if it makes the task this much faster
     /// (a fraction; `pick_shape`'s tolerance).
     pub tolerance: f64,
+    /// Planaria-like fission instead of guarantees plus lending.
+    pub fission: bool,
 }
 
 /// A workload cut into operations, each timed alone on every shape of the
@@ -221,14 +232,38 @@ pub fn simulate_lending(
             })
             .collect();
         let running: Vec<Engines> = ts.iter().filter_map(|t| t.running).collect();
-        let grants = lend(core, &running, &waiting, |k, base, cap| {
+        let choose = |k: usize, base, cap| {
             let i = at[k];
             let op = ts[i].op;
             // Choose on the operations the next task would hold on the
             // guarantee (at least the next one).
             let window = op..tasks[i].task_end(op, GUARANTEED, how.task_cycles);
             pick_shape(base, cap, how.tolerance, |e| tasks[i].cycles(window.clone(), e))
-        });
+        };
+        let grants = if how.fission {
+            // The least shape that finishes the request by its deadline
+            // (alone: as Planaria estimates), else the fastest free one.
+            let need = |k: usize, free: Engines| {
+                let i = at[k];
+                if !GUARANTEED.within(free) {
+                    return None;
+                }
+                let rest = ts[i].op..tasks[i].ops();
+                let left = waiting[k].slack + tasks[i].cycles(rest.clone(), GUARANTEED);
+                let mut fits: Vec<Engines> = (GUARANTEED.sa..=free.sa)
+                    .flat_map(|sa| (GUARANTEED.vu..=free.vu).map(move |vu| Engines::new(sa, vu)))
+                    .filter(|e| tasks[i].cycles(rest.clone(), *e) <= left)
+                    .collect();
+                fits.sort_by_key(|e| (e.total(), e.sa));
+                Some(match fits.first() {
+                    Some(e) => *e,
+                    None => pick_shape(GUARANTEED, free, how.tolerance, |e| tasks[i].cycles(rest.clone(), e)),
+                })
+            };
+            fission(core, &running, &waiting, need, choose)
+        } else {
+            lend(core, &running, &waiting, choose)
+        };
         for (&i, g) in at.iter().zip(grants) {
             let t = &mut ts[i];
             let Some(e) = g else {
@@ -357,7 +392,7 @@ mod tests {
         ok[0]
     }
 
-    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05 };
+    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, fission: false };
 
     #[test]
     fn a_lone_request_runs_each_operation_on_the_engines_that_pay() {

@@ -75,9 +75,9 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
   --svg      also draw throughput, p99 latency and EU utilization against
              the offered rate into an SVG file at PATH";
 
-/// The systems compared are this project's (the first `OURS` rows) and the
-/// baselines (the rest).
-const OURS: usize = 2;
+/// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
+/// Planaria-like; ratios are against the better of the PREMA rows.
+const PREMA: std::ops::Range<usize> = 2..4;
 
 /// The four tenants: workload and batch.
 const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
@@ -574,13 +574,19 @@ fn run() -> Result<(), String> {
         ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44 });
         tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
-    let how = Lending { task_cycles: args.task_us * f64::from(board.clock_mhz), tolerance: args.tolerance };
+    let how = Lending {
+        task_cycles: args.task_us * f64::from(board.clock_mhz),
+        tolerance: args.tolerance,
+        fission: false,
+    };
+    let planaria = Lending { fission: true, ..how };
     let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
     let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
     let sat_prema = saturation_prema(&ws, &weights);
     let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, args.qos, how)?;
+    let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, args.qos, planaria)?;
     // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
     // engine's rate.
     let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
@@ -608,12 +614,14 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0} ({:.2}x, {:.2}x)",
+        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0}, Planaria-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, 1, {:.2}x)",
         sat_vnpu * wsum * hz,
         sat_wc * wsum * hz,
         sat_prema * wsum * hz,
+        sat_planaria * wsum * hz,
         sat_vnpu / sat_prema,
-        sat_wc / sat_prema
+        sat_wc / sat_prema,
+        sat_planaria / sat_prema
     );
     println!(
         "vNPU-WC: tasks of ~{} us (at least one operation), an idle engine borrowed if it makes a task > {:.0}% faster",
@@ -622,7 +630,7 @@ fn run() -> Result<(), String> {
     );
     // Every load of the list for each system, as rates; sorted.
     let mut scales: Vec<f64> =
-        args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema]).collect();
+        args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema, l * sat_planaria]).collect();
     scales.sort_by(f64::total_cmp);
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
     let eus = f64::from(board.core.sa_count + board.core.vu_count);
@@ -649,11 +657,13 @@ fn run() -> Result<(), String> {
             weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
         let offered = scale * wsum * hz;
         let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, args.qos, how)?;
+        let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, args.qos, planaria)?;
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
             ("vNPU-WC", scale / sat_wc, wc),
             ("PREMA-ckpt", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, args.margin)),
             ("PREMA-drain", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY)),
+            ("Planaria", scale / sat_planaria, fission),
         ]
         .iter()
         .map(|(name, load, o)| summarize(name, *load, o, &ws, args.qos, eus, hz))
@@ -675,24 +685,26 @@ fn run() -> Result<(), String> {
                 if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
-        let wc = &rows[1];
-        println!(
-            "{:>9} vNPU-WC: {} tasks, {:.1}% of engine time borrowed, {} waits for lent engines, longest {:.1} us",
-            "",
-            wc.tasks,
-            100.0 * wc.borrowed,
-            wc.reclaim_waits,
-            wc.reclaim_max * 1e6
-        );
-        let (ours, base) = rows.split_at(OURS);
-        for us in ours {
+        for wc in [&rows[1], &rows[4]] {
+            println!(
+                "{:>9} {}: {} tasks, {:.1}% of engine time beyond 1+1, {} waits for engines at a boundary, longest {:.1} us",
+                "",
+                wc.system,
+                wc.tasks,
+                100.0 * wc.borrowed,
+                wc.reclaim_waits,
+                wc.reclaim_max * 1e6
+            );
+        }
+        let base = &rows[PREMA];
+        for us in rows.iter().filter(|r| !r.system.starts_with("PREMA")) {
             let ratios = Ratios::of(us, base);
             println!(
                 "{:>9} {} / best PREMA-like: throughput {:.2}x, EU utilization {:.2}x, p99 {:.2}x lower",
                 "", us.system, ratios.throughput, ratios.util, ratios.p99
             );
         }
-        let n: usize = arrivals.iter().map(Vec::len).sum();
+        let n: Vec<usize> = arrivals.iter().map(Vec::len).collect();
         results.push((offered, n, rows));
     }
     // Throughput at the SLA: the highest offered rate at which every
@@ -722,9 +734,9 @@ fn run() -> Result<(), String> {
             }
         }
     }
-    let base = best_rps.iter().skip(OURS).copied().fold(0.0, f64::max);
+    let base = best_rps[PREMA].iter().copied().fold(0.0, f64::max);
     if base > 0.0 {
-        for (s, rps) in best_rps.iter().enumerate().take(OURS) {
+        for (s, rps) in best_rps.iter().enumerate().filter(|(s, _)| !PREMA.contains(s)) {
             let name = results.first().map_or("", |r| r.2[s].system);
             println!("  ratio {name} / best PREMA-like: {:.2}x", rps / base);
         }
@@ -777,15 +789,15 @@ fn run() -> Result<(), String> {
             "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin,
             "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
-                "PREMA-like": sat_prema * wsum * hz},
+                "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz},
             "task_us": args.task_us, "lend_tolerance": args.tolerance,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": args.qos * w.t44 / hz,
                 "rate_share": x / wsum})).collect::<Vec<_>>(),
             "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
-                "offered_rps": offered, "requests": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
-                "vs_best_baseline": rows.iter().take(OURS).map(|us| {
-                    let r = Ratios::of(us, &rows[OURS..]);
+                "offered_rps": offered, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
+                "vs_best_baseline": rows.iter().filter(|r| !r.system.starts_with("PREMA")).map(|us| {
+                    let r = Ratios::of(us, &rows[PREMA]);
                     (us.system.to_string(), serde_json::json!({"throughput_ratio": r.throughput,
                         "eu_utilization_ratio": r.util, "p99_lower_ratio": r.p99}))
                 }).collect::<serde_json::Map<_, _>>(),
