@@ -3,7 +3,7 @@
 //! arrival stream is simulated on the core as it arrives and runs (one
 //! continuous `npu_model::CoreSim` per system and load), so what co-located
 //! requests share (the core's DMA engine, HBM, the host link) slows them
-//! only while they really overlap. Two systems, the same arrivals:
+//! only while they really overlap. Five systems, the same arrivals:
 //!
 //! - **vNPU** (this system): each tenant owns a 1 SA + 1 VU vNPU of the
 //!   core (8 MiB SRAM, a quarter); its requests run one at a time on it in
@@ -25,7 +25,11 @@
 //!   checkpointed (half a context switch) and later restored (the other
 //!   half) before it goes on where it stopped; unless it would end within
 //!   one switch anyway (then it drains). **PREMA-drain** never preempts.
-//!   Ratios are against the better of the two on each metric.
+//!   Ratios are against the better of the two on each metric;
+//! - **Planaria** (Planaria-like dynamic fission on this model, for
+//!   comparison): the operator-level tasks of vNPU-WC without guarantees;
+//!   the most urgent tenant takes the least shape that meets its deadline
+//!   (`lending.rs`).
 //!
 //! Load is stated against each system's own saturation: the per-tenant
 //! arrival rates at which it is busy all the time (vNPU: every tenant
@@ -65,12 +69,13 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              inversely proportional to each one's time on its 1 SA + 1 VU
              vNPU, so every vNPU is equally loaded) or `equal` (the same
              request rate for every tenant)
-  --task-us  vNPU-WC: target length of one operator-level task on the
-             engines it runs on, in microseconds (default 25; at least one
-             operation): how long an owner can wait for engines it lent
+  --task-us  vNPU-WC and Planaria: target length of one operator-level
+             task on the engines it runs on, in microseconds (default 25;
+             at least one operation): how long an owner can wait for
+             engines it lent
   --lend-tolerance F
-             vNPU-WC: an idle engine is borrowed only if it makes the task
-             more than F faster (fraction, default 0.05)
+             vNPU-WC and Planaria: an idle engine is borrowed only if it
+             makes the task more than F faster (fraction, default 0.05)
   --json     also write the results as JSON to PATH
   --svg      also draw throughput, p99 latency and EU utilization against
              the offered rate into an SVG file at PATH";
