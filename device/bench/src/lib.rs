@@ -129,6 +129,17 @@ pub fn positive(flag: &str, v: Option<String>) -> Result<f64, String> {
     }
 }
 
+/// The number `flag` was given, within `lo..=hi`.
+pub fn in_range(flag: &str, v: Option<String>, lo: f64, hi: f64) -> Result<f64, String> {
+    let v = v.ok_or(format!("{flag} needs a value"))?;
+    let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
+    if (lo..=hi).contains(&x) {
+        Ok(x)
+    } else {
+        Err(format!("{flag}: {v} must be in {lo}..={hi}"))
+    }
+}
+
 /// A comma-separated list of positive loads, none above `max`.
 pub fn loads(v: Option<String>, max: f64) -> Result<Vec<f64>, String> {
     let v = v.ok_or("--load needs a value")?;

@@ -97,11 +97,9 @@ pub fn lend(
     core: Engines,
     running: &[Engines],
     waiting: &[AtBoundary],
-    mut choose: impl FnMut(usize, Engines, Engines) -> Engines,
+    choose: impl FnMut(usize, Engines, Engines) -> Engines,
 ) -> Vec<Option<Engines>> {
-    let held = running.iter().fold(Engines::default(), |a, r| a.saturating_add(*r));
-    let mut free = core.saturating_sub(held);
-    let order = lending_order(waiting);
+    let (order, mut free) = start(core, running, waiting);
     let mut grant: Vec<Option<Engines>> = vec![None; waiting.len()];
     // 1. Guarantees (a guarantee larger than the core is the whole core).
     for &i in &order {
@@ -113,14 +111,31 @@ pub fn lend(
         free = free.saturating_sub(want);
     }
     // 2. Idle engines, along each one's profile.
-    for &i in &order {
+    lend_idle(&order, &mut grant, free, choose);
+    grant
+}
+
+/// The lending order and the engines no running task holds.
+fn start(core: Engines, running: &[Engines], waiting: &[AtBoundary]) -> (Vec<usize>, Engines) {
+    let held = running.iter().fold(Engines::default(), |a, r| a.saturating_add(*r));
+    (lending_order(waiting), core.saturating_sub(held))
+}
+
+/// Hands `free` engines, in `order`, to the tenants granted something:
+/// each one's `choose(i, granted, granted + free)`, clamped to that range.
+fn lend_idle(
+    order: &[usize],
+    grant: &mut [Option<Engines>],
+    mut free: Engines,
+    mut choose: impl FnMut(usize, Engines, Engines) -> Engines,
+) {
+    for &i in order {
         let Some(base) = grant[i] else { continue };
         let cap = base.saturating_add(free);
         let shape = choose(i, base, cap).max(base).min(cap);
         free = free.saturating_sub(shape.saturating_sub(base));
         grant[i] = Some(shape);
     }
-    grant
 }
 
 /// Planaria-style dynamic fission, for comparison: no guarantees. Tenants
@@ -135,11 +150,9 @@ pub fn fission(
     running: &[Engines],
     waiting: &[AtBoundary],
     mut need: impl FnMut(usize, Engines) -> Option<Engines>,
-    mut choose: impl FnMut(usize, Engines, Engines) -> Engines,
+    choose: impl FnMut(usize, Engines, Engines) -> Engines,
 ) -> Vec<Option<Engines>> {
-    let held = running.iter().fold(Engines::default(), |a, r| a.saturating_add(*r));
-    let mut free = core.saturating_sub(held);
-    let order = lending_order(waiting);
+    let (order, mut free) = start(core, running, waiting);
     let mut grant: Vec<Option<Engines>> = vec![None; waiting.len()];
     for &i in &order {
         if let Some(n) = need(i, free).filter(|n| n.within(free) && n.total() > 0) {
@@ -147,13 +160,7 @@ pub fn fission(
             free = free.saturating_sub(n);
         }
     }
-    for &i in &order {
-        let Some(base) = grant[i] else { continue };
-        let cap = base.saturating_add(free);
-        let shape = choose(i, base, cap).max(base).min(cap);
-        free = free.saturating_sub(shape.saturating_sub(base));
-        grant[i] = Some(shape);
-    }
+    lend_idle(&order, &mut grant, free, choose);
     grant
 }
 

@@ -47,7 +47,7 @@ use std::collections::VecDeque;
 
 use lending::{saturation_lending, simulate_lending, Lending, Tasks};
 
-use npu_bench::{fail, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
+use npu_bench::{fail, in_range, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
 use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
@@ -408,13 +408,7 @@ fn parse_args() -> Result<Args, String> {
             "--seconds" => a.seconds = positive("--seconds", it.next())?.min(60.0),
             "--seed" => a.seed = seed(it.next())?,
             "--qos" => a.qos = positive("--qos", it.next())?,
-            "--preempt-margin" => {
-                let v = it.next().ok_or("--preempt-margin needs a value")?;
-                a.margin = v.parse().map_err(|_| format!("--preempt-margin: `{v}` is not a number"))?;
-                if !(0.0..=100.0).contains(&a.margin) {
-                    return Err(format!("--preempt-margin: {v} must be in 0..=100"));
-                }
-            }
+            "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
             "--mix" => {
                 a.equal_mix = match it.next().as_deref() {
                     Some("balanced") => false,
@@ -424,13 +418,7 @@ fn parse_args() -> Result<Args, String> {
                 }
             }
             "--task-us" => a.task_us = positive("--task-us", it.next())?,
-            "--lend-tolerance" => {
-                let v = it.next().ok_or("--lend-tolerance needs a value")?;
-                a.tolerance = v.parse().map_err(|_| format!("--lend-tolerance: `{v}` is not a number"))?;
-                if !(0.0..=10.0).contains(&a.tolerance) {
-                    return Err(format!("--lend-tolerance: {v} must be in 0..=10"));
-                }
-            }
+            "--lend-tolerance" => a.tolerance = in_range("--lend-tolerance", it.next(), 0.0, 10.0)?,
             "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
             "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
             other => return Err(format!("unknown argument `{other}`")),
