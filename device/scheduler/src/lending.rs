@@ -60,6 +60,24 @@ impl Engines {
     pub fn total(self) -> u32 {
         self.sa.saturating_add(self.vu)
     }
+
+    /// The order of "smaller": fewer engines, then fewer SAs.
+    pub fn size_key(self) -> (u32, u32) {
+        (self.total(), self.sa)
+    }
+}
+
+/// Every shape from `base` to `cap` (both counts inclusive; `base` alone
+/// when `cap` is smaller).
+pub fn shapes_between(base: Engines, cap: Engines) -> impl Iterator<Item = Engines> {
+    (base.sa..=cap.sa.max(base.sa))
+        .flat_map(move |sa| (base.vu..=cap.vu.max(base.vu)).map(move |vu| Engines::new(sa, vu)))
+}
+
+/// The smallest shape ([`Engines::size_key`]) from `base` to `cap` that
+/// passes `ok`.
+pub fn least_shape(base: Engines, cap: Engines, ok: impl FnMut(&Engines) -> bool) -> Option<Engines> {
+    shapes_between(base, cap).filter(ok).min_by_key(|s| s.size_key())
 }
 
 /// A tenant at a task boundary: it has work and no task on the core.
@@ -175,21 +193,13 @@ pub fn pick_shape(
     tolerance: f64,
     mut time: impl FnMut(Engines) -> f64,
 ) -> Engines {
-    let mut shapes = Vec::new();
-    for sa in base.sa..=cap.sa.max(base.sa) {
-        for vu in base.vu..=cap.vu.max(base.vu) {
-            let s = Engines::new(sa, vu);
-            let t = time(s);
-            if t.is_finite() {
-                shapes.push((s, t));
-            }
-        }
-    }
+    let shapes: Vec<(Engines, f64)> =
+        shapes_between(base, cap).map(|s| (s, time(s))).filter(|(_, t)| t.is_finite()).collect();
     let best = shapes.iter().map(|(_, t)| *t).fold(f64::INFINITY, f64::min);
     shapes
         .into_iter()
         .filter(|(_, t)| *t <= best * (1.0 + tolerance.max(0.0)))
-        .min_by_key(|(s, _)| (s.total(), s.sa))
+        .min_by_key(|(s, _)| s.size_key())
         .map_or(base, |(s, _)| s)
 }
 

@@ -19,7 +19,9 @@
 use npu_model::{BoardConfig, CoreSim, SimTenant};
 
 pub mod lending;
-pub use lending::{fission, lend, lending_order, pick_shape, AtBoundary, Engines};
+pub use lending::{
+    fission, least_shape, lend, lending_order, pick_shape, shapes_between, AtBoundary, Engines,
+};
 
 /// What a tenant occupies on the core and how urgent it is.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

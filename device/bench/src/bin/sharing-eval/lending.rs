@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, CoreSim, SimTenant, VnpuLimits};
-use npu_scheduler::{fission, lend, pick_shape, AtBoundary, Engines};
+use npu_scheduler::{fission, least_shape, lend, pick_shape, AtBoundary, Engines};
 use npu_workloads::{lower_ops, Graph, VnpuShape};
 use vnpu_abi::Program;
 
@@ -191,8 +191,9 @@ struct Tenant {
 pub const GUARANTEED: Engines = Engines::new(1, 1);
 
 /// Runs the arrival stream on the work-conserving core. `tasks[i]` is
-/// tenant `i`'s workload cut into operations; `deadline` its latency bound
-/// in cycles (the slack that orders lending). Fails if a task cannot be
+/// tenant `i`'s workload cut into operations; a request's latency bound is
+/// `qos` times its workload's whole-core time (the deadline whose slack
+/// orders lending). Fails if a task cannot be
 /// lowered (none expected: every operation was lowered for every shape
 /// before).
 pub fn simulate_lending(
@@ -218,17 +219,16 @@ pub fn simulate_lending(
             }
         }
         let at: Vec<usize> = (0..n).filter(|&i| ts[i].running.is_none() && !ts[i].queue.is_empty()).collect();
+        // Cycles from now to each one's deadline.
+        let to_deadline: Vec<f64> =
+            at.iter().map(|&i| ts[i].queue.front().copied().unwrap_or(now) + qos * ws[i].t44 - now).collect();
         let waiting: Vec<AtBoundary> = at
             .iter()
-            .map(|&i| {
-                let t = &ts[i];
-                let arrival = t.queue.front().copied().unwrap_or(now);
-                let left = tasks[i].cycles(t.op..tasks[i].ops(), GUARANTEED);
-                AtBoundary {
-                    guaranteed: GUARANTEED,
-                    priority: 0,
-                    slack: arrival + qos * ws[i].t44 - now - left,
-                }
+            .zip(&to_deadline)
+            .map(|(&i, d)| AtBoundary {
+                guaranteed: GUARANTEED,
+                priority: 0,
+                slack: d - tasks[i].cycles(ts[i].op..tasks[i].ops(), GUARANTEED),
             })
             .collect();
         let running: Vec<Engines> = ts.iter().filter_map(|t| t.running).collect();
@@ -249,16 +249,11 @@ pub fn simulate_lending(
                     return None;
                 }
                 let rest = ts[i].op..tasks[i].ops();
-                let left = waiting[k].slack + tasks[i].cycles(rest.clone(), GUARANTEED);
-                let mut fits: Vec<Engines> = (GUARANTEED.sa..=free.sa)
-                    .flat_map(|sa| (GUARANTEED.vu..=free.vu).map(move |vu| Engines::new(sa, vu)))
-                    .filter(|e| tasks[i].cycles(rest.clone(), *e) <= left)
-                    .collect();
-                fits.sort_by_key(|e| (e.total(), e.sa));
-                Some(match fits.first() {
-                    Some(e) => *e,
-                    None => pick_shape(GUARANTEED, free, how.tolerance, |e| tasks[i].cycles(rest.clone(), e)),
-                })
+                let time = |e: &Engines| tasks[i].cycles(rest.clone(), *e);
+                Some(
+                    least_shape(GUARANTEED, free, |e| time(e) <= to_deadline[k])
+                        .unwrap_or_else(|| pick_shape(GUARANTEED, free, how.tolerance, |e| time(&e))),
+                )
             };
             fission(core, &running, &waiting, need, choose)
         } else {
