@@ -7,6 +7,7 @@
 //! - [`isa`]: instructions, their binary encoding and a total decoder.
 //! - [`program`]: the program container (one instruction stream per engine)
 //!   and a builder.
+//! - [`model`]: the compiled-model container (`vnpu compile`'s output).
 //! - [`footprint`]: the memory ranges each instruction reads and writes,
 //!   computed with overflow-checked arithmetic, for static bounds checking.
 #![no_std]
@@ -16,6 +17,7 @@ extern crate alloc;
 pub mod device;
 pub mod footprint;
 pub mod isa;
+pub mod model;
 pub mod program;
 
 pub use footprint::{Access, AccessKind, FootprintError};

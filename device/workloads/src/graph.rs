@@ -60,6 +60,7 @@ pub enum Act {
     Sigmoid,
     /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
     Swish,
+    Tanh,
 }
 
 /// Spatial geometry of a square-kernel convolution or pooling window.
@@ -148,6 +149,10 @@ pub enum Op {
     Interaction { name: String, z: TensorId, y: View, batch: u32, f: u32, d: u32 },
     /// DMA: copy `rows x cols` between views.
     Copy { name: String, x: View, y: View, rows: u32, cols: u32 },
+    /// VU: `y = act(x)`, element-wise over `rows x cols`.
+    Unary { name: String, x: View, y: View, rows: u32, cols: u32, act: Act },
+    /// VU: row-wise softmax of `rows x cols`.
+    Softmax { name: String, x: View, y: View, rows: u32, cols: u32 },
 }
 
 impl Op {
@@ -165,7 +170,9 @@ impl Op {
             | Op::Attention { name, .. }
             | Op::Embedding { name, .. }
             | Op::Interaction { name, .. }
-            | Op::Copy { name, .. } => name,
+            | Op::Copy { name, .. }
+            | Op::Unary { name, .. }
+            | Op::Softmax { name, .. } => name,
         }
     }
 }

@@ -179,6 +179,7 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Relu => v.push(Instr::VUnary { op: UnOp::Relu, src: y, dst: y, len }),
         Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
+        Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
         Act::Swish => {
             v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
             v.push(Instr::VBinary {
@@ -814,6 +815,40 @@ impl Lowerer {
         )
     }
 
+    /// A VU pipeline over whole rows of `x`: each tile of `r` rows is
+    /// loaded to `base`, transformed in place by `compute(base, r, tmp)`
+    /// (`tmp`: `r` rows of scratch) and stored to `y`.
+    fn rowwise(
+        &mut self,
+        name: &str,
+        x: View,
+        y: View,
+        rows: u32,
+        cols: u32,
+        compute: impl Fn(u64, u32, u64) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let row = u64::from(cols) * F;
+        let hbm = self.hbm.clone();
+        let at = move |v: View, r0: u32| {
+            Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
+        };
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            rows,
+            |r| u64::from(r) * row * 2,
+            |u0, r, base| {
+                let tmp = base + u64::from(r) * row;
+                (
+                    vec![copy(at(x, u0), Addr::sram(base), r.into(), row, u64::from(x.ld) * F, row)],
+                    compute(base, r, tmp),
+                    vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
+                )
+            },
+        )
+    }
+
     fn op(&mut self, op: &Op) -> Result<(), LowerError> {
         let hbm = self.hbm.clone();
         let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
@@ -1147,6 +1182,14 @@ impl Lowerer {
                         )
                     },
                 )?;
+            }
+            Op::Unary { ref name, x, y, rows, cols, act } => {
+                self.rowwise(name, x, y, rows, cols, |base, r, tmp| bias_act(base, None, r, cols, act, tmp))?
+            }
+            Op::Softmax { ref name, x, y, rows, cols } => {
+                self.rowwise(name, x, y, rows, cols, |base, r, _| {
+                    vec![Instr::VSoftmax { src: base, dst: base, rows: r, cols }]
+                })?
             }
             Op::Copy { x, y, rows, cols, .. } => {
                 let src = at(x.t, u64::from(x.col));

@@ -12,6 +12,7 @@ fn act(a: Act, x: f64) -> f64 {
         }
         Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         Act::Swish => x / (1.0 + (-x).exp()),
+        Act::Tanh => x.tanh(),
     }
 }
 
@@ -232,6 +233,25 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     }
                     for (c, v) in out.into_iter().enumerate() {
                         set(tensors, y, b as u32, c as u32, v);
+                    }
+                }
+            }
+            Op::Unary { x, y, rows, cols, act: a, .. } => {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let v = act(a, get(tensors, x, r, c));
+                        set(tensors, y, r, c, v);
+                    }
+                }
+            }
+            Op::Softmax { x, y, rows, cols, .. } => {
+                for r in 0..rows {
+                    let v: Vec<f64> = (0..cols).map(|c| get(tensors, x, r, c)).collect();
+                    let m = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let e: Vec<f64> = v.iter().map(|x| (x - m).exp()).collect();
+                    let sum: f64 = e.iter().sum();
+                    for (c, e) in e.into_iter().enumerate() {
+                        set(tensors, y, r, c as u32, e / sum);
                     }
                 }
             }

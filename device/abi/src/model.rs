@@ -1,0 +1,410 @@
+//! The compiled-model container (`.vnpu` files written by `vnpu compile`,
+//! `docs/model-format.md`).
+//!
+//! A compiled model is two programs and a weight image for one vNPU shape:
+//!
+//! - the **load** program copies the weight image from guest memory into the
+//!   vNPU's HBM (run once);
+//! - the **infer** program copies the inputs from guest memory into HBM,
+//!   computes, and copies the outputs back to guest memory (run per batch).
+//!
+//! Every `guest` address in both programs is an offset into the model's
+//! **I/O window**: `window_bytes` of guest memory holding the weight image
+//! at offset 0 and each input and output at its tensor's `offset`. A runner
+//! places the window anywhere in guest-physical memory and adds its base to
+//! every guest operand ([`relocate`]) before it submits the programs.
+//!
+//! [`Model::decode`] checks everything a hostile file could get wrong and
+//! never panics: it is what a guest runs on a file it was handed.
+
+use alloc::string::String;
+use alloc::vec::Vec;
+use core::fmt;
+
+use crate::isa::{Addr, Instr, Space};
+use crate::program::{le_u16, le_u32, le_u64, Program, ProgramError};
+
+/// `"VNPM"`.
+pub const MAGIC: [u8; 4] = *b"VNPM";
+/// Container version.
+pub const VERSION: u16 = 1;
+/// Bytes of the fixed header.
+pub const HEADER_BYTES: usize = 72;
+/// Most inputs or outputs a model may have.
+pub const MAX_TENSORS: u16 = 64;
+/// Most dimensions of one tensor.
+pub const MAX_RANK: u8 = 8;
+/// Largest model file accepted (1 GiB).
+pub const MAX_MODEL_BYTES: usize = 1 << 30;
+
+/// Element type of an input or output (only f32 for now).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElemType {
+    F32 = 0,
+}
+
+/// An input or output of the model, as laid out in the I/O window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDesc {
+    /// The name in the source model.
+    pub name: String,
+    pub elem: ElemType,
+    /// Shape, batch included (row-major, as in the source model).
+    pub dims: Vec<u64>,
+    /// Byte offset in the I/O window.
+    pub offset: u64,
+}
+
+impl TensorDesc {
+    /// Elements (`None` on overflow).
+    pub fn elems(&self) -> Option<u64> {
+        self.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+    }
+
+    /// Bytes (`None` on overflow).
+    pub fn bytes(&self) -> Option<u64> {
+        self.elems()?.checked_mul(4)
+    }
+}
+
+/// What the programs were compiled for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// Batch the infer program runs per request.
+    pub batch: u32,
+    /// SAs and VUs of the vNPU core the programs use.
+    pub sa: u32,
+    pub vu: u32,
+    /// SRAM and HBM bytes the programs need on that core.
+    pub sram_bytes: u64,
+    pub hbm_bytes: u64,
+}
+
+/// A decoded compiled model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Model {
+    pub target: Target,
+    /// Guest bytes the programs address: weights, inputs and outputs.
+    pub window_bytes: u64,
+    pub inputs: Vec<TensorDesc>,
+    pub outputs: Vec<TensorDesc>,
+    pub load: Program,
+    pub infer: Program,
+    /// The weight image (at window offset 0).
+    pub weights: Vec<u8>,
+}
+
+/// Why a byte sequence is not a valid compiled model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModelError {
+    TooShort {
+        len: usize,
+    },
+    TooLarge {
+        len: usize,
+    },
+    BadMagic,
+    BadVersion(u16),
+    NonZero {
+        field: &'static str,
+    },
+    BadTensorCount {
+        what: &'static str,
+        count: u16,
+    },
+    /// The tensor table or a section runs past the end of the file.
+    Truncated {
+        what: &'static str,
+    },
+    LengthMismatch {
+        expected: u64,
+        actual: usize,
+    },
+    BadName {
+        index: usize,
+    },
+    BadElemType {
+        name: String,
+        code: u8,
+    },
+    BadRank {
+        name: String,
+        rank: u8,
+    },
+    Overflow {
+        what: &'static str,
+    },
+    /// A tensor (or the weight image) does not lie inside the window.
+    OutsideWindow {
+        name: String,
+    },
+    /// Two of the window's regions (weights, inputs, outputs) overlap.
+    Overlap {
+        a: String,
+        b: String,
+    },
+    Program {
+        which: &'static str,
+        error: ProgramError,
+    },
+    /// An instruction reaches guest memory outside the window.
+    GuestAccess {
+        which: &'static str,
+        stream: usize,
+        index: usize,
+    },
+    BadShape {
+        field: &'static str,
+    },
+}
+
+impl fmt::Display for ModelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TooShort { len } => {
+                write!(f, "model of {len} bytes is shorter than its {HEADER_BYTES}-byte header")
+            }
+            Self::TooLarge { len } => {
+                write!(f, "model of {len} bytes exceeds the limit of {MAX_MODEL_BYTES}")
+            }
+            Self::BadMagic => write!(f, "bad magic (expected \"VNPM\": not a compiled vNPU model)"),
+            Self::BadVersion(v) => write!(f, "unsupported model version {v} (expected {VERSION})"),
+            Self::NonZero { field } => write!(f, "header field `{field}` must be zero"),
+            Self::BadTensorCount { what, count } => {
+                write!(f, "{count} {what}: a model has 1..={MAX_TENSORS}")
+            }
+            Self::Truncated { what } => write!(f, "the {what} runs past the end of the file"),
+            Self::LengthMismatch { expected, actual } => {
+                write!(f, "the sections add up to {expected} bytes, the file has {actual}")
+            }
+            Self::BadName { index } => write!(f, "tensor {index}: name is empty or not UTF-8"),
+            Self::BadElemType { name, code } => write!(f, "tensor `{name}`: unknown element type {code}"),
+            Self::BadRank { name, rank } => write!(f, "tensor `{name}`: rank {rank} outside 1..={MAX_RANK}"),
+            Self::Overflow { what } => write!(f, "{what} overflows 64 bits"),
+            Self::OutsideWindow { name } => write!(f, "`{name}` does not lie inside the I/O window"),
+            Self::Overlap { a, b } => write!(f, "`{a}` and `{b}` overlap in the I/O window"),
+            Self::Program { which, error } => write!(f, "{which} program: {error}"),
+            Self::GuestAccess { which, stream, index } => write!(
+                f,
+                "{which} program stream {stream} instruction {index}: guest access outside the I/O window"
+            ),
+            Self::BadShape { field } => write!(f, "target `{field}` must be positive"),
+        }
+    }
+}
+
+impl core::error::Error for ModelError {}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ModelError> {
+        let end = self.at.checked_add(n).ok_or(ModelError::Truncated { what })?;
+        let s = self.b.get(self.at..end).ok_or(ModelError::Truncated { what })?;
+        self.at = end;
+        Ok(s)
+    }
+}
+
+fn tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, ModelError> {
+    let what = "tensor table";
+    let len = usize::from(le_u16(r.take(2, what)?, 0));
+    let name = core::str::from_utf8(r.take(len, what)?).map_err(|_| ModelError::BadName { index })?;
+    if name.is_empty() {
+        return Err(ModelError::BadName { index });
+    }
+    let name = String::from(name);
+    let t = r.take(2, what)?;
+    let (code, rank) = (t[0], t[1]);
+    if code != ElemType::F32 as u8 {
+        return Err(ModelError::BadElemType { name, code });
+    }
+    if rank == 0 || rank > MAX_RANK {
+        return Err(ModelError::BadRank { name, rank });
+    }
+    let mut dims = Vec::with_capacity(usize::from(rank));
+    for _ in 0..rank {
+        dims.push(le_u64(r.take(8, what)?, 0));
+    }
+    let offset = le_u64(r.take(8, what)?, 0);
+    Ok(TensorDesc { name, elem: ElemType::F32, dims, offset })
+}
+
+/// Checks that every guest operand of `p` lies in `0..window`.
+fn check_guest(p: &Program, window: u64, which: &'static str) -> Result<(), ModelError> {
+    for (s, stream) in p.streams.iter().enumerate() {
+        for (i, instr) in stream.code.iter().enumerate() {
+            let bad = ModelError::GuestAccess { which, stream: s, index: i };
+            let accesses = instr.footprint().map_err(|_| bad.clone())?;
+            if accesses.iter().any(|a| a.space == Space::Guest && a.end() > window) {
+                return Err(bad);
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Model {
+    /// Decodes and checks a model file.
+    pub fn decode(bytes: &[u8]) -> Result<Self, ModelError> {
+        if bytes.len() > MAX_MODEL_BYTES {
+            return Err(ModelError::TooLarge { len: bytes.len() });
+        }
+        if bytes.len() < HEADER_BYTES {
+            return Err(ModelError::TooShort { len: bytes.len() });
+        }
+        if bytes[0..4] != MAGIC {
+            return Err(ModelError::BadMagic);
+        }
+        let version = le_u16(bytes, 4);
+        if version != VERSION {
+            return Err(ModelError::BadVersion(version));
+        }
+        if le_u16(bytes, 6) != 0 {
+            return Err(ModelError::NonZero { field: "flags" });
+        }
+        if le_u32(bytes, 20) != 0 {
+            return Err(ModelError::NonZero { field: "reserved" });
+        }
+        let target = Target {
+            batch: le_u32(bytes, 8),
+            sa: le_u32(bytes, 12),
+            vu: le_u32(bytes, 16),
+            sram_bytes: le_u64(bytes, 24),
+            hbm_bytes: le_u64(bytes, 32),
+        };
+        for (field, v) in [("batch", target.batch), ("sa", target.sa), ("vu", target.vu)] {
+            if v == 0 {
+                return Err(ModelError::BadShape { field });
+            }
+        }
+        let window_bytes = le_u64(bytes, 40);
+        let weights_bytes = le_u64(bytes, 48);
+        let (load_len, infer_len) = (le_u32(bytes, 56), le_u32(bytes, 60));
+        let (n_in, n_out) = (le_u16(bytes, 64), le_u16(bytes, 66));
+        let table_len = le_u32(bytes, 68);
+        for (what, count) in [("inputs", n_in), ("outputs", n_out)] {
+            if count == 0 || count > MAX_TENSORS {
+                return Err(ModelError::BadTensorCount { what, count });
+            }
+        }
+        let expected = [u64::from(table_len), u64::from(load_len), u64::from(infer_len), weights_bytes]
+            .iter()
+            .try_fold(HEADER_BYTES as u64, |a, &b| a.checked_add(b))
+            .ok_or(ModelError::Overflow { what: "the model's size" })?;
+        if expected != bytes.len() as u64 {
+            return Err(ModelError::LengthMismatch { expected, actual: bytes.len() });
+        }
+        let mut r = Reader { b: bytes, at: HEADER_BYTES };
+        let table = r.take(table_len as usize, "tensor table")?;
+        let mut tr = Reader { b: table, at: 0 };
+        let mut inputs = Vec::new();
+        let mut outputs = Vec::new();
+        for i in 0..usize::from(n_in) + usize::from(n_out) {
+            let t = tensor(&mut tr, i)?;
+            if i < usize::from(n_in) {
+                inputs.push(t);
+            } else {
+                outputs.push(t);
+            }
+        }
+        if tr.at != table.len() {
+            return Err(ModelError::LengthMismatch { expected: tr.at as u64, actual: table.len() });
+        }
+        let load = Program::decode(r.take(load_len as usize, "load program")?)
+            .map_err(|error| ModelError::Program { which: "load", error })?;
+        let infer = Program::decode(r.take(infer_len as usize, "infer program")?)
+            .map_err(|error| ModelError::Program { which: "infer", error })?;
+        let weights = r.take(weights_bytes as usize, "weight image")?.to_vec();
+        // The window's regions: inside it and disjoint.
+        let mut regions: Vec<(String, u64, u64)> = Vec::new();
+        regions.push((String::from("weight image"), 0, weights_bytes));
+        for t in inputs.iter().chain(&outputs) {
+            let len = t.bytes().ok_or(ModelError::Overflow { what: "a tensor's size" })?;
+            let end = t.offset.checked_add(len).ok_or(ModelError::Overflow { what: "a tensor's end" })?;
+            regions.push((t.name.clone(), t.offset, end));
+        }
+        for (i, (name, start, end)) in regions.iter().enumerate() {
+            if *end > window_bytes {
+                return Err(ModelError::OutsideWindow { name: name.clone() });
+            }
+            for (other, s2, e2) in &regions[..i] {
+                if start < e2 && s2 < end && start < end && s2 < e2 {
+                    return Err(ModelError::Overlap { a: other.clone(), b: name.clone() });
+                }
+            }
+        }
+        check_guest(&load, window_bytes, "load")?;
+        check_guest(&infer, window_bytes, "infer")?;
+        Ok(Model { target, window_bytes, inputs, outputs, load, infer, weights })
+    }
+
+    /// The file bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let load = self.load.encode();
+        let infer = self.infer.encode();
+        let mut table = Vec::new();
+        for t in self.inputs.iter().chain(&self.outputs) {
+            table.extend_from_slice(&(t.name.len() as u16).to_le_bytes());
+            table.extend_from_slice(t.name.as_bytes());
+            table.push(t.elem as u8);
+            table.push(t.dims.len() as u8);
+            for d in &t.dims {
+                table.extend_from_slice(&d.to_le_bytes());
+            }
+            table.extend_from_slice(&t.offset.to_le_bytes());
+        }
+        let mut b =
+            Vec::with_capacity(HEADER_BYTES + table.len() + load.len() + infer.len() + self.weights.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&0u16.to_le_bytes());
+        b.extend_from_slice(&self.target.batch.to_le_bytes());
+        b.extend_from_slice(&self.target.sa.to_le_bytes());
+        b.extend_from_slice(&self.target.vu.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&self.target.sram_bytes.to_le_bytes());
+        b.extend_from_slice(&self.target.hbm_bytes.to_le_bytes());
+        b.extend_from_slice(&self.window_bytes.to_le_bytes());
+        b.extend_from_slice(&(self.weights.len() as u64).to_le_bytes());
+        b.extend_from_slice(&(load.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(infer.len() as u32).to_le_bytes());
+        b.extend_from_slice(&(self.inputs.len() as u16).to_le_bytes());
+        b.extend_from_slice(&(self.outputs.len() as u16).to_le_bytes());
+        b.extend_from_slice(&(table.len() as u32).to_le_bytes());
+        b.extend_from_slice(&table);
+        b.extend_from_slice(&load);
+        b.extend_from_slice(&infer);
+        b.extend_from_slice(&self.weights);
+        b
+    }
+}
+
+/// Adds `base` to every guest-memory operand of `p`: the window was placed
+/// at guest-physical `base`. Fails (leaving `p` partly relocated) when an
+/// address would overflow.
+pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
+    let shift = |a: &mut Addr| -> Result<(), ModelError> {
+        if a.space == Space::Guest {
+            a.offset =
+                a.offset.checked_add(base).ok_or(ModelError::Overflow { what: "a relocated address" })?;
+        }
+        Ok(())
+    };
+    for s in &mut p.streams {
+        for i in &mut s.code {
+            match i {
+                Instr::DmaCopy { src, dst, .. } => {
+                    shift(src)?;
+                    shift(dst)?;
+                }
+                Instr::DmaGather { table, .. } => shift(table)?,
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,1141 @@
+//! From an ONNX graph to a compiled vNPU model.
+//!
+//! 1. **Shapes**: every input gets a static shape (free leading dimension =
+//!    the batch, others from `--shape`); every node's output shape follows
+//!    from its inputs.
+//! 2. **Constant folding**: a node whose inputs are all constants is
+//!    evaluated here (shape arithmetic, `Constant`, `Shape`, `Cast`,
+//!    element-wise math on weights), so only work on data reaches the vNPU.
+//! 3. **Fusion**: a bias `Add` and an activation that follow a matrix
+//!    product (its only consumer) become the product's bias and activation.
+//! 4. **Lowering**: what remains becomes a layer graph of the workload
+//!    library (`npu_workloads::Graph`), lowered by its tiled, double-buffered
+//!    lowering for the vNPU's shape: every tensor in HBM, tiles through SRAM.
+//!
+//! Computed tensors are dense and row-major in ONNX's own order, so
+//! `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze` and `Identity` cost nothing.
+
+use std::collections::{HashMap, HashSet};
+
+use npu_model::{verify, VnpuLimits};
+use npu_workloads::graph::{Act, Graph, Init, Op, TensorId, View};
+use npu_workloads::lower::{lower, LowerError, VnpuShape};
+use thiserror::Error;
+use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
+use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
+
+/// What to compile for.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// The vNPU core the programs run on.
+    pub shape: VnpuShape,
+    /// Value of every free leading (batch) dimension of the inputs.
+    pub batch: u32,
+    /// Static shapes for inputs (`--shape NAME=D0,D1,...`), batch included.
+    pub shapes: HashMap<String, Vec<usize>>,
+    /// Outputs to compile (the model's own outputs when `None`); the graph
+    /// is pruned to what they need.
+    pub outputs: Option<Vec<String>>,
+}
+
+/// Why a model cannot be compiled.
+#[derive(Debug, Error)]
+pub enum CompileError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("node `{node}` ({op}): {reason}")]
+    Node { node: String, op: String, reason: String },
+    #[error("input `{name}`: {reason}")]
+    Input { name: String, reason: String },
+    #[error("output `{name}`: {reason}")]
+    Output { name: String, reason: String },
+    #[error("the model does not fit the vNPU: {0}")]
+    Fit(LowerError),
+    #[error("the compiled {which} program was refused by the verifier (a compiler bug): {reason}")]
+    Verify { which: &'static str, reason: String },
+}
+
+/// What the compiler did, for the user.
+#[derive(Clone, Debug, Default)]
+pub struct CompileReport {
+    /// Nodes the (pruned) graph has.
+    pub nodes: usize,
+    /// Nodes evaluated at compile time.
+    pub folded: usize,
+    /// Nodes fused into a matrix product (bias, activation).
+    pub fused: usize,
+    /// Nodes that cost nothing (reshapes, identities).
+    pub aliases: usize,
+    /// vNPU operations, by kind.
+    pub ops: Vec<(String, usize)>,
+    /// Multiply-accumulates per batch.
+    pub macs: u64,
+    pub weight_bytes: u64,
+    pub hbm_bytes: u64,
+    pub load_instructions: usize,
+    pub infer_instructions: usize,
+}
+
+/// The compiled model and the report.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub model: Model,
+    pub report: CompileReport,
+}
+
+#[derive(Clone, Debug)]
+struct Dyn {
+    t: TensorId,
+    shape: Vec<usize>,
+    /// The graph operation that wrote `t`, when fusion into it is allowed.
+    op: Option<usize>,
+}
+
+#[derive(Clone, Debug)]
+enum Val {
+    C(Const),
+    D(Dyn),
+}
+
+fn elems(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// numpy broadcasting of two shapes.
+fn bcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let get = |s: &[usize], i: usize| if i + s.len() >= n { s[i + s.len() - n] } else { 1 };
+    (0..n)
+        .map(|i| {
+            let (x, y) = (get(a, i), get(b, i));
+            if x == y || y == 1 {
+                Some(x)
+            } else if x == 1 {
+                Some(y)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// `c` broadcast to `shape` (which `c` must broadcast to), row-major.
+fn expand(c: &[f32], cshape: &[usize], shape: &[usize]) -> Vec<f32> {
+    let n = shape.len();
+    let off = n - cshape.len();
+    let mut strides = vec![0usize; n];
+    let mut s = 1;
+    for i in (0..cshape.len()).rev() {
+        strides[i + off] = if cshape[i] == 1 { 0 } else { s };
+        s *= cshape[i];
+    }
+    let total = elems(shape);
+    let mut out = Vec::with_capacity(total);
+    let mut idx = vec![0usize; n];
+    for _ in 0..total {
+        out.push(c[idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>()]);
+        for d in (0..n).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+fn axis(a: i64, rank: usize) -> Option<usize> {
+    let r = rank as i64;
+    let a = if a < 0 { a + r } else { a };
+    (0..r).contains(&a).then_some(a as usize)
+}
+
+struct Compiler<'m> {
+    m: &'m OnnxModel,
+    g: Graph,
+    data: Vec<Option<Vec<f32>>>,
+    vals: HashMap<String, Val>,
+    uses: HashMap<String, usize>,
+    outputs: HashSet<String>,
+    report: CompileReport,
+}
+
+type NodeResult = Result<Vec<Val>, String>;
+
+impl Compiler<'_> {
+    fn weight(&mut self, name: &str, v: Vec<f32>, init: Init) -> TensorId {
+        let t = self.g.tensor(name, v.len() as u64, init);
+        self.data.resize(self.g.tensors.len(), None);
+        self.data[t] = Some(v);
+        t
+    }
+
+    fn act_tensor(&mut self, name: &str, n: usize) -> TensorId {
+        let t = self.g.act(name, n as u64);
+        self.data.resize(self.g.tensors.len(), None);
+        t
+    }
+
+    fn get(&self, n: &Node, i: usize) -> Result<&Val, String> {
+        let name = n.inputs.get(i).filter(|s| !s.is_empty()).ok_or(format!("input {i} is missing"))?;
+        self.vals.get(name).ok_or(format!("input `{name}` is not produced before this node"))
+    }
+
+    fn opt(&self, n: &Node, i: usize) -> Option<&Val> {
+        n.inputs.get(i).filter(|s| !s.is_empty()).and_then(|s| self.vals.get(s))
+    }
+
+    fn konst(&self, n: &Node, i: usize) -> Result<Const, String> {
+        match self.get(n, i)? {
+            Val::C(c) => Ok(c.clone()),
+            Val::D(_) => Err(format!("input {i} (`{}`) must be a constant", n.inputs[i])),
+        }
+    }
+
+    /// The last graph operation when `name`'s value may be fused into it:
+    /// used once, not a model output, written by the newest operation.
+    fn fusable(&self, name: &str, d: &Dyn) -> Option<usize> {
+        let op = d.op?;
+        (self.uses.get(name) == Some(&1) && !self.outputs.contains(name) && op + 1 == self.g.ops.len())
+            .then_some(op)
+    }
+
+    fn int_attr(n: &Node, k: &str, default: i64) -> Result<i64, String> {
+        match n.attrs.get(k) {
+            None => Ok(default),
+            Some(Attr::Int(v)) => Ok(*v),
+            Some(_) => Err(format!("attribute `{k}` must be an integer")),
+        }
+    }
+
+    fn float_attr(n: &Node, k: &str, default: f32) -> Result<f32, String> {
+        match n.attrs.get(k) {
+            None => Ok(default),
+            Some(Attr::Float(v)) => Ok(*v),
+            Some(_) => Err(format!("attribute `{k}` must be a float")),
+        }
+    }
+
+    fn ints_attr(n: &Node, k: &str) -> Result<Option<Vec<i64>>, String> {
+        match n.attrs.get(k) {
+            None => Ok(None),
+            Some(Attr::Ints(v)) => Ok(Some(v.clone())),
+            Some(_) => Err(format!("attribute `{k}` must be a list of integers")),
+        }
+    }
+
+    /// Refuses attributes the handler does not read.
+    fn only_attrs(n: &Node, known: &[&str]) -> Result<(), String> {
+        match n.attrs.keys().find(|k| !known.contains(&k.as_str())) {
+            Some(k) => Err(format!("attribute `{k}` is not supported")),
+            None => Ok(()),
+        }
+    }
+
+    fn shape_of(&self, n: &Node, i: usize) -> Result<Vec<usize>, String> {
+        Ok(match self.get(n, i)? {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        })
+    }
+
+    fn node(&mut self, n: &Node) -> NodeResult {
+        if !(n.domain.is_empty() || n.domain == "ai.onnx") {
+            return Err(format!(
+                "operators of domain `{}` are not supported (for scikit-learn classifiers, compile the \
+                 probabilities output only: --output NAME)",
+                n.domain
+            ));
+        }
+        let all_const =
+            n.inputs.iter().filter(|s| !s.is_empty()).all(|s| matches!(self.vals.get(s), Some(Val::C(_))));
+        match n.op.as_str() {
+            "Constant" => {
+                let c = match n.attrs.iter().next() {
+                    Some((k, Attr::Tensor(t))) if k == "value" => t.clone(),
+                    Some((k, Attr::Float(f))) if k == "value_float" => {
+                        Const { shape: vec![], data: Data::F32(vec![*f]) }
+                    }
+                    Some((k, Attr::Floats(f))) if k == "value_floats" => {
+                        Const { shape: vec![f.len()], data: Data::F32(f.clone()) }
+                    }
+                    Some((k, Attr::Int(i))) if k == "value_int" => {
+                        Const { shape: vec![], data: Data::I64(vec![*i]) }
+                    }
+                    Some((k, Attr::Ints(i))) if k == "value_ints" => {
+                        Const { shape: vec![i.len()], data: Data::I64(i.clone()) }
+                    }
+                    _ => {
+                        return Err(
+                            "only value, value_float(s) and value_int(s) constants are supported".into()
+                        )
+                    }
+                };
+                self.report.folded += 1;
+                Ok(vec![Val::C(c)])
+            }
+            "Identity" | "Dropout" => {
+                self.report.aliases += 1;
+                let v = self.get(n, 0)?.clone();
+                let mut out = vec![v];
+                if n.op == "Dropout" && n.outputs.len() > 1 {
+                    return Err("the mask output of Dropout is not supported".into());
+                }
+                out.truncate(1);
+                Ok(out)
+            }
+            "Cast" => {
+                let to = Self::int_attr(n, "to", 1)?;
+                let v = self.get(n, 0)?.clone();
+                self.report.aliases += 1;
+                match (v, to) {
+                    (Val::C(c), 1) => {
+                        Ok(vec![Val::C(Const { shape: c.shape, data: Data::F32(c.data.to_f32()) })])
+                    }
+                    (Val::C(c), 6 | 7) => {
+                        Ok(vec![Val::C(Const { shape: c.shape, data: Data::I64(c.data.to_i64()) })])
+                    }
+                    (Val::D(d), 1) => Ok(vec![Val::D(Dyn { op: None, ..d })]),
+                    (_, to) => {
+                        Err(format!("cast to ONNX type {to} is not supported (computed tensors are f32)"))
+                    }
+                }
+            }
+            "Shape" => {
+                let s = self.shape_of(n, 0)?;
+                let r = s.len() as i64;
+                let start = axis_clamp(Self::int_attr(n, "start", 0)?, r);
+                let end = axis_clamp(Self::int_attr(n, "end", r)?, r);
+                let v: Vec<i64> = s[start..end.max(start)].iter().map(|&d| d as i64).collect();
+                self.report.folded += 1;
+                Ok(vec![Val::C(Const { shape: vec![v.len()], data: Data::I64(v) })])
+            }
+            "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
+                let s = self.shape_of(n, 0)?;
+                let new = self.reshaped(n, &s)?;
+                if elems(&new) != elems(&s) {
+                    return Err(format!("cannot reshape {s:?} to {new:?}"));
+                }
+                Ok(vec![match self.get(n, 0)?.clone() {
+                    Val::C(c) => {
+                        self.report.folded += 1;
+                        Val::C(Const { shape: new, data: c.data })
+                    }
+                    Val::D(d) => {
+                        self.report.aliases += 1;
+                        Val::D(Dyn { t: d.t, shape: new, op: None })
+                    }
+                }])
+            }
+            "Concat" if all_const => {
+                let ax = Self::int_attr(n, "axis", 0)?;
+                let parts: Vec<Const> =
+                    (0..n.inputs.len()).map(|i| self.konst(n, i)).collect::<Result<_, _>>()?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(concat(&parts, ax)?)])
+            }
+            "Gather" if all_const => {
+                let data = self.konst(n, 0)?;
+                let idx = self.konst(n, 1)?;
+                let ax = axis(Self::int_attr(n, "axis", 0)?, data.shape.len()).ok_or("axis out of range")?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(gather(&data, &idx, ax)?)])
+            }
+            "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Max" | "Min" if all_const => {
+                let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                self.report.folded += 1;
+                Ok(vec![Val::C(binary_const(&n.op, &a, &b)?)])
+            }
+            "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" if all_const => {
+                let a = self.konst(n, 0)?;
+                self.report.folded += 1;
+                let f: fn(f32) -> f32 = match n.op.as_str() {
+                    "Sqrt" => f32::sqrt,
+                    "Neg" => |x| -x,
+                    "Reciprocal" => |x| 1.0 / x,
+                    "Relu" => |x| if x.is_nan() { x } else { x.max(0.0) },
+                    "Sigmoid" => |x| 1.0 / (1.0 + (-x).exp()),
+                    "Tanh" => f32::tanh,
+                    "Exp" => f32::exp,
+                    _ => |x| erf(f64::from(x)) as f32,
+                };
+                Ok(vec![Val::C(Const {
+                    shape: a.shape,
+                    data: Data::F32(a.data.to_f32().into_iter().map(f).collect()),
+                })])
+            }
+            "MatMul" => self.matmul(n),
+            "Gemm" => self.gemm(n),
+            "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
+            "Relu" | "Sigmoid" | "Tanh" => {
+                Self::only_attrs(n, &[])?;
+                let act = match n.op.as_str() {
+                    "Relu" => Act::Relu,
+                    "Sigmoid" => Act::Sigmoid,
+                    _ => Act::Tanh,
+                };
+                self.activation(n, act)
+            }
+            "Softmax" => self.softmax(n),
+            op => Err(format!("operator `{op}` is not supported (docs/model-format.md lists what is)")),
+        }
+    }
+
+    fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, String> {
+        let rank = s.len();
+        match n.op.as_str() {
+            "Reshape" => {
+                let spec = self.konst(n, 1)?.data.to_i64();
+                let allowzero = Self::int_attr(n, "allowzero", 0)? != 0;
+                let mut out = Vec::with_capacity(spec.len());
+                let mut infer = None;
+                for (i, &d) in spec.iter().enumerate() {
+                    match d {
+                        -1 if infer.is_none() => {
+                            infer = Some(i);
+                            out.push(1);
+                        }
+                        0 if !allowzero => out.push(*s.get(i).ok_or("0 refers to a missing dimension")?),
+                        d if d >= 0 => out.push(d as usize),
+                        d => return Err(format!("bad reshape dimension {d}")),
+                    }
+                }
+                if let Some(i) = infer {
+                    let known = elems(&out);
+                    if known == 0 || !elems(s).is_multiple_of(known) {
+                        return Err(format!("cannot infer -1 reshaping {s:?} to {spec:?}"));
+                    }
+                    out[i] = elems(s) / known;
+                }
+                Ok(out)
+            }
+            "Flatten" => {
+                let a = Self::int_attr(n, "axis", 1)?;
+                let a = if a < 0 { a + rank as i64 } else { a };
+                if !(0..=rank as i64).contains(&a) {
+                    return Err(format!("axis {a} out of range"));
+                }
+                let a = a as usize;
+                Ok(vec![elems(&s[..a]), elems(&s[a..])])
+            }
+            "Squeeze" => {
+                let axes = match Self::ints_attr(n, "axes")? {
+                    Some(a) => Some(a),
+                    None => match self.opt(n, 1) {
+                        Some(Val::C(c)) => Some(c.data.to_i64()),
+                        Some(Val::D(_)) => return Err("axes must be a constant".into()),
+                        None => None,
+                    },
+                };
+                let axes: Vec<usize> = match axes {
+                    Some(a) => a
+                        .iter()
+                        .map(|&x| axis(x, rank).ok_or("axis out of range"))
+                        .collect::<Result<_, _>>()?,
+                    None => (0..rank).filter(|&i| s[i] == 1).collect(),
+                };
+                if axes.iter().any(|&a| s[a] != 1) {
+                    return Err("squeezed axis is not 1".into());
+                }
+                Ok(s.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect())
+            }
+            _ => {
+                let axes = match Self::ints_attr(n, "axes")? {
+                    Some(a) => a,
+                    None => self.konst(n, 1)?.data.to_i64(),
+                };
+                let out_rank = rank + axes.len();
+                let mut axes: Vec<usize> = axes
+                    .iter()
+                    .map(|&x| axis(x, out_rank).ok_or("axis out of range"))
+                    .collect::<Result<_, _>>()?;
+                axes.sort_unstable();
+                let mut out = s.to_vec();
+                for a in axes {
+                    out.insert(a.min(out.len()), 1);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn linear(
+        &mut self,
+        n: &Node,
+        x: &Dyn,
+        w: Vec<f32>,
+        k: usize,
+        nn: usize,
+        bias: Option<Vec<f32>>,
+    ) -> NodeResult {
+        if x.shape.last() != Some(&k) {
+            return Err(format!("input of shape {:?} does not end in the weights' {k} rows", x.shape));
+        }
+        let rows = elems(&x.shape[..x.shape.len() - 1]);
+        let mut shape = x.shape.clone();
+        *shape.last_mut().unwrap_or(&mut 0) = nn;
+        let wt = self.weight(&format!("{}.w", n.name), w, Init::Weights { fan_in: k as u32 });
+        let bt = self.weight(&format!("{}.b", n.name), bias.unwrap_or_else(|| vec![0.0; nn]), Init::Bias);
+        let y = self.act_tensor(&n.name, rows * nn);
+        self.g.ops.push(Op::Linear {
+            name: n.name.clone(),
+            x: View::dense(x.t, k as u32),
+            w: wt,
+            b: bt,
+            y: View::dense(y, nn as u32),
+            rows: rows as u32,
+            k: k as u32,
+            n: nn as u32,
+            act: Act::None,
+        });
+        Ok(vec![Val::D(Dyn { t: y, shape, op: Some(self.g.ops.len() - 1) })])
+    }
+
+    fn matmul(&mut self, n: &Node) -> NodeResult {
+        let Val::D(x) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let w = match self.get(n, 1)? {
+            Val::C(c) => c.clone(),
+            Val::D(_) => return Err("a product of two computed tensors is not supported yet".into()),
+        };
+        if w.shape.len() != 2 {
+            return Err(format!("weights of rank {} (only 2-D weights are supported)", w.shape.len()));
+        }
+        self.linear(n, &x, w.data.to_f32(), w.shape[0], w.shape[1], None)
+    }
+
+    fn gemm(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["alpha", "beta", "transA", "transB"])?;
+        let Val::D(x) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        if Self::int_attr(n, "transA", 0)? != 0 {
+            return Err("transA = 1 is not supported".into());
+        }
+        if x.shape.len() != 2 {
+            return Err(format!("A must be 2-D, it is {:?}", x.shape));
+        }
+        let b = self.konst(n, 1).map_err(|_| "B must be a constant (weights)".to_string())?;
+        if b.shape.len() != 2 {
+            return Err("B must be 2-D".into());
+        }
+        let alpha = Self::float_attr(n, "alpha", 1.0)?;
+        let beta = Self::float_attr(n, "beta", 1.0)?;
+        let (mut k, mut nn) = (b.shape[0], b.shape[1]);
+        let mut w = b.data.to_f32();
+        if Self::int_attr(n, "transB", 0)? != 0 {
+            (k, nn) = (nn, k);
+            let src = w.clone();
+            for i in 0..k {
+                for j in 0..nn {
+                    w[i * nn + j] = src[j * k + i];
+                }
+            }
+        }
+        if alpha != 1.0 {
+            w.iter_mut().for_each(|v| *v *= alpha);
+        }
+        let bias = match self.opt(n, 2) {
+            None => None,
+            Some(Val::C(c)) => {
+                if bcast_shape(&[x.shape[0], nn], &c.shape) != Some(vec![x.shape[0], nn]) {
+                    return Err(format!(
+                        "C of shape {:?} does not broadcast to {:?}",
+                        c.shape,
+                        [x.shape[0], nn]
+                    ));
+                }
+                if c.shape.len() == 2 && c.shape[0] != 1 {
+                    return Err("a C with one row per sample is not supported (only a bias row)".into());
+                }
+                let row = expand(&c.data.to_f32(), &c.shape, &[nn]);
+                Some(row.into_iter().map(|v| v * beta).collect())
+            }
+            Some(Val::D(_)) => return Err("a computed C is not supported (only a constant bias)".into()),
+        };
+        self.linear(n, &x, w, k, nn, bias)
+    }
+
+    fn binary(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let (a, b) = (self.get(n, 0)?.clone(), self.get(n, 1)?.clone());
+        let sa = match &a {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        };
+        let sb = match &b {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        };
+        let shape = bcast_shape(&sa, &sb).ok_or(format!("shapes {sa:?} and {sb:?} do not broadcast"))?;
+        let op = n.op.as_str();
+        match (a, b) {
+            (Val::D(d), Val::C(c)) => {
+                if d.shape != shape {
+                    return Err(format!(
+                        "the computed operand {:?} would be broadcast to {shape:?}",
+                        d.shape
+                    ));
+                }
+                let mut v = c.data.to_f32();
+                match op {
+                    "Sub" => v.iter_mut().for_each(|x| *x = -*x),
+                    "Div" => v.iter_mut().for_each(|x| *x = 1.0 / *x),
+                    _ => {}
+                }
+                let add = matches!(op, "Add" | "Sub");
+                // A bias row after a matrix product becomes its bias.
+                let cols = *shape.last().unwrap_or(&1);
+                if add && elems(&c.shape) == cols && c.shape.last() == Some(&cols) {
+                    if let Some(i) = self.fusable(&n.inputs[0], &d) {
+                        if let Op::Linear { b, act: Act::None, .. } = self.g.ops[i] {
+                            if let Some(Some(bias)) = self.data.get_mut(b) {
+                                bias.iter_mut().zip(&v).for_each(|(x, y)| *x += y);
+                                self.report.fused += 1;
+                                return Ok(vec![Val::D(Dyn { op: Some(i), ..d })]);
+                            }
+                        }
+                    }
+                }
+                let full = expand(&v, &c.shape, &shape);
+                let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+                Ok(vec![self.eltwise(n, add, d.t, ct, &shape)])
+            }
+            (Val::C(c), Val::D(d)) => match op {
+                "Add" | "Mul" => {
+                    let full = expand(&c.data.to_f32(), &c.shape, &shape);
+                    if d.shape != shape {
+                        return Err(format!(
+                            "the computed operand {:?} would be broadcast to {shape:?}",
+                            d.shape
+                        ));
+                    }
+                    let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+                    Ok(vec![self.eltwise(n, op == "Add", d.t, ct, &shape)])
+                }
+                "Sub" => {
+                    // c - x = c + (-1) x
+                    let neg = self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
+                    let Val::D(nx) = self.eltwise(n, false, d.t, neg, &shape) else { unreachable_const()? };
+                    let full = expand(&c.data.to_f32(), &c.shape, &shape);
+                    let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+                    Ok(vec![self.eltwise(n, true, nx.t, ct, &shape)])
+                }
+                _ => Err("dividing a constant by a computed tensor is not supported yet".into()),
+            },
+            (Val::D(x), Val::D(y)) => {
+                if x.shape != shape || y.shape != shape {
+                    return Err("broadcasting between two computed tensors is not supported".into());
+                }
+                match op {
+                    "Add" | "Mul" => Ok(vec![self.eltwise(n, op == "Add", x.t, y.t, &shape)]),
+                    "Sub" => {
+                        let neg =
+                            self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
+                        let Val::D(ny) = self.eltwise(n, false, y.t, neg, &shape) else {
+                            unreachable_const()?
+                        };
+                        Ok(vec![self.eltwise(n, true, x.t, ny.t, &shape)])
+                    }
+                    _ => Err("dividing two computed tensors is not supported yet".into()),
+                }
+            }
+            (Val::C(_), Val::C(_)) => unreachable_const(),
+        }
+    }
+
+    fn eltwise(&mut self, n: &Node, add: bool, a: TensorId, b: TensorId, shape: &[usize]) -> Val {
+        let cols = (*shape.last().unwrap_or(&1)).max(1);
+        let rows = elems(shape) / cols;
+        let y = self.act_tensor(&n.name, elems(shape));
+        let (a, b, yv) =
+            (View::dense(a, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
+        let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
+        self.g.ops.push(if add {
+            Op::Add { name, a, b, y: yv, rows, cols, act: Act::None }
+        } else {
+            Op::Mul { name, a, b, y: yv, rows, cols }
+        });
+        Val::D(Dyn { t: y, shape: shape.to_vec(), op: Some(self.g.ops.len() - 1) })
+    }
+
+    fn activation(&mut self, n: &Node, act: Act) -> NodeResult {
+        let Val::D(d) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        if let Some(i) = self.fusable(&n.inputs[0], &d) {
+            match &mut self.g.ops[i] {
+                Op::Linear { act: a @ Act::None, .. } | Op::Add { act: a @ Act::None, .. } => {
+                    *a = act;
+                    self.report.fused += 1;
+                    return Ok(vec![Val::D(Dyn { op: None, ..d })]);
+                }
+                _ => {}
+            }
+        }
+        let cols = (*d.shape.last().unwrap_or(&1)).max(1);
+        let rows = elems(&d.shape) / cols;
+        let y = self.act_tensor(&n.name, elems(&d.shape));
+        self.g.ops.push(Op::Unary {
+            name: n.name.clone(),
+            x: View::dense(d.t, cols as u32),
+            y: View::dense(y, cols as u32),
+            rows: rows as u32,
+            cols: cols as u32,
+            act,
+        });
+        Ok(vec![Val::D(Dyn { t: y, shape: d.shape, op: Some(self.g.ops.len() - 1) })])
+    }
+
+    fn softmax(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis"])?;
+        let Val::D(d) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let rank = d.shape.len();
+        let default = if self.m.opset >= 13 { -1 } else { 1 };
+        let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
+        // Before opset 13 the input is seen as 2-D at `axis`; from 13 on
+        // the axis alone is normalised. Both are rows x cols when the axis
+        // is the last one (or, before 13, when everything after it is).
+        let cols = if self.m.opset >= 13 {
+            if ax != rank - 1 {
+                return Err(format!("softmax over axis {ax} of a rank-{rank} tensor (only the last axis)"));
+            }
+            d.shape[rank - 1]
+        } else {
+            elems(&d.shape[ax..])
+        };
+        let rows = elems(&d.shape) / cols.max(1);
+        let y = self.act_tensor(&n.name, elems(&d.shape));
+        self.g.ops.push(Op::Softmax {
+            name: n.name.clone(),
+            x: View::dense(d.t, cols as u32),
+            y: View::dense(y, cols as u32),
+            rows: rows as u32,
+            cols: cols as u32,
+        });
+        Ok(vec![Val::D(Dyn { t: y, shape: d.shape, op: Some(self.g.ops.len() - 1) })])
+    }
+}
+
+fn unreachable_const<T>() -> Result<T, String> {
+    Err("an operand expected to be computed is a constant (a compiler bug: it should have been folded)"
+        .into())
+}
+
+fn axis_clamp(a: i64, r: i64) -> usize {
+    (if a < 0 { a + r } else { a }).clamp(0, r) as usize
+}
+
+fn concat(parts: &[Const], ax: i64) -> Result<Const, String> {
+    let first = parts.first().ok_or("no inputs")?;
+    let rank = first.shape.len();
+    let a = axis(ax, rank).ok_or("axis out of range")?;
+    let outer = elems(&first.shape[..a]);
+    let mut shape = first.shape.clone();
+    shape[a] = 0;
+    for p in parts {
+        if p.shape.len() != rank || (0..rank).any(|i| i != a && p.shape[i] != first.shape[i]) {
+            return Err("concatenated shapes differ".into());
+        }
+        shape[a] += p.shape[a];
+    }
+    let ints = parts.iter().all(|p| matches!(p.data, Data::I64(_)));
+    let mut f = Vec::new();
+    let mut i = Vec::new();
+    for o in 0..outer {
+        for p in parts {
+            let chunk = elems(&p.shape[a..]);
+            let r = o * chunk..(o + 1) * chunk;
+            if ints {
+                i.extend_from_slice(&p.data.to_i64()[r]);
+            } else {
+                f.extend_from_slice(&p.data.to_f32()[r]);
+            }
+        }
+    }
+    Ok(Const { shape, data: if ints { Data::I64(i) } else { Data::F32(f) } })
+}
+
+fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
+    let outer = elems(&data.shape[..ax]);
+    let dim = data.shape[ax];
+    let inner = elems(&data.shape[ax + 1..]);
+    let ids: Vec<usize> = idx
+        .data
+        .to_i64()
+        .iter()
+        .map(|&i| {
+            let i = if i < 0 { i + dim as i64 } else { i };
+            usize::try_from(i).ok().filter(|&i| i < dim).ok_or(format!("index {i} out of range"))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut shape = data.shape[..ax].to_vec();
+    shape.extend_from_slice(&idx.shape);
+    shape.extend_from_slice(&data.shape[ax + 1..]);
+    let pick = |v: &[i64]| {
+        let mut out = Vec::new();
+        for o in 0..outer {
+            for &i in &ids {
+                out.extend_from_slice(&v[(o * dim + i) * inner..(o * dim + i + 1) * inner]);
+            }
+        }
+        out
+    };
+    Ok(match &data.data {
+        Data::I64(v) => Const { shape, data: Data::I64(pick(v)) },
+        Data::F32(v) => {
+            let bits: Vec<i64> = v.iter().map(|x| i64::from(x.to_bits())).collect();
+            Const {
+                shape,
+                data: Data::F32(pick(&bits).into_iter().map(|b| f32::from_bits(b as u32)).collect()),
+            }
+        }
+    })
+}
+
+fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
+    let shape = bcast_shape(&a.shape, &b.shape).ok_or("shapes do not broadcast")?;
+    if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
+        let x = expand_i(x, &a.shape, &shape);
+        let y = expand_i(y, &b.shape, &shape);
+        let v = x
+            .iter()
+            .zip(&y)
+            .map(|(&p, &q)| match op {
+                "Add" => Ok(p.wrapping_add(q)),
+                "Sub" => Ok(p.wrapping_sub(q)),
+                "Mul" => Ok(p.wrapping_mul(q)),
+                "Div" => p.checked_div(q).ok_or("integer division by zero".to_string()),
+                "Max" => Ok(p.max(q)),
+                "Min" => Ok(p.min(q)),
+                _ => Ok((p as f64).powf(q as f64) as i64),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        return Ok(Const { shape, data: Data::I64(v) });
+    }
+    let x = expand(&a.data.to_f32(), &a.shape, &shape);
+    let y = expand(&b.data.to_f32(), &b.shape, &shape);
+    let v = x
+        .iter()
+        .zip(&y)
+        .map(|(&p, &q)| match op {
+            "Add" => p + q,
+            "Sub" => p - q,
+            "Mul" => p * q,
+            "Div" => p / q,
+            "Max" => p.max(q),
+            "Min" => p.min(q),
+            _ => p.powf(q),
+        })
+        .collect();
+    Ok(Const { shape, data: Data::F32(v) })
+}
+
+fn expand_i(v: &[i64], s: &[usize], shape: &[usize]) -> Vec<i64> {
+    let bits: Vec<f32> = (0..v.len()).map(|i| i as f32).collect();
+    expand(&bits, s, shape).into_iter().map(|i| v[i as usize]).collect()
+}
+
+/// The error function, for folding constants: through the complementary
+/// function's Chebyshev fit (fractional error below 1.2e-7).
+fn erf(x: f64) -> f64 {
+    let t = 1.0 / (1.0 + 0.5 * x.abs());
+    let y = 1.0
+        - t * (-x * x - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98
+                                    + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    if x >= 0.0 {
+        y
+    } else {
+        -y
+    }
+}
+
+/// Static shape of model input `io` under the options.
+fn input_shape(io: &crate::load::Io, o: &CompileOptions) -> Result<Vec<usize>, CompileError> {
+    let bad = |reason: String| CompileError::Input { name: io.name.clone(), reason };
+    if io.elem != 1 {
+        return Err(bad(format!("element type {} (only float inputs are supported)", io.elem)));
+    }
+    if let Some(s) = o.shapes.get(&io.name) {
+        if let Some(d) = &io.dims {
+            if d.len() != s.len() || d.iter().zip(s).any(|(d, &x)| matches!(d, Dim::Fixed(f) if *f != x)) {
+                return Err(bad(format!("--shape {s:?} contradicts the model's {d:?}")));
+            }
+        }
+        return Ok(s.clone());
+    }
+    let dims = io.dims.as_ref().ok_or_else(|| bad("no shape declared: give one with --shape".into()))?;
+    dims.iter()
+        .enumerate()
+        .map(|(i, d)| match d {
+            Dim::Fixed(x) => Ok(*x),
+            Dim::Free(_) if i == 0 => Ok(o.batch as usize),
+            Dim::Free(p) => Err(bad(format!("dimension {i} (`{p}`) is free: give the shape with --shape"))),
+        })
+        .collect()
+}
+
+/// Compiles ONNX model bytes for a vNPU.
+pub fn compile(bytes: &[u8], o: &CompileOptions) -> Result<Compiled, CompileError> {
+    let m = load(bytes)?;
+    compile_model(&m, o)
+}
+
+/// Compiles a model already read.
+pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, CompileError> {
+    for k in o.shapes.keys() {
+        if !m.inputs.iter().any(|i| &i.name == k) {
+            return Err(CompileError::Input {
+                name: k.clone(),
+                reason: "--shape names no input of the model".into(),
+            });
+        }
+    }
+    let out_names: Vec<String> = match &o.outputs {
+        Some(v) => {
+            for name in v {
+                if !m.outputs.iter().any(|x| &x.name == name)
+                    && !m.nodes.iter().any(|n| n.outputs.contains(name))
+                {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: "no node produces it".into(),
+                    });
+                }
+            }
+            v.clone()
+        }
+        None => m.outputs.iter().map(|x| x.name.clone()).collect(),
+    };
+    // Prune to the nodes the outputs need.
+    let mut need: HashSet<String> = out_names.iter().cloned().collect();
+    let mut keep = vec![false; m.nodes.len()];
+    for (i, n) in m.nodes.iter().enumerate().rev() {
+        if n.outputs.iter().any(|x| need.contains(x)) {
+            keep[i] = true;
+            need.extend(n.inputs.iter().filter(|s| !s.is_empty()).cloned());
+        }
+    }
+    let nodes: Vec<&Node> = m.nodes.iter().zip(&keep).filter(|(_, k)| **k).map(|(n, _)| n).collect();
+    let mut c = Compiler {
+        m,
+        g: Graph::new("onnx", o.batch),
+        data: Vec::new(),
+        vals: HashMap::new(),
+        uses: HashMap::new(),
+        outputs: out_names.iter().cloned().collect(),
+        report: CompileReport { nodes: nodes.len(), ..Default::default() },
+    };
+    for n in &nodes {
+        for i in n.inputs.iter().filter(|s| !s.is_empty()) {
+            *c.uses.entry(i.clone()).or_default() += 1;
+        }
+    }
+    for (k, v) in &m.constants {
+        c.vals.insert(k.clone(), Val::C(v.clone()));
+    }
+    let mut inputs = Vec::new();
+    for io in m.inputs.iter().filter(|i| need.contains(&i.name)) {
+        let shape = input_shape(io, o)?;
+        if elems(&shape) == 0 {
+            return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
+        }
+        let t = c.g.tensor(io.name.clone(), elems(&shape) as u64, Init::Input);
+        c.data.resize(c.g.tensors.len(), None);
+        c.vals.insert(io.name.clone(), Val::D(Dyn { t, shape: shape.clone(), op: None }));
+        inputs.push((io.name.clone(), t, shape));
+    }
+    if inputs.is_empty() {
+        return Err(CompileError::Input {
+            name: String::new(),
+            reason: "the outputs need no model input".into(),
+        });
+    }
+    for n in &nodes {
+        let outs = c.node(n).map_err(|reason| CompileError::Node {
+            node: n.name.clone(),
+            op: n.op.clone(),
+            reason,
+        })?;
+        for (name, v) in n.outputs.iter().zip(outs) {
+            if !name.is_empty() {
+                c.vals.insert(name.clone(), v);
+            }
+        }
+    }
+    let mut outputs = Vec::new();
+    for name in &out_names {
+        match c.vals.get(name) {
+            Some(Val::D(d)) => outputs.push((name.clone(), d.t, d.shape.clone())),
+            Some(Val::C(_)) => {
+                return Err(CompileError::Output {
+                    name: name.clone(),
+                    reason: "is a constant (it does not depend on the input)".into(),
+                })
+            }
+            None => {
+                return Err(CompileError::Output { name: name.clone(), reason: "is never computed".into() })
+            }
+        }
+    }
+    c.g.input = inputs[0].1;
+    c.g.output = outputs[0].1;
+    let mut report = c.report;
+    report.macs = c.g.macs();
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for op in &c.g.ops {
+        let k = format!("{op:?}").split([' ', '{']).next().unwrap_or("?").to_string();
+        match kinds.iter_mut().find(|(n, _)| *n == k) {
+            Some(e) => e.1 += 1,
+            None => kinds.push((k, 1)),
+        }
+    }
+    report.ops = kinds;
+    let lowered = lower(&c.g, o.shape).map_err(CompileError::Fit)?;
+    report.hbm_bytes = lowered.hbm_bytes;
+
+    // The I/O window: weight image, then inputs, then outputs.
+    const A: u64 = 64;
+    let mut load = ProgramBuilder::new();
+    let mut weights: Vec<u8> = Vec::new();
+    for (t, d) in c.data.iter().enumerate() {
+        let Some(d) = d else { continue };
+        let at = (weights.len() as u64).next_multiple_of(A);
+        weights.resize(at as usize, 0);
+        weights.extend(d.iter().flat_map(|x| x.to_le_bytes()));
+        let mut done = 0u64;
+        let bytes = d.len() as u64 * 4;
+        while done < bytes {
+            let chunk = (bytes - done).min(1 << 30);
+            load.push(
+                Engine::DMA,
+                Instr::DmaCopy {
+                    src: Addr::guest(at + done),
+                    dst: Addr::hbm(lowered.tensors[t].offset + done),
+                    rows: 1,
+                    row_bytes: chunk as u32,
+                    src_stride: 0,
+                    dst_stride: 0,
+                },
+            );
+            done += chunk;
+        }
+    }
+    report.weight_bytes = weights.len() as u64;
+    load.push(Engine::DMA, Instr::Halt);
+    let mut window = (weights.len() as u64).next_multiple_of(A);
+    let mut place = |list: &[(String, TensorId, Vec<usize>)]| {
+        list.iter()
+            .map(|(name, t, shape)| {
+                let d = TensorDesc {
+                    name: name.clone(),
+                    elem: ElemType::F32,
+                    dims: shape.iter().map(|&x| x as u64).collect(),
+                    offset: window,
+                };
+                window = (window + elems(shape) as u64 * 4).next_multiple_of(A);
+                (d, *t)
+            })
+            .collect::<Vec<_>>()
+    };
+    let ins = place(&inputs);
+    let outs = place(&outputs);
+    let copy = |src: Addr, dst: Addr, bytes: u64| Instr::DmaCopy {
+        src,
+        dst,
+        rows: 1,
+        row_bytes: bytes as u32,
+        src_stride: 0,
+        dst_stride: 0,
+    };
+    let mut infer = lowered.program.clone();
+    let dma = match infer.streams.iter().position(|s| s.engine == Engine::DMA) {
+        Some(i) => i,
+        None => {
+            infer.streams.insert(0, vnpu_abi::Stream { engine: Engine::DMA, code: vec![Instr::Halt] });
+            0
+        }
+    };
+    let code = &mut infer.streams[dma].code;
+    if code.last() != Some(&Instr::Halt) {
+        code.push(Instr::Halt);
+    }
+    let halt = code.len() - 1;
+    for (d, t) in outs.iter().rev() {
+        let bytes = d.bytes().unwrap_or(0);
+        code.insert(halt, copy(Addr::hbm(lowered.tensors[*t].offset), Addr::guest(d.offset), bytes));
+    }
+    for (d, t) in ins.iter().rev() {
+        let bytes = d.bytes().unwrap_or(0);
+        code.insert(0, copy(Addr::guest(d.offset), Addr::hbm(lowered.tensors[*t].offset), bytes));
+    }
+    for (_, _, s) in inputs.iter().chain(&outputs) {
+        if elems(s) as u64 * 4 > u64::from(u32::MAX) {
+            return Err(CompileError::Fit(LowerError::Hbm {
+                need: elems(s) as u64 * 4,
+                have: u64::from(u32::MAX),
+            }));
+        }
+    }
+    let load = load.finish();
+    let shape = o.shape;
+    let limits = VnpuLimits {
+        sa: shape.sa,
+        vu: shape.vu,
+        sram_bytes: shape.sram_bytes,
+        hbm_bytes: shape.hbm_bytes,
+        guest: std::iter::once(0..window).collect(),
+    };
+    verify(&load, &limits).map_err(|e| CompileError::Verify { which: "load", reason: e.to_string() })?;
+    verify(&infer, &limits).map_err(|e| CompileError::Verify { which: "infer", reason: e.to_string() })?;
+    report.load_instructions = load.instruction_count();
+    report.infer_instructions = infer.instruction_count();
+    let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
+    let model = Model {
+        target: Target {
+            batch,
+            sa: shape.sa,
+            vu: shape.vu,
+            sram_bytes: shape.sram_bytes,
+            hbm_bytes: shape.hbm_bytes,
+        },
+        window_bytes: window,
+        inputs: ins.into_iter().map(|(d, _)| d).collect(),
+        outputs: outs.into_iter().map(|(d, _)| d).collect(),
+        load,
+        infer,
+        weights,
+    };
+    Ok(Compiled { model, report })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcasting_follows_numpy() {
+        assert_eq!(bcast_shape(&[4, 3], &[3]), Some(vec![4, 3]));
+        assert_eq!(bcast_shape(&[4, 1], &[1, 3]), Some(vec![4, 3]));
+        assert_eq!(bcast_shape(&[4, 2], &[3]), None);
+        assert_eq!(expand(&[1.0, 2.0], &[2], &[2, 2]), vec![1.0, 2.0, 1.0, 2.0]);
+        assert_eq!(expand(&[1.0, 2.0], &[2, 1], &[2, 2]), vec![1.0, 1.0, 2.0, 2.0]);
+    }
+
+    #[test]
+    fn erf_matches_known_values() {
+        for (x, want) in [
+            (0.0, 0.0),
+            (0.5, 0.520_499_877_813_046_5),
+            (1.0, 0.842_700_792_949_714_9),
+            (-2.0, -0.995_322_265_018_952_7),
+        ] {
+            assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {} want {want}", erf(x));
+        }
+    }
+}

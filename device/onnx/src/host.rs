@@ -1,0 +1,78 @@
+//! Running a compiled model in-process on the NPU model (no VM): the
+//! reference the VM path is compared with, and the functional model that
+//! `vnpu infer --in-process` and the benchmark time.
+
+use npu_model::memory::{read_f32s, write_f32s};
+use npu_model::{
+    run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VecGuestMemory,
+};
+use thiserror::Error;
+use vnpu_abi::model::Model;
+
+/// Why an in-process run failed.
+#[derive(Debug, Error)]
+pub enum HostError {
+    #[error("the model's {which} program failed: {error}")]
+    Exec { which: &'static str, error: ExecError },
+    #[error("input `{name}` has {got} elements, the model takes {want}")]
+    InputSize { name: String, got: usize, want: u64 },
+    #[error("{want} inputs expected, {got} given")]
+    InputCount { got: usize, want: usize },
+    #[error("guest memory: {0}")]
+    Memory(String),
+}
+
+/// A compiled model with its weights loaded into a private vNPU core.
+#[derive(Debug)]
+pub struct HostRunner {
+    board: BoardConfig,
+    model: Model,
+    sram: Sram,
+    hbm: LazyHbm,
+    guest: VecGuestMemory,
+}
+
+impl HostRunner {
+    /// Loads the weights (runs the load program once).
+    pub fn new(board: &BoardConfig, model: &Model) -> Result<Self, HostError> {
+        let mut guest = VecGuestMemory::new(0, model.window_bytes as usize);
+        guest.bytes[..model.weights.len()].copy_from_slice(&model.weights);
+        let mut r = Self {
+            board: board.clone(),
+            model: model.clone(),
+            sram: Sram::new(model.target.sram_bytes),
+            hbm: LazyHbm::new(model.target.hbm_bytes),
+            guest,
+        };
+        let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest: &mut r.guest };
+        run_program(&r.board, &r.model.load, Some(mem), None)
+            .map_err(|error| HostError::Exec { which: "load", error })?;
+        Ok(r)
+    }
+
+    /// One batch: `inputs` in the model's order, row-major f32. Returns
+    /// the outputs and the simulation's report.
+    pub fn infer(&mut self, inputs: &[&[f32]]) -> Result<(Vec<Vec<f32>>, TenantReport), HostError> {
+        if inputs.len() != self.model.inputs.len() {
+            return Err(HostError::InputCount { got: inputs.len(), want: self.model.inputs.len() });
+        }
+        for (d, x) in self.model.inputs.iter().zip(inputs) {
+            let want = d.elems().unwrap_or(0);
+            if x.len() as u64 != want {
+                return Err(HostError::InputSize { name: d.name.clone(), got: x.len(), want });
+            }
+            write_f32s(&mut self.guest, d.offset, x).map_err(|e| HostError::Memory(e.to_string()))?;
+        }
+        let mem = CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest };
+        let report = run_program(&self.board, &self.model.infer, Some(mem), None)
+            .map_err(|error| HostError::Exec { which: "infer", error })?;
+        let outs = self
+            .model
+            .outputs
+            .iter()
+            .map(|d| read_f32s(&self.guest, d.offset, d.elems().unwrap_or(0) as usize))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| HostError::Memory(e.to_string()))?;
+        Ok((outs, report))
+    }
+}

@@ -1,0 +1,14 @@
+//! ONNX models compiled to vNPU programs (`vnpu compile`,
+//! `docs/model-format.md`).
+//!
+//! [`load`] reads the protobuf (through the `onnx-protobuf` crate);
+//! [`compile`] folds constants, fuses, lowers with the workload library's
+//! tiled lowering and packs a [`vnpu_abi::model::Model`].
+
+pub mod compile;
+pub mod host;
+pub mod load;
+pub mod npy;
+
+pub use compile::{compile, compile_model, CompileError, CompileOptions, CompileReport, Compiled};
+pub use load::{load, LoadError, OnnxModel};

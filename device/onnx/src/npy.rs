@@ -1,0 +1,105 @@
+//! NumPy `.npy` arrays in and out (through the `npyz` crate): the input
+//! and output files of `vnpu infer`.
+
+use std::io::Write;
+
+use npyz::WriterBuilder;
+use thiserror::Error;
+
+/// A bad `.npy` file.
+#[derive(Debug, Error)]
+pub enum NpyError {
+    #[error("{path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path}: element type `{dtype}` (f32, f64, and integer arrays are read)")]
+    Type { path: String, dtype: String },
+    #[error("writing {path}: {reason}")]
+    Write { path: String, reason: String },
+}
+
+/// A row-major f32 array.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Array {
+    pub shape: Vec<u64>,
+    pub data: Vec<f32>,
+}
+
+/// Reads an array as f32 (f64 and integers converted). Fortran-order
+/// arrays are refused.
+pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
+    let err = |reason: String| NpyError::Read { path: path.into(), reason };
+    let npy = npyz::NpyFile::new(bytes).map_err(|e| err(e.to_string()))?;
+    if npy.order() != npyz::Order::C && npy.shape().len() > 1 {
+        return Err(err("Fortran-order arrays are not read (save with np.ascontiguousarray)".into()));
+    }
+    let shape = npy.shape().to_vec();
+    let dtype = npy.dtype();
+    let ts = match &dtype {
+        npyz::DType::Plain(ts) => ts.clone(),
+        other => return Err(NpyError::Type { path: path.into(), dtype: format!("{other:?}") }),
+    };
+    let s = ts.to_string();
+    let data: Vec<f32> = match (ts.type_char(), ts.size_field()) {
+        (npyz::TypeChar::Float, 4) => npy.into_vec::<f32>().map_err(|e| err(e.to_string()))?,
+        (npyz::TypeChar::Float, 8) => {
+            npy.into_vec::<f64>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+        }
+        (npyz::TypeChar::Int, 8) => {
+            npy.into_vec::<i64>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+        }
+        (npyz::TypeChar::Int, 4) => {
+            npy.into_vec::<i32>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+        }
+        _ => return Err(NpyError::Type { path: path.into(), dtype: s }),
+    };
+    Ok(Array { shape, data })
+}
+
+/// Reads a file.
+pub fn read_file(path: &std::path::Path) -> Result<Array, NpyError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| NpyError::Read { path: p.clone(), reason: e.to_string() })?;
+    read(&bytes, &p)
+}
+
+/// The `.npy` bytes of an f32 array.
+pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
+    let err = |reason: String| NpyError::Write { path: String::new(), reason };
+    let mut buf = Vec::new();
+    {
+        let mut w = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(&a.shape)
+            .writer(&mut buf)
+            .begin_nd()
+            .map_err(|e| err(e.to_string()))?;
+        w.extend(a.data.iter().copied()).map_err(|e| err(e.to_string()))?;
+        w.finish().map_err(|e| err(e.to_string()))?;
+    }
+    Ok(buf)
+}
+
+/// Writes an f32 array to a file.
+pub fn write_file(path: &std::path::Path, a: &Array) -> Result<(), NpyError> {
+    let p = path.display().to_string();
+    let bytes = to_bytes(a).map_err(|e| match e {
+        NpyError::Write { reason, .. } => NpyError::Write { path: p.clone(), reason },
+        e => e,
+    })?;
+    let mut f = std::fs::File::create(path)
+        .map_err(|e| NpyError::Write { path: p.clone(), reason: e.to_string() })?;
+    f.write_all(&bytes).map_err(|e| NpyError::Write { path: p, reason: e.to_string() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let a = Array { shape: vec![2, 3], data: vec![1.0, -2.5, 3.0, 0.0, f32::MAX, 1e-30] };
+        let b = read(&to_bytes(&a).unwrap(), "x").unwrap();
+        assert_eq!(a, b);
+        assert!(read(b"not npy", "x").is_err());
+    }
+}

@@ -1,0 +1,117 @@
+//! Compiled ONNX models run on the NPU model in-process, checked against
+//! ONNX Runtime (run by scripts/ort_ref.py in `.venv-onnx`, which
+//! scripts/setup.sh installs) and against the labels.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{compile, npy, CompileOptions};
+use npu_workloads::lower::VnpuShape;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures/onnx").join(name)
+}
+
+fn shape(board: &BoardConfig, sa: u32, vu: u32) -> VnpuShape {
+    VnpuShape {
+        sa,
+        vu,
+        sram_bytes: board.sram_bytes(),
+        hbm_bytes: 1 << 30,
+        sa_rows: board.core.sa_rows,
+        sa_cols: board.core.sa_cols,
+    }
+}
+
+/// ONNX Runtime's output `output` of `model` on `input` (NAME=FILE).
+fn ort(model: &Path, inputs: &[(&str, &Path)], output: &str) -> npy::Array {
+    let dir = std::env::temp_dir().join(format!("vnpu-ort-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join(model.file_stem().unwrap());
+    let py = root().join(".venv-onnx/bin/python");
+    let mut cmd = Command::new(&py);
+    cmd.arg(root().join("scripts/ort_ref.py")).arg(model).arg(&prefix);
+    for (n, p) in inputs {
+        cmd.arg(format!("{n}={}", p.display()));
+    }
+    let out = cmd
+        .args(["--output", output])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
+    assert!(out.status.success(), "ort_ref.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    npy::read_file(&PathBuf::from(format!("{}.{output}.npy", prefix.display()))).unwrap()
+}
+
+/// Max absolute error, max relative error (|d| / max(|ref|, 1e-6)); NaN
+/// anywhere gives NaN.
+fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let mut abs = 0f64;
+    let mut rel = 0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        if d.is_nan() {
+            return (f64::NAN, f64::NAN);
+        }
+        abs = abs.max(d);
+        rel = rel.max(d / f64::from(w).abs().max(1e-6));
+    }
+    (abs, rel)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] || x.is_nan() { i } else { b })
+}
+
+/// Compiles `model` for the whole test set as one batch, runs it, and
+/// compares with ONNX Runtime and the labels.
+fn check_classifier(model: &str, sa: u32, vu: u32) {
+    let board = BoardConfig::default();
+    let x = npy::read_file(&fixture("digits-x.npy")).unwrap();
+    let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let n = x.shape[0] as usize;
+    let bytes = std::fs::read(fixture(model)).unwrap();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: n as u32,
+        shapes: HashMap::new(),
+        outputs: Some(vec!["probabilities".into()]),
+    };
+    let c = compile(&bytes, &opts).unwrap();
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let (outs, _) = r.infer(&[&x.data]).unwrap();
+    let want = ort(&fixture(model), &[("X", &fixture("digits-x.npy"))], "probabilities");
+    assert_eq!(want.shape, vec![n as u64, 10]);
+    let (abs, rel) = errors(&outs[0], &want.data);
+    let classes = 10;
+    let agree = (0..n)
+        .filter(|&i| {
+            argmax(&outs[0][i * classes..][..classes]) == argmax(&want.data[i * classes..][..classes])
+        })
+        .count();
+    let correct =
+        (0..n).filter(|&i| argmax(&outs[0][i * classes..][..classes]) == y.data[i] as usize).count();
+    println!("{model} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} top-1 agree {agree}/{n} correct {correct}/{n}");
+    assert!(abs <= 1e-5, "{model}: max abs error {abs} against ONNX Runtime");
+    assert!(rel <= 1e-4, "{model}: max relative error {rel} against ONNX Runtime");
+    assert_eq!(agree, n, "{model}: top-1 differs from ONNX Runtime");
+    assert!(correct * 100 >= n * 95, "{model}: accuracy {correct}/{n}");
+}
+
+#[test]
+fn digits_mlp_relu_matches_onnx_runtime() {
+    check_classifier("digits-mlp.onnx", 1, 1);
+}
+
+#[test]
+fn digits_mlp_tanh_matches_onnx_runtime_on_two_engines_each() {
+    check_classifier("digits-mlp2.onnx", 2, 2);
+}
