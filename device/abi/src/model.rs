@@ -408,3 +408,113 @@ pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
     }
     Ok(())
 }
+
+/// The inference job `vnpu infer` hands a runner guest as its payload
+/// (`docs/model-format.md`, "Inference jobs"): a compiled model, the
+/// inputs of `runs` batches, and room for the outputs and per-run
+/// statistics the guest writes back. Little-endian.
+///
+/// | offset | size | field |
+/// | --- | --- | --- |
+/// | 0 | 4 | magic `"VNPJ"` |
+/// | 4 | 4 | version, 1 |
+/// | 8 | 4 | `runs` |
+/// | 12 | 4 | status (guest writes: 0 pending, 1 done, 2 failed) |
+/// | 16 | 16 | model: offset, length (u64 each) |
+/// | 32 | 16 | inputs: per run, each input in the model's order, f32 |
+/// | 48 | 16 | outputs (guest writes): per run, each output, f32 |
+/// | 64 | 16 | statistics (guest writes): per run [`STAT_WORDS`] u64 |
+/// | 80 | 176 | message (guest writes on failure; UTF-8, NUL-padded) |
+pub mod job {
+    use super::le_u64;
+    use crate::program::le_u32;
+
+    pub const MAGIC: [u8; 4] = *b"VNPJ";
+    pub const VERSION: u32 = 1;
+    pub const HEADER_BYTES: usize = 256;
+    pub const MESSAGE_AT: usize = 80;
+    pub const STATUS_AT: usize = 12;
+    pub const PENDING: u32 = 0;
+    pub const DONE: u32 = 1;
+    pub const FAILED: u32 = 2;
+    /// Statistics per run: guest wall ns (TSC), simulated cycles, SA, VU
+    /// and DMA active cycles, FLOPs, host ns spent on the request, 0.
+    pub const STAT_WORDS: usize = 8;
+
+    /// A job's header.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+    pub struct Header {
+        pub runs: u32,
+        pub status: u32,
+        pub model: (u64, u64),
+        pub inputs: (u64, u64),
+        pub outputs: (u64, u64),
+        pub stats: (u64, u64),
+    }
+
+    /// Why a payload is not a job.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum JobError {
+        BadMagic,
+        BadVersion(u32),
+        /// A section lies outside the payload or over the header.
+        BadSection(&'static str),
+    }
+
+    impl core::fmt::Display for JobError {
+        fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+            match self {
+                Self::BadMagic => write!(f, "the payload is not an inference job (bad magic)"),
+                Self::BadVersion(v) => write!(f, "job version {v} (expected {VERSION})"),
+                Self::BadSection(s) => write!(f, "the job's {s} section lies outside the payload"),
+            }
+        }
+    }
+
+    impl Header {
+        /// Reads and checks the header of a payload of `b.len()` bytes.
+        pub fn decode(b: &[u8]) -> Result<Self, JobError> {
+            if b.len() < HEADER_BYTES || b[0..4] != MAGIC {
+                return Err(JobError::BadMagic);
+            }
+            let v = le_u32(b, 4);
+            if v != VERSION {
+                return Err(JobError::BadVersion(v));
+            }
+            let sec = |at: usize| (le_u64(b, at), le_u64(b, at + 8));
+            let h = Header {
+                runs: le_u32(b, 8),
+                status: le_u32(b, STATUS_AT),
+                model: sec(16),
+                inputs: sec(32),
+                outputs: sec(48),
+                stats: sec(64),
+            };
+            for (name, (off, len)) in
+                [("model", h.model), ("inputs", h.inputs), ("outputs", h.outputs), ("statistics", h.stats)]
+            {
+                let end = off.checked_add(len).ok_or(JobError::BadSection(name))?;
+                if off < HEADER_BYTES as u64 || end > b.len() as u64 {
+                    return Err(JobError::BadSection(name));
+                }
+            }
+            Ok(h)
+        }
+
+        /// The header bytes (message empty).
+        pub fn encode(&self) -> [u8; HEADER_BYTES] {
+            let mut b = [0u8; HEADER_BYTES];
+            b[0..4].copy_from_slice(&MAGIC);
+            b[4..8].copy_from_slice(&VERSION.to_le_bytes());
+            b[8..12].copy_from_slice(&self.runs.to_le_bytes());
+            b[12..16].copy_from_slice(&self.status.to_le_bytes());
+            for (at, (off, len)) in
+                [(16, self.model), (32, self.inputs), (48, self.outputs), (64, self.stats)]
+            {
+                b[at..at + 8].copy_from_slice(&off.to_le_bytes());
+                b[at + 8..at + 16].copy_from_slice(&len.to_le_bytes());
+            }
+            b
+        }
+    }
+}

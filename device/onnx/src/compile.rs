@@ -957,10 +957,16 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         });
     }
     for n in &nodes {
-        let outs = c.node(n).map_err(|reason| CompileError::Node {
-            node: n.name.clone(),
-            op: n.op.clone(),
-            reason,
+        let outs = c.node(n).map_err(|mut reason| {
+            if o.outputs.is_none() && m.outputs.len() > 1 {
+                let names: Vec<&str> = m.outputs.iter().map(|x| x.name.as_str()).collect();
+                reason.push_str(&format!(
+                    "; to leave it out, compile only the outputs that do not need it (--output NAME; this \
+                     model's outputs: {})",
+                    names.join(", ")
+                ));
+            }
+            CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
         })?;
         for (name, v) in n.outputs.iter().zip(outs) {
             if !name.is_empty() {

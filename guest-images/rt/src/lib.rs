@@ -6,7 +6,7 @@
 //! mode at once:
 //!
 //! 1. `_start` (CPL0, entered by the VMM in long mode with `rdi` = memory
-//!    size and `rsi` = TSC kHz) loads a GDT with user segments and a TSS,
+//!    size, `rsi` = TSC kHz, `rdx`/`rcx` = the payload's address/length) loads a GDT with user segments and a TSS,
 //!    an IDT (exceptions print and exit; vector [`NPU_VECTOR`] counts
 //!    interrupts in [`IRQ_COUNT`]; spurious vector 0xff), enables the
 //!    local APIC, makes the VMM's identity map user-accessible (RAM and
@@ -52,6 +52,8 @@ pub static IRQ_COUNT: AtomicU32 = AtomicU32::new(0);
 
 static MEM_SIZE: AtomicUsize = AtomicUsize::new(0);
 static TSC_KHZ: AtomicUsize = AtomicUsize::new(0);
+static PAYLOAD: AtomicUsize = AtomicUsize::new(0);
+static PAYLOAD_LEN: AtomicUsize = AtomicUsize::new(0);
 
 /// What the application gets.
 #[derive(Debug)]
@@ -62,6 +64,10 @@ pub struct Env {
     pub tsc_khz: u64,
     /// DMA memory for the driver (identity-mapped).
     pub dma: vnpu_driver::DmaRegion,
+    /// The VMM's payload (`rdx`, `rcx` at entry; docs/guest-boot.md):
+    /// guest address and length, identity-mapped, at the top of RAM and
+    /// outside [`Env::dma`]. `None` without one.
+    pub payload: Option<(u64, usize)>,
 }
 
 // ---------------------------------------------------------------- console
@@ -319,9 +325,11 @@ fn gate(handler: u64, dpl: u64) -> (u64, u64) {
     (lo, handler >> 32)
 }
 
-extern "C" fn kernel_main(memory: u64, tsc_khz: u64) -> ! {
+extern "C" fn kernel_main(memory: u64, tsc_khz: u64, payload: u64, payload_len: u64) -> ! {
     MEM_SIZE.store(memory as usize, Ordering::Relaxed);
     TSC_KHZ.store(tsc_khz as usize, Ordering::Relaxed);
+    PAYLOAD.store(payload as usize, Ordering::Relaxed);
+    PAYLOAD_LEN.store(payload_len as usize, Ordering::Relaxed);
     // SAFETY: single-threaded CPL0 set-up of the descriptor tables, page
     // tables and APIC, before any user code runs.
     unsafe {
@@ -417,12 +425,17 @@ extern "C" fn user_entry() -> ! {
         println!("this guest needs --memory of at least {} MiB", MIN_MEMORY >> 20);
         exit(2);
     }
-    // SAFETY: [DMA_START, memory) is RAM nothing else in the guest uses,
+    let (at, len) = (PAYLOAD.load(Ordering::Relaxed) as u64, PAYLOAD_LEN.load(Ordering::Relaxed));
+    let payload =
+        (len > 0 && at >= DMA_START && at.saturating_add(len as u64) <= memory).then_some((at, len));
+    // DMA memory ends where the payload starts.
+    let dma_end = payload.map_or(memory, |(at, _)| at);
+    // SAFETY: [DMA_START, dma_end) is RAM nothing else in the guest uses,
     // identity-mapped, and the device sees it at the same addresses.
     let dma = unsafe {
-        vnpu_driver::DmaRegion::new(DMA_START as *mut u8, DMA_START, (memory - DMA_START) as usize)
+        vnpu_driver::DmaRegion::new(DMA_START as *mut u8, DMA_START, (dma_end - DMA_START) as usize)
     };
-    let mut env = Env { memory, tsc_khz: TSC_KHZ.load(Ordering::Relaxed) as u64, dma };
+    let mut env = Env { memory, tsc_khz: TSC_KHZ.load(Ordering::Relaxed) as u64, dma, payload };
     // SAFETY: `guest_main` is the application's entry, defined once.
     let code = unsafe { guest_main(&mut env) };
     exit(code)

@@ -3,6 +3,7 @@
 mod capture;
 mod demo;
 mod manage;
+mod model;
 mod profile;
 mod scenario;
 
@@ -93,6 +94,78 @@ enum Command {
         /// The vNPU to give the VM (needs at least 3 MiB of SRAM).
         #[arg(long = "vnpu", default_value = "type=small", value_parser = parse_vnpu)]
         vnpu: vnpu_device::VnpuSpec,
+        /// Board config file (TOML); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+    },
+    /// Compile an ONNX model for a vNPU shape (docs/model-format.md).
+    ///
+    /// Reads MODEL.onnx, fixes its shapes (free leading dimensions = --batch,
+    /// others from --shape), folds constants, fuses biases and activations
+    /// into matrix products, lowers the rest with the workload library's
+    /// tiled lowering for one core of the --vnpu shape, checks both programs
+    /// with the hypervisor's verifier and writes one file: programs,
+    /// weights, input and output names and shapes. An unsupported operator
+    /// or attribute is refused with the node's name, op type and reason; a
+    /// model that does not fit the vNPU's SRAM/HBM with what does not fit.
+    Compile {
+        /// The ONNX model.
+        model: PathBuf,
+        /// The vNPU to compile for (one core of it): `sa=N,vu=M,sram=SIZE,hbm=SIZE` or `type=...`.
+        #[arg(long = "vnpu", default_value = "sa=1,vu=1,sram=8M,hbm=512M", value_parser = parse_vnpu)]
+        vnpu: vnpu_device::VnpuSpec,
+        /// Samples per request: the value of every free leading dimension.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Element type of the SA operands (only f32 so far).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// A static shape for an input, `NAME=D0,D1,...` (repeatable).
+        #[arg(long = "shape", value_parser = model::parse_shape)]
+        shapes: Vec<(String, Vec<usize>)>,
+        /// Compile only these outputs (repeatable; default: all of the
+        /// model's). scikit-learn classifiers: `--output probabilities`.
+        #[arg(long = "output")]
+        outputs: Vec<String>,
+        /// Board config file (TOML): the SA size the lowering tiles for.
+        #[arg(long)]
+        board: Option<PathBuf>,
+        /// The compiled model to write.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+    },
+    /// Run a compiled model in a VM: the runner guest runs it on its vNPU
+    /// through the driver (docs/inference-guests.md).
+    ///
+    /// The inputs (NumPy .npy, f32/f64/int) must have the model's shape, or
+    /// a leading dimension that is a multiple of the compiled batch (one
+    /// request per batch). Prints the latency per batch (guest wall time and
+    /// simulated NPU time, min/median/max), the SA/VU counters, and the
+    /// top-k of each output row; --output writes the outputs as .npy.
+    Infer {
+        /// The compiled model (`vnpu compile`).
+        model: PathBuf,
+        /// An input .npy, `FILE` or `NAME=FILE`, in the model's input order (repeatable).
+        #[arg(long = "input", required = true)]
+        inputs: Vec<String>,
+        /// The vNPU to give the VM (default: exactly the shape compiled for).
+        #[arg(long = "vnpu", value_parser = parse_vnpu)]
+        vnpu: Option<vnpu_device::VnpuSpec>,
+        /// Write the output to this .npy (several outputs: FILE.<i>.<name>.npy).
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Print the k largest entries of each output row (0: none).
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Rows to print the top-k of.
+        #[arg(long, default_value_t = 5)]
+        show: usize,
+        /// Run on the NPU model in this process instead of in a VM.
+        #[arg(long)]
+        in_process: bool,
+        /// The runner guest ELF (default: the one build-guests.sh builds).
+        #[arg(long)]
+        guest: Option<PathBuf>,
         /// Board config file (TOML); default: the built-in board.
         #[arg(long)]
         board: Option<PathBuf>,
@@ -389,6 +462,8 @@ enum CliError {
     #[error(transparent)]
     Demo(#[from] demo::DemoError),
     #[error(transparent)]
+    Model(#[from] model::ModelCmdError),
+    #[error(transparent)]
     Manage(#[from] vnpu_manager::StoreError),
     #[error(transparent)]
     Control(#[from] vnpu_manager::ControlError),
@@ -538,6 +613,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 name: "vm".into(),
                 linux,
                 remote_vnpus,
+                payload: None,
             };
             let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
             if !managed.is_empty() {
@@ -565,6 +641,22 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok((code & 0xff) as u8);
         }
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
+        Command::Compile { model, vnpu, batch, dtype, shapes, outputs, board: path, out } => {
+            model::compile(&model, &vnpu, &board(&path)?, batch, &dtype, shapes, outputs, &out)?;
+        }
+        Command::Infer { model, inputs, vnpu, output, top, show, in_process, guest, board: path } => {
+            return Ok(model::infer(model::InferArgs {
+                model,
+                inputs,
+                spec: vnpu,
+                board: board(&path)?,
+                guest,
+                output,
+                top,
+                show,
+                in_process,
+            })?);
+        }
         Command::Verify { file, vnpu, memory } => {
             let bytes = std::fs::read(&file)
                 .map_err(|source| CliError::Read { path: file.display().to_string(), source })?;

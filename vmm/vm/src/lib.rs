@@ -51,6 +51,9 @@ pub const EXIT_PORT: u16 = 0xf4;
 /// Smallest guest memory: page tables, GDT and stack live below 1 MiB and
 /// the ELF is expected at 1 MiB or above.
 pub const MIN_MEMORY: u64 = 2 << 20;
+/// Lowest guest address of a payload ([`VmConfig::payload`]): above the
+/// user-mode runtime's stack, heap and first DMA megabytes.
+pub const PAYLOAD_MIN: u64 = 32 << 20;
 
 /// Guest-physical base of the system controller page: a 32-bit write at
 /// +0 prints its low byte on the console, a 32-bit write at +4 ends the VM
@@ -154,7 +157,7 @@ pub struct Vm<W: Write> {
     _kvm: Kvm,
     vm: Arc<VmFd>,
     vcpu: VcpuFd,
-    _memory: GuestMemoryMmap<()>,
+    memory: GuestMemoryMmap<()>,
     /// Shared with the console-input thread ([`Vm::forward_input`]).
     serial: Arc<Mutex<Uart<W>>>,
     cmos: cmos::Cmos,
@@ -162,6 +165,8 @@ pub struct Vm<W: Write> {
     msi: Arc<Mutex<irq::MsiRoutes>>,
     doorbells: Vec<Doorbells>,
     benchmark: Option<BenchmarkHook>,
+    /// Guest address and length of [`VmConfig::payload`].
+    payload: Option<(u64, u64)>,
 }
 
 /// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
@@ -293,6 +298,12 @@ pub struct VmConfig {
     /// socket of each, attached as PCI functions after `vnpus`. Guest RAM
     /// is then a sealed memfd shared with the daemon.
     pub remote_vnpus: Vec<std::path::PathBuf>,
+    /// Bytes placed at the top of a bare-metal guest's RAM (page-aligned,
+    /// above 32 MiB), handed to it in `rdx` (address) and `rcx` (length)
+    /// and readable after the run with [`Vm::read_payload`]: how `vnpu
+    /// infer` passes a model and its inputs in and gets the outputs back
+    /// (docs/guest-boot.md).
+    pub payload: Option<Vec<u8>>,
 }
 
 impl VmConfig {
@@ -308,6 +319,7 @@ impl VmConfig {
             name: "vm".into(),
             linux: None,
             remote_vnpus: Vec::new(),
+            payload: None,
         }
     }
 
@@ -407,6 +419,33 @@ impl<W: Write> Vm<W> {
         };
         let (cs, ds) = if linux.is_some() { (linux::BOOT_CS, linux::BOOT_DS) } else { (0x8, 0x10) };
         Self::write_boot_tables(&memory, cs, ds)?;
+        let payload = match (&cfg.payload, linux) {
+            (Some(p), None) => {
+                let at = memory_bytes
+                    .checked_sub(p.len() as u64)
+                    .map(|a| a & !0xfff)
+                    .filter(|&a| a >= PAYLOAD_MIN);
+                let at = at.ok_or_else(|| VmError::Memory {
+                    size: memory_bytes,
+                    reason: format!(
+                        "the payload of {} bytes must fit above {} MiB: give the VM more memory",
+                        p.len(),
+                        PAYLOAD_MIN >> 20
+                    ),
+                })?;
+                memory
+                    .write_slice(p, GuestAddress(at))
+                    .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") })?;
+                Some((at, p.len() as u64))
+            }
+            (Some(_), Some(_)) => {
+                return Err(VmError::Memory {
+                    size: memory_bytes,
+                    reason: "a payload is for bare-metal guests".into(),
+                })
+            }
+            (None, _) => None,
+        };
         let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
         if linux.is_some() {
             Self::linux_vcpu(&kvm, &vcpu)?;
@@ -437,6 +476,8 @@ impl<W: Write> Vm<W> {
             // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
             regs.rdi = memory_bytes;
             regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
+            // The payload (0, 0 without one).
+            (regs.rdx, regs.rcx) = payload.unwrap_or((0, 0));
         }
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
 
@@ -453,14 +494,26 @@ impl<W: Write> Vm<W> {
             _kvm: kvm,
             vm,
             vcpu,
-            _memory: memory,
+            memory,
             serial: Arc::new(Mutex::new(Serial::new(IrqLine(irq), console))),
             cmos: cmos::Cmos::default(),
             pci,
             msi,
             doorbells,
             benchmark: None,
+            payload,
         })
+    }
+
+    /// The payload as the guest left it ([`VmConfig::payload`]), or `None`
+    /// when the VM was given none.
+    pub fn read_payload(&self) -> Result<Option<Vec<u8>>, VmError> {
+        let Some((at, len)) = self.payload else { return Ok(None) };
+        let mut b = vec![0u8; len as usize];
+        self.memory
+            .read_slice(&mut b, GuestAddress(at))
+            .map_err(|e| VmError::Memory { size: len, reason: format!("reading the payload back: {e}") })?;
+        Ok(Some(b))
     }
 
     /// Calls `hook` for every write to a benchmark register

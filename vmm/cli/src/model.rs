@@ -1,0 +1,420 @@
+//! `vnpu compile` (ONNX -> compiled model) and `vnpu infer` (a VM whose
+//! runner guest runs a compiled model on its vNPU; docs/model-format.md).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::npy::{self, Array};
+use npu_onnx::{CompileOptions, CompileReport};
+use npu_workloads::lower::VnpuShape;
+use vnpu_abi::model::{job, Model};
+
+/// Where `scripts/build-guests.sh` puts the runner guest.
+pub const DEFAULT_GUEST: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../../guest-images/target/x86_64-unknown-none/release/infer");
+
+/// Why `vnpu compile` or `vnpu infer` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelCmdError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {reason}")]
+    Model { path: String, reason: String },
+    #[error(transparent)]
+    Compile(#[from] npu_onnx::CompileError),
+    #[error(transparent)]
+    Npy(#[from] npu_onnx::npy::NpyError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Vm(#[from] vnpu_vm::VmError),
+    #[error("the runner guest is not built ({0}); run `bash scripts/build-guests.sh` first")]
+    NoGuest(String),
+    #[error("the runner guest failed (exit code {code}): {message}")]
+    Guest { code: u32, message: String },
+    #[error("in-process run: {0}")]
+    Host(#[from] npu_onnx::host::HostError),
+}
+
+/// The vNPU core a `--vnpu` spec gives (one core: a model runs on one).
+pub fn shape(spec: &vnpu_device::VnpuSpec, board: &BoardConfig) -> VnpuShape {
+    VnpuShape {
+        sa: spec.sa_per_core,
+        vu: spec.vu_per_core,
+        sram_bytes: spec.sram_per_core,
+        hbm_bytes: spec.hbm_per_core,
+        sa_rows: board.core.sa_rows,
+        sa_cols: board.core.sa_cols,
+    }
+}
+
+/// `NAME=D0,D1,...`.
+pub fn parse_shape(s: &str) -> Result<(String, Vec<usize>), String> {
+    let (name, dims) = s.split_once('=').ok_or(format!("`{s}` is not NAME=D0,D1,..."))?;
+    let dims = dims
+        .split(',')
+        .map(|d| {
+            d.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&d| d > 0)
+                .ok_or(format!("`{d}` in `{s}` is not a positive size"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((name.trim().to_string(), dims))
+}
+
+fn print_report(r: &CompileReport, m: &Model) {
+    let ops: Vec<String> = r.ops.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+    println!(
+        "graph         {} nodes: {} folded at compile time, {} fused, {} free (reshapes, identities)",
+        r.nodes, r.folded, r.fused, r.aliases
+    );
+    println!("vNPU ops      {}", ops.join(", "));
+    println!(
+        "target        batch {} on {} SA + {} VU, {} KiB SRAM; {} MACs per batch",
+        m.target.batch,
+        m.target.sa,
+        m.target.vu,
+        m.target.sram_bytes >> 10,
+        r.macs
+    );
+    println!(
+        "memory        {} bytes of weights, {} bytes of HBM, I/O window {} bytes",
+        r.weight_bytes, r.hbm_bytes, m.window_bytes
+    );
+    println!("programs      load {} instructions, infer {}", r.load_instructions, r.infer_instructions);
+    for (what, list) in [("input", &m.inputs), ("output", &m.outputs)] {
+        for t in list.iter() {
+            println!("{what:<13} {} f32 {:?}", t.name, t.dims);
+        }
+    }
+}
+
+/// `vnpu compile`.
+#[allow(clippy::too_many_arguments)]
+pub fn compile(
+    model: &Path,
+    spec: &vnpu_device::VnpuSpec,
+    board: &BoardConfig,
+    batch: u32,
+    dtype: &str,
+    shapes: Vec<(String, Vec<usize>)>,
+    outputs: Vec<String>,
+    out: &Path,
+) -> Result<(), ModelCmdError> {
+    if dtype != "f32" {
+        return Err(ModelCmdError::Usage(format!(
+            "--dtype {dtype}: only f32 is compiled so far (bf16 SA operands are not yet lowered)"
+        )));
+    }
+    if batch == 0 {
+        return Err(ModelCmdError::Usage("--batch must be at least 1".into()));
+    }
+    let bytes = std::fs::read(model)
+        .map_err(|source| ModelCmdError::Io { path: model.display().to_string(), source })?;
+    let opts = CompileOptions {
+        shape: shape(spec, board),
+        batch,
+        shapes: shapes.into_iter().collect::<HashMap<_, _>>(),
+        outputs: (!outputs.is_empty()).then_some(outputs),
+    };
+    let c = npu_onnx::compile(&bytes, &opts)?;
+    print_report(&c.report, &c.model);
+    std::fs::write(out, c.model.encode())
+        .map_err(|source| ModelCmdError::Io { path: out.display().to_string(), source })?;
+    println!("wrote         {}", out.display());
+    Ok(())
+}
+
+/// What `vnpu infer` is asked to do.
+#[derive(Debug)]
+pub struct InferArgs {
+    pub model: PathBuf,
+    pub inputs: Vec<String>,
+    pub spec: Option<vnpu_device::VnpuSpec>,
+    pub board: BoardConfig,
+    pub guest: Option<PathBuf>,
+    pub output: Option<PathBuf>,
+    pub top: usize,
+    pub show: usize,
+    pub in_process: bool,
+}
+
+fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
+    let bytes = std::fs::read(path)
+        .map_err(|source| ModelCmdError::Io { path: path.display().to_string(), source })?;
+    Model::decode(&bytes)
+        .map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })
+}
+
+/// The inputs, matched to the model's by name (`NAME=FILE`) or order, and
+/// the number of batches they make.
+fn gather_inputs(m: &Model, args: &[String]) -> Result<(Vec<Array>, u32), ModelCmdError> {
+    if args.len() != m.inputs.len() {
+        let names: Vec<&str> = m.inputs.iter().map(|t| t.name.as_str()).collect();
+        return Err(ModelCmdError::Usage(format!(
+            "the model has {} input(s) ({}); {} --input given",
+            m.inputs.len(),
+            names.join(", "),
+            args.len()
+        )));
+    }
+    let mut by_name = HashMap::new();
+    for (i, a) in args.iter().enumerate() {
+        let (name, path) = match a.split_once('=') {
+            Some((n, p)) if m.inputs.iter().any(|t| t.name == n) => (n.to_string(), p),
+            _ => (m.inputs[i].name.clone(), a.as_str()),
+        };
+        by_name.insert(name, npy::read_file(Path::new(path))?);
+    }
+    let mut runs = None;
+    let mut out = Vec::new();
+    for t in &m.inputs {
+        let a = by_name
+            .remove(&t.name)
+            .ok_or_else(|| ModelCmdError::Usage(format!("no --input for `{}`", t.name)))?;
+        let batch = t.dims[0];
+        let ok = a.shape.len() == t.dims.len() && a.shape[1..] == t.dims[1..] && a.shape[0] % batch == 0;
+        if !ok || a.shape[0] == 0 {
+            return Err(ModelCmdError::Usage(format!(
+                "input `{}` has shape {:?}; the model takes {:?} per batch (a leading dimension that is a multiple of {batch} runs several batches)",
+                t.name, a.shape, t.dims
+            )));
+        }
+        let r = (a.shape[0] / batch) as u32;
+        if *runs.get_or_insert(r) != r {
+            return Err(ModelCmdError::Usage("the inputs make different numbers of batches".into()));
+        }
+        out.push(a);
+    }
+    Ok((out, runs.unwrap_or(1)))
+}
+
+/// Per-run statistics (the job's statistics section, or the in-process runs).
+#[derive(Clone, Copy, Debug, Default)]
+struct RunStat {
+    wall_ns: u64,
+    cycles: u64,
+    sa_active: u64,
+    vu_active: u64,
+}
+
+/// `vnpu infer`: returns the exit code.
+pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
+    let m = read_model(&a.model)?;
+    let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
+    let (outputs, stats, path) = if a.in_process {
+        let mut r = HostRunner::new(&a.board, &m)?;
+        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
+        let mut stats = Vec::new();
+        for run in 0..runs as usize {
+            let parts: Vec<&[f32]> = inputs
+                .iter()
+                .zip(&m.inputs)
+                .map(|(x, t)| {
+                    let n = t.elems().unwrap_or(0) as usize;
+                    &x.data[run * n..(run + 1) * n]
+                })
+                .collect();
+            let t0 = std::time::Instant::now();
+            let (o, rep) = r.infer(&parts)?;
+            let wall_ns = t0.elapsed().as_nanos() as u64;
+            let tot = rep.totals();
+            stats.push(RunStat {
+                wall_ns,
+                cycles: rep.cycles.ceil() as u64,
+                sa_active: tot.sa_active_cycles.round() as u64,
+                vu_active: tot.vu_active_cycles.round() as u64,
+            });
+            for (acc, v) in outs.iter_mut().zip(o) {
+                acc.extend(v);
+            }
+        }
+        (outs, stats, "in-process (NPU model, no VM)")
+    } else {
+        let (o, s) = run_vm(&a, &m, &inputs, runs)?;
+        (o, s, "VM (runner guest, driver, ring, verifier, model, MSI-X)")
+    };
+    report(&a, &m, runs, &outputs, &stats, path)?;
+    Ok(0)
+}
+
+fn run_vm(
+    a: &InferArgs,
+    m: &Model,
+    inputs: &[Array],
+    runs: u32,
+) -> Result<(Vec<Vec<f32>>, Vec<RunStat>), ModelCmdError> {
+    let guest = a.guest.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_GUEST));
+    if !guest.exists() {
+        return Err(ModelCmdError::NoGuest(guest.display().to_string()));
+    }
+    let t = m.target;
+    let spec = match a.spec {
+        Some(s) => s,
+        None => vnpu_device::VnpuSpec::parse(&format!(
+            "sa={},vu={},sram={},hbm={}",
+            t.sa, t.vu, t.sram_bytes, t.hbm_bytes
+        ))
+        .map_err(|e| ModelCmdError::Usage(e.to_string()))?,
+    };
+    // The job: header, model, inputs, outputs, statistics.
+    let model_bytes = m.encode();
+    let in_bytes: usize = inputs.iter().map(|x| x.data.len() * 4).sum();
+    let out_bytes: usize =
+        m.outputs.iter().map(|t| t.bytes().unwrap_or(0) as usize).sum::<usize>() * runs as usize;
+    let stat_bytes = job::STAT_WORDS * 8 * runs as usize;
+    let align = |x: usize| x.next_multiple_of(64);
+    let model_at = job::HEADER_BYTES;
+    let in_at = align(model_at + model_bytes.len());
+    let out_at = align(in_at + in_bytes);
+    let stat_at = align(out_at + out_bytes);
+    let total = stat_at + stat_bytes;
+    let mut p = vec![0u8; total];
+    let h = job::Header {
+        runs,
+        status: job::PENDING,
+        model: (model_at as u64, model_bytes.len() as u64),
+        inputs: (in_at as u64, in_bytes as u64),
+        outputs: (out_at as u64, out_bytes as u64),
+        stats: (stat_at as u64, stat_bytes as u64),
+    };
+    p[..job::HEADER_BYTES].copy_from_slice(&h.encode());
+    p[model_at..model_at + model_bytes.len()].copy_from_slice(&model_bytes);
+    // Interleave per run: each input's batch slice in the model's order.
+    let mut at = in_at;
+    for run in 0..runs as usize {
+        for (x, d) in inputs.iter().zip(&m.inputs) {
+            let n = d.elems().unwrap_or(0) as usize;
+            for v in &x.data[run * n..(run + 1) * n] {
+                p[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                at += 4;
+            }
+        }
+    }
+    // Memory: the runtime's 24 MiB, the program copies and window in DMA
+    // memory, the payload on top; at least 64 MiB.
+    let need = (32u64 << 20) + 2 * (m.window_bytes + model_bytes.len() as u64) + total as u64;
+    let memory = need.next_multiple_of(16 << 20).max(64 << 20);
+    if memory > 1 << 30 {
+        return Err(ModelCmdError::Usage(format!(
+            "the job needs {} MiB of guest memory; a bare-metal guest has at most 1 GiB (run fewer batches)",
+            memory >> 20
+        )));
+    }
+    let mut cfg = vnpu_vm::VmConfig::new(memory, guest).vnpus(&[spec]);
+    cfg.board = a.board.clone();
+    cfg.payload = Some(p);
+    let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
+    let code = vm.run()?;
+    let back = vm.read_payload()?.unwrap_or_default();
+    let status =
+        back.get(job::STATUS_AT..job::STATUS_AT + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    if code != 0 || status != Some(job::DONE) {
+        let msg = back
+            .get(job::MESSAGE_AT..job::HEADER_BYTES)
+            .map(|b| String::from_utf8_lossy(b).trim_end_matches('\0').to_string())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "no message (see the guest's console output above)".into());
+        return Err(ModelCmdError::Guest { code, message: msg });
+    }
+    let f32s = |b: &[u8]| {
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>()
+    };
+    let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
+    let mut at = out_at;
+    for _ in 0..runs {
+        for (acc, d) in outs.iter_mut().zip(&m.outputs) {
+            let n = d.bytes().unwrap_or(0) as usize;
+            acc.extend(f32s(&back[at..at + n]));
+            at += n;
+        }
+    }
+    let stats = back[stat_at..stat_at + stat_bytes]
+        .chunks_exact(job::STAT_WORDS * 8)
+        .map(|c| {
+            let w = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            RunStat { wall_ns: w(0), cycles: w(1), sa_active: w(2), vu_active: w(3) }
+        })
+        .collect();
+    Ok((outs, stats))
+}
+
+fn min_med_max(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    (v[0], v[v.len() / 2], v[v.len() - 1])
+}
+
+fn report(
+    a: &InferArgs,
+    m: &Model,
+    runs: u32,
+    outputs: &[Vec<f32>],
+    stats: &[RunStat],
+    path: &str,
+) -> Result<(), ModelCmdError> {
+    let t = m.target;
+    let clock = f64::from(a.board.clock_mhz) * 1e6;
+    println!("ran           {runs} batch(es) of {} on {} SA + {} VU, {path}", t.batch, t.sa, t.vu);
+    let wall = min_med_max(stats.iter().map(|s| s.wall_ns as f64 / 1e3).collect());
+    let npu = min_med_max(stats.iter().map(|s| s.cycles as f64 / clock * 1e6).collect());
+    println!(
+        "latency       per batch: {} wall min/median/max {:.1}/{:.1}/{:.1} us; simulated NPU time {:.1}/{:.1}/{:.1} us",
+        if a.in_process { "host" } else { "guest" },
+        wall.0,
+        wall.1,
+        wall.2,
+        npu.0,
+        npu.1,
+        npu.2
+    );
+    let cycles: u64 = stats.iter().map(|s| s.cycles).sum();
+    let (sa, vu): (u64, u64) =
+        (stats.iter().map(|s| s.sa_active).sum(), stats.iter().map(|s| s.vu_active).sum());
+    let c = cycles.max(1) as f64;
+    println!(
+        "counters      {cycles} cycles; SA active {sa} ({:.1}% of {} SA), VU active {vu} ({:.1}% of {} VU)",
+        100.0 * sa as f64 / (c * f64::from(t.sa)),
+        t.sa,
+        100.0 * vu as f64 / (c * f64::from(t.vu)),
+        t.vu
+    );
+    for (d, v) in m.outputs.iter().zip(outputs) {
+        let per = d.elems().unwrap_or(0) as usize / (t.batch as usize).max(1);
+        let samples = v.len() / per.max(1);
+        if a.top > 0 && per > 1 {
+            for s in 0..samples.min(a.show) {
+                let row = &v[s * per..(s + 1) * per];
+                let mut idx: Vec<usize> = (0..per).collect();
+                idx.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
+                let top: Vec<String> =
+                    idx.iter().take(a.top).map(|&i| format!("{i}:{:.4}", row[i])).collect();
+                println!("{:<13} sample {s}: top-{} {}", d.name, a.top.min(per), top.join(" "));
+            }
+            if samples > a.show {
+                println!("{:<13} ... {} more samples (--show N prints more)", d.name, samples - a.show);
+            }
+        }
+    }
+    if let Some(path) = &a.output {
+        for (i, (d, v)) in m.outputs.iter().zip(outputs).enumerate() {
+            let mut shape = d.dims.clone();
+            shape[0] *= u64::from(runs);
+            let p = if m.outputs.len() == 1 {
+                path.clone()
+            } else {
+                let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
+                path.with_file_name(format!("{stem}.{i}.{}.npy", d.name.replace(['/', ':'], "_")))
+            };
+            npy::write_file(&p, &Array { shape, data: v.clone() })?;
+            println!("wrote         {} ({})", p.display(), d.name);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,157 @@
+//! Bring your own model, end to end as a user runs it: `vnpu compile` an
+//! ONNX model trained by scikit-learn, `vnpu infer` it in a VM (the runner
+//! guest, the driver, the ring, the verifier, the model, MSI-X), and check
+//! the outputs against ONNX Runtime (scripts/ort_ref.py in .venv-onnx,
+//! installed by scripts/setup.sh) and the test labels.
+//!
+//! Needs /dev/kvm and the guests built (scripts/build-guests.sh).
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use npu_onnx::npy;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> String {
+    root().join("tests/fixtures/onnx").join(name).display().to_string()
+}
+
+fn vnpu(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_vnpu")).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+fn tmp(name: &str) -> String {
+    let d = std::env::temp_dir().join(format!("vnpu-onnx-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name).display().to_string()
+}
+
+fn ort(model: &str, output: &str) -> npy::Array {
+    let prefix = tmp(&format!("ort-{}", Path::new(model).file_stem().unwrap().to_string_lossy()));
+    let py = root().join(".venv-onnx/bin/python");
+    let out = Command::new(&py)
+        .arg(root().join("scripts/ort_ref.py"))
+        .args([model, &prefix, &format!("X={}", fixture("digits-x.npy")), "--output", output])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    npy::read_file(Path::new(&format!("{prefix}.{output}.npy"))).unwrap()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] || x.is_nan() { i } else { b })
+}
+
+/// Compiles `model` at `batch`, runs all 450 test images through a VM
+/// (450 / batch requests), and checks every output against ONNX Runtime
+/// and the labels; the in-process run must give the same bits.
+fn end_to_end(model: &str, vnpu_spec: &str, batch: u32) {
+    let m = fixture(model);
+    let art = tmp(&format!("{model}.{batch}.vnpu"));
+    let b = batch.to_string();
+    let (code, out, err) =
+        vnpu(&["compile", &m, "--vnpu", vnpu_spec, "--batch", &b, "--output", "probabilities", "-o", &art]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("output        probabilities f32"), "{out}");
+    let got_path = tmp(&format!("{model}.{batch}.out.npy"));
+    let (code, out, err) =
+        vnpu(&["infer", &art, "--input", &fixture("digits-x.npy"), "--output", &got_path, "--show", "1"]);
+    assert_eq!(code, 0, "{out}{err}");
+    let runs = 450 / batch;
+    assert!(out.contains(&format!("infer: {runs} batches of {batch} done")), "{out}");
+    assert!(out.contains("simulated NPU time"), "{out}");
+    let got = npy::read_file(Path::new(&got_path)).unwrap();
+    let want = ort(&m, "probabilities");
+    assert_eq!(got.shape, vec![450, 10]);
+    assert_eq!(got.shape, want.shape);
+    let (mut abs, mut rel) = (0f64, 0f64);
+    for (&g, &w) in got.data.iter().zip(&want.data) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        assert!(!d.is_nan(), "{model}: NaN in the output");
+        abs = abs.max(d);
+        rel = rel.max(d / f64::from(w).abs().max(1e-6));
+    }
+    let y = npy::read_file(Path::new(&fixture("digits-y.npy"))).unwrap();
+    let rows = |v: &[f32], i: usize| argmax(&v[i * 10..(i + 1) * 10]);
+    let agree = (0..450).filter(|&i| rows(&got.data, i) == rows(&want.data, i)).count();
+    let correct = (0..450).filter(|&i| rows(&got.data, i) == y.data[i] as usize).count();
+    println!("{model} batch {batch} via VM: max abs {abs:.3e} rel {rel:.3e} top-1 agree {agree}/450 correct {correct}/450");
+    assert!(abs <= 1e-5 && rel <= 1e-4, "{model}: error {abs} / {rel} against ONNX Runtime");
+    assert_eq!(agree, 450, "{model}: top-1 differs from ONNX Runtime");
+    assert!(correct >= 430, "{model}: {correct}/450 correct");
+    // The in-process run of the same file gives the same bits.
+    let host_path = tmp(&format!("{model}.{batch}.host.npy"));
+    let (code, out, err) =
+        vnpu(&["infer", &art, "--input", &fixture("digits-x.npy"), "--in-process", "--output", &host_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(npy::read_file(Path::new(&host_path)).unwrap(), got, "{model}: VM and in-process differ");
+}
+
+#[test]
+fn scikit_learn_relu_mlp_runs_in_a_vm_and_matches_onnx_runtime() {
+    end_to_end("digits-mlp.onnx", "sa=1,vu=1,sram=8M,hbm=512M", 450);
+}
+
+#[test]
+fn scikit_learn_tanh_mlp_runs_batch_by_batch_on_a_larger_vnpu() {
+    end_to_end("digits-mlp2.onnx", "sa=2,vu=2,sram=8M,hbm=512M", 50);
+}
+
+#[test]
+fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
+    let art = tmp("refused.vnpu");
+    // The label output needs ArgMax and an ai.onnx.ml operator.
+    let (code, _, err) = vnpu(&["compile", &fixture("digits-mlp.onnx"), "-o", &art]);
+    assert_ne!(code, 0);
+    assert!(err.contains("node `") && err.contains("(ArgMax)") && err.contains("--output"), "{err}");
+    // Not ONNX at all.
+    let (code, _, err) = vnpu(&["compile", &fixture("digits-x.npy"), "-o", &art]);
+    assert_ne!(code, 0);
+    assert!(err.contains("not an ONNX model") || err.contains("no graph"), "{err}");
+    // A compiled model file that is not one.
+    let (code, _, err) = vnpu(&["infer", &fixture("digits-x.npy"), "--input", &fixture("digits-x.npy")]);
+    assert_ne!(code, 0);
+    assert!(err.contains("bad magic"), "{err}");
+    // Inputs of the wrong shape.
+    let (code, out, err) = vnpu(&[
+        "compile",
+        &fixture("digits-mlp.onnx"),
+        "--output",
+        "probabilities",
+        "--batch",
+        "7",
+        "-o",
+        &art,
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, _, err) = vnpu(&["infer", &art, "--input", &fixture("digits-x.npy")]);
+    assert_ne!(code, 0);
+    assert!(err.contains("multiple of 7"), "{err}");
+    // A vNPU smaller than the model was compiled for: the runner refuses.
+    let (code, out, err) = vnpu(&[
+        "compile",
+        &fixture("digits-mlp.onnx"),
+        "--output",
+        "probabilities",
+        "--vnpu",
+        "sa=2,vu=2,sram=8M,hbm=512M",
+        "-o",
+        &art,
+    ]);
+    assert_eq!(code, 0, "{out}{err}");
+    let x1 = tmp("x1.npy");
+    let x = npy::read_file(Path::new(&fixture("digits-x.npy"))).unwrap();
+    npy::write_file(Path::new(&x1), &npy::Array { shape: vec![1, 64], data: x.data[..64].to_vec() }).unwrap();
+    let (code, out, err) = vnpu(&["infer", &art, "--input", &x1, "--vnpu", "sa=1,vu=1,sram=8M,hbm=512M"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("compiled for 2 SA") && out.contains("infer:"), "{out}{err}");
+}
