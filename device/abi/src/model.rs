@@ -518,3 +518,91 @@ pub mod job {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Engine, ProgramBuilder};
+    use alloc::vec;
+
+    fn copy(src: Addr, dst: Addr, n: u32) -> Instr {
+        Instr::DmaCopy { src, dst, rows: 1, row_bytes: n, src_stride: 0, dst_stride: 0 }
+    }
+
+    fn model() -> Model {
+        let mut l = ProgramBuilder::new();
+        l.push(Engine::DMA, copy(Addr::guest(0), Addr::hbm(0), 64));
+        let mut i = ProgramBuilder::new();
+        i.push(Engine::DMA, copy(Addr::guest(64), Addr::hbm(64), 16));
+        i.push(Engine::DMA, copy(Addr::hbm(64), Addr::guest(128), 16));
+        Model {
+            target: Target { batch: 1, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
+            window_bytes: 192,
+            inputs: vec![TensorDesc { name: "x".into(), elem: ElemType::F32, dims: vec![1, 4], offset: 64 }],
+            outputs: vec![TensorDesc { name: "y".into(), elem: ElemType::F32, dims: vec![1, 4], offset: 128 }],
+            load: l.finish(),
+            infer: i.finish(),
+            weights: vec![7; 64],
+        }
+    }
+
+    #[test]
+    fn round_trip_and_relocation() {
+        let m = model();
+        assert_eq!(Model::decode(&m.encode()), Ok(m.clone()));
+        let mut p = m.infer.clone();
+        relocate(&mut p, 0x100_0000).unwrap();
+        assert_eq!(p.streams[0].code[0], copy(Addr::guest(0x100_0040), Addr::hbm(64), 16));
+        assert!(relocate(&mut m.infer.clone(), u64::MAX).is_err());
+    }
+
+    #[test]
+    fn hostile_files_are_refused_by_name() {
+        let good = model().encode();
+        assert!(matches!(Model::decode(&good[..good.len() - 1]), Err(ModelError::LengthMismatch { .. })));
+        assert!(matches!(Model::decode(&good[..10]), Err(ModelError::TooShort { .. })));
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert_eq!(Model::decode(&b), Err(ModelError::BadMagic));
+        // A tensor outside the window.
+        let mut m = model();
+        m.outputs[0].offset = 180;
+        assert!(matches!(Model::decode(&m.encode()), Err(ModelError::OutsideWindow { .. })));
+        // An input over the weight image.
+        let mut m = model();
+        m.inputs[0].offset = 32;
+        assert!(matches!(Model::decode(&m.encode()), Err(ModelError::Overlap { .. })));
+        // A program reaching guest memory past the window.
+        let mut m = model();
+        let mut i = ProgramBuilder::new();
+        i.push(Engine::DMA, copy(Addr::hbm(0), Addr::guest(190), 16));
+        m.infer = i.finish();
+        assert!(matches!(Model::decode(&m.encode()), Err(ModelError::GuestAccess { which: "infer", .. })));
+        // Zero batch, rank 0.
+        let mut m = model();
+        m.target.batch = 0;
+        assert_eq!(Model::decode(&m.encode()), Err(ModelError::BadShape { field: "batch" }));
+        let mut m = model();
+        m.inputs[0].dims.clear();
+        assert!(matches!(Model::decode(&m.encode()), Err(ModelError::BadRank { .. })));
+    }
+
+    #[test]
+    fn job_sections_must_lie_in_the_payload() {
+        let h = job::Header {
+            runs: 1,
+            status: 0,
+            model: (256, 10),
+            inputs: (266, 4),
+            outputs: (270, 4),
+            stats: (274, 64),
+        };
+        let mut p = vec![0u8; 338];
+        p[..job::HEADER_BYTES].copy_from_slice(&h.encode());
+        assert_eq!(job::Header::decode(&p), Ok(h));
+        assert_eq!(job::Header::decode(&p[..337]), Err(job::JobError::BadSection("statistics")));
+        let bad = job::Header { model: (0, 10), ..h };
+        p[..job::HEADER_BYTES].copy_from_slice(&bad.encode());
+        assert_eq!(job::Header::decode(&p), Err(job::JobError::BadSection("model")));
+    }
+}
