@@ -1,0 +1,118 @@
+//! The issue 17 benchmark: for each test model, simulated NPU time per
+//! batch on a 1 SA + 1 VU and a 4 SA + 4 VU vNPU with SA and VU
+//! utilization, and the host wall time of the functional model (the
+//! compiled programs run in-process on the NPU model) against ONNX Runtime
+//! on the CPU, same machine, same run, interleaved round by round, both
+//! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
+//! rounds (docs/model-format.md, "Benchmark").
+//!
+//!   onnx-bench [--rounds N] [--python PATH]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{compile, npy, CompileOptions};
+use npu_workloads::lower::VnpuShape;
+
+struct Case {
+    model: &'static str,
+    input: &'static str,
+    input_name: &'static str,
+    output: &'static str,
+    batch: u32,
+}
+
+const CASES: &[Case] = &[
+    Case { model: "digits-mlp.onnx", input: "digits-x.npy", input_name: "X", output: "probabilities", batch: 450 },
+    Case { model: "digits-mlp2.onnx", input: "digits-x.npy", input_name: "X", output: "probabilities", batch: 450 },
+];
+
+fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[0], v[v.len() / 2], v[v.len() - 1])
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("usage: onnx-bench [--rounds N] [--python PATH]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx.");
+        return;
+    }
+    let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
+    let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
+    let fx = root.join("tests/fixtures/onnx");
+    let board = BoardConfig::default();
+    let clock = f64::from(board.clock_mhz) * 1e6;
+    for c in CASES {
+        let bytes = std::fs::read(fx.join(c.model)).unwrap_or_else(|e| panic!("{}: {e}", c.model));
+        let x = npy::read_file(&fx.join(c.input)).unwrap_or_else(|e| panic!("{e}"));
+        let mut host_runner = None;
+        for (sa, vu) in [(1, 1), (4, 4)] {
+            let opts = CompileOptions {
+                shape: VnpuShape {
+                    sa,
+                    vu,
+                    sram_bytes: board.sram_bytes(),
+                    hbm_bytes: 1 << 30,
+                    sa_rows: board.core.sa_rows,
+                    sa_cols: board.core.sa_cols,
+                },
+                batch: c.batch,
+                shapes: HashMap::new(),
+                outputs: Some(vec![c.output.into()]),
+            };
+            let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.model));
+            let mut r = HostRunner::new(&board, &compiled.model).unwrap_or_else(|e| panic!("{e}"));
+            let (_, rep) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            let t = rep.totals();
+            let cyc = rep.cycles.max(1.0);
+            println!(
+                "{} batch {} on {sa} SA + {vu} VU: simulated {:.1} us per batch ({:.2} us per sample), SA utilization {:.1}%, VU utilization {:.1}%, {} MACs",
+                c.model,
+                c.batch,
+                rep.cycles / clock * 1e6,
+                rep.cycles / clock * 1e6 / f64::from(c.batch),
+                100.0 * t.sa_active_cycles / (cyc * f64::from(sa)),
+                100.0 * t.vu_active_cycles / (cyc * f64::from(vu)),
+                compiled.report.macs
+            );
+            if sa == 1 {
+                host_runner = Some(r);
+            }
+        }
+        let Some(mut r) = host_runner else { continue };
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            ours.push(t0.elapsed().as_secs_f64() * 1e3);
+            let out = Command::new(&python)
+                .arg(root.join("scripts/ort_ref.py"))
+                .arg(fx.join(c.model))
+                .arg(std::env::temp_dir().join("onnx-bench"))
+                .arg(format!("{}={}", c.input_name, fx.join(c.input).display()))
+                .args(["--output", c.output, "--time", "1"])
+                .output()
+                .unwrap_or_else(|e| panic!("{}: {e} (bash scripts/setup.sh installs it)", python.display()));
+            let s = String::from_utf8_lossy(&out.stdout);
+            let t: f64 = s
+                .lines()
+                .find_map(|l| l.strip_prefix("ort_seconds "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("ort_ref.py: {}", String::from_utf8_lossy(&out.stderr)));
+            theirs.push(t * 1e3);
+        }
+        let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+        let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
+        println!(
+            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.0}/{:.0}/{:.0}",
+            c.model, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
+        );
+    }
+}
