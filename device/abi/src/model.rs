@@ -539,7 +539,12 @@ mod tests {
             target: Target { batch: 1, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
             window_bytes: 192,
             inputs: vec![TensorDesc { name: "x".into(), elem: ElemType::F32, dims: vec![1, 4], offset: 64 }],
-            outputs: vec![TensorDesc { name: "y".into(), elem: ElemType::F32, dims: vec![1, 4], offset: 128 }],
+            outputs: vec![TensorDesc {
+                name: "y".into(),
+                elem: ElemType::F32,
+                dims: vec![1, 4],
+                offset: 128,
+            }],
             load: l.finish(),
             infer: i.finish(),
             weights: vec![7; 64],

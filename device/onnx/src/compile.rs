@@ -672,17 +672,30 @@ impl Compiler<'_> {
             }
         }
         let cols = (*d.shape.last().unwrap_or(&1)).max(1);
-        let rows = elems(&d.shape) / cols;
-        let y = self.act_tensor(&n.name, elems(&d.shape));
-        self.g.ops.push(Op::Unary {
-            name: n.name.clone(),
-            x: View::dense(d.t, cols as u32),
-            y: View::dense(y, cols as u32),
-            rows: rows as u32,
-            cols: cols as u32,
+        Ok(vec![self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Unary {
+            name,
+            x,
+            y,
+            rows,
+            cols,
             act,
-        });
-        Ok(vec![Val::D(Dyn { t: y, shape: d.shape, op: Some(self.g.ops.len() - 1) })])
+        })])
+    }
+
+    /// A new tensor of `d`'s shape written by the row-wise operation `op`
+    /// over rows of `cols` elements.
+    fn rowwise(
+        &mut self,
+        n: &Node,
+        d: &Dyn,
+        cols: usize,
+        op: impl Fn(String, View, View, u32, u32) -> Op,
+    ) -> Val {
+        let rows = elems(&d.shape) / cols.max(1);
+        let y = self.act_tensor(&n.name, elems(&d.shape));
+        let (x, yv) = (View::dense(d.t, cols as u32), View::dense(y, cols as u32));
+        self.g.ops.push(op(n.name.clone(), x, yv, rows as u32, cols as u32));
+        Val::D(Dyn { t: y, shape: d.shape.clone(), op: Some(self.g.ops.len() - 1) })
     }
 
     fn softmax(&mut self, n: &Node) -> NodeResult {
@@ -702,16 +715,7 @@ impl Compiler<'_> {
         } else {
             elems(&d.shape[ax..])
         };
-        let rows = elems(&d.shape) / cols.max(1);
-        let y = self.act_tensor(&n.name, elems(&d.shape));
-        self.g.ops.push(Op::Softmax {
-            name: n.name.clone(),
-            x: View::dense(d.t, cols as u32),
-            y: View::dense(y, cols as u32),
-            rows: rows as u32,
-            cols: cols as u32,
-        });
-        Ok(vec![Val::D(Dyn { t: y, shape: d.shape, op: Some(self.g.ops.len() - 1) })])
+        Ok(vec![self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Softmax { name, x, y, rows, cols })])
     }
 }
 

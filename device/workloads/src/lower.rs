@@ -781,10 +781,7 @@ impl Lowerer {
     ) -> Result<(), LowerError> {
         let tmp = u64::from(act == Act::Swish);
         let row = u64::from(cols) * F;
-        let hbm = self.hbm.clone();
-        let at = move |v: View, r0: u32| {
-            Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
-        };
+        let at = self.row_addr();
         self.vu_tiles(
             name,
             vec![],
@@ -815,6 +812,12 @@ impl Lowerer {
         )
     }
 
+    /// The HBM address of row `r0` of a view.
+    fn row_addr(&self) -> impl Fn(View, u32) -> Addr + Clone {
+        let hbm = self.hbm.clone();
+        move |v: View, r0: u32| Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
+    }
+
     /// A VU pipeline over whole rows of `x`: each tile of `r` rows is
     /// loaded to `base`, transformed in place by `compute(base, r, tmp)`
     /// (`tmp`: `r` rows of scratch) and stored to `y`.
@@ -828,10 +831,7 @@ impl Lowerer {
         compute: impl Fn(u64, u32, u64) -> Vec<Instr>,
     ) -> Result<(), LowerError> {
         let row = u64::from(cols) * F;
-        let hbm = self.hbm.clone();
-        let at = move |v: View, r0: u32| {
-            Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
-        };
+        let at = self.row_addr();
         self.vu_tiles(
             name,
             vec![],

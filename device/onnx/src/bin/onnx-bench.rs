@@ -27,8 +27,20 @@ struct Case {
 }
 
 const CASES: &[Case] = &[
-    Case { model: "digits-mlp.onnx", input: "digits-x.npy", input_name: "X", output: "probabilities", batch: 450 },
-    Case { model: "digits-mlp2.onnx", input: "digits-x.npy", input_name: "X", output: "probabilities", batch: 450 },
+    Case {
+        model: "digits-mlp.onnx",
+        input: "digits-x.npy",
+        input_name: "X",
+        output: "probabilities",
+        batch: 450,
+    },
+    Case {
+        model: "digits-mlp2.onnx",
+        input: "digits-x.npy",
+        input_name: "X",
+        output: "probabilities",
+        batch: 450,
+    },
 ];
 
 fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
