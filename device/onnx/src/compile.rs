@@ -548,7 +548,12 @@ impl Compiler<'_> {
                 if c.shape.len() == 2 && c.shape[0] != 1 {
                     return Err("a C with one row per sample is not supported (only a bias row)".into());
                 }
-                let row = expand(&c.data.to_f32(), &c.shape, &[nn]);
+                let v = c.data.to_f32();
+                let row = match v.len() {
+                    1 => vec![v[0]; nn],
+                    l if l == nn => v,
+                    _ => return Err(format!("C of shape {:?} is not a bias row of {nn}", c.shape)),
+                };
                 Some(row.into_iter().map(|v| v * beta).collect())
             }
             Some(Val::D(_)) => return Err("a computed C is not supported (only a constant bias)".into()),

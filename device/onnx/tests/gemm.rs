@@ -1,0 +1,133 @@
+//! A `Gemm` with `transB`, `alpha`, `beta` and a bias row, then `Relu`,
+//! built here as an ONNX graph (protobuf through onnx-protobuf), compiled
+//! and run on the NPU model, against the formula computed in f64.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{compile, CompileOptions};
+use npu_workloads::lower::VnpuShape;
+use onnx_protobuf::{
+    attribute_proto::AttributeType, tensor_proto::DataType, AttributeProto, GraphProto, Message, ModelProto,
+    NodeProto, OperatorSetIdProto, TensorProto, TypeProto, ValueInfoProto,
+};
+use protobuf::Enum;
+
+fn tensor(name: &str, dims: &[i64], v: &[f32]) -> TensorProto {
+    let mut t = TensorProto::new();
+    t.name = name.into();
+    t.dims = dims.to_vec();
+    t.data_type = DataType::FLOAT.value();
+    t.float_data = v.to_vec();
+    t
+}
+
+fn value(name: &str, dims: &[i64]) -> ValueInfoProto {
+    let mut tt = onnx_protobuf::type_proto::Tensor::new();
+    tt.elem_type = DataType::FLOAT.value();
+    let mut shape = onnx_protobuf::TensorShapeProto::new();
+    for &d in dims {
+        let mut dim = onnx_protobuf::tensor_shape_proto::Dimension::new();
+        if d > 0 {
+            dim.set_dim_value(d);
+        } else {
+            dim.set_dim_param("N".into());
+        }
+        shape.dim.push(dim);
+    }
+    tt.shape = Some(shape).into();
+    let mut ty = TypeProto::new();
+    ty.set_tensor_type(tt);
+    let mut v = ValueInfoProto::new();
+    v.name = name.into();
+    v.type_ = Some(ty).into();
+    v
+}
+
+fn attr_i(name: &str, i: i64) -> AttributeProto {
+    let mut a = AttributeProto::new();
+    a.name = name.into();
+    a.type_ = AttributeType::INT.into();
+    a.i = i;
+    a
+}
+
+fn attr_f(name: &str, f: f32) -> AttributeProto {
+    let mut a = AttributeProto::new();
+    a.name = name.into();
+    a.type_ = AttributeType::FLOAT.into();
+    a.f = f;
+    a
+}
+
+fn node(op: &str, name: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<AttributeProto>) -> NodeProto {
+    let mut n = NodeProto::new();
+    n.op_type = op.into();
+    n.name = name.into();
+    n.input = inputs.iter().map(|s| s.to_string()).collect();
+    n.output = outputs.iter().map(|s| s.to_string()).collect();
+    n.attribute = attrs;
+    n
+}
+
+#[test]
+fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
+    let (k, n, batch) = (4usize, 3usize, 5usize);
+    let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.37).sin()).collect(); // n x k (transB)
+    let c: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 0.3).collect();
+    let (alpha, beta) = (0.5f32, 2.0f32);
+    let mut g = GraphProto::new();
+    g.name = "gemm".into();
+    g.initializer = vec![tensor("W", &[n as i64, k as i64], &w), tensor("C", &[1, n as i64], &c)];
+    g.input = vec![value("X", &[0, k as i64])];
+    g.output = vec![value("Y", &[0, n as i64])];
+    g.node = vec![
+        node(
+            "Gemm",
+            "fc",
+            &["X", "W", "C"],
+            &["H"],
+            vec![attr_i("transB", 1), attr_f("alpha", alpha), attr_f("beta", beta)],
+        ),
+        node("Relu", "act", &["H"], &["Y"], vec![]),
+    ];
+    let mut m = ModelProto::new();
+    m.ir_version = 8;
+    let mut op = OperatorSetIdProto::new();
+    op.version = 17;
+    m.opset_import = vec![op];
+    m.graph = Some(g).into();
+    let bytes = m.write_to_bytes().unwrap();
+
+    let board = BoardConfig::default();
+    let shape = VnpuShape {
+        sa: 1,
+        vu: 1,
+        sram_bytes: board.sram_bytes(),
+        hbm_bytes: 64 << 20,
+        sa_rows: board.core.sa_rows,
+        sa_cols: board.core.sa_cols,
+    };
+    let opts = CompileOptions { shape, batch: batch as u32, shapes: HashMap::new(), outputs: None };
+    let compiled = compile(&bytes, &opts).unwrap();
+    assert_eq!(compiled.report.fused, 1, "the Relu is fused into the product");
+    let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.61).cos() * 2.0).collect();
+    let mut r = HostRunner::new(&board, &compiled.model).unwrap();
+    let (out, _) = r.infer(&[&x]).unwrap();
+    for b in 0..batch {
+        for j in 0..n {
+            let dot: f64 = (0..k).map(|p| f64::from(x[b * k + p]) * f64::from(w[j * k + p])).sum();
+            let want = (f64::from(alpha) * dot + f64::from(beta) * f64::from(c[j])).max(0.0);
+            let got = f64::from(out[0][b * n + j]);
+            assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "Y[{b}][{j}] = {got}, want {want}");
+        }
+    }
+    // A C with one row per sample is refused by name, not mis-compiled.
+    let mut m2 = m.clone();
+    let g2 = m2.graph.as_mut().unwrap();
+    g2.initializer[1] = tensor("C", &[batch as i64, n as i64], &vec![0.0; batch * n]);
+    let e = compile(&m2.write_to_bytes().unwrap(), &opts).unwrap_err().to_string();
+    assert!(e.contains("node `fc` (Gemm)"), "{e}");
+}
