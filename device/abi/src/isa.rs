@@ -373,6 +373,11 @@ impl fmt::Display for DecodeError {
 impl core::error::Error for DecodeError {}
 
 impl Instr {
+    /// `dma.copy` of `bytes` contiguous bytes from `src` to `dst`.
+    pub const fn copy(src: Addr, dst: Addr, bytes: u32) -> Self {
+        Self::DmaCopy { src, dst, rows: 1, row_bytes: bytes, src_stride: 0, dst_stride: 0 }
+    }
+
     /// The opcode byte.
     pub fn opcode(&self) -> u8 {
         use opcode::*;

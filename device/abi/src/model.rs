@@ -525,16 +525,12 @@ mod tests {
     use crate::{Engine, ProgramBuilder};
     use alloc::vec;
 
-    fn copy(src: Addr, dst: Addr, n: u32) -> Instr {
-        Instr::DmaCopy { src, dst, rows: 1, row_bytes: n, src_stride: 0, dst_stride: 0 }
-    }
-
     fn model() -> Model {
         let mut l = ProgramBuilder::new();
-        l.push(Engine::DMA, copy(Addr::guest(0), Addr::hbm(0), 64));
+        l.push(Engine::DMA, Instr::copy(Addr::guest(0), Addr::hbm(0), 64));
         let mut i = ProgramBuilder::new();
-        i.push(Engine::DMA, copy(Addr::guest(64), Addr::hbm(64), 16));
-        i.push(Engine::DMA, copy(Addr::hbm(64), Addr::guest(128), 16));
+        i.push(Engine::DMA, Instr::copy(Addr::guest(64), Addr::hbm(64), 16));
+        i.push(Engine::DMA, Instr::copy(Addr::hbm(64), Addr::guest(128), 16));
         Model {
             target: Target { batch: 1, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
             window_bytes: 192,
@@ -557,7 +553,7 @@ mod tests {
         assert_eq!(Model::decode(&m.encode()), Ok(m.clone()));
         let mut p = m.infer.clone();
         relocate(&mut p, 0x100_0000).unwrap();
-        assert_eq!(p.streams[0].code[0], copy(Addr::guest(0x100_0040), Addr::hbm(64), 16));
+        assert_eq!(p.streams[0].code[0], Instr::copy(Addr::guest(0x100_0040), Addr::hbm(64), 16));
         assert!(relocate(&mut m.infer.clone(), u64::MAX).is_err());
     }
 
@@ -580,7 +576,7 @@ mod tests {
         // A program reaching guest memory past the window.
         let mut m = model();
         let mut i = ProgramBuilder::new();
-        i.push(Engine::DMA, copy(Addr::hbm(0), Addr::guest(190), 16));
+        i.push(Engine::DMA, Instr::copy(Addr::hbm(0), Addr::guest(190), 16));
         m.infer = i.finish();
         assert!(matches!(Model::decode(&m.encode()), Err(ModelError::GuestAccess { which: "infer", .. })));
         // Zero batch, rank 0.

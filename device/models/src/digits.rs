@@ -8,7 +8,7 @@ use vnpu_abi::{
     Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, PoolOp, Program, UnOp,
 };
 
-use crate::Pipeline;
+use crate::{copy, Pipeline};
 
 /// Pixels per image.
 pub const PIXELS: usize = 64;
@@ -32,10 +32,6 @@ pub struct SramPlan {
 const DMA: Engine = Engine::DMA;
 const SA: Engine = Engine::sa(0);
 const VU: Engine = Engine::vu(0);
-
-fn copy(src: Addr, dst: Addr, bytes: usize) -> Instr {
-    Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes as u32, src_stride: 0, dst_stride: 0 }
-}
 
 fn matmul(a: u64, b: u64, c: u64, m: usize, k: usize, n: usize) -> Instr {
     Instr::MatMul {

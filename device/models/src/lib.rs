@@ -15,7 +15,13 @@ pub mod recsys;
 pub mod selfcheck;
 pub mod transformer;
 
-use vnpu_abi::{Engine, ProgramBuilder};
+use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+/// `dma.copy` of `bytes` contiguous bytes (sizes of these small models fit
+/// in 32 bits).
+fn copy(src: Addr, dst: Addr, bytes: usize) -> Instr {
+    Instr::copy(src, dst, bytes as u32)
+}
 
 /// A program builder that hands work between engines through semaphores.
 #[derive(Debug, Default)]

@@ -9,7 +9,7 @@ use alloc::vec::Vec;
 use vnpu_abi::{Addr, Bcast, BinOp, DType, Engine, Instr, MatFlags, Program, RedOp, UnOp};
 
 use crate::selfcheck::Rng;
-use crate::Pipeline;
+use crate::{copy, Pipeline};
 
 /// Rows of the embedding table.
 pub const ROWS: usize = 1024;
@@ -60,10 +60,6 @@ const VU: Engine = Engine::vu(0);
 const MLP_AT: u64 = 0;
 /// SRAM offset of the activations.
 const ACT_AT: u64 = 0x4000;
-
-fn copy(src: Addr, dst: Addr, bytes: usize) -> Instr {
-    Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes as u32, src_stride: 0, dst_stride: 0 }
-}
 
 /// Loads the table (guest `table` -> HBM 0) and the MLP (guest `mlp` -> SRAM).
 pub fn load(table: u64, mlp: u64) -> Program {

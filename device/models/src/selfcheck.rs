@@ -7,7 +7,7 @@ use alloc::vec::Vec;
 
 use vnpu_abi::{Addr, ConvGeom, DType, Engine, Instr, MatFlags, Program};
 
-use crate::Pipeline;
+use crate::{copy, Pipeline};
 
 /// xorshift64* (deterministic, seedable, no_std).
 #[derive(Clone, Debug)]
@@ -133,10 +133,6 @@ fn f32_bytes(v: &[f32]) -> Vec<u8> {
 
 const DMA: Engine = Engine::DMA;
 const SA: Engine = Engine::sa(0);
-
-fn copy(src: Addr, dst: Addr, bytes: usize) -> Instr {
-    Instr::DmaCopy { src, dst, rows: 1, row_bytes: bytes as u32, src_stride: 0, dst_stride: 0 }
-}
 
 /// Builds `case` with its buffers in guest memory from `base` and in SRAM from 0.
 pub fn prepare(case: Case, rng: &mut Rng, base: u64) -> Prepared {

@@ -122,7 +122,7 @@ fn bcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 /// `c` broadcast to `shape` (which `c` must broadcast to), row-major.
-fn expand(c: &[f32], cshape: &[usize], shape: &[usize]) -> Vec<f32> {
+fn expand<T: Copy>(c: &[T], cshape: &[usize], shape: &[usize]) -> Vec<T> {
     let n = shape.len();
     let off = n - cshape.len();
     let mut strides = vec![0usize; n];
@@ -166,17 +166,30 @@ struct Compiler<'m> {
 type NodeResult = Result<Vec<Val>, String>;
 
 impl Compiler<'_> {
-    fn weight(&mut self, name: &str, v: Vec<f32>, init: Init) -> TensorId {
-        let t = self.g.tensor(name, v.len() as u64, init);
-        self.data.resize(self.g.tensors.len(), None);
-        self.data[t] = Some(v);
+    /// A new graph tensor of `n` elements, with its data when it is a constant.
+    fn tensor(&mut self, name: &str, n: usize, init: Init, data: Option<Vec<f32>>) -> TensorId {
+        let t = self.g.tensor(name, n as u64, init);
+        self.data.push(data);
         t
     }
 
+    fn weight(&mut self, name: &str, v: Vec<f32>, init: Init) -> TensorId {
+        self.tensor(name, v.len(), init, Some(v))
+    }
+
     fn act_tensor(&mut self, name: &str, n: usize) -> TensorId {
-        let t = self.g.act(name, n as u64);
-        self.data.resize(self.g.tensors.len(), None);
-        t
+        self.tensor(name, n, Init::Activation, None)
+    }
+
+    /// Input `i`, which must be a computed tensor.
+    fn computed(&self, n: &Node, i: usize) -> Result<Dyn, String> {
+        match self.get(n, i)? {
+            Val::D(d) => Ok(d.clone()),
+            Val::C(_) => Err(format!(
+                "input {i} (`{}`) is a constant: {} is compiled only on computed tensors here",
+                n.inputs[i], n.op
+            )),
+        }
     }
 
     fn get(&self, n: &Node, i: usize) -> Result<&Val, String> {
@@ -278,19 +291,19 @@ impl Compiler<'_> {
                 Ok(vec![Val::C(c)])
             }
             "Identity" | "Dropout" => {
-                self.report.aliases += 1;
-                let v = self.get(n, 0)?.clone();
-                let mut out = vec![v];
                 if n.op == "Dropout" && n.outputs.len() > 1 {
                     return Err("the mask output of Dropout is not supported".into());
                 }
-                out.truncate(1);
-                Ok(out)
+                self.report.aliases += 1;
+                Ok(vec![self.get(n, 0)?.clone()])
             }
             "Cast" => {
                 let to = Self::int_attr(n, "to", 1)?;
                 let v = self.get(n, 0)?.clone();
-                self.report.aliases += 1;
+                match &v {
+                    Val::C(_) => self.report.folded += 1,
+                    Val::D(_) => self.report.aliases += 1,
+                }
                 match (v, to) {
                     (Val::C(c), 1) => {
                         Ok(vec![Val::C(Const { shape: c.shape, data: Data::F32(c.data.to_f32()) })])
@@ -495,7 +508,7 @@ impl Compiler<'_> {
     }
 
     fn matmul(&mut self, n: &Node) -> NodeResult {
-        let Val::D(x) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let x = self.computed(n, 0)?;
         let w = match self.get(n, 1)? {
             Val::C(c) => c.clone(),
             Val::D(_) => return Err("a product of two computed tensors is not supported yet".into()),
@@ -508,7 +521,7 @@ impl Compiler<'_> {
 
     fn gemm(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["alpha", "beta", "transA", "transB"])?;
-        let Val::D(x) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let x = self.computed(n, 0)?;
         if Self::int_attr(n, "transA", 0)? != 0 {
             return Err("transA = 1 is not supported".into());
         }
@@ -604,7 +617,7 @@ impl Compiler<'_> {
                 }
                 let full = expand(&v, &c.shape, &shape);
                 let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                Ok(vec![self.eltwise(n, add, d.t, ct, &shape)])
+                Ok(vec![Val::D(self.eltwise(n, add, d.t, ct, &shape))])
             }
             (Val::C(c), Val::D(d)) => match op {
                 "Add" | "Mul" => {
@@ -616,15 +629,15 @@ impl Compiler<'_> {
                         ));
                     }
                     let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                    Ok(vec![self.eltwise(n, op == "Add", d.t, ct, &shape)])
+                    Ok(vec![Val::D(self.eltwise(n, op == "Add", d.t, ct, &shape))])
                 }
                 "Sub" => {
                     // c - x = c + (-1) x
                     let neg = self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
-                    let Val::D(nx) = self.eltwise(n, false, d.t, neg, &shape) else { unreachable_const()? };
+                    let nx = self.eltwise(n, false, d.t, neg, &shape);
                     let full = expand(&c.data.to_f32(), &c.shape, &shape);
                     let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                    Ok(vec![self.eltwise(n, true, nx.t, ct, &shape)])
+                    Ok(vec![Val::D(self.eltwise(n, true, nx.t, ct, &shape))])
                 }
                 _ => Err("dividing a constant by a computed tensor is not supported yet".into()),
             },
@@ -633,23 +646,21 @@ impl Compiler<'_> {
                     return Err("broadcasting between two computed tensors is not supported".into());
                 }
                 match op {
-                    "Add" | "Mul" => Ok(vec![self.eltwise(n, op == "Add", x.t, y.t, &shape)]),
+                    "Add" | "Mul" => Ok(vec![Val::D(self.eltwise(n, op == "Add", x.t, y.t, &shape))]),
                     "Sub" => {
                         let neg =
                             self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
-                        let Val::D(ny) = self.eltwise(n, false, y.t, neg, &shape) else {
-                            unreachable_const()?
-                        };
-                        Ok(vec![self.eltwise(n, true, x.t, ny.t, &shape)])
+                        let ny = self.eltwise(n, false, y.t, neg, &shape);
+                        Ok(vec![Val::D(self.eltwise(n, true, x.t, ny.t, &shape))])
                     }
                     _ => Err("dividing two computed tensors is not supported yet".into()),
                 }
             }
-            (Val::C(_), Val::C(_)) => unreachable_const(),
+            (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
         }
     }
 
-    fn eltwise(&mut self, n: &Node, add: bool, a: TensorId, b: TensorId, shape: &[usize]) -> Val {
+    fn eltwise(&mut self, n: &Node, add: bool, a: TensorId, b: TensorId, shape: &[usize]) -> Dyn {
         let cols = (*shape.last().unwrap_or(&1)).max(1);
         let rows = elems(shape) / cols;
         let y = self.act_tensor(&n.name, elems(shape));
@@ -661,11 +672,11 @@ impl Compiler<'_> {
         } else {
             Op::Mul { name, a, b, y: yv, rows, cols }
         });
-        Val::D(Dyn { t: y, shape: shape.to_vec(), op: Some(self.g.ops.len() - 1) })
+        Dyn { t: y, shape: shape.to_vec(), op: Some(self.g.ops.len() - 1) }
     }
 
     fn activation(&mut self, n: &Node, act: Act) -> NodeResult {
-        let Val::D(d) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let d = self.computed(n, 0)?;
         if let Some(i) = self.fusable(&n.inputs[0], &d) {
             match &mut self.g.ops[i] {
                 Op::Linear { act: a @ Act::None, .. } | Op::Add { act: a @ Act::None, .. } => {
@@ -705,7 +716,7 @@ impl Compiler<'_> {
 
     fn softmax(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axis"])?;
-        let Val::D(d) = self.get(n, 0)?.clone() else { unreachable_const()? };
+        let d = self.computed(n, 0)?;
         let rank = d.shape.len();
         let default = if self.m.opset >= 13 { -1 } else { 1 };
         let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
@@ -722,11 +733,6 @@ impl Compiler<'_> {
         };
         Ok(vec![self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Softmax { name, x, y, rows, cols })])
     }
-}
-
-fn unreachable_const<T>() -> Result<T, String> {
-    Err("an operand expected to be computed is a constant (a compiler bug: it should have been folded)"
-        .into())
 }
 
 fn axis_clamp(a: i64, r: i64) -> usize {
@@ -779,32 +785,26 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
     let mut shape = data.shape[..ax].to_vec();
     shape.extend_from_slice(&idx.shape);
     shape.extend_from_slice(&data.shape[ax + 1..]);
-    let pick = |v: &[i64]| {
-        let mut out = Vec::new();
+    fn pick<T: Copy>(v: &[T], outer: usize, dim: usize, inner: usize, ids: &[usize]) -> Vec<T> {
+        let mut out = Vec::with_capacity(outer * ids.len() * inner);
         for o in 0..outer {
-            for &i in &ids {
+            for &i in ids {
                 out.extend_from_slice(&v[(o * dim + i) * inner..(o * dim + i + 1) * inner]);
             }
         }
         out
-    };
+    }
     Ok(match &data.data {
-        Data::I64(v) => Const { shape, data: Data::I64(pick(v)) },
-        Data::F32(v) => {
-            let bits: Vec<i64> = v.iter().map(|x| i64::from(x.to_bits())).collect();
-            Const {
-                shape,
-                data: Data::F32(pick(&bits).into_iter().map(|b| f32::from_bits(b as u32)).collect()),
-            }
-        }
+        Data::I64(v) => Const { shape, data: Data::I64(pick(v, outer, dim, inner, &ids)) },
+        Data::F32(v) => Const { shape, data: Data::F32(pick(v, outer, dim, inner, &ids)) },
     })
 }
 
 fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
     let shape = bcast_shape(&a.shape, &b.shape).ok_or("shapes do not broadcast")?;
     if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
-        let x = expand_i(x, &a.shape, &shape);
-        let y = expand_i(y, &b.shape, &shape);
+        let x = expand(x, &a.shape, &shape);
+        let y = expand(y, &b.shape, &shape);
         let v = x
             .iter()
             .zip(&y)
@@ -836,11 +836,6 @@ fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
         })
         .collect();
     Ok(Const { shape, data: Data::F32(v) })
-}
-
-fn expand_i(v: &[i64], s: &[usize], shape: &[usize]) -> Vec<i64> {
-    let bits: Vec<f32> = (0..v.len()).map(|i| i as f32).collect();
-    expand(&bits, s, shape).into_iter().map(|i| v[i as usize]).collect()
 }
 
 /// The error function, for folding constants: through the complementary
@@ -954,8 +949,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         if elems(&shape) == 0 {
             return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
         }
-        let t = c.g.tensor(io.name.clone(), elems(&shape) as u64, Init::Input);
-        c.data.resize(c.g.tensors.len(), None);
+        let t = c.tensor(&io.name, elems(&shape), Init::Input, None);
         c.vals.insert(io.name.clone(), Val::D(Dyn { t, shape: shape.clone(), op: None }));
         inputs.push((io.name.clone(), t, shape));
     }
@@ -1004,7 +998,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     report.macs = c.g.macs();
     let mut kinds: Vec<(String, usize)> = Vec::new();
     for op in &c.g.ops {
-        let k = format!("{op:?}").split([' ', '{']).next().unwrap_or("?").to_string();
+        let k = op.kind().to_string();
         match kinds.iter_mut().find(|(n, _)| *n == k) {
             Some(e) => e.1 += 1,
             None => kinds.push((k, 1)),
@@ -1029,20 +1023,29 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             let chunk = (bytes - done).min(1 << 30);
             load.push(
                 Engine::DMA,
-                Instr::DmaCopy {
-                    src: Addr::guest(at + done),
-                    dst: Addr::hbm(lowered.tensors[t].offset + done),
-                    rows: 1,
-                    row_bytes: chunk as u32,
-                    src_stride: 0,
-                    dst_stride: 0,
-                },
+                Instr::copy(
+                    Addr::guest(at + done),
+                    Addr::hbm(lowered.tensors[t].offset + done),
+                    chunk as u32,
+                ),
             );
             done += chunk;
         }
     }
     report.weight_bytes = weights.len() as u64;
     load.push(Engine::DMA, Instr::Halt);
+    // One DMA transfer moves an input or output: at most 4 GiB.
+    for (i, (name, _, s)) in inputs.iter().chain(&outputs).enumerate() {
+        let need = elems(s) as u64 * 4;
+        if need > u64::from(u32::MAX) {
+            let reason = format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX);
+            return Err(if i < inputs.len() {
+                CompileError::Input { name: name.clone(), reason }
+            } else {
+                CompileError::Output { name: name.clone(), reason }
+            });
+        }
+    }
     let mut window = (weights.len() as u64).next_multiple_of(A);
     let mut place = |list: &[(String, TensorId, Vec<usize>)]| {
         list.iter()
@@ -1060,14 +1063,8 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     };
     let ins = place(&inputs);
     let outs = place(&outputs);
-    let copy = |src: Addr, dst: Addr, bytes: u64| Instr::DmaCopy {
-        src,
-        dst,
-        rows: 1,
-        row_bytes: bytes as u32,
-        src_stride: 0,
-        dst_stride: 0,
-    };
+    // Inputs copied in before the graph's first load, outputs out after
+    // its last store (the DMA stream is in order).
     let mut infer = lowered.program.clone();
     let dma = match infer.streams.iter().position(|s| s.engine == Engine::DMA) {
         Some(i) => i,
@@ -1076,27 +1073,15 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             0
         }
     };
+    let at = |t: TensorId| Addr::hbm(lowered.tensors[t].offset);
+    let bytes = |d: &TensorDesc| d.bytes().unwrap_or(0) as u32;
+    let body = std::mem::take(&mut infer.streams[dma].code);
+    let body = body.strip_suffix(&[Instr::Halt]).unwrap_or(&body);
     let code = &mut infer.streams[dma].code;
-    if code.last() != Some(&Instr::Halt) {
-        code.push(Instr::Halt);
-    }
-    let halt = code.len() - 1;
-    for (d, t) in outs.iter().rev() {
-        let bytes = d.bytes().unwrap_or(0);
-        code.insert(halt, copy(Addr::hbm(lowered.tensors[*t].offset), Addr::guest(d.offset), bytes));
-    }
-    for (d, t) in ins.iter().rev() {
-        let bytes = d.bytes().unwrap_or(0);
-        code.insert(0, copy(Addr::guest(d.offset), Addr::hbm(lowered.tensors[*t].offset), bytes));
-    }
-    for (_, _, s) in inputs.iter().chain(&outputs) {
-        if elems(s) as u64 * 4 > u64::from(u32::MAX) {
-            return Err(CompileError::Fit(LowerError::Hbm {
-                need: elems(s) as u64 * 4,
-                have: u64::from(u32::MAX),
-            }));
-        }
-    }
+    code.extend(ins.iter().map(|(d, t)| Instr::copy(Addr::guest(d.offset), at(*t), bytes(d))));
+    code.extend_from_slice(body);
+    code.extend(outs.iter().map(|(d, t)| Instr::copy(at(*t), Addr::guest(d.offset), bytes(d))));
+    code.push(Instr::Halt);
     let load = load.finish();
     let shape = o.shape;
     let limits = VnpuLimits {

@@ -38,7 +38,6 @@ pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
         npyz::DType::Plain(ts) => ts.clone(),
         other => return Err(NpyError::Type { path: path.into(), dtype: format!("{other:?}") }),
     };
-    let s = ts.to_string();
     let data: Vec<f32> = match (ts.type_char(), ts.size_field()) {
         (npyz::TypeChar::Float, 4) => npy.into_vec::<f32>().map_err(|e| err(e.to_string()))?,
         (npyz::TypeChar::Float, 8) => {
@@ -50,7 +49,7 @@ pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
         (npyz::TypeChar::Int, 4) => {
             npy.into_vec::<i32>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
         }
-        _ => return Err(NpyError::Type { path: path.into(), dtype: s }),
+        _ => return Err(NpyError::Type { path: path.into(), dtype: ts.to_string() }),
     };
     Ok(Array { shape, data })
 }

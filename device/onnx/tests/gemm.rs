@@ -102,14 +102,7 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     let bytes = m.write_to_bytes().unwrap();
 
     let board = BoardConfig::default();
-    let shape = VnpuShape {
-        sa: 1,
-        vu: 1,
-        sram_bytes: board.sram_bytes(),
-        hbm_bytes: 64 << 20,
-        sa_rows: board.core.sa_rows,
-        sa_cols: board.core.sa_cols,
-    };
+    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
     let opts = CompileOptions { shape, batch: batch as u32, shapes: HashMap::new(), outputs: None };
     let compiled = compile(&bytes, &opts).unwrap();
     assert_eq!(compiled.report.fused, 1, "the Relu is fused into the product");

@@ -21,14 +21,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn shape(board: &BoardConfig, sa: u32, vu: u32) -> VnpuShape {
-    VnpuShape {
-        sa,
-        vu,
-        sram_bytes: board.sram_bytes(),
-        hbm_bytes: 1 << 30,
-        sa_rows: board.core.sa_rows,
-        sa_cols: board.core.sa_cols,
-    }
+    VnpuShape::on_board(board, sa, vu, board.sram_bytes(), 1 << 30)
 }
 
 /// ONNX Runtime's output `output` of `model` on `input` (NAME=FILE).

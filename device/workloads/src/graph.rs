@@ -156,6 +156,27 @@ pub enum Op {
 }
 
 impl Op {
+    /// The operation's kind, as its variant is named.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Op::Linear { .. } => "Linear",
+            Op::Conv { .. } => "Conv",
+            Op::Depthwise { .. } => "Depthwise",
+            Op::MaxPool { .. } => "MaxPool",
+            Op::GlobalPool { .. } => "GlobalPool",
+            Op::Add { .. } => "Add",
+            Op::Mul { .. } => "Mul",
+            Op::AddNorm { .. } => "AddNorm",
+            Op::ScaleChannels { .. } => "ScaleChannels",
+            Op::Attention { .. } => "Attention",
+            Op::Embedding { .. } => "Embedding",
+            Op::Interaction { .. } => "Interaction",
+            Op::Copy { .. } => "Copy",
+            Op::Unary { .. } => "Unary",
+            Op::Softmax { .. } => "Softmax",
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Op::Linear { name, .. }

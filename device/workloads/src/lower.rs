@@ -36,6 +36,20 @@ pub struct VnpuShape {
     pub sa_cols: u32,
 }
 
+impl VnpuShape {
+    /// `sa` SAs and `vu` VUs with this SRAM and HBM, on `board`'s
+    /// systolic arrays.
+    pub fn on_board(
+        board: &npu_model::BoardConfig,
+        sa: u32,
+        vu: u32,
+        sram_bytes: u64,
+        hbm_bytes: u64,
+    ) -> Self {
+        Self { sa, vu, sram_bytes, hbm_bytes, sa_rows: board.core.sa_rows, sa_cols: board.core.sa_cols }
+    }
+}
+
 /// Why a graph cannot be lowered for a vNPU.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum LowerError {
@@ -779,37 +793,22 @@ impl Lowerer {
         cols: u32,
         act: Act,
     ) -> Result<(), LowerError> {
-        let tmp = u64::from(act == Act::Swish);
         let row = u64::from(cols) * F;
-        let at = self.row_addr();
-        self.vu_tiles(
-            name,
-            vec![],
-            0,
-            rows,
-            |r| u64::from(r) * row * (2 + tmp),
-            |u0, r, base| {
-                let bb = base + u64::from(r) * row;
-                let mut compute = vec![Instr::VBinary {
-                    op: binop,
-                    bcast: Bcast::None,
-                    a: base,
-                    b: bb,
-                    dst: base,
-                    rows: r,
-                    cols,
-                }];
-                compute.extend(bias_act(base, None, r, cols, act, bb));
-                (
-                    vec![
-                        copy(at(a, u0), Addr::sram(base), r.into(), row, u64::from(a.ld) * F, row),
-                        copy(at(b, u0), Addr::sram(bb), r.into(), row, u64::from(b.ld) * F, row),
-                    ],
-                    compute,
-                    vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
-                )
-            },
-        )
+        let scratch = u64::from(act == Act::Swish);
+        self.rows_pipeline(name, &[a, b], scratch, y, rows, cols, |base, r| {
+            let bb = base + u64::from(r) * row;
+            let mut compute = vec![Instr::VBinary {
+                op: binop,
+                bcast: Bcast::None,
+                a: base,
+                b: bb,
+                dst: base,
+                rows: r,
+                cols,
+            }];
+            compute.extend(bias_act(base, None, r, cols, act, bb));
+            compute
+        })
     }
 
     /// The HBM address of row `r0` of a view.
@@ -818,31 +817,41 @@ impl Lowerer {
         move |v: View, r0: u32| Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
     }
 
-    /// A VU pipeline over whole rows of `x`: each tile of `r` rows is
-    /// loaded to `base`, transformed in place by `compute(base, r, tmp)`
-    /// (`tmp`: `r` rows of scratch) and stored to `y`.
-    fn rowwise(
+    /// A VU pipeline over whole rows of `cols` elements: each tile of `r`
+    /// rows loads the rows of every view of `ins` into consecutive slots of
+    /// `r` rows from `base` (`scratch` more slots after them), runs
+    /// `compute(base, r)`, and stores the first slot to `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_pipeline(
         &mut self,
         name: &str,
-        x: View,
+        ins: &[View],
+        scratch: u64,
         y: View,
         rows: u32,
         cols: u32,
-        compute: impl Fn(u64, u32, u64) -> Vec<Instr>,
+        compute: impl Fn(u64, u32) -> Vec<Instr>,
     ) -> Result<(), LowerError> {
         let row = u64::from(cols) * F;
         let at = self.row_addr();
+        let slots = ins.len() as u64 + scratch;
         self.vu_tiles(
             name,
             vec![],
             0,
             rows,
-            |r| u64::from(r) * row * 2,
+            |r| u64::from(r) * row * slots,
             |u0, r, base| {
-                let tmp = base + u64::from(r) * row;
+                let slot = |i: u64| base + i * u64::from(r) * row;
+                let load = (0u64..)
+                    .zip(ins)
+                    .map(|(i, v)| {
+                        copy(at(*v, u0), Addr::sram(slot(i)), r.into(), row, u64::from(v.ld) * F, row)
+                    })
+                    .collect();
                 (
-                    vec![copy(at(x, u0), Addr::sram(base), r.into(), row, u64::from(x.ld) * F, row)],
-                    compute(base, r, tmp),
+                    load,
+                    compute(base, r),
                     vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
                 )
             },
@@ -852,9 +861,10 @@ impl Lowerer {
     fn op(&mut self, op: &Op) -> Result<(), LowerError> {
         let hbm = self.hbm.clone();
         let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let row_at = self.row_addr();
         let rows_of = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
             copy(
-                at(v.t, u64::from(r0) * u64::from(v.ld) + u64::from(v.col)),
+                row_at(v, r0),
                 Addr::sram(sram),
                 r.into(),
                 u64::from(cols) * F,
@@ -865,7 +875,7 @@ impl Lowerer {
         let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
             copy(
                 Addr::sram(sram),
-                at(v.t, u64::from(r0) * u64::from(v.ld) + u64::from(v.col)),
+                row_at(v, r0),
                 r.into(),
                 u64::from(cols) * F,
                 u64::from(cols) * F,
@@ -1184,10 +1194,15 @@ impl Lowerer {
                 )?;
             }
             Op::Unary { ref name, x, y, rows, cols, act } => {
-                self.rowwise(name, x, y, rows, cols, |base, r, tmp| bias_act(base, None, r, cols, act, tmp))?
+                // One scratch slot (Swish's sigmoid).
+                let row = u64::from(cols) * F;
+                self.rows_pipeline(name, &[x], 1, y, rows, cols, |base, r| {
+                    bias_act(base, None, r, cols, act, base + u64::from(r) * row)
+                })?
             }
             Op::Softmax { ref name, x, y, rows, cols } => {
-                self.rowwise(name, x, y, rows, cols, |base, r, _| {
+                // A scratch slot too: the tiles of Unary's size.
+                self.rows_pipeline(name, &[x], 1, y, rows, cols, |base, r| {
                     vec![Instr::VSoftmax { src: base, dst: base, rows: r, cols }]
                 })?
             }

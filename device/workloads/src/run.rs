@@ -192,14 +192,7 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
     }
     let sram_bytes = o.sram_bytes.unwrap_or(board.sram_bytes());
     let hbm_bytes = o.hbm_bytes.unwrap_or(board.hbm_bytes_per_chip() / u64::from(board.cores_per_chip));
-    let shape = VnpuShape {
-        sa: o.sa,
-        vu: o.vu,
-        sram_bytes,
-        hbm_bytes,
-        sa_rows: board.core.sa_rows,
-        sa_cols: board.core.sa_cols,
-    };
+    let shape = VnpuShape::on_board(board, o.sa, o.vu, sram_bytes, hbm_bytes);
     let lowered = lower(&graph, shape)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
     Ok((lowered, shape, graph.batch))

@@ -326,14 +326,7 @@ fn task_granularity_cost() {
     for (w, batch) in [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8), ("mobilenet", 1)] {
         let g = build(w, batch).unwrap();
         for k in [1u32, 4] {
-            let shape = VnpuShape {
-                sa: k,
-                vu: k,
-                sram_bytes: u64::from(k) * (8 << 20),
-                hbm_bytes: 8 << 30,
-                sa_rows: b.core.sa_rows,
-                sa_cols: b.core.sa_cols,
-            };
+            let shape = VnpuShape::on_board(&b, k, k, u64::from(k) * (8 << 20), 8 << 30);
             let whole = run_program(&b, &lower(&g, shape).unwrap().program, None, None).unwrap().cycles;
             let tasks: f64 = (0..g.ops.len())
                 .map(|i| {

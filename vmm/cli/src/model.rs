@@ -40,14 +40,7 @@ pub enum ModelCmdError {
 
 /// The vNPU core a `--vnpu` spec gives (one core: a model runs on one).
 pub fn shape(spec: &vnpu_device::VnpuSpec, board: &BoardConfig) -> VnpuShape {
-    VnpuShape {
-        sa: spec.sa_per_core,
-        vu: spec.vu_per_core,
-        sram_bytes: spec.sram_per_core,
-        hbm_bytes: spec.hbm_per_core,
-        sa_rows: board.core.sa_rows,
-        sa_cols: board.core.sa_cols,
-    }
+    VnpuShape::on_board(board, spec.sa_per_core, spec.vu_per_core, spec.sram_per_core, spec.hbm_per_core)
 }
 
 /// `NAME=D0,D1,...`.

@@ -81,14 +81,7 @@ fn main() -> ExitCode {
         let sram_bytes = ((m * k + k * n + m * n) * 4).next_multiple_of(2 << 20) as u64;
         let (sa, sb, sc) = (0u64, (m * k * 4) as u64, ((m * k + k * n) * 4) as u64);
         let mut p = ProgramBuilder::new();
-        let dma = |src, dst, bytes: usize| Instr::DmaCopy {
-            src,
-            dst,
-            rows: 1,
-            row_bytes: bytes as u32,
-            src_stride: 0,
-            dst_stride: 0,
-        };
+        let dma = |src, dst, bytes: usize| Instr::copy(src, dst, bytes as u32);
         p.push(Engine::DMA, dma(Addr::guest(ga), Addr::sram(sa), m * k * 4));
         p.push(Engine::DMA, dma(Addr::guest(gb), Addr::sram(sb), k * n * 4));
         p.sync(Engine::DMA, Engine::sa(0), 0);

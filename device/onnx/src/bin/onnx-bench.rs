@@ -67,14 +67,7 @@ fn main() {
         let mut host_runner = None;
         for (sa, vu) in [(1, 1), (4, 4)] {
             let opts = CompileOptions {
-                shape: VnpuShape {
-                    sa,
-                    vu,
-                    sram_bytes: board.sram_bytes(),
-                    hbm_bytes: 1 << 30,
-                    sa_rows: board.core.sa_rows,
-                    sa_cols: board.core.sa_cols,
-                },
+                shape: VnpuShape::on_board(&board, sa, vu, board.sram_bytes(), 1 << 30),
                 batch: c.batch,
                 shapes: HashMap::new(),
                 outputs: Some(vec![c.output.into()]),

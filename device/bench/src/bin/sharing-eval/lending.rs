@@ -363,14 +363,7 @@ mod tests {
     /// (the reference the simulation's tables are checked against).
     fn alone(board: &BoardConfig, g: &Graph, op: usize, e: Engines) -> f64 {
         let sram = board.sram_bytes() / 8 * u64::from(e.sa + e.vu);
-        let shape = VnpuShape {
-            sa: e.sa,
-            vu: e.vu,
-            sram_bytes: sram,
-            hbm_bytes: 8 << 30,
-            sa_rows: board.core.sa_rows,
-            sa_cols: board.core.sa_cols,
-        };
+        let shape = VnpuShape::on_board(board, e.sa, e.vu, sram, 8 << 30);
         run_program(board, &lower_ops(g, op..op + 1, shape).unwrap().program, None, None).unwrap().cycles
     }
 
