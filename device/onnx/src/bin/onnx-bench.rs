@@ -116,7 +116,7 @@ fn main() {
         let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
         let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
         println!(
-            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.0}/{:.0}/{:.0}",
+            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}",
             c.model, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
         );
     }
