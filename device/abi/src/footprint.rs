@@ -231,7 +231,9 @@ impl Instr {
                 f.add(dense(Space::Sram, b, nb, F32, Read, "b")?)?;
                 f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
             }
-            Instr::VUnary { src, dst, len, .. } | Instr::VAffine { src, dst, len, .. } => {
+            Instr::VUnary { src, dst, len, .. }
+            | Instr::VAffine { src, dst, len, .. }
+            | Instr::VClamp { src, dst, len, .. } => {
                 f.add(dense(Space::Sram, src, len.into(), F32, Read, "src")?)?;
                 f.add(dense(Space::Sram, dst, len.into(), F32, Write, "dst")?)?;
             }

@@ -211,7 +211,10 @@ pub struct ConvGeom {
     pub cout: u32,
     pub kh: u16,
     pub kw: u16,
-    pub stride: u16,
+    /// Vertical stride (between output rows).
+    pub stride_h: u16,
+    /// Horizontal stride (between output columns).
+    pub stride_w: u16,
     pub pad_top: u16,
     pub pad_bottom: u16,
     pub pad_left: u16,
@@ -222,17 +225,18 @@ impl ConvGeom {
     /// Output height and width, or `None` when the geometry is empty or
     /// the kernel does not fit the padded input.
     pub fn out_hw(&self) -> Option<(u32, u32)> {
-        if self.stride == 0 || self.kh == 0 || self.kw == 0 {
+        if self.stride_h == 0 || self.stride_w == 0 || self.kh == 0 || self.kw == 0 {
             return None;
         }
         let ph = u64::from(self.h) + u64::from(self.pad_top) + u64::from(self.pad_bottom);
         let pw = u64::from(self.w) + u64::from(self.pad_left) + u64::from(self.pad_right);
-        let (kh, kw, s) = (u64::from(self.kh), u64::from(self.kw), u64::from(self.stride));
+        let (kh, kw) = (u64::from(self.kh), u64::from(self.kw));
+        let (sh, sw) = (u64::from(self.stride_h), u64::from(self.stride_w));
         if ph < kh || pw < kw {
             return None;
         }
-        let ho = u32::try_from((ph - kh) / s + 1).ok()?;
-        let wo = u32::try_from((pw - kw) / s + 1).ok()?;
+        let ho = u32::try_from((ph - kh) / sh + 1).ok()?;
+        let wo = u32::try_from((pw - kw) / sw + 1).ok()?;
         Some((ho, wo))
     }
 }
@@ -303,6 +307,9 @@ pub enum Instr {
     VUnary { op: UnOp, src: u64, dst: u64, len: u32 },
     /// VU: `dst = src * scale + bias` over `len` f32 elements.
     VAffine { src: u64, dst: u64, len: u32, scale: f32, bias: f32 },
+    /// VU: `dst = min(max(src, lo), hi)` over `len` f32 elements
+    /// (`lo <= hi`; a NaN element stays NaN).
+    VClamp { src: u64, dst: u64, len: u32, lo: f32, hi: f32 },
     /// VU: `src` is `[outer][reduce][inner]`; `dst[outer][inner]` is the
     /// reduction over the middle axis.
     VReduce { op: RedOp, src: u64, dst: u64, outer: u32, reduce: u32, inner: u32 },
@@ -340,6 +347,7 @@ pub mod opcode {
     pub const VPOOL: u8 = 0x26;
     pub const VCONVERT: u8 = 0x27;
     pub const VDEPTHWISE: u8 = 0x28;
+    pub const VCLAMP: u8 = 0x29;
     pub const SIGNAL: u8 = 0x30;
     pub const WAIT: u8 = 0x31;
     pub const HALT: u8 = 0x3f;
@@ -395,6 +403,7 @@ impl Instr {
             Self::VPool { .. } => VPOOL,
             Self::VConvert { .. } => VCONVERT,
             Self::VDepthwise { .. } => VDEPTHWISE,
+            Self::VClamp { .. } => VCLAMP,
             Self::Signal { .. } => SIGNAL,
             Self::Wait { .. } => WAIT,
             Self::Halt => HALT,
@@ -417,6 +426,7 @@ impl Instr {
             Self::VPool { .. } => "vu.pool",
             Self::VConvert { .. } => "vu.convert",
             Self::VDepthwise { .. } => "vu.depthwise",
+            Self::VClamp { .. } => "vu.clamp",
             Self::Signal { .. } => "signal",
             Self::Wait { .. } => "wait",
             Self::Halt => "halt",
@@ -441,7 +451,7 @@ impl Instr {
             DMA_COPY => 2 + 8 + 8 + 4 + 4 + 8 + 8,
             DMA_GATHER => 1 + 8 + 8 + 8 + 4 + 4 + 4,
             MATMUL => 2 + 3 * 8 + 6 * 4,
-            CONV2D => 2 + 3 * 8 + 5 * 4 + 7 * 2,
+            CONV2D => 2 + 3 * 8 + 5 * 4 + 8 * 2,
             VBINARY => 2 + 3 * 8 + 2 * 4,
             VUNARY => 1 + 2 * 8 + 4,
             VAFFINE => 2 * 8 + 4 + 4 + 4,
@@ -450,7 +460,8 @@ impl Instr {
             VLAYERNORM => 4 * 8 + 2 * 4 + 4,
             VPOOL => 1 + 2 * 8 + 4 * 4 + 4 * 2,
             VCONVERT => 2 + 2 * 8 + 4,
-            VDEPTHWISE => 3 * 8 + 5 * 4 + 7 * 2,
+            VDEPTHWISE => 3 * 8 + 5 * 4 + 8 * 2,
+            VCLAMP => 2 * 8 + 4 + 4 + 4,
             SIGNAL | WAIT => 1,
             HALT => 0,
             _ => return None,
@@ -525,6 +536,13 @@ impl Instr {
                 w.u32(len);
                 w.u32(scale.to_bits());
                 w.u32(bias.to_bits());
+            }
+            Self::VClamp { src, dst, len, lo, hi } => {
+                w.u64(src);
+                w.u64(dst);
+                w.u32(len);
+                w.u32(lo.to_bits());
+                w.u32(hi.to_bits());
             }
             Self::VReduce { op, src, dst, outer, reduce, inner } => {
                 w.u8(op as u8);
@@ -680,6 +698,15 @@ impl Instr {
                 scale: r.f32("scale")?,
                 bias: r.f32("bias")?,
             },
+            VCLAMP => {
+                let (src, dst, len) = (r.u64(), r.u64(), r.u32());
+                let lo = r.f32("lo")?;
+                let hi = r.f32("hi")?;
+                if lo > hi {
+                    return Err(r.bad("hi", hi.to_bits().into()));
+                }
+                Self::VClamp { src, dst, len, lo, hi }
+            }
             VREDUCE => {
                 let v = r.u8();
                 let op = RedOp::from_u8(v).ok_or(r.bad("op", v.into()))?;
@@ -751,7 +778,7 @@ impl Writer<'_> {
         for v in [g.n, g.h, g.w, g.cin, g.cout] {
             self.u32(v);
         }
-        for v in [g.kh, g.kw, g.stride, g.pad_top, g.pad_bottom, g.pad_left, g.pad_right] {
+        for v in [g.kh, g.kw, g.stride_h, g.stride_w, g.pad_top, g.pad_bottom, g.pad_left, g.pad_right] {
             self.u16(v);
         }
     }
@@ -786,7 +813,8 @@ impl Reader<'_> {
             cout: self.u32(),
             kh: self.u16(),
             kw: self.u16(),
-            stride: self.u16(),
+            stride_h: self.u16(),
+            stride_w: self.u16(),
             pad_top: self.u16(),
             pad_bottom: self.u16(),
             pad_left: self.u16(),

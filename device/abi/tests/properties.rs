@@ -52,7 +52,7 @@ fn instr() -> impl Strategy<Value = Instr> {
                 ldc: d[5],
             }
         }),
-        (dtype(), flags(false), any::<[u64; 3]>(), any::<[u32; 5]>(), any::<[u16; 7]>()).prop_map(
+        (dtype(), flags(false), any::<[u64; 3]>(), any::<[u32; 5]>(), any::<[u16; 8]>()).prop_map(
             |(dtype, flags, p, d, s)| Instr::Conv2d {
                 dtype,
                 flags,
@@ -67,7 +67,8 @@ fn instr() -> impl Strategy<Value = Instr> {
                     cout: d[4],
                     kh: s[0],
                     kw: s[1],
-                    stride: s[2],
+                    stride_h: s[2],
+                    stride_w: s[7],
                     pad_top: s[3],
                     pad_bottom: s[4],
                     pad_left: s[5],
@@ -90,6 +91,9 @@ fn instr() -> impl Strategy<Value = Instr> {
             .prop_map(|(op, src, dst, len)| Instr::VUnary { op, src, dst, len }),
         (any::<u64>(), any::<u64>(), any::<u32>(), finite(), finite())
             .prop_map(|(src, dst, len, scale, bias)| Instr::VAffine { src, dst, len, scale, bias }),
+        (any::<u64>(), any::<u64>(), any::<u32>(), finite(), finite()).prop_map(|(src, dst, len, a, b)| {
+            Instr::VClamp { src, dst, len, lo: a.min(b), hi: a.max(b) }
+        }),
         (pick(RedOp::ALL), any::<u64>(), any::<u64>(), any::<[u32; 3]>()).prop_map(|(op, src, dst, d)| {
             Instr::VReduce { op, src, dst, outer: d[0], reduce: d[1], inner: d[2] }
         }),
@@ -115,7 +119,7 @@ fn instr() -> impl Strategy<Value = Instr> {
                 },
             }
         ),
-        (any::<[u64; 3]>(), any::<[u32; 4]>(), any::<[u16; 7]>()).prop_map(|(p, d, s)| Instr::VDepthwise {
+        (any::<[u64; 3]>(), any::<[u32; 4]>(), any::<[u16; 8]>()).prop_map(|(p, d, s)| Instr::VDepthwise {
             src: p[0],
             weights: p[1],
             dst: p[2],
@@ -127,7 +131,8 @@ fn instr() -> impl Strategy<Value = Instr> {
                 cout: d[3],
                 kh: s[0],
                 kw: s[1],
-                stride: s[2],
+                stride_h: s[2],
+                stride_w: s[7],
                 pad_top: s[3],
                 pad_bottom: s[4],
                 pad_left: s[5],

@@ -180,7 +180,8 @@ fn sa(rng: &mut StdRng) -> Instr {
         cout: dim(rng, 4),
         kh,
         kw,
-        stride: dim(rng, 2) as u16,
+        stride_h: dim(rng, 2) as u16,
+        stride_w: dim(rng, 2) as u16,
         pad_top: pad(rng),
         pad_bottom: pad(rng),
         pad_left: pad(rng),
@@ -201,7 +202,7 @@ fn sa(rng: &mut StdRng) -> Instr {
 fn vu(rng: &mut StdRng) -> Instr {
     let (rows, cols) = (dim(rng, 8), dim(rng, 16));
     let n = u64::from(rows * cols) * 4;
-    match rng.random_range(0..9) {
+    match rng.random_range(0..10) {
         0 => {
             let a = sram(rng, n);
             let bcast = *pick(rng, Bcast::ALL);
@@ -292,7 +293,8 @@ fn vu(rng: &mut StdRng) -> Instr {
                 cout: c,
                 kh,
                 kw,
-                stride: dim(rng, 2) as u16,
+                stride_h: dim(rng, 2) as u16,
+                stride_w: dim(rng, 2) as u16,
                 pad_top: rng.random_range(0..2),
                 pad_bottom: rng.random_range(0..2),
                 pad_left: rng.random_range(0..2),
@@ -305,6 +307,11 @@ fn vu(rng: &mut StdRng) -> Instr {
                 dst: sram(rng, u64::from(geom.n * ho * wo * c) * 4),
                 geom,
             }
+        }
+        8 => {
+            let src = sram(rng, n);
+            let (a, b) = (rng.random_range(-2.0..2.0f32), rng.random_range(-2.0..2.0f32));
+            Instr::VClamp { src, dst: maybe_same(rng, src, n), len: rows * cols, lo: a.min(b), hi: a.max(b) }
         }
         _ => {
             let (from, to) = (dtype(rng), dtype(rng));

@@ -235,6 +235,11 @@ pub fn min_nan(a: f32, b: f32) -> f32 {
     }
 }
 
+/// `min(max(x, lo), hi)` with NaN propagated (`vu.clamp`).
+pub fn clamp_nan(x: f32, lo: f32, hi: f32) -> f32 {
+    min_nan(max_nan(x, lo), hi)
+}
+
 /// Applies a unary operation to one value.
 pub fn unary(op: UnOp, x: f32) -> f32 {
     match op {
@@ -296,7 +301,7 @@ pub fn layernorm_rows(v: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], e
 }
 
 /// A sliding window over an NHWC tensor of `n` images `h x w` with `c`
-/// channels: kernel `kh x kw`, `stride`, padding `top`/`left`, output
+/// channels: kernel `kh x kw`, strides `sh`/`sw`, padding `top`/`left`, output
 /// `ho x wo`.
 struct Window {
     n: usize,
@@ -305,7 +310,8 @@ struct Window {
     c: usize,
     kh: usize,
     kw: usize,
-    stride: usize,
+    sh: usize,
+    sw: usize,
     top: usize,
     left: usize,
     ho: usize,
@@ -326,12 +332,11 @@ impl Window {
         for o in pixels {
             let (b, oy, ox) = (o / per_image, (o % per_image) / self.wo, o % self.wo);
             for ky in 0..self.kh {
-                let Some(iy) = (oy * self.stride + ky).checked_sub(self.top).filter(|y| *y < self.h) else {
+                let Some(iy) = (oy * self.sh + ky).checked_sub(self.top).filter(|y| *y < self.h) else {
                     continue;
                 };
                 for kx in 0..self.kw {
-                    let Some(ix) = (ox * self.stride + kx).checked_sub(self.left).filter(|x| *x < self.w)
-                    else {
+                    let Some(ix) = (ox * self.sw + kx).checked_sub(self.left).filter(|x| *x < self.w) else {
                         continue;
                     };
                     f(o, ky * self.kw + kx, (b * self.h + iy) * self.w + ix);
@@ -348,7 +353,8 @@ impl Window {
             c: c as usize,
             kh: g.kh as usize,
             kw: g.kw as usize,
-            stride: g.stride as usize,
+            sh: g.stride_h as usize,
+            sw: g.stride_w as usize,
             top: g.pad_top as usize,
             left: g.pad_left as usize,
             ho,
@@ -413,7 +419,8 @@ pub fn pool(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> Ve
         c: g.c as usize,
         kh: g.kh as usize,
         kw: g.kw as usize,
-        stride: g.stride as usize,
+        sh: g.stride as usize,
+        sw: g.stride as usize,
         top: g.pad as usize,
         left: g.pad as usize,
         ho,
@@ -708,6 +715,11 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             v.iter_mut().for_each(|x| *x = *x * scale + bias);
             write_f32s(mem.sram, dst, &v)?;
         }
+        Instr::VClamp { src, dst, len, lo, hi } => {
+            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            v.iter_mut().for_each(|x| *x = clamp_nan(*x, lo, hi));
+            write_f32s(mem.sram, dst, &v)?;
+        }
         Instr::VReduce { op, src, dst, outer, reduce, inner } => {
             let (o, r, i) = (outer as usize, reduce as usize, inner as usize);
             let v = read_f32s(mem.sram, src, count(&[o as u64, r as u64, i as u64])?)?;
@@ -799,7 +811,8 @@ mod tests {
             cout: 1,
             kh: 3,
             kw: 2,
-            stride: 1,
+            stride_h: 2,
+            stride_w: 1,
             pad_top: 1,
             pad_bottom: 1,
             pad_left: 1,

@@ -135,7 +135,7 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
             flops = prod(&[e, passes as u64]);
             vu(cfg, e, passes)
         }
-        Instr::VAffine { len, .. } => {
+        Instr::VAffine { len, .. } | Instr::VClamp { len, .. } => {
             flops = 2 * u64::from(len);
             vu(cfg, len.into(), 1.0)
         }
@@ -224,7 +224,9 @@ pub fn host_work(instr: &Instr) -> u64 {
             (macs / MACS_PER_UNIT).saturating_add(prod(&[g.n.into(), ho.into(), wo.into(), g.cout.into(), v]))
         }
         Instr::VUnary { op, len, .. } => prod(&[len.into(), unary(op)]),
-        Instr::VAffine { len, .. } | Instr::VConvert { len, .. } => prod(&[len.into(), v]),
+        Instr::VAffine { len, .. } | Instr::VClamp { len, .. } | Instr::VConvert { len, .. } => {
+            prod(&[len.into(), v])
+        }
         Instr::VBinary { rows, cols, .. } => prod(&[rows.into(), cols.into(), v]),
         Instr::VReduce { outer, reduce, inner, .. } => prod(&[outer.into(), reduce.into(), inner.into(), 2]),
         Instr::VSoftmax { rows, cols, .. } => prod(&[rows.into(), cols.into(), TRANSCENDENTAL_UNITS]),

@@ -167,9 +167,9 @@ proptest! {
     /// (loop over the window) reference.
     #[test]
     fn conv2d_matches_direct_reference(nb in 1u32..3, h in 1u32..12, w in 1u32..12, cin in 1u32..6, cout in 1u32..20,
-                                       kh in 1u16..4, kw in 1u16..4, stride in 1u16..3,
+                                       kh in 1u16..4, kw in 1u16..4, sh in 1u16..3, sw in 1u16..3,
                                        pads in any::<[bool; 4]>(), seed in any::<u64>()) {
-        let g = ConvGeom { n: nb, h, w, cin, cout, kh, kw, stride,
+        let g = ConvGeom { n: nb, h, w, cin, cout, kh, kw, stride_h: sh, stride_w: sw,
             pad_top: pads[0] as u16, pad_bottom: pads[1] as u16, pad_left: pads[2] as u16, pad_right: pads[3] as u16 };
         let Some((ho, wo)) = g.out_hw() else { return Ok(()); };
         let x = rand_vec(seed, (nb * h * w * cin) as usize);
@@ -189,8 +189,8 @@ proptest! {
         for b in 0..nb as i64 { for oy in 0..ho as i64 { for ox in 0..wo as i64 { for co in 0..cout as i64 {
             let mut s = 0.0f64;
             for ky in 0..kh as i64 { for kx in 0..kw as i64 { for ci in 0..cin as i64 {
-                let iy = oy * stride as i64 + ky - g.pad_top as i64;
-                let ix = ox * stride as i64 + kx - g.pad_left as i64;
+                let iy = oy * sh as i64 + ky - g.pad_top as i64;
+                let ix = ox * sw as i64 + kx - g.pad_left as i64;
                 if iy < 0 || ix < 0 || iy >= h as i64 || ix >= w as i64 { continue; }
                 let xv = x[(((b * h as i64 + iy) * w as i64 + ix) * cin as i64 + ci) as usize];
                 let wv = wt[(((ky * kw as i64 + kx) * cin as i64 + ci) * cout as i64 + co) as usize];
@@ -261,8 +261,8 @@ proptest! {
 
     /// Depthwise convolution on the VU against a direct reference.
     #[test]
-    fn depthwise_matches_reference(h in 1u32..10, w in 1u32..10, c in 1u32..9, k in 1u16..4, stride in 1u16..3, pad in 0u16..2, seed in any::<u64>()) {
-        let g = ConvGeom { n: 1, h, w, cin: c, cout: c, kh: k, kw: k, stride, pad_top: pad, pad_bottom: pad, pad_left: pad, pad_right: pad };
+    fn depthwise_matches_reference(h in 1u32..10, w in 1u32..10, c in 1u32..9, k in 1u16..4, sh in 1u16..3, sw in 1u16..3, pad in 0u16..2, seed in any::<u64>()) {
+        let g = ConvGeom { n: 1, h, w, cin: c, cout: c, kh: k, kw: k, stride_h: sh, stride_w: sw, pad_top: pad, pad_bottom: pad, pad_left: pad, pad_right: pad };
         let Some((ho, wo)) = g.out_hw() else { return Ok(()); };
         let x = rand_vec(seed, (h * w * c) as usize);
         let wt = rand_vec(seed ^ 11, (k as u32 * k as u32 * c) as usize);
@@ -281,7 +281,7 @@ proptest! {
         for oy in 0..ho as i64 { for ox in 0..wo as i64 { for ch in 0..c as i64 {
             let mut s = 0.0f64;
             for ky in 0..k as i64 { for kx in 0..k as i64 {
-                let iy = oy * stride as i64 + ky - pad as i64; let ix = ox * stride as i64 + kx - pad as i64;
+                let iy = oy * sh as i64 + ky - pad as i64; let ix = ox * sw as i64 + kx - pad as i64;
                 if iy >= 0 && ix >= 0 && iy < h as i64 && ix < w as i64 {
                     s += f64::from(x[((iy * w as i64 + ix) * c as i64 + ch) as usize]) * f64::from(wt[((ky * k as i64 + kx) * c as i64 + ch) as usize]);
                 }
@@ -612,7 +612,8 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
         cout: 0,
         kh: 1,
         kw: 1,
-        stride: 1,
+        stride_h: 1,
+        stride_w: 1,
         pad_top: 0,
         pad_bottom: 0,
         pad_left: 0,
@@ -626,7 +627,8 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
         cout: 1,
         kh: 60000,
         kw: 60000,
-        stride: 1,
+        stride_h: 1,
+        stride_w: 1,
         pad_top: 40000,
         pad_bottom: 40000,
         pad_left: 40000,

@@ -84,7 +84,8 @@ pub fn case(rng: &mut Rng, i: usize) -> Case {
             cout: rng.range(1, 16),
             kh: k,
             kw: rng.range(1, u32::from(k)) as u16,
-            stride: rng.range(1, 2) as u16,
+            stride_h: rng.range(1, 2) as u16,
+            stride_w: rng.range(1, 2) as u16,
             pad_top: rng.range(0, 1) as u16,
             pad_bottom: rng.range(0, 1) as u16,
             pad_left: rng.range(0, 1) as u16,
@@ -195,7 +196,8 @@ pub fn prepare(case: Case, rng: &mut Rng, base: u64) -> Prepared {
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
             let (n, h, w, ci, co) =
                 (g.n as usize, g.h as usize, g.w as usize, g.cin as usize, g.cout as usize);
-            let (kh, kw, s) = (usize::from(g.kh), usize::from(g.kw), usize::from(g.stride));
+            let (kh, kw) = (usize::from(g.kh), usize::from(g.kw));
+            let (sh, sw) = (usize::from(g.stride_h), usize::from(g.stride_w));
             let (ho, wo) = (ho as usize, wo as usize);
             let (x, xb) = data(rng, n * h * w * ci, dtype);
             let (wt, wb) = data(rng, kh * kw * ci * co, dtype);
@@ -208,8 +210,8 @@ pub fn prepare(case: Case, rng: &mut Rng, base: u64) -> Prepared {
                             let (mut acc, mut mag) = (0f32, 0f32);
                             for dy in 0..kh {
                                 for dx in 0..kw {
-                                    let iy = (oy * s + dy) as isize - g.pad_top as isize;
-                                    let ix = (ox * s + dx) as isize - g.pad_left as isize;
+                                    let iy = (oy * sh + dy) as isize - g.pad_top as isize;
+                                    let ix = (ox * sw + dx) as isize - g.pad_left as isize;
                                     if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
                                         continue;
                                     }

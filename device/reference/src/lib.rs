@@ -471,6 +471,15 @@ impl Machine {
                     out.push(sram_f32(at(dst, i, 4)?, Expect::F32 { value: v.into(), tol: 0.0 }));
                 }
             }
+            Instr::VClamp { src, dst, len, lo, hi } => {
+                w.add(len.into())?;
+                for i in 0..u64::from(len) {
+                    let x = self.elem(src, i, DType::F32)?;
+                    // Comparisons only: exact. NaN propagates.
+                    let v = if x.is_nan() { x } else { x.max(lo).min(hi) };
+                    out.push(sram_f32(at(dst, i, 4)?, Expect::F32 { value: v.into(), tol: 0.0 }));
+                }
+            }
             Instr::VReduce { op, src, dst, outer, reduce, inner } => {
                 // An empty reduction is an error only when it has outputs.
                 if reduce == 0 && u64::from(outer) * u64::from(inner) > 0 {
@@ -600,7 +609,8 @@ fn pool_as_conv(g: &PoolGeom) -> ConvGeom {
         cout: g.c,
         kh: g.kh,
         kw: g.kw,
-        stride: g.stride,
+        stride_h: g.stride,
+        stride_w: g.stride,
         pad_top: g.pad,
         pad_bottom: g.pad,
         pad_left: g.pad,
@@ -637,14 +647,14 @@ fn for_each_pixel(
 /// index over n*h*w)`, the pixel `None` where the tap falls on padding.
 fn taps(g: &ConvGeom, p: Pixel) -> Vec<(u64, Option<u64>)> {
     let mut v = Vec::new();
-    let s = u64::from(g.stride);
+    let (sh, sw) = (u64::from(g.stride_h), u64::from(g.stride_w));
     let inside = |padded: u64, pad: u16, size: u32| {
         padded.checked_sub(u64::from(pad)).filter(|i| *i < u64::from(size))
     };
     for ky in 0..u64::from(g.kh) {
-        let iy = inside(p.y * s + ky, g.pad_top, g.h);
+        let iy = inside(p.y * sh + ky, g.pad_top, g.h);
         for kx in 0..u64::from(g.kw) {
-            let ix = inside(p.x * s + kx, g.pad_left, g.w);
+            let ix = inside(p.x * sw + kx, g.pad_left, g.w);
             let pixel = iy.zip(ix).map(|(iy, ix)| (p.n * u64::from(g.h) + iy) * u64::from(g.w) + ix);
             v.push((ky * u64::from(g.kw) + kx, pixel));
         }

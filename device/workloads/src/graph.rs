@@ -63,20 +63,51 @@ pub enum Act {
     Tanh,
 }
 
-/// Spatial geometry of a square-kernel convolution or pooling window.
+/// Spatial geometry of a convolution or pooling window over `h x w`
+/// images: kernel `kh x kw`, strides `sh` (rows) and `sw` (columns),
+/// zero padding `pad = [top, bottom, left, right]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Spatial {
     pub h: u32,
     pub w: u32,
-    pub k: u16,
-    pub stride: u16,
-    pub pad: u16,
+    pub kh: u16,
+    pub kw: u16,
+    pub sh: u16,
+    pub sw: u16,
+    pub pad: [u16; 4],
 }
 
 impl Spatial {
+    /// A square `k x k` window, one stride, the same padding on every side.
+    pub fn square(h: u32, w: u32, k: u16, stride: u16, pad: u16) -> Self {
+        Self { h, w, kh: k, kw: k, sh: stride, sw: stride, pad: [pad; 4] }
+    }
+
+    /// Output height and width (the window must fit the padded image and
+    /// strides must be positive: callers check with [`Self::valid`]).
     pub fn out(&self) -> (u32, u32) {
-        let f = |x: u32| (x + 2 * u32::from(self.pad) - u32::from(self.k)) / u32::from(self.stride) + 1;
-        (f(self.h), f(self.w))
+        let f = |x: u32, a: u16, b: u16, k: u16, s: u16| {
+            (x + u32::from(a) + u32::from(b)).saturating_sub(u32::from(k)) / u32::from(s.max(1)) + 1
+        };
+        let [t, b, l, r] = self.pad;
+        (f(self.h, t, b, self.kh, self.sh), f(self.w, l, r, self.kw, self.sw))
+    }
+
+    /// Whether the window fits the padded image with positive strides.
+    pub fn valid(&self) -> bool {
+        let [t, b, l, r] = self.pad;
+        self.sh > 0
+            && self.sw > 0
+            && self.kh > 0
+            && self.kw > 0
+            && u64::from(self.h) + u64::from(t) + u64::from(b) >= u64::from(self.kh)
+            && u64::from(self.w) + u64::from(l) + u64::from(r) >= u64::from(self.kw)
+    }
+
+    /// The same window on both axes, the same padding on every side (what
+    /// `vu.pool` takes).
+    pub fn uniform(&self) -> bool {
+        self.sh == self.sw && self.pad.iter().all(|&p| p == self.pad[0])
     }
 }
 
@@ -233,7 +264,8 @@ impl Graph {
                     let (ho, wo) = s.out();
                     u64::from(batch)
                         * u64::from(ho * wo)
-                        * u64::from(s.k).pow(2)
+                        * u64::from(s.kh)
+                        * u64::from(s.kw)
                         * u64::from(cin)
                         * u64::from(cout)
                 }
@@ -276,7 +308,7 @@ impl Graph {
         stride: u16,
         act: Act,
     ) -> (TensorId, u32, u32) {
-        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let s = Spatial::square(h, w, k, stride, k / 2);
         let (ho, wo) = s.out();
         let fan_in = u32::from(k) * u32::from(k) * cin;
         let wt =
@@ -298,7 +330,7 @@ impl Graph {
         stride: u16,
         act: Act,
     ) -> (TensorId, u32, u32) {
-        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let s = Spatial::square(h, w, k, stride, k / 2);
         let (ho, wo) = s.out();
         let fan_in = u32::from(k) * u32::from(k);
         let wt = self.tensor(format!("{name}.w"), u64::from(fan_in) * u64::from(c), Init::Weights { fan_in });
@@ -409,7 +441,7 @@ fn resnet50(batch: u32) -> Graph {
     let mut g = Graph::new("resnet50", batch);
     let x = g.image_input(224, 3);
     let (x, h, w) = g.conv("conv1", x, 224, 224, 3, 64, 7, 2, Act::Relu);
-    let s = Spatial { h, w, k: 3, stride: 2, pad: 1 };
+    let s = Spatial::square(h, w, 3, 2, 1);
     let (h, w) = s.out();
     let mut x_t = g.act("maxpool", u64::from(batch) * u64::from(h * w) * 64);
     g.ops.push(Op::MaxPool { name: "maxpool".into(), x, y: x_t, batch, s, c: 64 });

@@ -59,6 +59,8 @@ pub enum LowerError {
     Sram { op: String, need: u64, have: u64 },
     #[error("the model's tensors need {need} bytes of HBM, the vNPU core has {have}")]
     Hbm { need: u64, have: u64 },
+    #[error("operation `{op}`: {reason}")]
+    Geometry { op: String, reason: &'static str },
     #[error("the lowering ran out of semaphores (a lowering bug)")]
     Semaphores,
 }
@@ -589,7 +591,7 @@ impl Lowerer {
 
     /// Input rows of an output band `[oy0, oy0 + r)`: (first row, rows, pad top, pad bottom).
     fn band(s: &Spatial, oy0: u32, r: u32) -> (u32, u32, u16, u16) {
-        let (st, k, p, h) = (i64::from(s.stride), i64::from(s.k), i64::from(s.pad), i64::from(s.h));
+        let (st, k, p, h) = (i64::from(s.sh), i64::from(s.kh), i64::from(s.pad[0]), i64::from(s.h));
         let start = i64::from(oy0) * st - p;
         let end = (i64::from(oy0) + i64::from(r) - 1) * st - p + k;
         let lo = start.max(0);
@@ -613,7 +615,7 @@ impl Lowerer {
         depthwise: bool,
     ) -> Result<(), LowerError> {
         let (ho, wo) = s.out();
-        let kk = u64::from(s.k) * u64::from(s.k);
+        let kk = u64::from(s.kh) * u64::from(s.kw);
         let krows = if depthwise { kk } else { kk * u64::from(cin) };
         let nt_max = if depthwise { cout } else { self.weight_chunk(krows, cout) };
         let mut n0 = 0;
@@ -624,7 +626,7 @@ impl Lowerer {
             let tmp = if act == Act::Swish { 1 } else { 0 };
             let bytes = |r: u32| {
                 let (_, bh, _, _) = Self::band(&s, 0, r.min(ho));
-                let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.stride) + u32::from(s.k)).min(s.h)));
+                let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.sh) + u32::from(s.kh)).min(s.h)));
                 in_rows * u64::from(s.w) * u64::from(cin) * F
                     + (1 + tmp) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
             };
@@ -671,13 +673,14 @@ impl Lowerer {
                             w: s.w,
                             cin,
                             cout: bl.cols,
-                            kh: s.k,
-                            kw: s.k,
-                            stride: s.stride,
+                            kh: s.kh,
+                            kw: s.kw,
+                            stride_h: s.sh,
+                            stride_w: s.sw,
                             pad_top: pt,
                             pad_bottom: pb,
-                            pad_left: s.pad,
-                            pad_right: s.pad,
+                            pad_left: s.pad[2],
+                            pad_right: s.pad[3],
                         };
                         let (wb, ob) = (w_s + krows * u64::from(bl.c0) * F, outb + off);
                         let post = bias_act(
@@ -886,6 +889,22 @@ impl Lowerer {
             Op::Linear { ref name, x, w, b, y, rows, k, n, act } => {
                 self.linear(name, x, w, b, y, rows, k, n, act)?
             }
+            Op::Conv { ref name, s, .. }
+            | Op::Depthwise { ref name, s, .. }
+            | Op::MaxPool { ref name, s, .. }
+                if !s.valid() =>
+            {
+                return Err(LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "the window does not fit the padded image, or a stride is zero",
+                });
+            }
+            Op::MaxPool { ref name, s, .. } if !s.uniform() => {
+                return Err(LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "pooling takes one stride and the same padding on every side",
+                });
+            }
             Op::Conv { ref name, x, w, b, y, batch, s, cin, cout, act } => {
                 self.conv(name, x, w, b, y, batch, s, cin, cout, act, false)?
             }
@@ -907,10 +926,10 @@ impl Lowerer {
                             h: s.h,
                             w: s.w,
                             c,
-                            kh: s.k,
-                            kw: s.k,
-                            stride: s.stride,
-                            pad: s.pad,
+                            kh: s.kh,
+                            kw: s.kw,
+                            stride: s.sh,
+                            pad: s.pad[0],
                         };
                         vec![Instr::VPool { op: PoolOp::Max, src, dst, geom }]
                     },

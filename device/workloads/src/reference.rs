@@ -42,16 +42,16 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
             }
             Op::Conv { x, w, b, y, batch, s, cin, cout, act: a, .. } => {
                 let (ho, wo) = s.out();
-                let k = i64::from(s.k);
+                let (kh, kw) = (i64::from(s.kh), i64::from(s.kw));
                 for img in 0..i64::from(batch) {
                     for oy in 0..i64::from(ho) {
                         for ox in 0..i64::from(wo) {
                             for co in 0..i64::from(cout) {
                                 let mut acc = f64::from(tensors[b][co as usize]);
-                                for ky in 0..k {
-                                    for kx in 0..k {
-                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
-                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                for ky in 0..kh {
+                                    for kx in 0..kw {
+                                        let iy = oy * i64::from(s.sh) + ky - i64::from(s.pad[0]);
+                                        let ix = ox * i64::from(s.sw) + kx - i64::from(s.pad[2]);
                                         if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
                                             continue;
                                         }
@@ -60,7 +60,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                                                 * i64::from(cin)
                                                 + ci;
                                             let wi =
-                                                ((ky * k + kx) * i64::from(cin) + ci) * i64::from(cout) + co;
+                                                ((ky * kw + kx) * i64::from(cin) + ci) * i64::from(cout) + co;
                                             acc += f64::from(tensors[x][xi as usize])
                                                 * f64::from(tensors[w][wi as usize]);
                                         }
@@ -76,23 +76,23 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
             }
             Op::Depthwise { x, w, b, y, batch, s, c, act: a, .. } => {
                 let (ho, wo) = s.out();
-                let k = i64::from(s.k);
+                let (kh, kw) = (i64::from(s.kh), i64::from(s.kw));
                 for img in 0..i64::from(batch) {
                     for oy in 0..i64::from(ho) {
                         for ox in 0..i64::from(wo) {
                             for ch in 0..i64::from(c) {
                                 let mut acc = f64::from(tensors[b][ch as usize]);
-                                for ky in 0..k {
-                                    for kx in 0..k {
-                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
-                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                for ky in 0..kh {
+                                    for kx in 0..kw {
+                                        let iy = oy * i64::from(s.sh) + ky - i64::from(s.pad[0]);
+                                        let ix = ox * i64::from(s.sw) + kx - i64::from(s.pad[2]);
                                         if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
                                             continue;
                                         }
                                         let xi = ((img * i64::from(s.h) + iy) * i64::from(s.w) + ix)
                                             * i64::from(c)
                                             + ch;
-                                        let wi = (ky * k + kx) * i64::from(c) + ch;
+                                        let wi = (ky * kw + kx) * i64::from(c) + ch;
                                         acc += f64::from(tensors[x][xi as usize])
                                             * f64::from(tensors[w][wi as usize]);
                                     }
@@ -112,10 +112,10 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                         for ox in 0..i64::from(wo) {
                             for ch in 0..i64::from(c) {
                                 let mut m = f32::NEG_INFINITY;
-                                for ky in 0..i64::from(s.k) {
-                                    for kx in 0..i64::from(s.k) {
-                                        let iy = oy * i64::from(s.stride) + ky - i64::from(s.pad);
-                                        let ix = ox * i64::from(s.stride) + kx - i64::from(s.pad);
+                                for ky in 0..i64::from(s.kh) {
+                                    for kx in 0..i64::from(s.kw) {
+                                        let iy = oy * i64::from(s.sh) + ky - i64::from(s.pad[0]);
+                                        let ix = ox * i64::from(s.sw) + kx - i64::from(s.pad[2]);
                                         if iy < 0 || ix < 0 || iy >= i64::from(s.h) || ix >= i64::from(s.w) {
                                             continue;
                                         }

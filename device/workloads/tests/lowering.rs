@@ -127,7 +127,7 @@ fn mini_cnn(batch: u32) -> Graph {
                 k: u16,
                 stride: u16,
                 act: Act| {
-        let s = Spatial { h, w, k, stride, pad: k / 2 };
+        let s = Spatial::square(h, w, k, stride, k / 2);
         let (ho, wo) = s.out();
         let fan_in = u32::from(k) * u32::from(k) * cin;
         let wt = g.tensor(format!("{name}.w"), u64::from(fan_in * cout), Init::Weights { fan_in });
@@ -138,7 +138,7 @@ fn mini_cnn(batch: u32) -> Graph {
     };
     let (a, h, w) = conv(&mut g, "c1", x, 9, 11, 3, 37, 3, 2, Act::Swish);
     let (d, h, w) = g.depthwise("dw", a, h, w, 37, 5, 1, Act::Relu);
-    let s = Spatial { h, w, k: 3, stride: 2, pad: 1 };
+    let s = Spatial::square(h, w, 3, 2, 1);
     let (ph, pw) = s.out();
     let p = g.act("pool", u64::from(batch * ph * pw * 37));
     g.ops.push(Op::MaxPool { name: "pool".into(), x: d, y: p, batch, s, c: 37 });

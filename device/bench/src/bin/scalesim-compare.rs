@@ -68,7 +68,18 @@ fn instr(l: Layer) -> Instr {
             input: 0,
             weights: 0,
             output: 0,
-            geom: ConvGeom { n: 1, h, w, cin, cout, kh: k, kw: k, stride, ..Default::default() },
+            geom: ConvGeom {
+                n: 1,
+                h,
+                w,
+                cin,
+                cout,
+                kh: k,
+                kw: k,
+                stride_h: stride,
+                stride_w: stride,
+                ..Default::default()
+            },
         },
     }
 }
