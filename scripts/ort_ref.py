@@ -6,11 +6,14 @@ independent reference the vNPU's results are checked against
   ort_ref.py MODEL.onnx OUT_PREFIX NAME=INPUT.npy [NAME=INPUT.npy ...] [--output NAME ...] [--time RUNS]
 
 Writes OUT_PREFIX.<output>.npy for every requested output (all outputs by
-default). With --time RUNS it also prints one line per run,
+default; characters of the name other than letters, digits, `.`, `_` and
+`-` become `_`, as output names such as `save_infer_model/scale_0.tmp_1`
+are not file names). With --time RUNS it also prints one line per run,
 `ort_seconds <s>`, the wall time of session.run on the whole batch
 (single-threaded session, as the functional model is), for the benchmark.
 """
 import argparse
+import re
 import sys
 import time
 
@@ -39,7 +42,7 @@ def main():
     names = a.output or [o.name for o in s.get_outputs()]
     outs = s.run(names, feed)
     for n, v in zip(names, outs):
-        np.save(f"{a.out_prefix}.{n}.npy", np.asarray(v))
+        np.save(f"{a.out_prefix}.{re.sub(r'[^A-Za-z0-9._-]', '_', n)}.npy", np.asarray(v))
     for _ in range(a.time):
         t0 = time.perf_counter()
         s.run(names, feed)

@@ -26,6 +26,9 @@ use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
 
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
+mod cnn;
+use cnn::{channel_vec, nchw_to_nhwc, then};
+
 /// What to compile for.
 #[derive(Clone, Debug)]
 pub struct CompileOptions {
@@ -88,9 +91,20 @@ pub struct Compiled {
 #[derive(Clone, Debug)]
 struct Dyn {
     t: TensorId,
+    /// ONNX's (logical) shape.
     shape: Vec<usize>,
     /// The graph operation that wrote `t`, when fusion into it is allowed.
     op: Option<usize>,
+    /// A rank-4 tensor `[N, C, H, W]` stored channels-last (`[N][H][W][C]`),
+    /// as convolutions and pooling read and write it; otherwise the
+    /// storage is dense row-major in ONNX's order.
+    nhwc: bool,
+}
+
+impl Dyn {
+    fn new(t: TensorId, shape: Vec<usize>, op: Option<usize>, nhwc: bool) -> Self {
+        Self { t, shape, op, nhwc }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -190,6 +204,12 @@ impl Compiler<'_> {
                 n.inputs[i], n.op
             )),
         }
+    }
+
+    /// Input `i`, a computed tensor, stored dense in ONNX's order.
+    fn dense(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+        let d = self.computed(n, i)?;
+        self.onnx_order(&n.name, &d)
     }
 
     fn get(&self, n: &Node, i: usize) -> Result<&Val, String> {
@@ -339,7 +359,8 @@ impl Compiler<'_> {
                     }
                     Val::D(d) => {
                         self.report.aliases += 1;
-                        Val::D(Dyn { t: d.t, shape: new, op: None })
+                        let d = self.onnx_order(&n.name, &d)?;
+                        Val::D(Dyn::new(d.t, new, None, false))
                     }
                 }])
             }
@@ -393,6 +414,29 @@ impl Compiler<'_> {
                 self.activation(n, act)
             }
             "Softmax" => self.softmax(n),
+            "Clip" => {
+                let act = self.clip(n)?;
+                self.activation(n, act)
+            }
+            "HardSigmoid" => {
+                Self::only_attrs(n, &["alpha", "beta"])?;
+                let alpha = Self::float_attr(n, "alpha", 0.2)?;
+                let beta = Self::float_attr(n, "beta", 0.5)?;
+                self.activation(n, Act::Clamp { scale: alpha, bias: beta, lo: 0.0, hi: 1.0 })
+            }
+            "HardSwish" => {
+                Self::only_attrs(n, &[])?;
+                self.activation(n, Act::HardSwish)
+            }
+            "Conv" => self.conv(n),
+            "BatchNormalization" => self.batch_norm(n),
+            "MaxPool" | "AveragePool" => self.pool(n),
+            "GlobalAveragePool" => self.global_pool(n),
+            "Slice" if all_const => {
+                let r = self.slice_const(n)?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(r)])
+            }
             op => Err(format!("operator `{op}` is not supported (docs/model-format.md lists what is)")),
         }
     }
@@ -504,11 +548,11 @@ impl Compiler<'_> {
             n: nn as u32,
             act: Act::None,
         });
-        Ok(vec![Val::D(Dyn { t: y, shape, op: Some(self.g.ops.len() - 1) })])
+        Ok(vec![Val::D(Dyn::new(y, shape, Some(self.g.ops.len() - 1), x.nhwc))])
     }
 
     fn matmul(&mut self, n: &Node) -> NodeResult {
-        let x = self.computed(n, 0)?;
+        let x = self.dense(n, 0)?;
         let w = match self.get(n, 1)? {
             Val::C(c) => c.clone(),
             Val::D(_) => return Err("a product of two computed tensors is not supported yet".into()),
@@ -521,7 +565,7 @@ impl Compiler<'_> {
 
     fn gemm(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["alpha", "beta", "transA", "transB"])?;
-        let x = self.computed(n, 0)?;
+        let x = self.dense(n, 0)?;
         if Self::int_attr(n, "transA", 0)? != 0 {
             return Err("transA = 1 is not supported".into());
         }
@@ -588,114 +632,147 @@ impl Compiler<'_> {
         let shape = bcast_shape(&sa, &sb).ok_or(format!("shapes {sa:?} and {sb:?} do not broadcast"))?;
         let op = n.op.as_str();
         match (a, b) {
-            (Val::D(d), Val::C(c)) => {
-                if d.shape != shape {
-                    return Err(format!(
-                        "the computed operand {:?} would be broadcast to {shape:?}",
-                        d.shape
-                    ));
-                }
-                let mut v = c.data.to_f32();
-                match op {
-                    "Sub" => v.iter_mut().for_each(|x| *x = -*x),
-                    "Div" => v.iter_mut().for_each(|x| *x = 1.0 / *x),
-                    _ => {}
-                }
-                let add = matches!(op, "Add" | "Sub");
-                // A bias row after a matrix product becomes its bias.
-                let cols = *shape.last().unwrap_or(&1);
-                if add && elems(&c.shape) == cols && c.shape.last() == Some(&cols) {
-                    if let Some(i) = self.fusable(&n.inputs[0], &d) {
-                        if let Op::Linear { b, act: Act::None, .. } = self.g.ops[i] {
-                            if let Some(Some(bias)) = self.data.get_mut(b) {
-                                bias.iter_mut().zip(&v).for_each(|(x, y)| *x += y);
-                                self.report.fused += 1;
-                                return Ok(vec![Val::D(Dyn { op: Some(i), ..d })]);
-                            }
-                        }
-                    }
-                }
-                let full = expand(&v, &c.shape, &shape);
-                let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                Ok(vec![Val::D(self.eltwise(n, add, d.t, ct, &shape))])
-            }
-            (Val::C(c), Val::D(d)) => match op {
-                "Add" | "Mul" => {
-                    let full = expand(&c.data.to_f32(), &c.shape, &shape);
-                    if d.shape != shape {
-                        return Err(format!(
-                            "the computed operand {:?} would be broadcast to {shape:?}",
-                            d.shape
-                        ));
-                    }
-                    let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                    Ok(vec![Val::D(self.eltwise(n, op == "Add", d.t, ct, &shape))])
-                }
-                "Sub" => {
-                    // c - x = c + (-1) x
-                    let neg = self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
-                    let nx = self.eltwise(n, false, d.t, neg, &shape);
-                    let full = expand(&c.data.to_f32(), &c.shape, &shape);
-                    let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
-                    Ok(vec![Val::D(self.eltwise(n, true, nx.t, ct, &shape))])
-                }
-                _ => Err("dividing a constant by a computed tensor is not supported yet".into()),
-            },
+            (Val::D(d), Val::C(c)) => self.with_const(n, 0, d, &c, op, false, &shape),
+            (Val::C(c), Val::D(d)) => self.with_const(n, 1, d, &c, op, true, &shape),
             (Val::D(x), Val::D(y)) => {
-                if x.shape != shape || y.shape != shape {
-                    return Err("broadcasting between two computed tensors is not supported".into());
+                if x.shape == shape && y.shape == shape {
+                    let (x, y) = self.same_layout(n, x, y)?;
+                    return match op {
+                        "Add" => Ok(vec![Val::D(self.eltwise(n, true, &x, y.t))]),
+                        "Mul" => Ok(vec![Val::D(self.eltwise(n, false, &x, y.t))]),
+                        "Sub" => {
+                            let ny = self.act_op(n, &y, Act::affine(-1.0, 0.0));
+                            Ok(vec![Val::D(self.eltwise(n, true, &x, ny.t))])
+                        }
+                        _ => Err("dividing two computed tensors is not supported yet".into()),
+                    };
                 }
-                match op {
-                    "Add" | "Mul" => Ok(vec![Val::D(self.eltwise(n, op == "Add", x.t, y.t, &shape))]),
-                    "Sub" => {
-                        let neg =
-                            self.weight(&format!("{}.neg", n.name), vec![-1.0; elems(&shape)], Init::Bias);
-                        let ny = self.eltwise(n, false, y.t, neg, &shape);
-                        Ok(vec![Val::D(self.eltwise(n, true, x.t, ny.t, &shape))])
-                    }
-                    _ => Err("dividing two computed tensors is not supported yet".into()),
+                // x[N,C,H,W] * s[N,C,1,1]: squeeze-and-excitation.
+                let (big, small) = if x.shape == shape { (x, y) } else { (y, x) };
+                if op == "Mul" && shape.len() == 4 && small.shape == [shape[0], shape[1], 1, 1] {
+                    return Ok(vec![Val::D(self.scale_channels(n, &big, &small)?)]);
                 }
+                Err(format!(
+                    "broadcasting between two computed tensors ({sa:?} and {sb:?}) is supported only for a \
+                     product [N,C,H,W] x [N,C,1,1]"
+                ))
             }
             (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
         }
     }
 
-    fn eltwise(&mut self, n: &Node, add: bool, a: TensorId, b: TensorId, shape: &[usize]) -> Dyn {
+    /// `d op c` (or `c op d` when `swapped`) for a computed `d` and a constant `c`.
+    #[allow(clippy::too_many_arguments)]
+    fn with_const(
+        &mut self,
+        n: &Node,
+        i: usize,
+        d: Dyn,
+        c: &Const,
+        op: &str,
+        swapped: bool,
+        shape: &[usize],
+    ) -> NodeResult {
+        if d.shape != shape {
+            return Err(format!("the computed operand {:?} would be broadcast to {shape:?}", d.shape));
+        }
+        let mut v = c.data.to_f32();
+        if swapped && op == "Div" {
+            return Err("dividing a constant by a computed tensor is not supported yet".into());
+        }
+        // c - x = (-x) + c
+        let d = if swapped && op == "Sub" { self.act_op(n, &d, Act::affine(-1.0, 0.0)) } else { d };
+        match op {
+            "Sub" if !swapped => v.iter_mut().for_each(|x| *x = -*x),
+            "Div" => v.iter_mut().for_each(|x| *x = 1.0 / *x),
+            _ => {}
+        }
+        let add = matches!(op, "Add" | "Sub");
+        let input = &n.inputs[i];
+        // One value per channel: folded into the matrix product or
+        // convolution that wrote `d`, when nothing else reads its output.
+        if let Some(ch) = channel_vec(&v, &c.shape, &d) {
+            let (scale, shift) = if add { (None, Some(ch)) } else { (Some(ch), None) };
+            if let Some(r) = self.fold_affine(input, &d, scale.as_deref(), shift.as_deref()) {
+                self.report.fused += 1;
+                return Ok(vec![Val::D(r)]);
+            }
+        }
+        if v.len() == 1 {
+            let act = if add { Act::affine(1.0, v[0]) } else { Act::affine(v[0], 0.0) };
+            return Ok(vec![self.activation_of(n, input, &d, act)]);
+        }
+        let full = expand(&v, &c.shape, shape);
+        let full = if d.nhwc { nchw_to_nhwc(&full, shape) } else { full };
+        let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+        Ok(vec![Val::D(self.eltwise(n, add, &d, ct))])
+    }
+
+    /// `x` and `y` stored the same way (channels-last if either is).
+    fn same_layout(&mut self, n: &Node, x: Dyn, y: Dyn) -> Result<(Dyn, Dyn), String> {
+        Ok(match (x.nhwc, y.nhwc) {
+            (true, false) => {
+                let y = self.channels_last(&n.name, &y)?;
+                (x, y)
+            }
+            (false, true) => (self.channels_last(&n.name, &x)?, y),
+            _ => (x, y),
+        })
+    }
+
+    /// `a + b` or `a * b` (element-wise, `b` stored as `a`).
+    fn eltwise(&mut self, n: &Node, add: bool, a: &Dyn, b: TensorId) -> Dyn {
+        let shape = &a.shape;
         let cols = (*shape.last().unwrap_or(&1)).max(1);
         let rows = elems(shape) / cols;
         let y = self.act_tensor(&n.name, elems(shape));
-        let (a, b, yv) =
-            (View::dense(a, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
+        let (av, bv, yv) =
+            (View::dense(a.t, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
         let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
         self.g.ops.push(if add {
-            Op::Add { name, a, b, y: yv, rows, cols, act: Act::None }
+            Op::Add { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
         } else {
-            Op::Mul { name, a, b, y: yv, rows, cols }
+            Op::Mul { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
         });
-        Dyn { t: y, shape: shape.to_vec(), op: Some(self.g.ops.len() - 1) }
+        Dyn::new(y, shape.to_vec(), Some(self.g.ops.len() - 1), a.nhwc)
     }
 
     fn activation(&mut self, n: &Node, act: Act) -> NodeResult {
         let d = self.computed(n, 0)?;
-        if let Some(i) = self.fusable(&n.inputs[0], &d) {
-            match &mut self.g.ops[i] {
-                Op::Linear { act: a @ Act::None, .. } | Op::Add { act: a @ Act::None, .. } => {
-                    *a = act;
+        Ok(vec![self.activation_of(n, &n.inputs[0], &d, act)])
+    }
+
+    /// `act(d)`: fused into the operation that wrote `d` when it can be,
+    /// else a new element-wise operation.
+    fn activation_of(&mut self, n: &Node, input: &str, d: &Dyn, act: Act) -> Val {
+        if let Some(i) = self.fusable(input, d) {
+            let slot = match &mut self.g.ops[i] {
+                Op::Linear { act, .. }
+                | Op::Add { act, .. }
+                | Op::Mul { act, .. }
+                | Op::Conv { act, .. }
+                | Op::Depthwise { act, .. }
+                | Op::Unary { act, .. } => Some(act),
+                _ => None,
+            };
+            if let Some(slot) = slot {
+                if let Some(both) = then(*slot, act) {
+                    *slot = both;
                     self.report.fused += 1;
-                    return Ok(vec![Val::D(Dyn { op: None, ..d })]);
+                    return Val::D(Dyn { op: Some(i), ..d.clone() });
                 }
-                _ => {}
             }
         }
+        Val::D(self.act_op(n, d, act))
+    }
+
+    /// A new element-wise operation `act(d)`.
+    fn act_op(&mut self, n: &Node, d: &Dyn, act: Act) -> Dyn {
         let cols = (*d.shape.last().unwrap_or(&1)).max(1);
-        Ok(vec![self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Unary {
-            name,
-            x,
-            y,
-            rows,
-            cols,
-            act,
-        })])
+        match self.rowwise(n, d, cols, |name, x, y, rows, cols| Op::Unary { name, x, y, rows, cols, act }) {
+            Val::D(d) => d,
+            Val::C(_) => unreachable!("rowwise gives a computed tensor"),
+        }
     }
 
     /// A new tensor of `d`'s shape written by the row-wise operation `op`
@@ -711,12 +788,12 @@ impl Compiler<'_> {
         let y = self.act_tensor(&n.name, elems(&d.shape));
         let (x, yv) = (View::dense(d.t, cols as u32), View::dense(y, cols as u32));
         self.g.ops.push(op(n.name.clone(), x, yv, rows as u32, cols as u32));
-        Val::D(Dyn { t: y, shape: d.shape.clone(), op: Some(self.g.ops.len() - 1) })
+        Val::D(Dyn::new(y, d.shape.clone(), Some(self.g.ops.len() - 1), d.nhwc))
     }
 
     fn softmax(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axis"])?;
-        let d = self.computed(n, 0)?;
+        let d = self.dense(n, 0)?;
         let rank = d.shape.len();
         let default = if self.m.opset >= 13 { -1 } else { 1 };
         let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
@@ -950,7 +1027,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
         }
         let t = c.tensor(&io.name, elems(&shape), Init::Input, None);
-        c.vals.insert(io.name.clone(), Val::D(Dyn { t, shape: shape.clone(), op: None }));
+        c.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
         inputs.push((io.name.clone(), t, shape));
     }
     if inputs.is_empty() {
@@ -979,8 +1056,14 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     }
     let mut outputs = Vec::new();
     for name in &out_names {
-        match c.vals.get(name) {
-            Some(Val::D(d)) => outputs.push((name.clone(), d.t, d.shape.clone())),
+        match c.vals.get(name).cloned() {
+            Some(Val::D(d)) => {
+                // Outputs leave in ONNX's order.
+                let d = c
+                    .onnx_order(name, &d)
+                    .map_err(|reason| CompileError::Output { name: name.clone(), reason })?;
+                outputs.push((name.clone(), d.t, d.shape.clone()))
+            }
             Some(Val::C(_)) => {
                 return Err(CompileError::Output {
                     name: name.clone(),

@@ -40,7 +40,11 @@ fn ort(model: &Path, inputs: &[(&str, &Path)], output: &str) -> npy::Array {
         .output()
         .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
     assert!(out.status.success(), "ort_ref.py failed: {}", String::from_utf8_lossy(&out.stderr));
-    npy::read_file(&PathBuf::from(format!("{}.{output}.npy", prefix.display()))).unwrap()
+    let file: String = output
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
+        .collect();
+    npy::read_file(&PathBuf::from(format!("{}.{file}.npy", prefix.display()))).unwrap()
 }
 
 /// Max absolute error, max relative error (|d| / max(|ref|, 1e-6)); NaN
@@ -107,4 +111,69 @@ fn digits_mlp_relu_matches_onnx_runtime() {
 #[test]
 fn digits_mlp_tanh_matches_onnx_runtime_on_two_engines_each() {
     check_classifier("digits-mlp2.onnx", 2, 2);
+}
+
+/// Max absolute error and max relative error where an element's
+/// denominator is at least 1e-3 of the output's largest magnitude (outputs
+/// of convolutions cross zero, where an element-wise relative error means
+/// nothing); NaN anywhere gives NaN.
+fn scaled_errors(got: &[f32], want: &[f32]) -> (f64, f64) {
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let floor = (scale * 1e-3).max(1e-30);
+    let (abs, _) = errors(got, want);
+    let rel = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (f64::from(g) - f64::from(w)).abs() / f64::from(w).abs().max(floor))
+        .fold(0f64, |m, r| if r.is_nan() || m.is_nan() { f64::NAN } else { m.max(r) });
+    (abs, rel)
+}
+
+/// An operator test model of tests/fixtures/onnx/ops (scripts/onnx_ops.py)
+/// on its input, against ONNX Runtime.
+fn check_ops(name: &str, sa: u32, vu: u32) {
+    let board = BoardConfig::default();
+    let model = fixture(&format!("ops/{name}.onnx"));
+    let xp = fixture(&format!("ops/{name}-x.npy"));
+    let x = npy::read_file(&xp).unwrap();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: x.shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+    };
+    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let out = c.model.outputs[0].clone();
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let (outs, _) = r.infer(&[&x.data]).unwrap();
+    let want = ort(&model, &[("x", &xp)], &out.name);
+    assert_eq!(want.shape, out.dims, "{name}: output shape");
+    let (abs, rel) = scaled_errors(&outs[0], &want.data);
+    println!("{name} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} ({:?})", c.report.ops);
+    assert!(rel <= 1e-4, "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime");
+}
+
+#[test]
+fn conv_batchnorm_relu6_matches_onnx_runtime() {
+    check_ops("conv-bn-relu6", 1, 1);
+}
+
+#[test]
+fn depthwise_with_row_stride_and_hardswish_matches_onnx_runtime() {
+    check_ops("dw-hardswish", 1, 1);
+}
+
+#[test]
+fn grouped_conv_and_pooling_match_onnx_runtime() {
+    check_ops("group-pool", 2, 2);
+}
+
+#[test]
+fn squeeze_excitation_head_matches_onnx_runtime() {
+    check_ops("se-head", 1, 1);
+}
+
+#[test]
+fn per_channel_constants_match_onnx_runtime() {
+    check_ops("channel-consts", 4, 4);
 }

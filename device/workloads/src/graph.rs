@@ -4,6 +4,8 @@
 //! HBM. Activations are NHWC for CNNs and `[rows][cols]` for everything
 //! else; the batch is part of every activation's leading dimension.
 
+pub use vnpu_abi::PoolOp;
+
 /// Index of a tensor in [`Graph::tensors`].
 pub type TensorId = usize;
 
@@ -52,7 +54,7 @@ impl View {
 }
 
 /// Activation applied on the VU after an operation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Act {
     None,
     Relu,
@@ -61,6 +63,29 @@ pub enum Act {
     /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
     Swish,
     Tanh,
+    /// `min(max(x * scale + bias, lo), hi)`: an affine map (`lo`/`hi` at
+    /// `-/+f32::MAX`), `Clip`/ReLU6 (`scale` 1, `bias` 0), the hard
+    /// sigmoid (`lo` 0, `hi` 1). All four finite.
+    Clamp {
+        scale: f32,
+        bias: f32,
+        lo: f32,
+        hi: f32,
+    },
+    /// `x * min(max(x / 6 + 1/2, 0), 1)`, MobileNetV3's activation.
+    HardSwish,
+}
+
+impl Act {
+    /// An affine map with no clamping.
+    pub fn affine(scale: f32, bias: f32) -> Self {
+        Act::Clamp { scale, bias, lo: f32::MIN, hi: f32::MAX }
+    }
+
+    /// Whether applying it needs a scratch copy of the values.
+    pub fn needs_scratch(self) -> bool {
+        matches!(self, Act::Swish | Act::HardSwish)
+    }
 }
 
 /// Spatial geometry of a convolution or pooling window over `h x w`
@@ -141,14 +166,14 @@ pub enum Op {
         c: u32,
         act: Act,
     },
-    /// VU: max pooling.
-    MaxPool { name: String, x: TensorId, y: TensorId, batch: u32, s: Spatial, c: u32 },
+    /// VU: max or average pooling (an average counts in-bounds elements only).
+    Pool { name: String, x: TensorId, y: TensorId, batch: u32, s: Spatial, c: u32, op: PoolOp },
     /// VU: mean over all pixels of each image: `[batch][hw][c] -> [batch][c]`.
     GlobalPool { name: String, x: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
     /// VU: `y = act(a + b)`, element-wise over `rows x cols`.
     Add { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
-    /// VU: `y = a * b`, element-wise over `rows x cols`.
-    Mul { name: String, a: View, b: View, y: View, rows: u32, cols: u32 },
+    /// VU: `y = act(a * b)`, element-wise over `rows x cols`.
+    Mul { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = layernorm(a + b) * gamma + beta`, row-wise.
     AddNorm {
         name: String,
@@ -193,7 +218,8 @@ impl Op {
             Op::Linear { .. } => "Linear",
             Op::Conv { .. } => "Conv",
             Op::Depthwise { .. } => "Depthwise",
-            Op::MaxPool { .. } => "MaxPool",
+            Op::Pool { op: PoolOp::Max, .. } => "MaxPool",
+            Op::Pool { op: PoolOp::Avg, .. } => "AvgPool",
             Op::GlobalPool { .. } => "GlobalPool",
             Op::Add { .. } => "Add",
             Op::Mul { .. } => "Mul",
@@ -213,7 +239,7 @@ impl Op {
             Op::Linear { name, .. }
             | Op::Conv { name, .. }
             | Op::Depthwise { name, .. }
-            | Op::MaxPool { name, .. }
+            | Op::Pool { name, .. }
             | Op::GlobalPool { name, .. }
             | Op::Add { name, .. }
             | Op::Mul { name, .. }
@@ -444,7 +470,7 @@ fn resnet50(batch: u32) -> Graph {
     let s = Spatial::square(h, w, 3, 2, 1);
     let (h, w) = s.out();
     let mut x_t = g.act("maxpool", u64::from(batch) * u64::from(h * w) * 64);
-    g.ops.push(Op::MaxPool { name: "maxpool".into(), x, y: x_t, batch, s, c: 64 });
+    g.ops.push(Op::Pool { name: "maxpool".into(), x, y: x_t, batch, s, c: 64, op: PoolOp::Max });
     let (mut h, mut w, mut c) = (h, w, 64u32);
     for (stage, &(blocks, mid, out, stride)) in
         [(3u32, 64u32, 256u32, 1u16), (4, 128, 512, 2), (6, 256, 1024, 2), (3, 512, 2048, 2)]
@@ -686,6 +712,7 @@ fn ncf(batch: u32) -> Graph {
         y: View { t: head, ld: 16, col: 0 },
         rows: batch,
         cols: 8,
+        act: Act::None,
     });
     let m1 = g.linear("mlp0", View { t: emb, ld: 80, col: 16 }, batch, 64, 32, Act::Relu, None);
     let m2 = g.linear("mlp1", m1, batch, 32, 16, Act::Relu, None);

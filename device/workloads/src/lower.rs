@@ -17,8 +17,8 @@ use std::collections::VecDeque;
 use thiserror::Error;
 use vnpu_abi::isa::NUM_SEMAPHORES;
 use vnpu_abi::{
-    Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, PoolOp, Program, ProgramBuilder,
-    RedOp, UnOp,
+    Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, Program, ProgramBuilder, RedOp,
+    UnOp,
 };
 
 use crate::graph::{Act, Graph, Init, Op, Spatial, TensorId, View};
@@ -196,8 +196,13 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
         Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
-        Act::Swish => {
-            v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
+        Act::Swish | Act::HardSwish => {
+            if act == Act::Swish {
+                v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
+            } else {
+                v.push(Instr::VAffine { src: y, dst: tmp, len, scale: 1.0 / 6.0, bias: 0.5 });
+                v.push(Instr::VClamp { src: tmp, dst: tmp, len, lo: 0.0, hi: 1.0 });
+            }
             v.push(Instr::VBinary {
                 op: BinOp::Mul,
                 bcast: Bcast::None,
@@ -207,6 +212,14 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
                 rows: 1,
                 cols: len,
             });
+        }
+        Act::Clamp { scale, bias, lo, hi } => {
+            if scale != 1.0 || bias != 0.0 {
+                v.push(Instr::VAffine { src: y, dst: y, len, scale, bias });
+            }
+            if lo > f32::MIN || hi < f32::MAX {
+                v.push(Instr::VClamp { src: y, dst: y, len, lo, hi });
+            }
         }
     }
     v
@@ -515,7 +528,7 @@ impl Lowerer {
             let nt = nt_max.min(n - n0);
             let wbytes = u64::from(k) * u64::from(nt) * F;
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
-            let tmp_cols = if act == Act::Swish { u64::from(nt) } else { 0 };
+            let tmp_cols = if act.needs_scratch() { u64::from(nt) } else { 0 };
             let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
             let (slots, rt, blocks) = self.split(name, fixed, rows, 1, k.into(), nt, row_bytes)?;
             let slot_bytes = row_bytes(rt).next_multiple_of(64);
@@ -623,7 +636,7 @@ impl Lowerer {
             let nt = nt_max.min(cout - n0);
             let wbytes = krows * u64::from(nt) * F;
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
-            let tmp = if act == Act::Swish { 1 } else { 0 };
+            let tmp = u64::from(act.needs_scratch());
             let bytes = |r: u32| {
                 let (_, bh, _, _) = Self::band(&s, 0, r.min(ho));
                 let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.sh) + u32::from(s.kh)).min(s.h)));
@@ -797,7 +810,7 @@ impl Lowerer {
         act: Act,
     ) -> Result<(), LowerError> {
         let row = u64::from(cols) * F;
-        let scratch = u64::from(act == Act::Swish);
+        let scratch = u64::from(act.needs_scratch());
         self.rows_pipeline(name, &[a, b], scratch, y, rows, cols, |base, r| {
             let bb = base + u64::from(r) * row;
             let mut compute = vec![Instr::VBinary {
@@ -891,7 +904,7 @@ impl Lowerer {
             }
             Op::Conv { ref name, s, .. }
             | Op::Depthwise { ref name, s, .. }
-            | Op::MaxPool { ref name, s, .. }
+            | Op::Pool { ref name, s, .. }
                 if !s.valid() =>
             {
                 return Err(LowerError::Geometry {
@@ -899,7 +912,7 @@ impl Lowerer {
                     reason: "the window does not fit the padded image, or a stride is zero",
                 });
             }
-            Op::MaxPool { ref name, s, .. } if !s.uniform() => {
+            Op::Pool { ref name, s, .. } if !s.uniform() => {
                 return Err(LowerError::Geometry {
                     op: name.clone(),
                     reason: "pooling takes one stride and the same padding on every side",
@@ -911,7 +924,7 @@ impl Lowerer {
             Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
                 self.conv(name, x, w, b, y, batch, s, c, c, act, true)?
             }
-            Op::MaxPool { ref name, x, y, batch, s, c } => {
+            Op::Pool { ref name, x, y, batch, s, c, op } => {
                 let (ho, wo) = s.out();
                 self.image_tiles(
                     name,
@@ -931,7 +944,7 @@ impl Lowerer {
                             stride: s.sh,
                             pad: s.pad[0],
                         };
-                        vec![Instr::VPool { op: PoolOp::Max, src, dst, geom }]
+                        vec![Instr::VPool { op, src, dst, geom }]
                     },
                 )?;
             }
@@ -951,8 +964,8 @@ impl Lowerer {
             Op::Add { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Add, a, b, y, rows, cols, act)?
             }
-            Op::Mul { ref name, a, b, y, rows, cols } => {
-                self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, Act::None)?
+            Op::Mul { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, act)?
             }
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols } => {
                 let row = u64::from(cols) * F;
@@ -1226,6 +1239,8 @@ impl Lowerer {
                 })?
             }
             Op::Copy { x, y, rows, cols, .. } => {
+                // The previous operation's last stores first: the copy may read them.
+                self.flush();
                 let src = at(x.t, u64::from(x.col));
                 let dst = at(y.t, u64::from(y.col));
                 self.b.push(

@@ -1,7 +1,7 @@
 //! A plain CPU interpreter of layer graphs: direct loops, f64
 //! accumulation, no tiling. The lowered programs are checked against it.
 
-use crate::graph::{Act, Graph, Op, View};
+use crate::graph::{Act, Graph, Op, PoolOp, View};
 
 fn act(a: Act, x: f64) -> f64 {
     match a {
@@ -13,6 +13,10 @@ fn act(a: Act, x: f64) -> f64 {
         Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         Act::Swish => x / (1.0 + (-x).exp()),
         Act::Tanh => x.tanh(),
+        Act::Clamp { scale, bias, lo, hi } => {
+            (x * f64::from(scale) + f64::from(bias)).max(f64::from(lo)).min(f64::from(hi))
+        }
+        Act::HardSwish => x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
     }
 }
 
@@ -105,13 +109,13 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     }
                 }
             }
-            Op::MaxPool { x, y, batch, s, c, .. } => {
+            Op::Pool { x, y, batch, s, c, op, .. } => {
                 let (ho, wo) = s.out();
                 for img in 0..i64::from(batch) {
                     for oy in 0..i64::from(ho) {
                         for ox in 0..i64::from(wo) {
                             for ch in 0..i64::from(c) {
-                                let mut m = f32::NEG_INFINITY;
+                                let (mut m, mut sum, mut count) = (f32::NEG_INFINITY, 0.0f64, 0u32);
                                 for ky in 0..i64::from(s.kh) {
                                     for kx in 0..i64::from(s.kw) {
                                         let iy = oy * i64::from(s.sh) + ky - i64::from(s.pad[0]);
@@ -123,10 +127,15 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                                             * i64::from(c)
                                             + ch;
                                         m = m.max(tensors[x][xi as usize]);
+                                        sum += f64::from(tensors[x][xi as usize]);
+                                        count += 1;
                                     }
                                 }
                                 tensors[y][(((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(c)
-                                    + ch) as usize] = m;
+                                    + ch) as usize] = match op {
+                                    PoolOp::Max => m,
+                                    PoolOp::Avg => (sum / f64::from(count.max(1))) as f32,
+                                };
                             }
                         }
                     }
@@ -150,10 +159,10 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     }
                 }
             }
-            Op::Mul { a, b, y, rows, cols, .. } => {
+            Op::Mul { a, b, y, rows, cols, act: ac, .. } => {
                 for r in 0..rows {
                     for c in 0..cols {
-                        let v = get(tensors, a, r, c) * get(tensors, b, r, c);
+                        let v = act(ac, get(tensors, a, r, c) * get(tensors, b, r, c));
                         set(tensors, y, r, c, v);
                     }
                 }

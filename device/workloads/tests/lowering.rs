@@ -5,7 +5,7 @@
 
 use npu_model::memory::read_f32s;
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory, VnpuLimits};
-use npu_workloads::graph::{Act, Graph, Init, Op, Spatial, View};
+use npu_workloads::graph::{Act, Graph, Init, Op, PoolOp, Spatial, View};
 use npu_workloads::{build, init_hbm, lower, reference, VnpuShape};
 use vnpu_abi::{Engine, Instr, Space};
 
@@ -141,7 +141,7 @@ fn mini_cnn(batch: u32) -> Graph {
     let s = Spatial::square(h, w, 3, 2, 1);
     let (ph, pw) = s.out();
     let p = g.act("pool", u64::from(batch * ph * pw * 37));
-    g.ops.push(Op::MaxPool { name: "pool".into(), x: d, y: p, batch, s, c: 37 });
+    g.ops.push(Op::Pool { name: "pool".into(), x: d, y: p, batch, s, c: 37, op: PoolOp::Max });
     let (c2, _, _) = conv(&mut g, "c2", p, ph, pw, 37, 37, 1, 1, Act::None);
     let sum = g.add("res", c2, p, u64::from(batch * ph * pw * 37), 37, Act::Gelu);
     // Squeeze-excite.
@@ -213,6 +213,7 @@ fn mini_dlrm(batch: u32) -> Graph {
         y: View::dense(prod, dim),
         rows: batch,
         cols: dim,
+        act: Act::None,
     });
     let t1 = g.linear("top0", View::dense(t_in, top), batch, top, 19, Act::Relu, None);
     g.output = g.linear("top1", t1, batch, 19, 1, Act::Sigmoid, None).t;

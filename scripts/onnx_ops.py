@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Builds the operator test models in tests/fixtures/onnx/ops/: small ONNX
+graphs of the convolutional operators (Conv with groups and depthwise,
+BatchNormalization, Clip, HardSigmoid, HardSwish and its Add/Clip/Mul/Div
+spelling, MaxPool, AveragePool, GlobalAveragePool, squeeze-and-excitation
+products, Flatten, Gemm, Softmax), with random weights from a fixed seed,
+and one random input each (`<name>-x.npy`).
+
+They test the compiler's operators one by one against ONNX Runtime
+(device/onnx/tests/ort.rs); they are not trained models. Run once, by hand:
+
+  .venv-onnx/bin/pip install onnx==1.23.2   # the builder; CI needs only onnxruntime
+  .venv-onnx/bin/python scripts/onnx_ops.py
+"""
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "onnx", "ops")
+rng = np.random.default_rng(20261123)
+
+
+class G:
+    """A graph under construction."""
+
+    def __init__(self, name, x_shape):
+        self.name = name
+        self.nodes, self.inits = [], []
+        self.x_shape = x_shape
+        self.n = 0
+
+    def t(self, prefix):
+        self.n += 1
+        return f"{prefix}{self.n}"
+
+    def const(self, arr, prefix="c"):
+        name = self.t(prefix)
+        self.inits.append(numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name))
+        return name
+
+    def op(self, op, inputs, **attrs):
+        out = self.t(op.lower() + "_")
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def conv(self, x, cin, cout, k, stride=(1, 1), pads=None, group=1, bias=True):
+        kh, kw = (k, k) if isinstance(k, int) else k
+        w = rng.normal(0, 1 / np.sqrt(cin // group * kh * kw), (cout, cin // group, kh, kw))
+        ins = [x, self.const(w, "w")]
+        if bias:
+            ins.append(self.const(rng.normal(0, 0.1, cout), "b"))
+        pads = pads if pads is not None else [kh // 2, kw // 2, kh // 2, kw // 2]
+        return self.op("Conv", ins, kernel_shape=[kh, kw], strides=list(stride), pads=pads, group=group)
+
+    def bn(self, x, c):
+        p = [
+            rng.uniform(0.5, 1.5, c),
+            rng.normal(0, 0.2, c),
+            rng.normal(0, 0.3, c),
+            rng.uniform(0.2, 2.0, c),
+        ]
+        return self.op("BatchNormalization", [x] + [self.const(v, "bn") for v in p], epsilon=1e-5)
+
+    def hardswish_spelled(self, x):
+        # As paddle2onnx writes it: x * clip(x + 3, 0, 6) / 6.
+        a = self.op("Add", [x, self.const(3.0)])
+        c = self.op("Clip", [a, self.const(0.0), self.const(6.0)])
+        m = self.op("Mul", [x, c])
+        return self.op("Div", [m, self.const(6.0)])
+
+    def save(self, y, opset=13):
+        x = rng.normal(0, 1, self.x_shape).astype(np.float32)
+        x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"] + list(self.x_shape[1:]))
+
+        def model(y_shape):
+            y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, y_shape)
+            g = helper.make_graph(self.nodes, self.name, [x_info], [y_info], self.inits)
+            m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], producer_name="onnx_ops.py")
+            m.ir_version = 8
+            return m
+
+        # The output's shape, from ONNX Runtime itself (batch left free).
+        import onnxruntime as ort
+
+        probe = model([None])
+        probe.graph.output[0].type.tensor_type.shape.ClearField("dim")
+        shape = ort.InferenceSession(probe.SerializeToString()).run(None, {"x": x})[0].shape
+        m = model(["N"] + list(shape[1:]))
+        onnx.checker.check_model(m)
+        os.makedirs(OUT, exist_ok=True)
+        onnx.save(m, os.path.join(OUT, f"{self.name}.onnx"))
+        np.save(os.path.join(OUT, f"{self.name}-x.npy"), x)
+        print(f"{self.name}: {len(self.nodes)} nodes, input {self.x_shape}")
+
+
+def conv_bn_relu6():
+    g = G("conv-bn-relu6", [2, 3, 9, 11])
+    y = g.conv("x", 3, 8, 3)
+    y = g.bn(y, 8)
+    y = g.op("Clip", [y, g.const(0.0), g.const(6.0)])
+    g.save(y)
+
+
+def depthwise_hardswish():
+    # A depthwise 5x5 convolution with strides (2, 1), as in text-line CNNs.
+    g = G("dw-hardswish", [1, 16, 12, 20])
+    y = g.conv("x", 16, 16, 5, stride=(2, 1), group=16, bias=False)
+    y = g.bn(y, 16)
+    g.save(g.hardswish_spelled(y))
+
+
+def grouped_pool():
+    # Grouped convolution with asymmetric padding, hard sigmoid, max and
+    # average pooling, and a Flatten of a channels-last tensor.
+    g = G("group-pool", [2, 8, 10, 10])
+    y = g.conv("x", 8, 12, 3, stride=(2, 2), pads=[0, 1, 1, 0], group=2)
+    y = g.op("HardSigmoid", [y], alpha=0.25, beta=0.4)
+    y = g.op("MaxPool", [y], kernel_shape=[2, 2], strides=[2, 2])
+    y = g.op("AveragePool", [y], kernel_shape=[3, 3], strides=[1, 1], pads=[1, 1, 1, 1])
+    g.save(g.op("Flatten", [y], axis=1))
+
+
+def se_head():
+    # Pointwise convolution, squeeze-and-excitation, a residual sum, global
+    # pooling and a classifier head.
+    g = G("se-head", [2, 16, 6, 6])
+    a = g.op("Relu", [g.bn(g.conv("x", 16, 24, 1, bias=False), 24)])
+    s = g.op("GlobalAveragePool", [a])
+    s = g.op("Relu", [g.conv(s, 24, 8, 1)])
+    s = g.op("HardSigmoid", [g.conv(s, 8, 24, 1)], alpha=0.2, beta=0.5)
+    a = g.op("Mul", [a, s])
+    b = g.bn(g.conv("x", 16, 24, 3, stride=(1, 1)), 24)
+    y = g.op("Add", [a, b])
+    y = g.op("GlobalAveragePool", [y])
+    y = g.op("Flatten", [y], axis=1)
+    w = g.const(rng.normal(0, 0.3, (5, 24)), "fc")
+    y = g.op("Gemm", [y, w, g.const(rng.normal(0, 0.1, 5), "fcb")], transB=1)
+    g.save(g.op("Softmax", [y], axis=-1))
+
+
+def channel_consts():
+    # Per-channel constants that cannot be folded into a convolution, the
+    # HardSwish operator (opset 14), a scalar Sub, c - x.
+    g = G("channel-consts", [1, 4, 5, 7])
+    y = g.op("Mul", ["x", g.const(rng.uniform(0.5, 2, (4, 1, 1)))])
+    y = g.conv(y, 4, 6, 3)
+    y = g.op("HardSwish", [y])
+    y = g.op("Sub", [y, g.const(0.25)])
+    y = g.op("Mul", [y, g.const(rng.uniform(-1, 1, (1, 6, 1, 1)))])
+    y = g.op("Sub", [g.const(rng.normal(0, 1, (6, 5, 7))), y])
+    g.save(y, opset=14)
+
+
+if __name__ == "__main__":
+    conv_bn_relu6()
+    depthwise_hardswish()
+    grouped_pool()
+    se_head()
+    channel_consts()
