@@ -155,3 +155,53 @@ fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
     assert_ne!(code, 0);
     assert!(err.contains("compiled for 2 SA") && out.contains("infer:"), "{out}{err}");
 }
+
+/// An operator test model of tests/fixtures/onnx/ops (a small CNN with
+/// random weights, scripts/onnx_ops.py) compiled at `batch`, run through a
+/// VM on its input, and checked against ONNX Runtime.
+fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
+    let m = fixture(&format!("ops/{name}.onnx"));
+    let x = fixture(&format!("ops/{name}-x.npy"));
+    let art = tmp(&format!("{name}.vnpu"));
+    let b = batch.to_string();
+    let (code, out, err) = vnpu(&["compile", &m, "--vnpu", vnpu_spec, "--batch", &b, "-o", &art]);
+    assert_eq!(code, 0, "{out}{err}");
+    let got_path = tmp(&format!("{name}.out.npy"));
+    let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    let got = npy::read_file(Path::new(&got_path)).unwrap();
+    let prefix = tmp(&format!("ort-{name}"));
+    let py = root().join(".venv-onnx/bin/python");
+    let o = Command::new(&py)
+        .arg(root().join("scripts/ort_ref.py"))
+        .args([&m, &prefix, &format!("x={x}")])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out_name = std::fs::read_dir(tmp(""))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains(&format!("ort-{name}.")))
+        .unwrap();
+    let want = npy::read_file(&out_name).unwrap();
+    assert_eq!(got.shape, want.shape, "{name}");
+    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let mut rel = 0f64;
+    for (&g, &w) in got.data.iter().zip(&want.data) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        assert!(!d.is_nan(), "{name}: NaN in the output");
+        rel = rel.max(d / f64::from(w).abs().max(scale * 1e-3));
+    }
+    println!("{name} batch {batch} via VM: max rel {rel:.3e}");
+    assert!(rel <= 1e-4, "{name}: relative error {rel} against ONNX Runtime");
+}
+
+#[test]
+fn a_cnn_with_squeeze_excitation_runs_in_a_vm_and_matches_onnx_runtime() {
+    cnn_end_to_end("se-head", "sa=1,vu=1,sram=8M,hbm=512M", 1);
+}
+
+#[test]
+fn a_depthwise_hardswish_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
+    cnn_end_to_end("dw-hardswish", "sa=2,vu=2,sram=8M,hbm=512M", 1);
+}
