@@ -7,8 +7,10 @@
 //! rounds (docs/model-format.md, "Benchmark").
 //!
 //!   onnx-bench [--rounds N] [--python PATH]
+//!
+//! The pretrained network (scripts/pretrained.sh) is included when that
+//! script has fetched it and made its inputs (.cache/pretrained).
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -19,29 +21,65 @@ use npu_onnx::{compile, npy, CompileOptions};
 use npu_workloads::lower::VnpuShape;
 
 struct Case {
-    model: &'static str,
-    input: &'static str,
+    /// Name in the report.
+    name: String,
+    model: PathBuf,
+    input: PathBuf,
     input_name: &'static str,
-    output: &'static str,
+    /// The output to compile (the model's own when `None`).
+    output: Option<&'static str>,
     batch: u32,
+    /// Static input shape when the model leaves more than the batch free.
+    shape: Option<Vec<usize>>,
 }
 
-const CASES: &[Case] = &[
-    Case {
-        model: "digits-mlp.onnx",
-        input: "digits-x.npy",
-        input_name: "X",
-        output: "probabilities",
-        batch: 450,
-    },
-    Case {
-        model: "digits-mlp2.onnx",
-        input: "digits-x.npy",
-        input_name: "X",
-        output: "probabilities",
-        batch: 450,
-    },
-];
+/// The test models of tests/fixtures/onnx, and the pretrained network when
+/// scripts/pretrained.sh has fetched it.
+fn cases(root: &Path) -> Vec<Case> {
+    let fx = root.join("tests/fixtures/onnx");
+    let mut v: Vec<Case> = ["digits-mlp", "digits-mlp2"]
+        .iter()
+        .map(|m| Case {
+            name: m.to_string(),
+            model: fx.join(format!("{m}.onnx")),
+            input: fx.join("digits-x.npy"),
+            input_name: "X",
+            output: Some("probabilities"),
+            batch: 450,
+            shape: None,
+        })
+        .collect();
+    for (m, batch) in [("conv-bn-relu6", 2), ("dw-hardswish", 1), ("group-pool", 2), ("se-head", 2)] {
+        v.push(Case {
+            name: m.to_string(),
+            model: fx.join(format!("ops/{m}.onnx")),
+            input: fx.join(format!("ops/{m}-x.npy")),
+            input_name: "x",
+            output: None,
+            batch,
+            shape: None,
+        });
+    }
+    let pre = root.join(".cache/pretrained");
+    let model = pre.join("ch_ppocr_mobile_v2.0_cls_infer.onnx");
+    let x = pre.join("x.npy");
+    match npy::read_file(&x) {
+        Ok(a) if model.exists() && a.shape.len() == 4 => {
+            let n = a.shape[0] as usize;
+            v.push(Case {
+                name: "ppocr-cls (MobileNetV3, pretrained)".into(),
+                model,
+                input: x,
+                input_name: "x",
+                output: None,
+                batch: n as u32,
+                shape: Some(vec![n, 3, 48, 192]),
+            })
+        }
+        _ => eprintln!("onnx-bench: the pretrained network is left out (run scripts/pretrained.sh first)"),
+    }
+    v
+}
 
 fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(f64::total_cmp);
@@ -51,35 +89,36 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: onnx-bench [--rounds N] [--python PATH]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx.");
+        println!("usage: onnx-bench [--rounds N] [--python PATH]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx, and the pretrained network once scripts/pretrained.sh has fetched it.");
         return;
     }
     let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
     let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
-    let fx = root.join("tests/fixtures/onnx");
     let board = BoardConfig::default();
     let clock = f64::from(board.clock_mhz) * 1e6;
-    for c in CASES {
-        let bytes = std::fs::read(fx.join(c.model)).unwrap_or_else(|e| panic!("{}: {e}", c.model));
-        let x = npy::read_file(&fx.join(c.input)).unwrap_or_else(|e| panic!("{e}"));
+    for c in cases(&root) {
+        let bytes = std::fs::read(&c.model).unwrap_or_else(|e| panic!("{}: {e}", c.model.display()));
+        let x = npy::read_file(&c.input).unwrap_or_else(|e| panic!("{e}"));
         let mut host_runner = None;
+        let mut output = c.output.map(str::to_string);
         for (sa, vu) in [(1, 1), (4, 4)] {
             let opts = CompileOptions {
                 shape: VnpuShape::on_board(&board, sa, vu, board.sram_bytes(), 1 << 30),
                 batch: c.batch,
-                shapes: HashMap::new(),
-                outputs: Some(vec![c.output.into()]),
+                shapes: c.shape.iter().map(|s| (c.input_name.to_string(), s.clone())).collect(),
+                outputs: c.output.map(|o| vec![o.to_string()]),
             };
-            let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.model));
+            let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            output = Some(compiled.model.outputs[0].name.clone());
             let mut r = HostRunner::new(&board, &compiled.model).unwrap_or_else(|e| panic!("{e}"));
             let (_, rep) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
             let t = rep.totals();
             let cyc = rep.cycles.max(1.0);
             println!(
                 "{} batch {} on {sa} SA + {vu} VU: simulated {:.1} us per batch ({:.2} us per sample), SA utilization {:.1}%, VU utilization {:.1}%, {} MACs",
-                c.model,
+                c.name,
                 c.batch,
                 rep.cycles / clock * 1e6,
                 rep.cycles / clock * 1e6 / f64::from(c.batch),
@@ -91,7 +130,7 @@ fn main() {
                 host_runner = Some(r);
             }
         }
-        let Some(mut r) = host_runner else { continue };
+        let (Some(mut r), Some(output)) = (host_runner, output) else { continue };
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
             let t0 = Instant::now();
@@ -99,10 +138,10 @@ fn main() {
             ours.push(t0.elapsed().as_secs_f64() * 1e3);
             let out = Command::new(&python)
                 .arg(root.join("scripts/ort_ref.py"))
-                .arg(fx.join(c.model))
+                .arg(&c.model)
                 .arg(std::env::temp_dir().join("onnx-bench"))
-                .arg(format!("{}={}", c.input_name, fx.join(c.input).display()))
-                .args(["--output", c.output, "--time", "1"])
+                .arg(format!("{}={}", c.input_name, c.input.display()))
+                .args(["--output", &output, "--time", "1"])
                 .output()
                 .unwrap_or_else(|e| panic!("{}: {e} (bash scripts/setup.sh installs it)", python.display()));
             let s = String::from_utf8_lossy(&out.stdout);
@@ -117,7 +156,7 @@ fn main() {
         let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
         println!(
             "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}",
-            c.model, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
+            c.name, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
         );
     }
 }
