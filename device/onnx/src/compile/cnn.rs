@@ -89,7 +89,18 @@ fn u16_of(v: i64, what: &str) -> Result<u16, String> {
 impl Compiler<'_> {
     /// `d` stored channels-last (a rank-4 tensor).
     pub(super) fn channels_last(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
-        if d.nhwc {
+        self.stored(name, d, true)
+    }
+
+    /// `d` stored dense in ONNX's order.
+    pub(super) fn onnx_order(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
+        self.stored(name, d, false)
+    }
+
+    /// `d` stored channels-last (`nhwc`) or in ONNX's order, transposed by
+    /// DMA when the bytes differ.
+    fn stored(&mut self, name: &str, d: &Dyn, nhwc: bool) -> Result<Dyn, String> {
+        if d.nhwc == nhwc {
             return Ok(d.clone());
         }
         let [b, c, h, w] = match d.shape[..] {
@@ -97,28 +108,11 @@ impl Compiler<'_> {
             _ => return Err(format!("an image tensor [N, C, H, W] is expected, not {:?}", d.shape)),
         };
         if h * w == 1 || c == 1 {
-            return Ok(Dyn { nhwc: true, ..d.clone() });
+            return Ok(Dyn { nhwc, ..d.clone() });
         }
-        let y = self.act_tensor(&format!("{name}.nhwc"), elems(&d.shape));
-        self.transpose(name, d.t, y, b, c, h * w, true);
-        Ok(Dyn::new(y, d.shape.clone(), None, true))
-    }
-
-    /// `d` stored dense in ONNX's order.
-    pub(super) fn onnx_order(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
-        if !d.nhwc {
-            return Ok(d.clone());
-        }
-        let [b, c, h, w] = match d.shape[..] {
-            [b, c, h, w] => [b, c, h, w],
-            _ => return Err(format!("a channels-last tensor of shape {:?} (a compiler bug)", d.shape)),
-        };
-        if h * w == 1 || c == 1 {
-            return Ok(Dyn { nhwc: false, ..d.clone() });
-        }
-        let y = self.act_tensor(&format!("{name}.nchw"), elems(&d.shape));
-        self.transpose(name, d.t, y, b, c, h * w, false);
-        Ok(Dyn::new(y, d.shape.clone(), None, false))
+        let y = self.act_tensor(&format!("{name}.{}", if nhwc { "nhwc" } else { "nchw" }), elems(&d.shape));
+        self.transpose(name, d.t, y, b, c, h * w, nhwc);
+        Ok(Dyn::new(y, d.shape.clone(), None, nhwc))
     }
 
     /// Strided copies between `[b][c][hw]` and `[b][hw][c]` (`to_nhwc`
