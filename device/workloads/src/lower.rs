@@ -18,7 +18,7 @@ use thiserror::Error;
 use vnpu_abi::isa::NUM_SEMAPHORES;
 use vnpu_abi::{
     Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, Program, ProgramBuilder, RedOp,
-    UnOp,
+    Space, UnOp,
 };
 
 use crate::graph::{Act, Graph, Init, Op, Spatial, TensorId, View};
@@ -225,6 +225,25 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
     v
 }
 
+/// Whether two strided byte sets `(start, rows, len, stride)` (rows of
+/// `len` bytes, `stride` apart) may share a byte: exact when the strides
+/// are equal and cover their rows, else by bounding ranges (never a false
+/// "no").
+fn strided_meet(a: (u64, u64, u64, u64), b: (u64, u64, u64, u64)) -> bool {
+    let end =
+        |(s, r, l, st): (u64, u64, u64, u64)| s.saturating_add((r - 1).saturating_mul(st)).saturating_add(l);
+    if a.1 == 0 || b.1 == 0 || a.2 == 0 || b.2 == 0 || end(a) <= b.0 || end(b) <= a.0 {
+        return false;
+    }
+    let p = a.3;
+    if p == 0 || p != b.3 || a.2 > p || b.2 > p {
+        return true;
+    }
+    // Same period: the column intervals must meet on the circle of length p.
+    let (pa, pb) = (a.0 % p, b.0 % p);
+    (pb + p - pa) % p < a.2 || (pa + p - pb) % p < b.2
+}
+
 /// Largest `r` in `1..=hi` with `bytes(r) <= budget`, or 0.
 fn max_rows(budget: u64, hi: u32, bytes: impl Fn(u32) -> u64) -> u32 {
     let (mut lo, mut hi) = (0u32, hi);
@@ -359,6 +378,17 @@ impl Lowerer {
         self.deferred = pending;
         self.live = layout.live().to_vec();
         Ok(())
+    }
+
+    /// Whether a deferred store writes HBM bytes of the `rows` rows of
+    /// `len` bytes, `stride` apart, from `start`.
+    fn deferred_meets(&self, start: u64, rows: u64, len: u64, stride: u64) -> bool {
+        self.deferred.iter().flatten().flat_map(|(_, store)| store).any(|i| match *i {
+            Instr::DmaCopy { dst, rows: r, row_bytes, dst_stride, .. } if dst.space == Space::Hbm => {
+                strided_meet((dst.offset, r.into(), row_bytes.into(), dst_stride), (start, rows, len, stride))
+            }
+            _ => false,
+        })
     }
 
     /// Emits the deferred final waits and stores of the last pipeline.
@@ -1239,10 +1269,16 @@ impl Lowerer {
                 })?
             }
             Op::Copy { x, y, rows, cols, .. } => {
-                // The previous operation's last stores first: the copy may read them.
-                self.flush();
                 let src = at(x.t, u64::from(x.col));
                 let dst = at(y.t, u64::from(y.col));
+                // The previous operation's deferred stores first when the
+                // copy reads or overwrites what they write.
+                let row = u64::from(cols) * F;
+                if self.deferred_meets(src.offset, rows.into(), row, u64::from(x.ld) * F)
+                    || self.deferred_meets(dst.offset, rows.into(), row, u64::from(y.ld) * F)
+                {
+                    self.flush();
+                }
                 self.b.push(
                     Engine::DMA,
                     copy(
@@ -1321,4 +1357,25 @@ pub fn lower_ops(
         input: graph.input,
         output: graph.output,
     })
+}
+
+#[cfg(test)]
+mod strided_tests {
+    use super::strided_meet;
+
+    #[test]
+    fn strided_sets_meet_only_where_bytes_are_shared() {
+        // Columns 0..16 and 16..32 of rows 64 bytes apart: disjoint.
+        assert!(!strided_meet((0, 8, 16, 64), (16, 8, 16, 64)));
+        // Columns 0..16 and 8..24: shared.
+        assert!(strided_meet((0, 8, 16, 64), (8, 8, 16, 64)));
+        // Wrapping: columns 56..64 (+ next row's start) and 0..4 of the next row.
+        assert!(strided_meet((56, 2, 12, 64), (64, 1, 4, 64)));
+        // Disjoint bounding ranges.
+        assert!(!strided_meet((0, 2, 16, 64), (200, 1, 4, 4)));
+        // Different strides inside one range: assumed to meet.
+        assert!(strided_meet((0, 8, 16, 64), (16, 8, 4, 4)));
+        // Empty sets never meet.
+        assert!(!strided_meet((0, 0, 16, 64), (0, 8, 16, 64)));
+    }
 }
