@@ -759,7 +759,7 @@ impl Compiler<'_> {
                 if let Some(both) = then(*slot, act) {
                     *slot = both;
                     self.report.fused += 1;
-                    return Val::D(Dyn { op: Some(i), ..d.clone() });
+                    return Val::D(d.clone());
                 }
             }
         }
@@ -769,10 +769,7 @@ impl Compiler<'_> {
     /// A new element-wise operation `act(d)`.
     fn act_op(&mut self, n: &Node, d: &Dyn, act: Act) -> Dyn {
         let cols = (*d.shape.last().unwrap_or(&1)).max(1);
-        match self.rowwise(n, d, cols, |name, x, y, rows, cols| Op::Unary { name, x, y, rows, cols, act }) {
-            Val::D(d) => d,
-            Val::C(_) => unreachable!("rowwise gives a computed tensor"),
-        }
+        self.rowwise(n, d, cols, |name, x, y, rows, cols| Op::Unary { name, x, y, rows, cols, act })
     }
 
     /// A new tensor of `d`'s shape written by the row-wise operation `op`
@@ -783,12 +780,12 @@ impl Compiler<'_> {
         d: &Dyn,
         cols: usize,
         op: impl Fn(String, View, View, u32, u32) -> Op,
-    ) -> Val {
+    ) -> Dyn {
         let rows = elems(&d.shape) / cols.max(1);
         let y = self.act_tensor(&n.name, elems(&d.shape));
         let (x, yv) = (View::dense(d.t, cols as u32), View::dense(y, cols as u32));
         self.g.ops.push(op(n.name.clone(), x, yv, rows as u32, cols as u32));
-        Val::D(Dyn::new(y, d.shape.clone(), Some(self.g.ops.len() - 1), d.nhwc))
+        Dyn::new(y, d.shape.clone(), Some(self.g.ops.len() - 1), d.nhwc)
     }
 
     fn softmax(&mut self, n: &Node) -> NodeResult {
@@ -808,7 +805,13 @@ impl Compiler<'_> {
         } else {
             elems(&d.shape[ax..])
         };
-        Ok(vec![self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Softmax { name, x, y, rows, cols })])
+        Ok(vec![Val::D(self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Softmax {
+            name,
+            x,
+            y,
+            rows,
+            cols,
+        }))])
     }
 }
 

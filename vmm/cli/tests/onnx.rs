@@ -35,16 +35,22 @@ fn tmp(name: &str) -> String {
     d.join(name).display().to_string()
 }
 
-fn ort(model: &str, output: &str) -> npy::Array {
+/// ONNX Runtime's output `output` of `model` on `input` (`NAME=FILE`).
+fn ort(model: &str, input: &str, output: &str) -> npy::Array {
     let prefix = tmp(&format!("ort-{}", Path::new(model).file_stem().unwrap().to_string_lossy()));
     let py = root().join(".venv-onnx/bin/python");
     let out = Command::new(&py)
         .arg(root().join("scripts/ort_ref.py"))
-        .args([model, &prefix, &format!("X={}", fixture("digits-x.npy")), "--output", output])
+        .args([model, &prefix, input, "--output", output])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    npy::read_file(Path::new(&format!("{prefix}.{output}.npy"))).unwrap()
+    // ort_ref.py's file name for the output (docs in the script).
+    let file: String = output
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
+        .collect();
+    npy::read_file(Path::new(&format!("{prefix}.{file}.npy"))).unwrap()
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -70,7 +76,7 @@ fn end_to_end(model: &str, vnpu_spec: &str, batch: u32) {
     assert!(out.contains(&format!("infer: {runs} batches of {batch} done")), "{out}");
     assert!(out.contains("simulated NPU time"), "{out}");
     let got = npy::read_file(Path::new(&got_path)).unwrap();
-    let want = ort(&m, "probabilities");
+    let want = ort(&m, &format!("X={}", fixture("digits-x.npy")), "probabilities");
     assert_eq!(got.shape, vec![450, 10]);
     assert_eq!(got.shape, want.shape);
     let (mut abs, mut rel) = (0f64, 0f64);
@@ -170,20 +176,12 @@ fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
     let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
     assert_eq!(code, 0, "{out}{err}");
     let got = npy::read_file(Path::new(&got_path)).unwrap();
-    let prefix = tmp(&format!("ort-{name}"));
-    let py = root().join(".venv-onnx/bin/python");
-    let o = Command::new(&py)
-        .arg(root().join("scripts/ort_ref.py"))
-        .args([&m, &prefix, &format!("x={x}")])
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out_name = std::fs::read_dir(tmp(""))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .find(|p| p.to_string_lossy().contains(&format!("ort-{name}.")))
-        .unwrap();
-    let want = npy::read_file(&out_name).unwrap();
+    let output = out
+        .lines()
+        .find_map(|l| l.strip_prefix("wrote         ").filter(|r| r.contains(&got_path)))
+        .and_then(|r| r.rsplit_once(" (").map(|(_, o)| o.trim_end_matches(')').to_string()))
+        .unwrap_or_else(|| panic!("{name}: no output name in {out}"));
+    let want = ort(&m, &format!("x={x}"), &output);
     assert_eq!(got.shape, want.shape, "{name}");
     let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
     let mut rel = 0f64;
