@@ -125,7 +125,23 @@ small_enum!(
 );
 small_enum!(
     /// Element-wise unary operations of the vector unit.
-    UnOp { Copy = 0, Relu = 1, Gelu = 2, Exp = 3, Tanh = 4, Sigmoid = 5, Neg = 6, Recip = 7, Sqrt = 8 }
+    UnOp {
+        Copy = 0,
+        Relu = 1,
+        /// The tanh approximation (BERT's).
+        Gelu = 2,
+        Exp = 3,
+        Tanh = 4,
+        Sigmoid = 5,
+        Neg = 6,
+        Recip = 7,
+        Sqrt = 8,
+        /// The error function.
+        Erf = 9,
+        /// The exact GELU, `x * (1 + erf(x / sqrt 2)) / 2` (ONNX `Gelu`,
+        /// PyTorch's default).
+        GeluErf = 10,
+    }
 );
 small_enum!(
     /// Reductions of the vector unit.

@@ -216,6 +216,11 @@ fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
 }
 
+/// The exact GELU: `x (1 + erf(x / sqrt 2)) / 2`.
+fn gelu_erf(x: f32) -> f32 {
+    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+}
+
 /// IEEE 754-2019 `maximum`: NaN propagates (as in XLA and PyTorch), so a
 /// NaN is never hidden by `relu`, `max`, a max-reduction or max-pooling.
 pub fn max_nan(a: f32, b: f32) -> f32 {
@@ -252,6 +257,8 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
         UnOp::Neg => -x,
         UnOp::Recip => 1.0 / x,
         UnOp::Sqrt => x.sqrt(),
+        UnOp::Erf => libm::erff(x),
+        UnOp::GeluErf => gelu_erf(x),
     }
 }
 

@@ -130,7 +130,8 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
                 UnOp::Copy | UnOp::Relu | UnOp::Neg => 1.0,
                 UnOp::Recip | UnOp::Sqrt => 2.0,
                 UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => trans,
-                UnOp::Gelu => trans + 3.0,
+                UnOp::Erf => trans + 1.0,
+                UnOp::Gelu | UnOp::GeluErf => trans + 3.0,
             };
             flops = prod(&[e, passes as u64]);
             vu(cfg, e, passes)
@@ -194,7 +195,9 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
 /// thread for longer than its budget. Saturating, like the cycle costs.
 pub fn host_work(instr: &Instr) -> u64 {
     let unary = |op: UnOp| match op {
-        UnOp::Gelu | UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => TRANSCENDENTAL_UNITS,
+        UnOp::Gelu | UnOp::GeluErf | UnOp::Erf | UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => {
+            TRANSCENDENTAL_UNITS
+        }
         _ => VU_ELEMENT_UNITS,
     };
     let window = |n: u32, ho: u32, wo: u32, c: u32, kh: u32, kw: u32| {

@@ -704,6 +704,18 @@ fn unary(op: UnOp, x: f32) -> Expect {
             // products; bounded by 8 u (|x| + |v|).
             Expect::F32 { value: v, tol: 8.0 * U * (xd.abs() + v.abs()) + TINY }
         }
+        UnOp::Erf => {
+            // erf is flat (|erf'| <= 1.13): a few ulps of the result.
+            let v = libm::erf(xd);
+            Expect::F32 { value: v, tol: 4.0 * U * v.abs() + TINY }
+        }
+        UnOp::GeluErf => {
+            // x (1 + erf(x / sqrt 2)) / 2 in f32: the rounding of the
+            // argument, of erf, of 1 + erf and of the products; bounded by
+            // 8 u (|x| + |v|) like the tanh form.
+            let v = 0.5 * xd * (1.0 + libm::erf(xd * std::f64::consts::FRAC_1_SQRT_2));
+            Expect::F32 { value: v, tol: 8.0 * U * (xd.abs() + v.abs()) + TINY }
+        }
     }
 }
 

@@ -58,7 +58,10 @@ impl View {
 pub enum Act {
     None,
     Relu,
+    /// The tanh approximation of GELU (BERT's).
     Gelu,
+    /// The exact GELU `x (1 + erf(x / sqrt 2)) / 2` (ONNX `Gelu`).
+    GeluErf,
     Sigmoid,
     /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
     Swish,
@@ -209,6 +212,28 @@ pub enum Op {
     Unary { name: String, x: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: row-wise softmax of `rows x cols`.
     Softmax { name: String, x: View, y: View, rows: u32, cols: u32 },
+    /// SA: a batch of products of two computed matrices,
+    /// `y_i = act(a_i b_i)` (`a_i b_i^T` when `trans_b`), `a_i` being
+    /// `m x k`, `b_i` `k x n` (`n x k` when transposed), `y_i` `m x n`.
+    /// Matrix `i` of each operand starts at element `offs[i]` (of `a`, `b`,
+    /// `y`) of its tensor and its rows are `lda`, `ldb`, `ldy` elements
+    /// apart, so strided views (a transposed or head-split tensor) are
+    /// read and written in place: attention's `Q K^T` and `P V`.
+    BatchMatMul {
+        name: String,
+        a: TensorId,
+        b: TensorId,
+        y: TensorId,
+        lda: u32,
+        ldb: u32,
+        ldy: u32,
+        trans_b: bool,
+        m: u32,
+        k: u32,
+        n: u32,
+        offs: Vec<[u64; 3]>,
+        act: Act,
+    },
 }
 
 impl Op {
@@ -231,6 +256,7 @@ impl Op {
             Op::Copy { .. } => "Copy",
             Op::Unary { .. } => "Unary",
             Op::Softmax { .. } => "Softmax",
+            Op::BatchMatMul { .. } => "BatchMatMul",
         }
     }
 
@@ -250,7 +276,8 @@ impl Op {
             | Op::Interaction { name, .. }
             | Op::Copy { name, .. }
             | Op::Unary { name, .. }
-            | Op::Softmax { name, .. } => name,
+            | Op::Softmax { name, .. }
+            | Op::BatchMatMul { name, .. } => name,
         }
     }
 }
@@ -294,6 +321,9 @@ impl Graph {
                         * u64::from(s.kw)
                         * u64::from(cin)
                         * u64::from(cout)
+                }
+                Op::BatchMatMul { m, k, n, ref offs, .. } => {
+                    offs.len() as u64 * u64::from(m) * u64::from(k) * u64::from(n)
                 }
                 Op::Attention { batch, seq, heads, dh, .. } => {
                     2 * u64::from(batch) * u64::from(heads) * u64::from(seq).pow(2) * u64::from(dh)

@@ -194,6 +194,7 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::None => {}
         Act::Relu => v.push(Instr::VUnary { op: UnOp::Relu, src: y, dst: y, len }),
         Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
+        Act::GeluErf => v.push(Instr::VUnary { op: UnOp::GeluErf, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
         Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {
@@ -1267,6 +1268,66 @@ impl Lowerer {
                 self.rows_pipeline(name, &[x], 1, y, rows, cols, |base, r| {
                     vec![Instr::VSoftmax { src: base, dst: base, rows: r, cols }]
                 })?
+            }
+            Op::BatchMatMul { ref name, a, b, y, lda, ldb, ldy, trans_b, m, k, n, ref offs, act } => {
+                let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
+                let wb = u64::from(k) * bb;
+                let tmp = if act.needs_scratch() { bb } else { 0 };
+                // A slot holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
+                let bytes = |r: u32| wb + u64::from(r) * (ab + bb + tmp);
+                let (slots, rt) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), m, bytes)?;
+                let slot_bytes = bytes(rt).next_multiple_of(64);
+                let per = m.div_ceil(rt) as usize;
+                let n_tiles = offs.len() * per;
+                let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
+                self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
+                    let [oa, ob, oy] = offs[t / per];
+                    let m0 = (t % per) as u32 * rt;
+                    let r = rt.min(m - m0);
+                    let base = u64::from(slot) * slot_bytes;
+                    let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
+                    let tmpb = ys + u64::from(r) * bb;
+                    let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
+                    let mut stages = vec![Stage::Sa(vec![Instr::MatMul {
+                        dtype: DType::F32,
+                        flags: MatFlags { accumulate: false, transpose_b: trans_b },
+                        a: as_,
+                        b: bs,
+                        c: ys,
+                        m: r,
+                        k,
+                        n,
+                        lda: k,
+                        ldb: if trans_b { k } else { n },
+                        ldc: n,
+                    }])];
+                    if act != Act::None {
+                        stages.push(Stage::Vu(bias_act(ys, None, r, n, act, tmpb)));
+                    }
+                    let row0 = u64::from(m0);
+                    Tile::single(
+                        vec![
+                            copy(at(b, ob), Addr::sram(bs), brows.into(), brow, u64::from(ldb) * F, brow),
+                            copy(
+                                at(a, oa + row0 * u64::from(lda)),
+                                Addr::sram(as_),
+                                r.into(),
+                                ab,
+                                u64::from(lda) * F,
+                                ab,
+                            ),
+                        ],
+                        stages,
+                        vec![copy(
+                            Addr::sram(ys),
+                            at(y, oy + row0 * u64::from(ldy)),
+                            r.into(),
+                            bb,
+                            bb,
+                            u64::from(ldy) * F,
+                        )],
+                    )
+                })?;
             }
             Op::Copy { x, y, rows, cols, .. } => {
                 let src = at(x.t, u64::from(x.col));

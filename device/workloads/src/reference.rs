@@ -10,6 +10,7 @@ fn act(a: Act, x: f64) -> f64 {
         Act::Gelu => {
             0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
         }
+        Act::GeluErf => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
         Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         Act::Swish => x / (1.0 + (-x).exp()),
         Act::Tanh => x.tanh(),
@@ -261,6 +262,23 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     let sum: f64 = e.iter().sum();
                     for (c, e) in e.into_iter().enumerate() {
                         set(tensors, y, r, c as u32, e / sum);
+                    }
+                }
+            }
+            Op::BatchMatMul { a, b, y, lda, ldb, ldy, trans_b, m, k, n, ref offs, act: f, .. } => {
+                let (lda, ldb, ldy) = (lda as usize, ldb as usize, ldy as usize);
+                for &[oa, ob, oy] in offs {
+                    let (oa, ob, oy) = (oa as usize, ob as usize, oy as usize);
+                    for i in 0..m as usize {
+                        for j in 0..n as usize {
+                            let s: f64 = (0..k as usize)
+                                .map(|l| {
+                                    let bv = if trans_b { ob + j * ldb + l } else { ob + l * ldb + j };
+                                    f64::from(tensors[a][oa + i * lda + l]) * f64::from(tensors[b][bv])
+                                })
+                                .sum();
+                            tensors[y][oy + i * ldy + j] = act(f, s) as f32;
+                        }
                     }
                 }
             }

@@ -242,6 +242,100 @@ fn recommendation_ops_match_reference() {
     check(&build("ncf", 5).unwrap(), 2, 2, 1 << 20);
 }
 
+/// Attention written out as ONNX exports it: `Q K^T` and `P V` as batched
+/// products of strided head views of one `qkv` tensor (`K` read
+/// transposed in place), a scale and softmax between them; the fused
+/// `Attention` operation computes the same context from the same `qkv`.
+fn written_out_attention(batch: u32) -> Graph {
+    let (seq, heads, dh) = (11u32, 3u32, 7u32);
+    let hid = heads * dh;
+    let mut g = Graph::new("written-out-attention", batch);
+    let qkv = g.tensor("qkv", u64::from(batch * seq * 3 * hid), Init::Input);
+    g.input = qkv;
+    let n = batch * heads;
+    let scores = g.act("scores", u64::from(n * seq * seq));
+    let ctx = g.act("ctx", u64::from(batch * seq * hid));
+    let head = |i: u32, part: u32| u64::from((i / heads) * seq * 3 * hid + part * hid + (i % heads) * dh);
+    let score_offs = (0..n).map(|i| [head(i, 0), head(i, 1), u64::from(i * seq * seq)]).collect();
+    g.ops.push(Op::BatchMatMul {
+        name: "qk".into(),
+        a: qkv,
+        b: qkv,
+        y: scores,
+        lda: 3 * hid,
+        ldb: 3 * hid,
+        ldy: seq,
+        trans_b: true,
+        m: seq,
+        k: dh,
+        n: seq,
+        offs: score_offs,
+        act: Act::affine(1.0 / (dh as f32).sqrt(), 0.0),
+    });
+    let p = g.act("p", u64::from(n * seq * seq));
+    g.ops.push(Op::Softmax {
+        name: "softmax".into(),
+        x: View::dense(scores, seq),
+        y: View::dense(p, seq),
+        rows: n * seq,
+        cols: seq,
+    });
+    // The context goes straight to [batch][seq][heads * dh].
+    let ctx_offs = (0..n)
+        .map(|i| {
+            [u64::from(i * seq * seq), head(i, 2), u64::from((i / heads) * seq * hid + (i % heads) * dh)]
+        })
+        .collect();
+    g.ops.push(Op::BatchMatMul {
+        name: "pv".into(),
+        a: p,
+        b: qkv,
+        y: ctx,
+        lda: seq,
+        ldb: 3 * hid,
+        ldy: hid,
+        trans_b: false,
+        m: seq,
+        k: seq,
+        n: dh,
+        offs: ctx_offs,
+        act: Act::None,
+    });
+    let fused = g.act("fused", u64::from(batch * seq * hid));
+    g.ops.push(Op::Attention { name: "attention".into(), qkv, y: fused, batch, seq, heads, dh });
+    let gelu = g.act("gelu", u64::from(batch * seq * hid));
+    g.ops.push(Op::Unary {
+        name: "gelu".into(),
+        x: View::dense(ctx, hid),
+        y: View::dense(gelu, hid),
+        rows: batch * seq,
+        cols: hid,
+        act: Act::GeluErf,
+    });
+    g.output = gelu;
+    g
+}
+
+#[test]
+fn written_out_attention_matches_reference_and_the_fused_operation() {
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 3, 8 << 10), (3, 1, 2 << 10)] {
+        let g = written_out_attention(2);
+        check(&g, sa, vu, sram);
+        // The fused operation and the written-out one agree (reference).
+        let mut hbm = LazyHbm::new(1 << 30);
+        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let l = lower(&g, shape).unwrap();
+        init_hbm(&l, &mut hbm, 3).unwrap();
+        let mut t: Vec<Vec<f32>> =
+            l.tensors.iter().map(|p| read_f32s(&hbm, p.offset, p.elems as usize).unwrap()).collect();
+        reference::run(&g, &mut t);
+        let (ctx, fused) = (g.tensors.iter().position(|x| x.name == "ctx").unwrap(), g.tensors.len() - 2);
+        for (i, (a, b)) in t[ctx].iter().zip(&t[fused]).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "ctx[{i}]: written out {a}, fused {b}");
+        }
+    }
+}
+
 /// Few rows against many weight columns: the weight loads of a
 /// weight-stationary SA dominate, so the lowering splits each tile by
 /// column blocks over the SAs instead of by rows.
