@@ -18,8 +18,11 @@ Models (tests/fixtures/onnx/torch/):
                       residual, feed-forward 32->64 GELU->32) -> mean over
                       tokens -> Linear 32->10 (logits)
 Inputs: digits-img-x.npy [450,1,8,8] and digits-seq-x.npy [450,8,8] (the
-same test images as ../digits-x.npy). summary.json: test accuracy of the
-PyTorch models and the operators of each export.
+same test images as ../digits-x.npy). <name>-f64.npy: the logits computed
+in float64 by onnx's own reference evaluator (onnx.reference, pure NumPy)
+with the f32 weights widened exactly: the exact result both ONNX Runtime
+(f32) and the vNPU (f32) are measured against. summary.json: test accuracy
+of the PyTorch models and the operators of each export.
 
 Seeds are fixed (torch.manual_seed(0), deterministic algorithms), so a rerun
 on the same versions gives the same weights. PyPI's torch wheel pulls its
@@ -27,11 +30,14 @@ CUDA libraries (about 5 GB); it runs on the CPU here. Run once, by hand:
 
   python3 -m venv /tmp/torchenv
   /tmp/torchenv/bin/pip install torch==2.15.0 onnx==1.23.2 onnxscript==0.7.2 scikit-learn numpy
-  /tmp/torchenv/bin/python scripts/train_torch.py
+  /tmp/torchenv/bin/python scripts/train_torch.py [--refs-only]
+
+--refs-only rewrites only the float64 references of the committed models.
 """
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import onnx
@@ -115,7 +121,29 @@ def export(model, x, name):
     return sorted({n.op_type for n in m.graph.node})
 
 
+def f64_reference(name, xfile):
+    """The model's logits in float64 by onnx.reference."""
+    from onnx.reference import ReferenceEvaluator
+    m = onnx.load(os.path.join(OUT, f"{name}.onnx"))
+    for t in m.graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT:
+            t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t).astype(np.float64), t.name))
+    for v in list(m.graph.input) + list(m.graph.output):
+        v.type.tensor_type.elem_type = onnx.TensorProto.DOUBLE
+    x = np.load(os.path.join(OUT, xfile)).astype(np.float64)
+    y = ReferenceEvaluator(m).run(None, {"x": x})[0]
+    assert y.dtype == np.float64, y.dtype
+    np.save(os.path.join(OUT, f"{name}-f64.npy"), y)
+
+
+REFS = [("digits-cnn", "digits-img-x.npy"), ("digits-transformer", "digits-seq-x.npy")]
+
+
 def main():
+    if "--refs-only" in sys.argv:
+        for name, xfile in REFS:
+            f64_reference(name, xfile)
+        return
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     os.makedirs(OUT, exist_ok=True)
@@ -139,6 +167,8 @@ def main():
         summary[name] = {"test_accuracy": acc, "ops": export(model, xe, name),
                          "parameters": sum(p.numel() for p in model.parameters())}
         print(name, summary[name])
+    for name, xfile in REFS:
+        f64_reference(name, xfile)
     summary["versions"] = {"torch": torch.__version__, "onnx": onnx.__version__}
     with open(os.path.join(OUT, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1, sort_keys=True)

@@ -27,6 +27,7 @@ use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
 mod cnn;
+mod seq;
 use cnn::{channel_vec, nchw_to_nhwc, then};
 
 /// What to compile for.
@@ -97,13 +98,16 @@ struct Dyn {
     op: Option<usize>,
     /// A rank-4 tensor `[N, C, H, W]` stored channels-last (`[N][H][W][C]`),
     /// as convolutions and pooling read and write it; otherwise the
-    /// storage is dense row-major in ONNX's order.
+    /// storage is dense row-major in ONNX's order (or a view).
     nhwc: bool,
+    /// A view (a transpose): the element stride of each axis in `t`.
+    /// Never together with `nhwc`.
+    strides: Option<Vec<usize>>,
 }
 
 impl Dyn {
     fn new(t: TensorId, shape: Vec<usize>, op: Option<usize>, nhwc: bool) -> Self {
-        Self { t, shape, op, nhwc }
+        Self { t, shape, op, nhwc, strides: None }
     }
 }
 
@@ -195,8 +199,15 @@ impl Compiler<'_> {
         self.tensor(name, n, Init::Activation, None)
     }
 
-    /// Input `i`, which must be a computed tensor.
-    fn computed(&self, n: &Node, i: usize) -> Result<Dyn, String> {
+    /// Input `i`, which must be a computed tensor, not a view (a view is
+    /// stored densely first).
+    fn computed(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+        let d = self.computed_view(n, i)?;
+        self.materialize(&n.name, &d)
+    }
+
+    /// Input `i`, which must be a computed tensor, as it is (maybe a view).
+    fn computed_view(&self, n: &Node, i: usize) -> Result<Dyn, String> {
         match self.get(n, i)? {
             Val::D(d) => Ok(d.clone()),
             Val::C(_) => Err(format!(
@@ -428,6 +439,17 @@ impl Compiler<'_> {
                 Self::only_attrs(n, &[])?;
                 self.activation(n, Act::HardSwish)
             }
+            "Gelu" => {
+                let act = Self::gelu(n)?;
+                self.activation(n, act)
+            }
+            "Erf" => {
+                Self::only_attrs(n, &[])?;
+                self.activation(n, Act::Erf)
+            }
+            "Transpose" => self.transpose(n),
+            "LayerNormalization" => self.layer_norm(n),
+            "ReduceMean" => self.reduce_mean(n),
             "Conv" => self.conv(n),
             "BatchNormalization" => self.batch_norm(n),
             "MaxPool" | "AveragePool" => self.pool(n),
@@ -552,11 +574,11 @@ impl Compiler<'_> {
     }
 
     fn matmul(&mut self, n: &Node) -> NodeResult {
-        let x = self.dense(n, 0)?;
         let w = match self.get(n, 1)? {
             Val::C(c) => c.clone(),
-            Val::D(_) => return Err("a product of two computed tensors is not supported yet".into()),
+            Val::D(_) => return self.batch_matmul(n),
         };
+        let x = self.dense(n, 0)?;
         if w.shape.len() != 2 {
             return Err(format!("weights of rank {} (only 2-D weights are supported)", w.shape.len()));
         }
@@ -752,6 +774,7 @@ impl Compiler<'_> {
                 | Op::Mul { act, .. }
                 | Op::Conv { act, .. }
                 | Op::Depthwise { act, .. }
+                | Op::BatchMatMul { act, .. }
                 | Op::Unary { act, .. } => Some(act),
                 _ => None,
             };

@@ -177,3 +177,66 @@ fn squeeze_excitation_head_matches_onnx_runtime() {
 fn per_channel_constants_match_onnx_runtime() {
     check_ops("channel-consts", 4, 4);
 }
+
+/// A PyTorch-trained classifier of tests/fixtures/onnx/torch
+/// (scripts/train_torch.py) on the 450 test images as one batch. Logits
+/// against the float64 result of onnx's reference evaluator (the exact
+/// math: the 1e-4 target) and against ONNX Runtime, which is f32 too and
+/// itself differs from the exact result: the vNPU may differ from it by
+/// 1e-4 or by twice ONNX Runtime's own error, whichever is larger. Top-1
+/// against ONNX Runtime and the labels.
+fn check_torch(name: &str, input: &str, sa: u32, vu: u32) {
+    let board = BoardConfig::default();
+    let model = fixture(&format!("torch/{name}.onnx"));
+    let xp = fixture(&format!("torch/{input}"));
+    let x = npy::read_file(&xp).unwrap();
+    let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let n = x.shape[0] as usize;
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: n as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+    };
+    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let (outs, _) = r.infer(&[&x.data]).unwrap();
+    let want = ort(&model, &[("x", &xp)], "logits");
+    assert_eq!(want.shape, vec![n as u64, 10], "{name}: output shape");
+    let exact = npy::read_file(&fixture(&format!("torch/{name}-f64.npy"))).unwrap();
+    assert_eq!(exact.shape, want.shape, "{name}: reference shape");
+    let (abs, rel) = scaled_errors(&outs[0], &want.data);
+    let (abs64, rel64) = scaled_errors(&outs[0], &exact.data);
+    let (_, ort64) = scaled_errors(&want.data, &exact.data);
+    let top = |v: &[f32], i: usize| argmax(&v[i * 10..][..10]);
+    let agree = (0..n).filter(|&i| top(&outs[0], i) == top(&want.data, i)).count();
+    let correct = (0..n).filter(|&i| top(&outs[0], i) == y.data[i] as usize).count();
+    println!(
+        "{name} {sa}sa{vu}vu: against f64 max abs {abs64:.3e} max rel {rel64:.3e}; against ORT max abs {abs:.3e} \
+         max rel {rel:.3e} (ORT against f64: {ort64:.3e}); top-1 agree {agree}/{n} correct {correct}/{n} ({:?})",
+        c.report.ops
+    );
+    assert!(rel64 <= 1e-4, "{name}: max relative error {rel64} (abs {abs64}) against the float64 result");
+    let bound = 1e-4f64.max(2.0 * ort64);
+    assert!(
+        rel <= bound,
+        "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime (bound {bound})"
+    );
+    assert_eq!(agree, n, "{name}: top-1 differs from ONNX Runtime");
+    assert!(correct * 100 >= n * 93, "{name}: accuracy {correct}/{n}");
+}
+
+#[test]
+fn pytorch_cnn_matches_onnx_runtime() {
+    check_torch("digits-cnn", "digits-img-x.npy", 2, 2);
+}
+
+#[test]
+fn pytorch_transformer_encoder_matches_onnx_runtime() {
+    check_torch("digits-transformer", "digits-seq-x.npy", 1, 1);
+}
+
+#[test]
+fn pytorch_transformer_encoder_matches_onnx_runtime_on_four_engines_each() {
+    check_torch("digits-transformer", "digits-seq-x.npy", 4, 4);
+}

@@ -62,6 +62,8 @@ pub enum Act {
     Gelu,
     /// The exact GELU `x (1 + erf(x / sqrt 2)) / 2` (ONNX `Gelu`).
     GeluErf,
+    /// The error function.
+    Erf,
     Sigmoid,
     /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
     Swish,
@@ -177,16 +179,18 @@ pub enum Op {
     Add { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = act(a * b)`, element-wise over `rows x cols`.
     Mul { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
-    /// VU: `y = layernorm(a + b) * gamma + beta`, row-wise.
+    /// VU: `y = layernorm(a + b) * gamma + beta` (or `layernorm(a)` when
+    /// `b` is `None`), row-wise, `eps` added to the variance.
     AddNorm {
         name: String,
         a: TensorId,
-        b: TensorId,
+        b: Option<TensorId>,
         gamma: TensorId,
         beta: TensorId,
         y: TensorId,
         rows: u32,
         cols: u32,
+        eps: f32,
     },
     /// VU: `y[img] = x[img] * s[img]` per channel: `x` is `[batch][hw][c]`, `s` is `[batch][c]`.
     ScaleChannels { name: String, x: TensorId, s: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
@@ -456,7 +460,17 @@ impl Graph {
         let gamma = self.tensor(format!("{name}.gamma"), cols.into(), Init::Ones);
         let beta = self.tensor(format!("{name}.beta"), cols.into(), Init::Zeros);
         let y = self.act(name, u64::from(rows) * u64::from(cols));
-        self.ops.push(Op::AddNorm { name: name.into(), a, b, gamma, beta, y, rows, cols });
+        self.ops.push(Op::AddNorm {
+            name: name.into(),
+            a,
+            b: Some(b),
+            gamma,
+            beta,
+            y,
+            rows,
+            cols,
+            eps: 1e-5,
+        });
         y
     }
 

@@ -195,6 +195,7 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Relu => v.push(Instr::VUnary { op: UnOp::Relu, src: y, dst: y, len }),
         Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
         Act::GeluErf => v.push(Instr::VUnary { op: UnOp::GeluErf, src: y, dst: y, len }),
+        Act::Erf => v.push(Instr::VUnary { op: UnOp::Erf, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
         Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {
@@ -998,8 +999,9 @@ impl Lowerer {
             Op::Mul { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, act)?
             }
-            Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols } => {
+            Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
                 let row = u64::from(cols) * F;
+                let operands = if b.is_some() { 2 } else { 1 };
                 let preload = vec![
                     copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
                     copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
@@ -1010,34 +1012,34 @@ impl Lowerer {
                     preload,
                     fixed,
                     rows,
-                    |r| u64::from(r) * row * 2,
+                    |r| u64::from(r) * row * operands,
                     |u0, r, base| {
                         let bb = base + u64::from(r) * row;
-                        let (av, bv, yv) = (View::dense(a, cols), View::dense(b, cols), View::dense(y, cols));
-                        (
-                            vec![rows_of(av, u0, r, cols, base), rows_of(bv, u0, r, cols, bb)],
-                            vec![
-                                Instr::VBinary {
-                                    op: BinOp::Add,
-                                    bcast: Bcast::None,
-                                    a: base,
-                                    b: bb,
-                                    dst: base,
-                                    rows: r,
-                                    cols,
-                                },
-                                Instr::VLayerNorm {
-                                    src: base,
-                                    dst: base,
-                                    gamma: 0,
-                                    beta: row,
-                                    rows: r,
-                                    cols,
-                                    eps: 1e-5,
-                                },
-                            ],
-                            vec![rows_to(yv, u0, r, cols, base)],
-                        )
+                        let (av, yv) = (View::dense(a, cols), View::dense(y, cols));
+                        let mut load = vec![rows_of(av, u0, r, cols, base)];
+                        let mut comp = vec![];
+                        if let Some(b) = b {
+                            load.push(rows_of(View::dense(b, cols), u0, r, cols, bb));
+                            comp.push(Instr::VBinary {
+                                op: BinOp::Add,
+                                bcast: Bcast::None,
+                                a: base,
+                                b: bb,
+                                dst: base,
+                                rows: r,
+                                cols,
+                            });
+                        }
+                        comp.push(Instr::VLayerNorm {
+                            src: base,
+                            dst: base,
+                            gamma: 0,
+                            beta: row,
+                            rows: r,
+                            cols,
+                            eps,
+                        });
+                        (load, comp, vec![rows_to(yv, u0, r, cols, base)])
                     },
                 )?;
             }

@@ -11,6 +11,7 @@ fn act(a: Act, x: f64) -> f64 {
             0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
         }
         Act::GeluErf => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
+        Act::Erf => libm::erf(x),
         Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         Act::Swish => x / (1.0 + (-x).exp()),
         Act::Tanh => x.tanh(),
@@ -168,16 +169,19 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     }
                 }
             }
-            Op::AddNorm { a, b, gamma, beta, y, rows, cols, .. } => {
+            Op::AddNorm { a, b, gamma, beta, y, rows, cols, eps, .. } => {
                 let n = cols as usize;
                 for r in 0..rows as usize {
                     let v: Vec<f64> = (0..n)
-                        .map(|c| f64::from(tensors[a][r * n + c]) + f64::from(tensors[b][r * n + c]))
+                        .map(|c| {
+                            f64::from(tensors[a][r * n + c])
+                                + b.map_or(0.0, |b| f64::from(tensors[b][r * n + c]))
+                        })
                         .collect();
                     let mean = v.iter().sum::<f64>() / n as f64;
                     let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
                     for c in 0..n {
-                        let z = (v[c] - mean) / (var + 1e-5).sqrt();
+                        let z = (v[c] - mean) / (var + f64::from(eps)).sqrt();
                         tensors[y][r * n + c] =
                             (z * f64::from(tensors[gamma][c]) + f64::from(tensors[beta][c])) as f32;
                     }

@@ -11,6 +11,7 @@
 
 use npu_workloads::graph::{Act, Init, Op, PoolOp, Spatial, View};
 
+use super::seq::dense_strides;
 use super::{elems, Compiler, Dyn, NodeResult, Val};
 use crate::load::{Const, Data, Node};
 
@@ -100,6 +101,7 @@ impl Compiler<'_> {
     /// `d` stored channels-last (`nhwc`) or in ONNX's order, transposed by
     /// DMA when the bytes differ.
     fn stored(&mut self, name: &str, d: &Dyn, nhwc: bool) -> Result<Dyn, String> {
+        let d = &self.materialize(name, d)?;
         if d.nhwc == nhwc {
             return Ok(d.clone());
         }
@@ -111,47 +113,12 @@ impl Compiler<'_> {
             return Ok(Dyn { nhwc, ..d.clone() });
         }
         let y = self.act_tensor(&format!("{name}.{}", if nhwc { "nhwc" } else { "nchw" }), elems(&d.shape));
-        self.transpose(name, d.t, y, b, c, h * w, nhwc);
+        // Channels-last is the dense layout of [N, H, W, C].
+        let (onnx, last) = (dense_strides(&d.shape), dense_strides(&[b, h, w, c]));
+        let last = vec![last[0], last[3], last[1], last[2]];
+        let (src, dst) = if nhwc { (onnx, last) } else { (last, onnx) };
+        self.strided_copy(name, d.t, y, &d.shape, &src, &dst)?;
         Ok(Dyn::new(y, d.shape.clone(), None, nhwc))
-    }
-
-    /// Strided copies between `[b][c][hw]` and `[b][hw][c]` (`to_nhwc`
-    /// gives the direction), one per channel or one per pixel, whichever
-    /// needs fewer transfers.
-    #[allow(clippy::too_many_arguments)]
-    fn transpose(&mut self, name: &str, x: usize, y: usize, b: usize, c: usize, hw: usize, to_nhwc: bool) {
-        let name = format!("{name}.transpose");
-        let (c32, hw32) = (c as u32, hw as u32);
-        for img in 0..b {
-            let (nchw, nhwc) = ((img * c * hw) as u32, (img * hw * c) as u32);
-            if c <= hw {
-                for ch in 0..c32 {
-                    let planar = View { t: 0, ld: 1, col: nchw + ch * hw32 };
-                    let strided = View { t: 0, ld: c32, col: nhwc + ch };
-                    self.copy_op(&name, x, y, planar, strided, hw32, to_nhwc);
-                }
-            } else {
-                for p in 0..hw32 {
-                    let planar = View { t: 0, ld: hw32, col: nchw + p };
-                    let strided = View { t: 0, ld: 1, col: nhwc + p * c32 };
-                    self.copy_op(&name, x, y, planar, strided, c32, to_nhwc);
-                }
-            }
-        }
-    }
-
-    /// One element per row, `rows` rows, from the `planar` (NCHW) view to
-    /// the `strided` (NHWC) one or back.
-    #[allow(clippy::too_many_arguments)]
-    fn copy_op(&mut self, name: &str, x: usize, y: usize, planar: View, strided: View, rows: u32, fwd: bool) {
-        let (src, dst) = if fwd { (planar, strided) } else { (strided, planar) };
-        self.g.ops.push(Op::Copy {
-            name: name.to_string(),
-            x: View { t: x, ..src },
-            y: View { t: y, ..dst },
-            rows,
-            cols: 1,
-        });
     }
 
     /// Folds `y = x * scale[c] + shift[c]` (per output channel) into the
