@@ -203,3 +203,73 @@ fn a_cnn_with_squeeze_excitation_runs_in_a_vm_and_matches_onnx_runtime() {
 fn a_depthwise_hardswish_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
     cnn_end_to_end("dw-hardswish", "sa=2,vu=2,sram=8M,hbm=512M", 1);
 }
+
+/// Max scaled relative error of `got` against `want` (denominators at least
+/// 1e-3 of the largest `|want|`: logits cross zero); NaN fails.
+fn scaled_rel(what: &str, got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let mut rel = 0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        assert!(!d.is_nan(), "{what}: NaN");
+        rel = rel.max(d / f64::from(w).abs().max(scale * 1e-3));
+    }
+    rel
+}
+
+/// A model trained by PyTorch (scripts/train_torch.py) compiled at batch
+/// 50, all 450 test images through a VM, logits against the float64
+/// reference (the 1e-4 target) and ONNX Runtime (1e-4 or twice ONNX
+/// Runtime's own error against float64, whichever is larger), top-1
+/// against ONNX Runtime and the labels. `ops` must appear in the compile
+/// report.
+fn torch_end_to_end(name: &str, input: &str, vnpu_spec: &str, ops: &[&str]) {
+    let m = fixture(&format!("torch/{name}.onnx"));
+    let x = fixture(&format!("torch/{input}"));
+    let art = tmp(&format!("{name}.vnpu"));
+    let (code, out, err) = vnpu(&["compile", &m, "--vnpu", vnpu_spec, "--batch", "50", "-o", &art]);
+    assert_eq!(code, 0, "{out}{err}");
+    for op in ops {
+        assert!(out.contains(op), "{name}: no {op} in {out}");
+    }
+    let got_path = tmp(&format!("{name}.out.npy"));
+    let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("infer: 9 batches of 50 done"), "{out}");
+    let got = npy::read_file(Path::new(&got_path)).unwrap();
+    let want = ort(&m, &format!("x={x}"), "logits");
+    let exact = npy::read_file(Path::new(&fixture(&format!("torch/{name}-f64.npy")))).unwrap();
+    assert_eq!(got.shape, vec![450, 10]);
+    assert_eq!(want.shape, got.shape);
+    let rel64 = scaled_rel("vNPU against f64", &got.data, &exact.data);
+    let rel = scaled_rel("vNPU against ORT", &got.data, &want.data);
+    let ort64 = scaled_rel("ORT against f64", &want.data, &exact.data);
+    let y = npy::read_file(Path::new(&fixture("digits-y.npy"))).unwrap();
+    let rows = |v: &[f32], i: usize| argmax(&v[i * 10..(i + 1) * 10]);
+    let agree = (0..450).filter(|&i| rows(&got.data, i) == rows(&want.data, i)).count();
+    let correct = (0..450).filter(|&i| rows(&got.data, i) == y.data[i] as usize).count();
+    println!(
+        "{name} via VM: rel {rel64:.3e} against f64, {rel:.3e} against ORT (ORT against f64 {ort64:.3e}); \
+         top-1 agree {agree}/450 correct {correct}/450"
+    );
+    assert!(rel64 <= 1e-4, "{name}: relative error {rel64} against the float64 result");
+    assert!(rel <= 1e-4f64.max(2.0 * ort64), "{name}: relative error {rel} against ONNX Runtime");
+    assert_eq!(agree, 450, "{name}: top-1 differs from ONNX Runtime");
+    assert!(correct >= 420, "{name}: {correct}/450 correct");
+}
+
+#[test]
+fn a_pytorch_transformer_encoder_runs_in_a_vm_and_matches_onnx_runtime() {
+    torch_end_to_end(
+        "digits-transformer",
+        "digits-seq-x.npy",
+        "sa=2,vu=2,sram=8M,hbm=512M",
+        &["BatchMatMul", "AddNorm"],
+    );
+}
+
+#[test]
+fn a_pytorch_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
+    torch_end_to_end("digits-cnn", "digits-img-x.npy", "sa=1,vu=1,sram=8M,hbm=512M", &["Conv", "GlobalPool"]);
+}
