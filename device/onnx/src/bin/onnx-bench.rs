@@ -60,6 +60,17 @@ fn cases(root: &Path) -> Vec<Case> {
             shape: None,
         });
     }
+    for (m, x) in [("digits-cnn", "digits-img-x.npy"), ("digits-transformer", "digits-seq-x.npy")] {
+        v.push(Case {
+            name: format!("{m} (PyTorch)"),
+            model: fx.join(format!("torch/{m}.onnx")),
+            input: fx.join(format!("torch/{x}")),
+            input_name: "x",
+            output: None,
+            batch: 450,
+            shape: None,
+        });
+    }
     let pre = root.join(".cache/pretrained");
     let model = pre.join("ch_ppocr_mobile_v2.0_cls_infer.onnx");
     let x = pre.join("x.npy");
