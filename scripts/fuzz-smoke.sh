@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs="${FUZZ_SECONDS:-15}"
-targets=(program_decode_verify program_execute pci_bus vnpu_ring vfio_user_server control_request model_decode)
+targets=(program_decode_verify program_execute pci_bus vnpu_ring vfio_user_server control_request model_decode onnx_compile)
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz-smoke: no nightly toolchain; installing it with rustup" >&2
     if ! rustup toolchain install nightly --profile minimal >&2; then
@@ -30,6 +30,8 @@ trap 'rm -rf "$tmp"' EXIT
 for t in "${targets[@]}"; do
     seeds=()
     [ -d "seeds/$t" ] && seeds=("seeds/$t")
+    # The compiler starts from the committed test models.
+    [ "$t" = onnx_compile ] && seeds=(../tests/fixtures/onnx/ops ../tests/fixtures/onnx/torch)
     mkdir -p "corpus/$t"
     echo "fuzz-smoke: $t for ${secs}s" >&2
     status=0

@@ -117,8 +117,22 @@ enum Val {
     D(Dyn),
 }
 
+/// Elements of `shape` (saturating: a shape past [`MAX_ELEMS`] is refused
+/// by [`check_size`] before anything of its size is allocated).
 fn elems(shape: &[usize]) -> usize {
-    shape.iter().product()
+    shape.iter().fold(1usize, |a, &d| a.saturating_mul(d))
+}
+
+/// The largest tensor the compiler handles: 2^28 elements (1 GiB of f32),
+/// more than any vNPU's HBM share here.
+const MAX_ELEMS: usize = 1 << 28;
+
+/// Refuses a tensor of `shape` larger than [`MAX_ELEMS`].
+fn check_size(shape: &[usize]) -> Result<(), String> {
+    if elems(shape) > MAX_ELEMS {
+        return Err(format!("a tensor of shape {shape:?} is larger than the 2^28 elements a vNPU can hold"));
+    }
+    Ok(())
 }
 
 /// numpy broadcasting of two shapes.
@@ -724,6 +738,7 @@ impl Compiler<'_> {
             let act = if add { Act::affine(1.0, v[0]) } else { Act::affine(v[0], 0.0) };
             return Ok(vec![self.activation_of(n, input, &d, act)]);
         }
+        check_size(shape)?;
         let full = expand(&v, &c.shape, shape);
         let full = if d.nhwc { nchw_to_nhwc(&full, shape) } else { full };
         let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
@@ -888,6 +903,7 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
     let mut shape = data.shape[..ax].to_vec();
     shape.extend_from_slice(&idx.shape);
     shape.extend_from_slice(&data.shape[ax + 1..]);
+    check_size(&shape)?;
     fn pick<T: Copy>(v: &[T], outer: usize, dim: usize, inner: usize, ids: &[usize]) -> Vec<T> {
         let mut out = Vec::with_capacity(outer * ids.len() * inner);
         for o in 0..outer {
@@ -905,6 +921,7 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
 
 fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
     let shape = bcast_shape(&a.shape, &b.shape).ok_or("shapes do not broadcast")?;
+    check_size(&shape)?;
     if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
         let x = expand(x, &a.shape, &shape);
         let y = expand(y, &b.shape, &shape);
@@ -1031,6 +1048,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         if elems(&shape) == 0 {
             return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
         }
+        check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
         let t = c.tensor(&io.name, elems(&shape), Init::Input, None);
         c.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
         inputs.push((io.name.clone(), t, shape));
@@ -1054,6 +1072,13 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
         })?;
         for (name, v) in n.outputs.iter().zip(outs) {
+            if let Val::D(d) = &v {
+                check_size(&d.shape).map_err(|reason| CompileError::Node {
+                    node: n.name.clone(),
+                    op: n.op.clone(),
+                    reason,
+                })?;
+            }
             if !name.is_empty() {
                 c.vals.insert(name.clone(), v);
             }

@@ -124,3 +124,40 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     let e = compile(&m2.write_to_bytes().unwrap(), &opts).unwrap_err().to_string();
     assert!(e.contains("node `fc` (Gemm)"), "{e}");
 }
+
+/// Tensors past the compiler's limit (2^28 elements) are refused before
+/// anything of their size is allocated: two constants that broadcast to
+/// a huge one, and a huge input shape.
+#[test]
+fn oversized_tensors_are_refused_not_allocated() {
+    let mut g = GraphProto::new();
+    g.name = "huge".into();
+    g.initializer = vec![
+        tensor("A", &[1 << 14, 1], &vec![1.0; 1 << 14]),
+        tensor("B", &[1, 1 << 15], &vec![1.0; 1 << 15]),
+    ];
+    g.input = vec![value("X", &[0, 1 << 15])];
+    g.output = vec![value("Y", &[1 << 14, 1 << 15])];
+    g.node = vec![
+        node("Add", "bcast", &["A", "B"], &["K"], vec![]),
+        node("Add", "use", &["X", "K"], &["Y"], vec![]),
+    ];
+    let mut m = ModelProto::new();
+    m.ir_version = 8;
+    let mut op = OperatorSetIdProto::new();
+    op.version = 17;
+    m.opset_import = vec![op];
+    m.graph = Some(g).into();
+    let bytes = m.write_to_bytes().unwrap();
+    let board = BoardConfig::default();
+    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
+    // [2^14, 1] + [1, 2^15] broadcasts to 2^29 elements.
+    let opts = CompileOptions { shape, batch: 1, shapes: HashMap::new(), outputs: None };
+    let e = compile(&bytes, &opts).unwrap_err().to_string();
+    assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
+    // An input of 2^40 elements.
+    let shapes = HashMap::from([("X".to_string(), vec![1usize << 25, 1 << 15])]);
+    let opts = CompileOptions { shape, batch: 1, shapes, outputs: None };
+    let e = compile(&bytes, &opts).unwrap_err().to_string();
+    assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
+}

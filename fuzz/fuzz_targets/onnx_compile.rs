@@ -1,0 +1,26 @@
+//! The ONNX compiler (`vnpu compile`, docs/model-format.md) on any bytes:
+//! reading the protobuf, shape inference, constant folding, fusion and
+//! lowering never panic and never allocate past the compiler's tensor
+//! limit; whatever compiles is accepted by the verifier (the compiler
+//! checks) and its file decodes to the same model.
+#![no_main]
+
+use std::collections::HashMap;
+
+use libfuzzer_sys::fuzz_target;
+use npu_onnx::{compile, CompileOptions};
+use npu_workloads::lower::VnpuShape;
+use vnpu_abi::model::Model;
+
+fuzz_target!(|data: &[u8]| {
+    let opts = CompileOptions {
+        shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
+        batch: 2,
+        shapes: HashMap::new(),
+        outputs: None,
+    };
+    if let Ok(c) = compile(data, &opts) {
+        let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");
+        assert_eq!(again, c.model);
+    }
+});
