@@ -72,6 +72,17 @@ fn node(op: &str, name: &str, inputs: &[&str], outputs: &[&str], attrs: Vec<Attr
     n
 }
 
+/// A model of graph `g` at IR 8, opset 17.
+fn model(g: GraphProto) -> ModelProto {
+    let mut m = ModelProto::new();
+    m.ir_version = 8;
+    let mut op = OperatorSetIdProto::new();
+    op.version = 17;
+    m.opset_import = vec![op];
+    m.graph = Some(g).into();
+    m
+}
+
 #[test]
 fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     let (k, n, batch) = (4usize, 3usize, 5usize);
@@ -93,12 +104,7 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
         ),
         node("Relu", "act", &["H"], &["Y"], vec![]),
     ];
-    let mut m = ModelProto::new();
-    m.ir_version = 8;
-    let mut op = OperatorSetIdProto::new();
-    op.version = 17;
-    m.opset_import = vec![op];
-    m.graph = Some(g).into();
+    let m = model(g);
     let bytes = m.write_to_bytes().unwrap();
 
     let board = BoardConfig::default();
@@ -142,13 +148,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         node("Add", "bcast", &["A", "B"], &["K"], vec![]),
         node("Add", "use", &["X", "K"], &["Y"], vec![]),
     ];
-    let mut m = ModelProto::new();
-    m.ir_version = 8;
-    let mut op = OperatorSetIdProto::new();
-    op.version = 17;
-    m.opset_import = vec![op];
-    m.graph = Some(g).into();
-    let bytes = m.write_to_bytes().unwrap();
+    let bytes = model(g).write_to_bytes().unwrap();
     let board = BoardConfig::default();
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
     // [2^14, 1] + [1, 2^15] broadcasts to 2^29 elements.
