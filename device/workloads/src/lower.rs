@@ -87,6 +87,10 @@ pub struct Lowered {
 const ALIGN: u64 = 4096;
 /// Smallest tile (SRAM bytes) worth splitting work into.
 const MIN_TILE_BYTES: u64 = 32 << 10;
+
+/// Small matrices of a batched product are grouped into tiles, but into at
+/// least this many tiles per slot, so loads, products and stores overlap.
+const GROUP_TILES: u32 = 32;
 /// Most engines of one kind a lowered program spreads work over.
 pub const MAX_ENGINES: u32 = 8;
 const F: u64 = 4;
@@ -1275,60 +1279,88 @@ impl Lowerer {
                 let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
                 let wb = u64::from(k) * bb;
                 let tmp = if act.needs_scratch() { bb } else { 0 };
-                // A slot holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
+                // An item holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
                 let bytes = |r: u32| wb + u64::from(r) * (ab + bb + tmp);
-                let (slots, rt) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), m, bytes)?;
-                let slot_bytes = bytes(rt).next_multiple_of(64);
+                let engines = self.shape.sa.max(self.shape.vu);
+                let count = u32::try_from(offs.len()).map_err(|_| LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "more than 2^32 matrices in one batched product",
+                })?;
+                // Small matrices go several to a tile (fewer synchronisations);
+                // a matrix too large for a slot is split by rows.
+                let whole = bytes(m).next_multiple_of(64);
+                let (slots, group, rt) = match self.plan(name, 0, engines, count, |g| u64::from(g) * whole) {
+                    Ok((slots, g)) => (slots, g.min(count.div_ceil(GROUP_TILES * slots)).max(1), m),
+                    Err(_) => {
+                        let (slots, rt) = self.plan(name, 0, engines, m, bytes)?;
+                        (slots, 1, rt)
+                    }
+                };
+                let item = bytes(rt).next_multiple_of(64);
+                let slot_bytes = u64::from(group) * item;
                 let per = m.div_ceil(rt) as usize;
-                let n_tiles = offs.len() * per;
+                let n_tiles = if group > 1 { count.div_ceil(group) as usize } else { offs.len() * per };
                 let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
                 self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
-                    let [oa, ob, oy] = offs[t / per];
-                    let m0 = (t % per) as u32 * rt;
-                    let r = rt.min(m - m0);
-                    let base = u64::from(slot) * slot_bytes;
-                    let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
-                    let tmpb = ys + u64::from(r) * bb;
-                    let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
-                    let mut stages = vec![Stage::Sa(vec![Instr::MatMul {
-                        dtype: DType::F32,
-                        flags: MatFlags { accumulate: false, transpose_b: trans_b },
-                        a: as_,
-                        b: bs,
-                        c: ys,
-                        m: r,
-                        k,
-                        n,
-                        lda: k,
-                        ldb: if trans_b { k } else { n },
-                        ldc: n,
-                    }])];
-                    if act != Act::None {
-                        stages.push(Stage::Vu(bias_act(ys, None, r, n, act, tmpb)));
-                    }
-                    let row0 = u64::from(m0);
-                    Tile::single(
-                        vec![
-                            copy(at(b, ob), Addr::sram(bs), brows.into(), brow, u64::from(ldb) * F, brow),
-                            copy(
-                                at(a, oa + row0 * u64::from(lda)),
-                                Addr::sram(as_),
-                                r.into(),
-                                ab,
-                                u64::from(lda) * F,
-                                ab,
-                            ),
-                        ],
-                        stages,
-                        vec![copy(
+                    // (matrix, first row) of each item of the tile.
+                    let items: Vec<(usize, u32)> = if group > 1 {
+                        let g = group as usize;
+                        (t * g..((t + 1) * g).min(offs.len())).map(|i| (i, 0)).collect()
+                    } else {
+                        vec![(t / per, (t % per) as u32 * rt)]
+                    };
+                    let (mut load, mut sa, mut vu, mut store) = (vec![], vec![], vec![], vec![]);
+                    for (j, &(i, m0)) in items.iter().enumerate() {
+                        let [oa, ob, oy] = offs[i];
+                        let r = rt.min(m - m0);
+                        let base = u64::from(slot) * slot_bytes + j as u64 * item;
+                        let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
+                        let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
+                        let row0 = u64::from(m0);
+                        load.push(copy(
+                            at(b, ob),
+                            Addr::sram(bs),
+                            brows.into(),
+                            brow,
+                            u64::from(ldb) * F,
+                            brow,
+                        ));
+                        load.push(copy(
+                            at(a, oa + row0 * u64::from(lda)),
+                            Addr::sram(as_),
+                            r.into(),
+                            ab,
+                            u64::from(lda) * F,
+                            ab,
+                        ));
+                        sa.push(Instr::MatMul {
+                            dtype: DType::F32,
+                            flags: MatFlags { accumulate: false, transpose_b: trans_b },
+                            a: as_,
+                            b: bs,
+                            c: ys,
+                            m: r,
+                            k,
+                            n,
+                            lda: k,
+                            ldb: if trans_b { k } else { n },
+                            ldc: n,
+                        });
+                        vu.extend(bias_act(ys, None, r, n, act, ys + u64::from(r) * bb));
+                        store.push(copy(
                             Addr::sram(ys),
                             at(y, oy + row0 * u64::from(ldy)),
                             r.into(),
                             bb,
                             bb,
                             u64::from(ldy) * F,
-                        )],
-                    )
+                        ));
+                    }
+                    let mut stages = vec![Stage::Sa(sa)];
+                    if !vu.is_empty() {
+                        stages.push(Stage::Vu(vu));
+                    }
+                    Tile::single(load, stages, store)
                 })?;
             }
             Op::Copy { x, y, rows, cols, .. } => {

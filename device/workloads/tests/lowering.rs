@@ -246,7 +246,7 @@ fn recommendation_ops_match_reference() {
 /// products of strided head views of one `qkv` tensor (`K` read
 /// transposed in place), a scale and softmax between them; the fused
 /// `Attention` operation computes the same context from the same `qkv`.
-fn written_out_attention(batch: u32) -> Graph {
+fn written_out_attention(batch: u32, fused: bool) -> Graph {
     let (seq, heads, dh) = (11u32, 3u32, 7u32);
     let hid = heads * dh;
     let mut g = Graph::new("written-out-attention", batch);
@@ -301,8 +301,10 @@ fn written_out_attention(batch: u32) -> Graph {
         offs: ctx_offs,
         act: Act::None,
     });
-    let fused = g.act("fused", u64::from(batch * seq * hid));
-    g.ops.push(Op::Attention { name: "attention".into(), qkv, y: fused, batch, seq, heads, dh });
+    let out = g.act("fused", u64::from(batch * seq * hid));
+    if fused {
+        g.ops.push(Op::Attention { name: "attention".into(), qkv, y: out, batch, seq, heads, dh });
+    }
     let gelu = g.act("gelu", u64::from(batch * seq * hid));
     g.ops.push(Op::Unary {
         name: "gelu".into(),
@@ -318,12 +320,29 @@ fn written_out_attention(batch: u32) -> Graph {
 
 #[test]
 fn written_out_attention_matches_reference_and_the_fused_operation() {
-    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 3, 8 << 10), (3, 1, 2 << 10)] {
-        let g = written_out_attention(2);
+    // Many matrices to a tile (4 MiB), one (8 KiB, 2 KiB), one split by
+    // rows (1 KiB: too small for the fused operation).
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 3, 8 << 10), (3, 1, 2 << 10), (1, 1, 1 << 10)] {
+        // 64 sequences (192 matrices a product) where they are grouped.
+        let batch = if sram == 4 << 20 { 64 } else { 2 };
+        let g = written_out_attention(batch, sram > 1 << 10);
         check(&g, sa, vu, sram);
+        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        // The products alone: how they are tiled.
+        let p = lower(&written_out_attention(batch, false), shape).unwrap().program;
+        let sa_code = || (0..sa).filter_map(|i| p.stream(Engine::sa(i as u8))).flat_map(|s| s.code.iter());
+        let rows: Vec<u32> =
+            sa_code().filter_map(|i| if let Instr::MatMul { m, .. } = i { Some(*m) } else { None }).collect();
+        let waits = sa_code().filter(|i| matches!(i, Instr::Wait { .. })).count();
+        if sram == 4 << 20 {
+            assert!(waits < rows.len() / 2, "{waits} SA waits for {} products: not grouped", rows.len());
+        }
+        if sram == 1 << 10 {
+            assert!(rows.iter().any(|&m| m < 11), "products not split by rows: {rows:?}");
+            continue;
+        }
         // The fused operation and the written-out one agree (reference).
         let mut hbm = LazyHbm::new(1 << 30);
-        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
         let l = lower(&g, shape).unwrap();
         init_hbm(&l, &mut hbm, 3).unwrap();
         let mut t: Vec<Vec<f32>> =
