@@ -187,6 +187,13 @@ fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_st
     Instr::DmaCopy { src, dst, rows: rows as u32, row_bytes: row_bytes as u32, src_stride, dst_stride }
 }
 
+/// `first = first op second` over the `rows x cols` block at `base` and
+/// the one right after it (two operands loaded one after the other).
+fn second_into_first(op: BinOp, base: u64, rows: u32, cols: u32) -> Instr {
+    let b = base + u64::from(rows) * u64::from(cols) * F;
+    Instr::VBinary { op, bcast: Bcast::None, a: base, b, dst: base, rows, cols }
+}
+
 /// VU instructions for `y = act(y + bias)` over `rows x cols` at `y`.
 fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64) -> Vec<Instr> {
     let mut v = Vec::new();
@@ -847,18 +854,9 @@ impl Lowerer {
     ) -> Result<(), LowerError> {
         let row = u64::from(cols) * F;
         let scratch = u64::from(act.needs_scratch());
-        self.rows_pipeline(name, &[a, b], scratch, y, rows, cols, |base, r| {
-            let bb = base + u64::from(r) * row;
-            let mut compute = vec![Instr::VBinary {
-                op: binop,
-                bcast: Bcast::None,
-                a: base,
-                b: bb,
-                dst: base,
-                rows: r,
-                cols,
-            }];
-            compute.extend(bias_act(base, None, r, cols, act, bb));
+        self.rows_pipeline(name, (vec![], 0), &[a, b], scratch, y, rows, cols, |base, r| {
+            let mut compute = vec![second_into_first(binop, base, r, cols)];
+            compute.extend(bias_act(base, None, r, cols, act, base + u64::from(r) * row));
             compute
         })
     }
@@ -877,6 +875,7 @@ impl Lowerer {
     fn rows_pipeline(
         &mut self,
         name: &str,
+        (preload, fixed): (Vec<Instr>, u64),
         ins: &[View],
         scratch: u64,
         y: View,
@@ -889,8 +888,8 @@ impl Lowerer {
         let slots = ins.len() as u64 + scratch;
         self.vu_tiles(
             name,
-            vec![],
-            0,
+            preload,
+            fixed,
             rows,
             |r| u64::from(r) * row * slots,
             |u0, r, base| {
@@ -914,16 +913,6 @@ impl Lowerer {
         let hbm = self.hbm.clone();
         let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
         let row_at = self.row_addr();
-        let rows_of = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
-            copy(
-                row_at(v, r0),
-                Addr::sram(sram),
-                r.into(),
-                u64::from(cols) * F,
-                u64::from(v.ld) * F,
-                u64::from(cols) * F,
-            )
-        };
         let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
             copy(
                 Addr::sram(sram),
@@ -1005,47 +994,28 @@ impl Lowerer {
             }
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
                 let row = u64::from(cols) * F;
-                let operands = if b.is_some() { 2 } else { 1 };
                 let preload = vec![
                     copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
                     copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
                 ];
                 let fixed = (2 * row).next_multiple_of(64);
-                self.vu_tiles(
-                    name,
-                    preload,
-                    fixed,
-                    rows,
-                    |r| u64::from(r) * row * operands,
-                    |u0, r, base| {
-                        let bb = base + u64::from(r) * row;
-                        let (av, yv) = (View::dense(a, cols), View::dense(y, cols));
-                        let mut load = vec![rows_of(av, u0, r, cols, base)];
-                        let mut comp = vec![];
-                        if let Some(b) = b {
-                            load.push(rows_of(View::dense(b, cols), u0, r, cols, bb));
-                            comp.push(Instr::VBinary {
-                                op: BinOp::Add,
-                                bcast: Bcast::None,
-                                a: base,
-                                b: bb,
-                                dst: base,
-                                rows: r,
-                                cols,
-                            });
-                        }
-                        comp.push(Instr::VLayerNorm {
-                            src: base,
-                            dst: base,
-                            gamma: 0,
-                            beta: row,
-                            rows: r,
-                            cols,
-                            eps,
-                        });
-                        (load, comp, vec![rows_to(yv, u0, r, cols, base)])
-                    },
-                )?;
+                let ins: Vec<View> =
+                    [Some(a), b].into_iter().flatten().map(|t| View::dense(t, cols)).collect();
+                let yv = View::dense(y, cols);
+                self.rows_pipeline(name, (preload, fixed), &ins, 0, yv, rows, cols, |base, r| {
+                    let mut compute: Vec<Instr> =
+                        b.iter().map(|_| second_into_first(BinOp::Add, base, r, cols)).collect();
+                    compute.push(Instr::VLayerNorm {
+                        src: base,
+                        dst: base,
+                        gamma: 0,
+                        beta: row,
+                        rows: r,
+                        cols,
+                        eps,
+                    });
+                    compute
+                })?;
             }
             Op::ScaleChannels { ref name, x, s, y, batch, hw, c } => {
                 // Units are (image, pixel-row) pairs flattened; a tile never
@@ -1265,13 +1235,13 @@ impl Lowerer {
             Op::Unary { ref name, x, y, rows, cols, act } => {
                 // One scratch slot (Swish's sigmoid).
                 let row = u64::from(cols) * F;
-                self.rows_pipeline(name, &[x], 1, y, rows, cols, |base, r| {
+                self.rows_pipeline(name, (vec![], 0), &[x], 1, y, rows, cols, |base, r| {
                     bias_act(base, None, r, cols, act, base + u64::from(r) * row)
                 })?
             }
             Op::Softmax { ref name, x, y, rows, cols } => {
                 // A scratch slot too: the tiles of Unary's size.
-                self.rows_pipeline(name, &[x], 1, y, rows, cols, |base, r| {
+                self.rows_pipeline(name, (vec![], 0), &[x], 1, y, rows, cols, |base, r| {
                     vec![Instr::VSoftmax { src: base, dst: base, rows: r, cols }]
                 })?
             }
