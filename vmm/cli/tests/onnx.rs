@@ -162,48 +162,6 @@ fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
     assert!(err.contains("compiled for 2 SA") && out.contains("infer:"), "{out}{err}");
 }
 
-/// An operator test model of tests/fixtures/onnx/ops (a small CNN with
-/// random weights, scripts/onnx_ops.py) compiled at `batch`, run through a
-/// VM on its input, and checked against ONNX Runtime.
-fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
-    let m = fixture(&format!("ops/{name}.onnx"));
-    let x = fixture(&format!("ops/{name}-x.npy"));
-    let art = tmp(&format!("{name}.vnpu"));
-    let b = batch.to_string();
-    let (code, out, err) = vnpu(&["compile", &m, "--vnpu", vnpu_spec, "--batch", &b, "-o", &art]);
-    assert_eq!(code, 0, "{out}{err}");
-    let got_path = tmp(&format!("{name}.out.npy"));
-    let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
-    assert_eq!(code, 0, "{out}{err}");
-    let got = npy::read_file(Path::new(&got_path)).unwrap();
-    let output = out
-        .lines()
-        .find_map(|l| l.strip_prefix("wrote         ").filter(|r| r.contains(&got_path)))
-        .and_then(|r| r.rsplit_once(" (").map(|(_, o)| o.trim_end_matches(')').to_string()))
-        .unwrap_or_else(|| panic!("{name}: no output name in {out}"));
-    let want = ort(&m, &format!("x={x}"), &output);
-    assert_eq!(got.shape, want.shape, "{name}");
-    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
-    let mut rel = 0f64;
-    for (&g, &w) in got.data.iter().zip(&want.data) {
-        let d = (f64::from(g) - f64::from(w)).abs();
-        assert!(!d.is_nan(), "{name}: NaN in the output");
-        rel = rel.max(d / f64::from(w).abs().max(scale * 1e-3));
-    }
-    println!("{name} batch {batch} via VM: max rel {rel:.3e}");
-    assert!(rel <= 1e-4, "{name}: relative error {rel} against ONNX Runtime");
-}
-
-#[test]
-fn a_cnn_with_squeeze_excitation_runs_in_a_vm_and_matches_onnx_runtime() {
-    cnn_end_to_end("se-head", "sa=1,vu=1,sram=8M,hbm=512M", 1);
-}
-
-#[test]
-fn a_depthwise_hardswish_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
-    cnn_end_to_end("dw-hardswish", "sa=2,vu=2,sram=8M,hbm=512M", 1);
-}
-
 /// Max scaled relative error of `got` against `want` (denominators at least
 /// 1e-3 of the largest `|want|`: logits cross zero); NaN fails.
 fn scaled_rel(what: &str, got: &[f32], want: &[f32]) -> f64 {
@@ -218,6 +176,56 @@ fn scaled_rel(what: &str, got: &[f32], want: &[f32]) -> f64 {
     rel
 }
 
+/// `vnpu compile` `model` for `vnpu_spec` at `batch`, then `vnpu infer` it
+/// in a VM on input `x` (`NAME=FILE`): both commands' output and the
+/// outputs read back.
+fn compile_and_infer(
+    model: &str,
+    x: &str,
+    vnpu_spec: &str,
+    batch: u32,
+    tag: &str,
+) -> (String, String, npy::Array) {
+    let art = tmp(&format!("{tag}.vnpu"));
+    let b = batch.to_string();
+    let (code, compiled, err) = vnpu(&["compile", model, "--vnpu", vnpu_spec, "--batch", &b, "-o", &art]);
+    assert_eq!(code, 0, "{compiled}{err}");
+    let got_path = tmp(&format!("{tag}.out.npy"));
+    let (code, out, err) = vnpu(&["infer", &art, "--input", x, "--output", &got_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    let got = npy::read_file(Path::new(&got_path)).unwrap();
+    (compiled, out, got)
+}
+
+/// An operator test model of tests/fixtures/onnx/ops (a small CNN with
+/// random weights, scripts/onnx_ops.py) compiled at `batch`, run through a
+/// VM on its input, and checked against ONNX Runtime.
+fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
+    let m = fixture(&format!("ops/{name}.onnx"));
+    let x = fixture(&format!("ops/{name}-x.npy"));
+    let (_, out, got) = compile_and_infer(&m, &format!("x={x}"), vnpu_spec, batch, name);
+    let output = out
+        .lines()
+        .find_map(|l| l.strip_prefix("wrote         ").filter(|r| r.contains(&format!("{name}.out.npy"))))
+        .and_then(|r| r.rsplit_once(" (").map(|(_, o)| o.trim_end_matches(')').to_string()))
+        .unwrap_or_else(|| panic!("{name}: no output name in {out}"));
+    let want = ort(&m, &format!("x={x}"), &output);
+    assert_eq!(got.shape, want.shape, "{name}");
+    let rel = scaled_rel(name, &got.data, &want.data);
+    println!("{name} batch {batch} via VM: max rel {rel:.3e}");
+    assert!(rel <= 1e-4, "{name}: relative error {rel} against ONNX Runtime");
+}
+
+#[test]
+fn a_cnn_with_squeeze_excitation_runs_in_a_vm_and_matches_onnx_runtime() {
+    cnn_end_to_end("se-head", "sa=1,vu=1,sram=8M,hbm=512M", 1);
+}
+
+#[test]
+fn a_depthwise_hardswish_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
+    cnn_end_to_end("dw-hardswish", "sa=2,vu=2,sram=8M,hbm=512M", 1);
+}
+
 /// A model trained by PyTorch (scripts/train_torch.py) compiled at batch
 /// 50, all 450 test images through a VM, logits against the float64
 /// reference (the 1e-4 target) and ONNX Runtime (1e-4 or twice ONNX
@@ -227,17 +235,11 @@ fn scaled_rel(what: &str, got: &[f32], want: &[f32]) -> f64 {
 fn torch_end_to_end(name: &str, input: &str, vnpu_spec: &str, ops: &[&str]) {
     let m = fixture(&format!("torch/{name}.onnx"));
     let x = fixture(&format!("torch/{input}"));
-    let art = tmp(&format!("{name}.vnpu"));
-    let (code, out, err) = vnpu(&["compile", &m, "--vnpu", vnpu_spec, "--batch", "50", "-o", &art]);
-    assert_eq!(code, 0, "{out}{err}");
+    let (compiled, out, got) = compile_and_infer(&m, &format!("x={x}"), vnpu_spec, 50, name);
     for op in ops {
-        assert!(out.contains(op), "{name}: no {op} in {out}");
+        assert!(compiled.contains(op), "{name}: no {op} in {compiled}");
     }
-    let got_path = tmp(&format!("{name}.out.npy"));
-    let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
-    assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("infer: 9 batches of 50 done"), "{out}");
-    let got = npy::read_file(Path::new(&got_path)).unwrap();
     let want = ort(&m, &format!("x={x}"), "logits");
     let exact = npy::read_file(Path::new(&fixture(&format!("torch/{name}-f64.npy")))).unwrap();
     assert_eq!(got.shape, vec![450, 10]);
