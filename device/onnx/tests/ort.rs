@@ -9,7 +9,7 @@ use std::process::Command;
 
 use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
-use npu_onnx::{compile, npy, CompileOptions};
+use npu_onnx::{compile, npy, CompileOptions, Compiled};
 use npu_workloads::lower::VnpuShape;
 
 fn root() -> PathBuf {
@@ -68,34 +68,44 @@ fn argmax(row: &[f32]) -> usize {
     row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] || x.is_nan() { i } else { b })
 }
 
+/// Compiles `model` for `sa` SAs and `vu` VUs at the batch of `x` (its
+/// leading dimension) and runs it in-process on `x`.
+fn compile_and_run(
+    model: &Path,
+    x: &npy::Array,
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+) -> (Compiled, Vec<f32>) {
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: x.shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: outputs.map(|o| vec![o.to_string()]),
+    };
+    let c =
+        compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let (mut outs, _) = r.infer(&[&x.data]).unwrap();
+    (c, outs.swap_remove(0))
+}
+
 /// Compiles `model` for the whole test set as one batch, runs it, and
 /// compares with ONNX Runtime and the labels.
 fn check_classifier(model: &str, sa: u32, vu: u32) {
-    let board = BoardConfig::default();
     let x = npy::read_file(&fixture("digits-x.npy")).unwrap();
     let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
     let n = x.shape[0] as usize;
-    let bytes = std::fs::read(fixture(model)).unwrap();
-    let opts = CompileOptions {
-        shape: shape(&board, sa, vu),
-        batch: n as u32,
-        shapes: HashMap::new(),
-        outputs: Some(vec!["probabilities".into()]),
-    };
-    let c = compile(&bytes, &opts).unwrap();
-    let mut r = HostRunner::new(&board, &c.model).unwrap();
-    let (outs, _) = r.infer(&[&x.data]).unwrap();
+    let (_, got) = compile_and_run(&fixture(model), &x, sa, vu, Some("probabilities"));
     let want = ort(&fixture(model), &[("X", &fixture("digits-x.npy"))], "probabilities");
     assert_eq!(want.shape, vec![n as u64, 10]);
-    let (abs, rel) = errors(&outs[0], &want.data);
+    let (abs, rel) = errors(&got, &want.data);
     let classes = 10;
     let agree = (0..n)
-        .filter(|&i| {
-            argmax(&outs[0][i * classes..][..classes]) == argmax(&want.data[i * classes..][..classes])
-        })
+        .filter(|&i| argmax(&got[i * classes..][..classes]) == argmax(&want.data[i * classes..][..classes]))
         .count();
-    let correct =
-        (0..n).filter(|&i| argmax(&outs[0][i * classes..][..classes]) == y.data[i] as usize).count();
+    let correct = (0..n).filter(|&i| argmax(&got[i * classes..][..classes]) == y.data[i] as usize).count();
     println!("{model} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} top-1 agree {agree}/{n} correct {correct}/{n}");
     assert!(abs <= 1e-5, "{model}: max abs error {abs} against ONNX Runtime");
     assert!(rel <= 1e-4, "{model}: max relative error {rel} against ONNX Runtime");
@@ -132,23 +142,14 @@ fn scaled_errors(got: &[f32], want: &[f32]) -> (f64, f64) {
 /// An operator test model of tests/fixtures/onnx/ops (scripts/onnx_ops.py)
 /// on its input, against ONNX Runtime.
 fn check_ops(name: &str, sa: u32, vu: u32) {
-    let board = BoardConfig::default();
     let model = fixture(&format!("ops/{name}.onnx"));
     let xp = fixture(&format!("ops/{name}-x.npy"));
     let x = npy::read_file(&xp).unwrap();
-    let opts = CompileOptions {
-        shape: shape(&board, sa, vu),
-        batch: x.shape[0] as u32,
-        shapes: HashMap::new(),
-        outputs: None,
-    };
-    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (c, got) = compile_and_run(&model, &x, sa, vu, None);
     let out = c.model.outputs[0].clone();
-    let mut r = HostRunner::new(&board, &c.model).unwrap();
-    let (outs, _) = r.infer(&[&x.data]).unwrap();
     let want = ort(&model, &[("x", &xp)], &out.name);
     assert_eq!(want.shape, out.dims, "{name}: output shape");
-    let (abs, rel) = scaled_errors(&outs[0], &want.data);
+    let (abs, rel) = scaled_errors(&got, &want.data);
     println!("{name} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} ({:?})", c.report.ops);
     assert!(rel <= 1e-4, "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime");
 }
@@ -186,31 +187,22 @@ fn per_channel_constants_match_onnx_runtime() {
 /// 1e-4 or by twice ONNX Runtime's own error, whichever is larger. Top-1
 /// against ONNX Runtime and the labels.
 fn check_torch(name: &str, input: &str, sa: u32, vu: u32) {
-    let board = BoardConfig::default();
     let model = fixture(&format!("torch/{name}.onnx"));
     let xp = fixture(&format!("torch/{input}"));
     let x = npy::read_file(&xp).unwrap();
     let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
     let n = x.shape[0] as usize;
-    let opts = CompileOptions {
-        shape: shape(&board, sa, vu),
-        batch: n as u32,
-        shapes: HashMap::new(),
-        outputs: None,
-    };
-    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let mut r = HostRunner::new(&board, &c.model).unwrap();
-    let (outs, _) = r.infer(&[&x.data]).unwrap();
+    let (c, got) = compile_and_run(&model, &x, sa, vu, None);
     let want = ort(&model, &[("x", &xp)], "logits");
     assert_eq!(want.shape, vec![n as u64, 10], "{name}: output shape");
     let exact = npy::read_file(&fixture(&format!("torch/{name}-f64.npy"))).unwrap();
     assert_eq!(exact.shape, want.shape, "{name}: reference shape");
-    let (abs, rel) = scaled_errors(&outs[0], &want.data);
-    let (abs64, rel64) = scaled_errors(&outs[0], &exact.data);
+    let (abs, rel) = scaled_errors(&got, &want.data);
+    let (abs64, rel64) = scaled_errors(&got, &exact.data);
     let (_, ort64) = scaled_errors(&want.data, &exact.data);
     let top = |v: &[f32], i: usize| argmax(&v[i * 10..][..10]);
-    let agree = (0..n).filter(|&i| top(&outs[0], i) == top(&want.data, i)).count();
-    let correct = (0..n).filter(|&i| top(&outs[0], i) == y.data[i] as usize).count();
+    let agree = (0..n).filter(|&i| top(&got, i) == top(&want.data, i)).count();
+    let correct = (0..n).filter(|&i| top(&got, i) == y.data[i] as usize).count();
     println!(
         "{name} {sa}sa{vu}vu: against f64 max abs {abs64:.3e} max rel {rel64:.3e}; against ORT max abs {abs:.3e} \
          max rel {rel:.3e} (ORT against f64: {ort64:.3e}); top-1 agree {agree}/{n} correct {correct}/{n} ({:?})",
