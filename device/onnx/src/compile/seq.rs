@@ -227,12 +227,12 @@ impl Compiler<'_> {
         }
         let mut sa = Self::strides_of(&a);
         if k > 1 && sa[ra - 1] != 1 {
-            a = self.materialize_any(&n.name, &a)?;
+            a = self.onnx_order(&n.name, &a)?;
             sa = dense_strides(&a.shape);
         }
         let mut sb = Self::strides_of(&b);
         if !(nn == 1 || sb[rb - 1] == 1 || k == 1 || sb[rb - 2] == 1) {
-            b = self.materialize_any(&n.name, &b)?;
+            b = self.onnx_order(&n.name, &b)?;
             sb = dense_strides(&b.shape);
         }
         let trans_b = !(nn == 1 || sb[rb - 1] == 1);
@@ -268,15 +268,6 @@ impl Compiler<'_> {
             act: Act::None,
         });
         Ok(vec![Val::D(Dyn::new(y, shape, Some(self.g.ops.len() - 1), false))])
-    }
-
-    /// `d` dense in ONNX's order, from a view or channels-last storage.
-    fn materialize_any(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
-        if d.nhwc {
-            self.onnx_order(name, d)
-        } else {
-            self.materialize(name, d)
-        }
     }
 
     /// `LayerNormalization` over the trailing axes from `axis`; the
@@ -396,7 +387,7 @@ impl Compiler<'_> {
             let [b, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
             (x, b, h * w, c, keep)
         } else {
-            let x = self.materialize_any(&n.name, &x)?;
+            let x = self.onnx_order(&n.name, &x)?;
             let s = x.shape.clone();
             (x, elems(&s[..first]), elems(&s[first..=last]), elems(&s[last + 1..]), false)
         };
