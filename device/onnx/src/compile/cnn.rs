@@ -105,17 +105,15 @@ impl Compiler<'_> {
         if d.nhwc == nhwc {
             return Ok(d.clone());
         }
-        let [b, c, h, w] = match d.shape[..] {
-            [b, c, h, w] => [b, c, h, w],
+        let [c, h, w] = match d.shape[..] {
+            [_, c, h, w] => [c, h, w],
             _ => return Err(format!("an image tensor [N, C, H, W] is expected, not {:?}", d.shape)),
         };
         if h * w == 1 || c == 1 {
             return Ok(Dyn { nhwc, ..d.clone() });
         }
         let y = self.act_tensor(&format!("{name}.{}", if nhwc { "nhwc" } else { "nchw" }), elems(&d.shape));
-        // Channels-last is the dense layout of [N, H, W, C].
-        let (onnx, last) = (dense_strides(&d.shape), dense_strides(&[b, h, w, c]));
-        let last = vec![last[0], last[3], last[1], last[2]];
+        let (onnx, last) = (dense_strides(&d.shape), Self::strides_of(&Dyn { nhwc: true, ..d.clone() }));
         let (src, dst) = if nhwc { (onnx, last) } else { (last, onnx) };
         self.strided_copy(name, d.t, y, &d.shape, &src, &dst)?;
         Ok(Dyn::new(y, d.shape.clone(), None, nhwc))
