@@ -738,7 +738,6 @@ impl Compiler<'_> {
             let act = if add { Act::affine(1.0, v[0]) } else { Act::affine(v[0], 0.0) };
             return Ok(vec![self.activation_of(n, input, &d, act)]);
         }
-        check_size(shape)?;
         let full = expand(&v, &c.shape, shape);
         let full = if d.nhwc { nchw_to_nhwc(&full, shape) } else { full };
         let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
