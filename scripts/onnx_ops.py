@@ -40,6 +40,11 @@ class G:
         self.inits.append(numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name))
         return name
 
+    def const_i64(self, arr):
+        name = self.t("i")
+        self.inits.append(numpy_helper.from_array(np.asarray(arr, dtype=np.int64), name))
+        return name
+
     def op(self, op, inputs, **attrs):
         out = self.t(op.lower() + "_")
         self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
@@ -53,6 +58,19 @@ class G:
             ins.append(self.const(rng.normal(0, 0.1, cout), "b"))
         pads = pads if pads is not None else [kh // 2, kw // 2, kh // 2, kw // 2]
         return self.op("Conv", ins, kernel_shape=[kh, kw], strides=list(stride), pads=pads, group=group)
+
+    def conv_t(self, x, cin, cout, k, stride, pads=(0, 0, 0, 0), output_padding=(0, 0), group=1):
+        w = rng.normal(0, 1 / np.sqrt(cin // group * k * k), (cin, cout // group, k, k))
+        ins = [x, self.const(w, "w"), self.const(rng.normal(0, 0.1, cout), "b")]
+        return self.op(
+            "ConvTranspose",
+            ins,
+            kernel_shape=[k, k],
+            strides=[stride, stride],
+            pads=list(pads),
+            output_padding=list(output_padding),
+            group=group,
+        )
 
     def bn(self, x, c):
         p = [
@@ -153,9 +171,84 @@ def channel_consts():
     g.save(y, opset=14)
 
 
+def decoder():
+    # An FPN/U-Net style decoder as in text detectors (DBNet, PP-OCR det):
+    # a strided convolution, transposed convolutions (k2 s2; k3 s2 with
+    # padding, output padding and groups), a channel Concat with the skip
+    # connection, Pad with a value, nearest Resize, and a strided Slice.
+    g = G("decoder", [2, 8, 6, 10])
+    a = g.op("Relu", [g.conv("x", 8, 12, 3, stride=(2, 2))])
+    u = g.bn(g.conv_t(a, 12, 8, 2, stride=2), 8)
+    c = g.op("Concat", ["x", u], axis=1)
+    p = g.op("Pad", [c, g.const_i64([0, 0, 1, 2, 0, 0, 1, 0]), g.const(0.5)], mode="constant")
+    v = g.conv(p, 16, 6, 3, pads=[0, 0, 0, 0])
+    r = g.op("Resize", [v, "", g.const([1, 1, 2, 2])], mode="nearest")
+    s = g.op("Slice", [r, g.const_i64([1, 0]), g.const_i64([11, 20]), g.const_i64([2, 3]), g.const_i64([1, 2])])
+    t = g.conv_t(s, 6, 4, 3, stride=2, pads=(1, 1, 1, 1), output_padding=(1, 1), group=2)
+    g.save(g.op("Sigmoid", [t]))
+
+
+def resize_modes():
+    # Resize in each mode and coordinate mapping, the branches summed.
+    g = G("resize-modes", [1, 3, 5, 7])
+    size = g.const_i64([1, 3, 10, 4])
+    ys = [
+        g.op("Resize", ["x", "", "", size], mode="linear"),
+        g.op("Resize", ["x", "", "", size], mode="linear", coordinate_transformation_mode="pytorch_half_pixel"),
+        g.op("Resize", ["x", "", "", size], mode="cubic", coordinate_transformation_mode="align_corners"),
+        g.op("Resize", ["x", "", "", size], mode="cubic", cubic_coeff_a=-0.5, exclude_outside=1),
+        g.op("Resize", ["x", "", g.const([1, 1, 2, 0.6])], mode="nearest",
+             coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+        g.op("Resize", ["x", "", "", size], mode="nearest", coordinate_transformation_mode="align_corners",
+             nearest_mode="round_prefer_ceil"),
+    ]
+    y = ys[0]
+    for other in ys[1:]:
+        y = g.op("Add", [y, other])
+    g.save(y)
+
+
+def layernorm_decomposed():
+    # The layer normalization that exporters write out below opset 17:
+    # ReduceMean, Sub, Pow, Add, Sqrt, Div of computed tensors with
+    # broadcasting; then a strided Slice of the sequence, a sigmoid spelled
+    # with Neg/Exp/Reciprocal, a division by a mean over the sequence, and
+    # a Concat with a constant.
+    g = G("layernorm-decomposed", [3, 6, 16])
+    h = g.op("MatMul", ["x", g.const(rng.normal(0, 0.5, (16, 16)))])
+    m = g.op("ReduceMean", [h], axes=[-1])
+    d = g.op("Sub", [h, m])
+    v = g.op("ReduceMean", [g.op("Pow", [d, g.const(2.0)])], axes=[-1])
+    s = g.op("Sqrt", [g.op("Add", [v, g.const(1e-5)])])
+    y = g.op("Div", [d, s])
+    y = g.op("Add", [g.op("Mul", [y, g.const(rng.uniform(0.5, 1.5, 16))]), g.const(rng.normal(0, 0.1, 16))])
+    y = g.op("Slice", [y, g.const_i64([1]), g.const_i64([6]), g.const_i64([1]), g.const_i64([2])])
+    e = g.op("Exp", [g.op("Neg", [y])])
+    r = g.op("Reciprocal", [g.op("Add", [e, g.const(1.0)])])
+    w = g.op("Div", [r, g.op("ReduceMean", [r], axes=[1])])
+    g.save(g.op("Concat", [w, g.const(rng.normal(0, 1, (3, 3, 4)))], axis=-1))
+
+
+def transposed_operands():
+    # Transposes (views, no data moved) read by element-wise operations:
+    # with a constant of the full shape, a scalar, constant - view, and a
+    # product of a view with a computed tensor.
+    g = G("transposed-operands", [2, 3, 4])
+    t = g.op("Transpose", ["x"], perm=[0, 2, 1])
+    a = g.op("Add", [t, g.const(rng.normal(0, 1, (4, 3)))])
+    b = g.op("Mul", [g.op("Transpose", ["x"], perm=[0, 2, 1]), g.const(1.5)])
+    c = g.op("Sub", [g.const(rng.normal(0, 1, (1, 3))), g.op("Transpose", ["x"], perm=[0, 2, 1])])
+    d = g.op("Mul", [g.op("Transpose", ["x"], perm=[0, 2, 1]), g.op("Relu", [a])])
+    g.save(g.op("Add", [g.op("Add", [b, c]), d]))
+
+
 if __name__ == "__main__":
     conv_bn_relu6()
     depthwise_hardswish()
     grouped_pool()
     se_head()
     channel_consts()
+    decoder()
+    resize_modes()
+    layernorm_decomposed()
+    transposed_operands()

@@ -172,7 +172,10 @@ impl Instr {
         match *self {
             Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => {
                 let (r, b) = (u64::from(rows), u64::from(row_bytes));
-                f.add(strided(src.space, src.offset, r, b, src_stride, Read, "src")?)?;
+                // A source stride of 0 reads one row again and again (a
+                // broadcast, e.g. a fill): its footprint is that row.
+                let src_rows = if src_stride == 0 { r.min(1) } else { r };
+                f.add(strided(src.space, src.offset, src_rows, b, src_stride, Read, "src")?)?;
                 f.add(strided(dst.space, dst.offset, r, b, dst_stride, Write, "dst")?)?;
             }
             Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => {

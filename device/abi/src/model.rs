@@ -250,6 +250,17 @@ fn check_guest(p: &Program, window: u64, which: &'static str) -> Result<(), Mode
 impl Model {
     /// Decodes and checks a model file.
     pub fn decode(bytes: &[u8]) -> Result<Self, ModelError> {
+        let (mut m, weights) = Self::decode_parts(bytes)?;
+        m.weights = weights.to_vec();
+        Ok(m)
+    }
+
+    /// Decodes and checks a model file as [`Model::decode`] does, but
+    /// leaves the weight image where it is: [`Model::weights`] is empty
+    /// and the image is returned beside the model, borrowed from `bytes`
+    /// (a guest writes it straight into DMA memory instead of holding a
+    /// second copy of megabytes of weights in its heap).
+    pub fn decode_parts(bytes: &[u8]) -> Result<(Self, &[u8]), ModelError> {
         if bytes.len() > MAX_MODEL_BYTES {
             return Err(ModelError::TooLarge { len: bytes.len() });
         }
@@ -318,7 +329,7 @@ impl Model {
             .map_err(|error| ModelError::Program { which: "load", error })?;
         let infer = Program::decode(r.take(infer_len as usize, "infer program")?)
             .map_err(|error| ModelError::Program { which: "infer", error })?;
-        let weights = r.take(weights_bytes as usize, "weight image")?.to_vec();
+        let weights = r.take(weights_bytes as usize, "weight image")?;
         // The window's regions: inside it and disjoint.
         let mut regions: Vec<(String, u64, u64)> = Vec::new();
         regions.push((String::from("weight image"), 0, weights_bytes));
@@ -339,7 +350,7 @@ impl Model {
         }
         check_guest(&load, window_bytes, "load")?;
         check_guest(&infer, window_bytes, "infer")?;
-        Ok(Model { target, window_bytes, inputs, outputs, load, infer, weights })
+        Ok((Model { target, window_bytes, inputs, outputs, load, infer, weights: Vec::new() }, weights))
     }
 
     /// The file bytes.

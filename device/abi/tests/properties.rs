@@ -273,6 +273,29 @@ fn footprint_of_strided_dma_is_its_bounding_range() {
         dst_stride: 0,
     };
     assert_eq!(over.footprint().unwrap_err(), FootprintError::Overflow { operand: "src" });
+    // Source stride 0: one row read 5 times (a broadcast); any other
+    // stride below the row is refused, for the destination 0 too.
+    let bcast = Instr::DmaCopy {
+        src: Addr::hbm(100),
+        dst: Addr::hbm(4096),
+        rows: 5,
+        row_bytes: 16,
+        src_stride: 0,
+        dst_stride: 16,
+    };
+    let f: Vec<_> = bcast.footprint().unwrap().iter().copied().collect();
+    assert_eq!(f[0], Access { space: Space::Hbm, start: 100, len: 16, kind: AccessKind::Read });
+    assert_eq!(f[1], Access { space: Space::Hbm, start: 4096, len: 80, kind: AccessKind::Write });
+    let copy = |src_stride, dst_stride| Instr::DmaCopy {
+        src: Addr::hbm(100),
+        dst: Addr::hbm(4096),
+        rows: 5,
+        row_bytes: 16,
+        src_stride,
+        dst_stride,
+    };
+    assert_eq!(copy(8, 16).footprint().unwrap_err(), FootprintError::BadStride { operand: "src" });
+    assert_eq!(copy(16, 0).footprint().unwrap_err(), FootprintError::BadStride { operand: "dst" });
     let lda_small = Instr::MatMul {
         dtype: DType::F32,
         flags: MatFlags::default(),

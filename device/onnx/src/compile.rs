@@ -27,6 +27,7 @@ use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
 mod cnn;
+mod layout;
 mod seq;
 use cnn::{channel_vec, nchw_to_nhwc, then};
 
@@ -253,6 +254,16 @@ impl Compiler<'_> {
         }
     }
 
+    /// Constant input `i` as integers, `None` when it is absent; a computed
+    /// one is refused as "`what` must be a constant".
+    fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, String> {
+        match self.opt(n, i) {
+            None => Ok(None),
+            Some(Val::C(c)) => Ok(Some(c.data.to_i64())),
+            Some(Val::D(_)) => Err(format!("{what} must be a constant")),
+        }
+    }
+
     /// The last graph operation when `name`'s value may be fused into it:
     /// used once, not a model output, written by the newest operation.
     fn fusable(&self, name: &str, d: &Dyn) -> Option<usize> {
@@ -473,6 +484,16 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(r)])
             }
+            "Slice" => self.slice(n),
+            "Concat" => self.concat(n),
+            "Pad" => self.pad(n),
+            "Resize" | "Upsample" => self.resize(n),
+            "ConvTranspose" => self.conv_transpose(n),
+            "Sqrt" => self.activation(n, Act::Sqrt),
+            "Reciprocal" => self.activation(n, Act::Recip),
+            "Exp" => self.activation(n, Act::Exp),
+            "Neg" => self.activation(n, Act::affine(-1.0, 0.0)),
+            "Pow" => self.pow(n),
             op => Err(format!("operator `{op}` is not supported (docs/model-format.md lists what is)")),
         }
     }
@@ -517,11 +538,7 @@ impl Compiler<'_> {
             "Squeeze" => {
                 let axes = match Self::ints_attr(n, "axes")? {
                     Some(a) => Some(a),
-                    None => match self.opt(n, 1) {
-                        Some(Val::C(c)) => Some(c.data.to_i64()),
-                        Some(Val::D(_)) => return Err("axes must be a constant".into()),
-                        None => None,
-                    },
+                    None => self.const_ints(n, 1, "axes")?,
                 };
                 let axes: Vec<usize> = match axes {
                     Some(a) => a
@@ -668,59 +685,93 @@ impl Compiler<'_> {
         let shape = bcast_shape(&sa, &sb).ok_or(format!("shapes {sa:?} and {sb:?} do not broadcast"))?;
         let op = n.op.as_str();
         match (a, b) {
-            (Val::D(d), Val::C(c)) => self.with_const(n, 0, d, &c, op, false, &shape),
-            (Val::C(c), Val::D(d)) => self.with_const(n, 1, d, &c, op, true, &shape),
-            (Val::D(x), Val::D(y)) => {
-                if x.shape == shape && y.shape == shape {
-                    let (x, y) = self.same_layout(n, x, y)?;
-                    return match op {
-                        "Add" => Ok(vec![Val::D(self.eltwise(n, true, &x, y.t))]),
-                        "Mul" => Ok(vec![Val::D(self.eltwise(n, false, &x, y.t))]),
-                        "Sub" => {
-                            let ny = self.act_op(n, &y, Act::affine(-1.0, 0.0));
-                            Ok(vec![Val::D(self.eltwise(n, true, &x, ny.t))])
-                        }
-                        _ => Err("dividing two computed tensors is not supported yet".into()),
-                    };
+            (Val::D(_), Val::C(c)) => self.with_const(n, 0, &c, op, false, &shape),
+            (Val::C(c), Val::D(_)) => self.with_const(n, 1, &c, op, true, &shape),
+            (Val::D(_), Val::D(_)) => {
+                // Views (transposes) stored densely: the operations below
+                // read their operands as stored.
+                let x = self.computed(n, 0)?;
+                let y = self.computed(n, 1)?;
+                // x[N,C,H,W] * s[N,C,1,1]: squeeze-and-excitation, in place.
+                if op == "Mul" && shape.len() == 4 && x.shape != y.shape {
+                    let se = [shape[0], shape[1], 1, 1];
+                    if x.shape == shape && y.shape == se {
+                        return Ok(vec![Val::D(self.scale_channels(n, &x, &y)?)]);
+                    }
+                    if y.shape == shape && x.shape == se {
+                        return Ok(vec![Val::D(self.scale_channels(n, &y, &x)?)]);
+                    }
                 }
-                // x[N,C,H,W] * s[N,C,1,1]: squeeze-and-excitation.
-                let (big, small) = if x.shape == shape { (x, y) } else { (y, x) };
-                if op == "Mul" && shape.len() == 4 && small.shape == [shape[0], shape[1], 1, 1] {
-                    return Ok(vec![Val::D(self.scale_channels(n, &big, &small)?)]);
-                }
-                Err(format!(
-                    "broadcasting between two computed tensors ({sa:?} and {sb:?}) is supported only for a \
-                     product [N,C,H,W] x [N,C,1,1]"
-                ))
+                // Anything else broadcast by a copy that reads the smaller one again.
+                let nhwc = x.nhwc || y.nhwc;
+                let x = if x.shape == shape { x } else { self.broadcast_to(&n.name, &x, &shape, nhwc)? };
+                let y = if y.shape == shape { y } else { self.broadcast_to(&n.name, &y, &shape, nhwc)? };
+                let (x, y) = self.same_layout(n, x, y)?;
+                let y = match op {
+                    "Sub" => self.act_op(n, &y, Act::affine(-1.0, 0.0)),
+                    "Div" => self.act_op(n, &y, Act::Recip),
+                    _ => y,
+                };
+                Ok(vec![Val::D(self.eltwise(n, matches!(op, "Add" | "Sub"), &x, y.t))])
             }
             (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
         }
     }
 
-    /// `d op c` (or `c op d` when `swapped`) for a computed `d` and a constant `c`.
-    #[allow(clippy::too_many_arguments)]
+    /// `Pow` of a computed tensor by a constant scalar exponent that the
+    /// VU computes exactly: 1, 2, 3, 0.5, -0.5, -1 (products, square roots
+    /// and reciprocals); other exponents are refused.
+    fn pow(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let x = self.computed(n, 0)?;
+        let e = match self.get(n, 1)? {
+            Val::C(c) if elems(&c.shape) == 1 => c.data.to_f32()[0],
+            Val::C(c) => return Err(format!("an exponent of shape {:?} (only a scalar)", c.shape)),
+            Val::D(_) => return Err("a computed exponent is not supported (only a constant)".into()),
+        };
+        Ok(vec![Val::D(match e {
+            1.0 => {
+                self.report.aliases += 1;
+                x
+            }
+            2.0 => self.eltwise(n, false, &x, x.t),
+            3.0 => {
+                let sq = self.eltwise(n, false, &x, x.t);
+                self.eltwise(n, false, &sq, x.t)
+            }
+            0.5 => self.act_op(n, &x, Act::Sqrt),
+            -0.5 => {
+                let r = self.act_op(n, &x, Act::Sqrt);
+                self.act_op(n, &r, Act::Recip)
+            }
+            -1.0 => self.act_op(n, &x, Act::Recip),
+            e => return Err(format!("exponent {e} is not supported (1, 2, 3, 0.5, -0.5, -1)")),
+        })])
+    }
+
+    /// `d op c` (or `c op d` when `swapped`) for the computed input `i`
+    /// (`d`, stored densely when it is a view) and a constant `c`.
     fn with_const(
         &mut self,
         n: &Node,
         i: usize,
-        d: Dyn,
         c: &Const,
         op: &str,
         swapped: bool,
         shape: &[usize],
     ) -> NodeResult {
-        if d.shape != shape {
-            return Err(format!("the computed operand {:?} would be broadcast to {shape:?}", d.shape));
-        }
+        let d = self.computed(n, i)?;
+        let d = if d.shape == shape { d } else { self.broadcast_to(&n.name, &d, shape, d.nhwc)? };
         let mut v = c.data.to_f32();
-        if swapped && op == "Div" {
-            return Err("dividing a constant by a computed tensor is not supported yet".into());
-        }
-        // c - x = (-x) + c
-        let d = if swapped && op == "Sub" { self.act_op(n, &d, Act::affine(-1.0, 0.0)) } else { d };
+        // c - x = (-x) + c, c / x = (1/x) * c
+        let d = match op {
+            "Sub" if swapped => self.act_op(n, &d, Act::affine(-1.0, 0.0)),
+            "Div" if swapped => self.act_op(n, &d, Act::Recip),
+            _ => d,
+        };
         match op {
             "Sub" if !swapped => v.iter_mut().for_each(|x| *x = -*x),
-            "Div" => v.iter_mut().for_each(|x| *x = 1.0 / *x),
+            "Div" if !swapped => v.iter_mut().for_each(|x| *x = 1.0 / *x),
             _ => {}
         }
         let add = matches!(op, "Add" | "Sub");

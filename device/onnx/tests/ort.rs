@@ -155,6 +155,31 @@ fn check_ops(name: &str, sa: u32, vu: u32) {
 }
 
 #[test]
+fn decoder_with_transposed_convs_concat_pad_resize_slice_matches_onnx_runtime() {
+    check_ops("decoder", 1, 1);
+}
+
+#[test]
+fn decoder_matches_onnx_runtime_on_four_engines_each() {
+    check_ops("decoder", 4, 4);
+}
+
+#[test]
+fn resize_in_every_mode_matches_onnx_runtime() {
+    check_ops("resize-modes", 1, 1);
+}
+
+#[test]
+fn decomposed_layer_norm_and_broadcasting_match_onnx_runtime() {
+    check_ops("layernorm-decomposed", 2, 2);
+}
+
+#[test]
+fn transposed_operands_of_element_wise_operations_match_onnx_runtime() {
+    check_ops("transposed-operands", 1, 1);
+}
+
+#[test]
 fn conv_batchnorm_relu6_matches_onnx_runtime() {
     check_ops("conv-bn-relu6", 1, 1);
 }

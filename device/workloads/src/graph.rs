@@ -64,6 +64,12 @@ pub enum Act {
     GeluErf,
     /// The error function.
     Erf,
+    /// The square root (NaN below 0).
+    Sqrt,
+    /// `1 / x`.
+    Recip,
+    /// `e^x`.
+    Exp,
     Sigmoid,
     /// `x * sigmoid(x)` (SiLU), EfficientNet's activation.
     Swish,

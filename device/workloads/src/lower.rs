@@ -207,6 +207,9 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
         Act::GeluErf => v.push(Instr::VUnary { op: UnOp::GeluErf, src: y, dst: y, len }),
         Act::Erf => v.push(Instr::VUnary { op: UnOp::Erf, src: y, dst: y, len }),
+        Act::Sqrt => v.push(Instr::VUnary { op: UnOp::Sqrt, src: y, dst: y, len }),
+        Act::Recip => v.push(Instr::VUnary { op: UnOp::Recip, src: y, dst: y, len }),
+        Act::Exp => v.push(Instr::VUnary { op: UnOp::Exp, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
         Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {

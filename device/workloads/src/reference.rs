@@ -12,6 +12,9 @@ fn act(a: Act, x: f64) -> f64 {
         }
         Act::GeluErf => 0.5 * x * (1.0 + libm::erf(x * std::f64::consts::FRAC_1_SQRT_2)),
         Act::Erf => libm::erf(x),
+        Act::Sqrt => x.sqrt(),
+        Act::Recip => 1.0 / x,
+        Act::Exp => x.exp(),
         Act::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         Act::Swish => x / (1.0 + (-x).exp()),
         Act::Tanh => x.tanh(),

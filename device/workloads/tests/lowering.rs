@@ -358,6 +358,44 @@ fn written_out_attention_matches_reference_and_the_fused_operation() {
 /// Few rows against many weight columns: the weight loads of a
 /// weight-stationary SA dominate, so the lowering splits each tile by
 /// column blocks over the SAs instead of by rows.
+/// The element-wise functions the ONNX compiler uses for `Sqrt`,
+/// `Reciprocal` and `Exp` (after a sigmoid, so every value is in their
+/// domain), and a copy whose source stride is 0 (a broadcast row).
+#[test]
+fn sqrt_recip_exp_and_broadcast_copy_match_reference() {
+    let (rows, cols) = (37u32, 24u32);
+    let mut g = Graph::new("unary", 1);
+    let x = g.tensor("input", u64::from(rows * cols), Init::Input);
+    g.input = x;
+    let mut prev = x;
+    for (name, act) in
+        [("sigmoid", Act::Sigmoid), ("sqrt", Act::Sqrt), ("recip", Act::Recip), ("exp", Act::Exp)]
+    {
+        let y = g.act(name, u64::from(rows * cols));
+        g.ops.push(Op::Unary {
+            name: name.into(),
+            x: View::dense(prev, cols),
+            y: View::dense(y, cols),
+            rows,
+            cols,
+            act,
+        });
+        prev = y;
+    }
+    let bcast = g.act("bcast", u64::from(rows * cols));
+    g.ops.push(Op::Copy {
+        name: "bcast".into(),
+        x: View { t: prev, ld: 0, col: cols },
+        y: View::dense(bcast, cols),
+        rows,
+        cols,
+    });
+    g.output = bcast;
+    for (sa, vu, sram) in [(1, 1, 1 << 20), (1, 2, 4 << 10)] {
+        check(&g, sa, vu, sram);
+    }
+}
+
 fn wide_products(batch: u32) -> Graph {
     let mut g = Graph::new("wide-products", batch);
     let x = g.tensor("input", u64::from(batch * 5 * 5 * 8), Init::Input);

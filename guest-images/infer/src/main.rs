@@ -49,8 +49,13 @@ fn guest_main(env: &mut Env) -> u32 {
         Ok(h) => h,
         Err(e) => return fail(payload, format!("{e}")),
     };
-    let model = match Model::decode(section(payload, h.model)) {
-        Ok(m) => m,
+    // The weights stay in the payload (they go straight to DMA memory):
+    // the heap holds only the programs.
+    let (mut model, weights_range) = match Model::decode_parts(section(payload, h.model)) {
+        Ok((m, w)) => {
+            let start = w.as_ptr() as usize - payload.as_ptr() as usize;
+            (m, start..start + w.len())
+        }
         Err(e) => return fail(payload, format!("the model: {e}")),
     };
     let in_bytes: u64 =
@@ -94,11 +99,12 @@ fn guest_main(env: &mut Env) -> u32 {
         Ok(w) => w,
         Err(e) => return fail(payload, format!("the I/O window of {} bytes: {e}", model.window_bytes)),
     };
-    window.write(0, &model.weights);
-    let (mut load, mut infer) = (model.load.clone(), model.infer.clone());
-    if let Err(e) = relocate(&mut load, window.phys).and_then(|_| relocate(&mut infer, window.phys)) {
+    window.write(0, &payload[weights_range]);
+    let phys = window.phys;
+    if let Err(e) = relocate(&mut model.load, phys).and_then(|_| relocate(&mut model.infer, phys)) {
         return fail(payload, format!("{e}"));
     }
+    let (load, infer) = (&model.load, &model.infer);
     let opts = RunOptions { wait: Wait::Interrupt, ..Default::default() };
     let loaded = npu.load(&mut env.dma, &load.encode()).and_then(|p| npu.run(&p, &opts));
     if let Err(e) = loaded {

@@ -49,7 +49,15 @@ fn cases(root: &Path) -> Vec<Case> {
             shape: None,
         })
         .collect();
-    for (m, batch) in [("conv-bn-relu6", 2), ("dw-hardswish", 1), ("group-pool", 2), ("se-head", 2)] {
+    for (m, batch) in [
+        ("conv-bn-relu6", 2),
+        ("dw-hardswish", 1),
+        ("group-pool", 2),
+        ("se-head", 2),
+        ("decoder", 2),
+        ("resize-modes", 1),
+        ("layernorm-decomposed", 3),
+    ] {
         v.push(Case {
             name: m.to_string(),
             model: fx.join(format!("ops/{m}.onnx")),
@@ -71,23 +79,39 @@ fn cases(root: &Path) -> Vec<Case> {
             shape: None,
         });
     }
+    // The pretrained networks, on the first batch of the inputs
+    // scripts/pretrained.sh made (written to a file of its own so that ONNX
+    // Runtime runs the same batch).
     let pre = root.join(".cache/pretrained");
-    let model = pre.join("ch_ppocr_mobile_v2.0_cls_infer.onnx");
-    let x = pre.join("x.npy");
-    match npy::read_file(&x) {
-        Ok(a) if model.exists() && a.shape.len() == 4 => {
-            let n = a.shape[0] as usize;
-            v.push(Case {
-                name: "ppocr-cls (MobileNetV3, pretrained)".into(),
-                model,
-                input: x,
-                input_name: "x",
-                output: None,
-                batch: n as u32,
-                shape: Some(vec![n, 3, 48, 192]),
-            })
+    let nets = [
+        ("cls", "ch_ppocr_mobile_v2.0_cls_infer.onnx", "ppocr-cls (MobileNetV3)", 8),
+        ("rec", "ch_PP-OCRv4_rec_infer.onnx", "ppocr-rec (PP-OCRv4)", 8),
+        ("det", "ch_PP-OCRv4_det_infer.onnx", "ppocr-det (PP-OCRv4)", 4),
+    ];
+    for (kind, file, name, batch) in nets {
+        let model = pre.join(file);
+        match npy::read_file(&pre.join(format!("{kind}-x.npy"))) {
+            Ok(mut a) if model.exists() && a.shape.len() == 4 && a.shape[0] >= batch => {
+                let per: usize = a.shape[1..].iter().map(|&d| d as usize).product();
+                a.data.truncate(per * batch as usize);
+                a.shape[0] = batch;
+                let input = std::env::temp_dir().join(format!("onnx-bench-{kind}-x.npy"));
+                npy::write_file(&input, &a).unwrap_or_else(|e| panic!("{}: {e}", input.display()));
+                let shape = a.shape.iter().map(|&d| d as usize).collect();
+                v.push(Case {
+                    name: format!("{name}, pretrained"),
+                    model,
+                    input,
+                    input_name: "x",
+                    output: None,
+                    batch: batch as u32,
+                    shape: Some(shape),
+                })
+            }
+            _ => eprintln!(
+                "onnx-bench: the pretrained {kind} network is left out (run scripts/pretrained.sh first)"
+            ),
         }
-        _ => eprintln!("onnx-bench: the pretrained network is left out (run scripts/pretrained.sh first)"),
     }
     v
 }

@@ -46,7 +46,22 @@ fn dot(a: &[usize], b: &[usize]) -> u64 {
 /// More DMA transfers than this for one materialised view is refused.
 const MAX_COPIES: usize = 1 << 16;
 
-fn u32_of(v: usize, what: &str) -> Result<u32, String> {
+/// Where a strided copy reads or writes: a tensor, the element offset of
+/// index 0 in it, and the element stride of each axis.
+#[derive(Clone, Copy)]
+pub(super) struct Place<'a> {
+    t: TensorId,
+    off: usize,
+    strides: &'a [usize],
+}
+
+impl<'a> Place<'a> {
+    pub(super) fn new(t: TensorId, off: usize, strides: &'a [usize]) -> Self {
+        Self { t, off, strides }
+    }
+}
+
+pub(super) fn u32_of(v: usize, what: &str) -> Result<u32, String> {
     u32::try_from(v).map_err(|_| format!("{what} {v} does not fit 32 bits"))
 }
 
@@ -66,33 +81,36 @@ impl Compiler<'_> {
     pub(super) fn materialize(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
         let Some(st) = d.strides.clone() else { return Ok(d.clone()) };
         let y = self.act_tensor(&format!("{name}.dense"), elems(&d.shape));
-        self.strided_copy(name, d.t, y, &d.shape, &st, &dense_strides(&d.shape))?;
+        let dst = dense_strides(&d.shape);
+        self.strided_copy(name, &d.shape, Place::new(d.t, 0, &st), Place::new(y, 0, &dst))?;
         Ok(Dyn::new(y, d.shape.clone(), None, false))
     }
 
-    /// Copies the elements of a `shape` tensor from `x` (element strides
-    /// `src`) to `y` (strides `dst`) by strided DMA transfers: axes that
-    /// are adjacent in both layouts are merged, the innermost axis moves
-    /// as one run when it is contiguous in both, and each transfer moves
-    /// the rows of the longest remaining axis.
+    /// Copies the elements of a `shape` tensor from `from` to `to` by
+    /// strided DMA transfers: axes that are adjacent in both layouts are
+    /// merged, the innermost axis moves as one run when it is contiguous
+    /// in both, and each transfer moves the rows of the longest remaining
+    /// axis. A source stride may be 0 (a broadcast: the same elements are
+    /// read again).
     pub(super) fn strided_copy(
         &mut self,
         name: &str,
-        x: TensorId,
-        y: TensorId,
         shape: &[usize],
-        src: &[usize],
-        dst: &[usize],
+        from: Place,
+        to: Place,
     ) -> Result<(), String> {
+        let (x, y) = (from.t, to.t);
+        if shape.contains(&0) {
+            return Ok(());
+        }
+        // The axes in the destination's storage order (outermost first;
+        // the order of the axes does not change what is copied), so that
+        // a channels-last image's channels are the innermost run.
+        let mut order: Vec<usize> = (0..shape.len()).filter(|&a| shape[a] > 1).collect();
+        order.sort_by_key(|&a| std::cmp::Reverse((to.strides[a], from.strides[a])));
         // (extent, src stride, dst stride), extent-1 axes dropped, adjacent ones merged.
         let mut axes: Vec<(usize, usize, usize)> = Vec::new();
-        for ((&e, &s), &d) in shape.iter().zip(src).zip(dst) {
-            if e == 0 {
-                return Ok(());
-            }
-            if e == 1 {
-                continue;
-            }
+        for (e, s, d) in order.into_iter().map(|a| (shape[a], from.strides[a], to.strides[a])) {
             match axes.last_mut() {
                 Some(p) if p.1 == s * e && p.2 == d * e => *p = (p.0 * e, s, d),
                 _ => axes.push((e, s, d)),
@@ -124,8 +142,8 @@ impl Compiler<'_> {
             let idx = unflatten(i, &extents);
             self.g.ops.push(Op::Copy {
                 name: name.clone(),
-                x: View { t: x, ld: src_ld, col: u32_of(dot(&idx, &ss) as usize, "offset")? },
-                y: View { t: y, ld: dst_ld, col: u32_of(dot(&idx, &ds) as usize, "offset")? },
+                x: View { t: x, ld: src_ld, col: u32_of(from.off + dot(&idx, &ss) as usize, "offset")? },
+                y: View { t: y, ld: dst_ld, col: u32_of(to.off + dot(&idx, &ds) as usize, "offset")? },
                 rows,
                 cols,
             });
@@ -356,11 +374,7 @@ impl Compiler<'_> {
         let rank = x.shape.len();
         let listed = match Self::ints_attr(n, "axes")? {
             Some(a) => Some(a),
-            None => match self.opt(n, 1) {
-                Some(Val::C(c)) => Some(c.data.to_i64()),
-                Some(Val::D(_)) => return Err("axes must be a constant".into()),
-                None => None,
-            },
+            None => self.const_ints(n, 1, "axes")?,
         };
         let keep = Self::int_attr(n, "keepdims", 1)? != 0;
         let mut axes: Vec<usize> = match listed {
