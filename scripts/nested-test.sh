@@ -8,7 +8,7 @@
 # warnings about the vNPU, and prints
 # the boot and run times. Needs qemu-system-x86 (scripts/setup.sh) and
 # the guests built (scripts/build-guests.sh). NESTED_TIMEOUT in seconds
-# (default 1200).
+# (default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v qemu-system-x86_64 >/dev/null || { echo "nested-test: qemu-system-x86_64 missing (bash scripts/setup.sh)" >&2; exit 1; }
@@ -29,7 +29,7 @@ fifo="$(mktemp -u)"
 mkfifo "$fifo"
 exec 3<>"$fifo"
 rm -f "$fifo"
-timeout "${NESTED_TIMEOUT:-1200}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
+timeout "${NESTED_TIMEOUT:-600}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
     -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
     -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
     <&3 2>&1 | while IFS= read -r line; do
@@ -37,7 +37,7 @@ timeout "${NESTED_TIMEOUT:-1200}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G 
         case "$line" in *"TCG doesn't support requested feature"*) continue ;; esac
         printf '%s\n' "$line" >> "$log"
         case "$line" in
-            L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*) printf '%s\n' "$line" >&2 ;;
+            L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*|check*|infer*|ran*|counters*) printf '%s\n' "$line" >&2 ;;
         esac
         case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&3 ;; esac
     done || true
@@ -57,6 +57,15 @@ need "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/45
 need "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"
 need "digits: vNPU and CPU agree on every image"
 need "L2: vnpu-digits exit 0"
+# vnpu-infer: the compiled models against ONNX Runtime (build-image.sh).
+need "check         probabilities against /models/sklearn-mlp-ort.npy"
+need "check         logits against /models/torch-cnn-ort.npy"
+if ! [ "$(grep -cE '^check .* top-1 agree 450/450$' "$log")" = 2 ]; then
+    echo "nested-test: FAIL: vnpu-infer: not every top-1 agrees with ONNX Runtime" >&2
+    fail=1
+fi
+need "L2: vnpu-infer sklearn-mlp exit 0"
+need "L2: vnpu-infer torch-cnn exit 0"
 need "L1: vnpu exit 0"
 need "L2: console got [typed-into-l2]"
 # Completions arrived as MSI-X interrupts through the kernel module.
@@ -72,6 +81,10 @@ if grep -E '^L2: kmsg' "$log" | grep -vE "$taint" | grep -qiE 'cut here|pci|msi|
     echo "nested-test: FAIL: L2 kernel warnings about the device:" >&2
     grep -E '^L2: kmsg' "$log" | grep -vE "$taint" | grep -iE 'cut here|pci|msi|00:01\.0|vnpu' >&2
     fail=1
+fi
+if [ "$fail" != 0 ]; then
+    echo "nested-test: the last 60 lines of $log:" >&2
+    tail -n 60 "$log" >&2
 fi
 awk -v s="$start" -v e="$end" 'BEGIN { printf "nested-test: whole run %.1f s wall\n", e - s }' >&2
 grep -E '^L[12]: (up|user space|vnpu|interrupts)' "$log" >&2 || true

@@ -7,12 +7,15 @@
 //!   through its `enable` file and turns bus mastering on in its
 //!   configuration space (the `config` file), as a kernel driver's
 //!   `pci_enable_device` + `pci_set_master` would.
-//! - **DMA memory**: 2 MiB huge pages ([`HugeDma`]): each is physically
+//! - **DMA memory** ([`DmaMemory`]): 2 MiB huge pages: each is physically
 //!   contiguous, and hugetlb pages are never swapped, migrated or
 //!   compacted, so the physical address read once from
 //!   `/proc/self/pagemap` stays valid while the mapping lives. Needs root
 //!   (pagemap hides frame numbers otherwise) and free huge pages (taken
-//!   from `/proc/sys/vm/nr_hugepages`, raised here if none are free).
+//!   from `/proc/sys/vm/nr_hugepages`, raised here if too few are free).
+//!   Several pages are used only when they happen to be contiguous. With
+//!   the `vnpu` kernel module loaded, any size: the module allocates a
+//!   coherent DMA buffer and maps it through its device file.
 //! - **Completions**: with the `vnpu` kernel module loaded
 //!   (`guest-images/linux/kmod`), which enables MSI-X and counts vector 0,
 //!   by interrupt: [`LinuxVnpu::completions`] is the file to sleep on.
@@ -60,6 +63,10 @@ pub enum LinuxError {
     Map { what: String, source: std::io::Error },
     #[error("page at {virt:#x} has no physical frame in /proc/self/pagemap (not root?)")]
     NoFrame { virt: usize },
+    #[error(
+        "the {pages} huge pages are not physically contiguous (page {page} is at {got:#x}, not {want:#x}); load the vnpu kernel module for larger DMA buffers"
+    )]
+    NotContiguous { pages: usize, page: usize, got: u64, want: u64 },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LinuxError + '_ {
@@ -192,6 +199,17 @@ impl LinuxVnpu {
         File::open(Path::new("/dev").join(std::format!("vnpu-{}", self.address()))).ok()
     }
 
+    /// The `vnpu` kernel module's device file for this function, opened
+    /// read-write (for [`DmaMemory::from_module`]), when the module is
+    /// loaded.
+    pub fn dma_file(&self) -> Option<File> {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(Path::new("/dev").join(std::format!("vnpu-{}", self.address())))
+            .ok()
+    }
+
     /// BAR 0's registers, for [`crate::Vnpu::new`]. Valid while `self` lives.
     pub fn bar(&self) -> MmioBar {
         // SAFETY: the mapping covers BAR 0 and lives as long as `self`.
@@ -199,11 +217,16 @@ impl LinuxVnpu {
     }
 }
 
-/// Physically contiguous, pinned DMA memory: one 2 MiB huge page.
+/// Physically contiguous, pinned DMA memory: huge pages
+/// ([`DmaMemory::huge_pages`]) or a buffer of the `vnpu` kernel module
+/// ([`DmaMemory::from_module`]).
 #[derive(Debug)]
-pub struct HugeDma {
+pub struct DmaMemory {
     map: Mapping,
     phys: u64,
+    /// The kernel module's file that owns the buffer (freed when the file
+    /// is closed and unmapped).
+    _owner: Option<File>,
 }
 
 fn free_huge_pages() -> u64 {
@@ -211,10 +234,10 @@ fn free_huge_pages() -> u64 {
     fs::read_to_string(p).ok().and_then(|t| t.trim().parse().ok()).unwrap_or(0)
 }
 
-fn reserve_huge_page() -> Result<(), LinuxError> {
+fn reserve_huge_pages(more: u64) -> Result<(), LinuxError> {
     let p = Path::new("/proc/sys/vm/nr_hugepages");
     let now: u64 = fs::read_to_string(p).map_err(io(p))?.trim().parse().unwrap_or(0);
-    fs::write(p, (now + 1).to_string()).map_err(io(p))
+    fs::write(p, now.saturating_add(more).to_string()).map_err(io(p))
 }
 
 /// The physical address of the page mapped at `virt`, from pagemap.
@@ -232,17 +255,27 @@ fn physical(virt: usize) -> Result<u64, LinuxError> {
     Ok(pfn * 4096 + (virt % 4096) as u64)
 }
 
-impl HugeDma {
-    /// Maps one huge page, faults it in, locks it and looks up where it is.
-    pub fn new() -> Result<Self, LinuxError> {
-        if free_huge_pages() == 0 {
-            reserve_huge_page()?;
+/// `_IOR('v', 1, u64)`: the bus address of the file's DMA buffer.
+const VNPU_IOC_DMA_ADDR: libc::c_ulong = (2 << 30) | (8 << 16) | ((b'v' as libc::c_ulong) << 8) | 1;
+
+impl DmaMemory {
+    /// Maps `len` bytes (rounded up to whole 2 MiB huge pages), faults
+    /// them in, locks them and looks up where they are. More than one page
+    /// is refused unless the kernel happened to give physically contiguous
+    /// pages in order ([`LinuxError::NotContiguous`]); the kernel module's
+    /// buffers ([`DmaMemory::from_module`]) have no such limit.
+    pub fn huge_pages(len: usize) -> Result<Self, LinuxError> {
+        let pages = len.div_ceil(HUGE_PAGE).max(1);
+        let len = pages * HUGE_PAGE;
+        let free = free_huge_pages();
+        if free < pages as u64 {
+            reserve_huge_pages(pages as u64 - free)?;
         }
         // SAFETY: a fresh private anonymous mapping; no aliasing.
         let ptr = unsafe {
             libc::mmap(
                 core::ptr::null_mut(),
-                HUGE_PAGE,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE,
                 -1,
@@ -251,21 +284,80 @@ impl HugeDma {
         };
         if ptr == libc::MAP_FAILED {
             return Err(LinuxError::Map {
-                what: "a 2 MiB huge page (is /proc/sys/vm/nr_hugepages > 0?)".into(),
+                what: std::format!("{pages} 2 MiB huge page(s) (is /proc/sys/vm/nr_hugepages large enough?)"),
                 source: std::io::Error::last_os_error(),
             });
         }
-        let map = Mapping { ptr: ptr.cast(), len: HUGE_PAGE };
+        let map = Mapping { ptr: ptr.cast(), len };
         // SAFETY: writing inside the mapping just made, to fault it in.
-        unsafe { core::ptr::write_bytes(map.ptr, 0, HUGE_PAGE) };
+        unsafe { core::ptr::write_bytes(map.ptr, 0, len) };
         // SAFETY: locking the mapping just made (best effort: hugetlb pages
         // are not swapped anyway).
-        unsafe { libc::mlock(map.ptr.cast(), HUGE_PAGE) };
+        unsafe { libc::mlock(map.ptr.cast(), len) };
         let phys = physical(map.ptr as usize)?;
-        Ok(Self { map, phys })
+        for i in 1..pages {
+            let want = phys + (i * HUGE_PAGE) as u64;
+            let got = physical(map.ptr as usize + i * HUGE_PAGE)?;
+            if got != want {
+                return Err(LinuxError::NotContiguous { pages, page: i, got, want });
+            }
+        }
+        Ok(Self { map, phys, _owner: None })
     }
 
-    /// Where the device sees the page.
+    /// A physically contiguous buffer of `len` bytes (rounded up to whole
+    /// 4 KiB pages) that the `vnpu` kernel module allocates for the
+    /// function (`dma_alloc_coherent`) and maps here: `file` is the
+    /// module's device file, opened read-write
+    /// ([`LinuxVnpu::dma_file`]). Buffers above 4 MiB come from the
+    /// kernel's contiguous memory area (boot with `cma=SIZE`).
+    pub fn from_module(file: File, len: usize) -> Result<Self, LinuxError> {
+        let len = len.max(1).div_ceil(4096) * 4096;
+        // SAFETY: a fresh shared mapping of the module's file; the module
+        // backs it with the buffer it allocates for this file. Nothing
+        // else aliases it.
+        let ptr = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(LinuxError::Map {
+                what: std::format!(
+                    "{len} bytes of DMA memory from the vnpu module (above 4 MiB: boot with cma=SIZE)"
+                ),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        let map = Mapping { ptr: ptr.cast(), len };
+        let mut bus = 0u64;
+        // SAFETY: the module's ioctl writes one u64 to the pointer given.
+        let r = unsafe { libc::ioctl(file.as_raw_fd(), VNPU_IOC_DMA_ADDR, &mut bus as *mut u64) };
+        if r != 0 {
+            return Err(LinuxError::Map {
+                what: "the DMA buffer's bus address (VNPU_IOC_DMA_ADDR)".into(),
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(Self { map, phys: bus, _owner: Some(file) })
+    }
+
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.map.len
+    }
+
+    /// Whether it is empty (never: both constructors map at least a page).
+    pub fn is_empty(&self) -> bool {
+        self.map.len == 0
+    }
+
+    /// Where the device sees the first byte.
     pub fn phys(&self) -> u64 {
         self.phys
     }

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Builds the Linux guest images from Debian packages (docs/linux-guests.md):
 #   OUT/vmlinuz        Debian's linux-image-amd64 kernel (L1 and L2)
-#   OUT/l2-initrd.gz   L2: busybox-static + vnpu-digits + the vnpu kernel
-#                      module (kmod/, built against linux-headers-KVER) + l2-init
+#   OUT/l2-initrd.gz   L2: busybox-static + vnpu-digits + vnpu-infer + the
+#                      vnpu kernel module (kmod/, built against
+#                      linux-headers-KVER) + l2-init + /models: two fixture
+#                      models compiled for type=small (`vnpu compile`), their
+#                      test inputs and ONNX Runtime's outputs on them
+#                      (scripts/ort_ref.py in .venv-onnx, scripts/setup.sh)
 #   OUT/l1-initrd.gz   L1: busybox-static + kvm/kvm-amd modules + vnpu
 #                      (static) + the L2 kernel and initrd + l1-init
 # Needs apt-get (Debian's packages), cpio and gzip, and the binaries built
@@ -15,8 +19,9 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 out="${1:-$root/guest-images/target/linux}"
 digits="$root/guest-images/target/x86_64-unknown-linux-gnu/release/vnpu-digits"
+infer="$root/guest-images/target/x86_64-unknown-linux-gnu/release/vnpu-infer"
 vmm="$root/target/x86_64-unknown-linux-gnu/release/vnpu"
-for f in "$digits" "$vmm"; do
+for f in "$digits" "$infer" "$vmm"; do
     [ -x "$f" ] || { echo "build-image: $f is missing; see the header of $0" >&2; exit 1; }
 done
 mkdir -p "$out/debs"
@@ -41,8 +46,27 @@ cp "$out/pkgs/boot/vmlinuz-$kver" "$out/vmlinuz"
 pack() { (cd "$1" && find . | cpio -o -H newc --quiet | gzip -1) > "$2"; }
 
 l2="$out/l2-root"
-rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys,lib/modules}
-cp "$out/pkgs/bin/busybox" "$digits" "$l2/bin/"
+rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys,lib/modules,models}
+cp "$out/pkgs/bin/busybox" "$digits" "$infer" "$l2/bin/"
+# The models vnpu-infer runs in L2 (l2-init): NAME ONNX INPUT-NAME INPUT
+# OUTPUT BATCH.
+py="$root/.venv-onnx/bin/python"
+fix="$root/tests/fixtures/onnx"
+while read -r name model xname input output batch; do
+    "$vmm" compile "$fix/$model" --vnpu type=small --batch "$batch" --output "$output" \
+        -o "$l2/models/$name.vnpu" >"$out/compile-$name.log" \
+        || { cat "$out/compile-$name.log" >&2; exit 1; }
+    cp "$fix/$input" "$l2/models/$name-x.npy"
+    if [ -x "$py" ]; then
+        "$py" "$root/scripts/ort_ref.py" "$fix/$model" "$out/ort-$name" "$xname=$l2/models/$name-x.npy" --output "$output" >/dev/null
+        cp "$out/ort-$name.$output.npy" "$l2/models/$name-ort.npy"
+    else
+        echo "build-image: no $py (bash scripts/setup.sh): $name has no ONNX Runtime reference in L2" >&2
+    fi
+done <<'MODELS'
+sklearn-mlp digits-mlp.onnx X digits-x.npy probabilities 50
+torch-cnn torch/digits-cnn.onnx x torch/digits-img-x.npy logits 50
+MODELS
 # The vnpu kernel module (MSI-X completions), built against the headers of
 # the same kernel (Debian's linux-headers-$kver, installed if missing).
 hdr="/lib/modules/$kver/build"

@@ -8,7 +8,7 @@
 pub mod compile;
 pub mod host;
 pub mod load;
-pub mod npy;
+pub use npu_infer_io::npy;
 
 pub use compile::{compile, compile_model, CompileError, CompileOptions, CompileReport, Compiled};
 pub use load::{load, LoadError, OnnxModel};

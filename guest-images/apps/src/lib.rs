@@ -6,6 +6,7 @@
 extern crate alloc;
 
 pub mod digits;
+pub mod infer;
 
 use vnpu_driver::{DmaBuf, Wait};
 

@@ -17,9 +17,10 @@ extern crate alloc;
 
 use alloc::format;
 use alloc::string::String;
-use guest_rt::vnpu_driver::{RunOptions, Wait};
+use guest_apps::infer;
+use guest_rt::vnpu_driver::Wait;
 use guest_rt::{println, rdtsc, tsc_to_ns, Env};
-use vnpu_abi::model::{job, relocate, Model};
+use vnpu_abi::model::{job, Model};
 
 /// Marks the job failed with `msg` (also printed) and returns exit code 1.
 fn fail(payload: &mut [u8], msg: String) -> u32 {
@@ -58,10 +59,9 @@ fn guest_main(env: &mut Env) -> u32 {
         }
         Err(e) => return fail(payload, format!("the model: {e}")),
     };
-    let in_bytes: u64 =
-        model.inputs.iter().map(|t| t.bytes().unwrap_or(u64::MAX)).fold(0, u64::saturating_add);
-    let out_bytes: u64 =
-        model.outputs.iter().map(|t| t.bytes().unwrap_or(u64::MAX)).fold(0, u64::saturating_add);
+    let Some((in_bytes, out_bytes)) = infer::batch_bytes(&model) else {
+        return fail(payload, "the model's tensor sizes overflow".into());
+    };
     let runs = u64::from(h.runs);
     let stat_bytes = (job::STAT_WORDS * 8) as u64;
     if in_bytes.checked_mul(runs) != Some(h.inputs.1)
@@ -73,73 +73,30 @@ fn guest_main(env: &mut Env) -> u32 {
     let Some((_, mut npu)) = guest_rt::vnpu::open_first(env) else {
         return fail(payload, "no vNPU to run on".into());
     };
-    let hw = npu.hierarchy();
-    let t = model.target;
-    if hw.sa_per_core < t.sa
-        || hw.vu_per_core < t.vu
-        || hw.sram_per_core < t.sram_bytes
-        || hw.hbm_per_core < t.hbm_bytes
-    {
-        return fail(
-            payload,
-            format!(
-                "the model was compiled for {} SA, {} VU, {} KiB SRAM, {} MiB HBM; this vNPU core has {} SA, {} VU, {} KiB, {} MiB",
-                t.sa,
-                t.vu,
-                t.sram_bytes >> 10,
-                t.hbm_bytes >> 20,
-                hw.sa_per_core,
-                hw.vu_per_core,
-                hw.sram_per_core >> 10,
-                hw.hbm_per_core >> 20
-            ),
-        );
-    }
-    let window = match env.dma.alloc(model.window_bytes as usize, 4096) {
-        Ok(w) => w,
-        Err(e) => return fail(payload, format!("the I/O window of {} bytes: {e}", model.window_bytes)),
-    };
-    window.write(0, &payload[weights_range]);
-    let phys = window.phys;
-    if let Err(e) = relocate(&mut model.load, phys).and_then(|_| relocate(&mut model.infer, phys)) {
-        return fail(payload, format!("{e}"));
-    }
-    let (load, infer) = (&model.load, &model.infer);
-    let opts = RunOptions { wait: Wait::Interrupt, ..Default::default() };
-    let loaded = npu.load(&mut env.dma, &load.encode()).and_then(|p| npu.run(&p, &opts));
-    if let Err(e) = loaded {
-        return fail(payload, format!("loading the weights: {e}"));
-    }
-    let handle = match npu.load(&mut env.dma, &infer.encode()).and_then(|p| npu.register(&p)) {
-        Ok(h) => h,
-        Err(e) => return fail(payload, format!("registering the infer program: {e}")),
-    };
-    let (mut inp, mut outp, mut statp) = (h.inputs.0 as usize, h.outputs.0 as usize, h.stats.0 as usize);
-    for r in 0..h.runs {
-        for d in &model.inputs {
-            let n = d.bytes().unwrap_or(0) as usize;
-            window.write(d.offset as usize, &payload[inp..inp + n]);
-            inp += n;
-        }
-        let t0 = rdtsc();
-        let st = match npu.run_registered(handle, &opts) {
-            Ok(s) => s,
+    let loaded =
+        match infer::load(&mut npu, &mut env.dma, &mut model, &payload[weights_range], Wait::Interrupt) {
+            Ok(l) => l,
+            Err(e) => return fail(payload, e),
+        };
+    let (ib, ob) = (in_bytes as usize, out_bytes as usize);
+    let (inp, outp, statp) = (h.inputs.0 as usize, h.outputs.0 as usize, h.stats.0 as usize);
+    let mut out = alloc::vec![0u8; ob];
+    for r in 0..h.runs as usize {
+        let input = &payload[inp + r * ib..inp + (r + 1) * ib];
+        let (ticks, st) = match loaded.run(&mut npu, &model, input, &mut out, &rdtsc) {
+            Ok(x) => x,
             Err(e) => return fail(payload, format!("batch {r}: {e}")),
         };
-        let ns = tsc_to_ns(rdtsc().wrapping_sub(t0));
-        for d in &model.outputs {
-            let n = d.bytes().unwrap_or(0) as usize;
-            window.read(d.offset as usize, &mut payload[outp..outp + n]);
-            outp += n;
-        }
-        let stats = [ns, st.cycles, st.sa_active, st.vu_active, st.dma_active, st.flops, st.wall_ns, 0];
-        for w in stats {
-            payload[statp..statp + 8].copy_from_slice(&w.to_le_bytes());
-            statp += 8;
+        payload[outp + r * ob..outp + (r + 1) * ob].copy_from_slice(&out);
+        let stats =
+            [tsc_to_ns(ticks), st.cycles, st.sa_active, st.vu_active, st.dma_active, st.flops, st.wall_ns, 0];
+        for (i, w) in stats.iter().enumerate() {
+            let at = statp + (r * job::STAT_WORDS + i) * 8;
+            payload[at..at + 8].copy_from_slice(&w.to_le_bytes());
         }
     }
     payload[job::STATUS_AT..job::STATUS_AT + 4].copy_from_slice(&job::DONE.to_le_bytes());
-    println!("infer: {} batches of {} done", h.runs, t.batch);
+    println!("infer: {} batches of {} done", h.runs, model.target.batch);
     0
 }
 

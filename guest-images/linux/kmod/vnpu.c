@@ -11,10 +11,26 @@
  *                      (O_NONBLOCK: -EAGAIN instead of blocking).
  *
  * An event count, so a completion between user space's last look at the
- * ring and its read is never lost. Everything else (ring, mailbox, DMA
- * memory) stays in user space.
+ * ring and its read is never lost. DMA memory of any size for programs
+ * that need more than a huge page (vnpu-infer):
+ *
+ *   mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+ *                      allocates a physically contiguous, zeroed buffer of
+ *                      len bytes for this open file (dma_alloc_coherent;
+ *                      above 4 MiB it comes from the CMA area: boot with
+ *                      cma=SIZE) and maps it; one buffer per open file
+ *                      (-EBUSY for a second), freed when the file is
+ *                      closed and unmapped.
+ *   ioctl(fd, VNPU_IOC_DMA_ADDR, &u64)
+ *                      the buffer's bus address (-ENODATA before mmap).
+ *
+ * Everything else (ring, mailbox) stays in user space.
  */
 #include <linux/atomic.h>
+#include <linux/dma-mapping.h>
+#include <linux/ioctl.h>
+#include <linux/mm.h>
+#include <linux/mutex.h>
 #include <linux/fs.h>
 #include <linux/interrupt.h>
 #include <linux/miscdevice.h>
@@ -27,6 +43,7 @@
 
 #define VNPU_VENDOR 0x5650
 #define VNPU_DEVICE 0x0001
+#define VNPU_IOC_DMA_ADDR _IOR('v', 1, __u64)
 
 struct vnpu {
 	struct pci_dev *pdev;
@@ -39,6 +56,11 @@ struct vnpu {
 struct vnpu_file {
 	struct vnpu *v;
 	u32 last;
+	/* The file's DMA buffer (mmap), guarded by lock. */
+	struct mutex lock;
+	void *cpu;
+	dma_addr_t bus;
+	size_t len;
 };
 
 static irqreturn_t vnpu_irq(int irq, void *data)
@@ -59,13 +81,68 @@ static int vnpu_open(struct inode *inode, struct file *f)
 		return -ENOMEM;
 	vf->v = v;
 	vf->last = atomic_read(&v->completions);
+	mutex_init(&vf->lock);
 	f->private_data = vf;
 	return 0;
 }
 
 static int vnpu_release(struct inode *inode, struct file *f)
 {
-	kfree(f->private_data);
+	struct vnpu_file *vf = f->private_data;
+
+	/* The last mapping is gone too: a mapping holds the file. */
+	if (vf->cpu)
+		dma_free_coherent(&vf->v->pdev->dev, vf->len, vf->cpu, vf->bus);
+	kfree(vf);
+	return 0;
+}
+
+static int vnpu_mmap(struct file *f, struct vm_area_struct *vma)
+{
+	struct vnpu_file *vf = f->private_data;
+	struct device *dev = &vf->v->pdev->dev;
+	size_t len = vma->vm_end - vma->vm_start;
+	int ret;
+
+	if (vma->vm_pgoff || !len)
+		return -EINVAL;
+	mutex_lock(&vf->lock);
+	if (vf->cpu) {
+		ret = -EBUSY;
+		goto out;
+	}
+	vf->cpu = dma_alloc_coherent(dev, len, &vf->bus, GFP_KERNEL);
+	if (!vf->cpu) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	vf->len = len;
+	ret = dma_mmap_coherent(dev, vma, vf->cpu, vf->bus, len);
+	if (ret) {
+		dma_free_coherent(dev, len, vf->cpu, vf->bus);
+		vf->cpu = NULL;
+	}
+out:
+	mutex_unlock(&vf->lock);
+	return ret;
+}
+
+static long vnpu_ioctl(struct file *f, unsigned int cmd, unsigned long arg)
+{
+	struct vnpu_file *vf = f->private_data;
+	u64 bus;
+
+	if (cmd != VNPU_IOC_DMA_ADDR)
+		return -ENOTTY;
+	mutex_lock(&vf->lock);
+	bus = vf->bus;
+	if (!vf->cpu) {
+		mutex_unlock(&vf->lock);
+		return -ENODATA;
+	}
+	mutex_unlock(&vf->lock);
+	if (copy_to_user((void __user *)arg, &bus, sizeof(bus)))
+		return -EFAULT;
 	return 0;
 }
 
@@ -107,6 +184,8 @@ static const struct file_operations vnpu_fops = {
 	.release = vnpu_release,
 	.read = vnpu_read,
 	.poll = vnpu_poll,
+	.mmap = vnpu_mmap,
+	.unlocked_ioctl = vnpu_ioctl,
 	.llseek = noop_llseek,
 };
 
@@ -122,6 +201,9 @@ static int vnpu_probe(struct pci_dev *pdev, const struct pci_device_id *id)
 	if (ret)
 		return ret;
 	pci_set_master(pdev);
+	ret = dma_set_mask_and_coherent(&pdev->dev, DMA_BIT_MASK(64));
+	if (ret)
+		return ret;
 	ret = pci_alloc_irq_vectors(pdev, 1, 1, PCI_IRQ_MSIX);
 	if (ret < 0) {
 		dev_err(&pdev->dev, "no MSI-X vector: %d\n", ret);
@@ -175,5 +257,5 @@ static struct pci_driver vnpu_driver = {
 };
 module_pci_driver(vnpu_driver);
 
-MODULE_DESCRIPTION("vNPU: MSI-X completions for the user-space driver");
+MODULE_DESCRIPTION("vNPU: MSI-X completions and DMA memory for the user-space driver");
 MODULE_LICENSE("GPL");

@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use npu_infer_io::npy::Array;
+use npu_infer_io::{append_outputs, batch_input_bytes, gather_inputs, ReportOptions, RunStat};
 use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
-use npu_onnx::npy::{self, Array};
 use npu_onnx::{CompileOptions, CompileReport};
 use npu_workloads::lower::VnpuShape;
 use vnpu_abi::model::{job, Model};
@@ -25,7 +26,7 @@ pub enum ModelCmdError {
     #[error(transparent)]
     Compile(#[from] npu_onnx::CompileError),
     #[error(transparent)]
-    Npy(#[from] npu_onnx::npy::NpyError),
+    InferIo(#[from] npu_infer_io::InferIoError),
     #[error("{0}")]
     Usage(String),
     #[error(transparent)]
@@ -143,58 +144,6 @@ fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
         .map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })
 }
 
-/// The inputs, matched to the model's by name (`NAME=FILE`) or order, and
-/// the number of batches they make.
-fn gather_inputs(m: &Model, args: &[String]) -> Result<(Vec<Array>, u32), ModelCmdError> {
-    if args.len() != m.inputs.len() {
-        let names: Vec<&str> = m.inputs.iter().map(|t| t.name.as_str()).collect();
-        return Err(ModelCmdError::Usage(format!(
-            "the model has {} input(s) ({}); {} --input given",
-            m.inputs.len(),
-            names.join(", "),
-            args.len()
-        )));
-    }
-    let mut by_name = HashMap::new();
-    for (i, a) in args.iter().enumerate() {
-        let (name, path) = match a.split_once('=') {
-            Some((n, p)) if m.inputs.iter().any(|t| t.name == n) => (n.to_string(), p),
-            _ => (m.inputs[i].name.clone(), a.as_str()),
-        };
-        by_name.insert(name, npy::read_file(Path::new(path))?);
-    }
-    let mut runs = None;
-    let mut out = Vec::new();
-    for t in &m.inputs {
-        let a = by_name
-            .remove(&t.name)
-            .ok_or_else(|| ModelCmdError::Usage(format!("no --input for `{}`", t.name)))?;
-        let batch = t.dims[0];
-        let ok = a.shape.len() == t.dims.len() && a.shape[1..] == t.dims[1..] && a.shape[0] % batch == 0;
-        if !ok || a.shape[0] == 0 {
-            return Err(ModelCmdError::Usage(format!(
-                "input `{}` has shape {:?}; the model takes {:?} per batch (a leading dimension that is a multiple of {batch} runs several batches)",
-                t.name, a.shape, t.dims
-            )));
-        }
-        let r = (a.shape[0] / batch) as u32;
-        if *runs.get_or_insert(r) != r {
-            return Err(ModelCmdError::Usage("the inputs make different numbers of batches".into()));
-        }
-        out.push(a);
-    }
-    Ok((out, runs.unwrap_or(1)))
-}
-
-/// Per-run statistics (the job's statistics section, or the in-process runs).
-#[derive(Clone, Copy, Debug, Default)]
-struct RunStat {
-    wall_ns: u64,
-    cycles: u64,
-    sa_active: u64,
-    vu_active: u64,
-}
-
 /// `vnpu infer`: returns the exit code.
 pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
     let m = read_model(&a.model)?;
@@ -231,7 +180,15 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
         let (o, s) = run_vm(&a, &m, &inputs, runs)?;
         (o, s, "VM (runner guest, driver, ring, verifier, model, MSI-X)")
     };
-    report(&a, &m, runs, &outputs, &stats, path)?;
+    let opts = ReportOptions {
+        clock_mhz: a.board.clock_mhz,
+        wall: if a.in_process { "host" } else { "guest" },
+        path,
+        top: a.top,
+        show: a.show,
+        output: a.output.as_deref(),
+    };
+    npu_infer_io::print_report(&m, runs, &outputs, &stats, &opts)?;
     Ok(0)
 }
 
@@ -280,13 +237,9 @@ fn run_vm(
     // Interleave per run: each input's batch slice in the model's order.
     let mut at = in_at;
     for run in 0..runs as usize {
-        for (x, d) in inputs.iter().zip(&m.inputs) {
-            let n = d.elems().unwrap_or(0) as usize;
-            for v in &x.data[run * n..(run + 1) * n] {
-                p[at..at + 4].copy_from_slice(&v.to_le_bytes());
-                at += 4;
-            }
-        }
+        let b = batch_input_bytes(m, inputs, run);
+        p[at..at + b.len()].copy_from_slice(&b);
+        at += b.len();
     }
     // Memory: the runtime's 24 MiB, the program copies and window in DMA
     // memory, the payload on top; at least 64 MiB.
@@ -314,17 +267,10 @@ fn run_vm(
             .unwrap_or_else(|| "no message (see the guest's console output above)".into());
         return Err(ModelCmdError::Guest { code, message: msg });
     }
-    let f32s = |b: &[u8]| {
-        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<_>>()
-    };
     let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
-    let mut at = out_at;
-    for _ in 0..runs {
-        for (acc, d) in outs.iter_mut().zip(&m.outputs) {
-            let n = d.bytes().unwrap_or(0) as usize;
-            acc.extend(f32s(&back[at..at + n]));
-            at += n;
-        }
+    let per_run = out_bytes / runs.max(1) as usize;
+    for run in 0..runs as usize {
+        append_outputs(m, &back[out_at + run * per_run..out_at + (run + 1) * per_run], &mut outs);
     }
     let stats = back[stat_at..stat_at + stat_bytes]
         .chunks_exact(job::STAT_WORDS * 8)
@@ -334,80 +280,4 @@ fn run_vm(
         })
         .collect();
     Ok((outs, stats))
-}
-
-fn min_med_max(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    (v[0], v[v.len() / 2], v[v.len() - 1])
-}
-
-fn report(
-    a: &InferArgs,
-    m: &Model,
-    runs: u32,
-    outputs: &[Vec<f32>],
-    stats: &[RunStat],
-    path: &str,
-) -> Result<(), ModelCmdError> {
-    let t = m.target;
-    let clock = f64::from(a.board.clock_mhz) * 1e6;
-    println!("ran           {runs} batch(es) of {} on {} SA + {} VU, {path}", t.batch, t.sa, t.vu);
-    let wall = min_med_max(stats.iter().map(|s| s.wall_ns as f64 / 1e3).collect());
-    let npu = min_med_max(stats.iter().map(|s| s.cycles as f64 / clock * 1e6).collect());
-    println!(
-        "latency       per batch: {} wall min/median/max {:.1}/{:.1}/{:.1} us; simulated NPU time {:.1}/{:.1}/{:.1} us",
-        if a.in_process { "host" } else { "guest" },
-        wall.0,
-        wall.1,
-        wall.2,
-        npu.0,
-        npu.1,
-        npu.2
-    );
-    let cycles: u64 = stats.iter().map(|s| s.cycles).sum();
-    let (sa, vu): (u64, u64) =
-        (stats.iter().map(|s| s.sa_active).sum(), stats.iter().map(|s| s.vu_active).sum());
-    let c = cycles.max(1) as f64;
-    println!(
-        "counters      {cycles} cycles; SA active {sa} ({:.1}% of {} SA), VU active {vu} ({:.1}% of {} VU)",
-        100.0 * sa as f64 / (c * f64::from(t.sa)),
-        t.sa,
-        100.0 * vu as f64 / (c * f64::from(t.vu)),
-        t.vu
-    );
-    for (d, v) in m.outputs.iter().zip(outputs) {
-        let per = d.elems().unwrap_or(0) as usize / (t.batch as usize).max(1);
-        let samples = v.len() / per.max(1);
-        if a.top > 0 && per > 1 {
-            for s in 0..samples.min(a.show) {
-                let row = &v[s * per..(s + 1) * per];
-                let mut idx: Vec<usize> = (0..per).collect();
-                idx.sort_by(|&i, &j| row[j].total_cmp(&row[i]));
-                let top: Vec<String> =
-                    idx.iter().take(a.top).map(|&i| format!("{i}:{:.4}", row[i])).collect();
-                println!("{:<13} sample {s}: top-{} {}", d.name, a.top.min(per), top.join(" "));
-            }
-            if samples > a.show {
-                println!("{:<13} ... {} more samples (--show N prints more)", d.name, samples - a.show);
-            }
-        }
-    }
-    if let Some(path) = &a.output {
-        for (i, (d, v)) in m.outputs.iter().zip(outputs).enumerate() {
-            let mut shape = d.dims.clone();
-            shape[0] *= u64::from(runs);
-            let p = if m.outputs.len() == 1 {
-                path.clone()
-            } else {
-                let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
-                path.with_file_name(format!("{stem}.{i}.{}.npy", d.name.replace(['/', ':'], "_")))
-            };
-            npy::write_file(&p, &Array { shape, data: v.clone() })?;
-            println!("wrote         {} ({})", p.display(), d.name);
-        }
-    }
-    Ok(())
 }
