@@ -8,7 +8,7 @@
 # warnings about the vNPU, and prints
 # the boot and run times. Needs qemu-system-x86 (scripts/setup.sh) and
 # the guests built (scripts/build-guests.sh). NESTED_TIMEOUT in seconds
-# (default 600).
+# (default 300; a hung run is reported and retried once, see below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v qemu-system-x86_64 >/dev/null || { echo "nested-test: qemu-system-x86_64 missing (bash scripts/setup.sh)" >&2; exit 1; }
@@ -21,27 +21,50 @@ log=target/nested-test.log
 mkdir -p target
 echo "nested-test: booting L1 (QEMU/TCG, -cpu EPYC) -> vnpu -> L2; log in $log" >&2
 start=$(date +%s.%N)
-: > "$log"
-# QEMU reads its serial input from a FIFO the harness also holds open, so
-# the harness can type on the L2 console when L2 asks (console input
-# through L1 and our VMM) and QEMU never sees end of input.
-fifo="$(mktemp -u)"
-mkfifo "$fifo"
-exec 3<>"$fifo"
-rm -f "$fifo"
-timeout "${NESTED_TIMEOUT:-600}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
-    -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
-    -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
-    <&3 2>&1 | while IFS= read -r line; do
-        line="${line%$'\r'}"
-        case "$line" in *"TCG doesn't support requested feature"*) continue ;; esac
-        printf '%s\n' "$line" >> "$log"
-        case "$line" in
-            L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*|check*|infer*|ran*|counters*) printf '%s\n' "$line" >&2 ;;
-        esac
-        case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&3 ;; esac
-    done || true
-exec 3>&-
+# One boot of L1 (and L2 inside it) into $log; returns timeout's 124 when
+# the run did not power off in time.
+boot() {
+    : > "$log"
+    # QEMU reads its serial input from a FIFO the harness also holds open, so
+    # the harness can type on the L2 console when L2 asks (console input
+    # through L1 and our VMM) and QEMU never sees end of input.
+    local fifo st
+    fifo="$(mktemp -u)"
+    mkfifo "$fifo"
+    exec 3<>"$fifo"
+    rm -f "$fifo"
+    set +e
+    timeout "${NESTED_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
+        -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
+        -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
+        <&3 2>&1 | while IFS= read -r line; do
+            # L2's console lines cross two serial ports: drop every CR.
+            line="${line//$'\r'/}"
+            case "$line" in *"TCG doesn't support requested feature"*) continue ;; esac
+            printf '%s\n' "$line" >> "$log"
+            case "$line" in
+                L1*|L2*|accuracy*|latency*|batch*|vnpu*|pci*|dma*|digits*|model*|msix*|check*|infer*|ran*|counters*) printf '%s\n' "$line" >&2 ;;
+            esac
+            case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&3 ;; esac
+        done
+    st=${PIPESTATUS[0]}
+    set -e
+    exec 3>&-
+    return "$st"
+}
+# A run that hangs (no power-off within NESTED_TIMEOUT, default 300 s;
+# a normal run takes 20-60 s) is reported with its log and tried once more:
+# CI saw one such hang (2026-11-22: L1 up, nothing from L2 in 1200 s)
+# (docs/linux-guests.md). Any other failure is not retried.
+st=0
+boot || st=$?
+if [ "$st" = 124 ]; then
+    echo "nested-test: HUNG: no power-off within ${NESTED_TIMEOUT:-300} s; the last 60 lines of its log ($log.hung):" >&2
+    tail -n 60 "$log" >&2
+    cp "$log" "$log.hung"
+    echo "nested-test: booting once more" >&2
+    boot || true
+fi
 end=$(date +%s.%N)
 fail=0
 need() {
