@@ -104,6 +104,29 @@ struct Mapping {
     len: usize,
 }
 
+impl Mapping {
+    /// A fresh shared read-write mapping of `len` bytes of `file` from
+    /// offset 0; `what` names it in the error.
+    fn shared(file: &File, len: usize, what: impl FnOnce() -> String) -> Result<Self, LinuxError> {
+        // SAFETY: a fresh shared mapping of the file at an address the
+        // kernel picks; nothing else aliases it. The result is checked.
+        let ptr = unsafe {
+            libc::mmap(
+                core::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(LinuxError::Map { what: what(), source: std::io::Error::last_os_error() });
+        }
+        Ok(Self { ptr: ptr.cast(), len })
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr..ptr + len` is a mapping this value made and owns.
@@ -143,26 +166,9 @@ impl LinuxVnpu {
         if len < abi::BAR0_SIZE {
             return Err(LinuxError::BarSize(path.display().to_string(), len));
         }
-        let len = abi::BAR0_SIZE as usize;
-        // SAFETY: a fresh shared mapping of the BAR's resource file; the
-        // kernel maps it uncached. Nothing else aliases it.
-        let ptr = unsafe {
-            libc::mmap(
-                core::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(LinuxError::Map {
-                what: res.display().to_string(),
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        Ok(Self { path: path.to_path_buf(), bar0: Mapping { ptr: ptr.cast(), len } })
+        // The kernel maps the BAR's resource file uncached.
+        let bar0 = Mapping::shared(&file, abi::BAR0_SIZE as usize, || res.display().to_string())?;
+        Ok(Self { path: path.to_path_buf(), bar0 })
     }
 
     /// The function's address (`0000:00:01.0`).
@@ -313,28 +319,11 @@ impl DmaMemory {
     /// kernel's contiguous memory area (boot with `cma=SIZE`).
     pub fn from_module(file: File, len: usize) -> Result<Self, LinuxError> {
         let len = len.max(1).div_ceil(4096) * 4096;
-        // SAFETY: a fresh shared mapping of the module's file; the module
-        // backs it with the buffer it allocates for this file. Nothing
-        // else aliases it.
-        let ptr = unsafe {
-            libc::mmap(
-                core::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(LinuxError::Map {
-                what: std::format!(
-                    "{len} bytes of DMA memory from the vnpu module (above 4 MiB: boot with cma=SIZE)"
-                ),
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        let map = Mapping { ptr: ptr.cast(), len };
+        // The module backs the mapping with the buffer it allocates for
+        // this file.
+        let map = Mapping::shared(&file, len, || {
+            std::format!("{len} bytes of DMA memory from the vnpu module (above 4 MiB: boot with cma=SIZE)")
+        })?;
         let mut bus = 0u64;
         // SAFETY: the module's ioctl writes one u64 to the pointer given.
         let r = unsafe { libc::ioctl(file.as_raw_fd(), VNPU_IOC_DMA_ADDR, &mut bus as *mut u64) };
