@@ -202,18 +202,19 @@ impl LinuxVnpu {
     /// vector 0: each 4-byte read blocks until the count of completion
     /// interrupts differs from what this file last returned, and returns it.
     pub fn completions(&self) -> Option<File> {
-        File::open(Path::new("/dev").join(std::format!("vnpu-{}", self.address()))).ok()
+        File::open(self.module_file()).ok()
+    }
+
+    /// The `vnpu` kernel module's device file for this function.
+    fn module_file(&self) -> PathBuf {
+        Path::new("/dev").join(std::format!("vnpu-{}", self.address()))
     }
 
     /// The `vnpu` kernel module's device file for this function, opened
     /// read-write (for [`DmaMemory::from_module`]), when the module is
     /// loaded.
     pub fn dma_file(&self) -> Option<File> {
-        OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(Path::new("/dev").join(std::format!("vnpu-{}", self.address())))
-            .ok()
+        OpenOptions::new().read(true).write(true).open(self.module_file()).ok()
     }
 
     /// BAR 0's registers, for [`crate::Vnpu::new`]. Valid while `self` lives.
@@ -230,9 +231,6 @@ impl LinuxVnpu {
 pub struct DmaMemory {
     map: Mapping,
     phys: u64,
-    /// The kernel module's file that owns the buffer (freed when the file
-    /// is closed and unmapped).
-    _owner: Option<File>,
 }
 
 fn free_huge_pages() -> u64 {
@@ -308,7 +306,7 @@ impl DmaMemory {
                 return Err(LinuxError::NotContiguous { pages, page: i, got, want });
             }
         }
-        Ok(Self { map, phys, _owner: None })
+        Ok(Self { map, phys })
     }
 
     /// A physically contiguous buffer of `len` bytes (rounded up to whole
@@ -333,7 +331,9 @@ impl DmaMemory {
                 source: std::io::Error::last_os_error(),
             });
         }
-        Ok(Self { map, phys: bus, _owner: Some(file) })
+        // The mapping holds the module's file open: the buffer lives until
+        // it is unmapped, whatever happens to `file`.
+        Ok(Self { map, phys: bus })
     }
 
     /// Its size in bytes.

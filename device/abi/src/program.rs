@@ -149,6 +149,12 @@ impl Program {
         self.streams.iter().find(|s| s.engine == engine)
     }
 
+    /// Length of [`Program::encode`]'s container, without encoding it.
+    pub fn encoded_len(&self) -> usize {
+        let code: usize = self.streams.iter().flat_map(|s| &s.code).map(Instr::encoded_len).sum();
+        HEADER_LEN + STREAM_ENTRY_LEN * self.streams.len() + code
+    }
+
     /// Encodes the program as a container.
     pub fn encode(&self) -> Vec<u8> {
         let codes: Vec<Vec<u8>> = self

@@ -205,6 +205,7 @@ proptest! {
         }
         let p = b.finish();
         let bytes = p.encode();
+        prop_assert_eq!(p.encoded_len(), bytes.len());
         prop_assert_eq!(Program::decode(&bytes).unwrap(), p);
     }
 

@@ -53,14 +53,16 @@ pub fn gather_inputs(m: &Model, args: &[String]) -> Result<(Vec<Array>, u32), In
     for t in &m.inputs {
         let a = by_name.remove(&t.name).ok_or_else(|| usage(format!("no --input for `{}`", t.name)))?;
         let batch = t.dims.first().copied().unwrap_or(1).max(1);
-        let ok = a.shape.len() == t.dims.len() && a.shape[1..] == t.dims[1..] && a.shape[0] % batch == 0;
-        if !ok || a.shape[0] == 0 {
+        // A rank-0 tensor has no batch axis: refused here, never indexed.
+        let lead = a.shape.first().copied().unwrap_or(0);
+        let ok = a.shape.len() == t.dims.len() && a.shape.get(1..) == t.dims.get(1..) && lead % batch == 0;
+        if !ok || lead == 0 {
             return Err(usage(format!(
                 "input `{}` has shape {:?}; the model takes {:?} per batch (a leading dimension that is a multiple of {batch} runs several batches)",
                 t.name, a.shape, t.dims
             )));
         }
-        let r = u32::try_from(a.shape[0] / batch)
+        let r = u32::try_from(lead / batch)
             .map_err(|_| usage(format!("input `{}`: too many batches", t.name)))?;
         if *runs.get_or_insert(r) != r {
             return Err(usage("the inputs make different numbers of batches".into()));
@@ -226,7 +228,8 @@ pub fn compare(got: &[f32], want: &[f32], row: usize) -> Result<Comparison, Infe
             got.len()
         )));
     }
-    let scale = want.iter().fold(0f64, |m, &w| if w.is_nan() { f64::NAN } else { m.max(f64::from(w).abs()) });
+    // A NaN in `want` makes its own difference NaN below.
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
     let (mut abs, mut rel) = (0f64, 0f64);
     for (&g, &w) in got.iter().zip(want) {
         let d = (f64::from(g) - f64::from(w)).abs();
@@ -263,6 +266,53 @@ mod tests {
         let c = compare(&[1.0, 1.0], &[f32::NAN, 0.0], 2).unwrap();
         assert!(c.max_abs.is_nan() && c.scaled_rel.is_nan(), "{c:?}");
         assert!(compare(&[1.0], &[1.0, 2.0], 1).is_err());
+    }
+
+    fn model(dims: Vec<u64>) -> Model {
+        use vnpu_abi::model::{ElemType, Target, TensorDesc};
+        let t = |name: &str, dims: Vec<u64>| TensorDesc {
+            name: name.into(),
+            elem: ElemType::F32,
+            dims,
+            offset: 0,
+        };
+        Model {
+            target: Target { batch: 2, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
+            window_bytes: 4096,
+            inputs: vec![t("x", dims)],
+            outputs: vec![t("y", vec![2])],
+            load: vnpu_abi::ProgramBuilder::new().finish(),
+            infer: vnpu_abi::ProgramBuilder::new().finish(),
+            weights: Vec::new(),
+        }
+    }
+
+    fn file(name: &str, shape: Vec<u64>) -> String {
+        let p = std::env::temp_dir().join(format!("infer-io-{}-{name}.npy", std::process::id()));
+        let n = shape.iter().product::<u64>() as usize;
+        npy::write_file(&p, &Array { shape, data: (0..n).map(|i| i as f32).collect() }).unwrap();
+        p.display().to_string()
+    }
+
+    #[test]
+    fn inputs_are_matched_by_name_and_shape_and_bad_ones_refused() {
+        let m = model(vec![2, 3]);
+        let six = file("six", vec![6, 3]);
+        let (xs, runs) = gather_inputs(&m, std::slice::from_ref(&six)).unwrap();
+        assert_eq!((xs[0].shape.clone(), runs), (vec![6, 3], 3));
+        assert_eq!(gather_inputs(&m, &[format!("x={six}")]).unwrap().1, 3);
+        // Batch 1 of 3, in the window's byte order.
+        let b = batch_input_bytes(&m, &xs, 1);
+        assert_eq!(b.len(), 24);
+        assert_eq!(f32::from_le_bytes([b[0], b[1], b[2], b[3]]), 6.0);
+        let odd = file("odd", vec![3, 3]);
+        assert!(matches!(gather_inputs(&m, &[odd]), Err(InferIoError::Usage(_))));
+        let wrong = file("wrong", vec![2, 4]);
+        assert!(matches!(gather_inputs(&m, &[wrong]), Err(InferIoError::Usage(_))));
+        assert!(matches!(gather_inputs(&m, &[]), Err(InferIoError::Usage(_))));
+        // A rank-0 input (the model's and the file's) is refused, not indexed.
+        let scalar = file("scalar", vec![]);
+        assert!(matches!(gather_inputs(&model(vec![]), &[scalar]), Err(InferIoError::Usage(_))));
     }
 
     #[test]

@@ -121,10 +121,16 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let (_, out_bytes) = infer::batch_bytes(&model).ok_or("the model's tensor sizes overflow")?;
 
     let mut opened = linux_guest::open_first()?;
-    // One DMA buffer: the I/O window, then the ring and both programs.
-    let window = usize::try_from(model.window_bytes)?.next_multiple_of(4096);
-    let programs = model.load.encode().len() + model.infer.encode().len();
-    let len = window + (programs + (1 << 20)).next_multiple_of(4096);
+    // One DMA buffer: the I/O window, then the ring and both programs
+    // (1 MiB is ample for the ring and the alignment of each).
+    let len = usize::try_from(model.window_bytes)
+        .ok()
+        .and_then(|w| w.checked_next_multiple_of(4096))
+        .and_then(|w| w.checked_add(model.load.encoded_len()))
+        .and_then(|w| w.checked_add(model.infer.encoded_len()))
+        .and_then(|w| w.checked_add(1 << 20))
+        .and_then(|w| w.checked_next_multiple_of(4096))
+        .ok_or_else(|| format!("the model's I/O window of {} bytes is too large", model.window_bytes))?;
     let dma = match opened.dev.dma_file() {
         Some(f) => {
             let d = DmaMemory::from_module(f, len)?;
