@@ -270,6 +270,35 @@ impl Op {
         }
     }
 
+    /// The weight tensor the SA reads as its second operand, when the
+    /// operation is a product with stored weights (Linear, Conv).
+    pub fn sa_weight(&self) -> Option<TensorId> {
+        match *self {
+            Op::Linear { w, .. } | Op::Conv { w, .. } => Some(w),
+            _ => None,
+        }
+    }
+
+    /// Every tensor the operation reads or writes (a tensor used twice is
+    /// listed twice).
+    pub fn tensors(&self) -> Vec<TensorId> {
+        match *self {
+            Op::Linear { x, w, b, y, .. } => vec![x.t, w, b, y.t],
+            Op::Conv { x, w, b, y, .. } | Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
+            Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => vec![x, y],
+            Op::Add { a, b, y, .. } | Op::Mul { a, b, y, .. } => vec![a.t, b.t, y.t],
+            Op::AddNorm { a, b, gamma, beta, y, .. } => {
+                [Some(a), b, Some(gamma), Some(beta), Some(y)].into_iter().flatten().collect()
+            }
+            Op::ScaleChannels { x, s, y, .. } => vec![x, s, y],
+            Op::Attention { qkv, y, .. } => vec![qkv, y],
+            Op::Embedding { table, idx, y, .. } => vec![table, idx, y.t],
+            Op::Interaction { z, y, .. } => vec![z, y.t],
+            Op::Copy { x, y, .. } | Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => vec![x.t, y.t],
+            Op::BatchMatMul { a, b, y, .. } => vec![a, b, y],
+        }
+    }
+
     pub fn name(&self) -> &str {
         match self {
             Op::Linear { name, .. }

@@ -71,6 +71,9 @@ pub struct Placed {
     pub offset: u64,
     pub elems: u64,
     pub init: Init,
+    /// How its elements are stored: f32, or bf16 for the weights of SA
+    /// products lowered with bf16 operands ([`lower_as`]).
+    pub dtype: DType,
 }
 
 /// The lowered program and where everything lives.
@@ -107,6 +110,10 @@ enum Stage {
 /// product split by weight columns).
 struct Tile {
     load: Vec<Instr>,
+    /// VU work on the loaded tile that every lane needs (converting SA
+    /// operands to bf16), run once on the slot's first VU before the lanes
+    /// start. Empty: the lanes start right after the load.
+    prep: Vec<Instr>,
     lanes: Vec<Lane>,
 }
 
@@ -117,7 +124,7 @@ struct Lane {
 
 impl Tile {
     fn single(load: Vec<Instr>, stages: Vec<Stage>, store: Vec<Instr>) -> Self {
-        Tile { load, lanes: vec![Lane { stages, store }] }
+        Tile { load, prep: vec![], lanes: vec![Lane { stages, store }] }
     }
 }
 
@@ -167,6 +174,11 @@ struct Lowerer {
     deferred: VecDeque<Vec<(u8, Vec<Instr>)>>,
     /// SRAM ranges the last pipeline still uses until `deferred` is emitted.
     live: Vec<(u64, u64)>,
+    /// The SA's operand type: with bf16, stored weights are bf16 in HBM and
+    /// computed operands are converted to bf16 in SRAM on a VU first.
+    dtype: DType,
+    /// Bytes per element of each tensor in HBM.
+    esize: Vec<u64>,
 }
 
 fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
@@ -241,6 +253,19 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
     v
 }
 
+/// VU instructions converting the f32 operands at `(sram, elems)` to the
+/// SA operand type `dtype` in place (none for f32): the bf16 values take
+/// the first half of each range.
+fn to_sa_type(dtype: DType, ranges: &[(u64, u64)]) -> Vec<Instr> {
+    if dtype == DType::F32 {
+        return vec![];
+    }
+    ranges
+        .iter()
+        .map(|&(at, len)| Instr::VConvert { from: DType::F32, to: dtype, src: at, dst: at, len: len as u32 })
+        .collect()
+}
+
 /// Whether two strided byte sets `(start, rows, len, stride)` (rows of
 /// `len` bytes, `stride` apart) may share a byte: exact when the strides
 /// are equal and cover their rows, else by bounding ranges (never a false
@@ -276,7 +301,7 @@ fn max_rows(budget: u64, hi: u32, bytes: impl Fn(u32) -> u64) -> u32 {
 
 impl Lowerer {
     fn addr(&self, t: TensorId, elem: u64) -> Addr {
-        Addr::hbm(self.hbm[t] + elem * F)
+        Addr::hbm(self.hbm[t] + elem * self.esize[t])
     }
 
     /// Picks slot count and rows per tile: as many slots as engines allow
@@ -367,18 +392,32 @@ impl Lowerer {
             }
             let wide = tl.lanes.len() > 1;
             let n_lanes = tl.lanes.len() as u32;
+            let mut start = Engine::DMA;
+            if !tl.prep.is_empty() {
+                let e = if wide { slot * n_lanes } else { slot };
+                start = Engine::vu((e % self.shape.vu) as u8);
+                let sem = self.chan(Engine::DMA, start)?;
+                self.b.push(Engine::DMA, Instr::Signal { sem });
+                self.b.push(start, Instr::Wait { sem });
+                for i in tl.prep {
+                    self.b.push(start, i);
+                }
+            }
             let mut posts = Vec::with_capacity(tl.lanes.len());
             for (lane, l) in tl.lanes.into_iter().enumerate() {
                 let e = if wide { slot * n_lanes + lane as u32 } else { slot };
-                let mut prev = Engine::DMA;
+                let mut prev = start;
                 for st in l.stages {
                     let (engine, code) = match st {
                         Stage::Sa(c) => (Engine::sa((e % self.shape.sa) as u8), c),
                         Stage::Vu(c) => (Engine::vu((e % self.shape.vu) as u8), c),
                     };
-                    let sem = self.chan(prev, engine)?;
-                    self.b.push(prev, Instr::Signal { sem });
-                    self.b.push(engine, Instr::Wait { sem });
+                    // One engine's stream is in order: no token needed.
+                    if engine != prev {
+                        let sem = self.chan(prev, engine)?;
+                        self.b.push(prev, Instr::Signal { sem });
+                        self.b.push(engine, Instr::Wait { sem });
+                    }
                     for i in code {
                         self.b.push(engine, i);
                     }
@@ -525,25 +564,27 @@ impl Lowerer {
         blocks: &[Block],
         dst: u64,
     ) -> Vec<Instr> {
+        let e = self.esize[w];
         blocks
             .iter()
             .map(|bl| {
                 copy(
                     self.addr(w, u64::from(n0 + bl.c0)),
-                    Addr::sram(dst + krows * u64::from(bl.c0) * F),
+                    Addr::sram(dst + krows * u64::from(bl.c0) * e),
                     krows,
-                    u64::from(bl.cols) * F,
-                    u64::from(n) * F,
-                    u64::from(bl.cols) * F,
+                    u64::from(bl.cols) * e,
+                    u64::from(n) * e,
+                    u64::from(bl.cols) * e,
                 )
             })
             .collect()
     }
 
-    /// Column chunk of weights that fits half the SRAM.
-    fn weight_chunk(&self, k: u64, n: u32) -> u32 {
+    /// Column chunk of weights (`esize` bytes per element) that fits half
+    /// the SRAM with its bias.
+    fn weight_chunk(&self, k: u64, n: u32, esize: u64) -> u32 {
         let half = self.shape.sram_bytes / 2;
-        let per_col = (k + 1) * F;
+        let per_col = k * esize + F;
         if per_col * u64::from(n) <= half {
             return n;
         }
@@ -568,11 +609,15 @@ impl Lowerer {
         n: u32,
         act: Act,
     ) -> Result<(), LowerError> {
-        let nt_max = self.weight_chunk(k.into(), n);
+        let we = self.esize[w];
+        let nt_max = self.weight_chunk(k.into(), n, we);
         let mut n0 = 0;
         while n0 < n {
             let nt = nt_max.min(n - n0);
-            let wbytes = u64::from(k) * u64::from(nt) * F;
+            let wbytes = u64::from(k) * u64::from(nt) * we;
+            // The bias after the weights, 4-byte aligned (bf16 weights may
+            // end mid-word).
+            let wbytes = wbytes.next_multiple_of(4);
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
             let tmp_cols = if act.needs_scratch() { u64::from(nt) } else { 0 };
             let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
@@ -585,6 +630,8 @@ impl Lowerer {
             preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let hbm = self.hbm.clone();
             let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let dtype = self.dtype;
+            let prep = |inb: u64, len: u64| to_sa_type(dtype, &[(inb, len)]);
             self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let m0 = t as u32 * rt;
                 let r = rt.min(rows - m0);
@@ -599,10 +646,10 @@ impl Lowerer {
                         Lane {
                             stages: vec![
                                 Stage::Sa(vec![Instr::MatMul {
-                                    dtype: DType::F32,
+                                    dtype,
                                     flags: MatFlags::default(),
                                     a: inb,
-                                    b: w_s + u64::from(k) * u64::from(bl.c0) * F,
+                                    b: w_s + u64::from(k) * u64::from(bl.c0) * we,
                                     c: outb + off,
                                     m: r,
                                     k,
@@ -640,6 +687,7 @@ impl Lowerer {
                         u64::from(x.ld) * F,
                         u64::from(k) * F,
                     )],
+                    prep: prep(inb, u64::from(r) * u64::from(k)),
                     lanes,
                 }
             })?;
@@ -676,11 +724,15 @@ impl Lowerer {
         let (ho, wo) = s.out();
         let kk = u64::from(s.kh) * u64::from(s.kw);
         let krows = if depthwise { kk } else { kk * u64::from(cin) };
-        let nt_max = if depthwise { cout } else { self.weight_chunk(krows, cout) };
+        let we = self.esize[w];
+        let nt_max = if depthwise { cout } else { self.weight_chunk(krows, cout, we) };
         let mut n0 = 0;
         while n0 < cout {
             let nt = nt_max.min(cout - n0);
-            let wbytes = krows * u64::from(nt) * F;
+            let wbytes = krows * u64::from(nt) * we;
+            // The bias after the weights, 4-byte aligned (bf16 weights may
+            // end mid-word).
+            let wbytes = wbytes.next_multiple_of(4);
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
             let tmp = u64::from(act.needs_scratch());
             let bytes = |r: u32| {
@@ -705,6 +757,8 @@ impl Lowerer {
             preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
             let hbm = self.hbm.clone();
             let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let dtype = self.dtype;
+            let prep = |inb: u64, len: u64| if depthwise { vec![] } else { to_sa_type(dtype, &[(inb, len)]) };
             self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let img = t as u32 / bands;
                 let oy0 = (t as u32 % bands) * rt;
@@ -741,7 +795,7 @@ impl Lowerer {
                             pad_left: s.pad[2],
                             pad_right: s.pad[3],
                         };
-                        let (wb, ob) = (w_s + krows * u64::from(bl.c0) * F, outb + off);
+                        let (wb, ob) = (w_s + krows * u64::from(bl.c0) * we, outb + off);
                         let post = bias_act(
                             ob,
                             Some(b_s + u64::from(bl.c0) * F),
@@ -757,7 +811,7 @@ impl Lowerer {
                         } else {
                             vec![
                                 Stage::Sa(vec![Instr::Conv2d {
-                                    dtype: DType::F32,
+                                    dtype,
                                     flags: MatFlags::default(),
                                     input: inb,
                                     weights: wb,
@@ -780,7 +834,11 @@ impl Lowerer {
                         }
                     })
                     .collect();
-                Tile { load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)], lanes }
+                Tile {
+                    load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)],
+                    prep: prep(inb, in_elems),
+                    lanes,
+                }
             })?;
             n0 += nt;
         }
@@ -1088,6 +1146,7 @@ impl Lowerer {
                 let scale = 1.0 / (dh as f32).sqrt();
                 let n = (batch * heads) as usize;
                 let layout = Layout::low(0, u64::from(slots.min(n as u32)) * slot_bytes);
+                let dtype = self.dtype;
                 self.pipeline(layout, vec![], slots, n, |t, slot| {
                     let (bi, h) = (t as u32 / heads, t as u32 % heads);
                     let base = u64::from(slot) * slot_bytes;
@@ -1097,44 +1156,52 @@ impl Lowerer {
                     let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
                     let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
                     let rowb = u64::from(dh) * F;
+                    let (sdh, sseq) = (u64::from(seq) * u64::from(dh), u64::from(seq) * u64::from(seq));
+                    let mut softmax = vec![
+                        Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
+                        Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
+                    ];
+                    softmax.extend(to_sa_type(dtype, &[(sc, sseq)]));
+                    let mut stages = vec![Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)]))];
+                    if dtype == DType::F32 {
+                        stages.clear();
+                    }
+                    stages.extend([
+                        Stage::Sa(vec![Instr::MatMul {
+                            dtype,
+                            flags: MatFlags { accumulate: false, transpose_b: true },
+                            a: q,
+                            b: k,
+                            c: sc,
+                            m: seq,
+                            k: dh,
+                            n: seq,
+                            lda: dh,
+                            ldb: dh,
+                            ldc: seq,
+                        }]),
+                        Stage::Vu(softmax),
+                        Stage::Sa(vec![Instr::MatMul {
+                            dtype,
+                            flags: MatFlags::default(),
+                            a: sc,
+                            b: v,
+                            c: o,
+                            m: seq,
+                            k: seq,
+                            n: dh,
+                            lda: seq,
+                            ldb: dh,
+                            ldc: dh,
+                        }]),
+                    ]);
                     Tile::single(
                         vec![
                             copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
                             copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
                             copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
                         ],
-                        vec![
-                            Stage::Sa(vec![Instr::MatMul {
-                                dtype: DType::F32,
-                                flags: MatFlags { accumulate: false, transpose_b: true },
-                                a: q,
-                                b: k,
-                                c: sc,
-                                m: seq,
-                                k: dh,
-                                n: seq,
-                                lda: dh,
-                                ldb: dh,
-                                ldc: seq,
-                            }]),
-                            Stage::Vu(vec![
-                                Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
-                                Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
-                            ]),
-                            Stage::Sa(vec![Instr::MatMul {
-                                dtype: DType::F32,
-                                flags: MatFlags::default(),
-                                a: sc,
-                                b: v,
-                                c: o,
-                                m: seq,
-                                k: seq,
-                                n: dh,
-                                lda: seq,
-                                ldb: dh,
-                                ldc: dh,
-                            }]),
-                        ],
+                        stages,
                         vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
                     )
                 })?;
@@ -1274,6 +1341,7 @@ impl Lowerer {
                 let per = m.div_ceil(rt) as usize;
                 let n_tiles = if group > 1 { count.div_ceil(group) as usize } else { offs.len() * per };
                 let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
+                let dtype = self.dtype;
                 self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
                     // (matrix, first row) of each item of the tile.
                     let items: Vec<(usize, u32)> = if group > 1 {
@@ -1282,7 +1350,8 @@ impl Lowerer {
                     } else {
                         vec![(t / per, (t % per) as u32 * rt)]
                     };
-                    let (mut load, mut sa, mut vu, mut store) = (vec![], vec![], vec![], vec![]);
+                    let (mut load, mut pre, mut sa, mut vu, mut store) =
+                        (vec![], vec![], vec![], vec![], vec![]);
                     for (j, &(i, m0)) in items.iter().enumerate() {
                         let [oa, ob, oy] = offs[i];
                         let r = rt.min(m - m0);
@@ -1306,8 +1375,12 @@ impl Lowerer {
                             u64::from(lda) * F,
                             ab,
                         ));
+                        pre.extend(to_sa_type(
+                            dtype,
+                            &[(bs, u64::from(k) * u64::from(n)), (as_, u64::from(r) * u64::from(k))],
+                        ));
                         sa.push(Instr::MatMul {
-                            dtype: DType::F32,
+                            dtype,
                             flags: MatFlags { accumulate: false, transpose_b: trans_b },
                             a: as_,
                             b: bs,
@@ -1329,7 +1402,11 @@ impl Lowerer {
                             u64::from(ldy) * F,
                         ));
                     }
-                    let mut stages = vec![Stage::Sa(sa)];
+                    let mut stages = vec![];
+                    if !pre.is_empty() {
+                        stages.push(Stage::Vu(pre));
+                    }
+                    stages.push(Stage::Sa(sa));
                     if !vu.is_empty() {
                         stages.push(Stage::Vu(vu));
                     }
@@ -1391,6 +1468,57 @@ pub fn lower_ops(
     ops: std::ops::Range<usize>,
     shape: VnpuShape,
 ) -> Result<Lowered, LowerError> {
+    lower_ops_as(graph, ops, shape, DType::F32)
+}
+
+/// [`lower`] with the SA's operands in `dtype`. With bf16, every tensor
+/// that is used only as the stored weights of SA products (Linear, Conv)
+/// and is not written by the program is placed in HBM as bf16 (half the
+/// bytes; the runner stores it rounded to nearest even), and each product's
+/// computed operands are converted to bf16 in SRAM by a VU before the SA
+/// reads them. The SA accumulates and writes f32, so every activation
+/// stays f32 (`docs/model-format.md` gives the error bound).
+pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered, LowerError> {
+    lower_ops_as(graph, 0..graph.ops.len(), shape, dtype)
+}
+
+/// The tensors stored as `dtype` when `graph` is lowered with SA operands
+/// of `dtype`: see [`lower_as`].
+pub fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
+    let mut uses = vec![0u32; graph.tensors.len()];
+    let mut weight = vec![0u32; graph.tensors.len()];
+    for op in &graph.ops {
+        for t in op.tensors() {
+            if let Some(u) = uses.get_mut(t) {
+                *u += 1;
+            }
+        }
+        if let Some(w) = op.sa_weight().and_then(|w| weight.get_mut(w)) {
+            *w += 1;
+        }
+    }
+    graph
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let stored = t.init != Init::Activation && weight[i] > 0 && weight[i] == uses[i];
+            if stored {
+                dtype
+            } else {
+                DType::F32
+            }
+        })
+        .collect()
+}
+
+/// [`lower_ops`] with the SA's operands in `dtype` (see [`lower_as`]).
+pub fn lower_ops_as(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+    dtype: DType,
+) -> Result<Lowered, LowerError> {
     if shape.sa == 0 || shape.vu == 0 {
         return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
     }
@@ -1399,9 +1527,9 @@ pub fn lower_ops(
     let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
     let mut off = 0u64;
     let mut placed = Vec::with_capacity(graph.tensors.len());
-    for t in &graph.tensors {
-        placed.push(Placed { offset: off, elems: t.elems, init: t.init });
-        off = (off + t.elems * F).next_multiple_of(ALIGN);
+    for (t, d) in graph.tensors.iter().zip(stored_types(graph, dtype)) {
+        placed.push(Placed { offset: off, elems: t.elems, init: t.init, dtype: d });
+        off = (off + t.elems * d.size()).next_multiple_of(ALIGN);
     }
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
@@ -1413,6 +1541,8 @@ pub fn lower_ops(
         chans: Vec::new(),
         deferred: VecDeque::new(),
         live: Vec::new(),
+        dtype,
+        esize: placed.iter().map(|p| p.dtype.size()).collect(),
     };
     for op in graph.ops.get(ops).unwrap_or_default() {
         l.op(op)?;

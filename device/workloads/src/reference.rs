@@ -1,7 +1,18 @@
 //! A plain CPU interpreter of layer graphs: direct loops, f64
 //! accumulation, no tiling. The lowered programs are checked against it.
 
+use vnpu_abi::DType;
+
 use crate::graph::{Act, Graph, Op, PoolOp, View};
+
+/// An SA operand as the SA reads it: unchanged for f32, rounded to the
+/// nearest bf16 (ties to even) for bf16.
+fn operand(dtype: DType, x: f32) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(x),
+        DType::Bf16 => f64::from(half::bf16::from_f32(x).to_f32()),
+    }
+}
 
 fn act(a: Act, x: f64) -> f64 {
     match a {
@@ -36,6 +47,15 @@ fn set(t: &mut [Vec<f32>], v: View, r: u32, c: u32, x: f64) {
 /// Runs every operation of `graph` on `tensors` (one vector per tensor,
 /// indices stored as the bits of their u32 values), in place.
 pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
+    run_as(graph, tensors, DType::F32)
+}
+
+/// [`run`] with the SA's operands in `dtype`: both operands of every
+/// product (Linear, Conv, BatchMatMul, Attention's two) are rounded to
+/// `dtype` before they are multiplied (what a program lowered by
+/// [`crate::lower_as`] computes); accumulation stays f64.
+pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
+    let q = |x: f32| operand(dtype, x);
     for op in &graph.ops {
         match *op {
             Op::Linear { x, w, b, y, rows, k, n, act: a, .. } => {
@@ -43,7 +63,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     for j in 0..n {
                         let mut s = f64::from(tensors[b][j as usize]);
                         for p in 0..k {
-                            s += get(tensors, x, r, p) * f64::from(tensors[w][(p * n + j) as usize]);
+                            s += q(get(tensors, x, r, p) as f32) * q(tensors[w][(p * n + j) as usize]);
                         }
                         set(tensors, y, r, j, act(a, s));
                     }
@@ -70,8 +90,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                                                 + ci;
                                             let wi =
                                                 ((ky * kw + kx) * i64::from(cin) + ci) * i64::from(cout) + co;
-                                            acc += f64::from(tensors[x][xi as usize])
-                                                * f64::from(tensors[w][wi as usize]);
+                                            acc += q(tensors[x][xi as usize]) * q(tensors[w][wi as usize]);
                                         }
                                     }
                                 }
@@ -209,7 +228,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                     for h in 0..heads as usize {
                         let src = tensors[qkv].clone();
                         let at = |row: usize, which: usize, d: usize| {
-                            f64::from(src[(bi * seq + row) * 3 * hid + which * hid + h * dh + d])
+                            q(src[(bi * seq + row) * 3 * hid + which * hid + h * dh + d])
                         };
                         for i in 0..seq {
                             let logits: Vec<f64> = (0..seq)
@@ -219,7 +238,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                             let e: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
                             let sum: f64 = e.iter().sum();
                             for d in 0..dh {
-                                let v: f64 = (0..seq).map(|j| e[j] / sum * at(j, 2, d)).sum();
+                                let v: f64 = (0..seq).map(|j| q((e[j] / sum) as f32) * at(j, 2, d)).sum();
                                 tensors[y][(bi * seq + i) * hid + h * dh + d] = v as f32;
                             }
                         }
@@ -281,7 +300,7 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
                             let s: f64 = (0..k as usize)
                                 .map(|l| {
                                     let bv = if trans_b { ob + j * ldb + l } else { ob + l * ldb + j };
-                                    f64::from(tensors[a][oa + i * lda + l]) * f64::from(tensors[b][bv])
+                                    q(tensors[a][oa + i * lda + l]) * q(tensors[b][bv])
                                 })
                                 .sum();
                             tensors[y][oy + i * ldy + j] = act(f, s) as f32;

@@ -4,10 +4,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 use thiserror::Error;
-use vnpu_abi::EngineKind;
+use vnpu_abi::{DType, EngineKind};
 
 use crate::graph::{build, Init};
-use crate::lower::{lower, LowerError, Lowered, VnpuShape};
+use crate::lower::{lower, LowerError, Lowered, Placed, VnpuShape};
 use npu_model::memory::{write_f32s, Memory};
 use npu_model::{
     run_program, verify, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, VecGuestMemory, VerifyError,
@@ -132,18 +132,13 @@ impl Rng {
     }
 }
 
-fn init_tensor(
-    hbm: &mut LazyHbm,
-    offset: u64,
-    elems: u64,
-    init: Init,
-    rng: &mut Rng,
-) -> Result<(), RunError> {
+fn init_tensor(hbm: &mut LazyHbm, p: &Placed, rng: &mut Rng) -> Result<(), RunError> {
     const CHUNK: u64 = 1 << 16;
+    let (offset, elems, init) = (p.offset, p.elems, p.init);
     let mut done = 0;
     while done < elems {
         let n = CHUNK.min(elems - done);
-        let at = offset + done * 4;
+        let at = offset + done * p.dtype.size();
         match init {
             Init::Activation | Init::Zeros => {}
             Init::Indices { max } => {
@@ -160,7 +155,14 @@ fn init_tensor(
                 };
                 let v: Vec<f32> =
                     (0..n).map(|_| if init == Init::Ones { 1.0 } else { rng.unit() * scale }).collect();
-                write_f32s(hbm, at, &v)?;
+                match p.dtype {
+                    DType::F32 => write_f32s(hbm, at, &v)?,
+                    DType::Bf16 => {
+                        let b: Vec<u8> =
+                            v.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes()).collect();
+                        hbm.write(at, &b)?;
+                    }
+                }
             }
         }
         done += n;
@@ -173,7 +175,7 @@ fn init_tensor(
 pub fn init_hbm(lowered: &Lowered, hbm: &mut LazyHbm, seed: u64) -> Result<(), RunError> {
     let mut rng = Rng(seed);
     for p in &lowered.tensors {
-        init_tensor(hbm, p.offset, p.elems, p.init, &mut rng)?;
+        init_tensor(hbm, p, &mut rng)?;
     }
     Ok(())
 }

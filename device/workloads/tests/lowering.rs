@@ -4,10 +4,12 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::memory::read_f32s;
+use npu_model::Memory;
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory, VnpuLimits};
 use npu_workloads::graph::{Act, Graph, Init, Op, PoolOp, Spatial, View};
-use npu_workloads::{build, init_hbm, lower, reference, VnpuShape};
-use vnpu_abi::{Engine, Instr, Space};
+use npu_workloads::lower::Placed;
+use npu_workloads::{build, init_hbm, lower, lower_as, reference, Lowered, VnpuShape};
+use vnpu_abi::{DType, Engine, Instr, Space};
 
 fn board() -> BoardConfig {
     let mut b = BoardConfig::default();
@@ -19,32 +21,46 @@ fn board() -> BoardConfig {
 /// Lowers `g` for `shape`, runs it functionally, and compares every
 /// tensor with the reference interpreter.
 fn check(g: &Graph, sa: u32, vu: u32, sram: u64) {
+    check_as(g, sa, vu, sram, DType::F32);
+}
+
+/// A placed tensor's values (bf16 ones widened).
+fn read_tensor(hbm: &LazyHbm, p: &Placed) -> Vec<f32> {
+    match p.dtype {
+        DType::F32 => read_f32s(hbm, p.offset, p.elems as usize).unwrap(),
+        DType::Bf16 => {
+            let mut b = vec![0u8; p.elems as usize * 2];
+            hbm.read(p.offset, &mut b).unwrap();
+            b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect()
+        }
+    }
+}
+
+/// [`check`] with the SA's operands in `dtype`, against the reference
+/// that rounds them the same way. Returns the lowered program with the
+/// tensors it computed.
+fn check_as(g: &Graph, sa: u32, vu: u32, sram: u64, dtype: DType) -> (Lowered, Vec<Vec<f32>>) {
     let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
-    let l = lower(g, shape).unwrap();
+    let l = lower_as(g, shape, dtype).unwrap();
     verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
     let mut hbm = LazyHbm::new(1 << 30);
     init_hbm(&l, &mut hbm, 7).unwrap();
-    let mut tensors: Vec<Vec<f32>> =
-        l.tensors.iter().map(|p| read_f32s(&hbm, p.offset, p.elems as usize).unwrap()).collect();
+    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
     let mut sram_m = Sram::new(sram);
     let mut guest = VecGuestMemory::new(0, 0);
     let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
     let r = run_program(&board(), &l.program, Some(mem), None).unwrap();
     assert!(r.cycles > 0.0);
-    reference::run(g, &mut tensors);
-    compare(g, &l.tensors, &hbm, &tensors, &format!("{sa} SA, {vu} VU, {sram} B SRAM"));
+    reference::run_as(g, &mut tensors, dtype);
+    compare(g, &l.tensors, &hbm, &tensors, &format!("{sa} SA, {vu} VU, {sram} B SRAM, {dtype:?}"));
+    let got = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    (l, got)
 }
 
 /// Every tensor in `hbm` against the reference's `tensors`.
-fn compare(
-    g: &Graph,
-    placed: &[npu_workloads::lower::Placed],
-    hbm: &LazyHbm,
-    tensors: &[Vec<f32>],
-    what: &str,
-) {
+fn compare(g: &Graph, placed: &[Placed], hbm: &LazyHbm, tensors: &[Vec<f32>], what: &str) {
     for (i, p) in placed.iter().enumerate() {
-        let got = read_f32s(hbm, p.offset, p.elems as usize).unwrap();
+        let got = read_tensor(hbm, p);
         for (j, (a, b)) in got.iter().zip(&tensors[i]).enumerate() {
             let ok = if matches!(p.init, Init::Indices { .. }) {
                 a.to_bits() == b.to_bits()
@@ -497,6 +513,69 @@ fn task_granularity_cost() {
                 tasks / whole
             );
             assert!(tasks >= whole * (1.0 - 1e-9), "{w} {k}+{k}: tasks {tasks} < whole {whole}");
+        }
+    }
+}
+
+/// With bf16 SA operands every product (Linear, Conv, BatchMatMul,
+/// Attention) computes what the reference computes with both operands
+/// rounded to bf16; stored weights take half the HBM; the results are not
+/// the f32 results (the rounding really happens).
+#[test]
+fn bf16_products_match_the_reference_with_bf16_operands() {
+    let graphs = [
+        (mini_cnn(2), vec![(1, 1, 4 << 20), (2, 3, 96 << 10), (3, 2, 24 << 10)]),
+        (mini_encoder(2), vec![(1, 1, 4 << 20), (2, 2, 64 << 10)]),
+        (written_out_attention(2, true), vec![(1, 1, 4 << 20), (2, 3, 8 << 10)]),
+        (wide_products(3), vec![(4, 2, 1 << 20)]),
+    ];
+    for (g, shapes) in graphs {
+        let f32_shape =
+            VnpuShape { sa: 1, vu: 1, sram_bytes: 4 << 20, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let whole = lower(&g, f32_shape).unwrap();
+        for (sa, vu, sram) in shapes {
+            let (l, got) = check_as(&g, sa, vu, sram, DType::Bf16);
+            let what = format!("{} on {sa} SA, {vu} VU, {sram} B", g.name);
+            let ops = l.program.streams.iter().flat_map(|s| &s.code);
+            assert!(
+                ops.clone().all(|i| !matches!(
+                    i,
+                    Instr::MatMul { dtype: DType::F32, .. } | Instr::Conv2d { dtype: DType::F32, .. }
+                )),
+                "{what}: an f32 product"
+            );
+            assert!(ops.clone().any(|i| matches!(i, Instr::VConvert { .. })), "{what}: no conversion");
+            // Stored weights of products are bf16, nothing else is.
+            for (i, (p, t)) in l.tensors.iter().zip(&g.tensors).enumerate() {
+                let weight = g.ops.iter().any(|op| op.sa_weight() == Some(i));
+                assert_eq!(
+                    p.dtype == DType::Bf16,
+                    weight,
+                    "{what}: tensor `{}` stored as {:?}",
+                    t.name,
+                    p.dtype
+                );
+            }
+            // Their bytes: half of f32's.
+            let bytes = |l: &Lowered| l.tensors.iter().map(|p| p.elems * p.dtype.size()).sum::<u64>();
+            let wbytes: u64 = l.tensors.iter().filter(|p| p.dtype == DType::Bf16).map(|p| p.elems * 2).sum();
+            assert_eq!(bytes(&l) + wbytes, bytes(&whole), "{what}: bytes in HBM");
+            // Against the f32 reference the computed tensors differ by more
+            // than the f32 check allows: the operands were rounded.
+            let mut f32_ref: Vec<Vec<f32>> = got.clone();
+            for (t, p) in f32_ref.iter_mut().zip(&l.tensors) {
+                if p.init == Init::Activation {
+                    t.iter_mut().for_each(|x| *x = 0.0);
+                }
+            }
+            reference::run(&g, &mut f32_ref);
+            let d = got
+                .iter()
+                .zip(&f32_ref)
+                .flat_map(|(a, b)| a.iter().zip(b))
+                .map(|(a, b)| (a - b).abs() / (1.0 + b.abs()))
+                .fold(0.0f32, f32::max);
+            assert!(d > 2e-4, "{what}: bf16 results within {d} of the f32 reference");
         }
     }
 }
