@@ -75,7 +75,8 @@ pub enum DType {
 }
 
 impl DType {
-    fn from_u8(v: u8) -> Option<Self> {
+    /// The type a byte names (`None` for an unknown one).
+    pub fn from_u8(v: u8) -> Option<Self> {
         match v {
             0 => Some(Self::F32),
             1 => Some(Self::Bf16),

@@ -21,7 +21,7 @@ use alloc::string::String;
 use alloc::vec::Vec;
 use core::fmt;
 
-use crate::isa::{Addr, Instr, Space};
+use crate::isa::{Addr, DType, Instr, Space};
 use crate::program::{le_u16, le_u32, le_u64, Program, ProgramError};
 
 /// `"VNPM"`.
@@ -78,6 +78,11 @@ pub struct Target {
     /// SRAM and HBM bytes the programs need on that core.
     pub sram_bytes: u64,
     pub hbm_bytes: u64,
+    /// The type of the SA's operands (`vnpu compile --dtype`): with bf16
+    /// the stored weights of products are bf16 and activations are rounded
+    /// to bf16 before each product (informational: a runner runs both the
+    /// same way).
+    pub sa_dtype: DType,
 }
 
 /// A decoded compiled model.
@@ -156,6 +161,8 @@ pub enum ModelError {
     BadShape {
         field: &'static str,
     },
+    /// The SA operand type byte is not a known type.
+    BadSaType(u8),
 }
 
 impl fmt::Display for ModelError {
@@ -189,6 +196,7 @@ impl fmt::Display for ModelError {
                 "{which} program stream {stream} instruction {index}: guest access outside the I/O window"
             ),
             Self::BadShape { field } => write!(f, "target `{field}` must be positive"),
+            Self::BadSaType(t) => write!(f, "unknown SA operand type {t} (0 f32, 1 bf16)"),
         }
     }
 }
@@ -277,7 +285,8 @@ impl Model {
         if le_u16(bytes, 6) != 0 {
             return Err(ModelError::NonZero { field: "flags" });
         }
-        if le_u32(bytes, 20) != 0 {
+        let sa_dtype = DType::from_u8(bytes[20]).ok_or(ModelError::BadSaType(bytes[20]))?;
+        if bytes[21..24] != [0; 3] {
             return Err(ModelError::NonZero { field: "reserved" });
         }
         let target = Target {
@@ -286,6 +295,7 @@ impl Model {
             vu: le_u32(bytes, 16),
             sram_bytes: le_u64(bytes, 24),
             hbm_bytes: le_u64(bytes, 32),
+            sa_dtype,
         };
         for (field, v) in [("batch", target.batch), ("sa", target.sa), ("vu", target.vu)] {
             if v == 0 {
@@ -376,7 +386,7 @@ impl Model {
         b.extend_from_slice(&self.target.batch.to_le_bytes());
         b.extend_from_slice(&self.target.sa.to_le_bytes());
         b.extend_from_slice(&self.target.vu.to_le_bytes());
-        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&[self.target.sa_dtype as u8, 0, 0, 0]);
         b.extend_from_slice(&self.target.sram_bytes.to_le_bytes());
         b.extend_from_slice(&self.target.hbm_bytes.to_le_bytes());
         b.extend_from_slice(&self.window_bytes.to_le_bytes());
@@ -543,7 +553,14 @@ mod tests {
         i.push(Engine::DMA, Instr::copy(Addr::guest(64), Addr::hbm(64), 16));
         i.push(Engine::DMA, Instr::copy(Addr::hbm(64), Addr::guest(128), 16));
         Model {
-            target: Target { batch: 1, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
+            target: Target {
+                batch: 1,
+                sa: 1,
+                vu: 1,
+                sram_bytes: 1 << 20,
+                hbm_bytes: 1 << 20,
+                sa_dtype: DType::F32,
+            },
             window_bytes: 192,
             inputs: vec![TensorDesc { name: "x".into(), elem: ElemType::F32, dims: vec![1, 4], offset: 64 }],
             outputs: vec![TensorDesc {
@@ -597,6 +614,17 @@ mod tests {
         let mut m = model();
         m.inputs[0].dims.clear();
         assert!(matches!(Model::decode(&m.encode()), Err(ModelError::BadRank { .. })));
+        // The SA operand type: bf16 round-trips, an unknown byte or a
+        // non-zero reserved byte after it is refused.
+        let mut m = model();
+        m.target.sa_dtype = DType::Bf16;
+        assert_eq!(Model::decode(&m.encode()), Ok(m.clone()));
+        let mut b = m.encode();
+        b[20] = 2;
+        assert_eq!(Model::decode(&b), Err(ModelError::BadSaType(2)));
+        let mut b = m.encode();
+        b[23] = 1;
+        assert_eq!(Model::decode(&b), Err(ModelError::NonZero { field: "reserved" }));
     }
 
     #[test]

@@ -153,7 +153,14 @@ pub fn print_report(
 ) -> Result<(), InferIoError> {
     let t = m.target;
     let clock = f64::from(o.clock_mhz) * 1e6;
-    println!("ran           {runs} batch(es) of {} on {} SA + {} VU, {}", t.batch, t.sa, t.vu, o.path);
+    let dtype = match t.sa_dtype {
+        vnpu_abi::DType::F32 => "f32",
+        vnpu_abi::DType::Bf16 => "bf16",
+    };
+    println!(
+        "ran           {runs} batch(es) of {} on {} SA + {} VU ({dtype} SA operands), {}",
+        t.batch, t.sa, t.vu, o.path
+    );
     let wall = min_med_max(stats.iter().map(|s| s.wall_ns as f64 / 1e3).collect());
     let npu = min_med_max(stats.iter().map(|s| s.cycles as f64 / clock * 1e6).collect());
     println!(
@@ -277,7 +284,14 @@ mod tests {
             offset: 0,
         };
         Model {
-            target: Target { batch: 2, sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 20 },
+            target: Target {
+                batch: 2,
+                sa: 1,
+                vu: 1,
+                sram_bytes: 1 << 20,
+                hbm_bytes: 1 << 20,
+                sa_dtype: vnpu_abi::DType::F32,
+            },
             window_bytes: 4096,
             inputs: vec![t("x", dims)],
             outputs: vec![t("y", vec![2])],

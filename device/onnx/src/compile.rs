@@ -19,10 +19,10 @@ use std::collections::{HashMap, HashSet};
 
 use npu_model::{verify, VnpuLimits};
 use npu_workloads::graph::{Act, Graph, Init, Op, TensorId, View};
-use npu_workloads::lower::{lower, LowerError, VnpuShape};
+use npu_workloads::lower::{lower_as, LowerError, VnpuShape};
 use thiserror::Error;
 use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
-use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
 
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
@@ -43,6 +43,10 @@ pub struct CompileOptions {
     /// Outputs to compile (the model's own outputs when `None`); the graph
     /// is pruned to what they need.
     pub outputs: Option<Vec<String>>,
+    /// The SA's operand type (`--dtype`): with bf16 the weights of matrix
+    /// products and convolutions are stored as bf16 and every product's
+    /// operands are rounded to bf16 (f32 accumulation, f32 activations).
+    pub dtype: DType,
 }
 
 /// Why a model cannot be compiled.
@@ -1168,7 +1172,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         }
     }
     report.ops = kinds;
-    let lowered = lower(&c.g, o.shape).map_err(CompileError::Fit)?;
+    let lowered = lower_as(&c.g, o.shape, o.dtype).map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
 
     // The I/O window: weight image, then inputs, then outputs.
@@ -1179,9 +1183,14 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         let Some(d) = d else { continue };
         let at = (weights.len() as u64).next_multiple_of(A);
         weights.resize(at as usize, 0);
-        weights.extend(d.iter().flat_map(|x| x.to_le_bytes()));
+        let dtype = lowered.tensors[t].dtype;
+        match dtype {
+            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
+            // Rounded to nearest, ties to even (as `vu.convert` rounds).
+            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+        }
         let mut done = 0u64;
-        let bytes = d.len() as u64 * 4;
+        let bytes = d.len() as u64 * dtype.size();
         while done < bytes {
             let chunk = (bytes - done).min(1 << 30);
             load.push(
@@ -1266,6 +1275,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             vu: shape.vu,
             sram_bytes: shape.sram_bytes,
             hbm_bytes: shape.hbm_bytes,
+            sa_dtype: o.dtype,
         },
         window_bytes: window,
         inputs: ins.into_iter().map(|(d, _)| d).collect(),

@@ -14,6 +14,7 @@ use onnx_protobuf::{
     NodeProto, OperatorSetIdProto, TensorProto, TypeProto, ValueInfoProto,
 };
 use protobuf::Enum;
+use vnpu_abi::DType;
 
 fn tensor(name: &str, dims: &[i64], v: &[f32]) -> TensorProto {
     let mut t = TensorProto::new();
@@ -109,7 +110,13 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
 
     let board = BoardConfig::default();
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
-    let opts = CompileOptions { shape, batch: batch as u32, shapes: HashMap::new(), outputs: None };
+    let opts = CompileOptions {
+        shape,
+        batch: batch as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+    };
     let compiled = compile(&bytes, &opts).unwrap();
     assert_eq!(compiled.report.fused, 1, "the Relu is fused into the product");
     let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.61).cos() * 2.0).collect();
@@ -129,6 +136,62 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     g2.initializer[1] = tensor("C", &[batch as i64, n as i64], &vec![0.0; batch * n]);
     let e = compile(&m2.write_to_bytes().unwrap(), &opts).unwrap_err().to_string();
     assert!(e.contains("node `fc` (Gemm)"), "{e}");
+}
+
+/// With bf16 SA operands each output of a product is within the
+/// per-product bound of docs/model-format.md ("bf16") of the exact result:
+/// `|y' - y| <= (2u + u^2 + (k + 2) 2^-24) (sum_p |x_p w_p| + |c|)`, with
+/// `u = 2^-8` the unit roundoff of bf16 (both operands rounded once, products
+/// exact in f32, f32 accumulation and bias). And the rounding is real: the
+/// largest error is well above what f32 operands would give.
+#[test]
+fn bf16_gemm_stays_within_the_per_product_bound() {
+    let (k, n, batch) = (300usize, 40usize, 20usize);
+    // Magnitudes over several binades, both signs.
+    let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.37).sin() * (1.0 + (i % 7) as f32)).collect();
+    let c: Vec<f32> = (0..n).map(|j| j as f32 * 0.25 - 3.0).collect();
+    let mut g = GraphProto::new();
+    g.name = "gemm-bf16".into();
+    g.initializer = vec![tensor("W", &[n as i64, k as i64], &w), tensor("C", &[n as i64], &c)];
+    g.input = vec![value("X", &[0, k as i64])];
+    g.output = vec![value("Y", &[0, n as i64])];
+    g.node = vec![node("Gemm", "fc", &["X", "W", "C"], &["Y"], vec![attr_i("transB", 1)])];
+    let bytes = model(g).write_to_bytes().unwrap();
+    let board = BoardConfig::default();
+    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
+    let opts = CompileOptions {
+        shape,
+        batch: batch as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::Bf16,
+    };
+    let compiled = compile(&bytes, &opts).unwrap();
+    let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.61).cos() * (0.5 + (i % 5) as f32)).collect();
+    let mut r = HostRunner::new(&board, &compiled.model).unwrap();
+    let (out, _) = r.infer(&[&x]).unwrap();
+    let u = 2f64.powi(-8);
+    let per_product = 2.0 * u + u * u + (k as f64 + 2.0) * 2f64.powi(-24);
+    let (mut worst, mut above_f32) = (0f64, 0usize);
+    for b in 0..batch {
+        for j in 0..n {
+            let terms = (0..k).map(|p| f64::from(x[b * k + p]) * f64::from(w[j * k + p]));
+            let want = terms.clone().sum::<f64>() + f64::from(c[j]);
+            let mag = terms.map(f64::abs).sum::<f64>() + f64::from(c[j]).abs();
+            let err = (f64::from(out[0][b * n + j]) - want).abs();
+            let ratio = err / (per_product * mag);
+            assert!(ratio <= 1.0, "Y[{b}][{j}]: error {err} above the bound {}", per_product * mag);
+            worst = worst.max(ratio);
+            if err > (k as f64 + 2.0) * 2f64.powi(-24) * mag {
+                above_f32 += 1;
+            }
+        }
+    }
+    println!(
+        "bf16 Gemm: worst error {worst:.3} of the bound; {above_f32}/{} outputs beyond f32's bound",
+        batch * n
+    );
+    assert!(above_f32 * 2 > batch * n, "only {above_f32} outputs show bf16 rounding");
 }
 
 /// Tensors past the compiler's limit (2^28 elements) are refused before
@@ -152,12 +215,12 @@ fn oversized_tensors_are_refused_not_allocated() {
     let board = BoardConfig::default();
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
     // [2^14, 1] + [1, 2^15] broadcasts to 2^29 elements.
-    let opts = CompileOptions { shape, batch: 1, shapes: HashMap::new(), outputs: None };
+    let opts = CompileOptions { shape, batch: 1, shapes: HashMap::new(), outputs: None, dtype: DType::F32 };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
     // An input of 2^40 elements.
     let shapes = HashMap::from([("X".to_string(), vec![1usize << 25, 1 << 15])]);
-    let opts = CompileOptions { shape, batch: 1, shapes, outputs: None };
+    let opts = CompileOptions { shape, batch: 1, shapes, outputs: None, dtype: DType::F32 };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
 }

@@ -11,6 +11,7 @@ use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile, npy, CompileOptions, Compiled};
 use npu_workloads::lower::VnpuShape;
+use vnpu_abi::DType;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -77,12 +78,25 @@ fn compile_and_run(
     vu: u32,
     outputs: Option<&str>,
 ) -> (Compiled, Vec<f32>) {
+    compile_and_run_as(model, x, sa, vu, outputs, DType::F32)
+}
+
+/// [`compile_and_run`] with the SA's operands in `dtype`.
+fn compile_and_run_as(
+    model: &Path,
+    x: &npy::Array,
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+    dtype: DType,
+) -> (Compiled, Vec<f32>) {
     let board = BoardConfig::default();
     let opts = CompileOptions {
         shape: shape(&board, sa, vu),
         batch: x.shape[0] as u32,
         shapes: HashMap::new(),
         outputs: outputs.map(|o| vec![o.to_string()]),
+        dtype,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -257,3 +271,71 @@ fn pytorch_transformer_encoder_matches_onnx_runtime() {
 fn pytorch_transformer_encoder_matches_onnx_runtime_on_four_engines_each() {
     check_torch("digits-transformer", "digits-seq-x.npy", 4, 4);
 }
+
+/// Every test model compiled with bf16 SA operands, against the f64
+/// result where there is one (else ONNX Runtime): the scaled error stays
+/// within the documented bound (docs/model-format.md, "bf16") and top-1
+/// agrees with ONNX Runtime on nearly every classifier input.
+#[test]
+fn bf16_models_stay_within_the_documented_bound() {
+    let digits = fixture("digits-x.npy");
+    let labels = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let cases: Vec<(String, PathBuf, PathBuf, &str, Option<PathBuf>)> = vec![
+        ("digits-mlp".into(), fixture("digits-mlp.onnx"), digits.clone(), "X", None),
+        ("digits-mlp2".into(), fixture("digits-mlp2.onnx"), digits.clone(), "X", None),
+        (
+            "digits-cnn".into(),
+            fixture("torch/digits-cnn.onnx"),
+            fixture("torch/digits-img-x.npy"),
+            "x",
+            Some(fixture("torch/digits-cnn-f64.npy")),
+        ),
+        (
+            "digits-transformer".into(),
+            fixture("torch/digits-transformer.onnx"),
+            fixture("torch/digits-seq-x.npy"),
+            "x",
+            Some(fixture("torch/digits-transformer-f64.npy")),
+        ),
+    ];
+    for (name, model, xp, input, exact) in cases {
+        let x = npy::read_file(&xp).unwrap();
+        let classifier = name.starts_with("digits-mlp");
+        let out = if classifier { Some("probabilities") } else { None };
+        let (c, got) = compile_and_run_as(&model, &x, 1, 1, out, DType::Bf16);
+        assert_eq!(c.model.target.sa_dtype, DType::Bf16, "{name}");
+        let (f32c, _) = compile_and_run(&model, &x, 1, 1, out);
+        let oname = c.model.outputs[0].name.clone();
+        let want = ort(&model, &[(input, &xp)], &oname);
+        let reference = match &exact {
+            Some(p) => npy::read_file(p).unwrap().data,
+            None => want.data.clone(),
+        };
+        let (abs, _) = errors(&got, &reference);
+        let (_, rel) = scaled_errors(&got, &reference);
+        let norm = abs / reference.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+        let n = x.shape[0] as usize;
+        let k = got.len() / n;
+        let top = |v: &[f32], i: usize| argmax(&v[i * k..][..k]);
+        let agree = (0..n).filter(|&i| top(&got, i) == top(&want.data, i)).count();
+        let correct = (0..n).filter(|&i| top(&got, i) == labels.data[i] as usize).count();
+        println!(
+            "{name} bf16: max abs {abs:.3e}, normwise {norm:.3e}, scaled rel {rel:.3e} against {}; top-1 agree {agree}/{n}, \
+             correct {correct}/{n}; weights {} B (f32 {} B)",
+            if exact.is_some() { "f64" } else { "ORT" },
+            c.report.weight_bytes,
+            f32c.report.weight_bytes
+        );
+        assert!(norm <= BF16_BOUND, "{name}: normwise error {norm} above the bf16 bound {BF16_BOUND}");
+        assert!(agree * 100 >= n * 99, "{name}: top-1 agrees with ONNX Runtime on {agree}/{n}");
+        // The product weights are half their f32 size (the transformer's
+        // position embedding is a VU operand and stays f32).
+        assert!(c.report.weight_bytes < f32c.report.weight_bytes, "{name}: weights not smaller");
+    }
+}
+
+/// The documented end-to-end bound on the normwise error (largest absolute
+/// error over the largest reference magnitude) of the test models compiled
+/// with bf16 SA operands: 2^-5, four times a single product's 2u
+/// (docs/model-format.md, "bf16").
+const BF16_BOUND: f64 = 0.03125;

@@ -117,7 +117,10 @@ enum Command {
         /// Samples per request: the value of every free leading dimension.
         #[arg(long, default_value_t = 1)]
         batch: u32,
-        /// Element type of the SA operands (only f32 so far).
+        /// Element type of the SA operands: `f32`, or `bf16` (weights of
+        /// matrix products and convolutions stored as bf16, half the bytes;
+        /// activations rounded to bf16 by a VU before each product; f32
+        /// accumulation; error bound in docs/model-format.md).
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// A static shape for an input, `NAME=D0,D1,...` (repeatable).

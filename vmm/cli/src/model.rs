@@ -11,6 +11,7 @@ use npu_onnx::host::HostRunner;
 use npu_onnx::{CompileOptions, CompileReport};
 use npu_workloads::lower::VnpuShape;
 use vnpu_abi::model::{job, Model};
+use vnpu_abi::DType;
 
 /// Where `scripts/build-guests.sh` puts the runner guest.
 pub const DEFAULT_GUEST: &str =
@@ -60,6 +61,14 @@ pub fn parse_shape(s: &str) -> Result<(String, Vec<usize>), String> {
     Ok((name.trim().to_string(), dims))
 }
 
+/// How `--dtype` spells an SA operand type.
+pub fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::Bf16 => "bf16",
+    }
+}
+
 fn print_report(r: &CompileReport, m: &Model) {
     let ops: Vec<String> = r.ops.iter().map(|(k, n)| format!("{k} x{n}")).collect();
     println!(
@@ -68,12 +77,13 @@ fn print_report(r: &CompileReport, m: &Model) {
     );
     println!("vNPU ops      {}", ops.join(", "));
     println!(
-        "target        batch {} on {} SA + {} VU, {} KiB SRAM; {} MACs per batch",
+        "target        batch {} on {} SA + {} VU, {} KiB SRAM; {} MACs per batch, {} SA operands",
         m.target.batch,
         m.target.sa,
         m.target.vu,
         m.target.sram_bytes >> 10,
-        r.macs
+        r.macs,
+        dtype_name(m.target.sa_dtype)
     );
     println!(
         "memory        {} bytes of weights, {} bytes of HBM, I/O window {} bytes",
@@ -99,11 +109,11 @@ pub fn compile(
     outputs: Vec<String>,
     out: &Path,
 ) -> Result<(), ModelCmdError> {
-    if dtype != "f32" {
-        return Err(ModelCmdError::Usage(format!(
-            "--dtype {dtype}: only f32 is compiled so far (bf16 SA operands are not yet lowered)"
-        )));
-    }
+    let dtype = match dtype {
+        "f32" => DType::F32,
+        "bf16" => DType::Bf16,
+        other => return Err(ModelCmdError::Usage(format!("--dtype {other}: expected f32 or bf16"))),
+    };
     if batch == 0 {
         return Err(ModelCmdError::Usage("--batch must be at least 1".into()));
     }
@@ -114,6 +124,7 @@ pub fn compile(
         batch,
         shapes: shapes.into_iter().collect::<HashMap<_, _>>(),
         outputs: (!outputs.is_empty()).then_some(outputs),
+        dtype,
     };
     let c = npu_onnx::compile(&bytes, &opts)?;
     print_report(&c.report, &c.model);

@@ -119,6 +119,10 @@ fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
     let (code, _, err) = vnpu(&["compile", &fixture("digits-mlp.onnx"), "-o", &art]);
     assert_ne!(code, 0);
     assert!(err.contains("node `") && err.contains("(ArgMax)") && err.contains("--output"), "{err}");
+    // An element type the SA does not have.
+    let (code, _, err) = vnpu(&["compile", &fixture("digits-mlp.onnx"), "--dtype", "f16", "-o", &art]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--dtype f16: expected f32 or bf16"), "{err}");
     // Not ONNX at all.
     let (code, _, err) = vnpu(&["compile", &fixture("digits-x.npy"), "-o", &art]);
     assert_ne!(code, 0);
@@ -274,4 +278,57 @@ fn a_pytorch_transformer_encoder_runs_in_a_vm_and_matches_onnx_runtime() {
 #[test]
 fn a_pytorch_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
     torch_end_to_end("digits-cnn", "digits-img-x.npy", "sa=1,vu=1,sram=8M,hbm=512M", &["Conv", "GlobalPool"]);
+}
+
+/// `vnpu compile --dtype bf16`: the PyTorch CNN with bf16 weights and SA
+/// operands, all 450 test images through a VM at batch 50. The logits stay
+/// within the documented bf16 bound of the float64 result (normwise error
+/// at most 2^-5, docs/model-format.md "bf16"), top-1 agrees with ONNX
+/// Runtime on at least 99% of the images, the weights are half their f32
+/// size, and the in-process run of the same file gives the same bits.
+#[test]
+fn a_bf16_compiled_cnn_runs_in_a_vm_within_the_bf16_bound() {
+    let (name, input) = ("digits-cnn", "digits-img-x.npy");
+    let m = fixture(&format!("torch/{name}.onnx"));
+    let x = fixture(&format!("torch/{input}"));
+    let weights = |report: &str| -> u64 {
+        let line = report.lines().find(|l| l.starts_with("memory")).unwrap_or_else(|| panic!("{report}"));
+        line.split_whitespace().nth(1).and_then(|w| w.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+    };
+    let f32_art = tmp("cnn-f32.vnpu");
+    let (code, f32_report, err) = vnpu(&["compile", &m, "--batch", "50", "-o", &f32_art]);
+    assert_eq!(code, 0, "{f32_report}{err}");
+    let art = tmp("cnn-bf16.vnpu");
+    let (code, report, err) = vnpu(&["compile", &m, "--batch", "50", "--dtype", "bf16", "-o", &art]);
+    assert_eq!(code, 0, "{report}{err}");
+    assert!(report.contains("bf16 SA operands"), "{report}");
+    assert!(weights(&report) * 10 < weights(&f32_report) * 6, "weights not halved:\n{report}\n{f32_report}");
+    let got_path = tmp("cnn-bf16.out.npy");
+    let (code, out, err) = vnpu(&["infer", &art, "--input", &format!("x={x}"), "--output", &got_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("(bf16 SA operands)") && out.contains("infer: 9 batches of 50 done"), "{out}");
+    let got = npy::read_file(Path::new(&got_path)).unwrap();
+    let exact = npy::read_file(Path::new(&fixture(&format!("torch/{name}-f64.npy")))).unwrap();
+    let want = ort(&m, &format!("x={x}"), "logits");
+    assert_eq!(got.shape, exact.shape);
+    let scale = exact.data.iter().fold(0f64, |a, &w| a.max(f64::from(w).abs()));
+    let mut abs = 0f64;
+    for (&g, &w) in got.data.iter().zip(&exact.data) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        assert!(!d.is_nan(), "NaN in the output");
+        abs = abs.max(d);
+    }
+    let rows = |v: &[f32], i: usize| argmax(&v[i * 10..(i + 1) * 10]);
+    let agree = (0..450).filter(|&i| rows(&got.data, i) == rows(&want.data, i)).count();
+    println!(
+        "{name} bf16 via VM: max abs {abs:.3e}, normwise {:.3e} against f64; top-1 agree {agree}/450",
+        abs / scale
+    );
+    assert!(abs / scale <= 0.03125, "normwise error {} above 2^-5", abs / scale);
+    assert!(agree >= 446, "top-1 agrees with ONNX Runtime on {agree}/450");
+    let host_path = tmp("cnn-bf16.host.npy");
+    let (code, out, err) =
+        vnpu(&["infer", &art, "--input", &format!("x={x}"), "--in-process", "--output", &host_path]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(npy::read_file(Path::new(&host_path)).unwrap(), got, "VM and in-process differ");
 }

@@ -19,6 +19,7 @@ use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile, npy, CompileOptions};
 use npu_workloads::lower::VnpuShape;
+use vnpu_abi::DType;
 
 struct Case {
     /// Name in the report.
@@ -124,11 +125,19 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: onnx-bench [--rounds N] [--python PATH]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx, and the pretrained network once scripts/pretrained.sh has fetched it.");
+        println!("usage: onnx-bench [--rounds N] [--python PATH] [--dtype f32|bf16]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx, and the pretrained network once scripts/pretrained.sh has fetched it.");
         return;
     }
     let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
     let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
+    let dtype = match flag("--dtype").as_deref() {
+        None | Some("f32") => DType::F32,
+        Some("bf16") => DType::Bf16,
+        Some(other) => {
+            eprintln!("onnx-bench: --dtype {other}: expected f32 or bf16");
+            std::process::exit(2);
+        }
+    };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
     let board = BoardConfig::default();
@@ -144,6 +153,7 @@ fn main() {
                 batch: c.batch,
                 shapes: c.shape.iter().map(|s| (c.input_name.to_string(), s.clone())).collect(),
                 outputs: c.output.map(|o| vec![o.to_string()]),
+                dtype,
             };
             let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());
