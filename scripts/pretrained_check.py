@@ -4,7 +4,7 @@ Runtime's on the same inputs (scripts/pretrained.sh; docs/model-format.md,
 "The pretrained networks"). Prints the errors and the task-level agreement
 and exits 1 when a check fails.
 
-  pretrained_check.py cls|rec|det MODEL.onnx VNPU.npy ORT.npy LABELS.npy
+  pretrained_check.py cls|rec|det MODEL.onnx VNPU.npy ORT.npy LABELS.npy [--dtype f32|bf16]
 
 Errors: max absolute; max relative with a 1e-6 floor on the denominator;
 and max relative "of the scale" (denominator at least 1e-3 of the output's
@@ -21,6 +21,16 @@ relative error means nothing).
 - det: passes with relative error of the scale <= 2e-4 and the probability
   maps thresholded at 0.3 (RapidOCR's) equal to ONNX Runtime's on every
   pixel; prints the share of the drawn text boxes' pixels found.
+
+With --dtype bf16 (a model compiled with bf16 SA operands) the checks are
+the documented bf16 ones (docs/model-format.md, "bf16"): these deep
+networks end in a softmax or sigmoid, where a near tie that bf16 rounding
+flips moves a probability by up to 1, so the bound is on the task:
+- cls: normwise error (max absolute over the largest |ONNX Runtime|)
+  <= 2^-5 and top-1 equal to ONNX Runtime's on >= 95% of the lines;
+- rec: time-step top-1 equal on >= 99% of the steps and decoded strings
+  equal on >= 90% of the lines;
+- det: maps thresholded at 0.3 equal on >= 99.9% of the pixels.
 """
 import sys
 
@@ -37,8 +47,14 @@ def ctc_decode(steps, chars):
 
 
 def main():
-    if len(sys.argv) != 6 or sys.argv[1] not in ("cls", "rec", "det"):
+    args = sys.argv[1:]
+    dtype = "f32"
+    if len(args) == 7 and args[5] == "--dtype" and args[6] in ("f32", "bf16"):
+        dtype = args[6]
+        args = args[:5]
+    if len(args) != 5 or args[0] not in ("cls", "rec", "det"):
         sys.exit(__doc__)
+    sys.argv = [sys.argv[0]] + args
     kind, model = sys.argv[1], sys.argv[2]
     got, want, labels = (np.load(p) for p in sys.argv[3:6])
     if got.shape != want.shape:
@@ -47,7 +63,11 @@ def main():
     rel = (d / np.maximum(np.abs(want), 1e-6)).max()
     scaled = (d / np.maximum(np.abs(want), 1e-3 * np.abs(want).max())).max()
     ok = bool(np.isfinite(d).all())
-    line = f"pretrained {kind}: max abs {d.max():.3e}, max rel {rel:.3e}, of the scale {scaled:.3e}"
+    normwise = d.max() / np.abs(want).max()
+    line = (
+        f"pretrained {kind} ({dtype}): max abs {d.max():.3e}, max rel {rel:.3e}, of the scale {scaled:.3e},"
+        f" normwise {normwise:.3e}"
+    )
     if kind == "cls":
         agree = int((got.argmax(1) == want.argmax(1)).sum())
         n = len(labels)
@@ -56,6 +76,7 @@ def main():
             f" ONNX Runtime {(want.argmax(1) == labels).mean():.4f}"
         )
         ok = ok and rel <= 1e-4 and agree == n
+        bf16_ok = normwise <= 2.0**-5 and agree >= 0.95 * n
     elif kind == "rec":
         import onnx
 
@@ -73,6 +94,7 @@ def main():
         for t, v in list(zip(labels, texts))[:4]:
             line += f"\n  {str(t)!r} -> {v!r}"
         ok = ok and scaled <= 2e-4 and same == n and bool((ga == wa).all())
+        bf16_ok = (ga == wa).sum() >= 0.99 * ga.size and same >= 0.9 * n
     else:
         bv, bo = got[:, 0] > 0.3, want[:, 0] > 0.3
         text = labels == 1
@@ -81,8 +103,11 @@ def main():
             f" found {(bv & text).sum() / text.sum():.3f}, pixels outside boxes {(bv & ~text).sum() / (~text).sum():.4f}"
         )
         ok = ok and scaled <= 2e-4 and bool((bv == bo).all())
+        bf16_ok = (bv == bo).sum() >= 0.999 * bv.size
+    if dtype == "bf16":
+        ok = bool(np.isfinite(d).all()) and bool(bf16_ok)
     print(line)
-    print(f"pretrained {kind}: " + ("PASS" if ok else "FAIL"))
+    print(f"pretrained {kind} ({dtype}): " + ("PASS" if ok else "FAIL"))
     sys.exit(0 if ok else 1)
 
 
