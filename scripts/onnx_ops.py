@@ -10,7 +10,7 @@ They test the compiler's operators one by one against ONNX Runtime
 (device/onnx/tests/ort.rs); they are not trained models. Run once, by hand:
 
   .venv-onnx/bin/pip install onnx==1.23.2   # the builder; CI needs only onnxruntime
-  .venv-onnx/bin/python scripts/onnx_ops.py
+  .venv-onnx/bin/python scripts/onnx_ops.py [NAME...]
 """
 import os
 
@@ -242,7 +242,47 @@ def transposed_operands():
     g.save(g.op("Add", [g.op("Add", [b, c]), d]))
 
 
+def pad_slice_modes():
+    # Pad in reflect, edge and wrap mode (of a conv output, stored
+    # channels-last, and of the dense input), summed, then a Slice with
+    # negative steps on the channels and the width. Its own generator, so
+    # building it leaves the other fixtures as they are.
+    global rng
+    rng = np.random.default_rng(20261124)
+    g = G("pad-slice-modes", [2, 4, 6, 7])
+    c = g.conv("x", 4, 5, 3)
+    p1 = g.op("Pad", [c, g.const_i64([0, 0, 1, 2, 0, 0, 2, 1])], mode="reflect")
+    p2 = g.op("Pad", ["x", g.const_i64([0, 1, 2, 0, 0, 0, 1, 3])], mode="edge")
+    p3 = g.op("Pad", [c, g.const_i64([0, 0, 2, 1, 0, 0, 1, 2])], mode="wrap")
+    y = g.op("Add", [g.op("Add", [p1, p2]), p3])
+    s = g.op("Slice", [y, g.const_i64([-1, -1]), g.const_i64([-100, -100]), g.const_i64([1, 3]),
+                       g.const_i64([-1, -2])])
+    g.save(g.op("Sigmoid", [s]), opset=19)
+
+
+BUILDERS = {
+    "conv-bn-relu6": conv_bn_relu6,
+    "dw-hardswish": depthwise_hardswish,
+    "group-pool": grouped_pool,
+    "se-head": se_head,
+    "channel-consts": channel_consts,
+    "decoder": decoder,
+    "resize-modes": resize_modes,
+    "layernorm-decomposed": layernorm_decomposed,
+    "transposed-operands": transposed_operands,
+    "pad-slice-modes": pad_slice_modes,
+}
+
+
 if __name__ == "__main__":
+    import sys
+
+    # With names, only those (the shared generator then gives the earlier
+    # models other weights than the committed ones: build those all at once).
+    if len(sys.argv) > 1:
+        for name in sys.argv[1:]:
+            BUILDERS[name]()
+        sys.exit(0)
     conv_bn_relu6()
     depthwise_hardswish()
     grouped_pool()
@@ -252,3 +292,4 @@ if __name__ == "__main__":
     resize_modes()
     layernorm_decomposed()
     transposed_operands()
+    pad_slice_modes()

@@ -2,7 +2,8 @@
 //! reading the protobuf, shape inference, constant folding, fusion and
 //! lowering never panic and never allocate past the compiler's tensor
 //! limit; whatever compiles is accepted by the verifier (the compiler
-//! checks) and its file decodes to the same model.
+//! checks) and its file decodes to the same model, with f32 and with bf16
+//! SA operands.
 #![no_main]
 
 use std::collections::HashMap;
@@ -11,15 +12,18 @@ use libfuzzer_sys::fuzz_target;
 use npu_onnx::{compile, CompileOptions};
 use npu_workloads::lower::VnpuShape;
 use vnpu_abi::model::Model;
+use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
-    let opts = CompileOptions {
-        shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
-        batch: 2,
-        shapes: HashMap::new(),
-        outputs: None,
-    };
-    if let Ok(c) = compile(data, &opts) {
+    for dtype in [DType::F32, DType::Bf16] {
+        let opts = CompileOptions {
+            shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
+            batch: 2,
+            shapes: HashMap::new(),
+            outputs: None,
+            dtype,
+        };
+        let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");
         assert_eq!(again, c.model);
     }

@@ -224,3 +224,41 @@ fn oversized_tensors_are_refused_not_allocated() {
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
 }
+
+/// `Pad` in reflect mode past the axis's length, and an unknown mode, are
+/// refused by node name with the reason (never mis-compiled).
+#[test]
+fn impossible_pads_are_refused_by_name() {
+    let compile_pad = |mode: &str, pads: &[i64]| {
+        let mut p = TensorProto::new();
+        p.name = "P".into();
+        p.dims = vec![pads.len() as i64];
+        p.data_type = DataType::INT64.value();
+        p.int64_data = pads.to_vec();
+        let mut a = AttributeProto::new();
+        a.name = "mode".into();
+        a.type_ = AttributeType::STRING.into();
+        a.s = mode.as_bytes().to_vec();
+        let mut g = GraphProto::new();
+        g.name = "pad".into();
+        g.initializer = vec![p];
+        g.input = vec![value("X", &[0, 3])];
+        g.output = vec![value("Y", &[0, 9])];
+        g.node = vec![
+            node("Relu", "act", &["X"], &["H"], vec![]),
+            node("Pad", "pad", &["H", "P"], &["Y"], vec![a]),
+        ];
+        let board = BoardConfig::default();
+        let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
+        let opts =
+            CompileOptions { shape, batch: 2, shapes: HashMap::new(), outputs: None, dtype: DType::F32 };
+        compile(&model(g).write_to_bytes().unwrap(), &opts).map(|_| ()).map_err(|e| e.to_string())
+    };
+    // Reflect may pad at most length - 1 = 2.
+    let e = compile_pad("reflect", &[0, 3, 0, 0]).unwrap_err();
+    assert!(e.contains("node `pad` (Pad)") && e.contains("reflect pad 3 on axis 1 of length 3"), "{e}");
+    assert_eq!(compile_pad("reflect", &[0, 2, 0, 2]), Ok(()));
+    assert_eq!(compile_pad("wrap", &[0, 3, 0, 3]), Ok(()));
+    let e = compile_pad("mirror", &[0, 1, 0, 1]).unwrap_err();
+    assert!(e.contains("node `pad` (Pad)") && e.contains("mode `mirror` is not supported"), "{e}");
+}

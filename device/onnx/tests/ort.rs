@@ -174,6 +174,12 @@ fn decoder_with_transposed_convs_concat_pad_resize_slice_matches_onnx_runtime() 
 }
 
 #[test]
+fn pad_in_reflect_edge_and_wrap_mode_and_reversing_slices_match_onnx_runtime() {
+    check_ops("pad-slice-modes", 1, 1);
+    check_ops("pad-slice-modes", 2, 2);
+}
+
+#[test]
 fn decoder_matches_onnx_runtime_on_four_engines_each() {
     check_ops("decoder", 4, 4);
 }

@@ -133,6 +133,11 @@ fn interp_matrix(i: Interp, coord: Coord, scale: f32, len_in: usize, len_out: us
     m
 }
 
+/// Most DMA copies one reversing `Slice`, or one `Pad` in `edge`,
+/// `reflect` or `wrap` mode, is lowered to (one per reversed index or
+/// padded slab).
+pub(super) const MAX_REVERSED_SLABS: usize = 4096;
+
 fn str_attr(n: &Node, k: &str, default: &str) -> Result<String, String> {
     match n.attrs.get(k) {
         None => Ok(default.to_string()),
@@ -153,8 +158,12 @@ impl Compiler<'_> {
         Ok((d, st))
     }
 
-    /// `Slice` of a computed tensor with positive steps: one strided copy
-    /// (the steps multiply the source strides).
+    /// `Slice` of a computed tensor: one strided copy when every step is
+    /// positive (the steps multiply the source strides). A negative step
+    /// (reversing an axis) cannot be a DMA stride, so each picked index of
+    /// such an axis is copied on its own: one strided copy per combination
+    /// of picked indices of the reversed axes, at most
+    /// [`MAX_REVERSED_SLABS`].
     pub(super) fn slice(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axes", "ends", "starts"])?;
         let x = self.computed_view(n, 0)?;
@@ -162,6 +171,7 @@ impl Compiler<'_> {
         let st = Self::strides_of(&x);
         let mut src = Vec::with_capacity(st.len());
         let mut off = 0usize;
+        let mut reversed = Vec::new();
         for (a, p) in picks.iter().enumerate() {
             let step = match p[..] {
                 [] => {
@@ -170,16 +180,58 @@ impl Compiler<'_> {
                 [_] => 1,
                 [first, second, ..] if second > first => second - first,
                 _ => {
-                    return Err(format!("a negative step on axis {a} of a computed tensor is not supported"))
+                    reversed.push(a);
+                    0
                 }
             };
-            off += p[0] * st[a];
+            if step > 0 {
+                off += p[0] * st[a];
+            }
             src.push(st[a] * step);
         }
         let shape: Vec<usize> = picks.iter().map(Vec::len).collect();
-        let (y, dst) = self.new_stored(&n.name, shape, x.nhwc)?;
-        self.strided_copy(&n.name, &y.shape, Place::new(x.t, off, &src), Place::new(y.t, 0, &dst))?;
-        Ok(vec![Val::D(y)])
+        let slabs = reversed.iter().try_fold(1usize, |acc, &a| acc.checked_mul(picks[a].len()));
+        match slabs {
+            Some(k) if k <= MAX_REVERSED_SLABS => {}
+            _ => {
+                return Err(format!(
+                    "negative steps on axes {reversed:?} need one copy per picked index; more than \
+                     {MAX_REVERSED_SLABS} are not supported"
+                ))
+            }
+        }
+        let (y, dst) = self.new_stored(&n.name, shape.clone(), x.nhwc)?;
+        if reversed.is_empty() {
+            self.strided_copy(&n.name, &y.shape, Place::new(x.t, off, &src), Place::new(y.t, 0, &dst))?;
+            return Ok(vec![Val::D(y)]);
+        }
+        // Every combination of output positions along the reversed axes.
+        let mut slab = shape.clone();
+        for &a in &reversed {
+            slab[a] = 1;
+        }
+        let mut at = vec![0usize; reversed.len()];
+        loop {
+            let (mut s_off, mut d_off) = (off, 0usize);
+            for (i, &a) in reversed.iter().enumerate() {
+                s_off += picks[a][at[i]] * st[a];
+                d_off += at[i] * dst[a];
+            }
+            self.strided_copy(&n.name, &slab, Place::new(x.t, s_off, &src), Place::new(y.t, d_off, &dst))?;
+            // Next combination (the last reversed axis fastest).
+            let mut i = reversed.len();
+            loop {
+                if i == 0 {
+                    return Ok(vec![Val::D(y)]);
+                }
+                i -= 1;
+                at[i] += 1;
+                if at[i] < shape[reversed[i]] {
+                    break;
+                }
+                at[i] = 0;
+            }
+        }
     }
 
     /// `Concat` with at least one computed input: each input copied into
@@ -218,14 +270,17 @@ impl Compiler<'_> {
         Ok(vec![Val::D(y)])
     }
 
-    /// `Pad` in `constant` mode: the output filled with the value (one
-    /// transfer that reads one constant row again and again), then the
-    /// input copied into its interior.
+    /// `Pad`: the input copied into the output's interior, and the border:
+    /// in `constant` mode the output is first filled with the value (one
+    /// transfer that reads one constant row again and again); in `edge`,
+    /// `reflect` and `wrap` mode each padded slab of each axis in turn is a
+    /// copy of the slab of the output that mode names (axes already padded
+    /// at their full extent, so corners come out right).
     pub(super) fn pad(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["mode", "pads", "value"])?;
         let mode = str_attr(n, "mode", "constant")?;
-        if mode != "constant" {
-            return Err(format!("mode `{mode}` is not supported (only constant)"));
+        if !["constant", "edge", "reflect", "wrap"].contains(&mode.as_str()) {
+            return Err(format!("mode `{mode}` is not supported (constant, edge, reflect, wrap)"));
         }
         let x = self.computed_view(n, 0)?;
         let rank = x.shape.len();
@@ -264,22 +319,73 @@ impl Compiler<'_> {
         }
         let shape: Vec<usize> =
             (0..rank).map(|a| x.shape[a].saturating_add(begin[a]).saturating_add(end[a])).collect();
-        let (y, dst) = self.new_stored(&n.name, shape, x.nhwc)?;
-        // The innermost stored extent: channels for channels-last.
-        let cols = if y.nhwc { y.shape[1] } else { *y.shape.last().unwrap_or(&1) }.max(1);
-        let rows = elems(&y.shape) / cols;
-        let fill = self.weight(&format!("{}.value", n.name), vec![value; cols], Init::Bias);
-        let cols32 = u32_of(cols, "columns")?;
-        self.g.ops.push(Op::Copy {
-            name: format!("{}.fill", n.name),
-            x: View { t: fill, ld: 0, col: 0 },
-            y: View::dense(y.t, cols32),
-            rows: u32_of(rows, "rows")?,
-            cols: cols32,
-        });
+        if mode != "constant" {
+            for a in 0..rank {
+                let len = x.shape[a];
+                let most = begin[a].max(end[a]);
+                if (begin[a] > 0 || end[a] > 0) && len == 0 {
+                    return Err(format!("axis {a} is empty: nothing to pad it with"));
+                }
+                if mode == "reflect" && most >= len {
+                    return Err(format!(
+                        "reflect pad {most} on axis {a} of length {len} (at most {})",
+                        len - 1
+                    ));
+                }
+            }
+            let slabs = (0..rank).map(|a| begin[a] + end[a]).sum::<usize>();
+            if slabs > MAX_REVERSED_SLABS {
+                return Err(format!(
+                    "{slabs} padded slabs; more than {MAX_REVERSED_SLABS} are not supported"
+                ));
+            }
+        }
+        let (y, dst) = self.new_stored(&n.name, shape.clone(), x.nhwc)?;
+        if mode == "constant" {
+            // The innermost stored extent: channels for channels-last.
+            let cols = if y.nhwc { y.shape[1] } else { *y.shape.last().unwrap_or(&1) }.max(1);
+            let rows = elems(&y.shape) / cols;
+            let fill = self.weight(&format!("{}.value", n.name), vec![value; cols], Init::Bias);
+            let cols32 = u32_of(cols, "columns")?;
+            self.g.ops.push(Op::Copy {
+                name: format!("{}.fill", n.name),
+                x: View { t: fill, ld: 0, col: 0 },
+                y: View::dense(y.t, cols32),
+                rows: u32_of(rows, "rows")?,
+                cols: cols32,
+            });
+        }
         let off = begin.iter().zip(&dst).map(|(b, s)| b * s).sum();
         let src = Self::strides_of(&x);
         self.strided_copy(&n.name, &x.shape, Place::new(x.t, 0, &src), Place::new(y.t, off, &dst))?;
+        if mode == "constant" {
+            return Ok(vec![Val::D(y)]);
+        }
+        // Axis by axis: the slab covers axes before `a` at their full
+        // (padded) extent, axes after it at their interior only.
+        for a in 0..rank {
+            let len = x.shape[a];
+            let mut slab: Vec<usize> = (0..rank).map(|b| if b < a { shape[b] } else { x.shape[b] }).collect();
+            slab[a] = 1;
+            let base: usize = (0..rank).filter(|&b| b > a).map(|b| begin[b] * dst[b]).sum();
+            for o in (0..begin[a]).chain(begin[a] + len..shape[a]) {
+                let t = o as i64 - begin[a] as i64;
+                let l = len as i64;
+                let from = match mode.as_str() {
+                    "edge" => t.clamp(0, l - 1),
+                    "reflect" if t < 0 => -t,
+                    "reflect" => 2 * (l - 1) - t,
+                    _ => t.rem_euclid(l),
+                };
+                let from = begin[a] + from as usize;
+                self.strided_copy(
+                    &n.name,
+                    &slab,
+                    Place::new(y.t, base + from * dst[a], &dst),
+                    Place::new(y.t, base + o * dst[a], &dst),
+                )?;
+            }
+        }
         Ok(vec![Val::D(y)])
     }
 
