@@ -84,6 +84,13 @@ fn model(g: GraphProto) -> ModelProto {
     m
 }
 
+/// The board and options for a model at `batch` on 1 SA + 1 VU.
+fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
+    let board = BoardConfig::default();
+    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
+    (board, CompileOptions { shape, batch, shapes: HashMap::new(), outputs: None, dtype })
+}
+
 #[test]
 fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     let (k, n, batch) = (4usize, 3usize, 5usize);
@@ -108,15 +115,7 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
     let m = model(g);
     let bytes = m.write_to_bytes().unwrap();
 
-    let board = BoardConfig::default();
-    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
-    let opts = CompileOptions {
-        shape,
-        batch: batch as u32,
-        shapes: HashMap::new(),
-        outputs: None,
-        dtype: DType::F32,
-    };
+    let (board, opts) = options(batch as u32, DType::F32);
     let compiled = compile(&bytes, &opts).unwrap();
     assert_eq!(compiled.report.fused, 1, "the Relu is fused into the product");
     let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.61).cos() * 2.0).collect();
@@ -157,15 +156,7 @@ fn bf16_gemm_stays_within_the_per_product_bound() {
     g.output = vec![value("Y", &[0, n as i64])];
     g.node = vec![node("Gemm", "fc", &["X", "W", "C"], &["Y"], vec![attr_i("transB", 1)])];
     let bytes = model(g).write_to_bytes().unwrap();
-    let board = BoardConfig::default();
-    let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
-    let opts = CompileOptions {
-        shape,
-        batch: batch as u32,
-        shapes: HashMap::new(),
-        outputs: None,
-        dtype: DType::Bf16,
-    };
+    let (board, opts) = options(batch as u32, DType::Bf16);
     let compiled = compile(&bytes, &opts).unwrap();
     let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.61).cos() * (0.5 + (i % 5) as f32)).collect();
     let mut r = HostRunner::new(&board, &compiled.model).unwrap();
@@ -248,10 +239,7 @@ fn impossible_pads_are_refused_by_name() {
             node("Relu", "act", &["X"], &["H"], vec![]),
             node("Pad", "pad", &["H", "P"], &["Y"], vec![a]),
         ];
-        let board = BoardConfig::default();
-        let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
-        let opts =
-            CompileOptions { shape, batch: 2, shapes: HashMap::new(), outputs: None, dtype: DType::F32 };
+        let (_, opts) = options(2, DType::F32);
         compile(&model(g).write_to_bytes().unwrap(), &opts).map(|_| ()).map_err(|e| e.to_string())
     };
     // Reflect may pad at most length - 1 = 2.
