@@ -9,6 +9,14 @@ a detector on a few images.
   f64_ref.py MODEL.onnx OUT.npy NAME=INPUT.npy [--output NAME]
 
 Needs `onnx` in the venv (pip install onnx==1.23.2).
+
+BatchNormalization is evaluated in inference mode whatever the opset: onnx
+1.23.2's reference implementation of BatchNormalization-9 (opsets 9 to 13)
+switches to batch statistics whenever `momentum` is set, and the schema's
+default sets it, so a plain inference model at opset 9-13 (PaddleOCR's, at
+opset 11 and 12) was normalized with the statistics of the batch it was
+given. Inference-mode BatchNormalization of every opset is
+`scale * (x - mean) / sqrt(var + epsilon) + bias`, which the override computes.
 """
 import argparse
 
@@ -16,6 +24,19 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+
+
+class BatchNormalization(OpRun):
+    """Inference-mode BatchNormalization for every opset (see above)."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, bias, mean, var, epsilon=None, **_):
+        shape = (-1,) + (1,) * (x.ndim - 2)
+        eps = 1e-5 if epsilon is None else epsilon
+        y = scale.reshape(shape) * (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps)
+        return ((y + bias.reshape(shape)).astype(x.dtype),)
 
 
 def to_f64(m):
@@ -53,7 +74,7 @@ def main():
     name, _, path = a.input.partition("=")
     x = np.load(path).astype(np.float64)
     outs = [a.output] if a.output else None
-    y = ReferenceEvaluator(m).run(outs, {name: x})[0]
+    y = ReferenceEvaluator(m, new_ops=[BatchNormalization]).run(outs, {name: x})[0]
     if y.dtype != np.float64:
         raise SystemExit(f"f64_ref.py: the output is {y.dtype}, not float64: a float32 path is left in the model")
     np.save(a.out, y)
