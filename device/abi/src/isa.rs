@@ -84,6 +84,19 @@ impl DType {
         }
     }
 
+    /// How the tools spell it (`vnpu compile --dtype`, reports).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// The type a tool's spelling names ([`Self::name`]).
+    pub fn from_name(s: &str) -> Option<Self> {
+        [Self::F32, Self::Bf16].into_iter().find(|d| d.name() == s)
+    }
+
     /// Size of one element in bytes.
     pub const fn size(self) -> u64 {
         match self {

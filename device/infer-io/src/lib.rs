@@ -153,10 +153,7 @@ pub fn print_report(
 ) -> Result<(), InferIoError> {
     let t = m.target;
     let clock = f64::from(o.clock_mhz) * 1e6;
-    let dtype = match t.sa_dtype {
-        vnpu_abi::DType::F32 => "f32",
-        vnpu_abi::DType::Bf16 => "bf16",
-    };
+    let dtype = t.sa_dtype.name();
     println!(
         "ran           {runs} batch(es) of {} on {} SA + {} VU ({dtype} SA operands), {}",
         t.batch, t.sa, t.vu, o.path

@@ -8,7 +8,5 @@ pub mod reference;
 pub mod run;
 
 pub use graph::{build, Graph, WORKLOADS};
-pub use lower::{
-    lower, lower_as, lower_op, lower_ops, lower_ops_as, stored_types, LowerError, Lowered, VnpuShape,
-};
+pub use lower::{lower, lower_as, lower_op, lower_ops, lower_ops_as, LowerError, Lowered, VnpuShape};
 pub use run::{init_hbm, lower_workload, run_workload, RunError, RunOptions, RunReport};

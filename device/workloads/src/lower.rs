@@ -103,6 +103,12 @@ enum Stage {
     Vu(Vec<Instr>),
 }
 
+/// `stages` without the VU stages that have nothing to run (no tokens are
+/// passed for them).
+fn without_empty_vu(stages: impl IntoIterator<Item = Stage>) -> Vec<Stage> {
+    stages.into_iter().filter(|st| !matches!(st, Stage::Vu(c) if c.is_empty())).collect()
+}
+
 /// One tile: the DMA engine loads it once, then each lane runs its chain
 /// of stages and the DMA engine stores that lane's result. A tile of one
 /// lane runs on the engines of its slot; lane `i` of an `L`-lane tile in
@@ -1162,11 +1168,8 @@ impl Lowerer {
                         Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
                     ];
                     softmax.extend(to_sa_type(dtype, &[(sc, sseq)]));
-                    let mut stages = vec![Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)]))];
-                    if dtype == DType::F32 {
-                        stages.clear();
-                    }
-                    stages.extend([
+                    let stages = without_empty_vu([
+                        Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)])),
                         Stage::Sa(vec![Instr::MatMul {
                             dtype,
                             flags: MatFlags { accumulate: false, transpose_b: true },
@@ -1402,15 +1405,11 @@ impl Lowerer {
                             u64::from(ldy) * F,
                         ));
                     }
-                    let mut stages = vec![];
-                    if !pre.is_empty() {
-                        stages.push(Stage::Vu(pre));
-                    }
-                    stages.push(Stage::Sa(sa));
-                    if !vu.is_empty() {
-                        stages.push(Stage::Vu(vu));
-                    }
-                    Tile::single(load, stages, store)
+                    Tile::single(
+                        load,
+                        without_empty_vu([Stage::Vu(pre), Stage::Sa(sa), Stage::Vu(vu)]),
+                        store,
+                    )
                 })?;
             }
             Op::Copy { x, y, rows, cols, .. } => {
@@ -1484,7 +1483,7 @@ pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered
 
 /// The tensors stored as `dtype` when `graph` is lowered with SA operands
 /// of `dtype`: see [`lower_as`].
-pub fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
+fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
     let mut uses = vec![0u32; graph.tensors.len()];
     let mut weight = vec![0u32; graph.tensors.len()];
     for op in &graph.ops {

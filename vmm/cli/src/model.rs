@@ -61,14 +61,6 @@ pub fn parse_shape(s: &str) -> Result<(String, Vec<usize>), String> {
     Ok((name.trim().to_string(), dims))
 }
 
-/// How `--dtype` spells an SA operand type.
-pub fn dtype_name(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::Bf16 => "bf16",
-    }
-}
-
 fn print_report(r: &CompileReport, m: &Model) {
     let ops: Vec<String> = r.ops.iter().map(|(k, n)| format!("{k} x{n}")).collect();
     println!(
@@ -83,7 +75,7 @@ fn print_report(r: &CompileReport, m: &Model) {
         m.target.vu,
         m.target.sram_bytes >> 10,
         r.macs,
-        dtype_name(m.target.sa_dtype)
+        m.target.sa_dtype.name()
     );
     println!(
         "memory        {} bytes of weights, {} bytes of HBM, I/O window {} bytes",
@@ -109,11 +101,8 @@ pub fn compile(
     outputs: Vec<String>,
     out: &Path,
 ) -> Result<(), ModelCmdError> {
-    let dtype = match dtype {
-        "f32" => DType::F32,
-        "bf16" => DType::Bf16,
-        other => return Err(ModelCmdError::Usage(format!("--dtype {other}: expected f32 or bf16"))),
-    };
+    let dtype = DType::from_name(dtype)
+        .ok_or_else(|| ModelCmdError::Usage(format!("--dtype {dtype}: expected f32 or bf16")))?;
     if batch == 0 {
         return Err(ModelCmdError::Usage("--batch must be at least 1".into()));
     }

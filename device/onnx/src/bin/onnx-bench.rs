@@ -130,13 +130,12 @@ fn main() {
     }
     let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
     let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
-    let dtype = match flag("--dtype").as_deref() {
-        None | Some("f32") => DType::F32,
-        Some("bf16") => DType::Bf16,
-        Some(other) => {
-            eprintln!("onnx-bench: --dtype {other}: expected f32 or bf16");
+    let dtype = match flag("--dtype") {
+        None => DType::F32,
+        Some(s) => DType::from_name(&s).unwrap_or_else(|| {
+            eprintln!("onnx-bench: --dtype {s}: expected f32 or bf16");
             std::process::exit(2);
-        }
+        }),
     };
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));

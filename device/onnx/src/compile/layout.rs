@@ -200,13 +200,13 @@ impl Compiler<'_> {
                 ))
             }
         }
-        let (y, dst) = self.new_stored(&n.name, shape.clone(), x.nhwc)?;
+        let (y, dst) = self.new_stored(&n.name, shape, x.nhwc)?;
         if reversed.is_empty() {
             self.strided_copy(&n.name, &y.shape, Place::new(x.t, off, &src), Place::new(y.t, 0, &dst))?;
             return Ok(vec![Val::D(y)]);
         }
         // Every combination of output positions along the reversed axes.
-        let mut slab = shape.clone();
+        let mut slab = y.shape.clone();
         for &a in &reversed {
             slab[a] = 1;
         }
@@ -226,7 +226,7 @@ impl Compiler<'_> {
                 }
                 i -= 1;
                 at[i] += 1;
-                if at[i] < shape[reversed[i]] {
+                if at[i] < y.shape[reversed[i]] {
                     break;
                 }
                 at[i] = 0;
