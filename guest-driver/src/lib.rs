@@ -585,7 +585,22 @@ impl<B: Bar> Vnpu<B> {
             b.write64(regs::MBOX_ARG0 + 8 * i as u64, *a);
         }
         b.write32(regs::MBOX_CMD, cmd);
-        self.spin_until(|| b.read32(regs::MBOX_STATUS) != abi::MBOX_BUSY)?;
+        // A device that is gone reads as all ones, which is also
+        // `MBOX_BUSY`: now and then look at STATUS, which a live device
+        // never reads as all ones, instead of waiting for ever.
+        let (mut spins, mut gone) = (0u32, false);
+        self.spin_until(|| {
+            spins = spins.wrapping_add(1);
+            if b.read32(regs::MBOX_STATUS) != abi::MBOX_BUSY {
+                return true;
+            }
+            gone = spins.is_multiple_of(16) && b.read32(regs::STATUS) == u32::MAX;
+            gone
+        })?;
+        if gone {
+            self.failed = Some(u32::MAX);
+            return Err(Error::DeviceFailed(u32::MAX));
+        }
         match b.read32(regs::MBOX_STATUS) {
             abi::ST_OK => {
                 let r = b.read64(regs::MBOX_RESULT);

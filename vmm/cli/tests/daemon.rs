@@ -267,6 +267,19 @@ fn finish(c: Child) -> (i32, String) {
     (out.status.code().unwrap_or(-1), text)
 }
 
+/// The daemon's log (appended to: a restarted daemon adds to it), kept
+/// beside its state so a failing test can show what the daemon said.
+fn daemon_log(state: &Path) -> std::fs::File {
+    std::fs::create_dir_all(state).unwrap();
+    std::fs::OpenOptions::new().create(true).append(true).open(state.join("daemon.log")).unwrap()
+}
+
+/// What the daemon logged so far, for a failure message.
+fn daemon_said(state: &Path) -> String {
+    let log = std::fs::read_to_string(state.join("daemon.log")).unwrap_or_default();
+    format!("\n--- the daemon's log ---\n{log}")
+}
+
 fn metrics_daemon(state: &Path) -> (Daemon, u16) {
     // A free port: bound, read, released (the daemon binds it next).
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
@@ -274,7 +287,7 @@ fn metrics_daemon(state: &Path) -> (Daemon, u16) {
         .args(["daemon", "--metrics", &format!("127.0.0.1:{port}"), "--state-dir"])
         .arg(state)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(daemon_log(state))
         .spawn()
         .unwrap();
     let d = Daemon(Some(child));
@@ -343,7 +356,7 @@ fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
     }
     for (name, c) in vms {
         let (code, out) = finish(c);
-        assert_eq!(code, 0, "{name}: {out}");
+        assert_eq!(code, 0, "{name}: {out}{}", daemon_said(&state));
         let ok = match *name {
             "digits" => out.contains("digits: vNPU and CPU agree on every image"),
             "transformer" => {
@@ -351,7 +364,7 @@ fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
             }
             _ => out.contains("recsys: max abs error vs CPU") && out.contains("(ok)"),
         };
-        assert!(ok, "{name}: {out}");
+        assert!(ok, "{name}: {out}{}", daemon_said(&state));
     }
     let m = scrape(port);
     let overlap = metric(&m, "vnpu_core_overlap_cycles_total", "core=\"0\"");

@@ -447,6 +447,13 @@ impl Worker {
         });
     }
 
+    /// The ring itself is broken (`ERR_QUEUE_BROKEN`): says why in the
+    /// host's log (the guest only gets the code) and stops using it.
+    fn fail_ring(&mut self, why: &str) {
+        log::warn!("{}: the ring is broken, stopped until the driver resets it: {why}", self.name);
+        self.fail(abi::ERR_QUEUE_BROKEN);
+    }
+
     /// Stops using the ring until the driver resets the device.
     fn fail(&mut self, code: u32) {
         self.queue = None;
@@ -516,17 +523,19 @@ impl Worker {
                         .collect();
                     (head, descs)
                 }),
-                Err(_) => {
-                    // The available index is more than a ring ahead.
-                    self.fail(abi::ERR_QUEUE_BROKEN);
+                Err(e) => {
+                    // The available index is more than a ring ahead, or
+                    // the ring is not in guest memory.
+                    let why = format!("reading the available ring (next {}): {e}", q.next_avail());
+                    self.fail_ring(&why);
                     return;
                 }
             };
             let Some((head, descs)) = next else { return };
             let (len, interrupt) = self.process(&descs);
             let Some(q) = self.queue.as_mut() else { return };
-            if q.add_used(&self.mem, head, len).is_err() {
-                self.fail(abi::ERR_QUEUE_BROKEN);
+            if let Err(e) = q.add_used(&self.mem, head, len) {
+                self.fail_ring(&format!("completing the request at head {head}: {e}"));
                 return;
             }
             self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));

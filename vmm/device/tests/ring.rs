@@ -392,6 +392,44 @@ fn the_host_changes_the_grant_of_a_running_vnpu() {
     npu.run(&prog, &RunOptions::default()).unwrap();
 }
 
+/// BAR 0 of a function whose server may go away: from then on reads are
+/// all ones and writes are dropped, as a VMM makes them when its
+/// vfio-user server hangs up.
+struct GoneBar<'a>(FnBar<'a>, &'a std::cell::Cell<bool>);
+
+impl vnpu_driver::Bar for GoneBar<'_> {
+    fn read32(&self, offset: u64) -> u32 {
+        if self.1.get() {
+            return u32::MAX;
+        }
+        self.0.read32(offset)
+    }
+    fn write32(&self, offset: u64, value: u32) {
+        if !self.1.get() {
+            self.0.write32(offset, value);
+        }
+    }
+}
+
+/// A device that is gone reads MBOX_STATUS as all ones, which is also
+/// "busy": the mailbox reports the device failed instead of spinning
+/// until its timeout (2^36 polls: for ever, to a guest).
+#[test]
+fn a_mailbox_command_to_a_device_that_went_away_fails_at_once() {
+    let s = setup("sa=2,vu=2,sram=8M,hbm=1G");
+    let gone = std::cell::Cell::new(false);
+    let mut dma = s.dma();
+    let mut npu = Vnpu::new(GoneBar(FnBar(&s.f), &gone), &mut dma, 16).unwrap();
+    assert_eq!(npu.mailbox(abi::MBOX_RESET_COUNTERS, &[]), Ok(0));
+    gone.set(true);
+    let t = std::time::Instant::now();
+    assert_eq!(npu.mailbox(abi::MBOX_RESET_COUNTERS, &[]), Err(Error::DeviceFailed(u32::MAX)));
+    assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
+    // And so does every request from now on.
+    let prog = npu.load(&mut dma, &relu_program()).unwrap();
+    assert_eq!(npu.run(&prog, &RunOptions::default()).map(|_| ()), Err(Error::DeviceFailed(u32::MAX)));
+}
+
 fn reg(s: &Setup, off: u64) -> u32 {
     let mut b = [0u8; 4];
     s.f.borrow_mut().bar_read(0, off, &mut b);
