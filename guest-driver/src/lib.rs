@@ -169,20 +169,18 @@ fn relax() {
     core::sync::atomic::compiler_fence(Ordering::SeqCst);
 }
 
+// The ring's indices and used elements are read and written whole: the
+// device reads and writes them with single (atomic) accesses too.
 fn vol_write16(b: &DmaBuf, off: usize, v: u16) {
-    b.write(off, &v.to_le_bytes());
+    b.write_u16(off, v);
 }
 
 fn vol_read16(b: &DmaBuf, off: usize) -> u16 {
-    let mut x = [0u8; 2];
-    b.read(off, &mut x);
-    u16::from_le_bytes(x)
+    b.read_u16(off)
 }
 
 fn vol_read32(b: &DmaBuf, off: usize) -> u32 {
-    let mut x = [0u8; 4];
-    b.read(off, &mut x);
-    u32::from_le_bytes(x)
+    b.read_u32(off)
 }
 
 impl<B: Bar> Vnpu<B> {

@@ -214,9 +214,7 @@ impl RawRing {
     }
 
     fn used_idx(&self) -> u16 {
-        let mut b = [0u8; 2];
-        phys(self.used + 2, 2).read(0, &mut b);
-        u16::from_le_bytes(b)
+        phys(self.used + 2, 2).read_u16(0)
     }
 
     /// Posts `head`; returns true when the device completed it. The status
@@ -224,10 +222,11 @@ impl RawRing {
     /// earlier request left.
     fn post(&mut self, head: u16) -> bool {
         phys(RAW + 0x3000, 64).write(0, &[0xee; 64]);
-        phys(self.avail + 4 + 2 * u64::from(self.idx % 8), 2).write(0, &head.to_le_bytes());
+        phys(self.avail + 4 + 2 * u64::from(self.idx % 8), 2).write_u16(0, head);
         self.idx = self.idx.wrapping_add(1);
         core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
-        phys(self.avail + 2, 2).write(0, &self.idx.to_le_bytes());
+        // Whole: the device must never read a half-written index.
+        phys(self.avail + 2, 2).write_u16(0, self.idx);
         core::sync::atomic::fence(core::sync::atomic::Ordering::SeqCst);
         self.bar.write32(regs::DOORBELL, 1);
         for _ in 0..200_000_000u64 {
@@ -249,9 +248,7 @@ impl RawRing {
 
     /// Used length of the last completed request.
     fn last_used_len(&self) -> u32 {
-        let mut b = [0u8; 4];
-        phys(self.used + 4 + 8 * u64::from(self.idx.wrapping_sub(1) % 8) + 4, 4).read(0, &mut b);
-        u32::from_le_bytes(b)
+        phys(self.used + 4 + 8 * u64::from(self.idx.wrapping_sub(1) % 8) + 4, 4).read_u32(0)
     }
 
     /// Completed `head` with no status block: used length 0 and `ERROR`
