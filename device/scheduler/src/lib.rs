@@ -262,6 +262,14 @@ impl<J: SimTenant> Dispatcher<J> {
         out
     }
 
+    /// The earliest arrival of a request not finished (waiting, running
+    /// or suspended): none of them started before it.
+    pub fn oldest_arrival(&self) -> Option<f64> {
+        let waiting = self.waiting.iter().map(|w| w.1.arrival);
+        let on_core = self.running.iter().chain(&self.suspended).map(|r| r.1.arrival);
+        waiting.chain(on_core).min_by(f64::total_cmp)
+    }
+
     /// Forgets request `id` once the core reports it finished.
     pub fn finished(&mut self, id: usize) {
         self.running.retain(|(i, _)| *i != id);

@@ -120,10 +120,22 @@ impl Drop for Attachment {
     }
 }
 
+/// Busy intervals a core keeps before it folds the settled ones into
+/// totals ([`CoreLog::fold`]): a daemon serves for ever, its log must not
+/// grow with every request.
+const FOLD_AT: usize = 1024;
+
 /// What happened on one core of the board.
 #[derive(Default)]
 struct CoreLog {
+    /// Busy intervals not folded yet (all of them end after `settled`).
     log: Vec<Interval>,
+    /// Before this simulated time every interval is counted in
+    /// `settled_busy` and `settled_overlap`: no request still to finish
+    /// started before it.
+    settled: f64,
+    settled_busy: Vec<(String, f64)>,
+    settled_overlap: f64,
     requests: u64,
     waited: u64,
     preempted: u64,
@@ -316,30 +328,14 @@ impl SharedCore {
     pub fn stats(&self) -> SharingStats {
         let q = lock(&self.board.inner.q);
         let Some(c) = q.cores.get(self.index) else { return SharingStats::default() };
-        let mut tenants: Vec<(String, f64)> = Vec::new();
-        for iv in &c.log {
-            match tenants.iter_mut().find(|(t, _)| *t == iv.tenant) {
-                Some(e) => e.1 += iv.end - iv.start,
-                None => tenants.push((iv.tenant.clone(), iv.end - iv.start)),
-            }
-        }
-        // Overlap: sweep the interval end points.
-        let mut ev: Vec<(f64, i32)> = c.log.iter().flat_map(|i| [(i.start, 1), (i.end, -1)]).collect();
-        ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let (mut active, mut last, mut overlap) = (0, 0.0, 0.0);
-        for (t, d) in ev {
-            if active >= 2 {
-                overlap += t - last;
-            }
-            active += d;
-            last = t;
-        }
+        let mut tenants = c.settled_busy.clone();
+        add_busy(&mut tenants, c.log.iter().map(|iv| (iv.tenant.as_str(), iv.end - iv.start)));
         SharingStats {
             requests: c.requests,
             waited: c.waited,
             preempted: c.preempted,
             busy_cycles: q.now,
-            overlap_cycles: overlap,
+            overlap_cycles: c.settled_overlap + overlap(c.log.iter().map(|i| (i.start, i.end))),
             tenants,
             slo_requests: c.slo_requests,
             slo_misses: c.slo_misses,
@@ -487,6 +483,16 @@ fn engine(inner: &Inner) {
                 }
             }
             replied.push((c, job.tenant.clone()));
+            if q.cores.get(c).is_some_and(|l| l.log.len() >= FOLD_AT) {
+                // Requests still to finish on this core arrived no earlier
+                // than the oldest unfinished one, and new ones arrive now
+                // or later: nothing will start before that.
+                let oldest = dispatchers.get(c).and_then(Dispatcher::oldest_arrival);
+                let frontier = oldest.map_or(q.now, |a| a.min(q.now));
+                if let Some(log) = q.cores.get_mut(c) {
+                    log.fold(frontier);
+                }
+            }
             // The requester sees its own request's time: cycles from its
             // start on the core (after any wait for engines) to its
             // completion, not the board's clock. (Its arrival is the board's
@@ -500,6 +506,53 @@ fn engine(inner: &Inner) {
             // A vNPU that went away does not stop the board.
             let _ = job.reply.send((job.mem, r, begin, end));
         }
+    }
+}
+
+/// Adds each (tenant, cycles) to `into`'s entry of that tenant.
+fn add_busy<'a>(into: &mut Vec<(String, f64)>, busy: impl Iterator<Item = (&'a str, f64)>) {
+    for (tenant, cycles) in busy {
+        match into.iter_mut().find(|(t, _)| t == tenant) {
+            Some(e) => e.1 += cycles,
+            None => into.push((tenant.to_string(), cycles)),
+        }
+    }
+}
+
+/// Time during which two or more of `intervals` (start, end) run: a sweep
+/// of their end points.
+fn overlap(intervals: impl Iterator<Item = (f64, f64)>) -> f64 {
+    let mut ev: Vec<(f64, i32)> = intervals.flat_map(|(s, e)| [(s, 1), (e, -1)]).collect();
+    ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut active, mut last, mut total) = (0, 0.0, 0.0);
+    for (t, d) in ev {
+        if active >= 2 {
+            total += t - last;
+        }
+        active += d;
+        last = t;
+    }
+    total
+}
+
+impl CoreLog {
+    /// Counts everything before simulated time `frontier` (no interval
+    /// still to come starts before it) in the settled totals and keeps
+    /// only the parts of intervals after it. Busy time and overlap are
+    /// sums over time, so the totals are exactly what the whole log gives.
+    fn fold(&mut self, frontier: f64) {
+        if frontier <= self.settled {
+            return;
+        }
+        let before = self.log.iter().filter(|i| i.start < frontier);
+        let busy = before.clone().map(|i| (i.tenant.as_str(), i.end.min(frontier) - i.start));
+        add_busy(&mut self.settled_busy, busy);
+        self.settled_overlap += overlap(before.map(|i| (i.start, i.end.min(frontier))));
+        self.log.retain(|i| i.end > frontier);
+        for i in &mut self.log {
+            i.start = i.start.max(frontier);
+        }
+        self.settled = frontier;
     }
 }
 
@@ -525,6 +578,54 @@ fn busy_intervals(begin: f64, end: f64, mut gaps: Vec<(f64, f64)>) -> Vec<(f64, 
 mod tests {
     use super::*;
     use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+
+    /// (tenant, start, end) on whole cycles in 0..64.
+    fn interval() -> impl proptest::strategy::Strategy<Value = (usize, u32, u32)> {
+        use proptest::strategy::Strategy;
+        (0usize..3, 0u32..64, 1u32..16).prop_map(|(t, s, len)| (t, s, s + len))
+    }
+
+    proptest::proptest! {
+        /// Folding the settled part of a core's log changes none of its
+        /// numbers. Reference: count, cycle by cycle, how many intervals
+        /// cover it (independent of the sweep).
+        #[test]
+        fn folding_the_log_keeps_busy_time_and_overlap(
+            early in proptest::collection::vec(interval(), 0..40),
+            late in proptest::collection::vec(interval(), 0..40),
+            frontier in 0u32..64,
+        ) {
+            let names = ["a", "b", "c"];
+            // Intervals that come after the fold start at the frontier or later.
+            let late: Vec<(usize, u32, u32)> =
+                late.into_iter().map(|(t, s, e)| (t, s.max(frontier), e.max(frontier + 1))).collect();
+            let mut log = CoreLog::default();
+            let push = |log: &mut CoreLog, &(t, s, e): &(usize, u32, u32)| {
+                log.log.push(Interval { tenant: names[t].into(), start: f64::from(s), end: f64::from(e) });
+            };
+            early.iter().for_each(|i| push(&mut log, i));
+            log.fold(f64::from(frontier));
+            late.iter().for_each(|i| push(&mut log, i));
+            log.fold(f64::from(frontier) / 2.0); // behind the settled time: nothing
+            let all: Vec<&(usize, u32, u32)> = early.iter().chain(&late).collect();
+            let (mut want_overlap, mut want_busy) = (0u32, [0u32; 3]);
+            for cycle in 0..80 {
+                let covering: Vec<usize> =
+                    all.iter().filter(|i| i.1 <= cycle && cycle < i.2).map(|i| i.0).collect();
+                want_overlap += u32::from(covering.len() >= 2);
+                covering.iter().for_each(|&t| want_busy[t] += 1);
+            }
+            let got_overlap = log.settled_overlap + overlap(log.log.iter().map(|i| (i.start, i.end)));
+            proptest::prop_assert_eq!(got_overlap, f64::from(want_overlap));
+            let mut busy = log.settled_busy.clone();
+            add_busy(&mut busy, log.log.iter().map(|i| (i.tenant.as_str(), i.end - i.start)));
+            for (t, name) in names.iter().enumerate() {
+                let got = busy.iter().find(|b| b.0 == *name).map_or(0.0, |b| b.1);
+                proptest::prop_assert_eq!(got, f64::from(want_busy[t]), "tenant {}", name);
+            }
+            proptest::prop_assert!(log.log.iter().all(|i| i.end > f64::from(frontier)));
+        }
+    }
 
     /// Submits, from a thread of its own, a request of `name` that streams
     /// 1 MiB from HBM, and waits until the (paused) core holds it.
@@ -605,6 +706,44 @@ mod tests {
         assert_eq!((st.requests, st.waited), (2, 0));
         assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles);
         core.stop();
+    }
+
+    /// A core that serves request after request keeps a bounded log (the
+    /// settled part is folded into totals) and still reports every
+    /// tenant's busy time as the sum of its requests' intervals, as each
+    /// requester saw them.
+    #[test]
+    fn a_long_running_core_keeps_a_bounded_log_and_exact_totals() {
+        let core = SharedCore::new(&BoardConfig::default(), "core-fold").unwrap();
+        let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
+        let per_tenant = FOLD_AT + 300;
+        let threads: Vec<_> = ["a", "b"]
+            .into_iter()
+            .map(|name| {
+                let c = core.clone();
+                std::thread::spawn(move || {
+                    let _attached = c.attach();
+                    let mut busy = 0.0;
+                    for _ in 0..per_tenant {
+                        let (_, r, s, e) = run_copies(&c, name, claim, 1);
+                        assert!(r.is_ok() && e > s);
+                        busy += e - s;
+                    }
+                    busy
+                })
+            })
+            .collect();
+        let want: Vec<f64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let kept = lock(&core.board.inner.q).cores[0].log.len();
+        let st = core.stats();
+        core.stop();
+        assert!(kept < FOLD_AT + 4, "{kept} intervals kept after {} requests", 2 * per_tenant);
+        assert_eq!(st.requests, 2 * per_tenant as u64);
+        for (name, want) in ["a", "b"].iter().zip(want) {
+            let got = st.tenants.iter().find(|t| t.0 == *name).map_or(f64::NAN, |t| t.1);
+            assert!((got - want).abs() <= 1e-6 * want, "{name}: {got} vs {want}");
+        }
+        assert!(st.overlap_cycles > 0.0 && st.overlap_cycles <= st.busy_cycles, "{st:?}");
     }
 
     /// A preempted request is not busy while it is suspended: two
