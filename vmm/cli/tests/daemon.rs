@@ -233,11 +233,15 @@ fn guest(name: &str) -> PathBuf {
 
 /// A VM as its own `vnpu run` process, attached to instance `uuid`.
 fn vm(state: &Path, guest_name: &str, uuid: &str) -> Child {
+    vm_with(state, guest_name, &[uuid])
+}
+
+/// A VM as its own `vnpu run` process with a vNPU per instance of `uuids`.
+fn vm_with(state: &Path, guest_name: &str, uuids: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_vnpu"))
         .args(["run", "--memory", "64M", "--guest"])
         .arg(guest(guest_name))
-        .arg("--vnpu")
-        .arg(format!("uuid={uuid}"))
+        .args(uuids.iter().flat_map(|u| ["--vnpu".to_string(), format!("uuid={u}")]))
         .arg("--state-dir")
         .arg(state)
         .stdout(Stdio::piped())
@@ -440,6 +444,51 @@ fn a_killed_vm_frees_its_instance_and_leaves_its_co_tenant_untouched() {
         assert!(out.contains("max abs error vs CPU") && out.contains("(ok)"), "{out}");
     }
     assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The hostile guest's whole suite through the daemon: a VM with two
+/// daemon-served vNPUs (the attacked one and an honest one) attacks the
+/// device over vfio-user while a digits VM, another process, shares the
+/// physical core. Every attack is contained, the honest vNPU of the
+/// attacker's own VM stays correct, the neighbour's results equal its CPU
+/// reference, and the daemon serves on.
+#[test]
+fn the_hostile_suite_through_the_daemon_leaves_its_core_neighbour_correct() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-hostile-daemon-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let (d, port) = metrics_daemon(&state);
+    let uuids: Vec<String> =
+        (0..3).map(|_| vnpu(&state, &["create", "--type", "small"]).trim().to_string()).collect();
+    let neighbour = vm(&state, "digits", &uuids[2]);
+    let hostile = vm_with(&state, "hostile", &[&uuids[0], &uuids[1]]);
+    let (code, out) = finish_within(hostile, Duration::from_secs(600));
+    let (ncode, next_door) = finish_within(neighbour, Duration::from_secs(600));
+    let said = daemon_said(&state);
+    assert_eq!(code, 0, "{out}{said}");
+    let attacks: Vec<&str> = out.lines().filter(|l| l.starts_with("attack ")).collect();
+    let n = attacks.len();
+    assert!(n >= 20, "{out}");
+    for line in &attacks {
+        assert!(line.ends_with(": contained"), "{line}\n{out}{said}");
+    }
+    assert!(out.contains(&format!("hostile: {n}/{n} attacks contained; honest tenant correct")), "{out}");
+    assert_eq!(ncode, 0, "{next_door}{said}");
+    for want in [
+        "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450",
+        "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450",
+        "digits: vNPU and CPU agree on every image",
+    ] {
+        assert!(next_door.contains(want), "{want} missing:\n{next_door}");
+    }
+    // The three vNPUs met on core 0, and the daemon still answers.
+    let m = scrape(port);
+    assert!(metric(&m, "vnpu_core_overlap_cycles_total", "core=\"0\"") > 0.0);
+    let mut c = vnpu_manager::ControlClient::connect(&state.join("sockets/control.sock")).unwrap();
+    let listed = c.call(&vnpu_manager::Request::List {});
+    assert!(matches!(listed, Ok(vnpu_manager::Outcome::Instances(ref i)) if i.len() == 3), "{listed:?}");
+    drop(d);
     let _ = std::fs::remove_dir_all(&root);
 }
 
