@@ -12,7 +12,7 @@
 //!   boundaries (guarantees first, then idle engines by urgency along each
 //!   tenant's profile), used by `sharing-eval`'s work-conserving system.
 //!
-//! The device's shared board (`vnpu_device::SharedBoard`) and the
+//! The device's shared board (`npu_board_runtime::SharedBoard`) and the
 //! evaluations (`npu-bench`'s `slo-eval`, `sharing-eval`) run their cores
 //! through it; `docs/management.md` describes the policy.
 

@@ -1,9 +1,9 @@
 //! `vnpu scenario FILE`: several VMs on one modelled board. The vNPUs of
 //! all VMs are placed on physical cores by the manager's placement; vNPUs
 //! on the same physical core share it (their pending requests run together
-//! on one simulated timeline, `vnpu_device::SharedCore`), and the cores of
+//! on one simulated timeline, `npu_board_runtime::SharedCore`), and the cores of
 //! the board share its chips' HBM and its host link (one simulation of the
-//! whole board, `vnpu_device::SharedBoard`). The VMs run
+//! whole board, `npu_board_runtime::SharedBoard`). The VMs run
 //! concurrently; then each VM's output and exit code, and for each
 //! physical core its tenants, busy time and the time two or more tenants
 //! ran at once (spatial sharing). Format: `docs/management.md`.

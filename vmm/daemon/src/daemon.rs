@@ -1,5 +1,5 @@
 //! The daemon's main loop: one modelled board (every core's simulation
-//! and scheduler, `vnpu_device::SharedBoard`), the manager's definitions
+//! and scheduler, `npu_board_runtime::SharedBoard`), the manager's definitions
 //! in the state directory, and a vfio-user socket per started instance at
 //! `<socket-dir>/<uuid>.sock`.
 //!

@@ -9,14 +9,13 @@
 mod guest_ram;
 mod msi;
 mod regfile;
-mod shared_core;
 mod spec;
 mod telemetry;
 mod worker;
 
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink, VectorSink};
-pub use shared_core::{
+pub use npu_board_runtime::{
     admission_order, placements, schedule, switch_cycles, Attachment, Claim, Decision, Dispatched,
     Dispatcher, Interval, Pending, SharedBoard, SharedCore, SharingStats,
 };

@@ -146,7 +146,7 @@ impl Shared {
 }
 
 /// One core of the vNPU: its SRAM and HBM segments, created on first use.
-type Core = crate::shared_core::CoreMem;
+type Core = npu_board_runtime::CoreMem;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct EngineTotals {
@@ -749,7 +749,7 @@ impl Worker {
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
-            let claim = crate::shared_core::Claim {
+            let claim = npu_board_runtime::Claim {
                 sa: spec.sa_per_core,
                 vu: spec.vu_per_core,
                 priority: self.opts.priority,
@@ -758,7 +758,15 @@ impl Worker {
             // Co-located tenants wait for this batch: a tighter budget.
             let budget = budget.min(self.opts.shared_max_cycles.max(1));
             let host_work = self.opts.shared_max_host_work;
-            match shared.run(&self.name, claim, program, lent, self.mem.clone(), budget, host_work) {
+            match shared.run(
+                &self.name,
+                claim,
+                program,
+                lent,
+                Box::new(GuestRam::new(&self.mem)),
+                budget,
+                host_work,
+            ) {
                 Some((back, r, _, _)) => {
                     *core = back;
                     r

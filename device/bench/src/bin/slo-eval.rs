@@ -2,7 +2,7 @@
 //! shapes whose claims exceed one physical core (4 SA + 4 VU), two of them
 //! latency-critical with a latency target, two batch-like without, all
 //! with Poisson arrivals. The core runs as the device's shared core does
-//! (`vnpu_device::SharedCore`): one continuous simulation of the core
+//! (`npu_board_runtime::SharedCore`): one continuous simulation of the core
 //! (`npu_model::CoreSim`) that each vNPU's requests join in turn (one at a
 //! time per vNPU, the rest queue in the guest's ring), waiting requests
 //! placed with `npu_scheduler::placements` as soon as their claims fit, a

@@ -1,4 +1,5 @@
-//! The physical cores of a board shared by vNPUs, of one VM or of several:
+//! The board runtime: the physical cores of a board shared by vNPUs, of
+//! one VM or of several (the board daemon's, the in-process device's):
 //! one simulation of the whole board (`npu_model::BoardSim`) runs for as
 //! long as the board serves requests, and every request joins its core
 //! when it arrives, so requests of different vNPUs run in the same
@@ -24,15 +25,22 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use npu_model::{BoardConfig, BoardSim, CoreMemory, ExecError, LazyHbm, SimTenant, Sram, TenantReport};
+use npu_model::{
+    BoardConfig, BoardSim, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport,
+};
 pub use npu_scheduler::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Pending,
 };
-use vm_memory::GuestMemoryMmap;
 use vnpu_abi::Program;
 
-use crate::msi::lock;
-use crate::GuestRam;
+/// A lock that outlives a panicked holder (the board's state stays
+/// consistent between steps).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The guest memory a request's program reads and writes (a VM's RAM).
+pub type GuestMemory = Box<dyn Memory + Send>;
 
 /// How long the core waits (wall time) for vNPUs to submit before it
 /// advances simulated time.
@@ -40,7 +48,7 @@ const GATHER: Duration = Duration::from_micros(200);
 
 /// One vNPU core's memory, lent to the shared core for a request.
 #[derive(Debug)]
-pub(crate) struct CoreMem {
+pub struct CoreMem {
     pub sram: Sram,
     pub hbm: LazyHbm,
 }
@@ -48,7 +56,7 @@ pub(crate) struct CoreMem {
 /// What a request gets back: its memory, its result (`cycles` counted
 /// from the request's start on the core), and where it ran on the core's
 /// simulated timeline (cycles).
-pub(crate) type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
+pub type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
 
 struct Job {
     /// The board's core it runs on.
@@ -59,7 +67,7 @@ struct Job {
     arrival: f64,
     program: Arc<Program>,
     mem: CoreMem,
-    guest: GuestRam,
+    guest: GuestMemory,
     budget: u64,
     /// Host-work budget (`npu_model::timing::host_work` units).
     host_work: u64,
@@ -79,7 +87,7 @@ impl SimTenant for Job {
         &self.program
     }
     fn memory(&mut self) -> Option<CoreMemory<'_>> {
-        Some(CoreMemory { sram: &mut self.mem.sram, hbm: &mut self.mem.hbm, guest: &mut self.guest })
+        Some(CoreMemory { sram: &mut self.mem.sram, hbm: &mut self.mem.hbm, guest: self.guest.as_mut() })
     }
     fn max_cycles(&self) -> Option<u64> {
         Some(self.budget)
@@ -288,13 +296,13 @@ impl SharedCore {
     /// Runs `program` for `tenant` on the core within `budget` cycles and
     /// `host_work` units of host work; blocks until it is done.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run(
+    pub fn run(
         &self,
         tenant: &str,
         claim: Claim,
         program: Arc<Program>,
         mem: CoreMem,
-        guest: GuestMemoryMmap<()>,
+        guest: GuestMemory,
         budget: u64,
         host_work: u64,
     ) -> Option<JobResult> {
@@ -313,7 +321,7 @@ impl SharedCore {
                 arrival,
                 program,
                 mem,
-                guest: GuestRam::new(&guest),
+                guest,
                 budget,
                 host_work,
                 reply: tx,
@@ -652,9 +660,9 @@ mod tests {
 
     /// Runs `n` MiB of copies for `name` on the calling thread.
     fn run_copies(core: &SharedCore, name: &str, claim: Claim, n: usize) -> JobResult {
-        let guest = GuestMemoryMmap::<()>::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 16)]).unwrap();
+        let guest = Box::new(npu_model::VecGuestMemory { base: 0, bytes: vec![0; 1 << 16] });
         let mem = CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 28) };
-        core.run(name, claim, copies(n), mem, guest, 1 << 30, crate::SHARED_MAX_HOST_WORK).unwrap()
+        core.run(name, claim, copies(n), mem, guest, 1 << 30, 1 << 28).unwrap()
     }
 
     /// A request's report counts its own cycles from its start, not the
