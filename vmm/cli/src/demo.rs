@@ -132,7 +132,6 @@ pub fn run(guest: Option<PathBuf>, vnpu: vnpu_device::VnpuSpec, board: BoardConf
         return Err(DemoError::NoGuest(guest.display().to_string()));
     }
     println!("booting {} with a vNPU on /dev/kvm", guest.display());
-    let tee = crate::capture::Capture::echoing();
     let mut cfg = vnpu_vm::VmConfig::new(64 << 20, guest).vnpus(&[vnpu]);
     cfg.board = board.clone();
     let host = Arc::new(Mutex::new(HostSide {
@@ -141,7 +140,7 @@ pub fn run(guest: Option<PathBuf>, vnpu: vnpu_device::VnpuSpec, board: BoardConf
         rounds: [Vec::new(), Vec::new()],
         error: None,
     }));
-    let mut vm = vnpu_vm::Vm::new(&cfg, tee.clone())?;
+    let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
     let side = Arc::clone(&host);
     vm.set_benchmark_hook(Box::new(move |id, ticks| {
         side.lock().unwrap_or_else(PoisonError::into_inner).round(id, ticks)

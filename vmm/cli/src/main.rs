@@ -1,6 +1,5 @@
 //! `vnpu`: the command-line front end. See `docs/cli.md`.
 
-mod capture;
 mod demo;
 mod manage;
 mod model;
@@ -267,6 +266,8 @@ enum Command {
         #[arg(long)]
         workload: Option<vnpu_manager::Workload>,
         #[command(flatten)]
+        qos: manage::QosArgs,
+        #[command(flatten)]
         placement: manage::PlacementArgs,
         #[command(flatten)]
         manage: manage::ManageArgs,
@@ -282,6 +283,8 @@ enum Command {
         /// interference-aware placement prices when it is started.
         #[arg(long)]
         workload: Option<vnpu_manager::Workload>,
+        #[command(flatten)]
+        qos: manage::QosArgs,
         #[command(flatten)]
         manage: manage::ManageArgs,
     },
@@ -342,6 +345,17 @@ enum Command {
         #[command(flatten)]
         manage: manage::ManageArgs,
         /// A JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What each physical core of the running board daemon has done since
+    /// it started: requests, waits, preemptions, the simulated time its
+    /// tenants ran side by side, each tenant's busy time, latency-target
+    /// misses (docs/management.md). Needs `vnpu daemon`.
+    Cores {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// One JSON object (cycles, the board's clock) instead of a table.
         #[arg(long)]
         json: bool,
     },
@@ -719,18 +733,25 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             eprintln!("vnpu daemon: stopped");
         }
         Command::Types { manage, json } => manage::print(&manage.call(&Request::Types {})?, json),
-        Command::Create { shape, uuid, workload, placement, manage } => {
+        Command::Create { shape, uuid, workload, qos, placement, manage } => {
             let req = Request::Create {
                 type_name: shape.type_name,
                 spec: shape.spec,
                 uuid,
                 workload,
+                qos: qos.qos(),
                 place: placement.options()?,
             };
             println!("{}", created(&manage.call(&req)?)?.uuid);
         }
-        Command::Define { shape, uuid, workload, manage } => {
-            let req = Request::Define { type_name: shape.type_name, spec: shape.spec, uuid, workload };
+        Command::Define { shape, uuid, workload, qos, manage } => {
+            let req = Request::Define {
+                type_name: shape.type_name,
+                spec: shape.spec,
+                uuid,
+                workload,
+                qos: qos.qos(),
+            };
             println!("{}", created(&manage.call(&req)?)?.uuid);
         }
         Command::Start { uuid, placement, manage } => {
@@ -788,6 +809,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             manage.call(&Request::Remove { uuid })?;
         }
         Command::List { manage, json } => manage::print(&manage.call(&Request::List {})?, json),
+        Command::Cores { manage, json } => manage::print(&manage.call(&Request::Cores {})?, json),
         Command::Workload { command: WorkloadCommand::List } => {
             for (name, what) in WORKLOADS {
                 println!("{name:<14} {what}");

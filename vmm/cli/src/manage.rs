@@ -107,6 +107,26 @@ impl PlacementArgs {
     }
 }
 
+/// The service a new instance gets on a shared physical core.
+#[derive(clap::Args, Debug, Clone)]
+pub struct QosArgs {
+    /// Priority of its requests on a shared core: higher runs first and
+    /// may preempt lower (docs/management.md, "Oversubscription").
+    #[arg(long, default_value_t = 0)]
+    pub priority: u8,
+    /// Latency target of each request, microseconds of simulated time
+    /// from its arrival on the core (0: none): among equal priorities the
+    /// earliest deadline runs first; misses are counted per core.
+    #[arg(long, default_value_t = 0)]
+    pub slo_us: u64,
+}
+
+impl QosArgs {
+    pub fn qos(&self) -> vnpu_manager::Qos {
+        vnpu_manager::Qos { priority: self.priority, slo_us: self.slo_us }
+    }
+}
+
 /// What a new instance is made of: `--type NAME` or `--spec SPEC`.
 #[derive(clap::Args, Debug, Clone)]
 #[group(required = true, multiple = false)]
@@ -134,6 +154,8 @@ fn instance_json(i: &Instance) -> serde_json::Value {
         "active": i.active,
         "physical_cores": i.cores,
         "workload": i.workload.as_ref().map(|w| format!("{}:{}", w.name, w.batch)),
+        "priority": i.qos.priority,
+        "slo_us": i.qos.slo_us,
     })
 }
 
@@ -174,7 +196,44 @@ pub fn print(outcome: &Outcome, json: bool) {
                 );
             }
         }
+        Outcome::Cores { clock_mhz, cores } if json => {
+            println!("{}", serde_json::json!({ "clock_mhz": clock_mhz, "cores": cores }));
+        }
+        Outcome::Cores { clock_mhz, cores } => print_cores(*clock_mhz, cores, |t| t.to_string()),
         Outcome::Instance { .. } | Outcome::Done => {}
+    }
+}
+
+/// Per physical core: requests served, those that waited for engines,
+/// the board's simulated time, the time two or more tenants ran at once
+/// (and its share of the board's time), and each tenant's busy time (named by `name`); a second line for a
+/// core whose requests had latency targets. Idle cores are left out.
+pub fn print_cores(clock_mhz: u32, cores: &[vnpu_manager::CoreUse], name: impl Fn(&str) -> String) {
+    let mhz = f64::from(clock_mhz.max(1));
+    println!(
+        "{:<6} {:>8} {:>7} {:>14} {:>14} {:>8}  tenants (busy us)",
+        "core", "requests", "waited", "board us", "shared us", "shared"
+    );
+    for c in cores.iter().filter(|c| !c.tenants.is_empty()) {
+        let tenants: Vec<String> =
+            c.tenants.iter().map(|t| format!("{} {:.1}", name(&t.tenant), t.busy_cycles / mhz)).collect();
+        println!(
+            "{:<6} {:>8} {:>7} {:>14.1} {:>14.1} {:>7.1}%  {}{}",
+            c.core,
+            c.requests,
+            c.waited,
+            c.board_cycles / mhz,
+            c.overlap_cycles / mhz,
+            100.0 * c.overlap_cycles / c.board_cycles.max(1.0),
+            tenants.join(", "),
+            if c.oversubscribed { "  (oversubscribed: time-shared)" } else { "" }
+        );
+        if c.slo_requests > 0 {
+            println!(
+                "{:<6} SLO: {} of {} requests missed their latency target; {} preemptions",
+                c.core, c.slo_misses, c.slo_requests, c.preempted
+            );
+        }
     }
 }
 

@@ -183,6 +183,7 @@ fn management_goes_through_the_control_socket_and_loses_no_update() {
                 spec: None,
                 uuid: None,
                 workload: None,
+                qos: Default::default(),
             })
             .unwrap();
         let Outcome::Instance { instance, .. } = o else { panic!("define replied {o:?}") };
@@ -394,7 +395,31 @@ fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
         uuids.iter().map(|u| metric(&m, "vnpu_busy_cycles_total", &format!("uuid=\"{u}\""))).sum();
     let core = metric(&m, "vnpu_core_tenant_busy_cycles_total", "core=\"0\"");
     assert!((per_instance - core).abs() <= 1e-6 * core.max(1.0), "instances {per_instance} vs core {core}");
+    // `vnpu cores` tells the same per tenant: core 0's tenants are the
+    // three instances, each busy for what its vNPU reported.
+    let cores: serde_json::Value = serde_json::from_str(&vnpu(&state, &["cores", "--json"])).unwrap();
+    let c0 = cores["cores"].as_array().unwrap().iter().find(|c| c["core"] == 0).unwrap();
+    let mut tenants: Vec<(String, f64)> = c0["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["tenant"].as_str().unwrap().to_string(), t["busy_cycles"].as_f64().unwrap()))
+        .collect();
+    tenants.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut want = uuids.clone();
+    want.sort();
+    assert_eq!(tenants.iter().map(|t| t.0.clone()).collect::<Vec<_>>(), want, "{c0}");
+    for (uuid, busy) in &tenants {
+        let reported = metric(&m, "vnpu_busy_cycles_total", &format!("uuid=\"{uuid}\""));
+        assert!(
+            (busy - reported).abs() <= 1e-6 * reported.max(1.0),
+            "{uuid}: core {busy} vs vNPU {reported}"
+        );
+    }
+    assert_eq!(c0["overlap_cycles"].as_f64(), Some(overlap), "{c0}");
     assert!(terminate(d).success());
+    // Without a daemon nobody knows what the cores did: said plainly.
+    assert!(vnpu_fails(&state, &["cores"]).contains("only a running board daemon"));
     let _ = std::fs::remove_dir_all(&root);
 }
 

@@ -23,6 +23,7 @@ use npu_model::BoardConfig;
 use thiserror::Error;
 use vnpu_device::{DeviceOptions, SharedBoard, Telemetry};
 use vnpu_manager::control::{self, ControlError, Outcome, Request, CONTROL_SOCKET};
+use vnpu_manager::{CoreUse, TenantUse};
 use vnpu_manager::{Instance, Store};
 
 use crate::backend::VnpuBackend;
@@ -117,6 +118,9 @@ impl Daemon {
         if self.stopping.load(Ordering::SeqCst) {
             return Err(ControlError::Protocol("the daemon is stopping".into()));
         }
+        if let Request::Cores {} = req {
+            return self.cores();
+        }
         let mut serving = Ok(());
         let mut outcome = control::execute_then(&self.opts.state_dir, &self.opts.board, req, |instances| {
             if req.changes_state() {
@@ -130,6 +134,37 @@ impl Daemon {
             }
         }
         Ok(outcome)
+    }
+}
+
+impl Daemon {
+    /// What every physical core has done (the `cores` request).
+    fn cores(&self) -> Result<Outcome, ControlError> {
+        let b = &self.opts.board;
+        // Which cores are oversubscribed is the placement's view of the
+        // state directory as it is now.
+        let placement = vnpu_manager::Store::open(&self.opts.state_dir, b)?.board();
+        let n = b.chips.saturating_mul(b.cores_per_chip);
+        let cores = (0..n)
+            .filter_map(|c| Some((c, self.board.core(c)?.stats())))
+            .map(|(core, s)| CoreUse {
+                core,
+                requests: s.requests,
+                waited: s.waited,
+                preempted: s.preempted,
+                board_cycles: s.busy_cycles,
+                overlap_cycles: s.overlap_cycles,
+                tenants: s
+                    .tenants
+                    .into_iter()
+                    .map(|(tenant, busy_cycles)| TenantUse { tenant, busy_cycles })
+                    .collect(),
+                slo_requests: s.slo_requests,
+                slo_misses: s.slo_misses,
+                oversubscribed: placement.oversubscribed(core as usize),
+            })
+            .collect();
+        Ok(Outcome::Cores { clock_mhz: b.clock_mhz, cores })
     }
 }
 
@@ -307,7 +342,9 @@ fn serve_started(
     let stale: Vec<String> = served
         .iter()
         .filter(|(u, s)| {
-            wanted.get(*u).is_none_or(|w| w.shape != s.instance.shape || w.cores != s.instance.cores)
+            wanted.get(*u).is_none_or(|w| {
+                w.shape != s.instance.shape || w.cores != s.instance.cores || w.qos != s.instance.qos
+            })
         })
         .map(|(u, _)| u.clone())
         .collect();
@@ -329,7 +366,13 @@ fn serve_started(
         let _ = std::fs::remove_file(&path);
         let cores = inst.cores.iter().filter_map(|&c| board.core(c)).collect();
         let telemetry = kept.remove(&uuid).unwrap_or_default();
-        let device = DeviceOptions { cores, telemetry: Some(Arc::clone(&telemetry)), ..opts.device.clone() };
+        let device = DeviceOptions {
+            cores,
+            telemetry: Some(Arc::clone(&telemetry)),
+            priority: inst.qos.priority,
+            slo_us: inst.qos.slo_us,
+            ..opts.device.clone()
+        };
         let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());
         let server = InstanceServer::start(
             &path,

@@ -22,7 +22,7 @@ use vnpu_device::VnpuSpec;
 use crate::{
     split_for_ratio, Instance, InterferenceError, InterferenceModel, Policy, Shape, Store, StoreError,
 };
-use crate::{Workload, TYPES};
+use crate::{Qos, Workload, TYPES};
 
 /// Longest request or reply line (bytes, newline excluded).
 pub const MAX_LINE: usize = 1 << 20;
@@ -117,6 +117,8 @@ pub enum Request {
         uuid: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         workload: Option<Workload>,
+        #[serde(default, skip_serializing_if = "Qos::is_none")]
+        qos: Qos,
     },
     /// A transient instance, placed and started at once.
     Create {
@@ -128,6 +130,8 @@ pub enum Request {
         uuid: Option<String>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         workload: Option<Workload>,
+        #[serde(default, skip_serializing_if = "Qos::is_none")]
+        qos: Qos,
         #[serde(default)]
         place: PlaceOptions,
     },
@@ -158,12 +162,15 @@ pub enum Request {
     Stop { uuid: String },
     /// Forgets it, started or not.
     Remove { uuid: String },
+    /// What each physical core of the board has done (only a running
+    /// daemon knows: it owns the cores).
+    Cores {},
 }
 
 impl Request {
     /// Whether the request may change the state.
     pub fn changes_state(&self) -> bool {
-        !matches!(self, Request::Types {} | Request::List {})
+        !matches!(self, Request::Types {} | Request::List {} | Request::Cores {})
     }
 }
 
@@ -198,7 +205,45 @@ pub enum Outcome {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         socket: Option<PathBuf>,
     },
+    /// Every physical core's use since the daemon started.
+    Cores {
+        /// Simulated cycles per microsecond.
+        clock_mhz: u32,
+        cores: Vec<CoreUse>,
+    },
     Done,
+}
+
+/// What one physical core has done since the daemon started (cycles are
+/// simulated NPU cycles of the board's clock).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CoreUse {
+    /// Physical core (chip * cores_per_chip + core).
+    pub core: u32,
+    /// Requests served.
+    pub requests: u64,
+    /// Requests that waited for engines (an oversubscribed core).
+    pub waited: u64,
+    /// Running requests suspended for more urgent ones.
+    pub preempted: u64,
+    /// The board's simulated time so far.
+    pub board_cycles: f64,
+    /// Cycles during which two or more tenants ran at once.
+    pub overlap_cycles: f64,
+    /// Busy cycles per tenant (a vNPU: its instance's UUID).
+    pub tenants: Vec<TenantUse>,
+    /// Requests with a latency target, and those that missed it.
+    pub slo_requests: u64,
+    pub slo_misses: u64,
+    /// Its vNPUs claim more SAs or VUs than it has (they time-share it).
+    pub oversubscribed: bool,
+}
+
+/// One tenant's busy time on a core.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantUse {
+    pub tenant: String,
+    pub busy_cycles: f64,
 }
 
 /// A refused request, as sent.
@@ -354,15 +399,15 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
             Ok(Outcome::Types { board: board.name.clone(), layout, types })
         }
         Request::List {} => Ok(Outcome::Instances(store.instances().to_vec())),
-        Request::Define { type_name, spec, uuid, workload } => {
+        Request::Define { type_name, spec, uuid, workload, qos } => {
             let shape = resolve_shape(type_name, spec)?;
-            let u = store.define_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone())?;
+            let u = store.define_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone(), *qos)?;
             instance(store, &u)
         }
-        Request::Create { type_name, spec, uuid, workload, place } => {
+        Request::Create { type_name, spec, uuid, workload, qos, place } => {
             let shape = resolve_shape(type_name, spec)?;
             apply_placement(store, board, place)?;
-            let u = store.create_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone())?;
+            let u = store.create_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone(), *qos)?;
             instance(store, &u)
         }
         Request::Start { uuid, place } => {
@@ -415,6 +460,9 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
             store.remove(uuid)?;
             Ok(Outcome::Done)
         }
+        Request::Cores {} => Err(ControlError::BadRequest(
+            "only a running board daemon knows what its cores did (start `vnpu daemon`)".into(),
+        )),
     }
 }
 
@@ -532,9 +580,22 @@ mod tests {
                     spec: None,
                     uuid: None,
                     workload: None,
+                    qos: Qos::default(),
                     place: PlaceOptions { oversubscribe: Some(2), ..Default::default() },
                 },
             ),
+            (
+                r#"{"op":"create","spec":"sa=4,vu=4,sram=8M,hbm=1G","qos":{"priority":5,"slo_us":1000}}"#,
+                Request::Create {
+                    type_name: None,
+                    spec: Some("sa=4,vu=4,sram=8M,hbm=1G".into()),
+                    uuid: None,
+                    workload: None,
+                    qos: Qos { priority: 5, slo_us: 1000 },
+                    place: PlaceOptions::default(),
+                },
+            ),
+            (r#"{"op":"cores"}"#, Request::Cores {}),
             (
                 r#"{"op":"define","spec":"sa=1,vu=1,sram=4M,hbm=1G","workload":{"name":"bert","batch":8}}"#,
                 Request::Define {
@@ -542,16 +603,18 @@ mod tests {
                     spec: Some("sa=1,vu=1,sram=4M,hbm=1G".into()),
                     uuid: None,
                     workload: Some(Workload { name: "bert".into(), batch: 8 }),
+                    qos: Qos::default(),
                 },
             ),
             (r#"{"op":"stop","uuid":"x"}"#, Request::Stop { uuid: "x".into() }),
             (
-                r#"{"op":"define","mdev_type":"large","uuid":"u"}"#,
+                r#"{"op":"define","mdev_type":"large","uuid":"u","qos":{"slo_us":250}}"#,
                 Request::Define {
                     type_name: Some("large".into()),
                     spec: None,
                     uuid: Some("u".into()),
                     workload: None,
+                    qos: Qos { priority: 0, slo_us: 250 },
                 },
             ),
         ];
@@ -562,7 +625,15 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{json} round trip: {e}"));
             assert_eq!(back, want, "{json} round trip");
         }
-        for bad in [r#"{"op":"stop"}"#, r#"{"op":"launch"}"#, r#"{"op":"list","extra":1}"#, "[]"] {
+        for bad in [
+            r#"{"op":"stop"}"#,
+            r#"{"op":"launch"}"#,
+            r#"{"op":"list","extra":1}"#,
+            r#"{"op":"create","type":"small","qos":{"priority":256}}"#,
+            r#"{"op":"create","type":"small","qos":{"deadline":1}}"#,
+            r#"{"op":"cores","core":1}"#,
+            "[]",
+        ] {
             assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad} must not parse");
         }
     }

@@ -10,7 +10,9 @@ mod interference;
 mod placement;
 mod store;
 
-pub use control::{shape_text, ControlClient, ControlError, Outcome, PlaceOptions, Request};
+pub use control::{
+    shape_text, ControlClient, ControlError, CoreUse, Outcome, PlaceOptions, Request, TenantUse,
+};
 pub use interference::{predicted_slowdowns, spec_of, InterferenceError, InterferenceModel};
 pub use placement::{Board, CoreLoad, Placement, PlacementError, Policy};
 pub use store::{Store, StoreError};
@@ -52,6 +54,26 @@ impl std::str::FromStr for Workload {
     }
 }
 
+/// The service a tenant's vNPU gets on a shared physical core: the
+/// order of its requests among the core's tenants (higher priority first,
+/// then the earliest deadline) and their latency target, in microseconds of
+/// simulated time from arrival (0: none; misses are counted per core).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Qos {
+    #[serde(default)]
+    pub priority: u8,
+    #[serde(default)]
+    pub slo_us: u64,
+}
+
+impl Qos {
+    /// No priority and no latency target (how it is left out of JSON).
+    pub fn is_none(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// One vNPU instance.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Instance {
@@ -72,6 +94,9 @@ pub struct Instance {
     /// placement).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workload: Option<Workload>,
+    /// Its priority and latency target on a shared core.
+    #[serde(default, skip_serializing_if = "Qos::is_none")]
+    pub qos: Qos,
 }
 
 /// The split of `eus` execution units into SAs and VUs closest (in log

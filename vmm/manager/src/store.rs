@@ -14,7 +14,7 @@ use thiserror::Error;
 
 use crate::interference::{spec_of, InterferenceError, InterferenceModel};
 use crate::placement::{Board, PlacementError, Policy};
-use crate::{Instance, Shape, Workload};
+use crate::{Instance, Qos, Shape, Workload};
 
 const STATE: &str = "vnpu-state.json";
 const LOCK: &str = "vnpu-state.lock";
@@ -230,18 +230,20 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, true, None)
+        self.add(shape, type_name, uuid, true, None, Qos::default())
     }
 
-    /// `define` of a vNPU whose tenant says which workload it runs.
+    /// `define` of a vNPU whose tenant says which workload it runs and
+    /// what service it gets on a shared core.
     pub fn define_for(
         &mut self,
         shape: Shape,
         type_name: Option<&str>,
         uuid: Option<&str>,
         workload: Option<Workload>,
+        qos: Qos,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, true, workload)
+        self.add(shape, type_name, uuid, true, workload, qos)
     }
 
     /// `create`: a transient instance, started at once (gone when stopped).
@@ -251,18 +253,20 @@ impl Store {
         type_name: Option<&str>,
         uuid: Option<&str>,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, false, None)
+        self.add(shape, type_name, uuid, false, None, Qos::default())
     }
 
-    /// `create` of a vNPU whose tenant says which workload it runs.
+    /// `create` of a vNPU whose tenant says which workload it runs and
+    /// what service it gets on a shared core.
     pub fn create_for(
         &mut self,
         shape: Shape,
         type_name: Option<&str>,
         uuid: Option<&str>,
         workload: Option<Workload>,
+        qos: Qos,
     ) -> Result<String, StoreError> {
-        self.add(shape, type_name, uuid, false, workload)
+        self.add(shape, type_name, uuid, false, workload, qos)
     }
 
     /// A new instance: persistent and stopped, or transient and placed.
@@ -273,6 +277,7 @@ impl Store {
         uuid: Option<&str>,
         persistent: bool,
         workload: Option<Workload>,
+        qos: Qos,
     ) -> Result<String, StoreError> {
         let uuid = self.new_uuid(uuid)?;
         let cores = if persistent { Vec::new() } else { self.place(&uuid, &shape, workload.as_ref())? };
@@ -284,6 +289,7 @@ impl Store {
             active: !persistent,
             cores,
             workload,
+            qos,
         });
         self.save()?;
         Ok(uuid)
@@ -447,6 +453,28 @@ mod tests {
         let u = s.define(small(), Some("small"), None).unwrap();
         let i = s.remap(&u, shape(1, 2), None).unwrap();
         assert_eq!((i.shape, i.type_name.clone()), (shape(1, 2), None));
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A definition's priority and latency target survive a restart and
+    /// a start; an instance without them writes neither (older state
+    /// files, which have none, read as no priority and no target).
+    #[test]
+    fn service_levels_are_kept_with_the_definition() {
+        let d = dir("qos");
+        let b = BoardConfig::default();
+        let qos = Qos { priority: 5, slo_us: 1000 };
+        let (u, plain) = {
+            let mut s = Store::open(&d, &b).unwrap();
+            let u = s.define_for(small(), None, None, None, qos).unwrap();
+            (u, s.create(small(), None, None).unwrap())
+        };
+        let mut s = Store::open(&d, &b).unwrap();
+        assert_eq!(s.start(&u).unwrap().qos, qos);
+        assert_eq!(s.get(&plain).unwrap().qos, Qos::default());
+        let text = fs::read_to_string(d.join(STATE)).unwrap();
+        assert_eq!(text.matches("\"qos\"").count(), 1, "{text}");
+        assert!(text.contains("\"slo_us\": 1000"), "{text}");
         fs::remove_dir_all(&d).unwrap();
     }
 

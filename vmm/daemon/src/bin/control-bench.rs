@@ -39,7 +39,13 @@ struct Args {
 const OPS: [&str; 5] = ["create", "stop (transient)", "start", "stop (defined)", "list"];
 
 fn define(uuid: &str) -> Request {
-    Request::Define { type_name: Some("small".into()), spec: None, uuid: Some(uuid.into()), workload: None }
+    Request::Define {
+        type_name: Some("small".into()),
+        spec: None,
+        uuid: Some(uuid.into()),
+        workload: None,
+        qos: Default::default(),
+    }
 }
 
 fn uuid_of(o: &Outcome) -> Result<String, String> {
@@ -68,6 +74,7 @@ fn round(
             spec: None,
             uuid: None,
             workload: None,
+            qos: Default::default(),
             place: Default::default(),
         },
         &mut t,
