@@ -1,15 +1,14 @@
 #!/usr/bin/env python3
 """The board daemon's guest-visible cost (docs/benchmarks.md, issue 13).
 
-Boots the ring-bench and digits guests, round by round, three ways, the
-order rotated every round so no side always runs first or last:
+Boots the ring-bench and digits guests, round by round, two ways, the
+order alternated every round so no side always runs first or last:
 
   in-process   `vnpu run --vnpu type=small` (the device in the VMM, a
                private core)
-  scenario     `vnpu scenario` with one VM (the device in the VMM, on the
-               shared board runtime the daemon also uses)
   daemon       `vnpu run --vnpu uuid=U` attached over vfio-user to a
-               `vnpu daemon` started by this script
+               `vnpu daemon` started by this script (the board runtime
+               every shared core runs on)
 
 Every number is measured by the guest on its TSC (one clock for all
 sides) and printed by it; this script only collects them and prints, per
@@ -52,7 +51,7 @@ RAW = [
     ("raw ioeventfd write", r"raw ioeventfd write\s+([\d.]+) us"),
     ("raw ioeventfd->irqfd MSI", r"raw ioeventfd->irqfd MSI\s+([\d.]+) us"),
 ]
-SIDES = ["in-process", "scenario", "daemon"]
+SIDES = ["in-process", "daemon"]
 
 
 def run(cmd, timeout=300):
@@ -62,18 +61,12 @@ def run(cmd, timeout=300):
     return p.stdout
 
 
-def boot(side, guest, state, uuid, tmp):
+def boot(side, guest, state, uuid):
     path = os.path.join(GUESTS, guest)
     if side == "in-process":
         return run([VNPU, "run", "--guest", path, "--memory", "64M", "--vnpu", "type=small"])
-    if side == "daemon":
-        return run([VNPU, "run", "--guest", path, "--memory", "64M", "--vnpu", f"uuid={uuid}",
-                    "--state-dir", state])
-    scenario = os.path.join(tmp, f"{guest}.toml")
-    with open(scenario, "w") as f:
-        f.write(f'[[vm]]\nname = "a"\nguest = "{path}"\nmemory = "64M"\n'
-                f'vnpu = ["sa=1,vu=1,sram=4M,hbm=1G"]\n')
-    return run([VNPU, "scenario", scenario])
+    return run([VNPU, "run", "--guest", path, "--memory", "64M", "--vnpu", f"uuid={uuid}",
+                "--state-dir", state])
 
 
 def values(out, regex):
@@ -107,10 +100,10 @@ def main():
         uuid = run([VNPU, "create", "--type", "small", "--state-dir", state]).strip()
         samples = {side: {m[0]: [] for m in METRICS} | {r[0]: [] for r in RAW} for side in SIDES}
         for r in range(args.rounds):
-            order = SIDES[r % 3:] + SIDES[:r % 3]
+            order = SIDES[r % 2:] + SIDES[:r % 2]
             for guest in ["ring-bench", "digits"]:
                 for side in order:
-                    out = boot(side, guest, state, uuid, tmp)
+                    out = boot(side, guest, state, uuid)
                     for name, g, regex, _, _ in METRICS:
                         if g != guest:
                             continue
@@ -130,15 +123,15 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"{args.rounds} rounds; min / median / max; ratio = daemon / in-process per round")
-    print(f"{'metric':<26} {'in-process':>24} {'scenario':>24} {'daemon':>24} {'ratio':>22}")
+    print(f"{'metric':<26} {'in-process':>24} {'daemon':>24} {'ratio':>22}")
     for name, _, _, unit, _ in METRICS:
         cols = ["{:.1f} / {:.1f} / {:.1f}".format(*stats(samples[s][name])) for s in SIDES]
         ratios = [d / i for d, i in zip(samples["daemon"][name], samples["in-process"][name])]
-        print(f"{name + ' (' + unit + ')':<26} {cols[0]:>24} {cols[1]:>24} {cols[2]:>24} "
+        print(f"{name + ' (' + unit + ')':<26} {cols[0]:>24} {cols[1]:>24} "
               + "{:.3f} / {:.3f} / {:.3f}".format(*stats(ratios)))
     for name, _ in RAW:
         cols = ["{:.2f} / {:.2f} / {:.2f}".format(*stats(samples[s][name])) for s in SIDES]
-        print(f"{name + ' (us)':<26} {cols[0]:>24} {cols[1]:>24} {cols[2]:>24}")
+        print(f"{name + ' (us)':<26} {cols[0]:>24} {cols[1]:>24}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": args.rounds, "samples": samples}, f, indent=1)

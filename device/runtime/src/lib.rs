@@ -23,7 +23,7 @@
 
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use npu_model::{
     BoardConfig, BoardSim, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport,
@@ -45,6 +45,11 @@ pub type GuestMemory = Box<dyn Memory + Send>;
 /// How long the core waits (wall time) for vNPUs to submit before it
 /// advances simulated time.
 const GATHER: Duration = Duration::from_micros(200);
+
+/// A vNPU that got a result within this long (wall time) counts as active:
+/// an idle board waits for the active ones' requests of the moment (up to
+/// [`GATHER`]), for no one else.
+const ACTIVE: Duration = Duration::from_millis(1);
 
 /// One vNPU core's memory, lent to the shared core for a request.
 #[derive(Debug)]
@@ -105,29 +110,6 @@ pub struct Interval {
     pub end: f64,
 }
 
-/// A vNPU core's attachment to a physical core of a [`SharedBoard`]: while
-/// it lives, the board counts the vNPU as one that may submit requests
-/// (an idle board waits for the attached vNPUs' simultaneous requests
-/// before simulated time moves on, and for no one else).
-pub struct Attachment {
-    board: SharedBoard,
-}
-
-impl std::fmt::Debug for Attachment {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Attachment").finish_non_exhaustive()
-    }
-}
-
-impl Drop for Attachment {
-    fn drop(&mut self) {
-        let mut q = lock(&self.board.inner.q);
-        q.attached = q.attached.saturating_sub(1);
-        drop(q);
-        self.board.inner.cv.notify_all();
-    }
-}
-
 /// Busy intervals a core keeps before it folds the settled ones into
 /// totals ([`CoreLog::fold`]): a daemon serves for ever, its log must not
 /// grow with every request.
@@ -159,15 +141,14 @@ struct Queue {
     cores: Vec<CoreLog>,
     stop: bool,
     paused: bool,
-    /// vNPU cores attached to the board ([`SharedCore::attach`]): who may
-    /// submit at any moment.
-    attached: usize,
 }
 
 struct Inner {
     board: BoardConfig,
     /// How long the board waits for submissions before time moves on.
     gather: Duration,
+    /// How long after its last result a vNPU counts as active.
+    active: Duration,
     q: Mutex<Queue>,
     cv: Condvar,
 }
@@ -232,11 +213,25 @@ impl SharedBoard {
     /// A board that waits up to `gather` (wall time) for the vNPUs that
     /// just got results to submit again before it advances simulated time
     /// (200 us for [`SharedBoard::new`]); the wait ends as soon as they
-    /// have.
+    /// have. A vNPU counts as active for `gather` or [`ACTIVE`] after its
+    /// result, whichever is longer.
     pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
+        Self::with_timing(board, name, gather, ACTIVE.max(gather))
+    }
+
+    /// As [`SharedBoard::with_gather`], with vNPUs counted as active for
+    /// `active` after their last result: the board waits (up to `gather`)
+    /// only for active vNPUs.
+    pub fn with_timing(
+        board: &BoardConfig,
+        name: &str,
+        gather: Duration,
+        active: Duration,
+    ) -> std::io::Result<Self> {
         let n = board.chips.saturating_mul(board.cores_per_chip).max(1) as usize;
         let q = Queue { cores: (0..n).map(|_| CoreLog::default()).collect(), ..Queue::default() };
-        let inner = Arc::new(Inner { board: board.clone(), gather, q: Mutex::new(q), cv: Condvar::new() });
+        let inner =
+            Arc::new(Inner { board: board.clone(), gather, active, q: Mutex::new(q), cv: Condvar::new() });
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
@@ -280,12 +275,6 @@ impl SharedCore {
     /// As [`SharedCore::new`] with [`SharedBoard::with_gather`]'s wait.
     pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
         Ok(SharedCore { board: SharedBoard::with_gather(board, name, gather)?, index: 0 })
-    }
-
-    /// Attaches one vNPU core (its worker holds the guard while it serves).
-    pub fn attach(&self) -> Attachment {
-        lock(&self.board.inner.q).attached += 1;
-        Attachment { board: self.board.clone() }
     }
 
     /// The core's index on its board.
@@ -382,6 +371,9 @@ fn engine(inner: &Inner) {
     // Tenants (core, name) that just got a result and may submit their
     // next request.
     let mut replied: Vec<(usize, String)> = Vec::new();
+    // When each tenant last got a result (wall time): on an idle board,
+    // those that got one within `ACTIVE` may be about to submit again.
+    let mut recent: Vec<(usize, String, Instant)> = Vec::new();
     let waiting = |d: &[Dispatcher<Job>]| d.iter().any(|d| d.waiting().next().is_some());
     // Per core, (simulation id, engines free, issuing again) of every
     // suspension of a request still on the core: its busy interval leaves
@@ -402,28 +394,28 @@ fn engine(inner: &Inner) {
             }
             sim.is_idle() && !waiting(&dispatchers)
         };
-        // Before simulated time moves on, let the vNPUs that just got a
-        // result submit their next request (and, on an idle board, let the
-        // other attached vNPUs' requests of this moment arrive: the wait
-        // ends once every attached vNPU core has one pending, at once for
-        // a vNPU alone on the board).
-        let until = std::time::Instant::now() + if fresh { GATHER } else { inner.gather };
+        // Before simulated time moves on, let the active vNPUs that just got
+        // a result submit their next request (and, on an idle board, let
+        // the requests of this moment of every active vNPU arrive: the
+        // wait ends once each of them has one pending, at once for a vNPU
+        // alone on the board). A vNPU without a result for longer than
+        // `active` holds nobody back.
+        let until = Instant::now() + inner.gather;
         {
             let mut q = lock(&inner.q);
             loop {
-                let missing =
-                    replied.iter().any(|(c, t)| !q.pending.iter().any(|j| j.core == *c && &j.tenant == t));
-                let others_may_come = fresh && {
-                    let mut submitters: Vec<(usize, &str)> =
-                        q.pending.iter().map(|j| (j.core, j.tenant.as_str())).collect();
-                    submitters.sort_unstable();
-                    submitters.dedup();
-                    submitters.len() < q.attached
-                };
-                let left = until.saturating_duration_since(std::time::Instant::now());
+                recent.retain(|r| r.2.elapsed() < inner.active);
+                let has = |c: usize, t: &str| q.pending.iter().any(|j| j.core == c && j.tenant == t);
+                let active = |c: usize, t: &str| recent.iter().any(|r| r.0 == c && r.1 == t);
+                let missing = replied.iter().any(|(c, t)| active(*c, t) && !has(*c, t));
+                let others_may_come = fresh && recent.iter().any(|(c, t, _)| !has(*c, t));
+                let left = until.saturating_duration_since(Instant::now());
                 if q.stop || left.is_zero() || !(others_may_come || missing) {
                     break;
                 }
+                // Wake when a waited-for vNPU stops counting as active, too.
+                let expiry = recent.iter().map(|r| inner.active.saturating_sub(r.2.elapsed())).min();
+                let left = expiry.map_or(left, |e| left.min(e.max(Duration::from_micros(1))));
                 q = inner.cv.wait_timeout(q, left).map_or_else(|e| e.into_inner().0, |r| r.0);
             }
             if q.stop {
@@ -491,6 +483,10 @@ fn engine(inner: &Inner) {
                 }
             }
             replied.push((c, job.tenant.clone()));
+            match recent.iter_mut().find(|r| r.0 == c && r.1 == job.tenant) {
+                Some(r) => r.2 = Instant::now(),
+                None => recent.push((c, job.tenant.clone(), Instant::now())),
+            }
             if q.cores.get(c).is_some_and(|l| l.log.len() >= FOLD_AT) {
                 // Requests still to finish on this core arrived no earlier
                 // than the oldest unfinished one, and new ones arrive now
@@ -716,6 +712,32 @@ mod tests {
         core.stop();
     }
 
+    /// A tenant idle for longer than `ACTIVE` holds nobody back: with a
+    /// 10 s wait for the active tenants' requests of the moment, another
+    /// tenant's requests on the idle board still run at once (a board that
+    /// waited for every tenant it had seen would take 10 s for each).
+    #[test]
+    fn an_idle_neighbour_does_not_hold_a_tenant_back() {
+        let board = SharedBoard::with_timing(
+            &BoardConfig::default(),
+            "idle-neighbour",
+            Duration::from_secs(10),
+            ACTIVE,
+        )
+        .unwrap();
+        let core = board.core(0).unwrap();
+        let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
+        assert!(run_copies(&core, "idle", claim, 1).1.is_ok());
+        std::thread::sleep(ACTIVE * 3);
+        let t = Instant::now();
+        for _ in 0..3 {
+            assert!(run_copies(&core, "busy", claim, 1).1.is_ok());
+        }
+        let took = t.elapsed();
+        core.stop();
+        assert!(took < Duration::from_secs(5), "three requests took {took:?}");
+    }
+
     /// A core that serves request after request keeps a bounded log (the
     /// settled part is folded into totals) and still reports every
     /// tenant's busy time as the sum of its requests' intervals, as each
@@ -730,7 +752,6 @@ mod tests {
             .map(|name| {
                 let c = core.clone();
                 std::thread::spawn(move || {
-                    let _attached = c.attach();
                     let mut busy = 0.0;
                     for _ in 0..per_tenant {
                         let (_, r, s, e) = run_copies(&c, name, claim, 1);

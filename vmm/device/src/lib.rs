@@ -16,8 +16,8 @@ mod worker;
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use npu_board_runtime::{
-    admission_order, placements, schedule, switch_cycles, Attachment, Claim, Decision, Dispatched,
-    Dispatcher, Interval, Pending, SharedBoard, SharedCore, SharingStats,
+    admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Interval,
+    Pending, SharedBoard, SharedCore, SharingStats,
 };
 pub use spec::{parse_size, SpecError, VnpuSpec};
 pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};

@@ -308,8 +308,6 @@ pub(crate) struct Worker {
     /// Programs verified once (`REGISTER`), by handle; dropped whenever
     /// the configuration changes, since they were checked against it.
     programs: Vec<Option<Arc<Program>>>,
-    /// This vNPU's attachment to each shared core it is placed on.
-    _attached: Vec<crate::Attachment>,
 }
 
 impl Worker {
@@ -322,7 +320,6 @@ impl Worker {
         name: &str,
     ) -> Self {
         let mut w = Self {
-            _attached: opts.cores.iter().map(crate::SharedCore::attach).collect(),
             opts,
             name: name.to_string(),
             shared,
