@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The nested test path (docs/linux-guests.md): QEMU/TCG with -cpu EPYC (L1:
-# Debian's kernel + an initramfs with kvm_amd and our VMM) boots, inside
-# which our VMM boots the L2 Debian kernel with a vNPU; L2 runs the digits
-# classifier through the Linux user-space driver. Asserts the L2 PCI view,
-# the accuracies (the same as the bare-metal guest's and the CPU's), the
-# exit codes, console input typed into L2, and a kernel log free of
-# warnings about the vNPU, and prints
+# Debian's kernel + an initramfs with kvm_amd, our VMM and board daemon)
+# boots, inside which our VMM boots the L2 Debian kernel twice: first with a
+# vNPU the board daemon serves over vfio-user (L2 runs the digits classifier
+# through the Linux user-space driver and vnpu-infer on compiled ONNX
+# models), then with the vNPU in the VMM's process (the classifier only).
+# Asserts the L2 PCI view, the accuracies (the same as the bare-metal
+# guest's and the CPU's), that the daemon served L2 (its log and its
+# cores' counts), the exit codes, console input typed into L2, and a
+# kernel log free of warnings about the vNPU, and prints
 # the boot and run times. Needs qemu-system-x86 (scripts/setup.sh) and
 # the guests built (scripts/build-guests.sh). NESTED_TIMEOUT in seconds
 # (default 300; a hung run is reported and retried once, see below).
@@ -73,13 +76,37 @@ need() {
         fail=1
     fi
 }
-need "L2: pci 0000:00:01.0 vendor 0x5650 device 0x0001 class 0x120000"
-need "pci 0000:00:01.0: vendor 0x5650 device 0x0001 class 0x120000 driver vnpu"
-need "msix: capability with 8 vectors, enabled; completions by interrupt (vnpu kernel module)"
-need "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"
-need "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"
-need "digits: vNPU and CPU agree on every image"
-need "L2: vnpu-digits exit 0"
+# Lines both L2 runs (through the daemon, then in-process) print: once per
+# run, or once per program that opens the vNPU (the daemon's L2 runs
+# vnpu-digits and two vnpu-infer, the in-process L2 vnpu-digits).
+needn() {
+    local n
+    n=$(grep -cF -- "$2" "$log" || true)
+    if [ "$n" != "$1" ]; then
+        echo "nested-test: FAIL: want ${1}x (daemon and in-process L2), got ${n}x: $2" >&2
+        fail=1
+    fi
+}
+need2() { needn 2 "$1"; }
+need2 "L2: pci 0000:00:01.0 vendor 0x5650 device 0x0001 class 0x120000"
+needn 4 "pci 0000:00:01.0: vendor 0x5650 device 0x0001 class 0x120000 driver vnpu"
+needn 4 "msix: capability with 8 vectors, enabled; completions by interrupt (vnpu kernel module)"
+need2 "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"
+need2 "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"
+need2 "digits: vNPU and CPU agree on every image"
+need2 "L2: vnpu-digits exit 0"
+# The first L2 was the daemon's: it served the VMM's connection, and its
+# core 0 ran the requests (one per batch-1 image at least).
+need "L1: daemon serves "
+need ": client attached"
+need "L1: vnpu (daemon) exit 0"
+need "L1: daemon exit 0"
+need "L1: vnpu (in-process) exit 0"
+served=$(awk '/^L1: cores 0 / { print $4; exit }' "$log")
+if [ "${served:-0}" -lt 900 ]; then
+    echo "nested-test: FAIL: the daemon's core 0 served ${served:-no} requests (want >= 900)" >&2
+    fail=1
+fi
 # vnpu-infer: the compiled models against ONNX Runtime (build-image.sh).
 need "check         probabilities against /models/sklearn-mlp-ort.npy"
 need "check         logits against /models/torch-cnn-ort.npy"
@@ -89,7 +116,6 @@ if ! [ "$(grep -cE '^check .* top-1 agree 450/450$' "$log")" = 2 ]; then
 fi
 need "L2: vnpu-infer sklearn-mlp exit 0"
 need "L2: vnpu-infer torch-cnn exit 0"
-need "L1: vnpu exit 0"
 need "L2: console got [typed-into-l2]"
 # Completions arrived as MSI-X interrupts through the kernel module.
 irqs=$(awk '/^L2: interrupts / && /vnpu-0000:00:01.0/ { print $4; exit }' "$log")
@@ -110,6 +136,6 @@ if [ "$fail" != 0 ]; then
     tail -n 60 "$log" >&2
 fi
 awk -v s="$start" -v e="$end" 'BEGIN { printf "nested-test: whole run %.1f s wall\n", e - s }' >&2
-grep -E '^L[12]: (up|user space|vnpu|interrupts)' "$log" >&2 || true
+grep -E '^L[12]: (up|user space|vnpu|interrupts|cores)' "$log" >&2 || true
 [ "$fail" = 0 ] && echo "nested-test: PASS" >&2
 exit "$fail"
