@@ -8,9 +8,15 @@
 //! bandwidth (all cores of the chip) and the board's host link (all
 //! cores), as the board says. A request's arrival is the board's simulated
 //! time when it is submitted; after each completion the board waits (at
-//! most 200 us of wall time) for the vNPUs that just got results to submit
-//! their next request, so a vNPU that issues back-to-back requests keeps
-//! its engines busy while its neighbours' long requests go on.
+//! most 200 us of wall time) for the active vNPUs that just got results to
+//! submit their next request, so a vNPU that issues back-to-back requests
+//! keeps its engines busy while its neighbours' long requests go on.
+//!
+//! The board is advanced in passes (`pass`) by whichever thread holds
+//! the engine: the thread that submits a request runs them itself when no
+//! other thread does, until its own request is answered, and leaves what
+//! is left to the board's own thread, which runs passes only then (no
+//! hand-off to another thread and back for a vNPU alone on its board).
 //!
 //! An oversubscribed core (its vNPUs claim more SAs or VUs than it has)
 //! places waiting requests in order of higher priority, then earliest SLO
@@ -141,6 +147,12 @@ struct Queue {
     cores: Vec<CoreLog>,
     stop: bool,
     paused: bool,
+    /// A thread is running the engine's passes (the board's own, or a
+    /// submitting one, [`SharedCore::run`]); no other may.
+    running: bool,
+    /// Requests are on the cores or waiting for engines (as the last pass
+    /// left the board).
+    busy: bool,
 }
 
 struct Inner {
@@ -151,11 +163,15 @@ struct Inner {
     active: Duration,
     q: Mutex<Queue>,
     cv: Condvar,
+    /// The simulation and the dispatchers, run by whoever holds
+    /// `Queue::running`.
+    engine: Mutex<Engine>,
 }
 
-/// The board's cores in one simulation (`npu_model::BoardSim`) with one
-/// engine thread: requests on every core share each chip's HBM and the
-/// board's host link on one simulated timeline. Hand its cores
+/// The board's cores in one simulation (`npu_model::BoardSim`), advanced
+/// by the submitting threads or the board's own thread: requests on every
+/// core share each chip's HBM and the board's host link on one simulated
+/// timeline. Hand its cores
 /// ([`SharedBoard::core`]) to the vNPUs placed on them.
 #[derive(Clone)]
 pub struct SharedBoard {
@@ -213,7 +229,7 @@ impl SharedBoard {
     /// A board that waits up to `gather` (wall time) for the vNPUs that
     /// just got results to submit again before it advances simulated time
     /// (200 us for [`SharedBoard::new`]); the wait ends as soon as they
-    /// have. A vNPU counts as active for `gather` or [`ACTIVE`] after its
+    /// have. A vNPU counts as active for `gather` or 1 ms after its
     /// result, whichever is longer.
     pub fn with_gather(board: &BoardConfig, name: &str, gather: Duration) -> std::io::Result<Self> {
         Self::with_timing(board, name, gather, ACTIVE.max(gather))
@@ -230,8 +246,14 @@ impl SharedBoard {
     ) -> std::io::Result<Self> {
         let n = board.chips.saturating_mul(board.cores_per_chip).max(1) as usize;
         let q = Queue { cores: (0..n).map(|_| CoreLog::default()).collect(), ..Queue::default() };
-        let inner =
-            Arc::new(Inner { board: board.clone(), gather, active, q: Mutex::new(q), cv: Condvar::new() });
+        let inner = Arc::new(Inner {
+            board: board.clone(),
+            gather,
+            active,
+            q: Mutex::new(q),
+            cv: Condvar::new(),
+            engine: Mutex::new(Engine::for_board(board)),
+        });
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
@@ -297,7 +319,7 @@ impl SharedCore {
     ) -> Option<JobResult> {
         let (tx, rx) = mpsc::channel();
         let inner = &self.board.inner;
-        {
+        let run_here = {
             let mut q = lock(&inner.q);
             if q.stop {
                 return None;
@@ -316,9 +338,41 @@ impl SharedCore {
                 reply: tx,
                 begin: arrival,
             });
+            // Nobody runs the board: this thread does, until its own
+            // request is answered (no hand-off to the board's thread and
+            // back: two thread wake-ups saved per request).
+            let free = !q.running && !q.paused;
+            q.running |= free;
+            free
+        };
+        if !run_here {
+            inner.cv.notify_all();
+            return rx.recv().ok();
         }
-        inner.cv.notify_all();
-        rx.recv().ok()
+        let answer = {
+            let mut engine = lock(&inner.engine);
+            loop {
+                match rx.try_recv() {
+                    Ok(a) => break Some(a),
+                    Err(mpsc::TryRecvError::Disconnected) => break None,
+                    Err(mpsc::TryRecvError::Empty) => {}
+                }
+                if !engine.with_dependent_mut(|_, st| pass(inner, st)) {
+                    break None;
+                }
+            }
+        };
+        // What is left (the neighbours' requests) goes to the board's
+        // thread.
+        let left = {
+            let mut q = lock(&inner.q);
+            q.running = false;
+            !q.pending.is_empty() || q.busy
+        };
+        if left {
+            inner.cv.notify_all();
+        }
+        answer
     }
 
     /// Busy time, overlap and per-tenant use of this core so far.
@@ -360,157 +414,236 @@ impl SharedCore {
     }
 }
 
+/// What the board's engine keeps from one pass to the next.
+struct EngineState<'c> {
+    board: &'c BoardConfig,
+    switch: f64,
+    sim: BoardSim<'c, Job>,
+    dispatchers: Vec<Dispatcher<Job>>,
+    /// Tenants seen on each core (HBM shares under the "equal" policy).
+    tenants: Vec<Vec<String>>,
+    /// Tenants (core, name) that just got a result and may submit their
+    /// next request.
+    replied: Vec<(usize, String)>,
+    /// When each tenant last got a result (wall time): on an idle board,
+    /// those that got one within `Inner::active` may be about to submit
+    /// again.
+    recent: Vec<(usize, String, Instant)>,
+    /// Per core, (simulation id, engines free, issuing again) of every
+    /// suspension of a request still on the core: its busy interval
+    /// leaves them out (infinity: not resumed yet).
+    gaps: Vec<Vec<(usize, f64, f64)>>,
+}
+
+self_cell::self_cell!(
+    /// The engine's state with the board configuration its simulation
+    /// borrows, so either the board's thread or a submitting thread can
+    /// run a pass (`Inner::engine`).
+    struct Engine {
+        owner: BoardConfig,
+        #[not_covariant]
+        dependent: EngineState,
+    }
+);
+
+impl Engine {
+    fn for_board(board: &BoardConfig) -> Self {
+        Engine::new(board.clone(), |board| {
+            let sim = BoardSim::new(board);
+            let n = sim.len();
+            EngineState {
+                board,
+                switch: switch_cycles(board),
+                sim,
+                dispatchers: (0..n).map(|_| Dispatcher::default()).collect(),
+                tenants: vec![Vec::new(); n],
+                replied: Vec::new(),
+                recent: Vec::new(),
+                gaps: vec![Vec::new(); n],
+            }
+        })
+    }
+}
+
+impl EngineState<'_> {
+    fn waiting(&self) -> bool {
+        self.dispatchers.iter().any(|d| d.waiting().next().is_some())
+    }
+
+    /// Requests are on the cores or waiting for engines.
+    fn busy(&self) -> bool {
+        !self.sim.is_idle() || self.waiting()
+    }
+}
+
+/// The board's own engine thread: runs passes whenever there is work and
+/// no submitting thread is running them.
 fn engine(inner: &Inner) {
-    let board = &inner.board;
-    let switch = switch_cycles(board);
-    let mut sim: BoardSim<'_, Job> = BoardSim::new(board);
-    let n = sim.len();
-    let mut dispatchers: Vec<Dispatcher<Job>> = (0..n).map(|_| Dispatcher::default()).collect();
-    // Tenants seen on each core (HBM shares under the "equal" policy).
-    let mut tenants: Vec<Vec<String>> = vec![Vec::new(); n];
-    // Tenants (core, name) that just got a result and may submit their
-    // next request.
-    let mut replied: Vec<(usize, String)> = Vec::new();
-    // When each tenant last got a result (wall time): on an idle board,
-    // those that got one within `ACTIVE` may be about to submit again.
-    let mut recent: Vec<(usize, String, Instant)> = Vec::new();
-    let waiting = |d: &[Dispatcher<Job>]| d.iter().any(|d| d.waiting().next().is_some());
-    // Per core, (simulation id, engines free, issuing again) of every
-    // suspension of a request still on the core: its busy interval leaves
-    // them out (infinity: not resumed yet).
-    let mut gaps: Vec<Vec<(usize, f64, f64)>> = vec![Vec::new(); n];
     loop {
-        // Sleep until there is something to do.
-        let fresh = {
+        {
             let mut q = lock(&inner.q);
             loop {
                 if q.stop {
                     return;
                 }
-                if (!q.pending.is_empty() || waiting(&dispatchers) || !sim.is_idle()) && !q.paused {
+                if !q.running && (!q.pending.is_empty() || q.busy) && !q.paused {
+                    q.running = true;
                     break;
                 }
                 q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
             }
-            sim.is_idle() && !waiting(&dispatchers)
-        };
-        // Before simulated time moves on, let the active vNPUs that just got
-        // a result submit their next request (and, on an idle board, let
-        // the requests of this moment of every active vNPU arrive: the
-        // wait ends once each of them has one pending, at once for a vNPU
-        // alone on the board). A vNPU without a result for longer than
-        // `active` holds nobody back.
-        let until = Instant::now() + inner.gather;
-        {
-            let mut q = lock(&inner.q);
-            loop {
-                recent.retain(|r| r.2.elapsed() < inner.active);
-                let has = |c: usize, t: &str| q.pending.iter().any(|j| j.core == c && j.tenant == t);
-                let active = |c: usize, t: &str| recent.iter().any(|r| r.0 == c && r.1 == t);
-                let missing = replied.iter().any(|(c, t)| active(*c, t) && !has(*c, t));
-                let others_may_come = fresh && recent.iter().any(|(c, t, _)| !has(*c, t));
-                let left = until.saturating_duration_since(Instant::now());
-                if q.stop || left.is_zero() || !(others_may_come || missing) {
-                    break;
-                }
-                // Wake when a waited-for vNPU stops counting as active, too.
-                let expiry = recent.iter().map(|r| inner.active.saturating_sub(r.2.elapsed())).min();
-                let left = expiry.map_or(left, |e| left.min(e.max(Duration::from_micros(1))));
-                q = inner.cv.wait_timeout(q, left).map_or_else(|e| e.into_inner().0, |r| r.0);
-            }
-            if q.stop {
+        }
+        let mut engine = lock(&inner.engine);
+        loop {
+            if !engine.with_dependent_mut(|_, st| pass(inner, st)) {
                 return;
             }
-            for j in q.pending.drain(..) {
-                let (Some(seen), Some(core)) = (tenants.get_mut(j.core), sim.core(j.core)) else {
-                    // Cannot happen (cores come from `SharedBoard::core`);
-                    // the requester gets no answer rather than a wrong one.
-                    continue;
-                };
-                if !seen.contains(&j.tenant) {
-                    seen.push(j.tenant.clone());
-                    core.set_shares(seen.len());
-                }
-                let p = j.pending();
-                dispatchers[j.core].submit(j, p);
+            let mut q = lock(&inner.q);
+            if q.pending.is_empty() && !q.busy {
+                q.running = false;
+                break;
             }
-        }
-        replied.clear();
-        // On each core, place what fits, most urgent first, preempting less
-        // urgent requests for the most urgent one left over; the rest wait.
-        let mut passes = Vec::with_capacity(n);
-        for (c, d) in dispatchers.iter_mut().enumerate() {
-            let Some(core) = sim.core(c) else { continue };
-            passes.push((c, d.dispatch(core, switch, |w, r| schedule(board, w, r), |j, at| j.begin = at)));
-        }
-        // Advance the whole board to the next completion.
-        let done = sim.step();
-        let mut q = lock(&inner.q);
-        q.now = sim.now();
-        for (c, pass) in passes {
-            if let Some(log) = q.cores.get_mut(c) {
-                log.waited += pass.waited;
-                log.preempted += pass.preempted;
-            }
-            let Some(g) = gaps.get_mut(c) else { continue };
-            g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
-            for (id, at) in pass.resumed {
-                if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
-                    open.2 = at;
-                }
-            }
-        }
-        for (c, (id, job, r)) in done {
-            if let Some(d) = dispatchers.get_mut(c) {
-                d.finished(id);
-            }
-            let end = r.as_ref().map_or(sim.now(), |t| t.cycles);
-            let begin = job.begin.min(end);
-            let mut mine: Vec<(f64, f64)> = Vec::new();
-            if let Some(g) = gaps.get_mut(c) {
-                mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
-                g.retain(|x| x.0 != id);
-            }
-            let runs = busy_intervals(begin, end, mine);
-            if let Some(log) = q.cores.get_mut(c) {
-                for (start, stop) in runs {
-                    log.log.push(Interval { tenant: job.tenant.clone(), start, end: stop });
-                }
-                log.requests += 1;
-                if job.claim.slo_cycles > 0 {
-                    log.slo_requests += 1;
-                    log.slo_misses += u64::from(end > job.pending().deadline());
-                }
-            }
-            replied.push((c, job.tenant.clone()));
-            match recent.iter_mut().find(|r| r.0 == c && r.1 == job.tenant) {
-                Some(r) => r.2 = Instant::now(),
-                None => recent.push((c, job.tenant.clone(), Instant::now())),
-            }
-            if q.cores.get(c).is_some_and(|l| l.log.len() >= FOLD_AT) {
-                // Requests still to finish on this core arrived no earlier
-                // than the oldest unfinished one, and new ones arrive now
-                // or later: nothing will start before that.
-                let oldest = dispatchers.get(c).and_then(Dispatcher::oldest_arrival);
-                let frontier = oldest.map_or(q.now, |a| a.min(q.now));
-                if let Some(log) = q.cores.get_mut(c) {
-                    log.fold(frontier);
-                }
-            }
-            // The requester sees its own request's time: cycles from its
-            // start on the core (after any wait for engines) to its
-            // completion, not the board's clock. (Its arrival is the board's
-            // time when it was submitted, which runs ahead of the wall
-            // clock in steps: no basis for a latency.)
-            let r = r.map(|mut t| {
-                t.cycles = (t.cycles - t.started).max(0.0);
-                t.started = 0.0;
-                t
-            });
-            // A vNPU that went away does not stop the board.
-            let _ = job.reply.send((job.mem, r, begin, end));
         }
     }
+}
+
+/// One pass of the board: wait until there is work, let the requests of
+/// the moment arrive (wall time, below), place what fits on each core,
+/// advance the whole board to the next completion and answer the requests
+/// that finished. False when the board stopped.
+fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
+    let fresh = {
+        let mut q = lock(&inner.q);
+        loop {
+            if q.stop {
+                return false;
+            }
+            if (!q.pending.is_empty() || st.busy()) && !q.paused {
+                break;
+            }
+            q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        !st.busy()
+    };
+    // Before simulated time moves on, let the active vNPUs that just got
+    // a result submit their next request (and, on an idle board, let the
+    // requests of this moment of every active vNPU arrive: the wait ends
+    // once each of them has one pending, at once for a vNPU alone on the
+    // board). A vNPU without a result for longer than `active` holds
+    // nobody back.
+    let until = Instant::now() + inner.gather;
+    {
+        let mut q = lock(&inner.q);
+        loop {
+            st.recent.retain(|r| r.2.elapsed() < inner.active);
+            let has = |c: usize, t: &str| q.pending.iter().any(|j| j.core == c && j.tenant == t);
+            let active = |c: usize, t: &str| st.recent.iter().any(|r| r.0 == c && r.1 == t);
+            let missing = st.replied.iter().any(|(c, t)| active(*c, t) && !has(*c, t));
+            let others_may_come = fresh && st.recent.iter().any(|(c, t, _)| !has(*c, t));
+            let left = until.saturating_duration_since(Instant::now());
+            if q.stop || left.is_zero() || !(others_may_come || missing) {
+                break;
+            }
+            // Wake when a waited-for vNPU stops counting as active, too.
+            let expiry = st.recent.iter().map(|r| inner.active.saturating_sub(r.2.elapsed())).min();
+            let left = expiry.map_or(left, |e| left.min(e.max(Duration::from_micros(1))));
+            q = inner.cv.wait_timeout(q, left).map_or_else(|e| e.into_inner().0, |r| r.0);
+        }
+        if q.stop {
+            return false;
+        }
+        for j in q.pending.drain(..) {
+            let (Some(seen), Some(core)) = (st.tenants.get_mut(j.core), st.sim.core(j.core)) else {
+                // Cannot happen (cores come from `SharedBoard::core`);
+                // the requester gets no answer rather than a wrong one.
+                continue;
+            };
+            if !seen.contains(&j.tenant) {
+                seen.push(j.tenant.clone());
+                core.set_shares(seen.len());
+            }
+            let p = j.pending();
+            st.dispatchers[j.core].submit(j, p);
+        }
+    }
+    st.replied.clear();
+    // On each core, place what fits, most urgent first, preempting less
+    // urgent requests for the most urgent one left over; the rest wait.
+    let board = st.board;
+    let mut passes = Vec::with_capacity(st.dispatchers.len());
+    for (c, d) in st.dispatchers.iter_mut().enumerate() {
+        let Some(core) = st.sim.core(c) else { continue };
+        passes.push((c, d.dispatch(core, st.switch, |w, r| schedule(board, w, r), |j, at| j.begin = at)));
+    }
+    // Advance the whole board to the next completion.
+    let done = st.sim.step();
+    let mut q = lock(&inner.q);
+    q.now = st.sim.now();
+    for (c, pass) in passes {
+        if let Some(log) = q.cores.get_mut(c) {
+            log.waited += pass.waited;
+            log.preempted += pass.preempted;
+        }
+        let Some(g) = st.gaps.get_mut(c) else { continue };
+        g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
+        for (id, at) in pass.resumed {
+            if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
+                open.2 = at;
+            }
+        }
+    }
+    for (c, (id, job, r)) in done {
+        if let Some(d) = st.dispatchers.get_mut(c) {
+            d.finished(id);
+        }
+        let end = r.as_ref().map_or(st.sim.now(), |t| t.cycles);
+        let begin = job.begin.min(end);
+        let mut mine: Vec<(f64, f64)> = Vec::new();
+        if let Some(g) = st.gaps.get_mut(c) {
+            mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
+            g.retain(|x| x.0 != id);
+        }
+        let runs = busy_intervals(begin, end, mine);
+        if let Some(log) = q.cores.get_mut(c) {
+            for (start, stop) in runs {
+                log.log.push(Interval { tenant: job.tenant.clone(), start, end: stop });
+            }
+            log.requests += 1;
+            if job.claim.slo_cycles > 0 {
+                log.slo_requests += 1;
+                log.slo_misses += u64::from(end > job.pending().deadline());
+            }
+        }
+        st.replied.push((c, job.tenant.clone()));
+        match st.recent.iter_mut().find(|r| r.0 == c && r.1 == job.tenant) {
+            Some(r) => r.2 = Instant::now(),
+            None => st.recent.push((c, job.tenant.clone(), Instant::now())),
+        }
+        if q.cores.get(c).is_some_and(|l| l.log.len() >= FOLD_AT) {
+            // Requests still to finish on this core arrived no earlier
+            // than the oldest unfinished one, and new ones arrive now or
+            // later: nothing will start before that.
+            let oldest = st.dispatchers.get(c).and_then(Dispatcher::oldest_arrival);
+            let frontier = oldest.map_or(q.now, |a| a.min(q.now));
+            if let Some(log) = q.cores.get_mut(c) {
+                log.fold(frontier);
+            }
+        }
+        // The requester sees its own request's time: cycles from its
+        // start on the core (after any wait for engines) to its
+        // completion, not the board's clock. (Its arrival is the board's
+        // time when it was submitted, which runs ahead of the wall clock
+        // in steps: no basis for a latency.)
+        let r = r.map(|mut t| {
+            t.cycles = (t.cycles - t.started).max(0.0);
+            t.started = 0.0;
+            t
+        });
+        // A vNPU that went away does not stop the board.
+        let _ = job.reply.send((job.mem, r, begin, end));
+    }
+    q.busy = st.busy();
+    true
 }
 
 /// Adds each (tenant, cycles) to `into`'s entry of that tenant.

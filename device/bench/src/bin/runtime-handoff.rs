@@ -1,6 +1,7 @@
 //! The board runtime's cost per request (docs/benchmarks.md): the same
-//! small request (one 64-byte DMA from HBM) run, on one clock in one
-//! process, round by round in rotating order:
+//! request run, on one clock in one process, round by round in rotating
+//! order, for two requests (one 64-byte DMA from HBM; the digits CNN on
+//! one image, as the `digits` guest runs it):
 //!
 //! - `private`: `npu_model::run_program` on the calling thread (what the
 //!   in-process device does for a vNPU on a core of its own);
@@ -23,7 +24,18 @@ use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder};
 
 const USAGE: &str = "runtime-handoff [--rounds N] [--requests M]";
 
-fn program() -> Arc<Program> {
+/// Guest memory of the requests: the CNN's image at 0, logits at 4096.
+const GUEST_BYTES: usize = 8192;
+
+fn programs() -> [(&'static str, Arc<Program>); 2] {
+    let plan = vnpu_models::digits::SramPlan { base: 0 };
+    [
+        ("64-byte DMA", dma_program()),
+        ("digits CNN batch 1", Arc::new(vnpu_models::digits::cnn_infer(plan, 1, 0, 4096))),
+    ]
+}
+
+fn dma_program() -> Arc<Program> {
     let mut p = ProgramBuilder::new();
     p.push(
         Engine::DMA,
@@ -40,7 +52,7 @@ fn program() -> Arc<Program> {
 }
 
 fn fresh_mem() -> CoreMem {
-    CoreMem { sram: Sram::new(1 << 20), hbm: LazyHbm::new(1 << 20) }
+    CoreMem { sram: Sram::new(2 << 20), hbm: LazyHbm::new(1 << 20) }
 }
 
 /// One request on `core` for `tenant`; its memory comes back.
@@ -51,7 +63,7 @@ fn shared_request(
     mem: CoreMem,
 ) -> Result<CoreMem, String> {
     let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
-    let guest = Box::new(VecGuestMemory { base: 0, bytes: vec![0; 64] });
+    let guest = Box::new(VecGuestMemory { base: 0, bytes: vec![0; GUEST_BYTES] });
     let (back, r, _, _) = core
         .run(tenant, claim, Arc::clone(program), mem, guest, 1 << 30, 1 << 28)
         .ok_or("the board stopped")?;
@@ -73,14 +85,20 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
 }
 
 fn run(rounds: usize, requests: usize) -> Result<(), String> {
+    for (what, program) in programs() {
+        measure(what, &program, rounds, requests)?;
+    }
+    Ok(())
+}
+
+fn measure(what: &str, program: &Arc<Program>, rounds: usize, requests: usize) -> Result<(), String> {
     let board = BoardConfig::default();
-    let program = program();
     let io = |e: std::io::Error| e.to_string();
     let alone = SharedBoard::new(&board, "alone").map_err(io)?;
     let beside = SharedBoard::new(&board, "beside").map_err(io)?;
     let (alone_core, beside_core) = (alone.core(0).ok_or("no core 0")?, beside.core(0).ok_or("no core 0")?);
     // The neighbour's one request, then it stays idle.
-    shared_request(&beside_core, "idle neighbour", &program, fresh_mem())?;
+    shared_request(&beside_core, "idle neighbour", program, fresh_mem())?;
     std::thread::sleep(Duration::from_millis(5));
 
     let names = ["private", "board", "board+idle"];
@@ -94,27 +112,27 @@ fn run(rounds: usize, requests: usize) -> Result<(), String> {
                 let t = Instant::now();
                 match side {
                     0 => {
-                        let mut guest = VecGuestMemory { base: 0, bytes: vec![0; 64] };
+                        let mut guest = VecGuestMemory { base: 0, bytes: vec![0; GUEST_BYTES] };
                         let mem = CoreMemory {
                             sram: &mut private_mem.sram,
                             hbm: &mut private_mem.hbm,
                             guest: &mut guest,
                         };
-                        run_program(&board, &program, Some(mem), Some(1 << 30)).map_err(|e| e.to_string())?;
+                        run_program(&board, program, Some(mem), Some(1 << 30)).map_err(|e| e.to_string())?;
                     }
-                    1 => alone_mem = shared_request(&alone_core, "tenant", &program, alone_mem)?,
-                    _ => beside_mem = shared_request(&beside_core, "tenant", &program, beside_mem)?,
+                    1 => alone_mem = shared_request(&alone_core, "tenant", program, alone_mem)?,
+                    _ => beside_mem = shared_request(&beside_core, "tenant", program, beside_mem)?,
                 }
                 times.push(t.elapsed().as_secs_f64() * 1e6);
             }
             per_round[side].push(median(times));
         }
-        eprintln!("round {}/{rounds} done", round + 1);
+        eprintln!("{what}: round {}/{rounds} done", round + 1);
     }
     alone.stop();
     beside.stop();
     println!(
-        "{rounds} rounds of {requests} requests; us per request (median of a round): min / median / max"
+        "{what}: {rounds} rounds of {requests} requests; us per request (median of a round): min / median / max"
     );
     println!("{:<12} {:>26} {:>26}", "side", "us per request", "ratio to private");
     for (i, name) in names.iter().enumerate() {
