@@ -7,8 +7,10 @@
 //! region 7 is configuration space. Interrupt index 2 is MSI-X with the
 //! function's vectors, raised by signalling the eventfds `SET_IRQS` gave.
 //! Guest memory arrives by `DMA_MAP` with a file descriptor and is mapped
-//! with vm-memory. Everything here is input from a client: a bad request
-//! fails with an errno and touches nothing else.
+//! with vm-memory; a range mapped without one (QEMU maps its ROMs so) is
+//! recorded and stays out of the vNPU's reach. Everything here is input
+//! from a client: a bad request fails with an errno and touches nothing
+//! else.
 
 use std::fs::File;
 use std::io::Write;
@@ -23,7 +25,9 @@ use vfio_bindings::bindings::vfio::{
     VFIO_PCI_NUM_REGIONS, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, ServerBackend, ServerRegion, SubRegionIoEventFd};
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+};
 use vmm_sys_util::eventfd::EventFd;
 use vnpu_abi::device as abi;
 use vnpu_device::{DeviceOptions, VectorSink, VnpuFunction, VnpuSpec, BAR0_SIZE, BAR2_SIZE, MSIX_VECTORS};
@@ -39,10 +43,10 @@ pub const CONFIG_REGION_SIZE: u64 = 256;
 pub enum BackendError {
     #[error("region {0} does not exist or is empty")]
     NoRegion(u32),
-    #[error("access of {len} bytes at {offset:#x} is outside region {region} or not 1, 2, 4 or 8 bytes")]
+    #[error(
+        "access of {len} bytes at {offset:#x} is outside region {region}, or not 1, 2, 4 or 8 bytes of a BAR"
+    )]
     BadAccess { region: u32, offset: u64, len: usize },
-    #[error("DMA_MAP needs a file descriptor (this server reaches guest memory only through shared memory)")]
-    NoFd,
     #[error("DMA_MAP: a client may map at most {MAX_DMA_REGIONS} regions")]
     TooManyRegions,
     #[error("DMA_MAP of {size:#x} bytes at {address:#x}: {reason}")]
@@ -60,7 +64,6 @@ pub enum BackendError {
 impl BackendError {
     fn errno(&self) -> i32 {
         match self {
-            BackendError::NoFd => libc::ENOTSUP,
             BackendError::TooManyRegions => libc::ENOSPC,
             BackendError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BackendError::Device(_) => libc::EIO,
@@ -144,6 +147,12 @@ pub struct VnpuBackend {
     function: VnpuFunction,
     vectors: Arc<Vectors>,
     memory: GuestMemoryMmap<()>,
+    /// Ranges mapped without a file descriptor (address, size): known to
+    /// the client's IOMMU view, out of the vNPU's reach (this server does
+    /// not fetch guest memory with `DMA_READ`/`DMA_WRITE` messages; a
+    /// program whose DMA names them fails like any address outside guest
+    /// memory).
+    unreachable: Vec<(u64, u64)>,
     /// Doorbell eventfds handed out by `GET_REGION_IO_FDS` (kept open here).
     ioevents: Vec<(u64, EventFd)>,
 }
@@ -176,18 +185,28 @@ impl VnpuBackend {
         let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
         let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
         let ioevents = function.ioevents()?;
-        Ok(Self { function, vectors, memory: GuestMemoryMmap::new(), ioevents })
+        Ok(Self { function, vectors, memory: GuestMemoryMmap::new(), unreachable: Vec::new(), ioevents })
     }
 
     fn map(&mut self, offset: u64, address: u64, size: u64, fd: Option<File>) -> Result<(), BackendError> {
         let err = |reason: &str| BackendError::DmaMap { address, size, reason: reason.to_string() };
-        let file = fd.ok_or(BackendError::NoFd)?;
-        if self.memory.num_regions() >= MAX_DMA_REGIONS {
+        if self.memory.num_regions() + self.unreachable.len() >= MAX_DMA_REGIONS {
             return Err(BackendError::TooManyRegions);
         }
         if size == 0 || address.checked_add(size).is_none() || offset.checked_add(size).is_none() {
             return Err(err("empty or wrapping range"));
         }
+        let end = address + size;
+        let overlaps = |a: u64, len: u64| a < end && address < a.saturating_add(len);
+        if self.unreachable.iter().any(|&(a, len)| overlaps(a, len))
+            || self.memory.iter().any(|r| overlaps(r.start_addr().0, r.len()))
+        {
+            return Err(err("overlaps a range mapped already"));
+        }
+        let Some(file) = fd else {
+            self.unreachable.push((address, size));
+            return Ok(());
+        };
         if !sealed_against_shrinking(&file) {
             return Err(err(
                 "the file is not sealed against shrinking (F_SEAL_SHRINK; QEMU's memfd backend seals it)",
@@ -209,6 +228,10 @@ impl VnpuBackend {
     fn unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), BackendError> {
         if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
             self.memory = GuestMemoryMmap::new();
+            self.unreachable.clear();
+        } else if let Some(i) = self.unreachable.iter().position(|&r| r == (address, size)) {
+            self.unreachable.swap_remove(i);
+            return Ok(());
         } else {
             let (rest, _) = self
                 .memory
@@ -226,7 +249,11 @@ impl VnpuBackend {
             return Err(BackendError::NoRegion(region));
         }
         let fits = offset.checked_add(len as u64).is_some_and(|end| end <= size);
-        if !fits || !matches!(len, 1 | 2 | 4 | 8) {
+        // Configuration space is read and written in any length (QEMU reads
+        // all of it at once); registers only as the CPU accesses them.
+        let width_ok =
+            if region == VFIO_PCI_CONFIG_REGION_INDEX { len > 0 } else { matches!(len, 1 | 2 | 4 | 8) };
+        if !fits || !width_ok {
             return Err(BackendError::BadAccess { region, offset, len });
         }
         Ok(())
@@ -334,5 +361,59 @@ impl ServerBackend for VnpuBackend {
                 (SubRegionIoEventFd { offset: *offset, size: 0, flags: 0, datamatch: 0 }, fd.as_raw_fd())
             })
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend() -> VnpuBackend {
+        let spec = VnpuSpec::parse("sa=1,vu=1,sram=4M,hbm=256M").expect("spec");
+        VnpuBackend::new(&spec, &BoardConfig::default(), "test", DeviceOptions::default()).expect("backend")
+    }
+
+    /// Configuration space reads in one piece (as QEMU reads it at
+    /// attach) give what dword reads give; BAR registers stay 1, 2, 4 or
+    /// 8 bytes wide, and nothing past a region's end is read.
+    #[test]
+    fn configuration_space_reads_whole_and_registers_at_cpu_widths() {
+        let mut b = backend();
+        let cfg = VFIO_PCI_CONFIG_REGION_INDEX;
+        let mut whole = [0u8; 256];
+        b.region_read(cfg, 0, &mut whole).expect("a 256-byte read of configuration space");
+        let mut dwords = Vec::new();
+        for off in (0..256).step_by(4) {
+            let mut d = [0u8; 4];
+            b.region_read(cfg, off, &mut d).expect("dword");
+            dwords.extend_from_slice(&d);
+        }
+        assert_eq!(whole.to_vec(), dwords);
+        assert_eq!(u16::from_le_bytes([whole[0], whole[1]]), vnpu_device::VENDOR_ID);
+        assert!(b.region_read(cfg, 200, &mut [0u8; 100]).is_err(), "past the end");
+        assert!(b.region_read(cfg, 0, &mut []).is_err(), "empty");
+        assert!(b.region_read(0, 0, &mut [0u8; 16]).is_err(), "16 bytes of BAR 0");
+        assert!(b.region_write(0, 0, &[0u8; 3]).is_err(), "3 bytes of BAR 0");
+    }
+
+    /// A range mapped without a file descriptor (QEMU's ROMs) is accepted,
+    /// never reaches the vNPU's memory, cannot overlap another mapping,
+    /// and is unmapped by its exact range.
+    #[test]
+    fn a_range_mapped_without_a_file_is_recorded_out_of_reach() {
+        let mut b = backend();
+        let rom = (0xfffc_0000u64, 0x4_0000u64);
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, rom.1, None).expect("fd-less map");
+        assert_eq!(b.memory.num_regions(), 0, "the vNPU cannot reach it");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0 + 0x1000, 0x1000, None).is_err(), "overlap");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, 0, None).is_err(), "empty");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, u64::MAX - 10, 0x1000, None).is_err(), "wraps");
+        b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).expect("unmap");
+        assert!(b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).is_err(), "unmapped twice");
+        // At most MAX_DMA_REGIONS ranges, with or without files.
+        for i in 0..MAX_DMA_REGIONS as u64 {
+            b.dma_map(DmaMapFlags::READ_WRITE, 0, i << 20, 1 << 20, None).expect("within the limit");
+        }
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 40, 1 << 20, None).is_err(), "past the limit");
     }
 }
