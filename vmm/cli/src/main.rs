@@ -585,7 +585,14 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                         VnpuArg::Socket(p) => Some(p.clone()),
                         VnpuArg::Uuid(u) => {
                             let sockets = vnpu_manager::control::default_socket_dir(&dir);
-                            Some(vnpu_manager::control::instance_socket(&sockets, u)).filter(|p| p.exists())
+                            let p = vnpu_manager::control::instance_socket(&sockets, u);
+                            if !p.exists() {
+                                eprintln!(
+                                    "vnpu: no board daemon serves {u} at {}; its vNPU runs in this process",
+                                    p.display()
+                                );
+                            }
+                            Some(p).filter(|p| p.exists())
                         }
                         VnpuArg::Spec(_) => None,
                     };

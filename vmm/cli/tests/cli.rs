@@ -270,6 +270,8 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
         vnpu_in(&dir, &["run", "--guest", guest, "--memory", "16M", "--vnpu", &format!("uuid={u}")]);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("sa 02 vu 02 sram 0000000001000000"), "{out}");
+    // No daemon serves it: the vNPU runs in the VMM's process, and says so.
+    assert!(err.contains(&format!("no board daemon serves {u}")), "{err}");
     // Stop: the transient one disappears, the defined one stays defined.
     assert_eq!(vnpu_in(&dir, &["stop", &c]).0, 0);
     assert_eq!(vnpu_in(&dir, &["stop", &u]).0, 0);
