@@ -570,3 +570,50 @@ fn a_killed_daemon_leaves_its_vms_a_readable_device_error() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Interference-aware placement through the daemon (issue 15): the
+/// control socket carries `create`'s placement options, and the daemon
+/// places as the manager does without it: packing first puts a second
+/// DMA-heavy MobileNet tenant on the first one's core, `interference-first`
+/// puts a third on another core; the daemon serves each at once.
+#[test]
+fn interference_placement_goes_through_the_daemon() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-daemon-placement-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let (d, _) = metrics_daemon(&state);
+    let matrix = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json");
+    let spec = "sa=1,vu=1,sram=8M,hbm=2G";
+    let first = vnpu(&state, &["create", "--spec", spec, "--workload", "mobilenet:1"]).trim().to_string();
+    let place = |policy: &str| {
+        let args = [
+            "create",
+            "--spec",
+            spec,
+            "--workload",
+            "mobilenet:1",
+            "--placement",
+            policy,
+            "--interference-matrix",
+            matrix,
+        ];
+        vnpu(&state, &args).trim().to_string()
+    };
+    let packed = place("interference");
+    let apart = place("interference-first");
+    let list: serde_json::Value = serde_json::from_str(&vnpu(&state, &["list", "--json"])).unwrap();
+    let core = |u: &str| {
+        let i = list.as_array().unwrap().iter().find(|i| i["uuid"] == u).unwrap();
+        i["physical_cores"][0].as_u64().unwrap()
+    };
+    assert_eq!(core(&packed), core(&first), "packing first: the only best-packed core {list}");
+    assert_ne!(core(&apart), core(&first), "interference first: another core {list}");
+    for u in [&first, &packed, &apart] {
+        assert_eq!(vendor_and_magic(&state.join(format!("sockets/{u}.sock"))).0, vnpu_abi::device::VENDOR_ID);
+    }
+    // What the placement needs and lacks is refused through the daemon too.
+    let err = vnpu_fails(&state, &["create", "--spec", spec, "--placement", "interference"]);
+    assert!(err.contains("needs an interference matrix"), "{err}");
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
