@@ -4,7 +4,7 @@
 Runs `vnpu workload run NAME --sa SA --vu VU --batch B --json` for every
 workload and batch size. Usage:
     cargo build --release -p vnpu-cli
-    python3 scripts/workload_table.py [--sa 1 --vu 1] [--bin target/release/vnpu]
+    python3 scripts/workload_table.py [--sa 1 --vu 1] [--bin target/release/vnpu] [--only a,b]
 """
 import argparse
 import json
@@ -15,9 +15,12 @@ p.add_argument("--sa", type=int, default=1)
 p.add_argument("--vu", type=int, default=1)
 p.add_argument("--bin", default="target/release/vnpu")
 p.add_argument("--batches", default="1,8,32")
+p.add_argument("--only", help="comma-separated workload names (default: every one `vnpu workload list` names)")
 a = p.parse_args()
 
 names = [l.split()[0] for l in subprocess.check_output([a.bin, "workload", "list"], text=True).splitlines()]
+if a.only:
+    names = [n for n in a.only.split(",") if n in names] or names
 print(f"| workload | batch | simulated cycles | ms | SA active | VU active | SA/VU (a) | SA util | VU util | FLOPS util |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for n in names:

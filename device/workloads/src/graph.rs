@@ -527,6 +527,16 @@ pub const WORKLOADS: &[(&str, &str)] = &[
     ("transformer", "Transformer-base encoder, 6 layers, d 512, 8 heads, FFN 2048, sequence 128"),
 ];
 
+/// More workloads (the DNNs of Planaria's scenarios), by name; not in
+/// the design's characterization set [`WORKLOADS`].
+pub const MORE_WORKLOADS: &[(&str, &str)] = &[
+    ("googlenet", "GoogLeNet (Inception v1), 224x224, nine Inception modules (Szegedy et al. 2015)"),
+    (
+        "tiny-yolo",
+        "Tiny YOLOv2 (VOC), 416x416, 9 convolutions, 13x13x125 detections (Redmon and Farhadi 2017)",
+    ),
+];
+
 /// Builds the named model at `batch`.
 pub fn build(name: &str, batch: u32) -> Option<Graph> {
     let batch = batch.max(1);
@@ -538,6 +548,8 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "efficientnet" => efficientnet(batch),
         "dlrm" => dlrm(batch),
         "ncf" => ncf(batch),
+        "googlenet" => googlenet(batch),
+        "tiny-yolo" => tiny_yolo(batch),
         _ => return None,
     })
 }
@@ -685,6 +697,115 @@ fn efficientnet(batch: u32) -> Graph {
     g
 }
 
+/// A max pool of `c`-channel images (the window `s` says their size).
+fn max_pool(g: &mut Graph, name: &str, x: TensorId, c: u32, s: Spatial) -> (TensorId, u32, u32) {
+    let (ho, wo) = s.out();
+    let y = g.act(name, u64::from(g.batch) * u64::from(ho * wo) * u64::from(c));
+    g.ops.push(Op::Pool { name: name.into(), x, y, batch: g.batch, s, c, op: PoolOp::Max });
+    (y, ho, wo)
+}
+
+/// GoogLeNet (Inception v1) at 224x224. The four branches of a module are
+/// concatenated along the channels by DMA copies into the module's output
+/// (a compiler that writes each branch in place would save them).
+fn googlenet(batch: u32) -> Graph {
+    let mut g = Graph::new("googlenet", batch);
+    let x = g.image_input(224, 3);
+    let (x, h, w) = g.conv("conv1", x, 224, 224, 3, 64, 7, 2, Act::Relu);
+    let (x, h, w) = max_pool(&mut g, "pool1", x, 64, Spatial::square(h, w, 3, 2, 1));
+    let (x, h, w) = g.conv("conv2.reduce", x, h, w, 64, 64, 1, 1, Act::Relu);
+    let (x, h, w) = g.conv("conv2", x, h, w, 64, 192, 3, 1, Act::Relu);
+    let (mut x, mut h, mut w) = max_pool(&mut g, "pool2", x, 192, Spatial::square(h, w, 3, 2, 1));
+    let mut c = 192u32;
+    // (name, 1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool projection);
+    // a max pool (3x3, stride 2) before 4a and 5a.
+    let modules: [(&str, [u32; 6]); 9] = [
+        ("3a", [64, 96, 128, 16, 32, 32]),
+        ("3b", [128, 128, 192, 32, 96, 64]),
+        ("4a", [192, 96, 208, 16, 48, 64]),
+        ("4b", [160, 112, 224, 24, 64, 64]),
+        ("4c", [128, 128, 256, 24, 64, 64]),
+        ("4d", [112, 144, 288, 32, 64, 64]),
+        ("4e", [256, 160, 320, 32, 128, 128]),
+        ("5a", [256, 160, 320, 32, 128, 128]),
+        ("5b", [384, 192, 384, 48, 128, 128]),
+    ];
+    for (m, [c1, r3, c3, r5, c5, pp]) in modules {
+        if m == "4a" || m == "5a" {
+            let p = format!("pool{}", &m[..1]);
+            (x, h, w) = max_pool(&mut g, &p, x, c, Spatial::square(h, w, 3, 2, 1));
+        }
+        let p = format!("inception{m}");
+        let out = c1 + c3 + c5 + pp;
+        let pixels = batch * h * w;
+        let cat = g.act(format!("{p}.concat").as_str(), u64::from(pixels) * u64::from(out));
+        let b1 = g.conv(&format!("{p}.1x1"), x, h, w, c, c1, 1, 1, Act::Relu).0;
+        let t3 = g.conv(&format!("{p}.3x3.reduce"), x, h, w, c, r3, 1, 1, Act::Relu).0;
+        let b3 = g.conv(&format!("{p}.3x3"), t3, h, w, r3, c3, 3, 1, Act::Relu).0;
+        let t5 = g.conv(&format!("{p}.5x5.reduce"), x, h, w, c, r5, 1, 1, Act::Relu).0;
+        let b5 = g.conv(&format!("{p}.5x5"), t5, h, w, r5, c5, 5, 1, Act::Relu).0;
+        let tp = max_pool(&mut g, &format!("{p}.pool"), x, c, Spatial::square(h, w, 3, 1, 1)).0;
+        let bp = g.conv(&format!("{p}.pool.proj"), tp, h, w, c, pp, 1, 1, Act::Relu).0;
+        let mut col = 0;
+        for (branch, cb) in [(b1, c1), (b3, c3), (b5, c5), (bp, pp)] {
+            g.ops.push(Op::Copy {
+                name: format!("{p}.concat.{col}"),
+                x: View::dense(branch, cb),
+                y: View { t: cat, ld: out, col },
+                rows: pixels,
+                cols: cb,
+            });
+            col += cb;
+        }
+        (x, c) = (cat, out);
+    }
+    let p = g.global_pool(x, h * w, c);
+    g.output = g.classifier(p, c, 1000);
+    g
+}
+
+/// Tiny YOLOv2 (PASCAL VOC: 20 classes, 5 anchors) at 416x416. Leaky ReLU
+/// is modelled as ReLU (the same one VU pass), and the last max pool
+/// (2x2, stride 1, padded right and bottom in Darknet) as a 3x3 window with
+/// stride 1 and padding 1 (the same 13x13 output; the VU's pooling takes
+/// the same padding on every side).
+fn tiny_yolo(batch: u32) -> Graph {
+    let mut g = Graph::new("tiny-yolo", batch);
+    let x = g.image_input(416, 3);
+    let (mut x, mut h, mut w, mut c) = (x, 416u32, 416u32, 3u32);
+    for (i, out) in [16u32, 32, 64, 128, 256, 512].into_iter().enumerate() {
+        (x, h, w) = g.conv(&format!("conv{}", i + 1), x, h, w, c, out, 3, 1, Act::Relu);
+        c = out;
+        let s = if out == 512 { Spatial::square(h, w, 3, 1, 1) } else { Spatial::square(h, w, 2, 2, 0) };
+        (x, h, w) = max_pool(&mut g, &format!("pool{}", i + 1), x, c, s);
+    }
+    (x, h, w) = g.conv("conv7", x, h, w, c, 1024, 3, 1, Act::Relu);
+    (x, h, w) = g.conv("conv8", x, h, w, 1024, 1024, 3, 1, Act::Relu);
+    let (det, _, _) = g.conv("detect", x, h, w, 1024, 125, 1, 1, Act::None);
+    // Post-processing of the 13 x 13 x 5 boxes: sigmoid of the x, y and
+    // objectness outputs and softmax of the 20 class scores, per box.
+    let boxes = batch * h * w * 5;
+    let probs = g.act("classes", u64::from(boxes) * 20);
+    g.ops.push(Op::Softmax {
+        name: "classes".into(),
+        x: View { t: det, ld: 25, col: 5 },
+        y: View::dense(probs, 20),
+        rows: boxes,
+        cols: 20,
+    });
+    let xy = g.act("boxes", u64::from(boxes) * 5);
+    g.ops.push(Op::Unary {
+        name: "boxes".into(),
+        x: View { t: det, ld: 25, col: 0 },
+        y: View::dense(xy, 5),
+        rows: boxes,
+        cols: 5,
+        act: Act::Sigmoid,
+    });
+    g.output = probs;
+    g
+}
+
 fn encoder(name: &str, batch: u32, layers: u32, seq: u32, d: u32, heads: u32, ffn: u32, act: Act) -> Graph {
     let mut g = Graph::new(name, batch);
     let mut x = g.tensor("input", u64::from(batch * seq) * u64::from(d), Init::Input);
@@ -814,7 +935,11 @@ mod tests {
         assert!((gm("efficientnet") - 0.39).abs() < 0.05, "{}", gm("efficientnet"));
         assert!((gm("bert") - 11.2).abs() < 0.6, "{}", gm("bert"));
         assert_eq!(build("resnet50", 8).unwrap().macs(), 8 * build("resnet50", 1).unwrap().macs());
-        for (n, _) in WORKLOADS {
+        // GoogLeNet ~1.5 GMACs (Szegedy et al.: 1.5 G multiply-adds);
+        // Tiny YOLOv2 at 416: Darknet counts 6.97 BFLOPs, 3.49 GMACs.
+        assert!((gm("googlenet") - 1.5).abs() < 0.1, "{}", gm("googlenet"));
+        assert!((gm("tiny-yolo") - 3.49).abs() < 0.15, "{}", gm("tiny-yolo"));
+        for (n, _) in WORKLOADS.iter().chain(MORE_WORKLOADS) {
             assert!(build(n, 2).is_some(), "{n}");
         }
         assert!(build("nope", 1).is_none());

@@ -7,6 +7,6 @@ pub mod lower;
 pub mod reference;
 pub mod run;
 
-pub use graph::{build, Graph, WORKLOADS};
+pub use graph::{build, Graph, MORE_WORKLOADS, WORKLOADS};
 pub use lower::{lower, lower_as, lower_op, lower_ops, lower_ops_as, LowerError, Lowered, VnpuShape};
 pub use run::{init_hbm, lower_workload, run_workload, RunError, RunOptions, RunReport};

@@ -258,6 +258,18 @@ fn recommendation_ops_match_reference() {
     check(&build("ncf", 5).unwrap(), 2, 2, 1 << 20);
 }
 
+/// The whole of GoogLeNet (Inception modules: four branches concatenated
+/// along the channels by copies into column views, 3x3 stride-1 max pools)
+/// and Tiny YOLOv2 (with its per-box softmax and sigmoid over strided
+/// views of the detection tensor) at batch 1, every tensor against the
+/// reference interpreter.
+#[test]
+fn googlenet_and_tiny_yolo_match_reference() {
+    for name in ["googlenet", "tiny-yolo"] {
+        check(&build(name, 1).unwrap(), 2, 2, 32 << 20);
+    }
+}
+
 /// Attention written out as ONNX exports it: `Q K^T` and `P V` as batched
 /// products of strided head views of one `qkv` tensor (`K` read
 /// transposed in place), a scale and softmax between them; the fused

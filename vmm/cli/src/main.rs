@@ -818,7 +818,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         Command::List { manage, json } => manage::print(&manage.call(&Request::List {})?, json),
         Command::Cores { manage, json } => manage::print(&manage.call(&Request::Cores {})?, json),
         Command::Workload { command: WorkloadCommand::List } => {
-            for (name, what) in WORKLOADS {
+            for (name, what) in WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS) {
                 println!("{name:<14} {what}");
             }
         }

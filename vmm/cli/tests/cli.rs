@@ -13,10 +13,20 @@ fn vnpu(args: &[&str]) -> (i32, String, String) {
 }
 
 #[test]
-fn workload_list_names_all_seven() {
+fn workload_list_names_every_workload() {
     let (code, out, _) = vnpu(&["workload", "list"]);
     assert_eq!(code, 0);
-    for w in ["resnet50", "bert", "dlrm", "ncf", "mobilenet", "efficientnet", "transformer"] {
+    for w in [
+        "resnet50",
+        "bert",
+        "dlrm",
+        "ncf",
+        "mobilenet",
+        "efficientnet",
+        "transformer",
+        "googlenet",
+        "tiny-yolo",
+    ] {
         assert!(out.lines().any(|l| l.starts_with(w)), "{w} missing from:\n{out}");
     }
 }
