@@ -558,10 +558,7 @@ fn resnet50(batch: u32) -> Graph {
     let mut g = Graph::new("resnet50", batch);
     let x = g.image_input(224, 3);
     let (x, h, w) = g.conv("conv1", x, 224, 224, 3, 64, 7, 2, Act::Relu);
-    let s = Spatial::square(h, w, 3, 2, 1);
-    let (h, w) = s.out();
-    let mut x_t = g.act("maxpool", u64::from(batch) * u64::from(h * w) * 64);
-    g.ops.push(Op::Pool { name: "maxpool".into(), x, y: x_t, batch, s, c: 64, op: PoolOp::Max });
+    let (mut x_t, h, w) = max_pool(&mut g, "maxpool", x, 64, Spatial::square(h, w, 3, 2, 1));
     let (mut h, mut w, mut c) = (h, w, 64u32);
     for (stage, &(blocks, mid, out, stride)) in
         [(3u32, 64u32, 256u32, 1u16), (4, 128, 512, 2), (6, 256, 1024, 2), (3, 512, 2048, 2)]
