@@ -155,6 +155,13 @@ struct Queue {
     busy: bool,
 }
 
+impl Queue {
+    /// Requests to place, or on the board (as the last pass left it).
+    fn has_work(&self) -> bool {
+        !self.pending.is_empty() || self.busy
+    }
+}
+
 struct Inner {
     board: BoardConfig,
     /// How long the board waits for submissions before time moves on.
@@ -257,6 +264,12 @@ impl SharedBoard {
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
         Ok(Self { inner, thread: Arc::new(Mutex::new(Some(t))) })
+    }
+
+    /// Every core of the board, in index order.
+    pub fn cores(&self) -> Vec<SharedCore> {
+        let n = self.inner.board.chips.saturating_mul(self.inner.board.cores_per_chip);
+        (0..n).filter_map(|i| self.core(i)).collect()
     }
 
     /// Core `index` (`chip x cores_per_chip + core`), if the board has it.
@@ -367,7 +380,7 @@ impl SharedCore {
         let left = {
             let mut q = lock(&inner.q);
             q.running = false;
-            !q.pending.is_empty() || q.busy
+            q.has_work()
         };
         if left {
             inner.cv.notify_all();
@@ -486,7 +499,7 @@ fn engine(inner: &Inner) {
                 if q.stop {
                     return;
                 }
-                if !q.running && (!q.pending.is_empty() || q.busy) && !q.paused {
+                if !q.running && q.has_work() && !q.paused {
                     q.running = true;
                     break;
                 }
@@ -499,7 +512,7 @@ fn engine(inner: &Inner) {
                 return;
             }
             let mut q = lock(&inner.q);
-            if q.pending.is_empty() && !q.busy {
+            if !q.has_work() {
                 q.running = false;
                 break;
             }

@@ -206,8 +206,9 @@ pub fn print(outcome: &Outcome, json: bool) {
 
 /// Per physical core: requests served, those that waited for engines,
 /// the board's simulated time, the time two or more tenants ran at once
-/// (and its share of the board's time), and each tenant's busy time (named by `name`); a second line for a
-/// core whose requests had latency targets. Idle cores are left out.
+/// (and its share of the board's time), and each tenant's busy time
+/// (named by `name`); a second line for a core whose requests had latency
+/// targets. Idle cores are left out.
 pub fn print_cores(clock_mhz: u32, cores: &[vnpu_manager::CoreUse], name: impl Fn(&str) -> String) {
     let mhz = f64::from(clock_mhz.max(1));
     println!(

@@ -135,20 +135,20 @@ impl Daemon {
         }
         Ok(outcome)
     }
-}
 
-impl Daemon {
     /// What every physical core has done (the `cores` request).
     fn cores(&self) -> Result<Outcome, ControlError> {
         let b = &self.opts.board;
         // Which cores are oversubscribed is the placement's view of the
         // state directory as it is now.
         let placement = vnpu_manager::Store::open(&self.opts.state_dir, b)?.board();
-        let n = b.chips.saturating_mul(b.cores_per_chip);
-        let cores = (0..n)
-            .filter_map(|c| Some((c, self.board.core(c)?.stats())))
+        let cores = self
+            .board
+            .cores()
+            .iter()
+            .map(|h| (h.index(), h.stats()))
             .map(|(core, s)| CoreUse {
-                core,
+                core: core as u32,
                 requests: s.requests,
                 waited: s.waited,
                 preempted: s.preempted,
@@ -161,7 +161,7 @@ impl Daemon {
                     .collect(),
                 slo_requests: s.slo_requests,
                 slo_misses: s.slo_misses,
-                oversubscribed: placement.oversubscribed(core as usize),
+                oversubscribed: placement.oversubscribed(core),
             })
             .collect();
         Ok(Outcome::Cores { clock_mhz: b.clock_mhz, cores })

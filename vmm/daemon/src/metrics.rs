@@ -201,10 +201,8 @@ impl Collector for BoardCollector {
             }
         }
         // Per physical core: the board runtime's sharing statistics.
-        let n = daemon.opts.board.chips.saturating_mul(daemon.opts.board.cores_per_chip);
-        let cores: Vec<(Labels, vnpu_device::SharingStats)> = (0..n)
-            .filter_map(|c| daemon.board.core(c).map(|h| (vec![("core", c.to_string())], h.stats())))
-            .collect();
+        let cores: Vec<(Labels, vnpu_device::SharingStats)> =
+            daemon.board.cores().iter().map(|h| (vec![("core", h.index().to_string())], h.stats())).collect();
         let per_core = |f: &dyn Fn(&vnpu_device::SharingStats) -> f64| -> Vec<(Labels, f64)> {
             cores.iter().map(|(l, s)| (l.clone(), f(s))).collect()
         };

@@ -37,17 +37,7 @@ fn programs() -> [(&'static str, Arc<Program>); 2] {
 
 fn dma_program() -> Arc<Program> {
     let mut p = ProgramBuilder::new();
-    p.push(
-        Engine::DMA,
-        Instr::DmaCopy {
-            src: Addr::hbm(0),
-            dst: Addr::sram(0),
-            rows: 1,
-            row_bytes: 64,
-            src_stride: 0,
-            dst_stride: 0,
-        },
-    );
+    p.push(Engine::DMA, Instr::copy(Addr::hbm(0), Addr::sram(0), 64));
     Arc::new(p.finish())
 }
 
