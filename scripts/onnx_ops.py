@@ -88,13 +88,19 @@ class G:
         m = self.op("Mul", [x, c])
         return self.op("Div", [m, self.const(6.0)])
 
-    def save(self, y, opset=13):
+    def save(self, y, opset=13, extra=None):
+        """Writes the model and its input `x` (and each further input of
+        `extra`, a dict of name -> array, as `<name>-<input>.npy`)."""
+        extra = extra or {}
         x = rng.normal(0, 1, self.x_shape).astype(np.float32)
         x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N"] + list(self.x_shape[1:]))
+        infos = [x_info] + [
+            helper.make_tensor_value_info(k, TensorProto.FLOAT, ["N"] + list(v.shape[1:])) for k, v in extra.items()
+        ]
 
         def model(y_shape):
             y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, y_shape)
-            g = helper.make_graph(self.nodes, self.name, [x_info], [y_info], self.inits)
+            g = helper.make_graph(self.nodes, self.name, infos, [y_info], self.inits)
             m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], producer_name="onnx_ops.py")
             m.ir_version = 8
             return m
@@ -104,12 +110,15 @@ class G:
 
         probe = model([None])
         probe.graph.output[0].type.tensor_type.shape.ClearField("dim")
-        shape = ort.InferenceSession(probe.SerializeToString()).run(None, {"x": x})[0].shape
+        feeds = {"x": x, **extra}
+        shape = ort.InferenceSession(probe.SerializeToString()).run(None, feeds)[0].shape
         m = model(["N"] + list(shape[1:]))
         onnx.checker.check_model(m)
         os.makedirs(OUT, exist_ok=True)
         onnx.save(m, os.path.join(OUT, f"{self.name}.onnx"))
         np.save(os.path.join(OUT, f"{self.name}-x.npy"), x)
+        for k, v in extra.items():
+            np.save(os.path.join(OUT, f"{self.name}-{k}.npy"), v)
         print(f"{self.name}: {len(self.nodes)} nodes, input {self.x_shape}")
 
 
@@ -260,6 +269,41 @@ def pad_slice_modes():
     g.save(g.op("Sigmoid", [s]), opset=19)
 
 
+def masked_attention():
+    # Self-attention of 4 heads over 6 tokens with multi-query keys and
+    # values (one head each, broadcast over the heads by the batched
+    # MatMuls), an additive padding mask computed from a second input
+    # (1 = token, 0 = padding: (1 - m) * -1e9, unsqueezed to [N,1,1,S] and
+    # broadcast over heads and query rows) and a constant causal mask of
+    # -inf above the diagonal. Its own generator, as pad_slice_modes.
+    global rng
+    rng = np.random.default_rng(20261125)
+    n, s, d, h = 3, 6, 16, 4
+    dh = d // h
+    g = G("masked-attention", [n, s, d])
+    q = g.op("MatMul", ["x", g.const(rng.normal(0, 0.4, (d, d)))])
+    q = g.op("Transpose", [g.op("Reshape", [q, g.const_i64([0, s, h, dh])])], perm=[0, 2, 1, 3])
+    k = g.op("MatMul", ["x", g.const(rng.normal(0, 0.4, (d, dh)))])
+    kt = g.op("Transpose", [g.op("Reshape", [k, g.const_i64([0, s, 1, dh])])], perm=[0, 2, 3, 1])
+    v = g.op("MatMul", ["x", g.const(rng.normal(0, 0.4, (d, dh)))])
+    v = g.op("Transpose", [g.op("Reshape", [v, g.const_i64([0, s, 1, dh])])], perm=[0, 2, 1, 3])
+    sc = g.op("Mul", [g.op("MatMul", [q, kt]), g.const(1 / np.sqrt(dh))])
+    pad = g.op("Mul", [g.op("Sub", [g.const(1.0), "m"]), g.const(-1e9)])
+    pad = g.op("Unsqueeze", [pad, g.const_i64([1, 2])])
+    causal = np.triu(np.full((s, s), -np.inf, dtype=np.float32), 1)
+    sc = g.op("Add", [g.op("Add", [sc, pad]), g.const(causal)])
+    p = g.op("Softmax", [sc], axis=-1)
+    o = g.op("Transpose", [g.op("MatMul", [p, v])], perm=[0, 2, 1, 3])
+    o = g.op("Reshape", [o, g.const_i64([0, s, d])])
+    y = g.op("MatMul", [o, g.const(rng.normal(0, 0.4, (d, d)))])
+    # Every sequence keeps its first token; the others are padded from a
+    # random length on.
+    lens = rng.integers(1, s + 1, n)
+    lens[0] = s
+    m = (np.arange(s)[None, :] < lens[:, None]).astype(np.float32)
+    g.save(y, opset=13, extra={"m": m})
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -271,6 +315,7 @@ BUILDERS = {
     "layernorm-decomposed": layernorm_decomposed,
     "transposed-operands": transposed_operands,
     "pad-slice-modes": pad_slice_modes,
+    "masked-attention": masked_attention,
 }
 
 
@@ -293,3 +338,4 @@ if __name__ == "__main__":
     layernorm_decomposed()
     transposed_operands()
     pad_slice_modes()
+    masked_attention()

@@ -156,16 +156,47 @@ fn scaled_errors(got: &[f32], want: &[f32]) -> (f64, f64) {
 /// An operator test model of tests/fixtures/onnx/ops (scripts/onnx_ops.py)
 /// on its input, against ONNX Runtime.
 fn check_ops(name: &str, sa: u32, vu: u32) {
+    check_ops_inputs(name, &["x"], sa, vu);
+}
+
+/// [`check_ops`] for a model with the inputs `inputs`, in the model's
+/// order, each in `ops/<name>-<input>.npy`; the batch is the first's
+/// leading dimension.
+fn check_ops_inputs(name: &str, inputs: &[&str], sa: u32, vu: u32) {
     let model = fixture(&format!("ops/{name}.onnx"));
-    let xp = fixture(&format!("ops/{name}-x.npy"));
-    let x = npy::read_file(&xp).unwrap();
-    let (c, got) = compile_and_run(&model, &x, sa, vu, None);
+    let paths: Vec<PathBuf> = inputs.iter().map(|i| fixture(&format!("ops/{name}-{i}.npy"))).collect();
+    let xs: Vec<npy::Array> = paths.iter().map(|p| npy::read_file(p).unwrap()).collect();
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: xs[0].shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+    };
+    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let names: Vec<&str> = c.model.inputs.iter().map(|i| i.name.as_str()).collect();
+    assert_eq!(names, inputs, "{name}: the compiled model's inputs");
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+    let (mut outs, _) = r.infer(&data).unwrap();
+    let got = outs.swap_remove(0);
     let out = c.model.outputs[0].clone();
-    let want = ort(&model, &[("x", &xp)], &out.name);
+    let feeds: Vec<(&str, &Path)> = inputs.iter().copied().zip(paths.iter().map(PathBuf::as_path)).collect();
+    let want = ort(&model, &feeds, &out.name);
     assert_eq!(want.shape, out.dims, "{name}: output shape");
     let (abs, rel) = scaled_errors(&got, &want.data);
     println!("{name} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} ({:?})", c.report.ops);
     assert!(rel <= 1e-4, "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime");
+}
+
+/// Multi-query attention (keys and values of one head broadcast over four
+/// by the batched products) with an additive padding mask computed from a
+/// second input and a constant causal mask of -inf.
+#[test]
+fn masked_multi_query_attention_matches_onnx_runtime() {
+    check_ops_inputs("masked-attention", &["x", "m"], 1, 1);
+    check_ops_inputs("masked-attention", &["x", "m"], 2, 2);
 }
 
 #[test]

@@ -231,14 +231,9 @@ impl Compiler<'_> {
                 a.shape, b.shape
             ));
         }
-        let batch = a.shape[..ra - 2].to_vec();
-        if b.shape[..rb - 2] != batch[..] {
-            return Err(format!(
-                "the leading axes of {:?} and {:?} differ (broadcasting between computed operands is not \
-                 supported)",
-                a.shape, b.shape
-            ));
-        }
+        let batch = broadcast_batch(&a.shape[..ra - 2], &b.shape[..rb - 2]).ok_or_else(|| {
+            format!("the leading axes of {:?} and {:?} do not broadcast (numpy's rules)", a.shape, b.shape)
+        })?;
         let (m, k, kb, nn) = (a.shape[ra - 2], a.shape[ra - 1], b.shape[rb - 2], b.shape[rb - 1]);
         if k != kb {
             return Err(format!("inner dimensions differ: {:?} x {:?}", a.shape, b.shape));
@@ -261,10 +256,16 @@ impl Compiler<'_> {
             (false, false) => sb[rb - 2],
         };
         let count = elems(&batch);
+        // Each operand's element stride per output batch axis: 0 where it
+        // has no such axis or broadcasts a size of 1.
+        let (wa, wb) = (
+            batch_strides(&a.shape[..ra - 2], &sa[..ra - 2], &batch),
+            batch_strides(&b.shape[..rb - 2], &sb[..rb - 2], &batch),
+        );
         let offs = (0..count)
             .map(|i| {
                 let idx = unflatten(i, &batch);
-                [dot(&idx, &sa[..ra - 2]), dot(&idx, &sb[..rb - 2]), (i * m * nn) as u64]
+                [dot(&idx, &wa), dot(&idx, &wb), (i * m * nn) as u64]
             })
             .collect();
         let mut shape = batch;
@@ -430,6 +431,30 @@ impl Compiler<'_> {
     }
 }
 
+/// The batch axes of a product of operands with leading axes `a` and `b`
+/// under numpy's broadcasting rules (axes aligned from the last, a missing
+/// axis or a size of 1 takes the other's size), or `None` when two sizes
+/// differ and neither is 1.
+fn broadcast_batch(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let at = |s: &[usize], i: usize| if i + s.len() >= rank { s[i + s.len() - rank] } else { 1 };
+    (0..rank)
+        .map(|i| match (at(a, i), at(b, i)) {
+            (x, y) if x == y || y == 1 => Some(x),
+            (1, y) => Some(y),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The element strides, per axis of the broadcast `batch`, of an operand
+/// whose leading axes are `shape` with strides `strides`: 0 on the axes it
+/// lacks or broadcasts.
+fn batch_strides(shape: &[usize], strides: &[usize], batch: &[usize]) -> Vec<usize> {
+    let skip = batch.len() - shape.len();
+    (0..batch.len()).map(|i| if i < skip || shape[i - skip] == 1 { 0 } else { strides[i - skip] }).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,5 +466,18 @@ mod tests {
         assert!(!is_dense(&[2, 3], &[1, 2]));
         assert_eq!(unflatten(5, &[2, 3]), vec![1, 2]);
         assert_eq!(dot(&[1, 2], &[10, 1]), 12);
+    }
+
+    #[test]
+    fn batch_axes_broadcast_by_numpy_rules() {
+        assert_eq!(broadcast_batch(&[3, 4], &[3, 1]), Some(vec![3, 4]));
+        assert_eq!(broadcast_batch(&[3, 1], &[3, 4]), Some(vec![3, 4]));
+        assert_eq!(broadcast_batch(&[2, 3, 4], &[4]), Some(vec![2, 3, 4]));
+        assert_eq!(broadcast_batch(&[], &[5]), Some(vec![5]));
+        assert_eq!(broadcast_batch(&[3, 4], &[3, 2]), None);
+        // An operand's strides on the broadcast batch: 0 where it lacks
+        // the axis or has a size of 1.
+        assert_eq!(batch_strides(&[3, 1], &[24, 24], &[3, 4]), vec![24, 0]);
+        assert_eq!(batch_strides(&[4], &[6], &[2, 3, 4]), vec![0, 0, 6]);
     }
 }
