@@ -314,13 +314,18 @@ impl DmaMemory {
     /// function (`dma_alloc_coherent`) and maps here: `file` is the
     /// module's device file, opened read-write
     /// ([`LinuxVnpu::dma_file`]). Buffers above 4 MiB come from the
-    /// kernel's contiguous memory area (boot with `cma=SIZE`).
+    /// kernel's contiguous memory area (boot with `cma=SIZE`, on a kernel
+    /// with CMA) or from memory reserved for the module (`memmap=` and
+    /// its `reserve=`; docs/linux-guests.md).
     pub fn from_module(file: File, len: usize) -> Result<Self, LinuxError> {
         let len = len.max(1).div_ceil(4096) * 4096;
         // The module backs the mapping with the buffer it allocates for
         // this file.
         let map = Mapping::shared(&file, len, || {
-            std::format!("{len} bytes of DMA memory from the vnpu module (above 4 MiB: boot with cma=SIZE)")
+            std::format!(
+                "{len} bytes of DMA memory from the vnpu module (above 4 MiB: boot with cma=SIZE, or reserve \
+                 memory with memmap= and the module's reserve=; docs/linux-guests.md)"
+            )
         })?;
         let mut bus = 0u64;
         // SAFETY: the module's ioctl writes one u64 to the pointer given.

@@ -49,14 +49,24 @@ l2="$out/l2-root"
 rm -rf "$l2" && mkdir -p "$l2"/{bin,dev,proc,sys,lib/modules,models}
 cp "$out/pkgs/bin/busybox" "$digits" "$infer" "$l2/bin/"
 # The models vnpu-infer runs in L2 (l2-init): NAME ONNX INPUT-NAME INPUT
-# OUTPUT BATCH.
+# OUTPUT BATCH REPEAT. REPEAT > 1 tiles the input that many times (NumPy
+# in .venv-onnx): sklearn-mlp-x32 is the MLP compiled for one batch of
+# 14,400 rows, whose I/O window (4.3 MB) is more DMA memory than the
+# kernel's buddy allocator gives at once (4 MiB), so it tests the vnpu
+# module's buffers from CMA (l1-init boots L2 with cma=).
 py="$root/.venv-onnx/bin/python"
 fix="$root/tests/fixtures/onnx"
-while read -r name model xname input output batch; do
+while read -r name model xname input output batch repeat; do
+    if [ "$repeat" != 1 ]; then
+        [ -x "$py" ] || { echo "build-image: no $py (bash scripts/setup.sh): no $name in L2" >&2; continue; }
+        "$py" -c 'import sys, numpy as np; a = np.load(sys.argv[1]); np.save(sys.argv[2], np.tile(a, (int(sys.argv[3]),) + (1,) * (a.ndim - 1)))' \
+            "$fix/$input" "$l2/models/$name-x.npy" "$repeat"
+    else
+        cp "$fix/$input" "$l2/models/$name-x.npy"
+    fi
     "$vmm" compile "$fix/$model" --vnpu type=small --batch "$batch" --output "$output" \
         -o "$l2/models/$name.vnpu" >"$out/compile-$name.log" \
         || { cat "$out/compile-$name.log" >&2; exit 1; }
-    cp "$fix/$input" "$l2/models/$name-x.npy"
     if [ -x "$py" ]; then
         "$py" "$root/scripts/ort_ref.py" "$fix/$model" "$out/ort-$name" "$xname=$l2/models/$name-x.npy" --output "$output" >/dev/null
         cp "$out/ort-$name.$output.npy" "$l2/models/$name-ort.npy"
@@ -64,8 +74,9 @@ while read -r name model xname input output batch; do
         echo "build-image: no $py (bash scripts/setup.sh): $name has no ONNX Runtime reference in L2" >&2
     fi
 done <<'MODELS'
-sklearn-mlp digits-mlp.onnx X digits-x.npy probabilities 50
-torch-cnn torch/digits-cnn.onnx x torch/digits-img-x.npy logits 50
+sklearn-mlp digits-mlp.onnx X digits-x.npy probabilities 50 1
+sklearn-mlp-x32 digits-mlp.onnx X digits-x.npy probabilities 14400 32
+torch-cnn torch/digits-cnn.onnx x torch/digits-img-x.npy logits 50 1
 MODELS
 # The vnpu kernel module (MSI-X completions), built against the headers of
 # the same kernel (Debian's linux-headers-$kver, installed if missing).

@@ -18,11 +18,21 @@
  *                      allocates a physically contiguous, zeroed buffer of
  *                      len bytes for this open file (dma_alloc_coherent;
  *                      above 4 MiB it comes from the CMA area: boot with
- *                      cma=SIZE) and maps it; one buffer per open file
- *                      (-EBUSY for a second), freed when the file is
- *                      closed and unmapped.
+ *                      cma=SIZE, on a kernel built with CONFIG_CMA) and
+ *                      maps it; one buffer per open file (-EBUSY for a
+ *                      second), freed when the file is closed and
+ *                      unmapped. When dma_alloc_coherent cannot give the
+ *                      buffer and memory was reserved for the module
+ *                      (below), it comes from there.
  *   ioctl(fd, VNPU_IOC_DMA_ADDR, &u64)
  *                      the buffer's bus address (-ENODATA before mmap).
+ *
+ * Reserved memory, for kernels without CMA (Debian's): boot with
+ * memmap=SIZE$BASE (the kernel leaves those bytes of RAM alone) and load
+ * the module with reserve=SIZE@BASE (the same range): it maps the range
+ * and hands out physically contiguous buffers of any size from it. The
+ * bus address of such a buffer is its physical address (dma-direct: no
+ * IOMMU in front of the function).
  *
  * Everything else (ring, mailbox) stays in user space.
  */
@@ -31,8 +41,12 @@
 #include <linux/ioctl.h>
 #include <linux/mm.h>
 #include <linux/mutex.h>
+#include <linux/dma-direct.h>
 #include <linux/fs.h>
+#include <linux/genalloc.h>
 #include <linux/interrupt.h>
+#include <linux/io.h>
+#include <linux/ioport.h>
 #include <linux/miscdevice.h>
 #include <linux/module.h>
 #include <linux/pci.h>
@@ -44,6 +58,15 @@
 #define VNPU_VENDOR 0x5650
 #define VNPU_DEVICE 0x0001
 #define VNPU_IOC_DMA_ADDR _IOR('v', 1, __u64)
+
+/* reserve=SIZE@BASE: memory the kernel was told to leave alone (memmap=). */
+static char *reserve;
+module_param(reserve, charp, 0444);
+MODULE_PARM_DESC(reserve, "SIZE@BASE of RAM reserved with memmap=SIZE$BASE: DMA buffers of any size");
+
+/* The reserved range, mapped, and its allocator (NULL: none). */
+static struct gen_pool *reserved_pool;
+static void *reserved_virt;
 
 struct vnpu {
 	struct pci_dev *pdev;
@@ -61,6 +84,8 @@ struct vnpu_file {
 	void *cpu;
 	dma_addr_t bus;
 	size_t len;
+	/* Whether cpu is from reserved_pool rather than dma_alloc_coherent. */
+	bool reserved;
 };
 
 static irqreturn_t vnpu_irq(int irq, void *data)
@@ -91,7 +116,9 @@ static int vnpu_release(struct inode *inode, struct file *f)
 	struct vnpu_file *vf = f->private_data;
 
 	/* The last mapping is gone too: a mapping holds the file. */
-	if (vf->cpu)
+	if (vf->cpu && vf->reserved)
+		gen_pool_free(reserved_pool, (unsigned long)vf->cpu, vf->len);
+	else if (vf->cpu)
 		dma_free_coherent(&vf->v->pdev->dev, vf->len, vf->cpu, vf->bus);
 	kfree(vf);
 	return 0;
@@ -111,16 +138,40 @@ static int vnpu_mmap(struct file *f, struct vm_area_struct *vma)
 		ret = -EBUSY;
 		goto out;
 	}
-	vf->cpu = dma_alloc_coherent(dev, len, &vf->bus, GFP_KERNEL);
+	/* Quietly: a buffer above the buddy allocator's 4 MiB fails here
+	 * without CMA, and the reserved range is asked next. */
+	vf->cpu = dma_alloc_coherent(dev, len, &vf->bus, GFP_KERNEL | __GFP_NOWARN);
+	if (vf->cpu) {
+		vf->len = len;
+		ret = dma_mmap_coherent(dev, vma, vf->cpu, vf->bus, len);
+		if (ret) {
+			dma_free_coherent(dev, len, vf->cpu, vf->bus);
+			vf->cpu = NULL;
+		}
+		goto out;
+	}
+	if (!reserved_pool) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	vf->cpu = (void *)gen_pool_alloc(reserved_pool, len);
 	if (!vf->cpu) {
 		ret = -ENOMEM;
 		goto out;
 	}
-	vf->len = len;
-	ret = dma_mmap_coherent(dev, vma, vf->cpu, vf->bus, len);
+	memset(vf->cpu, 0, len);
+	{
+		phys_addr_t phys = gen_pool_virt_to_phys(reserved_pool, (unsigned long)vf->cpu);
+
+		vf->bus = phys_to_dma(dev, phys);
+		vf->len = len;
+		vf->reserved = true;
+		ret = remap_pfn_range(vma, vma->vm_start, PHYS_PFN(phys), len, vma->vm_page_prot);
+	}
 	if (ret) {
-		dma_free_coherent(dev, len, vf->cpu, vf->bus);
+		gen_pool_free(reserved_pool, (unsigned long)vf->cpu, len);
 		vf->cpu = NULL;
+		vf->reserved = false;
 	}
 out:
 	mutex_unlock(&vf->lock);
@@ -255,7 +306,69 @@ static struct pci_driver vnpu_driver = {
 	.probe = vnpu_probe,
 	.remove = vnpu_remove,
 };
-module_pci_driver(vnpu_driver);
+
+/* Maps reserve=SIZE@BASE and makes a page-granular allocator of it. */
+static int vnpu_reserve(void)
+{
+	unsigned long long size, base;
+	char *at;
+
+	if (!reserve || !*reserve)
+		return 0;
+	size = memparse(reserve, &at);
+	if (*at != '@' || !size) {
+		pr_err("vnpu: reserve=%s: want SIZE@BASE\n", reserve);
+		return -EINVAL;
+	}
+	base = memparse(at + 1, &at);
+	if (*at || !PAGE_ALIGNED(base) || !PAGE_ALIGNED(size) || base + size < base) {
+		pr_err("vnpu: reserve=%s: want page-aligned SIZE@BASE\n", reserve);
+		return -EINVAL;
+	}
+	/* RAM the kernel still owns would be handed out twice. */
+	if (region_intersects(base, size, IORESOURCE_SYSTEM_RAM, IORES_DESC_NONE) != REGION_DISJOINT) {
+		pr_err("vnpu: reserve=%s is System RAM: boot with memmap=%llu$%#llx\n", reserve, size, base);
+		return -EINVAL;
+	}
+	reserved_virt = memremap(base, size, MEMREMAP_WB);
+	if (!reserved_virt)
+		return -ENOMEM;
+	reserved_pool = gen_pool_create(PAGE_SHIFT, -1);
+	if (!reserved_pool || gen_pool_add_virt(reserved_pool, (unsigned long)reserved_virt, base, size, -1)) {
+		if (reserved_pool)
+			gen_pool_destroy(reserved_pool);
+		reserved_pool = NULL;
+		memunmap(reserved_virt);
+		return -ENOMEM;
+	}
+	pr_info("vnpu: %llu KiB of reserved memory at %#llx for DMA buffers\n", size >> 10, base);
+	return 0;
+}
+
+static int __init vnpu_init(void)
+{
+	int ret = vnpu_reserve();
+
+	if (ret)
+		return ret;
+	ret = pci_register_driver(&vnpu_driver);
+	if (ret && reserved_pool) {
+		gen_pool_destroy(reserved_pool);
+		memunmap(reserved_virt);
+	}
+	return ret;
+}
+
+static void __exit vnpu_exit(void)
+{
+	pci_unregister_driver(&vnpu_driver);
+	if (reserved_pool) {
+		gen_pool_destroy(reserved_pool);
+		memunmap(reserved_virt);
+	}
+}
+module_init(vnpu_init);
+module_exit(vnpu_exit);
 
 MODULE_DESCRIPTION("vNPU: MSI-X completions and DMA memory for the user-space driver");
 MODULE_LICENSE("GPL");
