@@ -535,6 +535,12 @@ pub const MORE_WORKLOADS: &[(&str, &str)] = &[
         "tiny-yolo",
         "Tiny YOLOv2 (VOC), 416x416, 9 convolutions, 13x13x125 detections (Redmon and Farhadi 2017)",
     ),
+    (
+        "ssd-mobilenet",
+        "SSD-MobileNet-v1 (COCO, 91 classes), 300x300, 1917 boxes: sigmoid scores and box decoding (Liu et al. 2016)",
+    ),
+    ("wide-deep", "Wide & Deep (Criteo-like: 13 dense, 26 sparse x 32 dims, deep MLP 1024-512-256, wide 1-dim crosses)"),
+    ("din", "DIN: attention over 50 behaviour items (dims 2 x 18), activation unit MLP 36-80-40-1, MLP 200-80-2"),
 ];
 
 /// Builds the named model at `batch`.
@@ -550,6 +556,9 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "ncf" => ncf(batch),
         "googlenet" => googlenet(batch),
         "tiny-yolo" => tiny_yolo(batch),
+        "ssd-mobilenet" => ssd_mobilenet(batch),
+        "wide-deep" => wide_deep(batch),
+        "din" => din(batch),
         _ => return None,
     })
 }
@@ -803,6 +812,275 @@ fn tiny_yolo(batch: u32) -> Graph {
     g
 }
 
+/// SSD-MobileNet-v1 (COCO: 90 classes and background, 91 scores per box)
+/// at 300x300, as TensorFlow's detection model zoo has it: the MobileNet
+/// backbone (ReLU6 modelled as ReLU), four extra 1x1-then-3x3/2 layers,
+/// 1x1 box predictors on six feature maps (19, 10, 5, 3, 2, 1 pixels; 3
+/// anchors on the first, 6 on the others: 1917 boxes) and the
+/// post-processing the graph does before non-maximum suppression: the
+/// sigmoid of every score and the decoding of every box against its
+/// anchor (`xy = t_xy * a_wh + a_xy`, `wh = exp(t_wh) * a_wh`; the
+/// 1/10 and 1/5 scales folded into the predictor). The anchors are a
+/// weight tensor per feature map (per image: the VU's binary operations
+/// do not broadcast over the batch). Non-maximum suppression, a sort
+/// with data-dependent control, is not modelled.
+fn ssd_mobilenet(batch: u32) -> Graph {
+    const CLASSES: u32 = 91;
+    let mut g = Graph::new("ssd-mobilenet", batch);
+    let x = g.image_input(300, 3);
+    let (mut x, mut h, mut w) = g.conv("conv1", x, 300, 300, 3, 32, 3, 2, Act::Relu);
+    let mut c = 32;
+    let plan = [
+        (64, 1),
+        (128, 2),
+        (128, 1),
+        (256, 2),
+        (256, 1),
+        (512, 2),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (512, 1),
+        (1024, 2),
+        (1024, 1),
+    ];
+    // (tensor, side, channels, anchors) of each feature map.
+    let mut maps = Vec::new();
+    for (i, &(out, stride)) in plan.iter().enumerate() {
+        let (d, ho, wo) = g.depthwise(&format!("dw{}", i + 1), x, h, w, c, 3, stride, Act::Relu);
+        (x, _, _) = g.conv(&format!("pw{}", i + 1), d, ho, wo, c, out, 1, 1, Act::Relu);
+        (h, w, c) = (ho, wo, out);
+        if i == 10 {
+            maps.push((x, h, c, 3u32));
+        }
+    }
+    maps.push((x, h, c, 6));
+    for (i, (mid, out)) in [(256u32, 512u32), (128, 256), (128, 256), (64, 128)].into_iter().enumerate() {
+        let (m, _, _) = g.conv(&format!("extra{}.1x1", i + 1), x, h, w, c, mid, 1, 1, Act::Relu);
+        (x, h, w) = g.conv(&format!("extra{}.3x3", i + 1), m, h, w, mid, out, 3, 2, Act::Relu);
+        c = out;
+        maps.push((x, h, c, 6));
+    }
+    let mut scores = Vec::new();
+    for (l, &(f, side, ch, anchors)) in maps.iter().enumerate() {
+        let p = format!("box{l}");
+        let boxes = batch * side * side * anchors;
+        let (cls, _, _) =
+            g.conv(&format!("{p}.classes"), f, side, side, ch, anchors * CLASSES, 1, 1, Act::None);
+        let (reg, _, _) = g.conv(&format!("{p}.boxes"), f, side, side, ch, anchors * 4, 1, 1, Act::None);
+        let prob = g.act(&format!("{p}.scores"), u64::from(boxes) * u64::from(CLASSES));
+        g.ops.push(Op::Unary {
+            name: format!("{p}.scores"),
+            x: View::dense(cls, CLASSES),
+            y: View::dense(prob, CLASSES),
+            rows: boxes,
+            cols: CLASSES,
+            act: Act::Sigmoid,
+        });
+        // Anchors: [centre y, centre x, height, width] per box.
+        let anc = g.tensor(format!("{p}.anchors"), u64::from(boxes) * 4, Init::Weights { fan_in: 1 });
+        let dec = g.act(&format!("{p}.decoded"), u64::from(boxes) * 4);
+        let col = |t, col| View { t, ld: 4, col };
+        let wh = g.act(&format!("{p}.exp"), u64::from(boxes) * 2);
+        g.ops.push(Op::Unary {
+            name: format!("{p}.exp"),
+            x: col(reg, 2),
+            y: View::dense(wh, 2),
+            rows: boxes,
+            cols: 2,
+            act: Act::Exp,
+        });
+        g.ops.push(Op::Mul {
+            name: format!("{p}.size"),
+            a: View::dense(wh, 2),
+            b: col(anc, 2),
+            y: col(dec, 2),
+            rows: boxes,
+            cols: 2,
+            act: Act::None,
+        });
+        g.ops.push(Op::Mul {
+            name: format!("{p}.offset"),
+            a: col(reg, 0),
+            b: col(anc, 2),
+            y: col(dec, 0),
+            rows: boxes,
+            cols: 2,
+            act: Act::None,
+        });
+        g.ops.push(Op::Add {
+            name: format!("{p}.centre"),
+            a: col(dec, 0),
+            b: col(anc, 0),
+            y: col(dec, 0),
+            rows: boxes,
+            cols: 2,
+            act: Act::None,
+        });
+        scores.push(prob);
+    }
+    g.output = scores[0];
+    g
+}
+
+/// Wide & Deep (Cheng et al. 2016) with Criteo-like inputs: 13 dense
+/// features and 26 categorical ones of 100k values each, embedded in 32
+/// dimensions; the deep part is an MLP 845-1024-512-256-1 over the dense
+/// features and the 26 embeddings, the wide part a linear model over 40
+/// one-hot crosses of the categories (an embedding bag of 1-dimensional
+/// weights from one table of 1M crosses); the output is the sigmoid of
+/// their sum.
+fn wide_deep(batch: u32) -> Graph {
+    const SPARSE: u32 = 26;
+    const DIM: u32 = 32;
+    const ROWS: u32 = 100_000;
+    const CROSSES: u32 = 1_000_000;
+    let mut g = Graph::new("wide-deep", batch);
+    let dense = g.tensor("dense", u64::from(batch) * 13, Init::Input);
+    g.input = dense;
+    let cols = 13 + SPARSE * DIM;
+    let deep_in = g.act("deep.in", u64::from(batch) * u64::from(cols));
+    g.ops.push(Op::Copy {
+        name: "concat".into(),
+        x: View::dense(dense, 13),
+        y: View { t: deep_in, ld: cols, col: 0 },
+        rows: batch,
+        cols: 13,
+    });
+    for t in 0..SPARSE {
+        let table =
+            g.tensor(format!("emb{t}.table"), u64::from(ROWS) * u64::from(DIM), Init::Weights { fan_in: 1 });
+        let idx = g.tensor(format!("emb{t}.idx"), u64::from(batch), Init::Indices { max: ROWS });
+        g.ops.push(Op::Embedding {
+            name: format!("emb{t}"),
+            table,
+            idx,
+            y: View { t: deep_in, ld: cols, col: 13 + t * DIM },
+            batch,
+            rows: ROWS,
+            dim: DIM,
+            pool: 1,
+        });
+    }
+    let d1 = g.linear("deep0", View::dense(deep_in, cols), batch, cols, 1024, Act::Relu, None);
+    let d2 = g.linear("deep1", d1, batch, 1024, 512, Act::Relu, None);
+    let d3 = g.linear("deep2", d2, batch, 512, 256, Act::Relu, None);
+    let deep = g.linear("deep3", d3, batch, 256, 1, Act::None, None);
+    let table = g.tensor("wide.table", u64::from(CROSSES), Init::Weights { fan_in: 1 });
+    let idx = g.tensor("wide.idx", u64::from(batch) * 40, Init::Indices { max: CROSSES });
+    let wide = g.act("wide", u64::from(batch));
+    g.ops.push(Op::Embedding {
+        name: "wide".into(),
+        table,
+        idx,
+        y: View::dense(wide, 1),
+        batch,
+        rows: CROSSES,
+        dim: 1,
+        pool: 40,
+    });
+    let y = g.act("predict", u64::from(batch));
+    g.ops.push(Op::Add {
+        name: "predict".into(),
+        a: deep,
+        b: View::dense(wide, 1),
+        y: View::dense(y, 1),
+        rows: batch,
+        cols: 1,
+        act: Act::Sigmoid,
+    });
+    g.output = y;
+    g
+}
+
+/// DIN, the Deep Interest Network (Zhou et al. 2018) with the paper's
+/// shapes: goods and category embeddings of 18 dimensions each (36 per
+/// item), a history of 50 behaviours, an activation unit per behaviour
+/// (an MLP 144-80-40-1 over `[h, a, h - a, h * a]`, PReLU/Dice modelled as
+/// ReLU, `h - a` as `h + a`: the same one VU pass), attention-weighted sum pooling of the history, and an MLP
+/// 108-200-80-2 over `[user profile, pooled history, candidate]` (the
+/// profile as one 36-dimensional embedding). The candidate's embedding is
+/// gathered once per history position (the VU's binary operations do not
+/// broadcast rows), and the weighted sum is a batched product of each
+/// sample's 1 x 50 weights with its 50 x 36 history.
+fn din(batch: u32) -> Graph {
+    const HIST: u32 = 50;
+    const D: u32 = 36;
+    const ITEMS: u32 = 100_000;
+    const USERS: u32 = 100_000;
+    let mut g = Graph::new("din", batch);
+    let rows = batch * HIST;
+    // Activation-unit input per behaviour: [h | a | h - a | h * a].
+    let unit = g.act("unit.in", u64::from(rows) * u64::from(4 * D));
+    let gather = |g: &mut Graph, name: &str, bags: u32, y: View, rows_in: u32| {
+        let table =
+            g.tensor(format!("{name}.table"), u64::from(rows_in) * u64::from(D), Init::Weights { fan_in: 1 });
+        let idx = g.tensor(format!("{name}.idx"), u64::from(bags), Init::Indices { max: rows_in });
+        g.ops.push(Op::Embedding {
+            name: name.into(),
+            table,
+            idx,
+            y,
+            batch: bags,
+            rows: rows_in,
+            dim: D,
+            pool: 1,
+        });
+        idx
+    };
+    let u = |col| View { t: unit, ld: 4 * D, col };
+    g.input = gather(&mut g, "history", rows, u(0), ITEMS);
+    gather(&mut g, "candidate.rep", rows, u(D), ITEMS);
+    g.ops.push(Op::Add {
+        name: "unit.diff".into(),
+        a: u(0),
+        b: u(D),
+        y: u(2 * D),
+        rows,
+        cols: D,
+        act: Act::None,
+    });
+    g.ops.push(Op::Mul {
+        name: "unit.prod".into(),
+        a: u(0),
+        b: u(D),
+        y: u(3 * D),
+        rows,
+        cols: D,
+        act: Act::None,
+    });
+    let a1 = g.linear("unit0", View::dense(unit, 4 * D), rows, 4 * D, 80, Act::Relu, None);
+    let a2 = g.linear("unit1", a1, rows, 80, 40, Act::Relu, None);
+    let wts = g.linear("unit2", a2, rows, 40, 1, Act::None, None);
+    // [profile | pooled | candidate]
+    let top = g.act("mlp.in", u64::from(batch) * u64::from(3 * D));
+    let t = |col| View { t: top, ld: 3 * D, col };
+    gather(&mut g, "profile", batch, t(0), USERS);
+    g.ops.push(Op::BatchMatMul {
+        name: "pool".into(),
+        a: wts.t,
+        b: unit,
+        y: top,
+        lda: HIST,
+        ldb: 4 * D,
+        ldy: 3 * D,
+        trans_b: false,
+        m: 1,
+        k: HIST,
+        n: D,
+        offs: (0..u64::from(batch))
+            .map(|i| [i * u64::from(HIST), i * u64::from(HIST * 4 * D), i * u64::from(3 * D) + u64::from(D)])
+            .collect(),
+        act: Act::None,
+    });
+    gather(&mut g, "candidate", batch, t(2 * D), ITEMS);
+    let m1 = g.linear("mlp0", View::dense(top, 3 * D), batch, 3 * D, 200, Act::Relu, None);
+    let m2 = g.linear("mlp1", m1, batch, 200, 80, Act::Relu, None);
+    g.output = g.linear("mlp2", m2, batch, 80, 2, Act::None, None).t;
+    g
+}
+
 fn encoder(name: &str, batch: u32, layers: u32, seq: u32, d: u32, heads: u32, ffn: u32, act: Act) -> Graph {
     let mut g = Graph::new(name, batch);
     let mut x = g.tensor("input", u64::from(batch * seq) * u64::from(d), Init::Input);
@@ -936,6 +1214,9 @@ mod tests {
         // Tiny YOLOv2 at 416: Darknet counts 6.97 BFLOPs, 3.49 GMACs.
         assert!((gm("googlenet") - 1.5).abs() < 0.1, "{}", gm("googlenet"));
         assert!((gm("tiny-yolo") - 3.49).abs() < 0.15, "{}", gm("tiny-yolo"));
+        // SSD-MobileNet-v1 at 300: 1.2 G multiply-adds (Howard et al.
+        // 2017, Table 13).
+        assert!((gm("ssd-mobilenet") - 1.2).abs() < 0.08, "{}", gm("ssd-mobilenet"));
         for (n, _) in WORKLOADS.iter().chain(MORE_WORKLOADS) {
             assert!(build(n, 2).is_some(), "{n}");
         }

@@ -270,6 +270,20 @@ fn googlenet_and_tiny_yolo_match_reference() {
     }
 }
 
+/// SSD-MobileNet (sigmoid scores and box decoding over strided views of
+/// each predictor's output, against per-map anchors), Wide & Deep (26
+/// embeddings written into column views of the deep input, a wide bag of
+/// 40 one-dimensional weights) and DIN (the activation unit's
+/// concatenation built by gathers and binary operations into column
+/// views, attention pooling as one 1 x 50 by 50 x 36 product per sample)
+/// at batch 2, every tensor against the reference interpreter.
+#[test]
+fn ssd_mobilenet_wide_deep_and_din_match_reference() {
+    for name in ["ssd-mobilenet", "wide-deep", "din"] {
+        check(&build(name, 2).unwrap(), 2, 2, 32 << 20);
+    }
+}
+
 /// Attention written out as ONNX exports it: `Q K^T` and `P V` as batched
 /// products of strided head views of one `qkv` tensor (`K` read
 /// transposed in place), a scale and softmax between them; the fused

@@ -15,7 +15,8 @@ use npu_workloads::{run_workload, RunOptions, RunReport};
 
 const USAGE: &str = "usage: eu-profile [--workloads W,...] [--batches B,...] [--eus N] [--sweep-batch B] [--json PATH] [--svg PATH]
 
-  --workloads    workloads of the library (default: all)
+  --workloads    workloads of the library (default: all, the design's seven
+                 and the further ones `vnpu workload list` names)
   --batches      batch sizes of the profile (default 1,2,4,8,16,32,64,128,256)
   --eus          EUs of the vNPUs of the split sweep (default 8: 1+7 .. 7+1,
                  on a core of the default board widened to N-1 SAs and N-1
@@ -44,7 +45,8 @@ fn one(flag: &str, v: Option<String>) -> Result<u32, String> {
 }
 
 fn parse() -> Result<Args, String> {
-    let all: Vec<String> = npu_workloads::WORKLOADS.iter().map(|w| w.0.to_string()).collect();
+    let all: Vec<String> =
+        npu_workloads::WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS).map(|w| w.0.to_string()).collect();
     let mut a = Args {
         workloads: all.clone(),
         batches: vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
