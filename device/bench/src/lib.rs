@@ -196,6 +196,10 @@ pub fn line_plots(path: &str, panels: &[Panel]) -> Result<(), String> {
         RGBColor(140, 86, 75),
         RGBColor(227, 119, 194),
         RGBColor(127, 127, 127),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+        RGBColor(0, 0, 0),
+        RGBColor(0, 0, 128),
     ];
     for (panel, area) in panels.iter().zip(root.split_evenly((1, n as usize))) {
         let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite() && (!panel.log_y || p.1 > 0.0);

@@ -45,8 +45,11 @@ fn one(flag: &str, v: Option<String>) -> Result<u32, String> {
 }
 
 fn parse() -> Result<Args, String> {
-    let all: Vec<String> =
-        npu_workloads::WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS).map(|w| w.0.to_string()).collect();
+    let all: Vec<String> = npu_workloads::WORKLOADS
+        .iter()
+        .chain(npu_workloads::MORE_WORKLOADS)
+        .map(|w| w.0.to_string())
+        .collect();
     let mut a = Args {
         workloads: all.clone(),
         batches: vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
