@@ -200,6 +200,10 @@ pub fn line_plots(path: &str, panels: &[Panel]) -> Result<(), String> {
         RGBColor(23, 190, 207),
         RGBColor(0, 0, 0),
         RGBColor(0, 0, 128),
+        RGBColor(128, 0, 0),
+        RGBColor(0, 128, 128),
+        RGBColor(200, 0, 200),
+        RGBColor(0, 100, 0),
     ];
     for (panel, area) in panels.iter().zip(root.split_evenly((1, n as usize))) {
         let ok = |p: &(f64, f64)| p.0.is_finite() && p.1.is_finite() && (!panel.log_y || p.1 > 0.0);

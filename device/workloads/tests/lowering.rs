@@ -284,6 +284,23 @@ fn ssd_mobilenet_wide_deep_and_din_match_reference() {
     }
 }
 
+/// YOLOv3 on 128x128 images at batch 1 (the library's at 416x416 is 10x
+/// the work for the same operations: 2x upsampling by strided copies, concatenations,
+/// the logistic and exponential of three detection maps over strided
+/// views) and a GNMT of the MLPerf structure at small sizes (a
+/// bidirectional first layer writing both directions into column views
+/// of one output, recurrent products that share their weights across
+/// tokens and read the previous token's `h` in place, residual layers,
+/// attention over the encoder as per-sample batched products into the
+/// decoder's input rows), every tensor against the reference
+/// interpreter.
+#[test]
+fn yolov3_and_a_small_gnmt_match_reference() {
+    check(&npu_workloads::graph::yolov3(1, 128), 2, 2, 32 << 20);
+    let small = npu_workloads::graph::GnmtSize { layers: 4, hidden: 24, vocab: 50, src: 5, tgt: 4 };
+    check(&npu_workloads::graph::gnmt(2, &small), 2, 2, 32 << 20);
+}
+
 /// Attention written out as ONNX exports it: `Q K^T` and `P V` as batched
 /// products of strided head views of one `qkv` tensor (`K` read
 /// transposed in place), a scale and softmax between them; the fused

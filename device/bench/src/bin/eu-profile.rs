@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use npu_bench::{line_plots, Panel};
 use npu_model::BoardConfig;
-use npu_workloads::{run_workload, RunOptions, RunReport};
+use npu_workloads::{run_workload, LowerError, RunError, RunOptions, RunReport};
 
 const USAGE: &str = "usage: eu-profile [--workloads W,...] [--batches B,...] [--eus N] [--sweep-batch B] [--json PATH] [--svg PATH]
 
@@ -88,15 +88,26 @@ fn parse() -> Result<Args, String> {
 
 /// Runs `workload` at `batch` on `sa` + `vu` of `board`, timing only,
 /// with the chip's whole HBM (capacity does not change timing; the largest
-/// batches do not fit a quarter of it).
-fn run(board: &BoardConfig, workload: &str, batch: u32, sa: u32, vu: u32) -> Result<RunReport, String> {
+/// batches do not fit a quarter of it). `None` when the tensors do not fit
+/// even that.
+fn run(
+    board: &BoardConfig,
+    workload: &str,
+    batch: u32,
+    sa: u32,
+    vu: u32,
+) -> Result<Option<RunReport>, String> {
     let o = RunOptions {
         sa,
         vu,
         hbm_bytes: Some(board.hbm_bytes_per_chip()),
         ..RunOptions::timing(workload, batch)
     };
-    run_workload(board, &o).map_err(|e| format!("{workload} batch {batch} on {sa} SA + {vu} VU: {e}"))
+    match run_workload(board, &o) {
+        Ok(r) => Ok(Some(r)),
+        Err(RunError::Lower(LowerError::Hbm { .. })) => Ok(None),
+        Err(e) => Err(format!("{workload} batch {batch} on {sa} SA + {vu} VU: {e}")),
+    }
 }
 
 /// The design's Eq. 3: EU utilization of `k = n_SA / n_VU` for a profile
@@ -143,9 +154,13 @@ fn body(args: &Args) -> Result<(), String> {
         print!("{w:<14}");
         let mut row = Vec::new();
         for &b in &args.batches {
-            let r = run(&board, w, b, 1, 1)?;
+            let Some(r) = run(&board, w, b, 1, 1)? else {
+                print!(" {:>13}", "no HBM fit");
+                continue;
+            };
             let a = r.sa_active_cycles as f64 / r.vu_active_cycles.max(1) as f64;
-            print!(" {:>5.1}% a={:<5.2}", 100.0 * r.flops_utilization, a);
+            let a_text = if a >= 100.0 { format!("{a:.0}") } else { format!("{a:.2}") };
+            print!(" {:>5.1}% a={a_text:<5}", 100.0 * r.flops_utilization);
             row.push((b, r.flops_utilization, a, r.sa_utilization, r.vu_utilization));
         }
         println!();
@@ -168,11 +183,14 @@ fn body(args: &Args) -> Result<(), String> {
     );
     let mut sweep = Vec::new();
     for w in &args.workloads {
-        let p = run(&wide, w, args.sweep_batch, 1, 1)?;
+        let fits = |r: Option<RunReport>| {
+            r.ok_or(format!("{w} batch {} does not fit the chip's HBM", args.sweep_batch))
+        };
+        let p = fits(run(&wide, w, args.sweep_batch, 1, 1)?)?;
         let a = p.sa_active_cycles as f64 / p.vu_active_cycles.max(1) as f64;
         let mut points = Vec::new();
         for sa in 1..n {
-            let r = run(&wide, w, args.sweep_batch, sa, n - sa)?;
+            let r = fits(run(&wide, w, args.sweep_batch, sa, n - sa)?)?;
             points.push((sa, eu_utilization(&r), eq3(f64::from(sa) / f64::from(n - sa), a)));
         }
         // The split Eq. 3 picks (its U is largest where k is nearest
