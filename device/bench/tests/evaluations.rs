@@ -126,10 +126,56 @@ fn sharing_eval_refuses_bad_arguments() {
         &["--task-us", "0"],
         &["--lend-tolerance", "x"],
         &["--frobnicate"],
+        &["--tenants", "nope"],
+        &["--tenants", "resnet50"],
+        &["--tenants", "resnet50:0,ncf"],
+        &["--tenants", "ncf,ncf,ncf,ncf,ncf"],
+        &["--sla-ms", "1,2"],
+        &["--sla-ms", "1,-2,3,4"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval")).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("usage"), "{args:?}");
+    }
+}
+
+/// Tenants and absolute latency bounds from the command line (the Planaria
+/// scenarios): the bounds are the ones given, and a bound below a tenant's
+/// isolated time fails every one of its requests in every system, so no
+/// system meets the SLA and what is within it is at most the other
+/// tenant's share of the requests.
+#[test]
+fn sharing_eval_takes_tenants_and_their_latency_bounds() {
+    let path = std::env::temp_dir().join(format!("sharing-eval-tenants-{}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
+        .args(["--tenants", "ncf:8,dlrm:8", "--sla-ms", "0.5,0.001", "--seconds", "0.02", "--load", "0.3"])
+        .args(["--json", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let tenants = v["tenants"].as_array().unwrap();
+    let names: Vec<&str> = tenants.iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["ncf b8", "dlrm b8"]);
+    let sla = |i: usize| tenants[i]["sla_latency_s"].as_f64().unwrap();
+    assert!((sla(0) - 0.5e-3).abs() < 1e-12 && (sla(1) - 1e-6).abs() < 1e-15, "{} {}", sla(0), sla(1));
+    assert!(tenants[1]["t_4sa_4vu_s"].as_f64().unwrap() > 1e-6);
+    assert!(v["qos_factor"].is_null());
+    for r in v["rates"].as_array().unwrap() {
+        let per: Vec<f64> =
+            r["requests_per_tenant"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+        assert!(per[1] > 0.0, "{per:?}");
+        let ncf_share = per[0] / (per[0] + per[1]);
+        for s in r["systems"].as_array().unwrap() {
+            let name = s["system"].as_str().unwrap();
+            assert_eq!(s["sla_met"], false, "{name}");
+            let within = s["sla_satisfaction"].as_f64().unwrap();
+            assert!(within <= ncf_share + 1e-9, "{name}: {within} of requests within their bounds");
+        }
+    }
+    for x in v["throughput_at_sla"].as_array().unwrap() {
+        assert_eq!(x["throughput_rps"].as_f64().unwrap(), 0.0, "{x}");
     }
 }
 

@@ -192,8 +192,7 @@ pub const GUARANTEED: Engines = Engines::new(1, 1);
 
 /// Runs the arrival stream on the work-conserving core. `tasks[i]` is
 /// tenant `i`'s workload cut into operations; a request's latency bound is
-/// `qos` times its workload's whole-core time (the deadline whose slack
-/// orders lending). Fails if a task cannot be
+/// its workload's `sla` (the deadline whose slack orders lending). Fails if a task cannot be
 /// lowered (none expected: every operation was lowered for every shape
 /// before).
 pub fn simulate_lending(
@@ -201,7 +200,6 @@ pub fn simulate_lending(
     ws: &[Workload],
     tasks: &mut [Tasks],
     arrivals: &[Vec<f64>],
-    qos: f64,
     how: Lending,
 ) -> Result<Outcome, String> {
     let n = ws.len();
@@ -221,7 +219,7 @@ pub fn simulate_lending(
         let at: Vec<usize> = (0..n).filter(|&i| ts[i].running.is_none() && !ts[i].queue.is_empty()).collect();
         // Cycles from now to each one's deadline.
         let to_deadline: Vec<f64> =
-            at.iter().map(|&i| ts[i].queue.front().copied().unwrap_or(now) + qos * ws[i].t44 - now).collect();
+            at.iter().map(|&i| ts[i].queue.front().copied().unwrap_or(now) + ws[i].sla - now).collect();
         let waiting: Vec<AtBoundary> = at
             .iter()
             .zip(&to_deadline)
@@ -323,13 +321,12 @@ pub fn saturation_lending(
     tasks: &mut [Tasks],
     weights: &[f64],
     rounds: usize,
-    qos: f64,
     how: Lending,
 ) -> Result<f64, String> {
     let least = weights.iter().copied().fold(f64::INFINITY, f64::min);
     let counts: Vec<usize> = weights.iter().map(|w| ((w / least) * rounds as f64).round() as usize).collect();
     let arrivals: Vec<Vec<f64>> = counts.iter().map(|&c| vec![0.0; c]).collect();
-    let o = simulate_lending(board, ws, tasks, &arrivals, qos, how)?;
+    let o = simulate_lending(board, ws, tasks, &arrivals, how)?;
     let total: usize = counts.iter().sum();
     Ok(total as f64 / o.end.max(1.0) / weights.iter().sum::<f64>())
 }
@@ -356,7 +353,7 @@ mod tests {
 
     fn workload() -> Workload {
         let p = ProgramBuilder::new().finish();
-        Workload { name: "mlp".into(), p11: p.clone(), p44: p, t11: 1.0, t44: 1e12 }
+        Workload { name: "mlp".into(), p11: p.clone(), p44: p, t11: 1.0, t44: 1e12, sla: 1e13 }
     }
 
     /// Operation `op` of `g` alone on `sa` + `vu`, lowered and run here
@@ -388,7 +385,7 @@ mod tests {
         let g = mlp();
         let mut tasks = [Tasks::new(&board, g.clone()).unwrap(), Tasks::new(&board, g.clone()).unwrap()];
         let ws = [workload(), workload()];
-        let o = simulate_lending(&board, &ws, &mut tasks, &[vec![0.0], vec![]], 10.0, ONE_OP).unwrap();
+        let o = simulate_lending(&board, &ws, &mut tasks, &[vec![0.0], vec![]], ONE_OP).unwrap();
         let picks: Vec<(Engines, f64)> = (0..3).map(|op| best(&board, &g, op, 0.05)).collect();
         // More SAs pay for these products: the lone tenant borrows.
         assert!(picks.iter().all(|(e, _)| e.sa > 1), "{picks:?}");
@@ -415,7 +412,7 @@ mod tests {
         // through that task, cannot have its 1 SA until the task ends.
         assert_eq!(shape.sa, 4, "{shape:?}");
         let arrival = first / 2.0;
-        let o = simulate_lending(&board, &ws, &mut tasks, &[vec![0.0], vec![arrival]], 10.0, ONE_OP).unwrap();
+        let o = simulate_lending(&board, &ws, &mut tasks, &[vec![0.0], vec![arrival]], ONE_OP).unwrap();
         assert_eq!(o.reclaim_waits, 1);
         let wait = o.reclaim_max;
         assert!((wait - (first - arrival)).abs() <= 1e-6 * first, "waited {wait}, task ended {first}");

@@ -39,7 +39,7 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
 
 mod lending;
 
@@ -52,15 +52,23 @@ use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--qos F] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
 
   --load     offered loads as fractions of each system's own saturation
              rate; each system runs at every rate of both lists (default
              0.1,0.2,...,1.0)
   --seconds  simulated seconds of arrivals per load (default 0.5)
   --seed     arrival seed (default 1)
+  --tenants  the tenants, each a workload of the library (`vnpu workload
+             list`) with its batch size (default 1): 2 to 4 of them, each
+             on a 1 SA + 1 VU vNPU of the core (default
+             bert:1,resnet50:1,dlrm:8,ncf:8)
   --qos      latency bound of each request: F times its workload's isolated
              latency on the whole core (default 10)
+  --sla-ms   instead, each tenant's latency bound in milliseconds, in the
+             order of --tenants (MLPerf's server bounds, as Planaria sets
+             them: ResNet-50 and GoogLeNet 15, MobileNet and SSD-MobileNet
+             10, YOLOv3 and SSD-ResNet34 100, GNMT 250)
   --preempt-margin M
              PREMA-ckpt: a waiter preempts once its tokens exceed the running
              request's by M context switches (normalized to the waiter);
@@ -84,7 +92,7 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
 /// Planaria-like; ratios are against the better of the PREMA rows.
 const PREMA: std::ops::Range<usize> = 2..4;
 
-/// The four tenants: workload and batch.
+/// The default tenants: workload and batch.
 const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
 
 #[derive(Clone, Debug)]
@@ -96,6 +104,9 @@ struct Workload {
     /// Cycles of one request alone on each.
     t11: f64,
     t44: f64,
+    /// Latency bound of one request (cycles): `--qos` times `t44`, or the
+    /// tenant's `--sla-ms`.
+    sla: f64,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -372,6 +383,8 @@ fn saturation_prema(ws: &[Workload], weights: &[f64]) -> f64 {
 }
 
 struct Args {
+    tenants: Vec<(String, u32)>,
+    sla_ms: Option<Vec<f64>>,
     loads: Vec<f64>,
     seconds: f64,
     seed: u64,
@@ -386,6 +399,8 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut a = Args {
+        tenants: MIX.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
+        sla_ms: None,
         loads: (1..=10).map(|i| f64::from(i) / 10.0).collect(),
         seconds: 0.5,
         seed: 1,
@@ -408,6 +423,18 @@ fn parse_args() -> Result<Args, String> {
             "--seconds" => a.seconds = positive("--seconds", it.next())?.min(60.0),
             "--seed" => a.seed = seed(it.next())?,
             "--qos" => a.qos = positive("--qos", it.next())?,
+            "--tenants" => a.tenants = tenants(it.next())?,
+            "--sla-ms" => {
+                let v = it.next().ok_or("--sla-ms needs a list of milliseconds")?;
+                let ms = v
+                    .split(',')
+                    .map(|x| match x.trim().parse::<f64>() {
+                        Ok(m) if m.is_finite() && m > 0.0 => Ok(m),
+                        _ => Err(format!("--sla-ms: `{x}` is not a positive number of milliseconds")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                a.sla_ms = Some(ms);
+            }
             "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
             "--mix" => {
                 a.equal_mix = match it.next().as_deref() {
@@ -424,7 +451,35 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
+    if let Some(ms) = &a.sla_ms {
+        if ms.len() != a.tenants.len() {
+            return Err(format!("--sla-ms gives {} bounds for {} tenants", ms.len(), a.tenants.len()));
+        }
+    }
     Ok(a)
+}
+
+/// `--tenants W[:B],...`: 2 to 4 workloads of the library with batch sizes.
+fn tenants(v: Option<String>) -> Result<Vec<(String, u32)>, String> {
+    let v = v.ok_or("--tenants needs a list of workloads")?;
+    let t = v
+        .split(',')
+        .map(|x| {
+            let (w, b) = x.trim().split_once(':').unwrap_or((x.trim(), "1"));
+            let b: u32 = match b.parse() {
+                Ok(b) if (1..=256).contains(&b) => b,
+                _ => return Err(format!("--tenants: batch `{b}` of `{w}` is not 1 to 256")),
+            };
+            if build(w, 1).is_none() {
+                return Err(format!("--tenants: unknown workload `{w}` (see `vnpu workload list`)"));
+            }
+            Ok((w.to_string(), b))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !(2..=4).contains(&t.len()) {
+        return Err(format!("--tenants: {} tenants; 2 to 4 fit a core as 1 SA + 1 VU vNPUs", t.len()));
+    }
+    Ok(t)
 }
 
 struct Row {
@@ -487,19 +542,11 @@ impl Ratios {
 }
 
 /// `o` in seconds and ratios; `hz` cycles per second.
-fn summarize(
-    system: &'static str,
-    load: f64,
-    o: &Outcome,
-    ws: &[Workload],
-    qos: f64,
-    eus: f64,
-    hz: f64,
-) -> Row {
+fn summarize(system: &'static str, load: f64, o: &Outcome, ws: &[Workload], eus: f64, hz: f64) -> Row {
     let done: usize = o.latencies.iter().map(Vec::len).sum();
     let all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
     let within: usize =
-        o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= qos * w.t44).count()).sum();
+        o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= w.sla).count()).sum();
     let avg = all.iter().sum::<f64>() / all.len().max(1) as f64;
     // PREMA's fairness: min over tenants of normalized progress (isolated
     // time on the whole core / time in the shared system) over the max.
@@ -514,7 +561,7 @@ fn summarize(
     let antt = np.iter().map(|x| 1.0 / x).sum::<f64>() / np.len().max(1) as f64;
     let stp = np.iter().sum::<f64>();
     let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l) / hz).collect();
-    let sla_met = o.latencies.iter().zip(ws).all(|(l, w)| p99(l) <= qos * w.t44);
+    let sla_met = o.latencies.iter().zip(ws).all(|(l, w)| p99(l) <= w.sla);
     Row {
         system,
         load,
@@ -561,10 +608,15 @@ fn run() -> Result<(), String> {
     let mut ws = Vec::new();
     let mut tasks = Vec::new();
     eprintln!("lowering the workloads, and each operation for every shape of the core ...");
-    for (w, batch) in MIX {
+    for (i, (w, batch)) in args.tenants.iter().enumerate() {
+        let (w, batch) = (w.as_str(), *batch);
         let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
         let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
-        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44 });
+        let sla = match &args.sla_ms {
+            Some(ms) => ms[i] * 1e-3 * hz,
+            None => args.qos * t44,
+        };
+        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla });
         tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
     let how = Lending {
@@ -578,18 +630,24 @@ fn run() -> Result<(), String> {
     eprintln!("measuring each system's saturation ...");
     let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
     let sat_prema = saturation_prema(&ws, &weights);
-    let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, args.qos, how)?;
-    let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, args.qos, planaria)?;
+    let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
+    let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
     // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
     // engine's rate.
     let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
     println!(
-        "4 tenants on one core (4 SA + 4 VU); Poisson arrivals for {} s, seed {}, {} mix; PREMA context switch {:.1} us; SLA: latency <= {} x isolated whole-core latency",
+        "{} tenants on one core ({} SA + {} VU); Poisson arrivals for {} s, seed {}, {} mix; PREMA context switch {:.1} us; SLA: {}",
+        ws.len(),
+        board.core.sa_count,
+        board.core.vu_count,
         args.seconds,
         args.seed,
         if args.equal_mix { "equal-rate" } else { "balanced" },
         switch / hz * 1e6,
-        args.qos
+        match &args.sla_ms {
+            Some(_) => "each tenant's bound (--sla-ms)".to_string(),
+            None => format!("latency <= {} x isolated whole-core latency", args.qos),
+        }
     );
     println!(
         "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7}",
@@ -602,7 +660,7 @@ fn run() -> Result<(), String> {
             w.t11 / hz * 1e6,
             w.t44 / hz * 1e6,
             w.t11 / w.t44,
-            args.qos * w.t44 / hz * 1e6,
+            w.sla / hz * 1e6,
             100.0 * x / wsum
         );
     }
@@ -649,8 +707,8 @@ fn run() -> Result<(), String> {
         let arrivals: Vec<Vec<f64>> =
             weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
         let offered = scale * wsum * hz;
-        let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, args.qos, how)?;
-        let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, args.qos, planaria)?;
+        let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, how)?;
+        let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, planaria)?;
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
             ("vNPU-WC", scale / sat_wc, wc),
@@ -659,7 +717,7 @@ fn run() -> Result<(), String> {
             ("Planaria", scale / sat_planaria, fission),
         ]
         .iter()
-        .map(|(name, load, o)| summarize(name, *load, o, &ws, args.qos, eus, hz))
+        .map(|(name, load, o)| summarize(name, *load, o, &ws, eus, hz))
         .collect();
         for r in &rows {
             println!(
@@ -779,13 +837,15 @@ fn run() -> Result<(), String> {
                 "borrowed_eu_share": r.borrowed})
         };
         let v = serde_json::json!({
-            "seconds": args.seconds, "seed": args.seed, "qos_factor": args.qos, "preempt_margin": args.margin,
+            "seconds": args.seconds, "seed": args.seed,
+            "qos_factor": if args.sla_ms.is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
+            "sla_ms": args.sla_ms, "preempt_margin": args.margin,
             "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
                 "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz},
             "task_us": args.task_us, "lend_tolerance": args.tolerance,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
-                "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": args.qos * w.t44 / hz,
+                "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
                 "rate_share": x / wsum})).collect::<Vec<_>>(),
             "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
                 "offered_rps": offered, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
