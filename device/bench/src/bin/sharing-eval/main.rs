@@ -887,7 +887,8 @@ mod tests {
     fn workload(board: &BoardConfig, name: &str, n11: usize, n44: usize) -> Workload {
         let (p11, p44) = (vu_work(n11), vu_work(n44));
         let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
-        Workload { name: name.into(), t11: t(&p11), t44: t(&p44), p11, p44 }
+        let t44 = t(&p44);
+        Workload { name: name.into(), t11: t(&p11), t44, sla: 10.0 * t44, p11, p44 }
     }
 
     #[test]
@@ -919,7 +920,7 @@ mod tests {
         assert_eq!(o.switches, 0);
         // Normalized progress of "long": 400 passes alone / 600 on average;
         // "short" sent nothing and does not count.
-        let r = summarize("PREMA", 0.5, &o, &ws, 10.0, 8.0, 1.0);
+        let r = summarize("PREMA", 0.5, &o, &ws, 8.0, 1.0);
         assert!(
             close(r.antt, 1.5) && close(r.stp, 2.0 / 3.0) && close(r.fairness, 1.0),
             "{} {}",
