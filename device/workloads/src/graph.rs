@@ -631,27 +631,31 @@ fn resnet50(batch: u32) -> Graph {
     g
 }
 
+/// MobileNet-v1's depthwise-separable blocks after the stem: output
+/// channels and stride of each (the depthwise 3x3 carries the stride, a
+/// pointwise 1x1 follows).
+const MOBILENET_V1: [(u32, u16); 13] = [
+    (64, 1),
+    (128, 2),
+    (128, 1),
+    (256, 2),
+    (256, 1),
+    (512, 2),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (512, 1),
+    (1024, 2),
+    (1024, 1),
+];
+
 fn mobilenet(batch: u32) -> Graph {
     let mut g = Graph::new("mobilenet", batch);
     let x = g.image_input(224, 3);
     let (mut x, mut h, mut w) = g.conv("conv1", x, 224, 224, 3, 32, 3, 2, Act::Relu);
     let mut c = 32;
-    let plan = [
-        (64, 1),
-        (128, 2),
-        (128, 1),
-        (256, 2),
-        (256, 1),
-        (512, 2),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (1024, 2),
-        (1024, 1),
-    ];
-    for (i, &(out, stride)) in plan.iter().enumerate() {
+    for (i, &(out, stride)) in MOBILENET_V1.iter().enumerate() {
         let (d, ho, wo) = g.depthwise(&format!("dw{}", i + 1), x, h, w, c, 3, stride, Act::Relu);
         (x, _, _) = g.conv(&format!("pw{}", i + 1), d, ho, wo, c, out, 1, 1, Act::Relu);
         (h, w, c) = (ho, wo, out);
@@ -860,24 +864,9 @@ fn ssd_mobilenet(batch: u32) -> Graph {
     let x = g.image_input(300, 3);
     let (mut x, mut h, mut w) = g.conv("conv1", x, 300, 300, 3, 32, 3, 2, Act::Relu);
     let mut c = 32;
-    let plan = [
-        (64, 1),
-        (128, 2),
-        (128, 1),
-        (256, 2),
-        (256, 1),
-        (512, 2),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (512, 1),
-        (1024, 2),
-        (1024, 1),
-    ];
     // (tensor, side, channels, anchors) of each feature map.
     let mut maps = Vec::new();
-    for (i, &(out, stride)) in plan.iter().enumerate() {
+    for (i, &(out, stride)) in MOBILENET_V1.iter().enumerate() {
         let (d, ho, wo) = g.depthwise(&format!("dw{}", i + 1), x, h, w, c, 3, stride, Act::Relu);
         (x, _, _) = g.conv(&format!("pw{}", i + 1), d, ho, wo, c, out, 1, 1, Act::Relu);
         (h, w, c) = (ho, wo, out);
