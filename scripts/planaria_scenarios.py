@@ -20,6 +20,11 @@ scheduler.ini sets them), scaled by the level:
 
 Levels: x1 (the MLPerf bounds), x0.5 and x0.25 (tighter).
 
+PREMA-ckpt runs with PREMA's KILL option (`sharing-eval --prema-kill`: a
+request preempted before it has run for one context switch is dropped and
+started again instead of checkpointed), the stronger baseline;
+`--no-prema-kill` runs it without.
+
 Per run (`--seconds`, default 0.5 s of Poisson arrivals, rates 0.1..1.0 of
 each system's saturation): throughput at the SLA (highest offered rate with
 every tenant's p99 within its bound) and, at the offered rate that is 0.9 of
@@ -27,7 +32,7 @@ PREMA-like's saturation (PREMA not saturated), busy-EU utilization, p99,
 SLA satisfaction and PREMA's fairness of each system.
 
   cargo build --release -p npu-bench
-  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light]
+  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--no-prema-kill]
 """
 import argparse
 import json
@@ -49,6 +54,7 @@ p.add_argument("--seed", default="1")
 p.add_argument("--bin", default="target/release/sharing-eval")
 p.add_argument("--out", default="target/planaria-scenarios", help="directory for each run's JSON and SVG")
 p.add_argument("--only", help="comma-separated scenario names")
+p.add_argument("--no-prema-kill", action="store_true", help="PREMA-ckpt without PREMA's KILL option")
 a = p.parse_args()
 os.makedirs(a.out, exist_ok=True)
 names = a.only.split(",") if a.only else list(SCENARIOS)
@@ -77,6 +83,8 @@ for n in names:
                "--sla-ms", ",".join(f"{ms * scale:g}" for _, ms in tenants),
                "--mix", "equal", "--seconds", a.seconds, "--seed", a.seed,
                "--json", js, "--svg", os.path.join(a.out, f"{tag}.svg")]
+        if not a.no_prema_kill:
+            cmd.append("--prema-kill")
         print(f"planaria_scenarios: {tag}: {' '.join(cmd)}", file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         j = json.load(open(js))

@@ -149,6 +149,7 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
     let path = std::env::temp_dir().join(format!("sharing-eval-tenants-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
         .args(["--tenants", "ncf:8,dlrm:8", "--sla-ms", "0.5,0.001", "--seconds", "0.02", "--load", "0.3"])
+        .arg("--prema-kill")
         .args(["--json", path.to_str().unwrap()])
         .output()
         .unwrap();
@@ -162,6 +163,7 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
     assert!((sla(0) - 0.5e-3).abs() < 1e-12 && (sla(1) - 1e-6).abs() < 1e-15, "{} {}", sla(0), sla(1));
     assert!(tenants[1]["t_4sa_4vu_s"].as_f64().unwrap() > 1e-6);
     assert!(v["qos_factor"].is_null());
+    assert_eq!(v["prema_kill"], true);
     for r in v["rates"].as_array().unwrap() {
         let per: Vec<f64> =
             r["requests_per_tenant"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
@@ -170,6 +172,10 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
         for s in r["systems"].as_array().unwrap() {
             let name = s["system"].as_str().unwrap();
             assert_eq!(s["sla_met"], false, "{name}");
+            // Only PREMA-ckpt kills.
+            if name != "PREMA-ckpt" {
+                assert_eq!(s["kills"], 0, "{name}");
+            }
             let within = s["sla_satisfaction"].as_f64().unwrap();
             assert!(within <= ncf_share + 1e-9, "{name}: {within} of requests within their bounds");
         }

@@ -439,6 +439,27 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         true
     }
 
+    /// Takes tenant `id` off the core now, unfinished (PREMA's KILL: its
+    /// work is lost and it starts again from scratch later). Returns its
+    /// job and the counters of what it did until now (engine time spent on
+    /// the lost work is still time the engines were busy). What it had in
+    /// flight leaves with it: a caller that models the hardware finishing
+    /// those transfers first delays the next tenant by [`Self::drain_cycles`]
+    /// taken before the kill. `None` if there is no such tenant.
+    pub fn kill(&mut self, id: usize) -> Option<(J, TenantReport)> {
+        let slot = self.slots.get_mut(id)?.take()?;
+        let mut engines = Vec::new();
+        self.runs.retain(|r| {
+            if r.tenant == id {
+                engines.push(r.stats.clone());
+                false
+            } else {
+                true
+            }
+        });
+        Some((slot.job, TenantReport { cycles: self.now, started: slot.started, engines }))
+    }
+
     /// Cycles until what tenant `id` has in flight is done (at its
     /// uncontended rate): when its engines are free after a suspension.
     pub fn drain_cycles(&self, id: usize) -> f64 {

@@ -852,6 +852,34 @@ fn a_suspended_tenant_resumes_where_it_stopped() {
     assert!(sim.is_idle());
 }
 
+/// PREMA's KILL: a killed tenant leaves the core at once with the counters
+/// of the work it did (lost work that kept its engine busy), frees its id,
+/// and the next tenant runs as if alone.
+#[test]
+fn a_killed_tenant_leaves_with_what_it_did() {
+    let c = BoardConfig::default();
+    let (long, short) = (vu_work(40), vu_work(10));
+    let alone = |p: &Program| run_program(&c, p, None, None).unwrap().cycles;
+    let (ta, tb) = (alone(&long), alone(&short));
+    let mut a = Tenant { program: &long, memory: None, max_cycles: None };
+    let mut b = Tenant { program: &short, memory: None, max_cycles: None };
+    let mut sim = CoreSim::new(&c, 2);
+    let ia = sim.add(&mut a, 0.0);
+    let t1 = ta * 0.25;
+    assert!(sim.step_until(t1).is_empty());
+    let (_, part) = sim.kill(ia).unwrap();
+    assert!(sim.kill(ia).is_none() && sim.is_idle());
+    // A quarter of 40 passes ran (its VU busy all the time until now).
+    let vu = part.totals().vu_active_cycles;
+    assert!((vu - t1).abs() <= ta / 40.0 + 1.0, "{vu} vs {t1}");
+    assert!((part.cycles - t1).abs() < 1e-9);
+    let ib = sim.add(&mut b, 0.0);
+    assert_eq!(ib, ia, "the id is free again");
+    let done = sim.step();
+    let b_end = done[0].2.as_ref().unwrap().cycles;
+    assert!((b_end - (t1 + tb)).abs() < 1e-6, "{b_end} vs {}", t1 + tb);
+}
+
 /// A tenant with a host-work budget (as the device gives one on a shared
 /// core): the instruction that would pass it is refused before the model
 /// does its work, and everything before it ran.

@@ -24,7 +24,10 @@
 //!   (`CoreSim::suspend`), its transfers in flight drain, its SRAM state is
 //!   checkpointed (half a context switch) and later restored (the other
 //!   half) before it goes on where it stopped; unless it would end within
-//!   one switch anyway (then it drains). **PREMA-drain** never preempts.
+//!   one switch anyway (then it drains); with `--prema-kill`, a request
+//!   preempted before it has run for one switch is killed instead (PREMA's
+//!   KILL: started again from scratch later). **PREMA-drain** never
+//!   preempts.
 //!   Ratios are against the better of the two on each metric;
 //! - **Planaria** (Planaria-like dynamic fission on this model, for
 //!   comparison): the operator-level tasks of vNPU-WC without guarantees;
@@ -39,7 +42,7 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
 
 mod lending;
 
@@ -52,7 +55,7 @@ use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
 
   --load     offered loads as fractions of each system's own saturation
              rate; each system runs at every rate of both lists (default
@@ -73,6 +76,11 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              PREMA-ckpt: a waiter preempts once its tokens exceed the running
              request's by M context switches (normalized to the waiter);
              0 (default) is PREMA's plain token rule
+  --prema-kill
+             PREMA-ckpt also kills, as PREMA's dynamic selection does: a
+             running request preempted before it has run for one context
+             switch is dropped and started again from scratch later (no
+             checkpoint, no restore) instead of checkpointed
   --mix      relative arrival rates of the tenants: `balanced` (default:
              inversely proportional to each one's time on its 1 SA + 1 VU
              vNPU, so every vNPU is equally loaded) or `equal` (the same
@@ -118,6 +126,9 @@ struct Outcome {
     /// Active SA + VU cycles of every request, summed over engines.
     eu_cycles: f64,
     switches: u64,
+    /// PREMA with `--prema-kill`: requests killed (preempted without a
+    /// checkpoint, started again from scratch later).
+    kills: u64,
     /// Requests whose program failed (none expected; counted, not hidden).
     failed: u64,
     /// Work-conserving system: tasks run, how often a tenant at a boundary
@@ -236,6 +247,7 @@ fn simulate_prema(
     arrivals: &[Vec<f64>],
     switch: f64,
     margin: f64,
+    kill: bool,
 ) -> Outcome {
     let n = ws.len();
     let mut o = Outcome::new(n);
@@ -307,7 +319,22 @@ fn simulate_prema(
         let ran = executed + (now - since).max(0.0);
         let Some((k, tk)) = best(&queues, now) else { continue };
         let ahead = tk > tokens(tenant, arrival, now) + margin * switch / ws[k].t44;
-        if ahead && tr - ran > switch {
+        if ahead && kill && ran < switch {
+            // PREMA's KILL: it has run for less than a checkpoint and a
+            // restore would cost; its work is dropped (the engine time it
+            // took still counts as busy), what it has in flight drains, and
+            // it starts again from scratch when its turn comes.
+            let drain = sim.drain_cycles(id);
+            if let Some((req, part)) = sim.kill(id) {
+                let t = part.totals();
+                o.eu_cycles += t.sa_active_cycles + t.vu_active_cycles;
+                o.kills += 1;
+                queues[tenant].push_front(Waiting { arrival, stage: Stage::New(req) });
+            }
+            if let Some(w) = queues[k].pop_front() {
+                running = Some(start(&mut sim, w, k, switch, drain));
+            }
+        } else if ahead && tr - ran > switch {
             // Preempt: stop issuing, drain what is in flight, checkpoint.
             sim.suspend(id);
             let drain = sim.drain_cycles(id);
@@ -390,6 +417,7 @@ struct Args {
     seed: u64,
     qos: f64,
     margin: f64,
+    prema_kill: bool,
     equal_mix: bool,
     task_us: f64,
     tolerance: f64,
@@ -406,6 +434,7 @@ fn parse_args() -> Result<Args, String> {
         seed: 1,
         qos: 10.0,
         margin: 0.0,
+        prema_kill: false,
         equal_mix: false,
         task_us: 25.0,
         tolerance: 0.05,
@@ -436,6 +465,7 @@ fn parse_args() -> Result<Args, String> {
                 a.sla_ms = Some(ms);
             }
             "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
+            "--prema-kill" => a.prema_kill = true,
             "--mix" => {
                 a.equal_mix = match it.next().as_deref() {
                     Some("balanced") => false,
@@ -498,6 +528,7 @@ struct Row {
     antt: f64,
     stp: f64,
     switches: u64,
+    kills: u64,
     sla_rate: f64,
     /// Every tenant's p99 within its bound.
     sla_met: bool,
@@ -577,6 +608,7 @@ fn summarize(system: &'static str, load: f64, o: &Outcome, ws: &[Workload], eus:
         antt,
         stp,
         switches: o.switches,
+        kills: o.kills,
         sla_rate: within as f64 / done.max(1) as f64,
         sla_met,
         tenants_p99,
@@ -712,8 +744,16 @@ fn run() -> Result<(), String> {
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
             ("vNPU-WC", scale / sat_wc, wc),
-            ("PREMA-ckpt", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, args.margin)),
-            ("PREMA-drain", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY)),
+            (
+                "PREMA-ckpt",
+                scale / sat_prema,
+                simulate_prema(&board, &ws, &arrivals, switch, args.margin, args.prema_kill),
+            ),
+            (
+                "PREMA-drain",
+                scale / sat_prema,
+                simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY, false),
+            ),
             ("Planaria", scale / sat_planaria, fission),
         ]
         .iter()
@@ -733,7 +773,8 @@ fn run() -> Result<(), String> {
                 r.stp,
                 100.0 * r.sla_rate,
                 r.switches,
-                if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
+                if r.kills > 0 { format!("  ({} killed)", r.kills) } else { String::new() }
+                    + &if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
         for wc in [&rows[1], &rows[4]] {
@@ -831,7 +872,7 @@ fn run() -> Result<(), String> {
         let sys = |r: &Row| {
             serde_json::json!({"system": r.system, "load": r.load, "throughput_rps": r.throughput,
                 "eu_utilization": r.util, "avg_latency_s": r.avg, "p99_latency_s": r.p99,
-                "fairness": r.fairness, "antt": r.antt, "stp": r.stp, "context_switches": r.switches, "sla_satisfaction": r.sla_rate,
+                "fairness": r.fairness, "antt": r.antt, "stp": r.stp, "context_switches": r.switches, "kills": r.kills, "sla_satisfaction": r.sla_rate,
                 "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed,
                 "tasks": r.tasks, "reclaim_waits": r.reclaim_waits, "reclaim_max_s": r.reclaim_max,
                 "borrowed_eu_share": r.borrowed})
@@ -839,7 +880,7 @@ fn run() -> Result<(), String> {
         let v = serde_json::json!({
             "seconds": args.seconds, "seed": args.seed,
             "qos_factor": if args.sla_ms.is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
-            "sla_ms": args.sla_ms, "preempt_margin": args.margin,
+            "sla_ms": args.sla_ms, "preempt_margin": args.margin, "prema_kill": args.prema_kill,
             "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
                 "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz},
@@ -914,7 +955,7 @@ mod tests {
         let pass = ws[1].t44;
         // No preemption between equals: two long requests at 0 run one
         // after the other on the whole core.
-        let o = simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], 10.0 * pass, 0.0);
+        let o = simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], 10.0 * pass, 0.0, false);
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
         assert_eq!(o.switches, 0);
@@ -932,7 +973,7 @@ mod tests {
         // end of its current pass, is checkpointed (5 passes), the short
         // one runs (1 pass), the long one is restored (5 passes) and ends.
         let switch = 10.0 * pass;
-        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0);
+        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0, false);
         assert_eq!(o.switches, 1);
         // Tokens overtake a moment after the arrival; the long one drains
         // the pass it is in (until 101 passes).
@@ -940,6 +981,20 @@ mod tests {
         assert!(close(short, (101.0 + 5.0 + 1.0 - 100.5) * pass), "short: {short} vs pass {pass}");
         assert!(close(o.latencies[0][0], (400.0 + 11.0) * pass), "long: {}", o.latencies[0][0]);
         assert!(close(o.eu_cycles, 401.0 * pass), "{} vs {}", o.eu_cycles, 401.0 * pass);
+        // With KILL the same stream checkpoints as before (the long one
+        // had run 101 passes, more than a switch), but a short request
+        // arriving 3.5 passes in kills it: it drains its pass (until 4),
+        // the short one runs (1 pass), the long one starts again from
+        // scratch (400 passes; no checkpoint, no restore); the 4 passes it
+        // lost still count as busy engine time.
+        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0, true);
+        assert_eq!((o.switches, o.kills), (1, 0));
+        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![3.5 * pass]], switch, 0.0, true);
+        assert_eq!((o.switches, o.kills), (0, 1));
+        let short = o.latencies[1][0];
+        assert!(close(short, (4.0 + 1.0 - 3.5) * pass), "short: {short} vs pass {pass}");
+        assert!(close(o.latencies[0][0], (4.0 + 1.0 + 400.0) * pass), "long: {}", o.latencies[0][0]);
+        assert!(close(o.eu_cycles, 405.0 * pass), "{} vs {}", o.eu_cycles, 405.0 * pass);
     }
 
     #[test]
