@@ -20,10 +20,10 @@ scheduler.ini sets them), scaled by the level:
 
 Levels: x1 (the MLPerf bounds), x0.5 and x0.25 (tighter).
 
-PREMA-ckpt runs with PREMA's KILL option (`sharing-eval --prema-kill`: a
+PREMA-ckpt runs with PREMA's KILL option (sharing-eval's default: a
 request preempted before it has run for one context switch is dropped and
 started again instead of checkpointed), the stronger baseline;
-`--no-prema-kill` runs it without.
+`--no-prema-kill` runs it without (passed on to sharing-eval).
 
 Per run (`--seconds`, default 0.5 s of Poisson arrivals, rates 0.1..1.0 of
 each system's saturation): throughput at the SLA (highest offered rate with
@@ -83,8 +83,8 @@ for n in names:
                "--sla-ms", ",".join(f"{ms * scale:g}" for _, ms in tenants),
                "--mix", "equal", "--seconds", a.seconds, "--seed", a.seed,
                "--json", js, "--svg", os.path.join(a.out, f"{tag}.svg")]
-        if not a.no_prema_kill:
-            cmd.append("--prema-kill")
+        if a.no_prema_kill:
+            cmd.append("--no-prema-kill")
         print(f"planaria_scenarios: {tag}: {' '.join(cmd)}", file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         j = json.load(open(js))

@@ -149,7 +149,6 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
     let path = std::env::temp_dir().join(format!("sharing-eval-tenants-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
         .args(["--tenants", "ncf:8,dlrm:8", "--sla-ms", "0.5,0.001", "--seconds", "0.02", "--load", "0.3"])
-        .arg("--prema-kill")
         .args(["--json", path.to_str().unwrap()])
         .output()
         .unwrap();

@@ -24,9 +24,9 @@
 //!   (`CoreSim::suspend`), its transfers in flight drain, its SRAM state is
 //!   checkpointed (half a context switch) and later restored (the other
 //!   half) before it goes on where it stopped; unless it would end within
-//!   one switch anyway (then it drains); with `--prema-kill`, a request
-//!   preempted before it has run for one switch is killed instead (PREMA's
-//!   KILL: started again from scratch later). **PREMA-drain** never
+//!   one switch anyway (then it drains); a request preempted before it has
+//!   run for one switch is killed instead (PREMA's KILL: started again
+//!   from scratch later; `--no-prema-kill` checkpoints it too). **PREMA-drain** never
 //!   preempts.
 //!   Ratios are against the better of the two on each metric;
 //! - **Planaria** (Planaria-like dynamic fission on this model, for
@@ -42,7 +42,7 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
 
 mod lending;
 
@@ -55,7 +55,7 @@ use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
 
   --load     offered loads as fractions of each system's own saturation
              rate; each system runs at every rate of both lists (default
@@ -76,11 +76,12 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              PREMA-ckpt: a waiter preempts once its tokens exceed the running
              request's by M context switches (normalized to the waiter);
              0 (default) is PREMA's plain token rule
-  --prema-kill
-             PREMA-ckpt also kills, as PREMA's dynamic selection does: a
-             running request preempted before it has run for one context
-             switch is dropped and started again from scratch later (no
-             checkpoint, no restore) instead of checkpointed
+  --no-prema-kill
+             PREMA-ckpt without PREMA's KILL: by default it chooses among
+             all three of PREMA's mechanisms, and a running request
+             preempted before it has run for one context switch is dropped
+             and started again from scratch later (no checkpoint, no
+             restore); with this flag it is checkpointed like the others
   --mix      relative arrival rates of the tenants: `balanced` (default:
              inversely proportional to each one's time on its 1 SA + 1 VU
              vNPU, so every vNPU is equally loaded) or `equal` (the same
@@ -126,7 +127,7 @@ struct Outcome {
     /// Active SA + VU cycles of every request, summed over engines.
     eu_cycles: f64,
     switches: u64,
-    /// PREMA with `--prema-kill`: requests killed (preempted without a
+    /// PREMA-ckpt: requests killed (preempted without a
     /// checkpoint, started again from scratch later).
     kills: u64,
     /// Requests whose program failed (none expected; counted, not hidden).
@@ -434,7 +435,7 @@ fn parse_args() -> Result<Args, String> {
         seed: 1,
         qos: 10.0,
         margin: 0.0,
-        prema_kill: false,
+        prema_kill: true,
         equal_mix: false,
         task_us: 25.0,
         tolerance: 0.05,
@@ -465,7 +466,7 @@ fn parse_args() -> Result<Args, String> {
                 a.sla_ms = Some(ms);
             }
             "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
-            "--prema-kill" => a.prema_kill = true,
+            "--no-prema-kill" => a.prema_kill = false,
             "--mix" => {
                 a.equal_mix = match it.next().as_deref() {
                     Some("balanced") => false,
