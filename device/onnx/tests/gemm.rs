@@ -216,6 +216,21 @@ fn oversized_tensors_are_refused_not_allocated() {
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
 }
 
+/// A batched product of two computed tensors whose leading axes broadcast
+/// to more than the limit ([2^14, 1] against [1, 2^15] matrices) is
+/// refused before its per-matrix offsets are built.
+#[test]
+fn a_broadcast_batched_product_past_the_limit_is_refused() {
+    let mut g = GraphProto::new();
+    g.name = "huge-product".into();
+    g.input = vec![value("X", &[0, 1 << 14, 1, 2, 2]), value("Z", &[0, 1, 1 << 15, 2, 2])];
+    g.output = vec![value("Y", &[0, 1 << 14, 1 << 15, 2, 2])];
+    g.node = vec![node("MatMul", "mm", &["X", "Z"], &["Y"], vec![])];
+    let (_, opts) = options(1, DType::F32);
+    let e = compile(&model(g).write_to_bytes().unwrap(), &opts).unwrap_err().to_string();
+    assert!(e.contains("node `mm` (MatMul)") && e.contains("2^28"), "{e}");
+}
+
 /// `Pad` in reflect mode past the axis's length, and an unknown mode, are
 /// refused by node name with the reason (never mis-compiled).
 #[test]

@@ -238,6 +238,9 @@ impl Compiler<'_> {
         if k != kb {
             return Err(format!("inner dimensions differ: {:?} x {:?}", a.shape, b.shape));
         }
+        // Broadcasting multiplies the leading axes of the two operands: the
+        // result is refused before its per-matrix offsets are built.
+        super::check_size(&[batch.as_slice(), &[m, nn]].concat())?;
         let mut sa = Self::strides_of(&a);
         if k > 1 && sa[ra - 1] != 1 {
             a = self.onnx_order(&n.name, &a)?;
