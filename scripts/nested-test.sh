@@ -31,15 +31,24 @@ boot() {
     # QEMU reads its serial input from a FIFO the harness also holds open, so
     # the harness can type on the L2 console when L2 asks (console input
     # through L1 and our VMM) and QEMU never sees end of input.
-    local fifo st
+    local fifo st mon dumper limit
     fifo="$(mktemp -u)"
     mkfifo "$fifo"
     exec 3<>"$fifo"
     rm -f "$fifo"
+    # QEMU's monitor on a socket: 15 s before the timeout, a run that has
+    # not powered off is asked where its vCPUs are (into $log.monitor).
+    mon="$(mktemp -u).mon"
+    limit=${NESTED_TIMEOUT:-300}
+    : > "$log.monitor"
+    (sleep $((limit > 30 ? limit - 15 : limit / 2)) && [ -S "$mon" ] \
+        && python3 scripts/qemu-monitor-dump.py "$mon" >> "$log.monitor" 2>&1) >/dev/null 2>&1 &
+    dumper=$!
     set +e
-    timeout "${NESTED_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
+    timeout "$limit" qemu-system-x86_64 -accel tcg -cpu EPYC -m 3G -smp 2 \
         -kernel "$img/vmlinuz" -initrd "$img/l1-initrd.gz" \
-        -append "console=ttyS0 quiet panic=-1" -nodefaults -display none -monitor none -serial stdio -no-reboot \
+        -append "console=ttyS0 quiet panic=-1" -nodefaults -display none \
+        -monitor "unix:$mon,server,nowait" -serial stdio -no-reboot \
         <&3 2>&1 | while IFS= read -r line; do
             # L2's console lines cross two serial ports: drop every CR.
             line="${line//$'\r'/}"
@@ -51,7 +60,12 @@ boot() {
             case "$line" in *"L2: console input?"*) echo "typed-into-l2" >&3 ;; esac
         done
     st=${PIPESTATUS[0]}
+    # The dumper and its sleep, so that nothing outlives the run.
+    pkill -P "$dumper" 2>/dev/null
+    kill "$dumper" 2>/dev/null
+    wait "$dumper" 2>/dev/null
     set -e
+    rm -f "$mon"
     exec 3>&-
     return "$st"
 }
@@ -65,6 +79,9 @@ if [ "$st" = 124 ]; then
     echo "nested-test: HUNG: no power-off within ${NESTED_TIMEOUT:-300} s; the last 60 lines of its log ($log.hung):" >&2
     tail -n 60 "$log" >&2
     cp "$log" "$log.hung"
+    echo "nested-test: what QEMU's monitor said of its vCPUs before the timeout ($log.monitor.hung):" >&2
+    grep -E '^==|CPU|RIP=|status|qemu-monitor-dump' "$log.monitor" | head -n 40 >&2 || true
+    cp "$log.monitor" "$log.monitor.hung"
     echo "nested-test: booting once more" >&2
     boot || true
 fi
