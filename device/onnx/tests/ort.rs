@@ -90,10 +90,23 @@ fn compile_and_run_as(
     outputs: Option<&str>,
     dtype: DType,
 ) -> (Compiled, Vec<f32>) {
+    compile_and_run_inputs(model, &[x], sa, vu, outputs, dtype)
+}
+
+/// [`compile_and_run_as`] for a model of several inputs, `xs` in its input
+/// order; the batch is the first's leading dimension.
+fn compile_and_run_inputs(
+    model: &Path,
+    xs: &[&npy::Array],
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+    dtype: DType,
+) -> (Compiled, Vec<f32>) {
     let board = BoardConfig::default();
     let opts = CompileOptions {
         shape: shape(&board, sa, vu),
-        batch: x.shape[0] as u32,
+        batch: xs[0].shape[0] as u32,
         shapes: HashMap::new(),
         outputs: outputs.map(|o| vec![o.to_string()]),
         dtype,
@@ -101,7 +114,8 @@ fn compile_and_run_as(
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
     let mut r = HostRunner::new(&board, &c.model).unwrap();
-    let (mut outs, _) = r.infer(&[&x.data]).unwrap();
+    let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+    let (mut outs, _) = r.infer(&data).unwrap();
     (c, outs.swap_remove(0))
 }
 
@@ -166,21 +180,10 @@ fn check_ops_inputs(name: &str, inputs: &[&str], sa: u32, vu: u32) {
     let model = fixture(&format!("ops/{name}.onnx"));
     let paths: Vec<PathBuf> = inputs.iter().map(|i| fixture(&format!("ops/{name}-{i}.npy"))).collect();
     let xs: Vec<npy::Array> = paths.iter().map(|p| npy::read_file(p).unwrap()).collect();
-    let board = BoardConfig::default();
-    let opts = CompileOptions {
-        shape: shape(&board, sa, vu),
-        batch: xs[0].shape[0] as u32,
-        shapes: HashMap::new(),
-        outputs: None,
-        dtype: DType::F32,
-    };
-    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let refs: Vec<&npy::Array> = xs.iter().collect();
+    let (c, got) = compile_and_run_inputs(&model, &refs, sa, vu, None, DType::F32);
     let names: Vec<&str> = c.model.inputs.iter().map(|i| i.name.as_str()).collect();
     assert_eq!(names, inputs, "{name}: the compiled model's inputs");
-    let mut r = HostRunner::new(&board, &c.model).unwrap();
-    let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
-    let (mut outs, _) = r.infer(&data).unwrap();
-    let got = outs.swap_remove(0);
     let out = c.model.outputs[0].clone();
     let feeds: Vec<(&str, &Path)> = inputs.iter().copied().zip(paths.iter().map(PathBuf::as_path)).collect();
     let want = ort(&model, &feeds, &out.name);

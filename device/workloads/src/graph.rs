@@ -778,7 +778,6 @@ fn googlenet(batch: u32) -> Graph {
         let p = format!("inception{m}");
         let out = c1 + c3 + c5 + pp;
         let pixels = batch * h * w;
-        let cat = g.act(format!("{p}.concat").as_str(), u64::from(pixels) * u64::from(out));
         let b1 = g.conv(&format!("{p}.1x1"), x, h, w, c, c1, 1, 1, Act::Relu).0;
         let t3 = g.conv(&format!("{p}.3x3.reduce"), x, h, w, c, r3, 1, 1, Act::Relu).0;
         let b3 = g.conv(&format!("{p}.3x3"), t3, h, w, r3, c3, 3, 1, Act::Relu).0;
@@ -786,17 +785,7 @@ fn googlenet(batch: u32) -> Graph {
         let b5 = g.conv(&format!("{p}.5x5"), t5, h, w, r5, c5, 5, 1, Act::Relu).0;
         let tp = max_pool(&mut g, &format!("{p}.pool"), x, c, Spatial::square(h, w, 3, 1, 1)).0;
         let bp = g.conv(&format!("{p}.pool.proj"), tp, h, w, c, pp, 1, 1, Act::Relu).0;
-        let mut col = 0;
-        for (branch, cb) in [(b1, c1), (b3, c3), (b5, c5), (bp, pp)] {
-            g.ops.push(Op::Copy {
-                name: format!("{p}.concat.{col}"),
-                x: View::dense(branch, cb),
-                y: View { t: cat, ld: out, col },
-                rows: pixels,
-                cols: cb,
-            });
-            col += cb;
-        }
+        let cat = concat(&mut g, &format!("{p}.concat"), &[(b1, c1), (b3, c3), (b5, c5), (bp, pp)], pixels);
         (x, c) = (cat, out);
     }
     let p = g.global_pool(x, h * w, c);
@@ -1129,19 +1118,22 @@ fn upsample2x(g: &mut Graph, name: &str, x: TensorId, h: u32, w: u32, c: u32) ->
     y
 }
 
-/// The channels of two `pixels`-pixel tensors side by side (`a` first),
-/// by one DMA copy each into column views of the result.
-fn concat(g: &mut Graph, name: &str, a: (TensorId, u32), b: (TensorId, u32), pixels: u32) -> TensorId {
-    let out = a.1 + b.1;
+/// The channels of `pixels`-pixel tensors `(tensor, channels)` side by
+/// side, in order, by one DMA copy each into column views of the result
+/// (copy `NAME.COL`, named by its first column).
+fn concat(g: &mut Graph, name: &str, parts: &[(TensorId, u32)], pixels: u32) -> TensorId {
+    let out: u32 = parts.iter().map(|p| p.1).sum();
     let y = g.act(name, u64::from(pixels) * u64::from(out));
-    for (i, (t, c, col)) in [(a.0, a.1, 0), (b.0, b.1, a.1)].into_iter().enumerate() {
+    let mut col = 0;
+    for &(t, c) in parts {
         g.ops.push(Op::Copy {
-            name: format!("{name}.{i}"),
+            name: format!("{name}.{col}"),
             x: View::dense(t, c),
             y: View { t: y, ld: out, col },
             rows: pixels,
             cols: c,
         });
+        col += c;
     }
     y
 }
@@ -1182,7 +1174,7 @@ pub fn yolov3(batch: u32, side: u32) -> Graph {
         let p = format!("head{scale}");
         let (mut t, mut tc) = (route, rc);
         if let Some((u, uc)) = up {
-            t = concat(&mut g, &format!("{p}.concat"), (u, uc), (route, rc), batch * side * side);
+            t = concat(&mut g, &format!("{p}.concat"), &[(u, uc), (route, rc)], batch * side * side);
             tc = uc + rc;
         }
         for i in 0..5 {

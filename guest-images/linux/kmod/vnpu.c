@@ -307,6 +307,17 @@ static struct pci_driver vnpu_driver = {
 	.remove = vnpu_remove,
 };
 
+/* Gives back what vnpu_reserve took (nothing if it took nothing). */
+static void vnpu_unreserve(void)
+{
+	if (reserved_pool)
+		gen_pool_destroy(reserved_pool);
+	reserved_pool = NULL;
+	if (reserved_virt)
+		memunmap(reserved_virt);
+	reserved_virt = NULL;
+}
+
 /* Maps reserve=SIZE@BASE and makes a page-granular allocator of it. */
 static int vnpu_reserve(void)
 {
@@ -335,10 +346,7 @@ static int vnpu_reserve(void)
 		return -ENOMEM;
 	reserved_pool = gen_pool_create(PAGE_SHIFT, -1);
 	if (!reserved_pool || gen_pool_add_virt(reserved_pool, (unsigned long)reserved_virt, base, size, -1)) {
-		if (reserved_pool)
-			gen_pool_destroy(reserved_pool);
-		reserved_pool = NULL;
-		memunmap(reserved_virt);
+		vnpu_unreserve();
 		return -ENOMEM;
 	}
 	pr_info("vnpu: %llu KiB of reserved memory at %#llx for DMA buffers\n", size >> 10, base);
@@ -352,20 +360,15 @@ static int __init vnpu_init(void)
 	if (ret)
 		return ret;
 	ret = pci_register_driver(&vnpu_driver);
-	if (ret && reserved_pool) {
-		gen_pool_destroy(reserved_pool);
-		memunmap(reserved_virt);
-	}
+	if (ret)
+		vnpu_unreserve();
 	return ret;
 }
 
 static void __exit vnpu_exit(void)
 {
 	pci_unregister_driver(&vnpu_driver);
-	if (reserved_pool) {
-		gen_pool_destroy(reserved_pool);
-		memunmap(reserved_virt);
-	}
+	vnpu_unreserve();
 }
 module_init(vnpu_init);
 module_exit(vnpu_exit);

@@ -456,14 +456,8 @@ fn parse_args() -> Result<Args, String> {
             "--tenants" => a.tenants = tenants(it.next())?,
             "--sla-ms" => {
                 let v = it.next().ok_or("--sla-ms needs a list of milliseconds")?;
-                let ms = v
-                    .split(',')
-                    .map(|x| match x.trim().parse::<f64>() {
-                        Ok(m) if m.is_finite() && m > 0.0 => Ok(m),
-                        _ => Err(format!("--sla-ms: `{x}` is not a positive number of milliseconds")),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                a.sla_ms = Some(ms);
+                let ms = v.split(',').map(|x| positive("--sla-ms", Some(x.trim().to_string())));
+                a.sla_ms = Some(ms.collect::<Result<Vec<_>, _>>()?);
             }
             "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
             "--no-prema-kill" => a.prema_kill = false,
