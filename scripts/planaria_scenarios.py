@@ -7,8 +7,12 @@ PREMA-like system.
 Scenarios (ours, built from the DNNs Planaria's simulator ships with; the
 paper's exact A/B/C lists are not available here). Each task picks a DNN
 uniformly at random, as Planaria's workload generator does, so the tenants
-have equal request rates (`--mix equal`); priorities are all equal (the
-generator draws 1..12 per task; not modelled). Bounds are MLPerf's server
+have equal request rates (`--mix equal`). Priorities: all equal by
+default; `--priorities drawn` gives each tenant one priority drawn
+uniformly from 1..12 (Planaria's generator draws one per task from that
+range; here per tenant, seeded by `--seed`, so PREMA's fairness, which
+weighs each tenant's progress by its priority, stays defined per tenant).
+Bounds are MLPerf's server
 latency constraints in ms (GoogLeNet and YOLOv3 as Planaria's shipped
 scheduler.ini sets them), scaled by the level:
 
@@ -29,14 +33,16 @@ Per run (`--seconds`, default 0.5 s of Poisson arrivals, rates 0.1..1.0 of
 each system's saturation): throughput at the SLA (highest offered rate with
 every tenant's p99 within its bound) and, at the offered rate that is 0.9 of
 PREMA-like's saturation (PREMA not saturated), busy-EU utilization, p99,
-SLA satisfaction and PREMA's fairness of each system.
+SLA satisfaction and PREMA's fairness of each system; FIFO (PREMA's
+NP-FCFS baseline) is listed beside ours for scale.
 
   cargo build --release -p npu-bench
-  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--no-prema-kill]
+  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--no-prema-kill] [--priorities equal|drawn]
 """
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -46,7 +52,7 @@ SCENARIOS = {
     "translate": [("resnet50", 15), ("yolov3", 100), ("gnmt", 250), ("ssd-mobilenet", 10)],
 }
 LEVELS = [("x1", 1.0), ("x0.5", 0.5), ("x0.25", 0.25)]
-OURS = ["vNPU", "vNPU-WC", "Planaria"]
+OURS = ["vNPU", "vNPU-WC", "Planaria", "FIFO"]
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", default="0.5")
@@ -55,6 +61,8 @@ p.add_argument("--bin", default="target/release/sharing-eval")
 p.add_argument("--out", default="target/planaria-scenarios", help="directory for each run's JSON and SVG")
 p.add_argument("--only", help="comma-separated scenario names")
 p.add_argument("--no-prema-kill", action="store_true", help="PREMA-ckpt without PREMA's KILL option")
+p.add_argument("--priorities", choices=["equal", "drawn"], default="equal",
+               help="all tenants at priority 1, or one priority per tenant drawn from 1..12")
 a = p.parse_args()
 os.makedirs(a.out, exist_ok=True)
 names = a.only.split(",") if a.only else list(SCENARIOS)
@@ -85,6 +93,12 @@ for n in names:
                "--json", js, "--svg", os.path.join(a.out, f"{tag}.svg")]
         if a.no_prema_kill:
             cmd.append("--no-prema-kill")
+        label = n
+        if a.priorities == "drawn":
+            rng = random.Random(f"{a.seed}-{n}")
+            prios = ",".join(str(rng.randint(1, 12)) for _ in tenants)
+            cmd += ["--priority", prios]
+            label = f"{n} (priorities {prios})"
         print(f"planaria_scenarios: {tag}: {' '.join(cmd)}", file=sys.stderr)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         j = json.load(open(js))
@@ -100,7 +114,7 @@ for n in names:
         prema_fair = max(pk["fairness"], pd["fairness"])
         for sys_name in OURS:
             x = s[sys_name]
-            print(f"| {n} | {level} | {sys_name} | {ratio(at_sla[sys_name], prema_sla):.2f}x "
+            print(f"| {label} | {level} | {sys_name} | {ratio(at_sla[sys_name], prema_sla):.2f}x "
                   f"| {ratio(x['eu_utilization'], best_util):.2f}x | {ratio(best_p99, x['p99_latency_s']):.2f}x "
                   f"| {100 * x['sla_satisfaction']:.1f}% ({100 * prema_sat:.1f}%) "
                   f"| {x['fairness']:.3f} ({prema_fair:.3f}) |", flush=True)

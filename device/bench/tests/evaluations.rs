@@ -24,7 +24,9 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
     let drawing = std::fs::read_to_string(&svg).unwrap();
     std::fs::remove_file(&svg).unwrap();
     assert!(drawing.starts_with("<svg"), "{}", &drawing[..drawing.len().min(100)]);
-    for name in ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "throughput", "p99 latency"] {
+    for name in
+        ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "throughput", "p99 latency"]
+    {
         assert!(drawing.contains(name), "the plot has no `{name}`");
     }
     assert_eq!(v["tenants"].as_array().unwrap().len(), 4);
@@ -43,7 +45,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
         let offered = r["offered_rps"].as_f64().unwrap();
         let systems = r["systems"].as_array().unwrap();
         let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
-        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria"]);
+        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO"]);
         for s in systems {
             let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
@@ -78,7 +80,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                     "{name} at load {load}: {t} req/s of {offered}"
                 );
             }
-            if name == "PREMA-drain" {
+            if name == "PREMA-drain" || name == "FIFO" {
                 // Never faster than one request after another on the
                 // whole core: the stream's requests over the sum of their
                 // isolated whole-core times (the arrivals' own mix, which
@@ -94,10 +96,10 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 assert!(t <= most * (1.0 + 1e-9), "{name}: {t} req/s above one after another ({most})");
             }
         }
-        // vNPU, vNPU-WC, PREMA-drain and Planaria never preempt; only
-        // vNPU-WC and Planaria run tasks beyond 1+1 (the static vNPUs run
-        // whole programs).
-        for i in [0, 1, 3, 4] {
+        // vNPU, vNPU-WC, PREMA-drain, Planaria and FIFO never preempt;
+        // only vNPU-WC and Planaria run tasks beyond 1+1 (the static vNPUs
+        // run whole programs).
+        for i in [0, 1, 3, 4, 5] {
             assert_eq!(systems[i]["context_switches"], 0, "{}", names[i]);
         }
         assert_eq!(systems[0]["tasks"], 0);
@@ -113,7 +115,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
             assert!((ratio - t(i) / t(2).max(t(3))).abs() < 1e-9, "{name}: {ratio}");
         }
     }
-    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 5);
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 6);
 }
 
 #[test]
@@ -132,6 +134,10 @@ fn sharing_eval_refuses_bad_arguments() {
         &["--tenants", "ncf,ncf,ncf,ncf,ncf"],
         &["--sla-ms", "1,2"],
         &["--sla-ms", "1,-2,3,4"],
+        &["--priority", "1,2"],
+        &["--priority", "1,2,13,4"],
+        &["--priority", "0,1,1,1"],
+        &["--priority"],
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval")).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -149,7 +155,7 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
     let path = std::env::temp_dir().join(format!("sharing-eval-tenants-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_sharing-eval"))
         .args(["--tenants", "ncf:8,dlrm:8", "--sla-ms", "0.5,0.001", "--seconds", "0.02", "--load", "0.3"])
-        .args(["--json", path.to_str().unwrap()])
+        .args(["--priority", "3,1", "--json", path.to_str().unwrap()])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -158,6 +164,7 @@ fn sharing_eval_takes_tenants_and_their_latency_bounds() {
     let tenants = v["tenants"].as_array().unwrap();
     let names: Vec<&str> = tenants.iter().map(|t| t["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["ncf b8", "dlrm b8"]);
+    assert_eq!((tenants[0]["priority"].as_u64(), tenants[1]["priority"].as_u64()), (Some(3), Some(1)));
     let sla = |i: usize| tenants[i]["sla_latency_s"].as_f64().unwrap();
     assert!((sla(0) - 0.5e-3).abs() < 1e-12 && (sla(1) - 1e-6).abs() < 1e-15, "{} {}", sla(0), sla(1));
     assert!(tenants[1]["t_4sa_4vu_s"].as_f64().unwrap() > 1e-6);

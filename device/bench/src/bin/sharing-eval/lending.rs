@@ -225,7 +225,7 @@ pub fn simulate_lending(
             .zip(&to_deadline)
             .map(|(&i, d)| AtBoundary {
                 guaranteed: GUARANTEED,
-                priority: 0,
+                priority: ws[i].priority,
                 slack: d - tasks[i].cycles(ts[i].op..tasks[i].ops(), GUARANTEED),
             })
             .collect();
@@ -353,7 +353,7 @@ mod tests {
 
     fn workload() -> Workload {
         let p = ProgramBuilder::new().finish();
-        Workload { name: "mlp".into(), p11: p.clone(), p44: p, t11: 1.0, t44: 1e12, sla: 1e13 }
+        Workload { name: "mlp".into(), p11: p.clone(), p44: p, t11: 1.0, t44: 1e12, sla: 1e13, priority: 1 }
     }
 
     /// Operation `op` of `g` alone on `sa` + `vu`, lowered and run here
@@ -399,6 +399,26 @@ mod tests {
         // Faster than its own 1+1 vNPU, operation by operation.
         let one: f64 = (0..3).map(|op| alone(&board, &g, op, GUARANTEED)).sum();
         assert!(got < one, "{got} vs {one} on 1+1");
+    }
+
+    #[test]
+    fn a_higher_priority_borrows_the_idle_engines_first() {
+        let board = BoardConfig::default();
+        let g = mlp();
+        let mut tasks: Vec<Tasks> = (0..3).map(|_| Tasks::new(&board, g.clone()).unwrap()).collect();
+        let mut ws = [workload(), workload(), workload()];
+        // Three equal requests at 0, the same slack: each gets its 1 SA,
+        // the one first in order also the fourth, idle SA (a product of 4
+        // SA-wide tiles runs faster on 2 SAs), and finishes first.
+        let all = [vec![0.0], vec![0.0], vec![0.0]];
+        let o = simulate_lending(&board, &ws, &mut tasks, &all, ONE_OP).unwrap();
+        let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
+        assert!(l[0] < l[1] && l[0] < l[2], "{l:?}");
+        // The last at priority 12 is served first at every boundary.
+        ws[2].priority = 12;
+        let o = simulate_lending(&board, &ws, &mut tasks, &all, ONE_OP).unwrap();
+        let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
+        assert!(l[2] < l[0] && l[2] < l[1], "{l:?}");
     }
 
     #[test]

@@ -14,10 +14,11 @@
 //!   (least slack first, along its per-operation profile); lent engines
 //!   come back at the borrower's next boundary (`lending.rs`);
 //! - **PREMA-like**, two variants: the whole core (4 SA + 4 VU, 32 MiB SRAM)
-//!   serves one request at a time; tokens = waiting time / isolated
-//!   whole-core time (PREMA's slowdown-normalized priority, equal
-//!   priorities); when the core is free the request with the most tokens
-//!   runs. **PREMA-ckpt** also preempts: at each arrival and at the moment
+//!   serves one request at a time; tokens = the tenant's priority x
+//!   waiting time / isolated whole-core time (PREMA's slowdown-normalized
+//!   priority; `--priority`, all 1 by default); when the core is free the
+//!   request with the most tokens runs (PREMA's candidate threshold and
+//!   shortest-job pick among the candidates are not modelled). **PREMA-ckpt** also preempts: at each arrival and at the moment
 //!   a waiter's tokens overtake the running request's (plus
 //!   `--preempt-margin` context switches, normalized to the waiter), the
 //!   waiter takes over: the running request stops issuing
@@ -32,7 +33,14 @@
 //! - **Planaria** (Planaria-like dynamic fission on this model, for
 //!   comparison): the operator-level tasks of vNPU-WC without guarantees;
 //!   the most urgent tenant takes the least shape that meets its deadline
-//!   (`lending.rs`).
+//!   (`lending.rs`);
+//! - **FIFO** (PREMA's NP-FCFS baseline): the whole core, one request at
+//!   a time in arrival order, no preemption, priorities ignored.
+//!
+//! vNPU-WC and Planaria serve a higher `--priority` first at a task
+//! boundary, then the least slack; the static vNPUs ignore priorities.
+//! PREMA's fairness weighs each tenant's normalized progress by its share
+//! of the priorities.
 //!
 //! Load is stated against each system's own saturation: the per-tenant
 //! arrival rates at which it is busy all the time (vNPU: every tenant
@@ -42,7 +50,7 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
 
 mod lending;
 
@@ -55,7 +63,7 @@ use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
 
   --load     offered loads as fractions of each system's own saturation
              rate; each system runs at every rate of both lists (default
@@ -72,6 +80,12 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              order of --tenants (MLPerf's server bounds, as Planaria sets
              them: ResNet-50 and GoogLeNet 15, MobileNet and SSD-MobileNet
              10, YOLOv3 and SSD-ResNet34 100, GNMT 250)
+  --priority each tenant's priority, 1 to 12 (Planaria's range; higher is
+             more important), in the order of --tenants (default: all 1).
+             PREMA's tokens grow with it; vNPU-WC and Planaria serve a
+             higher priority first at a task boundary; FIFO and the static
+             vNPUs ignore it; PREMA's fairness weighs each tenant's
+             progress by its share of the priorities
   --preempt-margin M
              PREMA-ckpt: a waiter preempts once its tokens exceed the running
              request's by M context switches (normalized to the waiter);
@@ -98,7 +112,7 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              the offered rate into an SVG file at PATH";
 
 /// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
-/// Planaria-like; ratios are against the better of the PREMA rows.
+/// Planaria-like, FIFO; ratios are against the better of the PREMA rows.
 const PREMA: std::ops::Range<usize> = 2..4;
 
 /// The default tenants: workload and batch.
@@ -116,6 +130,10 @@ struct Workload {
     /// Latency bound of one request (cycles): `--qos` times `t44`, or the
     /// tenant's `--sla-ms`.
     sla: f64,
+    /// The tenant's priority (`--priority`, 1 to 12; higher is more
+    /// important): PREMA's token rate, the lending order of vNPU-WC and
+    /// Planaria, and the weight of its share in PREMA's fairness.
+    priority: u8,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -240,16 +258,35 @@ fn admit<'p>(
     }
 }
 
-/// The PREMA-like system: one request at a time on the whole core,
-/// token-based preemption with checkpointing (see the module doc).
-fn simulate_prema(
-    board: &BoardConfig,
-    ws: &[Workload],
-    arrivals: &[Vec<f64>],
+/// How the whole-core system picks and preempts.
+#[derive(Clone, Copy, Debug)]
+struct WholeCore {
+    /// Cycles of one context switch (checkpoint plus restore).
     switch: f64,
+    /// Preemption margin in context switches; infinity: never preempt
+    /// (PREMA-drain).
     margin: f64,
+    /// PREMA's KILL for a request that has run less than one switch.
     kill: bool,
-) -> Outcome {
+    /// Plain first-come first-served (PREMA's NP-FCFS baseline): the oldest
+    /// request runs next, no tokens, no priorities, no preemption.
+    fifo: bool,
+}
+
+impl WholeCore {
+    const fn fifo(switch: f64) -> Self {
+        Self { switch, margin: f64::INFINITY, kill: false, fifo: true }
+    }
+    const fn prema(switch: f64, margin: f64, kill: bool) -> Self {
+        Self { switch, margin, kill, fifo: false }
+    }
+}
+
+/// The whole-core systems: one request at a time on the whole core,
+/// PREMA's token-based preemption with checkpointing, or FIFO (see the
+/// module doc).
+fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], how: WholeCore) -> Outcome {
+    let WholeCore { switch, margin, kill, fifo } = how;
     let n = ws.len();
     let mut o = Outcome::new(n);
     let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, 1);
@@ -259,11 +296,18 @@ fn simulate_prema(
     // most tokens, and a tenant's oldest request has the most).
     let mut queues: Vec<VecDeque<Waiting<'_>>> = (0..n).map(|_| VecDeque::new()).collect();
     let mut running: Option<Running> = None;
-    let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) / ws[tenant].t44;
+    // PREMA's tokens: priority times waiting time over the isolated
+    // whole-core time; they grow at `rate` per cycle of waiting.
+    let rate = |tenant: usize| f64::from(ws[tenant].priority) / ws[tenant].t44;
+    let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) * rate(tenant);
     let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
-        (0..n)
-            .filter_map(|i| queues[i].front().map(|w| (i, tokens(i, w.arrival, now))))
-            .max_by(|a, b| a.1.total_cmp(&b.1))
+        let fronts = (0..n).filter_map(|i| queues[i].front().map(|w| (i, w.arrival)));
+        if fifo {
+            // The oldest request (negated: the maximum is the earliest).
+            fronts.map(|(i, a)| (i, -a)).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+        } else {
+            fronts.map(|(i, a)| (i, tokens(i, a, now))).max_by(|a, b| a.1.total_cmp(&b.1))
+        }
     };
     loop {
         let now = sim.now();
@@ -288,13 +332,13 @@ fn simulate_prema(
         // overtake the running request's (only a shorter request's tokens
         // grow faster).
         let Running { tenant, arrival, id, executed, since } = run;
-        let tr = ws[tenant].t44;
+        let rr = rate(tenant);
         let mut decide = next_arrival;
         for (i, q) in queues.iter().enumerate() {
             let Some(w) = q.front() else { continue };
-            let tw = ws[i].t44;
-            if tw < tr {
-                let t = (w.arrival / tw - arrival / tr + margin * switch / tw) / (1.0 / tw - 1.0 / tr);
+            let rw = rate(i);
+            if !fifo && rw > rr {
+                let t = (w.arrival * rw - arrival * rr + margin * switch * rw) / (rw - rr);
                 // A little past the crossing, so the waiter is strictly
                 // ahead. A crossing already past was decided on (the
                 // running request drains): the next decision is an arrival
@@ -319,7 +363,7 @@ fn simulate_prema(
         admit(&mut queues, arrivals, &mut next, ws, now);
         let ran = executed + (now - since).max(0.0);
         let Some((k, tk)) = best(&queues, now) else { continue };
-        let ahead = tk > tokens(tenant, arrival, now) + margin * switch / ws[k].t44;
+        let ahead = !fifo && tk > tokens(tenant, arrival, now) + margin * switch * rate(k);
         if ahead && kill && ran < switch {
             // PREMA's KILL: it has run for less than a checkpoint and a
             // restore would cost; its work is dropped (the engine time it
@@ -335,7 +379,7 @@ fn simulate_prema(
             if let Some(w) = queues[k].pop_front() {
                 running = Some(start(&mut sim, w, k, switch, drain));
             }
-        } else if ahead && tr - ran > switch {
+        } else if ahead && ws[tenant].t44 - ran > switch {
             // Preempt: stop issuing, drain what is in flight, checkpoint.
             sim.suspend(id);
             let drain = sim.drain_cycles(id);
@@ -413,6 +457,7 @@ fn saturation_prema(ws: &[Workload], weights: &[f64]) -> f64 {
 struct Args {
     tenants: Vec<(String, u32)>,
     sla_ms: Option<Vec<f64>>,
+    priorities: Option<Vec<u8>>,
     loads: Vec<f64>,
     seconds: f64,
     seed: u64,
@@ -430,6 +475,7 @@ fn parse_args() -> Result<Args, String> {
     let mut a = Args {
         tenants: MIX.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
         sla_ms: None,
+        priorities: None,
         loads: (1..=10).map(|i| f64::from(i) / 10.0).collect(),
         seconds: 0.5,
         seed: 1,
@@ -459,6 +505,14 @@ fn parse_args() -> Result<Args, String> {
                 let ms = v.split(',').map(|x| positive("--sla-ms", Some(x.trim().to_string())));
                 a.sla_ms = Some(ms.collect::<Result<Vec<_>, _>>()?);
             }
+            "--priority" => {
+                let v = it.next().ok_or("--priority needs a list of priorities, 1 to 12")?;
+                let p = v.split(',').map(|x| match x.trim().parse::<u8>() {
+                    Ok(p) if (1..=12).contains(&p) => Ok(p),
+                    _ => Err(format!("--priority: `{}` is not a priority from 1 to 12", x.trim())),
+                });
+                a.priorities = Some(p.collect::<Result<Vec<_>, _>>()?);
+            }
             "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
             "--no-prema-kill" => a.prema_kill = false,
             "--mix" => {
@@ -479,6 +533,11 @@ fn parse_args() -> Result<Args, String> {
     if let Some(ms) = &a.sla_ms {
         if ms.len() != a.tenants.len() {
             return Err(format!("--sla-ms gives {} bounds for {} tenants", ms.len(), a.tenants.len()));
+        }
+    }
+    if let Some(p) = &a.priorities {
+        if p.len() != a.tenants.len() {
+            return Err(format!("--priority gives {} priorities for {} tenants", p.len(), a.tenants.len()));
         }
     }
     Ok(a)
@@ -574,16 +633,22 @@ fn summarize(system: &'static str, load: f64, o: &Outcome, ws: &[Workload], eus:
     let within: usize =
         o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= w.sla).count()).sum();
     let avg = all.iter().sum::<f64>() / all.len().max(1) as f64;
-    // PREMA's fairness: min over tenants of normalized progress (isolated
-    // time on the whole core / time in the shared system) over the max.
-    let np: Vec<f64> = o
+    // Normalized progress of each tenant that sent requests: isolated time
+    // on the whole core / average time in the shared system.
+    let served: Vec<(f64, f64)> = o
         .latencies
         .iter()
         .zip(ws)
         .filter(|(l, _)| !l.is_empty())
-        .map(|(l, w)| w.t44 / (l.iter().sum::<f64>() / l.len() as f64))
+        .map(|(l, w)| (w.t44 / (l.iter().sum::<f64>() / l.len() as f64), f64::from(w.priority)))
         .collect();
-    let fairness = np.iter().copied().fold(f64::INFINITY, f64::min) / np.iter().copied().fold(0.0, f64::max);
+    let np: Vec<f64> = served.iter().map(|x| x.0).collect();
+    // PREMA's fairness: each tenant's progress over its priority's share
+    // of all priorities (PP), the least PP over the greatest (1: every
+    // tenant progresses in proportion to its priority).
+    let total: f64 = served.iter().map(|x| x.1).sum();
+    let pp: Vec<f64> = served.iter().map(|(np, p)| np * total / p).collect();
+    let fairness = pp.iter().copied().fold(f64::INFINITY, f64::min) / pp.iter().copied().fold(0.0, f64::max);
     let antt = np.iter().map(|x| 1.0 / x).sum::<f64>() / np.len().max(1) as f64;
     let stp = np.iter().sum::<f64>();
     let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l) / hz).collect();
@@ -643,7 +708,8 @@ fn run() -> Result<(), String> {
             Some(ms) => ms[i] * 1e-3 * hz,
             None => args.qos * t44,
         };
-        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla });
+        let priority = args.priorities.as_ref().map_or(1, |p| p[i]);
+        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla, priority });
         tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
     let how = Lending {
@@ -677,18 +743,19 @@ fn run() -> Result<(), String> {
         }
     );
     println!(
-        "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7}",
-        "tenant", "1+1 us", "4+4 us", "4+4 gain", "SLA us", "share"
+        "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7} {:>8}",
+        "tenant", "1+1 us", "4+4 us", "4+4 gain", "SLA us", "share", "priority"
     );
     for (w, x) in ws.iter().zip(&weights) {
         println!(
-            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>10.1} {:>6.1}%",
+            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>10.1} {:>6.1}% {:>8}",
             w.name,
             w.t11 / hz * 1e6,
             w.t44 / hz * 1e6,
             w.t11 / w.t44,
             w.sla / hz * 1e6,
-            100.0 * x / wsum
+            100.0 * x / wsum,
+            w.priority
         );
     }
     println!(
@@ -742,14 +809,20 @@ fn run() -> Result<(), String> {
             (
                 "PREMA-ckpt",
                 scale / sat_prema,
-                simulate_prema(&board, &ws, &arrivals, switch, args.margin, args.prema_kill),
+                simulate_prema(
+                    &board,
+                    &ws,
+                    &arrivals,
+                    WholeCore::prema(switch, args.margin, args.prema_kill),
+                ),
             ),
             (
                 "PREMA-drain",
                 scale / sat_prema,
-                simulate_prema(&board, &ws, &arrivals, switch, f64::INFINITY, false),
+                simulate_prema(&board, &ws, &arrivals, WholeCore::prema(switch, f64::INFINITY, false)),
             ),
             ("Planaria", scale / sat_planaria, fission),
+            ("FIFO", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(switch))),
         ]
         .iter()
         .map(|(name, load, o)| summarize(name, *load, o, &ws, eus, hz))
@@ -882,7 +955,7 @@ fn run() -> Result<(), String> {
             "task_us": args.task_us, "lend_tolerance": args.tolerance,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
-                "rate_share": x / wsum})).collect::<Vec<_>>(),
+                "rate_share": x / wsum, "priority": w.priority})).collect::<Vec<_>>(),
             "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
                 "offered_rps": offered, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
                 "vs_best_baseline": rows.iter().filter(|r| !r.system.starts_with("PREMA")).map(|us| {
@@ -924,7 +997,7 @@ mod tests {
         let (p11, p44) = (vu_work(n11), vu_work(n44));
         let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
         let t44 = t(&p44);
-        Workload { name: name.into(), t11: t(&p11), t44, sla: 10.0 * t44, p11, p44 }
+        Workload { name: name.into(), t11: t(&p11), t44, sla: 10.0 * t44, p11, p44, priority: 1 }
     }
 
     #[test]
@@ -950,7 +1023,8 @@ mod tests {
         let pass = ws[1].t44;
         // No preemption between equals: two long requests at 0 run one
         // after the other on the whole core.
-        let o = simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], 10.0 * pass, 0.0, false);
+        let o =
+            simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], WholeCore::prema(10.0 * pass, 0.0, false));
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
         assert_eq!(o.switches, 0);
@@ -968,7 +1042,12 @@ mod tests {
         // end of its current pass, is checkpointed (5 passes), the short
         // one runs (1 pass), the long one is restored (5 passes) and ends.
         let switch = 10.0 * pass;
-        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0, false);
+        let o = simulate_prema(
+            &board,
+            &ws,
+            &[vec![0.0], vec![100.5 * pass]],
+            WholeCore::prema(switch, 0.0, false),
+        );
         assert_eq!(o.switches, 1);
         // Tokens overtake a moment after the arrival; the long one drains
         // the pass it is in (until 101 passes).
@@ -982,14 +1061,107 @@ mod tests {
         // the short one runs (1 pass), the long one starts again from
         // scratch (400 passes; no checkpoint, no restore); the 4 passes it
         // lost still count as busy engine time.
-        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![100.5 * pass]], switch, 0.0, true);
+        let o = simulate_prema(
+            &board,
+            &ws,
+            &[vec![0.0], vec![100.5 * pass]],
+            WholeCore::prema(switch, 0.0, true),
+        );
         assert_eq!((o.switches, o.kills), (1, 0));
-        let o = simulate_prema(&board, &ws, &[vec![0.0], vec![3.5 * pass]], switch, 0.0, true);
+        let o =
+            simulate_prema(&board, &ws, &[vec![0.0], vec![3.5 * pass]], WholeCore::prema(switch, 0.0, true));
         assert_eq!((o.switches, o.kills), (0, 1));
         let short = o.latencies[1][0];
         assert!(close(short, (4.0 + 1.0 - 3.5) * pass), "short: {short} vs pass {pass}");
         assert!(close(o.latencies[0][0], (4.0 + 1.0 + 400.0) * pass), "long: {}", o.latencies[0][0]);
         assert!(close(o.eu_cycles, 405.0 * pass), "{} vs {}", o.eu_cycles, 405.0 * pass);
+    }
+
+    #[test]
+    fn fifo_serves_the_oldest_request_first_and_never_preempts() {
+        let board = BoardConfig::default();
+        let ws = [
+            workload(&board, "long", 100, 100),
+            workload(&board, "mid", 4, 4),
+            workload(&board, "short", 1, 1),
+        ];
+        let pass = ws[2].t44;
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        // The long request runs to its end although the short one has
+        // more tokens long before; then "mid" (arrived first), then "short".
+        let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.5 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(10.0 * pass));
+        let l = |i: usize| o.latencies[i][0] / pass;
+        assert!(close(l(0), 100.0) && close(l(1), 94.0) && close(l(2), 94.5), "{} {} {}", l(0), l(1), l(2));
+        assert_eq!((o.switches, o.kills), (0, 0));
+        // PREMA on the same stream preempts the long one for the short one.
+        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::prema(10.0 * pass, 0.0, false));
+        assert!(o.switches > 0);
+    }
+
+    #[test]
+    fn prema_tokens_grow_with_the_tenants_priority() {
+        let board = BoardConfig::default();
+        let mut ws = [
+            workload(&board, "long", 100, 100),
+            workload(&board, "mid", 4, 4),
+            workload(&board, "short", 1, 1),
+        ];
+        let pass = ws[2].t44;
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        let drain = WholeCore::prema(10.0 * pass, f64::INFINITY, false);
+        // "mid" and "short" arrive together while "long" runs; when it ends
+        // (100 passes) they have waited 90 passes: tokens 90 / 4 and 90 / 1
+        // at equal priorities, so "short" runs first.
+        let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.0 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, drain);
+        let l = |o: &Outcome, i: usize| o.latencies[i][0] / pass;
+        assert!(close(l(&o, 2), 91.0) && close(l(&o, 1), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        // At priority 9, "mid" has 9 x 90 / 4 = 202.5 tokens: it goes first.
+        ws[1].priority = 9;
+        let o = simulate_prema(&board, &ws, &arrivals, drain);
+        assert!(close(l(&o, 1), 94.0) && close(l(&o, 2), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        // Preemption: a short request (priority 1) arriving at 100.5 passes
+        // into a 400-pass one overtakes it at once at equal priorities
+        // (it drains its pass until 101). At priority 12 the long one's
+        // tokens grow at 12 / 400 per pass: the short one's 1 per pass
+        // overtake them at 100.5 / (1 - 0.03) = 103.6 passes, the long one
+        // drains until 104, then checkpoint (5), short (1).
+        let mut ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
+        let ckpt = WholeCore::prema(10.0 * pass, 0.0, false);
+        let arrivals = [vec![0.0], vec![100.5 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        assert!(close(l(&o, 1), 101.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
+        ws[0].priority = 12;
+        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        assert!(close(l(&o, 1), 104.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
+        assert!(close(l(&o, 0), 400.0 + 11.0), "{}", l(&o, 0));
+    }
+
+    #[test]
+    fn fairness_weighs_each_tenants_progress_by_its_priority() {
+        let board = BoardConfig::default();
+        let mut ws = [workload(&board, "a", 1, 1), workload(&board, "b", 1, 1)];
+        let t = ws[0].t44;
+        // Normalized progress 1/2 and 1/4.
+        let o = Outcome {
+            latencies: vec![vec![2.0 * t], vec![3.0 * t, 5.0 * t]],
+            end: 10.0 * t,
+            ..Outcome::new(2)
+        };
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 0.5), "{}", r.fairness);
+        // Priorities 1 and 3: shares 1/4 and 3/4, so PP = 0.5 / 0.25 = 2
+        // and 0.25 / 0.75 = 1/3; fairness 1/6. ANTT and STP do not weigh.
+        ws[1].priority = 3;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 1.0 / 6.0), "{}", r.fairness);
+        assert!(close(r.antt, 3.0) && close(r.stp, 0.75), "{} {}", r.antt, r.stp);
+        // b at priority 1/2 of a's would make both equal: fairness 1.
+        ws[0].priority = 6;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 1.0), "{}", r.fairness);
     }
 
     #[test]
