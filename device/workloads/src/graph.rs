@@ -426,9 +426,21 @@ impl Graph {
         stride: u16,
         act: Act,
     ) -> (TensorId, u32, u32) {
-        let s = Spatial::square(h, w, k, stride, k / 2);
+        self.conv_spatial(name, x, Spatial::square(h, w, k, stride, k / 2), cin, cout, act)
+    }
+
+    /// A convolution over the window `s` (any kernel, strides and padding).
+    pub fn conv_spatial(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        s: Spatial,
+        cin: u32,
+        cout: u32,
+        act: Act,
+    ) -> (TensorId, u32, u32) {
         let (ho, wo) = s.out();
-        let fan_in = u32::from(k) * u32::from(k) * cin;
+        let fan_in = u32::from(s.kh) * u32::from(s.kw) * cin;
         let wt =
             self.tensor(format!("{name}.w"), u64::from(fan_in) * u64::from(cout), Init::Weights { fan_in });
         let b = self.tensor(format!("{name}.b"), cout.into(), Init::Bias);
@@ -569,6 +581,10 @@ pub const MORE_WORKLOADS: &[(&str, &str)] = &[
         "gnmt",
         "GNMT v2 (MLPerf): 4+4 LSTM layers of 1024, attention, vocabulary 32k, 25 source and 25 target tokens",
     ),
+    (
+        "ssd-resnet34",
+        "SSD-ResNet34 (MLPerf SSD-large, COCO 81 classes), 1200x1200, 15130 boxes: softmax scores and box decoding",
+    ),
 ];
 
 /// Builds the named model at `batch`.
@@ -589,6 +605,7 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "din" => din(batch),
         "yolov3" => yolov3(batch, 416),
         "gnmt" => gnmt(batch, &GnmtSize::MLPERF),
+        "ssd-resnet34" => ssd_resnet34(batch, &SsdR34Size::MLPERF),
         _ => return None,
     })
 }
@@ -870,66 +887,93 @@ fn ssd_mobilenet(batch: u32) -> Graph {
         c = out;
         maps.push((x, h, c, 6));
     }
-    let mut scores = Vec::new();
-    for (l, &(f, side, ch, anchors)) in maps.iter().enumerate() {
-        let p = format!("box{l}");
-        let boxes = batch * side * side * anchors;
-        let (cls, _, _) =
-            g.conv(&format!("{p}.classes"), f, side, side, ch, anchors * CLASSES, 1, 1, Act::None);
-        let (reg, _, _) = g.conv(&format!("{p}.boxes"), f, side, side, ch, anchors * 4, 1, 1, Act::None);
-        let prob = g.act(&format!("{p}.scores"), u64::from(boxes) * u64::from(CLASSES));
-        g.ops.push(Op::Unary {
-            name: format!("{p}.scores"),
-            x: View::dense(cls, CLASSES),
-            y: View::dense(prob, CLASSES),
-            rows: boxes,
-            cols: CLASSES,
-            act: Act::Sigmoid,
-        });
-        // Anchors: [centre y, centre x, height, width] per box.
-        let anc = g.tensor(format!("{p}.anchors"), u64::from(boxes) * 4, Init::Weights { fan_in: 1 });
-        let dec = g.act(&format!("{p}.decoded"), u64::from(boxes) * 4);
-        let col = |t, col| View { t, ld: 4, col };
-        let wh = g.act(&format!("{p}.exp"), u64::from(boxes) * 2);
-        g.ops.push(Op::Unary {
-            name: format!("{p}.exp"),
-            x: col(reg, 2),
-            y: View::dense(wh, 2),
-            rows: boxes,
-            cols: 2,
-            act: Act::Exp,
-        });
-        g.ops.push(Op::Mul {
-            name: format!("{p}.size"),
-            a: View::dense(wh, 2),
-            b: col(anc, 2),
-            y: col(dec, 2),
-            rows: boxes,
-            cols: 2,
-            act: Act::None,
-        });
-        g.ops.push(Op::Mul {
-            name: format!("{p}.offset"),
-            a: col(reg, 0),
-            b: col(anc, 2),
-            y: col(dec, 0),
-            rows: boxes,
-            cols: 2,
-            act: Act::None,
-        });
-        g.ops.push(Op::Add {
-            name: format!("{p}.centre"),
-            a: col(dec, 0),
-            b: col(anc, 0),
-            y: col(dec, 0),
-            rows: boxes,
-            cols: 2,
-            act: Act::None,
-        });
-        scores.push(prob);
-    }
+    let scores: Vec<TensorId> = maps
+        .iter()
+        .enumerate()
+        .map(|(l, &(f, side, ch, anchors))| {
+            detection_head(
+                &mut g,
+                &format!("box{l}"),
+                f,
+                Spatial::square(side, side, 1, 1, 0),
+                ch,
+                anchors,
+                CLASSES,
+                false,
+            )
+        })
+        .collect();
     g.output = scores[0];
     g
+}
+
+/// An SSD detection head on feature map `f` (`s`: its size and the head
+/// convolutions' window): class scores (a sigmoid per class, or a softmax
+/// over the classes of each box) and the boxes decoded from the anchors;
+/// returns the scores.
+#[allow(clippy::too_many_arguments)]
+fn detection_head(
+    g: &mut Graph,
+    p: &str,
+    f: TensorId,
+    s: Spatial,
+    ch: u32,
+    anchors: u32,
+    classes: u32,
+    softmax: bool,
+) -> TensorId {
+    let (cls, ho, wo) = g.conv_spatial(&format!("{p}.classes"), f, s, ch, anchors * classes, Act::None);
+    let (reg, _, _) = g.conv_spatial(&format!("{p}.boxes"), f, s, ch, anchors * 4, Act::None);
+    let boxes = g.batch * ho * wo * anchors;
+    let prob = g.act(&format!("{p}.scores"), u64::from(boxes) * u64::from(classes));
+    let (x, y) = (View::dense(cls, classes), View::dense(prob, classes));
+    let name = format!("{p}.scores");
+    g.ops.push(if softmax {
+        Op::Softmax { name, x, y, rows: boxes, cols: classes }
+    } else {
+        Op::Unary { name, x, y, rows: boxes, cols: classes, act: Act::Sigmoid }
+    });
+    // Anchors: [centre y, centre x, height, width] per box.
+    let anc = g.tensor(format!("{p}.anchors"), u64::from(boxes) * 4, Init::Weights { fan_in: 1 });
+    let dec = g.act(&format!("{p}.decoded"), u64::from(boxes) * 4);
+    let col = |t, col| View { t, ld: 4, col };
+    let wh = g.act(&format!("{p}.exp"), u64::from(boxes) * 2);
+    g.ops.push(Op::Unary {
+        name: format!("{p}.exp"),
+        x: col(reg, 2),
+        y: View::dense(wh, 2),
+        rows: boxes,
+        cols: 2,
+        act: Act::Exp,
+    });
+    g.ops.push(Op::Mul {
+        name: format!("{p}.size"),
+        a: View::dense(wh, 2),
+        b: col(anc, 2),
+        y: col(dec, 2),
+        rows: boxes,
+        cols: 2,
+        act: Act::None,
+    });
+    g.ops.push(Op::Mul {
+        name: format!("{p}.offset"),
+        a: col(reg, 0),
+        b: col(anc, 2),
+        y: col(dec, 0),
+        rows: boxes,
+        cols: 2,
+        act: Act::None,
+    });
+    g.ops.push(Op::Add {
+        name: format!("{p}.centre"),
+        a: col(dec, 0),
+        b: col(anc, 0),
+        y: col(dec, 0),
+        rows: boxes,
+        cols: 2,
+        act: Act::None,
+    });
+    prob
 }
 
 /// Wide & Deep (Cheng et al. 2016) with Criteo-like inputs: 13 dense
@@ -1205,6 +1249,90 @@ pub fn yolov3(batch: u32, side: u32) -> Graph {
         }
     }
     g.output = outputs[0];
+    g
+}
+
+/// The sizes of an SSD-ResNet34.
+#[derive(Clone, Debug)]
+pub struct SsdR34Size {
+    /// Input height and width (at least 420: the last two feature maps
+    /// shrink by unpadded 3x3 convolutions).
+    pub side: u32,
+    /// Every channel count divided by this (1: the published network;
+    /// tests use more to stay small).
+    pub width_div: u32,
+}
+
+impl SsdR34Size {
+    /// MLPerf Inference's SSD-large: 1200 x 1200, full width.
+    pub const MLPERF: SsdR34Size = SsdR34Size { side: 1200, width_div: 1 };
+}
+
+/// SSD-ResNet34 as MLPerf Inference runs it (the "SSD-large" of its
+/// reference `ssd_r34.py`): ResNet-34's first three stages (basic blocks
+/// 3 x 64, 4 x 128, 6 x 256, the third stage at stride 1, so the first
+/// feature map is 1/8 of the input: 150 x 150), five extra blocks (a 1x1
+/// then a 3x3: stride 2 padded, stride 2 padded, stride 2 padded, stride 2
+/// unpadded, stride 1 unpadded; 75, 38, 19, 9 and 7 at 1200), and on each
+/// of the six maps 3x3 heads of **stride 3** (50, 25, 13, 7, 3, 3) for
+/// 4, 6, 6, 6, 4, 4 anchors: 15,130 boxes of 81 COCO classes, scored by a
+/// softmax over the classes and decoded from the anchors as in
+/// SSD-MobileNet. Non-maximum suppression is not modelled (as for the
+/// other detectors).
+pub fn ssd_resnet34(batch: u32, size: &SsdR34Size) -> Graph {
+    const CLASSES: u32 = 81;
+    let ch = |c: u32| (c / size.width_div.max(1)).max(1);
+    let side = size.side;
+    let mut g = Graph::new("ssd-resnet34", batch);
+    let x = g.image_input(side, 3);
+    let (x, h, w) = g.conv("conv1", x, side, side, 3, ch(64), 7, 2, Act::Relu);
+    let (mut x, mut h, mut w) = max_pool(&mut g, "maxpool", x, ch(64), Spatial::square(h, w, 3, 2, 1));
+    let mut c = ch(64);
+    for (stage, &(blocks, out, stride)) in [(3u32, 64u32, 1u16), (4, 128, 2), (6, 256, 1)].iter().enumerate()
+    {
+        let out = ch(out);
+        for blk in 0..blocks {
+            let p = format!("layer{}.{blk}", stage + 1);
+            let st = if blk == 0 { stride } else { 1 };
+            let (a, ho, wo) = g.conv(&format!("{p}.conv1"), x, h, w, c, out, 3, st, Act::Relu);
+            let (b, _, _) = g.conv(&format!("{p}.conv2"), a, ho, wo, out, out, 3, 1, Act::None);
+            let short = if st != 1 || c != out {
+                g.conv(&format!("{p}.down"), x, h, w, c, out, 1, st, Act::None).0
+            } else {
+                x
+            };
+            let elems = u64::from(batch) * u64::from(ho * wo) * u64::from(out);
+            x = g.add(&format!("{p}.add"), b, short, elems, out, Act::Relu);
+            (h, w, c) = (ho, wo, out);
+        }
+    }
+    let anchors = [4u32, 6, 6, 6, 4, 4];
+    let mut maps = vec![(x, h, c)];
+    // (1x1 channels, 3x3 channels, 3x3 stride, 3x3 padding) per block.
+    let extras = [
+        (256u32, 512u32, 2u16, 1u16),
+        (256, 512, 2, 1),
+        (128, 256, 2, 1),
+        (128, 256, 2, 0),
+        (128, 256, 1, 0),
+    ];
+    for (i, &(mid, out, stride, pad)) in extras.iter().enumerate() {
+        let (m, _, _) = g.conv(&format!("extra{}.1x1", i + 1), x, h, w, c, ch(mid), 1, 1, Act::Relu);
+        let s = Spatial::square(h, w, 3, stride, pad);
+        (x, h, w) = g.conv_spatial(&format!("extra{}.3x3", i + 1), m, s, ch(mid), ch(out), Act::Relu);
+        c = ch(out);
+        maps.push((x, h, c));
+    }
+    let scores: Vec<TensorId> = maps
+        .iter()
+        .zip(anchors)
+        .enumerate()
+        .map(|(l, (&(f, side, ch), a))| {
+            let s = Spatial::square(side, side, 3, 3, 1);
+            detection_head(&mut g, &format!("box{l}"), f, s, ch, a, CLASSES, true)
+        })
+        .collect();
+    g.output = scores[0];
     g
 }
 
@@ -1660,6 +1788,21 @@ mod tests {
         assert!((gm("ssd-mobilenet") - 1.2).abs() < 0.08, "{}", gm("ssd-mobilenet"));
         // YOLOv3 at 416: Darknet counts 65.86 BFLOPs, 32.9 GMACs.
         assert!((gm("yolov3") - 32.9).abs() < 1.0, "{}", gm("yolov3"));
+        // SSD-ResNet34 at 1200: MLPerf Inference gives 433 GOPs per
+        // image, 216.5 GMACs.
+        assert!((gm("ssd-resnet34") - 216.5).abs() < 5.0, "{}", gm("ssd-resnet34"));
+        // Its six heads give MLPerf's 15,130 boxes of 81 class scores.
+        let g = build("ssd-resnet34", 1).unwrap();
+        let boxes: Vec<u32> = g
+            .ops
+            .iter()
+            .filter_map(|o| match o {
+                Op::Softmax { rows, cols: 81, .. } => Some(*rows),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(boxes, [50 * 50 * 4, 25 * 25 * 6, 13 * 13 * 6, 7 * 7 * 6, 3 * 3 * 4, 3 * 3 * 4]);
+        assert_eq!(boxes.iter().sum::<u32>(), 15_130);
         for (n, _) in WORKLOADS.iter().chain(MORE_WORKLOADS) {
             assert!(build(n, 2).is_some(), "{n}");
         }

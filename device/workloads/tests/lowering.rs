@@ -294,6 +294,16 @@ fn ssd_mobilenet_wide_deep_and_din_match_reference() {
 /// attention over the encoder as per-sample batched products into the
 /// decoder's input rows), every tensor against the reference
 /// interpreter.
+/// SSD-ResNet34 at 420 x 420 and a quarter of its channels (the smallest
+/// input its unpadded last blocks take; 1.7 GMACs): stride-3 heads,
+/// unpadded and strided 3x3 extras, softmax over 81 classes per box, box
+/// decoding, every tensor against the reference interpreter.
+#[test]
+fn a_small_ssd_resnet34_matches_reference() {
+    let size = npu_workloads::graph::SsdR34Size { side: 420, width_div: 4 };
+    check(&npu_workloads::graph::ssd_resnet34(1, &size), 2, 2, 32 << 20);
+}
+
 #[test]
 fn yolov3_and_a_small_gnmt_match_reference() {
     check(&npu_workloads::graph::yolov3(1, 128), 2, 2, 32 << 20);
