@@ -908,6 +908,61 @@ impl Lowerer {
         )
     }
 
+    /// A pooling whose whole image does not fit SRAM (SSD-ResNet34's
+    /// 600 x 600 x 64 max pool): channels pool independently, so each
+    /// tile gathers a group of `r` channels of one image (a strided DMA of
+    /// one `r`-channel row per pixel), `compute(r, src, dst)` pools them as
+    /// an `r`-channel image, and the result is scattered back the same way.
+    #[allow(clippy::too_many_arguments)]
+    fn pool_channel_tiles(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        c: u32,
+        compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let (ho, wo) = s.out();
+        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        let (hw, ohw) = (u64::from(s.h) * u64::from(s.w), u64::from(ho) * u64::from(wo));
+        let cb = u64::from(c) * F;
+        for img in 0..u64::from(batch) {
+            self.vu_tiles(
+                name,
+                vec![],
+                0,
+                c,
+                |r| u64::from(r) * (hw + ohw) * F,
+                |c0, r, base| {
+                    let (c0, rb) = (u64::from(c0), u64::from(r) * F);
+                    let outb = base + hw * rb;
+                    (
+                        vec![copy(
+                            Addr::hbm(xa + (img * hw * u64::from(c) + c0) * F),
+                            Addr::sram(base),
+                            hw,
+                            rb,
+                            cb,
+                            rb,
+                        )],
+                        compute(r, base, outb),
+                        vec![copy(
+                            Addr::sram(outb),
+                            Addr::hbm(ya + (img * ohw * u64::from(c) + c0) * F),
+                            ohw,
+                            rb,
+                            rb,
+                            cb,
+                        )],
+                    )
+                },
+            )?;
+        }
+        Ok(())
+    }
+
     fn eltwise(
         &mut self,
         name: &str,
@@ -1018,27 +1073,18 @@ impl Lowerer {
             }
             Op::Pool { ref name, x, y, batch, s, c, op } => {
                 let (ho, wo) = s.out();
-                self.image_tiles(
-                    name,
-                    x,
-                    y,
-                    batch,
-                    u64::from(s.h * s.w * c),
-                    u64::from(ho * wo * c),
-                    |r, src, dst| {
-                        let geom = PoolGeom {
-                            n: r,
-                            h: s.h,
-                            w: s.w,
-                            c,
-                            kh: s.kh,
-                            kw: s.kw,
-                            stride: s.sh,
-                            pad: s.pad[0],
-                        };
-                        vec![Instr::VPool { op, src, dst, geom }]
-                    },
-                )?;
+                let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
+                let geom =
+                    |n, c| PoolGeom { n, h: s.h, w: s.w, c, kh: s.kh, kw: s.kw, stride: s.sh, pad: s.pad[0] };
+                if self.plan(name, 0, self.shape.vu, batch, |r| u64::from(r) * (inn + out) * F).is_ok() {
+                    self.image_tiles(name, x, y, batch, inn, out, |r, src, dst| {
+                        vec![Instr::VPool { op, src, dst, geom: geom(r, c) }]
+                    })?;
+                } else {
+                    self.pool_channel_tiles(name, x, y, batch, s, c, |r, src, dst| {
+                        vec![Instr::VPool { op, src, dst, geom: geom(1, r) }]
+                    })?;
+                }
             }
             Op::GlobalPool { ref name, x, y, batch, hw, c } => {
                 self.image_tiles(

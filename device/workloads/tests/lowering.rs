@@ -294,6 +294,37 @@ fn ssd_mobilenet_wide_deep_and_din_match_reference() {
 /// attention over the encoder as per-sample batched products into the
 /// decoder's input rows), every tensor against the reference
 /// interpreter.
+/// A pooling whose image does not fit the vNPU's SRAM (as SSD-ResNet34's
+/// 600 x 600 x 64 max pool does not fit 1 SA + 1 VU) is tiled over groups
+/// of channels, each gathered by a strided DMA: max and average, two
+/// images, 37 channels (groups that do not divide them).
+#[test]
+fn a_pool_larger_than_sram_is_tiled_over_channels() {
+    for op in [PoolOp::Max, PoolOp::Avg] {
+        let (batch, h, w, c) = (2u32, 40u32, 36u32, 37u32);
+        let mut g = Graph::new("big-pool", batch);
+        let x = g.tensor("x", u64::from(batch * h * w * c), Init::Input);
+        g.input = x;
+        let s = Spatial::square(h, w, 3, 2, 1);
+        let (ph, pw) = s.out();
+        let y = g.act("pool", u64::from(batch * ph * pw * c));
+        g.ops.push(Op::Pool { name: "pool".into(), x, y, batch, s, c, op });
+        g.output = y;
+        // One image and its output: 266 KB; 64 KiB of SRAM holds 9 channels.
+        let (l, _) = check_as(&g, 1, 1, 64 << 10, DType::F32);
+        let gathers = l
+            .program
+            .streams
+            .iter()
+            .flat_map(|st| &st.code)
+            .filter(|i| matches!(i, Instr::DmaCopy { rows, .. } if *rows == h * w))
+            .count();
+        assert!(gathers >= 2 * 5, "{op:?}: {gathers} channel-group gathers");
+        // With room for the whole image it stays one tile per image.
+        check(&g, 1, 1, 4 << 20);
+    }
+}
+
 /// SSD-ResNet34 at 420 x 420 and a quarter of its channels (the smallest
 /// input its unpadded last blocks take; 1.7 GMACs): stride-3 heads,
 /// unpadded and strided 3x3 extras, softmax over 81 classes per box, box
