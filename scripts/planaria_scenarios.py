@@ -16,9 +16,8 @@ Bounds are MLPerf's server
 latency constraints in ms (GoogLeNet and YOLOv3 as Planaria's shipped
 scheduler.ini sets them), scaled by the level:
 
-  detect   ResNet-50 15, GoogLeNet 15, YOLOv3 100, SSD-MobileNet 10
-           (the shipped config, SSD-MobileNet standing in for SSD-ResNet34,
-           which the library does not have)
+  detect   ResNet-50 15, GoogLeNet 15, SSD-ResNet34 100, YOLOv3 100
+           (the shipped config)
   light    MobileNet 10, SSD-MobileNet 10, ResNet-50 15, GoogLeNet 15
   translate ResNet-50 15, YOLOv3 100, GNMT 250, SSD-MobileNet 10
 
@@ -33,8 +32,9 @@ Per run (`--seconds`, default 0.5 s of Poisson arrivals, rates 0.1..1.0 of
 each system's saturation): throughput at the SLA (highest offered rate with
 every tenant's p99 within its bound) and, at the offered rate that is 0.9 of
 PREMA-like's saturation (PREMA not saturated), busy-EU utilization, p99,
-SLA satisfaction and PREMA's fairness of each system; FIFO (PREMA's
-NP-FCFS baseline) is listed beside ours for scale.
+SLA satisfaction and PREMA's fairness of each system: vNPU, vNPU-WC, the
+Planaria-like and V10-like comparisons, and FIFO (PREMA's NP-FCFS
+baseline) for scale.
 
   cargo build --release -p npu-bench
   python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--no-prema-kill] [--priorities equal|drawn]
@@ -47,12 +47,12 @@ import subprocess
 import sys
 
 SCENARIOS = {
-    "detect": [("resnet50", 15), ("googlenet", 15), ("yolov3", 100), ("ssd-mobilenet", 10)],
+    "detect": [("resnet50", 15), ("googlenet", 15), ("ssd-resnet34", 100), ("yolov3", 100)],
     "light": [("mobilenet", 10), ("ssd-mobilenet", 10), ("resnet50", 15), ("googlenet", 15)],
     "translate": [("resnet50", 15), ("yolov3", 100), ("gnmt", 250), ("ssd-mobilenet", 10)],
 }
 LEVELS = [("x1", 1.0), ("x0.5", 0.5), ("x0.25", 0.25)]
-OURS = ["vNPU", "vNPU-WC", "Planaria", "FIFO"]
+OURS = ["vNPU", "vNPU-WC", "Planaria", "V10", "FIFO"]
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", default="0.5")

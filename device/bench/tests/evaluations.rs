@@ -24,28 +24,36 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
     let drawing = std::fs::read_to_string(&svg).unwrap();
     std::fs::remove_file(&svg).unwrap();
     assert!(drawing.starts_with("<svg"), "{}", &drawing[..drawing.len().min(100)]);
-    for name in
-        ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "throughput", "p99 latency"]
-    {
+    for name in [
+        "vNPU",
+        "vNPU-WC",
+        "PREMA-ckpt",
+        "PREMA-drain",
+        "Planaria",
+        "FIFO",
+        "V10",
+        "throughput",
+        "p99 latency",
+    ] {
         assert!(drawing.contains(name), "the plot has no `{name}`");
     }
     assert_eq!(v["tenants"].as_array().unwrap().len(), 4);
     let sat = |s: &str| v["saturation_rps"][s].as_f64().unwrap();
-    let (sat_vnpu, sat_wc, sat_prema, sat_planaria) =
-        (sat("vNPU"), sat("vNPU-WC"), sat("PREMA-like"), sat("Planaria"));
-    for x in [sat_vnpu, sat_wc, sat_prema, sat_planaria] {
+    let (sat_vnpu, sat_wc, sat_prema, sat_planaria, sat_v10) =
+        (sat("vNPU"), sat("vNPU-WC"), sat("PREMA-like"), sat("Planaria"), sat("V10"));
+    for x in [sat_vnpu, sat_wc, sat_prema, sat_planaria, sat_v10] {
         assert!(x.is_finite() && x > 0.0, "{x}");
     }
     let rates = v["rates"].as_array().unwrap();
     let t44: Vec<f64> =
         v["tenants"].as_array().unwrap().iter().map(|t| t["t_4sa_4vu_s"].as_f64().unwrap()).collect();
     // 0.2 and 0.7 of each system's saturation.
-    assert_eq!(rates.len(), 8);
+    assert_eq!(rates.len(), 10);
     for r in rates {
         let offered = r["offered_rps"].as_f64().unwrap();
         let systems = r["systems"].as_array().unwrap();
         let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
-        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO"]);
+        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"]);
         for s in systems {
             let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
@@ -65,6 +73,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 "vNPU" => sat_vnpu,
                 "vNPU-WC" => sat_wc,
                 "Planaria" => sat_planaria,
+                "V10" => sat_v10,
                 _ => sat_prema,
             };
             assert!(
@@ -96,26 +105,26 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 assert!(t <= most * (1.0 + 1e-9), "{name}: {t} req/s above one after another ({most})");
             }
         }
-        // vNPU, vNPU-WC, PREMA-drain, Planaria and FIFO never preempt;
-        // only vNPU-WC and Planaria run tasks beyond 1+1 (the static vNPUs
-        // run whole programs).
-        for i in [0, 1, 3, 4, 5] {
+        // vNPU, vNPU-WC, PREMA-drain, Planaria, FIFO and V10 never
+        // preempt; only vNPU-WC, Planaria and V10 run tasks beyond 1+1 (the
+        // static vNPUs run whole programs).
+        for i in [0, 1, 3, 4, 5, 6] {
             assert_eq!(systems[i]["context_switches"], 0, "{}", names[i]);
         }
         assert_eq!(systems[0]["tasks"], 0);
-        for wc in [&systems[1], &systems[4]] {
+        for wc in [&systems[1], &systems[4], &systems[6]] {
             assert!(
                 wc["tasks"].as_u64().unwrap() > 0 && wc["borrowed_eu_share"].as_f64().unwrap() > 0.0,
                 "{wc}"
             );
         }
         let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
-        for (i, name) in [(0, "vNPU"), (1, "vNPU-WC"), (4, "Planaria")] {
+        for (i, name) in [(0, "vNPU"), (1, "vNPU-WC"), (4, "Planaria"), (6, "V10")] {
             let ratio = r["vs_best_baseline"][name]["throughput_ratio"].as_f64().unwrap();
             assert!((ratio - t(i) / t(2).max(t(3))).abs() < 1e-9, "{name}: {ratio}");
         }
     }
-    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 6);
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 7);
 }
 
 #[test]

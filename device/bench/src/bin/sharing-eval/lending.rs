@@ -28,7 +28,23 @@ use vnpu_abi::Program;
 
 use crate::{Outcome, Workload};
 
-/// How the work-conserving system cuts requests and picks shapes.
+/// Who gets the core's engines at a task boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// vNPU-WC: guarantees first, then idle engines (priority, least
+    /// slack).
+    Lend,
+    /// Planaria-like fission: no guarantees; the most urgent (priority,
+    /// least slack) takes the least shape that meets its deadline.
+    Fission,
+    /// V10-like operator interleaving: no guarantees, no deadlines; the
+    /// tenant with the least engine time attained per unit of priority
+    /// goes first and takes the fastest shape of what is free (within the
+    /// tolerance), the next one the same from what is left.
+    Interleave,
+}
+
+/// How the operator-task systems cut requests and pick shapes.
 #[derive(Clone, Copy, Debug)]
 pub struct Lending {
     /// Target length of one task on the engines it runs on (cycles).
@@ -36,8 +52,7 @@ pub struct Lending {
     /// An engine more is taken only if it makes the task this much faster
     /// (a fraction; `pick_shape`'s tolerance).
     pub tolerance: f64,
-    /// Planaria-like fission instead of guarantees plus lending.
-    pub fission: bool,
+    pub policy: Policy,
 }
 
 /// A workload cut into operations, each timed alone on every shape of the
@@ -208,6 +223,8 @@ pub fn simulate_lending(
     let mut sim: CoreSim<'_, Task> = CoreSim::new(board, n);
     let mut ts: Vec<Tenant> = (0..n).map(|_| Tenant::default()).collect();
     let mut next = vec![0usize; n];
+    // Engine-cycles each tenant's tasks have held (V10-like order).
+    let mut attained = vec![0f64; n];
     loop {
         let now = sim.now();
         for (i, t) in ts.iter_mut().enumerate() {
@@ -223,10 +240,19 @@ pub fn simulate_lending(
         let waiting: Vec<AtBoundary> = at
             .iter()
             .zip(&to_deadline)
-            .map(|(&i, d)| AtBoundary {
-                guaranteed: GUARANTEED,
-                priority: ws[i].priority,
-                slack: d - tasks[i].cycles(ts[i].op..tasks[i].ops(), GUARANTEED),
+            .map(|(&i, d)| match how.policy {
+                // The order key in the slack field: least attained engine
+                // time per unit of priority first.
+                Policy::Interleave => AtBoundary {
+                    guaranteed: GUARANTEED,
+                    priority: 0,
+                    slack: attained[i] / f64::from(ws[i].priority.max(1)),
+                },
+                _ => AtBoundary {
+                    guaranteed: GUARANTEED,
+                    priority: ws[i].priority,
+                    slack: d - tasks[i].cycles(ts[i].op..tasks[i].ops(), GUARANTEED),
+                },
             })
             .collect();
         let running: Vec<Engines> = ts.iter().filter_map(|t| t.running).collect();
@@ -238,7 +264,21 @@ pub fn simulate_lending(
             let window = op..tasks[i].task_end(op, GUARANTEED, how.task_cycles);
             pick_shape(base, cap, how.tolerance, |e| tasks[i].cycles(window.clone(), e))
         };
-        let grants = if how.fission {
+        let grants = if how.policy == Policy::Interleave {
+            // The fastest shape of what is free for the next task's
+            // operations (at least one SA and one VU: every lowering needs
+            // both), then what is left to the next.
+            let need = |k: usize, free: Engines| {
+                let i = at[k];
+                if !GUARANTEED.within(free) {
+                    return None;
+                }
+                let op = ts[i].op;
+                let window = op..tasks[i].task_end(op, GUARANTEED, how.task_cycles);
+                Some(pick_shape(GUARANTEED, free, how.tolerance, |e| tasks[i].cycles(window.clone(), e)))
+            };
+            fission(core, &running, &waiting, need, choose)
+        } else if how.policy == Policy::Fission {
             // The least shape that finishes the request by its deadline
             // (alone: as Planaria estimates), else the fastest free one.
             let need = |k: usize, free: Engines| {
@@ -284,6 +324,7 @@ pub fn simulate_lending(
             let t = &mut ts[task.tenant];
             t.running = None;
             t.op = task.end;
+            attained[task.tenant] += f64::from(task.engines.total()) * (sim.now() - task.start);
             let failed = match r {
                 Ok(rep) => {
                     let tot = rep.totals();
@@ -377,7 +418,7 @@ mod tests {
         ok[0]
     }
 
-    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, fission: false };
+    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, policy: Policy::Lend };
 
     #[test]
     fn a_lone_request_runs_each_operation_on_the_engines_that_pay() {
@@ -419,6 +460,34 @@ mod tests {
         let o = simulate_lending(&board, &ws, &mut tasks, &all, ONE_OP).unwrap();
         let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
         assert!(l[2] < l[0] && l[2] < l[1], "{l:?}");
+    }
+
+    #[test]
+    fn the_v10_core_serves_the_least_served_per_priority_first() {
+        let board = BoardConfig::default();
+        let g = mlp();
+        let mut tasks: Vec<Tasks> = (0..3).map(|_| Tasks::new(&board, g.clone()).unwrap()).collect();
+        let mut ws = [workload(), workload(), workload()];
+        let v10 = Lending { policy: Policy::Interleave, ..ONE_OP };
+        // Alone, a tenant takes the fastest shape of the whole core for
+        // each operation, as a lone vNPU-WC tenant borrows it.
+        let alone = [vec![0.0], vec![], vec![]];
+        let a = simulate_lending(&board, &ws, &mut tasks, &alone, v10).unwrap().latencies[0][0];
+        let b = simulate_lending(&board, &ws, &mut tasks, &alone, ONE_OP).unwrap().latencies[0][0];
+        assert!((a - b).abs() <= 1e-9 * b, "{a} vs {b}");
+        // Three at once: at equal priorities the order alternates with the
+        // engine time each has had, and the second ends last. At priority
+        // 12 its attained time counts a twelfth: it goes first at every
+        // boundary and ends first.
+        let all = [vec![0.0], vec![0.0], vec![0.0]];
+        let o = simulate_lending(&board, &ws, &mut tasks, &all, v10).unwrap();
+        let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
+        assert!(l[1] > l[0] && l[1] > l[2], "{l:?}");
+        ws[1].priority = 12;
+        let o = simulate_lending(&board, &ws, &mut tasks, &all, v10).unwrap();
+        let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
+        assert!(l[1] < l[0] && l[1] < l[2], "{l:?}");
+        assert_eq!(o.failed, 0);
     }
 
     #[test]

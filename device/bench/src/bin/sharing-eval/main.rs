@@ -35,7 +35,12 @@
 //!   the most urgent tenant takes the least shape that meets its deadline
 //!   (`lending.rs`);
 //! - **FIFO** (PREMA's NP-FCFS baseline): the whole core, one request at
-//!   a time in arrival order, no preemption, priorities ignored.
+//!   a time in arrival order, no preemption, priorities ignored;
+//! - **V10** (V10-like operator interleaving on this model, for
+//!   comparison): the operator-level tasks without guarantees or
+//!   deadlines; at each task boundary the tenant with the least engine
+//!   time attained per unit of priority takes the fastest shape of the
+//!   free engines, the next one the same from what is left (`lending.rs`).
 //!
 //! vNPU-WC and Planaria serve a higher `--priority` first at a task
 //! boundary, then the least slack; the static vNPUs ignore priorities.
@@ -56,7 +61,7 @@ mod lending;
 
 use std::collections::VecDeque;
 
-use lending::{saturation_lending, simulate_lending, Lending, Tasks};
+use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
 
 use npu_bench::{fail, in_range, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
 use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
@@ -112,7 +117,8 @@ const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed
              the offered rate into an SVG file at PATH";
 
 /// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
-/// Planaria-like, FIFO; ratios are against the better of the PREMA rows.
+/// Planaria-like, FIFO, V10-like; ratios are against the better of the
+/// PREMA rows.
 const PREMA: std::ops::Range<usize> = 2..4;
 
 /// The default tenants: workload and batch.
@@ -715,9 +721,10 @@ fn run() -> Result<(), String> {
     let how = Lending {
         task_cycles: args.task_us * f64::from(board.clock_mhz),
         tolerance: args.tolerance,
-        fission: false,
+        policy: Policy::Lend,
     };
-    let planaria = Lending { fission: true, ..how };
+    let planaria = Lending { policy: Policy::Fission, ..how };
+    let v10 = Lending { policy: Policy::Interleave, ..how };
     let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
@@ -725,6 +732,7 @@ fn run() -> Result<(), String> {
     let sat_prema = saturation_prema(&ws, &weights);
     let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
     let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
+    let sat_v10 = saturation_lending(&board, &ws, &mut tasks, &weights, 8, v10)?;
     // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
     // engine's rate.
     let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
@@ -759,14 +767,16 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0}, Planaria-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, 1, {:.2}x)",
+        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0}, Planaria-like {:.0}, V10-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, 1, {:.2}x, {:.2}x)",
         sat_vnpu * wsum * hz,
         sat_wc * wsum * hz,
         sat_prema * wsum * hz,
         sat_planaria * wsum * hz,
+        sat_v10 * wsum * hz,
         sat_vnpu / sat_prema,
         sat_wc / sat_prema,
-        sat_planaria / sat_prema
+        sat_planaria / sat_prema,
+        sat_v10 / sat_prema
     );
     println!(
         "vNPU-WC: tasks of ~{} us (at least one operation), an idle engine borrowed if it makes a task > {:.0}% faster",
@@ -774,8 +784,11 @@ fn run() -> Result<(), String> {
         100.0 * args.tolerance
     );
     // Every load of the list for each system, as rates; sorted.
-    let mut scales: Vec<f64> =
-        args.loads.iter().flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema, l * sat_planaria]).collect();
+    let mut scales: Vec<f64> = args
+        .loads
+        .iter()
+        .flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema, l * sat_planaria, l * sat_v10])
+        .collect();
     scales.sort_by(f64::total_cmp);
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
     let eus = f64::from(board.core.sa_count + board.core.vu_count);
@@ -803,6 +816,7 @@ fn run() -> Result<(), String> {
         let offered = scale * wsum * hz;
         let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, how)?;
         let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, planaria)?;
+        let interleave = simulate_lending(&board, &ws, &mut tasks, &arrivals, v10)?;
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
             ("vNPU-WC", scale / sat_wc, wc),
@@ -823,6 +837,7 @@ fn run() -> Result<(), String> {
             ),
             ("Planaria", scale / sat_planaria, fission),
             ("FIFO", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(switch))),
+            ("V10", scale / sat_v10, interleave),
         ]
         .iter()
         .map(|(name, load, o)| summarize(name, *load, o, &ws, eus, hz))
@@ -845,7 +860,7 @@ fn run() -> Result<(), String> {
                     + &if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
-        for wc in [&rows[1], &rows[4]] {
+        for wc in [&rows[1], &rows[4], &rows[6]] {
             println!(
                 "{:>9} {}: {} tasks, {:.1}% of engine time beyond 1+1, {} waits for engines at a boundary, longest {:.1} us",
                 "",
@@ -951,7 +966,7 @@ fn run() -> Result<(), String> {
             "sla_ms": args.sla_ms, "preempt_margin": args.margin, "prema_kill": args.prema_kill,
             "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
-                "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz},
+                "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz, "V10": sat_v10 * wsum * hz},
             "task_us": args.task_us, "lend_tolerance": args.tolerance,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
