@@ -517,6 +517,29 @@ fn interference_placement_keeps_dma_heavy_neighbours_apart() {
     assert_eq!(v[0]["workload"], "mobilenet:1", "{v}");
     assert_eq!(core(1), core(0), "packing first: the only best-packed core");
     assert_ne!(core(2), core(0), "interference first: another core");
+    // A vNPU of two cores is placed core by core: both go where nobody
+    // is (packing first would fill the two used cores).
+    let two = "sa=1,vu=1,sram=8M,hbm=2G,cores=2";
+    let args = [
+        "create",
+        "--spec",
+        two,
+        "--workload",
+        "mobilenet:1",
+        "--placement",
+        "interference-first",
+        "--interference-matrix",
+        matrix,
+    ];
+    let (code, _, err) = vnpu_in(&dir, &args);
+    assert_eq!(code, 0, "{err}");
+    let (_, out, _) = vnpu_in(&dir, &["list", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let cores: Vec<u64> =
+        v[3]["physical_cores"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
+    assert_eq!(cores.len(), 2, "{v}");
+    assert_ne!(cores[0], cores[1], "{v}");
+    assert!(cores.iter().all(|c| *c != core(0) && *c != core(2)), "two cores nobody uses: {v}");
     // Refusals name what is missing.
     let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--placement", "interference"]);
     assert_eq!(code, 1);

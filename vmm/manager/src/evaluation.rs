@@ -344,10 +344,10 @@ pub fn run_policy(
                 let tenants: Vec<(usize, usize)> = resident.iter().map(|r| (r.0, r.1)).collect();
                 let mut failed: Option<EvalError> = None;
                 let mut asked = false;
-                let r = board.place_scored(shape, order, &mut |_, core| {
+                let r = board.place_scored(shape, order, &mut |_, cores| {
                     asked = true;
                     let mut t = tenants.clone();
-                    t.push((job.item, core));
+                    t.extend(cores.iter().map(|&c| (job.item, c as usize)));
                     let cost = match (policy, predictor) {
                         (EvalPolicy::Oracle | EvalPolicy::OracleFirst, _) => {
                             measured_overhead(cfg, items, &t, &mut cache, &mut measured)

@@ -335,21 +335,25 @@ impl Board {
         (0..self.cores.len()).filter(|&c| self.fits(c, s)).collect()
     }
 
-    /// Places a vNPU of shape `s` as `policy` says: `cost(core)` is the
-    /// interference of putting a one-core vNPU on physical core `core`
-    /// (e.g. the predicted overhead of every tenant of the board
-    /// afterwards; lower is better), asked only for the cores that are
-    /// still candidates after the first criterion and only when there are
-    /// two or more. Multi-core vNPUs, and `Policy::Pack`, are placed by
-    /// [`Board::place`].
+    /// Places a vNPU of shape `s` as `policy` says: `cost(board, cores)`
+    /// is the interference of the vNPU with its cores on the physical
+    /// cores `cores` (e.g. the predicted overhead of every tenant of the
+    /// board afterwards; lower is better). A one-core vNPU is priced only
+    /// on the cores that are still candidates after the first criterion
+    /// and only when there are two or more. A multi-core vNPU is placed
+    /// chip by chip and, on each chip, core by core ([`Self::place_cores_scored`]).
+    /// `Policy::Pack` is [`Board::place`].
     pub fn place_scored(
         &mut self,
         s: &Shape,
         policy: Policy,
-        cost: &mut dyn FnMut(&Board, usize) -> f64,
+        cost: &mut dyn FnMut(&Board, &[u32]) -> f64,
     ) -> Result<Placement, PlacementError> {
-        if policy == Policy::Pack || s.chips != 1 || s.cores_per_chip != 1 {
+        if policy == Policy::Pack {
             return self.place(s);
+        }
+        if s.chips != 1 || s.cores_per_chip != 1 {
+            return self.place_cores_scored(s, policy, cost);
         }
         let fitting = self.fitting_cores(s);
         if fitting.is_empty() {
@@ -366,7 +370,8 @@ impl Board {
         let pick = if candidates.len() == 1 {
             candidates[0]
         } else {
-            let keyed: Vec<(usize, i64)> = candidates.iter().map(|&c| (c, cost_key(cost(self, c)))).collect();
+            let keyed: Vec<(usize, i64)> =
+                candidates.iter().map(|&c| (c, cost_key(cost(self, &[c as u32])))).collect();
             let Some(&(pick, _)) = keyed.iter().min_by_key(|&&(c, k)| {
                 let (eu_left, balance) = self.score(c, s);
                 (k, eu_left, balance)
@@ -378,6 +383,84 @@ impl Board {
         let p = vec![pick as u32];
         self.occupy(s, &p);
         Ok(p)
+    }
+
+    /// [`Board::place_scored`] for a vNPU of several cores: each vNPU
+    /// chip on a distinct physical chip, each of its cores on a distinct
+    /// core of that chip, as [`Board::place`] requires. For each vNPU chip
+    /// in turn, every physical chip not used yet is filled greedily, one
+    /// core at a time: among the chip's cores where the next core fits
+    /// (`Interference`: only those that pack best, as for one core), the
+    /// one whose `cost` with the cores chosen so far is least, packing
+    /// breaking ties. The chip whose whole set is best (`Interference`:
+    /// packing, then cost; `InterferenceFirst`: cost, then packing) is
+    /// taken. Greedy, not exhaustive: a board may have up to 256 cores a
+    /// chip. On error nothing changes.
+    fn place_cores_scored(
+        &mut self,
+        s: &Shape,
+        policy: Policy,
+        cost: &mut dyn FnMut(&Board, &[u32]) -> f64,
+    ) -> Result<Placement, PlacementError> {
+        // The checks and errors of `place` (never fits, too many chips).
+        self.clone().place(s)?;
+        let pack_first = policy == Policy::Interference;
+        let mut trial = self.clone();
+        let mut placed: Vec<u32> = Vec::new();
+        let mut used_chips: Vec<u32> = Vec::new();
+        for _ in 0..s.chips {
+            // (cores, key) of the best chip so far.
+            let mut best: Option<(Vec<u32>, (i64, i64))> = None;
+            for chip in (0..self.chips).filter(|c| !used_chips.contains(c)) {
+                let mut t = trial.clone();
+                let mut cores: Vec<u32> = Vec::new();
+                let mut pack = 0i64;
+                let base = chip * self.cores_per_chip;
+                for _ in 0..s.cores_per_chip {
+                    let fitting: Vec<u32> = (base..base + self.cores_per_chip)
+                        .filter(|c| !cores.contains(c) && t.fits(*c as usize, s))
+                        .collect();
+                    let least = fitting.iter().map(|&c| t.score(c as usize, s).0).min();
+                    let candidates =
+                        fitting.iter().filter(|&&c| !pack_first || Some(t.score(c as usize, s).0) == least);
+                    let pick = candidates
+                        .map(|&c| {
+                            let mut with = placed.clone();
+                            with.extend(&cores);
+                            with.push(c);
+                            (c, cost_key(cost(&t, &with)))
+                        })
+                        .min_by_key(|&(c, k)| {
+                            let (eu_left, balance) = t.score(c as usize, s);
+                            if pack_first {
+                                (i64::from(eu_left), k, balance)
+                            } else {
+                                (k, i64::from(eu_left), balance)
+                            }
+                        });
+                    let Some((c, _)) = pick else { break };
+                    pack = pack.saturating_add(i64::from(t.score(c as usize, s).0));
+                    t.occupy(s, &[c]);
+                    cores.push(c);
+                }
+                if cores.len() != s.cores_per_chip as usize {
+                    continue;
+                }
+                let mut with = placed.clone();
+                with.extend(&cores);
+                let k = cost_key(cost(&t, &with));
+                let key = if pack_first { (pack, k) } else { (k, pack) };
+                if best.as_ref().is_none_or(|b| key < b.1) {
+                    best = Some((cores, key));
+                }
+            }
+            let (cores, _) = best.ok_or(PlacementError::NoRoom)?;
+            used_chips.push(cores[0] / self.cores_per_chip);
+            trial.occupy(s, &cores);
+            placed.extend(cores);
+        }
+        *self = trial;
+        Ok(placed)
     }
 
     /// The best core for a one-core vNPU of shape `s` and its score.
@@ -496,9 +579,9 @@ mod tests {
         // Interference is cheapest on core 3, then 1, then 2, then 0.
         let price = [4.0, 2.0, 3.0, 1.0];
         let asked = std::cell::RefCell::new(Vec::new());
-        let mut cost = |_: &Board, c: usize| {
-            asked.borrow_mut().push(c);
-            price[c]
+        let mut cost = |_: &Board, c: &[u32]| {
+            asked.borrow_mut().push(c[0] as usize);
+            price[c[0] as usize]
         };
         // Packing first: only cores 0 and 1 pack best; 1 is cheaper.
         assert_eq!(fresh().place_scored(&small, Policy::Interference, &mut cost), Ok(vec![1]));
@@ -512,12 +595,12 @@ mod tests {
         assert_eq!(fresh().place_scored(&small, Policy::Pack, &mut cost), Ok(vec![0]));
         assert!(asked.borrow().is_empty());
         // A cost that could not be computed comes last; ties fall to packing.
-        let mut nan = |_: &Board, c: usize| if c == 3 { f64::NAN } else { 1.0 };
+        let mut nan = |_: &Board, c: &[u32]| if c == [3] { f64::NAN } else { 1.0 };
         assert_eq!(fresh().place_scored(&small, Policy::InterferenceFirst, &mut nan), Ok(vec![0]));
         // One candidate: nothing to price.
         let mut b = fresh();
         b.occupy(&shape("sa=3,vu=3,sram=2M,hbm=256M"), &[1]);
-        let mut never = |_: &Board, _: usize| -> f64 { panic!("priced a forced choice") };
+        let mut never = |_: &Board, _: &[u32]| -> f64 { panic!("priced a forced choice") };
         assert_eq!(b.place_scored(&small, Policy::Interference, &mut never), Ok(vec![0]));
         // Full: the same error as `place`.
         let mut b = Board::new(&BoardConfig::default());
@@ -528,5 +611,66 @@ mod tests {
         assert_eq!(b.place_scored(&small, Policy::InterferenceFirst, &mut nan), Err(PlacementError::NoRoom));
         assert_eq!("interference-first".parse(), Ok(Policy::InterferenceFirst));
         assert!("spread".parse::<Policy>().unwrap_err().contains("pack, interference"));
+    }
+
+    #[test]
+    fn multi_core_vnpus_are_placed_by_interference_core_by_core() {
+        let cfg = BoardConfig { chips: 2, ..BoardConfig::default() };
+        let small = shape("sa=1,vu=1,sram=2M,hbm=256M");
+        let two = shape("sa=1,vu=1,sram=2M,hbm=256M,cores=2");
+        // A cost per physical core; a set of cores costs their sum.
+        let price = [5.0, 1.0, 4.0, 2.0, 3.0, 3.0, 0.5, 9.0];
+        let mut sum = |_: &Board, c: &[u32]| c.iter().map(|&i| price[i as usize]).sum::<f64>();
+        // Interference first on an empty board: chip 0 gives 1 + 2 (cores
+        // 1 and 3), chip 1 0.5 + 3: chip 0, its cheapest core first.
+        let mut b = Board::new(&cfg);
+        assert_eq!(b.place_scored(&two, Policy::InterferenceFirst, &mut sum), Ok(vec![1, 3]));
+        assert_eq!((b.cores[1].sa, b.cores[3].sa, b.cores[0].sa), (1, 1, 0));
+        // Packing first: cores 0, 1 and 4 hold a small vNPU each. Chip 0
+        // packs best (its two half-used cores), and of those the cheaper
+        // goes first; interference first takes the cheapest pair of the
+        // board instead (chip 0: 1 + 2 against chip 1: 0.5 + 3).
+        let used = || {
+            let mut b = Board::new(&cfg);
+            for c in [0, 1, 4] {
+                b.occupy(&small, &[c]);
+            }
+            b
+        };
+        assert_eq!(used().place_scored(&two, Policy::Interference, &mut sum), Ok(vec![1, 0]));
+        assert_eq!(used().place_scored(&two, Policy::InterferenceFirst, &mut sum), Ok(vec![1, 3]));
+        // Each set priced is the vNPU's cores so far with the candidate.
+        let mut asked: Vec<Vec<u32>> = Vec::new();
+        let mut log = |_: &Board, c: &[u32]| {
+            asked.push(c.to_vec());
+            c.iter().map(|&i| price[i as usize]).sum::<f64>()
+        };
+        used().place_scored(&two, Policy::InterferenceFirst, &mut log).unwrap();
+        assert!(asked.contains(&vec![1, 3]) && asked.contains(&vec![6, 4]), "{asked:?}");
+        assert!(asked
+            .iter()
+            .all(|a| a.len() <= 2 && a.iter().all(|&c| a.iter().filter(|&&d| d == c).count() == 1)));
+        // Two chips: one core on each, the cheapest of each chip.
+        let across = shape("sa=1,vu=1,sram=2M,hbm=256M,chips=2");
+        assert_eq!(
+            Board::new(&cfg).place_scored(&across, Policy::InterferenceFirst, &mut sum),
+            Ok(vec![6, 1])
+        );
+        // A vNPU whose cores fit on no chip: `place`'s errors, nothing taken.
+        let mut b = Board::new(&cfg);
+        let three = shape("sa=4,vu=4,sram=2M,hbm=256M,cores=4");
+        b.occupy(&small, &[0]);
+        b.occupy(&small, &[4]);
+        let before = b.cores.clone();
+        assert_eq!(b.place_scored(&three, Policy::InterferenceFirst, &mut sum), Err(PlacementError::NoRoom));
+        assert_eq!(b.cores, before);
+        let wide = shape("sa=1,vu=1,sram=2M,hbm=256M,chips=3");
+        assert!(matches!(
+            Board::new(&cfg).place_scored(&wide, Policy::Interference, &mut sum),
+            Err(PlacementError::TooManyChips { .. })
+        ));
+        // A cost that cannot be computed comes last.
+        let mut nan = |_: &Board, c: &[u32]| if c.contains(&1) { f64::NAN } else { c.len() as f64 };
+        assert_eq!(Board::new(&cfg).place_scored(&two, Policy::InterferenceFirst, &mut nan), Ok(vec![0, 2]));
     }
 }

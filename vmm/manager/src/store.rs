@@ -157,10 +157,11 @@ impl Store {
         let own = model.solo(&spec_of(w, shape.sa_per_core, shape.vu_per_core)).map_err(priced)?;
         let model = &*model;
         let mut failed = None;
-        let r = board.place_scored(shape, self.policy, &mut |_, core| {
-            tenants.push((own, core));
+        let r = board.place_scored(shape, self.policy, &mut |_, cores| {
+            let before = tenants.len();
+            tenants.extend(cores.iter().map(|&c| (own, c as usize)));
             let cost = model.overhead(&tenants);
-            tenants.pop();
+            tenants.truncate(before);
             cost.unwrap_or_else(|e| {
                 failed.get_or_insert(e);
                 f64::NAN
