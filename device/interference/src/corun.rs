@@ -22,6 +22,8 @@ pub enum CoRunError {
     TooLarge { workload: String, bytes: u64 },
     #[error("tenant {tenant} placed on core {core}; the board has {cores} cores")]
     NoCore { tenant: usize, core: usize, cores: usize },
+    #[error("tenant {tenant} placed on no core, or twice on core {core}: a tenant's cores are distinct")]
+    BadCores { tenant: usize, core: usize },
     #[error("tenant {tenant} ({workload}) failed: {source}")]
     Exec { tenant: usize, workload: String, source: ExecError },
     #[error("the simulation stopped with requests unfinished (a model bug)")]

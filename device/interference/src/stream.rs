@@ -1,7 +1,10 @@
 //! A stream of tenants on one simulated board: each arrives at a time of
-//! its own on the core it is given, sends a fixed number of inference
+//! its own on the cores it is given, sends a fixed number of inference
 //! requests back to back (input over the host link, program, output, as in
-//! [`crate::corun`]) and leaves when the last one is done. Everything the
+//! [`crate::corun`]) and leaves when the last one is done. A tenant of
+//! several cores (a multi-core vNPU) runs each phase of a request on all
+//! of them at once, data-parallel, and starts the next phase when the
+//! last of them is done. Everything the
 //! tenants meet on the way (co-tenants that come and go, each core's DMA
 //! engines, each chip's HBM, the board's host link) is the board model's,
 //! in one continuous simulation: what a placement policy's choices cost
@@ -13,7 +16,9 @@ use crate::corun::{CoRunError, Job, RequestPrograms};
 
 struct Tenant<'p> {
     request: &'p RequestPrograms,
-    core: usize,
+    cores: Vec<usize>,
+    /// Cores still running the current phase.
+    pending: usize,
     /// Requests still to send, the current one included.
     left: u64,
     phase: usize,
@@ -46,23 +51,39 @@ impl<'c, 'p> Stream<'c, 'p> {
         self.board.now()
     }
 
-    /// A tenant arrives now on `core` with `requests` requests (at least
-    /// one) of `request` to send; returns its id (0, 1, ... in arrival
-    /// order).
+    /// A tenant arrives now on `cores` (one or more distinct cores) with
+    /// `requests` requests (at least one) of `request` to send; returns its
+    /// id (0, 1, ... in arrival order).
     pub fn admit(
         &mut self,
         request: &'p RequestPrograms,
-        core: usize,
+        cores: &[usize],
         requests: u64,
     ) -> Result<usize, CoRunError> {
         let id = self.tenants.len();
-        let cores = self.board.len();
-        let Some(c) = self.board.core(core) else {
-            return Err(CoRunError::NoCore { tenant: id, core, cores });
-        };
-        c.add(Job { tenant: id, program: request.phase(0) }, 0.0);
+        let n = self.board.len();
+        if let Some(&core) = cores.iter().find(|&&c| c >= n) {
+            return Err(CoRunError::NoCore { tenant: id, core, cores: n });
+        }
+        let twice = cores.iter().enumerate().find(|&(i, c)| cores[..i].contains(c));
+        if cores.is_empty() || twice.is_some() {
+            return Err(CoRunError::BadCores { tenant: id, core: twice.map_or(0, |(_, &c)| c) });
+        }
+        for &core in cores {
+            if let Some(c) = self.board.core(core) {
+                c.add(Job { tenant: id, program: request.phase(0) }, 0.0);
+            }
+        }
         let arrived = self.board.now();
-        self.tenants.push(Tenant { request, core, left: requests.max(1), phase: 0, arrived, left_at: None });
+        self.tenants.push(Tenant {
+            request,
+            cores: cores.to_vec(),
+            pending: cores.len(),
+            left: requests.max(1),
+            phase: 0,
+            arrived,
+            left_at: None,
+        });
         Ok(id)
     }
 
@@ -88,6 +109,10 @@ impl<'c, 'p> Stream<'c, 'p> {
                     workload: t.request.spec.workload.clone(),
                     source,
                 })?;
+                t.pending = t.pending.saturating_sub(1);
+                if t.pending > 0 {
+                    continue;
+                }
                 if t.phase < 2 {
                     t.phase += 1;
                 } else {
@@ -99,9 +124,12 @@ impl<'c, 'p> Stream<'c, 'p> {
                         continue;
                     }
                 }
-                let (program, core) = (t.request.phase(t.phase), t.core);
-                if let Some(c) = self.board.core(core) {
-                    c.add(Job { tenant: id, program }, 0.0);
+                t.pending = t.cores.len();
+                let program = t.request.phase(t.phase);
+                for &core in &t.cores {
+                    if let Some(c) = self.board.core(core) {
+                        c.add(Job { tenant: id, program }, 0.0);
+                    }
                 }
             }
         }

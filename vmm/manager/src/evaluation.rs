@@ -96,8 +96,8 @@ impl std::str::FromStr for EvalPolicy {
 pub struct StreamPlan {
     pub workloads: Vec<String>,
     pub batches: Vec<u32>,
-    /// vNPU shapes (SA, VU), one core each.
-    pub shapes: Vec<(u32, u32)>,
+    /// vNPU shapes: SA and VU per core, and cores (of one chip).
+    pub shapes: Vec<(u32, u32, u32)>,
     pub vnpus: usize,
     /// Offered load: the EU-time the stream asks for over the EU-time the
     /// board has while it arrives (solo run times).
@@ -120,23 +120,45 @@ pub struct Job {
     pub requests: u64,
 }
 
+/// A kind of vNPU of a stream: `spec` (a workload on a per-core shape)
+/// on each of `cores` cores of one chip, data-parallel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    #[serde(flatten)]
+    pub spec: Spec,
+    pub cores: u32,
+}
+
+impl Item {
+    /// One core of `spec`.
+    pub fn one_core(spec: Spec) -> Self {
+        Self { spec, cores: 1 }
+    }
+
+    /// Execution units of the whole vNPU.
+    pub fn eus(&self) -> u32 {
+        (self.spec.sa + self.spec.vu).saturating_mul(self.cores)
+    }
+}
+
 /// A stream: its distinct items and its vNPUs in arrival order.
 #[derive(Clone, Debug)]
 pub struct JobStream {
-    pub items: Vec<Spec>,
+    pub items: Vec<Item>,
     pub jobs: Vec<Job>,
 }
 
-/// The manager's shape of a tenant `spec`: SRAM and HBM of the core in
+/// The manager's shape of a vNPU `item`: SRAM and HBM of each core in
 /// proportion to its EUs, as [`RequestPrograms::lower`] lowers for.
-pub fn shape_of(cfg: &BoardConfig, spec: &Spec) -> Shape {
+pub fn shape_of(cfg: &BoardConfig, item: &Item) -> Shape {
+    let spec = &item.spec;
     let eus = u64::from(cfg.core.sa_count + cfg.core.vu_count).max(1);
     let mine = u64::from(spec.sa + spec.vu);
     let slice = 2u64 << 20;
     let hbm_core = cfg.hbm_bytes_per_chip() / u64::from(cfg.cores_per_chip.max(1));
     Shape {
         chips: 1,
-        cores_per_chip: 1,
+        cores_per_chip: item.cores.max(1),
         sa_per_core: spec.sa,
         vu_per_core: spec.vu,
         sram_per_core: (cfg.sram_bytes() * mine / eus / slice).max(1) * slice,
@@ -151,14 +173,17 @@ fn exp(rng: &mut StdRng, mean: f64) -> f64 {
 
 /// Draws the stream of `plan`: items uniformly, work exponentially, then
 /// Poisson arrivals at the rate that offers `plan.load` of the board's EUs.
-/// `latency(item)` is an item's solo request latency in cycles.
-pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Spec) -> f64) -> JobStream {
-    let items: Vec<Spec> = plan
+/// `latency(item)` is an item's request latency alone in cycles.
+pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Item) -> f64) -> JobStream {
+    let items: Vec<Item> = plan
         .workloads
         .iter()
         .flat_map(|w| {
             plan.batches.iter().flat_map(move |&batch| {
-                plan.shapes.iter().map(move |&(sa, vu)| Spec { workload: w.clone(), batch, sa, vu })
+                plan.shapes.iter().map(move |&(sa, vu, cores)| Item {
+                    spec: Spec { workload: w.clone(), batch, sa, vu },
+                    cores: cores.max(1),
+                })
             })
         })
         .collect();
@@ -169,7 +194,7 @@ pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Spec) ->
         let item = rng.random_range(0..items.len().max(1));
         let lat = latency(&items[item]).max(1.0);
         let requests = (exp(&mut rng, plan.work_cycles) / lat).round().max(1.0) as u64;
-        eu_time += f64::from(items[item].sa + items[item].vu) * requests as f64 * lat;
+        eu_time += f64::from(items[item].eus()) * requests as f64 * lat;
         jobs.push(Job { arrival: 0.0, item, requests });
     }
     let total_eus = f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
@@ -182,35 +207,62 @@ pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Spec) ->
     JobStream { items, jobs }
 }
 
-/// What the board model knows of each item: its programs and its solo
-/// counters.
+/// What the board model knows of each item: its per-core programs, the
+/// solo counters of one of its cores, and its request latency alone.
 #[derive(Debug)]
 pub struct Items {
     pub programs: Vec<RequestPrograms>,
     pub solos: Vec<Solo>,
+    /// Cycles of one request of the whole vNPU alone on the board: its
+    /// one core's solo latency, or, for several cores, measured on the
+    /// board model (its cores share the chip's HBM and the host link).
+    pub alone: Vec<f64>,
 }
 
 impl Items {
     /// Lowers every item; solo counters from `matrix` where it has them,
     /// else measured.
-    pub fn new(cfg: &BoardConfig, items: &[Spec], matrix: &Matrix) -> Result<Self, EvalError> {
+    pub fn new(cfg: &BoardConfig, items: &[Item], matrix: &Matrix) -> Result<Self, EvalError> {
         let mut programs = Vec::with_capacity(items.len());
         let mut solos = Vec::with_capacity(items.len());
-        for s in items {
+        for it in items {
+            let s = &it.spec;
             programs.push(RequestPrograms::lower(cfg, s)?);
             solos.push(match matrix.solo(s) {
                 Some(x) => x.clone(),
                 None => Solo::measure(cfg, s)?,
             });
         }
-        Ok(Self { programs, solos })
+        let mut alone = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            alone.push(if it.cores <= 1 {
+                solos[i].latency
+            } else {
+                if it.cores > cfg.cores_per_chip {
+                    return Err(EvalError::Input(format!(
+                        "{} cores a vNPU; a chip has {}",
+                        it.cores, cfg.cores_per_chip
+                    )));
+                }
+                let cores: Vec<usize> = (0..it.cores as usize).collect();
+                let mut sim = Stream::new(cfg);
+                let id = sim.admit(&programs[i], &cores, 1)?;
+                sim.run_until(f64::INFINITY)?;
+                match sim.times(id) {
+                    Some((a, Some(b))) => b - a,
+                    _ => return Err(EvalError::Model(CoRunError::Stuck)),
+                }
+            });
+        }
+        Ok(Self { programs, solos, alone })
     }
 }
 
 /// One tenant's fate under one policy.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Fate {
-    pub core: Option<usize>,
+    /// The physical cores it got; empty: rejected.
+    pub cores: Vec<usize>,
     /// Run time over run time alone (NaN: rejected).
     pub slowdown: f64,
 }
@@ -292,6 +344,60 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     }
 }
 
+/// The cores an interference-blind policy other than `balance` picks for
+/// a vNPU of shape `s` (its `cores_per_chip` cores on one chip; `None`:
+/// no chip has room). One core: `first-fit` the lowest-numbered core that
+/// fits, `random` any core that fits (uniformly), `spread` the one with
+/// the most EUs left. Several: the same choice of cores on each chip, and
+/// the first chip that has room (`first-fit`), any of them (`random`), or
+/// the one whose chosen cores have the most EUs left (`spread`).
+fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -> Option<Vec<u32>> {
+    let k = s.cores_per_chip.max(1) as usize;
+    let fitting = board.fitting_cores(s);
+    if k == 1 {
+        // The whole board's fitting cores at once (as before multi-core
+        // vNPUs: the same choices, the same random draws).
+        let c = match policy {
+            EvalPolicy::FirstFit => fitting.first().copied(),
+            EvalPolicy::Random => (!fitting.is_empty()).then(|| fitting[rng.random_range(0..fitting.len())]),
+            _ => fitting.iter().copied().max_by_key(|&c| (board.score(c, s).0, std::cmp::Reverse(c))),
+        };
+        return c.map(|c| vec![c as u32]);
+    }
+    let per = board.cores_per_chip.max(1) as usize;
+    // Per chip with room: its cores for the vNPU and their EUs left.
+    let mut chips: Vec<(Vec<usize>, u64)> = Vec::new();
+    for chip in 0..board.chips as usize {
+        let mut mine: Vec<usize> = fitting.iter().copied().filter(|c| c / per == chip).collect();
+        let hbm = board.hbm_used.get(chip).copied().unwrap_or(u64::MAX);
+        if mine.len() < k || hbm.saturating_add(s.hbm_per_core.saturating_mul(k as u64)) > board.hbm {
+            continue;
+        }
+        match policy {
+            EvalPolicy::FirstFit => mine.truncate(k),
+            EvalPolicy::Random => {
+                for i in 0..k {
+                    let j = rng.random_range(i..mine.len());
+                    mine.swap(i, j);
+                }
+                mine.truncate(k);
+            }
+            _ => {
+                mine.sort_by_key(|&c| (std::cmp::Reverse(board.score(c, s).0), c));
+                mine.truncate(k);
+            }
+        }
+        let left = mine.iter().map(|&c| u64::from(board.score(c, s).0)).sum();
+        chips.push((mine, left));
+    }
+    let pick = match policy {
+        EvalPolicy::FirstFit => chips.first(),
+        EvalPolicy::Random => (!chips.is_empty()).then(|| &chips[rng.random_range(0..chips.len())]),
+        _ => chips.iter().rev().max_by_key(|(_, left)| *left),
+    };
+    pick.map(|(cores, _)| cores.iter().map(|&c| c as u32).collect())
+}
+
 /// Places `stream` by `policy` on a board of `cfg` and simulates it.
 pub fn run_policy(
     cfg: &BoardConfig,
@@ -306,15 +412,15 @@ pub fn run_policy(
     let mut board = Board::new(cfg);
     let mut sim = Stream::new(cfg);
     let mut rng = StdRng::seed_from_u64(plan.seed ^ 0x9e37_79b9_7f4a_7c15);
-    // (item, core) of each tenant on the board, and its job.
+    // (item, core, job) of each core of each vNPU on the board.
     let mut resident: Vec<(usize, usize, usize)> = Vec::new();
-    let mut fates: Vec<Fate> = vec![Fate { core: None, slowdown: f64::NAN }; stream.jobs.len()];
+    let mut fates: Vec<Fate> = vec![Fate { cores: Vec::new(), slowdown: f64::NAN }; stream.jobs.len()];
     let mut sim_ids: Vec<usize> = Vec::new();
     let (mut contested, mut measured) = (0, 0);
     let mut cache = Cache::new();
     let depart = |gone: Vec<usize>, board: &mut Board, resident: &mut Vec<(usize, usize, usize)>| {
         for id in gone {
-            if let Some(k) = resident.iter().position(|r| r.2 == id) {
+            while let Some(k) = resident.iter().position(|r| r.2 == id) {
                 let (item, core, _) = resident.swap_remove(k);
                 board.release(&shapes[item], &[core as u32]);
             }
@@ -324,20 +430,11 @@ pub fn run_policy(
         let gone = sim.run_until(job.arrival)?;
         depart(gone, &mut board, &mut resident);
         let shape = &shapes[job.item];
-        let fitting = board.fitting_cores(shape);
-        let core = match policy {
-            EvalPolicy::FirstFit => fitting.first().copied().inspect(|&c| board.occupy(shape, &[c as u32])),
-            EvalPolicy::Random => {
-                (!fitting.is_empty()).then(|| fitting[rng.random_range(0..fitting.len())]).inspect(|&c| {
-                    board.occupy(shape, &[c as u32]);
-                })
+        let cores: Option<Vec<u32>> = match policy {
+            EvalPolicy::FirstFit | EvalPolicy::Random | EvalPolicy::Spread => {
+                blind_cores(&board, shape, policy, &mut rng).inspect(|c| board.occupy(shape, c))
             }
-            EvalPolicy::Balance => board.place(shape).ok().map(|p| p[0] as usize),
-            EvalPolicy::Spread => fitting
-                .iter()
-                .copied()
-                .max_by_key(|&c| (board.score(c, shape).0, std::cmp::Reverse(c)))
-                .inspect(|&c| board.occupy(shape, &[c as u32])),
+            EvalPolicy::Balance => board.place(shape).ok(),
             _ => {
                 let first = matches!(policy, EvalPolicy::InterferenceFirst | EvalPolicy::OracleFirst);
                 let order = if first { Policy::InterferenceFirst } else { Policy::Interference };
@@ -366,17 +463,18 @@ pub fn run_policy(
                     return Err(e);
                 }
                 contested += usize::from(asked);
-                r.ok().map(|p| p[0] as usize)
+                r.ok()
             }
         };
-        if let Some(core) = core {
-            let id = sim.admit(&items.programs[job.item], core, job.requests)?;
+        if let Some(cores) = cores {
+            let cores: Vec<usize> = cores.into_iter().map(|c| c as usize).collect();
+            let id = sim.admit(&items.programs[job.item], &cores, job.requests)?;
             if sim_ids.len() <= id {
                 sim_ids.resize(id + 1, usize::MAX);
             }
             sim_ids[id] = j;
-            resident.push((job.item, core, id));
-            fates[j].core = Some(core);
+            resident.extend(cores.iter().map(|&c| (job.item, c, id)));
+            fates[j].cores = cores;
         }
     }
     sim.run_until(f64::INFINITY)?;
@@ -388,20 +486,19 @@ pub fn run_policy(
     for (id, &j) in sim_ids.iter().enumerate() {
         let Some((arrived, Some(left))) = sim.times(id) else { continue };
         let job = &stream.jobs[j];
-        let alone = job.requests as f64 * items.solos[job.item].latency;
+        let alone = job.requests as f64 * items.alone[job.item];
         fates[j].slowdown = (left - arrived) / alone;
-        let spec = &stream.items[job.item];
         let overlap = (left.min(window.1) - arrived.max(window.0)).max(0.0);
-        eu_time += f64::from(spec.sa + spec.vu) * overlap;
+        eu_time += f64::from(stream.items[job.item].eus()) * overlap;
     }
     let counted = &fates[skip.min(fates.len())..];
-    let accepted: Vec<f64> = counted.iter().filter(|f| f.core.is_some()).map(|f| f.slowdown).collect();
+    let accepted: Vec<f64> = counted.iter().filter(|f| !f.cores.is_empty()).map(|f| f.slowdown).collect();
     let total_eus = f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
     Ok(PolicyRun {
         policy,
         seed: plan.seed,
         counted: counted.len(),
-        rejected: counted.iter().filter(|f| f.core.is_none()).count(),
+        rejected: counted.iter().filter(|f| f.cores.is_empty()).count(),
         mean_slowdown: accepted.iter().sum::<f64>() / accepted.len().max(1) as f64,
         p95_slowdown: quantile(&accepted, 0.95),
         max_slowdown: quantile(&accepted, 1.0),

@@ -58,7 +58,8 @@ struct Cli {
     /// Batch sizes of the stream's vNPUs.
     #[arg(long, value_delimiter = ',', default_values_t = [1u32, 4])]
     batches: Vec<u32>,
-    /// vNPU shapes, SA+VU (one core each).
+    /// vNPU shapes, SA+VU per core, and `xN` for N cores of one chip
+    /// (data-parallel: each request runs on all of them), e.g. 1+1x2.
     #[arg(long, value_delimiter = ',', default_values = ["1+1", "2+2"])]
     shapes: Vec<String>,
     /// Policies to compare (first-fit, balance, random, spread,
@@ -86,12 +87,14 @@ struct Cli {
     replot: Option<PathBuf>,
 }
 
-fn shape(s: &str) -> Result<(u32, u32), String> {
-    let (a, b) = s.split_once('+').ok_or_else(|| format!("shape `{s}`: write SA+VU, e.g. 1+1"))?;
+fn shape(s: &str) -> Result<(u32, u32, u32), String> {
+    let (eus, cores) = s.split_once('x').unwrap_or((s, "1"));
+    let (a, b) =
+        eus.split_once('+').ok_or_else(|| format!("shape `{s}`: write SA+VU[xCORES], e.g. 1+1 or 2+2x2"))?;
     let n = |x: &str| x.trim().parse::<u32>().ok().filter(|&v| v > 0);
-    match (n(a), n(b)) {
-        (Some(sa), Some(vu)) => Ok((sa, vu)),
-        _ => Err(format!("shape `{s}`: SA and VU must be whole numbers of 1 or more")),
+    match (n(a), n(b), n(cores)) {
+        (Some(sa), Some(vu), Some(c)) => Ok((sa, vu, c)),
+        _ => Err(format!("shape `{s}`: SA, VU and cores must be whole numbers of 1 or more")),
     }
 }
 
@@ -170,9 +173,16 @@ fn run(cli: Cli) -> Result<(), EvalError> {
         return Err(input("--warmup is a fraction in [0, 1)".into()));
     }
     let shapes = cli.shapes.iter().map(|s| shape(s)).collect::<Result<Vec<_>, _>>().map_err(input)?;
-    if let Some(&(sa, vu)) = shapes.iter().find(|&&(sa, vu)| sa > cfg.core.sa_count || vu > cfg.core.vu_count)
+    if let Some(&(sa, vu, _)) =
+        shapes.iter().find(|&&(sa, vu, _)| sa > cfg.core.sa_count || vu > cfg.core.vu_count)
     {
         return Err(input(format!("shape {sa}+{vu} is larger than a core")));
+    }
+    if let Some(&(sa, vu, c)) = shapes.iter().find(|&&(_, _, c)| c > cfg.cores_per_chip) {
+        return Err(input(format!(
+            "shape {sa}+{vu}x{c} has more cores than a chip ({})",
+            cfg.cores_per_chip
+        )));
     }
     if cli.batches.contains(&0) {
         return Err(input("batch sizes are 1 or more".into()));
@@ -204,8 +214,8 @@ fn run(cli: Cli) -> Result<(), EvalError> {
     let first = generate(&cfg, &plans[0], &|_| 1.0);
     eprintln!("lowering {} workload items...", first.items.len());
     let items = Items::new(&cfg, &first.items, &matrix)?;
-    let latency = |s: &npu_interference::corun::Spec| {
-        first.items.iter().position(|x| x == s).map_or(1.0, |i| items.solos[i].latency)
+    let latency = |s: &vnpu_manager::evaluation::Item| {
+        first.items.iter().position(|x| x == s).map_or(1.0, |i| items.alone[i])
     };
     let streams: Vec<_> = plans.iter().map(|p| generate(&cfg, p, &latency)).collect();
     let work: Vec<(usize, EvalPolicy)> =
