@@ -215,8 +215,20 @@ impl Board {
     }
 
     /// Places a vNPU of shape `s`: each vNPU chip on a distinct physical
-    /// chip, each of its cores on a distinct core of that chip.
+    /// chip, each of its cores on a distinct core of that chip, each the
+    /// best-scoring core left ([`Board::score`]), the chip whose cores
+    /// score best in total.
     pub fn place(&mut self, s: &Shape) -> Result<Placement, PlacementError> {
+        self.check(s)?;
+        let pick = |t: &Board, _: &[u32], fitting: &[u32]| {
+            fitting.iter().copied().min_by_key(|&c| t.score(c as usize, s))
+        };
+        self.place_chip_by_chip(s, pick, |_, _, total| total)
+    }
+
+    /// The errors of a shape no placement can fit: cores larger than a
+    /// physical core, more chips or cores per chip than the board has.
+    fn check(&self, s: &Shape) -> Result<(), PlacementError> {
         if s.sa_per_core > self.sa || s.vu_per_core > self.vu || s.sram_per_core > self.sram {
             return Err(PlacementError::NeverFits {
                 sa: s.sa_per_core,
@@ -230,32 +242,54 @@ impl Board {
         if s.chips > self.chips || s.cores_per_chip > self.cores_per_chip {
             return Err(PlacementError::TooManyChips { chips: s.chips, board_chips: self.chips });
         }
+        Ok(())
+    }
+
+    /// Places `s` chip by chip: for each vNPU chip, every physical chip
+    /// not used yet is filled one core at a time with `pick(board, cores,
+    /// fitting)`'s choice among the chip's cores where one more fits
+    /// (`board`: with the cores chosen so far taken; `cores`: the vNPU's
+    /// cores so far, on earlier chips and this one), and the chip whose
+    /// `key(board, cores, total)` is least is taken (`total`: the summed
+    /// [`Board::score`] of its cores as they were picked; the first of
+    /// equal chips). On error nothing changes.
+    fn place_chip_by_chip<K, P, F>(
+        &mut self,
+        s: &Shape,
+        mut pick: P,
+        mut key: F,
+    ) -> Result<Placement, PlacementError>
+    where
+        K: Ord,
+        P: FnMut(&Board, &[u32], &[u32]) -> Option<u32>,
+        F: FnMut(&Board, &[u32], (u32, u64)) -> K,
+    {
         let mut trial = self.clone();
-        let mut placed = Vec::new();
-        let mut used_chips = Vec::new();
+        let mut placed: Vec<u32> = Vec::new();
+        let mut used_chips: Vec<u32> = Vec::new();
         for _ in 0..s.chips {
-            // The chip whose best cores score best, among chips not yet used.
-            let mut best: Option<(Vec<u32>, (u32, u64))> = None;
-            for chip in 0..self.chips {
-                if used_chips.contains(&chip) {
-                    continue;
-                }
+            let mut best: Option<(Vec<u32>, K)> = None;
+            for chip in (0..self.chips).filter(|c| !used_chips.contains(c)) {
                 let mut t = trial.clone();
-                let mut cores = Vec::new();
+                let mut with = placed.clone();
                 let mut total = (0u32, 0u64);
+                let base = chip * self.cores_per_chip;
                 for _ in 0..s.cores_per_chip {
-                    let base = chip * self.cores_per_chip;
-                    let pick = (base..base + self.cores_per_chip)
-                        .filter(|c| !cores.contains(c) && t.fits(*c as usize, s))
-                        .min_by_key(|c| t.score(*c as usize, s));
-                    let Some(c) = pick else { break };
+                    let fitting: Vec<u32> = (base..base + self.cores_per_chip)
+                        .filter(|c| !with.contains(c) && t.fits(*c as usize, s))
+                        .collect();
+                    let Some(c) = pick(&t, &with, &fitting) else { break };
                     let sc = t.score(c as usize, s);
                     total = (total.0 + sc.0, total.1 + sc.1);
                     t.occupy(s, &[c]);
-                    cores.push(c);
+                    with.push(c);
                 }
-                if cores.len() == s.cores_per_chip as usize && best.as_ref().is_none_or(|b| total < b.1) {
-                    best = Some((cores, total));
+                if with.len() - placed.len() != s.cores_per_chip as usize {
+                    continue;
+                }
+                let k = key(&t, &with, total);
+                if best.as_ref().is_none_or(|b| k < b.1) {
+                    best = Some((with.split_off(placed.len()), k));
                 }
             }
             let (cores, _) = best.ok_or(PlacementError::NoRoom)?;
@@ -402,65 +436,35 @@ impl Board {
         policy: Policy,
         cost: &mut dyn FnMut(&Board, &[u32]) -> f64,
     ) -> Result<Placement, PlacementError> {
-        // The checks and errors of `place` (never fits, too many chips).
-        self.clone().place(s)?;
+        self.check(s)?;
         let pack_first = policy == Policy::Interference;
-        let mut trial = self.clone();
-        let mut placed: Vec<u32> = Vec::new();
-        let mut used_chips: Vec<u32> = Vec::new();
-        for _ in 0..s.chips {
-            // (cores, key) of the best chip so far.
-            let mut best: Option<(Vec<u32>, (i64, i64))> = None;
-            for chip in (0..self.chips).filter(|c| !used_chips.contains(c)) {
-                let mut t = trial.clone();
-                let mut cores: Vec<u32> = Vec::new();
-                let mut pack = 0i64;
-                let base = chip * self.cores_per_chip;
-                for _ in 0..s.cores_per_chip {
-                    let fitting: Vec<u32> = (base..base + self.cores_per_chip)
-                        .filter(|c| !cores.contains(c) && t.fits(*c as usize, s))
-                        .collect();
-                    let least = fitting.iter().map(|&c| t.score(c as usize, s).0).min();
-                    let candidates =
-                        fitting.iter().filter(|&&c| !pack_first || Some(t.score(c as usize, s).0) == least);
-                    let pick = candidates
-                        .map(|&c| {
-                            let mut with = placed.clone();
-                            with.extend(&cores);
-                            with.push(c);
-                            (c, cost_key(cost(&t, &with)))
-                        })
-                        .min_by_key(|&(c, k)| {
-                            let (eu_left, balance) = t.score(c as usize, s);
-                            if pack_first {
-                                (i64::from(eu_left), k, balance)
-                            } else {
-                                (k, i64::from(eu_left), balance)
-                            }
-                        });
-                    let Some((c, _)) = pick else { break };
-                    pack = pack.saturating_add(i64::from(t.score(c as usize, s).0));
-                    t.occupy(s, &[c]);
-                    cores.push(c);
-                }
-                if cores.len() != s.cores_per_chip as usize {
-                    continue;
-                }
-                let mut with = placed.clone();
-                with.extend(&cores);
-                let k = cost_key(cost(&t, &with));
-                let key = if pack_first { (pack, k) } else { (k, pack) };
-                if best.as_ref().is_none_or(|b| key < b.1) {
-                    best = Some((cores, key));
-                }
+        let cost = std::cell::RefCell::new(cost);
+        let price = |t: &Board, cores: &[u32]| cost_key((*cost.borrow_mut())(t, cores));
+        let pick = |t: &Board, with: &[u32], fitting: &[u32]| {
+            let least = fitting.iter().map(|&c| t.score(c as usize, s).0).min();
+            fitting
+                .iter()
+                .filter(|&&c| !pack_first || Some(t.score(c as usize, s).0) == least)
+                .map(|&c| (c, price(t, &[with, &[c]].concat())))
+                .min_by_key(|&(c, k)| {
+                    let (eu_left, balance) = t.score(c as usize, s);
+                    if pack_first {
+                        (i64::from(eu_left), k, balance)
+                    } else {
+                        (k, i64::from(eu_left), balance)
+                    }
+                })
+                .map(|(c, _)| c)
+        };
+        let key = |t: &Board, with: &[u32], total: (u32, u64)| {
+            let (pack, k) = (i64::from(total.0), price(t, with));
+            if pack_first {
+                (pack, k)
+            } else {
+                (k, pack)
             }
-            let (cores, _) = best.ok_or(PlacementError::NoRoom)?;
-            used_chips.push(cores[0] / self.cores_per_chip);
-            trial.occupy(s, &cores);
-            placed.extend(cores);
-        }
-        *self = trial;
-        Ok(placed)
+        };
+        self.place_chip_by_chip(s, pick, key)
     }
 
     /// The best core for a one-core vNPU of shape `s` and its score.
