@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use npu_model::{BoardConfig, Contention, Totals};
+use npu_workloads::{LowerError, RunError};
 use serde::{Deserialize, Serialize};
 
 use crate::corun::{closed_loop, CoRunError, Measured, Placed, RequestPrograms, Spec};
@@ -163,6 +164,10 @@ pub struct Matrix {
     pub iterations: usize,
     pub solo: Vec<Solo>,
     pub cases: Vec<CaseOutcome>,
+    /// Items of the plan whose tensors do not fit their vNPU's HBM (a
+    /// quarter or half of a chip's), left out with every case they are in.
+    #[serde(default)]
+    pub left_out: Vec<Spec>,
 }
 
 impl Matrix {
@@ -332,12 +337,32 @@ pub fn characterize(
     plan: &Plan,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<Matrix, CoRunError> {
-    let cases = cases(cfg, plan);
+    let mut cases = cases(cfg, plan);
     let mut specs: Vec<Spec> = cases.iter().flat_map(|c| c.tenants.iter().cloned()).collect();
     specs.sort();
     specs.dedup();
-    let programs =
-        specs.iter().map(|s| RequestPrograms::lower(cfg, s)).collect::<Result<Vec<_>, CoRunError>>()?;
+    // Lower every item; one whose tensors do not fit its vNPU's HBM is
+    // left out, with every case it is in.
+    let mut left_out = Vec::new();
+    let mut programs = Vec::with_capacity(specs.len());
+    specs.retain(|s| match RequestPrograms::lower(cfg, s) {
+        Ok(p) => {
+            programs.push(Ok(p));
+            true
+        }
+        Err(CoRunError::Lower { source, .. })
+            if matches!(*source, RunError::Lower(LowerError::Hbm { .. })) =>
+        {
+            left_out.push(s.clone());
+            false
+        }
+        Err(e) => {
+            programs.push(Err(e));
+            true
+        }
+    });
+    let programs = programs.into_iter().collect::<Result<Vec<_>, CoRunError>>()?;
+    cases.retain(|c| c.tenants.iter().all(|t| !left_out.contains(t)));
     let mut solo = Vec::with_capacity(specs.len());
     for (spec, p) in specs.iter().zip(&programs) {
         let m = closed_loop(cfg, &[Placed { request: p, core: 0, group: None }], Contention::default(), 1)?;
@@ -369,7 +394,7 @@ pub fn characterize(
     for r in results {
         outcomes.push(r.ok_or(CoRunError::Stuck)??);
     }
-    Ok(Matrix { board: cfg.name.clone(), iterations: plan.iterations, solo, cases: outcomes })
+    Ok(Matrix { board: cfg.name.clone(), iterations: plan.iterations, solo, cases: outcomes, left_out })
 }
 
 fn quantile(v: &mut [f64], q: f64) -> f64 {
@@ -400,6 +425,10 @@ fn shares<'a>(t: impl Iterator<Item = &'a TenantOutcome>) -> [f64; 4] {
 pub fn summary(m: &Matrix) -> String {
     use std::fmt::Write;
     let mut out = String::new();
+    if !m.left_out.is_empty() {
+        let names: Vec<String> = m.left_out.iter().map(|s| s.to_string()).collect();
+        let _ = writeln!(out, "left out (tensors larger than the vNPU's HBM): {}", names.join(", "));
+    }
     let mut groups: Vec<(Placement, usize, u32, u32)> = m
         .cases
         .iter()

@@ -263,3 +263,29 @@ fn counters_cover_exactly_the_requests_measured() {
         assert_eq!(m.totals.instructions, 2 * m.requests as u64, "tenant {i}");
     }
 }
+
+/// An item whose tensors do not fit its vNPU's HBM (SSD-ResNet34 at batch
+/// 16 needs 15.8 GB; a 1 + 1 vNPU gets a quarter of a core's share) is
+/// left out with every case it is in; the rest is characterized.
+#[test]
+fn items_larger_than_their_hbm_are_left_out_by_name() {
+    let plan = Plan {
+        workloads: vec!["ncf".into(), "ssd-resnet34".into()],
+        batches: vec![16],
+        shapes: vec![(1, 1)],
+        placements: vec![Placement::Core],
+        groups: Vec::new(),
+        group_batch: 1,
+        iterations: 1,
+        threads: 1,
+    };
+    let m = characterize(&BoardConfig::default(), &plan, &|_, _| {}).unwrap();
+    let big = Spec { workload: "ssd-resnet34".into(), batch: 16, sa: 1, vu: 1 };
+    assert_eq!(m.left_out, [big.clone()]);
+    // Of the three pairs only NCF with itself is left.
+    assert_eq!(m.cases.len(), 1);
+    assert!(m.cases[0].tenants.iter().all(|t| t.spec.workload == "ncf"));
+    assert!(m.solo.iter().all(|s| s.spec != big));
+    assert!(npu_interference::characterize::summary(&m)
+        .contains("left out (tensors larger than the vNPU's HBM): ssd-resnet34 b16 1+1"));
+}

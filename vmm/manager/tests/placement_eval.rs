@@ -28,7 +28,13 @@ fn plan() -> StreamPlan {
 }
 
 fn empty_matrix(cfg: &BoardConfig) -> Matrix {
-    Matrix { board: cfg.name.clone(), iterations: 1, solo: Vec::new(), cases: Vec::new() }
+    Matrix {
+        board: cfg.name.clone(),
+        iterations: 1,
+        solo: Vec::new(),
+        cases: Vec::new(),
+        left_out: Vec::new(),
+    }
 }
 
 #[test]

@@ -29,7 +29,9 @@ enum Command {
         /// TPU-class board when absent.
         #[arg(long)]
         board: Option<PathBuf>,
-        /// Workloads (comma-separated); all of the library by default.
+        /// Workloads (comma-separated), any of the library (`vnpu workload
+        /// list`); the design's seven (ResNet-50, BERT, DLRM, NCF,
+        /// MobileNet, EfficientNet, Transformer) by default.
         #[arg(long, value_delimiter = ',')]
         workloads: Option<Vec<String>>,
         /// Batch sizes of the pair items.
@@ -132,8 +134,13 @@ fn run(cli: Cli) -> Result<(), String> {
                 Some(p) => BoardConfig::load(&p).map_err(|e| e.to_string())?,
                 None => BoardConfig::default(),
             };
-            let all: Vec<String> = npu_workloads::WORKLOADS.iter().map(|w| w.0.to_string()).collect();
-            let workloads = workloads.unwrap_or(all.clone());
+            let design: Vec<String> = npu_workloads::WORKLOADS.iter().map(|w| w.0.to_string()).collect();
+            let all: Vec<String> = npu_workloads::WORKLOADS
+                .iter()
+                .chain(npu_workloads::MORE_WORKLOADS)
+                .map(|w| w.0.to_string())
+                .collect();
+            let workloads = workloads.unwrap_or(design);
             if let Some(w) = workloads.iter().find(|w| !all.contains(w)) {
                 return Err(format!("unknown workload `{w}` (known: {})", all.join(", ")));
             }
