@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use npu_model::{BoardConfig, Contention, Totals};
-use npu_workloads::{LowerError, RunError};
 use serde::{Deserialize, Serialize};
 
 use crate::corun::{closed_loop, CoRunError, Measured, Placed, RequestPrograms, Spec};
@@ -345,23 +344,17 @@ pub fn characterize(
     // left out, with every case it is in.
     let mut left_out = Vec::new();
     let mut programs = Vec::with_capacity(specs.len());
-    specs.retain(|s| match RequestPrograms::lower(cfg, s) {
-        Ok(p) => {
-            programs.push(Ok(p));
-            true
+    let mut kept = Vec::with_capacity(specs.len());
+    for s in specs {
+        match RequestPrograms::lower_if_fits(cfg, &s)? {
+            Some(p) => {
+                programs.push(p);
+                kept.push(s);
+            }
+            None => left_out.push(s),
         }
-        Err(CoRunError::Lower { source, .. })
-            if matches!(*source, RunError::Lower(LowerError::Hbm { .. })) =>
-        {
-            left_out.push(s.clone());
-            false
-        }
-        Err(e) => {
-            programs.push(Err(e));
-            true
-        }
-    });
-    let programs = programs.into_iter().collect::<Result<Vec<_>, CoRunError>>()?;
+    }
+    let specs = kept;
     cases.retain(|c| c.tenants.iter().all(|t| !left_out.contains(t)));
     let mut solo = Vec::with_capacity(specs.len());
     for (spec, p) in specs.iter().zip(&programs) {

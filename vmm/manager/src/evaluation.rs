@@ -111,6 +111,24 @@ pub struct StreamPlan {
     pub seed: u64,
 }
 
+impl StreamPlan {
+    /// Every kind of vNPU of the plan: each workload at each batch on each
+    /// shape.
+    pub fn items(&self) -> Vec<Item> {
+        self.workloads
+            .iter()
+            .flat_map(|w| {
+                self.batches.iter().flat_map(move |&batch| {
+                    self.shapes.iter().map(move |&(sa, vu, cores)| Item {
+                        spec: Spec { workload: w.clone(), batch, sa, vu },
+                        cores: cores.max(1),
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
 /// One vNPU of a stream.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Job {
@@ -171,22 +189,18 @@ fn exp(rng: &mut StdRng, mean: f64) -> f64 {
     -mean * (1.0 - u).ln()
 }
 
-/// Draws the stream of `plan`: items uniformly, work exponentially, then
-/// Poisson arrivals at the rate that offers `plan.load` of the board's EUs.
-/// `latency(item)` is an item's request latency alone in cycles.
-pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Item) -> f64) -> JobStream {
-    let items: Vec<Item> = plan
-        .workloads
-        .iter()
-        .flat_map(|w| {
-            plan.batches.iter().flat_map(move |&batch| {
-                plan.shapes.iter().map(move |&(sa, vu, cores)| Item {
-                    spec: Spec { workload: w.clone(), batch, sa, vu },
-                    cores: cores.max(1),
-                })
-            })
-        })
-        .collect();
+/// Draws a stream of `plan`'s size, load and seed over `items` (e.g.
+/// [`StreamPlan::items`], or those of them that fit: [`Items::kinds`]):
+/// items uniformly, work exponentially, then Poisson arrivals at the rate
+/// that offers `plan.load` of the board's EUs. `latency(item)` is an
+/// item's request latency alone in cycles.
+pub fn generate(
+    cfg: &BoardConfig,
+    plan: &StreamPlan,
+    items: &[Item],
+    latency: &dyn Fn(&Item) -> f64,
+) -> JobStream {
+    let items = items.to_vec();
     let mut rng = StdRng::seed_from_u64(plan.seed);
     let mut jobs = Vec::with_capacity(plan.vnpus);
     let mut eu_time = 0.0;
@@ -211,6 +225,11 @@ pub fn generate(cfg: &BoardConfig, plan: &StreamPlan, latency: &dyn Fn(&Item) ->
 /// solo counters of one of its cores, and its request latency alone.
 #[derive(Debug)]
 pub struct Items {
+    /// The items, those that fit (the rest are in `left_out`); the other
+    /// fields follow their order.
+    pub kinds: Vec<Item>,
+    /// Items whose tensors do not fit their vNPU's HBM.
+    pub left_out: Vec<Item>,
     pub programs: Vec<RequestPrograms>,
     pub solos: Vec<Solo>,
     /// Cycles of one request of the whole vNPU alone on the board: its
@@ -221,18 +240,26 @@ pub struct Items {
 
 impl Items {
     /// Lowers every item; solo counters from `matrix` where it has them,
-    /// else measured.
-    pub fn new(cfg: &BoardConfig, items: &[Item], matrix: &Matrix) -> Result<Self, EvalError> {
-        let mut programs = Vec::with_capacity(items.len());
-        let mut solos = Vec::with_capacity(items.len());
-        for it in items {
+    /// else measured. An item whose tensors do not fit its vNPU's HBM is
+    /// left out (`left_out`).
+    pub fn new(cfg: &BoardConfig, all: &[Item], matrix: &Matrix) -> Result<Self, EvalError> {
+        let mut programs = Vec::with_capacity(all.len());
+        let mut solos = Vec::with_capacity(all.len());
+        let (mut kinds, mut left_out) = (Vec::new(), Vec::new());
+        for it in all {
             let s = &it.spec;
-            programs.push(RequestPrograms::lower(cfg, s)?);
+            let Some(p) = RequestPrograms::lower_if_fits(cfg, s)? else {
+                left_out.push(it.clone());
+                continue;
+            };
+            programs.push(p);
+            kinds.push(it.clone());
             solos.push(match matrix.solo(s) {
                 Some(x) => x.clone(),
                 None => Solo::measure(cfg, s)?,
             });
         }
+        let items = &kinds;
         let mut alone = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {
             alone.push(if it.cores <= 1 {
@@ -254,7 +281,7 @@ impl Items {
                 }
             });
         }
-        Ok(Self { programs, solos, alone })
+        Ok(Self { kinds, left_out, programs, solos, alone })
     }
 }
 

@@ -252,6 +252,18 @@ fn placement_eval_on_a_small_stream() {
         }
     }
     assert!(multi > 0, "no two-core vNPU was placed");
+    // An item whose tensors exceed its vNPU's HBM (YOLOv3 at batch 16 on
+    // 1 + 1: about 3.7 GB against 2 GiB) is left out by name; the rest of
+    // the stream runs.
+    let mut a: Vec<&str> =
+        vec!["--vnpus", "30", "--seeds", "3", "--workloads", "ncf,yolov3", "--batches", "16"];
+    a.extend(["--shapes", "1+1", "--policies", "balance", "--json", j]);
+    let (code, out, err) = eval(&a);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(err.contains("left out (tensors larger than the vNPU's HBM): yolov3 b16 1+1x1"), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["left_out"].as_array().unwrap().len(), 1, "{}", v["left_out"]);
+    assert_eq!(v["items"].as_array().unwrap().len(), 1, "{}", v["items"]);
     // Bad input: named.
     for (args, says) in [
         (vec!["--load", "0"], "--load"),

@@ -211,13 +211,20 @@ fn run(cli: Cli) -> Result<(), EvalError> {
         })
         .collect();
     // Items are the same for every seed: lower them once.
-    let first = generate(&cfg, &plans[0], &|_| 1.0);
-    eprintln!("lowering {} workload items...", first.items.len());
-    let items = Items::new(&cfg, &first.items, &matrix)?;
+    let all = plans[0].items();
+    eprintln!("lowering {} workload items...", all.len());
+    let items = Items::new(&cfg, &all, &matrix)?;
+    if !items.left_out.is_empty() {
+        let names: Vec<String> = items.left_out.iter().map(|i| format!("{}x{}", i.spec, i.cores)).collect();
+        eprintln!("left out (tensors larger than the vNPU's HBM): {}", names.join(", "));
+    }
+    if items.kinds.is_empty() {
+        return Err(input("no item of the stream fits its vNPU's HBM".into()));
+    }
     let latency = |s: &vnpu_manager::evaluation::Item| {
-        first.items.iter().position(|x| x == s).map_or(1.0, |i| items.alone[i])
+        items.kinds.iter().position(|x| x == s).map_or(1.0, |i| items.alone[i])
     };
-    let streams: Vec<_> = plans.iter().map(|p| generate(&cfg, p, &latency)).collect();
+    let streams: Vec<_> = plans.iter().map(|p| generate(&cfg, p, &items.kinds, &latency)).collect();
     let work: Vec<(usize, EvalPolicy)> =
         (0..plans.len()).flat_map(|s| cli.policies.iter().map(move |&p| (s, p))).collect();
     let next = AtomicUsize::new(0);
@@ -267,7 +274,8 @@ fn run(cli: Cli) -> Result<(), EvalError> {
             "load": cli.load,
             "work_ms": cli.work_ms,
             "warmup": cli.warmup,
-            "items": first.items,
+            "items": items.kinds,
+            "left_out": items.left_out,
             "summary": summary,
             "runs": runs,
         });
