@@ -559,7 +559,15 @@ fn a_killed_daemon_leaves_its_vms_a_readable_device_error() {
     assert!(out.contains("the device stopped the ring (ERROR 0xffffffff)"), "{out}");
     // Its own CPU work went on: the guest compared with its CPU reference.
     assert!(out.contains("digits: MISMATCH between vNPU and CPU"), "{out}");
-    assert!(out.contains("hung up"), "{out}");
+    // The VMM says the server is gone: its watcher saw the socket hang up,
+    // or a message to it failed first (connection reset, broken pipe) and
+    // the VM was done before the watcher thread ran (seen once in CI on 2
+    // busy CPUs: the VM exited 10 ms after the kill with only the second).
+    assert!(
+        out.contains("hung up; the device reads as failed from now on")
+            || out.contains("; the device reads as all ones from now on"),
+        "{out}"
+    );
 
     // A restarted daemon still has the definition, started, and serves it.
     let (d, _) = metrics_daemon(&state);
