@@ -229,6 +229,28 @@ pub enum Op {
     /// `y`) of its tensor and its rows are `lda`, `ldb`, `ldy` elements
     /// apart, so strided views (a transposed or head-split tensor) are
     /// read and written in place: attention's `Q K^T` and `P V`.
+    /// VU: class-aware Fast NMS (Bolya et al. 2019, YOLACT) over `n`
+    /// candidate boxes per image, for every class at once, with the
+    /// semantics written out in `docs/workloads.md` ("RetinaNet"):
+    /// `boxes` is `[batch][n][4]` (centre y, centre x, height, width),
+    /// `scores` `[batch][n][classes]`, `y` (same shape) the scores of the
+    /// boxes kept (0 where suppressed). `corners` (`[5][batch][n]`:
+    /// y1, x1, y2, x2, area) is the operation's scratch. A box `i` is
+    /// suppressed in class `c` when a box `j` whose IoU with it exceeds
+    /// `iou` scores higher in `c`. The comparisons are steps of slope
+    /// [`NMS_STEP`] (clamped to 0..1), so the ISA's arithmetic computes
+    /// them; no sort.
+    FastNms {
+        name: String,
+        boxes: TensorId,
+        scores: TensorId,
+        corners: TensorId,
+        y: TensorId,
+        batch: u32,
+        n: u32,
+        classes: u32,
+        iou: f32,
+    },
     BatchMatMul {
         name: String,
         a: TensorId,
@@ -267,6 +289,7 @@ impl Op {
             Op::Unary { .. } => "Unary",
             Op::Softmax { .. } => "Softmax",
             Op::BatchMatMul { .. } => "BatchMatMul",
+            Op::FastNms { .. } => "FastNms",
         }
     }
 
@@ -296,6 +319,7 @@ impl Op {
             Op::Interaction { z, y, .. } => vec![z, y.t],
             Op::Copy { x, y, .. } | Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => vec![x.t, y.t],
             Op::BatchMatMul { a, b, y, .. } => vec![a, b, y],
+            Op::FastNms { boxes, scores, corners, y, .. } => vec![boxes, scores, corners, y],
         }
     }
 
@@ -316,10 +340,17 @@ impl Op {
             | Op::Copy { name, .. }
             | Op::Unary { name, .. }
             | Op::Softmax { name, .. }
-            | Op::BatchMatMul { name, .. } => name,
+            | Op::BatchMatMul { name, .. }
+            | Op::FastNms { name, .. } => name,
         }
     }
 }
+
+/// The slope of the steps [`Op::FastNms`] compares with: a difference
+/// `d` counts as `clamp(d * NMS_STEP, 0, 1)` (IoU above the threshold)
+/// or `clamp(d * NMS_STEP + 1, 0, 1)` (a score not below the highest
+/// overlapping one): a true step for `|d| >= 2^-20`.
+pub const NMS_STEP: f32 = 1_048_576.0;
 
 /// A model at a batch size.
 #[derive(Clone, Debug, PartialEq)]
@@ -585,6 +616,10 @@ pub const MORE_WORKLOADS: &[(&str, &str)] = &[
         "ssd-resnet34",
         "SSD-ResNet34 (MLPerf SSD-large, COCO 81 classes), 1200x1200, 15130 boxes: softmax scores and box decoding",
     ),
+    (
+        "retinanet",
+        "RetinaNet ResNet-50-FPN (COCO 80 classes, 1 anchor per cell), 640x640, 8525 boxes: class-aware Fast NMS on the VU",
+    ),
 ];
 
 /// Builds the named model at `batch`.
@@ -606,6 +641,7 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "yolov3" => yolov3(batch, 416),
         "gnmt" => gnmt(batch, &GnmtSize::MLPERF),
         "ssd-resnet34" => ssd_resnet34(batch, &SsdR34Size::MLPERF),
+        "retinanet" => retinanet(batch, 640),
         _ => return None,
     })
 }
@@ -613,9 +649,21 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
 fn resnet50(batch: u32) -> Graph {
     let mut g = Graph::new("resnet50", batch);
     let x = g.image_input(224, 3);
-    let (x, h, w) = g.conv("conv1", x, 224, 224, 3, 64, 7, 2, Act::Relu);
-    let (mut x_t, h, w) = max_pool(&mut g, "maxpool", x, 64, Spatial::square(h, w, 3, 2, 1));
+    let &(x, h, c) = resnet50_stages(&mut g, x, 224).last().expect("four stages");
+    let p = g.global_pool(x, h * h, c);
+    g.output = g.classifier(p, c, 1000);
+    g
+}
+
+/// ResNet-50 v1.5's stem and four stages of bottleneck blocks over
+/// `side x side` images `x`: each stage's output `(tensor, side, channels)`
+/// (strides 4, 8, 16 and 32; 256 to 2048 channels).
+fn resnet50_stages(g: &mut Graph, x: TensorId, side: u32) -> Vec<(TensorId, u32, u32)> {
+    let batch = g.batch;
+    let (x, h, w) = g.conv("conv1", x, side, side, 3, 64, 7, 2, Act::Relu);
+    let (mut x_t, h, w) = max_pool(g, "maxpool", x, 64, Spatial::square(h, w, 3, 2, 1));
     let (mut h, mut w, mut c) = (h, w, 64u32);
+    let mut stages = Vec::new();
     for (stage, &(blocks, mid, out, stride)) in
         [(3u32, 64u32, 256u32, 1u16), (4, 128, 512, 2), (6, 256, 1024, 2), (3, 512, 2048, 2)]
             .iter()
@@ -642,9 +690,134 @@ fn resnet50(batch: u32) -> Graph {
             );
             (h, w, c) = (ho, wo, out);
         }
+        stages.push((x_t, h, c));
     }
-    let p = g.global_pool(x_t, h * w, c);
-    g.output = g.classifier(p, c, 1000);
+    stages
+}
+
+/// RetinaNet (Lin et al. 2017) with a ResNet-50 FPN on `side x side`
+/// images (640 in the library, the TPU reference's size; any multiple of
+/// 128), COCO's 80 classes, and one anchor per location (the paper's
+/// `A = 1` of Table 1a: 8,525 boxes at 640): pyramid levels P3-P7 of 256
+/// channels (lateral 1x1 convolutions, nearest 2x upsampling by strided
+/// copies, 3x3 output convolutions; P6 a stride-2 3x3 on C5, P7 one on
+/// ReLU(P6)), and on every level the two subnets, four 3x3 convolutions
+/// of 256 channels each, then the class scores (sigmoid) and the box
+/// (decoded against the level's anchors as SSD's are), the subnets'
+/// weights shared by the levels. Post-processing on the VU: the boxes
+/// and scores of all levels are gathered per image and go through a
+/// class-aware Fast NMS ([`Op::FastNms`]) at IoU 0.5, every class
+/// against all 8,525 boxes (no top-k first: the ISA cannot sort).
+pub fn retinanet(batch: u32, side: u32) -> Graph {
+    const CLASSES: u32 = 80;
+    const CH: u32 = 256;
+    let mut g = Graph::new("retinanet", batch);
+    let x = g.image_input(side, 3);
+    let stages = resnet50_stages(&mut g, x, side);
+    let (c3, s3, ch3) = stages[1];
+    let (c4, s4, ch4) = stages[2];
+    let (c5, s5, ch5) = stages[3];
+    let px = |s: u32| u64::from(batch) * u64::from(s * s) * u64::from(CH);
+    // Top-down pathway.
+    let (l5, _, _) = g.conv("fpn.lat5", c5, s5, s5, ch5, CH, 1, 1, Act::None);
+    let (l4, _, _) = g.conv("fpn.lat4", c4, s4, s4, ch4, CH, 1, 1, Act::None);
+    let (l3, _, _) = g.conv("fpn.lat3", c3, s3, s3, ch3, CH, 1, 1, Act::None);
+    let u5 = upsample2x(&mut g, "fpn.up5", l5, s5, s5, CH);
+    let m4 = g.add("fpn.merge4", l4, u5, px(s4), CH, Act::None);
+    let u4 = upsample2x(&mut g, "fpn.up4", m4, s4, s4, CH);
+    let m3 = g.add("fpn.merge3", l3, u4, px(s3), CH, Act::None);
+    let (p3, _, _) = g.conv("fpn.p3", m3, s3, s3, CH, CH, 3, 1, Act::None);
+    let (p4, _, _) = g.conv("fpn.p4", m4, s4, s4, CH, CH, 3, 1, Act::None);
+    let (p5, _, _) = g.conv("fpn.p5", l5, s5, s5, CH, CH, 3, 1, Act::None);
+    let (p6, s6, _) = g.conv("fpn.p6", c5, s5, s5, ch5, CH, 3, 2, Act::None);
+    let r6 = g.act("fpn.p6.relu", px(s6));
+    let rows6 = batch * s6 * s6;
+    g.ops.push(Op::Unary {
+        name: "fpn.p6.relu".into(),
+        x: View::dense(p6, CH),
+        y: View::dense(r6, CH),
+        rows: rows6,
+        cols: CH,
+        act: Act::Relu,
+    });
+    let (p7, s7, _) = g.conv("fpn.p7", r6, s6, s6, CH, CH, 3, 2, Act::None);
+    let levels = [(p3, s3), (p4, s4), (p5, s5), (p6, s6), (p7, s7)];
+    let n: u32 = levels.iter().map(|l| l.1 * l.1).sum();
+    // The subnets' weights, shared by the levels: (weights, bias, cout).
+    let mut subnet = |name: &str, out: u32| -> Vec<(TensorId, TensorId, u32)> {
+        (0..5)
+            .map(|i| {
+                let cout = if i == 4 { out } else { CH };
+                let fan_in = 9 * CH;
+                let w = g.tensor(
+                    format!("{name}.{i}.w"),
+                    u64::from(fan_in) * u64::from(cout),
+                    Init::Weights { fan_in },
+                );
+                let b = g.tensor(format!("{name}.{i}.b"), cout.into(), Init::Bias);
+                (w, b, cout)
+            })
+            .collect()
+    };
+    let cls_w = subnet("cls", CLASSES);
+    let box_w = subnet("box", 4);
+    let all_scores = g.act("scores", u64::from(batch) * u64::from(n) * u64::from(CLASSES));
+    let all_boxes = g.act("boxes", u64::from(batch) * u64::from(n) * 4);
+    let mut off = 0u32;
+    for (l, &(f, s)) in levels.iter().enumerate() {
+        let p = format!("p{}", l + 3);
+        let run = |g: &mut Graph, sub: &str, ws: &[(TensorId, TensorId, u32)]| -> TensorId {
+            let mut x = f;
+            for (i, &(w, b, cout)) in ws.iter().enumerate() {
+                let act = if i + 1 == ws.len() { Act::None } else { Act::Relu };
+                let y = g.act(&format!("{p}.{sub}.{i}"), u64::from(batch) * u64::from(s * s) * u64::from(cout));
+                g.ops.push(Op::Conv {
+                    name: format!("{p}.{sub}.{i}"),
+                    x,
+                    w,
+                    b,
+                    y,
+                    batch,
+                    s: Spatial::square(s, s, 3, 1, 1),
+                    cin: CH,
+                    cout,
+                    act,
+                });
+                x = y;
+            }
+            x
+        };
+        let cls = run(&mut g, "cls", &cls_w);
+        let reg = run(&mut g, "box", &box_w);
+        let (prob, dec) = decode_detections(&mut g, &p, cls, reg, batch * s * s, CLASSES, false);
+        // Gather the level into each image's candidates.
+        for img in 0..batch {
+            for (t, all, cols) in [(prob, all_scores, CLASSES), (dec, all_boxes, 4)] {
+                g.ops.push(Op::Copy {
+                    name: format!("{p}.gather{}.{img}", if cols == 4 { "boxes" } else { "scores" }),
+                    x: View { t, ld: cols, col: img * s * s * cols },
+                    y: View { t: all, ld: cols, col: (img * n + off) * cols },
+                    rows: s * s,
+                    cols,
+                });
+            }
+        }
+        off += s * s;
+    }
+    let corners = g.act("nms.corners", 5 * u64::from(batch) * u64::from(n));
+    let y = g.act("detections", u64::from(batch) * u64::from(n) * u64::from(CLASSES));
+    g.ops.push(Op::FastNms {
+        name: "nms".into(),
+        boxes: all_boxes,
+        scores: all_scores,
+        corners,
+        y,
+        batch,
+        n,
+        classes: CLASSES,
+        iou: 0.5,
+    });
+    g.output = y;
     g
 }
 
@@ -924,7 +1097,23 @@ fn detection_head(
 ) -> TensorId {
     let (cls, ho, wo) = g.conv_spatial(&format!("{p}.classes"), f, s, ch, anchors * classes, Act::None);
     let (reg, _, _) = g.conv_spatial(&format!("{p}.boxes"), f, s, ch, anchors * 4, Act::None);
-    let boxes = g.batch * ho * wo * anchors;
+    decode_detections(g, p, cls, reg, g.batch * ho * wo * anchors, classes, softmax).0
+}
+
+/// The post-processing of a detection head before NMS: the scores of
+/// `boxes` boxes from the class logits `cls` (a sigmoid per class, or a
+/// softmax over the classes of each box) and the boxes decoded from the
+/// regression `reg` against a weight tensor of anchors. Returns
+/// (scores `[boxes][classes]`, decoded boxes `[boxes][4]`).
+fn decode_detections(
+    g: &mut Graph,
+    p: &str,
+    cls: TensorId,
+    reg: TensorId,
+    boxes: u32,
+    classes: u32,
+    softmax: bool,
+) -> (TensorId, TensorId) {
     let prob = g.act(&format!("{p}.scores"), u64::from(boxes) * u64::from(classes));
     let (x, y) = (View::dense(cls, classes), View::dense(prob, classes));
     let name = format!("{p}.scores");
@@ -973,7 +1162,7 @@ fn detection_head(
         cols: 2,
         act: Act::None,
     });
-    prob
+    (prob, dec)
 }
 
 /// Wide & Deep (Cheng et al. 2016) with Criteo-like inputs: 13 dense

@@ -21,7 +21,7 @@ use vnpu_abi::{
     Space, UnOp,
 };
 
-use crate::graph::{Act, Graph, Init, Op, Spatial, TensorId, View};
+use crate::graph::{Act, Graph, Init, Op, Spatial, TensorId, View, NMS_STEP};
 
 /// The vNPU core a program is lowered for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1031,6 +1031,176 @@ impl Lowerer {
         )
     }
 
+    /// [`Op::FastNms`] in two VU pipelines. First the corners and area
+    /// of every box (`corners`, five planes of `batch * n`): the boxes'
+    /// four coordinates are loaded as planes by strided copies. Then,
+    /// per image, the five planes of its boxes and its scores as one
+    /// plane per class are preloaded, and each tile of `r` boxes `i`:
+    /// five scalar-broadcast operations per box build its rows of
+    /// overlap terms against all `n` boxes `j`, ten operations over the
+    /// tile turn them into the "IoU above the threshold" steps `T`, then
+    /// per box and chunk of classes one row-broadcast product of the
+    /// score planes with its row of `T` and one max-reduction give the
+    /// highest overlapping score `M` of every class, and four operations
+    /// over the tile's `[r][classes]` scores keep the boxes whose score
+    /// is not below `M`. Work and instructions grow with `n^2 * classes`
+    /// and `n` per image.
+    fn fast_nms(
+        &mut self,
+        name: &str,
+        [boxes, scores, corners, y]: [TensorId; 4],
+        batch: u32,
+        n: u32,
+        classes: u32,
+        iou: f32,
+    ) -> Result<(), LowerError> {
+        if n == 0 || classes == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (nb, cb) = (u64::from(n) * F, u64::from(classes) * F);
+        let bn = u64::from(batch) * u64::from(n);
+        let (ba, ca, sa, ya) = (self.hbm[boxes], self.hbm[corners], self.hbm[scores], self.hbm[y]);
+        // 1. Corners: tiles of whole images, 4 input planes, 5 output
+        // planes and 2 scratch planes of `r * n` each.
+        self.vu_tiles(
+            &format!("{name}.corners"),
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * nb * 11,
+            |u0, r, base| {
+                let len = r * n;
+                let plane = |k: u64| base + k * u64::from(len) * F;
+                let first = u64::from(u0) * nb;
+                let load = (0..4u64)
+                    .map(|k| copy(Addr::hbm(ba + first * 4 + k * F), Addr::sram(plane(k)), len.into(), F, 4 * F, F))
+                    .collect();
+                let (cy, cx, h, w) = (plane(0), plane(1), plane(2), plane(3));
+                let [y1, x1, y2, x2, area] = [4, 5, 6, 7, 8].map(plane);
+                let (t0, t1) = (plane(9), plane(10));
+                let bin = |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let compute = vec![
+                    Instr::VAffine { src: h, dst: t0, len, scale: 0.5, bias: 0.0 },
+                    bin(BinOp::Sub, cy, t0, y1),
+                    bin(BinOp::Add, cy, t0, y2),
+                    Instr::VAffine { src: w, dst: t0, len, scale: 0.5, bias: 0.0 },
+                    bin(BinOp::Sub, cx, t0, x1),
+                    bin(BinOp::Add, cx, t0, x2),
+                    bin(BinOp::Sub, y2, y1, t0),
+                    bin(BinOp::Sub, x2, x1, t1),
+                    bin(BinOp::Mul, t0, t1, area),
+                ];
+                let store = (0..5u64)
+                    .map(|k| {
+                        copy(Addr::sram(plane(4 + k)), Addr::hbm(ca + (k * bn) * F + first), 1, u64::from(len) * F, 0, 0)
+                    })
+                    .collect();
+                (load, compute, store)
+            },
+        )?;
+        // 2. Per image: the steps and the suppression. Classes go in
+        // chunks of `cc` when one product row of all of them does not fit.
+        let fixed = (5 + u64::from(classes)) * nb;
+        let tile_bytes = |cc: u32| move |r: u32| F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes)) + u64::from(cc) * nb;
+        let mut cc = classes;
+        loop {
+            match self.plan(name, fixed, self.shape.vu, n, tile_bytes(cc)) {
+                Ok((_, r)) if r >= n.min(8) || cc == 1 => break,
+                Err(e) if cc == 1 => return Err(e),
+                _ => cc = cc.div_ceil(2),
+            }
+        }
+        let chunks: Vec<(u32, u32)> = (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
+        for img in 0..u64::from(batch) {
+            // The preload reads what the corners pipeline and the
+            // operations before stored.
+            self.flush();
+            let mut preload: Vec<Instr> = (0..5u64)
+                .map(|k| copy(Addr::hbm(ca + (k * bn + img * u64::from(n)) * F), Addr::sram(k * nb), 1, nb, 0, 0))
+                .collect();
+            preload.extend((0..u64::from(classes)).map(|c| {
+                copy(Addr::hbm(sa + (img * u64::from(n) * u64::from(classes) + c) * F), Addr::sram((5 + c) * nb), n.into(), F, cb, F)
+            }));
+            let [py1, px1, py2, px2, parea] = [0u64, 1, 2, 3, 4].map(|k| k * nb);
+            let splane = |c: u32| (5 + u64::from(c)) * nb;
+            let chunks = chunks.clone();
+            self.vu_tiles(name, preload, fixed, n, tile_bytes(cc), |i0, r, base| {
+                let rn = u64::from(r) * nb;
+                let [x1, x2, y1, y2, u] = [0u64, 1, 2, 3, 4].map(|k| base + k * rn);
+                let st = base + 5 * rn;
+                let m = st + u64::from(r) * cb;
+                let tmp = m + u64::from(r) * cb;
+                let row = |mat: u64, q: u32| mat + u64::from(q) * nb;
+                let len = r * n;
+                let scalar = |op, plane: u64, q: u32, dst| Instr::VBinary {
+                    op,
+                    bcast: Bcast::Scalar,
+                    a: plane,
+                    b: plane + u64::from(i0 + q) * F,
+                    dst,
+                    rows: 1,
+                    cols: n,
+                };
+                let whole = |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let mut c = Vec::new();
+                for q in 0..r {
+                    c.push(scalar(BinOp::Max, px1, q, row(x1, q)));
+                    c.push(scalar(BinOp::Min, px2, q, row(x2, q)));
+                    c.push(scalar(BinOp::Max, py1, q, row(y1, q)));
+                    c.push(scalar(BinOp::Min, py2, q, row(y2, q)));
+                    c.push(scalar(BinOp::Add, parea, q, row(u, q)));
+                }
+                c.extend([
+                    whole(BinOp::Sub, x2, x1, x2),
+                    Instr::VUnary { op: UnOp::Relu, src: x2, dst: x2, len },
+                    whole(BinOp::Sub, y2, y1, y2),
+                    Instr::VUnary { op: UnOp::Relu, src: y2, dst: y2, len },
+                    whole(BinOp::Mul, x2, y2, x2),
+                    whole(BinOp::Sub, u, x2, u),
+                    Instr::VAffine { src: u, dst: u, len, scale: -iou, bias: 0.0 },
+                    whole(BinOp::Add, u, x2, u),
+                    Instr::VAffine { src: u, dst: u, len, scale: NMS_STEP, bias: 0.0 },
+                    Instr::VClamp { src: u, dst: u, len, lo: 0.0, hi: 1.0 },
+                ]);
+                for q in 0..r {
+                    for &(c0, k) in &chunks {
+                        c.push(Instr::VBinary {
+                            op: BinOp::Mul,
+                            bcast: Bcast::Row,
+                            a: splane(c0),
+                            b: row(u, q),
+                            dst: tmp,
+                            rows: k,
+                            cols: n,
+                        });
+                        c.push(Instr::VReduce {
+                            op: RedOp::Max,
+                            src: tmp,
+                            dst: m + (u64::from(q) * u64::from(classes) + u64::from(c0)) * F,
+                            outer: k,
+                            reduce: n,
+                            inner: 1,
+                        });
+                    }
+                }
+                let rc = r * classes;
+                c.extend([
+                    Instr::VBinary { op: BinOp::Sub, bcast: Bcast::None, a: st, b: m, dst: m, rows: 1, cols: rc },
+                    Instr::VAffine { src: m, dst: m, len: rc, scale: NMS_STEP, bias: 1.0 },
+                    Instr::VClamp { src: m, dst: m, len: rc, lo: 0.0, hi: 1.0 },
+                    Instr::VBinary { op: BinOp::Mul, bcast: Bcast::None, a: m, b: st, dst: m, rows: 1, cols: rc },
+                ]);
+                let first = (img * u64::from(n) + u64::from(i0)) * cb;
+                (
+                    vec![copy(Addr::hbm(sa + first), Addr::sram(st), 1, u64::from(r) * cb, 0, 0)],
+                    c,
+                    vec![copy(Addr::sram(m), Addr::hbm(ya + first), 1, u64::from(r) * cb, 0, 0)],
+                )
+            })?;
+        }
+        Ok(())
+    }
+
     fn op(&mut self, op: &Op) -> Result<(), LowerError> {
         let hbm = self.hbm.clone();
         let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
@@ -1457,6 +1627,9 @@ impl Lowerer {
                         store,
                     )
                 })?;
+            }
+            Op::FastNms { ref name, boxes, scores, corners, y, batch, n, classes, iou } => {
+                self.fast_nms(name, [boxes, scores, corners, y], batch, n, classes, iou)?
             }
             Op::Copy { x, y, rows, cols, .. } => {
                 let src = at(x.t, u64::from(x.col));

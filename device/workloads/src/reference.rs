@@ -308,6 +308,9 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
                     }
                 }
             }
+            Op::FastNms { boxes, scores, corners, y, batch, n, classes, iou, .. } => {
+                fast_nms(tensors, [boxes, scores, corners, y], batch, n, classes, iou);
+            }
             Op::Copy { x, y, rows, cols, .. } => {
                 for r in 0..rows {
                     for c in 0..cols {
@@ -317,5 +320,55 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
                 }
             }
         }
+    }
+}
+
+/// [`Op::FastNms`] in f32, with the operations in the order the
+/// lowering's VU runs them (so results match bit for bit on the same
+/// inputs: the steps would amplify any rounding difference).
+fn fast_nms(tensors: &mut [Vec<f32>], [boxes, scores, corners, y]: [usize; 4], batch: u32, n: u32, classes: u32, iou: f32) {
+    use crate::graph::NMS_STEP;
+    let (n, c, bn) = (n as usize, classes as usize, (batch * n) as usize);
+    let relu = |x: f32| if x.is_nan() { x } else { x.max(0.0) };
+    let clamp01 = |x: f32| if x.is_nan() { x } else { x.max(0.0).min(1.0) };
+    let max_nan = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) };
+    let min_nan = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.min(b) };
+    for b in 0..batch as usize {
+        // Corners and areas: [y1, x1, y2, x2, area].
+        let mut k = [vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]];
+        for i in 0..n {
+            let bx = &tensors[boxes][(b * n + i) * 4..(b * n + i) * 4 + 4];
+            let (hh, hw) = (bx[2] * 0.5 + 0.0, bx[3] * 0.5 + 0.0);
+            let (y1, y2, x1, x2) = (bx[0] - hh, bx[0] + hh, bx[1] - hw, bx[1] + hw);
+            let area = (y2 - y1) * (x2 - x1);
+            for (p, v) in [y1, x1, y2, x2, area].into_iter().enumerate() {
+                k[p][i] = v;
+            }
+        }
+        for (p, plane) in k.iter().enumerate() {
+            tensors[corners][p * bn + b * n..p * bn + (b + 1) * n].copy_from_slice(plane);
+        }
+        let s = &tensors[scores][b * n * c..(b + 1) * n * c];
+        let mut out = vec![0f32; n * c];
+        for i in 0..n {
+            // The row of "overlaps enough" steps of box i.
+            let t: Vec<f32> = (0..n)
+                .map(|j| {
+                    let iw = relu(min_nan(k[3][j], k[3][i]) - max_nan(k[1][j], k[1][i]));
+                    let ih = relu(min_nan(k[2][j], k[2][i]) - max_nan(k[0][j], k[0][i]));
+                    let inter = iw * ih;
+                    let union = (k[4][j] + k[4][i]) - inter;
+                    let over = (union * -iou + 0.0) + inter;
+                    clamp01(over * NMS_STEP + 0.0)
+                })
+                .collect();
+            for cl in 0..c {
+                let m = (0..n).map(|j| s[j * c + cl] * t[j]).fold(f32::NEG_INFINITY, max_nan);
+                let si = s[i * c + cl];
+                let keep = clamp01((si - m) * NMS_STEP + 1.0);
+                out[i * c + cl] = keep * si;
+            }
+        }
+        tensors[y][b * n * c..(b + 1) * n * c].copy_from_slice(&out);
     }
 }

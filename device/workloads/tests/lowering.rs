@@ -663,3 +663,169 @@ fn bf16_products_match_the_reference_with_bf16_operands() {
         }
     }
 }
+
+/// A Fast NMS graph over `n` boxes and `classes` classes of `batch`
+/// images: (graph, boxes, scores, output).
+fn nms_graph(batch: u32, n: u32, classes: u32) -> (Graph, usize, usize, usize) {
+    let mut g = Graph::new("nms", batch);
+    let boxes = g.tensor("boxes", u64::from(batch * n * 4), Init::Input);
+    let scores = g.tensor("scores", u64::from(batch * n * classes), Init::Input);
+    let corners = g.act("corners", u64::from(5 * batch * n));
+    let y = g.act("kept", u64::from(batch * n * classes));
+    g.input = boxes;
+    g.output = y;
+    g.ops.push(Op::FastNms { name: "nms".into(), boxes, scores, corners, y, batch, n, classes, iou: 0.5 });
+    (g, boxes, scores, y)
+}
+
+/// Runs `l` on `hbm` (already initialised) on 1 SA + 1 VU with `sram` bytes.
+fn run_on(l: &Lowered, hbm: &mut LazyHbm, sram: u64) {
+    verify(&l.program, &VnpuLimits { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    let mut sram_m = Sram::new(sram);
+    let mut guest = VecGuestMemory::new(0, 0);
+    let mem = CoreMemory { sram: &mut sram_m, hbm, guest: &mut guest };
+    run_program(&board(), &l.program, Some(mem), None).unwrap();
+}
+
+/// Fast NMS on hand-placed boxes, against what suppression means (not
+/// against the reference interpreter): per class, a box is dropped when
+/// a box overlapping it by IoU > 0.5 scores higher in that class. Boxes
+/// (centre y, centre x, height, width), all 10 x 10: 0 at (5, 5); 1 at
+/// (6, 5), IoU 0.82 with 0; 2 at (30, 30), far from all; 3 at (5, 12),
+/// IoU 0.18 with 0; 4 the same as 2; 5, 6, 7 at x = 105, 108, 111 (a
+/// chain: 5-6 and 6-7 IoU 0.54, 5-7 0.25). Two images, the second with
+/// every score halved. Run with an SRAM that holds every class at once
+/// and with one so small that each tile is one box and one class.
+#[test]
+fn fast_nms_drops_exactly_the_boxes_a_higher_scoring_overlapping_box_covers() {
+    let boxes: [[f32; 4]; 8] = [
+        [5.0, 5.0, 10.0, 10.0],
+        [6.0, 5.0, 10.0, 10.0],
+        [30.0, 30.0, 10.0, 10.0],
+        [5.0, 12.0, 10.0, 10.0],
+        [30.0, 30.0, 10.0, 10.0],
+        [5.0, 105.0, 10.0, 10.0],
+        [5.0, 108.0, 10.0, 10.0],
+        [5.0, 111.0, 10.0, 10.0],
+    ];
+    // Scores [box][class] and the scores expected kept, by case.
+    let scores: [[f32; 3]; 8] = [
+        [0.9, 0.2, 0.0],
+        [0.8, 0.6, 0.0],
+        [0.3, 0.1, 0.0],
+        [0.7, 0.05, 0.0],
+        [0.3, 0.5, 0.0],
+        [0.0, 0.0, 0.9],
+        [0.0, 0.0, 0.8],
+        [0.0, 0.0, 0.7],
+    ];
+    let cases: [(&str, usize, usize, f32); 12] = [
+        ("class 0: the best of an overlapping pair stays", 0, 0, 0.9),
+        ("class 0: the lower of an overlapping pair goes", 1, 0, 0.0),
+        ("class 0: a box overlapping by IoU 0.18 stays", 3, 0, 0.7),
+        ("class 0: two identical boxes with equal scores both stay", 2, 0, 0.3),
+        ("class 0: the other of the tie stays too", 4, 0, 0.3),
+        ("class 1: the pair's order is per class (box 1 wins)", 1, 1, 0.6),
+        ("class 1: box 0, lower in this class, goes", 0, 1, 0.0),
+        ("class 1: of two identical boxes the lower goes", 2, 1, 0.0),
+        ("class 1: of two identical boxes the higher stays", 4, 1, 0.5),
+        ("class 2: the head of a chain stays", 5, 2, 0.9),
+        ("class 2: the middle of a chain goes", 6, 2, 0.0),
+        ("class 2: the end of a chain goes too (Fast NMS, unlike greedy NMS)", 7, 2, 0.0),
+    ];
+    let (batch, n, classes) = (2u32, 8u32, 3u32);
+    let (g, bt, st, yt) = nms_graph(batch, n, classes);
+    for sram in [1 << 20, 1024] {
+        let shape = VnpuShape { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let l = lower(&g, shape).unwrap();
+        let mut hbm = LazyHbm::new(1 << 30);
+        init_hbm(&l, &mut hbm, 3).unwrap();
+        let b: Vec<f32> = (0..2).flat_map(|_| boxes.iter().flatten().copied()).collect();
+        let s: Vec<f32> =
+            (0..2).flat_map(|img| scores.iter().flatten().map(move |v| v * if img == 0 { 1.0 } else { 0.5 })).collect();
+        npu_model::memory::write_f32s(&mut hbm, l.tensors[bt].offset, &b).unwrap();
+        npu_model::memory::write_f32s(&mut hbm, l.tensors[st].offset, &s).unwrap();
+        run_on(&l, &mut hbm, sram);
+        let got = read_f32s(&hbm, l.tensors[yt].offset, (batch * n * classes) as usize).unwrap();
+        for img in 0..2usize {
+            let scale = if img == 0 { 1.0 } else { 0.5 };
+            for &(case, i, c, want) in &cases {
+                let v = got[(img * n as usize + i) * classes as usize + c];
+                assert!(v == want * scale, "{case} (image {img}, SRAM {sram} B): kept {v}, expected {}", want * scale);
+            }
+        }
+        // Every box scoring 0 in a class stays 0.
+        assert!(got.iter().all(|v| !v.is_nan()), "SRAM {sram} B: a NaN came out of clean inputs");
+    }
+}
+
+/// A NaN score or coordinate must not vanish in NMS: it reaches the
+/// kept scores of every box it is compared with.
+#[test]
+fn fast_nms_propagates_nan() {
+    let (g, bt, st, yt) = nms_graph(1, 4, 2);
+    let shape = VnpuShape { sa: 1, vu: 1, sram_bytes: 1 << 20, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+    let l = lower(&g, shape).unwrap();
+    for (case, tensor, at) in [("a NaN score", st, 3usize), ("a NaN box height", bt, 2)] {
+        let mut hbm = LazyHbm::new(1 << 30);
+        init_hbm(&l, &mut hbm, 5).unwrap();
+        npu_model::memory::write_f32s(&mut hbm, l.tensors[tensor].offset + 4 * at as u64, &[f32::NAN]).unwrap();
+        run_on(&l, &mut hbm, 1 << 20);
+        let got = read_f32s(&hbm, l.tensors[yt].offset, 8).unwrap();
+        assert!(got.iter().any(|v| v.is_nan()), "{case}: no NaN in the kept scores {got:?}");
+    }
+}
+
+/// RetinaNet on 128x128 images (the library's is 640: 25x the work for
+/// the same operations; 341 boxes here): every tensor against the
+/// reference interpreter, except the NMS output, which is checked bit for
+/// bit against the reference's NMS run on the boxes and scores the
+/// program computed (its steps turn the last-bit differences of the
+/// convolutions, f32 here and f64 there, into whole-score differences for
+/// the rare box pairs near a threshold).
+#[test]
+fn retinanet_matches_reference() {
+    let g = npu_workloads::graph::retinanet(1, 128);
+    let nms = g.ops.iter().position(|op| op.kind() == "FastNms").unwrap();
+    assert_eq!(nms, g.ops.len() - 1, "NMS is the last operation");
+    let sram = 32 << 20;
+    let shape = VnpuShape { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+    let l = lower(&g, shape).unwrap();
+    verify(&l.program, &VnpuLimits { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    let mut hbm = LazyHbm::new(1 << 30);
+    init_hbm(&l, &mut hbm, 7).unwrap();
+    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    let mut sram_m = Sram::new(sram);
+    let mut guest = VecGuestMemory::new(0, 0);
+    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
+    run_program(&board(), &l.program, Some(mem), None).unwrap();
+    let got: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    // The NMS on the program's own inputs.
+    let mut own = got.clone();
+    let only_nms = Graph { ops: vec![g.ops[nms].clone()], ..g.clone() };
+    reference::run(&only_nms, &mut own);
+    let Op::FastNms { y, corners, .. } = g.ops[nms] else { unreachable!() };
+    for t in [y, corners] {
+        for (j, (a, b)) in got[t].iter().zip(&own[t]).enumerate() {
+            assert!(a.to_bits() == b.to_bits(), "`{}` element {j}: model {a}, reference {b}", g.tensors[t].name);
+        }
+    }
+    let kept = got[y].iter().filter(|v| **v > 0.0).count();
+    let candidates = got[y].len();
+    assert!(kept > 0 && kept < candidates, "NMS kept {kept} of {candidates} scores: it must drop some and keep some");
+    // Everything else against the reference run from the inputs.
+    reference::run(&Graph { ops: g.ops[..nms].to_vec(), ..g.clone() }, &mut tensors);
+    for (i, p) in l.tensors.iter().enumerate() {
+        if i == y || i == corners {
+            continue;
+        }
+        for (j, (a, b)) in got[i].iter().zip(&tensors[i]).enumerate() {
+            let _ = p;
+            assert!(
+                (a - b).abs() <= 2e-4 * (1.0 + b.abs()),
+                "retinanet: tensor {i} `{}` element {j}: model {a}, reference {b}",
+                g.tensors[i].name
+            );
+        }
+    }
+}
