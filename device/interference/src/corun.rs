@@ -8,7 +8,7 @@
 //! each other's engines (one request of the group at a time, round robin).
 
 use npu_model::{BoardConfig, BoardSim, Contention, CoreMemory, ExecError, SimTenant, Totals};
-use npu_workloads::{lower_workload, LowerError, RunError, RunOptions};
+use npu_workloads::{lower_workload, RunError, RunOptions};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder};
@@ -101,14 +101,13 @@ impl RequestPrograms {
     }
 
     /// [`RequestPrograms::lower`], or `None` when the workload's tensors
-    /// do not fit the HBM a vNPU of that shape is given (an item a study
-    /// leaves out rather than fails on).
+    /// do not fit the HBM a vNPU of that shape is given, or its program
+    /// the instructions of one request (an item a study leaves out rather
+    /// than fails on).
     pub fn lower_if_fits(cfg: &BoardConfig, spec: &Spec) -> Result<Option<Self>, CoRunError> {
         match Self::lower(cfg, spec) {
             Ok(p) => Ok(Some(p)),
-            Err(CoRunError::Lower { source, .. })
-                if matches!(*source, RunError::Lower(LowerError::Hbm { .. })) =>
-            {
+            Err(CoRunError::Lower { source, .. }) if matches!(*source, RunError::Lower(ref e) if e.is_capacity()) => {
                 Ok(None)
             }
             Err(e) => Err(e),

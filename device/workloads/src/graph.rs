@@ -770,7 +770,8 @@ pub fn retinanet(batch: u32, side: u32) -> Graph {
             let mut x = f;
             for (i, &(w, b, cout)) in ws.iter().enumerate() {
                 let act = if i + 1 == ws.len() { Act::None } else { Act::Relu };
-                let y = g.act(&format!("{p}.{sub}.{i}"), u64::from(batch) * u64::from(s * s) * u64::from(cout));
+                let y =
+                    g.act(&format!("{p}.{sub}.{i}"), u64::from(batch) * u64::from(s * s) * u64::from(cout));
                 g.ops.push(Op::Conv {
                     name: format!("{p}.{sub}.{i}"),
                     x,

@@ -63,6 +63,19 @@ pub enum LowerError {
     Geometry { op: String, reason: &'static str },
     #[error("the lowering ran out of semaphores (a lowering bug)")]
     Semaphores,
+    #[error(
+        "the program has {have} instructions, more than one request may carry ({limit}): run the batch as several requests"
+    )]
+    Instructions { have: usize, limit: usize },
+}
+
+impl LowerError {
+    /// Whether the graph is too large for the vNPU (its tensors exceed the
+    /// HBM, or its program the instructions one request may carry): an
+    /// item a study leaves out by name, not a failure.
+    pub fn is_capacity(&self) -> bool {
+        matches!(self, LowerError::Hbm { .. } | LowerError::Instructions { .. })
+    }
 }
 
 /// A tensor's place in HBM.
@@ -1031,6 +1044,49 @@ impl Lowerer {
         )
     }
 
+    /// Slots, boxes per tile and classes per product for Fast NMS's
+    /// second pipeline: every class in one product per box where SRAM
+    /// allows (instructions per box grow with the number of class chunks,
+    /// and a request may carry only so many), one slot per VU (two when
+    /// they fit), tiles of at least 16 boxes (each tile adds 19
+    /// instructions; smaller tiles only when not even that fits). Fewer
+    /// slots before smaller class chunks only when not even one class
+    /// fits beside a tile on every VU.
+    fn nms_plan(&self, name: &str, fixed: u64, n: u32, classes: u32) -> Result<(u32, u32, u32), LowerError> {
+        let nb = u64::from(n) * F;
+        let bytes = |cc: u32, r: u32| {
+            F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes)) + u64::from(cc) * nb
+        };
+        let avail = self.shape.sram_bytes.saturating_sub(fixed);
+        let vu = self.shape.vu.max(1);
+        for min_r in [n.min(16), 1] {
+            let fit = |slots: u32, cc: u32| {
+                let r = max_rows(avail / u64::from(slots), n.div_ceil(slots).max(min_r), |r| {
+                    bytes(cc, r).next_multiple_of(64)
+                });
+                (r >= min_r).then_some(r)
+            };
+            for slots in (1..=vu).rev() {
+                let mut chunks = 1;
+                while chunks <= classes {
+                    let cc = classes.div_ceil(chunks);
+                    if let Some(r) = fit(slots, cc) {
+                        return Ok(match fit(2 * slots, cc) {
+                            Some(r2) => (2 * slots, r2, cc),
+                            None => (slots, r, cc),
+                        });
+                    }
+                    if cc == 1 {
+                        break;
+                    }
+                    // The next chunk count that makes the chunks smaller.
+                    chunks = classes.div_ceil(cc - 1).max(chunks + 1);
+                }
+            }
+        }
+        Err(LowerError::Sram { op: name.into(), need: fixed + bytes(1, 1), have: self.shape.sram_bytes })
+    }
+
     /// [`Op::FastNms`] in two VU pipelines. First the corners and area
     /// of every box (`corners`, five planes of `batch * n`): the boxes'
     /// four coordinates are loaded as planes by strided copies. Then,
@@ -1073,12 +1129,15 @@ impl Lowerer {
                 let plane = |k: u64| base + k * u64::from(len) * F;
                 let first = u64::from(u0) * nb;
                 let load = (0..4u64)
-                    .map(|k| copy(Addr::hbm(ba + first * 4 + k * F), Addr::sram(plane(k)), len.into(), F, 4 * F, F))
+                    .map(|k| {
+                        copy(Addr::hbm(ba + first * 4 + k * F), Addr::sram(plane(k)), len.into(), F, 4 * F, F)
+                    })
                     .collect();
                 let (cy, cx, h, w) = (plane(0), plane(1), plane(2), plane(3));
                 let [y1, x1, y2, x2, area] = [4, 5, 6, 7, 8].map(plane);
                 let (t0, t1) = (plane(9), plane(10));
-                let bin = |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let bin =
+                    |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
                 let compute = vec![
                     Instr::VAffine { src: h, dst: t0, len, scale: 0.5, bias: 0.0 },
                     bin(BinOp::Sub, cy, t0, y1),
@@ -1092,7 +1151,14 @@ impl Lowerer {
                 ];
                 let store = (0..5u64)
                     .map(|k| {
-                        copy(Addr::sram(plane(4 + k)), Addr::hbm(ca + (k * bn) * F + first), 1, u64::from(len) * F, 0, 0)
+                        copy(
+                            Addr::sram(plane(4 + k)),
+                            Addr::hbm(ca + (k * bn) * F + first),
+                            1,
+                            u64::from(len) * F,
+                            0,
+                            0,
+                        )
                     })
                     .collect();
                 (load, compute, store)
@@ -1101,30 +1167,44 @@ impl Lowerer {
         // 2. Per image: the steps and the suppression. Classes go in
         // chunks of `cc` when one product row of all of them does not fit.
         let fixed = (5 + u64::from(classes)) * nb;
-        let tile_bytes = |cc: u32| move |r: u32| F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes)) + u64::from(cc) * nb;
-        let mut cc = classes;
-        loop {
-            match self.plan(name, fixed, self.shape.vu, n, tile_bytes(cc)) {
-                Ok((_, r)) if r >= n.min(8) || cc == 1 => break,
-                Err(e) if cc == 1 => return Err(e),
-                _ => cc = cc.div_ceil(2),
+        let (slots, rt, cc) = self.nms_plan(name, fixed, n, classes)?;
+        let tile_bytes = |cc: u32| {
+            move |r: u32| {
+                F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes))
+                    + u64::from(cc) * nb
             }
-        }
-        let chunks: Vec<(u32, u32)> = (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
+        };
+        let slot_bytes = tile_bytes(cc)(rt).next_multiple_of(64);
+        let tiles = n.div_ceil(rt) as usize;
+        let chunks: Vec<(u32, u32)> =
+            (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
         for img in 0..u64::from(batch) {
             // The preload reads what the corners pipeline and the
             // operations before stored.
             self.flush();
             let mut preload: Vec<Instr> = (0..5u64)
-                .map(|k| copy(Addr::hbm(ca + (k * bn + img * u64::from(n)) * F), Addr::sram(k * nb), 1, nb, 0, 0))
+                .map(|k| {
+                    copy(Addr::hbm(ca + (k * bn + img * u64::from(n)) * F), Addr::sram(k * nb), 1, nb, 0, 0)
+                })
                 .collect();
             preload.extend((0..u64::from(classes)).map(|c| {
-                copy(Addr::hbm(sa + (img * u64::from(n) * u64::from(classes) + c) * F), Addr::sram((5 + c) * nb), n.into(), F, cb, F)
+                copy(
+                    Addr::hbm(sa + (img * u64::from(n) * u64::from(classes) + c) * F),
+                    Addr::sram((5 + c) * nb),
+                    n.into(),
+                    F,
+                    cb,
+                    F,
+                )
             }));
             let [py1, px1, py2, px2, parea] = [0u64, 1, 2, 3, 4].map(|k| k * nb);
             let splane = |c: u32| (5 + u64::from(c)) * nb;
             let chunks = chunks.clone();
-            self.vu_tiles(name, preload, fixed, n, tile_bytes(cc), |i0, r, base| {
+            let layout = Layout::low(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+            self.pipeline(layout, preload, slots, tiles, |t, slot| {
+                let i0 = t as u32 * rt;
+                let r = rt.min(n - i0);
+                let base = fixed + u64::from(slot) * slot_bytes;
                 let rn = u64::from(r) * nb;
                 let [x1, x2, y1, y2, u] = [0u64, 1, 2, 3, 4].map(|k| base + k * rn);
                 let st = base + 5 * rn;
@@ -1141,7 +1221,8 @@ impl Lowerer {
                     rows: 1,
                     cols: n,
                 };
-                let whole = |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let whole =
+                    |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
                 let mut c = Vec::new();
                 for q in 0..r {
                     c.push(scalar(BinOp::Max, px1, q, row(x1, q)));
@@ -1185,15 +1266,31 @@ impl Lowerer {
                 }
                 let rc = r * classes;
                 c.extend([
-                    Instr::VBinary { op: BinOp::Sub, bcast: Bcast::None, a: st, b: m, dst: m, rows: 1, cols: rc },
+                    Instr::VBinary {
+                        op: BinOp::Sub,
+                        bcast: Bcast::None,
+                        a: st,
+                        b: m,
+                        dst: m,
+                        rows: 1,
+                        cols: rc,
+                    },
                     Instr::VAffine { src: m, dst: m, len: rc, scale: NMS_STEP, bias: 1.0 },
                     Instr::VClamp { src: m, dst: m, len: rc, lo: 0.0, hi: 1.0 },
-                    Instr::VBinary { op: BinOp::Mul, bcast: Bcast::None, a: m, b: st, dst: m, rows: 1, cols: rc },
+                    Instr::VBinary {
+                        op: BinOp::Mul,
+                        bcast: Bcast::None,
+                        a: m,
+                        b: st,
+                        dst: m,
+                        rows: 1,
+                        cols: rc,
+                    },
                 ]);
                 let first = (img * u64::from(n) + u64::from(i0)) * cb;
-                (
+                Tile::single(
                     vec![copy(Addr::hbm(sa + first), Addr::sram(st), 1, u64::from(r) * cb, 0, 0)],
-                    c,
+                    vec![Stage::Vu(c)],
                     vec![copy(Addr::sram(m), Addr::hbm(ya + first), 1, u64::from(r) * cb, 0, 0)],
                 )
             })?;
@@ -1766,13 +1863,12 @@ pub fn lower_ops_as(
         l.op(op)?;
     }
     l.flush();
-    Ok(Lowered {
-        program: l.b.finish(),
-        tensors: placed,
-        hbm_bytes: off,
-        input: graph.input,
-        output: graph.output,
-    })
+    let program = l.b.finish();
+    let limit = vnpu_abi::program::MAX_INSTRUCTIONS;
+    if program.instruction_count() > limit {
+        return Err(LowerError::Instructions { have: program.instruction_count(), limit });
+    }
+    Ok(Lowered { program, tensors: placed, hbm_bytes: off, input: graph.input, output: graph.output })
 }
 
 #[cfg(test)]

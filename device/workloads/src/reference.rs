@@ -326,11 +326,18 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
 /// [`Op::FastNms`] in f32, with the operations in the order the
 /// lowering's VU runs them (so results match bit for bit on the same
 /// inputs: the steps would amplify any rounding difference).
-fn fast_nms(tensors: &mut [Vec<f32>], [boxes, scores, corners, y]: [usize; 4], batch: u32, n: u32, classes: u32, iou: f32) {
+fn fast_nms(
+    tensors: &mut [Vec<f32>],
+    [boxes, scores, corners, y]: [usize; 4],
+    batch: u32,
+    n: u32,
+    classes: u32,
+    iou: f32,
+) {
     use crate::graph::NMS_STEP;
     let (n, c, bn) = (n as usize, classes as usize, (batch * n) as usize);
     let relu = |x: f32| if x.is_nan() { x } else { x.max(0.0) };
-    let clamp01 = |x: f32| if x.is_nan() { x } else { x.max(0.0).min(1.0) };
+    let clamp01 = |x: f32| x.clamp(0.0, 1.0);
     let max_nan = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.max(b) };
     let min_nan = |a: f32, b: f32| if a.is_nan() || b.is_nan() { f32::NAN } else { a.min(b) };
     for b in 0..batch as usize {

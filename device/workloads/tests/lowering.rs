@@ -680,7 +680,8 @@ fn nms_graph(batch: u32, n: u32, classes: u32) -> (Graph, usize, usize, usize) {
 
 /// Runs `l` on `hbm` (already initialised) on 1 SA + 1 VU with `sram` bytes.
 fn run_on(l: &Lowered, hbm: &mut LazyHbm, sram: u64) {
-    verify(&l.program, &VnpuLimits { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    verify(&l.program, &VnpuLimits { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] })
+        .unwrap();
     let mut sram_m = Sram::new(sram);
     let mut guest = VecGuestMemory::new(0, 0);
     let mem = CoreMemory { sram: &mut sram_m, hbm, guest: &mut guest };
@@ -695,7 +696,8 @@ fn run_on(l: &Lowered, hbm: &mut LazyHbm, sram: u64) {
 /// IoU 0.18 with 0; 4 the same as 2; 5, 6, 7 at x = 105, 108, 111 (a
 /// chain: 5-6 and 6-7 IoU 0.54, 5-7 0.25). Two images, the second with
 /// every score halved. Run with an SRAM that holds every class at once
-/// and with one so small that each tile is one box and one class.
+/// and with one so small that each tile is one box and the classes go in
+/// two chunks.
 #[test]
 fn fast_nms_drops_exactly_the_boxes_a_higher_scoring_overlapping_box_covers() {
     let boxes: [[f32; 4]; 8] = [
@@ -735,14 +737,28 @@ fn fast_nms_drops_exactly_the_boxes_a_higher_scoring_overlapping_box_covers() {
     ];
     let (batch, n, classes) = (2u32, 8u32, 3u32);
     let (g, bt, st, yt) = nms_graph(batch, n, classes);
-    for sram in [1 << 20, 1024] {
-        let shape = VnpuShape { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+    for sram in [1 << 20, 512] {
+        let shape =
+            VnpuShape { sa: 1, vu: 1, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
         let l = lower(&g, shape).unwrap();
+        // One max-reduction per box, image and chunk of classes: all
+        // three classes in one chunk with 1 MiB; with 512 B, chunks of
+        // two and one class, one box per tile.
+        let reductions = l
+            .program
+            .streams
+            .iter()
+            .flat_map(|s| &s.code)
+            .filter(|i| matches!(i, Instr::VReduce { .. }))
+            .count();
+        let chunks = if sram == 512 { 2 } else { 1 };
+        assert_eq!(reductions, (batch * n * chunks) as usize, "SRAM {sram} B: {chunks} class chunks");
         let mut hbm = LazyHbm::new(1 << 30);
         init_hbm(&l, &mut hbm, 3).unwrap();
         let b: Vec<f32> = (0..2).flat_map(|_| boxes.iter().flatten().copied()).collect();
-        let s: Vec<f32> =
-            (0..2).flat_map(|img| scores.iter().flatten().map(move |v| v * if img == 0 { 1.0 } else { 0.5 })).collect();
+        let s: Vec<f32> = (0..2)
+            .flat_map(|img| scores.iter().flatten().map(move |v| v * if img == 0 { 1.0 } else { 0.5 }))
+            .collect();
         npu_model::memory::write_f32s(&mut hbm, l.tensors[bt].offset, &b).unwrap();
         npu_model::memory::write_f32s(&mut hbm, l.tensors[st].offset, &s).unwrap();
         run_on(&l, &mut hbm, sram);
@@ -751,7 +767,11 @@ fn fast_nms_drops_exactly_the_boxes_a_higher_scoring_overlapping_box_covers() {
             let scale = if img == 0 { 1.0 } else { 0.5 };
             for &(case, i, c, want) in &cases {
                 let v = got[(img * n as usize + i) * classes as usize + c];
-                assert!(v == want * scale, "{case} (image {img}, SRAM {sram} B): kept {v}, expected {}", want * scale);
+                assert!(
+                    v == want * scale,
+                    "{case} (image {img}, SRAM {sram} B): kept {v}, expected {}",
+                    want * scale
+                );
             }
         }
         // Every box scoring 0 in a class stays 0.
@@ -769,7 +789,8 @@ fn fast_nms_propagates_nan() {
     for (case, tensor, at) in [("a NaN score", st, 3usize), ("a NaN box height", bt, 2)] {
         let mut hbm = LazyHbm::new(1 << 30);
         init_hbm(&l, &mut hbm, 5).unwrap();
-        npu_model::memory::write_f32s(&mut hbm, l.tensors[tensor].offset + 4 * at as u64, &[f32::NAN]).unwrap();
+        npu_model::memory::write_f32s(&mut hbm, l.tensors[tensor].offset + 4 * at as u64, &[f32::NAN])
+            .unwrap();
         run_on(&l, &mut hbm, 1 << 20);
         let got = read_f32s(&hbm, l.tensors[yt].offset, 8).unwrap();
         assert!(got.iter().any(|v| v.is_nan()), "{case}: no NaN in the kept scores {got:?}");
@@ -791,7 +812,8 @@ fn retinanet_matches_reference() {
     let sram = 32 << 20;
     let shape = VnpuShape { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
     let l = lower(&g, shape).unwrap();
-    verify(&l.program, &VnpuLimits { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    verify(&l.program, &VnpuLimits { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] })
+        .unwrap();
     let mut hbm = LazyHbm::new(1 << 30);
     init_hbm(&l, &mut hbm, 7).unwrap();
     let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
@@ -807,12 +829,19 @@ fn retinanet_matches_reference() {
     let Op::FastNms { y, corners, .. } = g.ops[nms] else { unreachable!() };
     for t in [y, corners] {
         for (j, (a, b)) in got[t].iter().zip(&own[t]).enumerate() {
-            assert!(a.to_bits() == b.to_bits(), "`{}` element {j}: model {a}, reference {b}", g.tensors[t].name);
+            assert!(
+                a.to_bits() == b.to_bits(),
+                "`{}` element {j}: model {a}, reference {b}",
+                g.tensors[t].name
+            );
         }
     }
     let kept = got[y].iter().filter(|v| **v > 0.0).count();
     let candidates = got[y].len();
-    assert!(kept > 0 && kept < candidates, "NMS kept {kept} of {candidates} scores: it must drop some and keep some");
+    assert!(
+        kept > 0 && kept < candidates,
+        "NMS kept {kept} of {candidates} scores: it must drop some and keep some"
+    );
     // Everything else against the reference run from the inputs.
     reference::run(&Graph { ops: g.ops[..nms].to_vec(), ..g.clone() }, &mut tensors);
     for (i, p) in l.tensors.iter().enumerate() {
@@ -827,5 +856,23 @@ fn retinanet_matches_reference() {
                 g.tensors[i].name
             );
         }
+    }
+}
+
+/// A program longer than one request may carry is refused by the
+/// lowering as a capacity limit (a study leaves the item out by name),
+/// not built for the verifier to refuse: RetinaNet at batch 32 (about
+/// 2 M instructions, 7 per box and image in its NMS).
+#[test]
+fn a_program_over_the_instruction_limit_is_a_capacity_error() {
+    let g = build("retinanet", 32).unwrap();
+    let shape = VnpuShape { sa: 1, vu: 1, sram_bytes: 32 << 20, hbm_bytes: 32 << 30, sa_rows: 128, sa_cols: 128 };
+    match lower(&g, shape) {
+        Err(e @ npu_workloads::LowerError::Instructions { have, limit }) => {
+            assert!(have > limit, "{e}");
+            assert!(e.is_capacity());
+        }
+        Err(e) => panic!("expected the instruction limit, got {e}"),
+        Ok(l) => panic!("lowered to {} instructions", l.program.instruction_count()),
     }
 }

@@ -88,15 +88,15 @@ fn parse() -> Result<Args, String> {
 
 /// Runs `workload` at `batch` on `sa` + `vu` of `board`, timing only,
 /// with the chip's whole HBM (capacity does not change timing; the largest
-/// batches do not fit a quarter of it). `None` when the tensors do not fit
-/// even that.
+/// batches do not fit a quarter of it). `Ok(Err(why))` when the tensors do
+/// not fit even that, or the program is longer than one request may be.
 fn run(
     board: &BoardConfig,
     workload: &str,
     batch: u32,
     sa: u32,
     vu: u32,
-) -> Result<Option<RunReport>, String> {
+) -> Result<Result<RunReport, &'static str>, String> {
     let o = RunOptions {
         sa,
         vu,
@@ -104,8 +104,9 @@ fn run(
         ..RunOptions::timing(workload, batch)
     };
     match run_workload(board, &o) {
-        Ok(r) => Ok(Some(r)),
-        Err(RunError::Lower(LowerError::Hbm { .. })) => Ok(None),
+        Ok(r) => Ok(Ok(r)),
+        Err(RunError::Lower(LowerError::Hbm { .. })) => Ok(Err("no HBM fit")),
+        Err(RunError::Lower(LowerError::Instructions { .. })) => Ok(Err("> 1M instrs")),
         Err(e) => Err(format!("{workload} batch {batch} on {sa} SA + {vu} VU: {e}")),
     }
 }
@@ -154,9 +155,12 @@ fn body(args: &Args) -> Result<(), String> {
         print!("{w:<14}");
         let mut row = Vec::new();
         for &b in &args.batches {
-            let Some(r) = run(&board, w, b, 1, 1)? else {
-                print!(" {:>13}", "no HBM fit");
-                continue;
+            let r = match run(&board, w, b, 1, 1)? {
+                Ok(r) => r,
+                Err(why) => {
+                    print!(" {why:>13}");
+                    continue;
+                }
             };
             let a = r.sa_active_cycles as f64 / r.vu_active_cycles.max(1) as f64;
             let a_text = if a >= 100.0 { format!("{a:.0}") } else { format!("{a:.2}") };
@@ -183,9 +187,8 @@ fn body(args: &Args) -> Result<(), String> {
     );
     let mut sweep = Vec::new();
     for w in &args.workloads {
-        let fits = |r: Option<RunReport>| {
-            r.ok_or(format!("{w} batch {} does not fit the chip's HBM", args.sweep_batch))
-        };
+        let fits =
+            |r: Result<RunReport, &str>| r.map_err(|why| format!("{w} batch {}: {why}", args.sweep_batch));
         let p = fits(run(&wide, w, args.sweep_batch, 1, 1)?)?;
         let a = p.sa_active_cycles as f64 / p.vu_active_cycles.max(1) as f64;
         let mut points = Vec::new();
