@@ -698,7 +698,7 @@ fn resnet50_stages(g: &mut Graph, x: TensorId, side: u32) -> Vec<(TensorId, u32,
 /// RetinaNet (Lin et al. 2017) with a ResNet-50 FPN on `side x side`
 /// images (640 in the library, the TPU reference's size; any multiple of
 /// 128), COCO's 80 classes, and one anchor per location (the paper's
-/// `A = 1` of Table 1a: 8,525 boxes at 640): pyramid levels P3-P7 of 256
+/// one-scale, one-ratio ablation of Table 1c: 8,525 boxes at 640): pyramid levels P3-P7 of 256
 /// channels (lateral 1x1 convolutions, nearest 2x upsampling by strided
 /// copies, 3x3 output convolutions; P6 a stride-2 3x3 on C5, P7 one on
 /// ReLU(P6)), and on every level the two subnets, four 3x3 convolutions
@@ -1981,6 +1981,31 @@ mod tests {
         // SSD-ResNet34 at 1200: MLPerf Inference gives 433 GOPs per
         // image, 216.5 GMACs.
         assert!((gm("ssd-resnet34") - 216.5).abs() < 5.0, "{}", gm("ssd-resnet34"));
+        // RetinaNet at 640 with one anchor per cell, by part, against the
+        // architecture's own arithmetic: the two subnets on 8,525 cells
+        // (80^2 + 40^2 + 20^2 + 10^2 + 5^2), each four 3x3 convolutions of
+        // 256 channels, then 80 class and 4 box outputs; the FPN's
+        // lateral 1x1s, its three 3x3 outputs, P6 (3x3 of C5's 2048
+        // channels at 10x10) and P7 (5x5); the backbone as ResNet-50's
+        // (without its classifier) at (640/224)^2 the pixels, to 1%.
+        let g = build("retinanet", 1).unwrap();
+        let part = |from: &str, to: Option<&str>| {
+            let at = |n: &str| g.ops.iter().position(|o| o.name() == n).unwrap();
+            let end = to.map_or(g.ops.len(), at);
+            Graph { ops: g.ops[at(from)..end].to_vec(), ..g.clone() }.macs()
+        };
+        let cells: u64 = [80u64, 40, 20, 10, 5].iter().map(|s| s * s).sum();
+        assert_eq!(cells, 8525);
+        assert_eq!(part("p3.cls.0", None), cells * (8 * 9 * 256 * 256 + 9 * 256 * (80 + 4)));
+        let fpn = (6400 * 512 + 1600 * 1024 + 400 * 2048) * 256
+            + (6400 + 1600 + 400) * 9 * 256 * 256
+            + 100 * 9 * 2048 * 256
+            + 25 * 9 * 256 * 256;
+        assert_eq!(part("fpn.lat5", Some("p3.cls.0")), fpn);
+        let r50 = build("resnet50", 1).unwrap().macs() - 2048 * 1000;
+        let backbone = part("conv1", Some("fpn.lat5")) as f64;
+        let scaled = r50 as f64 * (640.0f64 / 224.0).powi(2);
+        assert!((backbone / scaled - 1.0).abs() < 0.01, "backbone {backbone}, ResNet-50 scaled {scaled}");
         // Its six heads give MLPerf's 15,130 boxes of 81 class scores.
         let g = build("ssd-resnet34", 1).unwrap();
         let boxes: Vec<u32> = g

@@ -866,7 +866,8 @@ fn retinanet_matches_reference() {
 #[test]
 fn a_program_over_the_instruction_limit_is_a_capacity_error() {
     let g = build("retinanet", 32).unwrap();
-    let shape = VnpuShape { sa: 1, vu: 1, sram_bytes: 32 << 20, hbm_bytes: 32 << 30, sa_rows: 128, sa_cols: 128 };
+    let shape =
+        VnpuShape { sa: 1, vu: 1, sram_bytes: 32 << 20, hbm_bytes: 32 << 30, sa_rows: 128, sa_cols: 128 };
     match lower(&g, shape) {
         Err(e @ npu_workloads::LowerError::Instructions { have, limit }) => {
             assert!(have > limit, "{e}");
