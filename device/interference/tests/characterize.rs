@@ -287,5 +287,5 @@ fn items_larger_than_their_hbm_are_left_out_by_name() {
     assert!(m.cases[0].tenants.iter().all(|t| t.spec.workload == "ncf"));
     assert!(m.solo.iter().all(|s| s.spec != big));
     assert!(npu_interference::characterize::summary(&m)
-        .contains("left out (tensors larger than the vNPU's HBM): ssd-resnet34 b16 1+1"));
+        .contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): ssd-resnet34 b16 1+1"));
 }

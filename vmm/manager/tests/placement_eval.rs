@@ -260,7 +260,7 @@ fn placement_eval_on_a_small_stream() {
     a.extend(["--shapes", "1+1", "--policies", "balance", "--json", j]);
     let (code, out, err) = eval(&a);
     assert_eq!(code, 0, "{out}{err}");
-    assert!(err.contains("left out (tensors larger than the vNPU's HBM): yolov3 b16 1+1x1"), "{err}");
+    assert!(err.contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): yolov3 b16 1+1x1"), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["left_out"].as_array().unwrap().len(), 1, "{}", v["left_out"]);
     assert_eq!(v["items"].as_array().unwrap().len(), 1, "{}", v["items"]);

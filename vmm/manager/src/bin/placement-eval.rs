@@ -216,7 +216,7 @@ fn run(cli: Cli) -> Result<(), EvalError> {
     let items = Items::new(&cfg, &all, &matrix)?;
     if !items.left_out.is_empty() {
         let names: Vec<String> = items.left_out.iter().map(|i| format!("{}x{}", i.spec, i.cores)).collect();
-        eprintln!("left out (tensors larger than the vNPU's HBM): {}", names.join(", "));
+        eprintln!("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): {}", names.join(", "));
     }
     if items.kinds.is_empty() {
         return Err(input("no item of the stream fits its vNPU's HBM".into()));
