@@ -304,3 +304,79 @@ fn hbm_isolation_equal_partition_removes_the_neighbours_effect() {
         assert!(ratio(victim, "shared") > 1.03, "{victim}: no interference under `shared`:\n{out}");
     }
 }
+
+/// `eu-profile` (the design's Figures 1 and 2 and its Eq. 3) on small
+/// inputs: every workload and batch is profiled; the SA-bound ResNet-50
+/// and the VU-heavy DLRM and RetinaNet (the design's classes; RetinaNet
+/// for its NMS) land on their sides of a = 1; Eq. 3's curve in the JSON
+/// is the formula `k (1 + a) / ((k + a)(k + 1))` recomputed here, its best
+/// split the largest of it, the measured best the largest measured EU
+/// utilization; the plot names every workload; a bad workload is refused.
+#[test]
+fn eu_profile_places_workloads_by_a_and_checks_eq3() {
+    let dir = std::env::temp_dir().join(format!("eu-profile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (json, svg) = (dir.join("eu.json"), dir.join("eu.svg"));
+    let out = Command::new(env!("CARGO_BIN_EXE_eu-profile"))
+        .args([
+            "--workloads",
+            "resnet50,dlrm,retinanet",
+            "--batches",
+            "1,2",
+            "--eus",
+            "4",
+            "--sweep-batch",
+            "1",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .arg("--svg")
+        .arg(&svg)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let d: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let profile = d["profile"].as_array().unwrap();
+    for (w, vu_heavy) in [("resnet50", false), ("dlrm", true), ("retinanet", true)] {
+        let p = profile.iter().find(|p| p["workload"] == w).unwrap_or_else(|| panic!("{w} not profiled"));
+        let batches = p["batches"].as_array().unwrap();
+        assert_eq!(batches.len(), 2, "{w}: batches 1 and 2");
+        for b in batches {
+            let a = b["a"].as_f64().unwrap();
+            assert!(if vu_heavy { a < 1.0 } else { a > 10.0 }, "{w} batch {}: a = {a}", b["batch"]);
+        }
+    }
+    let sweep = d["split_sweep"]["workloads"].as_array().unwrap();
+    assert_eq!(sweep.len(), 3);
+    for s in sweep {
+        let (w, a) = (s["workload"].as_str().unwrap(), s["a"].as_f64().unwrap());
+        let splits = s["splits"].as_array().unwrap();
+        assert_eq!(splits.len(), 3, "{w}: 1+3, 2+2, 3+1");
+        // (sa, Eq. 3 by the formula, measured EU utilization) per split.
+        let mut points = Vec::new();
+        for p in splits {
+            let (sa, vu) = (p["sa"].as_f64().unwrap(), p["vu"].as_f64().unwrap());
+            let k = sa / vu;
+            let want = k * (1.0 + a) / ((k + a) * (k + 1.0));
+            let got = p["eq3"].as_f64().unwrap();
+            assert!((got - want).abs() <= 1e-9, "{w} {sa}+{vu}: Eq. 3 {got}, formula {want}");
+            let u = p["eu_utilization"].as_f64().unwrap();
+            assert!(u > 0.0 && u <= 1.0, "{w} {sa}+{vu}: EU utilization {u}");
+            points.push((sa as u64, want, u));
+        }
+        // The chosen splits reach the largest value (ties: any of them).
+        let at = |sa: Option<u64>| points.iter().find(|p| Some(p.0) == sa).copied().unwrap();
+        let top = |f: fn(&(u64, f64, f64)) -> f64| points.iter().map(f).fold(f64::MIN, f64::max);
+        assert_eq!(at(s["eq3_best_sa"].as_u64()).1, top(|p| p.1), "{w}: Eq. 3's best split");
+        assert_eq!(at(s["measured_best_sa"].as_u64()).2, top(|p| p.2), "{w}: the measured best split");
+    }
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    for w in ["resnet50", "dlrm", "retinanet"] {
+        assert!(plot.contains(w), "the plot names {w}");
+    }
+    let bad =
+        Command::new(env!("CARGO_BIN_EXE_eu-profile")).args(["--workloads", "nosuch"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown workload `nosuch`"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
