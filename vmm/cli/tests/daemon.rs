@@ -371,6 +371,13 @@ fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
         };
         assert!(ok, "{name}: {out}{}", daemon_said(&state));
     }
+    // A VMM's exit reaches the daemon as its socket hanging up, which the
+    // daemon handles on its own thread (CI once scraped before it had):
+    // wait until it has detached all three before reading the counters.
+    let detached = |m: &[(String, f64)]| {
+        uuids.iter().all(|u| metric(m, "vnpu_attached", &format!("uuid=\"{u}\"")) == 0.0)
+    };
+    wait_for("the three VMs' detach", || detached(&scrape(port)));
     let m = scrape(port);
     let overlap = metric(&m, "vnpu_core_overlap_cycles_total", "core=\"0\"");
     assert!(overlap > 0.0, "no two tenants ran at once on core 0: {overlap}");
