@@ -96,8 +96,8 @@ impl std::str::FromStr for EvalPolicy {
 pub struct StreamPlan {
     pub workloads: Vec<String>,
     pub batches: Vec<u32>,
-    /// vNPU shapes: SA and VU per core, and cores (of one chip).
-    pub shapes: Vec<(u32, u32, u32)>,
+    /// vNPU shapes: SA and VU per core, cores per chip, and chips.
+    pub shapes: Vec<(u32, u32, u32, u32)>,
     pub vnpus: usize,
     /// Offered load: the EU-time the stream asks for over the EU-time the
     /// board has while it arrives (solo run times).
@@ -119,9 +119,10 @@ impl StreamPlan {
             .iter()
             .flat_map(|w| {
                 self.batches.iter().flat_map(move |&batch| {
-                    self.shapes.iter().map(move |&(sa, vu, cores)| Item {
+                    self.shapes.iter().map(move |&(sa, vu, cores, chips)| Item {
                         spec: Spec { workload: w.clone(), batch, sa, vu },
                         cores: cores.max(1),
+                        chips: chips.max(1),
                     })
                 })
             })
@@ -139,23 +140,46 @@ pub struct Job {
 }
 
 /// A kind of vNPU of a stream: `spec` (a workload on a per-core shape)
-/// on each of `cores` cores of one chip, data-parallel.
+/// on each of `cores` cores of each of `chips` chips, data-parallel.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
     #[serde(flatten)]
     pub spec: Spec,
+    /// Cores per chip.
     pub cores: u32,
+    #[serde(default = "one_chip")]
+    pub chips: u32,
+}
+
+fn one_chip() -> u32 {
+    1
+}
+
+/// `SPEC xCORES`, and `xCHIPS` when there are several.
+impl std::fmt::Display for Item {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.spec, self.cores)?;
+        if self.chips > 1 {
+            write!(f, "x{}", self.chips)?;
+        }
+        Ok(())
+    }
 }
 
 impl Item {
     /// One core of `spec`.
     pub fn one_core(spec: Spec) -> Self {
-        Self { spec, cores: 1 }
+        Self { spec, cores: 1, chips: 1 }
     }
 
     /// Execution units of the whole vNPU.
     pub fn eus(&self) -> u32 {
-        (self.spec.sa + self.spec.vu).saturating_mul(self.cores)
+        (self.spec.sa + self.spec.vu).saturating_mul(self.cores).saturating_mul(self.chips)
+    }
+
+    /// Cores of the whole vNPU.
+    pub fn all_cores(&self) -> u32 {
+        self.cores.saturating_mul(self.chips)
     }
 }
 
@@ -175,7 +199,7 @@ pub fn shape_of(cfg: &BoardConfig, item: &Item) -> Shape {
     let slice = 2u64 << 20;
     let hbm_core = cfg.hbm_bytes_per_chip() / u64::from(cfg.cores_per_chip.max(1));
     Shape {
-        chips: 1,
+        chips: item.chips.max(1),
         cores_per_chip: item.cores.max(1),
         sa_per_core: spec.sa,
         vu_per_core: spec.vu,
@@ -262,16 +286,21 @@ impl Items {
         let items = &kinds;
         let mut alone = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {
-            alone.push(if it.cores <= 1 {
+            alone.push(if it.all_cores() <= 1 {
                 solos[i].latency
             } else {
-                if it.cores > cfg.cores_per_chip {
+                if it.cores > cfg.cores_per_chip || it.chips > cfg.chips {
                     return Err(EvalError::Input(format!(
-                        "{} cores a vNPU; a chip has {}",
-                        it.cores, cfg.cores_per_chip
+                        "{} cores on each of {} chips a vNPU; the board has {} chips of {}",
+                        it.cores, it.chips, cfg.chips, cfg.cores_per_chip
                     )));
                 }
-                let cores: Vec<usize> = (0..it.cores as usize).collect();
+                // The first cores of the first chips (identical chips: any
+                // would do).
+                let per = cfg.cores_per_chip as usize;
+                let cores: Vec<usize> = (0..it.chips as usize)
+                    .flat_map(|ch| (0..it.cores as usize).map(move |c| ch * per + c))
+                    .collect();
                 let mut sim = Stream::new(cfg);
                 let id = sim.admit(&programs[i], &cores, 1)?;
                 sim.run_until(f64::INFINITY)?;
@@ -380,8 +409,9 @@ fn quantile(v: &[f64], q: f64) -> f64 {
 /// the one whose chosen cores have the most EUs left (`spread`).
 fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -> Option<Vec<u32>> {
     let k = s.cores_per_chip.max(1) as usize;
+    let want = s.chips.max(1) as usize;
     let fitting = board.fitting_cores(s);
-    if k == 1 {
+    if k == 1 && want == 1 {
         // The whole board's fitting cores at once (as before multi-core
         // vNPUs: the same choices, the same random draws).
         let c = match policy {
@@ -417,12 +447,28 @@ fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -
         let left = mine.iter().map(|&c| u64::from(board.score(c, s).0)).sum();
         chips.push((mine, left));
     }
-    let pick = match policy {
-        EvalPolicy::FirstFit => chips.first(),
-        EvalPolicy::Random => (!chips.is_empty()).then(|| &chips[rng.random_range(0..chips.len())]),
-        _ => chips.iter().rev().max_by_key(|(_, left)| *left),
-    };
-    pick.map(|(cores, _)| cores.iter().map(|&c| c as u32).collect())
+    if chips.len() < want {
+        return None;
+    }
+    // `want` of the chips with room: the first ones, random ones, or
+    // those with the most EUs left (the lowest-numbered on ties).
+    match policy {
+        EvalPolicy::FirstFit => chips.truncate(want),
+        EvalPolicy::Random => {
+            for i in 0..want {
+                let j = rng.random_range(i..chips.len());
+                chips.swap(i, j);
+            }
+            chips.truncate(want);
+        }
+        _ => {
+            chips.sort_by_key(|(cores, left)| (std::cmp::Reverse(*left), cores.first().copied()));
+            chips.truncate(want);
+        }
+    }
+    // Chip by chip, as the manager's placement lists them.
+    chips.sort_by_key(|(cores, _)| cores.first().copied());
+    Some(chips.into_iter().flat_map(|(cores, _)| cores).map(|c| c as u32).collect())
 }
 
 /// Places `stream` by `policy` on a board of `cfg` and simulates it.

@@ -105,7 +105,7 @@ fn a_vnpu_alone_runs_its_solo_time_and_two_on_one_core_slow_each_other() {
 fn a_two_core_vnpu_runs_each_request_on_both_cores() {
     let cfg = BoardConfig::default();
     let mob = spec("mobilenet", 1);
-    let items = vec![Item::one_core(mob.clone()), Item { spec: mob.clone(), cores: 2 }];
+    let items = vec![Item::one_core(mob.clone()), Item { spec: mob.clone(), cores: 2, chips: 1 }];
     let it = Items::new(&cfg, &items, &empty_matrix(&cfg)).unwrap();
     // Alone: its two cores share the host link and HBM, nothing else; a
     // different code path (closed loop, warm-up left out) agrees.
@@ -156,6 +156,52 @@ fn a_two_core_vnpu_runs_each_request_on_both_cores() {
     // Held back by the half that shares core 0 about as much as the
     // co-run of two MobileNets on one core slows each of them.
     assert!((p - one).abs() < 0.05 * one, "packed {p} vs co-run {one}");
+}
+
+/// A vNPU of one core on each of two chips (`1+1x1x2`) on a two-chip
+/// board: alone it runs as fast as the co-run of its two halves on core 0
+/// of each chip (they share only the host link); every policy gives it a
+/// core on each chip; beside a MobileNet on chip 0's first core, first fit
+/// puts its first half there and is held back by it, spreading keeps it
+/// off that core and the manager's placement (`balance`, the chip-by-chip
+/// packing) takes chip 0's best core and chip 1's.
+#[test]
+fn a_vnpu_across_two_chips_runs_each_request_on_a_core_of_each() {
+    let cfg = BoardConfig { chips: 2, ..BoardConfig::default() };
+    let mob = spec("mobilenet", 1);
+    let items = vec![Item::one_core(mob.clone()), Item { spec: mob.clone(), cores: 1, chips: 2 }];
+    assert_eq!(items[1].to_string(), "mobilenet b1 1+1x1x2");
+    let it = Items::new(&cfg, &items, &empty_matrix(&cfg)).unwrap();
+    let per = cfg.cores_per_chip as usize;
+    let pair = {
+        let placed: Vec<Placed> =
+            [0, per].iter().map(|&core| Placed { request: &it.programs[1], core, group: None }).collect();
+        closed_loop(&cfg, &placed, Contention::default(), 3).unwrap()[0].latency
+    };
+    let (solo, two) = (it.solos[1].latency, it.alone[1]);
+    assert!(two >= solo * (1.0 - 1e-9), "two chips alone {two} faster than one core {solo}");
+    assert!((two - pair).abs() < 0.01 * pair, "two chips alone {two} vs co-run {pair}");
+    let shape = shape_of(&cfg, &items[1]);
+    assert_eq!((shape.chips, shape.cores_per_chip), (2, 1));
+    let alone = JobStream { items: items.clone(), jobs: vec![Job { arrival: 0.0, item: 1, requests: 10 }] };
+    for policy in [EvalPolicy::FirstFit, EvalPolicy::Balance, EvalPolicy::Random, EvalPolicy::Spread] {
+        let r = run_policy(&cfg, &alone, &it, None, policy, &plan()).unwrap();
+        let f = &r.fates[0];
+        assert!((f.slowdown - 1.0).abs() < 1e-9, "{policy:?}: alone, slowdown {}", f.slowdown);
+        let chips: Vec<usize> = f.cores.iter().map(|c| c / per).collect();
+        assert_eq!(chips, [0, 1], "{policy:?}: cores {:?}", f.cores);
+    }
+    let beside = JobStream {
+        items: items.clone(),
+        jobs: vec![Job { arrival: 0.0, item: 0, requests: 400 }, Job { arrival: 0.0, item: 1, requests: 20 }],
+    };
+    let packed = run_policy(&cfg, &beside, &it, None, EvalPolicy::FirstFit, &plan()).unwrap();
+    let apart = run_policy(&cfg, &beside, &it, None, EvalPolicy::Spread, &plan()).unwrap();
+    assert_eq!(packed.fates[1].cores, [0, per]);
+    assert!(!apart.fates[1].cores.contains(&0), "{:?}", apart.fates[1]);
+    assert_eq!(apart.fates[1].cores.len(), 2);
+    let (p, a) = (packed.fates[1].slowdown, apart.fates[1].slowdown);
+    assert!(p > 1.3 && a < 1.1, "packed {p}, apart {a}");
 }
 
 fn eval(args: &[&str]) -> (i32, String, String) {
@@ -270,6 +316,7 @@ fn placement_eval_on_a_small_stream() {
         (vec!["--shapes", "5+1"], "larger than a core"),
         (vec!["--shapes", "1+1x5"], "more cores than a chip"),
         (vec!["--shapes", "1+1x0"], "whole numbers of 1 or more"),
+        (vec!["--shapes", "1+1x1x2"], "more chips than the board"),
         (vec!["--model", "svm"], "unknown model"),
         (vec!["--policies", "best"], "unknown policy"),
         (vec!["--warmup", "1"], "--warmup"),

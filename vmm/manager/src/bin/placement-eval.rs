@@ -58,8 +58,9 @@ struct Cli {
     /// Batch sizes of the stream's vNPUs.
     #[arg(long, value_delimiter = ',', default_values_t = [1u32, 4])]
     batches: Vec<u32>,
-    /// vNPU shapes, SA+VU per core, and `xN` for N cores of one chip
-    /// (data-parallel: each request runs on all of them), e.g. 1+1x2.
+    /// vNPU shapes, SA+VU per core, `xN` for N cores of one chip and
+    /// `xNxC` for N cores on each of C chips (data-parallel: each request
+    /// runs on all of them), e.g. 1+1x2 or 1+1x2x2.
     #[arg(long, value_delimiter = ',', default_values = ["1+1", "2+2"])]
     shapes: Vec<String>,
     /// Policies to compare (first-fit, balance, random, spread,
@@ -87,14 +88,16 @@ struct Cli {
     replot: Option<PathBuf>,
 }
 
-fn shape(s: &str) -> Result<(u32, u32, u32), String> {
-    let (eus, cores) = s.split_once('x').unwrap_or((s, "1"));
-    let (a, b) =
-        eus.split_once('+').ok_or_else(|| format!("shape `{s}`: write SA+VU[xCORES], e.g. 1+1 or 2+2x2"))?;
+fn shape(s: &str) -> Result<(u32, u32, u32, u32), String> {
+    let (eus, rest) = s.split_once('x').unwrap_or((s, "1"));
+    let (cores, chips) = rest.split_once('x').unwrap_or((rest, "1"));
+    let (a, b) = eus
+        .split_once('+')
+        .ok_or_else(|| format!("shape `{s}`: write SA+VU[xCORES[xCHIPS]], e.g. 1+1, 2+2x2 or 1+1x2x2"))?;
     let n = |x: &str| x.trim().parse::<u32>().ok().filter(|&v| v > 0);
-    match (n(a), n(b), n(cores)) {
-        (Some(sa), Some(vu), Some(c)) => Ok((sa, vu, c)),
-        _ => Err(format!("shape `{s}`: SA, VU and cores must be whole numbers of 1 or more")),
+    match (n(a), n(b), n(cores), n(chips)) {
+        (Some(sa), Some(vu), Some(c), Some(ch)) => Ok((sa, vu, c, ch)),
+        _ => Err(format!("shape `{s}`: SA, VU, cores and chips must be whole numbers of 1 or more")),
     }
 }
 
@@ -173,16 +176,19 @@ fn run(cli: Cli) -> Result<(), EvalError> {
         return Err(input("--warmup is a fraction in [0, 1)".into()));
     }
     let shapes = cli.shapes.iter().map(|s| shape(s)).collect::<Result<Vec<_>, _>>().map_err(input)?;
-    if let Some(&(sa, vu, _)) =
-        shapes.iter().find(|&&(sa, vu, _)| sa > cfg.core.sa_count || vu > cfg.core.vu_count)
+    if let Some(&(sa, vu, _, _)) =
+        shapes.iter().find(|&&(sa, vu, _, _)| sa > cfg.core.sa_count || vu > cfg.core.vu_count)
     {
         return Err(input(format!("shape {sa}+{vu} is larger than a core")));
     }
-    if let Some(&(sa, vu, c)) = shapes.iter().find(|&&(_, _, c)| c > cfg.cores_per_chip) {
+    if let Some(&(sa, vu, c, _)) = shapes.iter().find(|&&(_, _, c, _)| c > cfg.cores_per_chip) {
         return Err(input(format!(
             "shape {sa}+{vu}x{c} has more cores than a chip ({})",
             cfg.cores_per_chip
         )));
+    }
+    if let Some(&(sa, vu, c, ch)) = shapes.iter().find(|&&(_, _, _, ch)| ch > cfg.chips) {
+        return Err(input(format!("shape {sa}+{vu}x{c}x{ch} has more chips than the board ({})", cfg.chips)));
     }
     if cli.batches.contains(&0) {
         return Err(input("batch sizes are 1 or more".into()));
@@ -215,7 +221,7 @@ fn run(cli: Cli) -> Result<(), EvalError> {
     eprintln!("lowering {} workload items...", all.len());
     let items = Items::new(&cfg, &all, &matrix)?;
     if !items.left_out.is_empty() {
-        let names: Vec<String> = items.left_out.iter().map(|i| format!("{}x{}", i.spec, i.cores)).collect();
+        let names: Vec<String> = items.left_out.iter().map(|i| i.to_string()).collect();
         eprintln!("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): {}", names.join(", "));
     }
     if items.kinds.is_empty() {
