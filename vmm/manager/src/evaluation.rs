@@ -400,6 +400,23 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     }
 }
 
+/// Keeps `k` of `v` (which has at least `k`): the first (`first-fit`),
+/// `k` drawn uniformly (`random`), or the `k` smallest by `key`
+/// (`spread`: the roomiest first).
+fn choose<T, K: Ord>(v: &mut Vec<T>, k: usize, policy: EvalPolicy, rng: &mut StdRng, key: impl Fn(&T) -> K) {
+    match policy {
+        EvalPolicy::FirstFit => {}
+        EvalPolicy::Random => {
+            for i in 0..k {
+                let j = rng.random_range(i..v.len());
+                v.swap(i, j);
+            }
+        }
+        _ => v.sort_by_key(|x| key(x)),
+    }
+    v.truncate(k);
+}
+
 /// The cores an interference-blind policy other than `balance` picks for
 /// a vNPU of shape `s` (its `cores_per_chip` cores on one chip; `None`:
 /// no chip has room). One core: `first-fit` the lowest-numbered core that
@@ -430,20 +447,7 @@ fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -
         if mine.len() < k || hbm.saturating_add(s.hbm_per_core.saturating_mul(k as u64)) > board.hbm {
             continue;
         }
-        match policy {
-            EvalPolicy::FirstFit => mine.truncate(k),
-            EvalPolicy::Random => {
-                for i in 0..k {
-                    let j = rng.random_range(i..mine.len());
-                    mine.swap(i, j);
-                }
-                mine.truncate(k);
-            }
-            _ => {
-                mine.sort_by_key(|&c| (std::cmp::Reverse(board.score(c, s).0), c));
-                mine.truncate(k);
-            }
-        }
+        choose(&mut mine, k, policy, rng, |&c| (std::cmp::Reverse(board.score(c, s).0), c));
         let left = mine.iter().map(|&c| u64::from(board.score(c, s).0)).sum();
         chips.push((mine, left));
     }
@@ -452,20 +456,7 @@ fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -
     }
     // `want` of the chips with room: the first ones, random ones, or
     // those with the most EUs left (the lowest-numbered on ties).
-    match policy {
-        EvalPolicy::FirstFit => chips.truncate(want),
-        EvalPolicy::Random => {
-            for i in 0..want {
-                let j = rng.random_range(i..chips.len());
-                chips.swap(i, j);
-            }
-            chips.truncate(want);
-        }
-        _ => {
-            chips.sort_by_key(|(cores, left)| (std::cmp::Reverse(*left), cores.first().copied()));
-            chips.truncate(want);
-        }
-    }
+    choose(&mut chips, want, policy, rng, |(cores, left)| (std::cmp::Reverse(*left), cores.first().copied()));
     // Chip by chip, as the manager's placement lists them.
     chips.sort_by_key(|(cores, _)| cores.first().copied());
     Some(chips.into_iter().flat_map(|(cores, _)| cores).map(|c| c as u32).collect())
