@@ -875,10 +875,24 @@ impl Lowerer {
         fixed: u64,
         units: u32,
         bytes: impl Fn(u32) -> u64,
-        mut make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
+        make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
     ) -> Result<(), LowerError> {
         let (slots, rt) = self.plan(name, fixed, self.shape.vu, units, &bytes)?;
-        let slot_bytes = bytes(rt).next_multiple_of(64);
+        self.vu_tiles_planned(preload, fixed, units, (slots, rt, bytes(rt)), make)
+    }
+
+    /// [`Lowerer::vu_tiles`] with the plan made: `slots` slots of tiles of
+    /// `rt` units taking `tile_bytes` each.
+    #[allow(clippy::type_complexity)]
+    fn vu_tiles_planned(
+        &mut self,
+        preload: Vec<Instr>,
+        fixed: u64,
+        units: u32,
+        (slots, rt, tile_bytes): (u32, u32, u64),
+        mut make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
+    ) -> Result<(), LowerError> {
+        let slot_bytes = tile_bytes.next_multiple_of(64);
         let tiles = units.div_ceil(rt) as usize;
         let layout = Layout::low(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
         self.pipeline(layout, preload, slots, tiles, |t, slot| {
@@ -1044,15 +1058,21 @@ impl Lowerer {
         )
     }
 
-    /// Slots, boxes per tile and classes per product for Fast NMS's
-    /// second pipeline: every class in one product per box where SRAM
+    /// Slots, boxes per tile, classes per product and bytes per tile for
+    /// Fast NMS's second pipeline: every class in one product per box where SRAM
     /// allows (instructions per box grow with the number of class chunks,
     /// and a request may carry only so many), one slot per VU (two when
     /// they fit), tiles of at least 16 boxes (each tile adds 19
     /// instructions; smaller tiles only when not even that fits). Fewer
     /// slots before smaller class chunks only when not even one class
     /// fits beside a tile on every VU.
-    fn nms_plan(&self, name: &str, fixed: u64, n: u32, classes: u32) -> Result<(u32, u32, u32), LowerError> {
+    fn nms_plan(
+        &self,
+        name: &str,
+        fixed: u64,
+        n: u32,
+        classes: u32,
+    ) -> Result<(u32, u32, u32, u64), LowerError> {
         let nb = u64::from(n) * F;
         let bytes = |cc: u32, r: u32| {
             F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes)) + u64::from(cc) * nb
@@ -1071,10 +1091,8 @@ impl Lowerer {
                 while chunks <= classes {
                     let cc = classes.div_ceil(chunks);
                     if let Some(r) = fit(slots, cc) {
-                        return Ok(match fit(2 * slots, cc) {
-                            Some(r2) => (2 * slots, r2, cc),
-                            None => (slots, r, cc),
-                        });
+                        let (slots, r) = fit(2 * slots, cc).map_or((slots, r), |r2| (2 * slots, r2));
+                        return Ok((slots, r, cc, bytes(cc, r)));
                     }
                     if cc == 1 {
                         break;
@@ -1167,15 +1185,7 @@ impl Lowerer {
         // 2. Per image: the steps and the suppression. Classes go in
         // chunks of `cc` when one product row of all of them does not fit.
         let fixed = (5 + u64::from(classes)) * nb;
-        let (slots, rt, cc) = self.nms_plan(name, fixed, n, classes)?;
-        let tile_bytes = |cc: u32| {
-            move |r: u32| {
-                F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes))
-                    + u64::from(cc) * nb
-            }
-        };
-        let slot_bytes = tile_bytes(cc)(rt).next_multiple_of(64);
-        let tiles = n.div_ceil(rt) as usize;
+        let (slots, rt, cc, tile_bytes) = self.nms_plan(name, fixed, n, classes)?;
         let chunks: Vec<(u32, u32)> =
             (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
         for img in 0..u64::from(batch) {
@@ -1200,11 +1210,7 @@ impl Lowerer {
             let [py1, px1, py2, px2, parea] = [0u64, 1, 2, 3, 4].map(|k| k * nb);
             let splane = |c: u32| (5 + u64::from(c)) * nb;
             let chunks = chunks.clone();
-            let layout = Layout::low(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
-            self.pipeline(layout, preload, slots, tiles, |t, slot| {
-                let i0 = t as u32 * rt;
-                let r = rt.min(n - i0);
-                let base = fixed + u64::from(slot) * slot_bytes;
+            self.vu_tiles_planned(preload, fixed, n, (slots, rt, tile_bytes), |i0, r, base| {
                 let rn = u64::from(r) * nb;
                 let [x1, x2, y1, y2, u] = [0u64, 1, 2, 3, 4].map(|k| base + k * rn);
                 let st = base + 5 * rn;
@@ -1288,9 +1294,9 @@ impl Lowerer {
                     },
                 ]);
                 let first = (img * u64::from(n) + u64::from(i0)) * cb;
-                Tile::single(
+                (
                     vec![copy(Addr::hbm(sa + first), Addr::sram(st), 1, u64::from(r) * cb, 0, 0)],
-                    vec![Stage::Vu(c)],
+                    c,
                     vec![copy(Addr::sram(m), Addr::hbm(ya + first), 1, u64::from(r) * cb, 0, 0)],
                 )
             })?;
