@@ -342,7 +342,7 @@ impl Lowerer {
             // per-tile DMA and synchronisation outweigh the parallelism.
             let min_rows = max_rows(MIN_TILE_BYTES, units, &bytes).max(1);
             let want = units.div_ceil(engines.max(1)).max(min_rows).min(units).max(1);
-            let r = max_rows(per_slot, want, &bytes);
+            let r = max_rows(per_slot, want, |r| bytes(r).next_multiple_of(64));
             if r > 0 {
                 return Ok((slots, r));
             }

@@ -877,3 +877,20 @@ fn a_program_over_the_instruction_limit_is_a_capacity_error() {
         Ok(l) => panic!("lowered to {} instructions", l.program.instruction_count()),
     }
 }
+
+/// Slots are laid out 64-byte aligned, so the tile size a lowering picks
+/// must fit SRAM after that rounding: an addition of 20 rows of 3 (24
+/// bytes per row of its two operands) with 480 bytes of SRAM fits 10 rows
+/// per slot before rounding, but two slots of 256 bytes do not fit 480.
+/// It must lower to tiles that do, verify and compute the sum.
+#[test]
+fn tiles_fit_sram_after_slot_alignment() {
+    let (rows, cols) = (20u32, 3u32);
+    let mut g = Graph::new("aligned", 1);
+    let a = g.tensor("a", u64::from(rows * cols), Init::Input);
+    let b = g.tensor("b", u64::from(rows * cols), Init::Input);
+    g.input = a;
+    let y = g.add("sum", a, b, u64::from(rows * cols), cols, Act::None);
+    g.output = y;
+    check(&g, 1, 1, 480);
+}
