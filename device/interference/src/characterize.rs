@@ -420,7 +420,7 @@ pub fn summary(m: &Matrix) -> String {
     let mut out = String::new();
     if !m.left_out.is_empty() {
         let names: Vec<String> = m.left_out.iter().map(|s| s.to_string()).collect();
-        let _ = writeln!(out, "left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): {}", names.join(", "));
+        let _ = writeln!(out, "{}: {}", crate::corun::LEFT_OUT, names.join(", "));
     }
     let mut groups: Vec<(Placement, usize, u32, u32)> = m
         .cases

@@ -65,6 +65,11 @@ fn copy(src: Addr, dst: Addr, bytes: u64, workload: &str) -> Result<Program, CoR
     Ok(b.finish())
 }
 
+/// How a study names the items [`RequestPrograms::lower_if_fits`] leaves
+/// out, before their list.
+pub const LEFT_OUT: &str =
+    "left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request)";
+
 impl RequestPrograms {
     /// Lowers `spec` for a vNPU of its shape with the core's SRAM and HBM
     /// in proportion to its EUs (what a tenant of that shape is given).

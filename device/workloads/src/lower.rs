@@ -1188,10 +1188,11 @@ impl Lowerer {
         let (slots, rt, cc, tile_bytes) = self.nms_plan(name, fixed, n, classes)?;
         let chunks: Vec<(u32, u32)> =
             (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
+        // The first image's preload reads what the corners pipeline and
+        // the operations before stored; each later one lands where the
+        // image before still works, which makes the pipeline flush first.
+        self.flush();
         for img in 0..u64::from(batch) {
-            // The preload reads what the corners pipeline and the
-            // operations before stored.
-            self.flush();
             let mut preload: Vec<Instr> = (0..5u64)
                 .map(|k| {
                     copy(Addr::hbm(ca + (k * bn + img * u64::from(n)) * F), Addr::sram(k * nb), 1, nb, 0, 0)
@@ -1209,7 +1210,6 @@ impl Lowerer {
             }));
             let [py1, px1, py2, px2, parea] = [0u64, 1, 2, 3, 4].map(|k| k * nb);
             let splane = |c: u32| (5 + u64::from(c)) * nb;
-            let chunks = chunks.clone();
             self.vu_tiles_planned(preload, fixed, n, (slots, rt, tile_bytes), |i0, r, base| {
                 let rn = u64::from(r) * nb;
                 let [x1, x2, y1, y2, u] = [0u64, 1, 2, 3, 4].map(|k| base + k * rn);

@@ -174,7 +174,7 @@ impl Item {
 
     /// Execution units of the whole vNPU.
     pub fn eus(&self) -> u32 {
-        (self.spec.sa + self.spec.vu).saturating_mul(self.cores).saturating_mul(self.chips)
+        (self.spec.sa + self.spec.vu).saturating_mul(self.all_cores())
     }
 
     /// Cores of the whole vNPU.
@@ -252,7 +252,8 @@ pub struct Items {
     /// The items, those that fit (the rest are in `left_out`); the other
     /// fields follow their order.
     pub kinds: Vec<Item>,
-    /// Items whose tensors do not fit their vNPU's HBM.
+    /// Items too large for their vNPU (tensors past its HBM, or a program
+    /// past the instructions of a request).
     pub left_out: Vec<Item>,
     pub programs: Vec<RequestPrograms>,
     pub solos: Vec<Solo>,
@@ -264,8 +265,8 @@ pub struct Items {
 
 impl Items {
     /// Lowers every item; solo counters from `matrix` where it has them,
-    /// else measured. An item whose tensors do not fit its vNPU's HBM is
-    /// left out (`left_out`).
+    /// else measured. An item too large for its vNPU
+    /// ([`RequestPrograms::lower_if_fits`]) is left out (`left_out`).
     pub fn new(cfg: &BoardConfig, all: &[Item], matrix: &Matrix) -> Result<Self, EvalError> {
         let mut programs = Vec::with_capacity(all.len());
         let mut solos = Vec::with_capacity(all.len());
@@ -418,12 +419,13 @@ fn choose<T, K: Ord>(v: &mut Vec<T>, k: usize, policy: EvalPolicy, rng: &mut Std
 }
 
 /// The cores an interference-blind policy other than `balance` picks for
-/// a vNPU of shape `s` (its `cores_per_chip` cores on one chip; `None`:
-/// no chip has room). One core: `first-fit` the lowest-numbered core that
+/// a vNPU of shape `s` (its `cores_per_chip` cores on each of its `chips`
+/// chips; `None`: not enough chips have room). One core: `first-fit` the lowest-numbered core that
 /// fits, `random` any core that fits (uniformly), `spread` the one with
 /// the most EUs left. Several: the same choice of cores on each chip, and
-/// the first chip that has room (`first-fit`), any of them (`random`), or
-/// the one whose chosen cores have the most EUs left (`spread`).
+/// of the chips that have room the first ones (`first-fit`), random ones
+/// (`random`), or those whose chosen cores have the most EUs left
+/// (`spread`), listed chip by chip.
 fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -> Option<Vec<u32>> {
     let k = s.cores_per_chip.max(1) as usize;
     let want = s.chips.max(1) as usize;

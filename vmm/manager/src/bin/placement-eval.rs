@@ -222,10 +222,12 @@ fn run(cli: Cli) -> Result<(), EvalError> {
     let items = Items::new(&cfg, &all, &matrix)?;
     if !items.left_out.is_empty() {
         let names: Vec<String> = items.left_out.iter().map(|i| i.to_string()).collect();
-        eprintln!("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): {}", names.join(", "));
+        eprintln!("{}: {}", npu_interference::corun::LEFT_OUT, names.join(", "));
     }
     if items.kinds.is_empty() {
-        return Err(input("no item of the stream fits its vNPU's HBM".into()));
+        return Err(input(
+            "no item of the stream fits its vNPU (its HBM, or the instructions of a request)".into(),
+        ));
     }
     let latency = |s: &vnpu_manager::evaluation::Item| {
         items.kinds.iter().position(|x| x == s).map_or(1.0, |i| items.alone[i])
