@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The board daemon's guest-visible cost (docs/benchmarks.md, issue 13).
+"""The board daemon's guest-visible cost (docs/benchmarks.md).
 
 Boots the ring-bench and digits guests, round by round, two ways, the
 order alternated every round so no side always runs first or last:

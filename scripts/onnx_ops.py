@@ -7,7 +7,7 @@ products, Flatten, Gemm, Softmax), with random weights from a fixed seed,
 and one random input each (`<name>-x.npy`).
 
 They test the compiler's operators one by one against ONNX Runtime
-(device/onnx/tests/ort.rs); they are not trained models. Run once, by hand:
+(device/npu-onnx/tests/ort.rs); they are not trained models. Run once, by hand:
 
   .venv-onnx/bin/pip install onnx==1.23.2   # the builder; CI needs only onnxruntime
   .venv-onnx/bin/python scripts/onnx_ops.py [NAME...]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Planaria-like multi-tenant scenarios on one core (issue 14, item 4):
+"""Planaria-like multi-tenant scenarios on one core:
 runs target/release/sharing-eval for each scenario and latency-bound level
 and prints one markdown table of the headline ratios against the better
 PREMA-like system.

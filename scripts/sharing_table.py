@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prints the rows of the sharing-evaluation tables of docs/management.md
+"""Prints the rows of the sharing-evaluation tables of docs/evaluation.md
 from a `sharing-eval --json` file: every system at each chosen offered
 rate, then the ratios of vNPU, vNPU-WC and Planaria to the best PREMA-like
 baseline on throughput, busy-EU utilization and p99.

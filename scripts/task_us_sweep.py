@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The `--task-us` sweep of docs/management.md ("Task length"): runs
+"""The `--task-us` sweep of docs/evaluation.md ("Task length"): runs
 target/release/sharing-eval on the balanced and the equal-rate mix at
 loads 0.3, 0.6 and 0.9 of each system's saturation for each task length,
 and prints one markdown row per length: vNPU-WC's saturation over

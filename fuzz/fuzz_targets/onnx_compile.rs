@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use libfuzzer_sys::fuzz_target;
 use npu_onnx::{compile, CompileOptions};
-use npu_workloads::lower::VnpuShape;
+use npu_lower::VnpuShape;
 use vnpu_abi::model::Model;
 use vnpu_abi::DType;
 

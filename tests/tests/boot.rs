@@ -8,7 +8,7 @@
 mod common;
 
 use common::{assert_digits_agree_with_the_cpu, guest, Console, MSIX_TEST_PASSES};
-use vnpu_device::VnpuSpec;
+use vnpu_spec::VnpuSpec;
 use vnpu_vm::{Vm, VmConfig, VmError};
 
 #[test]

@@ -14,7 +14,8 @@ use std::path::PathBuf;
 use common::{assert_digits_agree_with_the_cpu, guest, Console, MSIX_TEST_PASSES};
 use npu_model::BoardConfig;
 use vnpu_daemon::{InstanceServer, VnpuBackend};
-use vnpu_device::{DeviceOptions, VnpuSpec};
+use vnpu_device::DeviceOptions;
+use vnpu_spec::VnpuSpec;
 use vnpu_vm::{Vm, VmConfig};
 
 /// Serves a `small` vNPU at a fresh socket.

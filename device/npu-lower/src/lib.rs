@@ -1,0 +1,1899 @@
+//! Lowering a layer graph to one program for a vNPU core.
+//!
+//! Every tensor lives in the vNPU's HBM. Each operation becomes a tiled
+//! pipeline: the DMA engine loads a tile into one of several SRAM slots,
+//! the tile passes through a chain of SA and VU stages, and the DMA engine
+//! stores the result. Stages are ordered by per-slot semaphores; slots are
+//! spread over the vNPU's SAs and VUs and double-buffered (two slots per
+//! engine where SRAM allows), so loads, stores and compute overlap.
+//!
+//! The DMA stream is in order and waits for every tile of an operation
+//! before it stores the last one, so it doubles as the barrier between
+//! operations: SRAM is re-partitioned per operation. Weights that do not
+//! fit half the SRAM are split into column chunks, each its own pipeline.
+
+use std::collections::VecDeque;
+
+use thiserror::Error;
+use vnpu_abi::isa::NUM_SEMAPHORES;
+use vnpu_abi::{
+    Addr, Bcast, BinOp, ConvGeom, DType, Engine, Instr, MatFlags, PoolGeom, Program, ProgramBuilder, RedOp,
+    Space, UnOp,
+};
+
+use npu_graph::{Act, Graph, Init, Op, Spatial, TensorId, View, NMS_STEP};
+
+/// The vNPU core a program is lowered for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VnpuShape {
+    pub sa: u32,
+    pub vu: u32,
+    pub sram_bytes: u64,
+    pub hbm_bytes: u64,
+    /// Systolic array rows and columns (weight chunks are rounded to the
+    /// columns; both decide how a matrix product is split over SAs).
+    pub sa_rows: u32,
+    pub sa_cols: u32,
+}
+
+impl VnpuShape {
+    /// `sa` SAs and `vu` VUs with this SRAM and HBM, on `board`'s
+    /// systolic arrays.
+    pub fn on_board(
+        board: &npu_model::BoardConfig,
+        sa: u32,
+        vu: u32,
+        sram_bytes: u64,
+        hbm_bytes: u64,
+    ) -> Self {
+        Self { sa, vu, sram_bytes, hbm_bytes, sa_rows: board.core.sa_rows, sa_cols: board.core.sa_cols }
+    }
+}
+
+/// Why a graph cannot be lowered for a vNPU.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum LowerError {
+    #[error("a vNPU core needs at least one SA and one VU (got {sa} SAs, {vu} VUs)")]
+    Shape { sa: u32, vu: u32 },
+    #[error("operation `{op}` needs {need} bytes of SRAM for one tile, the vNPU core has {have}")]
+    Sram { op: String, need: u64, have: u64 },
+    #[error("the model's tensors need {need} bytes of HBM, the vNPU core has {have}")]
+    Hbm { need: u64, have: u64 },
+    #[error("operation `{op}`: {reason}")]
+    Geometry { op: String, reason: &'static str },
+    #[error("the lowering ran out of semaphores (a lowering bug)")]
+    Semaphores,
+    #[error(
+        "the program has {have} instructions, more than one request may carry ({limit}): run the batch as several requests"
+    )]
+    Instructions { have: usize, limit: usize },
+}
+
+impl LowerError {
+    /// Whether the graph is too large for the vNPU (its tensors exceed the
+    /// HBM, or its program the instructions one request may carry): an
+    /// item a study leaves out by name, not a failure.
+    pub fn is_capacity(&self) -> bool {
+        matches!(self, LowerError::Hbm { .. } | LowerError::Instructions { .. })
+    }
+}
+
+/// A tensor's place in HBM.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Placed {
+    pub offset: u64,
+    pub elems: u64,
+    pub init: Init,
+    /// How its elements are stored: f32, or bf16 for the weights of SA
+    /// products lowered with bf16 operands ([`lower_as`]).
+    pub dtype: DType,
+}
+
+/// The lowered program and where everything lives.
+#[derive(Debug, Clone)]
+pub struct Lowered {
+    pub program: Program,
+    pub tensors: Vec<Placed>,
+    /// HBM bytes the tensors occupy.
+    pub hbm_bytes: u64,
+    pub input: TensorId,
+    pub output: TensorId,
+}
+
+const ALIGN: u64 = 4096;
+/// Smallest tile (SRAM bytes) worth splitting work into.
+const MIN_TILE_BYTES: u64 = 32 << 10;
+
+/// Small matrices of a batched product are grouped into tiles, but into at
+/// least this many tiles per slot, so loads, products and stores overlap.
+const GROUP_TILES: u32 = 32;
+/// Most engines of one kind a lowered program spreads work over.
+pub const MAX_ENGINES: u32 = 8;
+const F: u64 = 4;
+
+enum Stage {
+    Sa(Vec<Instr>),
+    Vu(Vec<Instr>),
+}
+
+/// `stages` without the VU stages that have nothing to run (no tokens are
+/// passed for them).
+fn without_empty_vu(stages: impl IntoIterator<Item = Stage>) -> Vec<Stage> {
+    stages.into_iter().filter(|st| !matches!(st, Stage::Vu(c) if c.is_empty())).collect()
+}
+
+/// One tile: the DMA engine loads it once, then each lane runs its chain
+/// of stages and the DMA engine stores that lane's result. A tile of one
+/// lane runs on the engines of its slot; lane `i` of an `L`-lane tile in
+/// slot `p` runs on SA `(p L + i) % sa` and VU `(p L + i) % vu` (a matrix
+/// product split by weight columns).
+struct Tile {
+    load: Vec<Instr>,
+    /// VU work on the loaded tile that every lane needs (converting SA
+    /// operands to bf16), run once on the slot's first VU before the lanes
+    /// start. Empty: the lanes start right after the load.
+    prep: Vec<Instr>,
+    lanes: Vec<Lane>,
+}
+
+struct Lane {
+    stages: Vec<Stage>,
+    store: Vec<Instr>,
+}
+
+impl Tile {
+    fn single(load: Vec<Instr>, stages: Vec<Stage>, store: Vec<Instr>) -> Self {
+        Tile { load, prep: vec![], lanes: vec![Lane { stages, store }] }
+    }
+}
+
+/// Where a pipeline's preloaded data (`fixed` bytes at `wbase`) and its
+/// slots (`used` bytes at `sbase`) sit in SRAM.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    wbase: u64,
+    fixed: u64,
+    sbase: u64,
+    used: u64,
+}
+
+impl Layout {
+    /// Preloaded data at the bottom of SRAM, slots right above it.
+    fn low(fixed: u64, used: u64) -> Self {
+        Layout { wbase: 0, fixed, sbase: fixed, used }
+    }
+
+    fn preload(&self) -> (u64, u64) {
+        (self.wbase, self.wbase + self.fixed)
+    }
+
+    fn live(&self) -> [(u64, u64); 2] {
+        [self.preload(), (self.sbase, self.sbase + self.used)]
+    }
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1
+}
+
+/// A column block of a weight chunk: first column (within the chunk) and width.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    c0: u32,
+    cols: u32,
+}
+
+struct Lowerer {
+    b: ProgramBuilder,
+    shape: VnpuShape,
+    hbm: Vec<u64>,
+    chans: Vec<((Engine, Engine), u8)>,
+    /// The last pipeline's final waits and stores, not yet emitted: the
+    /// next pipeline's preload goes first when it does not touch `live`.
+    deferred: VecDeque<Vec<(u8, Vec<Instr>)>>,
+    /// SRAM ranges the last pipeline still uses until `deferred` is emitted.
+    live: Vec<(u64, u64)>,
+    /// The SA's operand type: with bf16, stored weights are bf16 in HBM and
+    /// computed operands are converted to bf16 in SRAM on a VU first.
+    dtype: DType,
+    /// Bytes per element of each tensor in HBM.
+    esize: Vec<u64>,
+}
+
+fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
+    if rows > 1
+        && src_stride == row_bytes
+        && dst_stride == row_bytes
+        && rows * row_bytes <= u64::from(u32::MAX)
+    {
+        return Instr::DmaCopy {
+            src,
+            dst,
+            rows: 1,
+            row_bytes: (rows * row_bytes) as u32,
+            src_stride: 0,
+            dst_stride: 0,
+        };
+    }
+    Instr::DmaCopy { src, dst, rows: rows as u32, row_bytes: row_bytes as u32, src_stride, dst_stride }
+}
+
+/// `first = first op second` over the `rows x cols` block at `base` and
+/// the one right after it (two operands loaded one after the other).
+fn second_into_first(op: BinOp, base: u64, rows: u32, cols: u32) -> Instr {
+    let b = base + u64::from(rows) * u64::from(cols) * F;
+    Instr::VBinary { op, bcast: Bcast::None, a: base, b, dst: base, rows, cols }
+}
+
+/// VU instructions for `y = act(y + bias)` over `rows x cols` at `y`.
+fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64) -> Vec<Instr> {
+    let mut v = Vec::new();
+    if let Some(b) = bias {
+        v.push(Instr::VBinary { op: BinOp::Add, bcast: Bcast::Row, a: y, b, dst: y, rows, cols });
+    }
+    let len = rows * cols;
+    match act {
+        Act::None => {}
+        Act::Relu => v.push(Instr::VUnary { op: UnOp::Relu, src: y, dst: y, len }),
+        Act::Gelu => v.push(Instr::VUnary { op: UnOp::Gelu, src: y, dst: y, len }),
+        Act::GeluErf => v.push(Instr::VUnary { op: UnOp::GeluErf, src: y, dst: y, len }),
+        Act::Erf => v.push(Instr::VUnary { op: UnOp::Erf, src: y, dst: y, len }),
+        Act::Sqrt => v.push(Instr::VUnary { op: UnOp::Sqrt, src: y, dst: y, len }),
+        Act::Recip => v.push(Instr::VUnary { op: UnOp::Recip, src: y, dst: y, len }),
+        Act::Exp => v.push(Instr::VUnary { op: UnOp::Exp, src: y, dst: y, len }),
+        Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
+        Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
+        Act::Swish | Act::HardSwish => {
+            if act == Act::Swish {
+                v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
+            } else {
+                v.push(Instr::VAffine { src: y, dst: tmp, len, scale: 1.0 / 6.0, bias: 0.5 });
+                v.push(Instr::VClamp { src: tmp, dst: tmp, len, lo: 0.0, hi: 1.0 });
+            }
+            v.push(Instr::VBinary {
+                op: BinOp::Mul,
+                bcast: Bcast::None,
+                a: y,
+                b: tmp,
+                dst: y,
+                rows: 1,
+                cols: len,
+            });
+        }
+        Act::Clamp { scale, bias, lo, hi } => {
+            if scale != 1.0 || bias != 0.0 {
+                v.push(Instr::VAffine { src: y, dst: y, len, scale, bias });
+            }
+            if lo > f32::MIN || hi < f32::MAX {
+                v.push(Instr::VClamp { src: y, dst: y, len, lo, hi });
+            }
+        }
+    }
+    v
+}
+
+/// VU instructions converting the f32 operands at `(sram, elems)` to the
+/// SA operand type `dtype` in place (none for f32): the bf16 values take
+/// the first half of each range.
+fn to_sa_type(dtype: DType, ranges: &[(u64, u64)]) -> Vec<Instr> {
+    if dtype == DType::F32 {
+        return vec![];
+    }
+    ranges
+        .iter()
+        .map(|&(at, len)| Instr::VConvert { from: DType::F32, to: dtype, src: at, dst: at, len: len as u32 })
+        .collect()
+}
+
+/// Whether two strided byte sets `(start, rows, len, stride)` (rows of
+/// `len` bytes, `stride` apart) may share a byte: exact when the strides
+/// are equal and cover their rows, else by bounding ranges (never a false
+/// "no").
+fn strided_meet(a: (u64, u64, u64, u64), b: (u64, u64, u64, u64)) -> bool {
+    let end =
+        |(s, r, l, st): (u64, u64, u64, u64)| s.saturating_add((r - 1).saturating_mul(st)).saturating_add(l);
+    if a.1 == 0 || b.1 == 0 || a.2 == 0 || b.2 == 0 || end(a) <= b.0 || end(b) <= a.0 {
+        return false;
+    }
+    let p = a.3;
+    if p == 0 || p != b.3 || a.2 > p || b.2 > p {
+        return true;
+    }
+    // Same period: the column intervals must meet on the circle of length p.
+    let (pa, pb) = (a.0 % p, b.0 % p);
+    (pb + p - pa) % p < a.2 || (pa + p - pb) % p < b.2
+}
+
+/// Largest `r` in `1..=hi` with `bytes(r) <= budget`, or 0.
+fn max_rows(budget: u64, hi: u32, bytes: impl Fn(u32) -> u64) -> u32 {
+    let (mut lo, mut hi) = (0u32, hi);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if bytes(mid) <= budget {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+impl Lowerer {
+    fn addr(&self, t: TensorId, elem: u64) -> Addr {
+        Addr::hbm(self.hbm[t] + elem * self.esize[t])
+    }
+
+    /// Picks slot count and rows per tile: as many slots as engines allow
+    /// (two per engine), each holding a tile of at most `units` rows whose
+    /// SRAM need is `bytes(r)`, spread so every slot gets work.
+    fn plan(
+        &self,
+        op: &str,
+        fixed: u64,
+        engines: u32,
+        units: u32,
+        bytes: impl Fn(u32) -> u64,
+    ) -> Result<(u32, u32), LowerError> {
+        let mut slots = (2 * engines).max(1);
+        let avail = self.shape.sram_bytes.saturating_sub(fixed);
+        loop {
+            let per_slot = avail / u64::from(slots);
+            // Spread over the engines, but never into tiles so small that
+            // per-tile DMA and synchronisation outweigh the parallelism.
+            let min_rows = max_rows(MIN_TILE_BYTES, units, &bytes).max(1);
+            let want = units.div_ceil(engines.max(1)).max(min_rows).min(units).max(1);
+            let r = max_rows(per_slot, want, |r| bytes(r).next_multiple_of(64));
+            if r > 0 {
+                return Ok((slots, r));
+            }
+            if slots == 1 {
+                return Err(LowerError::Sram {
+                    op: op.into(),
+                    need: fixed + bytes(1),
+                    have: self.shape.sram_bytes,
+                });
+            }
+            slots -= 1;
+        }
+    }
+
+    /// The semaphore of the channel `from -> to`: every token `from`
+    /// signals on it is consumed by `to`, in program order, so tokens of
+    /// different operations can never be confused.
+    fn chan(&mut self, from: Engine, to: Engine) -> Result<u8, LowerError> {
+        if let Some((_, s)) = self.chans.iter().find(|(k, _)| *k == (from, to)) {
+            return Ok(*s);
+        }
+        let id = self.chans.len();
+        if id >= usize::from(NUM_SEMAPHORES) {
+            return Err(LowerError::Semaphores);
+        }
+        self.chans.push(((from, to), id as u8));
+        Ok(id as u8)
+    }
+
+    /// Emits a pipeline of `n` tiles over `slots` slots laid out as
+    /// `layout` says. Slot `p` runs its SA stages on SA `p % sa` and its VU
+    /// stages on VU `p % vu` (see [`Tile`] for tiles of several lanes).
+    ///
+    /// The preload (weights and other parameters: never data an earlier
+    /// operation writes) is issued before the previous pipeline's final
+    /// waits and stores when it lands outside the SRAM that pipeline still
+    /// uses, so the DMA engine loads the next weights while the SAs and VUs
+    /// finish the previous operation. The pipeline's own final waits and
+    /// stores are deferred the same way ([`Lowerer::flush`]).
+    fn pipeline(
+        &mut self,
+        layout: Layout,
+        preload: Vec<Instr>,
+        slots: u32,
+        n: usize,
+        mut tile: impl FnMut(usize, u32) -> Tile,
+    ) -> Result<(), LowerError> {
+        if preload.is_empty() || self.live.iter().any(|r| overlaps(*r, layout.preload())) {
+            self.flush();
+        }
+        for i in preload {
+            self.b.push(Engine::DMA, i);
+        }
+        self.flush();
+        let mut pending: VecDeque<Vec<(u8, Vec<Instr>)>> = VecDeque::new();
+        for t in 0..n {
+            let slot = (t as u32) % slots;
+            let tl = tile(t, slot);
+            if pending.len() as u32 == slots {
+                if let Some(lanes) = pending.pop_front() {
+                    self.drain(lanes);
+                }
+            }
+            for i in tl.load {
+                self.b.push(Engine::DMA, i);
+            }
+            let wide = tl.lanes.len() > 1;
+            let n_lanes = tl.lanes.len() as u32;
+            let mut start = Engine::DMA;
+            if !tl.prep.is_empty() {
+                let e = if wide { slot * n_lanes } else { slot };
+                start = Engine::vu((e % self.shape.vu) as u8);
+                let sem = self.chan(Engine::DMA, start)?;
+                self.b.push(Engine::DMA, Instr::Signal { sem });
+                self.b.push(start, Instr::Wait { sem });
+                for i in tl.prep {
+                    self.b.push(start, i);
+                }
+            }
+            let mut posts = Vec::with_capacity(tl.lanes.len());
+            for (lane, l) in tl.lanes.into_iter().enumerate() {
+                let e = if wide { slot * n_lanes + lane as u32 } else { slot };
+                let mut prev = start;
+                for st in l.stages {
+                    let (engine, code) = match st {
+                        Stage::Sa(c) => (Engine::sa((e % self.shape.sa) as u8), c),
+                        Stage::Vu(c) => (Engine::vu((e % self.shape.vu) as u8), c),
+                    };
+                    // One engine's stream is in order: no token needed.
+                    if engine != prev {
+                        let sem = self.chan(prev, engine)?;
+                        self.b.push(prev, Instr::Signal { sem });
+                        self.b.push(engine, Instr::Wait { sem });
+                    }
+                    for i in code {
+                        self.b.push(engine, i);
+                    }
+                    prev = engine;
+                }
+                // Without a compute stage the DMA stream orders itself.
+                let post = self.chan(prev, Engine::DMA)?;
+                self.b.push(prev, Instr::Signal { sem: post });
+                posts.push((post, l.store));
+            }
+            pending.push_back(posts);
+        }
+        self.deferred = pending;
+        self.live = layout.live().to_vec();
+        Ok(())
+    }
+
+    /// Whether a deferred store writes HBM bytes of the `rows` rows of
+    /// `len` bytes, `stride` apart, from `start`.
+    fn deferred_meets(&self, start: u64, rows: u64, len: u64, stride: u64) -> bool {
+        self.deferred.iter().flatten().flat_map(|(_, store)| store).any(|i| match *i {
+            Instr::DmaCopy { dst, rows: r, row_bytes, dst_stride, .. } if dst.space == Space::Hbm => {
+                strided_meet((dst.offset, r.into(), row_bytes.into(), dst_stride), (start, rows, len, stride))
+            }
+            _ => false,
+        })
+    }
+
+    /// Emits the deferred final waits and stores of the last pipeline.
+    fn flush(&mut self) {
+        while let Some(lanes) = self.deferred.pop_front() {
+            self.drain(lanes);
+        }
+        self.live.clear();
+    }
+
+    /// Where a pipeline with `fixed` preloaded bytes and `used` bytes of
+    /// slots goes: preload at the top of SRAM with the slots right below
+    /// when that misses what the last pipeline still uses (so its preload
+    /// can overlap that pipeline's end), else at the bottom.
+    fn bank(&self, fixed: u64, used: u64) -> Layout {
+        let wbase = self.shape.sram_bytes.saturating_sub(fixed) / 64 * 64;
+        let high = Layout { wbase, fixed, sbase: wbase.saturating_sub(used), used };
+        if fixed > 0 && wbase >= used && !self.live.iter().any(|r| overlaps(*r, high.preload())) {
+            high
+        } else {
+            Layout::low(fixed, used)
+        }
+    }
+
+    /// The DMA engine waits for each lane of a tile and stores its result.
+    fn drain(&mut self, lanes: Vec<(u8, Vec<Instr>)>) {
+        for (post, store) in lanes {
+            self.b.push(Engine::DMA, Instr::Wait { sem: post });
+            for i in store {
+                self.b.push(Engine::DMA, i);
+            }
+        }
+    }
+
+    /// SA cycles of an `m x k x n` product (weight-stationary estimate,
+    /// used only to choose how to split work).
+    fn sa_estimate(&self, m: u32, k: u64, n: u32) -> u64 {
+        let (r, c) = (u64::from(self.shape.sa_rows.max(1)), u64::from(self.shape.sa_cols.max(1)));
+        k.div_ceil(r) * u64::from(n).div_ceil(c) * (2 * r + c - 2 + u64::from(m))
+    }
+
+    /// How to spread a product of `units` row units (`m_per_unit` GEMM rows
+    /// each) by `k` by a weight chunk of `nt` columns over the SAs. The
+    /// candidates: row tiles spread over all slots (every SA holds all `nt`
+    /// columns, so each one loads every weight fold), for products shorter
+    /// than an array's rows one tile as large as SRAM allows, and tiles
+    /// split into column blocks (one lane per block,
+    /// `sa / lanes` groups of SAs working on different row tiles). The
+    /// shortest by a weight-stationary cycle estimate wins; among those
+    /// within 10% of it, the one with the least SA work (no SA reloads
+    /// weights for a few percent of time). Returns the slots, units per
+    /// tile and the column blocks (one block = no column split).
+    #[allow(clippy::too_many_arguments)]
+    fn split(
+        &self,
+        op: &str,
+        fixed: u64,
+        units: u32,
+        m_per_unit: u32,
+        k: u64,
+        nt: u32,
+        bytes: impl Fn(u32) -> u64,
+    ) -> Result<(u32, u32, Vec<Block>), LowerError> {
+        let sa = self.shape.sa;
+        let engines = sa.max(self.shape.vu);
+        // (time per SA, total SA work, slots, units per tile, blocks)
+        let mut cands: Vec<(u64, u64, u32, u32, Vec<Block>)> = Vec::new();
+        let mut add = |slots: u32, rt: u32, blocks: Vec<Block>| {
+            let lanes = blocks.len() as u32;
+            let groups = (sa / lanes).max(1);
+            let tiles = units.div_ceil(rt.max(1));
+            let widest = blocks.iter().map(|b| b.cols).max().unwrap_or(nt);
+            let per_tile = self.sa_estimate(rt.saturating_mul(m_per_unit), k, widest);
+            let work: u64 = blocks
+                .iter()
+                .map(|b| u64::from(tiles) * self.sa_estimate(rt.saturating_mul(m_per_unit), k, b.cols))
+                .sum();
+            cands.push((u64::from(tiles.div_ceil(groups)) * per_tile, work, slots, rt, blocks));
+        };
+        let whole = vec![Block { c0: 0, cols: nt }];
+        let (slots, rt) = self.plan(op, fixed, engines, units, &bytes)?;
+        add(slots, rt, whole.clone());
+        if u64::from(units) * u64::from(m_per_unit) <= u64::from(self.shape.sa_rows) {
+            // Fewer rows than an array fold streams: splitting them only
+            // multiplies weight loads.
+            let (s2, r2) = self.plan(op, fixed, 1, units, &bytes)?;
+            add(s2, r2, whole);
+        }
+        let c = self.shape.sa_cols.max(1);
+        let folds = nt.div_ceil(c);
+        let lanes = sa.min(folds);
+        if lanes >= 2 {
+            let mut blocks = Vec::with_capacity(lanes as usize);
+            let mut c0 = 0;
+            for i in 0..lanes {
+                let f = folds / lanes + u32::from(i < folds % lanes);
+                let cols = (f * c).min(nt - c0);
+                blocks.push(Block { c0, cols });
+                c0 += cols;
+            }
+            let (slots, rt) = self.plan(op, fixed, engines.div_ceil(lanes), units, &bytes)?;
+            add(slots, rt, blocks);
+        }
+        let best = cands.iter().map(|c| c.0).min().unwrap_or(0);
+        let pick = cands.into_iter().filter(|c| c.0 * 10 <= best * 11).min_by_key(|c| (c.1, c.0));
+        Ok(pick.map_or((slots, rt, vec![Block { c0: 0, cols: nt }]), |p| (p.2, p.3, p.4)))
+    }
+
+    /// Loads a weight chunk (columns `n0..n0 + nt` of a `krows x n` matrix)
+    /// into SRAM at `dst`, block by block, each block contiguous with its
+    /// width as leading dimension.
+    fn load_weights(
+        &self,
+        w: TensorId,
+        krows: u64,
+        n: u32,
+        n0: u32,
+        blocks: &[Block],
+        dst: u64,
+    ) -> Vec<Instr> {
+        let e = self.esize[w];
+        blocks
+            .iter()
+            .map(|bl| {
+                copy(
+                    self.addr(w, u64::from(n0 + bl.c0)),
+                    Addr::sram(dst + krows * u64::from(bl.c0) * e),
+                    krows,
+                    u64::from(bl.cols) * e,
+                    u64::from(n) * e,
+                    u64::from(bl.cols) * e,
+                )
+            })
+            .collect()
+    }
+
+    /// Column chunk of weights (`esize` bytes per element) that fits half
+    /// the SRAM with its bias.
+    fn weight_chunk(&self, k: u64, n: u32, esize: u64) -> u32 {
+        let half = self.shape.sram_bytes / 2;
+        let per_col = k * esize + F;
+        if per_col * u64::from(n) <= half {
+            return n;
+        }
+        let cols = (half / per_col) as u32;
+        let sc = self.shape.sa_cols.max(1);
+        if cols >= sc {
+            cols / sc * sc
+        } else {
+            cols.max(1)
+        }
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        x: View,
+        w: TensorId,
+        b: TensorId,
+        y: View,
+        rows: u32,
+        k: u32,
+        n: u32,
+        act: Act,
+    ) -> Result<(), LowerError> {
+        let we = self.esize[w];
+        let nt_max = self.weight_chunk(k.into(), n, we);
+        let mut n0 = 0;
+        while n0 < n {
+            let nt = nt_max.min(n - n0);
+            let wbytes = u64::from(k) * u64::from(nt) * we;
+            // The bias after the weights, 4-byte aligned (bf16 weights may
+            // end mid-word).
+            let wbytes = wbytes.next_multiple_of(4);
+            let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
+            let tmp_cols = if act.needs_scratch() { u64::from(nt) } else { 0 };
+            let row_bytes = |r: u32| u64::from(r) * (u64::from(k) + u64::from(nt) + tmp_cols) * F;
+            let (slots, rt, blocks) = self.split(name, fixed, rows, 1, k.into(), nt, row_bytes)?;
+            let slot_bytes = row_bytes(rt).next_multiple_of(64);
+            let tiles = rows.div_ceil(rt) as usize;
+            let layout = self.bank(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+            let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
+            let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
+            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
+            let hbm = self.hbm.clone();
+            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let dtype = self.dtype;
+            let prep = |inb: u64, len: u64| to_sa_type(dtype, &[(inb, len)]);
+            self.pipeline(layout, preload, slots, tiles, |t, slot| {
+                let m0 = t as u32 * rt;
+                let r = rt.min(rows - m0);
+                let base = layout.sbase + u64::from(slot) * slot_bytes;
+                let (inb, outb) = (base, base + u64::from(r) * u64::from(k) * F);
+                let tmpb = outb + u64::from(r) * u64::from(nt) * F;
+                let lanes = blocks
+                    .iter()
+                    .map(|bl| {
+                        // Block `bl` of the output: `r x cols`, contiguous.
+                        let off = u64::from(r) * u64::from(bl.c0) * F;
+                        Lane {
+                            stages: vec![
+                                Stage::Sa(vec![Instr::MatMul {
+                                    dtype,
+                                    flags: MatFlags::default(),
+                                    a: inb,
+                                    b: w_s + u64::from(k) * u64::from(bl.c0) * we,
+                                    c: outb + off,
+                                    m: r,
+                                    k,
+                                    n: bl.cols,
+                                    lda: k,
+                                    ldb: bl.cols,
+                                    ldc: bl.cols,
+                                }]),
+                                Stage::Vu(bias_act(
+                                    outb + off,
+                                    Some(b_s + u64::from(bl.c0) * F),
+                                    r,
+                                    bl.cols,
+                                    act,
+                                    tmpb + off,
+                                )),
+                            ],
+                            store: vec![copy(
+                                Addr::sram(outb + off),
+                                at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0 + bl.c0)),
+                                r.into(),
+                                u64::from(bl.cols) * F,
+                                u64::from(bl.cols) * F,
+                                u64::from(y.ld) * F,
+                            )],
+                        }
+                    })
+                    .collect();
+                Tile {
+                    load: vec![copy(
+                        at(x.t, u64::from(m0) * u64::from(x.ld) + u64::from(x.col)),
+                        Addr::sram(inb),
+                        r.into(),
+                        u64::from(k) * F,
+                        u64::from(x.ld) * F,
+                        u64::from(k) * F,
+                    )],
+                    prep: prep(inb, u64::from(r) * u64::from(k)),
+                    lanes,
+                }
+            })?;
+            n0 += nt;
+        }
+        Ok(())
+    }
+
+    /// Input rows of an output band `[oy0, oy0 + r)`: (first row, rows, pad top, pad bottom).
+    fn band(s: &Spatial, oy0: u32, r: u32) -> (u32, u32, u16, u16) {
+        let (st, k, p, h) = (i64::from(s.sh), i64::from(s.kh), i64::from(s.pad[0]), i64::from(s.h));
+        let start = i64::from(oy0) * st - p;
+        let end = (i64::from(oy0) + i64::from(r) - 1) * st - p + k;
+        let lo = start.max(0);
+        let hi = end.min(h);
+        ((lo) as u32, (hi - lo).max(0) as u32, (-start).max(0) as u16, (end - h).max(0) as u16)
+    }
+
+    /// Convolution (on the SA) or depthwise convolution (on the VU).
+    fn conv(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        w: TensorId,
+        b: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        cin: u32,
+        cout: u32,
+        act: Act,
+        depthwise: bool,
+    ) -> Result<(), LowerError> {
+        let (ho, wo) = s.out();
+        let kk = u64::from(s.kh) * u64::from(s.kw);
+        let krows = if depthwise { kk } else { kk * u64::from(cin) };
+        let we = self.esize[w];
+        let nt_max = if depthwise { cout } else { self.weight_chunk(krows, cout, we) };
+        let mut n0 = 0;
+        while n0 < cout {
+            let nt = nt_max.min(cout - n0);
+            let wbytes = krows * u64::from(nt) * we;
+            // The bias after the weights, 4-byte aligned (bf16 weights may
+            // end mid-word).
+            let wbytes = wbytes.next_multiple_of(4);
+            let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
+            let tmp = u64::from(act.needs_scratch());
+            let bytes = |r: u32| {
+                let (_, bh, _, _) = Self::band(&s, 0, r.min(ho));
+                let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.sh) + u32::from(s.kh)).min(s.h)));
+                in_rows * u64::from(s.w) * u64::from(cin) * F
+                    + (1 + tmp) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
+            };
+            let (slots, rt, blocks) = if depthwise {
+                let (slots, rt) = self.plan(name, fixed, self.shape.vu, ho * batch, bytes)?;
+                (slots, rt, vec![Block { c0: 0, cols: nt }])
+            } else {
+                self.split(name, fixed, ho * batch, wo, krows, nt, bytes)?
+            };
+            let rt = rt.min(ho);
+            let slot_bytes = bytes(rt).next_multiple_of(64);
+            let bands = ho.div_ceil(rt);
+            let tiles = (batch * bands) as usize;
+            let layout = self.bank(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+            let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
+            let mut preload = self.load_weights(w, krows, cout, n0, &blocks, w_s);
+            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
+            let hbm = self.hbm.clone();
+            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let dtype = self.dtype;
+            let prep = |inb: u64, len: u64| if depthwise { vec![] } else { to_sa_type(dtype, &[(inb, len)]) };
+            self.pipeline(layout, preload, slots, tiles, |t, slot| {
+                let img = t as u32 / bands;
+                let oy0 = (t as u32 % bands) * rt;
+                let r = rt.min(ho - oy0);
+                let (lo, bh, pt, pb) = Self::band(&s, oy0, r);
+                let in_elems = u64::from(bh) * u64::from(s.w) * u64::from(cin);
+                let base = layout.sbase + u64::from(slot) * slot_bytes;
+                let inb = base;
+                let outb = base + in_elems * F;
+                let out_rows = r * wo;
+                let tmpb = outb + u64::from(out_rows) * u64::from(nt) * F;
+                let src_e =
+                    (u64::from(img) * u64::from(s.h) + u64::from(lo)) * u64::from(s.w) * u64::from(cin);
+                let dst_e =
+                    (u64::from(img) * u64::from(ho) + u64::from(oy0)) * u64::from(wo) * u64::from(cout)
+                        + u64::from(n0);
+                let lanes = blocks
+                    .iter()
+                    .map(|bl| {
+                        // Block `bl` of the output: `out_rows x cols`, contiguous.
+                        let off = u64::from(out_rows) * u64::from(bl.c0) * F;
+                        let geom = ConvGeom {
+                            n: 1,
+                            h: bh,
+                            w: s.w,
+                            cin,
+                            cout: bl.cols,
+                            kh: s.kh,
+                            kw: s.kw,
+                            stride_h: s.sh,
+                            stride_w: s.sw,
+                            pad_top: pt,
+                            pad_bottom: pb,
+                            pad_left: s.pad[2],
+                            pad_right: s.pad[3],
+                        };
+                        let (wb, ob) = (w_s + krows * u64::from(bl.c0) * we, outb + off);
+                        let post = bias_act(
+                            ob,
+                            Some(b_s + u64::from(bl.c0) * F),
+                            out_rows,
+                            bl.cols,
+                            act,
+                            tmpb + off,
+                        );
+                        let stages = if depthwise {
+                            let mut v = vec![Instr::VDepthwise { src: inb, weights: wb, dst: ob, geom }];
+                            v.extend(post);
+                            vec![Stage::Vu(v)]
+                        } else {
+                            vec![
+                                Stage::Sa(vec![Instr::Conv2d {
+                                    dtype,
+                                    flags: MatFlags::default(),
+                                    input: inb,
+                                    weights: wb,
+                                    output: ob,
+                                    geom,
+                                }]),
+                                Stage::Vu(post),
+                            ]
+                        };
+                        Lane {
+                            stages,
+                            store: vec![copy(
+                                Addr::sram(ob),
+                                at(y, dst_e + u64::from(bl.c0)),
+                                out_rows.into(),
+                                u64::from(bl.cols) * F,
+                                u64::from(bl.cols) * F,
+                                u64::from(cout) * F,
+                            )],
+                        }
+                    })
+                    .collect();
+                Tile {
+                    load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)],
+                    prep: prep(inb, in_elems),
+                    lanes,
+                }
+            })?;
+            n0 += nt;
+        }
+        Ok(())
+    }
+
+    /// A VU-only pipeline over `units` units of work: `load`, `compute` and
+    /// `store` build one tile of `r` units starting at unit `u0` whose SRAM
+    /// slot starts at `base`.
+    #[allow(clippy::type_complexity)]
+    fn vu_tiles(
+        &mut self,
+        name: &str,
+        preload: Vec<Instr>,
+        fixed: u64,
+        units: u32,
+        bytes: impl Fn(u32) -> u64,
+        make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
+    ) -> Result<(), LowerError> {
+        let (slots, rt) = self.plan(name, fixed, self.shape.vu, units, &bytes)?;
+        self.vu_tiles_planned(preload, fixed, units, (slots, rt, bytes(rt)), make)
+    }
+
+    /// [`Lowerer::vu_tiles`] with the plan made: `slots` slots of tiles of
+    /// `rt` units taking `tile_bytes` each.
+    #[allow(clippy::type_complexity)]
+    fn vu_tiles_planned(
+        &mut self,
+        preload: Vec<Instr>,
+        fixed: u64,
+        units: u32,
+        (slots, rt, tile_bytes): (u32, u32, u64),
+        mut make: impl FnMut(u32, u32, u64) -> (Vec<Instr>, Vec<Instr>, Vec<Instr>),
+    ) -> Result<(), LowerError> {
+        let slot_bytes = tile_bytes.next_multiple_of(64);
+        let tiles = units.div_ceil(rt) as usize;
+        let layout = Layout::low(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
+        self.pipeline(layout, preload, slots, tiles, |t, slot| {
+            let u0 = t as u32 * rt;
+            let r = rt.min(units - u0);
+            let (load, compute, store) = make(u0, r, fixed + u64::from(slot) * slot_bytes);
+            Tile::single(load, vec![Stage::Vu(compute)], store)
+        })
+    }
+
+    /// A VU-only pipeline over whole images: each tile loads `r` images of
+    /// `inn` elements contiguously, `compute(r, src, dst)` turns them into
+    /// `r` outputs of `out` elements, which are stored contiguously.
+    fn image_tiles(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        inn: u64,
+        out: u64,
+        compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * (inn + out) * F,
+            |u0, r, base| {
+                let outb = base + u64::from(r) * inn * F;
+                let (img, n) = (u64::from(u0), u64::from(r));
+                (
+                    vec![copy(Addr::hbm(xa + img * inn * F), Addr::sram(base), 1, n * inn * F, 0, 0)],
+                    compute(r, base, outb),
+                    vec![copy(Addr::sram(outb), Addr::hbm(ya + img * out * F), 1, n * out * F, 0, 0)],
+                )
+            },
+        )
+    }
+
+    /// A pooling whose whole image does not fit SRAM (SSD-ResNet34's
+    /// 600 x 600 x 64 max pool): channels pool independently, so each
+    /// tile gathers a group of `r` channels of one image (a strided DMA of
+    /// one `r`-channel row per pixel), `compute(r, src, dst)` pools them as
+    /// an `r`-channel image, and the result is scattered back the same way.
+    #[allow(clippy::too_many_arguments)]
+    fn pool_channel_tiles(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        c: u32,
+        compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let (ho, wo) = s.out();
+        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        let (hw, ohw) = (u64::from(s.h) * u64::from(s.w), u64::from(ho) * u64::from(wo));
+        let cb = u64::from(c) * F;
+        for img in 0..u64::from(batch) {
+            self.vu_tiles(
+                name,
+                vec![],
+                0,
+                c,
+                |r| u64::from(r) * (hw + ohw) * F,
+                |c0, r, base| {
+                    let (c0, rb) = (u64::from(c0), u64::from(r) * F);
+                    let outb = base + hw * rb;
+                    (
+                        vec![copy(
+                            Addr::hbm(xa + (img * hw * u64::from(c) + c0) * F),
+                            Addr::sram(base),
+                            hw,
+                            rb,
+                            cb,
+                            rb,
+                        )],
+                        compute(r, base, outb),
+                        vec![copy(
+                            Addr::sram(outb),
+                            Addr::hbm(ya + (img * ohw * u64::from(c) + c0) * F),
+                            ohw,
+                            rb,
+                            rb,
+                            cb,
+                        )],
+                    )
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    fn eltwise(
+        &mut self,
+        name: &str,
+        binop: BinOp,
+        a: View,
+        b: View,
+        y: View,
+        rows: u32,
+        cols: u32,
+        act: Act,
+    ) -> Result<(), LowerError> {
+        let row = u64::from(cols) * F;
+        let scratch = u64::from(act.needs_scratch());
+        self.rows_pipeline(name, (vec![], 0), &[a, b], scratch, y, rows, cols, |base, r| {
+            let mut compute = vec![second_into_first(binop, base, r, cols)];
+            compute.extend(bias_act(base, None, r, cols, act, base + u64::from(r) * row));
+            compute
+        })
+    }
+
+    /// The HBM address of row `r0` of a view.
+    fn row_addr(&self) -> impl Fn(View, u32) -> Addr + Clone {
+        let hbm = self.hbm.clone();
+        move |v: View, r0: u32| Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
+    }
+
+    /// A VU pipeline over whole rows of `cols` elements: each tile of `r`
+    /// rows loads the rows of every view of `ins` into consecutive slots of
+    /// `r` rows from `base` (`scratch` more slots after them), runs
+    /// `compute(base, r)`, and stores the first slot to `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_pipeline(
+        &mut self,
+        name: &str,
+        (preload, fixed): (Vec<Instr>, u64),
+        ins: &[View],
+        scratch: u64,
+        y: View,
+        rows: u32,
+        cols: u32,
+        compute: impl Fn(u64, u32) -> Vec<Instr>,
+    ) -> Result<(), LowerError> {
+        let row = u64::from(cols) * F;
+        let at = self.row_addr();
+        let slots = ins.len() as u64 + scratch;
+        self.vu_tiles(
+            name,
+            preload,
+            fixed,
+            rows,
+            |r| u64::from(r) * row * slots,
+            |u0, r, base| {
+                let slot = |i: u64| base + i * u64::from(r) * row;
+                let load = (0u64..)
+                    .zip(ins)
+                    .map(|(i, v)| {
+                        copy(at(*v, u0), Addr::sram(slot(i)), r.into(), row, u64::from(v.ld) * F, row)
+                    })
+                    .collect();
+                (
+                    load,
+                    compute(base, r),
+                    vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
+                )
+            },
+        )
+    }
+
+    /// Slots, boxes per tile, classes per product and bytes per tile for
+    /// Fast NMS's second pipeline: every class in one product per box where SRAM
+    /// allows (instructions per box grow with the number of class chunks,
+    /// and a request may carry only so many), one slot per VU (two when
+    /// they fit), tiles of at least 16 boxes (each tile adds 19
+    /// instructions; smaller tiles only when not even that fits). Fewer
+    /// slots before smaller class chunks only when not even one class
+    /// fits beside a tile on every VU.
+    fn nms_plan(
+        &self,
+        name: &str,
+        fixed: u64,
+        n: u32,
+        classes: u32,
+    ) -> Result<(u32, u32, u32, u64), LowerError> {
+        let nb = u64::from(n) * F;
+        let bytes = |cc: u32, r: u32| {
+            F * (5 * u64::from(r) * u64::from(n) + 2 * u64::from(r) * u64::from(classes)) + u64::from(cc) * nb
+        };
+        let avail = self.shape.sram_bytes.saturating_sub(fixed);
+        let vu = self.shape.vu.max(1);
+        for min_r in [n.min(16), 1] {
+            let fit = |slots: u32, cc: u32| {
+                let r = max_rows(avail / u64::from(slots), n.div_ceil(slots).max(min_r), |r| {
+                    bytes(cc, r).next_multiple_of(64)
+                });
+                (r >= min_r).then_some(r)
+            };
+            for slots in (1..=vu).rev() {
+                let mut chunks = 1;
+                while chunks <= classes {
+                    let cc = classes.div_ceil(chunks);
+                    if let Some(r) = fit(slots, cc) {
+                        let (slots, r) = fit(2 * slots, cc).map_or((slots, r), |r2| (2 * slots, r2));
+                        return Ok((slots, r, cc, bytes(cc, r)));
+                    }
+                    if cc == 1 {
+                        break;
+                    }
+                    // The next chunk count that makes the chunks smaller.
+                    chunks = classes.div_ceil(cc - 1).max(chunks + 1);
+                }
+            }
+        }
+        Err(LowerError::Sram { op: name.into(), need: fixed + bytes(1, 1), have: self.shape.sram_bytes })
+    }
+
+    /// [`Op::FastNms`] in two VU pipelines. First the corners and area
+    /// of every box (`corners`, five planes of `batch * n`): the boxes'
+    /// four coordinates are loaded as planes by strided copies. Then,
+    /// per image, the five planes of its boxes and its scores as one
+    /// plane per class are preloaded, and each tile of `r` boxes `i`:
+    /// five scalar-broadcast operations per box build its rows of
+    /// overlap terms against all `n` boxes `j`, ten operations over the
+    /// tile turn them into the "IoU above the threshold" steps `T`, then
+    /// per box and chunk of classes one row-broadcast product of the
+    /// score planes with its row of `T` and one max-reduction give the
+    /// highest overlapping score `M` of every class, and four operations
+    /// over the tile's `[r][classes]` scores keep the boxes whose score
+    /// is not below `M`. Work and instructions grow with `n^2 * classes`
+    /// and `n` per image.
+    fn fast_nms(
+        &mut self,
+        name: &str,
+        [boxes, scores, corners, y]: [TensorId; 4],
+        batch: u32,
+        n: u32,
+        classes: u32,
+        iou: f32,
+    ) -> Result<(), LowerError> {
+        if n == 0 || classes == 0 || batch == 0 {
+            return Ok(());
+        }
+        let (nb, cb) = (u64::from(n) * F, u64::from(classes) * F);
+        let bn = u64::from(batch) * u64::from(n);
+        let (ba, ca, sa, ya) = (self.hbm[boxes], self.hbm[corners], self.hbm[scores], self.hbm[y]);
+        // 1. Corners: tiles of whole images, 4 input planes, 5 output
+        // planes and 2 scratch planes of `r * n` each.
+        self.vu_tiles(
+            &format!("{name}.corners"),
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * nb * 11,
+            |u0, r, base| {
+                let len = r * n;
+                let plane = |k: u64| base + k * u64::from(len) * F;
+                let first = u64::from(u0) * nb;
+                let load = (0..4u64)
+                    .map(|k| {
+                        copy(Addr::hbm(ba + first * 4 + k * F), Addr::sram(plane(k)), len.into(), F, 4 * F, F)
+                    })
+                    .collect();
+                let (cy, cx, h, w) = (plane(0), plane(1), plane(2), plane(3));
+                let [y1, x1, y2, x2, area] = [4, 5, 6, 7, 8].map(plane);
+                let (t0, t1) = (plane(9), plane(10));
+                let bin =
+                    |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let compute = vec![
+                    Instr::VAffine { src: h, dst: t0, len, scale: 0.5, bias: 0.0 },
+                    bin(BinOp::Sub, cy, t0, y1),
+                    bin(BinOp::Add, cy, t0, y2),
+                    Instr::VAffine { src: w, dst: t0, len, scale: 0.5, bias: 0.0 },
+                    bin(BinOp::Sub, cx, t0, x1),
+                    bin(BinOp::Add, cx, t0, x2),
+                    bin(BinOp::Sub, y2, y1, t0),
+                    bin(BinOp::Sub, x2, x1, t1),
+                    bin(BinOp::Mul, t0, t1, area),
+                ];
+                let store = (0..5u64)
+                    .map(|k| {
+                        copy(
+                            Addr::sram(plane(4 + k)),
+                            Addr::hbm(ca + (k * bn) * F + first),
+                            1,
+                            u64::from(len) * F,
+                            0,
+                            0,
+                        )
+                    })
+                    .collect();
+                (load, compute, store)
+            },
+        )?;
+        // 2. Per image: the steps and the suppression. Classes go in
+        // chunks of `cc` when one product row of all of them does not fit.
+        let fixed = (5 + u64::from(classes)) * nb;
+        let (slots, rt, cc, tile_bytes) = self.nms_plan(name, fixed, n, classes)?;
+        let chunks: Vec<(u32, u32)> =
+            (0..classes).step_by(cc as usize).map(|c0| (c0, cc.min(classes - c0))).collect();
+        // The first image's preload reads what the corners pipeline and
+        // the operations before stored; each later one lands where the
+        // image before still works, which makes the pipeline flush first.
+        self.flush();
+        for img in 0..u64::from(batch) {
+            let mut preload: Vec<Instr> = (0..5u64)
+                .map(|k| {
+                    copy(Addr::hbm(ca + (k * bn + img * u64::from(n)) * F), Addr::sram(k * nb), 1, nb, 0, 0)
+                })
+                .collect();
+            preload.extend((0..u64::from(classes)).map(|c| {
+                copy(
+                    Addr::hbm(sa + (img * u64::from(n) * u64::from(classes) + c) * F),
+                    Addr::sram((5 + c) * nb),
+                    n.into(),
+                    F,
+                    cb,
+                    F,
+                )
+            }));
+            let [py1, px1, py2, px2, parea] = [0u64, 1, 2, 3, 4].map(|k| k * nb);
+            let splane = |c: u32| (5 + u64::from(c)) * nb;
+            self.vu_tiles_planned(preload, fixed, n, (slots, rt, tile_bytes), |i0, r, base| {
+                let rn = u64::from(r) * nb;
+                let [x1, x2, y1, y2, u] = [0u64, 1, 2, 3, 4].map(|k| base + k * rn);
+                let st = base + 5 * rn;
+                let m = st + u64::from(r) * cb;
+                let tmp = m + u64::from(r) * cb;
+                let row = |mat: u64, q: u32| mat + u64::from(q) * nb;
+                let len = r * n;
+                let scalar = |op, plane: u64, q: u32, dst| Instr::VBinary {
+                    op,
+                    bcast: Bcast::Scalar,
+                    a: plane,
+                    b: plane + u64::from(i0 + q) * F,
+                    dst,
+                    rows: 1,
+                    cols: n,
+                };
+                let whole =
+                    |op, a, b, dst| Instr::VBinary { op, bcast: Bcast::None, a, b, dst, rows: 1, cols: len };
+                let mut c = Vec::new();
+                for q in 0..r {
+                    c.push(scalar(BinOp::Max, px1, q, row(x1, q)));
+                    c.push(scalar(BinOp::Min, px2, q, row(x2, q)));
+                    c.push(scalar(BinOp::Max, py1, q, row(y1, q)));
+                    c.push(scalar(BinOp::Min, py2, q, row(y2, q)));
+                    c.push(scalar(BinOp::Add, parea, q, row(u, q)));
+                }
+                c.extend([
+                    whole(BinOp::Sub, x2, x1, x2),
+                    Instr::VUnary { op: UnOp::Relu, src: x2, dst: x2, len },
+                    whole(BinOp::Sub, y2, y1, y2),
+                    Instr::VUnary { op: UnOp::Relu, src: y2, dst: y2, len },
+                    whole(BinOp::Mul, x2, y2, x2),
+                    whole(BinOp::Sub, u, x2, u),
+                    Instr::VAffine { src: u, dst: u, len, scale: -iou, bias: 0.0 },
+                    whole(BinOp::Add, u, x2, u),
+                    Instr::VAffine { src: u, dst: u, len, scale: NMS_STEP, bias: 0.0 },
+                    Instr::VClamp { src: u, dst: u, len, lo: 0.0, hi: 1.0 },
+                ]);
+                for q in 0..r {
+                    for &(c0, k) in &chunks {
+                        c.push(Instr::VBinary {
+                            op: BinOp::Mul,
+                            bcast: Bcast::Row,
+                            a: splane(c0),
+                            b: row(u, q),
+                            dst: tmp,
+                            rows: k,
+                            cols: n,
+                        });
+                        c.push(Instr::VReduce {
+                            op: RedOp::Max,
+                            src: tmp,
+                            dst: m + (u64::from(q) * u64::from(classes) + u64::from(c0)) * F,
+                            outer: k,
+                            reduce: n,
+                            inner: 1,
+                        });
+                    }
+                }
+                let rc = r * classes;
+                c.extend([
+                    Instr::VBinary {
+                        op: BinOp::Sub,
+                        bcast: Bcast::None,
+                        a: st,
+                        b: m,
+                        dst: m,
+                        rows: 1,
+                        cols: rc,
+                    },
+                    Instr::VAffine { src: m, dst: m, len: rc, scale: NMS_STEP, bias: 1.0 },
+                    Instr::VClamp { src: m, dst: m, len: rc, lo: 0.0, hi: 1.0 },
+                    Instr::VBinary {
+                        op: BinOp::Mul,
+                        bcast: Bcast::None,
+                        a: m,
+                        b: st,
+                        dst: m,
+                        rows: 1,
+                        cols: rc,
+                    },
+                ]);
+                let first = (img * u64::from(n) + u64::from(i0)) * cb;
+                (
+                    vec![copy(Addr::hbm(sa + first), Addr::sram(st), 1, u64::from(r) * cb, 0, 0)],
+                    c,
+                    vec![copy(Addr::sram(m), Addr::hbm(ya + first), 1, u64::from(r) * cb, 0, 0)],
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    fn op(&mut self, op: &Op) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let row_at = self.row_addr();
+        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                Addr::sram(sram),
+                row_at(v, r0),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+            )
+        };
+        match *op {
+            Op::Linear { ref name, x, w, b, y, rows, k, n, act } => {
+                self.linear(name, x, w, b, y, rows, k, n, act)?
+            }
+            Op::Conv { ref name, s, .. }
+            | Op::Depthwise { ref name, s, .. }
+            | Op::Pool { ref name, s, .. }
+                if !s.valid() =>
+            {
+                return Err(LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "the window does not fit the padded image, or a stride is zero",
+                });
+            }
+            Op::Pool { ref name, s, .. } if !s.uniform() => {
+                return Err(LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "pooling takes one stride and the same padding on every side",
+                });
+            }
+            Op::Conv { ref name, x, w, b, y, batch, s, cin, cout, act } => {
+                self.conv(name, x, w, b, y, batch, s, cin, cout, act, false)?
+            }
+            Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
+                self.conv(name, x, w, b, y, batch, s, c, c, act, true)?
+            }
+            Op::Pool { ref name, x, y, batch, s, c, op } => {
+                let (ho, wo) = s.out();
+                let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
+                let geom =
+                    |n, c| PoolGeom { n, h: s.h, w: s.w, c, kh: s.kh, kw: s.kw, stride: s.sh, pad: s.pad[0] };
+                if self.plan(name, 0, self.shape.vu, batch, |r| u64::from(r) * (inn + out) * F).is_ok() {
+                    self.image_tiles(name, x, y, batch, inn, out, |r, src, dst| {
+                        vec![Instr::VPool { op, src, dst, geom: geom(r, c) }]
+                    })?;
+                } else {
+                    self.pool_channel_tiles(name, x, y, batch, s, c, |r, src, dst| {
+                        vec![Instr::VPool { op, src, dst, geom: geom(1, r) }]
+                    })?;
+                }
+            }
+            Op::GlobalPool { ref name, x, y, batch, hw, c } => {
+                self.image_tiles(
+                    name,
+                    x,
+                    y,
+                    batch,
+                    u64::from(hw) * u64::from(c),
+                    c.into(),
+                    |r, src, dst| {
+                        vec![Instr::VReduce { op: RedOp::Mean, src, dst, outer: r, reduce: hw, inner: c }]
+                    },
+                )?;
+            }
+            Op::Add { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Add, a, b, y, rows, cols, act)?
+            }
+            Op::Mul { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, act)?
+            }
+            Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
+                let row = u64::from(cols) * F;
+                let preload = vec![
+                    copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
+                    copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
+                ];
+                let fixed = (2 * row).next_multiple_of(64);
+                let ins: Vec<View> =
+                    [Some(a), b].into_iter().flatten().map(|t| View::dense(t, cols)).collect();
+                let yv = View::dense(y, cols);
+                self.rows_pipeline(name, (preload, fixed), &ins, 0, yv, rows, cols, |base, r| {
+                    let mut compute: Vec<Instr> =
+                        b.iter().map(|_| second_into_first(BinOp::Add, base, r, cols)).collect();
+                    compute.push(Instr::VLayerNorm {
+                        src: base,
+                        dst: base,
+                        gamma: 0,
+                        beta: row,
+                        rows: r,
+                        cols,
+                        eps,
+                    });
+                    compute
+                })?;
+            }
+            Op::ScaleChannels { ref name, x, s, y, batch, hw, c } => {
+                // Units are (image, pixel-row) pairs flattened; a tile never
+                // crosses an image so one scale vector serves it.
+                let row = u64::from(c) * F;
+                let chunk = hw.min(((self.shape.sram_bytes / 4) / (row * 2)).max(1) as u32);
+                let per_img = hw.div_ceil(chunk);
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch * per_img,
+                    |r| u64::from(r) * (u64::from(chunk) + 1) * row,
+                    |u0, r, base| {
+                        let (mut load, mut comp, mut store) = (vec![], vec![], vec![]);
+                        for u in u0..u0 + r {
+                            let (img, part) = (u / per_img, u % per_img);
+                            let p0 = part * chunk;
+                            let n = chunk.min(hw - p0);
+                            let slot = base + u64::from(u - u0) * (u64::from(chunk) + 1) * row;
+                            let sb = slot + u64::from(chunk) * row;
+                            let first = u64::from(img) * u64::from(hw) + u64::from(p0);
+                            load.push(copy(
+                                at(x, first * u64::from(c)),
+                                Addr::sram(slot),
+                                1,
+                                u64::from(n) * row,
+                                0,
+                                0,
+                            ));
+                            load.push(copy(
+                                at(s, u64::from(img) * u64::from(c)),
+                                Addr::sram(sb),
+                                1,
+                                row,
+                                0,
+                                0,
+                            ));
+                            comp.push(Instr::VBinary {
+                                op: BinOp::Mul,
+                                bcast: Bcast::Row,
+                                a: slot,
+                                b: sb,
+                                dst: slot,
+                                rows: n,
+                                cols: c,
+                            });
+                            store.push(copy(
+                                Addr::sram(slot),
+                                at(y, first * u64::from(c)),
+                                1,
+                                u64::from(n) * row,
+                                0,
+                                0,
+                            ));
+                        }
+                        (load, comp, store)
+                    },
+                )?;
+            }
+            Op::Attention { ref name, qkv, y, batch, seq, heads, dh } => {
+                let hid = heads * dh;
+                let (sd, ss) = (u64::from(seq) * u64::from(dh) * F, u64::from(seq) * u64::from(seq) * F);
+                let bytes = 4 * sd + ss;
+                let (slots, _) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
+                let slot_bytes = bytes.next_multiple_of(64);
+                let scale = 1.0 / (dh as f32).sqrt();
+                let n = (batch * heads) as usize;
+                let layout = Layout::low(0, u64::from(slots.min(n as u32)) * slot_bytes);
+                let dtype = self.dtype;
+                self.pipeline(layout, vec![], slots, n, |t, slot| {
+                    let (bi, h) = (t as u32 / heads, t as u32 % heads);
+                    let base = u64::from(slot) * slot_bytes;
+                    let (q, k, v, o, sc) = (base, base + sd, base + 2 * sd, base + 3 * sd, base + 4 * sd);
+                    let row0 = u64::from(bi) * u64::from(seq) * u64::from(3 * hid);
+                    let ld = u64::from(3 * hid) * F;
+                    let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
+                    let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
+                    let rowb = u64::from(dh) * F;
+                    let (sdh, sseq) = (u64::from(seq) * u64::from(dh), u64::from(seq) * u64::from(seq));
+                    let mut softmax = vec![
+                        Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
+                        Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
+                    ];
+                    softmax.extend(to_sa_type(dtype, &[(sc, sseq)]));
+                    let stages = without_empty_vu([
+                        Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)])),
+                        Stage::Sa(vec![Instr::MatMul {
+                            dtype,
+                            flags: MatFlags { accumulate: false, transpose_b: true },
+                            a: q,
+                            b: k,
+                            c: sc,
+                            m: seq,
+                            k: dh,
+                            n: seq,
+                            lda: dh,
+                            ldb: dh,
+                            ldc: seq,
+                        }]),
+                        Stage::Vu(softmax),
+                        Stage::Sa(vec![Instr::MatMul {
+                            dtype,
+                            flags: MatFlags::default(),
+                            a: sc,
+                            b: v,
+                            c: o,
+                            m: seq,
+                            k: seq,
+                            n: dh,
+                            lda: seq,
+                            ldb: dh,
+                            ldc: dh,
+                        }]),
+                    ]);
+                    Tile::single(
+                        vec![
+                            copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
+                            copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
+                            copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
+                        ],
+                        stages,
+                        vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
+                    )
+                })?;
+            }
+            Op::Embedding { ref name, table, idx, y, batch, rows, dim, pool } => {
+                let row = u64::from(dim) * F;
+                let per = u64::from(pool) * (4 + row) + row;
+                let table_addr = at(table, 0);
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * per,
+                    |u0, r, base| {
+                        let n = r * pool;
+                        let rowsb = base + u64::from(n) * 4;
+                        let outb = rowsb + u64::from(n) * row;
+                        (
+                            vec![
+                                copy(
+                                    at(idx, u64::from(u0) * u64::from(pool)),
+                                    Addr::sram(base),
+                                    1,
+                                    u64::from(n) * 4,
+                                    0,
+                                    0,
+                                ),
+                                Instr::DmaGather {
+                                    table: table_addr,
+                                    indices: base,
+                                    dst: rowsb,
+                                    count: n,
+                                    row_bytes: row as u32,
+                                    table_rows: rows,
+                                },
+                            ],
+                            vec![Instr::VReduce {
+                                op: RedOp::Sum,
+                                src: rowsb,
+                                dst: outb,
+                                outer: r,
+                                reduce: pool,
+                                inner: dim,
+                            }],
+                            vec![rows_to(y, u0, r, dim, outb)],
+                        )
+                    },
+                )?;
+            }
+            Op::Interaction { ref name, z, y, batch, f, d } => {
+                let zrow = u64::from(f) * u64::from(d) * F;
+                let orow = u64::from(f) * u64::from(f) * F;
+                self.vu_tiles(
+                    name,
+                    vec![],
+                    0,
+                    batch,
+                    |r| u64::from(r) * (zrow + orow) + zrow,
+                    |u0, r, base| {
+                        let outb = base + u64::from(r) * zrow;
+                        let tmp = outb + u64::from(r) * orow;
+                        let mut comp = Vec::new();
+                        for s in 0..u64::from(r) {
+                            let zs = base + s * zrow;
+                            for i in 0..f {
+                                comp.push(Instr::VBinary {
+                                    op: BinOp::Mul,
+                                    bcast: Bcast::Row,
+                                    a: zs,
+                                    b: zs + u64::from(i) * u64::from(d) * F,
+                                    dst: tmp,
+                                    rows: f,
+                                    cols: d,
+                                });
+                                comp.push(Instr::VReduce {
+                                    op: RedOp::Sum,
+                                    src: tmp,
+                                    dst: outb + s * orow + u64::from(i * f) * F,
+                                    outer: f,
+                                    reduce: d,
+                                    inner: 1,
+                                });
+                            }
+                        }
+                        (
+                            vec![copy(
+                                at(z, u64::from(u0) * u64::from(f * d)),
+                                Addr::sram(base),
+                                1,
+                                u64::from(r) * zrow,
+                                0,
+                                0,
+                            )],
+                            comp,
+                            vec![rows_to(y, u0, r, f * f, outb)],
+                        )
+                    },
+                )?;
+            }
+            Op::Unary { ref name, x, y, rows, cols, act } => {
+                // One scratch slot (Swish's sigmoid).
+                let row = u64::from(cols) * F;
+                self.rows_pipeline(name, (vec![], 0), &[x], 1, y, rows, cols, |base, r| {
+                    bias_act(base, None, r, cols, act, base + u64::from(r) * row)
+                })?
+            }
+            Op::Softmax { ref name, x, y, rows, cols } => {
+                // A scratch slot too: the tiles of Unary's size.
+                self.rows_pipeline(name, (vec![], 0), &[x], 1, y, rows, cols, |base, r| {
+                    vec![Instr::VSoftmax { src: base, dst: base, rows: r, cols }]
+                })?
+            }
+            Op::BatchMatMul { ref name, a, b, y, lda, ldb, ldy, trans_b, m, k, n, ref offs, act } => {
+                let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
+                let wb = u64::from(k) * bb;
+                let tmp = if act.needs_scratch() { bb } else { 0 };
+                // An item holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
+                let bytes = |r: u32| wb + u64::from(r) * (ab + bb + tmp);
+                let engines = self.shape.sa.max(self.shape.vu);
+                let count = u32::try_from(offs.len()).map_err(|_| LowerError::Geometry {
+                    op: name.clone(),
+                    reason: "more than 2^32 matrices in one batched product",
+                })?;
+                // Small matrices go several to a tile (fewer synchronisations);
+                // a matrix too large for a slot is split by rows.
+                let whole = bytes(m).next_multiple_of(64);
+                let (slots, group, rt) = match self.plan(name, 0, engines, count, |g| u64::from(g) * whole) {
+                    Ok((slots, g)) => (slots, g.min(count.div_ceil(GROUP_TILES * slots)).max(1), m),
+                    Err(_) => {
+                        let (slots, rt) = self.plan(name, 0, engines, m, bytes)?;
+                        (slots, 1, rt)
+                    }
+                };
+                let item = bytes(rt).next_multiple_of(64);
+                let slot_bytes = u64::from(group) * item;
+                let per = m.div_ceil(rt) as usize;
+                let n_tiles = if group > 1 { count.div_ceil(group) as usize } else { offs.len() * per };
+                let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
+                let dtype = self.dtype;
+                self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
+                    // (matrix, first row) of each item of the tile.
+                    let items: Vec<(usize, u32)> = if group > 1 {
+                        let g = group as usize;
+                        (t * g..((t + 1) * g).min(offs.len())).map(|i| (i, 0)).collect()
+                    } else {
+                        vec![(t / per, (t % per) as u32 * rt)]
+                    };
+                    let (mut load, mut pre, mut sa, mut vu, mut store) =
+                        (vec![], vec![], vec![], vec![], vec![]);
+                    for (j, &(i, m0)) in items.iter().enumerate() {
+                        let [oa, ob, oy] = offs[i];
+                        let r = rt.min(m - m0);
+                        let base = u64::from(slot) * slot_bytes + j as u64 * item;
+                        let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
+                        let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
+                        let row0 = u64::from(m0);
+                        load.push(copy(
+                            at(b, ob),
+                            Addr::sram(bs),
+                            brows.into(),
+                            brow,
+                            u64::from(ldb) * F,
+                            brow,
+                        ));
+                        load.push(copy(
+                            at(a, oa + row0 * u64::from(lda)),
+                            Addr::sram(as_),
+                            r.into(),
+                            ab,
+                            u64::from(lda) * F,
+                            ab,
+                        ));
+                        pre.extend(to_sa_type(
+                            dtype,
+                            &[(bs, u64::from(k) * u64::from(n)), (as_, u64::from(r) * u64::from(k))],
+                        ));
+                        sa.push(Instr::MatMul {
+                            dtype,
+                            flags: MatFlags { accumulate: false, transpose_b: trans_b },
+                            a: as_,
+                            b: bs,
+                            c: ys,
+                            m: r,
+                            k,
+                            n,
+                            lda: k,
+                            ldb: if trans_b { k } else { n },
+                            ldc: n,
+                        });
+                        vu.extend(bias_act(ys, None, r, n, act, ys + u64::from(r) * bb));
+                        store.push(copy(
+                            Addr::sram(ys),
+                            at(y, oy + row0 * u64::from(ldy)),
+                            r.into(),
+                            bb,
+                            bb,
+                            u64::from(ldy) * F,
+                        ));
+                    }
+                    Tile::single(
+                        load,
+                        without_empty_vu([Stage::Vu(pre), Stage::Sa(sa), Stage::Vu(vu)]),
+                        store,
+                    )
+                })?;
+            }
+            Op::FastNms { ref name, boxes, scores, corners, y, batch, n, classes, iou } => {
+                self.fast_nms(name, [boxes, scores, corners, y], batch, n, classes, iou)?
+            }
+            Op::Copy { x, y, rows, cols, .. } => {
+                let src = at(x.t, u64::from(x.col));
+                let dst = at(y.t, u64::from(y.col));
+                // The previous operation's deferred stores first when the
+                // copy reads or overwrites what they write.
+                let row = u64::from(cols) * F;
+                if self.deferred_meets(src.offset, rows.into(), row, u64::from(x.ld) * F)
+                    || self.deferred_meets(dst.offset, rows.into(), row, u64::from(y.ld) * F)
+                {
+                    self.flush();
+                }
+                self.b.push(
+                    Engine::DMA,
+                    copy(
+                        src,
+                        dst,
+                        rows.into(),
+                        u64::from(cols) * F,
+                        u64::from(x.ld) * F,
+                        u64::from(y.ld) * F,
+                    ),
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Lowers `graph` for a vNPU core of `shape`.
+pub fn lower(graph: &Graph, shape: VnpuShape) -> Result<Lowered, LowerError> {
+    lower_ops(graph, 0..graph.ops.len(), shape)
+}
+
+/// Lowers operation `index` of `graph` alone for a vNPU core of `shape`:
+/// an operator-level task. Tensors are placed in HBM exactly as [`lower`]
+/// places them whatever the shape, and a task leaves nothing in SRAM for
+/// the next one (its outputs are in HBM when it ends), so the tasks of one
+/// request can run one after the other on different shapes: the engines a
+/// scheduler hands out at each operation boundary (`docs/workloads.md`).
+/// An index past the last operation gives an empty program.
+pub fn lower_op(graph: &Graph, index: usize, shape: VnpuShape) -> Result<Lowered, LowerError> {
+    let end = index.saturating_add(1).min(graph.ops.len());
+    lower_ops(graph, index.min(end)..end, shape)
+}
+
+/// Lowers the operations `ops` of `graph` (in order) for `shape`, with
+/// every tensor of the graph placed as [`lower`] places it: a task of
+/// several operations, which leaves its outputs in HBM (as [`lower_op`]),
+/// so consecutive ranges of one request can run on different shapes. An
+/// empty or out-of-range `ops` gives an empty program.
+pub fn lower_ops(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+) -> Result<Lowered, LowerError> {
+    lower_ops_as(graph, ops, shape, DType::F32)
+}
+
+/// [`lower`] with the SA's operands in `dtype`. With bf16, every tensor
+/// that is used only as the stored weights of SA products (Linear, Conv)
+/// and is not written by the program is placed in HBM as bf16 (half the
+/// bytes; the runner stores it rounded to nearest even), and each product's
+/// computed operands are converted to bf16 in SRAM by a VU before the SA
+/// reads them. The SA accumulates and writes f32, so every activation
+/// stays f32 (`docs/model-format.md` gives the error bound).
+pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered, LowerError> {
+    lower_ops_as(graph, 0..graph.ops.len(), shape, dtype)
+}
+
+/// The tensors stored as `dtype` when `graph` is lowered with SA operands
+/// of `dtype`: see [`lower_as`].
+fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
+    let mut uses = vec![0u32; graph.tensors.len()];
+    let mut weight = vec![0u32; graph.tensors.len()];
+    for op in &graph.ops {
+        for t in op.tensors() {
+            if let Some(u) = uses.get_mut(t) {
+                *u += 1;
+            }
+        }
+        if let Some(w) = op.sa_weight().and_then(|w| weight.get_mut(w)) {
+            *w += 1;
+        }
+    }
+    graph
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let stored = t.init != Init::Activation && weight[i] > 0 && weight[i] == uses[i];
+            if stored {
+                dtype
+            } else {
+                DType::F32
+            }
+        })
+        .collect()
+}
+
+/// [`lower_ops`] with the SA's operands in `dtype` (see [`lower_as`]).
+pub fn lower_ops_as(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+    dtype: DType,
+) -> Result<Lowered, LowerError> {
+    if shape.sa == 0 || shape.vu == 0 {
+        return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
+    }
+    // Spread work over at most MAX_ENGINES engines of each kind, so that
+    // the channels between them fit the ISA's semaphores.
+    let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
+    let mut off = 0u64;
+    let mut placed = Vec::with_capacity(graph.tensors.len());
+    for (t, d) in graph.tensors.iter().zip(stored_types(graph, dtype)) {
+        placed.push(Placed { offset: off, elems: t.elems, init: t.init, dtype: d });
+        off = (off + t.elems * d.size()).next_multiple_of(ALIGN);
+    }
+    if off > shape.hbm_bytes {
+        return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
+    }
+    let mut l = Lowerer {
+        b: ProgramBuilder::new(),
+        shape,
+        hbm: placed.iter().map(|p| p.offset).collect(),
+        chans: Vec::new(),
+        deferred: VecDeque::new(),
+        live: Vec::new(),
+        dtype,
+        esize: placed.iter().map(|p| p.dtype.size()).collect(),
+    };
+    for op in graph.ops.get(ops).unwrap_or_default() {
+        l.op(op)?;
+    }
+    l.flush();
+    let program = l.b.finish();
+    let limit = vnpu_abi::program::MAX_INSTRUCTIONS;
+    if program.instruction_count() > limit {
+        return Err(LowerError::Instructions { have: program.instruction_count(), limit });
+    }
+    Ok(Lowered { program, tensors: placed, hbm_bytes: off, input: graph.input, output: graph.output })
+}
+
+#[cfg(test)]
+mod strided_tests {
+    use super::strided_meet;
+
+    #[test]
+    fn strided_sets_meet_only_where_bytes_are_shared() {
+        // Columns 0..16 and 16..32 of rows 64 bytes apart: disjoint.
+        assert!(!strided_meet((0, 8, 16, 64), (16, 8, 16, 64)));
+        // Columns 0..16 and 8..24: shared.
+        assert!(strided_meet((0, 8, 16, 64), (8, 8, 16, 64)));
+        // Wrapping: columns 56..64 (+ next row's start) and 0..4 of the next row.
+        assert!(strided_meet((56, 2, 12, 64), (64, 1, 4, 64)));
+        // Disjoint bounding ranges.
+        assert!(!strided_meet((0, 2, 16, 64), (200, 1, 4, 4)));
+        // Different strides inside one range: assumed to meet.
+        assert!(strided_meet((0, 8, 16, 64), (16, 8, 4, 4)));
+        // Empty sets never meet.
+        assert!(!strided_meet((0, 0, 16, 64), (0, 8, 16, 64)));
+    }
+}

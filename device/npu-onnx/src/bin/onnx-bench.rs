@@ -1,0 +1,206 @@
+//! The compiled-model benchmark: for each test model, simulated NPU time per
+//! batch on a 1 SA + 1 VU and a 4 SA + 4 VU vNPU with SA and VU
+//! utilization, and the host wall time of the functional model (the
+//! compiled programs run in-process on the NPU model) against ONNX Runtime
+//! on the CPU, same machine, same run, interleaved round by round, both
+//! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
+//! rounds (docs/model-format.md, "Benchmark").
+//!
+//!   onnx-bench [--rounds N] [--python PATH]
+//!
+//! The pretrained network (scripts/pretrained.sh) is included when that
+//! script has fetched it and made its inputs (.cache/pretrained).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use npu_lower::VnpuShape;
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{compile, npy, CompileOptions};
+use vnpu_abi::DType;
+
+struct Case {
+    /// Name in the report.
+    name: String,
+    model: PathBuf,
+    input: PathBuf,
+    input_name: &'static str,
+    /// The output to compile (the model's own when `None`).
+    output: Option<&'static str>,
+    batch: u32,
+    /// Static input shape when the model leaves more than the batch free.
+    shape: Option<Vec<usize>>,
+}
+
+/// The test models of tests/fixtures/onnx, and the pretrained network when
+/// scripts/pretrained.sh has fetched it.
+fn cases(root: &Path) -> Vec<Case> {
+    let fx = root.join("tests/fixtures/onnx");
+    let mut v: Vec<Case> = ["digits-mlp", "digits-mlp2"]
+        .iter()
+        .map(|m| Case {
+            name: m.to_string(),
+            model: fx.join(format!("{m}.onnx")),
+            input: fx.join("digits-x.npy"),
+            input_name: "X",
+            output: Some("probabilities"),
+            batch: 450,
+            shape: None,
+        })
+        .collect();
+    for (m, batch) in [
+        ("conv-bn-relu6", 2),
+        ("dw-hardswish", 1),
+        ("group-pool", 2),
+        ("se-head", 2),
+        ("decoder", 2),
+        ("resize-modes", 1),
+        ("layernorm-decomposed", 3),
+    ] {
+        v.push(Case {
+            name: m.to_string(),
+            model: fx.join(format!("ops/{m}.onnx")),
+            input: fx.join(format!("ops/{m}-x.npy")),
+            input_name: "x",
+            output: None,
+            batch,
+            shape: None,
+        });
+    }
+    for (m, x) in [("digits-cnn", "digits-img-x.npy"), ("digits-transformer", "digits-seq-x.npy")] {
+        v.push(Case {
+            name: format!("{m} (PyTorch)"),
+            model: fx.join(format!("torch/{m}.onnx")),
+            input: fx.join(format!("torch/{x}")),
+            input_name: "x",
+            output: None,
+            batch: 450,
+            shape: None,
+        });
+    }
+    // The pretrained networks, on the first batch of the inputs
+    // scripts/pretrained.sh made (written to a file of its own so that ONNX
+    // Runtime runs the same batch).
+    let pre = root.join(".cache/pretrained");
+    let nets = [
+        ("cls", "ch_ppocr_mobile_v2.0_cls_infer.onnx", "ppocr-cls (MobileNetV3)", 8),
+        ("rec", "ch_PP-OCRv4_rec_infer.onnx", "ppocr-rec (PP-OCRv4)", 8),
+        ("det", "ch_PP-OCRv4_det_infer.onnx", "ppocr-det (PP-OCRv4)", 4),
+    ];
+    for (kind, file, name, batch) in nets {
+        let model = pre.join(file);
+        match npy::read_file(&pre.join(format!("{kind}-x.npy"))) {
+            Ok(mut a) if model.exists() && a.shape.len() == 4 && a.shape[0] >= batch => {
+                let per: usize = a.shape[1..].iter().map(|&d| d as usize).product();
+                a.data.truncate(per * batch as usize);
+                a.shape[0] = batch;
+                let input = std::env::temp_dir().join(format!("onnx-bench-{kind}-x.npy"));
+                npy::write_file(&input, &a).unwrap_or_else(|e| panic!("{}: {e}", input.display()));
+                let shape = a.shape.iter().map(|&d| d as usize).collect();
+                v.push(Case {
+                    name: format!("{name}, pretrained"),
+                    model,
+                    input,
+                    input_name: "x",
+                    output: None,
+                    batch: batch as u32,
+                    shape: Some(shape),
+                })
+            }
+            _ => eprintln!(
+                "onnx-bench: the pretrained {kind} network is left out (run scripts/pretrained.sh first)"
+            ),
+        }
+    }
+    v
+}
+
+fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[0], v[v.len() / 2], v[v.len() - 1])
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("usage: onnx-bench [--rounds N] [--python PATH] [--dtype f32|bf16]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx, and the pretrained network once scripts/pretrained.sh has fetched it.");
+        return;
+    }
+    let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
+    let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
+    let dtype = match flag("--dtype") {
+        None => DType::F32,
+        Some(s) => DType::from_name(&s).unwrap_or_else(|| {
+            eprintln!("onnx-bench: --dtype {s}: expected f32 or bf16");
+            std::process::exit(2);
+        }),
+    };
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
+    let board = BoardConfig::default();
+    let clock = f64::from(board.clock_mhz) * 1e6;
+    for c in cases(&root) {
+        let bytes = std::fs::read(&c.model).unwrap_or_else(|e| panic!("{}: {e}", c.model.display()));
+        let x = npy::read_file(&c.input).unwrap_or_else(|e| panic!("{e}"));
+        let mut host_runner = None;
+        let mut output = c.output.map(str::to_string);
+        for (sa, vu) in [(1, 1), (4, 4)] {
+            let opts = CompileOptions {
+                shape: VnpuShape::on_board(&board, sa, vu, board.sram_bytes(), 1 << 30),
+                batch: c.batch,
+                shapes: c.shape.iter().map(|s| (c.input_name.to_string(), s.clone())).collect(),
+                outputs: c.output.map(|o| vec![o.to_string()]),
+                dtype,
+            };
+            let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            output = Some(compiled.model.outputs[0].name.clone());
+            let mut r = HostRunner::new(&board, &compiled.model).unwrap_or_else(|e| panic!("{e}"));
+            let (_, rep) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            let t = rep.totals();
+            let cyc = rep.cycles.max(1.0);
+            println!(
+                "{} batch {} on {sa} SA + {vu} VU: simulated {:.1} us per batch ({:.2} us per sample), SA utilization {:.1}%, VU utilization {:.1}%, {} MACs",
+                c.name,
+                c.batch,
+                rep.cycles / clock * 1e6,
+                rep.cycles / clock * 1e6 / f64::from(c.batch),
+                100.0 * t.sa_active_cycles / (cyc * f64::from(sa)),
+                100.0 * t.vu_active_cycles / (cyc * f64::from(vu)),
+                compiled.report.macs
+            );
+            if sa == 1 {
+                host_runner = Some(r);
+            }
+        }
+        let (Some(mut r), Some(output)) = (host_runner, output) else { continue };
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            ours.push(t0.elapsed().as_secs_f64() * 1e3);
+            let out = Command::new(&python)
+                .arg(root.join("scripts/ort_ref.py"))
+                .arg(&c.model)
+                .arg(std::env::temp_dir().join("onnx-bench"))
+                .arg(format!("{}={}", c.input_name, c.input.display()))
+                .args(["--output", &output, "--time", "1"])
+                .output()
+                .unwrap_or_else(|e| panic!("{}: {e} (bash scripts/setup.sh installs it)", python.display()));
+            let s = String::from_utf8_lossy(&out.stdout);
+            let t: f64 = s
+                .lines()
+                .find_map(|l| l.strip_prefix("ort_seconds "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("ort_ref.py: {}", String::from_utf8_lossy(&out.stderr)));
+            theirs.push(t * 1e3);
+        }
+        let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
+        let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
+        println!(
+            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}",
+            c.name, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
+        );
+    }
+}

@@ -1,0 +1,1302 @@
+//! From an ONNX graph to a compiled vNPU model.
+//!
+//! 1. **Shapes**: every input gets a static shape (free leading dimension =
+//!    the batch, others from `--shape`); every node's output shape follows
+//!    from its inputs.
+//! 2. **Constant folding**: a node whose inputs are all constants is
+//!    evaluated here (shape arithmetic, `Constant`, `Shape`, `Cast`,
+//!    element-wise math on weights), so only work on data reaches the vNPU.
+//! 3. **Fusion**: a bias `Add` and an activation that follow a matrix
+//!    product (its only consumer) become the product's bias and activation.
+//! 4. **Lowering**: what remains becomes a layer graph of the workload
+//!    library (`npu_graph::Graph`), lowered by its tiled, double-buffered
+//!    lowering for the vNPU's shape: every tensor in HBM, tiles through SRAM.
+//!
+//! Computed tensors are dense and row-major in ONNX's own order, so
+//! `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze` and `Identity` cost nothing.
+
+use std::collections::{HashMap, HashSet};
+
+use npu_graph::{Act, Graph, Init, Op, TensorId, View};
+use npu_lower::{lower_as, LowerError, VnpuShape};
+use npu_model::{verify, VnpuLimits};
+use thiserror::Error;
+use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
+use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
+
+use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
+
+mod cnn;
+mod layout;
+mod seq;
+use cnn::{channel_vec, nchw_to_nhwc, then};
+
+/// What to compile for.
+#[derive(Clone, Debug)]
+pub struct CompileOptions {
+    /// The vNPU core the programs run on.
+    pub shape: VnpuShape,
+    /// Value of every free leading (batch) dimension of the inputs.
+    pub batch: u32,
+    /// Static shapes for inputs (`--shape NAME=D0,D1,...`), batch included.
+    pub shapes: HashMap<String, Vec<usize>>,
+    /// Outputs to compile (the model's own outputs when `None`); the graph
+    /// is pruned to what they need.
+    pub outputs: Option<Vec<String>>,
+    /// The SA's operand type (`--dtype`): with bf16 the weights of matrix
+    /// products and convolutions are stored as bf16 and every product's
+    /// operands are rounded to bf16 (f32 accumulation, f32 activations).
+    pub dtype: DType,
+}
+
+/// Why a model cannot be compiled.
+#[derive(Debug, Error)]
+pub enum CompileError {
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("node `{node}` ({op}): {reason}")]
+    Node { node: String, op: String, reason: String },
+    #[error("input `{name}`: {reason}")]
+    Input { name: String, reason: String },
+    #[error("output `{name}`: {reason}")]
+    Output { name: String, reason: String },
+    #[error("the model does not fit the vNPU: {0}")]
+    Fit(LowerError),
+    #[error("the compiled {which} program was refused by the verifier (a compiler bug): {reason}")]
+    Verify { which: &'static str, reason: String },
+}
+
+/// What the compiler did, for the user.
+#[derive(Clone, Debug, Default)]
+pub struct CompileReport {
+    /// Nodes the (pruned) graph has.
+    pub nodes: usize,
+    /// Nodes evaluated at compile time.
+    pub folded: usize,
+    /// Nodes fused into a matrix product (bias, activation).
+    pub fused: usize,
+    /// Nodes that cost nothing (reshapes, identities).
+    pub aliases: usize,
+    /// vNPU operations, by kind.
+    pub ops: Vec<(String, usize)>,
+    /// Multiply-accumulates per batch.
+    pub macs: u64,
+    pub weight_bytes: u64,
+    pub hbm_bytes: u64,
+    pub load_instructions: usize,
+    pub infer_instructions: usize,
+}
+
+/// The compiled model and the report.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    pub model: Model,
+    pub report: CompileReport,
+}
+
+#[derive(Clone, Debug)]
+struct Dyn {
+    t: TensorId,
+    /// ONNX's (logical) shape.
+    shape: Vec<usize>,
+    /// The graph operation that wrote `t`, when fusion into it is allowed.
+    op: Option<usize>,
+    /// A rank-4 tensor `[N, C, H, W]` stored channels-last (`[N][H][W][C]`),
+    /// as convolutions and pooling read and write it; otherwise the
+    /// storage is dense row-major in ONNX's order (or a view).
+    nhwc: bool,
+    /// A view (a transpose): the element stride of each axis in `t`.
+    /// Never together with `nhwc`.
+    strides: Option<Vec<usize>>,
+}
+
+impl Dyn {
+    fn new(t: TensorId, shape: Vec<usize>, op: Option<usize>, nhwc: bool) -> Self {
+        Self { t, shape, op, nhwc, strides: None }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Val {
+    C(Const),
+    D(Dyn),
+}
+
+/// Elements of `shape` (saturating: a shape past [`MAX_ELEMS`] is refused
+/// by [`check_size`] before anything of its size is allocated).
+fn elems(shape: &[usize]) -> usize {
+    shape.iter().fold(1usize, |a, &d| a.saturating_mul(d))
+}
+
+/// The largest tensor the compiler handles: 2^28 elements (1 GiB of f32),
+/// more than any vNPU's HBM share here.
+const MAX_ELEMS: usize = 1 << 28;
+
+/// Refuses a tensor of `shape` larger than [`MAX_ELEMS`].
+fn check_size(shape: &[usize]) -> Result<(), String> {
+    if elems(shape) > MAX_ELEMS {
+        return Err(format!("a tensor of shape {shape:?} is larger than the 2^28 elements a vNPU can hold"));
+    }
+    Ok(())
+}
+
+/// numpy broadcasting of two shapes.
+fn bcast_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let get = |s: &[usize], i: usize| if i + s.len() >= n { s[i + s.len() - n] } else { 1 };
+    (0..n)
+        .map(|i| {
+            let (x, y) = (get(a, i), get(b, i));
+            if x == y || y == 1 {
+                Some(x)
+            } else if x == 1 {
+                Some(y)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// `c` broadcast to `shape` (which `c` must broadcast to), row-major.
+fn expand<T: Copy>(c: &[T], cshape: &[usize], shape: &[usize]) -> Vec<T> {
+    let n = shape.len();
+    let off = n - cshape.len();
+    let mut strides = vec![0usize; n];
+    let mut s = 1;
+    for i in (0..cshape.len()).rev() {
+        strides[i + off] = if cshape[i] == 1 { 0 } else { s };
+        s *= cshape[i];
+    }
+    let total = elems(shape);
+    let mut out = Vec::with_capacity(total);
+    let mut idx = vec![0usize; n];
+    for _ in 0..total {
+        out.push(c[idx.iter().zip(&strides).map(|(i, s)| i * s).sum::<usize>()]);
+        for d in (0..n).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+fn axis(a: i64, rank: usize) -> Option<usize> {
+    let r = rank as i64;
+    let a = if a < 0 { a + r } else { a };
+    (0..r).contains(&a).then_some(a as usize)
+}
+
+struct Compiler<'m> {
+    m: &'m OnnxModel,
+    g: Graph,
+    data: Vec<Option<Vec<f32>>>,
+    vals: HashMap<String, Val>,
+    uses: HashMap<String, usize>,
+    outputs: HashSet<String>,
+    report: CompileReport,
+}
+
+type NodeResult = Result<Vec<Val>, String>;
+
+impl Compiler<'_> {
+    /// A new graph tensor of `n` elements, with its data when it is a constant.
+    fn tensor(&mut self, name: &str, n: usize, init: Init, data: Option<Vec<f32>>) -> TensorId {
+        let t = self.g.tensor(name, n as u64, init);
+        self.data.push(data);
+        t
+    }
+
+    fn weight(&mut self, name: &str, v: Vec<f32>, init: Init) -> TensorId {
+        self.tensor(name, v.len(), init, Some(v))
+    }
+
+    fn act_tensor(&mut self, name: &str, n: usize) -> TensorId {
+        self.tensor(name, n, Init::Activation, None)
+    }
+
+    /// Input `i`, which must be a computed tensor, not a view (a view is
+    /// stored densely first).
+    fn computed(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+        let d = self.computed_view(n, i)?;
+        self.materialize(&n.name, &d)
+    }
+
+    /// Input `i`, which must be a computed tensor, as it is (maybe a view).
+    fn computed_view(&self, n: &Node, i: usize) -> Result<Dyn, String> {
+        match self.get(n, i)? {
+            Val::D(d) => Ok(d.clone()),
+            Val::C(_) => Err(format!(
+                "input {i} (`{}`) is a constant: {} is compiled only on computed tensors here",
+                n.inputs[i], n.op
+            )),
+        }
+    }
+
+    /// Input `i`, a computed tensor, stored dense in ONNX's order.
+    fn dense(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+        let d = self.computed(n, i)?;
+        self.onnx_order(&n.name, &d)
+    }
+
+    fn get(&self, n: &Node, i: usize) -> Result<&Val, String> {
+        let name = n.inputs.get(i).filter(|s| !s.is_empty()).ok_or(format!("input {i} is missing"))?;
+        self.vals.get(name).ok_or(format!("input `{name}` is not produced before this node"))
+    }
+
+    fn opt(&self, n: &Node, i: usize) -> Option<&Val> {
+        n.inputs.get(i).filter(|s| !s.is_empty()).and_then(|s| self.vals.get(s))
+    }
+
+    fn konst(&self, n: &Node, i: usize) -> Result<Const, String> {
+        match self.get(n, i)? {
+            Val::C(c) => Ok(c.clone()),
+            Val::D(_) => Err(format!("input {i} (`{}`) must be a constant", n.inputs[i])),
+        }
+    }
+
+    /// Constant input `i` as integers, `None` when it is absent; a computed
+    /// one is refused as "`what` must be a constant".
+    fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, String> {
+        match self.opt(n, i) {
+            None => Ok(None),
+            Some(Val::C(c)) => Ok(Some(c.data.to_i64())),
+            Some(Val::D(_)) => Err(format!("{what} must be a constant")),
+        }
+    }
+
+    /// The last graph operation when `name`'s value may be fused into it:
+    /// used once, not a model output, written by the newest operation.
+    fn fusable(&self, name: &str, d: &Dyn) -> Option<usize> {
+        let op = d.op?;
+        (self.uses.get(name) == Some(&1) && !self.outputs.contains(name) && op + 1 == self.g.ops.len())
+            .then_some(op)
+    }
+
+    fn int_attr(n: &Node, k: &str, default: i64) -> Result<i64, String> {
+        match n.attrs.get(k) {
+            None => Ok(default),
+            Some(Attr::Int(v)) => Ok(*v),
+            Some(_) => Err(format!("attribute `{k}` must be an integer")),
+        }
+    }
+
+    fn float_attr(n: &Node, k: &str, default: f32) -> Result<f32, String> {
+        match n.attrs.get(k) {
+            None => Ok(default),
+            Some(Attr::Float(v)) => Ok(*v),
+            Some(_) => Err(format!("attribute `{k}` must be a float")),
+        }
+    }
+
+    fn ints_attr(n: &Node, k: &str) -> Result<Option<Vec<i64>>, String> {
+        match n.attrs.get(k) {
+            None => Ok(None),
+            Some(Attr::Ints(v)) => Ok(Some(v.clone())),
+            Some(_) => Err(format!("attribute `{k}` must be a list of integers")),
+        }
+    }
+
+    /// Refuses attributes the handler does not read.
+    fn only_attrs(n: &Node, known: &[&str]) -> Result<(), String> {
+        match n.attrs.keys().find(|k| !known.contains(&k.as_str())) {
+            Some(k) => Err(format!("attribute `{k}` is not supported")),
+            None => Ok(()),
+        }
+    }
+
+    fn shape_of(&self, n: &Node, i: usize) -> Result<Vec<usize>, String> {
+        Ok(match self.get(n, i)? {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        })
+    }
+
+    fn node(&mut self, n: &Node) -> NodeResult {
+        if !(n.domain.is_empty() || n.domain == "ai.onnx") {
+            return Err(format!(
+                "operators of domain `{}` are not supported (for scikit-learn classifiers, compile the \
+                 probabilities output only: --output NAME)",
+                n.domain
+            ));
+        }
+        let all_const =
+            n.inputs.iter().filter(|s| !s.is_empty()).all(|s| matches!(self.vals.get(s), Some(Val::C(_))));
+        match n.op.as_str() {
+            "Constant" => {
+                let c = match n.attrs.iter().next() {
+                    Some((k, Attr::Tensor(t))) if k == "value" => t.clone(),
+                    Some((k, Attr::Float(f))) if k == "value_float" => {
+                        Const { shape: vec![], data: Data::F32(vec![*f]) }
+                    }
+                    Some((k, Attr::Floats(f))) if k == "value_floats" => {
+                        Const { shape: vec![f.len()], data: Data::F32(f.clone()) }
+                    }
+                    Some((k, Attr::Int(i))) if k == "value_int" => {
+                        Const { shape: vec![], data: Data::I64(vec![*i]) }
+                    }
+                    Some((k, Attr::Ints(i))) if k == "value_ints" => {
+                        Const { shape: vec![i.len()], data: Data::I64(i.clone()) }
+                    }
+                    _ => {
+                        return Err(
+                            "only value, value_float(s) and value_int(s) constants are supported".into()
+                        )
+                    }
+                };
+                self.report.folded += 1;
+                Ok(vec![Val::C(c)])
+            }
+            "Identity" | "Dropout" => {
+                if n.op == "Dropout" && n.outputs.len() > 1 {
+                    return Err("the mask output of Dropout is not supported".into());
+                }
+                self.report.aliases += 1;
+                Ok(vec![self.get(n, 0)?.clone()])
+            }
+            "Cast" => {
+                let to = Self::int_attr(n, "to", 1)?;
+                let v = self.get(n, 0)?.clone();
+                match &v {
+                    Val::C(_) => self.report.folded += 1,
+                    Val::D(_) => self.report.aliases += 1,
+                }
+                match (v, to) {
+                    (Val::C(c), 1) => {
+                        Ok(vec![Val::C(Const { shape: c.shape, data: Data::F32(c.data.to_f32()) })])
+                    }
+                    (Val::C(c), 6 | 7) => {
+                        Ok(vec![Val::C(Const { shape: c.shape, data: Data::I64(c.data.to_i64()) })])
+                    }
+                    (Val::D(d), 1) => Ok(vec![Val::D(Dyn { op: None, ..d })]),
+                    (_, to) => {
+                        Err(format!("cast to ONNX type {to} is not supported (computed tensors are f32)"))
+                    }
+                }
+            }
+            "Shape" => {
+                let s = self.shape_of(n, 0)?;
+                let r = s.len() as i64;
+                let start = axis_clamp(Self::int_attr(n, "start", 0)?, r);
+                let end = axis_clamp(Self::int_attr(n, "end", r)?, r);
+                let v: Vec<i64> = s[start..end.max(start)].iter().map(|&d| d as i64).collect();
+                self.report.folded += 1;
+                Ok(vec![Val::C(Const { shape: vec![v.len()], data: Data::I64(v) })])
+            }
+            "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
+                let s = self.shape_of(n, 0)?;
+                let new = self.reshaped(n, &s)?;
+                if elems(&new) != elems(&s) {
+                    return Err(format!("cannot reshape {s:?} to {new:?}"));
+                }
+                Ok(vec![match self.get(n, 0)?.clone() {
+                    Val::C(c) => {
+                        self.report.folded += 1;
+                        Val::C(Const { shape: new, data: c.data })
+                    }
+                    Val::D(d) => {
+                        self.report.aliases += 1;
+                        let d = self.onnx_order(&n.name, &d)?;
+                        Val::D(Dyn::new(d.t, new, None, false))
+                    }
+                }])
+            }
+            "Concat" if all_const => {
+                let ax = Self::int_attr(n, "axis", 0)?;
+                let parts: Vec<Const> =
+                    (0..n.inputs.len()).map(|i| self.konst(n, i)).collect::<Result<_, _>>()?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(concat(&parts, ax)?)])
+            }
+            "Gather" if all_const => {
+                let data = self.konst(n, 0)?;
+                let idx = self.konst(n, 1)?;
+                let ax = axis(Self::int_attr(n, "axis", 0)?, data.shape.len()).ok_or("axis out of range")?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(gather(&data, &idx, ax)?)])
+            }
+            "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Max" | "Min" if all_const => {
+                let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                self.report.folded += 1;
+                Ok(vec![Val::C(binary_const(&n.op, &a, &b)?)])
+            }
+            "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" if all_const => {
+                let a = self.konst(n, 0)?;
+                self.report.folded += 1;
+                let f: fn(f32) -> f32 = match n.op.as_str() {
+                    "Sqrt" => f32::sqrt,
+                    "Neg" => |x| -x,
+                    "Reciprocal" => |x| 1.0 / x,
+                    "Relu" => |x| if x.is_nan() { x } else { x.max(0.0) },
+                    "Sigmoid" => |x| 1.0 / (1.0 + (-x).exp()),
+                    "Tanh" => f32::tanh,
+                    "Exp" => f32::exp,
+                    _ => libm::erff,
+                };
+                Ok(vec![Val::C(Const {
+                    shape: a.shape,
+                    data: Data::F32(a.data.to_f32().into_iter().map(f).collect()),
+                })])
+            }
+            "MatMul" => self.matmul(n),
+            "Gemm" => self.gemm(n),
+            "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
+            "Relu" | "Sigmoid" | "Tanh" => {
+                Self::only_attrs(n, &[])?;
+                let act = match n.op.as_str() {
+                    "Relu" => Act::Relu,
+                    "Sigmoid" => Act::Sigmoid,
+                    _ => Act::Tanh,
+                };
+                self.activation(n, act)
+            }
+            "Softmax" => self.softmax(n),
+            "Clip" => {
+                let act = self.clip(n)?;
+                self.activation(n, act)
+            }
+            "HardSigmoid" => {
+                Self::only_attrs(n, &["alpha", "beta"])?;
+                let alpha = Self::float_attr(n, "alpha", 0.2)?;
+                let beta = Self::float_attr(n, "beta", 0.5)?;
+                self.activation(n, Act::Clamp { scale: alpha, bias: beta, lo: 0.0, hi: 1.0 })
+            }
+            "HardSwish" => {
+                Self::only_attrs(n, &[])?;
+                self.activation(n, Act::HardSwish)
+            }
+            "Gelu" => {
+                let act = Self::gelu(n)?;
+                self.activation(n, act)
+            }
+            "Erf" => {
+                Self::only_attrs(n, &[])?;
+                self.activation(n, Act::Erf)
+            }
+            "Transpose" => self.transpose(n),
+            "LayerNormalization" => self.layer_norm(n),
+            "ReduceMean" => self.reduce_mean(n),
+            "Conv" => self.conv(n),
+            "BatchNormalization" => self.batch_norm(n),
+            "MaxPool" | "AveragePool" => self.pool(n),
+            "GlobalAveragePool" => self.global_pool(n),
+            "Slice" if all_const => {
+                let r = self.slice_const(n)?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(r)])
+            }
+            "Slice" => self.slice(n),
+            "Concat" => self.concat(n),
+            "Pad" => self.pad(n),
+            "Resize" | "Upsample" => self.resize(n),
+            "ConvTranspose" => self.conv_transpose(n),
+            "Sqrt" => self.activation(n, Act::Sqrt),
+            "Reciprocal" => self.activation(n, Act::Recip),
+            "Exp" => self.activation(n, Act::Exp),
+            "Neg" => self.activation(n, Act::affine(-1.0, 0.0)),
+            "Pow" => self.pow(n),
+            op => Err(format!("operator `{op}` is not supported (docs/model-format.md lists what is)")),
+        }
+    }
+
+    fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, String> {
+        let rank = s.len();
+        match n.op.as_str() {
+            "Reshape" => {
+                let spec = self.konst(n, 1)?.data.to_i64();
+                let allowzero = Self::int_attr(n, "allowzero", 0)? != 0;
+                let mut out = Vec::with_capacity(spec.len());
+                let mut infer = None;
+                for (i, &d) in spec.iter().enumerate() {
+                    match d {
+                        -1 if infer.is_none() => {
+                            infer = Some(i);
+                            out.push(1);
+                        }
+                        0 if !allowzero => out.push(*s.get(i).ok_or("0 refers to a missing dimension")?),
+                        d if d >= 0 => out.push(d as usize),
+                        d => return Err(format!("bad reshape dimension {d}")),
+                    }
+                }
+                if let Some(i) = infer {
+                    let known = elems(&out);
+                    if known == 0 || !elems(s).is_multiple_of(known) {
+                        return Err(format!("cannot infer -1 reshaping {s:?} to {spec:?}"));
+                    }
+                    out[i] = elems(s) / known;
+                }
+                Ok(out)
+            }
+            "Flatten" => {
+                let a = Self::int_attr(n, "axis", 1)?;
+                let a = if a < 0 { a + rank as i64 } else { a };
+                if !(0..=rank as i64).contains(&a) {
+                    return Err(format!("axis {a} out of range"));
+                }
+                let a = a as usize;
+                Ok(vec![elems(&s[..a]), elems(&s[a..])])
+            }
+            "Squeeze" => {
+                let axes = match Self::ints_attr(n, "axes")? {
+                    Some(a) => Some(a),
+                    None => self.const_ints(n, 1, "axes")?,
+                };
+                let axes: Vec<usize> = match axes {
+                    Some(a) => a
+                        .iter()
+                        .map(|&x| axis(x, rank).ok_or("axis out of range"))
+                        .collect::<Result<_, _>>()?,
+                    None => (0..rank).filter(|&i| s[i] == 1).collect(),
+                };
+                if axes.iter().any(|&a| s[a] != 1) {
+                    return Err("squeezed axis is not 1".into());
+                }
+                Ok(s.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect())
+            }
+            _ => {
+                let axes = match Self::ints_attr(n, "axes")? {
+                    Some(a) => a,
+                    None => self.konst(n, 1)?.data.to_i64(),
+                };
+                let out_rank = rank + axes.len();
+                let mut axes: Vec<usize> = axes
+                    .iter()
+                    .map(|&x| axis(x, out_rank).ok_or("axis out of range"))
+                    .collect::<Result<_, _>>()?;
+                axes.sort_unstable();
+                let mut out = s.to_vec();
+                for a in axes {
+                    out.insert(a.min(out.len()), 1);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    fn linear(
+        &mut self,
+        n: &Node,
+        x: &Dyn,
+        w: Vec<f32>,
+        k: usize,
+        nn: usize,
+        bias: Option<Vec<f32>>,
+    ) -> NodeResult {
+        if x.shape.last() != Some(&k) {
+            return Err(format!("input of shape {:?} does not end in the weights' {k} rows", x.shape));
+        }
+        let rows = elems(&x.shape[..x.shape.len() - 1]);
+        let mut shape = x.shape.clone();
+        *shape.last_mut().unwrap_or(&mut 0) = nn;
+        let wt = self.weight(&format!("{}.w", n.name), w, Init::Weights { fan_in: k as u32 });
+        let bt = self.weight(&format!("{}.b", n.name), bias.unwrap_or_else(|| vec![0.0; nn]), Init::Bias);
+        let y = self.act_tensor(&n.name, rows * nn);
+        self.g.ops.push(Op::Linear {
+            name: n.name.clone(),
+            x: View::dense(x.t, k as u32),
+            w: wt,
+            b: bt,
+            y: View::dense(y, nn as u32),
+            rows: rows as u32,
+            k: k as u32,
+            n: nn as u32,
+            act: Act::None,
+        });
+        Ok(vec![Val::D(Dyn::new(y, shape, Some(self.g.ops.len() - 1), x.nhwc))])
+    }
+
+    fn matmul(&mut self, n: &Node) -> NodeResult {
+        let w = match self.get(n, 1)? {
+            Val::C(c) => c.clone(),
+            Val::D(_) => return self.batch_matmul(n),
+        };
+        let x = self.dense(n, 0)?;
+        if w.shape.len() != 2 {
+            return Err(format!("weights of rank {} (only 2-D weights are supported)", w.shape.len()));
+        }
+        self.linear(n, &x, w.data.to_f32(), w.shape[0], w.shape[1], None)
+    }
+
+    fn gemm(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["alpha", "beta", "transA", "transB"])?;
+        let x = self.dense(n, 0)?;
+        if Self::int_attr(n, "transA", 0)? != 0 {
+            return Err("transA = 1 is not supported".into());
+        }
+        if x.shape.len() != 2 {
+            return Err(format!("A must be 2-D, it is {:?}", x.shape));
+        }
+        let b = self.konst(n, 1).map_err(|_| "B must be a constant (weights)".to_string())?;
+        if b.shape.len() != 2 {
+            return Err("B must be 2-D".into());
+        }
+        let alpha = Self::float_attr(n, "alpha", 1.0)?;
+        let beta = Self::float_attr(n, "beta", 1.0)?;
+        let (mut k, mut nn) = (b.shape[0], b.shape[1]);
+        let mut w = b.data.to_f32();
+        if Self::int_attr(n, "transB", 0)? != 0 {
+            (k, nn) = (nn, k);
+            let src = w.clone();
+            for i in 0..k {
+                for j in 0..nn {
+                    w[i * nn + j] = src[j * k + i];
+                }
+            }
+        }
+        if alpha != 1.0 {
+            w.iter_mut().for_each(|v| *v *= alpha);
+        }
+        let bias = match self.opt(n, 2) {
+            None => None,
+            Some(Val::C(c)) => {
+                if bcast_shape(&[x.shape[0], nn], &c.shape) != Some(vec![x.shape[0], nn]) {
+                    return Err(format!(
+                        "C of shape {:?} does not broadcast to {:?}",
+                        c.shape,
+                        [x.shape[0], nn]
+                    ));
+                }
+                if c.shape.len() == 2 && c.shape[0] != 1 {
+                    return Err("a C with one row per sample is not supported (only a bias row)".into());
+                }
+                let v = c.data.to_f32();
+                let row = match v.len() {
+                    1 => vec![v[0]; nn],
+                    l if l == nn => v,
+                    _ => return Err(format!("C of shape {:?} is not a bias row of {nn}", c.shape)),
+                };
+                Some(row.into_iter().map(|v| v * beta).collect())
+            }
+            Some(Val::D(_)) => return Err("a computed C is not supported (only a constant bias)".into()),
+        };
+        self.linear(n, &x, w, k, nn, bias)
+    }
+
+    fn binary(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let (a, b) = (self.get(n, 0)?.clone(), self.get(n, 1)?.clone());
+        let sa = match &a {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        };
+        let sb = match &b {
+            Val::C(c) => c.shape.clone(),
+            Val::D(d) => d.shape.clone(),
+        };
+        let shape = bcast_shape(&sa, &sb).ok_or(format!("shapes {sa:?} and {sb:?} do not broadcast"))?;
+        let op = n.op.as_str();
+        match (a, b) {
+            (Val::D(_), Val::C(c)) => self.with_const(n, 0, &c, op, false, &shape),
+            (Val::C(c), Val::D(_)) => self.with_const(n, 1, &c, op, true, &shape),
+            (Val::D(_), Val::D(_)) => {
+                // Views (transposes) stored densely: the operations below
+                // read their operands as stored.
+                let x = self.computed(n, 0)?;
+                let y = self.computed(n, 1)?;
+                // x[N,C,H,W] * s[N,C,1,1]: squeeze-and-excitation, in place.
+                if op == "Mul" && shape.len() == 4 && x.shape != y.shape {
+                    let se = [shape[0], shape[1], 1, 1];
+                    if x.shape == shape && y.shape == se {
+                        return Ok(vec![Val::D(self.scale_channels(n, &x, &y)?)]);
+                    }
+                    if y.shape == shape && x.shape == se {
+                        return Ok(vec![Val::D(self.scale_channels(n, &y, &x)?)]);
+                    }
+                }
+                // Anything else broadcast by a copy that reads the smaller one again.
+                let nhwc = x.nhwc || y.nhwc;
+                let x = if x.shape == shape { x } else { self.broadcast_to(&n.name, &x, &shape, nhwc)? };
+                let y = if y.shape == shape { y } else { self.broadcast_to(&n.name, &y, &shape, nhwc)? };
+                let (x, y) = self.same_layout(n, x, y)?;
+                let y = match op {
+                    "Sub" => self.act_op(n, &y, Act::affine(-1.0, 0.0)),
+                    "Div" => self.act_op(n, &y, Act::Recip),
+                    _ => y,
+                };
+                Ok(vec![Val::D(self.eltwise(n, matches!(op, "Add" | "Sub"), &x, y.t))])
+            }
+            (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
+        }
+    }
+
+    /// `Pow` of a computed tensor by a constant scalar exponent that the
+    /// VU computes exactly: 1, 2, 3, 0.5, -0.5, -1 (products, square roots
+    /// and reciprocals); other exponents are refused.
+    fn pow(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let x = self.computed(n, 0)?;
+        let e = match self.get(n, 1)? {
+            Val::C(c) if elems(&c.shape) == 1 => c.data.to_f32()[0],
+            Val::C(c) => return Err(format!("an exponent of shape {:?} (only a scalar)", c.shape)),
+            Val::D(_) => return Err("a computed exponent is not supported (only a constant)".into()),
+        };
+        Ok(vec![Val::D(match e {
+            1.0 => {
+                self.report.aliases += 1;
+                x
+            }
+            2.0 => self.eltwise(n, false, &x, x.t),
+            3.0 => {
+                let sq = self.eltwise(n, false, &x, x.t);
+                self.eltwise(n, false, &sq, x.t)
+            }
+            0.5 => self.act_op(n, &x, Act::Sqrt),
+            -0.5 => {
+                let r = self.act_op(n, &x, Act::Sqrt);
+                self.act_op(n, &r, Act::Recip)
+            }
+            -1.0 => self.act_op(n, &x, Act::Recip),
+            e => return Err(format!("exponent {e} is not supported (1, 2, 3, 0.5, -0.5, -1)")),
+        })])
+    }
+
+    /// `d op c` (or `c op d` when `swapped`) for the computed input `i`
+    /// (`d`, stored densely when it is a view) and a constant `c`.
+    fn with_const(
+        &mut self,
+        n: &Node,
+        i: usize,
+        c: &Const,
+        op: &str,
+        swapped: bool,
+        shape: &[usize],
+    ) -> NodeResult {
+        let d = self.computed(n, i)?;
+        let d = if d.shape == shape { d } else { self.broadcast_to(&n.name, &d, shape, d.nhwc)? };
+        let mut v = c.data.to_f32();
+        // c - x = (-x) + c, c / x = (1/x) * c
+        let d = match op {
+            "Sub" if swapped => self.act_op(n, &d, Act::affine(-1.0, 0.0)),
+            "Div" if swapped => self.act_op(n, &d, Act::Recip),
+            _ => d,
+        };
+        match op {
+            "Sub" if !swapped => v.iter_mut().for_each(|x| *x = -*x),
+            "Div" if !swapped => v.iter_mut().for_each(|x| *x = 1.0 / *x),
+            _ => {}
+        }
+        let add = matches!(op, "Add" | "Sub");
+        let input = &n.inputs[i];
+        // One value per channel: folded into the matrix product or
+        // convolution that wrote `d`, when nothing else reads its output.
+        if let Some(ch) = channel_vec(&v, &c.shape, &d) {
+            let (scale, shift) = if add { (None, Some(ch)) } else { (Some(ch), None) };
+            if let Some(r) = self.fold_affine(input, &d, scale.as_deref(), shift.as_deref()) {
+                self.report.fused += 1;
+                return Ok(vec![Val::D(r)]);
+            }
+        }
+        if v.len() == 1 {
+            let act = if add { Act::affine(1.0, v[0]) } else { Act::affine(v[0], 0.0) };
+            return Ok(vec![self.activation_of(n, input, &d, act)]);
+        }
+        let full = expand(&v, &c.shape, shape);
+        let full = if d.nhwc { nchw_to_nhwc(&full, shape) } else { full };
+        let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+        Ok(vec![Val::D(self.eltwise(n, add, &d, ct))])
+    }
+
+    /// `x` and `y` stored the same way (channels-last if either is).
+    fn same_layout(&mut self, n: &Node, x: Dyn, y: Dyn) -> Result<(Dyn, Dyn), String> {
+        Ok(match (x.nhwc, y.nhwc) {
+            (true, false) => {
+                let y = self.channels_last(&n.name, &y)?;
+                (x, y)
+            }
+            (false, true) => (self.channels_last(&n.name, &x)?, y),
+            _ => (x, y),
+        })
+    }
+
+    /// `a + b` or `a * b` (element-wise, `b` stored as `a`).
+    fn eltwise(&mut self, n: &Node, add: bool, a: &Dyn, b: TensorId) -> Dyn {
+        let shape = &a.shape;
+        let cols = (*shape.last().unwrap_or(&1)).max(1);
+        let rows = elems(shape) / cols;
+        let y = self.act_tensor(&n.name, elems(shape));
+        let (av, bv, yv) =
+            (View::dense(a.t, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
+        let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
+        self.g.ops.push(if add {
+            Op::Add { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
+        } else {
+            Op::Mul { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
+        });
+        Dyn::new(y, shape.to_vec(), Some(self.g.ops.len() - 1), a.nhwc)
+    }
+
+    fn activation(&mut self, n: &Node, act: Act) -> NodeResult {
+        let d = self.computed(n, 0)?;
+        Ok(vec![self.activation_of(n, &n.inputs[0], &d, act)])
+    }
+
+    /// `act(d)`: fused into the operation that wrote `d` when it can be,
+    /// else a new element-wise operation.
+    fn activation_of(&mut self, n: &Node, input: &str, d: &Dyn, act: Act) -> Val {
+        if let Some(i) = self.fusable(input, d) {
+            let slot = match &mut self.g.ops[i] {
+                Op::Linear { act, .. }
+                | Op::Add { act, .. }
+                | Op::Mul { act, .. }
+                | Op::Conv { act, .. }
+                | Op::Depthwise { act, .. }
+                | Op::BatchMatMul { act, .. }
+                | Op::Unary { act, .. } => Some(act),
+                _ => None,
+            };
+            if let Some(slot) = slot {
+                if let Some(both) = then(*slot, act) {
+                    *slot = both;
+                    self.report.fused += 1;
+                    return Val::D(d.clone());
+                }
+            }
+        }
+        Val::D(self.act_op(n, d, act))
+    }
+
+    /// A new element-wise operation `act(d)`.
+    fn act_op(&mut self, n: &Node, d: &Dyn, act: Act) -> Dyn {
+        let cols = (*d.shape.last().unwrap_or(&1)).max(1);
+        self.rowwise(n, d, cols, |name, x, y, rows, cols| Op::Unary { name, x, y, rows, cols, act })
+    }
+
+    /// A new tensor of `d`'s shape written by the row-wise operation `op`
+    /// over rows of `cols` elements.
+    fn rowwise(
+        &mut self,
+        n: &Node,
+        d: &Dyn,
+        cols: usize,
+        op: impl Fn(String, View, View, u32, u32) -> Op,
+    ) -> Dyn {
+        let rows = elems(&d.shape) / cols.max(1);
+        let y = self.act_tensor(&n.name, elems(&d.shape));
+        let (x, yv) = (View::dense(d.t, cols as u32), View::dense(y, cols as u32));
+        self.g.ops.push(op(n.name.clone(), x, yv, rows as u32, cols as u32));
+        Dyn::new(y, d.shape.clone(), Some(self.g.ops.len() - 1), d.nhwc)
+    }
+
+    fn softmax(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis"])?;
+        let d = self.dense(n, 0)?;
+        let rank = d.shape.len();
+        let default = if self.m.opset >= 13 { -1 } else { 1 };
+        let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
+        // Before opset 13 the input is seen as 2-D at `axis`; from 13 on
+        // the axis alone is normalised. Both are rows x cols when the axis
+        // is the last one (or, before 13, when everything after it is).
+        let cols = if self.m.opset >= 13 {
+            if ax != rank - 1 {
+                return Err(format!("softmax over axis {ax} of a rank-{rank} tensor (only the last axis)"));
+            }
+            d.shape[rank - 1]
+        } else {
+            elems(&d.shape[ax..])
+        };
+        Ok(vec![Val::D(self.rowwise(n, &d, cols, |name, x, y, rows, cols| Op::Softmax {
+            name,
+            x,
+            y,
+            rows,
+            cols,
+        }))])
+    }
+}
+
+fn axis_clamp(a: i64, r: i64) -> usize {
+    (if a < 0 { a + r } else { a }).clamp(0, r) as usize
+}
+
+fn concat(parts: &[Const], ax: i64) -> Result<Const, String> {
+    let first = parts.first().ok_or("no inputs")?;
+    let rank = first.shape.len();
+    let a = axis(ax, rank).ok_or("axis out of range")?;
+    let outer = elems(&first.shape[..a]);
+    let mut shape = first.shape.clone();
+    shape[a] = 0;
+    for p in parts {
+        if p.shape.len() != rank || (0..rank).any(|i| i != a && p.shape[i] != first.shape[i]) {
+            return Err("concatenated shapes differ".into());
+        }
+        shape[a] += p.shape[a];
+    }
+    let ints = parts.iter().all(|p| matches!(p.data, Data::I64(_)));
+    let mut f = Vec::new();
+    let mut i = Vec::new();
+    for o in 0..outer {
+        for p in parts {
+            let chunk = elems(&p.shape[a..]);
+            let r = o * chunk..(o + 1) * chunk;
+            if ints {
+                i.extend_from_slice(&p.data.to_i64()[r]);
+            } else {
+                f.extend_from_slice(&p.data.to_f32()[r]);
+            }
+        }
+    }
+    Ok(Const { shape, data: if ints { Data::I64(i) } else { Data::F32(f) } })
+}
+
+fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
+    let outer = elems(&data.shape[..ax]);
+    let dim = data.shape[ax];
+    let inner = elems(&data.shape[ax + 1..]);
+    let ids: Vec<usize> = idx
+        .data
+        .to_i64()
+        .iter()
+        .map(|&i| {
+            let i = if i < 0 { i + dim as i64 } else { i };
+            usize::try_from(i).ok().filter(|&i| i < dim).ok_or(format!("index {i} out of range"))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut shape = data.shape[..ax].to_vec();
+    shape.extend_from_slice(&idx.shape);
+    shape.extend_from_slice(&data.shape[ax + 1..]);
+    check_size(&shape)?;
+    fn pick<T: Copy>(v: &[T], outer: usize, dim: usize, inner: usize, ids: &[usize]) -> Vec<T> {
+        let mut out = Vec::with_capacity(outer * ids.len() * inner);
+        for o in 0..outer {
+            for &i in ids {
+                out.extend_from_slice(&v[(o * dim + i) * inner..(o * dim + i + 1) * inner]);
+            }
+        }
+        out
+    }
+    Ok(match &data.data {
+        Data::I64(v) => Const { shape, data: Data::I64(pick(v, outer, dim, inner, &ids)) },
+        Data::F32(v) => Const { shape, data: Data::F32(pick(v, outer, dim, inner, &ids)) },
+    })
+}
+
+fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
+    let shape = bcast_shape(&a.shape, &b.shape).ok_or("shapes do not broadcast")?;
+    check_size(&shape)?;
+    if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
+        let x = expand(x, &a.shape, &shape);
+        let y = expand(y, &b.shape, &shape);
+        let v = x
+            .iter()
+            .zip(&y)
+            .map(|(&p, &q)| match op {
+                "Add" => Ok(p.wrapping_add(q)),
+                "Sub" => Ok(p.wrapping_sub(q)),
+                "Mul" => Ok(p.wrapping_mul(q)),
+                "Div" => p.checked_div(q).ok_or("integer division by zero".to_string()),
+                "Max" => Ok(p.max(q)),
+                "Min" => Ok(p.min(q)),
+                _ => Ok((p as f64).powf(q as f64) as i64),
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        return Ok(Const { shape, data: Data::I64(v) });
+    }
+    let x = expand(&a.data.to_f32(), &a.shape, &shape);
+    let y = expand(&b.data.to_f32(), &b.shape, &shape);
+    let v = x
+        .iter()
+        .zip(&y)
+        .map(|(&p, &q)| match op {
+            "Add" => p + q,
+            "Sub" => p - q,
+            "Mul" => p * q,
+            "Div" => p / q,
+            "Max" => p.max(q),
+            "Min" => p.min(q),
+            _ => p.powf(q),
+        })
+        .collect();
+    Ok(Const { shape, data: Data::F32(v) })
+}
+
+/// Static shape of model input `io` under the options.
+fn input_shape(io: &crate::load::Io, o: &CompileOptions) -> Result<Vec<usize>, CompileError> {
+    let bad = |reason: String| CompileError::Input { name: io.name.clone(), reason };
+    if io.elem != 1 {
+        return Err(bad(format!("element type {} (only float inputs are supported)", io.elem)));
+    }
+    if let Some(s) = o.shapes.get(&io.name) {
+        if let Some(d) = &io.dims {
+            if d.len() != s.len() || d.iter().zip(s).any(|(d, &x)| matches!(d, Dim::Fixed(f) if *f != x)) {
+                return Err(bad(format!("--shape {s:?} contradicts the model's {d:?}")));
+            }
+        }
+        return Ok(s.clone());
+    }
+    let dims = io.dims.as_ref().ok_or_else(|| bad("no shape declared: give one with --shape".into()))?;
+    dims.iter()
+        .enumerate()
+        .map(|(i, d)| match d {
+            Dim::Fixed(x) => Ok(*x),
+            Dim::Free(_) if i == 0 => Ok(o.batch as usize),
+            Dim::Free(p) => Err(bad(format!("dimension {i} (`{p}`) is free: give the shape with --shape"))),
+        })
+        .collect()
+}
+
+/// Compiles ONNX model bytes for a vNPU.
+pub fn compile(bytes: &[u8], o: &CompileOptions) -> Result<Compiled, CompileError> {
+    let m = load(bytes)?;
+    compile_model(&m, o)
+}
+
+/// Compiles a model already read.
+pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, CompileError> {
+    for k in o.shapes.keys() {
+        if !m.inputs.iter().any(|i| &i.name == k) {
+            return Err(CompileError::Input {
+                name: k.clone(),
+                reason: "--shape names no input of the model".into(),
+            });
+        }
+    }
+    let out_names: Vec<String> = match &o.outputs {
+        Some(v) => {
+            for name in v {
+                if !m.outputs.iter().any(|x| &x.name == name)
+                    && !m.nodes.iter().any(|n| n.outputs.contains(name))
+                {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: "no node produces it".into(),
+                    });
+                }
+            }
+            v.clone()
+        }
+        None => m.outputs.iter().map(|x| x.name.clone()).collect(),
+    };
+    // Prune to the nodes the outputs need.
+    let mut need: HashSet<String> = out_names.iter().cloned().collect();
+    let mut keep = vec![false; m.nodes.len()];
+    for (i, n) in m.nodes.iter().enumerate().rev() {
+        if n.outputs.iter().any(|x| need.contains(x)) {
+            keep[i] = true;
+            need.extend(n.inputs.iter().filter(|s| !s.is_empty()).cloned());
+        }
+    }
+    let nodes: Vec<&Node> = m.nodes.iter().zip(&keep).filter(|(_, k)| **k).map(|(n, _)| n).collect();
+    let mut c = Compiler {
+        m,
+        g: Graph::new("onnx", o.batch),
+        data: Vec::new(),
+        vals: HashMap::new(),
+        uses: HashMap::new(),
+        outputs: out_names.iter().cloned().collect(),
+        report: CompileReport { nodes: nodes.len(), ..Default::default() },
+    };
+    for n in &nodes {
+        for i in n.inputs.iter().filter(|s| !s.is_empty()) {
+            *c.uses.entry(i.clone()).or_default() += 1;
+        }
+    }
+    for (k, v) in &m.constants {
+        c.vals.insert(k.clone(), Val::C(v.clone()));
+    }
+    let mut inputs = Vec::new();
+    for io in m.inputs.iter().filter(|i| need.contains(&i.name)) {
+        let shape = input_shape(io, o)?;
+        if elems(&shape) == 0 {
+            return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
+        }
+        check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
+        let t = c.tensor(&io.name, elems(&shape), Init::Input, None);
+        c.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
+        inputs.push((io.name.clone(), t, shape));
+    }
+    if inputs.is_empty() {
+        return Err(CompileError::Input {
+            name: String::new(),
+            reason: "the outputs need no model input".into(),
+        });
+    }
+    for n in &nodes {
+        let outs = c.node(n).map_err(|mut reason| {
+            if o.outputs.is_none() && m.outputs.len() > 1 {
+                let names: Vec<&str> = m.outputs.iter().map(|x| x.name.as_str()).collect();
+                reason.push_str(&format!(
+                    "; to leave it out, compile only the outputs that do not need it (--output NAME; this \
+                     model's outputs: {})",
+                    names.join(", ")
+                ));
+            }
+            CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
+        })?;
+        for (name, v) in n.outputs.iter().zip(outs) {
+            if let Val::D(d) = &v {
+                check_size(&d.shape).map_err(|reason| CompileError::Node {
+                    node: n.name.clone(),
+                    op: n.op.clone(),
+                    reason,
+                })?;
+            }
+            if !name.is_empty() {
+                c.vals.insert(name.clone(), v);
+            }
+        }
+    }
+    let mut outputs = Vec::new();
+    for name in &out_names {
+        match c.vals.get(name).cloned() {
+            Some(Val::D(d)) => {
+                // Outputs leave in ONNX's order.
+                let d = c
+                    .onnx_order(name, &d)
+                    .map_err(|reason| CompileError::Output { name: name.clone(), reason })?;
+                outputs.push((name.clone(), d.t, d.shape.clone()))
+            }
+            Some(Val::C(_)) => {
+                return Err(CompileError::Output {
+                    name: name.clone(),
+                    reason: "is a constant (it does not depend on the input)".into(),
+                })
+            }
+            None => {
+                return Err(CompileError::Output { name: name.clone(), reason: "is never computed".into() })
+            }
+        }
+    }
+    c.g.input = inputs[0].1;
+    c.g.output = outputs[0].1;
+    let mut report = c.report;
+    report.macs = c.g.macs();
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for op in &c.g.ops {
+        let k = op.kind().to_string();
+        match kinds.iter_mut().find(|(n, _)| *n == k) {
+            Some(e) => e.1 += 1,
+            None => kinds.push((k, 1)),
+        }
+    }
+    report.ops = kinds;
+    let lowered = lower_as(&c.g, o.shape, o.dtype).map_err(CompileError::Fit)?;
+    report.hbm_bytes = lowered.hbm_bytes;
+
+    // The I/O window: weight image, then inputs, then outputs.
+    const A: u64 = 64;
+    let mut load = ProgramBuilder::new();
+    let mut weights: Vec<u8> = Vec::new();
+    for (t, d) in c.data.iter().enumerate() {
+        let Some(d) = d else { continue };
+        let at = (weights.len() as u64).next_multiple_of(A);
+        weights.resize(at as usize, 0);
+        let dtype = lowered.tensors[t].dtype;
+        match dtype {
+            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
+            // Rounded to nearest, ties to even (as `vu.convert` rounds).
+            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+        }
+        let mut done = 0u64;
+        let bytes = d.len() as u64 * dtype.size();
+        while done < bytes {
+            let chunk = (bytes - done).min(1 << 30);
+            load.push(
+                Engine::DMA,
+                Instr::copy(
+                    Addr::guest(at + done),
+                    Addr::hbm(lowered.tensors[t].offset + done),
+                    chunk as u32,
+                ),
+            );
+            done += chunk;
+        }
+    }
+    report.weight_bytes = weights.len() as u64;
+    load.push(Engine::DMA, Instr::Halt);
+    // One DMA transfer moves an input or output: at most 4 GiB.
+    for (i, (name, _, s)) in inputs.iter().chain(&outputs).enumerate() {
+        let need = elems(s) as u64 * 4;
+        if need > u64::from(u32::MAX) {
+            let reason = format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX);
+            return Err(if i < inputs.len() {
+                CompileError::Input { name: name.clone(), reason }
+            } else {
+                CompileError::Output { name: name.clone(), reason }
+            });
+        }
+    }
+    let mut window = (weights.len() as u64).next_multiple_of(A);
+    let mut place = |list: &[(String, TensorId, Vec<usize>)]| {
+        list.iter()
+            .map(|(name, t, shape)| {
+                let d = TensorDesc {
+                    name: name.clone(),
+                    elem: ElemType::F32,
+                    dims: shape.iter().map(|&x| x as u64).collect(),
+                    offset: window,
+                };
+                window = (window + elems(shape) as u64 * 4).next_multiple_of(A);
+                (d, *t)
+            })
+            .collect::<Vec<_>>()
+    };
+    let ins = place(&inputs);
+    let outs = place(&outputs);
+    // Inputs copied in before the graph's first load, outputs out after
+    // its last store (the DMA stream is in order).
+    let mut infer = lowered.program.clone();
+    let dma = match infer.streams.iter().position(|s| s.engine == Engine::DMA) {
+        Some(i) => i,
+        None => {
+            infer.streams.insert(0, vnpu_abi::Stream { engine: Engine::DMA, code: vec![Instr::Halt] });
+            0
+        }
+    };
+    let at = |t: TensorId| Addr::hbm(lowered.tensors[t].offset);
+    let bytes = |d: &TensorDesc| d.bytes().unwrap_or(0) as u32;
+    let body = std::mem::take(&mut infer.streams[dma].code);
+    let body = body.strip_suffix(&[Instr::Halt]).unwrap_or(&body);
+    let code = &mut infer.streams[dma].code;
+    code.extend(ins.iter().map(|(d, t)| Instr::copy(Addr::guest(d.offset), at(*t), bytes(d))));
+    code.extend_from_slice(body);
+    code.extend(outs.iter().map(|(d, t)| Instr::copy(at(*t), Addr::guest(d.offset), bytes(d))));
+    code.push(Instr::Halt);
+    let load = load.finish();
+    let shape = o.shape;
+    let limits = VnpuLimits {
+        sa: shape.sa,
+        vu: shape.vu,
+        sram_bytes: shape.sram_bytes,
+        hbm_bytes: shape.hbm_bytes,
+        guest: std::iter::once(0..window).collect(),
+    };
+    verify(&load, &limits).map_err(|e| CompileError::Verify { which: "load", reason: e.to_string() })?;
+    verify(&infer, &limits).map_err(|e| CompileError::Verify { which: "infer", reason: e.to_string() })?;
+    report.load_instructions = load.instruction_count();
+    report.infer_instructions = infer.instruction_count();
+    let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
+    let model = Model {
+        target: Target {
+            batch,
+            sa: shape.sa,
+            vu: shape.vu,
+            sram_bytes: shape.sram_bytes,
+            hbm_bytes: shape.hbm_bytes,
+            sa_dtype: o.dtype,
+        },
+        window_bytes: window,
+        inputs: ins.into_iter().map(|(d, _)| d).collect(),
+        outputs: outs.into_iter().map(|(d, _)| d).collect(),
+        load,
+        infer,
+        weights,
+    };
+    Ok(Compiled { model, report })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broadcasting_follows_numpy() {
+        assert_eq!(bcast_shape(&[4, 3], &[3]), Some(vec![4, 3]));
+        assert_eq!(bcast_shape(&[4, 1], &[1, 3]), Some(vec![4, 3]));
+        assert_eq!(bcast_shape(&[4, 2], &[3]), None);
+        assert_eq!(expand(&[1.0, 2.0], &[2], &[2, 2]), vec![1.0, 2.0, 1.0, 2.0]);
+        assert_eq!(expand(&[1.0, 2.0], &[2, 1], &[2, 2]), vec![1.0, 1.0, 2.0, 2.0]);
+    }
+}

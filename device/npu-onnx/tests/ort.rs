@@ -1,0 +1,381 @@
+//! Compiled ONNX models run on the NPU model in-process, checked against
+//! ONNX Runtime (run by scripts/ort_ref.py in `.venv-onnx`, which
+//! scripts/setup.sh installs) and against the labels.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use npu_lower::VnpuShape;
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{compile, npy, CompileOptions, Compiled};
+use vnpu_abi::DType;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    root().join("tests/fixtures/onnx").join(name)
+}
+
+fn shape(board: &BoardConfig, sa: u32, vu: u32) -> VnpuShape {
+    VnpuShape::on_board(board, sa, vu, board.sram_bytes(), 1 << 30)
+}
+
+/// ONNX Runtime's output `output` of `model` on `input` (NAME=FILE).
+fn ort(model: &Path, inputs: &[(&str, &Path)], output: &str) -> npy::Array {
+    let dir = std::env::temp_dir().join(format!("vnpu-ort-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join(model.file_stem().unwrap());
+    let py = root().join(".venv-onnx/bin/python");
+    let mut cmd = Command::new(&py);
+    cmd.arg(root().join("scripts/ort_ref.py")).arg(model).arg(&prefix);
+    for (n, p) in inputs {
+        cmd.arg(format!("{n}={}", p.display()));
+    }
+    let out = cmd
+        .args(["--output", output])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {} (bash scripts/setup.sh installs it): {e}", py.display()));
+    assert!(out.status.success(), "ort_ref.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    let file: String = output
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
+        .collect();
+    npy::read_file(&PathBuf::from(format!("{}.{file}.npy", prefix.display()))).unwrap()
+}
+
+/// Max absolute error, max relative error (|d| / max(|ref|, 1e-6)); NaN
+/// anywhere gives NaN.
+fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
+    assert_eq!(got.len(), want.len());
+    let mut abs = 0f64;
+    let mut rel = 0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        if d.is_nan() {
+            return (f64::NAN, f64::NAN);
+        }
+        abs = abs.max(d);
+        rel = rel.max(d / f64::from(w).abs().max(1e-6));
+    }
+    (abs, rel)
+}
+
+fn argmax(row: &[f32]) -> usize {
+    row.iter().enumerate().fold(0, |b, (i, &x)| if x > row[b] || x.is_nan() { i } else { b })
+}
+
+/// Compiles `model` for `sa` SAs and `vu` VUs at the batch of `x` (its
+/// leading dimension) and runs it in-process on `x`.
+fn compile_and_run(
+    model: &Path,
+    x: &npy::Array,
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+) -> (Compiled, Vec<f32>) {
+    compile_and_run_as(model, x, sa, vu, outputs, DType::F32)
+}
+
+/// [`compile_and_run`] with the SA's operands in `dtype`.
+fn compile_and_run_as(
+    model: &Path,
+    x: &npy::Array,
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+    dtype: DType,
+) -> (Compiled, Vec<f32>) {
+    compile_and_run_inputs(model, &[x], sa, vu, outputs, dtype)
+}
+
+/// [`compile_and_run_as`] for a model of several inputs, `xs` in its input
+/// order; the batch is the first's leading dimension.
+fn compile_and_run_inputs(
+    model: &Path,
+    xs: &[&npy::Array],
+    sa: u32,
+    vu: u32,
+    outputs: Option<&str>,
+    dtype: DType,
+) -> (Compiled, Vec<f32>) {
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: xs[0].shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: outputs.map(|o| vec![o.to_string()]),
+        dtype,
+    };
+    let c =
+        compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+    let (mut outs, _) = r.infer(&data).unwrap();
+    (c, outs.swap_remove(0))
+}
+
+/// Compiles `model` for the whole test set as one batch, runs it, and
+/// compares with ONNX Runtime and the labels.
+fn check_classifier(model: &str, sa: u32, vu: u32) {
+    let x = npy::read_file(&fixture("digits-x.npy")).unwrap();
+    let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let n = x.shape[0] as usize;
+    let (_, got) = compile_and_run(&fixture(model), &x, sa, vu, Some("probabilities"));
+    let want = ort(&fixture(model), &[("X", &fixture("digits-x.npy"))], "probabilities");
+    assert_eq!(want.shape, vec![n as u64, 10]);
+    let (abs, rel) = errors(&got, &want.data);
+    let classes = 10;
+    let agree = (0..n)
+        .filter(|&i| argmax(&got[i * classes..][..classes]) == argmax(&want.data[i * classes..][..classes]))
+        .count();
+    let correct = (0..n).filter(|&i| argmax(&got[i * classes..][..classes]) == y.data[i] as usize).count();
+    println!("{model} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} top-1 agree {agree}/{n} correct {correct}/{n}");
+    assert!(abs <= 1e-5, "{model}: max abs error {abs} against ONNX Runtime");
+    assert!(rel <= 1e-4, "{model}: max relative error {rel} against ONNX Runtime");
+    assert_eq!(agree, n, "{model}: top-1 differs from ONNX Runtime");
+    assert!(correct * 100 >= n * 95, "{model}: accuracy {correct}/{n}");
+}
+
+#[test]
+fn digits_mlp_relu_matches_onnx_runtime() {
+    check_classifier("digits-mlp.onnx", 1, 1);
+}
+
+#[test]
+fn digits_mlp_tanh_matches_onnx_runtime_on_two_engines_each() {
+    check_classifier("digits-mlp2.onnx", 2, 2);
+}
+
+/// Max absolute error and max relative error where an element's
+/// denominator is at least 1e-3 of the output's largest magnitude (outputs
+/// of convolutions cross zero, where an element-wise relative error means
+/// nothing); NaN anywhere gives NaN.
+fn scaled_errors(got: &[f32], want: &[f32]) -> (f64, f64) {
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let floor = (scale * 1e-3).max(1e-30);
+    let (abs, _) = errors(got, want);
+    let rel = got
+        .iter()
+        .zip(want)
+        .map(|(&g, &w)| (f64::from(g) - f64::from(w)).abs() / f64::from(w).abs().max(floor))
+        .fold(0f64, |m, r| if r.is_nan() || m.is_nan() { f64::NAN } else { m.max(r) });
+    (abs, rel)
+}
+
+/// An operator test model of tests/fixtures/onnx/ops (scripts/onnx_ops.py)
+/// on its input, against ONNX Runtime.
+fn check_ops(name: &str, sa: u32, vu: u32) {
+    check_ops_inputs(name, &["x"], sa, vu);
+}
+
+/// [`check_ops`] for a model with the inputs `inputs`, in the model's
+/// order, each in `ops/<name>-<input>.npy`; the batch is the first's
+/// leading dimension.
+fn check_ops_inputs(name: &str, inputs: &[&str], sa: u32, vu: u32) {
+    let model = fixture(&format!("ops/{name}.onnx"));
+    let paths: Vec<PathBuf> = inputs.iter().map(|i| fixture(&format!("ops/{name}-{i}.npy"))).collect();
+    let xs: Vec<npy::Array> = paths.iter().map(|p| npy::read_file(p).unwrap()).collect();
+    let refs: Vec<&npy::Array> = xs.iter().collect();
+    let (c, got) = compile_and_run_inputs(&model, &refs, sa, vu, None, DType::F32);
+    let names: Vec<&str> = c.model.inputs.iter().map(|i| i.name.as_str()).collect();
+    assert_eq!(names, inputs, "{name}: the compiled model's inputs");
+    let out = c.model.outputs[0].clone();
+    let feeds: Vec<(&str, &Path)> = inputs.iter().copied().zip(paths.iter().map(PathBuf::as_path)).collect();
+    let want = ort(&model, &feeds, &out.name);
+    assert_eq!(want.shape, out.dims, "{name}: output shape");
+    let (abs, rel) = scaled_errors(&got, &want.data);
+    println!("{name} {sa}sa{vu}vu: max abs {abs:.3e} max rel {rel:.3e} ({:?})", c.report.ops);
+    assert!(rel <= 1e-4, "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime");
+}
+
+/// Multi-query attention (keys and values of one head broadcast over four
+/// by the batched products) with an additive padding mask computed from a
+/// second input and a constant causal mask of -inf.
+#[test]
+fn masked_multi_query_attention_matches_onnx_runtime() {
+    check_ops_inputs("masked-attention", &["x", "m"], 1, 1);
+    check_ops_inputs("masked-attention", &["x", "m"], 2, 2);
+}
+
+#[test]
+fn decoder_with_transposed_convs_concat_pad_resize_slice_matches_onnx_runtime() {
+    check_ops("decoder", 1, 1);
+}
+
+#[test]
+fn pad_in_reflect_edge_and_wrap_mode_and_reversing_slices_match_onnx_runtime() {
+    check_ops("pad-slice-modes", 1, 1);
+    check_ops("pad-slice-modes", 2, 2);
+}
+
+#[test]
+fn decoder_matches_onnx_runtime_on_four_engines_each() {
+    check_ops("decoder", 4, 4);
+}
+
+#[test]
+fn resize_in_every_mode_matches_onnx_runtime() {
+    check_ops("resize-modes", 1, 1);
+}
+
+#[test]
+fn decomposed_layer_norm_and_broadcasting_match_onnx_runtime() {
+    check_ops("layernorm-decomposed", 2, 2);
+}
+
+#[test]
+fn transposed_operands_of_element_wise_operations_match_onnx_runtime() {
+    check_ops("transposed-operands", 1, 1);
+}
+
+#[test]
+fn conv_batchnorm_relu6_matches_onnx_runtime() {
+    check_ops("conv-bn-relu6", 1, 1);
+}
+
+#[test]
+fn depthwise_with_row_stride_and_hardswish_matches_onnx_runtime() {
+    check_ops("dw-hardswish", 1, 1);
+}
+
+#[test]
+fn grouped_conv_and_pooling_match_onnx_runtime() {
+    check_ops("group-pool", 2, 2);
+}
+
+#[test]
+fn squeeze_excitation_head_matches_onnx_runtime() {
+    check_ops("se-head", 1, 1);
+}
+
+#[test]
+fn per_channel_constants_match_onnx_runtime() {
+    check_ops("channel-consts", 4, 4);
+}
+
+/// A PyTorch-trained classifier of tests/fixtures/onnx/torch
+/// (scripts/train_torch.py) on the 450 test images as one batch. Logits
+/// against the float64 result of onnx's reference evaluator (the exact
+/// math: the 1e-4 target) and against ONNX Runtime, which is f32 too and
+/// itself differs from the exact result: the vNPU may differ from it by
+/// 1e-4 or by twice ONNX Runtime's own error, whichever is larger. Top-1
+/// against ONNX Runtime and the labels.
+fn check_torch(name: &str, input: &str, sa: u32, vu: u32) {
+    let model = fixture(&format!("torch/{name}.onnx"));
+    let xp = fixture(&format!("torch/{input}"));
+    let x = npy::read_file(&xp).unwrap();
+    let y = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let n = x.shape[0] as usize;
+    let (c, got) = compile_and_run(&model, &x, sa, vu, None);
+    let want = ort(&model, &[("x", &xp)], "logits");
+    assert_eq!(want.shape, vec![n as u64, 10], "{name}: output shape");
+    let exact = npy::read_file(&fixture(&format!("torch/{name}-f64.npy"))).unwrap();
+    assert_eq!(exact.shape, want.shape, "{name}: reference shape");
+    let (abs, rel) = scaled_errors(&got, &want.data);
+    let (abs64, rel64) = scaled_errors(&got, &exact.data);
+    let (_, ort64) = scaled_errors(&want.data, &exact.data);
+    let top = |v: &[f32], i: usize| argmax(&v[i * 10..][..10]);
+    let agree = (0..n).filter(|&i| top(&got, i) == top(&want.data, i)).count();
+    let correct = (0..n).filter(|&i| top(&got, i) == y.data[i] as usize).count();
+    println!(
+        "{name} {sa}sa{vu}vu: against f64 max abs {abs64:.3e} max rel {rel64:.3e}; against ORT max abs {abs:.3e} \
+         max rel {rel:.3e} (ORT against f64: {ort64:.3e}); top-1 agree {agree}/{n} correct {correct}/{n} ({:?})",
+        c.report.ops
+    );
+    assert!(rel64 <= 1e-4, "{name}: max relative error {rel64} (abs {abs64}) against the float64 result");
+    let bound = 1e-4f64.max(2.0 * ort64);
+    assert!(
+        rel <= bound,
+        "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime (bound {bound})"
+    );
+    assert_eq!(agree, n, "{name}: top-1 differs from ONNX Runtime");
+    assert!(correct * 100 >= n * 93, "{name}: accuracy {correct}/{n}");
+}
+
+#[test]
+fn pytorch_cnn_matches_onnx_runtime() {
+    check_torch("digits-cnn", "digits-img-x.npy", 2, 2);
+}
+
+#[test]
+fn pytorch_transformer_encoder_matches_onnx_runtime() {
+    check_torch("digits-transformer", "digits-seq-x.npy", 1, 1);
+}
+
+#[test]
+fn pytorch_transformer_encoder_matches_onnx_runtime_on_four_engines_each() {
+    check_torch("digits-transformer", "digits-seq-x.npy", 4, 4);
+}
+
+/// Every test model compiled with bf16 SA operands, against the f64
+/// result where there is one (else ONNX Runtime): the scaled error stays
+/// within the documented bound (docs/model-format.md, "bf16") and top-1
+/// agrees with ONNX Runtime on nearly every classifier input.
+#[test]
+fn bf16_models_stay_within_the_documented_bound() {
+    let digits = fixture("digits-x.npy");
+    let labels = npy::read_file(&fixture("digits-y.npy")).unwrap();
+    let cases: Vec<(String, PathBuf, PathBuf, &str, Option<PathBuf>)> = vec![
+        ("digits-mlp".into(), fixture("digits-mlp.onnx"), digits.clone(), "X", None),
+        ("digits-mlp2".into(), fixture("digits-mlp2.onnx"), digits.clone(), "X", None),
+        (
+            "digits-cnn".into(),
+            fixture("torch/digits-cnn.onnx"),
+            fixture("torch/digits-img-x.npy"),
+            "x",
+            Some(fixture("torch/digits-cnn-f64.npy")),
+        ),
+        (
+            "digits-transformer".into(),
+            fixture("torch/digits-transformer.onnx"),
+            fixture("torch/digits-seq-x.npy"),
+            "x",
+            Some(fixture("torch/digits-transformer-f64.npy")),
+        ),
+    ];
+    for (name, model, xp, input, exact) in cases {
+        let x = npy::read_file(&xp).unwrap();
+        let classifier = name.starts_with("digits-mlp");
+        let out = if classifier { Some("probabilities") } else { None };
+        let (c, got) = compile_and_run_as(&model, &x, 1, 1, out, DType::Bf16);
+        assert_eq!(c.model.target.sa_dtype, DType::Bf16, "{name}");
+        let (f32c, _) = compile_and_run(&model, &x, 1, 1, out);
+        let oname = c.model.outputs[0].name.clone();
+        let want = ort(&model, &[(input, &xp)], &oname);
+        let reference = match &exact {
+            Some(p) => npy::read_file(p).unwrap().data,
+            None => want.data.clone(),
+        };
+        let (abs, _) = errors(&got, &reference);
+        let (_, rel) = scaled_errors(&got, &reference);
+        let norm = abs / reference.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+        let n = x.shape[0] as usize;
+        let k = got.len() / n;
+        let top = |v: &[f32], i: usize| argmax(&v[i * k..][..k]);
+        let agree = (0..n).filter(|&i| top(&got, i) == top(&want.data, i)).count();
+        let correct = (0..n).filter(|&i| top(&got, i) == labels.data[i] as usize).count();
+        println!(
+            "{name} bf16: max abs {abs:.3e}, normwise {norm:.3e}, scaled rel {rel:.3e} against {}; top-1 agree {agree}/{n}, \
+             correct {correct}/{n}; weights {} B (f32 {} B)",
+            if exact.is_some() { "f64" } else { "ORT" },
+            c.report.weight_bytes,
+            f32c.report.weight_bytes
+        );
+        assert!(norm <= BF16_BOUND, "{name}: normwise error {norm} above the bf16 bound {BF16_BOUND}");
+        assert!(agree * 100 >= n * 99, "{name}: top-1 agrees with ONNX Runtime on {agree}/{n}");
+        // The product weights are half their f32 size (the transformer's
+        // position embedding is a VU operand and stays f32).
+        assert!(c.report.weight_bytes < f32c.report.weight_bytes, "{name}: weights not smaller");
+    }
+}
+
+/// The documented end-to-end bound on the normwise error (largest absolute
+/// error over the largest reference magnitude) of the test models compiled
+/// with bf16 SA operands: 2^-5, four times a single product's 2u
+/// (docs/model-format.md, "bf16").
+const BF16_BOUND: f64 = 0.03125;

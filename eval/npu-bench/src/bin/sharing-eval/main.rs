@@ -1,0 +1,1194 @@
+//! Sharing evaluation: SA-heavy and VU-heavy tenants with
+//! Poisson arrivals on one physical core (4 SA + 4 VU). Every request of the
+//! arrival stream is simulated on the core as it arrives and runs (one
+//! continuous `npu_model::CoreSim` per system and load), so what co-located
+//! requests share (the core's DMA engine, HBM, the host link) slows them
+//! only while they really overlap. Five systems, the same arrivals:
+//!
+//! - **vNPU** (this system): each tenant owns a 1 SA + 1 VU vNPU of the
+//!   core (8 MiB SRAM, a quarter); its requests run one at a time on it in
+//!   arrival order (the rest queue in the guest's ring);
+//! - **vNPU-WC** (this system, work-conserving): the same 1 SA + 1 VU
+//!   vNPUs, but requests run as operator-level tasks and at each task
+//!   boundary a tenant gets its guarantee plus the engines idle on the core
+//!   (least slack first, along its per-operation profile); lent engines
+//!   come back at the borrower's next boundary (`lending.rs`);
+//! - **PREMA-like**, two variants: the whole core (4 SA + 4 VU, 32 MiB SRAM)
+//!   serves one request at a time; tokens = the tenant's priority x
+//!   waiting time / isolated whole-core time (PREMA's slowdown-normalized
+//!   priority; `--priority`, all 1 by default); when the core is free the
+//!   request with the most tokens runs (PREMA's candidate threshold and
+//!   shortest-job pick among the candidates are not modelled). **PREMA-ckpt** also preempts: at each arrival and at the moment
+//!   a waiter's tokens overtake the running request's (plus
+//!   `--preempt-margin` context switches, normalized to the waiter), the
+//!   waiter takes over: the running request stops issuing
+//!   (`CoreSim::suspend`), its transfers in flight drain, its SRAM state is
+//!   checkpointed (half a context switch) and later restored (the other
+//!   half) before it goes on where it stopped; unless it would end within
+//!   one switch anyway (then it drains); a request preempted before it has
+//!   run for one switch is killed instead (PREMA's KILL: started again
+//!   from scratch later; `--no-prema-kill` checkpoints it too). **PREMA-drain** never
+//!   preempts.
+//!   Ratios are against the better of the two on each metric;
+//! - **Planaria** (Planaria-like dynamic fission on this model, for
+//!   comparison): the operator-level tasks of vNPU-WC without guarantees;
+//!   the most urgent tenant takes the least shape that meets its deadline
+//!   (`lending.rs`);
+//! - **FIFO** (PREMA's NP-FCFS baseline): the whole core, one request at
+//!   a time in arrival order, no preemption, priorities ignored;
+//! - **V10** (V10-like operator interleaving on this model, for
+//!   comparison): the operator-level tasks without guarantees or
+//!   deadlines; at each task boundary the tenant with the least engine
+//!   time attained per unit of priority takes the fastest shape of the
+//!   free engines, the next one the same from what is left (`lending.rs`).
+//!
+//! vNPU-WC and Planaria serve a higher `--priority` first at a task
+//! boundary, then the least slack; the static vNPUs ignore priorities.
+//! PREMA's fairness weighs each tenant's normalized progress by its share
+//! of the priorities.
+//!
+//! Load is stated against each system's own saturation: the per-tenant
+//! arrival rates at which it is busy all the time (vNPU: every tenant
+//! backlogged on its vNPU, all neighbours busy, the rate of the first
+//! tenant to saturate; PREMA-like: one request after another on the whole
+//! core). The default sweep runs both systems at 0.1 .. 1.0 of each one's
+//! saturation, so every row shows both systems at the same offered rate,
+//! with the load that rate is for each.
+//!
+//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+
+mod lending;
+
+use std::collections::VecDeque;
+
+use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
+
+use npu_bench::{fail, in_range, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
+use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
+use npu_workloads::{build, lower_workload, RunOptions};
+use vnpu_abi::Program;
+
+const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
+
+  --load     offered loads as fractions of each system's own saturation
+             rate; each system runs at every rate of both lists (default
+             0.1,0.2,...,1.0)
+  --seconds  simulated seconds of arrivals per load (default 0.5)
+  --seed     arrival seed (default 1)
+  --tenants  the tenants, each a workload of the library (`vnpu workload
+             list`) with its batch size (default 1): 2 to 4 of them, each
+             on a 1 SA + 1 VU vNPU of the core (default
+             bert:1,resnet50:1,dlrm:8,ncf:8)
+  --qos      latency bound of each request: F times its workload's isolated
+             latency on the whole core (default 10)
+  --sla-ms   instead, each tenant's latency bound in milliseconds, in the
+             order of --tenants (MLPerf's server bounds, as Planaria sets
+             them: ResNet-50 and GoogLeNet 15, MobileNet and SSD-MobileNet
+             10, YOLOv3 and SSD-ResNet34 100, GNMT 250)
+  --priority each tenant's priority, 1 to 12 (Planaria's range; higher is
+             more important), in the order of --tenants (default: all 1).
+             PREMA's tokens grow with it; vNPU-WC and Planaria serve a
+             higher priority first at a task boundary; FIFO and the static
+             vNPUs ignore it; PREMA's fairness weighs each tenant's
+             progress by its share of the priorities
+  --preempt-margin M
+             PREMA-ckpt: a waiter preempts once its tokens exceed the running
+             request's by M context switches (normalized to the waiter);
+             0 (default) is PREMA's plain token rule
+  --no-prema-kill
+             PREMA-ckpt without PREMA's KILL: by default it chooses among
+             all three of PREMA's mechanisms, and a running request
+             preempted before it has run for one context switch is dropped
+             and started again from scratch later (no checkpoint, no
+             restore); with this flag it is checkpointed like the others
+  --mix      relative arrival rates of the tenants: `balanced` (default:
+             inversely proportional to each one's time on its 1 SA + 1 VU
+             vNPU, so every vNPU is equally loaded) or `equal` (the same
+             request rate for every tenant)
+  --task-us  vNPU-WC and Planaria: target length of one operator-level
+             task on the engines it runs on, in microseconds (default 25;
+             at least one operation): how long an owner can wait for
+             engines it lent
+  --lend-tolerance F
+             vNPU-WC and Planaria: an idle engine is borrowed only if it
+             makes the task more than F faster (fraction, default 0.05)
+  --json     also write the results as JSON to PATH
+  --svg      also draw throughput, p99 latency and EU utilization against
+             the offered rate into an SVG file at PATH";
+
+/// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
+/// Planaria-like, FIFO, V10-like; ratios are against the better of the
+/// PREMA rows.
+const PREMA: std::ops::Range<usize> = 2..4;
+
+/// The default tenants: workload and batch.
+const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
+
+#[derive(Clone, Debug)]
+struct Workload {
+    name: String,
+    /// The program lowered for a 1 SA + 1 VU vNPU and for the whole core.
+    p11: Program,
+    p44: Program,
+    /// Cycles of one request alone on each.
+    t11: f64,
+    t44: f64,
+    /// Latency bound of one request (cycles): `--qos` times `t44`, or the
+    /// tenant's `--sla-ms`.
+    sla: f64,
+    /// The tenant's priority (`--priority`, 1 to 12; higher is more
+    /// important): PREMA's token rate, the lending order of vNPU-WC and
+    /// Planaria, and the weight of its share in PREMA's fairness.
+    priority: u8,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    /// Latencies (cycles) per tenant, in completion order.
+    latencies: Vec<Vec<f64>>,
+    /// When the last request completed (cycles).
+    end: f64,
+    /// Active SA + VU cycles of every request, summed over engines.
+    eu_cycles: f64,
+    switches: u64,
+    /// PREMA-ckpt: requests killed (preempted without a
+    /// checkpoint, started again from scratch later).
+    kills: u64,
+    /// Requests whose program failed (none expected; counted, not hidden).
+    failed: u64,
+    /// Work-conserving system: tasks run, how often a tenant at a boundary
+    /// waited for engines it had lent, and the longest such wait (cycles).
+    tasks: u64,
+    reclaim_waits: u64,
+    reclaim_max: f64,
+    /// Engine-cycles tasks ran on beyond their tenant's guarantee.
+    borrowed_eu_cycles: f64,
+}
+
+impl Outcome {
+    fn new(n: usize) -> Self {
+        Self { latencies: vec![Vec::new(); n], ..Self::default() }
+    }
+
+    fn record(&mut self, req: &Request<'_>, r: Result<TenantReport, npu_model::ExecError>, now: f64) {
+        match r {
+            Ok(t) => {
+                let tot = t.totals();
+                self.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+                self.latencies[req.tenant].push(t.cycles - req.arrival);
+                self.end = self.end.max(t.cycles);
+            }
+            Err(_) => {
+                self.failed += 1;
+                self.end = self.end.max(now);
+            }
+        }
+    }
+}
+
+/// The vNPU system: every tenant's requests one at a time on its own 1+1
+/// vNPU, all four vNPUs on one core simulation.
+fn simulate_vnpu(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>]) -> Outcome {
+    let n = ws.len();
+    let mut o = Outcome::new(n);
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut next = vec![0usize; n];
+    let mut busy = vec![false; n];
+    loop {
+        let now = sim.now();
+        for i in 0..n {
+            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
+                busy[i] = true;
+                next[i] += 1;
+                sim.add(Request { tenant: i, arrival, program: &ws[i].p11 }, 0.0);
+            }
+        }
+        // The next arrival a free vNPU takes.
+        let limit = (0..n)
+            .filter(|&i| !busy[i])
+            .filter_map(|i| arrivals[i].get(next[i]).copied())
+            .fold(f64::INFINITY, f64::min);
+        if sim.is_idle() && !limit.is_finite() {
+            break;
+        }
+        for (_, req, r) in sim.step_until(limit) {
+            busy[req.tenant] = false;
+            o.record(&req, r, sim.now());
+        }
+    }
+    o
+}
+
+/// A request of the PREMA-like core that is not running.
+struct Waiting<'p> {
+    arrival: f64,
+    stage: Stage<'p>,
+}
+
+enum Stage<'p> {
+    /// Not started yet.
+    New(Request<'p>),
+    /// Suspended: its simulation id and the cycles it has run (its
+    /// isolated time minus these estimates what is left, as PREMA's
+    /// scheduler does).
+    Suspended { id: usize, executed: f64 },
+}
+
+/// The request on the PREMA-like core.
+#[derive(Clone, Copy)]
+struct Running {
+    tenant: usize,
+    arrival: f64,
+    id: usize,
+    /// Cycles it ran before this run.
+    executed: f64,
+    /// When this run started issuing.
+    since: f64,
+}
+
+/// Queues, in its tenant's queue, every request of `arrivals` that has
+/// arrived by `now` (`next`: each tenant's first request not queued yet).
+fn admit<'p>(
+    queues: &mut [VecDeque<Waiting<'p>>],
+    arrivals: &[Vec<f64>],
+    next: &mut [usize],
+    ws: &'p [Workload],
+    now: f64,
+) {
+    for (i, q) in queues.iter_mut().enumerate() {
+        while let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
+            next[i] += 1;
+            let req = Request { tenant: i, arrival, program: &ws[i].p44 };
+            q.push_back(Waiting { arrival, stage: Stage::New(req) });
+        }
+    }
+}
+
+/// How the whole-core system picks and preempts.
+#[derive(Clone, Copy, Debug)]
+struct WholeCore {
+    /// Cycles of one context switch (checkpoint plus restore).
+    switch: f64,
+    /// Preemption margin in context switches; infinity: never preempt
+    /// (PREMA-drain).
+    margin: f64,
+    /// PREMA's KILL for a request that has run less than one switch.
+    kill: bool,
+    /// Plain first-come first-served (PREMA's NP-FCFS baseline): the oldest
+    /// request runs next, no tokens, no priorities, no preemption.
+    fifo: bool,
+}
+
+impl WholeCore {
+    const fn fifo(switch: f64) -> Self {
+        Self { switch, margin: f64::INFINITY, kill: false, fifo: true }
+    }
+    const fn prema(switch: f64, margin: f64, kill: bool) -> Self {
+        Self { switch, margin, kill, fifo: false }
+    }
+}
+
+/// The whole-core systems: one request at a time on the whole core,
+/// PREMA's token-based preemption with checkpointing, or FIFO (see the
+/// module doc).
+fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], how: WholeCore) -> Outcome {
+    let WholeCore { switch, margin, kill, fifo } = how;
+    let n = ws.len();
+    let mut o = Outcome::new(n);
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, 1);
+    let mut next = vec![0usize; n];
+    // Per tenant, in arrival order; a preempted request goes back to the
+    // front of its tenant's queue (it is that tenant's oldest: it had the
+    // most tokens, and a tenant's oldest request has the most).
+    let mut queues: Vec<VecDeque<Waiting<'_>>> = (0..n).map(|_| VecDeque::new()).collect();
+    let mut running: Option<Running> = None;
+    // PREMA's tokens: priority times waiting time over the isolated
+    // whole-core time; they grow at `rate` per cycle of waiting.
+    let rate = |tenant: usize| f64::from(ws[tenant].priority) / ws[tenant].t44;
+    let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) * rate(tenant);
+    let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
+        let fronts = (0..n).filter_map(|i| queues[i].front().map(|w| (i, w.arrival)));
+        if fifo {
+            // The oldest request (negated: the maximum is the earliest).
+            fronts.map(|(i, a)| (i, -a)).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
+        } else {
+            fronts.map(|(i, a)| (i, tokens(i, a, now))).max_by(|a, b| a.1.total_cmp(&b.1))
+        }
+    };
+    loop {
+        let now = sim.now();
+        admit(&mut queues, arrivals, &mut next, ws, now);
+        let next_arrival =
+            (0..n).filter_map(|i| arrivals[i].get(next[i]).copied()).fold(f64::INFINITY, f64::min);
+        let Some(run) = running else {
+            // Start (or restore) the waiter with the most tokens.
+            if let Some((i, _)) = best(&queues, now) {
+                if let Some(w) = queues[i].pop_front() {
+                    running = Some(start(&mut sim, w, i, switch, 0.0));
+                }
+                continue;
+            }
+            if !next_arrival.is_finite() {
+                break;
+            }
+            sim.step_until(next_arrival);
+            continue;
+        };
+        // The next decision: an arrival, or the moment a waiter's tokens
+        // overtake the running request's (only a shorter request's tokens
+        // grow faster).
+        let Running { tenant, arrival, id, executed, since } = run;
+        let rr = rate(tenant);
+        let mut decide = next_arrival;
+        for (i, q) in queues.iter().enumerate() {
+            let Some(w) = q.front() else { continue };
+            let rw = rate(i);
+            if !fifo && rw > rr {
+                let t = (w.arrival * rw - arrival * rr + margin * switch * rw) / (rw - rr);
+                // A little past the crossing, so the waiter is strictly
+                // ahead. A crossing already past was decided on (the
+                // running request drains): the next decision is an arrival
+                // or its completion.
+                if t > now {
+                    decide = decide.min(t + 1e-3);
+                }
+            }
+        }
+        let done = sim.step_until(decide);
+        if let Some((_, req, r)) = done.into_iter().next() {
+            o.record(&req, r, sim.now());
+            running = None;
+            continue;
+        }
+        let now = sim.now();
+        if now < decide {
+            // Nothing left to run and no decision ahead (cannot happen while
+            // a request runs); never spin.
+            break;
+        }
+        admit(&mut queues, arrivals, &mut next, ws, now);
+        let ran = executed + (now - since).max(0.0);
+        let Some((k, tk)) = best(&queues, now) else { continue };
+        let ahead = !fifo && tk > tokens(tenant, arrival, now) + margin * switch * rate(k);
+        if ahead && kill && ran < switch {
+            // PREMA's KILL: it has run for less than a checkpoint and a
+            // restore would cost; its work is dropped (the engine time it
+            // took still counts as busy), what it has in flight drains, and
+            // it starts again from scratch when its turn comes.
+            let drain = sim.drain_cycles(id);
+            if let Some((req, part)) = sim.kill(id) {
+                let t = part.totals();
+                o.eu_cycles += t.sa_active_cycles + t.vu_active_cycles;
+                o.kills += 1;
+                queues[tenant].push_front(Waiting { arrival, stage: Stage::New(req) });
+            }
+            if let Some(w) = queues[k].pop_front() {
+                running = Some(start(&mut sim, w, k, switch, drain));
+            }
+        } else if ahead && ws[tenant].t44 - ran > switch {
+            // Preempt: stop issuing, drain what is in flight, checkpoint.
+            sim.suspend(id);
+            let drain = sim.drain_cycles(id);
+            o.switches += 1;
+            queues[tenant].push_front(Waiting { arrival, stage: Stage::Suspended { id, executed: ran } });
+            if let Some(w) = queues[k].pop_front() {
+                running = Some(start(&mut sim, w, k, switch, drain + switch / 2.0));
+            }
+        } else {
+            running = Some(run);
+        }
+    }
+    o
+}
+
+/// Puts waiter `w` of `tenant` on the PREMA-like core after `delay` cycles
+/// (plus the restore of its checkpoint if it ran before).
+fn start<'p>(
+    sim: &mut CoreSim<'_, Request<'p>>,
+    w: Waiting<'p>,
+    tenant: usize,
+    switch: f64,
+    delay: f64,
+) -> Running {
+    let now = sim.now();
+    match w.stage {
+        Stage::Suspended { id, executed } => {
+            let d = delay + switch / 2.0;
+            sim.resume(id, d);
+            Running { tenant, arrival: w.arrival, id, executed, since: now + d }
+        }
+        Stage::New(req) => {
+            let id = sim.add(req, delay);
+            Running { tenant, arrival: w.arrival, id, executed: 0.0, since: now + delay }
+        }
+    }
+}
+
+/// Per-tenant request rates (per cycle) at which the vNPU system saturates,
+/// for relative rates `weights`: every tenant backlogged on its vNPU (each
+/// resubmits at once) until every one has completed `rounds` requests;
+/// the scale of `weights` at which the first tenant's vNPU is busy all the
+/// time.
+fn saturation_vnpu(board: &BoardConfig, ws: &[Workload], weights: &[f64], rounds: usize) -> f64 {
+    let n = ws.len();
+    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut done = vec![0usize; n];
+    let mut last = vec![0f64; n];
+    for (i, w) in ws.iter().enumerate() {
+        sim.add(Request { tenant: i, arrival: 0.0, program: &w.p11 }, 0.0);
+    }
+    while done.iter().any(|d| *d < rounds) {
+        let finished = sim.step();
+        if finished.is_empty() {
+            break;
+        }
+        for (_, req, r) in finished {
+            let i = req.tenant;
+            if let Ok(t) = r {
+                done[i] += 1;
+                last[i] = t.cycles;
+            }
+            sim.add(Request { tenant: i, arrival: sim.now(), program: &ws[i].p11 }, 0.0);
+        }
+    }
+    (0..n).map(|i| done[i] as f64 / last[i].max(1.0) / weights[i]).fold(f64::INFINITY, f64::min)
+}
+
+/// The same for the PREMA-like core: one request after another, so the
+/// scale at which the weighted mix of whole-core times fills it.
+fn saturation_prema(ws: &[Workload], weights: &[f64]) -> f64 {
+    1.0 / ws.iter().zip(weights).map(|(w, x)| w.t44 * x).sum::<f64>()
+}
+
+struct Args {
+    tenants: Vec<(String, u32)>,
+    sla_ms: Option<Vec<f64>>,
+    priorities: Option<Vec<u8>>,
+    loads: Vec<f64>,
+    seconds: f64,
+    seed: u64,
+    qos: f64,
+    margin: f64,
+    prema_kill: bool,
+    equal_mix: bool,
+    task_us: f64,
+    tolerance: f64,
+    json: Option<String>,
+    svg: Option<String>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        tenants: MIX.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
+        sla_ms: None,
+        priorities: None,
+        loads: (1..=10).map(|i| f64::from(i) / 10.0).collect(),
+        seconds: 0.5,
+        seed: 1,
+        qos: 10.0,
+        margin: 0.0,
+        prema_kill: true,
+        equal_mix: false,
+        task_us: 25.0,
+        tolerance: 0.05,
+        json: None,
+        svg: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--load" => a.loads = loads(it.next(), 4.0)?,
+            "--seconds" => a.seconds = positive("--seconds", it.next())?.min(60.0),
+            "--seed" => a.seed = seed(it.next())?,
+            "--qos" => a.qos = positive("--qos", it.next())?,
+            "--tenants" => a.tenants = tenants(it.next())?,
+            "--sla-ms" => {
+                let v = it.next().ok_or("--sla-ms needs a list of milliseconds")?;
+                let ms = v.split(',').map(|x| positive("--sla-ms", Some(x.trim().to_string())));
+                a.sla_ms = Some(ms.collect::<Result<Vec<_>, _>>()?);
+            }
+            "--priority" => {
+                let v = it.next().ok_or("--priority needs a list of priorities, 1 to 12")?;
+                let p = v.split(',').map(|x| match x.trim().parse::<u8>() {
+                    Ok(p) if (1..=12).contains(&p) => Ok(p),
+                    _ => Err(format!("--priority: `{}` is not a priority from 1 to 12", x.trim())),
+                });
+                a.priorities = Some(p.collect::<Result<Vec<_>, _>>()?);
+            }
+            "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
+            "--no-prema-kill" => a.prema_kill = false,
+            "--mix" => {
+                a.equal_mix = match it.next().as_deref() {
+                    Some("balanced") => false,
+                    Some("equal") => true,
+                    Some(v) => return Err(format!("--mix: `{v}` is neither `balanced` nor `equal`")),
+                    None => return Err("--mix needs `balanced` or `equal`".into()),
+                }
+            }
+            "--task-us" => a.task_us = positive("--task-us", it.next())?,
+            "--lend-tolerance" => a.tolerance = in_range("--lend-tolerance", it.next(), 0.0, 10.0)?,
+            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
+            "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    if let Some(ms) = &a.sla_ms {
+        if ms.len() != a.tenants.len() {
+            return Err(format!("--sla-ms gives {} bounds for {} tenants", ms.len(), a.tenants.len()));
+        }
+    }
+    if let Some(p) = &a.priorities {
+        if p.len() != a.tenants.len() {
+            return Err(format!("--priority gives {} priorities for {} tenants", p.len(), a.tenants.len()));
+        }
+    }
+    Ok(a)
+}
+
+/// `--tenants W[:B],...`: 2 to 4 workloads of the library with batch sizes.
+fn tenants(v: Option<String>) -> Result<Vec<(String, u32)>, String> {
+    let v = v.ok_or("--tenants needs a list of workloads")?;
+    let t = v
+        .split(',')
+        .map(|x| {
+            let (w, b) = x.trim().split_once(':').unwrap_or((x.trim(), "1"));
+            let b: u32 = match b.parse() {
+                Ok(b) if (1..=256).contains(&b) => b,
+                _ => return Err(format!("--tenants: batch `{b}` of `{w}` is not 1 to 256")),
+            };
+            if build(w, 1).is_none() {
+                return Err(format!("--tenants: unknown workload `{w}` (see `vnpu workload list`)"));
+            }
+            Ok((w.to_string(), b))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    if !(2..=4).contains(&t.len()) {
+        return Err(format!("--tenants: {} tenants; 2 to 4 fit a core as 1 SA + 1 VU vNPUs", t.len()));
+    }
+    Ok(t)
+}
+
+struct Row {
+    system: &'static str,
+    /// The offered rate as a fraction of this system's saturation.
+    load: f64,
+    throughput: f64,
+    util: f64,
+    avg: f64,
+    p99: f64,
+    fairness: f64,
+    /// Average normalized turnaround time (mean over tenants of average
+    /// latency / isolated whole-core time; lower is better) and system
+    /// throughput (sum over tenants of its inverse; higher is better), as
+    /// PREMA and Planaria define them.
+    antt: f64,
+    stp: f64,
+    switches: u64,
+    kills: u64,
+    sla_rate: f64,
+    /// Every tenant's p99 within its bound.
+    sla_met: bool,
+    tenants_p99: Vec<f64>,
+    failed: u64,
+    tasks: u64,
+    reclaim_waits: u64,
+    /// Seconds.
+    reclaim_max: f64,
+    /// Engine time held beyond guarantees (borrowed from idle neighbours)
+    /// over all engine time.
+    borrowed: f64,
+}
+
+/// A system against the best of the baselines on each metric: throughput
+/// and EU utilization over the highest, p99 of the lowest over its own.
+struct Ratios {
+    throughput: f64,
+    util: f64,
+    p99: f64,
+}
+
+impl Ratios {
+    fn of(us: &Row, base: &[Row]) -> Self {
+        if base.is_empty() {
+            return Self { throughput: f64::NAN, util: f64::NAN, p99: f64::NAN };
+        }
+        // NaN-propagating max / min (a NaN in any row makes the ratio NaN).
+        let best = |f: fn(&Row) -> f64, pick: fn(f64, f64) -> f64, start: f64| {
+            base.iter()
+                .map(f)
+                .fold(start, |a, b| if a.is_nan() || b.is_nan() { f64::NAN } else { pick(a, b) })
+        };
+        let max = |f| best(f, f64::max, f64::NEG_INFINITY);
+        let min = |f| best(f, f64::min, f64::INFINITY);
+        Self {
+            throughput: us.throughput / max(|r| r.throughput),
+            util: us.util / max(|r| r.util),
+            p99: min(|r| r.p99) / us.p99,
+        }
+    }
+}
+
+/// `o` in seconds and ratios; `hz` cycles per second.
+fn summarize(system: &'static str, load: f64, o: &Outcome, ws: &[Workload], eus: f64, hz: f64) -> Row {
+    let done: usize = o.latencies.iter().map(Vec::len).sum();
+    let all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
+    let within: usize =
+        o.latencies.iter().zip(ws).map(|(l, w)| l.iter().filter(|x| **x <= w.sla).count()).sum();
+    let avg = all.iter().sum::<f64>() / all.len().max(1) as f64;
+    // Normalized progress of each tenant that sent requests: isolated time
+    // on the whole core / average time in the shared system.
+    let served: Vec<(f64, f64)> = o
+        .latencies
+        .iter()
+        .zip(ws)
+        .filter(|(l, _)| !l.is_empty())
+        .map(|(l, w)| (w.t44 / (l.iter().sum::<f64>() / l.len() as f64), f64::from(w.priority)))
+        .collect();
+    let np: Vec<f64> = served.iter().map(|x| x.0).collect();
+    // PREMA's fairness: each tenant's progress over its priority's share
+    // of all priorities (PP), the least PP over the greatest (1: every
+    // tenant progresses in proportion to its priority).
+    let total: f64 = served.iter().map(|x| x.1).sum();
+    let pp: Vec<f64> = served.iter().map(|(np, p)| np * total / p).collect();
+    let fairness = pp.iter().copied().fold(f64::INFINITY, f64::min) / pp.iter().copied().fold(0.0, f64::max);
+    let antt = np.iter().map(|x| 1.0 / x).sum::<f64>() / np.len().max(1) as f64;
+    let stp = np.iter().sum::<f64>();
+    let tenants_p99: Vec<f64> = o.latencies.iter().map(|l| p99(l) / hz).collect();
+    let sla_met = o.latencies.iter().zip(ws).all(|(l, w)| p99(l) <= w.sla);
+    Row {
+        system,
+        load,
+        // Every request of the stream served, over the time until the last
+        // one completes: the offered mix served in full, so a policy
+        // cannot look fast by starving long requests (counting only what
+        // completes within the arrival window would reward that).
+        throughput: done as f64 / (o.end / hz),
+        util: o.eu_cycles / (eus * o.end),
+        avg: avg / hz,
+        p99: p99(&all) / hz,
+        fairness,
+        antt,
+        stp,
+        switches: o.switches,
+        kills: o.kills,
+        sla_rate: within as f64 / done.max(1) as f64,
+        sla_met,
+        tenants_p99,
+        failed: o.failed,
+        tasks: o.tasks,
+        reclaim_waits: o.reclaim_waits,
+        reclaim_max: o.reclaim_max / hz,
+        borrowed: o.borrowed_eu_cycles / (eus * o.end),
+    }
+}
+
+fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Result<(Program, f64), String> {
+    let opts = RunOptions {
+        sa,
+        vu: sa,
+        sram_bytes: Some(sram),
+        hbm_bytes: Some(8 << 30),
+        ..RunOptions::timing(w, batch)
+    };
+    let (l, _, _) = lower_workload(board, &opts).map_err(|e| format!("{w}: {e}"))?;
+    let t = run_program(board, &l.program, None, None).map_err(|e| format!("{w}: {e}"))?.cycles;
+    Ok((l.program, t))
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let board = BoardConfig::default();
+    let hz = f64::from(board.clock_mhz) * 1e6;
+    let mut ws = Vec::new();
+    let mut tasks = Vec::new();
+    eprintln!("lowering the workloads, and each operation for every shape of the core ...");
+    for (i, (w, batch)) in args.tenants.iter().enumerate() {
+        let (w, batch) = (w.as_str(), *batch);
+        let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
+        let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
+        let sla = match &args.sla_ms {
+            Some(ms) => ms[i] * 1e-3 * hz,
+            None => args.qos * t44,
+        };
+        let priority = args.priorities.as_ref().map_or(1, |p| p[i]);
+        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla, priority });
+        tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
+    }
+    let how = Lending {
+        task_cycles: args.task_us * f64::from(board.clock_mhz),
+        tolerance: args.tolerance,
+        policy: Policy::Lend,
+    };
+    let planaria = Lending { policy: Policy::Fission, ..how };
+    let v10 = Lending { policy: Policy::Interleave, ..how };
+    let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
+    let wsum: f64 = weights.iter().sum();
+    eprintln!("measuring each system's saturation ...");
+    let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
+    let sat_prema = saturation_prema(&ws, &weights);
+    let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
+    let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
+    let sat_v10 = saturation_lending(&board, &ws, &mut tasks, &weights, 8, v10)?;
+    // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
+    // engine's rate.
+    let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
+    println!(
+        "{} tenants on one core ({} SA + {} VU); Poisson arrivals for {} s, seed {}, {} mix; PREMA context switch {:.1} us; SLA: {}",
+        ws.len(),
+        board.core.sa_count,
+        board.core.vu_count,
+        args.seconds,
+        args.seed,
+        if args.equal_mix { "equal-rate" } else { "balanced" },
+        switch / hz * 1e6,
+        match &args.sla_ms {
+            Some(_) => "each tenant's bound (--sla-ms)".to_string(),
+            None => format!("latency <= {} x isolated whole-core latency", args.qos),
+        }
+    );
+    println!(
+        "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7} {:>8}",
+        "tenant", "1+1 us", "4+4 us", "4+4 gain", "SLA us", "share", "priority"
+    );
+    for (w, x) in ws.iter().zip(&weights) {
+        println!(
+            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>10.1} {:>6.1}% {:>8}",
+            w.name,
+            w.t11 / hz * 1e6,
+            w.t44 / hz * 1e6,
+            w.t11 / w.t44,
+            w.sla / hz * 1e6,
+            100.0 * x / wsum,
+            w.priority
+        );
+    }
+    println!(
+        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0}, Planaria-like {:.0}, V10-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, 1, {:.2}x, {:.2}x)",
+        sat_vnpu * wsum * hz,
+        sat_wc * wsum * hz,
+        sat_prema * wsum * hz,
+        sat_planaria * wsum * hz,
+        sat_v10 * wsum * hz,
+        sat_vnpu / sat_prema,
+        sat_wc / sat_prema,
+        sat_planaria / sat_prema,
+        sat_v10 / sat_prema
+    );
+    println!(
+        "vNPU-WC: tasks of ~{} us (at least one operation), an idle engine borrowed if it makes a task > {:.0}% faster",
+        args.task_us,
+        100.0 * args.tolerance
+    );
+    // Every load of the list for each system, as rates; sorted.
+    let mut scales: Vec<f64> = args
+        .loads
+        .iter()
+        .flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema, l * sat_planaria, l * sat_v10])
+        .collect();
+    scales.sort_by(f64::total_cmp);
+    scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
+    let eus = f64::from(board.core.sa_count + board.core.vu_count);
+    println!(
+        "\n{:>9} {:<11} {:>6} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8} {:>8}",
+        "offered/s",
+        "system",
+        "load",
+        "req/s",
+        "EU util",
+        "avg us",
+        "p99 us",
+        "fairness",
+        "ANTT",
+        "STP",
+        "in SLA",
+        "switches"
+    );
+    let mut results = Vec::new();
+    for (k, &scale) in scales.iter().enumerate() {
+        eprintln!("rate {}/{} ...", k + 1, scales.len());
+        let mut rng = Rng(args.seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ scale.to_bits());
+        let arrivals: Vec<Vec<f64>> =
+            weights.iter().map(|x| rng.arrivals(1.0 / (scale * x), args.seconds * hz)).collect();
+        let offered = scale * wsum * hz;
+        let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, how)?;
+        let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, planaria)?;
+        let interleave = simulate_lending(&board, &ws, &mut tasks, &arrivals, v10)?;
+        let rows: Vec<Row> = [
+            ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
+            ("vNPU-WC", scale / sat_wc, wc),
+            (
+                "PREMA-ckpt",
+                scale / sat_prema,
+                simulate_prema(
+                    &board,
+                    &ws,
+                    &arrivals,
+                    WholeCore::prema(switch, args.margin, args.prema_kill),
+                ),
+            ),
+            (
+                "PREMA-drain",
+                scale / sat_prema,
+                simulate_prema(&board, &ws, &arrivals, WholeCore::prema(switch, f64::INFINITY, false)),
+            ),
+            ("Planaria", scale / sat_planaria, fission),
+            ("FIFO", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(switch))),
+            ("V10", scale / sat_v10, interleave),
+        ]
+        .iter()
+        .map(|(name, load, o)| summarize(name, *load, o, &ws, eus, hz))
+        .collect();
+        for r in &rows {
+            println!(
+                "{offered:>9.0} {:<11} {:>6.2} {:>9.0} {:>7.1}% {:>10.1} {:>10.1} {:>8.3} {:>8.1} {:>6.2} {:>7.1}% {:>8}{}",
+                r.system,
+                r.load,
+                r.throughput,
+                100.0 * r.util,
+                r.avg * 1e6,
+                r.p99 * 1e6,
+                r.fairness,
+                r.antt,
+                r.stp,
+                100.0 * r.sla_rate,
+                r.switches,
+                if r.kills > 0 { format!("  ({} killed)", r.kills) } else { String::new() }
+                    + &if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
+            );
+        }
+        for wc in [&rows[1], &rows[4], &rows[6]] {
+            println!(
+                "{:>9} {}: {} tasks, {:.1}% of engine time beyond 1+1, {} waits for engines at a boundary, longest {:.1} us",
+                "",
+                wc.system,
+                wc.tasks,
+                100.0 * wc.borrowed,
+                wc.reclaim_waits,
+                wc.reclaim_max * 1e6
+            );
+        }
+        let base = &rows[PREMA];
+        for us in rows.iter().filter(|r| !r.system.starts_with("PREMA")) {
+            let ratios = Ratios::of(us, base);
+            println!(
+                "{:>9} {} / best PREMA-like: throughput {:.2}x, EU utilization {:.2}x, p99 {:.2}x lower",
+                "", us.system, ratios.throughput, ratios.util, ratios.p99
+            );
+        }
+        let n: Vec<usize> = arrivals.iter().map(Vec::len).collect();
+        results.push((offered, n, rows));
+    }
+    // Throughput at the SLA: the highest offered rate at which every
+    // tenant's p99 is within its bound.
+    println!(
+        "\nthroughput at the SLA (highest offered rate above with every tenant's p99 within its bound):"
+    );
+    let mut at_sla = Vec::new();
+    let systems = results.first().map_or(0, |r| r.2.len());
+    let mut best_rps = vec![0.0f64; systems];
+    for s in 0..systems {
+        let best = results.iter().filter(|(_, _, rows)| rows[s].sla_met).max_by(|a, b| a.0.total_cmp(&b.0));
+        let name = results.first().map_or("", |r| r.2[s].system);
+        match best {
+            Some((offered, _, rows)) => {
+                println!(
+                    "  {name:<11} {offered:.0}/s offered (load {:.2}): {:.0} req/s",
+                    rows[s].load, rows[s].throughput
+                );
+                best_rps[s] = rows[s].throughput;
+                at_sla.push(serde_json::json!({"system": name, "offered_rps": offered, "load": rows[s].load,
+                    "throughput_rps": rows[s].throughput}));
+            }
+            None => {
+                println!("  {name:<11} none of the rates");
+                at_sla.push(serde_json::json!({"system": name, "offered_rps": null, "throughput_rps": 0.0}));
+            }
+        }
+    }
+    let base = best_rps[PREMA].iter().copied().fold(0.0, f64::max);
+    if base > 0.0 {
+        for (s, rps) in best_rps.iter().enumerate().filter(|(s, _)| !PREMA.contains(s)) {
+            let name = results.first().map_or("", |r| r.2[s].system);
+            println!("  ratio {name} / best PREMA-like: {:.2}x", rps / base);
+        }
+    }
+    if let Some(path) = &args.svg {
+        let series = |f: fn(&Row) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+            (0..systems)
+                .map(|s| {
+                    let name = results.first().map_or("", |r| r.2[s].system).to_string();
+                    (name, results.iter().map(|(o, _, rows)| (o / 1e3, f(&rows[s]))).collect())
+                })
+                .collect()
+        };
+        let x = "offered rate (thousand requests/s)".to_string();
+        let panels = [
+            Panel {
+                title: "throughput".into(),
+                x_label: x.clone(),
+                y_label: "completed (thousand requests/s)".into(),
+                log_y: false,
+                series: series(|r| r.throughput / 1e3),
+            },
+            Panel {
+                title: "p99 latency (all requests)".into(),
+                x_label: x.clone(),
+                y_label: "p99 latency (us, log)".into(),
+                log_y: true,
+                series: series(|r| r.p99 * 1e6),
+            },
+            Panel {
+                title: "busy-EU utilization".into(),
+                x_label: x,
+                y_label: "active SA+VU time / (8 EUs x time) (%)".into(),
+                log_y: false,
+                series: series(|r| 100.0 * r.util),
+            },
+        ];
+        line_plots(path, &panels)?;
+    }
+    if let Some(path) = &args.json {
+        let sys = |r: &Row| {
+            serde_json::json!({"system": r.system, "load": r.load, "throughput_rps": r.throughput,
+                "eu_utilization": r.util, "avg_latency_s": r.avg, "p99_latency_s": r.p99,
+                "fairness": r.fairness, "antt": r.antt, "stp": r.stp, "context_switches": r.switches, "kills": r.kills, "sla_satisfaction": r.sla_rate,
+                "sla_met": r.sla_met, "tenant_p99_latency_s": r.tenants_p99, "failed": r.failed,
+                "tasks": r.tasks, "reclaim_waits": r.reclaim_waits, "reclaim_max_s": r.reclaim_max,
+                "borrowed_eu_share": r.borrowed})
+        };
+        let v = serde_json::json!({
+            "seconds": args.seconds, "seed": args.seed,
+            "qos_factor": if args.sla_ms.is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
+            "sla_ms": args.sla_ms, "preempt_margin": args.margin, "prema_kill": args.prema_kill,
+            "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
+            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
+                "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz, "V10": sat_v10 * wsum * hz},
+            "task_us": args.task_us, "lend_tolerance": args.tolerance,
+            "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
+                "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
+                "rate_share": x / wsum, "priority": w.priority})).collect::<Vec<_>>(),
+            "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
+                "offered_rps": offered, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
+                "vs_best_baseline": rows.iter().filter(|r| !r.system.starts_with("PREMA")).map(|us| {
+                    let r = Ratios::of(us, &rows[PREMA]);
+                    (us.system.to_string(), serde_json::json!({"throughput_ratio": r.throughput,
+                        "eu_utilization_ratio": r.util, "p99_lower_ratio": r.p99}))
+                }).collect::<serde_json::Map<_, _>>(),
+            })).collect::<Vec<_>>(),
+            "throughput_at_sla": at_sla,
+        });
+        std::fs::write(path, v.to_string()).map_err(|e| format!("cannot write {path}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        fail("sharing-eval", USAGE, &e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use vnpu_abi::{Engine, Instr, ProgramBuilder, UnOp};
+
+    /// `n` exp passes over 1 Mi elements on VU 0: compute only, so times
+    /// add up by hand (each pass the same cycles, nothing shared).
+    fn vu_work(n: usize) -> Program {
+        let mut p = ProgramBuilder::new();
+        for _ in 0..n {
+            p.push(Engine::vu(0), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
+        }
+        p.finish()
+    }
+
+    fn workload(board: &BoardConfig, name: &str, n11: usize, n44: usize) -> Workload {
+        let (p11, p44) = (vu_work(n11), vu_work(n44));
+        let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
+        let t44 = t(&p44);
+        Workload { name: name.into(), t11: t(&p11), t44, sla: 10.0 * t44, p11, p44, priority: 1 }
+    }
+
+    #[test]
+    fn each_vnpu_serves_its_tenants_requests_in_order_beside_the_others() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "a", 4, 1), workload(&board, "b", 8, 2)];
+        let pass = ws[0].t11 / 4.0;
+        // a: two requests at 0 (the second queues behind the first), one
+        // long after; b: one at 0, running beside a's on its own VU.
+        let o = simulate_vnpu(&board, &ws, &[vec![0.0, 0.0, 100.0 * pass], vec![0.0]]);
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        let (a, b) = (&o.latencies[0], &o.latencies[1]);
+        assert!(close(a[0], 4.0 * pass) && close(a[1], 8.0 * pass) && close(a[2], 4.0 * pass), "{a:?}");
+        assert!(close(b[0], 8.0 * pass), "{b:?}");
+        assert!(close(o.end, 104.0 * pass), "{}", o.end);
+        assert_eq!((o.switches, o.failed), (0, 0));
+    }
+
+    #[test]
+    fn the_prema_core_runs_one_request_at_a_time_and_a_short_one_preempts_a_long_one() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
+        let pass = ws[1].t44;
+        // No preemption between equals: two long requests at 0 run one
+        // after the other on the whole core.
+        let o =
+            simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], WholeCore::prema(10.0 * pass, 0.0, false));
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
+        assert_eq!(o.switches, 0);
+        // Normalized progress of "long": 400 passes alone / 600 on average;
+        // "short" sent nothing and does not count.
+        let r = summarize("PREMA", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(
+            close(r.antt, 1.5) && close(r.stp, 2.0 / 3.0) && close(r.fairness, 1.0),
+            "{} {}",
+            r.antt,
+            r.stp
+        );
+        // A short request arriving mid-way has more tokens at once (its
+        // isolated time is 400 times shorter): the long one stops at the
+        // end of its current pass, is checkpointed (5 passes), the short
+        // one runs (1 pass), the long one is restored (5 passes) and ends.
+        let switch = 10.0 * pass;
+        let o = simulate_prema(
+            &board,
+            &ws,
+            &[vec![0.0], vec![100.5 * pass]],
+            WholeCore::prema(switch, 0.0, false),
+        );
+        assert_eq!(o.switches, 1);
+        // Tokens overtake a moment after the arrival; the long one drains
+        // the pass it is in (until 101 passes).
+        let short = o.latencies[1][0];
+        assert!(close(short, (101.0 + 5.0 + 1.0 - 100.5) * pass), "short: {short} vs pass {pass}");
+        assert!(close(o.latencies[0][0], (400.0 + 11.0) * pass), "long: {}", o.latencies[0][0]);
+        assert!(close(o.eu_cycles, 401.0 * pass), "{} vs {}", o.eu_cycles, 401.0 * pass);
+        // With KILL the same stream checkpoints as before (the long one
+        // had run 101 passes, more than a switch), but a short request
+        // arriving 3.5 passes in kills it: it drains its pass (until 4),
+        // the short one runs (1 pass), the long one starts again from
+        // scratch (400 passes; no checkpoint, no restore); the 4 passes it
+        // lost still count as busy engine time.
+        let o = simulate_prema(
+            &board,
+            &ws,
+            &[vec![0.0], vec![100.5 * pass]],
+            WholeCore::prema(switch, 0.0, true),
+        );
+        assert_eq!((o.switches, o.kills), (1, 0));
+        let o =
+            simulate_prema(&board, &ws, &[vec![0.0], vec![3.5 * pass]], WholeCore::prema(switch, 0.0, true));
+        assert_eq!((o.switches, o.kills), (0, 1));
+        let short = o.latencies[1][0];
+        assert!(close(short, (4.0 + 1.0 - 3.5) * pass), "short: {short} vs pass {pass}");
+        assert!(close(o.latencies[0][0], (4.0 + 1.0 + 400.0) * pass), "long: {}", o.latencies[0][0]);
+        assert!(close(o.eu_cycles, 405.0 * pass), "{} vs {}", o.eu_cycles, 405.0 * pass);
+    }
+
+    #[test]
+    fn fifo_serves_the_oldest_request_first_and_never_preempts() {
+        let board = BoardConfig::default();
+        let ws = [
+            workload(&board, "long", 100, 100),
+            workload(&board, "mid", 4, 4),
+            workload(&board, "short", 1, 1),
+        ];
+        let pass = ws[2].t44;
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        // The long request runs to its end although the short one has
+        // more tokens long before; then "mid" (arrived first), then "short".
+        let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.5 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(10.0 * pass));
+        let l = |i: usize| o.latencies[i][0] / pass;
+        assert!(close(l(0), 100.0) && close(l(1), 94.0) && close(l(2), 94.5), "{} {} {}", l(0), l(1), l(2));
+        assert_eq!((o.switches, o.kills), (0, 0));
+        // PREMA on the same stream preempts the long one for the short one.
+        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::prema(10.0 * pass, 0.0, false));
+        assert!(o.switches > 0);
+    }
+
+    #[test]
+    fn prema_tokens_grow_with_the_tenants_priority() {
+        let board = BoardConfig::default();
+        let mut ws = [
+            workload(&board, "long", 100, 100),
+            workload(&board, "mid", 4, 4),
+            workload(&board, "short", 1, 1),
+        ];
+        let pass = ws[2].t44;
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        let drain = WholeCore::prema(10.0 * pass, f64::INFINITY, false);
+        // "mid" and "short" arrive together while "long" runs; when it ends
+        // (100 passes) they have waited 90 passes: tokens 90 / 4 and 90 / 1
+        // at equal priorities, so "short" runs first.
+        let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.0 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, drain);
+        let l = |o: &Outcome, i: usize| o.latencies[i][0] / pass;
+        assert!(close(l(&o, 2), 91.0) && close(l(&o, 1), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        // At priority 9, "mid" has 9 x 90 / 4 = 202.5 tokens: it goes first.
+        ws[1].priority = 9;
+        let o = simulate_prema(&board, &ws, &arrivals, drain);
+        assert!(close(l(&o, 1), 94.0) && close(l(&o, 2), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        // Preemption: a short request (priority 1) arriving at 100.5 passes
+        // into a 400-pass one overtakes it at once at equal priorities
+        // (it drains its pass until 101). At priority 12 the long one's
+        // tokens grow at 12 / 400 per pass: the short one's 1 per pass
+        // overtake them at 100.5 / (1 - 0.03) = 103.6 passes, the long one
+        // drains until 104, then checkpoint (5), short (1).
+        let mut ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
+        let ckpt = WholeCore::prema(10.0 * pass, 0.0, false);
+        let arrivals = [vec![0.0], vec![100.5 * pass]];
+        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        assert!(close(l(&o, 1), 101.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
+        ws[0].priority = 12;
+        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        assert!(close(l(&o, 1), 104.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
+        assert!(close(l(&o, 0), 400.0 + 11.0), "{}", l(&o, 0));
+    }
+
+    #[test]
+    fn fairness_weighs_each_tenants_progress_by_its_priority() {
+        let board = BoardConfig::default();
+        let mut ws = [workload(&board, "a", 1, 1), workload(&board, "b", 1, 1)];
+        let t = ws[0].t44;
+        // Normalized progress 1/2 and 1/4.
+        let o = Outcome {
+            latencies: vec![vec![2.0 * t], vec![3.0 * t, 5.0 * t]],
+            end: 10.0 * t,
+            ..Outcome::new(2)
+        };
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 0.5), "{}", r.fairness);
+        // Priorities 1 and 3: shares 1/4 and 3/4, so PP = 0.5 / 0.25 = 2
+        // and 0.25 / 0.75 = 1/3; fairness 1/6. ANTT and STP do not weigh.
+        ws[1].priority = 3;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 1.0 / 6.0), "{}", r.fairness);
+        assert!(close(r.antt, 3.0) && close(r.stp, 0.75), "{} {}", r.antt, r.stp);
+        // b at priority 1/2 of a's would make both equal: fairness 1.
+        ws[0].priority = 6;
+        let r = summarize("x", 0.5, &o, &ws, 8.0, 1.0);
+        assert!(close(r.fairness, 1.0), "{}", r.fairness);
+    }
+
+    #[test]
+    fn saturation_is_where_the_busiest_vnpu_or_the_whole_core_is_always_busy() {
+        let board = BoardConfig::default();
+        let ws = [workload(&board, "a", 2, 1), workload(&board, "b", 8, 4)];
+        let w = [1.0, 1.0];
+        // vNPU: b's vNPU saturates first at 1 / t11(b) per cycle.
+        let s = saturation_vnpu(&board, &ws, &w, 20);
+        assert!((s * ws[1].t11 - 1.0).abs() < 1e-6, "{s} vs {}", 1.0 / ws[1].t11);
+        // PREMA-like: one of each per t44(a) + t44(b).
+        let p = saturation_prema(&ws, &w);
+        assert!((p * (ws[0].t44 + ws[1].t44) - 1.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,227 @@
+//! Mapping evaluation: a generated stream of 10,000 vNPU requests
+//! over 1,000 default boards, placed by this manager's policy (best fit on
+//! execution units, balanced against SRAM, over the whole cluster), by
+//! first fit, and by whole-core allocation (each vNPU gets a physical core
+//! to itself, as pass-through at core granularity). Prints EU and SRAM
+//! utilization, rejected requests and decision time per request.
+//!
+//! With `--churn`, vNPUs also leave: each lives for an exponentially
+//! distributed number of arrivals (mean `--lifetime`, by default what
+//! offers the cluster 100% of its EUs), and utilization and rejections are
+//! averaged over the arrivals after the first quarter (warm-up).
+//!
+//! `cargo run --release -p placement-eval --bin mapping-eval [-- --seed N --requests N --boards N --churn --lifetime L]`
+
+use std::time::Instant;
+
+use npu_model::BoardConfig;
+use vnpu_placement::Board;
+use vnpu_spec::Shape;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Exponentially distributed with mean `mean`.
+    fn exp(&mut self, mean: f64) -> f64 {
+        let u = ((self.next() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        -mean * u.ln()
+    }
+}
+
+/// A request mix: named types, SA-heavy and VU-heavy shapes from the
+/// workload profiles, and memory-heavy ones.
+fn request(r: &mut Rng) -> Shape {
+    let mib = |m: u64| m << 20;
+    let (sa, vu, sram, hbm) = match r.below(10) {
+        0..=2 => (1, 1, mib(4), 1 << 30), // small
+        3 => (2, 2, mib(16), 4 << 30),    // medium
+        4 => (4, 4, mib(32), 8 << 30),    // large
+        5 | 6 => (1 + r.below(3) as u32, 1, mib(2 + 2 * r.below(4)), 1 << 30), // SA-heavy (BERT, ResNet)
+        7 => (1, 1 + r.below(3) as u32, mib(2 + 2 * r.below(2)), 2 << 30), // VU-heavy (DLRM)
+        _ => (1, 1, mib(16 + 4 * r.below(4)), 4 << 30), // memory-heavy
+    };
+    Shape {
+        chips: 1,
+        cores_per_chip: 1,
+        sa_per_core: sa,
+        vu_per_core: vu,
+        sram_per_core: sram,
+        hbm_per_core: hbm,
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Policy {
+    Ours,
+    FirstFit,
+    WholeCore,
+}
+
+/// Where `policy` puts `s` on the cluster: (board, core).
+fn spot(policy: Policy, bs: &[Board], s: &Shape) -> Option<(usize, usize)> {
+    match policy {
+        Policy::Ours => bs
+            .iter()
+            .enumerate()
+            .filter_map(|(b, board)| board.best_core(s).map(|(c, score)| (b, c, score)))
+            .min_by_key(|x| x.2)
+            .map(|(b, c, _)| (b, c)),
+        Policy::FirstFit => bs
+            .iter()
+            .enumerate()
+            .find_map(|(b, board)| (0..board.cores.len()).find(|&c| board.fits(c, s)).map(|c| (b, c))),
+        Policy::WholeCore => bs.iter().enumerate().find_map(|(b, board)| {
+            (0..board.cores.len())
+                .find(|&c| board.cores[c].sa + board.cores[c].vu == 0 && board.fits(c, s))
+                .map(|c| (b, c))
+        }),
+    }
+}
+
+/// What a placed vNPU occupies: its shape, or the whole core.
+fn taken(policy: Policy, s: &Shape, cfg: &BoardConfig) -> Shape {
+    if policy == Policy::WholeCore {
+        Shape {
+            sa_per_core: cfg.core.sa_count,
+            vu_per_core: cfg.core.vu_count,
+            sram_per_core: cfg.sram_bytes(),
+            ..*s
+        }
+    } else {
+        *s
+    }
+}
+
+/// EU utilization, SRAM utilization (both counting what accepted tenants
+/// asked for, over the whole cluster), rejected requests, seconds per
+/// decision. With `lifetimes`, request `i` arrives at time `i` and leaves
+/// at `i + lifetimes[i]`; utilization is then averaged over the arrivals
+/// after the first quarter and `rejected` counts only those.
+fn run(
+    policy: Policy,
+    reqs: &[Shape],
+    lifetimes: Option<&[f64]>,
+    boards: usize,
+    cfg: &BoardConfig,
+) -> (f64, f64, usize, f64) {
+    let mut bs: Vec<Board> = (0..boards).map(|_| Board::new(cfg)).collect();
+    let cores = (boards as u64) * u64::from(cfg.chips * cfg.cores_per_chip);
+    let eu_total = (cores * u64::from(cfg.core.sa_count + cfg.core.vu_count)) as f64;
+    let sram_total = (cores * cfg.sram_bytes()) as f64;
+    let (mut rejected, mut eus, mut sram) = (0usize, 0u64, 0u64);
+    // Departures: (time, board, core, request index), earliest last.
+    let mut leaving: Vec<(f64, usize, usize, usize)> = Vec::new();
+    let warm = reqs.len() / 4;
+    let (mut eu_avg, mut sram_avg, mut samples) = (0.0, 0.0, 0usize);
+    let t0 = Instant::now();
+    for (i, s) in reqs.iter().enumerate() {
+        let now = i as f64;
+        while leaving.last().is_some_and(|l| l.0 <= now) {
+            if let Some((_, b, c, k)) = leaving.pop() {
+                bs[b].release(&taken(policy, &reqs[k], cfg), &[c as u32]);
+                eus -= u64::from(reqs[k].sa_per_core + reqs[k].vu_per_core);
+                sram -= reqs[k].sram_per_core;
+            }
+        }
+        match spot(policy, &bs, s) {
+            Some((b, c)) => {
+                eus += u64::from(s.sa_per_core + s.vu_per_core);
+                sram += s.sram_per_core;
+                bs[b].occupy(&taken(policy, s, cfg), &[c as u32]);
+                if let Some(l) = lifetimes {
+                    let end = now + l.get(i).copied().unwrap_or(f64::INFINITY);
+                    let at = leaving.partition_point(|x| x.0 > end);
+                    leaving.insert(at, (end, b, c, i));
+                }
+            }
+            None if lifetimes.is_none() || i >= warm => rejected += 1,
+            None => {}
+        }
+        if lifetimes.is_some() && i >= warm {
+            eu_avg += eus as f64 / eu_total;
+            sram_avg += sram as f64 / sram_total;
+            samples += 1;
+        }
+    }
+    let per_req = t0.elapsed().as_secs_f64() / reqs.len() as f64;
+    if lifetimes.is_some() {
+        let n = samples.max(1) as f64;
+        return (eu_avg / n, sram_avg / n, rejected, per_req);
+    }
+    (eus as f64 / eu_total, sram as f64 / sram_total, rejected, per_req)
+}
+
+fn main() {
+    const USAGE: &str = "usage: mapping-eval [--seed N] [--requests N] [--boards N] [--churn [--lifetime L]]";
+    let mut args = std::env::args().skip(1);
+    let (mut seed, mut n, mut boards, mut churn, mut lifetime) = (1u64, None, 1_000usize, false, None);
+    while let Some(a) = args.next() {
+        if a == "--churn" {
+            churn = true;
+            continue;
+        }
+        if a == "-h" || a == "--help" {
+            println!("{USAGE}");
+            return;
+        }
+        let v = args.next().and_then(|v| v.parse::<u64>().ok()).filter(|v| *v > 0);
+        match (a.as_str(), v) {
+            ("--seed", Some(v)) => seed = v,
+            ("--requests", Some(v)) => n = Some(v as usize),
+            ("--boards", Some(v)) => boards = v as usize,
+            ("--lifetime", Some(v)) => lifetime = Some(v as f64),
+            _ => {
+                eprintln!("{USAGE}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let n = n.unwrap_or(if churn { 40_000 } else { 10_000 });
+    let cfg = BoardConfig::default();
+    let mut r = Rng(seed.max(1) * 0x9e37_79b9_7f4a_7c15);
+    let reqs: Vec<Shape> = (0..n).map(|_| request(&mut r)).collect();
+    let demand: u64 = reqs.iter().map(|s| u64::from(s.sa_per_core + s.vu_per_core)).sum();
+    let cluster_eus =
+        boards as f64 * f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
+    // By default each vNPU stays as long as it takes for the arrivals to
+    // offer the whole cluster's EUs.
+    let mean_life = lifetime.unwrap_or(cluster_eus / (demand as f64 / n as f64));
+    let lifetimes: Option<Vec<f64>> = churn.then(|| (0..n).map(|_| r.exp(mean_life)).collect());
+    println!(
+        "{n} requests ({demand} EUs asked) over {boards} boards of {} cores x {} EUs (seed {seed}){}",
+        cfg.chips * cfg.cores_per_chip,
+        cfg.core.sa_count + cfg.core.vu_count,
+        if churn {
+            format!(
+                "; vNPUs leave after {mean_life:.0} arrivals on average, averages over the last {}",
+                n - n / 4
+            )
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "{:<12} {:>10} {:>10} {:>10} {:>14}",
+        "policy", "EU util", "SRAM util", "rejected", "decision us"
+    );
+    for p in [Policy::Ours, Policy::FirstFit, Policy::WholeCore] {
+        let (eu, mem, rej, t) = run(p, &reqs, lifetimes.as_deref(), boards, &cfg);
+        println!(
+            "{:<12} {:>9.1}% {:>9.1}% {:>10} {:>14.2}",
+            format!("{p:?}"),
+            100.0 * eu,
+            100.0 * mem,
+            rej,
+            t * 1e6
+        );
+    }
+}

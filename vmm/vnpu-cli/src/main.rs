@@ -1,0 +1,890 @@
+//! `vnpu`: the command-line front end. See `docs/cli.md`.
+
+mod demo;
+mod manage;
+mod model;
+mod profile;
+mod scenario;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use npu_model::BoardConfig;
+use npu_workloads::{run_workload, RunOptions, RunReport, WORKLOADS};
+use vnpu_manager::{Instance, Outcome, Request};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "vnpu",
+    version,
+    about = "Virtual NPUs: KVM guests with vNPU PCI devices backed by a software NPU model, and its workloads"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The default Linux command line: console on COM1, reboot through the
+/// i8042 (which ends the VM), no ACPI tables to look for.
+const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 acpi=off";
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Boot a VM on /dev/kvm with a bare-metal 64-bit ELF guest or a Linux kernel.
+    ///
+    /// The guest's serial console (COM1) goes to stdout; vnpu exits with the
+    /// code the guest writes to the exit port (docs/guest-boot.md), or 0 when
+    /// a Linux guest reboots (docs/linux-guests.md). Each --vnpu becomes a
+    /// vNPU PCI function (docs/device-interface.md).
+    #[command(group(clap::ArgGroup::new("image").required(true).args(["guest", "kernel"])))]
+    Run {
+        /// The guest ELF (e.g. guest-images/target/x86_64-unknown-none/release/hello).
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// A Linux kernel to boot instead (bzImage, e.g. Debian's
+        /// /boot/vmlinuz-*, or an ELF vmlinux), by the 64-bit boot protocol.
+        #[arg(long, conflicts_with = "guest")]
+        kernel: Option<PathBuf>,
+        /// The Linux guest's initramfs (with --kernel).
+        #[arg(long, requires = "kernel", conflicts_with = "guest")]
+        initrd: Option<PathBuf>,
+        /// The Linux kernel command line (with --kernel).
+        #[arg(long, requires = "kernel", conflicts_with = "guest", default_value = DEFAULT_CMDLINE)]
+        cmdline: String,
+        /// Guest memory, 2M to 1G for an ELF guest, to 3G for a Linux kernel (e.g. 256M).
+        #[arg(long, default_value = "256M", value_parser = vnpu_spec::parse_size)]
+        memory: u64,
+        /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`,
+        /// `type=small|medium|large`, `uuid=UUID` of a started instance
+        /// (`vnpu create` / `vnpu start`; docs/management.md; attached
+        /// through the board daemon when `vnpu daemon` serves it at
+        /// STATE_DIR/sockets/UUID.sock, else in-process), or
+        /// `socket=PATH` of a vfio-user socket (docs/vfio-user.md).
+        /// Each becomes a PCI function (daemon-served ones after the others).
+        #[arg(long = "vnpu", value_parser = parse_vnpu_arg)]
+        vnpus: Vec<VnpuArg>,
+        /// State directory of the vNPU manager, for `--vnpu uuid=...`
+        /// (default: $VNPU_STATE_DIR, else ~/.local/state/vnpu).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// Board config file (TOML, docs/board-config.md); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+        /// After serving requests, each vNPU worker keeps polling its ring
+        /// this many microseconds (doorbells suppressed) before sleeping;
+        /// 0 = never poll (lowest host CPU use, higher latency).
+        #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
+        poll_us: u64,
+    },
+    /// The demo: boot the digits guest with a vNPU and classify
+    /// scikit-learn's held-out handwritten digits on it.
+    ///
+    /// Prints `accuracy vnpu=<x> cpu=<y>` for an MLP and a CNN (the guest
+    /// also classifies every image on its CPU with the same weights), the
+    /// latency per image seen in the guest, the vNPU's counters, and the
+    /// throughput of the whole VM path against the same programs run
+    /// in-process on the NPU model. Needs /dev/kvm and the guests built
+    /// (`bash scripts/build-guests.sh`).
+    Demo {
+        /// The digits guest ELF (default: the one build-guests.sh builds).
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// The vNPU to give the VM (needs at least 3 MiB of SRAM).
+        #[arg(long = "vnpu", default_value = "type=small", value_parser = parse_vnpu)]
+        vnpu: vnpu_spec::VnpuSpec,
+        /// Board config file (TOML); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+    },
+    /// Compile an ONNX model for a vNPU shape (docs/model-format.md).
+    ///
+    /// Reads MODEL.onnx, fixes its shapes (free leading dimensions = --batch,
+    /// others from --shape), folds constants, fuses biases and activations
+    /// into matrix products, lowers the rest with the workload library's
+    /// tiled lowering for one core of the --vnpu shape, checks both programs
+    /// with the hypervisor's verifier and writes one file: programs,
+    /// weights, input and output names and shapes. An unsupported operator
+    /// or attribute is refused with the node's name, op type and reason; a
+    /// model that does not fit the vNPU's SRAM/HBM with what does not fit.
+    Compile {
+        /// The ONNX model.
+        model: PathBuf,
+        /// The vNPU to compile for (one core of it): `sa=N,vu=M,sram=SIZE,hbm=SIZE` or `type=...`.
+        #[arg(long = "vnpu", default_value = "sa=1,vu=1,sram=8M,hbm=512M", value_parser = parse_vnpu)]
+        vnpu: vnpu_spec::VnpuSpec,
+        /// Samples per request: the value of every free leading dimension.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Element type of the SA operands: `f32`, or `bf16` (weights of
+        /// matrix products and convolutions stored as bf16, half the bytes;
+        /// activations rounded to bf16 by a VU before each product; f32
+        /// accumulation; error bound in docs/model-format.md).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// A static shape for an input, `NAME=D0,D1,...` (repeatable).
+        #[arg(long = "shape", value_parser = model::parse_shape)]
+        shapes: Vec<(String, Vec<usize>)>,
+        /// Compile only these outputs (repeatable; default: all of the
+        /// model's). scikit-learn classifiers: `--output probabilities`.
+        #[arg(long = "output")]
+        outputs: Vec<String>,
+        /// Board config file (TOML): the SA size the lowering tiles for.
+        #[arg(long)]
+        board: Option<PathBuf>,
+        /// The compiled model to write.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+    },
+    /// Run a compiled model in a VM: the runner guest runs it on its vNPU
+    /// through the driver (docs/inference-guests.md).
+    ///
+    /// The inputs (NumPy .npy, f32/f64/int) must have the model's shape, or
+    /// a leading dimension that is a multiple of the compiled batch (one
+    /// request per batch). Prints the latency per batch (guest wall time and
+    /// simulated NPU time, min/median/max), the SA/VU counters, and the
+    /// top-k of each output row; --output writes the outputs as .npy.
+    Infer {
+        /// The compiled model (`vnpu compile`).
+        model: PathBuf,
+        /// An input .npy, `FILE` or `NAME=FILE`, in the model's input order (repeatable).
+        #[arg(long = "input", required = true)]
+        inputs: Vec<String>,
+        /// The vNPU to give the VM (default: exactly the shape compiled for).
+        #[arg(long = "vnpu", value_parser = parse_vnpu)]
+        vnpu: Option<vnpu_spec::VnpuSpec>,
+        /// Write the output to this .npy (several outputs: FILE.<i>.<name>.npy).
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Print the k largest entries of each output row (0: none).
+        #[arg(long, default_value_t = 5)]
+        top: usize,
+        /// Rows to print the top-k of.
+        #[arg(long, default_value_t = 5)]
+        show: usize,
+        /// Run on the NPU model in this process instead of in a VM.
+        #[arg(long)]
+        in_process: bool,
+        /// The runner guest ELF (default: the one build-guests.sh builds).
+        #[arg(long)]
+        guest: Option<PathBuf>,
+        /// Board config file (TOML); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+    },
+    /// Check a program file offline with the hypervisor's static verifier.
+    ///
+    /// Decodes FILE (the program container of docs/isa.md, as written by
+    /// `vnpu workload lower`) and checks every instruction against one core
+    /// of the vNPU SPEC and a guest of --memory bytes, exactly as the vNPU
+    /// does before running a request. Prints `accepted` and exits 0, or
+    /// prints the stream, instruction index and reason and exits 1.
+    Verify {
+        /// The program file.
+        file: PathBuf,
+        /// The vNPU to check against (`type=...` or `sa=N,vu=M,sram=SIZE,hbm=SIZE`).
+        #[arg(long = "vnpu", value_parser = parse_vnpu)]
+        vnpu: vnpu_spec::VnpuSpec,
+        /// Guest RAM the program may DMA to and from (from address 0).
+        #[arg(long, default_value = "256M", value_parser = vnpu_spec::parse_size)]
+        memory: u64,
+    },
+    /// Profile a workload on 1 SA + 1 VU and size a vNPU for it.
+    ///
+    /// Reports x (SA-active time), y (VU-active time), a = x/y and the
+    /// SA:VU ratio k = sqrt(a) that maximizes utilization; for each EU
+    /// count of one core the shape closest to k with its predicted (Eq. 1)
+    /// and measured speedup; and the smallest shape whose simulated time
+    /// meets --slo-ms (1 SA + 1 VU without an SLO). Exit 1 when no shape
+    /// meets the SLO.
+    Profile {
+        /// Workload name (see `vnpu workload list`).
+        name: String,
+        /// Batch size.
+        #[arg(long, default_value_t = 1)]
+        batch: u32,
+        /// Latency target in milliseconds of simulated time.
+        #[arg(long)]
+        slo_ms: Option<f64>,
+        /// One JSON object instead of a table (keys x, y, a, k, sa, vu, ...).
+        #[arg(long)]
+        json: bool,
+        /// Board config file (TOML); default: the built-in board.
+        #[arg(long)]
+        board: Option<PathBuf>,
+    },
+    /// Run the board daemon in the foreground (docs/vfio-user.md).
+    ///
+    /// Owns one modelled board (every core's simulation and scheduler)
+    /// and serves each started vNPU instance of the state directory as a
+    /// vfio-user PCI device at SOCKET_DIR/UUID.sock, for a VMM in another
+    /// process (QEMU >= 10.1 `-device vfio-user-pci`, Cloud Hypervisor
+    /// `--user-device`). Follows `vnpu start/stop/remap` as they write the
+    /// state directory. Logs to stderr (RUST_LOG=debug for more). Stops
+    /// cleanly on SIGTERM or SIGINT, removing its sockets.
+    Daemon {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// After serving requests, each vNPU polls its ring this long
+        /// before sleeping (microseconds; 0 = wake by doorbell only).
+        #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
+        poll_us: u64,
+        /// Serve Prometheus metrics at http://ADDR/metrics (e.g.
+        /// 127.0.0.1:9400; port 0 picks a free one, logged at start).
+        /// Per vNPU instance and per physical core: docs/metrics.md.
+        #[arg(long, value_name = "ADDR")]
+        metrics: Option<std::net::SocketAddr>,
+    },
+    /// Run several VMs at once on one modelled board (docs/management.md).
+    ///
+    /// FILE (TOML) lists the VMs: `[[vm]]` with `name`, `guest`, `memory`
+    /// and `vnpu = ["SPEC", ...]`, and optionally `board`. Their vNPUs are
+    /// placed on physical cores; vNPUs on one core share it. Prints each
+    /// VM's output and exit code and, per physical core, the simulated time
+    /// its tenants ran side by side. Exit 0 when every VM exits 0.
+    Scenario {
+        /// The scenario file.
+        file: PathBuf,
+    },
+    /// The named vNPU types of the board and how many more of each fit.
+    Types {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create a transient vNPU instance and start it at once (gone when stopped).
+    Create {
+        #[command(flatten)]
+        shape: manage::ShapeArgs,
+        /// Use this UUID instead of a random one.
+        #[arg(long)]
+        uuid: Option<String>,
+        /// The workload the vNPU will run, NAME or NAME:BATCH (`vnpu
+        /// workload list`): what interference-aware placement prices.
+        #[arg(long)]
+        workload: Option<vnpu_manager::Workload>,
+        #[command(flatten)]
+        qos: manage::QosArgs,
+        #[command(flatten)]
+        placement: manage::PlacementArgs,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Define a persistent vNPU instance (not started).
+    Define {
+        #[command(flatten)]
+        shape: manage::ShapeArgs,
+        /// Use this UUID instead of a random one.
+        #[arg(long)]
+        uuid: Option<String>,
+        /// The workload the vNPU will run, NAME or NAME:BATCH: what
+        /// interference-aware placement prices when it is started.
+        #[arg(long)]
+        workload: Option<vnpu_manager::Workload>,
+        #[command(flatten)]
+        qos: manage::QosArgs,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Start a defined vNPU instance: place it on physical cores.
+    Start {
+        uuid: String,
+        #[command(flatten)]
+        placement: manage::PlacementArgs,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Reshape a vNPU instance for a new workload, on the physical cores it
+    /// already has (its HBM data stays where it is).
+    ///
+    /// Either give the new SA and VU counts per core, or `--workload NAME`:
+    /// the workload is profiled on 1 SA + 1 VU (as `vnpu profile` does) and
+    /// the instance's EUs per core are split by the ratio k = sqrt(x/y)
+    /// that maximizes utilization. Refused, with nothing changed, when the
+    /// new shape does not fit beside the core's other vNPUs
+    /// (docs/management.md).
+    Remap {
+        uuid: String,
+        /// New SAs per core.
+        #[arg(long, conflicts_with = "workload")]
+        sa: Option<u32>,
+        /// New VUs per core.
+        #[arg(long, conflicts_with = "workload")]
+        vu: Option<u32>,
+        /// New SRAM per core (e.g. 8M).
+        #[arg(long, value_parser = vnpu_spec::parse_size)]
+        sram: Option<u64>,
+        /// Split the instance's EUs for this workload (see `vnpu workload list`).
+        #[arg(long)]
+        workload: Option<String>,
+        /// Batch size of --workload.
+        #[arg(long, default_value_t = 1, requires = "workload")]
+        batch: u32,
+        /// Allow up to this many times a core's SAs and VUs (time-shared).
+        #[arg(long)]
+        oversubscribe: Option<u32>,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Stop a vNPU instance: free its cores (a transient one is removed).
+    Stop {
+        uuid: String,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// Remove a vNPU instance, started or not.
+    Remove {
+        uuid: String,
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+    },
+    /// List the vNPU instances, defined and active.
+    List {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// A JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// What each physical core of the running board daemon has done since
+    /// it started: requests, waits, preemptions, the simulated time its
+    /// tenants ran side by side, each tenant's busy time, latency-target
+    /// misses (docs/management.md). Needs `vnpu daemon`.
+    Cores {
+        #[command(flatten)]
+        manage: manage::ManageArgs,
+        /// One JSON object (cycles, the board's clock) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// DNN workloads lowered to vNPU programs and run on the NPU model.
+    Workload {
+        #[command(subcommand)]
+        command: WorkloadCommand,
+    },
+    /// The physical board model.
+    Board {
+        #[command(subcommand)]
+        command: BoardCommand,
+    },
+}
+
+/// The vNPU core a workload is lowered for, and the board it lives on.
+#[derive(clap::Args, Debug)]
+struct VnpuArgs {
+    /// Workload name (see `vnpu workload list`).
+    name: String,
+    /// Systolic arrays of the vNPU core.
+    #[arg(long, default_value_t = 1)]
+    sa: u32,
+    /// Vector units of the vNPU core.
+    #[arg(long, default_value_t = 1)]
+    vu: u32,
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
+    /// SRAM of the vNPU core (e.g. 16M); default: the board's SRAM per core.
+    #[arg(long, value_parser = vnpu_spec::parse_size)]
+    sram: Option<u64>,
+    /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
+    #[arg(long, value_parser = vnpu_spec::parse_size)]
+    hbm: Option<u64>,
+    /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
+    #[arg(long)]
+    board: Option<PathBuf>,
+}
+
+impl VnpuArgs {
+    /// The board and the run options these arguments describe.
+    fn resolve(self, functional: bool, seed: u64) -> Result<(BoardConfig, RunOptions), CliError> {
+        if self.sa == 0 || self.vu == 0 {
+            return Err(CliError::Shape);
+        }
+        if self.batch == 0 {
+            return Err(CliError::Batch);
+        }
+        let b = board(&self.board)?;
+        let o = RunOptions {
+            workload: self.name,
+            batch: self.batch,
+            sa: self.sa,
+            vu: self.vu,
+            sram_bytes: self.sram,
+            hbm_bytes: self.hbm,
+            functional,
+            seed,
+        };
+        Ok((b, o))
+    }
+}
+
+#[derive(Subcommand, Debug)]
+enum WorkloadCommand {
+    /// List the workloads.
+    List,
+    /// Run a workload on one vNPU core and report simulated time, engine
+    /// activity and utilization.
+    ///
+    /// Timing only by default (fast, for sweeps); --functional also computes
+    /// real results on seeded random weights and inputs. Cycles are
+    /// simulated NPU cycles; "wall" figures are host time.
+    Run {
+        #[command(flatten)]
+        vnpu: VnpuArgs,
+        /// Also compute real results on random data.
+        #[arg(long)]
+        functional: bool,
+        /// Seed for the random data of --functional.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lower a workload for one vNPU core and write the program container
+    /// (docs/isa.md) to a file, after verifying it.
+    Lower {
+        #[command(flatten)]
+        vnpu: VnpuArgs,
+        /// Where to write the program.
+        #[arg(short, long)]
+        output: PathBuf,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum BoardCommand {
+    /// Print the built-in default board as TOML (a starting point for --board files).
+    Default,
+    /// Check a board config file and print it back with every field.
+    Check { file: PathBuf },
+}
+
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    #[error(transparent)]
+    Config(#[from] npu_model::config::ConfigError),
+    #[error(transparent)]
+    Run(#[from] npu_workloads::RunError),
+    #[error("--sa and --vu must be at least 1")]
+    Shape,
+    #[error("--batch must be at least 1")]
+    Batch,
+    #[error("{0}")]
+    Json(#[from] serde_json::Error),
+    #[error(transparent)]
+    Vm(#[from] vnpu_vm::VmError),
+    #[error(transparent)]
+    Demo(#[from] demo::DemoError),
+    #[error(transparent)]
+    Model(#[from] model::ModelCmdError),
+    #[error(transparent)]
+    Manage(#[from] vnpu_manager::StoreError),
+    #[error(transparent)]
+    Control(#[from] vnpu_manager::ControlError),
+    #[error(transparent)]
+    Interference(#[from] vnpu_manager::InterferenceError),
+    #[error(transparent)]
+    Scenario(#[from] scenario::ScenarioError),
+    #[error(transparent)]
+    Daemon(#[from] vnpu_daemon::DaemonError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot read {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("cannot write {path}: {source}")]
+    Write { path: String, source: std::io::Error },
+}
+
+/// A `--vnpu` of `vnpu run`: a shape, or a managed instance.
+#[derive(Clone, Debug)]
+enum VnpuArg {
+    Spec(vnpu_spec::VnpuSpec),
+    Uuid(String),
+    /// A vNPU served by a board daemon at this vfio-user socket.
+    Socket(PathBuf),
+}
+
+fn parse_vnpu_arg(s: &str) -> Result<VnpuArg, String> {
+    if let Some(p) = s.trim().strip_prefix("socket=") {
+        return Ok(VnpuArg::Socket(PathBuf::from(p.trim())));
+    }
+    match s.trim().strip_prefix("uuid=") {
+        Some(u) => Ok(VnpuArg::Uuid(u.trim().to_string())),
+        None => parse_vnpu(s).map(VnpuArg::Spec),
+    }
+}
+
+fn parse_vnpu(s: &str) -> Result<vnpu_spec::VnpuSpec, String> {
+    vnpu_spec::VnpuSpec::parse(s).map_err(|e| e.to_string())
+}
+
+fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
+    Ok(match path {
+        Some(p) => BoardConfig::load(p)?,
+        None => BoardConfig::default(),
+    })
+}
+
+fn print_report(r: &RunReport) {
+    println!(
+        "workload      {} (batch {}) on {} SA + {} VU, {} MiB SRAM",
+        r.workload,
+        r.batch,
+        r.sa,
+        r.vu,
+        r.sram_bytes >> 20
+    );
+    println!("program       {} instructions", r.instructions);
+    println!(
+        "simulated     {} cycles = {:.3} ms at {} MHz",
+        r.simulated_cycles,
+        r.simulated_seconds * 1e3,
+        r.clock_mhz
+    );
+    println!("SA active     {} cycles  utilization {:.1}%", r.sa_active_cycles, 100.0 * r.sa_utilization);
+    println!("VU active     {} cycles  utilization {:.1}%", r.vu_active_cycles, 100.0 * r.vu_utilization);
+    println!("DMA active    {} cycles  ({} bytes moved)", r.dma_active_cycles, r.dma_bytes);
+    println!("FLOPS util.   {:.1}% of SA peak", 100.0 * r.flops_utilization);
+    println!(
+        "SA/VU ratio   {:.2} (SA-active / VU-active)",
+        r.sa_active_cycles as f64 / (r.vu_active_cycles.max(1)) as f64
+    );
+    println!("engine        instrs      active       stall        FLOPs        bytes");
+    for e in &r.engines {
+        println!(
+            "{:<8} {:>11} {:>11} {:>11} {:>12} {:>12}",
+            e.engine, e.instructions, e.active_cycles, e.stall_cycles, e.flops, e.bytes
+        );
+    }
+    if let (Some(sum), Some(finite)) = (r.output_checksum, r.output_finite) {
+        println!("output        checksum {sum:.6e}, all finite: {finite}");
+    }
+    println!(
+        "wall          lower {:.3} s, run {:.3} s (host time)",
+        r.wall_lower_seconds, r.wall_run_seconds
+    );
+}
+
+fn run(cli: Cli) -> Result<u8, CliError> {
+    match cli.command {
+        Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
+            let b = board(&path)?;
+            let dir = manage::state_dir(&state_dir);
+            // A started instance that a board daemon serves is attached
+            // through the daemon (docs/vfio-user.md); otherwise in-process.
+            // Each is resolved once, so a socket that appears or goes
+            // meanwhile cannot drop a vNPU.
+            let mut remote_vnpus: Vec<PathBuf> = Vec::new();
+            let vnpus: Vec<VnpuArg> = vnpus
+                .into_iter()
+                .filter_map(|v| {
+                    let socket = match &v {
+                        VnpuArg::Socket(p) => Some(p.clone()),
+                        VnpuArg::Uuid(u) => {
+                            let sockets = vnpu_manager::control::default_socket_dir(&dir);
+                            let p = vnpu_manager::control::instance_socket(&sockets, u);
+                            if !p.exists() {
+                                eprintln!(
+                                    "vnpu: no board daemon serves {u} at {}; its vNPU runs in this process",
+                                    p.display()
+                                );
+                            }
+                            Some(p).filter(|p| p.exists())
+                        }
+                        VnpuArg::Spec(_) => None,
+                    };
+                    match socket {
+                        Some(p) => {
+                            remote_vnpus.push(p);
+                            None
+                        }
+                        None => Some(v),
+                    }
+                })
+                .collect();
+            // Managed in-process instances: (index among the vNPUs, UUID) to follow.
+            let managed: Vec<(usize, String)> = vnpus
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| match v {
+                    VnpuArg::Uuid(u) => Some((i, u.clone())),
+                    _ => None,
+                })
+                .collect();
+            let vnpus = vnpus
+                .into_iter()
+                .filter_map(|v| match v {
+                    VnpuArg::Spec(s) => Some(Ok(s)),
+                    VnpuArg::Uuid(u) => Some(manage::active_spec(&dir, &b, &u).map_err(CliError::Usage)),
+                    VnpuArg::Socket(_) => None,
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let linux = kernel.is_some().then_some(vnpu_vm::LinuxBoot { initrd, cmdline });
+            let cfg = vnpu_vm::VmConfig {
+                memory,
+                // clap requires one of the two.
+                guest: guest.or(kernel).unwrap_or_default(),
+                vnpus,
+                board: b,
+                device: vnpu_device::DeviceOptions {
+                    poll: std::time::Duration::from_micros(poll_us),
+                    ..Default::default()
+                },
+                shared_cores: Vec::new(),
+                name: "vm".into(),
+                linux,
+                remote_vnpus,
+                payload: None,
+            };
+            let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
+            if !managed.is_empty() {
+                let handles = vm.grant_handles();
+                let follow = managed
+                    .into_iter()
+                    .filter_map(|(i, u)| Some((u, handles.get(i)?.clone(), *cfg.vnpus.get(i)?)))
+                    .collect();
+                manage::follow_remaps(dir.clone(), cfg.board.clone(), follow)
+                    .map_err(|e| CliError::Usage(format!("cannot follow remaps: {e}")))?;
+            }
+            // A Linux guest's console takes our standard input.
+            if cfg.linux.is_some() {
+                vm.forward_input(std::io::stdin())
+                    .map_err(|e| CliError::Usage(format!("console input: {e}")))?;
+            }
+            let code = vm.run()?;
+            // Exit codes above 255 are reported and truncated, as a shell would.
+            if code > 255 {
+                eprintln!(
+                    "vnpu: guest exit code {code} does not fit a process exit code; exiting with {}",
+                    code & 0xff
+                );
+            }
+            return Ok((code & 0xff) as u8);
+        }
+        Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
+        Command::Compile { model, vnpu, batch, dtype, shapes, outputs, board: path, out } => {
+            model::compile(&model, &vnpu, &board(&path)?, batch, &dtype, shapes, outputs, &out)?;
+        }
+        Command::Infer { model, inputs, vnpu, output, top, show, in_process, guest, board: path } => {
+            return Ok(model::infer(model::InferArgs {
+                model,
+                inputs,
+                spec: vnpu,
+                board: board(&path)?,
+                guest,
+                output,
+                top,
+                show,
+                in_process,
+            })?);
+        }
+        Command::Verify { file, vnpu, memory } => {
+            let bytes = std::fs::read(&file)
+                .map_err(|source| CliError::Read { path: file.display().to_string(), source })?;
+            let program = match vnpu_abi::Program::decode(&bytes) {
+                Ok(p) => p,
+                Err(e) => {
+                    println!("rejected: {} does not decode: {e}", file.display());
+                    return Ok(1);
+                }
+            };
+            return Ok(
+                match npu_model::verify(&program, &vnpu.limits(std::iter::once(0..memory).collect())) {
+                    Ok(()) => {
+                        println!(
+                            "accepted: {} instructions in {} streams",
+                            program.instruction_count(),
+                            program.streams.len()
+                        );
+                        0
+                    }
+                    Err(e) => {
+                        println!("rejected: {e}");
+                        1
+                    }
+                },
+            );
+        }
+        Command::Profile { name, batch, slo_ms, json, board: path } => {
+            if batch == 0 {
+                return Err(CliError::Batch);
+            }
+            if slo_ms.is_some_and(|s| !(s > 0.0 && s.is_finite())) {
+                return Err(CliError::Usage("--slo-ms must be a positive number of milliseconds".into()));
+            }
+            let b = board(&path)?;
+            return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
+        }
+        Command::Scenario { file } => return Ok(scenario::run(&file)?),
+        Command::Daemon { manage, poll_us, metrics } => {
+            env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+            let state_dir = manage.dir();
+            let opts = vnpu_daemon::DaemonOptions {
+                board: board(&manage.board)?,
+                socket_dir: manage.socket_dir(),
+                state_dir,
+                rescan: std::time::Duration::from_millis(100),
+                device: vnpu_device::DeviceOptions {
+                    poll: std::time::Duration::from_micros(poll_us),
+                    ..Default::default()
+                },
+                metrics,
+            };
+            vnpu_daemon::stop_on_signals();
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let dir = opts.socket_dir.clone();
+            vnpu_daemon::run(&opts, &stop, || eprintln!("vnpu daemon: serving at {}", dir.display()))?;
+            eprintln!("vnpu daemon: stopped");
+        }
+        Command::Types { manage, json } => manage::print(&manage.call(&Request::Types {})?, json),
+        Command::Create { shape, uuid, workload, qos, placement, manage } => {
+            let req = Request::Create {
+                type_name: shape.type_name,
+                spec: shape.spec,
+                uuid,
+                workload,
+                qos: qos.qos(),
+                place: placement.options()?,
+            };
+            println!("{}", created(&manage.call(&req)?)?.uuid);
+        }
+        Command::Define { shape, uuid, workload, qos, manage } => {
+            let req = Request::Define {
+                type_name: shape.type_name,
+                spec: shape.spec,
+                uuid,
+                workload,
+                qos: qos.qos(),
+            };
+            println!("{}", created(&manage.call(&req)?)?.uuid);
+        }
+        Command::Start { uuid, placement, manage } => {
+            let outcome = manage.call(&Request::Start { uuid: uuid.clone(), place: placement.options()? })?;
+            let i = created(&outcome)?;
+            println!("{uuid} started on physical cores {:?}", i.cores);
+        }
+        Command::Remap { uuid, sa, vu, sram, workload, batch, oversubscribe, manage } => {
+            let mut ratio = None;
+            if let Some(name) = &workload {
+                if batch == 0 {
+                    return Err(CliError::Batch);
+                }
+                // Profiled here, on the board this command was given; the
+                // split over the instance's EUs is made where its state is.
+                let r = run_workload(&board(&manage.board)?, &RunOptions::timing(name.clone(), batch))?;
+                let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
+                let k = (x / y).sqrt();
+                println!("{name} batch {batch}: a = x/y = {:.3}, k = sqrt(a) = {k:.3}", x / y);
+                ratio = Some(k);
+            } else if sa.is_none() && vu.is_none() && sram.is_none() {
+                return Err(CliError::Usage("remap needs --sa/--vu/--sram or --workload".into()));
+            }
+            let req = Request::Remap {
+                uuid: uuid.clone(),
+                sa,
+                vu,
+                sram,
+                ratio,
+                workload: workload.map(|name| vnpu_manager::Workload { name, batch }),
+                oversubscribe,
+            };
+            let outcome = manage.call(&req)?;
+            let i = created(&outcome)?;
+            let Outcome::Instance { previous: Some(old), .. } = &outcome else {
+                return Err(CliError::Usage("the remap reply has no previous shape".into()));
+            };
+            println!(
+                "{uuid} remapped from {} SA + {} VU to {} SA + {} VU per core{}",
+                old.sa_per_core,
+                old.vu_per_core,
+                i.shape.sa_per_core,
+                i.shape.vu_per_core,
+                if i.active {
+                    format!(" on physical cores {:?} (its HBM data stays)", i.cores)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        Command::Stop { uuid, manage } => {
+            manage.call(&Request::Stop { uuid })?;
+        }
+        Command::Remove { uuid, manage } => {
+            manage.call(&Request::Remove { uuid })?;
+        }
+        Command::List { manage, json } => manage::print(&manage.call(&Request::List {})?, json),
+        Command::Cores { manage, json } => manage::print(&manage.call(&Request::Cores {})?, json),
+        Command::Workload { command: WorkloadCommand::List } => {
+            for (name, what) in WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS) {
+                println!("{name:<14} {what}");
+            }
+        }
+        Command::Workload { command: WorkloadCommand::Run { vnpu, functional, seed, json } } => {
+            let (b, opts) = vnpu.resolve(functional, seed)?;
+            if functional && !json {
+                eprintln!("running functionally (real arithmetic on random data); this takes longer than timing only");
+            }
+            let r = run_workload(&b, &opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print_report(&r);
+            }
+        }
+        Command::Workload { command: WorkloadCommand::Lower { vnpu, output } } => {
+            let (b, opts) = vnpu.resolve(false, 0)?;
+            let (lowered, _, _) = npu_workloads::lower_workload(&b, &opts)?;
+            let bytes = lowered.program.encode();
+            std::fs::write(&output, &bytes)
+                .map_err(|source| CliError::Write { path: output.display().to_string(), source })?;
+            println!(
+                "wrote {} ({} bytes, {} instructions in {} streams)",
+                output.display(),
+                bytes.len(),
+                lowered.program.instruction_count(),
+                lowered.program.streams.len()
+            );
+        }
+        Command::Board { command: BoardCommand::Default } => print!("{}", BoardConfig::default().to_toml()),
+        Command::Board { command: BoardCommand::Check { file } } => {
+            print!("{}", BoardConfig::load(&file)?.to_toml())
+        }
+    }
+    Ok(0)
+}
+
+/// The instance a define, create, start or remap reply carries.
+fn created(outcome: &Outcome) -> Result<&Instance, CliError> {
+    match outcome {
+        Outcome::Instance { instance, .. } => Ok(instance),
+        other => Err(CliError::Usage(format!("unexpected reply {other:?}"))),
+    }
+}
+
+/// Keeps freed memory in the process (glibc): the NPU model allocates
+/// large scratch buffers per instruction, and handing them back to the
+/// kernel after every request turns each request's first touches into page
+/// faults, which cost microseconds apiece under nested virtualization.
+fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; called before any
+    // other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
+fn main() -> ExitCode {
+    tune_allocator();
+    match run(Cli::parse()) {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("vnpu: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! `vnpu compile` (ONNX -> compiled model) and `vnpu infer` (a VM whose
+//! runner guest runs a compiled model on its vNPU; docs/model-format.md).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use npu_infer_io::npy::Array;
+use npu_infer_io::{append_outputs, batch_input_bytes, gather_inputs, ReportOptions, RunStat};
+use npu_lower::VnpuShape;
+use npu_model::BoardConfig;
+use npu_onnx::host::HostRunner;
+use npu_onnx::{CompileOptions, CompileReport};
+use vnpu_abi::model::{job, Model};
+use vnpu_abi::DType;
+
+/// Where `scripts/build-guests.sh` puts the runner guest.
+pub const DEFAULT_GUEST: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/../../guest-images/target/x86_64-unknown-none/release/infer");
+
+/// Why `vnpu compile` or `vnpu infer` failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelCmdError {
+    #[error("{path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("{path}: {reason}")]
+    Model { path: String, reason: String },
+    #[error(transparent)]
+    Compile(#[from] npu_onnx::CompileError),
+    #[error(transparent)]
+    InferIo(#[from] npu_infer_io::InferIoError),
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Vm(#[from] vnpu_vm::VmError),
+    #[error("the runner guest is not built ({0}); run `bash scripts/build-guests.sh` first")]
+    NoGuest(String),
+    #[error("the runner guest failed (exit code {code}): {message}")]
+    Guest { code: u32, message: String },
+    #[error("in-process run: {0}")]
+    Host(#[from] npu_onnx::host::HostError),
+}
+
+/// The vNPU core a `--vnpu` spec gives (one core: a model runs on one).
+pub fn shape(spec: &vnpu_spec::VnpuSpec, board: &BoardConfig) -> VnpuShape {
+    VnpuShape::on_board(board, spec.sa_per_core, spec.vu_per_core, spec.sram_per_core, spec.hbm_per_core)
+}
+
+/// `NAME=D0,D1,...`.
+pub fn parse_shape(s: &str) -> Result<(String, Vec<usize>), String> {
+    let (name, dims) = s.split_once('=').ok_or(format!("`{s}` is not NAME=D0,D1,..."))?;
+    let dims = dims
+        .split(',')
+        .map(|d| {
+            d.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&d| d > 0)
+                .ok_or(format!("`{d}` in `{s}` is not a positive size"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((name.trim().to_string(), dims))
+}
+
+fn print_report(r: &CompileReport, m: &Model) {
+    let ops: Vec<String> = r.ops.iter().map(|(k, n)| format!("{k} x{n}")).collect();
+    println!(
+        "graph         {} nodes: {} folded at compile time, {} fused, {} free (reshapes, identities)",
+        r.nodes, r.folded, r.fused, r.aliases
+    );
+    println!("vNPU ops      {}", ops.join(", "));
+    println!(
+        "target        batch {} on {} SA + {} VU, {} KiB SRAM; {} MACs per batch, {} SA operands",
+        m.target.batch,
+        m.target.sa,
+        m.target.vu,
+        m.target.sram_bytes >> 10,
+        r.macs,
+        m.target.sa_dtype.name()
+    );
+    println!(
+        "memory        {} bytes of weights, {} bytes of HBM, I/O window {} bytes",
+        r.weight_bytes, r.hbm_bytes, m.window_bytes
+    );
+    println!("programs      load {} instructions, infer {}", r.load_instructions, r.infer_instructions);
+    for (what, list) in [("input", &m.inputs), ("output", &m.outputs)] {
+        for t in list.iter() {
+            println!("{what:<13} {} f32 {:?}", t.name, t.dims);
+        }
+    }
+}
+
+/// `vnpu compile`.
+#[allow(clippy::too_many_arguments)]
+pub fn compile(
+    model: &Path,
+    spec: &vnpu_spec::VnpuSpec,
+    board: &BoardConfig,
+    batch: u32,
+    dtype: &str,
+    shapes: Vec<(String, Vec<usize>)>,
+    outputs: Vec<String>,
+    out: &Path,
+) -> Result<(), ModelCmdError> {
+    let dtype = DType::from_name(dtype)
+        .ok_or_else(|| ModelCmdError::Usage(format!("--dtype {dtype}: expected f32 or bf16")))?;
+    if batch == 0 {
+        return Err(ModelCmdError::Usage("--batch must be at least 1".into()));
+    }
+    let bytes = std::fs::read(model)
+        .map_err(|source| ModelCmdError::Io { path: model.display().to_string(), source })?;
+    let opts = CompileOptions {
+        shape: shape(spec, board),
+        batch,
+        shapes: shapes.into_iter().collect::<HashMap<_, _>>(),
+        outputs: (!outputs.is_empty()).then_some(outputs),
+        dtype,
+    };
+    let c = npu_onnx::compile(&bytes, &opts)?;
+    print_report(&c.report, &c.model);
+    std::fs::write(out, c.model.encode())
+        .map_err(|source| ModelCmdError::Io { path: out.display().to_string(), source })?;
+    println!("wrote         {}", out.display());
+    Ok(())
+}
+
+/// What `vnpu infer` is asked to do.
+#[derive(Debug)]
+pub struct InferArgs {
+    pub model: PathBuf,
+    pub inputs: Vec<String>,
+    pub spec: Option<vnpu_spec::VnpuSpec>,
+    pub board: BoardConfig,
+    pub guest: Option<PathBuf>,
+    pub output: Option<PathBuf>,
+    pub top: usize,
+    pub show: usize,
+    pub in_process: bool,
+}
+
+fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
+    let bytes = std::fs::read(path)
+        .map_err(|source| ModelCmdError::Io { path: path.display().to_string(), source })?;
+    Model::decode(&bytes)
+        .map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })
+}
+
+/// `vnpu infer`: returns the exit code.
+pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
+    let m = read_model(&a.model)?;
+    let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
+    let (outputs, stats, path) = if a.in_process {
+        let mut r = HostRunner::new(&a.board, &m)?;
+        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
+        let mut stats = Vec::new();
+        for run in 0..runs as usize {
+            let parts: Vec<&[f32]> = inputs
+                .iter()
+                .zip(&m.inputs)
+                .map(|(x, t)| {
+                    let n = t.elems().unwrap_or(0) as usize;
+                    &x.data[run * n..(run + 1) * n]
+                })
+                .collect();
+            let t0 = std::time::Instant::now();
+            let (o, rep) = r.infer(&parts)?;
+            let wall_ns = t0.elapsed().as_nanos() as u64;
+            let tot = rep.totals();
+            stats.push(RunStat {
+                wall_ns,
+                cycles: rep.cycles.ceil() as u64,
+                sa_active: tot.sa_active_cycles.round() as u64,
+                vu_active: tot.vu_active_cycles.round() as u64,
+            });
+            for (acc, v) in outs.iter_mut().zip(o) {
+                acc.extend(v);
+            }
+        }
+        (outs, stats, "in-process (NPU model, no VM)")
+    } else {
+        let (o, s) = run_vm(&a, &m, &inputs, runs)?;
+        (o, s, "VM (runner guest, driver, ring, verifier, model, MSI-X)")
+    };
+    let opts = ReportOptions {
+        clock_mhz: a.board.clock_mhz,
+        wall: if a.in_process { "host" } else { "guest" },
+        path,
+        top: a.top,
+        show: a.show,
+        output: a.output.as_deref(),
+    };
+    npu_infer_io::print_report(&m, runs, &outputs, &stats, &opts)?;
+    Ok(0)
+}
+
+fn run_vm(
+    a: &InferArgs,
+    m: &Model,
+    inputs: &[Array],
+    runs: u32,
+) -> Result<(Vec<Vec<f32>>, Vec<RunStat>), ModelCmdError> {
+    let guest = a.guest.clone().unwrap_or_else(|| PathBuf::from(DEFAULT_GUEST));
+    if !guest.exists() {
+        return Err(ModelCmdError::NoGuest(guest.display().to_string()));
+    }
+    let t = m.target;
+    let spec = match a.spec {
+        Some(s) => s,
+        None => vnpu_spec::VnpuSpec::parse(&format!(
+            "sa={},vu={},sram={},hbm={}",
+            t.sa, t.vu, t.sram_bytes, t.hbm_bytes
+        ))
+        .map_err(|e| ModelCmdError::Usage(e.to_string()))?,
+    };
+    // The job: header, model, inputs, outputs, statistics.
+    let model_bytes = m.encode();
+    let in_bytes: usize = inputs.iter().map(|x| x.data.len() * 4).sum();
+    let out_bytes: usize =
+        m.outputs.iter().map(|t| t.bytes().unwrap_or(0) as usize).sum::<usize>() * runs as usize;
+    let stat_bytes = job::STAT_WORDS * 8 * runs as usize;
+    let align = |x: usize| x.next_multiple_of(64);
+    let model_at = job::HEADER_BYTES;
+    let in_at = align(model_at + model_bytes.len());
+    let out_at = align(in_at + in_bytes);
+    let stat_at = align(out_at + out_bytes);
+    let total = stat_at + stat_bytes;
+    let mut p = vec![0u8; total];
+    let h = job::Header {
+        runs,
+        status: job::PENDING,
+        model: (model_at as u64, model_bytes.len() as u64),
+        inputs: (in_at as u64, in_bytes as u64),
+        outputs: (out_at as u64, out_bytes as u64),
+        stats: (stat_at as u64, stat_bytes as u64),
+    };
+    p[..job::HEADER_BYTES].copy_from_slice(&h.encode());
+    p[model_at..model_at + model_bytes.len()].copy_from_slice(&model_bytes);
+    // Interleave per run: each input's batch slice in the model's order.
+    let mut at = in_at;
+    for run in 0..runs as usize {
+        let b = batch_input_bytes(m, inputs, run);
+        p[at..at + b.len()].copy_from_slice(&b);
+        at += b.len();
+    }
+    // Memory: the runtime's 24 MiB, the program copies and window in DMA
+    // memory, the payload on top; at least 64 MiB.
+    let need = (32u64 << 20) + 2 * (m.window_bytes + model_bytes.len() as u64) + total as u64;
+    let memory = need.next_multiple_of(16 << 20).max(64 << 20);
+    if memory > 1 << 30 {
+        return Err(ModelCmdError::Usage(format!(
+            "the job needs {} MiB of guest memory; a bare-metal guest has at most 1 GiB (run fewer batches)",
+            memory >> 20
+        )));
+    }
+    let mut cfg = vnpu_vm::VmConfig::new(memory, guest).vnpus(&[spec]);
+    cfg.board = a.board.clone();
+    cfg.payload = Some(p);
+    let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
+    let code = vm.run()?;
+    let back = vm.read_payload()?.unwrap_or_default();
+    let status =
+        back.get(job::STATUS_AT..job::STATUS_AT + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    if code != 0 || status != Some(job::DONE) {
+        let msg = back
+            .get(job::MESSAGE_AT..job::HEADER_BYTES)
+            .map(|b| String::from_utf8_lossy(b).trim_end_matches('\0').to_string())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "no message (see the guest's console output above)".into());
+        return Err(ModelCmdError::Guest { code, message: msg });
+    }
+    let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
+    let per_run = out_bytes / runs.max(1) as usize;
+    for run in 0..runs as usize {
+        append_outputs(m, &back[out_at + run * per_run..out_at + (run + 1) * per_run], &mut outs);
+    }
+    let stats = back[stat_at..stat_at + stat_bytes]
+        .chunks_exact(job::STAT_WORDS * 8)
+        .map(|c| {
+            let w = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+            RunStat { wall_ns: w(0), cycles: w(1), sa_active: w(2), vu_active: w(3) }
+        })
+        .collect();
+    Ok((outs, stats))
+}

@@ -1,0 +1,420 @@
+//! One vNPU instance as a vfio-user device: the `ServerBackend` the
+//! vfio-user server drives for one connected VMM (`docs/vfio-user.md`).
+//!
+//! Regions follow VFIO's PCI layout: region 0 is BAR 0 (registers,
+//! mailbox, doorbells), region 2 is BAR 2 (MSI-X table and PBA: present
+//! for a client that forwards it, though a VMM normally emulates it), and
+//! region 7 is configuration space. Interrupt index 2 is MSI-X with the
+//! function's vectors, raised by signalling the eventfds `SET_IRQS` gave.
+//! Guest memory arrives by `DMA_MAP` with a file descriptor and is mapped
+//! with vm-memory; a range mapped without one (QEMU maps its ROMs so) is
+//! recorded and stays out of the vNPU's reach. Everything here is input
+//! from a client: a bad request fails with an errno and touches nothing
+//! else.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex};
+
+use npu_model::BoardConfig;
+use thiserror::Error;
+use vfio_bindings::bindings::vfio::{
+    VFIO_IRQ_INFO_EVENTFD, VFIO_IRQ_INFO_NORESIZE, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
+    VFIO_IRQ_SET_DATA_NONE, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
+    VFIO_PCI_NUM_REGIONS, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+};
+use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, ServerBackend, ServerRegion, SubRegionIoEventFd};
+use vm_memory::{
+    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
+};
+use vmm_sys_util::eventfd::EventFd;
+use vnpu_abi::device as abi;
+use vnpu_device::{DeviceOptions, VectorSink, VnpuFunction, BAR0_SIZE, BAR2_SIZE, MSIX_VECTORS};
+use vnpu_pci::PciFunction;
+use vnpu_spec::VnpuSpec;
+
+/// Most `DMA_MAP` regions one client may have at once.
+pub const MAX_DMA_REGIONS: usize = 64;
+/// Size of configuration space as served (the conventional 256 bytes).
+pub const CONFIG_REGION_SIZE: u64 = 256;
+
+/// Why a client's request failed (sent back as the errno of the reply).
+#[derive(Debug, Error)]
+pub enum BackendError {
+    #[error("region {0} does not exist or is empty")]
+    NoRegion(u32),
+    #[error(
+        "access of {len} bytes at {offset:#x} is outside region {region}, or not 1, 2, 4 or 8 bytes of a BAR"
+    )]
+    BadAccess { region: u32, offset: u64, len: usize },
+    #[error("DMA_MAP: a client may map at most {MAX_DMA_REGIONS} regions")]
+    TooManyRegions,
+    #[error("DMA_MAP of {size:#x} bytes at {address:#x}: {reason}")]
+    DmaMap { address: u64, size: u64, reason: String },
+    #[error("DMA_UNMAP of {size:#x} bytes at {address:#x}: no such mapping")]
+    DmaUnmap { address: u64, size: u64 },
+    #[error("SET_IRQS: {0}")]
+    Irqs(String),
+    #[error("the vNPU function: {0}")]
+    Device(#[from] vnpu_device::DeviceError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl BackendError {
+    fn errno(&self) -> i32 {
+        match self {
+            BackendError::TooManyRegions => libc::ENOSPC,
+            BackendError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            BackendError::Device(_) => libc::EIO,
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+impl From<BackendError> for std::io::Error {
+    fn from(e: BackendError) -> Self {
+        log::warn!("vfio-user request refused: {e}");
+        std::io::Error::from_raw_os_error(e.errno())
+    }
+}
+
+/// The MSI-X eventfds a client handed over with `SET_IRQS`, one slot
+/// per vector.
+#[derive(Debug)]
+pub struct Vectors(Mutex<Vec<Option<File>>>);
+
+impl VectorSink for Vectors {
+    fn signal(&self, vector: u16) {
+        let v = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(Some(fd)) = v.get(usize::from(vector)) {
+            // An eventfd write adds 1 to its counter; a full counter means
+            // the VMM has an interrupt pending already.
+            let _ = (&*fd).write(&1u64.to_ne_bytes());
+        }
+    }
+}
+
+/// Size of VFIO PCI region `index` as a vNPU function serves it (0: absent).
+fn region_size(index: u32) -> u64 {
+    match index {
+        0 => BAR0_SIZE,
+        2 => BAR2_SIZE,
+        VFIO_PCI_CONFIG_REGION_INDEX => CONFIG_REGION_SIZE,
+        _ => 0,
+    }
+}
+
+/// The regions a vNPU function serves, in VFIO PCI order.
+pub fn regions() -> Vec<ServerRegion> {
+    (0..VFIO_PCI_NUM_REGIONS)
+        .map(|index| {
+            let size = region_size(index);
+            let flags = if size > 0 { VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE } else { 0 };
+            ServerRegion {
+                region_info: vfio_bindings::bindings::vfio::vfio_region_info {
+                    argsz: std::mem::size_of::<vfio_bindings::bindings::vfio::vfio_region_info>() as u32,
+                    flags,
+                    index,
+                    cap_offset: 0,
+                    size,
+                    offset: 0,
+                },
+                sparse_areas: Vec::new(),
+                mmap_fd: None,
+            }
+        })
+        .collect()
+}
+
+/// The interrupts a vNPU function serves: MSI-X only.
+pub fn irqs() -> Vec<IrqInfo> {
+    (0..VFIO_PCI_NUM_IRQS)
+        .map(|index| IrqInfo {
+            index,
+            flags: if index == VFIO_PCI_MSIX_IRQ_INDEX {
+                VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE
+            } else {
+                0
+            },
+            count: if index == VFIO_PCI_MSIX_IRQ_INDEX { u32::from(MSIX_VECTORS) } else { 0 },
+        })
+        .collect()
+}
+
+/// One connected client's view of a vNPU instance.
+pub struct VnpuBackend {
+    function: VnpuFunction,
+    vectors: Arc<Vectors>,
+    memory: GuestMemoryMmap<()>,
+    /// Ranges mapped without a file descriptor (address, size): known to
+    /// the client's IOMMU view, out of the vNPU's reach (this server does
+    /// not fetch guest memory with `DMA_READ`/`DMA_WRITE` messages; a
+    /// program whose DMA names them fails like any address outside guest
+    /// memory).
+    unreachable: Vec<(u64, u64)>,
+    /// Doorbell eventfds handed out by `GET_REGION_IO_FDS` (kept open here).
+    ioevents: Vec<(u64, EventFd)>,
+}
+
+impl std::fmt::Debug for VnpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VnpuBackend").field("function", &self.function).finish_non_exhaustive()
+    }
+}
+
+/// Whether `file` is sealed against shrinking: a client that shrank a
+/// mapped file would make the daemon's next access to it fault (SIGBUS)
+/// and take every other tenant down with it.
+fn sealed_against_shrinking(file: &File) -> bool {
+    // SAFETY: F_GET_SEALS reads the seals of an open descriptor we own;
+    // it has no other effect.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
+}
+
+impl VnpuBackend {
+    /// A fresh function for `spec` on `board` (its cores placed as `opts`
+    /// say), named `name`, with no guest memory and no interrupts yet.
+    pub fn new(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, BackendError> {
+        let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
+        let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
+        let ioevents = function.ioevents()?;
+        Ok(Self { function, vectors, memory: GuestMemoryMmap::new(), unreachable: Vec::new(), ioevents })
+    }
+
+    fn map(&mut self, offset: u64, address: u64, size: u64, fd: Option<File>) -> Result<(), BackendError> {
+        let err = |reason: &str| BackendError::DmaMap { address, size, reason: reason.to_string() };
+        if self.memory.num_regions() + self.unreachable.len() >= MAX_DMA_REGIONS {
+            return Err(BackendError::TooManyRegions);
+        }
+        if size == 0 || address.checked_add(size).is_none() || offset.checked_add(size).is_none() {
+            return Err(err("empty or wrapping range"));
+        }
+        let end = address + size;
+        let overlaps = |a: u64, len: u64| a < end && address < a.saturating_add(len);
+        if self.unreachable.iter().any(|&(a, len)| overlaps(a, len))
+            || self.memory.iter().any(|r| overlaps(r.start_addr().0, r.len()))
+        {
+            return Err(err("overlaps a range mapped already"));
+        }
+        let Some(file) = fd else {
+            self.unreachable.push((address, size));
+            return Ok(());
+        };
+        if !sealed_against_shrinking(&file) {
+            return Err(err(
+                "the file is not sealed against shrinking (F_SEAL_SHRINK; QEMU's memfd backend seals it)",
+            ));
+        }
+        let len = file.metadata().map_err(BackendError::Io)?.len();
+        if offset.checked_add(size).is_none_or(|end| end > len) {
+            return Err(err(&format!("the file is {len:#x} bytes long")));
+        }
+        let size = usize::try_from(size).map_err(|_| err("too large"))?;
+        let region =
+            GuestRegionMmap::from_range(GuestAddress(address), size, Some(FileOffset::new(file, offset)))
+                .map_err(|e| err(&e.to_string()))?;
+        self.memory = self.memory.insert_region(Arc::new(region)).map_err(|e| err(&e.to_string()))?;
+        self.function.set_memory(self.memory.clone());
+        Ok(())
+    }
+
+    fn unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), BackendError> {
+        if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
+            self.memory = GuestMemoryMmap::new();
+            self.unreachable.clear();
+        } else if let Some(i) = self.unreachable.iter().position(|&r| r == (address, size)) {
+            self.unreachable.swap_remove(i);
+            return Ok(());
+        } else {
+            let (rest, _) = self
+                .memory
+                .remove_region(GuestAddress(address), size)
+                .map_err(|_| BackendError::DmaUnmap { address, size })?;
+            self.memory = rest;
+        }
+        self.function.set_memory(self.memory.clone());
+        Ok(())
+    }
+
+    fn check_access(region: u32, offset: u64, len: usize) -> Result<(), BackendError> {
+        let size = region_size(region);
+        if size == 0 {
+            return Err(BackendError::NoRegion(region));
+        }
+        let fits = offset.checked_add(len as u64).is_some_and(|end| end <= size);
+        // Configuration space is read and written in any length (QEMU reads
+        // all of it at once); registers only as the CPU accesses them.
+        let width_ok =
+            if region == VFIO_PCI_CONFIG_REGION_INDEX { len > 0 } else { matches!(len, 1 | 2 | 4 | 8) };
+        if !fits || !width_ok {
+            return Err(BackendError::BadAccess { region, offset, len });
+        }
+        Ok(())
+    }
+
+    fn irqs(
+        &mut self,
+        index: u32,
+        flags: u32,
+        start: u32,
+        count: u32,
+        fds: Vec<File>,
+    ) -> Result<(), BackendError> {
+        if index != VFIO_PCI_MSIX_IRQ_INDEX {
+            return Err(BackendError::Irqs(format!(
+                "interrupt index {index} has no vectors (MSI-X is {VFIO_PCI_MSIX_IRQ_INDEX})"
+            )));
+        }
+        if flags & VFIO_IRQ_SET_ACTION_TRIGGER == 0 {
+            return Err(BackendError::Irqs("only the TRIGGER action is supported (the VMM masks)".into()));
+        }
+        let mut v = self.vectors.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let range = start as usize..(start as usize).saturating_add(count as usize);
+        if flags & VFIO_IRQ_SET_DATA_NONE != 0 && count == 0 {
+            // Disable every vector of the index.
+            v.iter_mut().for_each(|s| *s = None);
+            return Ok(());
+        }
+        if flags & VFIO_IRQ_SET_DATA_EVENTFD == 0 {
+            return Err(BackendError::Irqs("only eventfd data is supported".into()));
+        }
+        let slots = v.get_mut(range).ok_or_else(|| BackendError::Irqs("vectors out of range".into()))?;
+        if fds.is_empty() {
+            slots.iter_mut().for_each(|s| *s = None);
+            return Ok(());
+        }
+        for (slot, file) in slots.iter_mut().zip(fds) {
+            *slot = Some(file);
+        }
+        Ok(())
+    }
+}
+
+impl ServerBackend for VnpuBackend {
+    fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), std::io::Error> {
+        Self::check_access(region, offset, data.len())?;
+        match region {
+            VFIO_PCI_CONFIG_REGION_INDEX => self.function.config().read(offset as usize, data),
+            bar => self.function.bar_read(bar as usize, offset, data),
+        }
+        Ok(())
+    }
+
+    fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), std::io::Error> {
+        Self::check_access(region, offset, data.len())?;
+        match region {
+            VFIO_PCI_CONFIG_REGION_INDEX => {
+                self.function.config_mut().write(offset as usize, data);
+                self.function.config_written(offset as usize, data.len());
+            }
+            bar => self.function.bar_write(bar as usize, offset, data),
+        }
+        Ok(())
+    }
+
+    fn dma_map(
+        &mut self,
+        _flags: DmaMapFlags,
+        offset: u64,
+        address: u64,
+        size: u64,
+        fd: Option<File>,
+    ) -> Result<(), std::io::Error> {
+        Ok(self.map(offset, address, size, fd)?)
+    }
+
+    fn dma_unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), std::io::Error> {
+        Ok(self.unmap(flags, address, size)?)
+    }
+
+    fn reset(&mut self) -> Result<(), std::io::Error> {
+        self.function.bar_write(0, abi::regs::DEVICE_RESET, &1u32.to_le_bytes());
+        Ok(())
+    }
+
+    fn set_irqs(
+        &mut self,
+        index: u32,
+        flags: u32,
+        start: u32,
+        count: u32,
+        fds: Vec<File>,
+    ) -> Result<(), std::io::Error> {
+        Ok(self.irqs(index, flags, start, count, fds)?)
+    }
+
+    fn region_io_fds(&mut self, region: u32) -> Result<Vec<(SubRegionIoEventFd, RawFd)>, std::io::Error> {
+        if region != 0 {
+            return Ok(Vec::new());
+        }
+        Ok(self
+            .ioevents
+            .iter()
+            .map(|(offset, fd)| {
+                (SubRegionIoEventFd { offset: *offset, size: 0, flags: 0, datamatch: 0 }, fd.as_raw_fd())
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backend() -> VnpuBackend {
+        let spec = VnpuSpec::parse("sa=1,vu=1,sram=4M,hbm=256M").expect("spec");
+        VnpuBackend::new(&spec, &BoardConfig::default(), "test", DeviceOptions::default()).expect("backend")
+    }
+
+    /// Configuration space reads in one piece (as QEMU reads it at
+    /// attach) give what dword reads give; BAR registers stay 1, 2, 4 or
+    /// 8 bytes wide, and nothing past a region's end is read.
+    #[test]
+    fn configuration_space_reads_whole_and_registers_at_cpu_widths() {
+        let mut b = backend();
+        let cfg = VFIO_PCI_CONFIG_REGION_INDEX;
+        let mut whole = [0u8; 256];
+        b.region_read(cfg, 0, &mut whole).expect("a 256-byte read of configuration space");
+        let mut dwords = Vec::new();
+        for off in (0..256).step_by(4) {
+            let mut d = [0u8; 4];
+            b.region_read(cfg, off, &mut d).expect("dword");
+            dwords.extend_from_slice(&d);
+        }
+        assert_eq!(whole.to_vec(), dwords);
+        assert_eq!(u16::from_le_bytes([whole[0], whole[1]]), vnpu_device::VENDOR_ID);
+        assert!(b.region_read(cfg, 200, &mut [0u8; 100]).is_err(), "past the end");
+        assert!(b.region_read(cfg, 0, &mut []).is_err(), "empty");
+        assert!(b.region_read(0, 0, &mut [0u8; 16]).is_err(), "16 bytes of BAR 0");
+        assert!(b.region_write(0, 0, &[0u8; 3]).is_err(), "3 bytes of BAR 0");
+    }
+
+    /// A range mapped without a file descriptor (QEMU's ROMs) is accepted,
+    /// never reaches the vNPU's memory, cannot overlap another mapping,
+    /// and is unmapped by its exact range.
+    #[test]
+    fn a_range_mapped_without_a_file_is_recorded_out_of_reach() {
+        let mut b = backend();
+        let rom = (0xfffc_0000u64, 0x4_0000u64);
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, rom.1, None).expect("fd-less map");
+        assert_eq!(b.memory.num_regions(), 0, "the vNPU cannot reach it");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0 + 0x1000, 0x1000, None).is_err(), "overlap");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, 0, None).is_err(), "empty");
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, u64::MAX - 10, 0x1000, None).is_err(), "wraps");
+        b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).expect("unmap");
+        assert!(b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).is_err(), "unmapped twice");
+        // At most MAX_DMA_REGIONS ranges, with or without files.
+        for i in 0..MAX_DMA_REGIONS as u64 {
+            b.dma_map(DmaMapFlags::READ_WRITE, 0, i << 20, 1 << 20, None).expect("within the limit");
+        }
+        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 40, 1 << 20, None).is_err(), "past the limit");
+    }
+}

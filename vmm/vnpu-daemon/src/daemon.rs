@@ -1,0 +1,407 @@
+//! The daemon's main loop: one modelled board (every core's simulation
+//! and scheduler, `npu_board_runtime::SharedBoard`), the manager's definitions
+//! in the state directory, and a vfio-user socket per started instance at
+//! `<socket-dir>/<uuid>.sock`.
+//!
+//! Management requests arrive on the control socket
+//! `<socket-dir>/control.sock` (`vnpu_manager::control`): each is
+//! executed on the state directory and the instance is served (or no
+//! longer served) before the reply goes out. A manager that writes the
+//! state directory without the daemon is followed too: the daemon checks
+//! the state file every [`DaemonOptions::rescan`] and, when it changed,
+//! serves what is started and stops serving what is not.
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use npu_model::BoardConfig;
+use thiserror::Error;
+use vnpu_device::{DeviceOptions, SharedBoard, SharingStats, Telemetry};
+use vnpu_manager::control::{self, ControlError, Outcome, Request, CONTROL_SOCKET};
+use vnpu_manager::{CoreUse, TenantUse};
+use vnpu_manager::{Instance, Store};
+
+use crate::backend::VnpuBackend;
+use crate::metrics::{BoardSource, MetricsError, MetricsServer, ServedSample};
+use crate::serve::{InstanceServer, ServeError};
+
+/// Why the daemon stopped or could not start.
+#[derive(Debug, Error)]
+pub enum DaemonError {
+    #[error("state directory {dir}: {source}")]
+    Store { dir: PathBuf, source: vnpu_manager::StoreError },
+    #[error("socket directory {dir}: {source}")]
+    SocketDir { dir: PathBuf, source: std::io::Error },
+    #[error("board runtime: {0}")]
+    Board(std::io::Error),
+    #[error("instance {uuid}: {source}")]
+    Serve { uuid: String, source: ServeError },
+    #[error("control socket {path}: {source}")]
+    Control { path: PathBuf, source: std::io::Error },
+    #[error("a daemon already answers at {0}")]
+    Running(PathBuf),
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
+}
+
+/// What `vnpu daemon` was asked to do.
+#[derive(Debug, Clone)]
+pub struct DaemonOptions {
+    pub board: BoardConfig,
+    pub state_dir: PathBuf,
+    pub socket_dir: PathBuf,
+    /// How often the state directory is reread.
+    pub rescan: Duration,
+    /// How each vNPU's worker serves its ring.
+    pub device: DeviceOptions,
+    /// Serve Prometheus metrics over HTTP here (`docs/metrics.md`).
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+/// Set by SIGTERM / SIGINT: the daemon stops serving and exits.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Makes SIGTERM and SIGINT stop [`run`] cleanly (sockets removed).
+pub fn stop_on_signals() {
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: installs a handler that only stores to an atomic, which
+        // is async-signal-safe.
+        unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+    }
+}
+
+/// An instance being served.
+pub(crate) struct ServedInstance {
+    /// As it was when served.
+    pub instance: Instance,
+    pub server: InstanceServer,
+    /// What its vNPU did, across the VMs that attached (and remaps).
+    pub telemetry: Arc<Telemetry>,
+}
+
+/// The instances being served, by UUID.
+pub(crate) type Served = BTreeMap<String, ServedInstance>;
+
+/// Most control connections served at once; more are refused.
+pub const MAX_CONTROL_CONNECTIONS: usize = 32;
+
+/// What the control threads (and the metrics endpoint) share with the
+/// main loop.
+pub(crate) struct Daemon {
+    pub opts: DaemonOptions,
+    pub board: SharedBoard,
+    pub served: Mutex<Served>,
+    /// Set (under the `served` lock) when the daemon stops: no request
+    /// serves anything after that.
+    stopping: AtomicBool,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+impl BoardSource for Daemon {
+    fn core_config(&self) -> npu_model::config::CoreConfig {
+        self.opts.board.core.clone()
+    }
+    fn served(&self) -> Vec<ServedSample> {
+        lock(&self.served)
+            .values()
+            .map(|s| ServedSample {
+                instance: s.instance.clone(),
+                telemetry: s.telemetry.snapshot(),
+                attached: s.server.attached(),
+            })
+            .collect()
+    }
+    fn cores(&self) -> Vec<(usize, SharingStats)> {
+        self.board.cores().iter().map(|h| (h.index(), h.stats())).collect()
+    }
+}
+
+impl Daemon {
+    /// One management request: executed on the state directory, then the
+    /// served instances follow, all under the served-map lock (requests
+    /// are serialized; the state directory's lock keeps managers that
+    /// bypass the daemon from losing updates).
+    fn handle(&self, req: &Request) -> Result<Outcome, ControlError> {
+        let mut served = lock(&self.served);
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(ControlError::Protocol("the daemon is stopping".into()));
+        }
+        if let Request::Cores {} = req {
+            return self.cores();
+        }
+        let mut serving = Ok(());
+        let mut outcome = control::execute_then(&self.opts.state_dir, &self.opts.board, req, |instances| {
+            if req.changes_state() {
+                serving = serve_started(&self.opts, &self.board, &mut served, instances);
+            }
+        })?;
+        serving.map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
+        if let Outcome::Instance { instance, socket, .. } = &mut outcome {
+            if served.contains_key(&instance.uuid) {
+                *socket = Some(control::instance_socket(&self.opts.socket_dir, &instance.uuid));
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// What every physical core has done (the `cores` request).
+    fn cores(&self) -> Result<Outcome, ControlError> {
+        let b = &self.opts.board;
+        // Which cores are oversubscribed is the placement's view of the
+        // state directory as it is now.
+        let placement = vnpu_manager::Store::open(&self.opts.state_dir, b)?.board();
+        let cores = self
+            .board
+            .cores()
+            .iter()
+            .map(|h| (h.index(), h.stats()))
+            .map(|(core, s)| CoreUse {
+                core: core as u32,
+                requests: s.requests,
+                waited: s.waited,
+                preempted: s.preempted,
+                board_cycles: s.busy_cycles,
+                overlap_cycles: s.overlap_cycles,
+                tenants: s
+                    .tenants
+                    .into_iter()
+                    .map(|(tenant, busy_cycles)| TenantUse { tenant, busy_cycles })
+                    .collect(),
+                slo_requests: s.slo_requests,
+                slo_misses: s.slo_misses,
+                oversubscribed: placement.oversubscribed(core),
+            })
+            .collect();
+        Ok(Outcome::Cores { clock_mhz: b.clock_mhz, cores })
+    }
+}
+
+/// The control socket's listener thread and its connections.
+struct ControlServer {
+    path: PathBuf,
+    listener_fd: i32,
+    /// Each open connection (to shut down at stop), by a serial number.
+    clients: Arc<Mutex<BTreeMap<u64, UnixStream>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ControlServer {
+    fn start(daemon: Arc<Daemon>) -> Result<Self, DaemonError> {
+        let path = daemon.opts.socket_dir.join(CONTROL_SOCKET);
+        let err = |source| DaemonError::Control { path: path.clone(), source };
+        if UnixStream::connect(&path).is_ok() {
+            return Err(DaemonError::Running(path));
+        }
+        // A socket left by a daemon that died.
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path).map_err(err)?;
+        let listener_fd = listener.as_raw_fd();
+        let clients: Arc<Mutex<BTreeMap<u64, UnixStream>>> = Arc::default();
+        let open = Arc::clone(&clients);
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || {
+                let active = Arc::new(AtomicUsize::new(0));
+                let mut serial = 0u64;
+                while let Ok((stream, _)) = listener.accept() {
+                    serial += 1;
+                    if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
+                        let mut s = stream;
+                        let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(
+                            "{MAX_CONTROL_CONNECTIONS} management connections are open; try again"
+                        )));
+                        let _ = control::write_line(&mut s, &control::Reply::from(busy));
+                        continue;
+                    }
+                    if let Ok(c) = stream.try_clone() {
+                        lock(&open).insert(serial, c);
+                    }
+                    active.fetch_add(1, Ordering::SeqCst);
+                    let done = {
+                        let (active, open) = (Arc::clone(&active), Arc::clone(&open));
+                        move || {
+                            lock(&open).remove(&serial);
+                            active.fetch_sub(1, Ordering::SeqCst);
+                        }
+                    };
+                    let daemon = Arc::clone(&daemon);
+                    let spawned = std::thread::Builder::new().name("control client".into()).spawn({
+                        let done = done.clone();
+                        move || {
+                            if let Err(e) = control::serve_connection(stream, |req| daemon.handle(req)) {
+                                log::warn!("control connection dropped: {e}");
+                            }
+                            done();
+                        }
+                    });
+                    if spawned.is_err() {
+                        done();
+                    }
+                }
+            })
+            .map_err(|e| DaemonError::Control { path: path.clone(), source: e })?;
+        Ok(Self { path, listener_fd, clients, thread: Some(thread) })
+    }
+
+    fn stop(&mut self) {
+        // SAFETY: shutdown(2) of the listening socket the thread owns and
+        // keeps open until it returns: the blocked accept() fails.
+        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        for c in std::mem::take(&mut *lock(&self.clients)).into_values() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Runs the daemon until [`stop_on_signals`]' signals (or `stop`) say
+/// stop. `ready` is called once every started instance is served and the
+/// control socket answers.
+pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Result<(), DaemonError> {
+    std::fs::create_dir_all(&opts.socket_dir)
+        .map_err(|source| DaemonError::SocketDir { dir: opts.socket_dir.clone(), source })?;
+    let board = SharedBoard::new(&opts.board, "board").map_err(DaemonError::Board)?;
+    let daemon = Arc::new(Daemon {
+        opts: opts.clone(),
+        board,
+        served: Mutex::new(Served::new()),
+        stopping: AtomicBool::new(false),
+    });
+    let mut control_server = None;
+    let mut metrics_server = None;
+    let result = (|| {
+        let mut seen = Store::stamp(&opts.state_dir);
+        reconcile(opts, &daemon.board, &mut lock(&daemon.served))?;
+        control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
+        if let Some(addr) = opts.metrics {
+            let m = MetricsServer::start(addr, Arc::clone(&daemon) as Arc<dyn BoardSource>)?;
+            log::info!("metrics at http://{}/metrics", m.addr);
+            metrics_server = Some(m);
+        }
+        ready();
+        // Once running, a state directory that cannot be read for a moment
+        // (or an instance that cannot be served) is logged, once per
+        // distinct error, and the daemon keeps serving what it serves.
+        let mut last_error = String::new();
+        let mut scanned = std::time::Instant::now();
+        while !stop.load(Ordering::SeqCst) && !STOP.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(20));
+            if scanned.elapsed() < opts.rescan {
+                continue;
+            }
+            scanned = std::time::Instant::now();
+            let now = Store::stamp(&opts.state_dir);
+            if now == seen && last_error.is_empty() {
+                continue;
+            }
+            seen = now;
+            match reconcile(opts, &daemon.board, &mut lock(&daemon.served)) {
+                Ok(()) => last_error.clear(),
+                Err(e) => {
+                    let e = e.to_string();
+                    if e != last_error {
+                        log::error!("{e}");
+                        last_error = e;
+                    }
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Some(mut c) = control_server {
+        c.stop();
+    }
+    if let Some(mut m) = metrics_server {
+        m.stop();
+    }
+    let served = {
+        let mut served = lock(&daemon.served);
+        daemon.stopping.store(true, Ordering::SeqCst);
+        std::mem::take(&mut *served)
+    };
+    for (_, mut s) in served {
+        s.server.stop();
+    }
+    daemon.board.stop();
+    result
+}
+
+/// Serves every started instance of the state directory as it is now.
+fn reconcile(opts: &DaemonOptions, board: &SharedBoard, served: &mut Served) -> Result<(), DaemonError> {
+    let store = Store::open(&opts.state_dir, &opts.board)
+        .map_err(|source| DaemonError::Store { dir: opts.state_dir.clone(), source })?;
+    serve_started(opts, board, served, store.instances())
+}
+
+/// Serves the started ones of `instances`, and only them.
+fn serve_started(
+    opts: &DaemonOptions,
+    board: &SharedBoard,
+    served: &mut Served,
+    instances: &[Instance],
+) -> Result<(), DaemonError> {
+    let wanted: BTreeMap<String, Instance> =
+        instances.iter().filter(|i| i.active).map(|i| (i.uuid.clone(), i.clone())).collect();
+    // Stop what is no longer started, or was remapped (a client attached
+    // to it is disconnected; it reattaches to the new placement).
+    let stale: Vec<String> = served
+        .iter()
+        .filter(|(u, s)| {
+            wanted.get(*u).is_none_or(|w| {
+                w.shape != s.instance.shape || w.cores != s.instance.cores || w.qos != s.instance.qos
+            })
+        })
+        .map(|(u, _)| u.clone())
+        .collect();
+    // A remapped instance keeps its totals.
+    let mut kept: BTreeMap<String, Arc<Telemetry>> = BTreeMap::new();
+    for u in stale {
+        if let Some(mut s) = served.remove(&u) {
+            s.server.stop();
+            log::info!("{u}: no longer served");
+            kept.insert(u, s.telemetry);
+        }
+    }
+    for (uuid, inst) in wanted {
+        if served.contains_key(&uuid) {
+            continue;
+        }
+        let path = control::instance_socket(&opts.socket_dir, &uuid);
+        // A socket left by a daemon that died.
+        let _ = std::fs::remove_file(&path);
+        let cores = inst.cores.iter().filter_map(|&c| board.core(c)).collect();
+        let telemetry = kept.remove(&uuid).unwrap_or_default();
+        let device = DeviceOptions {
+            cores,
+            telemetry: Some(Arc::clone(&telemetry)),
+            priority: inst.qos.priority,
+            slo_us: inst.qos.slo_us,
+            ..opts.device.clone()
+        };
+        let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());
+        let server = InstanceServer::start(
+            &path,
+            &uuid,
+            Box::new(move || VnpuBackend::new(&spec, &cfg, &name, device.clone())),
+        )
+        .map_err(|source| DaemonError::Serve { uuid: uuid.clone(), source })?;
+        log::info!("{uuid}: served at {}", path.display());
+        served.insert(uuid, ServedInstance { instance: inst, server, telemetry });
+    }
+    Ok(())
+}

@@ -1,0 +1,416 @@
+//! The vNPU PCI function (`docs/device-interface.md`): configuration
+//! space, the BAR 0 registers and control mailbox, the MSI-X table in BAR
+//! 2, and the NPU worker thread that serves the command ring (a virtio
+//! split ring, walked with the `virtio-queue` crate) on the software NPU.
+//!
+//! The guest-visible constants (offsets, opcodes, status codes, wire
+//! formats) live in `vnpu_abi::device`, shared with the guest driver.
+
+mod guest_ram;
+mod msi;
+mod regfile;
+mod telemetry;
+mod worker;
+
+pub use guest_ram::GuestRam;
+pub use msi::{MsiSink, RecordingSink, VectorSink};
+// The board runtime's handles a device is built with and reports on.
+pub use npu_board_runtime::{SharedBoard, SharedCore, SharingStats};
+pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
+pub use vnpu_abi::device::{
+    regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
+};
+pub use worker::{
+    fuzz_drive, DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET,
+    SHARED_MAX_HOST_WORK,
+};
+
+use std::sync::Arc;
+
+use npu_model::BoardConfig;
+use thiserror::Error;
+use vm_memory::GuestMemoryMmap;
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vnpu_abi::device as abi;
+use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciError, PciFunction};
+use vnpu_spec::VnpuSpec;
+
+use msi::lock;
+use worker::{Control, Shared, Worker};
+
+/// Why a vNPU function could not be created.
+#[derive(Debug, Error)]
+pub enum DeviceError {
+    #[error("PCI layout: {0}")]
+    Pci(#[from] PciError),
+    #[error("vNPU worker: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// One vNPU as a PCI function, with its worker thread.
+pub struct VnpuFunction {
+    config: ConfigSpace,
+    msix: MsixCap,
+    shared: Arc<Shared>,
+    /// Target of `CAL_NOP` (never read: the raw cost of an ioeventfd write).
+    cal_nop: EventFd,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for VnpuFunction {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VnpuFunction").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+/// Little-endian value of a register write of 1 to 8 bytes.
+fn value(data: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = data.len().min(8);
+    b[..n].copy_from_slice(&data[..n]);
+    u64::from_le_bytes(b)
+}
+
+impl VnpuFunction {
+    /// A vNPU granted `spec` on a board of `board`, whose DMA reaches
+    /// `memory` (the guest's RAM), raising interrupts into `sink`. Starts
+    /// the worker thread, named `name`, which serves the ring as `opts` say.
+    pub fn new(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        memory: GuestMemoryMmap<()>,
+        sink: Arc<dyn MsiSink>,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, DeviceError> {
+        Self::build(spec, board, memory, sink, None, name, opts)
+    }
+
+    /// A vNPU served to a VMM in another process (the board daemon's
+    /// vfio-user server): no guest memory until [`Self::set_memory`], and
+    /// MSI-X vectors raised by number into `vectors` (the VMM owns the
+    /// MSI-X table; this function's own table stays unused).
+    pub fn served(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        vectors: Arc<dyn VectorSink>,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, DeviceError> {
+        let sink: Arc<dyn MsiSink> = Arc::new(RecordingSink::default());
+        Self::build(spec, board, GuestMemoryMmap::new(), sink, Some(vectors), name, opts)
+    }
+
+    /// Replaces the guest memory the vNPU's DMA reaches (between requests).
+    pub fn set_memory(&self, memory: GuestMemoryMmap<()>) {
+        self.shared.post(Control::Memory(memory));
+    }
+
+    fn build(
+        spec: &VnpuSpec,
+        board: &BoardConfig,
+        memory: GuestMemoryMmap<()>,
+        sink: Arc<dyn MsiSink>,
+        vectors: Option<Arc<dyn VectorSink>>,
+        name: &str,
+        opts: DeviceOptions,
+    ) -> Result<Self, DeviceError> {
+        let id = Identity {
+            vendor_id: VENDOR_ID,
+            device_id: DEVICE_ID,
+            class: CLASS,
+            revision: 1,
+            subsystem_vendor_id: VENDOR_ID,
+            subsystem_id: DEVICE_ID,
+        };
+        let mut config = ConfigSpace::new(id);
+        config.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR0_SIZE })?;
+        config.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR2_SIZE })?;
+        let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, abi::MSIX_PBA_OFFSET as u32)?;
+        let mut r = regfile::RegFile::new();
+        r.set_u32(regs::MAGIC, abi::MAGIC);
+        r.set_u32(regs::ABI_VERSION, ABI_VERSION);
+        r.set_u32(regs::SA_ROWS, board.core.sa_rows);
+        r.set_u32(regs::SA_COLS, board.core.sa_cols);
+        r.set_u32(regs::VU_LANES, board.core.vu_lanes);
+        r.set_u32(regs::CLOCK_MHZ, board.clock_mhz);
+        r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
+        r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
+        r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
+        let shared = Arc::new(Shared::new(r, msix.vectors, sink, vectors)?);
+        // The worker shows the granted configuration in the registers
+        // before the thread starts, so the guest sees it from the first read.
+        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);
+        let worker = Some(worker::spawn(w, name.to_string())?);
+        Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
+    }
+
+    /// A handle that changes this vNPU's grant from any thread (a live
+    /// remap): the worker applies it between requests and tells the guest
+    /// (`INT_STATUS` bit `INT_GRANT` on `MBOX_VECTOR`).
+    pub fn grant_handle(&self) -> GrantHandle {
+        GrantHandle { shared: Arc::clone(&self.shared) }
+    }
+
+    /// The MSI-X capability.
+    pub fn msix(&self) -> MsixCap {
+        self.msix
+    }
+
+    /// Eventfds to register as ioeventfds at these offsets of BAR 0: the
+    /// doorbell and the `CAL_NOP` calibration doorbell. (`CAL_LOOPBACK` is
+    /// the VMM's: it needs the irqfd of vector `LOOPBACK_VECTOR`.)
+    pub fn ioevents(&self) -> std::io::Result<Vec<(u64, EventFd)>> {
+        Ok(vec![
+            (regs::DOORBELL, self.shared.doorbell.try_clone()?),
+            (regs::CAL_NOP, self.cal_nop.try_clone()?),
+        ])
+    }
+
+    /// Raises MSI-X `vector` by the MSI-X rules.
+    pub fn raise(&self, vector: u16) {
+        self.shared.irq.raise(vector);
+    }
+
+    fn register_write(&mut self, offset: u64, data: &[u8]) {
+        let v = value(data);
+        match offset {
+            regs::DOORBELL => {
+                // Reached only while the ioeventfd is not registered.
+                let _ = self.shared.doorbell.write(1);
+            }
+            regs::CAL_NOP => {}
+            regs::CAL_LOOPBACK => self.raise(abi::LOOPBACK_VECTOR),
+            regs::INT_TEST => self.raise(v as u16),
+            regs::INT_STATUS => lock(&self.shared.regs).update_u32(regs::INT_STATUS, |s| s & !(v as u32)),
+            regs::QUEUE_ENABLE if v & 1 == 1 => {
+                let c = {
+                    let mut r = lock(&self.shared.regs);
+                    if r.u32(regs::QUEUE_ENABLE) != 0
+                        || r.u32(regs::STATUS) & (abi::STATUS_RESETTING | abi::STATUS_FAILED) != 0
+                    {
+                        return;
+                    }
+                    r.set_u32(regs::QUEUE_ENABLE, 1);
+                    Control::Enable {
+                        size: r.u32(regs::QUEUE_SIZE),
+                        desc: r.u64(regs::QUEUE_DESC),
+                        avail: r.u64(regs::QUEUE_AVAIL),
+                        used: r.u64(regs::QUEUE_USED),
+                    }
+                };
+                self.shared.post(c);
+            }
+            regs::QUEUE_ENABLE | regs::DEVICE_RESET => {
+                if offset == regs::DEVICE_RESET && v & 1 == 0 {
+                    return;
+                }
+                lock(&self.shared.regs).update_u32(regs::STATUS, |s| s | abi::STATUS_RESETTING);
+                self.shared.post(Control::Reset);
+            }
+            regs::MBOX_CMD => {
+                let c = {
+                    let mut r = lock(&self.shared.regs);
+                    if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
+                        return;
+                    }
+                    r.set_u32(regs::MBOX_CMD, v as u32);
+                    r.set_u32(regs::MBOX_STATUS, abi::MBOX_BUSY);
+                    let mut args = [0u64; 6];
+                    for (i, a) in args.iter_mut().enumerate() {
+                        *a = r.u64(regs::MBOX_ARG0 + 8 * i as u64);
+                    }
+                    Control::Mailbox { cmd: v as u32, args }
+                };
+                self.shared.post(c);
+            }
+            _ => {
+                let mut r = lock(&self.shared.regs);
+                // The ring's registers are frozen while it is enabled.
+                let ring = (regs::QUEUE_SIZE..regs::QUEUE_ENABLE).contains(&offset);
+                if !(ring && r.u32(regs::QUEUE_ENABLE) != 0) {
+                    r.store(offset, data);
+                }
+            }
+        }
+    }
+}
+
+/// Changes a running vNPU's grant (see [`VnpuFunction::grant_handle`]).
+#[derive(Clone)]
+pub struct GrantHandle {
+    shared: Arc<worker::Shared>,
+}
+
+impl std::fmt::Debug for GrantHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrantHandle").finish_non_exhaustive()
+    }
+}
+
+impl GrantHandle {
+    /// Grants `spec` from now on.
+    pub fn regrant(&self, spec: VnpuSpec) {
+        self.shared.post(Control::Regrant(spec));
+    }
+}
+
+impl Drop for VnpuFunction {
+    fn drop(&mut self) {
+        self.shared.post(Control::Stop);
+        if let Some(w) = self.worker.take() {
+            // A worker that panicked has nothing left to clean up.
+            let _ = w.join();
+        }
+    }
+}
+
+impl PciFunction for VnpuFunction {
+    fn config(&self) -> &ConfigSpace {
+        &self.config
+    }
+    fn config_mut(&mut self) -> &mut ConfigSpace {
+        &mut self.config
+    }
+    fn config_written(&mut self, _offset: usize, _len: usize) {
+        {
+            let mut s = lock(&self.shared.irq.state);
+            s.enabled = self.msix.enabled(&self.config);
+            s.function_masked = self.msix.function_masked(&self.config);
+        }
+        // Enabling MSI-X or clearing the function mask releases pending vectors.
+        self.shared.irq.release_pending();
+    }
+    fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
+        match bar {
+            0 => lock(&self.shared.regs).read(offset, data),
+            2 if offset < abi::MSIX_PBA_OFFSET => lock(&self.shared.irq.state).table.read(offset, data),
+            2 => lock(&self.shared.irq.state).table.pba_read(offset - abi::MSIX_PBA_OFFSET, data),
+            _ => data.fill(0xff),
+        }
+    }
+    fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
+        match bar {
+            0 => self.register_write(offset, data),
+            2 if offset < abi::MSIX_PBA_OFFSET => {
+                lock(&self.shared.irq.state).table.write(offset, data);
+                // Unmasking a vector releases it if pending.
+                self.shared.irq.release_pending();
+            }
+            // The PBA ignores writes.
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+impl VnpuFunction {
+    pub(crate) fn shared_for_tests(&self) -> &Shared {
+        &self.shared
+    }
+}
+
+/// A function over 1 MiB of fresh guest memory with a recording sink.
+#[cfg(test)]
+pub(crate) fn test_function(spec: &VnpuSpec) -> (VnpuFunction, Arc<RecordingSink>) {
+    let mem = GuestMemoryMmap::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)]).unwrap();
+    let sink = Arc::new(RecordingSink::default());
+    let f =
+        VnpuFunction::new(spec, &BoardConfig::default(), mem, sink.clone(), "test", DeviceOptions::default())
+            .unwrap();
+    (f, sink)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bar0_exposes_the_hierarchy() {
+        let spec = VnpuSpec::parse("sa=2,vu=3,sram=8M,hbm=1G,cores=2,chips=1").unwrap();
+        let mut f = test_function(&spec).0;
+        let rd = |f: &mut VnpuFunction, off: u64, n: usize| {
+            let mut b = [0u8; 8];
+            f.bar_read(0, off, &mut b[..n]);
+            u64::from_le_bytes(b)
+        };
+        assert_eq!(rd(&mut f, regs::MAGIC, 4), 0x5550_4e56);
+        assert_eq!(rd(&mut f, regs::ABI_VERSION, 4), u64::from(ABI_VERSION));
+        assert_eq!(rd(&mut f, regs::STATUS, 4), 1);
+        assert_eq!(rd(&mut f, regs::CORES_PER_CHIP, 4), 2);
+        assert_eq!(rd(&mut f, regs::SA_PER_CORE, 4), 2);
+        assert_eq!(rd(&mut f, regs::VU_PER_CORE, 4), 3);
+        assert_eq!(rd(&mut f, regs::SRAM_PER_CORE, 8), 8 << 20);
+        assert_eq!(rd(&mut f, regs::HBM_PER_CORE, 8), 1 << 30);
+        assert_eq!(rd(&mut f, regs::SA_ROWS, 4), 128);
+        // Unimplemented and out-of-range offsets read 0; writes do nothing.
+        assert_eq!(rd(&mut f, 0x3ff8, 8), 0);
+        f.bar_write(0, regs::SA_PER_CORE, &[9, 9, 9, 9]);
+        assert_eq!(rd(&mut f, regs::SA_PER_CORE, 4), 2);
+        let mut b = [0u8; 8];
+        f.bar_read(0, u64::MAX - 2, &mut b);
+        assert_eq!(b, [0; 8]);
+    }
+}
+
+#[cfg(test)]
+mod interrupt_tests {
+    use super::*;
+
+    #[test]
+    fn int_test_raises_vectors_by_the_msix_rules() {
+        let (mut f, sink) = test_function(&VnpuSpec::named("small").unwrap());
+        let cap = f.msix().offset;
+        // MSI-X disabled: dropped.
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert!(sink.take().is_empty());
+        // Program vector 1, enable MSI-X: still masked after reset, so pending.
+        f.bar_write(2, 16, &0xfee0_0000u32.to_le_bytes());
+        f.bar_write(2, 24, &0x41u32.to_le_bytes());
+        f.config_mut().write(cap + 2, &0x8000u16.to_le_bytes());
+        f.config_written(cap + 2, 2);
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert!(sink.take().is_empty());
+        let mut pba = [0u8];
+        f.bar_read(2, 0x1000, &mut pba);
+        assert_eq!(pba[0], 0b10);
+        // Unmask: the pending vector is delivered once.
+        f.bar_write(2, 28, &0u32.to_le_bytes());
+        assert_eq!(sink.take(), vec![vnpu_pci::MsiMessage { vector: 1, address: 0xfee0_0000, data: 0x41 }]);
+        assert!(sink.take().is_empty());
+        f.bar_write(0, regs::INT_TEST, &1u32.to_le_bytes());
+        assert_eq!(sink.take().len(), 1);
+        // Nonexistent vectors do nothing; INT_TEST reads 0.
+        f.bar_write(0, regs::INT_TEST, &500u32.to_le_bytes());
+        assert!(sink.take().is_empty());
+        let mut b = [9u8; 4];
+        f.bar_read(0, regs::INT_TEST, &mut b);
+        assert_eq!(b, [0; 4]);
+    }
+}
+
+#[cfg(test)]
+mod bus_tests {
+    use super::*;
+    use vnpu_pci::PciBus;
+
+    /// The guest's sequence: program BAR 0 through ECAM, enable memory
+    /// decoding, read the registers through the BAR.
+    #[test]
+    fn registers_are_reachable_through_a_programmed_bar() {
+        let mut bus = PciBus::new();
+        bus.add(1, Box::new(test_function(&VnpuSpec::named("small").unwrap()).0)).unwrap();
+        let mut b = [0u8; 4];
+        assert!(!bus.mmio_read(0xc001_0000, &mut b), "not decoded before programming");
+        bus.ecam_write((1 << 15) | 0x10, &0xc001_0000u32.to_le_bytes());
+        bus.ecam_write((1 << 15) | 0x14, &0u32.to_le_bytes());
+        assert!(!bus.mmio_read(0xc001_0000, &mut b), "not decoded while memory space is off");
+        let mut cmd = [0u8; 4];
+        bus.ecam_read((1 << 15) | 0x04, &mut cmd);
+        let cmd = u32::from_le_bytes(cmd) & 0xffff;
+        bus.ecam_write((1 << 15) | 0x04, &(cmd | 2).to_le_bytes());
+        assert!(bus.mmio_read(0xc001_0000, &mut b));
+        assert_eq!(&b, b"VNPU");
+        assert!(!bus.mmio_read(0xc001_4000, &mut b), "past the end of BAR 0");
+    }
+}

@@ -1,0 +1,116 @@
+//! The BAR 0 register file (page 0), shared between the vCPU thread and the
+//! NPU worker. Offsets and bits: `vnpu_abi::device`.
+
+use vnpu_abi::device::regs;
+
+use vnpu_spec::VnpuSpec;
+
+/// Bytes of page 0 that hold registers.
+pub(crate) const LEN: usize = regs::END as usize;
+
+/// Register bytes plus which of them the guest may write directly.
+#[derive(Clone, Debug)]
+pub(crate) struct RegFile {
+    bytes: [u8; LEN],
+}
+
+/// Byte ranges the guest writes as plain storage (side-effect registers are
+/// handled by the function before storage).
+const GUEST_WRITABLE: [(u64, u64); 3] = [
+    (regs::QUEUE_SIZE, regs::QUEUE_ENABLE),
+    (regs::QUEUE_VECTOR, regs::COMPLETED),
+    (regs::MBOX_ARG0, regs::MBOX_RESULT),
+];
+
+impl RegFile {
+    pub fn new() -> Self {
+        Self { bytes: [0; LEN] }
+    }
+
+    pub fn u32(&self, off: u64) -> u32 {
+        let o = off as usize;
+        self.bytes.get(o..o + 4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    pub fn u64(&self, off: u64) -> u64 {
+        u64::from(self.u32(off)) | u64::from(self.u32(off + 4)) << 32
+    }
+
+    pub fn set_u32(&mut self, off: u64, v: u32) {
+        let o = off as usize;
+        if let Some(b) = self.bytes.get_mut(o..o + 4) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    pub fn set_u64(&mut self, off: u64, v: u64) {
+        self.set_u32(off, v as u32);
+        self.set_u32(off + 4, (v >> 32) as u32);
+    }
+
+    pub fn update_u32(&mut self, off: u64, f: impl FnOnce(u32) -> u32) {
+        let v = f(self.u32(off));
+        self.set_u32(off, v);
+    }
+
+    /// Guest read of `data.len()` bytes at `off` (bytes past the file read 0).
+    pub fn read(&self, off: u64, data: &mut [u8]) {
+        for (i, d) in data.iter_mut().enumerate() {
+            *d = off.checked_add(i as u64).and_then(|o| self.bytes.get(o as usize)).copied().unwrap_or(0);
+        }
+    }
+
+    /// Guest write: stores the bytes that fall in plain writable registers,
+    /// ignores the rest.
+    pub fn store(&mut self, off: u64, data: &[u8]) {
+        for (i, d) in data.iter().enumerate() {
+            let Some(o) = off.checked_add(i as u64) else { return };
+            if GUEST_WRITABLE.iter().any(|&(a, b)| (a..b).contains(&o)) {
+                if let Some(slot) = self.bytes.get_mut(o as usize) {
+                    *slot = *d;
+                }
+            }
+        }
+    }
+
+    /// Shows `spec` in the hierarchy registers (all zero for `None`).
+    pub fn set_hierarchy(&mut self, spec: Option<&VnpuSpec>) {
+        let z = VnpuSpec {
+            chips: 0,
+            cores_per_chip: 0,
+            sa_per_core: 0,
+            vu_per_core: 0,
+            sram_per_core: 0,
+            hbm_per_core: 0,
+        };
+        let s = spec.unwrap_or(&z);
+        self.set_u32(regs::NUM_CHIPS, s.chips);
+        self.set_u32(regs::CORES_PER_CHIP, s.cores_per_chip);
+        self.set_u32(regs::SA_PER_CORE, s.sa_per_core);
+        self.set_u32(regs::VU_PER_CORE, s.vu_per_core);
+        self.set_u64(regs::SRAM_PER_CORE, s.sram_per_core);
+        self.set_u64(regs::HBM_PER_CORE, s.hbm_per_core);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_registers_take_guest_writes() {
+        let mut r = RegFile::new();
+        r.set_u32(regs::STATUS, 1);
+        r.store(regs::STATUS, &[0xff; 4]);
+        assert_eq!(r.u32(regs::STATUS), 1);
+        r.store(regs::QUEUE_DESC, &0x1234_5678_9abc_def0u64.to_le_bytes());
+        assert_eq!(r.u64(regs::QUEUE_DESC), 0x1234_5678_9abc_def0);
+        // A write straddling a writable and a read-only register.
+        r.store(regs::MBOX_RESULT - 2, &[1, 2, 3, 4]);
+        assert_eq!(r.u64(regs::MBOX_RESULT), 0);
+        assert_eq!(r.u64(regs::MBOX_ARG0 + 40) >> 48, 0x0201);
+        let mut b = [9u8; 8];
+        r.read(u64::MAX - 3, &mut b);
+        assert_eq!(b, [0; 8]);
+    }
+}

@@ -1,0 +1,652 @@
+//! The management protocol (`docs/management.md`, "Control socket"): every
+//! management operation as a JSON request with a JSON reply, executed
+//! either here against the state directory (no daemon running) or by the
+//! board daemon on its control socket `<socket-dir>/control.sock`, which
+//! then serves or stops serving the instance before it replies.
+//!
+//! Framing: one JSON object per line (`\n`-terminated) each way, requests
+//! and replies in order on one connection, a line at most
+//! [`MAX_LINE`] bytes. Everything read from the socket is untrusted: a
+//! request that does not parse gets a `bad_request` reply, a line that is
+//! too long ends the connection.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+use npu_model::BoardConfig;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use vnpu_spec::VnpuSpec;
+
+use vnpu_placement::InterferenceModel;
+
+use crate::{split_for_ratio, Instance, InterferenceError, Policy, Shape, Store, StoreError};
+use crate::{Qos, Workload, TYPES};
+
+/// Longest request or reply line (bytes, newline excluded).
+pub const MAX_LINE: usize = 1 << 20;
+
+/// The control socket's file name in the daemon's socket directory.
+pub const CONTROL_SOCKET: &str = "control.sock";
+
+/// The daemon's socket directory when none is given: `STATE_DIR/sockets`.
+pub fn default_socket_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("sockets")
+}
+
+/// Where the daemon serves instance `uuid`: `SOCKET_DIR/UUID.sock`.
+pub fn instance_socket(socket_dir: &Path, uuid: &str) -> PathBuf {
+    socket_dir.join(format!("{uuid}.sock"))
+}
+
+/// Why a management request failed.
+#[derive(Debug, Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Interference(#[from] InterferenceError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("control socket {path}: {source}")]
+    Connect { path: PathBuf, source: std::io::Error },
+    #[error("control socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("control socket: {0}")]
+    Protocol(String),
+    /// The daemon refused the request (`kind` as in [`Failure::kind`]).
+    #[error("{message}")]
+    Refused { kind: String, message: String },
+}
+
+impl ControlError {
+    /// The stable error kind sent in a reply (`docs/management.md`).
+    pub fn kind(&self) -> &str {
+        match self {
+            ControlError::Store(e) => match e {
+                StoreError::Io { .. } => "io",
+                StoreError::Corrupt { .. } => "corrupt_state",
+                StoreError::Unknown(_) => "unknown_instance",
+                StoreError::Exists(_) => "exists",
+                StoreError::BadUuid(_) => "bad_uuid",
+                StoreError::AlreadyActive(_) => "already_started",
+                StoreError::NotActive(_) => "not_started",
+                StoreError::Placement { .. } => "no_room",
+                StoreError::PolicyNeeds { .. } => "bad_request",
+                StoreError::Interference { .. } => "interference",
+            },
+            ControlError::Interference(_) => "interference",
+            ControlError::BadRequest(_) => "bad_request",
+            ControlError::Refused { kind, .. } => kind,
+            ControlError::Connect { .. } | ControlError::Io(_) | ControlError::Protocol(_) => "io",
+        }
+    }
+}
+
+/// How `create` and `start` place (`--placement`, `--oversubscribe`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlaceOptions {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oversubscribe: Option<u32>,
+    #[serde(default)]
+    pub placement: Policy,
+    /// Characterization matrix to train the interference predictor on
+    /// (a path the daemon can read: give it absolute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interference_matrix: Option<PathBuf>,
+}
+
+/// One management request (the `op` key names it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// The named types and how many more of each fit. (Struct variants
+    /// with no fields, so unknown keys are refused here too.)
+    Types {},
+    /// Every instance.
+    List {},
+    /// A persistent instance, not started. `type` or `spec` gives its shape.
+    Define {
+        #[serde(rename = "type", alias = "mdev_type", default, skip_serializing_if = "Option::is_none")]
+        type_name: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        spec: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        uuid: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workload: Option<Workload>,
+        #[serde(default, skip_serializing_if = "Qos::is_none")]
+        qos: Qos,
+    },
+    /// A transient instance, placed and started at once.
+    Create {
+        #[serde(rename = "type", alias = "mdev_type", default, skip_serializing_if = "Option::is_none")]
+        type_name: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        spec: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        uuid: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workload: Option<Workload>,
+        #[serde(default, skip_serializing_if = "Qos::is_none")]
+        qos: Qos,
+        #[serde(default)]
+        place: PlaceOptions,
+    },
+    /// Places a defined instance.
+    Start {
+        uuid: String,
+        #[serde(default)]
+        place: PlaceOptions,
+    },
+    /// A new shape on the instance's cores: `sa`/`vu`/`sram`, or `ratio`
+    /// (SA:VU, split over its EUs per core) with the `workload` it is for.
+    Remap {
+        uuid: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sa: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vu: Option<u32>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sram: Option<u64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ratio: Option<f64>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        workload: Option<Workload>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        oversubscribe: Option<u32>,
+    },
+    /// Frees its cores (a transient instance is removed).
+    Stop { uuid: String },
+    /// Forgets it, started or not.
+    Remove { uuid: String },
+    /// What each physical core of the board has done (only a running
+    /// daemon knows: it owns the cores).
+    Cores {},
+}
+
+impl Request {
+    /// Whether the request may change the state.
+    pub fn changes_state(&self) -> bool {
+        !matches!(self, Request::Types {} | Request::List {} | Request::Cores {})
+    }
+}
+
+/// One named type on this board.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TypeInfo {
+    #[serde(rename = "type")]
+    pub type_name: String,
+    pub spec: String,
+    pub execution_units: u32,
+    /// How many more fit on the board now.
+    pub available_instances: u32,
+}
+
+/// What a request did.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Outcome {
+    Types {
+        board: String,
+        /// e.g. `1 chip(s) x 4 cores, 4 SA + 4 VU per core`.
+        layout: String,
+        types: Vec<TypeInfo>,
+    },
+    Instances(Vec<Instance>),
+    /// The instance after a define, create, start or remap; `previous` is
+    /// its shape before a remap; `socket` is where the daemon serves it.
+    Instance {
+        instance: Instance,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        previous: Option<Shape>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        socket: Option<PathBuf>,
+    },
+    /// Every physical core's use since the daemon started.
+    Cores {
+        /// Simulated cycles per microsecond.
+        clock_mhz: u32,
+        cores: Vec<CoreUse>,
+    },
+    Done,
+}
+
+/// What one physical core has done since the daemon started (cycles are
+/// simulated NPU cycles of the board's clock).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CoreUse {
+    /// Physical core (chip * cores_per_chip + core).
+    pub core: u32,
+    /// Requests served.
+    pub requests: u64,
+    /// Requests that waited for engines (an oversubscribed core).
+    pub waited: u64,
+    /// Running requests suspended for more urgent ones.
+    pub preempted: u64,
+    /// The board's simulated time so far.
+    pub board_cycles: f64,
+    /// Cycles during which two or more tenants ran at once.
+    pub overlap_cycles: f64,
+    /// Busy cycles per tenant (a vNPU: its instance's UUID).
+    pub tenants: Vec<TenantUse>,
+    /// Requests with a latency target, and those that missed it.
+    pub slo_requests: u64,
+    pub slo_misses: u64,
+    /// Its vNPUs claim more SAs or VUs than it has (they time-share it).
+    pub oversubscribed: bool,
+}
+
+/// One tenant's busy time on a core.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TenantUse {
+    pub tenant: String,
+    pub busy_cycles: f64,
+}
+
+/// A refused request, as sent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Stable: `bad_request`, `unknown_instance`, `exists`, `bad_uuid`,
+    /// `already_started`, `not_started`, `no_room`, `interference`,
+    /// `corrupt_state`, `io`.
+    pub kind: String,
+    /// For people.
+    pub message: String,
+}
+
+/// One reply line: `{"ok": true, "result": ...}` or `{"ok": false,
+/// "error": {"kind", "message"}}`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Reply {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Outcome>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<Failure>,
+}
+
+impl From<Result<Outcome, ControlError>> for Reply {
+    fn from(r: Result<Outcome, ControlError>) -> Self {
+        match r {
+            Ok(o) => Reply { ok: true, result: Some(o), error: None },
+            Err(e) => Reply {
+                ok: false,
+                result: None,
+                error: Some(Failure { kind: e.kind().to_string(), message: e.to_string() }),
+            },
+        }
+    }
+}
+
+impl From<Reply> for Result<Outcome, ControlError> {
+    fn from(r: Reply) -> Self {
+        match (r.ok, r.result, r.error) {
+            (true, Some(o), _) => Ok(o),
+            (false, _, Some(f)) => Err(ControlError::Refused { kind: f.kind, message: f.message }),
+            _ => Err(ControlError::Protocol("a reply with neither a result nor an error".into())),
+        }
+    }
+}
+
+/// `sa=..,vu=..,sram=..,hbm=..[,cores=..][,chips=..]`, the `--spec` form.
+pub fn shape_text(s: &Shape) -> String {
+    fn size(b: u64) -> String {
+        if b >= 1 << 30 && b.is_multiple_of(1 << 30) {
+            format!("{}G", b >> 30)
+        } else {
+            format!("{}M", b >> 20)
+        }
+    }
+    let mut t = format!(
+        "sa={},vu={},sram={},hbm={}",
+        s.sa_per_core,
+        s.vu_per_core,
+        size(s.sram_per_core),
+        size(s.hbm_per_core)
+    );
+    if s.cores_per_chip != 1 {
+        t += &format!(",cores={}", s.cores_per_chip);
+    }
+    if s.chips != 1 {
+        t += &format!(",chips={}", s.chips);
+    }
+    t
+}
+
+fn resolve_shape(type_name: &Option<String>, spec: &Option<String>) -> Result<Shape, ControlError> {
+    match (type_name, spec) {
+        (Some(t), None) => VnpuSpec::named(t).ok_or_else(|| {
+            ControlError::BadRequest(format!("unknown type `{t}` (types: {})", TYPES.join(", ")))
+        }),
+        (None, Some(s)) => VnpuSpec::parse(s).map_err(|e| ControlError::BadRequest(e.to_string())),
+        _ => Err(ControlError::BadRequest("give exactly one of `type` and `spec`".into())),
+    }
+}
+
+fn apply_placement(store: &mut Store, board: &BoardConfig, place: &PlaceOptions) -> Result<(), ControlError> {
+    if let Some(f) = place.oversubscribe {
+        if f == 0 {
+            return Err(ControlError::BadRequest("oversubscribe must be 1 or more".into()));
+        }
+        store.allow_oversubscription(f);
+    }
+    let model = match (&place.interference_matrix, place.placement) {
+        (_, Policy::Pack) | (None, _) => None,
+        (Some(path), _) => Some(InterferenceModel::from_file(path, board, &vnpu_placement::Linear)?),
+    };
+    store.set_placement(place.placement, model);
+    Ok(())
+}
+
+/// Executes `req` against the state directory `dir` (holding its lock for
+/// the whole request, so concurrent managers never lose an update).
+pub fn execute(dir: &Path, board: &BoardConfig, req: &Request) -> Result<Outcome, ControlError> {
+    execute_then(dir, board, req, |_| {})
+}
+
+/// As [`execute`]; when the request succeeds, `then` sees every instance
+/// as the request left them, still under the state directory's lock (the
+/// daemon serves the started ones before anyone else can change them).
+pub fn execute_then(
+    dir: &Path,
+    board: &BoardConfig,
+    req: &Request,
+    then: impl FnOnce(&[Instance]),
+) -> Result<Outcome, ControlError> {
+    let mut store = Store::open(dir, board)?;
+    let outcome = execute_on(&mut store, board, req)?;
+    then(store.instances());
+    Ok(outcome)
+}
+
+fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<Outcome, ControlError> {
+    if let Request::Define { workload: Some(w), .. }
+    | Request::Create { workload: Some(w), .. }
+    | Request::Remap { workload: Some(w), .. } = req
+    {
+        if w.name.is_empty() || w.batch == 0 {
+            return Err(ControlError::BadRequest(format!(
+                "workload {:?} batch {}: give a name and a batch of 1 or more",
+                w.name, w.batch
+            )));
+        }
+    }
+    let instance = |store: &Store, uuid: &str| -> Result<Outcome, ControlError> {
+        Ok(Outcome::Instance { instance: store.get(uuid)?.clone(), previous: None, socket: None })
+    };
+    match req {
+        Request::Types {} => {
+            let b = store.board();
+            let types = TYPES
+                .iter()
+                .filter_map(|t| VnpuSpec::named(t).map(|s| (*t, s)))
+                .map(|(t, s)| TypeInfo {
+                    type_name: t.to_string(),
+                    spec: shape_text(&s),
+                    execution_units: s.sa_per_core + s.vu_per_core,
+                    available_instances: b.room_for(&s),
+                })
+                .collect();
+            let layout = format!(
+                "{} chip(s) x {} cores, {} SA + {} VU per core",
+                board.chips, board.cores_per_chip, board.core.sa_count, board.core.vu_count
+            );
+            Ok(Outcome::Types { board: board.name.clone(), layout, types })
+        }
+        Request::List {} => Ok(Outcome::Instances(store.instances().to_vec())),
+        Request::Define { type_name, spec, uuid, workload, qos } => {
+            let shape = resolve_shape(type_name, spec)?;
+            let u = store.define_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone(), *qos)?;
+            instance(store, &u)
+        }
+        Request::Create { type_name, spec, uuid, workload, qos, place } => {
+            let shape = resolve_shape(type_name, spec)?;
+            apply_placement(store, board, place)?;
+            let u = store.create_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone(), *qos)?;
+            instance(store, &u)
+        }
+        Request::Start { uuid, place } => {
+            apply_placement(store, board, place)?;
+            store.start(uuid)?;
+            instance(store, uuid)
+        }
+        Request::Remap { uuid, sa, vu, sram, ratio, workload, oversubscribe } => {
+            let old = store.get(uuid)?.shape;
+            let mut to = old;
+            if let Some(k) = ratio {
+                if sa.is_some() || vu.is_some() {
+                    return Err(ControlError::BadRequest("give `ratio` or `sa`/`vu`, not both".into()));
+                }
+                if !(k.is_finite() && *k > 0.0) {
+                    return Err(ControlError::BadRequest(format!("ratio {k} is not a positive number")));
+                }
+                let eus = old.sa_per_core + old.vu_per_core;
+                let (nsa, nvu) = split_for_ratio(eus, *k, board.core.sa_count, board.core.vu_count)
+                    .ok_or_else(|| {
+                        ControlError::BadRequest(format!(
+                            "{eus} EUs per core cannot hold both an SA and a VU"
+                        ))
+                    })?;
+                to.sa_per_core = nsa;
+                to.vu_per_core = nvu;
+            } else if sa.is_none() && vu.is_none() && sram.is_none() {
+                return Err(ControlError::BadRequest("remap needs sa, vu, sram or ratio".into()));
+            }
+            to.sa_per_core = sa.unwrap_or(to.sa_per_core);
+            to.vu_per_core = vu.unwrap_or(to.vu_per_core);
+            to.sram_per_core = sram.unwrap_or(to.sram_per_core);
+            if to.sa_per_core + to.vu_per_core == 0 {
+                return Err(ControlError::BadRequest("a vNPU needs at least one SA or VU".into()));
+            }
+            if oversubscribe == &Some(0) {
+                return Err(ControlError::BadRequest("oversubscribe must be 1 or more".into()));
+            }
+            store.remap(uuid, to, *oversubscribe)?;
+            if workload.is_some() {
+                store.set_workload(uuid, workload.clone())?;
+            }
+            Ok(Outcome::Instance { instance: store.get(uuid)?.clone(), previous: Some(old), socket: None })
+        }
+        Request::Stop { uuid } => {
+            store.stop(uuid)?;
+            Ok(Outcome::Done)
+        }
+        Request::Remove { uuid } => {
+            store.remove(uuid)?;
+            Ok(Outcome::Done)
+        }
+        Request::Cores {} => Err(ControlError::BadRequest(
+            "only a running board daemon knows what its cores did (start `vnpu daemon`)".into(),
+        )),
+    }
+}
+
+/// Reads one line of at most [`MAX_LINE`] bytes; `None` at end of stream.
+pub fn read_line(r: &mut impl BufRead) -> Result<Option<String>, ControlError> {
+    let mut buf = Vec::new();
+    let n = r.take(MAX_LINE as u64 + 1).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    } else if buf.len() > MAX_LINE {
+        return Err(ControlError::Protocol(format!("a line longer than {MAX_LINE} bytes")));
+    }
+    String::from_utf8(buf).map(Some).map_err(|_| ControlError::Protocol("a line that is not UTF-8".into()))
+}
+
+/// Writes `value` as one JSON line.
+pub fn write_line(w: &mut impl Write, value: &impl Serialize) -> Result<(), ControlError> {
+    let mut out = serde_json::to_vec(value).map_err(|e| ControlError::Protocol(e.to_string()))?;
+    out.push(b'\n');
+    Ok(w.write_all(&out)?)
+}
+
+/// Serves one control connection: each request line is parsed and handed
+/// to `handle`, whose reply is written back. Returns when the client
+/// closes, or sends a line that is too long or not UTF-8.
+pub fn serve_connection(
+    stream: UnixStream,
+    mut handle: impl FnMut(&Request) -> Result<Outcome, ControlError>,
+) -> Result<(), ControlError> {
+    let mut writer = stream.try_clone()?;
+    let mut reader = BufReader::new(stream);
+    while let Some(line) = read_line(&mut reader)? {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let reply: Reply = match serde_json::from_str::<Request>(&line) {
+            Ok(req) => handle(&req).into(),
+            Err(e) => Err(ControlError::BadRequest(format!("not a request: {e}"))).into(),
+        };
+        write_line(&mut writer, &reply)?;
+    }
+    Ok(())
+}
+
+/// A management client of the daemon's control socket.
+#[derive(Debug)]
+pub struct ControlClient {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl ControlClient {
+    /// Connects to the control socket at `path`.
+    pub fn connect(path: &Path) -> Result<Self, ControlError> {
+        let stream = UnixStream::connect(path)
+            .map_err(|source| ControlError::Connect { path: path.into(), source })?;
+        let writer = stream.try_clone()?;
+        Ok(Self { reader: BufReader::new(stream), writer })
+    }
+
+    /// Sends `req` and waits for its reply.
+    pub fn call(&mut self, req: &Request) -> Result<Outcome, ControlError> {
+        write_line(&mut self.writer, req)?;
+        let line = read_line(&mut self.reader)?
+            .ok_or_else(|| ControlError::Protocol("the daemon closed the connection".into()))?;
+        let reply: Reply = serde_json::from_str(&line)
+            .map_err(|e| ControlError::Protocol(format!("a reply that does not parse: {e}")))?;
+        reply.into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_parse_from_their_documented_json() {
+        let cases = [
+            (r#"{"op":"types"}"#, Request::Types {}),
+            (r#"{"op":"list"}"#, Request::List {}),
+            (
+                r#"{"op":"create","type":"small","place":{"oversubscribe":2}}"#,
+                Request::Create {
+                    type_name: Some("small".into()),
+                    spec: None,
+                    uuid: None,
+                    workload: None,
+                    qos: Qos::default(),
+                    place: PlaceOptions { oversubscribe: Some(2), ..Default::default() },
+                },
+            ),
+            (
+                r#"{"op":"create","spec":"sa=4,vu=4,sram=8M,hbm=1G","qos":{"priority":5,"slo_us":1000}}"#,
+                Request::Create {
+                    type_name: None,
+                    spec: Some("sa=4,vu=4,sram=8M,hbm=1G".into()),
+                    uuid: None,
+                    workload: None,
+                    qos: Qos { priority: 5, slo_us: 1000 },
+                    place: PlaceOptions::default(),
+                },
+            ),
+            (r#"{"op":"cores"}"#, Request::Cores {}),
+            (
+                r#"{"op":"define","spec":"sa=1,vu=1,sram=4M,hbm=1G","workload":{"name":"bert","batch":8}}"#,
+                Request::Define {
+                    type_name: None,
+                    spec: Some("sa=1,vu=1,sram=4M,hbm=1G".into()),
+                    uuid: None,
+                    workload: Some(Workload { name: "bert".into(), batch: 8 }),
+                    qos: Qos::default(),
+                },
+            ),
+            (r#"{"op":"stop","uuid":"x"}"#, Request::Stop { uuid: "x".into() }),
+            (
+                r#"{"op":"define","mdev_type":"large","uuid":"u","qos":{"slo_us":250}}"#,
+                Request::Define {
+                    type_name: Some("large".into()),
+                    spec: None,
+                    uuid: Some("u".into()),
+                    workload: None,
+                    qos: Qos { priority: 0, slo_us: 250 },
+                },
+            ),
+        ];
+        for (json, want) in cases {
+            let got: Request = serde_json::from_str(json).unwrap_or_else(|e| panic!("{json}: {e}"));
+            assert_eq!(got, want, "{json}");
+            let back: Request = serde_json::from_str(&serde_json::to_string(&got).unwrap_or_default())
+                .unwrap_or_else(|e| panic!("{json} round trip: {e}"));
+            assert_eq!(back, want, "{json} round trip");
+        }
+        for bad in [
+            r#"{"op":"stop"}"#,
+            r#"{"op":"launch"}"#,
+            r#"{"op":"list","extra":1}"#,
+            r#"{"op":"create","type":"small","qos":{"priority":256}}"#,
+            r#"{"op":"create","type":"small","qos":{"deadline":1}}"#,
+            r#"{"op":"cores","core":1}"#,
+            "[]",
+        ] {
+            assert!(serde_json::from_str::<Request>(bad).is_err(), "{bad} must not parse");
+        }
+    }
+
+    /// What the `control_request` fuzz target does, on a few inputs: a
+    /// connection's bytes framed, parsed and executed on a state directory.
+    #[test]
+    fn a_connection_of_garbage_and_requests_is_served_to_its_end() {
+        let dir = std::env::temp_dir().join(format!("vnpu-control-garbage-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let board = BoardConfig::default();
+        let input: &[u8] = b"{\"op\":\"create\",\"spec\":\"sa=99999999999999999999\"}\nnot json\n{\"op\":\"create\",\"type\":\"small\"}\n{\"op\":\"list\"}\n\xc3";
+        let (mut client, server) = UnixStream::pair().unwrap();
+        client.write_all(input).unwrap();
+        client.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut executed = 0;
+        let served = serve_connection(server, |req| {
+            executed += 1;
+            execute(&dir, &board, req)
+        });
+        // The last line is not UTF-8: the connection ends there, with an error.
+        assert!(served.is_err());
+        let mut replies = String::new();
+        client.read_to_string(&mut replies).unwrap();
+        let lines: Vec<&str> = replies.lines().collect();
+        assert_eq!(executed, 3, "{replies}");
+        assert_eq!(lines.len(), 4, "{replies}");
+        assert!(lines[0].contains("error") && lines[1].contains("error"), "{replies}");
+        assert!(lines[3].contains("small"), "the created instance is listed: {replies}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_line_longer_than_the_limit_is_refused() {
+        let mut long = vec![b' '; MAX_LINE + 10];
+        long.push(b'\n');
+        let mut r = std::io::Cursor::new(long);
+        assert!(matches!(read_line(&mut r), Err(ControlError::Protocol(_))));
+        let mut ok = std::io::Cursor::new(b"{\"op\":\"list\"}\nrest".to_vec());
+        assert_eq!(read_line(&mut ok).ok().flatten().as_deref(), Some("{\"op\":\"list\"}"));
+        assert_eq!(read_line(&mut ok).ok().flatten().as_deref(), Some("rest"));
+        assert_eq!(read_line(&mut ok).ok().flatten(), None);
+    }
+}

@@ -1,0 +1,893 @@
+//! A KVM virtual machine that boots a bare-metal 64-bit ELF guest.
+//!
+//! The VMM builds what firmware would: identity-mapped page tables for the
+//! first GiB (2 MiB pages), a GDT with one 64-bit code and one data
+//! segment, and long mode in the vCPU's control registers; then it loads
+//! the ELF with linux-loader and enters it at its entry point with a stack
+//! below 512 KiB. See `docs/guest-boot.md` for the guest's view.
+//!
+//! Devices so far: a 16550 UART at I/O port 0x3f8 (vm-superio) whose
+//! output goes to a writer; an exit port at 0xf4 (a 32-bit write of `code`
+//! ends the VM with exit code `code`); and PCI bus 0 (`vnpu-pci`) through
+//! ports 0xCF8..0xCFF and an ECAM window at [`ECAM_BASE`], with a host
+//! bridge at 00:00.0 and one vNPU function per `--vnpu` from 00:01.0 on
+//! (`vnpu-device`: configuration space, hierarchy registers in BAR 0,
+//! MSI-X table in BAR 2).
+//!
+//! With [`VmConfig::linux`] the guest image is a Linux kernel instead,
+//! booted by the x86 64-bit boot protocol (module `linux`): zero page,
+//! e820 map, MP table, in-kernel IOAPIC/PIC/PIT, the UART's interrupt on
+//! IRQ 4, BARs placed as firmware would, and an i8042 reset line that ends
+//! the VM (`docs/linux-guests.md`).
+
+mod cmos;
+mod irq;
+mod linux;
+mod mptable;
+pub mod remote;
+
+pub use linux::LinuxBoot;
+pub use vnpu_device::GuestRam;
+
+use std::fs::File;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+
+use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
+use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VcpuExit, VcpuFd, VmFd};
+use linux_loader::loader::{elf::Elf, KernelLoader};
+use npu_model::BoardConfig;
+use thiserror::Error;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_superio::{Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+use vnpu_device::VnpuFunction;
+use vnpu_pci::{ConfigSpace, Identity, MsiMessage, PciBus, PlainFunction};
+use vnpu_spec::VnpuSpec;
+
+/// Serial port base (COM1).
+pub const SERIAL_PORT: u16 = 0x3f8;
+/// Exit port: a 32-bit `out` ends the VM with that exit code.
+pub const EXIT_PORT: u16 = 0xf4;
+/// Smallest guest memory: page tables, GDT and stack live below 1 MiB and
+/// the ELF is expected at 1 MiB or above.
+pub const MIN_MEMORY: u64 = 2 << 20;
+/// Lowest guest address of a payload ([`VmConfig::payload`]): above the
+/// user-mode runtime's stack, heap and first DMA megabytes.
+pub const PAYLOAD_MIN: u64 = 32 << 20;
+
+/// Guest-physical base of the system controller page: a 32-bit write at
+/// +0 prints its low byte on the console, a 32-bit write at +4 ends the VM
+/// with that exit code. The MMIO twins of the UART and the exit port, for
+/// guest code at CPL3 (where port I/O faults on this machine kind).
+pub const SYSCON_BASE: u64 = 0xf000_0000;
+/// Offset of the console register in the system controller page.
+pub const SYSCON_CONSOLE: u64 = 0;
+/// Offset of the exit register in the system controller page.
+pub const SYSCON_EXIT: u64 = 4;
+/// Offset of the first of [`SYSCON_BENCH_SLOTS`] benchmark registers in the
+/// system controller page: a write of up to 8 bytes at
+/// `SYSCON_BENCH + 8 * id` pauses the vCPU and hands `(id, value)` to the
+/// hook set with [`Vm::set_benchmark_hook`] (ignored without one). It lets
+/// a host benchmark interleave its own side with the guest's, on the same
+/// clock, while the guest waits (`vnpu demo`).
+pub const SYSCON_BENCH: u64 = 0x10;
+/// Number of benchmark registers.
+pub const SYSCON_BENCH_SLOTS: u64 = 16;
+
+/// What a benchmark register write calls: `(id, value)`, on the vCPU thread.
+pub type BenchmarkHook = Box<dyn FnMut(u32, u64) + Send>;
+
+/// Guest-physical base of the ECAM window (bus 0 only: 1 MiB).
+pub const ECAM_BASE: u64 = 0xe000_0000;
+/// Size of the ECAM window.
+pub const ECAM_SIZE: u64 = 1 << 20;
+/// Most vNPU functions one VM can have (slots 1..=31 of bus 0).
+pub const MAX_VNPUS: usize = 31;
+/// Device ID of the host bridge.
+pub const HOST_BRIDGE_DEVICE_ID: u16 = 0x0000;
+
+const GDT_ADDR: u64 = 0x500;
+const PML4_ADDR: u64 = 0x9000;
+const PDPT_ADDR: u64 = 0xa000;
+/// Four page directories (0xb000..0xf000) map the first 4 GiB.
+const PD_ADDR: u64 = 0xb000;
+const STACK_TOP: u64 = 0x8_0000;
+const HIGHMEM_START: u64 = 0x10_0000;
+
+/// Why a VM could not be built or run.
+#[derive(Debug, Error)]
+pub enum VmError {
+    #[error("cannot open /dev/kvm: {0} (this needs KVM; on a host without it, no VM can run)")]
+    Kvm(kvm_ioctls::Error),
+    #[error("KVM: {what}: {source}")]
+    Ioctl { what: &'static str, source: kvm_ioctls::Error },
+    #[error("guest memory of {size} bytes: {reason}")]
+    Memory { size: u64, reason: String },
+    #[error("cannot open {path}: {source}")]
+    Open { path: String, source: std::io::Error },
+    #[error("cannot load {path}: {reason}")]
+    Load { path: String, reason: String },
+    #[error("guest stopped: {0}")]
+    Guest(String),
+    #[error("PCI layout: {0}")]
+    Pci(#[from] vnpu_pci::PciError),
+    #[error("vNPU device: {0}")]
+    Device(#[from] vnpu_device::DeviceError),
+    #[error("{count} vNPUs asked for; a VM has at most {MAX_VNPUS}")]
+    TooManyVnpus { count: usize },
+}
+
+fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
+    move |source| VmError::Ioctl { what, source }
+}
+
+/// The UART's interrupt line: an irqfd on GSI [`SERIAL_IRQ`] (IOAPIC pin
+/// 4 and the PIC's IRQ 4). Bare-metal guests poll and never enable it.
+#[derive(Debug)]
+struct IrqLine(EventFd);
+
+impl Trigger for IrqLine {
+    type E = std::io::Error;
+    fn trigger(&self) -> Result<(), Self::E> {
+        self.0.write(1)
+    }
+}
+
+/// The 16550 model with its interrupt line.
+type Uart<W> = Serial<IrqLine, vm_superio::serial::NoEvents, W>;
+
+fn uart<W: Write>(serial: &Mutex<Uart<W>>) -> std::sync::MutexGuard<'_, Uart<W>> {
+    serial.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The UART's ISA IRQ.
+pub const SERIAL_IRQ: u32 = 4;
+/// The i8042 command port: writing 0xfe (pulse the reset line) ends the VM
+/// with exit code 0; it is how Linux reboots without ACPI (`reboot=k`).
+pub const I8042_COMMAND_PORT: u16 = 0x64;
+/// The i8042 command that resets the machine.
+pub const I8042_RESET: u8 = 0xfe;
+/// Where the VMM places BAR 0 of the vNPU in `slot` before a Linux guest
+/// boots: `PCI_MMIO_BASE + slot * 64 KiB` (BAR 2 at +32 KiB).
+pub const PCI_MMIO_BASE: u64 = 0xc000_0000;
+
+/// A VM with one vCPU running a bare-metal ELF guest.
+pub struct Vm<W: Write> {
+    // Kept alive for the VM's lifetime.
+    _kvm: Kvm,
+    vm: Arc<VmFd>,
+    vcpu: VcpuFd,
+    memory: GuestMemoryMmap<()>,
+    /// Shared with the console-input thread ([`Vm::forward_input`]).
+    serial: Arc<Mutex<Uart<W>>>,
+    cmos: cmos::Cmos,
+    pci: PciBus,
+    msi: Arc<Mutex<irq::MsiRoutes>>,
+    doorbells: Vec<Doorbells>,
+    benchmark: Option<BenchmarkHook>,
+    /// Guest address and length of [`VmConfig::payload`].
+    payload: Option<(u64, u64)>,
+}
+
+/// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
+/// current address while memory decoding is on (and the handle that
+/// changes the vNPU's grant).
+#[derive(Debug)]
+struct Doorbells {
+    slot: usize,
+    events: Vec<(u64, EventFd)>,
+    registered: Option<u64>,
+    /// None for a function served by a daemon (its grant is the daemon's).
+    grant: Option<vnpu_device::GrantHandle>,
+}
+
+/// Guest RAM in a memfd sealed against shrinking and growing, so a
+/// vfio-user server can map it (`docs/vfio-user.md`).
+fn shared_ram(bytes: u64) -> std::io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: memfd_create with a NUL-terminated name; the new descriptor
+    // is owned by the File below.
+    let fd = unsafe {
+        libc::memfd_create(c"vnpu-guest-ram".as_ptr(), libc::MFD_ALLOW_SEALING | libc::MFD_CLOEXEC)
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nothing else owns.
+    let file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.set_len(bytes)?;
+    // SAFETY: adds seals to our own memfd; no memory is touched.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) }
+        != 0
+    {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(file)
+}
+
+/// Delivers a function's MSIs through the VM's irqfds, from any thread.
+struct SlotSink {
+    slot: usize,
+    vm: Arc<VmFd>,
+    routes: Arc<Mutex<irq::MsiRoutes>>,
+}
+
+impl vnpu_device::MsiSink for SlotSink {
+    fn deliver(&self, m: MsiMessage) {
+        let mut r = self.routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // A message that cannot be routed (a bogus address the guest
+        // programmed, routes exhausted) is dropped, as on hardware.
+        let _ = r.deliver(&self.vm, self.slot, m);
+    }
+}
+
+impl<W: Write> std::fmt::Debug for Vm<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vm").finish_non_exhaustive()
+    }
+}
+
+/// Whether this VMM itself runs in a QEMU TCG guest (CPUID hypervisor
+/// signature "TCGTCGTCGTCG"): the nested test path (docs/linux-guests.md).
+fn host_is_qemu_tcg() -> bool {
+    let hv = core::arch::x86_64::__cpuid(1);
+    if hv.ecx & (1 << 31) == 0 {
+        return false;
+    }
+    // The hypervisor range exists when bit 31 is set.
+    let sig = core::arch::x86_64::__cpuid(0x4000_0000);
+    let mut name = [0u8; 12];
+    name[..4].copy_from_slice(&sig.ebx.to_le_bytes());
+    name[4..8].copy_from_slice(&sig.ecx.to_le_bytes());
+    name[8..].copy_from_slice(&sig.edx.to_le_bytes());
+    &name == b"TCGTCGTCGTCG"
+}
+
+/// The little-endian value of up to 4 bytes.
+fn le_u32(data: &[u8]) -> u32 {
+    le_u64(&data[..data.len().min(4)]) as u32
+}
+
+/// Up to the first 8 bytes of `data`, little-endian, zero-extended.
+fn le_u64(data: &[u8]) -> u64 {
+    let mut b = [0u8; 8];
+    let n = data.len().min(8);
+    b[..n].copy_from_slice(&data[..n]);
+    u64::from_le_bytes(b)
+}
+
+fn segment(selector: u16, code: bool) -> kvm_segment {
+    kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector,
+        type_: if code { 0xb } else { 0x3 },
+        present: 1,
+        dpl: 0,
+        db: u8::from(!code),
+        s: 1,
+        l: u8::from(code),
+        g: 1,
+        ..Default::default()
+    }
+}
+
+/// What a VM is made of.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// RAM at guest address 0, in bytes.
+    pub memory: u64,
+    /// The bare-metal ELF to boot.
+    pub guest: std::path::PathBuf,
+    /// One vNPU function per entry, from 00:01.0 on.
+    pub vnpus: Vec<VnpuSpec>,
+    /// The physical board the vNPUs are cut from.
+    pub board: BoardConfig,
+    /// How the vNPU workers serve their rings.
+    pub device: vnpu_device::DeviceOptions,
+    /// For each vNPU (by index), the shared physical cores its cores are
+    /// placed on (empty: a core of its own). Overrides `device.cores`.
+    pub shared_cores: Vec<Vec<vnpu_device::SharedCore>>,
+    /// Names the VM's vNPU worker threads and shared-core tenants
+    /// (`NAME/vnpu-SLOT`).
+    pub name: String,
+    /// Boot `guest` as a Linux kernel (bzImage or vmlinux) with this initrd
+    /// and command line, instead of as a bare-metal ELF.
+    pub linux: Option<LinuxBoot>,
+    /// vNPUs served by a board daemon (`docs/vfio-user.md`): the vfio-user
+    /// socket of each, attached as PCI functions after `vnpus`. Guest RAM
+    /// is then a sealed memfd shared with the daemon.
+    pub remote_vnpus: Vec<std::path::PathBuf>,
+    /// Bytes placed at the top of a bare-metal guest's RAM (page-aligned,
+    /// above 32 MiB), handed to it in `rdx` (address) and `rcx` (length)
+    /// and readable after the run with [`Vm::read_payload`]: how `vnpu
+    /// infer` passes a model and its inputs in and gets the outputs back
+    /// (docs/guest-boot.md).
+    pub payload: Option<Vec<u8>>,
+}
+
+impl VmConfig {
+    /// `memory` bytes, booting `guest`, no vNPUs, the default board.
+    pub fn new(memory: u64, guest: impl Into<std::path::PathBuf>) -> Self {
+        Self {
+            memory,
+            guest: guest.into(),
+            vnpus: Vec::new(),
+            board: BoardConfig::default(),
+            device: vnpu_device::DeviceOptions::default(),
+            shared_cores: Vec::new(),
+            name: "vm".into(),
+            linux: None,
+            remote_vnpus: Vec::new(),
+            payload: None,
+        }
+    }
+
+    /// Boots `guest` as a Linux kernel.
+    pub fn linux(mut self, boot: LinuxBoot) -> Self {
+        self.linux = Some(boot);
+        self
+    }
+
+    /// With these vNPUs.
+    pub fn vnpus(mut self, vnpus: &[VnpuSpec]) -> Self {
+        self.vnpus = vnpus.to_vec();
+        self
+    }
+}
+
+impl<W: Write> Vm<W> {
+    /// Creates the VM `cfg` describes: its RAM at guest address 0, one vNPU
+    /// function (and worker thread) per vNPU; loads the guest ELF and
+    /// prepares its one vCPU to enter it in long mode. Serial output goes
+    /// to `console`.
+    pub fn new(cfg: &VmConfig, console: W) -> Result<Self, VmError> {
+        let (memory_bytes, guest, vnpus) = (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..]);
+        let count = vnpus.len() + cfg.remote_vnpus.len();
+        if count > MAX_VNPUS {
+            return Err(VmError::TooManyVnpus { count });
+        }
+        // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
+        // guest's RAM may reach the PCI hole, where the BARs go.
+        let (max, why) = if cfg.linux.is_some() {
+            (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)")
+        } else {
+            (1 << 30, "1 GiB (the identity map covers 1 GiB)")
+        };
+        if !(MIN_MEMORY..=max).contains(&memory_bytes) {
+            return Err(VmError::Memory {
+                size: memory_bytes,
+                reason: format!("must be between {MIN_MEMORY} bytes and {why}"),
+            });
+        }
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
+        let memory: GuestMemoryMmap<()> = if cfg.remote_vnpus.is_empty() {
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
+        } else {
+            let file = shared_ram(memory_bytes)
+                .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("memfd: {e}") })?;
+            GuestMemoryMmap::from_ranges_with_files([(
+                GuestAddress(0),
+                memory_bytes as usize,
+                Some(vm_memory::FileOffset::new(file, 0)),
+            )])
+        }
+        .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let host = memory
+            .get_host_address(GuestAddress(0))
+            .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: memory_bytes,
+            userspace_addr: host as u64,
+            flags: 0,
+        };
+        // SAFETY: `host` is the start of a mapping of `memory_bytes` bytes
+        // owned by `memory`, which this Vm keeps alive as long as the VM fd.
+        unsafe { vm.set_user_memory_region(region) }.map_err(ioctl("set memory region"))?;
+        // No halt polling: a guest that halts while the vNPU works wants its
+        // CPU given to the NPU worker, not spun on for KVM's default 200 us.
+        // (Best effort: older kernels lack the capability.)
+        let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
+        let _ = vm.enable_cap(&cap);
+        // The in-kernel irqchip must exist before any vCPU.
+        vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
+        let linux = cfg.linux.as_ref();
+        let entry = match linux {
+            Some(boot) => {
+                // What a PC kernel expects beside the irqchip: the PIT (with
+                // the speaker port stubbed) and, on VMX hosts, the TSS area.
+                let pit = kvm_bindings::kvm_pit_config {
+                    flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+                    ..Default::default()
+                };
+                vm.create_pit2(pit).map_err(ioctl("create PIT"))?;
+                vm.set_tss_address(0xfffb_d000).map_err(ioctl("set TSS address"))?;
+                linux::load(&memory, memory_bytes, guest, boot, 1)?
+            }
+            None => {
+                let mut file = File::open(guest)
+                    .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
+                let loaded =
+                    Elf::load(&memory, None, &mut file, Some(GuestAddress(HIGHMEM_START))).map_err(|e| {
+                        VmError::Load { path: guest.display().to_string(), reason: e.to_string() }
+                    })?;
+                loaded.kernel_load.0
+            }
+        };
+        let (cs, ds) = if linux.is_some() { (linux::BOOT_CS, linux::BOOT_DS) } else { (0x8, 0x10) };
+        Self::write_boot_tables(&memory, cs, ds)?;
+        let payload = match (&cfg.payload, linux) {
+            (Some(p), None) => {
+                let at = memory_bytes
+                    .checked_sub(p.len() as u64)
+                    .map(|a| a & !0xfff)
+                    .filter(|&a| a >= PAYLOAD_MIN);
+                let at = at.ok_or_else(|| VmError::Memory {
+                    size: memory_bytes,
+                    reason: format!(
+                        "the payload of {} bytes must fit above {} MiB: give the VM more memory",
+                        p.len(),
+                        PAYLOAD_MIN >> 20
+                    ),
+                })?;
+                memory
+                    .write_slice(p, GuestAddress(at))
+                    .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") })?;
+                Some((at, p.len() as u64))
+            }
+            (Some(_), Some(_)) => {
+                return Err(VmError::Memory {
+                    size: memory_bytes,
+                    reason: "a payload is for bare-metal guests".into(),
+                })
+            }
+            (None, _) => None,
+        };
+        let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
+        if linux.is_some() {
+            Self::linux_vcpu(&kvm, &vcpu)?;
+        }
+        let mut sregs = vcpu.get_sregs().map_err(ioctl("get sregs"))?;
+        let (code, data) = (segment(cs, true), segment(ds, false));
+        sregs.cs = code;
+        sregs.ds = data;
+        sregs.es = data;
+        sregs.fs = data;
+        sregs.gs = data;
+        sregs.ss = data;
+        sregs.gdt.base = GDT_ADDR;
+        sregs.gdt.limit = 4 * 8 - 1;
+        sregs.cr3 = PML4_ADDR;
+        sregs.cr4 |= 1 << 5; // PAE
+        sregs.cr0 |= (1 << 0) | (1 << 31); // PE, PG
+        sregs.efer |= (1 << 8) | (1 << 10); // LME, LMA
+        vcpu.set_sregs(&sregs).map_err(ioctl("set sregs"))?;
+        let mut regs = vcpu.get_regs().map_err(ioctl("get regs"))?;
+        regs.rip = entry;
+        regs.rsp = STACK_TOP;
+        regs.rflags = 2;
+        if linux.is_some() {
+            // The 64-bit boot protocol: rsi = the zero page.
+            regs.rsi = linux::ZERO_PAGE;
+        } else {
+            // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
+            regs.rdi = memory_bytes;
+            regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
+            // The payload (0, 0 without one).
+            (regs.rdx, regs.rcx) = payload.unwrap_or((0, 0));
+        }
+        vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
+
+        let vm = Arc::new(vm);
+        let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
+        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
+        if linux.is_some() {
+            Self::place_bars(&mut pci, count);
+        }
+        let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+            .map_err(|e| VmError::Guest(format!("serial eventfd: {e}")))?;
+        vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
+        Ok(Self {
+            _kvm: kvm,
+            vm,
+            vcpu,
+            memory,
+            serial: Arc::new(Mutex::new(Serial::new(IrqLine(irq), console))),
+            cmos: cmos::Cmos::default(),
+            pci,
+            msi,
+            doorbells,
+            benchmark: None,
+            payload,
+        })
+    }
+
+    /// The payload as the guest left it ([`VmConfig::payload`]), or `None`
+    /// when the VM was given none.
+    pub fn read_payload(&self) -> Result<Option<Vec<u8>>, VmError> {
+        let Some((at, len)) = self.payload else { return Ok(None) };
+        let mut b = vec![0u8; len as usize];
+        self.memory
+            .read_slice(&mut b, GuestAddress(at))
+            .map_err(|e| VmError::Memory { size: len, reason: format!("reading the payload back: {e}") })?;
+        Ok(Some(b))
+    }
+
+    /// Calls `hook` for every write to a benchmark register
+    /// ([`SYSCON_BENCH`]), on the vCPU thread while the guest waits.
+    pub fn set_benchmark_hook(&mut self, hook: BenchmarkHook) {
+        self.benchmark = Some(hook);
+    }
+
+    /// The vCPU's TSC rate in kHz, as the guest was told it (0 if KVM
+    /// could not tell).
+    pub fn tsc_khz(&self) -> u32 {
+        self.vcpu.get_tsc_khz().unwrap_or(0)
+    }
+
+    /// CPUID, FPU and local APIC set up as a PC's firmware leaves them, for
+    /// a Linux kernel: the host's supported CPUID with this vCPU's APIC ID
+    /// (0) and one logical processor; LINT0 = ExtINT, LINT1 = NMI.
+    fn linux_vcpu(kvm: &Kvm, vcpu: &VcpuFd) -> Result<(), VmError> {
+        let mut cpuid = kvm
+            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(ioctl("get supported CPUID"))?;
+        let tcg = host_is_qemu_tcg();
+        // KVM emulates the local APIC's TSC-deadline mode; a kernel that sees
+        // it needs no APIC timer calibration (which the nested path's
+        // timing fails).
+        let deadline = kvm.check_extension(kvm_ioctls::Cap::TscDeadlineTimer);
+        // QEMU's TCG, when it is the host (the nested test path), does not
+        // let KVM see a nested guest's XSETBV, so KVM reports the XSAVE size
+        // of the reset XCR0 and Linux warns at boot; such guests get FXSAVE
+        // only: no XSAVE, OSXSAVE, AVX, FMA, F16C (leaf 1), AVX2, AVX-512
+        // (leaf 7), and no leaf 0xD.
+        const LEAF1_XSAVE_ECX: u32 = (1 << 26) | (1 << 27) | (1 << 28) | (1 << 12) | (1 << 29);
+        const LEAF7_AVX_EBX: u32 = (1 << 5) | (1 << 16) | (1 << 17) | (1 << 28) | (1 << 30) | (1 << 31);
+        for e in cpuid.as_mut_slice() {
+            match e.function {
+                1 => {
+                    e.ebx = (e.ebx & 0x0000_ffff) | (1 << 16);
+                    if deadline {
+                        e.ecx |= 1 << 24;
+                    }
+                    // "Running under a hypervisor": the guest then finds
+                    // KVM's leaves (kvm-clock, paravirtual features).
+                    e.ecx |= 1 << 31;
+                    if tcg {
+                        e.ecx &= !LEAF1_XSAVE_ECX;
+                    }
+                }
+                7 if tcg && e.index == 0 => e.ebx &= !LEAF7_AVX_EBX,
+                0xd if tcg => {
+                    e.eax = 0;
+                    e.ebx = 0;
+                    e.ecx = 0;
+                    e.edx = 0;
+                }
+                0xb | 0x1f => e.edx = 0,
+                // XSAVE area size for the enabled features: a kernel enables
+                // every supported one, so it is the size for all (ECX).
+                0xd if e.index == 0 => e.ebx = e.ecx,
+                _ => {}
+            }
+        }
+        vcpu.set_cpuid2(&cpuid).map_err(ioctl("set CPUID"))?;
+        let fpu = kvm_bindings::kvm_fpu { fcw: 0x37f, mxcsr: 0x1f80, ..Default::default() };
+        vcpu.set_fpu(&fpu).map_err(ioctl("set FPU"))?;
+        let mut lapic = vcpu.get_lapic().map_err(ioctl("get local APIC"))?;
+        for (reg, mode) in [(0x350usize, 7u32), (0x360, 4)] {
+            let mut b = [0u8; 4];
+            for (i, x) in b.iter_mut().enumerate() {
+                *x = lapic.regs[reg + i] as u8;
+            }
+            let v = (u32::from_le_bytes(b) & !0x700) | (mode << 8);
+            for (i, x) in v.to_le_bytes().iter().enumerate() {
+                lapic.regs[reg + i] = *x as _;
+            }
+        }
+        vcpu.set_lapic(&lapic).map_err(ioctl("set local APIC"))?;
+        Ok(())
+    }
+
+    /// Places each vNPU's BARs (BAR 0 at `PCI_MMIO_BASE + slot * 64 KiB`,
+    /// BAR 2 at +32 KiB) and leaves decoding off, as firmware does before
+    /// an OS that keeps firmware assignments.
+    fn place_bars(pci: &mut PciBus, vnpus: usize) {
+        for slot in 1..=vnpus {
+            let bar0 = PCI_MMIO_BASE + slot as u64 * 0x1_0000;
+            for (reg, addr) in [(0x10u64, bar0), (0x18, bar0 + 0x8000)] {
+                let off = ((slot as u64) << 15) | reg;
+                pci.ecam_write(off, &(addr as u32).to_le_bytes());
+                pci.ecam_write(off + 4, &((addr >> 32) as u32).to_le_bytes());
+            }
+        }
+    }
+
+    /// Bus 0: host bridge at 00:00.0, vNPU functions from 00:01.0 on.
+    fn pci_bus(
+        cfg: &VmConfig,
+        memory: &GuestMemoryMmap<()>,
+        vm: &Arc<VmFd>,
+        msi: &Arc<Mutex<irq::MsiRoutes>>,
+    ) -> Result<(PciBus, Vec<Doorbells>), VmError> {
+        let mut bus = PciBus::new();
+        let bridge = Identity {
+            vendor_id: vnpu_device::VENDOR_ID,
+            device_id: HOST_BRIDGE_DEVICE_ID,
+            class: 0x06_00_00,
+            revision: 0,
+            subsystem_vendor_id: vnpu_device::VENDOR_ID,
+            subsystem_id: 0,
+        };
+        bus.add(0, Box::new(PlainFunction(ConfigSpace::new(bridge))))?;
+        let mut doorbells = Vec::new();
+        let (vnpus, board) = (&cfg.vnpus, &cfg.board);
+        for (i, spec) in vnpus.iter().enumerate() {
+            let slot = i + 1;
+            let mut device = cfg.device.clone();
+            if let Some(cores) = cfg.shared_cores.get(i) {
+                device.cores = cores.clone();
+            }
+            let sink = Arc::new(SlotSink { slot, vm: Arc::clone(vm), routes: Arc::clone(msi) });
+            let f = VnpuFunction::new(
+                spec,
+                board,
+                memory.clone(),
+                sink,
+                &format!("{}/vnpu-{slot}", cfg.name),
+                device,
+            )?;
+            let mut events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
+            let loopback = msi
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
+                .map_err(|e| VmError::Guest(format!("loopback irqfd: {e}")))?;
+            events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
+            let grant = Some(f.grant_handle());
+            bus.add(slot, Box::new(f))?;
+            doorbells.push(Doorbells { slot, events, registered: None, grant });
+        }
+        for (i, path) in cfg.remote_vnpus.iter().enumerate() {
+            let slot = vnpus.len() + i + 1;
+            let f = remote::RemoteFunction::attach(path, slot, memory, Arc::clone(vm), Arc::clone(msi))
+                .map_err(|e| VmError::Guest(e.to_string()))?;
+            let events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
+            bus.add(slot, Box::new(f))?;
+            doorbells.push(Doorbells { slot, events, registered: None, grant: None });
+        }
+        Ok((bus, doorbells))
+    }
+
+    /// Moves each vNPU's doorbell ioeventfds to where its BAR 0 is now
+    /// decoded (after any configuration write: BAR moves and command
+    /// register changes).
+    fn sync_doorbells(&mut self) {
+        for d in &mut self.doorbells {
+            let now = self
+                .pci
+                .function(d.slot)
+                .map(|f| f.config())
+                .filter(|c| c.memory_enabled())
+                .and_then(|c| c.bar_address(0))
+                .filter(|a| *a != 0);
+            if now == d.registered {
+                continue;
+            }
+            if let Some(old) = d.registered.take() {
+                for (off, fd) in &d.events {
+                    // Failing to remove one that was never added is harmless.
+                    let _ = self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(old + off), NoDatamatch);
+                }
+            }
+            if let Some(base) = now {
+                let ok = d.events.iter().all(|(off, fd)| {
+                    base.checked_add(*off).is_some_and(|a| {
+                        self.vm.register_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch).is_ok()
+                    })
+                });
+                // Without the ioeventfds the doorbells still work, through
+                // MMIO exits to the function.
+                d.registered = ok.then_some(base);
+                if !ok {
+                    for (off, fd) in &d.events {
+                        let _ =
+                            self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(base + off), NoDatamatch);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The PCI bus (for tests and the device layer).
+    /// Handles that change each vNPU's grant while the VM runs (a live
+    /// remap), in the order of [`VmConfig::vnpus`].
+    pub fn grant_handles(&self) -> Vec<vnpu_device::GrantHandle> {
+        self.doorbells.iter().filter_map(|d| d.grant.clone()).collect()
+    }
+
+    pub fn pci(&self) -> &PciBus {
+        &self.pci
+    }
+
+    /// The GDT (a flat 64-bit code segment at selector `cs`, a flat data
+    /// segment at `ds`) and the identity map of the first 4 GiB.
+    fn write_boot_tables(m: &GuestMemoryMmap<()>, cs: u16, ds: u16) -> Result<(), VmError> {
+        let err = |e: vm_memory::GuestMemoryError| VmError::Memory { size: 0, reason: e.to_string() };
+        let mut gdt = [0u64; 4];
+        gdt[usize::from(cs >> 3)] = 0x00af_9b00_0000_ffff;
+        gdt[usize::from(ds >> 3)] = 0x00cf_9300_0000_ffff;
+        for (i, d) in gdt.iter().enumerate() {
+            m.write_obj(*d, GuestAddress(GDT_ADDR + 8 * i as u64)).map_err(err)?;
+        }
+        m.write_obj(PDPT_ADDR | 3, GuestAddress(PML4_ADDR)).map_err(err)?;
+        for d in 0..4u64 {
+            m.write_obj((PD_ADDR + 0x1000 * d) | 3, GuestAddress(PDPT_ADDR + 8 * d)).map_err(err)?;
+        }
+        for i in 0..4 * 512u64 {
+            // 2 MiB pages: present, writable, page size; the top GiB (MMIO)
+            // also cache-disabled.
+            let flags = if i >= 3 * 512 { 0x93 } else { 0x83 };
+            m.write_obj((i << 21) | flags, GuestAddress(PD_ADDR + 8 * i)).map_err(err)?;
+        }
+        Ok(())
+    }
+
+    /// Delivers the MSIs PCI functions queued (functions without their own
+    /// sink), each through the irqfd of its (function, vector) GSI.
+    fn deliver_interrupts(&mut self) {
+        for (slot, m) in self.pci.take_interrupts() {
+            let mut r = self.msi.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            // Undeliverable messages are dropped, as on hardware.
+            let _ = r.deliver(&self.vm, slot, m);
+        }
+    }
+
+    fn exit(&mut self, code: u32) -> u32 {
+        let _ = uart(&self.serial).writer_mut().flush();
+        code
+    }
+
+    /// Runs the guest until it writes the exit port (or, for a Linux
+    /// guest, resets through the i8042: exit code 0); returns its exit code.
+    pub fn run(&mut self) -> Result<u32, VmError> {
+        loop {
+            self.deliver_interrupts();
+            match self.vcpu.run().map_err(ioctl("run vCPU"))? {
+                VcpuExit::IoOut(port, data) => {
+                    if port == EXIT_PORT {
+                        let code = le_u32(data);
+                        return Ok(self.exit(code));
+                    }
+                    if port == I8042_COMMAND_PORT && data.first() == Some(&I8042_RESET) {
+                        return Ok(self.exit(0));
+                    }
+                    if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
+                        if let Some(v) = data.first() {
+                            self.cmos.write(port, *v);
+                        }
+                    }
+                    if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
+                        if let Some(v) = data.first() {
+                            // A write the UART cannot take is dropped, as on hardware.
+                            let _ = uart(&self.serial).write((port - SERIAL_PORT) as u8, *v);
+                        }
+                    } else if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
+                        self.pci.pio_write(port, data);
+                        self.sync_doorbells();
+                    }
+                }
+                VcpuExit::IoIn(port, data) => {
+                    if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
+                        self.pci.pio_read(port, data);
+                    } else {
+                        let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
+                            uart(&self.serial).read((port - SERIAL_PORT) as u8)
+                        } else if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
+                            self.cmos.read(port)
+                        } else if port == I8042_COMMAND_PORT {
+                            // Status: input buffer empty, so a reset command
+                            // is taken at once; output buffer always full,
+                            // so a probing OS finds no controller (its
+                            // flush never drains) and says so quietly.
+                            0x01
+                        } else {
+                            0xff
+                        };
+                        data.iter_mut().for_each(|b| *b = v);
+                    }
+                }
+                VcpuExit::MmioRead(addr, data) => {
+                    match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
+                        Some(off) => self.pci.ecam_read(off, data),
+                        None => {
+                            if !self.pci.mmio_read(addr, data) {
+                                data.iter_mut().for_each(|b| *b = 0xff);
+                            }
+                        }
+                    }
+                }
+                VcpuExit::MmioWrite(addr, data) => {
+                    if addr == SYSCON_BASE + SYSCON_EXIT {
+                        let code = le_u32(data);
+                        return Ok(self.exit(code));
+                    }
+                    if let Some(id) = addr
+                        .checked_sub(SYSCON_BASE + SYSCON_BENCH)
+                        .filter(|o| *o < 8 * SYSCON_BENCH_SLOTS)
+                        .map(|o| (o / 8) as u32)
+                    {
+                        if let Some(hook) = self.benchmark.as_mut() {
+                            hook(id, le_u64(data));
+                        }
+                        continue;
+                    }
+                    if addr == SYSCON_BASE + SYSCON_CONSOLE {
+                        if let Some(v) = data.first() {
+                            let _ = uart(&self.serial).write(0, *v);
+                        }
+                        continue;
+                    }
+                    match addr.checked_sub(ECAM_BASE).filter(|o| *o < ECAM_SIZE) {
+                        Some(off) => {
+                            self.pci.ecam_write(off, data);
+                            self.sync_doorbells();
+                        }
+                        None => {
+                            // Writes nothing decodes are dropped, as on a bus.
+                            let _ = self.pci.mmio_write(addr, data);
+                        }
+                    }
+                }
+                VcpuExit::Hlt => return Err(VmError::Guest("halted without writing the exit port".into())),
+                VcpuExit::Shutdown => {
+                    let rip = self.vcpu.get_regs().map(|r| r.rip).unwrap_or(0);
+                    return Err(VmError::Guest(format!("shutdown (triple fault?) near rip {rip:#x}")));
+                }
+                other => return Err(VmError::Guest(format!("unexpected exit {other:?}"))),
+            }
+        }
+    }
+
+    /// Feeds the bytes read from `input` to the UART's receive FIFO (the
+    /// guest's console input, with an interrupt on IRQ 4 when the guest
+    /// enabled it), on a thread of its own, until end of input. When the
+    /// FIFO is full it waits for the guest to drain it: nothing is dropped.
+    pub fn forward_input<R: std::io::Read + Send + 'static>(&self, mut input: R) -> std::io::Result<()>
+    where
+        W: Send + 'static,
+    {
+        let serial = Arc::clone(&self.serial);
+        std::thread::Builder::new().name("serial-in".into()).spawn(move || {
+            let mut buf = [0u8; 256];
+            loop {
+                let n = match input.read(&mut buf) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                let mut rest = &buf[..n];
+                while !rest.is_empty() {
+                    let taken = {
+                        let mut u = uart(&serial);
+                        let room = u.fifo_capacity().min(rest.len());
+                        if room == 0 {
+                            0
+                        } else {
+                            u.enqueue_raw_bytes(&rest[..room]).unwrap_or(0)
+                        }
+                    };
+                    if taken == 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    rest = &rest[taken..];
+                }
+            }
+        })?;
+        Ok(())
+    }
+}
