@@ -1,8 +1,9 @@
 //! Shared helpers of the benchmark binaries.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
-use npu_model::{CoreMemory, SimTenant};
+use npu_model::{BoardConfig, CoreMemory, SimTenant};
 use vnpu_abi::Program;
 
 /// One request of an arrival stream on a simulated core, timing only:
@@ -118,53 +119,55 @@ pub fn p99(v: &[f64]) -> f64 {
     v[((v.len() as f64 * 0.99).ceil() as usize).saturating_sub(1).min(v.len() - 1)]
 }
 
-/// The positive number `flag` was given.
-pub fn positive(flag: &str, v: Option<String>) -> Result<f64, String> {
-    let v = v.ok_or(format!("{flag} needs a value"))?;
-    let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
+/// `--board FILE`, which every evaluation takes.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct BoardArg {
+    /// Board configuration (TOML, docs/board-config.md); default: the
+    /// built-in board.
+    #[arg(long, value_name = "FILE")]
+    pub board: Option<PathBuf>,
+}
+
+impl BoardArg {
+    /// The board it names, or the built-in one.
+    pub fn load(&self) -> Result<BoardConfig, String> {
+        match &self.board {
+            Some(path) => BoardConfig::load(path).map_err(|e| e.to_string()),
+            None => Ok(BoardConfig::default()),
+        }
+    }
+}
+
+/// A clap value parser: a finite number above 0.
+pub fn positive(v: &str) -> Result<f64, String> {
+    let x: f64 = v.parse().map_err(|_| format!("`{v}` is not a number"))?;
     if x.is_finite() && x > 0.0 {
         Ok(x)
     } else {
-        Err(format!("{flag}: {v} must be positive"))
+        Err(format!("{v} must be positive"))
     }
 }
 
-/// The number `flag` was given, within `lo..=hi`.
-pub fn in_range(flag: &str, v: Option<String>, lo: f64, hi: f64) -> Result<f64, String> {
-    let v = v.ok_or(format!("{flag} needs a value"))?;
-    let x: f64 = v.parse().map_err(|_| format!("{flag}: `{v}` is not a number"))?;
-    if (lo..=hi).contains(&x) {
-        Ok(x)
+/// A clap value parser: a workload of the library.
+pub fn workload(v: &str) -> Result<String, String> {
+    if npu_workloads::build(v, 1).is_some() {
+        Ok(v.to_string())
     } else {
-        Err(format!("{flag}: {v} must be in {lo}..={hi}"))
+        let names: Vec<&str> =
+            npu_workloads::WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS).map(|w| w.0).collect();
+        Err(format!("unknown workload `{v}` (workloads: {})", names.join(", ")))
     }
 }
 
-/// A comma-separated list of positive loads, none above `max`.
-pub fn loads(v: Option<String>, max: f64) -> Result<Vec<f64>, String> {
-    let v = v.ok_or("--load needs a value")?;
-    let l: Vec<f64> =
-        v.split(',').map(|x| positive("--load", Some(x.to_string()))).collect::<Result<_, _>>()?;
-    if l.iter().any(|x| *x > max) {
-        return Err(format!("--load: loads above {max} would never drain"));
-    }
-    Ok(l)
+/// Exits 2 with `message` and the usage of `C`, as clap does for an
+/// argument it refused itself (for checks across arguments).
+pub fn usage_error<C: clap::CommandFactory>(message: impl std::fmt::Display) -> ! {
+    C::command().error(clap::error::ErrorKind::ValueValidation, message).exit()
 }
 
-/// An integer seed.
-pub fn seed(v: Option<String>) -> Result<u64, String> {
-    let v = v.ok_or("--seed needs a value")?;
-    v.parse().map_err(|_| format!("--seed: `{v}` is not an integer"))
-}
-
-/// Exits after an evaluation failed: 2 with the usage for bad arguments
-/// (messages that start with the flag or "unknown"), else 1.
-pub fn fail(program: &str, usage: &str, e: &str) -> ! {
+/// Exits 1 after an evaluation failed.
+pub fn fail(program: &str, e: &str) -> ! {
     eprintln!("{program}: {e}");
-    if e.starts_with("--") || e.starts_with("unknown") {
-        eprintln!("{usage}");
-        std::process::exit(2);
-    }
     std::process::exit(1);
 }
 

@@ -15,7 +15,10 @@ pub use serve::{InstanceServer, ServeError};
 /// Serves `data` as the byte stream of one vfio-user connection (no file
 /// descriptors) to a vNPU backend shared by every call; replies are read
 /// and dropped. Nothing a client sends may panic the server. Used by the
-/// `vfio_user_server` fuzz target and a unit test.
+/// `vfio_user_server` fuzz target and a unit test, and built only for them
+/// (cargo-fuzz builds with `--cfg fuzzing`).
+#[cfg(any(fuzzing, test))]
+#[doc(hidden)]
 pub fn fuzz_serve(data: &[u8]) {
     use std::io::{Read, Write};
     use std::sync::{Mutex, OnceLock};

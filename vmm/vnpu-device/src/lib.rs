@@ -20,9 +20,10 @@ pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
 };
+#[cfg(any(fuzzing, test))]
+pub use worker::fuzz_drive;
 pub use worker::{
-    fuzz_drive, DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET,
-    SHARED_MAX_HOST_WORK,
+    DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET, SHARED_MAX_HOST_WORK,
 };
 
 use std::sync::Arc;

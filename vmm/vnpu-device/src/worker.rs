@@ -941,7 +941,9 @@ fn died(shared: &Shared) {
 /// operation count, that many 16-byte operations (ring set-up with any
 /// size and addresses, reset, mailbox commands, ring drains), then guest
 /// memory contents. Used by the `vnpu_ring` fuzz target and a unit
-/// test; not part of the device's API.
+/// test; not part of the device's API: built only for them (cargo-fuzz
+/// builds with `--cfg fuzzing`).
+#[cfg(any(fuzzing, test))]
 #[doc(hidden)]
 pub fn fuzz_drive(data: &[u8]) {
     const MEM: usize = 16 << 10;

@@ -5,86 +5,59 @@
 //! vNPU, whose measured EU utilization peaks where the design says
 //! (k = n_SA / n_VU = sqrt(a)) or not.
 //!
-//! `cargo build --release -p npu-bench && target/release/eu-profile [--workloads W,...] [--batches 1,2,...,256] [--eus 8] [--sweep-batch 8] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/eu-profile --help`
 
 use std::process::ExitCode;
 
-use npu_bench::{line_plots, Panel};
+use clap::Parser;
+use npu_bench::{line_plots, usage_error, workload, BoardArg, Panel};
 use npu_lower::LowerError;
 use npu_model::BoardConfig;
 use npu_workloads::{run_workload, RunError, RunOptions, RunReport};
 
-const USAGE: &str = "usage: eu-profile [--workloads W,...] [--batches B,...] [--eus N] [--sweep-batch B] [--json PATH] [--svg PATH]
-
-  --workloads    workloads of the library (default: all, the design's seven
-                 and the further ones `vnpu workload list` names)
-  --batches      batch sizes of the profile (default 1,2,4,8,16,32,64,128,256)
-  --eus          EUs of the vNPUs of the split sweep (default 8: 1+7 .. 7+1,
-                 on a core of the default board widened to N-1 SAs and N-1
-                 VUs so that every split fits)
-  --sweep-batch  batch size of the split sweep (default 8)
-  --json         also write every figure as JSON to PATH
-  --svg          also draw the figures into an SVG file at PATH";
-
+/// The design's Figures 1 and 2 on the model (FLOPS utilization of a
+/// 1 SA + 1 VU vNPU and a = SA-active / VU-active time, per workload and
+/// batch), and its Eq. 3 checked: every SA:VU split of `--eus` EUs.
+#[derive(Parser, Debug)]
+#[command(name = "eu-profile")]
 struct Args {
+    /// Workloads of the library, comma-separated [default: all, the
+    /// design's seven and the further ones `vnpu workload list` names].
+    #[arg(long, value_delimiter = ',', value_parser = workload)]
     workloads: Vec<String>,
+    /// Batch sizes of the profile.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..), default_values_t = [1, 2, 4, 8, 16, 32, 64, 128, 256])]
     batches: Vec<u32>,
+    /// EUs of the vNPUs of the split sweep (1+7 .. 7+1 for 8), on a core of
+    /// the board widened to N-1 SAs and N-1 VUs so that every split fits.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(2..=65))]
     eus: u32,
+    /// Batch size of the split sweep.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     sweep_batch: u32,
+    /// Also write every figure as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
     json: Option<String>,
+    /// Also draw the figures into an SVG file at PATH.
+    #[arg(long, value_name = "PATH")]
     svg: Option<String>,
+    #[command(flatten)]
+    board: BoardArg,
 }
 
-fn list<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<Vec<T>, String> {
-    let v = v.ok_or(format!("{flag} needs a value"))?;
-    v.split(',').map(|x| x.trim().parse().map_err(|_| format!("{flag}: `{x}` is not valid"))).collect()
-}
-
-fn one(flag: &str, v: Option<String>) -> Result<u32, String> {
-    let v = v.ok_or(format!("{flag} needs a value"))?;
-    v.trim().parse().map_err(|_| format!("{flag}: `{v}` is not a whole number"))
-}
-
-fn parse() -> Result<Args, String> {
-    let all: Vec<String> = npu_workloads::WORKLOADS
-        .iter()
-        .chain(npu_workloads::MORE_WORKLOADS)
-        .map(|w| w.0.to_string())
-        .collect();
-    let mut a = Args {
-        workloads: all.clone(),
-        batches: vec![1, 2, 4, 8, 16, 32, 64, 128, 256],
-        eus: 8,
-        sweep_batch: 8,
-        json: None,
-        svg: None,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "--workloads" => a.workloads = list("--workloads", it.next())?,
-            "--batches" => a.batches = list("--batches", it.next())?,
-            "--eus" => a.eus = one("--eus", it.next())?,
-            "--sweep-batch" => a.sweep_batch = one("--sweep-batch", it.next())?,
-            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
-            "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            f => return Err(format!("unknown option `{f}`")),
-        }
+fn parse() -> Args {
+    let mut a = Args::parse();
+    if a.workloads.is_empty() {
+        a.workloads = npu_workloads::WORKLOADS
+            .iter()
+            .chain(npu_workloads::MORE_WORKLOADS)
+            .map(|w| w.0.to_string())
+            .collect();
     }
-    if let Some(w) = a.workloads.iter().find(|w| !all.contains(w)) {
-        return Err(format!("unknown workload `{w}` (known: {})", all.join(", ")));
+    if a.batches.is_empty() {
+        usage_error::<Args>("--batches: give at least one batch size");
     }
-    if a.batches.is_empty() || a.batches.contains(&0) || a.sweep_batch == 0 {
-        return Err("--batches / --sweep-batch: batch sizes start at 1".into());
-    }
-    if !(2..=65).contains(&a.eus) {
-        return Err("--eus: between 2 and 65 (a core has at most 64 SAs and 64 VUs)".into());
-    }
-    Ok(a)
+    a
 }
 
 /// Runs `workload` at `batch` on `sa` + `vu` of `board`, timing only,
@@ -126,13 +99,7 @@ fn eu_utilization(r: &RunReport) -> f64 {
 }
 
 fn main() -> ExitCode {
-    let args = match parse() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("eu-profile: {e}\n{USAGE}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = parse();
     match body(&args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -143,7 +110,7 @@ fn main() -> ExitCode {
 }
 
 fn body(args: &Args) -> Result<(), String> {
-    let board = BoardConfig::default();
+    let board = args.board.load()?;
     // Figures 1 and 2: the 1 SA + 1 VU profile per batch.
     println!("1 SA + 1 VU vNPU: FLOPS utilization (Figure 1) and a = SA-active / VU-active time (Figure 2)");
     print!("{:<14}", "workload");

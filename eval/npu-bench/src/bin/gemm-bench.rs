@@ -2,17 +2,18 @@
 //! the model (DMA from guest memory to SRAM, sa.matmul, DMA back), against
 //! OpenBLAS `cblas_sgemm` called on the same matrices in the same run.
 //!
-//! Usage: gemm-bench [--runs N]
+//! Usage: gemm-bench [--runs N] [--board FILE] (`--help`).
 //! Needs OpenBLAS at run time (Debian: libopenblas0); it is loaded with
 //! dlopen so the workspace builds without it.
 
 use std::process::ExitCode;
 
+use clap::Parser;
 use libloading::{Library, Symbol};
-use npu_bench::{interleaved_medians, values};
+use npu_bench::{interleaved_medians, values, BoardArg};
 use npu_model::kernels::{gemm_f32, GemmShape};
 use npu_model::memory::{read_f32s, write_f32s};
-use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory};
+use npu_model::{run_program, CoreMemory, LazyHbm, Sram, VecGuestMemory};
 use vnpu_abi::{Addr, DType, Engine, Instr, MatFlags, ProgramBuilder};
 
 type Sgemm = unsafe extern "C" fn(
@@ -46,9 +47,29 @@ fn open_blas() -> Result<(Library, String), String> {
     Err("OpenBLAS not found (install Debian's libopenblas0: bash scripts/setup-bench.sh)".into())
 }
 
+/// SA functional GEMM throughput on the model, end to end through SA
+/// instructions, against OpenBLAS `cblas_sgemm` on the same matrices in
+/// the same run (host wall time, medians of alternating blocks).
+#[derive(Parser, Debug)]
+#[command(name = "gemm-bench")]
+struct Args {
+    /// Runs per side and size (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    runs: u64,
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() -> ExitCode {
-    let runs =
-        std::env::args().skip_while(|a| a != "--runs").nth(1).and_then(|v| v.parse().ok()).unwrap_or(5usize);
+    let args = Args::parse();
+    let runs = args.runs as usize;
+    let board = match args.board.load() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("gemm-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let (lib, libname) = match open_blas() {
         Ok(l) => l,
         Err(e) => {
@@ -64,7 +85,6 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let board = BoardConfig::default();
     println!("# SA GEMM (f32) end to end on the model vs OpenBLAS ({libname}), median of {runs} runs in alternating blocks, host wall time");
     println!(
         "{:>6} {:>6} {:>6} {:>12} {:>12} {:>12} {:>8}",

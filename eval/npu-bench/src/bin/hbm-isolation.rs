@@ -6,10 +6,12 @@
 //! of the 4 vNPUs owns a quarter). Prints the victim's simulated time and
 //! its slowdown against running alone on the core.
 //!
-//! `cargo build --release -p npu-bench && target/release/hbm-isolation`
+//! `cargo build --release -p npu-bench && target/release/hbm-isolation [--board FILE]`
 
+use clap::Parser;
+use npu_bench::BoardArg;
 use npu_model::config::HbmPartition;
-use npu_model::{run_core, run_program, BoardConfig, Tenant};
+use npu_model::{run_core, run_program, Tenant};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder, UnOp};
 
@@ -40,8 +42,21 @@ fn quiet(len: u32, n: usize) -> Program {
     p.finish()
 }
 
+/// Performance isolation through HBM bandwidth partitioning: a victim
+/// vNPU beside three neighbours that stream HBM (heavy) or not (quiet),
+/// under the board's `shared` and `equal` HBM policies.
+#[derive(Parser, Debug)]
+#[command(name = "hbm-isolation")]
+struct Args {
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() {
-    let mut board = BoardConfig::default();
+    let mut board = match Args::parse().board.load() {
+        Ok(b) => b,
+        Err(e) => npu_bench::fail("hbm-isolation", &e),
+    };
     println!(
         "{:<10} {:>5} {:>9} | {:>12} {:>12} {:>12} | {:>12} {:>12} {:>12}",
         "victim",

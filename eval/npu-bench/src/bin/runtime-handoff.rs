@@ -18,11 +18,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+use npu_bench::BoardArg;
 use npu_board_runtime::{Claim, CoreMem, SharedBoard, SharedCore};
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Sram, VecGuestMemory};
 use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder};
-
-const USAGE: &str = "runtime-handoff [--rounds N] [--requests M]";
 
 /// Guest memory of the requests: the CNN's image at 0, logits at 4096.
 const GUEST_BYTES: usize = 8192;
@@ -74,18 +74,23 @@ fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     }
 }
 
-fn run(rounds: usize, requests: usize) -> Result<(), String> {
+fn run(board: &BoardConfig, rounds: usize, requests: usize) -> Result<(), String> {
     for (what, program) in programs() {
-        measure(what, &program, rounds, requests)?;
+        measure(board, what, &program, rounds, requests)?;
     }
     Ok(())
 }
 
-fn measure(what: &str, program: &Arc<Program>, rounds: usize, requests: usize) -> Result<(), String> {
-    let board = BoardConfig::default();
+fn measure(
+    board: &BoardConfig,
+    what: &str,
+    program: &Arc<Program>,
+    rounds: usize,
+    requests: usize,
+) -> Result<(), String> {
     let io = |e: std::io::Error| e.to_string();
-    let alone = SharedBoard::new(&board, "alone").map_err(io)?;
-    let beside = SharedBoard::new(&board, "beside").map_err(io)?;
+    let alone = SharedBoard::new(board, "alone").map_err(io)?;
+    let beside = SharedBoard::new(board, "beside").map_err(io)?;
     let (alone_core, beside_core) = (alone.core(0).ok_or("no core 0")?, beside.core(0).ok_or("no core 0")?);
     // The neighbour's one request, then it stays idle.
     shared_request(&beside_core, "idle neighbour", program, fresh_mem())?;
@@ -108,7 +113,7 @@ fn measure(what: &str, program: &Arc<Program>, rounds: usize, requests: usize) -
                             hbm: &mut private_mem.hbm,
                             guest: &mut guest,
                         };
-                        run_program(&board, program, Some(mem), Some(1 << 30)).map_err(|e| e.to_string())?;
+                        run_program(board, program, Some(mem), Some(1 << 30)).map_err(|e| e.to_string())?;
                     }
                     1 => alone_mem = shared_request(&alone_core, "tenant", program, alone_mem)?,
                     _ => beside_mem = shared_request(&beside_core, "tenant", program, beside_mem)?,
@@ -138,27 +143,27 @@ fn measure(what: &str, program: &Arc<Program>, rounds: usize, requests: usize) -
     Ok(())
 }
 
+/// The board runtime's cost per request: the same small requests run
+/// privately, through a board runtime alone, and beside an idle neighbour;
+/// host wall time per request, interleaved rounds, min / median / max.
+#[derive(Parser, Debug)]
+#[command(name = "runtime-handoff")]
+struct Args {
+    /// Interleaved rounds.
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+    /// Requests per round and side.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    requests: u64,
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() {
-    let mut args = std::env::args().skip(1);
-    let (mut rounds, mut requests) = (7usize, 2000usize);
-    while let Some(a) = args.next() {
-        let mut count = |flag: &str| -> usize {
-            match args.next().and_then(|v| v.parse().ok()) {
-                Some(n) if n > 0 => n,
-                _ => npu_bench::fail("runtime-handoff", USAGE, &format!("{flag} needs a positive count")),
-            }
-        };
-        match a.as_str() {
-            "--rounds" => rounds = count("--rounds"),
-            "--requests" => requests = count("--requests"),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
-            }
-            other => npu_bench::fail("runtime-handoff", USAGE, &format!("unknown argument {other}")),
-        }
-    }
-    if let Err(e) = run(rounds, requests) {
-        npu_bench::fail("runtime-handoff", USAGE, &e);
+    let args = Args::parse();
+    let result =
+        args.board.load().and_then(|board| run(&board, args.rounds as usize, args.requests as usize));
+    if let Err(e) = result {
+        npu_bench::fail("runtime-handoff", &e);
     }
 }

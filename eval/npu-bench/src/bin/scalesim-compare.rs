@@ -3,14 +3,16 @@
 //! convolution layers on 32x32 and 128x128 arrays, and the wall time each
 //! simulator takes for the same layers.
 //!
-//! Usage: scalesim-compare [--python PATH] [--quick]
+//! Usage: scalesim-compare [--python PATH] [--quick] [--board FILE] (`--help`).
 //! PATH defaults to .venv-bench/bin/python (made by scripts/setup-bench.sh).
 
 use std::io::Write;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
 
-use npu_model::{run_program, BoardConfig};
+use clap::Parser;
+use npu_bench::BoardArg;
+use npu_model::run_program;
 use serde_json::{json, Value};
 use vnpu_abi::{ConvGeom, DType, Engine, Instr, MatFlags, ProgramBuilder};
 
@@ -113,23 +115,44 @@ fn scalesim(python: &str, rows: u32, layers: &[(&str, Layer)]) -> Result<Value, 
     serde_json::from_slice(&out.stdout).map_err(|e| format!("bad output from SCALE-Sim script: {e}"))
 }
 
+/// The SA timing model against SCALE-Sim v3 (weight-stationary, no memory
+/// stalls): cycles of GEMM and convolution layers on 32x32 and 128x128
+/// arrays, and each simulator's wall time for them.
+#[derive(Parser, Debug)]
+#[command(name = "scalesim-compare")]
+struct Args {
+    /// The Python with SCALE-Sim installed [default: .venv-bench/bin/python,
+    /// made by scripts/setup-bench.sh].
+    #[arg(long, value_name = "PATH")]
+    python: Option<String>,
+    /// The first four layers only.
+    #[arg(long)]
+    quick: bool,
+    /// The board whose core (arrays resized to 32x32 and 128x128) is timed.
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().collect();
-    let python = args
-        .iter()
-        .position(|a| a == "--python")
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv-bench/bin/python").into());
-    let layers: Vec<(&str, Layer)> = if args.iter().any(|a| a == "--quick") {
-        LAYERS.iter().copied().take(4).collect()
-    } else {
-        LAYERS.to_vec()
+    let args = Args::parse();
+    let base = match args.board.load() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("scalesim-compare: {e}");
+            return ExitCode::FAILURE;
+        }
     };
+    let python = args
+        .python
+        .clone()
+        .unwrap_or_else(|| concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv-bench/bin/python").into());
+    let layers: Vec<(&str, Layer)> =
+        if args.quick { LAYERS.iter().copied().take(4).collect() } else { LAYERS.to_vec() };
     println!("# SA timing model vs SCALE-Sim v3 (weight stationary, no memory stalls); cycles are simulated");
     println!("{:<16} {:>7} {:>12} {:>12} {:>8}", "layer", "array", "ours", "SCALE-Sim", "diff %");
     let (mut worst, mut ours_wall, mut theirs_wall) = (0.0f64, 0.0f64, 0.0f64);
     for size in [32u32, 128] {
-        let mut board = BoardConfig::default();
+        let mut board = base.clone();
         board.core.sa_rows = size;
         board.core.sa_cols = size;
         eprintln!("running SCALE-Sim on {} layers, {size}x{size} (this takes minutes)...", layers.len());

@@ -21,24 +21,16 @@
 //! tenants' SLO attainment and p99, the throughput and the core's EU
 //! utilization; `--json PATH` writes the same with every tenant.
 //!
-//! `cargo build --release -p npu-bench && target/release/slo-eval [--load 0.3,0.5,0.7,0.9] [--seconds 0.5] [--seed 1] [--json out.json]`
+//! `cargo build --release -p npu-bench && target/release/slo-eval --help`
 
-use npu_bench::{fail, loads, p99, positive, seed, Request, Rng};
+use clap::Parser;
+use npu_bench::{fail, p99, positive, usage_error, BoardArg, Request, Rng};
 use npu_model::{BoardConfig, CoreSim};
 use npu_scheduler::{
     admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatcher, Pending,
 };
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
-
-const USAGE: &str = "usage: slo-eval [--load F[,F...]] [--seconds S] [--seed N] [--json PATH]
-
-  --load     offered loads: at 1.0 the tenants' requests, each run alone on
-             its vNPU's shape, would keep every EU of the core busy
-             (default 0.3,0.5,0.7,0.9)
-  --seconds  simulated seconds of arrivals per load (default 0.5)
-  --seed     arrival seed (default 1)
-  --json     also write the results as JSON to PATH";
 
 struct VnpuTenant {
     name: &'static str,
@@ -148,35 +140,43 @@ fn simulate(
     Ok(o)
 }
 
+/// SLO evaluation of an oversubscribed core: four vNPUs whose claims exceed
+/// one 4 SA + 4 VU core, two with a latency target, under EDF with
+/// preemption, priority + EDF without, and FIFO; per offered load, SLO
+/// attainment, p99, throughput and EU utilization.
+#[derive(Parser, Debug)]
+#[command(name = "slo-eval")]
 struct Args {
+    /// Offered loads, comma-separated: at 1.0 the tenants' requests, each
+    /// run alone on its vNPU's shape, would keep every EU of the core busy
+    /// (at most 2: more would never drain).
+    #[arg(long = "load", value_delimiter = ',', value_parser = positive, default_values_t = [0.3, 0.5, 0.7, 0.9])]
     loads: Vec<f64>,
+    /// Simulated seconds of arrivals per load (at most 10).
+    #[arg(long, default_value_t = 0.5, value_parser = positive)]
     seconds: f64,
+    /// Arrival seed.
+    #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Also write the results as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
     json: Option<String>,
+    #[command(flatten)]
+    board: BoardArg,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args { loads: vec![0.3, 0.5, 0.7, 0.9], seconds: 0.5, seed: 1, json: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--load" => a.loads = loads(it.next(), 2.0)?,
-            "--seconds" => a.seconds = positive("--seconds", it.next())?.min(10.0),
-            "--seed" => a.seed = seed(it.next())?,
-            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
-            other => return Err(format!("unknown argument `{other}`")),
-        }
+fn parse_args() -> Args {
+    let mut a = Args::parse();
+    if a.loads.iter().any(|x| *x > 2.0) {
+        usage_error::<Args>("--load: loads above 2 would never drain");
     }
-    Ok(a)
+    a.seconds = a.seconds.min(10.0);
+    a
 }
 
 fn run() -> Result<(), String> {
-    let args = parse_args()?;
-    let board = BoardConfig::default();
+    let args = parse_args();
+    let board = args.board.load()?;
     let hz = f64::from(board.clock_mhz) * 1e6;
     let us = |c: f64| c / hz * 1e6;
     // (name, workload, batch, SAs, VUs, latency target in ms or 0).
@@ -292,6 +292,6 @@ fn run() -> Result<(), String> {
 
 fn main() {
     if let Err(e) = run() {
-        fail("slo-eval", USAGE, &e);
+        fail("slo-eval", &e);
     }
 }

@@ -4,16 +4,34 @@
 //! repeated runs) against the simulated NPU time of the program. Prints a
 //! table and, last, the worst fraction.
 //!
-//! `cargo build --release -p npu-bench && target/release/verifier-bench`
+//! `cargo build --release -p npu-bench && target/release/verifier-bench [--board FILE]`
 
 use std::process::ExitCode;
 use std::time::Instant;
 
-use npu_model::{verify, BoardConfig, VnpuLimits};
+use clap::Parser;
+use npu_bench::BoardArg;
+use npu_model::{verify, VnpuLimits};
 use npu_workloads::{lower_workload, run_workload, RunOptions, WORKLOADS};
 
+/// Verifier throughput and cost: the host time the static verifier takes
+/// on every library workload's program (1 SA + 1 VU, batch 1 and 8)
+/// against the program's simulated NPU time.
+#[derive(Parser, Debug)]
+#[command(name = "verifier-bench")]
+struct Args {
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() -> ExitCode {
-    let board = BoardConfig::default();
+    let board = match Args::parse().board.load() {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("verifier-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     println!(
         "{:<13} {:>5} {:>8} {:>12} {:>14} {:>14} {:>10}",
         "workload", "batch", "instrs", "verify us", "instr/s", "simulated us", "fraction"

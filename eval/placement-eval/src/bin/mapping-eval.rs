@@ -10,9 +10,13 @@
 //! offers the cluster 100% of its EUs), and utilization and rejections are
 //! averaged over the arrivals after the first quarter (warm-up).
 //!
-//! `cargo run --release -p placement-eval --bin mapping-eval [-- --seed N --requests N --boards N --churn --lifetime L]`
+//! `cargo run --release -p placement-eval --bin mapping-eval -- --help`
 
+use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Instant;
+
+use clap::Parser;
 
 use npu_model::BoardConfig;
 use vnpu_placement::Board;
@@ -160,33 +164,50 @@ fn run(
     (eus as f64 / eu_total, sram as f64 / sram_total, rejected, per_req)
 }
 
-fn main() {
-    const USAGE: &str = "usage: mapping-eval [--seed N] [--requests N] [--boards N] [--churn [--lifetime L]]";
-    let mut args = std::env::args().skip(1);
-    let (mut seed, mut n, mut boards, mut churn, mut lifetime) = (1u64, None, 1_000usize, false, None);
-    while let Some(a) = args.next() {
-        if a == "--churn" {
-            churn = true;
-            continue;
-        }
-        if a == "-h" || a == "--help" {
-            println!("{USAGE}");
-            return;
-        }
-        let v = args.next().and_then(|v| v.parse::<u64>().ok()).filter(|v| *v > 0);
-        match (a.as_str(), v) {
-            ("--seed", Some(v)) => seed = v,
-            ("--requests", Some(v)) => n = Some(v as usize),
-            ("--boards", Some(v)) => boards = v as usize,
-            ("--lifetime", Some(v)) => lifetime = Some(v as f64),
-            _ => {
-                eprintln!("{USAGE}");
-                std::process::exit(2);
+/// Place a generated stream of vNPU requests on a cluster of boards by
+/// this manager's policy, by first fit and by whole-core allocation, and
+/// compare EU and SRAM utilization, rejections and decision time.
+#[derive(Parser, Debug)]
+#[command(name = "mapping-eval")]
+struct Args {
+    /// Seed of the request stream.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    seed: u64,
+    /// Requests in the stream [default: 10000, or 40000 with --churn].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    requests: Option<u64>,
+    /// Boards in the cluster.
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..))]
+    boards: u64,
+    /// vNPUs also leave: each lives an exponentially distributed number of
+    /// arrivals; utilization and rejections are averaged after the first
+    /// quarter of the arrivals.
+    #[arg(long)]
+    churn: bool,
+    /// Mean lifetime of a vNPU in arrivals [default: what offers the
+    /// cluster 100% of its EUs].
+    #[arg(long, requires = "churn", value_parser = clap::value_parser!(u64).range(1..))]
+    lifetime: Option<u64>,
+    /// Board configuration (TOML, docs/board-config.md); default: the built-in board.
+    #[arg(long)]
+    board: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let (seed, boards, churn) = (args.seed, args.boards as usize, args.churn);
+    let lifetime = args.lifetime.map(|l| l as f64);
+    let n = args.requests.map_or(if churn { 40_000 } else { 10_000 }, |n| n as usize);
+    let cfg = match &args.board {
+        Some(path) => match BoardConfig::load(path) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("mapping-eval: {e}");
+                return ExitCode::from(2);
             }
-        }
-    }
-    let n = n.unwrap_or(if churn { 40_000 } else { 10_000 });
-    let cfg = BoardConfig::default();
+        },
+        None => BoardConfig::default(),
+    };
     let mut r = Rng(seed.max(1) * 0x9e37_79b9_7f4a_7c15);
     let reqs: Vec<Shape> = (0..n).map(|_| request(&mut r)).collect();
     let demand: u64 = reqs.iter().map(|s| u64::from(s.sa_per_core + s.vu_per_core)).sum();
@@ -224,4 +245,5 @@ fn main() {
             t * 1e6
         );
     }
+    ExitCode::SUCCESS
 }

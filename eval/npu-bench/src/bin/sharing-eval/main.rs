@@ -55,7 +55,7 @@
 //! saturation, so every row shows both systems at the same offered rate,
 //! with the load that rate is for each.
 //!
-//! `cargo build --release -p npu-bench && target/release/sharing-eval [--load F,...] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]`
+//! `cargo build --release -p npu-bench && target/release/sharing-eval --help`
 
 mod lending;
 
@@ -63,58 +63,11 @@ use std::collections::VecDeque;
 
 use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
 
-use npu_bench::{fail, in_range, line_plots, loads, p99, positive, seed, Panel, Request, Rng};
+use clap::Parser;
+use npu_bench::{fail, line_plots, p99, positive, usage_error, BoardArg, Panel, Request, Rng};
 use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
-
-const USAGE: &str = "usage: sharing-eval [--load F[,F...]] [--seconds S] [--seed N] [--tenants W[:B],...] [--qos F | --sla-ms MS,...] [--priority P,...] [--preempt-margin M] [--no-prema-kill] [--mix balanced|equal] [--task-us T] [--lend-tolerance F] [--json PATH] [--svg PATH]
-
-  --load     offered loads as fractions of each system's own saturation
-             rate; each system runs at every rate of both lists (default
-             0.1,0.2,...,1.0)
-  --seconds  simulated seconds of arrivals per load (default 0.5)
-  --seed     arrival seed (default 1)
-  --tenants  the tenants, each a workload of the library (`vnpu workload
-             list`) with its batch size (default 1): 2 to 4 of them, each
-             on a 1 SA + 1 VU vNPU of the core (default
-             bert:1,resnet50:1,dlrm:8,ncf:8)
-  --qos      latency bound of each request: F times its workload's isolated
-             latency on the whole core (default 10)
-  --sla-ms   instead, each tenant's latency bound in milliseconds, in the
-             order of --tenants (MLPerf's server bounds, as Planaria sets
-             them: ResNet-50 and GoogLeNet 15, MobileNet and SSD-MobileNet
-             10, YOLOv3 and SSD-ResNet34 100, GNMT 250)
-  --priority each tenant's priority, 1 to 12 (Planaria's range; higher is
-             more important), in the order of --tenants (default: all 1).
-             PREMA's tokens grow with it; vNPU-WC and Planaria serve a
-             higher priority first at a task boundary; FIFO and the static
-             vNPUs ignore it; PREMA's fairness weighs each tenant's
-             progress by its share of the priorities
-  --preempt-margin M
-             PREMA-ckpt: a waiter preempts once its tokens exceed the running
-             request's by M context switches (normalized to the waiter);
-             0 (default) is PREMA's plain token rule
-  --no-prema-kill
-             PREMA-ckpt without PREMA's KILL: by default it chooses among
-             all three of PREMA's mechanisms, and a running request
-             preempted before it has run for one context switch is dropped
-             and started again from scratch later (no checkpoint, no
-             restore); with this flag it is checkpointed like the others
-  --mix      relative arrival rates of the tenants: `balanced` (default:
-             inversely proportional to each one's time on its 1 SA + 1 VU
-             vNPU, so every vNPU is equally loaded) or `equal` (the same
-             request rate for every tenant)
-  --task-us  vNPU-WC and Planaria: target length of one operator-level
-             task on the engines it runs on, in microseconds (default 25;
-             at least one operation): how long an owner can wait for
-             engines it lent
-  --lend-tolerance F
-             vNPU-WC and Planaria: an idle engine is borrowed only if it
-             makes the task more than F faster (fraction, default 0.05)
-  --json     also write the results as JSON to PATH
-  --svg      also draw throughput, p99 latency and EU utilization against
-             the offered rate into an SVG file at PATH";
 
 /// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
 /// Planaria-like, FIFO, V10-like; ratios are against the better of the
@@ -460,116 +413,163 @@ fn saturation_prema(ws: &[Workload], weights: &[f64]) -> f64 {
     1.0 / ws.iter().zip(weights).map(|(w, x)| w.t44 * x).sum::<f64>()
 }
 
+/// Relative arrival rates of the tenants.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum Mix {
+    /// Inversely proportional to each one's time on its 1 SA + 1 VU vNPU,
+    /// so every vNPU is equally loaded.
+    Balanced,
+    /// The same request rate for every tenant.
+    Equal,
+}
+
+/// Sharing evaluation: SA-heavy and VU-heavy tenants on one core, under
+/// static vNPUs, work-conserving vNPUs (engines lent at task boundaries),
+/// PREMA-like time-sharing, and Planaria-like and V10-like sharing; per
+/// offered rate, throughput at the SLA, p99, EU utilization and fairness.
+#[derive(Parser, Debug)]
+#[command(name = "sharing-eval")]
 struct Args {
-    tenants: Vec<(String, u32)>,
-    sla_ms: Option<Vec<f64>>,
-    priorities: Option<Vec<u8>>,
+    /// Offered loads as fractions of each system's own saturation rate
+    /// (comma-separated, at most 4); each system runs at every rate.
+    #[arg(long = "load", value_delimiter = ',', value_parser = positive,
+          default_values_t = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0])]
     loads: Vec<f64>,
+    /// Simulated seconds of arrivals per load (at most 60).
+    #[arg(long, default_value_t = 0.5, value_parser = positive)]
     seconds: f64,
+    /// Arrival seed.
+    #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The tenants, each a workload of the library (`vnpu workload list`)
+    /// with its batch size (default 1), `W[:B],...`: 2 to 4 of them, each on
+    /// a 1 SA + 1 VU vNPU of the core [default: bert:1,resnet50:1,dlrm:8,ncf:8].
+    #[arg(long, value_delimiter = ',', value_parser = tenant)]
+    tenants: Vec<(String, u32)>,
+    /// Latency bound of each request: F times its workload's isolated
+    /// latency on the whole core.
+    #[arg(long, default_value_t = 10.0, value_parser = positive, conflicts_with = "sla_ms")]
     qos: f64,
+    /// Instead, each tenant's latency bound in milliseconds, in the order
+    /// of --tenants (MLPerf's server bounds, as Planaria sets them:
+    /// ResNet-50 and GoogLeNet 15, MobileNet and SSD-MobileNet 10, YOLOv3
+    /// and SSD-ResNet34 100, GNMT 250).
+    #[arg(long, value_delimiter = ',', value_parser = positive)]
+    sla_ms: Vec<f64>,
+    /// Each tenant's priority, 1 to 12 (Planaria's range; higher is more
+    /// important), in the order of --tenants [default: all 1]. PREMA's
+    /// tokens grow with it; vNPU-WC and Planaria serve a higher priority
+    /// first at a task boundary; FIFO and the static vNPUs ignore it;
+    /// PREMA's fairness weighs each tenant's progress by its share.
+    #[arg(long = "priority", value_delimiter = ',', value_parser = clap::value_parser!(u8).range(1..=12))]
+    priorities: Vec<u8>,
+    /// PREMA-ckpt: a waiter preempts once its tokens exceed the running
+    /// request's by M context switches (normalized to the waiter); 0 is
+    /// PREMA's plain token rule (0 to 100).
+    #[arg(long = "preempt-margin", default_value_t = 0.0, value_parser = margin)]
     margin: f64,
-    prema_kill: bool,
-    equal_mix: bool,
+    /// PREMA-ckpt without PREMA's KILL: by default it chooses among all
+    /// three of PREMA's mechanisms, and a running request preempted before
+    /// it has run for one context switch is dropped and started again from
+    /// scratch later; with this flag it is checkpointed like the others.
+    #[arg(long)]
+    no_prema_kill: bool,
+    /// Relative arrival rates of the tenants.
+    #[arg(long, value_enum, default_value_t = Mix::Balanced)]
+    mix: Mix,
+    /// vNPU-WC and Planaria: target length of one operator-level task on
+    /// the engines it runs on, in microseconds (at least one operation):
+    /// how long an owner can wait for engines it lent.
+    #[arg(long, default_value_t = 25.0, value_parser = positive)]
     task_us: f64,
+    /// vNPU-WC and Planaria: an idle engine is borrowed only if it makes
+    /// the task more than F faster (a fraction, 0 to 10).
+    #[arg(long = "lend-tolerance", default_value_t = 0.05, value_parser = tolerance)]
     tolerance: f64,
+    /// Also write the results as JSON to PATH.
+    #[arg(long, value_name = "PATH")]
     json: Option<String>,
+    /// Also draw throughput, p99 latency and EU utilization against the
+    /// offered rate into an SVG file at PATH.
+    #[arg(long, value_name = "PATH")]
     svg: Option<String>,
+    #[command(flatten)]
+    board: BoardArg,
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        tenants: MIX.iter().map(|(w, b)| (w.to_string(), *b)).collect(),
-        sla_ms: None,
-        priorities: None,
-        loads: (1..=10).map(|i| f64::from(i) / 10.0).collect(),
-        seconds: 0.5,
-        seed: 1,
-        qos: 10.0,
-        margin: 0.0,
-        prema_kill: true,
-        equal_mix: false,
-        task_us: 25.0,
-        tolerance: 0.05,
-        json: None,
-        svg: None,
+fn in_range(v: &str, lo: f64, hi: f64) -> Result<f64, String> {
+    let x: f64 = v.parse().map_err(|_| format!("`{v}` is not a number"))?;
+    if (lo..=hi).contains(&x) {
+        Ok(x)
+    } else {
+        Err(format!("{v} must be in {lo}..={hi}"))
+    }
+}
+
+fn margin(v: &str) -> Result<f64, String> {
+    in_range(v, 0.0, 100.0)
+}
+
+fn tolerance(v: &str) -> Result<f64, String> {
+    in_range(v, 0.0, 10.0)
+}
+
+/// One tenant of `--tenants`: `W[:B]`, a workload of the library and a
+/// batch of 1 to 256.
+fn tenant(x: &str) -> Result<(String, u32), String> {
+    let (w, b) = x.trim().split_once(':').unwrap_or((x.trim(), "1"));
+    let b: u32 = match b.parse() {
+        Ok(b) if (1..=256).contains(&b) => b,
+        _ => return Err(format!("batch `{b}` of `{w}` is not 1 to 256")),
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        match flag.as_str() {
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                std::process::exit(0);
-            }
-            "--load" => a.loads = loads(it.next(), 4.0)?,
-            "--seconds" => a.seconds = positive("--seconds", it.next())?.min(60.0),
-            "--seed" => a.seed = seed(it.next())?,
-            "--qos" => a.qos = positive("--qos", it.next())?,
-            "--tenants" => a.tenants = tenants(it.next())?,
-            "--sla-ms" => {
-                let v = it.next().ok_or("--sla-ms needs a list of milliseconds")?;
-                let ms = v.split(',').map(|x| positive("--sla-ms", Some(x.trim().to_string())));
-                a.sla_ms = Some(ms.collect::<Result<Vec<_>, _>>()?);
-            }
-            "--priority" => {
-                let v = it.next().ok_or("--priority needs a list of priorities, 1 to 12")?;
-                let p = v.split(',').map(|x| match x.trim().parse::<u8>() {
-                    Ok(p) if (1..=12).contains(&p) => Ok(p),
-                    _ => Err(format!("--priority: `{}` is not a priority from 1 to 12", x.trim())),
-                });
-                a.priorities = Some(p.collect::<Result<Vec<_>, _>>()?);
-            }
-            "--preempt-margin" => a.margin = in_range("--preempt-margin", it.next(), 0.0, 100.0)?,
-            "--no-prema-kill" => a.prema_kill = false,
-            "--mix" => {
-                a.equal_mix = match it.next().as_deref() {
-                    Some("balanced") => false,
-                    Some("equal") => true,
-                    Some(v) => return Err(format!("--mix: `{v}` is neither `balanced` nor `equal`")),
-                    None => return Err("--mix needs `balanced` or `equal`".into()),
-                }
-            }
-            "--task-us" => a.task_us = positive("--task-us", it.next())?,
-            "--lend-tolerance" => a.tolerance = in_range("--lend-tolerance", it.next(), 0.0, 10.0)?,
-            "--json" => a.json = Some(it.next().ok_or("--json needs a path")?),
-            "--svg" => a.svg = Some(it.next().ok_or("--svg needs a path")?),
-            other => return Err(format!("unknown argument `{other}`")),
-        }
+    if build(w, 1).is_none() {
+        return Err(format!("unknown workload `{w}` (see `vnpu workload list`)"));
     }
-    if let Some(ms) = &a.sla_ms {
-        if ms.len() != a.tenants.len() {
-            return Err(format!("--sla-ms gives {} bounds for {} tenants", ms.len(), a.tenants.len()));
-        }
-    }
-    if let Some(p) = &a.priorities {
-        if p.len() != a.tenants.len() {
-            return Err(format!("--priority gives {} priorities for {} tenants", p.len(), a.tenants.len()));
-        }
-    }
-    Ok(a)
+    Ok((w.to_string(), b))
 }
 
-/// `--tenants W[:B],...`: 2 to 4 workloads of the library with batch sizes.
-fn tenants(v: Option<String>) -> Result<Vec<(String, u32)>, String> {
-    let v = v.ok_or("--tenants needs a list of workloads")?;
-    let t = v
-        .split(',')
-        .map(|x| {
-            let (w, b) = x.trim().split_once(':').unwrap_or((x.trim(), "1"));
-            let b: u32 = match b.parse() {
-                Ok(b) if (1..=256).contains(&b) => b,
-                _ => return Err(format!("--tenants: batch `{b}` of `{w}` is not 1 to 256")),
-            };
-            if build(w, 1).is_none() {
-                return Err(format!("--tenants: unknown workload `{w}` (see `vnpu workload list`)"));
-            }
-            Ok((w.to_string(), b))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    if !(2..=4).contains(&t.len()) {
-        return Err(format!("--tenants: {} tenants; 2 to 4 fit a core as 1 SA + 1 VU vNPUs", t.len()));
+impl Args {
+    fn equal_mix(&self) -> bool {
+        self.mix == Mix::Equal
     }
-    Ok(t)
+    fn prema_kill(&self) -> bool {
+        !self.no_prema_kill
+    }
+    fn sla_ms(&self) -> Option<&Vec<f64>> {
+        (!self.sla_ms.is_empty()).then_some(&self.sla_ms)
+    }
+}
+
+fn parse_args() -> Args {
+    let mut a = Args::parse();
+    if a.tenants.is_empty() {
+        a.tenants = MIX.iter().map(|(w, b)| (w.to_string(), *b)).collect();
+    }
+    if !(2..=4).contains(&a.tenants.len()) {
+        usage_error::<Args>(format!(
+            "--tenants: {} tenants; 2 to 4 fit a core as 1 SA + 1 VU vNPUs",
+            a.tenants.len()
+        ));
+    }
+    if a.loads.iter().any(|x| *x > 4.0) {
+        usage_error::<Args>("--load: loads above 4 would never drain");
+    }
+    a.seconds = a.seconds.min(60.0);
+    if !a.sla_ms.is_empty() && a.sla_ms.len() != a.tenants.len() {
+        usage_error::<Args>(format!(
+            "--sla-ms gives {} bounds for {} tenants",
+            a.sla_ms.len(),
+            a.tenants.len()
+        ));
+    }
+    if !a.priorities.is_empty() && a.priorities.len() != a.tenants.len() {
+        usage_error::<Args>(format!(
+            "--priority gives {} priorities for {} tenants",
+            a.priorities.len(),
+            a.tenants.len()
+        ));
+    }
+    a
 }
 
 struct Row {
@@ -700,8 +700,8 @@ fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Resu
 }
 
 fn run() -> Result<(), String> {
-    let args = parse_args()?;
-    let board = BoardConfig::default();
+    let args = parse_args();
+    let board = args.board.load()?;
     let hz = f64::from(board.clock_mhz) * 1e6;
     let mut ws = Vec::new();
     let mut tasks = Vec::new();
@@ -710,11 +710,11 @@ fn run() -> Result<(), String> {
         let (w, batch) = (w.as_str(), *batch);
         let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
         let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
-        let sla = match &args.sla_ms {
+        let sla = match args.sla_ms() {
             Some(ms) => ms[i] * 1e-3 * hz,
             None => args.qos * t44,
         };
-        let priority = args.priorities.as_ref().map_or(1, |p| p[i]);
+        let priority = args.priorities.get(i).copied().unwrap_or(1);
         ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla, priority });
         tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
@@ -725,7 +725,7 @@ fn run() -> Result<(), String> {
     };
     let planaria = Lending { policy: Policy::Fission, ..how };
     let v10 = Lending { policy: Policy::Interleave, ..how };
-    let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix { 1.0 } else { 1.0 / w.t11 }).collect();
+    let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix() { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
     let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
@@ -743,9 +743,9 @@ fn run() -> Result<(), String> {
         board.core.vu_count,
         args.seconds,
         args.seed,
-        if args.equal_mix { "equal-rate" } else { "balanced" },
+        if args.equal_mix() { "equal-rate" } else { "balanced" },
         switch / hz * 1e6,
-        match &args.sla_ms {
+        match args.sla_ms() {
             Some(_) => "each tenant's bound (--sla-ms)".to_string(),
             None => format!("latency <= {} x isolated whole-core latency", args.qos),
         }
@@ -827,7 +827,7 @@ fn run() -> Result<(), String> {
                     &board,
                     &ws,
                     &arrivals,
-                    WholeCore::prema(switch, args.margin, args.prema_kill),
+                    WholeCore::prema(switch, args.margin, args.prema_kill()),
                 ),
             ),
             (
@@ -962,9 +962,9 @@ fn run() -> Result<(), String> {
         };
         let v = serde_json::json!({
             "seconds": args.seconds, "seed": args.seed,
-            "qos_factor": if args.sla_ms.is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
-            "sla_ms": args.sla_ms, "preempt_margin": args.margin, "prema_kill": args.prema_kill,
-            "mix": if args.equal_mix { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
+            "qos_factor": if args.sla_ms().is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
+            "sla_ms": args.sla_ms(), "preempt_margin": args.margin, "prema_kill": args.prema_kill(),
+            "mix": if args.equal_mix() { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
                 "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz, "V10": sat_v10 * wsum * hz},
             "task_us": args.task_us, "lend_tolerance": args.tolerance,
@@ -988,7 +988,7 @@ fn run() -> Result<(), String> {
 
 fn main() {
     if let Err(e) = run() {
-        fail("sharing-eval", USAGE, &e);
+        fail("sharing-eval", &e);
     }
 }
 

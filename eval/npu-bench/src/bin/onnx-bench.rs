@@ -6,7 +6,7 @@
 //! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
 //! rounds (docs/model-format.md, "Benchmark").
 //!
-//!   onnx-bench [--rounds N] [--python PATH]
+//!   onnx-bench [--rounds N] [--python PATH] [--dtype f32|bf16] [--board FILE]
 //!
 //! The pretrained network (scripts/pretrained.sh) is included when that
 //! script has fetched it and made its inputs (.cache/pretrained).
@@ -15,8 +15,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use clap::Parser;
+use npu_bench::BoardArg;
 use npu_lower::VnpuShape;
-use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile, npy, CompileOptions};
 use vnpu_abi::DType;
@@ -122,24 +123,33 @@ fn stats(mut v: Vec<f64>) -> (f64, f64, f64) {
     (v[0], v[v.len() / 2], v[v.len() - 1])
 }
 
+/// Simulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the
+/// functional model against ONNX Runtime (interleaved, single-threaded)
+/// for the test models in tests/fixtures/onnx, and the pretrained network
+/// once scripts/pretrained.sh has fetched it.
+#[derive(Parser, Debug)]
+#[command(name = "onnx-bench")]
+struct Args {
+    /// Interleaved rounds (min / median / max over them).
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+    /// The Python with ONNX Runtime [default: .venv-onnx/bin/python].
+    #[arg(long, value_name = "PATH")]
+    python: Option<PathBuf>,
+    /// Element type of the products' weights and operands.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
+    #[command(flatten)]
+    board: BoardArg,
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--help" || a == "-h") {
-        println!("usage: onnx-bench [--rounds N] [--python PATH] [--dtype f32|bf16]\n\nSimulated NPU time on 1+1 and 4+4 vNPUs and host wall time of the functional model against ONNX Runtime (interleaved, single-threaded) for the test models in tests/fixtures/onnx, and the pretrained network once scripts/pretrained.sh has fetched it.");
-        return;
-    }
-    let flag = |k: &str| args.iter().position(|a| a == k).and_then(|i| args.get(i + 1)).cloned();
-    let rounds: usize = flag("--rounds").and_then(|s| s.parse().ok()).unwrap_or(7).max(1);
-    let dtype = match flag("--dtype") {
-        None => DType::F32,
-        Some(s) => DType::from_name(&s).unwrap_or_else(|| {
-            eprintln!("onnx-bench: --dtype {s}: expected f32 or bf16");
-            std::process::exit(2);
-        }),
-    };
+    let args = Args::parse();
+    let rounds = args.rounds as usize;
+    let dtype = DType::from_name(&args.dtype).unwrap_or(DType::F32);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let python = flag("--python").map(PathBuf::from).unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
-    let board = BoardConfig::default();
+    let python = args.python.clone().unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
+    let board = args.board.load().unwrap_or_else(|e| npu_bench::fail("onnx-bench", &e));
     let clock = f64::from(board.clock_mhz) * 1e6;
     for c in cases(&root) {
         let bytes = std::fs::read(&c.model).unwrap_or_else(|e| panic!("{}: {e}", c.model.display()));
