@@ -21,7 +21,7 @@ use vnpu_abi::{
     Space, UnOp,
 };
 
-use npu_graph::{Act, Graph, Init, Op, Spatial, TensorId, View, NMS_STEP};
+use npu_graph::{Act, Graph, Init, Op, PoolOp, Spatial, TensorId, View, NMS_STEP};
 
 /// The vNPU core a program is lowered for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1304,20 +1304,9 @@ impl Lowerer {
         Ok(())
     }
 
+    /// Lowers one operation: checks the geometry every spatial operation
+    /// needs, then hands it to the step for its kind.
     fn op(&mut self, op: &Op) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
-        let row_at = self.row_addr();
-        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
-            copy(
-                Addr::sram(sram),
-                row_at(v, r0),
-                r.into(),
-                u64::from(cols) * F,
-                u64::from(cols) * F,
-                u64::from(v.ld) * F,
-            )
-        };
         match *op {
             Op::Linear { ref name, x, w, b, y, rows, k, n, act } => {
                 self.linear(name, x, w, b, y, rows, k, n, act)?
@@ -1344,34 +1333,8 @@ impl Lowerer {
             Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
                 self.conv(name, x, w, b, y, batch, s, c, c, act, true)?
             }
-            Op::Pool { ref name, x, y, batch, s, c, op } => {
-                let (ho, wo) = s.out();
-                let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
-                let geom =
-                    |n, c| PoolGeom { n, h: s.h, w: s.w, c, kh: s.kh, kw: s.kw, stride: s.sh, pad: s.pad[0] };
-                if self.plan(name, 0, self.shape.vu, batch, |r| u64::from(r) * (inn + out) * F).is_ok() {
-                    self.image_tiles(name, x, y, batch, inn, out, |r, src, dst| {
-                        vec![Instr::VPool { op, src, dst, geom: geom(r, c) }]
-                    })?;
-                } else {
-                    self.pool_channel_tiles(name, x, y, batch, s, c, |r, src, dst| {
-                        vec![Instr::VPool { op, src, dst, geom: geom(1, r) }]
-                    })?;
-                }
-            }
-            Op::GlobalPool { ref name, x, y, batch, hw, c } => {
-                self.image_tiles(
-                    name,
-                    x,
-                    y,
-                    batch,
-                    u64::from(hw) * u64::from(c),
-                    c.into(),
-                    |r, src, dst| {
-                        vec![Instr::VReduce { op: RedOp::Mean, src, dst, outer: r, reduce: hw, inner: c }]
-                    },
-                )?;
-            }
+            Op::Pool { ref name, x, y, batch, s, c, op } => self.pool_op(name, x, y, batch, s, c, op)?,
+            Op::GlobalPool { ref name, x, y, batch, hw, c } => self.global_pool(name, x, y, batch, hw, c)?,
             Op::Add { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Add, a, b, y, rows, cols, act)?
             }
@@ -1379,251 +1342,18 @@ impl Lowerer {
                 self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, act)?
             }
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
-                let row = u64::from(cols) * F;
-                let preload = vec![
-                    copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
-                    copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
-                ];
-                let fixed = (2 * row).next_multiple_of(64);
-                let ins: Vec<View> =
-                    [Some(a), b].into_iter().flatten().map(|t| View::dense(t, cols)).collect();
-                let yv = View::dense(y, cols);
-                self.rows_pipeline(name, (preload, fixed), &ins, 0, yv, rows, cols, |base, r| {
-                    let mut compute: Vec<Instr> =
-                        b.iter().map(|_| second_into_first(BinOp::Add, base, r, cols)).collect();
-                    compute.push(Instr::VLayerNorm {
-                        src: base,
-                        dst: base,
-                        gamma: 0,
-                        beta: row,
-                        rows: r,
-                        cols,
-                        eps,
-                    });
-                    compute
-                })?;
+                self.add_norm(name, a, b, gamma, beta, y, rows, cols, eps)?
             }
             Op::ScaleChannels { ref name, x, s, y, batch, hw, c } => {
-                // Units are (image, pixel-row) pairs flattened; a tile never
-                // crosses an image so one scale vector serves it.
-                let row = u64::from(c) * F;
-                let chunk = hw.min(((self.shape.sram_bytes / 4) / (row * 2)).max(1) as u32);
-                let per_img = hw.div_ceil(chunk);
-                self.vu_tiles(
-                    name,
-                    vec![],
-                    0,
-                    batch * per_img,
-                    |r| u64::from(r) * (u64::from(chunk) + 1) * row,
-                    |u0, r, base| {
-                        let (mut load, mut comp, mut store) = (vec![], vec![], vec![]);
-                        for u in u0..u0 + r {
-                            let (img, part) = (u / per_img, u % per_img);
-                            let p0 = part * chunk;
-                            let n = chunk.min(hw - p0);
-                            let slot = base + u64::from(u - u0) * (u64::from(chunk) + 1) * row;
-                            let sb = slot + u64::from(chunk) * row;
-                            let first = u64::from(img) * u64::from(hw) + u64::from(p0);
-                            load.push(copy(
-                                at(x, first * u64::from(c)),
-                                Addr::sram(slot),
-                                1,
-                                u64::from(n) * row,
-                                0,
-                                0,
-                            ));
-                            load.push(copy(
-                                at(s, u64::from(img) * u64::from(c)),
-                                Addr::sram(sb),
-                                1,
-                                row,
-                                0,
-                                0,
-                            ));
-                            comp.push(Instr::VBinary {
-                                op: BinOp::Mul,
-                                bcast: Bcast::Row,
-                                a: slot,
-                                b: sb,
-                                dst: slot,
-                                rows: n,
-                                cols: c,
-                            });
-                            store.push(copy(
-                                Addr::sram(slot),
-                                at(y, first * u64::from(c)),
-                                1,
-                                u64::from(n) * row,
-                                0,
-                                0,
-                            ));
-                        }
-                        (load, comp, store)
-                    },
-                )?;
+                self.scale_channels(name, x, s, y, batch, hw, c)?
             }
             Op::Attention { ref name, qkv, y, batch, seq, heads, dh } => {
-                let hid = heads * dh;
-                let (sd, ss) = (u64::from(seq) * u64::from(dh) * F, u64::from(seq) * u64::from(seq) * F);
-                let bytes = 4 * sd + ss;
-                let (slots, _) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
-                let slot_bytes = bytes.next_multiple_of(64);
-                let scale = 1.0 / (dh as f32).sqrt();
-                let n = (batch * heads) as usize;
-                let layout = Layout::low(0, u64::from(slots.min(n as u32)) * slot_bytes);
-                let dtype = self.dtype;
-                self.pipeline(layout, vec![], slots, n, |t, slot| {
-                    let (bi, h) = (t as u32 / heads, t as u32 % heads);
-                    let base = u64::from(slot) * slot_bytes;
-                    let (q, k, v, o, sc) = (base, base + sd, base + 2 * sd, base + 3 * sd, base + 4 * sd);
-                    let row0 = u64::from(bi) * u64::from(seq) * u64::from(3 * hid);
-                    let ld = u64::from(3 * hid) * F;
-                    let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
-                    let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
-                    let rowb = u64::from(dh) * F;
-                    let (sdh, sseq) = (u64::from(seq) * u64::from(dh), u64::from(seq) * u64::from(seq));
-                    let mut softmax = vec![
-                        Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
-                        Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
-                    ];
-                    softmax.extend(to_sa_type(dtype, &[(sc, sseq)]));
-                    let stages = without_empty_vu([
-                        Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)])),
-                        Stage::Sa(vec![Instr::MatMul {
-                            dtype,
-                            flags: MatFlags { accumulate: false, transpose_b: true },
-                            a: q,
-                            b: k,
-                            c: sc,
-                            m: seq,
-                            k: dh,
-                            n: seq,
-                            lda: dh,
-                            ldb: dh,
-                            ldc: seq,
-                        }]),
-                        Stage::Vu(softmax),
-                        Stage::Sa(vec![Instr::MatMul {
-                            dtype,
-                            flags: MatFlags::default(),
-                            a: sc,
-                            b: v,
-                            c: o,
-                            m: seq,
-                            k: seq,
-                            n: dh,
-                            lda: seq,
-                            ldb: dh,
-                            ldc: dh,
-                        }]),
-                    ]);
-                    Tile::single(
-                        vec![
-                            copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
-                            copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
-                            copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
-                        ],
-                        stages,
-                        vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
-                    )
-                })?;
+                self.attention(name, qkv, y, batch, seq, heads, dh)?
             }
             Op::Embedding { ref name, table, idx, y, batch, rows, dim, pool } => {
-                let row = u64::from(dim) * F;
-                let per = u64::from(pool) * (4 + row) + row;
-                let table_addr = at(table, 0);
-                self.vu_tiles(
-                    name,
-                    vec![],
-                    0,
-                    batch,
-                    |r| u64::from(r) * per,
-                    |u0, r, base| {
-                        let n = r * pool;
-                        let rowsb = base + u64::from(n) * 4;
-                        let outb = rowsb + u64::from(n) * row;
-                        (
-                            vec![
-                                copy(
-                                    at(idx, u64::from(u0) * u64::from(pool)),
-                                    Addr::sram(base),
-                                    1,
-                                    u64::from(n) * 4,
-                                    0,
-                                    0,
-                                ),
-                                Instr::DmaGather {
-                                    table: table_addr,
-                                    indices: base,
-                                    dst: rowsb,
-                                    count: n,
-                                    row_bytes: row as u32,
-                                    table_rows: rows,
-                                },
-                            ],
-                            vec![Instr::VReduce {
-                                op: RedOp::Sum,
-                                src: rowsb,
-                                dst: outb,
-                                outer: r,
-                                reduce: pool,
-                                inner: dim,
-                            }],
-                            vec![rows_to(y, u0, r, dim, outb)],
-                        )
-                    },
-                )?;
+                self.embedding(name, table, idx, y, batch, rows, dim, pool)?
             }
-            Op::Interaction { ref name, z, y, batch, f, d } => {
-                let zrow = u64::from(f) * u64::from(d) * F;
-                let orow = u64::from(f) * u64::from(f) * F;
-                self.vu_tiles(
-                    name,
-                    vec![],
-                    0,
-                    batch,
-                    |r| u64::from(r) * (zrow + orow) + zrow,
-                    |u0, r, base| {
-                        let outb = base + u64::from(r) * zrow;
-                        let tmp = outb + u64::from(r) * orow;
-                        let mut comp = Vec::new();
-                        for s in 0..u64::from(r) {
-                            let zs = base + s * zrow;
-                            for i in 0..f {
-                                comp.push(Instr::VBinary {
-                                    op: BinOp::Mul,
-                                    bcast: Bcast::Row,
-                                    a: zs,
-                                    b: zs + u64::from(i) * u64::from(d) * F,
-                                    dst: tmp,
-                                    rows: f,
-                                    cols: d,
-                                });
-                                comp.push(Instr::VReduce {
-                                    op: RedOp::Sum,
-                                    src: tmp,
-                                    dst: outb + s * orow + u64::from(i * f) * F,
-                                    outer: f,
-                                    reduce: d,
-                                    inner: 1,
-                                });
-                            }
-                        }
-                        (
-                            vec![copy(
-                                at(z, u64::from(u0) * u64::from(f * d)),
-                                Addr::sram(base),
-                                1,
-                                u64::from(r) * zrow,
-                                0,
-                                0,
-                            )],
-                            comp,
-                            vec![rows_to(y, u0, r, f * f, outb)],
-                        )
-                    },
-                )?;
-            }
+            Op::Interaction { ref name, z, y, batch, f, d } => self.interaction(name, z, y, batch, f, d)?,
             Op::Unary { ref name, x, y, rows, cols, act } => {
                 // One scratch slot (Swish's sigmoid).
                 let row = u64::from(cols) * F;
@@ -1638,126 +1368,505 @@ impl Lowerer {
                 })?
             }
             Op::BatchMatMul { ref name, a, b, y, lda, ldb, ldy, trans_b, m, k, n, ref offs, act } => {
-                let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
-                let wb = u64::from(k) * bb;
-                let tmp = if act.needs_scratch() { bb } else { 0 };
-                // An item holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
-                let bytes = |r: u32| wb + u64::from(r) * (ab + bb + tmp);
-                let engines = self.shape.sa.max(self.shape.vu);
-                let count = u32::try_from(offs.len()).map_err(|_| LowerError::Geometry {
-                    op: name.clone(),
-                    reason: "more than 2^32 matrices in one batched product",
-                })?;
-                // Small matrices go several to a tile (fewer synchronisations);
-                // a matrix too large for a slot is split by rows.
-                let whole = bytes(m).next_multiple_of(64);
-                let (slots, group, rt) = match self.plan(name, 0, engines, count, |g| u64::from(g) * whole) {
-                    Ok((slots, g)) => (slots, g.min(count.div_ceil(GROUP_TILES * slots)).max(1), m),
-                    Err(_) => {
-                        let (slots, rt) = self.plan(name, 0, engines, m, bytes)?;
-                        (slots, 1, rt)
-                    }
-                };
-                let item = bytes(rt).next_multiple_of(64);
-                let slot_bytes = u64::from(group) * item;
-                let per = m.div_ceil(rt) as usize;
-                let n_tiles = if group > 1 { count.div_ceil(group) as usize } else { offs.len() * per };
-                let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
-                let dtype = self.dtype;
-                self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
-                    // (matrix, first row) of each item of the tile.
-                    let items: Vec<(usize, u32)> = if group > 1 {
-                        let g = group as usize;
-                        (t * g..((t + 1) * g).min(offs.len())).map(|i| (i, 0)).collect()
-                    } else {
-                        vec![(t / per, (t % per) as u32 * rt)]
-                    };
-                    let (mut load, mut pre, mut sa, mut vu, mut store) =
-                        (vec![], vec![], vec![], vec![], vec![]);
-                    for (j, &(i, m0)) in items.iter().enumerate() {
-                        let [oa, ob, oy] = offs[i];
-                        let r = rt.min(m - m0);
-                        let base = u64::from(slot) * slot_bytes + j as u64 * item;
-                        let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
-                        let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
-                        let row0 = u64::from(m0);
-                        load.push(copy(
-                            at(b, ob),
-                            Addr::sram(bs),
-                            brows.into(),
-                            brow,
-                            u64::from(ldb) * F,
-                            brow,
-                        ));
-                        load.push(copy(
-                            at(a, oa + row0 * u64::from(lda)),
-                            Addr::sram(as_),
-                            r.into(),
-                            ab,
-                            u64::from(lda) * F,
-                            ab,
-                        ));
-                        pre.extend(to_sa_type(
-                            dtype,
-                            &[(bs, u64::from(k) * u64::from(n)), (as_, u64::from(r) * u64::from(k))],
-                        ));
-                        sa.push(Instr::MatMul {
-                            dtype,
-                            flags: MatFlags { accumulate: false, transpose_b: trans_b },
-                            a: as_,
-                            b: bs,
-                            c: ys,
-                            m: r,
-                            k,
-                            n,
-                            lda: k,
-                            ldb: if trans_b { k } else { n },
-                            ldc: n,
-                        });
-                        vu.extend(bias_act(ys, None, r, n, act, ys + u64::from(r) * bb));
-                        store.push(copy(
-                            Addr::sram(ys),
-                            at(y, oy + row0 * u64::from(ldy)),
-                            r.into(),
-                            bb,
-                            bb,
-                            u64::from(ldy) * F,
-                        ));
-                    }
-                    Tile::single(
-                        load,
-                        without_empty_vu([Stage::Vu(pre), Stage::Sa(sa), Stage::Vu(vu)]),
-                        store,
-                    )
-                })?;
+                self.batch_matmul(name, a, b, y, lda, ldb, ldy, trans_b, m, k, n, offs, act)?
             }
             Op::FastNms { ref name, boxes, scores, corners, y, batch, n, classes, iou } => {
                 self.fast_nms(name, [boxes, scores, corners, y], batch, n, classes, iou)?
             }
-            Op::Copy { x, y, rows, cols, .. } => {
-                let src = at(x.t, u64::from(x.col));
-                let dst = at(y.t, u64::from(y.col));
-                // The previous operation's deferred stores first when the
-                // copy reads or overwrites what they write.
-                let row = u64::from(cols) * F;
-                if self.deferred_meets(src.offset, rows.into(), row, u64::from(x.ld) * F)
-                    || self.deferred_meets(dst.offset, rows.into(), row, u64::from(y.ld) * F)
-                {
-                    self.flush();
-                }
-                self.b.push(
-                    Engine::DMA,
-                    copy(
-                        src,
-                        dst,
-                        rows.into(),
-                        u64::from(cols) * F,
-                        u64::from(x.ld) * F,
-                        u64::from(y.ld) * F,
-                    ),
-                );
-            }
+            Op::Copy { x, y, rows, cols, .. } => self.copy_op(x, y, rows, cols)?,
         }
+        Ok(())
+    }
+
+    /// Lowers one `Pool` operation.
+    fn pool_op(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        s: Spatial,
+        c: u32,
+        op: PoolOp,
+    ) -> Result<(), LowerError> {
+        let (ho, wo) = s.out();
+        let (inn, out) = (u64::from(s.h * s.w * c), u64::from(ho * wo * c));
+        let geom = |n, c| PoolGeom { n, h: s.h, w: s.w, c, kh: s.kh, kw: s.kw, stride: s.sh, pad: s.pad[0] };
+        if self.plan(name, 0, self.shape.vu, batch, |r| u64::from(r) * (inn + out) * F).is_ok() {
+            self.image_tiles(name, x, y, batch, inn, out, |r, src, dst| {
+                vec![Instr::VPool { op, src, dst, geom: geom(r, c) }]
+            })?;
+        } else {
+            self.pool_channel_tiles(name, x, y, batch, s, c, |r, src, dst| {
+                vec![Instr::VPool { op, src, dst, geom: geom(1, r) }]
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Lowers one `GlobalPool` operation.
+    fn global_pool(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        y: TensorId,
+        batch: u32,
+        hw: u32,
+        c: u32,
+    ) -> Result<(), LowerError> {
+        self.image_tiles(name, x, y, batch, u64::from(hw) * u64::from(c), c.into(), |r, src, dst| {
+            vec![Instr::VReduce { op: RedOp::Mean, src, dst, outer: r, reduce: hw, inner: c }]
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `AddNorm` operation.
+    #[allow(clippy::too_many_arguments)]
+    fn add_norm(
+        &mut self,
+        name: &str,
+        a: TensorId,
+        b: Option<TensorId>,
+        gamma: TensorId,
+        beta: TensorId,
+        y: TensorId,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let row = u64::from(cols) * F;
+        let preload = vec![
+            copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
+            copy(at(beta, 0), Addr::sram(row), 1, row, 0, 0),
+        ];
+        let fixed = (2 * row).next_multiple_of(64);
+        let ins: Vec<View> = [Some(a), b].into_iter().flatten().map(|t| View::dense(t, cols)).collect();
+        let yv = View::dense(y, cols);
+        self.rows_pipeline(name, (preload, fixed), &ins, 0, yv, rows, cols, |base, r| {
+            let mut compute: Vec<Instr> =
+                b.iter().map(|_| second_into_first(BinOp::Add, base, r, cols)).collect();
+            compute.push(Instr::VLayerNorm { src: base, dst: base, gamma: 0, beta: row, rows: r, cols, eps });
+            compute
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `ScaleChannels` operation.
+    fn scale_channels(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        s: TensorId,
+        y: TensorId,
+        batch: u32,
+        hw: u32,
+        c: u32,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        // Units are (image, pixel-row) pairs flattened; a tile never
+        // crosses an image so one scale vector serves it.
+        let row = u64::from(c) * F;
+        let chunk = hw.min(((self.shape.sram_bytes / 4) / (row * 2)).max(1) as u32);
+        let per_img = hw.div_ceil(chunk);
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            batch * per_img,
+            |r| u64::from(r) * (u64::from(chunk) + 1) * row,
+            |u0, r, base| {
+                let (mut load, mut comp, mut store) = (vec![], vec![], vec![]);
+                for u in u0..u0 + r {
+                    let (img, part) = (u / per_img, u % per_img);
+                    let p0 = part * chunk;
+                    let n = chunk.min(hw - p0);
+                    let slot = base + u64::from(u - u0) * (u64::from(chunk) + 1) * row;
+                    let sb = slot + u64::from(chunk) * row;
+                    let first = u64::from(img) * u64::from(hw) + u64::from(p0);
+                    load.push(copy(
+                        at(x, first * u64::from(c)),
+                        Addr::sram(slot),
+                        1,
+                        u64::from(n) * row,
+                        0,
+                        0,
+                    ));
+                    load.push(copy(at(s, u64::from(img) * u64::from(c)), Addr::sram(sb), 1, row, 0, 0));
+                    comp.push(Instr::VBinary {
+                        op: BinOp::Mul,
+                        bcast: Bcast::Row,
+                        a: slot,
+                        b: sb,
+                        dst: slot,
+                        rows: n,
+                        cols: c,
+                    });
+                    store.push(copy(
+                        Addr::sram(slot),
+                        at(y, first * u64::from(c)),
+                        1,
+                        u64::from(n) * row,
+                        0,
+                        0,
+                    ));
+                }
+                (load, comp, store)
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Lowers one `Attention` operation.
+    fn attention(
+        &mut self,
+        name: &str,
+        qkv: TensorId,
+        y: TensorId,
+        batch: u32,
+        seq: u32,
+        heads: u32,
+        dh: u32,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let hid = heads * dh;
+        let (sd, ss) = (u64::from(seq) * u64::from(dh) * F, u64::from(seq) * u64::from(seq) * F);
+        let bytes = 4 * sd + ss;
+        let (slots, _) = self.plan(name, 0, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
+        let slot_bytes = bytes.next_multiple_of(64);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let n = (batch * heads) as usize;
+        let layout = Layout::low(0, u64::from(slots.min(n as u32)) * slot_bytes);
+        let dtype = self.dtype;
+        self.pipeline(layout, vec![], slots, n, |t, slot| {
+            let (bi, h) = (t as u32 / heads, t as u32 % heads);
+            let base = u64::from(slot) * slot_bytes;
+            let (q, k, v, o, sc) = (base, base + sd, base + 2 * sd, base + 3 * sd, base + 4 * sd);
+            let row0 = u64::from(bi) * u64::from(seq) * u64::from(3 * hid);
+            let ld = u64::from(3 * hid) * F;
+            let part = |which: u32| at(qkv, row0 + u64::from(which * hid + h * dh));
+            let dst = at(y, u64::from(bi) * u64::from(seq) * u64::from(hid) + u64::from(h * dh));
+            let rowb = u64::from(dh) * F;
+            let (sdh, sseq) = (u64::from(seq) * u64::from(dh), u64::from(seq) * u64::from(seq));
+            let mut softmax = vec![
+                Instr::VAffine { src: sc, dst: sc, len: seq * seq, scale, bias: 0.0 },
+                Instr::VSoftmax { src: sc, dst: sc, rows: seq, cols: seq },
+            ];
+            softmax.extend(to_sa_type(dtype, &[(sc, sseq)]));
+            let stages = without_empty_vu([
+                Stage::Vu(to_sa_type(dtype, &[(q, sdh), (k, sdh), (v, sdh)])),
+                Stage::Sa(vec![Instr::MatMul {
+                    dtype,
+                    flags: MatFlags { accumulate: false, transpose_b: true },
+                    a: q,
+                    b: k,
+                    c: sc,
+                    m: seq,
+                    k: dh,
+                    n: seq,
+                    lda: dh,
+                    ldb: dh,
+                    ldc: seq,
+                }]),
+                Stage::Vu(softmax),
+                Stage::Sa(vec![Instr::MatMul {
+                    dtype,
+                    flags: MatFlags::default(),
+                    a: sc,
+                    b: v,
+                    c: o,
+                    m: seq,
+                    k: seq,
+                    n: dh,
+                    lda: seq,
+                    ldb: dh,
+                    ldc: dh,
+                }]),
+            ]);
+            Tile::single(
+                vec![
+                    copy(part(0), Addr::sram(q), seq.into(), rowb, ld, rowb),
+                    copy(part(1), Addr::sram(k), seq.into(), rowb, ld, rowb),
+                    copy(part(2), Addr::sram(v), seq.into(), rowb, ld, rowb),
+                ],
+                stages,
+                vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
+            )
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `Embedding` operation.
+    #[allow(clippy::too_many_arguments)]
+    fn embedding(
+        &mut self,
+        name: &str,
+        table: TensorId,
+        idx: TensorId,
+        y: View,
+        batch: u32,
+        rows: u32,
+        dim: u32,
+        pool: u32,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let row_at = self.row_addr();
+        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                Addr::sram(sram),
+                row_at(v, r0),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+            )
+        };
+        let row = u64::from(dim) * F;
+        let per = u64::from(pool) * (4 + row) + row;
+        let table_addr = at(table, 0);
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * per,
+            |u0, r, base| {
+                let n = r * pool;
+                let rowsb = base + u64::from(n) * 4;
+                let outb = rowsb + u64::from(n) * row;
+                (
+                    vec![
+                        copy(
+                            at(idx, u64::from(u0) * u64::from(pool)),
+                            Addr::sram(base),
+                            1,
+                            u64::from(n) * 4,
+                            0,
+                            0,
+                        ),
+                        Instr::DmaGather {
+                            table: table_addr,
+                            indices: base,
+                            dst: rowsb,
+                            count: n,
+                            row_bytes: row as u32,
+                            table_rows: rows,
+                        },
+                    ],
+                    vec![Instr::VReduce {
+                        op: RedOp::Sum,
+                        src: rowsb,
+                        dst: outb,
+                        outer: r,
+                        reduce: pool,
+                        inner: dim,
+                    }],
+                    vec![rows_to(y, u0, r, dim, outb)],
+                )
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Lowers one `Interaction` operation.
+    fn interaction(
+        &mut self,
+        name: &str,
+        z: TensorId,
+        y: View,
+        batch: u32,
+        f: u32,
+        d: u32,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let row_at = self.row_addr();
+        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                Addr::sram(sram),
+                row_at(v, r0),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+            )
+        };
+        let zrow = u64::from(f) * u64::from(d) * F;
+        let orow = u64::from(f) * u64::from(f) * F;
+        self.vu_tiles(
+            name,
+            vec![],
+            0,
+            batch,
+            |r| u64::from(r) * (zrow + orow) + zrow,
+            |u0, r, base| {
+                let outb = base + u64::from(r) * zrow;
+                let tmp = outb + u64::from(r) * orow;
+                let mut comp = Vec::new();
+                for s in 0..u64::from(r) {
+                    let zs = base + s * zrow;
+                    for i in 0..f {
+                        comp.push(Instr::VBinary {
+                            op: BinOp::Mul,
+                            bcast: Bcast::Row,
+                            a: zs,
+                            b: zs + u64::from(i) * u64::from(d) * F,
+                            dst: tmp,
+                            rows: f,
+                            cols: d,
+                        });
+                        comp.push(Instr::VReduce {
+                            op: RedOp::Sum,
+                            src: tmp,
+                            dst: outb + s * orow + u64::from(i * f) * F,
+                            outer: f,
+                            reduce: d,
+                            inner: 1,
+                        });
+                    }
+                }
+                (
+                    vec![copy(
+                        at(z, u64::from(u0) * u64::from(f * d)),
+                        Addr::sram(base),
+                        1,
+                        u64::from(r) * zrow,
+                        0,
+                        0,
+                    )],
+                    comp,
+                    vec![rows_to(y, u0, r, f * f, outb)],
+                )
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Lowers one `BatchMatMul` operation.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_matmul(
+        &mut self,
+        name: &str,
+        a: TensorId,
+        b: TensorId,
+        y: TensorId,
+        lda: u32,
+        ldb: u32,
+        ldy: u32,
+        trans_b: bool,
+        m: u32,
+        k: u32,
+        n: u32,
+        offs: &[[u64; 3]],
+        act: Act,
+    ) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
+        let wb = u64::from(k) * bb;
+        let tmp = if act.needs_scratch() { bb } else { 0 };
+        // An item holds one whole `b_i` and `r` rows of `a_i` and `y_i`.
+        let bytes = |r: u32| wb + u64::from(r) * (ab + bb + tmp);
+        let engines = self.shape.sa.max(self.shape.vu);
+        let count = u32::try_from(offs.len()).map_err(|_| LowerError::Geometry {
+            op: name.to_string(),
+            reason: "more than 2^32 matrices in one batched product",
+        })?;
+        // Small matrices go several to a tile (fewer synchronisations);
+        // a matrix too large for a slot is split by rows.
+        let whole = bytes(m).next_multiple_of(64);
+        let (slots, group, rt) = match self.plan(name, 0, engines, count, |g| u64::from(g) * whole) {
+            Ok((slots, g)) => (slots, g.min(count.div_ceil(GROUP_TILES * slots)).max(1), m),
+            Err(_) => {
+                let (slots, rt) = self.plan(name, 0, engines, m, bytes)?;
+                (slots, 1, rt)
+            }
+        };
+        let item = bytes(rt).next_multiple_of(64);
+        let slot_bytes = u64::from(group) * item;
+        let per = m.div_ceil(rt) as usize;
+        let n_tiles = if group > 1 { count.div_ceil(group) as usize } else { offs.len() * per };
+        let layout = Layout::low(0, u64::from(slots.min(n_tiles as u32)) * slot_bytes);
+        let dtype = self.dtype;
+        self.pipeline(layout, vec![], slots, n_tiles, |t, slot| {
+            // (matrix, first row) of each item of the tile.
+            let items: Vec<(usize, u32)> = if group > 1 {
+                let g = group as usize;
+                (t * g..((t + 1) * g).min(offs.len())).map(|i| (i, 0)).collect()
+            } else {
+                vec![(t / per, (t % per) as u32 * rt)]
+            };
+            let (mut load, mut pre, mut sa, mut vu, mut store) = (vec![], vec![], vec![], vec![], vec![]);
+            for (j, &(i, m0)) in items.iter().enumerate() {
+                let [oa, ob, oy] = offs[i];
+                let r = rt.min(m - m0);
+                let base = u64::from(slot) * slot_bytes + j as u64 * item;
+                let (bs, as_, ys) = (base, base + wb, base + wb + u64::from(r) * ab);
+                let (brows, brow) = if trans_b { (n, ab) } else { (k, bb) };
+                let row0 = u64::from(m0);
+                load.push(copy(at(b, ob), Addr::sram(bs), brows.into(), brow, u64::from(ldb) * F, brow));
+                load.push(copy(
+                    at(a, oa + row0 * u64::from(lda)),
+                    Addr::sram(as_),
+                    r.into(),
+                    ab,
+                    u64::from(lda) * F,
+                    ab,
+                ));
+                pre.extend(to_sa_type(
+                    dtype,
+                    &[(bs, u64::from(k) * u64::from(n)), (as_, u64::from(r) * u64::from(k))],
+                ));
+                sa.push(Instr::MatMul {
+                    dtype,
+                    flags: MatFlags { accumulate: false, transpose_b: trans_b },
+                    a: as_,
+                    b: bs,
+                    c: ys,
+                    m: r,
+                    k,
+                    n,
+                    lda: k,
+                    ldb: if trans_b { k } else { n },
+                    ldc: n,
+                });
+                vu.extend(bias_act(ys, None, r, n, act, ys + u64::from(r) * bb));
+                store.push(copy(
+                    Addr::sram(ys),
+                    at(y, oy + row0 * u64::from(ldy)),
+                    r.into(),
+                    bb,
+                    bb,
+                    u64::from(ldy) * F,
+                ));
+            }
+            Tile::single(load, without_empty_vu([Stage::Vu(pre), Stage::Sa(sa), Stage::Vu(vu)]), store)
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `Copy` operation.
+    fn copy_op(&mut self, x: View, y: View, rows: u32, cols: u32) -> Result<(), LowerError> {
+        let hbm = self.hbm.clone();
+        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let src = at(x.t, u64::from(x.col));
+        let dst = at(y.t, u64::from(y.col));
+        // The previous operation's deferred stores first when the
+        // copy reads or overwrites what they write.
+        let row = u64::from(cols) * F;
+        if self.deferred_meets(src.offset, rows.into(), row, u64::from(x.ld) * F)
+            || self.deferred_meets(dst.offset, rows.into(), row, u64::from(y.ld) * F)
+        {
+            self.flush();
+        }
+        self.b.push(
+            Engine::DMA,
+            copy(src, dst, rows.into(), u64::from(cols) * F, u64::from(x.ld) * F, u64::from(y.ld) * F),
+        );
         Ok(())
     }
 }

@@ -1043,218 +1043,34 @@ pub fn compile(bytes: &[u8], o: &CompileOptions) -> Result<Compiled, CompileErro
     compile_model(&m, o)
 }
 
-/// Compiles a model already read.
+/// A graph input or output: its name, its tensor and its ONNX shape.
+type Io = (String, TensorId, Vec<usize>);
+
+/// Compiles a model already read: the options checked, the graph pruned to
+/// what the outputs need, every node translated to the layer-graph IR,
+/// lowered, and the model file's two programs and I/O window built and
+/// verified.
 pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, CompileError> {
-    for k in o.shapes.keys() {
-        if !m.inputs.iter().any(|i| &i.name == k) {
-            return Err(CompileError::Input {
-                name: k.clone(),
-                reason: "--shape names no input of the model".into(),
-            });
-        }
-    }
-    let out_names: Vec<String> = match &o.outputs {
-        Some(v) => {
-            for name in v {
-                if !m.outputs.iter().any(|x| &x.name == name)
-                    && !m.nodes.iter().any(|n| n.outputs.contains(name))
-                {
-                    return Err(CompileError::Output {
-                        name: name.clone(),
-                        reason: "no node produces it".into(),
-                    });
-                }
-            }
-            v.clone()
-        }
-        None => m.outputs.iter().map(|x| x.name.clone()).collect(),
-    };
-    // Prune to the nodes the outputs need.
-    let mut need: HashSet<String> = out_names.iter().cloned().collect();
-    let mut keep = vec![false; m.nodes.len()];
-    for (i, n) in m.nodes.iter().enumerate().rev() {
-        if n.outputs.iter().any(|x| need.contains(x)) {
-            keep[i] = true;
-            need.extend(n.inputs.iter().filter(|s| !s.is_empty()).cloned());
-        }
-    }
-    let nodes: Vec<&Node> = m.nodes.iter().zip(&keep).filter(|(_, k)| **k).map(|(n, _)| n).collect();
-    let mut c = Compiler {
-        m,
-        g: Graph::new("onnx", o.batch),
-        data: Vec::new(),
-        vals: HashMap::new(),
-        uses: HashMap::new(),
-        outputs: out_names.iter().cloned().collect(),
-        report: CompileReport { nodes: nodes.len(), ..Default::default() },
-    };
-    for n in &nodes {
-        for i in n.inputs.iter().filter(|s| !s.is_empty()) {
-            *c.uses.entry(i.clone()).or_default() += 1;
-        }
-    }
-    for (k, v) in &m.constants {
-        c.vals.insert(k.clone(), Val::C(v.clone()));
-    }
-    let mut inputs = Vec::new();
-    for io in m.inputs.iter().filter(|i| need.contains(&i.name)) {
-        let shape = input_shape(io, o)?;
-        if elems(&shape) == 0 {
-            return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
-        }
-        check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
-        let t = c.tensor(&io.name, elems(&shape), Init::Input, None);
-        c.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
-        inputs.push((io.name.clone(), t, shape));
-    }
-    if inputs.is_empty() {
-        return Err(CompileError::Input {
-            name: String::new(),
-            reason: "the outputs need no model input".into(),
-        });
-    }
-    for n in &nodes {
-        let outs = c.node(n).map_err(|mut reason| {
-            if o.outputs.is_none() && m.outputs.len() > 1 {
-                let names: Vec<&str> = m.outputs.iter().map(|x| x.name.as_str()).collect();
-                reason.push_str(&format!(
-                    "; to leave it out, compile only the outputs that do not need it (--output NAME; this \
-                     model's outputs: {})",
-                    names.join(", ")
-                ));
-            }
-            CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
-        })?;
-        for (name, v) in n.outputs.iter().zip(outs) {
-            if let Val::D(d) = &v {
-                check_size(&d.shape).map_err(|reason| CompileError::Node {
-                    node: n.name.clone(),
-                    op: n.op.clone(),
-                    reason,
-                })?;
-            }
-            if !name.is_empty() {
-                c.vals.insert(name.clone(), v);
-            }
-        }
-    }
-    let mut outputs = Vec::new();
-    for name in &out_names {
-        match c.vals.get(name).cloned() {
-            Some(Val::D(d)) => {
-                // Outputs leave in ONNX's order.
-                let d = c
-                    .onnx_order(name, &d)
-                    .map_err(|reason| CompileError::Output { name: name.clone(), reason })?;
-                outputs.push((name.clone(), d.t, d.shape.clone()))
-            }
-            Some(Val::C(_)) => {
-                return Err(CompileError::Output {
-                    name: name.clone(),
-                    reason: "is a constant (it does not depend on the input)".into(),
-                })
-            }
-            None => {
-                return Err(CompileError::Output { name: name.clone(), reason: "is never computed".into() })
-            }
-        }
-    }
+    let out_names = checked_outputs(m, o)?;
+    let (nodes, need) = needed_nodes(m, &out_names);
+    let mut c = Compiler::new(m, o.batch, &nodes, &out_names);
+    let inputs = c.declare_inputs(m, o, &need)?;
+    c.translate(m, o, &nodes)?;
+    let outputs = c.collect_outputs(&out_names)?;
     c.g.input = inputs[0].1;
     c.g.output = outputs[0].1;
-    let mut report = c.report;
+    let mut report = std::mem::take(&mut c.report);
     report.macs = c.g.macs();
-    let mut kinds: Vec<(String, usize)> = Vec::new();
-    for op in &c.g.ops {
-        let k = op.kind().to_string();
-        match kinds.iter_mut().find(|(n, _)| *n == k) {
-            Some(e) => e.1 += 1,
-            None => kinds.push((k, 1)),
-        }
-    }
-    report.ops = kinds;
+    report.ops = op_counts(&c.g);
     let lowered = lower_as(&c.g, o.shape, o.dtype).map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
-
-    // The I/O window: weight image, then inputs, then outputs.
-    const A: u64 = 64;
-    let mut load = ProgramBuilder::new();
-    let mut weights: Vec<u8> = Vec::new();
-    for (t, d) in c.data.iter().enumerate() {
-        let Some(d) = d else { continue };
-        let at = (weights.len() as u64).next_multiple_of(A);
-        weights.resize(at as usize, 0);
-        let dtype = lowered.tensors[t].dtype;
-        match dtype {
-            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
-            // Rounded to nearest, ties to even (as `vu.convert` rounds).
-            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
-        }
-        let mut done = 0u64;
-        let bytes = d.len() as u64 * dtype.size();
-        while done < bytes {
-            let chunk = (bytes - done).min(1 << 30);
-            load.push(
-                Engine::DMA,
-                Instr::copy(
-                    Addr::guest(at + done),
-                    Addr::hbm(lowered.tensors[t].offset + done),
-                    chunk as u32,
-                ),
-            );
-            done += chunk;
-        }
-    }
+    let (load, weights) = weight_image(&c.data, &lowered);
     report.weight_bytes = weights.len() as u64;
-    load.push(Engine::DMA, Instr::Halt);
-    // One DMA transfer moves an input or output: at most 4 GiB.
-    for (i, (name, _, s)) in inputs.iter().chain(&outputs).enumerate() {
-        let need = elems(s) as u64 * 4;
-        if need > u64::from(u32::MAX) {
-            let reason = format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX);
-            return Err(if i < inputs.len() {
-                CompileError::Input { name: name.clone(), reason }
-            } else {
-                CompileError::Output { name: name.clone(), reason }
-            });
-        }
-    }
-    let mut window = (weights.len() as u64).next_multiple_of(A);
-    let mut place = |list: &[(String, TensorId, Vec<usize>)]| {
-        list.iter()
-            .map(|(name, t, shape)| {
-                let d = TensorDesc {
-                    name: name.clone(),
-                    elem: ElemType::F32,
-                    dims: shape.iter().map(|&x| x as u64).collect(),
-                    offset: window,
-                };
-                window = (window + elems(shape) as u64 * 4).next_multiple_of(A);
-                (d, *t)
-            })
-            .collect::<Vec<_>>()
-    };
-    let ins = place(&inputs);
-    let outs = place(&outputs);
-    // Inputs copied in before the graph's first load, outputs out after
-    // its last store (the DMA stream is in order).
-    let mut infer = lowered.program.clone();
-    let dma = match infer.streams.iter().position(|s| s.engine == Engine::DMA) {
-        Some(i) => i,
-        None => {
-            infer.streams.insert(0, vnpu_abi::Stream { engine: Engine::DMA, code: vec![Instr::Halt] });
-            0
-        }
-    };
-    let at = |t: TensorId| Addr::hbm(lowered.tensors[t].offset);
-    let bytes = |d: &TensorDesc| d.bytes().unwrap_or(0) as u32;
-    let body = std::mem::take(&mut infer.streams[dma].code);
-    let body = body.strip_suffix(&[Instr::Halt]).unwrap_or(&body);
-    let code = &mut infer.streams[dma].code;
-    code.extend(ins.iter().map(|(d, t)| Instr::copy(Addr::guest(d.offset), at(*t), bytes(d))));
-    code.extend_from_slice(body);
-    code.extend(outs.iter().map(|(d, t)| Instr::copy(at(*t), Addr::guest(d.offset), bytes(d))));
-    code.push(Instr::Halt);
-    let load = load.finish();
+    check_transfers(&inputs, &outputs)?;
+    let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
+    let ins = place_in_window(&inputs, &mut window);
+    let outs = place_in_window(&outputs, &mut window);
+    let infer = infer_program(&lowered, &ins, &outs);
     let shape = o.shape;
     let limits = VnpuLimits {
         sa: shape.sa,
@@ -1285,6 +1101,269 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         weights,
     };
     Ok(Compiled { model, report })
+}
+
+/// The outputs to compile (`--output`, else the model's), after checking
+/// that every `--shape` names an input and every `--output` is produced.
+fn checked_outputs(m: &OnnxModel, o: &CompileOptions) -> Result<Vec<String>, CompileError> {
+    for k in o.shapes.keys() {
+        if !m.inputs.iter().any(|i| &i.name == k) {
+            return Err(CompileError::Input {
+                name: k.clone(),
+                reason: "--shape names no input of the model".into(),
+            });
+        }
+    }
+    Ok(match &o.outputs {
+        Some(v) => {
+            for name in v {
+                if !m.outputs.iter().any(|x| &x.name == name)
+                    && !m.nodes.iter().any(|n| n.outputs.contains(name))
+                {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: "no node produces it".into(),
+                    });
+                }
+            }
+            v.clone()
+        }
+        None => m.outputs.iter().map(|x| x.name.clone()).collect(),
+    })
+}
+
+/// The nodes the outputs need, in model order, and every value they read.
+fn needed_nodes<'m>(m: &'m OnnxModel, out_names: &[String]) -> (Vec<&'m Node>, HashSet<String>) {
+    let mut need: HashSet<String> = out_names.iter().cloned().collect();
+    let mut keep = vec![false; m.nodes.len()];
+    for (i, n) in m.nodes.iter().enumerate().rev() {
+        if n.outputs.iter().any(|x| need.contains(x)) {
+            keep[i] = true;
+            need.extend(n.inputs.iter().filter(|s| !s.is_empty()).cloned());
+        }
+    }
+    let nodes = m.nodes.iter().zip(&keep).filter(|(_, k)| **k).map(|(n, _)| n).collect();
+    (nodes, need)
+}
+
+/// How many operations of each kind the graph has, in order of first use.
+fn op_counts(g: &Graph) -> Vec<(String, usize)> {
+    let mut kinds: Vec<(String, usize)> = Vec::new();
+    for op in &g.ops {
+        let k = op.kind().to_string();
+        match kinds.iter_mut().find(|(n, _)| *n == k) {
+            Some(e) => e.1 += 1,
+            None => kinds.push((k, 1)),
+        }
+    }
+    kinds
+}
+
+/// Alignment of everything in the I/O window.
+const WINDOW_ALIGN: u64 = 64;
+
+/// The weight image (each weight tensor in its stored type, aligned) and
+/// the `load` program that copies it from the I/O window into HBM.
+fn weight_image(data: &[Option<Vec<f32>>], lowered: &npu_lower::Lowered) -> (vnpu_abi::Program, Vec<u8>) {
+    let mut load = ProgramBuilder::new();
+    let mut weights: Vec<u8> = Vec::new();
+    for (t, d) in data.iter().enumerate() {
+        let Some(d) = d else { continue };
+        let at = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
+        weights.resize(at as usize, 0);
+        let dtype = lowered.tensors[t].dtype;
+        match dtype {
+            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
+            // Rounded to nearest, ties to even (as `vu.convert` rounds).
+            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+        }
+        let mut done = 0u64;
+        let bytes = d.len() as u64 * dtype.size();
+        while done < bytes {
+            let chunk = (bytes - done).min(1 << 30);
+            load.push(
+                Engine::DMA,
+                Instr::copy(
+                    Addr::guest(at + done),
+                    Addr::hbm(lowered.tensors[t].offset + done),
+                    chunk as u32,
+                ),
+            );
+            done += chunk;
+        }
+    }
+    load.push(Engine::DMA, Instr::Halt);
+    (load.finish(), weights)
+}
+
+/// One DMA transfer moves an input or output: at most 4 GiB per batch.
+fn check_transfers(inputs: &[Io], outputs: &[Io]) -> Result<(), CompileError> {
+    for (i, (name, _, s)) in inputs.iter().chain(outputs).enumerate() {
+        let need = elems(s) as u64 * 4;
+        if need > u64::from(u32::MAX) {
+            let reason = format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX);
+            return Err(if i < inputs.len() {
+                CompileError::Input { name: name.clone(), reason }
+            } else {
+                CompileError::Output { name: name.clone(), reason }
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Places `list` in the I/O window from `*window` on (f32, aligned).
+fn place_in_window(list: &[Io], window: &mut u64) -> Vec<(TensorDesc, TensorId)> {
+    list.iter()
+        .map(|(name, t, shape)| {
+            let d = TensorDesc {
+                name: name.clone(),
+                elem: ElemType::F32,
+                dims: shape.iter().map(|&x| x as u64).collect(),
+                offset: *window,
+            };
+            *window = (*window + elems(shape) as u64 * 4).next_multiple_of(WINDOW_ALIGN);
+            (d, *t)
+        })
+        .collect()
+}
+
+/// The `infer` program: the lowered graph with the inputs copied in
+/// before its first load and the outputs out after its last store (the
+/// DMA stream is in order).
+fn infer_program(
+    lowered: &npu_lower::Lowered,
+    ins: &[(TensorDesc, TensorId)],
+    outs: &[(TensorDesc, TensorId)],
+) -> vnpu_abi::Program {
+    let mut infer = lowered.program.clone();
+    let dma = match infer.streams.iter().position(|s| s.engine == Engine::DMA) {
+        Some(i) => i,
+        None => {
+            infer.streams.insert(0, vnpu_abi::Stream { engine: Engine::DMA, code: vec![Instr::Halt] });
+            0
+        }
+    };
+    let at = |t: TensorId| Addr::hbm(lowered.tensors[t].offset);
+    let bytes = |d: &TensorDesc| d.bytes().unwrap_or(0) as u32;
+    let body = std::mem::take(&mut infer.streams[dma].code);
+    let body = body.strip_suffix(&[Instr::Halt]).unwrap_or(&body);
+    let code = &mut infer.streams[dma].code;
+    code.extend(ins.iter().map(|(d, t)| Instr::copy(Addr::guest(d.offset), at(*t), bytes(d))));
+    code.extend_from_slice(body);
+    code.extend(outs.iter().map(|(d, t)| Instr::copy(at(*t), Addr::guest(d.offset), bytes(d))));
+    code.push(Instr::Halt);
+    infer
+}
+
+impl<'m> Compiler<'m> {
+    /// A compiler for `nodes` of `m`, with the model's constants known
+    /// and every value's readers counted.
+    fn new(m: &'m OnnxModel, batch: u32, nodes: &[&Node], out_names: &[String]) -> Self {
+        let mut c = Compiler {
+            m,
+            g: Graph::new("onnx", batch),
+            data: Vec::new(),
+            vals: HashMap::new(),
+            uses: HashMap::new(),
+            outputs: out_names.iter().cloned().collect(),
+            report: CompileReport { nodes: nodes.len(), ..Default::default() },
+        };
+        for n in nodes {
+            for i in n.inputs.iter().filter(|s| !s.is_empty()) {
+                *c.uses.entry(i.clone()).or_default() += 1;
+            }
+        }
+        for (k, v) in &m.constants {
+            c.vals.insert(k.clone(), Val::C(v.clone()));
+        }
+        c
+    }
+
+    /// A tensor for every model input the outputs need, with its shape.
+    fn declare_inputs(
+        &mut self,
+        m: &OnnxModel,
+        o: &CompileOptions,
+        need: &HashSet<String>,
+    ) -> Result<Vec<Io>, CompileError> {
+        let mut inputs = Vec::new();
+        for io in m.inputs.iter().filter(|i| need.contains(&i.name)) {
+            let shape = input_shape(io, o)?;
+            if elems(&shape) == 0 {
+                return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
+            }
+            check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
+            let t = self.tensor(&io.name, elems(&shape), Init::Input, None);
+            self.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
+            inputs.push((io.name.clone(), t, shape));
+        }
+        if inputs.is_empty() {
+            return Err(CompileError::Input {
+                name: String::new(),
+                reason: "the outputs need no model input".into(),
+            });
+        }
+        Ok(inputs)
+    }
+
+    /// Every node in order: constants folded, the rest added to the graph.
+    fn translate(&mut self, m: &OnnxModel, o: &CompileOptions, nodes: &[&Node]) -> Result<(), CompileError> {
+        for n in nodes {
+            let outs = self.node(n).map_err(|mut reason| {
+                if o.outputs.is_none() && m.outputs.len() > 1 {
+                    let names: Vec<&str> = m.outputs.iter().map(|x| x.name.as_str()).collect();
+                    reason.push_str(&format!(
+                        "; to leave it out, compile only the outputs that do not need it (--output NAME; this \
+                         model's outputs: {})",
+                        names.join(", ")
+                    ));
+                }
+                CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
+            })?;
+            for (name, v) in n.outputs.iter().zip(outs) {
+                if let Val::D(d) = &v {
+                    check_size(&d.shape).map_err(|reason| CompileError::Node {
+                        node: n.name.clone(),
+                        op: n.op.clone(),
+                        reason,
+                    })?;
+                }
+                if !name.is_empty() {
+                    self.vals.insert(name.clone(), v);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The outputs' tensors, in ONNX's element order.
+    fn collect_outputs(&mut self, out_names: &[String]) -> Result<Vec<Io>, CompileError> {
+        let mut outputs = Vec::new();
+        for name in out_names {
+            match self.vals.get(name).cloned() {
+                Some(Val::D(d)) => {
+                    let d = self
+                        .onnx_order(name, &d)
+                        .map_err(|reason| CompileError::Output { name: name.clone(), reason })?;
+                    outputs.push((name.clone(), d.t, d.shape.clone()))
+                }
+                Some(Val::C(_)) => {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: "is a constant (it does not depend on the input)".into(),
+                    })
+                }
+                None => {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: "is never computed".into(),
+                    })
+                }
+            }
+        }
+        Ok(outputs)
+    }
 }
 
 #[cfg(test)]

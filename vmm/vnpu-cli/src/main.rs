@@ -4,6 +4,7 @@ mod demo;
 mod manage;
 mod model;
 mod profile;
+mod run;
 mod scenario;
 
 use std::path::PathBuf;
@@ -27,8 +28,6 @@ struct Cli {
 
 /// The default Linux command line: console on COM1, reboot through the
 /// i8042 (which ends the VM), no ACPI tables to look for.
-const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=-1 acpi=off";
-
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Boot a VM on /dev/kvm with a bare-metal 64-bit ELF guest or a Linux kernel.
@@ -38,45 +37,7 @@ enum Command {
     /// a Linux guest reboots (docs/linux-guests.md). Each --vnpu becomes a
     /// vNPU PCI function (docs/device-interface.md).
     #[command(group(clap::ArgGroup::new("image").required(true).args(["guest", "kernel"])))]
-    Run {
-        /// The guest ELF (e.g. guest-images/target/x86_64-unknown-none/release/hello).
-        #[arg(long)]
-        guest: Option<PathBuf>,
-        /// A Linux kernel to boot instead (bzImage, e.g. Debian's
-        /// /boot/vmlinuz-*, or an ELF vmlinux), by the 64-bit boot protocol.
-        #[arg(long, conflicts_with = "guest")]
-        kernel: Option<PathBuf>,
-        /// The Linux guest's initramfs (with --kernel).
-        #[arg(long, requires = "kernel", conflicts_with = "guest")]
-        initrd: Option<PathBuf>,
-        /// The Linux kernel command line (with --kernel).
-        #[arg(long, requires = "kernel", conflicts_with = "guest", default_value = DEFAULT_CMDLINE)]
-        cmdline: String,
-        /// Guest memory, 2M to 1G for an ELF guest, to 3G for a Linux kernel (e.g. 256M).
-        #[arg(long, default_value = "256M", value_parser = vnpu_spec::parse_size)]
-        memory: u64,
-        /// A vNPU for the VM, repeatable: `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]`,
-        /// `type=small|medium|large`, `uuid=UUID` of a started instance
-        /// (`vnpu create` / `vnpu start`; docs/management.md; attached
-        /// through the board daemon when `vnpu daemon` serves it at
-        /// STATE_DIR/sockets/UUID.sock, else in-process), or
-        /// `socket=PATH` of a vfio-user socket (docs/vfio-user.md).
-        /// Each becomes a PCI function (daemon-served ones after the others).
-        #[arg(long = "vnpu", value_parser = parse_vnpu_arg)]
-        vnpus: Vec<VnpuArg>,
-        /// State directory of the vNPU manager, for `--vnpu uuid=...`
-        /// (default: $VNPU_STATE_DIR, else ~/.local/state/vnpu).
-        #[arg(long)]
-        state_dir: Option<PathBuf>,
-        /// Board config file (TOML, docs/board-config.md); default: the built-in board.
-        #[arg(long)]
-        board: Option<PathBuf>,
-        /// After serving requests, each vNPU worker keeps polling its ring
-        /// this many microseconds (doorbells suppressed) before sleeping;
-        /// 0 = never poll (lowest host CPU use, higher latency).
-        #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
-        poll_us: u64,
-    },
+    Run(run::RunArgs),
     /// The demo: boot the digits guest with a vNPU and classify
     /// scikit-learn's held-out handwritten digits on it.
     ///
@@ -463,7 +424,7 @@ enum BoardCommand {
 }
 
 #[derive(Debug, thiserror::Error)]
-enum CliError {
+pub(crate) enum CliError {
     #[error(transparent)]
     Config(#[from] npu_model::config::ConfigError),
     #[error(transparent)]
@@ -500,7 +461,7 @@ enum CliError {
 
 /// A `--vnpu` of `vnpu run`: a shape, or a managed instance.
 #[derive(Clone, Debug)]
-enum VnpuArg {
+pub(crate) enum VnpuArg {
     Spec(vnpu_spec::VnpuSpec),
     Uuid(String),
     /// A vNPU served by a board daemon at this vfio-user socket.
@@ -521,7 +482,7 @@ fn parse_vnpu(s: &str) -> Result<vnpu_spec::VnpuSpec, String> {
     vnpu_spec::VnpuSpec::parse(s).map_err(|e| e.to_string())
 }
 
-fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
+pub(crate) fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
     Ok(match path {
         Some(p) => BoardConfig::load(p)?,
         None => BoardConfig::default(),
@@ -570,100 +531,7 @@ fn print_report(r: &RunReport) {
 
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
-        Command::Run { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } => {
-            let b = board(&path)?;
-            let dir = manage::state_dir(&state_dir);
-            // A started instance that a board daemon serves is attached
-            // through the daemon (docs/vfio-user.md); otherwise in-process.
-            // Each is resolved once, so a socket that appears or goes
-            // meanwhile cannot drop a vNPU.
-            let mut remote_vnpus: Vec<PathBuf> = Vec::new();
-            let vnpus: Vec<VnpuArg> = vnpus
-                .into_iter()
-                .filter_map(|v| {
-                    let socket = match &v {
-                        VnpuArg::Socket(p) => Some(p.clone()),
-                        VnpuArg::Uuid(u) => {
-                            let sockets = vnpu_manager::control::default_socket_dir(&dir);
-                            let p = vnpu_manager::control::instance_socket(&sockets, u);
-                            if !p.exists() {
-                                eprintln!(
-                                    "vnpu: no board daemon serves {u} at {}; its vNPU runs in this process",
-                                    p.display()
-                                );
-                            }
-                            Some(p).filter(|p| p.exists())
-                        }
-                        VnpuArg::Spec(_) => None,
-                    };
-                    match socket {
-                        Some(p) => {
-                            remote_vnpus.push(p);
-                            None
-                        }
-                        None => Some(v),
-                    }
-                })
-                .collect();
-            // Managed in-process instances: (index among the vNPUs, UUID) to follow.
-            let managed: Vec<(usize, String)> = vnpus
-                .iter()
-                .enumerate()
-                .filter_map(|(i, v)| match v {
-                    VnpuArg::Uuid(u) => Some((i, u.clone())),
-                    _ => None,
-                })
-                .collect();
-            let vnpus = vnpus
-                .into_iter()
-                .filter_map(|v| match v {
-                    VnpuArg::Spec(s) => Some(Ok(s)),
-                    VnpuArg::Uuid(u) => Some(manage::active_spec(&dir, &b, &u).map_err(CliError::Usage)),
-                    VnpuArg::Socket(_) => None,
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let linux = kernel.is_some().then_some(vnpu_vm::LinuxBoot { initrd, cmdline });
-            let cfg = vnpu_vm::VmConfig {
-                memory,
-                // clap requires one of the two.
-                guest: guest.or(kernel).unwrap_or_default(),
-                vnpus,
-                board: b,
-                device: vnpu_device::DeviceOptions {
-                    poll: std::time::Duration::from_micros(poll_us),
-                    ..Default::default()
-                },
-                shared_cores: Vec::new(),
-                name: "vm".into(),
-                linux,
-                remote_vnpus,
-                payload: None,
-            };
-            let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
-            if !managed.is_empty() {
-                let handles = vm.grant_handles();
-                let follow = managed
-                    .into_iter()
-                    .filter_map(|(i, u)| Some((u, handles.get(i)?.clone(), *cfg.vnpus.get(i)?)))
-                    .collect();
-                manage::follow_remaps(dir.clone(), cfg.board.clone(), follow)
-                    .map_err(|e| CliError::Usage(format!("cannot follow remaps: {e}")))?;
-            }
-            // A Linux guest's console takes our standard input.
-            if cfg.linux.is_some() {
-                vm.forward_input(std::io::stdin())
-                    .map_err(|e| CliError::Usage(format!("console input: {e}")))?;
-            }
-            let code = vm.run()?;
-            // Exit codes above 255 are reported and truncated, as a shell would.
-            if code > 255 {
-                eprintln!(
-                    "vnpu: guest exit code {code} does not fit a process exit code; exiting with {}",
-                    code & 0xff
-                );
-            }
-            return Ok((code & 0xff) as u8);
-        }
+        Command::Run(args) => return run::run_vm(args),
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
         Command::Compile { model, vnpu, batch, dtype, shapes, outputs, board: path, out } => {
             model::compile(&model, &vnpu, &board(&path)?, batch, &dtype, shapes, outputs, &out)?;

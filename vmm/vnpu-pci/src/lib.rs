@@ -8,6 +8,9 @@
 //! (IDs, class, header type, BAR size bits) stay what the device set,
 //! whatever a guest writes.
 
+// Configuration space is written by the guest: no silent narrowing casts.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
+
 mod msix;
 
 pub use msix::{MsiMessage, MsixCap, MsixTable, MSIX_ENTRY_SIZE};
@@ -87,6 +90,12 @@ pub enum PciError {
     Slot(usize),
 }
 
+/// The low 32 bits of `x` (a BAR's size mask is written 32 bits at a time).
+fn low32(x: u64) -> u32 {
+    // Truncation is the point: the high half is masked off first.
+    u32::try_from(x & 0xffff_ffff).unwrap_or(u32::MAX)
+}
+
 /// The identity of a function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Identity {
@@ -138,9 +147,10 @@ impl ConfigSpace {
         c.set_u16(reg::VENDOR_ID, id.vendor_id);
         c.set_u16(reg::DEVICE_ID, id.device_id);
         c.bytes[reg::REVISION] = id.revision;
-        c.bytes[reg::CLASS] = id.class as u8;
-        c.bytes[reg::CLASS + 1] = (id.class >> 8) as u8;
-        c.bytes[reg::CLASS + 2] = (id.class >> 16) as u8;
+        let [pi, sub, base, _] = id.class.to_le_bytes();
+        c.bytes[reg::CLASS] = pi;
+        c.bytes[reg::CLASS + 1] = sub;
+        c.bytes[reg::CLASS + 2] = base;
         c.set_u16(reg::SUBSYSTEM_VENDOR_ID, id.subsystem_vendor_id);
         c.set_u16(reg::SUBSYSTEM_ID, id.subsystem_id);
         c.set_mask(reg::COMMAND, &command::WRITABLE.to_le_bytes());
@@ -210,17 +220,17 @@ impl ConfigSpace {
         self.used[last] = true;
         let off = reg::BAR0 + 4 * index;
         let (flags, low_mask): (u32, u32) = match bar.kind {
-            BarKind::Io => (0x1, !(bar.size as u32 - 1) & !0x3),
-            BarKind::Mem32 => (0x0, !(bar.size as u32 - 1) & !0xf),
+            BarKind::Io => (0x1, !low32(bar.size - 1) & !0x3),
+            BarKind::Mem32 => (0x0, !low32(bar.size - 1) & !0xf),
             BarKind::Mem64 { prefetchable } => {
-                let low = if bar.size >= 1 << 32 { 0 } else { !(bar.size as u32 - 1) & !0xf };
+                let low = if bar.size >= 1 << 32 { 0 } else { !low32(bar.size - 1) & !0xf };
                 (0x4 | if prefetchable { 0x8 } else { 0 }, low)
             }
         };
         self.set_u32(off, flags);
         self.set_mask(off, &low_mask.to_le_bytes());
         if wide {
-            let high_mask = !((bar.size - 1) >> 32) as u32;
+            let high_mask = !low32((bar.size - 1) >> 32);
             self.set_u32(off + 4, 0);
             self.set_mask(off + 4, &high_mask.to_le_bytes());
         }
@@ -270,9 +280,11 @@ impl ConfigSpace {
         if !writable.is_empty() {
             self.set_mask(off + 2, &writable[..body.len().min(writable.len())]);
         }
+        // Below 0x100: checked above.
+        let link = u8::try_from(off).map_err(|_| PciError::CapabilitySpace { len })?;
         match self.last_cap {
-            Some(prev) => self.bytes[prev + 1] = off as u8,
-            None => self.bytes[reg::CAPABILITIES] = off as u8,
+            Some(prev) => self.bytes[prev + 1] = link,
+            None => self.bytes[reg::CAPABILITIES] = link,
         }
         let status = self.read_u16(reg::STATUS) | STATUS_CAP_LIST;
         self.set_u16(reg::STATUS, status);

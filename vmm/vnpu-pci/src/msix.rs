@@ -91,8 +91,10 @@ impl MsixTable {
     }
 
     fn byte(&self, off: u64) -> u8 {
-        let (e, w, b) = ((off / 16) as usize, ((off % 16) / 4) as usize, (off % 4) * 8);
-        self.entries.get(e).map_or(0, |en| (en[w] >> b) as u8)
+        let (Ok(e), w, b) = (usize::try_from(off / 16), ((off % 16) / 4) as usize, (off % 4) as usize) else {
+            return 0;
+        };
+        self.entries.get(e).map_or(0, |en| en[w].to_le_bytes()[b])
     }
 
     /// A guest read of the table at `offset` (any width; outside reads 0).
@@ -127,14 +129,22 @@ impl MsixTable {
         for (i, d) in data.iter_mut().enumerate() {
             let bit0 = offset.saturating_add(i as u64).saturating_mul(8);
             *d = (0..8u64)
-                .filter(|k| self.pending.get((bit0 + k) as usize).copied().unwrap_or(false))
+                .filter(|k| {
+                    usize::try_from(bit0.saturating_add(*k))
+                        .ok()
+                        .and_then(|i| self.pending.get(i))
+                        .copied()
+                        .unwrap_or(false)
+                })
                 .fold(0u8, |acc, k| acc | (1 << k));
         }
     }
 
     fn message(&self, v: usize) -> MsiMessage {
         let e = self.entries[v];
-        MsiMessage { vector: v as u16, address: u64::from(e[0]) | (u64::from(e[1]) << 32), data: e[2] }
+        // At most 2048 vectors (the MSI-X table size field).
+        let vector = u16::try_from(v).unwrap_or(u16::MAX);
+        MsiMessage { vector, address: u64::from(e[0]) | (u64::from(e[1]) << 32), data: e[2] }
     }
 
     fn masked(&self, v: usize) -> bool {

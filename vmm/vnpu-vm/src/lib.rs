@@ -110,6 +110,24 @@ pub enum VmError {
     Load { path: String, reason: String },
     #[error("guest stopped: {0}")]
     Guest(String),
+    #[error("attaching the vNPU served at {path}: {source}")]
+    Attach {
+        path: String,
+        #[source]
+        source: remote::RemoteError,
+    },
+    #[error("{what}: {source}")]
+    EventFd {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the loopback irqfd of vNPU slot {slot}: {source}")]
+    Loopback {
+        slot: usize,
+        #[source]
+        source: irq::IrqError,
+    },
     #[error("PCI layout: {0}")]
     Pci(#[from] vnpu_pci::PciError),
     #[error("vNPU device: {0}")]
@@ -489,7 +507,7 @@ impl<W: Write> Vm<W> {
             Self::place_bars(&mut pci, count);
         }
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
-            .map_err(|e| VmError::Guest(format!("serial eventfd: {e}")))?;
+            .map_err(|source| VmError::EventFd { what: "the serial port's eventfd", source })?;
         vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
         Ok(Self {
             _kvm: kvm,
@@ -647,7 +665,7 @@ impl<W: Write> Vm<W> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
-                .map_err(|e| VmError::Guest(format!("loopback irqfd: {e}")))?;
+                .map_err(|source| VmError::Loopback { slot, source })?;
             events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
             let grant = Some(f.grant_handle());
             bus.add(slot, Box::new(f))?;
@@ -656,7 +674,7 @@ impl<W: Write> Vm<W> {
         for (i, path) in cfg.remote_vnpus.iter().enumerate() {
             let slot = vnpus.len() + i + 1;
             let f = remote::RemoteFunction::attach(path, slot, memory, Arc::clone(vm), Arc::clone(msi))
-                .map_err(|e| VmError::Guest(e.to_string()))?;
+                .map_err(|source| VmError::Attach { path: path.display().to_string(), source })?;
             let events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
             bus.add(slot, Box::new(f))?;
             doorbells.push(Doorbells { slot, events, registered: None, grant: None });

@@ -1,0 +1,523 @@
+//! The NPU worker: one thread per vNPU that owns the command ring, the
+//! vNPU's SRAM and HBM, and its counters. It sleeps in an event-manager
+//! loop on two eventfds: the doorbell (an ioeventfd, so a guest's doorbell
+//! write wakes it without a vCPU exit to userspace) and the control
+//! channel (ring set-up, reset and mailbox commands posted by the vCPU
+//! thread). The vCPU thread never waits for it.
+//!
+//! Every request is checked before anything runs: the descriptor chain's
+//! shape, the header, the program's decoding and the static verifier
+//! against the vNPU's current configuration. Guest memory is touched only
+//! through vm-memory's checked accessors, so a bad address fails that
+//! request (or, for the ring itself, puts the device in its failed state
+//! until the driver resets it) and never the VMM.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
+use npu_model::{run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport};
+use virtio_queue::{Queue, QueueOwnedT, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vmm_sys_util::eventfd::EventFd;
+use vnpu_abi::device::{self as abi, regs};
+use vnpu_abi::{EngineKind, Program};
+
+use crate::msi::{lock, Interrupts};
+use crate::regfile::RegFile;
+use vnpu_spec::VnpuSpec;
+
+use crate::GuestRam;
+
+mod counters;
+mod events;
+#[cfg(any(fuzzing, test))]
+mod fuzz;
+mod mailbox;
+mod ring;
+
+use counters::Counters;
+#[cfg(any(fuzzing, test))]
+pub use fuzz::fuzz_drive;
+
+/// Cycle budget of a request whose header asks for none (about 18 s of
+/// simulated time at 940 MHz).
+pub const DEFAULT_BUDGET: u64 = 1 << 34;
+/// Largest cycle budget a request may ask for.
+pub const MAX_BUDGET: u64 = 1 << 40;
+/// Most simulated cycles one request may run on a *shared* physical core
+/// (about 4.6 s at 940 MHz): its co-located tenants wait for the batch it
+/// is in, so a long request there must not hold them for the whole
+/// [`MAX_BUDGET`]. [`DeviceOptions::shared_max_cycles`] overrides it.
+pub const SHARED_MAX_BUDGET: u64 = 1 << 32;
+/// Most host work (`npu_model::timing::host_work` units, about a
+/// nanosecond each at most on the machines measured) the functional model
+/// may spend on one request on a *shared* physical core: its co-located
+/// tenants' simulation waits while the core's thread executes it, so this
+/// bounds how long one request can hold them up in wall time (about 0.4 s
+/// here; `docs/isolation.md`). [`DeviceOptions::shared_max_host_work`]
+/// overrides it.
+pub const SHARED_MAX_HOST_WORK: u64 = 1 << 28;
+/// Longest error message written to a request's message buffer.
+const MAX_MESSAGE: usize = 512;
+/// No instruction to blame (`detail`).
+const NO_DETAIL: u32 = 0xffff_ffff;
+
+/// What the vCPU thread asks of the worker.
+#[derive(Debug, Clone)]
+pub(crate) enum Control {
+    Enable {
+        size: u32,
+        desc: u64,
+        avail: u64,
+        used: u64,
+    },
+    Reset,
+    Mailbox {
+        cmd: u32,
+        args: [u64; 6],
+    },
+    /// The host changed the grant (a live remap).
+    Regrant(VnpuSpec),
+    /// Guest memory is now this (a vfio-user client mapped or unmapped
+    /// DMA regions); applied between requests.
+    Memory(GuestMemoryMmap<()>),
+    Stop,
+    /// Makes the worker panic (tests of the fault path only).
+    #[cfg(test)]
+    Panic,
+}
+
+/// State shared by the PCI function (vCPU thread) and the worker.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub regs: Mutex<RegFile>,
+    pub irq: Interrupts,
+    pub controls: Mutex<VecDeque<Control>>,
+    pub control_evt: EventFd,
+    pub doorbell: EventFd,
+    /// The worker thread has stopped on a fault: nothing is served, and
+    /// nothing more is queued for it.
+    pub dead: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// Registers `regs`, `vectors` MSI-X vectors (disabled, as after reset)
+    /// raised into `sink`, an empty control queue and fresh eventfds.
+    pub fn new(
+        regs: RegFile,
+        vectors: u16,
+        sink: Arc<dyn crate::MsiSink>,
+        by_vector: Option<Arc<dyn crate::VectorSink>>,
+    ) -> std::io::Result<Self> {
+        let nonblock = vmm_sys_util::eventfd::EFD_NONBLOCK;
+        Ok(Self {
+            regs: Mutex::new(regs),
+            irq: Interrupts {
+                state: Mutex::new(crate::msi::MsixState {
+                    table: vnpu_pci::MsixTable::new(vectors),
+                    enabled: false,
+                    function_masked: false,
+                }),
+                sink,
+                vectors: by_vector,
+            },
+            controls: Mutex::new(VecDeque::new()),
+            control_evt: EventFd::new(nonblock)?,
+            doorbell: EventFd::new(nonblock)?,
+            dead: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Posts `c` to the worker (dropped once the worker is dead, so a
+    /// guest cannot grow the queue without bound).
+    pub fn post(&self, c: Control) {
+        if self.dead.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        lock(&self.controls).push_back(c);
+        // An eventfd write fails only when the counter would overflow, in
+        // which case the worker is already due to wake.
+        let _ = self.control_evt.write(1);
+    }
+
+    /// Records `bit` in `INT_STATUS` and raises the vector named by the
+    /// register at `vector_reg`, if any.
+    fn notify(&self, bit: u32, vector_reg: u64) {
+        let v = {
+            let mut r = lock(&self.regs);
+            r.update_u32(regs::INT_STATUS, |s| s | bit);
+            r.u32(vector_reg)
+        };
+        if let Ok(v) = u16::try_from(v) {
+            if u32::from(v) != abi::NO_VECTOR {
+                self.irq.raise(v);
+            }
+        }
+    }
+}
+
+/// One core of the vNPU: its SRAM and HBM segments, created on first use.
+type Core = npu_board_runtime::CoreMem;
+
+/// A descriptor of a request chain.
+#[derive(Clone, Copy, Debug)]
+struct Desc {
+    addr: u64,
+    len: u32,
+    write: bool,
+}
+
+/// How a request ended.
+#[derive(Debug, Default)]
+struct Outcome {
+    status: u32,
+    detail: u32,
+    report: Option<TenantReport>,
+    message: String,
+}
+
+impl Outcome {
+    fn fail(status: u32, message: impl Into<String>) -> Self {
+        Self { status, detail: NO_DETAIL, report: None, message: message.into() }
+    }
+}
+
+/// How a vNPU's worker serves its ring.
+#[derive(Clone, Debug)]
+pub struct DeviceOptions {
+    /// After serving requests, keep polling the ring for this long (with
+    /// the driver told not to ring the doorbell) before sleeping. 0 turns
+    /// polling off: every request then waits for a thread wake-up.
+    pub poll: std::time::Duration,
+    /// The physical cores the vNPU's cores are placed on, shared with the
+    /// other vNPUs placed there (in vNPU core order). A vNPU core without
+    /// one runs alone on a core of its own.
+    pub cores: Vec<crate::SharedCore>,
+    /// Priority on an oversubscribed shared core (higher runs first).
+    pub priority: u8,
+    /// Latency target of each request on a shared core, in microseconds of
+    /// simulated time from its arrival (0: none): among equal priorities
+    /// the earliest deadline runs first.
+    pub slo_us: u64,
+    /// Cap of a request's cycle budget on a shared core.
+    pub shared_max_cycles: u64,
+    /// Host-work budget of a request on a shared core.
+    pub shared_max_host_work: u64,
+    /// Where the worker adds up what it does (the daemon's metrics).
+    pub telemetry: Option<Arc<crate::Telemetry>>,
+}
+
+impl Default for DeviceOptions {
+    fn default() -> Self {
+        Self {
+            poll: std::time::Duration::from_micros(DEFAULT_POLL_US),
+            cores: Vec::new(),
+            priority: 0,
+            slo_us: 0,
+            shared_max_cycles: SHARED_MAX_BUDGET,
+            shared_max_host_work: SHARED_MAX_HOST_WORK,
+            telemetry: None,
+        }
+    }
+}
+
+/// Default polling window after activity, in microseconds.
+pub const DEFAULT_POLL_US: u64 = 200;
+
+/// The worker's state; runs on its own thread (see [`spawn`]).
+#[derive(Debug)]
+pub(crate) struct Worker {
+    shared: Arc<Shared>,
+    mem: GuestMemoryMmap<()>,
+    board: BoardConfig,
+    grant: VnpuSpec,
+    config: Option<VnpuSpec>,
+    cores: Vec<Option<Core>>,
+    queue: Option<Queue>,
+    counters: Counters,
+    stopped: bool,
+    opts: DeviceOptions,
+    /// The vNPU's name (its tenant name on shared cores).
+    name: String,
+    /// Programs verified once (`REGISTER`), by handle; dropped whenever
+    /// the configuration changes, since they were checked against it.
+    programs: Vec<Option<Arc<Program>>>,
+}
+
+impl Worker {
+    pub fn new(
+        shared: Arc<Shared>,
+        mem: GuestMemoryMmap<()>,
+        board: BoardConfig,
+        grant: VnpuSpec,
+        opts: DeviceOptions,
+        name: &str,
+    ) -> Self {
+        let mut w = Self {
+            opts,
+            name: name.to_string(),
+            shared,
+            mem,
+            board,
+            grant,
+            config: None,
+            cores: Vec::new(),
+            queue: None,
+            counters: Counters::default(),
+            stopped: false,
+            programs: Vec::new(),
+        };
+        w.configure(grant);
+        w
+    }
+
+    fn regs(&self) -> std::sync::MutexGuard<'_, RegFile> {
+        lock(&self.shared.regs)
+    }
+
+    fn configure(&mut self, spec: VnpuSpec) {
+        self.programs.clear();
+        let n = spec.cores() as usize;
+        self.cores = (0..n).map(|_| None).collect();
+        self.config = Some(spec);
+        if let Some(t) = &self.opts.telemetry {
+            t.configured(Some(spec));
+        }
+        let mut r = self.regs();
+        r.set_hierarchy(Some(&spec));
+        r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
+    }
+
+    /// A new grant from the host. The configuration stays if it still fits
+    /// (the vNPU's SRAM, HBM and registered programs with it); otherwise
+    /// the vNPU is reconfigured to the new grant, as a `CONFIGURE` would.
+    fn regrant(&mut self, grant: VnpuSpec) {
+        self.grant = grant;
+        match self.config {
+            Some(c) if c.check_within(&grant).is_ok() => {}
+            Some(_) => self.configure(grant),
+            None => {}
+        }
+    }
+
+    fn release(&mut self) {
+        self.programs.clear();
+        self.cores.clear();
+        self.config = None;
+        if let Some(t) = &self.opts.telemetry {
+            t.configured(None);
+        }
+        let mut r = self.regs();
+        r.set_hierarchy(None);
+        r.update_u32(regs::STATUS, |s| s & !abi::STATUS_READY);
+    }
+
+    /// Handles every posted control message, in order.
+    fn handle_controls(&mut self) {
+        loop {
+            let next = lock(&self.shared.controls).pop_front();
+            match next {
+                None => return,
+                Some(Control::Stop) => {
+                    self.stopped = true;
+                    return;
+                }
+                #[cfg(test)]
+                Some(Control::Panic) => panic!("injected worker fault"),
+                Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
+                Some(Control::Reset) => self.reset(),
+                Some(Control::Memory(mem)) => self.mem = mem,
+                Some(Control::Regrant(spec)) => {
+                    self.regrant(spec);
+                    self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
+                }
+                Some(Control::Mailbox { cmd, args }) => {
+                    let (status, result) = self.mailbox(cmd, args);
+                    {
+                        let mut r = self.regs();
+                        r.set_u64(regs::MBOX_RESULT, result);
+                        r.set_u32(regs::MBOX_STATUS, status);
+                    }
+                    self.shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
+                }
+            }
+        }
+    }
+
+    fn enable(&mut self, size: u32, desc: u64, avail: u64, used: u64) {
+        let q = (|| {
+            let mut q = Queue::new(abi::QUEUE_SIZE_MAX).ok()?;
+            q.try_set_size(u16::try_from(size).ok()?).ok()?;
+            q.try_set_desc_table_address(GuestAddress(desc)).ok()?;
+            q.try_set_avail_ring_address(GuestAddress(avail)).ok()?;
+            q.try_set_used_ring_address(GuestAddress(used)).ok()?;
+            q.set_ready(true);
+            q.is_valid(&self.mem).then_some(q)
+        })();
+        let ok = q.is_some();
+        self.queue = q;
+        let mut r = self.regs();
+        match ok {
+            true => r.update_u32(regs::STATUS, |s| s | abi::STATUS_QUEUE_READY),
+            false => {
+                r.set_u32(regs::QUEUE_ENABLE, 0);
+                r.set_u32(regs::ERROR, abi::ERR_QUEUE_INVALID);
+            }
+        }
+    }
+
+    fn reset(&mut self) {
+        self.queue = None;
+        let mut r = self.regs();
+        r.set_u32(regs::QUEUE_ENABLE, 0);
+        r.set_u32(regs::COMPLETED, 0);
+        r.set_u32(regs::ERROR, 0);
+        r.set_u32(regs::INT_STATUS, 0);
+        r.update_u32(regs::STATUS, |s| {
+            s & !(abi::STATUS_QUEUE_READY | abi::STATUS_FAILED | abi::STATUS_RESETTING)
+        });
+    }
+
+    /// The ring itself is broken (`ERR_QUEUE_BROKEN`): says why in the
+    /// host's log (the guest only gets the code) and stops using it.
+    fn fail_ring(&mut self, why: &str) {
+        log::warn!("{}: the ring is broken, stopped until the driver resets it: {why}", self.name);
+        self.fail(abi::ERR_QUEUE_BROKEN);
+    }
+
+    /// Stops using the ring until the driver resets the device.
+    fn fail(&mut self, code: u32) {
+        self.queue = None;
+        mark_failed(&mut self.regs(), code);
+    }
+}
+
+/// Starts the worker thread for `worker`; it runs until [`Control::Stop`].
+/// Should it panic (a host bug), the vNPU is left in a failed state the
+/// driver can read (`ERR_DEVICE_FAULT`), never a silent hang.
+pub(crate) fn spawn(worker: Worker, name: String) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let shared = Arc::clone(&worker.shared);
+    std::thread::Builder::new().name(name).spawn(move || {
+        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(worker)));
+        if served.is_err() {
+            died(&shared);
+        }
+    })
+}
+
+/// The worker's event loop.
+fn serve(worker: Worker) {
+    let mut em = match EventManager::<Worker>::new() {
+        Ok(em) => em,
+        Err(_) => return,
+    };
+    let id = em.add_subscriber(worker);
+    loop {
+        match em.subscriber_mut(id) {
+            Ok(w) if !w.stopped => {}
+            _ => return,
+        }
+        if em.run().is_err() {
+            return;
+        }
+    }
+}
+
+/// The device's failed state with `code` in `ERROR`: the ring is not
+/// served until the driver resets the device.
+fn mark_failed(r: &mut RegFile, code: u32) {
+    r.set_u32(regs::ERROR, code);
+    r.update_u32(regs::STATUS, |s| (s | abi::STATUS_FAILED) & !abi::STATUS_QUEUE_READY);
+}
+
+/// Puts the vNPU of a worker that panicked in its failed state and wakes
+/// a driver waiting on an interrupt.
+fn died(shared: &Shared) {
+    shared.dead.store(true, std::sync::atomic::Ordering::Release);
+    lock(&shared.controls).clear();
+    {
+        let mut r = lock(&shared.regs);
+        mark_failed(&mut r, abi::ERR_DEVICE_FAULT);
+        // No reset will ever complete.
+        r.set_u32(regs::QUEUE_ENABLE, 0);
+        r.update_u32(regs::STATUS, |s| s & !abi::STATUS_RESETTING);
+        // A mailbox command in flight ends with an error.
+        if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
+            r.set_u32(regs::MBOX_STATUS, abi::ST_EXEC_FAULT);
+        }
+    }
+    shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
+    shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
+}
+
+#[cfg(test)]
+mod fault_tests {
+    use super::*;
+
+    /// A worker that panics leaves its vNPU failed with `ERR_DEVICE_FAULT`
+    /// (what the driver reads), the mailbox not busy forever, and further
+    /// controls dropped instead of queued.
+    #[test]
+    fn a_worker_panic_is_a_device_error_the_driver_can_read() {
+        let (mut f, _sink) = crate::test_function(&VnpuSpec::named("small").unwrap());
+        let rd = |f: &mut crate::VnpuFunction, off: u64| {
+            let mut b = [0u8; 4];
+            vnpu_pci::PciFunction::bar_read(f, 0, off, &mut b);
+            u32::from_le_bytes(b)
+        };
+        assert_eq!(rd(&mut f, regs::ERROR), 0);
+        // A mailbox command posted just before the fault.
+        vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::MBOX_CMD, &abi::MBOX_QUERY_GRANT.to_le_bytes());
+        f.shared_for_tests().post(Control::Panic);
+        let t0 = Instant::now();
+        while rd(&mut f, regs::STATUS) & abi::STATUS_FAILED == 0 {
+            assert!(t0.elapsed().as_secs() < 10, "the vNPU never reported its fault");
+            std::thread::yield_now();
+        }
+        assert_eq!(rd(&mut f, regs::ERROR), abi::ERR_DEVICE_FAULT);
+        assert_eq!(rd(&mut f, regs::STATUS) & abi::STATUS_QUEUE_READY, 0);
+        assert_ne!(rd(&mut f, regs::MBOX_STATUS), abi::MBOX_BUSY);
+        for _ in 0..1000 {
+            vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::DEVICE_RESET, &1u32.to_le_bytes());
+        }
+        assert!(lock(&f.shared_for_tests().controls).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod registration_tests {
+    use super::*;
+
+    /// The instructions a guest can keep registered are bounded: programs
+    /// of the largest size register until `MAX_REGISTERED_INSTRUCTIONS`,
+    /// the next is refused with `NO_SPACE`, and a free handle's room is
+    /// usable again.
+    #[test]
+    fn registered_programs_are_bounded_in_instructions() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 32 << 20)]).unwrap();
+        let mut b = vnpu_abi::ProgramBuilder::new();
+        for i in 0..vnpu_abi::program::MAX_INSTRUCTIONS - 1 {
+            b.push(vnpu_abi::Engine::DMA, vnpu_abi::Instr::Signal { sem: (i % 64) as u8 });
+        }
+        let bytes = b.finish().encode();
+        mem.write_slice(&bytes, GuestAddress(0x1000)).unwrap();
+        let payload = [Desc { addr: 0x1000, len: bytes.len() as u32, write: false }];
+        let shared = Arc::new(
+            Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).unwrap(),
+        );
+        let spec = VnpuSpec::named("small").unwrap();
+        let mut w = Worker::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
+        let fits = abi::MAX_REGISTERED_INSTRUCTIONS / vnpu_abi::program::MAX_INSTRUCTIONS;
+        for i in 0..fits {
+            let o = w.register(&payload);
+            assert_eq!((o.status, o.detail), (abi::ST_OK, i as u32), "{}", o.message);
+        }
+        let o = w.register(&payload);
+        assert_eq!(o.status, abi::ST_NO_SPACE, "{}", o.message);
+        assert!(o.message.contains("would pass the limit"), "{}", o.message);
+        w.programs[1] = None;
+        assert_eq!(w.register(&payload).status, abi::ST_OK);
+    }
+}
