@@ -422,17 +422,42 @@ impl Lowerer {
                     self.b.push(start, i);
                 }
             }
+            let (sas, vus) = (self.shape.sa, self.shape.vu);
+            let lane_engine = move |lane: usize, st: &Stage| {
+                let e = if wide { slot * n_lanes + lane as u32 } else { slot };
+                match st {
+                    Stage::Sa(_) => Engine::sa((e % sas) as u8),
+                    Stage::Vu(_) => Engine::vu((e % vus) as u8),
+                }
+            };
+            // When a VU prepared the tile, it signals every lane's first
+            // engine at once, before any lane's later stages: that VU may
+            // also post-process lane 0, and a lane's start signal queued
+            // behind that (which waits for lane 0's SA) would run the
+            // lanes' SAs one after the other instead of side by side.
+            let mut started: Vec<Option<u8>> = vec![None; tl.lanes.len()];
+            if start != Engine::DMA {
+                for (lane, l) in tl.lanes.iter().enumerate() {
+                    let Some(first) = l.stages.first().map(|st| lane_engine(lane, st)) else { continue };
+                    if first != start {
+                        let sem = self.chan(start, first)?;
+                        self.b.push(start, Instr::Signal { sem });
+                        started[lane] = Some(sem);
+                    }
+                }
+            }
             let mut posts = Vec::with_capacity(tl.lanes.len());
             for (lane, l) in tl.lanes.into_iter().enumerate() {
-                let e = if wide { slot * n_lanes + lane as u32 } else { slot };
                 let mut prev = start;
                 for st in l.stages {
-                    let (engine, code) = match st {
-                        Stage::Sa(c) => (Engine::sa((e % self.shape.sa) as u8), c),
-                        Stage::Vu(c) => (Engine::vu((e % self.shape.vu) as u8), c),
+                    let engine = lane_engine(lane, &st);
+                    let code = match st {
+                        Stage::Sa(c) | Stage::Vu(c) => c,
                     };
                     // One engine's stream is in order: no token needed.
-                    if engine != prev {
+                    if let (Some(sem), true) = (started[lane].take(), prev == start) {
+                        self.b.push(engine, Instr::Wait { sem });
+                    } else if engine != prev {
                         let sem = self.chan(prev, engine)?;
                         self.b.push(prev, Instr::Signal { sem });
                         self.b.push(engine, Instr::Wait { sem });

@@ -32,6 +32,21 @@ pub enum Dataflow {
     OutputStationary,
 }
 
+/// How a weight-stationary array loads its weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WeightBuffering {
+    /// One weight tile at a time: each fold loads its weights, then streams
+    /// (SCALE-Sim's weight-stationary model).
+    #[default]
+    Single,
+    /// A second weight buffer: the next fold's weights shift in while the
+    /// current fold streams, as the TPU's MXU does ("one 64 KiB tile of
+    /// weights plus one for double-buffering, to hide the 256 cycles it
+    /// takes to shift a tile in", Jouppi et al., ISCA 2017, section 2).
+    Double,
+}
+
 /// The whole board.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,6 +69,9 @@ pub struct CoreConfig {
     pub sa_rows: u32,
     pub sa_cols: u32,
     pub dataflow: Dataflow,
+    /// Weight buffering of a weight-stationary array (default: single).
+    #[serde(default)]
+    pub sa_weight_buffering: WeightBuffering,
     pub vu_count: u32,
     /// f32 elements a VU processes per cycle.
     pub vu_lanes: u32,
@@ -134,6 +152,7 @@ impl Default for BoardConfig {
                 sa_rows: 128,
                 sa_cols: 128,
                 dataflow: Dataflow::WeightStationary,
+                sa_weight_buffering: WeightBuffering::Single,
                 vu_count: 4,
                 vu_lanes: 1024,
                 vu_latency_cycles: 16,

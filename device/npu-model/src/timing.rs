@@ -18,7 +18,7 @@
 
 use vnpu_abi::{Instr, Space, UnOp};
 
-use crate::config::{BoardConfig, Dataflow};
+use crate::config::{BoardConfig, Dataflow, WeightBuffering};
 
 /// How an instruction occupies its engine.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -55,6 +55,15 @@ fn prod(dims: &[u64]) -> u64 {
 }
 
 /// Cycles of a GEMM view `m x k x n` on one `rows x cols` array.
+///
+/// Single-buffered weights (SCALE-Sim): every fold pays its weight load
+/// (`R`), skew (`R - 1`) and drain (`C - 1`) before the next starts:
+/// `folds * (2R + C - 2 + stream) - 1`. Double-buffered weights (the
+/// TPU's MXU, weight-stationary only): the next fold's weights shift in
+/// while the current fold streams, so after the first load each fold
+/// takes `max(stream, R)` and the skew and drain are paid once at the end:
+/// `R + folds * max(stream, R) + R + C - 2 - 1`. With one fold and a
+/// stream of at least `R` both give the same.
 pub fn sa_gemm_cycles(cfg: &BoardConfig, m: u64, k: u64, n: u64) -> f64 {
     if m == 0 || k == 0 || n == 0 {
         return 1.0;
@@ -64,7 +73,13 @@ pub fn sa_gemm_cycles(cfg: &BoardConfig, m: u64, k: u64, n: u64) -> f64 {
         Dataflow::WeightStationary => (prod(&[k.div_ceil(r), n.div_ceil(c)]), m),
         Dataflow::OutputStationary => (prod(&[m.div_ceil(r), n.div_ceil(c)]), k),
     };
-    (folds as f64) * ((2 * r + c - 2) as f64 + stream as f64) - 1.0
+    let double = cfg.core.dataflow == Dataflow::WeightStationary
+        && cfg.core.sa_weight_buffering == WeightBuffering::Double;
+    if double {
+        (2 * r + c - 2) as f64 + (folds as f64) * (stream.max(r) as f64) - 1.0
+    } else {
+        (folds as f64) * ((2 * r + c - 2) as f64 + stream as f64) - 1.0
+    }
 }
 
 fn vu(cfg: &BoardConfig, elements: u64, passes: f64) -> Occupancy {
@@ -272,5 +287,28 @@ mod tests {
         assert_eq!(sa_gemm_cycles(&cfg(32, 32), 100, 70, 40), 1163.0);
         // 16x16x8 input, 3x3x40 filters, valid: M = 14*14, K = 72, N = 40.
         assert_eq!(sa_gemm_cycles(&cfg(32, 32), 196, 72, 40), 1739.0);
+    }
+
+    /// Double-buffered weights, by hand: the first tile's load, one
+    /// `max(M, R)` per fold, skew and drain once.
+    #[test]
+    fn double_buffered_weights_hide_each_later_load_behind_a_stream() {
+        let mut b = cfg(32, 32);
+        b.core.sa_weight_buffering = WeightBuffering::Double;
+        // One fold with M >= R: nothing to hide, as single-buffered.
+        assert_eq!(sa_gemm_cycles(&b, 64, 32, 32), 157.0);
+        // 3 x 2 = 6 folds of 100 rows: 32 + 6 * 100 + 31 + 31 - 1.
+        assert_eq!(sa_gemm_cycles(&b, 100, 70, 40), 693.0);
+        // Streams shorter than a weight load: each fold waits for its tile.
+        assert_eq!(sa_gemm_cycles(&b, 16, 64, 32), 32.0 + 2.0 * 32.0 + 62.0 - 1.0);
+        // Output-stationary arrays have no weight tile to buffer.
+        b.core.dataflow = Dataflow::OutputStationary;
+        assert_eq!(sa_gemm_cycles(&b, 100, 70, 40), sa_gemm_cycles(&cfg_os(32, 32), 100, 70, 40));
+    }
+
+    fn cfg_os(r: u32, c: u32) -> BoardConfig {
+        let mut b = cfg(r, c);
+        b.core.dataflow = Dataflow::OutputStationary;
+        b
     }
 }

@@ -7,7 +7,7 @@ use thiserror::Error;
 use vnpu_abi::{DType, EngineKind};
 
 use npu_graph::Init;
-use npu_lower::{lower, LowerError, Lowered, Placed, VnpuShape};
+use npu_lower::{lower_as, LowerError, Lowered, Placed, VnpuShape};
 
 use crate::zoo::build;
 use npu_model::memory::{write_f32s, Memory};
@@ -30,6 +30,10 @@ pub struct RunOptions {
     /// Also compute real results on random data (seeded).
     pub functional: bool,
     pub seed: u64,
+    /// The SAs' operand type: with bf16 the weights of products are
+    /// stored as bf16 and operands rounded to bf16 (f32 accumulation;
+    /// `npu_lower::lower_as`).
+    pub dtype: DType,
 }
 
 impl RunOptions {
@@ -46,6 +50,7 @@ impl RunOptions {
             hbm_bytes: None,
             functional: false,
             seed: 1,
+            dtype: DType::F32,
         }
     }
 }
@@ -197,7 +202,7 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
     let sram_bytes = o.sram_bytes.unwrap_or(board.sram_bytes());
     let hbm_bytes = o.hbm_bytes.unwrap_or(board.hbm_bytes_per_chip() / u64::from(board.cores_per_chip));
     let shape = VnpuShape::on_board(board, o.sa, o.vu, sram_bytes, hbm_bytes);
-    let lowered = lower(&graph, shape)?;
+    let lowered = lower_as(&graph, shape, o.dtype)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
     Ok((lowered, shape, graph.batch))
 }

@@ -64,8 +64,34 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "gnmt" => gnmt(batch, &GnmtSize::MLPERF),
         "ssd-resnet34" => ssd_resnet34(batch, &SsdR34Size::MLPERF),
         "retinanet" => retinanet(batch, 640),
-        _ => return None,
+        other => {
+            let (m, k, n) = gemm_dims(other.strip_prefix("gemm-")?)?;
+            gemm(batch, m, k, n)?
+        }
     })
+}
+
+/// `MxKxN` of a `gemm-MxKxN` workload name: each from 1 to 65536.
+fn gemm_dims(dims: &str) -> Option<(u32, u32, u32)> {
+    let mut it = dims.split('x').map(|d| d.parse::<u32>().ok().filter(|v| (1..=65_536).contains(v)));
+    let dims = (it.next()??, it.next()??, it.next()??);
+    it.next().is_none().then_some(dims)
+}
+
+/// One matrix product, `gemm-MxKxN`: an `M x K` input (`M` rows per batch
+/// element) times `K x N` weights, plus a bias: the shape of the matrix
+/// products that published TPU timings measure (e.g. 8192 x 8192 x 8192 in
+/// JAX's Pallas TPU matmul guide). Not in [`WORKLOADS`] or
+/// [`MORE_WORKLOADS`]: `vnpu workload run gemm-4096x4096x4096` names one.
+/// `None` when `M x batch` rows do not fit a `u32`.
+pub fn gemm(batch: u32, m: u32, k: u32, n: u32) -> Option<Graph> {
+    let rows = m.checked_mul(batch)?;
+    let mut g = Graph::new("gemm", batch);
+    let x = g.tensor("input", u64::from(rows) * u64::from(k), Init::Input);
+    g.input = x;
+    let y = g.linear("product", View::dense(x, k), rows, k, n, Act::None, None);
+    g.output = y.t;
+    Some(g)
 }
 
 fn resnet50(batch: u32) -> Graph {
@@ -1380,6 +1406,18 @@ fn ncf(batch: u32) -> Graph {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gemm_names_give_one_product_of_their_size() {
+        let g = build("gemm-64x32x16", 2).unwrap();
+        assert_eq!(g.macs(), 2 * 64 * 32 * 16);
+        assert_eq!(g.ops.len(), 1);
+        for bad in ["gemm-", "gemm-1x2", "gemm-1x2x3x4", "gemm-0x2x3", "gemm-65537x1x1", "gemm-axbxc"] {
+            assert!(build(bad, 1).is_none(), "{bad}");
+        }
+        // M x batch rows must fit the IR's row count.
+        assert!(build("gemm-65536x1x1", 65_536).is_none());
+    }
 
     #[test]
     fn published_mac_counts() {

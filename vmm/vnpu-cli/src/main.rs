@@ -355,6 +355,10 @@ struct VnpuArgs {
     /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
     #[arg(long)]
     board: Option<PathBuf>,
+    /// The SAs' operand type: bf16 stores the weights of products as bf16
+    /// and rounds their operands to bf16 (f32 accumulation and activations).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    dtype: String,
 }
 
 impl VnpuArgs {
@@ -376,6 +380,7 @@ impl VnpuArgs {
             hbm_bytes: self.hbm,
             functional,
             seed,
+            dtype: vnpu_abi::DType::from_name(&self.dtype).unwrap_or(vnpu_abi::DType::F32),
         };
         Ok((b, o))
     }
