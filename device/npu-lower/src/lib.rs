@@ -1967,6 +1967,90 @@ fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
         .collect()
 }
 
+/// How a graph is lowered, beyond the vNPU's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowerOptions {
+    /// The SAs' operand type (see [`lower_as`]).
+    pub dtype: DType,
+    /// Intermediate tensors share HBM by liveness: a tensor's space is
+    /// free for another once the last operation that touches it has run
+    /// (see [`place_tensors`]). Off: every tensor has HBM of its own for
+    /// the whole request.
+    pub reuse_hbm: bool,
+}
+
+impl Default for LowerOptions {
+    fn default() -> Self {
+        Self { dtype: DType::F32, reuse_hbm: false }
+    }
+}
+
+/// HBM offsets of every tensor of `graph` stored as `types`, and the bytes
+/// they span. Without `reuse`, one after the other in tensor order. With
+/// `reuse`, the tensors the program does not write (weights, inputs,
+/// constants) and the graph's input and output come first in tensor order
+/// and keep their space; every other intermediate tensor (`Init::Activation`)
+/// is live from the first to the last operation that touches it, and takes
+/// the lowest free space (first fit, aligned) that no tensor live at the
+/// same time holds. Two tensors one operation both touches never share.
+pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool) -> (Vec<Placed>, u64) {
+    let bytes = |t: usize| (graph.tensors[t].elems * types[t].size()).next_multiple_of(ALIGN);
+    let mut offsets = vec![0u64; graph.tensors.len()];
+    let shared = |t: usize| {
+        reuse && graph.tensors[t].init == Init::Activation && t != graph.input && t != graph.output
+    };
+    let mut off = 0u64;
+    for t in (0..graph.tensors.len()).filter(|&t| !shared(t)) {
+        offsets[t] = off;
+        off += bytes(t);
+    }
+    if reuse {
+        // Live range of each shared tensor, in operations.
+        let mut range: Vec<Option<(usize, usize)>> = vec![None; graph.tensors.len()];
+        for (i, op) in graph.ops.iter().enumerate() {
+            for t in op.tensors() {
+                if let Some(r) = range.get_mut(t) {
+                    *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
+                }
+            }
+        }
+        let base = off;
+        // (start, end, last use) of the space held now, by start.
+        let mut held: Vec<(u64, u64, usize)> = Vec::new();
+        let mut order: Vec<usize> = (0..graph.tensors.len()).filter(|&t| shared(t)).collect();
+        order.sort_by_key(|&t| (range[t].map_or(usize::MAX, |r| r.0), t));
+        for t in order {
+            let Some((first, last)) = range[t] else {
+                // Touched by no operation: space of its own.
+                offsets[t] = off;
+                off += bytes(t);
+                continue;
+            };
+            held.retain(|&(_, _, end)| end >= first);
+            held.sort_unstable();
+            let need = bytes(t);
+            let mut at = base;
+            for &(s, e, _) in &held {
+                if s >= at + need {
+                    break;
+                }
+                at = at.max(e);
+            }
+            offsets[t] = at;
+            held.push((at, at + need, last));
+            off = off.max(at + need);
+        }
+    }
+    let placed = graph
+        .tensors
+        .iter()
+        .zip(types)
+        .zip(offsets)
+        .map(|((t, &dtype), offset)| Placed { offset, elems: t.elems, init: t.init, dtype })
+        .collect();
+    (placed, off)
+}
+
 /// [`lower_ops`] with the SA's operands in `dtype` (see [`lower_as`]).
 pub fn lower_ops_as(
     graph: &Graph,
@@ -1974,18 +2058,24 @@ pub fn lower_ops_as(
     shape: VnpuShape,
     dtype: DType,
 ) -> Result<Lowered, LowerError> {
+    lower_ops_with(graph, ops, shape, LowerOptions { dtype, ..LowerOptions::default() })
+}
+
+/// [`lower_ops`] with `options`.
+pub fn lower_ops_with(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+    options: LowerOptions,
+) -> Result<Lowered, LowerError> {
+    let dtype = options.dtype;
     if shape.sa == 0 || shape.vu == 0 {
         return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
     }
     // Spread work over at most MAX_ENGINES engines of each kind, so that
     // the channels between them fit the ISA's semaphores.
     let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
-    let mut off = 0u64;
-    let mut placed = Vec::with_capacity(graph.tensors.len());
-    for (t, d) in graph.tensors.iter().zip(stored_types(graph, dtype)) {
-        placed.push(Placed { offset: off, elems: t.elems, init: t.init, dtype: d });
-        off = (off + t.elems * d.size()).next_multiple_of(ALIGN);
-    }
+    let (placed, off) = place_tensors(graph, &stored_types(graph, dtype), options.reuse_hbm);
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
     }

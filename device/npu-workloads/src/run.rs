@@ -7,7 +7,7 @@ use thiserror::Error;
 use vnpu_abi::{DType, EngineKind};
 
 use npu_graph::Init;
-use npu_lower::{lower_as, LowerError, Lowered, Placed, VnpuShape};
+use npu_lower::{lower_ops_with, LowerError, LowerOptions, Lowered, Placed, VnpuShape};
 
 use crate::zoo::build;
 use npu_model::memory::{write_f32s, Memory};
@@ -34,6 +34,9 @@ pub struct RunOptions {
     /// stored as bf16 and operands rounded to bf16 (f32 accumulation;
     /// `npu_lower::lower_as`).
     pub dtype: DType,
+    /// Intermediate tensors share HBM by liveness
+    /// (`npu_lower::LowerOptions::reuse_hbm`).
+    pub reuse_hbm: bool,
 }
 
 impl RunOptions {
@@ -51,6 +54,7 @@ impl RunOptions {
             functional: false,
             seed: 1,
             dtype: DType::F32,
+            reuse_hbm: false,
         }
     }
 }
@@ -202,7 +206,8 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
     let sram_bytes = o.sram_bytes.unwrap_or(board.sram_bytes());
     let hbm_bytes = o.hbm_bytes.unwrap_or(board.hbm_bytes_per_chip() / u64::from(board.cores_per_chip));
     let shape = VnpuShape::on_board(board, o.sa, o.vu, sram_bytes, hbm_bytes);
-    let lowered = lower_as(&graph, shape, o.dtype)?;
+    let options = LowerOptions { dtype: o.dtype, reuse_hbm: o.reuse_hbm };
+    let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
     Ok((lowered, shape, graph.batch))
 }

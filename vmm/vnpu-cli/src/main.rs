@@ -359,6 +359,11 @@ struct VnpuArgs {
     /// and rounds their operands to bf16 (f32 accumulation and activations).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
+    /// Intermediate tensors share HBM by liveness: a tensor's space is
+    /// free once the last operation that touches it has run (default:
+    /// every tensor has HBM of its own for the whole request).
+    #[arg(long)]
+    reuse_hbm: bool,
 }
 
 impl VnpuArgs {
@@ -381,6 +386,7 @@ impl VnpuArgs {
             functional,
             seed,
             dtype: vnpu_abi::DType::from_name(&self.dtype).unwrap_or(vnpu_abi::DType::F32),
+            reuse_hbm: self.reuse_hbm,
         };
         Ok((b, o))
     }
