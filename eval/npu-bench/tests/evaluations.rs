@@ -407,3 +407,22 @@ fn every_binary_has_help_and_refuses_unknown_flags() {
         assert!(!board.status.success(), "{bin} ran with a board file that does not exist");
     }
 }
+
+/// A workload the split sweep's vNPUs cannot carry (RetinaNet at batch 8
+/// on a TPU v4 core's 16 MiB: over one request's instruction limit) is
+/// left out of the sweep by name; the others are still swept.
+#[test]
+fn eu_profile_leaves_out_what_the_sweep_cannot_carry() {
+    let board = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/boards/tpu-v4.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_eu-profile"))
+        .args(["--board", board, "--workloads", "retinanet,ncf", "--batches", "1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        text.lines().any(|l| l.starts_with("retinanet") && l.contains("left out: > 1M instrs")),
+        "{text}"
+    );
+    assert!(text.lines().filter(|l| l.starts_with("ncf")).count() == 2, "ncf profiled and swept: {text}");
+}

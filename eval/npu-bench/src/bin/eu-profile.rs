@@ -154,14 +154,31 @@ fn body(args: &Args) -> Result<(), String> {
         "workload", "a", "sqrt(a)", "Eq.3 best", "measured", "U best", "U at Eq.3's"
     );
     let mut sweep = Vec::new();
-    for w in &args.workloads {
-        let fits =
-            |r: Result<RunReport, &str>| r.map_err(|why| format!("{w} batch {}: {why}", args.sweep_batch));
-        let p = fits(run(&wide, w, args.sweep_batch, 1, 1)?)?;
+    'workloads: for w in &args.workloads {
+        // A workload that does not fit the sweep's vNPUs (HBM, or a program
+        // longer than one request may carry) is left out by name, as in the
+        // profile above.
+        let p = match run(&wide, w, args.sweep_batch, 1, 1)? {
+            Ok(p) => p,
+            Err(why) => {
+                println!("{w:<14} left out: {why} at batch {}", args.sweep_batch);
+                continue;
+            }
+        };
         let a = p.sa_active_cycles as f64 / p.vu_active_cycles.max(1) as f64;
         let mut points = Vec::new();
         for sa in 1..n {
-            let r = fits(run(&wide, w, args.sweep_batch, sa, n - sa)?)?;
+            let r = match run(&wide, w, args.sweep_batch, sa, n - sa)? {
+                Ok(r) => r,
+                Err(why) => {
+                    println!(
+                        "{w:<14} left out: {why} at batch {} on {sa} SA + {} VU",
+                        args.sweep_batch,
+                        n - sa
+                    );
+                    continue 'workloads;
+                }
+            };
             points.push((sa, eu_utilization(&r), eq3(f64::from(sa) / f64::from(n - sa), a)));
         }
         // The split Eq. 3 picks (its U is largest where k is nearest
