@@ -114,6 +114,8 @@ pub fn regions() -> Vec<ServerRegion> {
             let flags = if size > 0 { VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE } else { 0 };
             ServerRegion {
                 region_info: vfio_bindings::bindings::vfio::vfio_region_info {
+                    // A 32-byte struct: the cast cannot truncate.
+                    #[allow(clippy::cast_possible_truncation)]
                     argsz: std::mem::size_of::<vfio_bindings::bindings::vfio::vfio_region_info>() as u32,
                     flags,
                     index,
@@ -298,11 +300,17 @@ impl VnpuBackend {
     }
 }
 
+/// A configuration-space offset the client sent (already checked against
+/// the region's size by `check_access`).
+fn config_offset(offset: u64) -> Result<usize, std::io::Error> {
+    usize::try_from(offset).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+}
+
 impl ServerBackend for VnpuBackend {
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), std::io::Error> {
         Self::check_access(region, offset, data.len())?;
         match region {
-            VFIO_PCI_CONFIG_REGION_INDEX => self.function.config().read(offset as usize, data),
+            VFIO_PCI_CONFIG_REGION_INDEX => self.function.config().read(config_offset(offset)?, data),
             bar => self.function.bar_read(bar as usize, offset, data),
         }
         Ok(())
@@ -312,8 +320,9 @@ impl ServerBackend for VnpuBackend {
         Self::check_access(region, offset, data.len())?;
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
-                self.function.config_mut().write(offset as usize, data);
-                self.function.config_written(offset as usize, data.len());
+                let offset = config_offset(offset)?;
+                self.function.config_mut().write(offset, data);
+                self.function.config_written(offset, data.len());
             }
             bar => self.function.bar_write(bar as usize, offset, data),
         }

@@ -168,7 +168,8 @@ impl Daemon {
             .iter()
             .map(|h| (h.index(), h.stats()))
             .map(|(core, s)| CoreUse {
-                core: core as u32,
+                // A board has at most 1024 chips x 256 cores.
+                core: u32::try_from(core).unwrap_or(u32::MAX),
                 requests: s.requests,
                 waited: s.waited,
                 preempted: s.preempted,

@@ -3,6 +3,12 @@
 //! process as a vfio-user PCI device, as a mediated device's parent
 //! driver serves its instances.
 
+// Everything here handles what a client sent: no silent narrowing casts.
+#![cfg_attr(
+    not(test),
+    warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
+)]
+
 pub mod backend;
 pub mod daemon;
 pub mod metrics;

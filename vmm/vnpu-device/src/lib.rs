@@ -6,6 +6,13 @@
 //! The guest-visible constants (offsets, opcodes, status codes, wire
 //! formats) live in `vnpu_abi::device`, shared with the guest driver.
 
+// Registers, rings and programs come from the guest: no silent narrowing
+// casts outside the tests.
+#![cfg_attr(
+    not(test),
+    warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
+)]
+
 mod guest_ram;
 mod msi;
 mod regfile;
@@ -27,6 +34,27 @@ pub use worker::{
 };
 
 use std::sync::Arc;
+
+/// The low 32 bits of a value a guest wrote (32-bit registers take them).
+pub(crate) fn low32(v: u64) -> u32 {
+    u32::try_from(v & 0xffff_ffff).unwrap_or(u32::MAX)
+}
+
+/// A cycle count or other non-negative measure as the counters report it:
+/// rounded, saturating at 0 and `u64::MAX` (NaN reads 0).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+pub(crate) fn count(x: f64) -> u64 {
+    // `as` from f64 saturates and maps NaN to 0: the intent here.
+    x.round() as u64
+}
+
+/// The `detail` of a status: an instruction's stream in the high half and
+/// its index in the low half (saturated), as `docs/device-interface.md` says.
+pub(crate) fn position_detail(stream: usize, index: usize) -> u32 {
+    let s = u32::try_from(stream).unwrap_or(0xffff).min(0xffff);
+    let i = u32::try_from(index).unwrap_or(0xffff).min(0xffff);
+    s << 16 | i
+}
 
 use npu_model::BoardConfig;
 use thiserror::Error;
@@ -127,7 +155,7 @@ impl VnpuFunction {
         let mut config = ConfigSpace::new(id);
         config.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR0_SIZE })?;
         config.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR2_SIZE })?;
-        let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, abi::MSIX_PBA_OFFSET as u32)?;
+        let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, low32(abi::MSIX_PBA_OFFSET))?;
         let mut r = regfile::RegFile::new();
         r.set_u32(regs::MAGIC, abi::MAGIC);
         r.set_u32(regs::ABI_VERSION, ABI_VERSION);
@@ -182,8 +210,13 @@ impl VnpuFunction {
             }
             regs::CAL_NOP => {}
             regs::CAL_LOOPBACK => self.raise(abi::LOOPBACK_VECTOR),
-            regs::INT_TEST => self.raise(v as u16),
-            regs::INT_STATUS => lock(&self.shared.regs).update_u32(regs::INT_STATUS, |s| s & !(v as u32)),
+            regs::INT_TEST => {
+                // A vector number past u16 names no vector: nothing to raise.
+                if let Ok(v) = u16::try_from(v) {
+                    self.raise(v)
+                }
+            }
+            regs::INT_STATUS => lock(&self.shared.regs).update_u32(regs::INT_STATUS, |s| s & !low32(v)),
             regs::QUEUE_ENABLE if v & 1 == 1 => {
                 let c = {
                     let mut r = lock(&self.shared.regs);
@@ -215,13 +248,13 @@ impl VnpuFunction {
                     if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
                         return;
                     }
-                    r.set_u32(regs::MBOX_CMD, v as u32);
+                    r.set_u32(regs::MBOX_CMD, low32(v));
                     r.set_u32(regs::MBOX_STATUS, abi::MBOX_BUSY);
                     let mut args = [0u64; 6];
                     for (i, a) in args.iter_mut().enumerate() {
                         *a = r.u64(regs::MBOX_ARG0 + 8 * i as u64);
                     }
-                    Control::Mailbox { cmd: v as u32, args }
+                    Control::Mailbox { cmd: low32(v), args }
                 };
                 self.shared.post(c);
             }

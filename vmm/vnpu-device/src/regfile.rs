@@ -6,6 +6,8 @@ use vnpu_abi::device::regs;
 use vnpu_spec::VnpuSpec;
 
 /// Bytes of page 0 that hold registers.
+// 0xc0: the cast cannot truncate.
+#[allow(clippy::cast_possible_truncation)]
 pub(crate) const LEN: usize = regs::END as usize;
 
 /// Register bytes plus which of them the guest may write directly.
@@ -28,8 +30,8 @@ impl RegFile {
     }
 
     pub fn u32(&self, off: u64) -> u32 {
-        let o = off as usize;
-        self.bytes.get(o..o + 4).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        let Ok(o) = usize::try_from(off) else { return 0 };
+        self.bytes.get(o..o.saturating_add(4)).map_or(0, |b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     pub fn u64(&self, off: u64) -> u64 {
@@ -37,15 +39,15 @@ impl RegFile {
     }
 
     pub fn set_u32(&mut self, off: u64, v: u32) {
-        let o = off as usize;
-        if let Some(b) = self.bytes.get_mut(o..o + 4) {
+        let Ok(o) = usize::try_from(off) else { return };
+        if let Some(b) = self.bytes.get_mut(o..o.saturating_add(4)) {
             b.copy_from_slice(&v.to_le_bytes());
         }
     }
 
     pub fn set_u64(&mut self, off: u64, v: u64) {
-        self.set_u32(off, v as u32);
-        self.set_u32(off + 4, (v >> 32) as u32);
+        self.set_u32(off, crate::low32(v));
+        self.set_u32(off + 4, crate::low32(v >> 32));
     }
 
     pub fn update_u32(&mut self, off: u64, f: impl FnOnce(u32) -> u32) {
@@ -56,7 +58,12 @@ impl RegFile {
     /// Guest read of `data.len()` bytes at `off` (bytes past the file read 0).
     pub fn read(&self, off: u64, data: &mut [u8]) {
         for (i, d) in data.iter_mut().enumerate() {
-            *d = off.checked_add(i as u64).and_then(|o| self.bytes.get(o as usize)).copied().unwrap_or(0);
+            *d = off
+                .checked_add(i as u64)
+                .and_then(|o| usize::try_from(o).ok())
+                .and_then(|o| self.bytes.get(o))
+                .copied()
+                .unwrap_or(0);
         }
     }
 
@@ -66,7 +73,7 @@ impl RegFile {
         for (i, d) in data.iter().enumerate() {
             let Some(o) = off.checked_add(i as u64) else { return };
             if GUEST_WRITABLE.iter().any(|&(a, b)| (a..b).contains(&o)) {
-                if let Some(slot) = self.bytes.get_mut(o as usize) {
+                if let Some(slot) = usize::try_from(o).ok().and_then(|o| self.bytes.get_mut(o)) {
                     *slot = *d;
                 }
             }

@@ -4,6 +4,12 @@
 //! placed on physical cores), and a state file written atomically so a
 //! crash mid-write loses nothing and corrupts nothing.
 
+// Everything here handles what a client sent: no silent narrowing casts.
+#![cfg_attr(
+    not(test),
+    warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
+)]
+
 pub mod control;
 mod store;
 

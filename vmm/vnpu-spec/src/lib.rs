@@ -6,6 +6,12 @@
 //! Below the PCI function and the manager so both can name a vNPU without
 //! depending on each other (`docs/architecture.md`).
 
+// Everything here handles what a client sent: no silent narrowing casts.
+#![cfg_attr(
+    not(test),
+    warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
+)]
+
 mod spec;
 
 pub use spec::{parse_size, SpecError, VnpuSpec};

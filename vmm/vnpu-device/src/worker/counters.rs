@@ -53,8 +53,10 @@ impl Counters {
         let mut engines = Vec::new();
         if let Some(s) = spec {
             for core in 0..s.cores() {
-                let sa = (0..s.sa_per_core).map(|i| (1u8, i as u8));
-                let vu = (0..s.vu_per_core).map(|i| (2u8, i as u8));
+                // At most 64 engines of a kind (VnpuSpec's limit).
+                let index = |i: u32| u8::try_from(i).unwrap_or(u8::MAX);
+                let sa = (0..s.sa_per_core).map(|i| (1u8, index(i)));
+                let vu = (0..s.vu_per_core).map(|i| (2u8, index(i)));
                 for (kind, index) in sa.chain(vu).chain([(0u8, 0u8)]) {
                     let t = self.engines.get(&(core, kind, index)).copied().unwrap_or_default();
                     engines.push((core, kind, index, t));
@@ -64,15 +66,17 @@ impl Counters {
         let mut b =
             Vec::with_capacity(abi::COUNTERS_HEADER_BYTES + engines.len() * abi::COUNTERS_ENGINE_BYTES);
         b.extend_from_slice(&1u32.to_le_bytes());
-        b.extend_from_slice(&(engines.len() as u32).to_le_bytes());
-        for w in [self.requests, self.failed, self.cycles as u64, self.flops, self.bytes, self.wall_ns, 0] {
+        b.extend_from_slice(&u32::try_from(engines.len()).unwrap_or(u32::MAX).to_le_bytes());
+        for w in
+            [self.requests, self.failed, crate::count(self.cycles), self.flops, self.bytes, self.wall_ns, 0]
+        {
             b.extend_from_slice(&w.to_le_bytes());
         }
         for (core, kind, index, t) in engines {
             b.extend_from_slice(&[kind, 0]);
             b.extend_from_slice(&u16::from(index).to_le_bytes());
             b.extend_from_slice(&core.to_le_bytes());
-            for w in [t.active as u64, t.stall as u64, t.instructions, t.flops, t.bytes] {
+            for w in [crate::count(t.active), crate::count(t.stall), t.instructions, t.flops, t.bytes] {
                 b.extend_from_slice(&w.to_le_bytes());
             }
         }

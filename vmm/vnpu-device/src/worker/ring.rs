@@ -69,10 +69,10 @@ impl Worker {
         };
         if let Some(r) = &outcome.report {
             let t = r.totals();
-            block.cycles = r.cycles.ceil() as u64;
-            block.sa_active = t.sa_active_cycles.round() as u64;
-            block.vu_active = t.vu_active_cycles.round() as u64;
-            block.dma_active = t.dma_active_cycles.round() as u64;
+            block.cycles = crate::count(r.cycles.ceil());
+            block.sa_active = crate::count(t.sa_active_cycles);
+            block.vu_active = crate::count(t.vu_active_cycles);
+            block.dma_active = crate::count(t.dma_active_cycles);
             block.flops = t.flops;
         }
         let mut used = 0u32;
@@ -80,14 +80,14 @@ impl Worker {
             let text = outcome.message.as_bytes();
             let n = text.len().min(MAX_MESSAGE).min(m.len as usize);
             if n > 0 && self.mem.write_slice(&text[..n], GuestAddress(m.addr)).is_ok() {
-                used += n as u32;
+                used += u32::try_from(n).unwrap_or(0);
             }
         }
         if self.mem.write_slice(&block.to_bytes(), GuestAddress(status_desc.addr)).is_err() {
             self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
             return (0, true);
         }
-        used += abi::STATUS_BYTES as u32;
+        used += u32::try_from(abi::STATUS_BYTES).unwrap_or(0);
         (used, header.flags & abi::FLAG_NO_INTERRUPT == 0)
     }
 
@@ -145,7 +145,10 @@ impl Worker {
             ));
         }
         // Copied out first: the guest cannot change what was checked.
-        let mut bytes = vec![0u8; total as usize];
+        let Ok(total) = usize::try_from(total) else {
+            return Err(Outcome::fail(abi::ST_TOO_LARGE, "program larger than this host's address space"));
+        };
+        let mut bytes = vec![0u8; total];
         let mut at = 0usize;
         for d in payload {
             let end = at + d.len as usize;
@@ -162,7 +165,7 @@ impl Worker {
         let limits =
             spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
         if let Err(e) = npu_model::verify(&program, &limits) {
-            let detail = e.position().map_or(NO_DETAIL, |(s, i)| (s as u32) << 16 | (i as u32 & 0xffff));
+            let detail = e.position().map_or(NO_DETAIL, |(s, i)| crate::position_detail(s, i));
             return Err(Outcome {
                 status: abi::ST_VERIFY_FAILED,
                 detail,
@@ -209,7 +212,12 @@ impl Worker {
             self.programs.resize_with(slot + 1, || None);
         }
         self.programs[slot] = Some(Arc::new(program));
-        Outcome { status: abi::ST_OK, detail: slot as u32, report: None, message: String::new() }
+        Outcome {
+            status: abi::ST_OK,
+            detail: u32::try_from(slot).unwrap_or(NO_DETAIL),
+            report: None,
+            message: String::new(),
+        }
     }
 
     pub(super) fn registered(&self, handle: u32) -> Result<Arc<Program>, Outcome> {
@@ -282,7 +290,7 @@ impl Worker {
                         (abi::ST_BUDGET_EXHAUSTED, NO_DETAIL)
                     }
                     ExecError::Kernel { stream, index, .. } | ExecError::Deadlock { stream, index, .. } => {
-                        (abi::ST_EXEC_FAULT, (*stream as u32) << 16 | (*index as u32 & 0xffff))
+                        (abi::ST_EXEC_FAULT, crate::position_detail(*stream, *index))
                     }
                 };
                 Outcome { status, detail, report: None, message: e.to_string() }
