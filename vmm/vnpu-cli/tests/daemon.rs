@@ -635,3 +635,61 @@ fn interference_placement_goes_through_the_daemon() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Descriptors exhausted by idle control connections (the daemon runs
+/// with 48 open files): its accept loop waits the exhaustion out, and once
+/// the connections close the daemon answers again. It used to stop
+/// accepting for good on its first `EMFILE`, so the management plane stayed
+/// dead after the attacker had gone.
+#[test]
+fn the_control_socket_outlives_descriptor_exhaustion() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-emfile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (state, sockets) = (root.join("state"), root.join("sockets"));
+    std::fs::create_dir_all(&state).unwrap();
+    let child = Command::new("prlimit")
+        .arg("--nofile=48:48")
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .stdout(Stdio::null())
+        .stderr(daemon_log(&state))
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    let ctl = sockets.join("control.sock");
+    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    // More idle connections than the daemon has descriptors for.
+    let held: Vec<_> = (0..80).filter_map(|_| std::os::unix::net::UnixStream::connect(&ctl).ok()).collect();
+    assert!(held.len() > 40, "only {} connections queued", held.len());
+    std::thread::sleep(Duration::from_millis(500));
+    drop(held);
+    // The daemon itself answers again, without a restart (not a command
+    // falling back to the state directory: the socket, directly).
+    let t = Instant::now();
+    let reply = loop {
+        match std::os::unix::net::UnixStream::connect(&ctl) {
+            Ok(_) => break control_line(&ctl, b"{\"op\":\"list\"}\n"),
+            Err(e) => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "the control socket refuses: {e}{}",
+                    daemon_said(&state)
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    assert_eq!(reply.len(), 1, "{reply:?}");
+    assert_eq!(reply[0]["ok"], serde_json::Value::Bool(true), "{reply:?}");
+    assert!(
+        daemon_said(&state).contains("accept failed"),
+        "the daemon never ran out: {}",
+        daemon_said(&state)
+    );
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -166,6 +166,31 @@ impl std::fmt::Debug for VnpuBackend {
     }
 }
 
+/// Makes `file` an interrupt trigger the device can always signal: it must
+/// be an eventfd (a pipe or socket given as a trigger could fill up and
+/// block the instance's worker in `write(2)`, with the daemon's locks held
+/// by whoever waits for it), and it is switched to non-blocking, so that a
+/// counter the client filled to its maximum makes the write fail (the
+/// interrupt is pending anyway) instead of waiting.
+fn interrupt_trigger(file: File) -> Result<File, BackendError> {
+    let fd = file.as_raw_fd();
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).map_err(BackendError::Io)?;
+    if link.as_os_str() != "anon_inode:[eventfd]" {
+        return Err(BackendError::Irqs(format!(
+            "an interrupt trigger must be an eventfd, not {}",
+            link.display()
+        )));
+    }
+    // SAFETY: F_GETFL and F_SETFL on a descriptor we own change only its
+    // open file description's status flags.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(BackendError::Io(std::io::Error::last_os_error()));
+    }
+    Ok(file)
+}
+
 /// Whether `file` is sealed against shrinking: a client that shrank a
 /// mapped file would make the daemon's next access to it fault (SIGBUS)
 /// and take every other tenant down with it.
@@ -278,6 +303,8 @@ impl VnpuBackend {
         if flags & VFIO_IRQ_SET_ACTION_TRIGGER == 0 {
             return Err(BackendError::Irqs("only the TRIGGER action is supported (the VMM masks)".into()));
         }
+        // Checked before the vectors' lock is taken: nothing here blocks.
+        let fds = fds.into_iter().map(interrupt_trigger).collect::<Result<Vec<_>, _>>()?;
         let mut v = self.vectors.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let range = start as usize..(start as usize).saturating_add(count as usize);
         if flags & VFIO_IRQ_SET_DATA_NONE != 0 && count == 0 {
@@ -425,5 +452,44 @@ mod tests {
             b.dma_map(DmaMapFlags::READ_WRITE, 0, i << 20, 1 << 20, None).expect("within the limit");
         }
         assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 40, 1 << 20, None).is_err(), "past the limit");
+    }
+
+    /// Only eventfds become interrupt triggers, and they are written
+    /// without blocking: a pipe is refused, and an eventfd whose counter
+    /// the client filled to its maximum does not stop the device from
+    /// signalling (the write fails: an interrupt is pending already).
+    #[test]
+    fn interrupt_triggers_are_non_blocking_eventfds() {
+        use std::os::fd::FromRawFd;
+        let mut b = backend();
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills the two descriptors, which the Files below own.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: fds[1] is a fresh descriptor nobody else owns.
+        let pipe = unsafe { File::from_raw_fd(fds[1]) };
+        // SAFETY: as above, for the read end.
+        let _read_end = unsafe { File::from_raw_fd(fds[0]) };
+        let set = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+        assert!(matches!(b.irqs(VFIO_PCI_MSIX_IRQ_INDEX, set, 0, 1, vec![pipe]), Err(BackendError::Irqs(_))));
+
+        let efd = EventFd::new(0).expect("eventfd");
+        // The client's copy: the counter at its maximum, so a blocking
+        // write from the device would wait until the client reads.
+        efd.write(u64::MAX - 1).expect("fill the counter");
+        let theirs = efd.try_clone().expect("clone");
+        // SAFETY: into_raw_fd hands over the descriptor the File then owns.
+        let file = unsafe { File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(theirs)) };
+        b.irqs(VFIO_PCI_MSIX_IRQ_INDEX, set, 0, 1, vec![file]).expect("an eventfd is a trigger");
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let vectors = Arc::clone(&b.vectors);
+        std::thread::spawn(move || {
+            vectors.signal(0);
+            let _ = done_tx.send(());
+        });
+        assert!(
+            done_rx.recv_timeout(std::time::Duration::from_secs(5)).is_ok(),
+            "signalling a full eventfd blocked the device"
+        );
+        assert_eq!(efd.read().expect("read"), u64::MAX - 1, "the failed write added nothing");
     }
 }

@@ -193,6 +193,8 @@ impl Daemon {
 struct ControlServer {
     path: PathBuf,
     listener_fd: i32,
+    /// Set before the listener is shut down: the accept loop's end.
+    stopping: Arc<AtomicBool>,
     /// Each open connection (to shut down at stop), by a serial number.
     clients: Arc<Mutex<BTreeMap<u64, UnixStream>>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -211,12 +213,16 @@ impl ControlServer {
         let listener_fd = listener.as_raw_fd();
         let clients: Arc<Mutex<BTreeMap<u64, UnixStream>>> = Arc::default();
         let open = Arc::clone(&clients);
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&stopping);
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
                 let active = Arc::new(AtomicUsize::new(0));
                 let mut serial = 0u64;
-                while let Ok((stream, _)) = listener.accept() {
+                while let Some((stream, _)) =
+                    crate::accept::accept_retrying("control socket", &stop, || listener.accept())
+                {
                     serial += 1;
                     if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
                         let mut s = stream;
@@ -253,10 +259,11 @@ impl ControlServer {
                 }
             })
             .map_err(|e| DaemonError::Control { path: path.clone(), source: e })?;
-        Ok(Self { path, listener_fd, clients, thread: Some(thread) })
+        Ok(Self { path, listener_fd, stopping, clients, thread: Some(thread) })
     }
 
     fn stop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
         // SAFETY: shutdown(2) of the listening socket the thread owns and
         // keeps open until it returns: the blocked accept() fails.
         unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };

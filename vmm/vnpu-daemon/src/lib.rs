@@ -9,6 +9,7 @@
     warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
 )]
 
+mod accept;
 pub mod backend;
 pub mod daemon;
 pub mod metrics;

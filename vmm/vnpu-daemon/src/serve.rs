@@ -5,6 +5,7 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -29,6 +30,8 @@ pub type BackendFactory = Box<dyn Fn() -> Result<VnpuBackend, BackendError> + Se
 pub struct InstanceServer {
     path: PathBuf,
     listener_fd: i32,
+    /// Set before the listener is shut down: the accept loop's end.
+    stopping: Arc<AtomicBool>,
     client: Arc<Mutex<Option<UnixStream>>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -53,10 +56,14 @@ impl InstanceServer {
         let client: Arc<Mutex<Option<UnixStream>>> = Arc::default();
         let current = Arc::clone(&client);
         let label = name.to_string();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = Arc::clone(&stopping);
         let thread = std::thread::Builder::new()
             .name(format!("vfio-user {name}"))
             .spawn(move || {
-                while let Ok((stream, _)) = server.listener().accept() {
+                while let Some((stream, _)) =
+                    crate::accept::accept_retrying(&label, &stop, || server.listener().accept())
+                {
                     let mut backend = match factory() {
                         Ok(b) => b,
                         Err(e) => {
@@ -77,7 +84,7 @@ impl InstanceServer {
                 }
             })
             .map_err(ServeError::Thread)?;
-        Ok(Self { path: path.to_path_buf(), listener_fd, client, thread: Some(thread) })
+        Ok(Self { path: path.to_path_buf(), listener_fd, stopping, client, thread: Some(thread) })
     }
 
     /// Whether a VMM is attached now.
@@ -87,6 +94,7 @@ impl InstanceServer {
 
     /// Disconnects the client, if any, stops serving and removes the socket.
     pub fn stop(&mut self) {
+        self.stopping.store(true, Ordering::SeqCst);
         if let Some(c) = lock(&self.client).as_ref() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
