@@ -195,6 +195,10 @@ enum Command {
         /// Per vNPU instance and per physical core: docs/metrics.md.
         #[arg(long, value_name = "ADDR")]
         metrics: Option<std::net::SocketAddr>,
+        /// Close a control connection that sends no request for this many
+        /// milliseconds, so idle clients cannot hold every connection slot.
+        #[arg(long, value_name = "MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+        control_idle_ms: u64,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -598,7 +602,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, poll_us, metrics } => {
+        Command::Daemon { manage, poll_us, metrics, control_idle_ms } => {
             env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
             let state_dir = manage.dir();
             let opts = vnpu_daemon::DaemonOptions {
@@ -611,6 +615,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                     ..Default::default()
                 },
                 metrics,
+                control_idle: std::time::Duration::from_millis(control_idle_ms),
             };
             vnpu_daemon::stop_on_signals();
             let stop = std::sync::atomic::AtomicBool::new(false);

@@ -693,3 +693,44 @@ fn the_control_socket_outlives_descriptor_exhaustion() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// Idle control connections give their slot up: with every one of the
+/// 32 slots held by a client that sends nothing, the daemon answers again
+/// once they have idled `--control-idle-ms` (they used to hold the slots
+/// for as long as they liked, locking every operator out).
+#[test]
+fn idle_control_connections_give_their_slots_up() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-idle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (state, sockets) = (root.join("state"), root.join("sockets"));
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--control-idle-ms", "300", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .stdout(Stdio::null())
+        .stderr(daemon_log(&state))
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    let ctl = sockets.join("control.sock");
+    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    std::thread::sleep(Duration::from_millis(400));
+    let held: Vec<_> = (0..32).map(|_| std::os::unix::net::UnixStream::connect(&ctl).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // A 33rd client is told so (read before it writes: the daemon closes
+    // a refused connection without reading it).
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(std::os::unix::net::UnixStream::connect(&ctl).unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("connections are open"), "all slots held: {line}");
+    std::thread::sleep(Duration::from_millis(800));
+    let reply = control_line(&ctl, b"{\"op\":\"list\"}\n");
+    assert_eq!(reply[0]["ok"], serde_json::Value::Bool(true), "{reply:?}{}", daemon_said(&state));
+    drop(held);
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}

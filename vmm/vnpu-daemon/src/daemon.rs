@@ -61,7 +61,14 @@ pub struct DaemonOptions {
     pub device: DeviceOptions,
     /// Serve Prometheus metrics over HTTP here (`docs/metrics.md`).
     pub metrics: Option<std::net::SocketAddr>,
+    /// A control connection that sends no request (or reads no reply) for
+    /// this long is closed, so idle clients cannot hold all
+    /// [`MAX_CONTROL_CONNECTIONS`] slots ([`DEFAULT_CONTROL_IDLE`]).
+    pub control_idle: Duration,
 }
+
+/// Default of [`DaemonOptions::control_idle`].
+pub const DEFAULT_CONTROL_IDLE: Duration = Duration::from_secs(30);
 
 /// Set by SIGTERM / SIGINT: the daemon stops serving and exits.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -215,6 +222,7 @@ impl ControlServer {
         let open = Arc::clone(&clients);
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = Arc::clone(&stopping);
+        let idle = daemon.opts.control_idle.max(Duration::from_millis(1));
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
@@ -232,6 +240,9 @@ impl ControlServer {
                         let _ = control::write_line(&mut s, &control::Reply::from(busy));
                         continue;
                     }
+                    // An idle client gives its slot up after `idle`.
+                    let _ = stream.set_read_timeout(Some(idle));
+                    let _ = stream.set_write_timeout(Some(idle));
                     if let Ok(c) = stream.try_clone() {
                         lock(&open).insert(serial, c);
                     }

@@ -16,7 +16,7 @@ pub mod metrics;
 pub mod serve;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};
-pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions};
+pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions, DEFAULT_CONTROL_IDLE};
 pub use serve::{InstanceServer, ServeError};
 
 /// Serves `data` as the byte stream of one vfio-user connection (no file

@@ -105,6 +105,7 @@ fn main() -> Result<(), String> {
     let (state, sockets, direct) = (root.join("state"), root.join("sockets"), root.join("direct"));
     let board = BoardConfig::default();
     let opts = vnpu_daemon::DaemonOptions {
+        control_idle: vnpu_daemon::DEFAULT_CONTROL_IDLE,
         board: board.clone(),
         state_dir: state.clone(),
         socket_dir: sockets.clone(),

@@ -64,6 +64,10 @@ const MAX_MESSAGE: usize = 512;
 /// No instruction to blame (`detail`).
 const NO_DETAIL: u32 = 0xffff_ffff;
 
+/// Most ring enables, resets and mailbox commands a guest may have queued
+/// for the worker at once ([`Shared::post`]).
+pub(crate) const MAX_QUEUED_CONTROLS: usize = 64;
+
 /// What the vCPU thread asks of the worker.
 #[derive(Debug, Clone)]
 pub(crate) enum Control {
@@ -130,13 +134,31 @@ impl Shared {
         })
     }
 
-    /// Posts `c` to the worker (dropped once the worker is dead, so a
-    /// guest cannot grow the queue without bound).
+    /// Posts `c` to the worker (dropped once the worker is dead). What a
+    /// guest's register writes queue (ring enables, resets, mailbox
+    /// commands) is bounded, so a guest that writes faster than the worker
+    /// serves cannot grow the queue: a reset right behind a queued reset
+    /// is the same reset, and past [`MAX_QUEUED_CONTROLS`] guest controls
+    /// a write is dropped, as a full hardware FIFO drops it (the guest
+    /// polls `STATUS` or `MBOX_STATUS`, which say nothing happened). The
+    /// host's controls (grants, memory, stop) are always queued.
     pub fn post(&self, c: Control) {
         if self.dead.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        lock(&self.controls).push_back(c);
+        let mut q = lock(&self.controls);
+        let from_guest =
+            |c: &Control| matches!(c, Control::Enable { .. } | Control::Reset | Control::Mailbox { .. });
+        if from_guest(&c) {
+            if matches!(c, Control::Reset) && matches!(q.back(), Some(Control::Reset)) {
+                return;
+            }
+            if q.iter().filter(|c| from_guest(c)).count() >= MAX_QUEUED_CONTROLS {
+                return;
+            }
+        }
+        q.push_back(c);
+        drop(q);
         // An eventfd write fails only when the counter would overflow, in
         // which case the worker is already due to wake.
         let _ = self.control_evt.write(1);
@@ -483,6 +505,30 @@ mod fault_tests {
             vnpu_pci::PciFunction::bar_write(&mut f, 0, regs::DEVICE_RESET, &1u32.to_le_bytes());
         }
         assert!(lock(&f.shared_for_tests().controls).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod control_queue_tests {
+    use super::*;
+
+    /// A guest that writes `DEVICE_RESET` and `MBOX_CMD` a million times
+    /// while the worker is busy grows no queue: resets coalesce, other
+    /// guest controls stop at the bound, the host's still get through.
+    #[test]
+    fn guest_controls_are_bounded_and_host_controls_always_queue() {
+        let shared =
+            Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).expect("shared");
+        for _ in 0..1_000_000 {
+            shared.post(Control::Reset);
+        }
+        assert_eq!(lock(&shared.controls).len(), 1, "resets in a row are one reset");
+        for i in 0..1_000_000u64 {
+            shared.post(Control::Mailbox { cmd: 1, args: [i; 6] });
+        }
+        assert_eq!(lock(&shared.controls).len(), MAX_QUEUED_CONTROLS);
+        shared.post(Control::Stop);
+        assert!(matches!(lock(&shared.controls).back(), Some(Control::Stop)), "the host's stop is queued");
     }
 }
 
