@@ -36,6 +36,9 @@ use vnpu_spec::VnpuSpec;
 
 /// Most `DMA_MAP` regions one client may have at once.
 pub const MAX_DMA_REGIONS: usize = 64;
+/// Most bytes of guest memory one client may map (1 TiB): what it maps
+/// takes the daemon's address space, which every tenant shares.
+pub const MAX_DMA_BYTES: u64 = 1 << 40;
 /// Size of configuration space as served (the conventional 256 bytes).
 pub const CONFIG_REGION_SIZE: u64 = 256;
 
@@ -191,6 +194,18 @@ fn interrupt_trigger(file: File) -> Result<File, BackendError> {
     Ok(file)
 }
 
+/// Whether `file` lives on hugetlbfs: its pages come from the host's huge
+/// page pool, and a page the pool cannot supply is a SIGBUS when touched,
+/// not an error.
+fn on_hugetlbfs(file: &File) -> bool {
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: fstatfs(2) fills `st` for a descriptor we own; it is read
+    // only when the call succeeded.
+    let ok = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) } == 0;
+    // SAFETY: initialised by the successful call above.
+    ok && unsafe { st.assume_init() }.f_type == libc::HUGETLBFS_MAGIC
+}
+
 /// Whether `file` is sealed against shrinking: a client that shrank a
 /// mapped file would make the daemon's next access to it fault (SIGBUS)
 /// and take every other tenant down with it.
@@ -244,10 +259,29 @@ impl VnpuBackend {
         if offset.checked_add(size).is_none_or(|end| end > len) {
             return Err(err(&format!("the file is {len:#x} bytes long")));
         }
+        let mapped: u64 = self.memory.iter().map(|r| r.len()).sum();
+        if mapped.saturating_add(size) > MAX_DMA_BYTES {
+            return Err(err(&format!("a client may map at most {MAX_DMA_BYTES:#x} bytes of guest memory")));
+        }
+        let huge = on_hugetlbfs(&file);
         let size = usize::try_from(size).map_err(|_| err("too large"))?;
         let region =
             GuestRegionMmap::from_range(GuestAddress(address), size, Some(FileOffset::new(file, offset)))
                 .map_err(|e| err(&e.to_string()))?;
+        if huge {
+            // Every huge page the mapping needs, now: a pool that cannot
+            // supply them fails this request instead of killing the daemon
+            // with SIGBUS at the device's first access.
+            // SAFETY: the range is exactly the mapping `region` owns, and
+            // MADV_POPULATE_WRITE only faults its pages in (no data change).
+            let r = unsafe { libc::madvise(region.as_ptr().cast(), size, libc::MADV_POPULATE_WRITE) };
+            if r != 0 {
+                let e = std::io::Error::last_os_error();
+                return Err(err(&format!(
+                    "its huge pages cannot be had ({e}): the host's huge page pool is short"
+                )));
+            }
+        }
         self.memory = self.memory.insert_region(Arc::new(region)).map_err(|e| err(&e.to_string()))?;
         self.function.set_memory(self.memory.clone());
         Ok(())
@@ -491,5 +525,66 @@ mod tests {
             "signalling a full eventfd blocked the device"
         );
         assert_eq!(efd.read().expect("read"), u64::MAX - 1, "the failed write added nothing");
+    }
+
+    /// Guest memory on hugetlbfs whose huge pages the host's pool cannot
+    /// supply is refused at `DMA_MAP`: the daemon used to map it and die
+    /// of SIGBUS at the device's first access (a mailbox write was enough),
+    /// taking every tenant with it. Skipped where hugetlbfs memfds cannot
+    /// be made; on a host whose pool has pages the map succeeds instead.
+    #[test]
+    fn huge_pages_the_pool_cannot_supply_are_refused_at_map_time() {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
+        let fd =
+            unsafe { libc::memfd_create(c"vnpu-huge".as_ptr(), libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            eprintln!("no hugetlbfs memfd here: {}", std::io::Error::last_os_error());
+            return;
+        }
+        // SAFETY: `fd` is ours alone.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let size = 2u64 << 20;
+        file.set_len(size).expect("size");
+        // SAFETY: F_ADD_SEALS on the descriptor we own.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        let free = std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        let mut b = backend();
+        let r = b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 30, size, Some(file));
+        if free == 0 {
+            assert!(r.is_err(), "a mapping the pool cannot back was accepted");
+            // The device goes on, with nothing mapped there.
+            b.region_write(0, abi::regs::MBOX_ARG0, &[0u8; 8]).expect("the device still answers");
+        } else {
+            assert!(r.is_ok(), "{r:?}");
+        }
+    }
+
+    /// A client maps at most `MAX_DMA_BYTES` of guest memory in all (one
+    /// mapped 128 TiB of sparse memfds and left the daemon no address
+    /// space for anyone else).
+    #[test]
+    fn a_client_maps_at_most_max_dma_bytes() {
+        use std::os::fd::FromRawFd;
+        let sparse = |len: u64| {
+            // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
+            let fd = unsafe { libc::memfd_create(c"vnpu-sparse".as_ptr(), libc::MFD_ALLOW_SEALING) };
+            assert!(fd >= 0);
+            // SAFETY: `fd` is ours alone.
+            let f = unsafe { File::from_raw_fd(fd) };
+            f.set_len(len).expect("size");
+            // SAFETY: F_ADD_SEALS on the descriptor we own.
+            assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+            f
+        };
+        let mut b = backend();
+        let half = MAX_DMA_BYTES / 2;
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, 0, half, Some(sparse(half))).expect("half the limit");
+        let over = b.dma_map(DmaMapFlags::READ_WRITE, 0, half, half + 4096, Some(sparse(half + 4096)));
+        assert!(over.is_err(), "past the limit in all");
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, half, half, Some(sparse(half))).expect("up to the limit");
     }
 }
