@@ -199,6 +199,11 @@ enum Command {
         /// milliseconds, so idle clients cannot hold every connection slot.
         #[arg(long, value_name = "MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
         control_idle_ms: u64,
+        /// Members of this group may manage the board on the control
+        /// socket too (root and the daemon's own user always may; every
+        /// other client is refused, whatever the socket file's mode).
+        #[arg(long, value_name = "GROUP")]
+        control_group: Option<String>,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -602,7 +607,13 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, poll_us, metrics, control_idle_ms } => {
+        Command::Daemon { manage, poll_us, metrics, control_idle_ms, control_group } => {
+            let control_group = match control_group {
+                Some(name) => Some(vnpu_daemon::peer::group_id(&name).ok_or_else(|| {
+                    CliError::Usage(format!("--control-group {name}: no such group on this host"))
+                })?),
+                None => None,
+            };
             env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
             let state_dir = manage.dir();
             let opts = vnpu_daemon::DaemonOptions {
@@ -616,6 +627,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 },
                 metrics,
                 control_idle: std::time::Duration::from_millis(control_idle_ms),
+                control_group,
             };
             vnpu_daemon::stop_on_signals();
             let stop = std::sync::atomic::AtomicBool::new(false);

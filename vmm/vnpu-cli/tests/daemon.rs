@@ -734,3 +734,73 @@ fn idle_control_connections_give_their_slots_up() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// The control socket checks its clients' credentials, not only the
+/// socket file's mode: with the file opened to everyone, a client of
+/// another user is refused, and allowed once the daemon names a group it
+/// is in (`--control-group`). Needs root (to run the client as `nobody`).
+#[test]
+fn the_control_socket_serves_root_the_daemons_user_and_its_group_only() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: cannot run a client as another user");
+        return;
+    }
+    let nobody = 65_534;
+    let runs_as_nobody = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .arg("--version")
+        .uid(nobody)
+        .gid(nobody)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !runs_as_nobody || group_missing("nogroup") {
+        eprintln!("`nobody` cannot run the binary here (or no `nogroup`): skipped");
+        return;
+    }
+    for (group, allowed) in [(None, false), (Some("nogroup"), true)] {
+        let root: PathBuf = std::env::temp_dir().join(format!("vnpu-peer-{}-{allowed}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (state, sockets, theirs) = (root.join("state"), root.join("sockets"), root.join("theirs"));
+        for d in [&root, &sockets, &theirs] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        }
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+        cmd.args(["daemon", "--state-dir"]).arg(&state).arg("--socket-dir").arg(&sockets);
+        if let Some(g) = group {
+            cmd.args(["--control-group", g]);
+        }
+        let d = Daemon(Some(cmd.stdout(Stdio::null()).stderr(daemon_log(&state)).spawn().unwrap()));
+        let ctl = sockets.join("control.sock");
+        wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+            .args(["list", "--json", "--state-dir"])
+            .arg(&theirs)
+            .arg("--socket-dir")
+            .arg(&sockets)
+            .uid(nobody)
+            .gid(nobody)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        if allowed {
+            assert!(out.status.success(), "a member of the control group: {said}{}", daemon_said(&state));
+        } else {
+            assert_eq!(out.status.code(), Some(1), "a stranger was served: {said}");
+            assert!(said.contains("not allowed to manage"), "{said}");
+        }
+        assert!(terminate(d).success());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
+
+/// Whether the host lacks group `name`.
+fn group_missing(name: &str) -> bool {
+    !std::fs::read_to_string("/etc/group")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(':').next() == Some(name))
+}

@@ -65,6 +65,9 @@ pub struct DaemonOptions {
     /// this long is closed, so idle clients cannot hold all
     /// [`MAX_CONTROL_CONNECTIONS`] slots ([`DEFAULT_CONTROL_IDLE`]).
     pub control_idle: Duration,
+    /// Besides root and the daemon's own user, members of this group
+    /// (a gid) may manage the board on the control socket.
+    pub control_group: Option<u32>,
 }
 
 /// Default of [`DaemonOptions::control_idle`].
@@ -223,6 +226,7 @@ impl ControlServer {
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = Arc::clone(&stopping);
         let idle = daemon.opts.control_idle.max(Duration::from_millis(1));
+        let group = daemon.opts.control_group;
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
@@ -232,6 +236,20 @@ impl ControlServer {
                     crate::accept::accept_retrying("control socket", &stop, || listener.accept())
                 {
                     serial += 1;
+                    let who = crate::peer::peer(&stream);
+                    if !who.as_ref().is_ok_and(|p| crate::peer::allowed(p, group)) {
+                        let mut s = stream;
+                        let denied: Result<Outcome, ControlError> = Err(ControlError::Refused {
+                            kind: "permission".into(),
+                            message: "not allowed to manage this board: root, the daemon's user and the \
+                                      --control-group may"
+                                .into(),
+                        });
+                        log::warn!("control connection refused: {who:?}");
+                        let _ = s.set_write_timeout(Some(idle));
+                        let _ = control::write_line(&mut s, &control::Reply::from(denied));
+                        continue;
+                    }
                     if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
                         let mut s = stream;
                         let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(

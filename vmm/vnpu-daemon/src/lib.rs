@@ -13,6 +13,7 @@ mod accept;
 pub mod backend;
 pub mod daemon;
 pub mod metrics;
+pub mod peer;
 pub mod serve;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};

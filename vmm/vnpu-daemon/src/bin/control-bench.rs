@@ -106,6 +106,7 @@ fn main() -> Result<(), String> {
     let board = BoardConfig::default();
     let opts = vnpu_daemon::DaemonOptions {
         control_idle: vnpu_daemon::DEFAULT_CONTROL_IDLE,
+        control_group: None,
         board: board.clone(),
         state_dir: state.clone(),
         socket_dir: sockets.clone(),
