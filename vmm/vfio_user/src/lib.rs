@@ -119,10 +119,14 @@ bitflags! {
         const _ = !0;
     }
 
+    /// Patched: the crate had GET_DIRTY_PAGE_INFO at bit 1 and UNMAP_ALL
+    /// at bit 2; the protocol, Linux (`VFIO_DMA_UNMAP_FLAG_GET_DIRTY_BITMAP`
+    /// = 1, `VFIO_DMA_UNMAP_FLAG_ALL` = 2) and QEMU's client use bits 0
+    /// and 1.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub struct DmaUnmapFlags: u32 {
-        const GET_DIRTY_PAGE_INFO = 1 << 1;
-        const UNMAP_ALL = 1 << 2;
+        const GET_DIRTY_PAGE_INFO = 1 << 0;
+        const UNMAP_ALL = 1 << 1;
 
         // See above.
         const _ = !0;
@@ -232,6 +236,10 @@ struct Capabilities {
     max_data_xfer_size: u32,
     #[serde(default = "default_migration_capabilities")]
     migration: MigrationCapabilities,
+    /// Patched: the most DMA mappings the server takes (the protocol's
+    /// `max_dma_maps`; a client that is not told assumes 65,535).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_dma_maps: Option<u32>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Default)]
@@ -245,6 +253,7 @@ impl Default for Capabilities {
             max_msg_fds: default_max_msg_fds(),
             max_data_xfer_size: default_max_data_xfer_size(),
             migration: default_migration_capabilities(),
+            max_dma_maps: None,
         }
     }
 }
@@ -255,6 +264,8 @@ pub struct Client {
     num_irqs: u32,
     resettable: bool,
     regions: Vec<Region>,
+    /// The server's `max_dma_maps`, if it said (patched).
+    max_dma_maps: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -441,6 +452,7 @@ impl Client {
             num_irqs: 0,
             resettable: false,
             regions: Vec::new(),
+            max_dma_maps: None,
         };
 
         client.negotiate_version()?;
@@ -553,8 +565,15 @@ impl Client {
             "Received server version information: major = {} minor = {} capabilities = {:?}",
             server_version.major, server_version.minor, server_caps.capabilities
         );
+        self.max_dma_maps = server_caps.capabilities.max_dma_maps;
 
         Ok(())
+    }
+
+    /// The most DMA mappings the server said it takes (`max_dma_maps`),
+    /// if it said (patched).
+    pub fn max_dma_maps(&self) -> Option<u32> {
+        self.max_dma_maps
     }
 
     pub fn dma_map(&mut self, offset: u64, address: u64, size: u64, fd: RawFd) -> Result<(), Error> {
@@ -584,6 +603,12 @@ impl Client {
     }
 
     pub fn dma_unmap(&mut self, address: u64, size: u64) -> Result<(), Error> {
+        self.dma_unmap_flags(DmaUnmapFlags::empty(), address, size)
+    }
+
+    /// `DMA_UNMAP` with `flags` (patched: e.g. `UNMAP_ALL` with address
+    /// and size 0, as QEMU sends it).
+    pub fn dma_unmap_flags(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), Error> {
         let dma_unmap = DmaUnmap {
             header: Header {
                 message_id: self.next_message_id.0,
@@ -593,7 +618,7 @@ impl Client {
                 ..Default::default()
             },
             argsz: (size_of::<DmaUnmap>() - size_of::<Header>()) as u32,
-            flags: 0,
+            flags: flags.bits(),
             address,
             size,
         };
@@ -1057,6 +1082,8 @@ pub struct Server {
     resettable: bool,
     irqs: Vec<IrqInfo>,
     regions: Vec<ServerRegion>,
+    /// Advertised as `max_dma_maps` in the version reply (patched).
+    max_dma_maps: Option<u32>,
 }
 
 /// A command's fixed part, read from the message payload (patched: the
@@ -1095,7 +1122,7 @@ impl Server {
 
         let listener = UnixListener::bind(path).map_err(Error::SocketBind)?;
 
-        Ok(Server { listener, path: Some(path.to_path_buf()), resettable, irqs, regions })
+        Ok(Server { listener, path: Some(path.to_path_buf()), resettable, irqs, regions, max_dma_maps: None })
     }
 
     pub fn from_owned_fd(
@@ -1106,7 +1133,14 @@ impl Server {
     ) -> Server {
         let listener = UnixListener::from(fd);
 
-        Server { listener, path: None, resettable, irqs, regions }
+        Server { listener, path: None, resettable, irqs, regions, max_dma_maps: None }
+    }
+
+    /// Advertises `max` as the most DMA mappings this server takes, in the
+    /// version reply's capabilities (patched).
+    pub fn with_max_dma_maps(mut self, max: u32) -> Server {
+        self.max_dma_maps = Some(max);
+        self
     }
 
     /// The listening socket (to poll it, or to stop `run` by shutting it down).
@@ -1151,7 +1185,8 @@ impl Server {
                     client_version.major, client_version.minor, client_capabilities.capabilities,
                 );
 
-                let server_capabilities = CapabilitiesData::default();
+                let mut server_capabilities = CapabilitiesData::default();
+                server_capabilities.capabilities.max_dma_maps = self.max_dma_maps;
                 let server_version_data =
                     serde_json::to_string(&server_capabilities).map_err(Error::SerializeCapabilites)?;
                 let server_version_data =

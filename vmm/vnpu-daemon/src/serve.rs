@@ -51,7 +51,8 @@ impl InstanceServer {
     /// a time, each with a fresh backend from `factory`.
     pub fn start(path: &Path, name: &str, factory: BackendFactory) -> Result<Self, ServeError> {
         let server = Server::new(path, true, irqs(), regions())
-            .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?;
+            .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?
+            .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_REGIONS).unwrap_or(u32::MAX));
         let listener_fd = server.listener().as_raw_fd();
         let client: Arc<Mutex<Option<UnixStream>>> = Arc::default();
         let current = Arc::clone(&client);

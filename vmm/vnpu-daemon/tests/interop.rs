@@ -322,3 +322,27 @@ fn hostile_messages_end_only_their_own_connection() {
     drop(c);
     server.stop();
 }
+
+/// The limits and flag values QEMU relies on: the version reply advertises
+/// the daemon's mapping limit (`max_dma_maps`; a client not told assumes
+/// 65,535), and "unmap all" is the protocol's and Linux's value
+/// (`VFIO_DMA_UNMAP_FLAG_ALL` = 2, from the bindings, not from our crate):
+/// every mapping goes, and the same ranges map again.
+#[test]
+fn the_daemon_advertises_its_mapping_limit_and_unmaps_all_by_the_protocol_value() {
+    use vfio_bindings::bindings::vfio::VFIO_DMA_UNMAP_FLAG_ALL;
+    use vfio_user::DmaUnmapFlags;
+    let path = socket("limits");
+    let mut server = serve(&path);
+    let mut client = Client::new(&path).unwrap();
+    assert_eq!(client.max_dma_maps(), Some(vnpu_daemon::backend::MAX_DMA_REGIONS as u32));
+    let (a, b) = (guest_ram(true), guest_ram(true));
+    client.dma_map(0, 0, MEM, a.as_raw_fd()).unwrap();
+    client.dma_map(0, 1 << 30, MEM, b.as_raw_fd()).unwrap();
+    assert!(client.dma_map(0, 0, MEM, a.as_raw_fd()).is_err(), "still mapped: overlaps");
+    client.dma_unmap_flags(DmaUnmapFlags::from_bits_retain(VFIO_DMA_UNMAP_FLAG_ALL), 0, 0).unwrap();
+    client.dma_map(0, 0, MEM, a.as_raw_fd()).expect("unmapped by unmap-all");
+    client.dma_map(0, 1 << 30, MEM, b.as_raw_fd()).expect("unmapped by unmap-all");
+    drop(client);
+    server.stop();
+}
