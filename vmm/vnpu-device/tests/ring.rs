@@ -677,3 +677,72 @@ fn registered_programs_are_verified_once_and_kept_by_value() {
         Err(Error::Request { status: abi::ST_BAD_HANDLE, .. })
     ));
 }
+
+/// A reset takes effect between requests, not after everything the ring
+/// holds: with twelve long requests posted at once, a reset written once
+/// the first has completed stops the ring after the request running then
+/// (the worker used to serve all eight first, so a guest that kept its
+/// ring full held `vnpu stop` off for as long as it liked).
+#[test]
+fn a_reset_takes_effect_between_requests() {
+    use vnpu_abi::{DType, MatFlags};
+    let s = setup("sa=1,vu=1,sram=16M,hbm=256M");
+    {
+        // Configure through the driver (a reset keeps the configuration).
+        let mut dma = s.dma();
+        let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();
+        npu.configure(&Hierarchy { sram_per_core: 16 << 20, ..one_core_hierarchy() }).unwrap();
+    }
+    write_reg(&s, regs::DEVICE_RESET, 1);
+    wait_for(|| reg(&s, regs::STATUS) & abi::STATUS_RESETTING == 0);
+    s.mem.write_obj(0u16, GuestAddress(0x11002)).unwrap();
+    s.mem.write_obj(0u16, GuestAddress(0x12002)).unwrap();
+    // 64 descriptors: twelve chains of three.
+    raw_ring(&s, 64, 0x10000);
+    assert_eq!(reg(&s, regs::ERROR), 0);
+    // A request of real host work (tens of milliseconds): a 1024 x 1024 x
+    // 1024 product in SRAM; eleven of them are the margin the reset has.
+    let mut p = ProgramBuilder::new();
+    let n = 1024u32;
+    let bytes = u64::from(n * n * 4);
+    p.push(
+        Engine::sa(0),
+        Instr::MatMul {
+            dtype: DType::F32,
+            flags: MatFlags::default(),
+            a: 0,
+            b: bytes,
+            c: 2 * bytes,
+            m: n,
+            k: n,
+            n,
+            lda: n,
+            ldb: n,
+            ldc: n,
+        },
+    );
+    let program = p.finish().encode();
+    s.mem.write_slice(&program, GuestAddress(0x40000)).unwrap();
+    let header = abi::RequestHeader { opcode: abi::OP_RUN, ..Default::default() };
+    s.mem.write_slice(&header.to_bytes(), GuestAddress(0x30000)).unwrap();
+    // Twelve chains (header, program, status block), all posted at once.
+    for r in 0..12u16 {
+        let d = u64::from(r) * 3;
+        put_desc(&s, d, 0x30000, 32, 1, (d + 1) as u16);
+        put_desc(&s, d + 1, 0x40000, program.len() as u32, 1, (d + 2) as u16);
+        put_desc(&s, d + 2, 0x20000 + 64 * u64::from(r), 64, 2, 0);
+        s.mem.write_obj(d as u16, GuestAddress(0x11004 + 2 * u64::from(r))).unwrap();
+    }
+    s.mem.write_obj(12u16, GuestAddress(0x11002)).unwrap();
+    write_reg(&s, regs::DOORBELL, 1);
+    wait_for(|| used_idx(&s) >= 1);
+    write_reg(&s, regs::DEVICE_RESET, 1);
+    wait_for(|| reg(&s, regs::STATUS) & abi::STATUS_RESETTING == 0);
+    let served = used_idx(&s);
+    assert!(served < 12, "all {served} requests ran before the reset took effect");
+    assert_eq!(reg(&s, regs::ERROR), 0, "the ring itself was fine");
+    // The requests that ran, ran the program (not an error status).
+    let mut b = [0u8; 64];
+    s.mem.read_slice(&mut b, GuestAddress(0x20000)).unwrap();
+    assert_eq!(abi::StatusBlock::from_bytes(&b).status, abi::ST_OK, "the first request");
+}

@@ -337,7 +337,7 @@ impl Worker {
     }
 
     /// Handles every posted control message, in order.
-    fn handle_controls(&mut self) {
+    pub(super) fn handle_controls(&mut self) {
         loop {
             let next = lock(&self.shared.controls).pop_front();
             match next {

@@ -7,6 +7,15 @@ use super::*;
 impl Worker {
     pub(super) fn drain_ring(&mut self) {
         loop {
+            // Control work (a reset, a stop, a grant change) takes effect
+            // between requests, whatever the ring still holds: a guest that
+            // keeps its ring full cannot hold a stop off.
+            if !lock(&self.shared.controls).is_empty() {
+                self.handle_controls();
+                if self.stopped {
+                    return;
+                }
+            }
             let Some(q) = self.queue.as_mut() else { return };
             let next = match q.iter(&self.mem) {
                 Ok(mut it) => it.next().map(|chain| {
