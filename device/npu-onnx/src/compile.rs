@@ -354,6 +354,23 @@ impl Compiler<'_> {
                 if n.op == "Dropout" && n.outputs.len() > 1 {
                     return Err("the mask output of Dropout is not supported".into());
                 }
+                // Inference is the identity; training mode drops elements
+                // at random, which nothing here computes.
+                if n.op == "Dropout" {
+                    match self.opt(n, 2) {
+                        None => {}
+                        Some(Val::C(c)) if c.data.to_i64().iter().all(|&v| v == 0) => {}
+                        Some(Val::C(_)) => {
+                            return Err("training_mode is true: Dropout would drop elements at random".into())
+                        }
+                        Some(Val::D(_)) => {
+                            return Err("training_mode must be a constant false (inference)".into())
+                        }
+                    }
+                    if Self::int_attr(n, "is_test", 1)? == 0 {
+                        return Err("is_test is 0: Dropout in training mode is not supported".into());
+                    }
+                }
                 self.report.aliases += 1;
                 Ok(vec![self.get(n, 0)?.clone()])
             }
@@ -1294,6 +1311,12 @@ impl<'m> Compiler<'m> {
                 return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
             }
             check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
+            if shape.is_empty() {
+                return Err(CompileError::Input {
+                    name: io.name.clone(),
+                    reason: "is a scalar (rank 0): a model's inputs need at least one axis".into(),
+                });
+            }
             let t = self.tensor(&io.name, elems(&shape), Init::Input, None);
             self.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
             inputs.push((io.name.clone(), t, shape));
@@ -1346,6 +1369,14 @@ impl<'m> Compiler<'m> {
                     let d = self
                         .onnx_order(name, &d)
                         .map_err(|reason| CompileError::Output { name: name.clone(), reason })?;
+                    if d.shape.is_empty() {
+                        return Err(CompileError::Output {
+                            name: name.clone(),
+                            reason: "is a scalar (rank 0): a model's outputs need at least one axis \
+                                     (e.g. ReduceMean with keepdims=1)"
+                                .into(),
+                        });
+                    }
                     outputs.push((name.clone(), d.t, d.shape.clone()))
                 }
                 Some(Val::C(_)) => {

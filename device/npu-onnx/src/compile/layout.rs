@@ -471,7 +471,19 @@ impl Compiler<'_> {
         }
         check_size(&out)?;
         let mode = str_attr(n, "mode", "nearest")?;
+        // Upsample (opsets 7-9) and Resize-10 have no `nearest_mode` or
+        // `coordinate_transformation_mode`: their nearest neighbour is the
+        // input index floor(out / scale), asymmetric.
+        let old = n.op == "Upsample" || self.m.opset < 11;
+        if old {
+            for a in ["nearest_mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside"] {
+                if n.attrs.contains_key(a) {
+                    return Err(format!("attribute `{a}` does not exist before opset 11"));
+                }
+            }
+        }
         let interp = match mode.as_str() {
+            "nearest" if old => Interp::Nearest(Rounding::Floor),
             "nearest" => Interp::Nearest(match str_attr(n, "nearest_mode", "round_prefer_floor")?.as_str() {
                 "round_prefer_floor" => Rounding::PreferFloor,
                 "round_prefer_ceil" => Rounding::PreferCeil,

@@ -1,0 +1,90 @@
+//! Constructs the compiler used to get wrong with exit 0: they now compute
+//! what ONNX says, or are refused by name. Each model is built here as an
+//! ONNX graph and checked against values worked out by hand from the
+//! operator's definition.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{model_at, node, options, tensor, value};
+use npu_onnx::compile;
+use npu_onnx::host::HostRunner;
+use onnx_protobuf::{GraphProto, Message};
+use vnpu_abi::DType;
+
+/// `op` (Upsample at opset 9, or Resize at opset 10) of a 1 x 1 x 2 x 2
+/// image by scales (1, 1, 2, 3), run on `[[1, 2], [3, 4]]`.
+fn upsampled(op: &str, opset: i64) -> Vec<f32> {
+    let mut g = GraphProto::new();
+    g.name = "up".into();
+    g.initializer = vec![tensor("S", &[4], &[1.0, 1.0, 2.0, 3.0])];
+    g.input = vec![value("X", &[0, 1, 2, 2])];
+    g.output = vec![value("Y", &[0, 1, 4, 6])];
+    g.node = vec![node(op, "up", &["X", "S"], &["Y"], vec![])];
+    let bytes = model_at(g, opset).write_to_bytes().unwrap();
+    let (board, opts) = options(1, DType::F32);
+    let compiled = compile(&bytes, &opts).unwrap();
+    let mut r = HostRunner::new(&board, &compiled.model).unwrap();
+    r.infer(&[&[1.0, 2.0, 3.0, 4.0]]).unwrap().0.remove(0)
+}
+
+/// Upsample (opsets 7-9) and Resize-10 in `nearest` mode take input index
+/// floor(out / scale): by 3 along a row of [1, 2] that is 1 1 1 2 2 2
+/// (the compiler used to round half down and give 1 1 2 2 2 2).
+#[test]
+fn upsample_and_resize_10_nearest_floor_the_source_index() {
+    let want: Vec<f32> = [
+        [1., 1., 1., 2., 2., 2.],
+        [1., 1., 1., 2., 2., 2.],
+        [3., 3., 3., 4., 4., 4.],
+        [3., 3., 3., 4., 4., 4.],
+    ]
+    .concat();
+    assert_eq!(upsampled("Upsample", 9), want, "Upsample-9");
+    assert_eq!(upsampled("Resize", 10), want, "Resize-10");
+}
+
+/// A graph `X -> op -> Y` with `extra` initializers and inputs.
+fn one_node(
+    opset: i64,
+    n: onnx_protobuf::NodeProto,
+    init: Vec<onnx_protobuf::TensorProto>,
+    y: &[i64],
+) -> Vec<u8> {
+    let mut g = GraphProto::new();
+    g.name = "one".into();
+    g.initializer = init;
+    g.input = vec![value("X", &[0, 3])];
+    g.output = vec![value("Y", y)];
+    g.node = vec![n];
+    model_at(g, opset).write_to_bytes().unwrap()
+}
+
+/// Dropout in inference is the identity; with `training_mode` a constant
+/// true it would drop elements at random, and is refused by name (the
+/// compiler used to compile it as the identity).
+#[test]
+fn dropout_in_training_mode_is_refused_and_in_inference_is_the_identity() {
+    let (board, opts) = options(2, DType::F32);
+    let with = |mode: f32| {
+        let n = common::node("Dropout", "drop", &["X", "R", "T"], &["Y"], vec![]);
+        one_node(13, n, vec![tensor("R", &[], &[0.5]), common::bool_tensor("T", mode != 0.0)], &[0, 3])
+    };
+    let e = compile(&with(1.0), &opts).unwrap_err().to_string();
+    assert!(e.contains("node `drop` (Dropout)") && e.contains("training_mode"), "{e}");
+    let c = compile(&with(0.0), &opts).unwrap();
+    let x = [1.0f32, -2.0, 3.0, 4.0, 5.0, -6.0];
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    assert_eq!(r.infer(&[&x]).unwrap().0[0], x.to_vec());
+}
+
+/// A scalar (rank-0) output, as `ReduceMean` with `keepdims = 0` over
+/// every axis gives, is refused at compile time (it used to compile into a
+/// file that `vnpu infer` then rejected).
+#[test]
+fn a_rank_0_output_is_refused_at_compile_time() {
+    let (_, opts) = options(1, DType::F32);
+    let n = common::node("ReduceMean", "mean", &["X"], &["Y"], vec![common::attr_i("keepdims", 0)]);
+    let e = compile(&one_node(13, n, vec![], &[]), &opts).unwrap_err().to_string();
+    assert!(e.contains("rank 0"), "{e}");
+}
