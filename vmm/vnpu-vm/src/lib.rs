@@ -361,51 +361,11 @@ impl<W: Write> Vm<W> {
     /// prepares its one vCPU to enter it in long mode. Serial output goes
     /// to `console`.
     pub fn new(cfg: &VmConfig, console: W) -> Result<Self, VmError> {
-        let (memory_bytes, guest, vnpus) = (cfg.memory, cfg.guest.as_path(), &cfg.vnpus[..]);
-        let count = vnpus.len() + cfg.remote_vnpus.len();
-        if count > MAX_VNPUS {
-            return Err(VmError::TooManyVnpus { count });
-        }
-        // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
-        // guest's RAM may reach the PCI hole, where the BARs go.
-        let (max, why) = if cfg.linux.is_some() {
-            (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)")
-        } else {
-            (1 << 30, "1 GiB (the identity map covers 1 GiB)")
-        };
-        if !(MIN_MEMORY..=max).contains(&memory_bytes) {
-            return Err(VmError::Memory {
-                size: memory_bytes,
-                reason: format!("must be between {MIN_MEMORY} bytes and {why}"),
-            });
-        }
+        let count = cfg.vnpus.len() + cfg.remote_vnpus.len();
+        Self::check_config(cfg, count)?;
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
-        let memory: GuestMemoryMmap<()> = if cfg.remote_vnpus.is_empty() {
-            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
-        } else {
-            let file = shared_ram(memory_bytes)
-                .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("memfd: {e}") })?;
-            GuestMemoryMmap::from_ranges_with_files([(
-                GuestAddress(0),
-                memory_bytes as usize,
-                Some(vm_memory::FileOffset::new(file, 0)),
-            )])
-        }
-        .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
-        let host = memory
-            .get_host_address(GuestAddress(0))
-            .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
-        let region = kvm_userspace_memory_region {
-            slot: 0,
-            guest_phys_addr: 0,
-            memory_size: memory_bytes,
-            userspace_addr: host as u64,
-            flags: 0,
-        };
-        // SAFETY: `host` is the start of a mapping of `memory_bytes` bytes
-        // owned by `memory`, which this Vm keeps alive as long as the VM fd.
-        unsafe { vm.set_user_memory_region(region) }.map_err(ioctl("set memory region"))?;
+        let memory = Self::guest_memory(&vm, cfg)?;
         // No halt polling: a guest that halts while the vNPU works wants its
         // CPU given to the NPU worker, not spun on for KVM's default 200 us.
         // (Best effort: older kernels lack the capability.)
@@ -414,91 +374,15 @@ impl<W: Write> Vm<W> {
         // The in-kernel irqchip must exist before any vCPU.
         vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
         let linux = cfg.linux.as_ref();
-        let entry = match linux {
-            Some(boot) => {
-                // What a PC kernel expects beside the irqchip: the PIT (with
-                // the speaker port stubbed) and, on VMX hosts, the TSS area.
-                let pit = kvm_bindings::kvm_pit_config {
-                    flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
-                    ..Default::default()
-                };
-                vm.create_pit2(pit).map_err(ioctl("create PIT"))?;
-                vm.set_tss_address(0xfffb_d000).map_err(ioctl("set TSS address"))?;
-                linux::load(&memory, memory_bytes, guest, boot, 1)?
-            }
-            None => {
-                let mut file = File::open(guest)
-                    .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
-                let loaded =
-                    Elf::load(&memory, None, &mut file, Some(GuestAddress(HIGHMEM_START))).map_err(|e| {
-                        VmError::Load { path: guest.display().to_string(), reason: e.to_string() }
-                    })?;
-                loaded.kernel_load.0
-            }
-        };
+        let entry = Self::load_guest(&vm, &memory, cfg)?;
         let (cs, ds) = if linux.is_some() { (linux::BOOT_CS, linux::BOOT_DS) } else { (0x8, 0x10) };
         Self::write_boot_tables(&memory, cs, ds)?;
-        let payload = match (&cfg.payload, linux) {
-            (Some(p), None) => {
-                let at = memory_bytes
-                    .checked_sub(p.len() as u64)
-                    .map(|a| a & !0xfff)
-                    .filter(|&a| a >= PAYLOAD_MIN);
-                let at = at.ok_or_else(|| VmError::Memory {
-                    size: memory_bytes,
-                    reason: format!(
-                        "the payload of {} bytes must fit above {} MiB: give the VM more memory",
-                        p.len(),
-                        PAYLOAD_MIN >> 20
-                    ),
-                })?;
-                memory
-                    .write_slice(p, GuestAddress(at))
-                    .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") })?;
-                Some((at, p.len() as u64))
-            }
-            (Some(_), Some(_)) => {
-                return Err(VmError::Memory {
-                    size: memory_bytes,
-                    reason: "a payload is for bare-metal guests".into(),
-                })
-            }
-            (None, _) => None,
-        };
+        let payload = Self::place_payload(&memory, cfg)?;
         let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
         if linux.is_some() {
             Self::linux_vcpu(&kvm, &vcpu)?;
         }
-        let mut sregs = vcpu.get_sregs().map_err(ioctl("get sregs"))?;
-        let (code, data) = (segment(cs, true), segment(ds, false));
-        sregs.cs = code;
-        sregs.ds = data;
-        sregs.es = data;
-        sregs.fs = data;
-        sregs.gs = data;
-        sregs.ss = data;
-        sregs.gdt.base = GDT_ADDR;
-        sregs.gdt.limit = 4 * 8 - 1;
-        sregs.cr3 = PML4_ADDR;
-        sregs.cr4 |= 1 << 5; // PAE
-        sregs.cr0 |= (1 << 0) | (1 << 31); // PE, PG
-        sregs.efer |= (1 << 8) | (1 << 10); // LME, LMA
-        vcpu.set_sregs(&sregs).map_err(ioctl("set sregs"))?;
-        let mut regs = vcpu.get_regs().map_err(ioctl("get regs"))?;
-        regs.rip = entry;
-        regs.rsp = STACK_TOP;
-        regs.rflags = 2;
-        if linux.is_some() {
-            // The 64-bit boot protocol: rsi = the zero page.
-            regs.rsi = linux::ZERO_PAGE;
-        } else {
-            // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
-            regs.rdi = memory_bytes;
-            regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
-            // The payload (0, 0 without one).
-            (regs.rdx, regs.rcx) = payload.unwrap_or((0, 0));
-        }
-        vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
+        Self::boot_registers(&vcpu, cfg, (cs, ds), entry, payload)?;
 
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
@@ -522,6 +406,161 @@ impl<W: Write> Vm<W> {
             benchmark: None,
             payload,
         })
+    }
+
+    /// The vNPU count and the memory size a configuration may have.
+    fn check_config(cfg: &VmConfig, count: usize) -> Result<(), VmError> {
+        if count > MAX_VNPUS {
+            return Err(VmError::TooManyVnpus { count });
+        }
+        // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
+        // guest's RAM may reach the PCI hole, where the BARs go.
+        let (max, why) = if cfg.linux.is_some() {
+            (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)")
+        } else {
+            (1 << 30, "1 GiB (the identity map covers 1 GiB)")
+        };
+        if !(MIN_MEMORY..=max).contains(&cfg.memory) {
+            return Err(VmError::Memory {
+                size: cfg.memory,
+                reason: format!("must be between {MIN_MEMORY} bytes and {why}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Guest RAM (in a sealed memfd when a daemon's vNPU must share it),
+    /// registered with KVM as slot 0.
+    fn guest_memory(vm: &VmFd, cfg: &VmConfig) -> Result<GuestMemoryMmap<()>, VmError> {
+        let memory_bytes = cfg.memory;
+        let memory: GuestMemoryMmap<()> = if cfg.remote_vnpus.is_empty() {
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
+        } else {
+            let file = shared_ram(memory_bytes)
+                .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("memfd: {e}") })?;
+            GuestMemoryMmap::from_ranges_with_files([(
+                GuestAddress(0),
+                memory_bytes as usize,
+                Some(vm_memory::FileOffset::new(file, 0)),
+            )])
+        }
+        .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let host = memory
+            .get_host_address(GuestAddress(0))
+            .map_err(|e| VmError::Memory { size: memory_bytes, reason: e.to_string() })?;
+        let region = kvm_userspace_memory_region {
+            slot: 0,
+            guest_phys_addr: 0,
+            memory_size: memory_bytes,
+            userspace_addr: host as u64,
+            flags: 0,
+        };
+        // SAFETY: `host` is the start of a mapping of `memory_bytes` bytes
+        // owned by `memory`, which the Vm keeps alive as long as the VM fd.
+        unsafe { vm.set_user_memory_region(region) }.map_err(ioctl("set memory region"))?;
+        Ok(memory)
+    }
+
+    /// Loads the Linux kernel (with the PIT and TSS a PC kernel expects) or
+    /// the bare-metal ELF; returns the entry point.
+    fn load_guest(vm: &VmFd, memory: &GuestMemoryMmap<()>, cfg: &VmConfig) -> Result<u64, VmError> {
+        let guest = cfg.guest.as_path();
+        Ok(match cfg.linux.as_ref() {
+            Some(boot) => {
+                // What a PC kernel expects beside the irqchip: the PIT (with
+                // the speaker port stubbed) and, on VMX hosts, the TSS area.
+                let pit = kvm_bindings::kvm_pit_config {
+                    flags: kvm_bindings::KVM_PIT_SPEAKER_DUMMY,
+                    ..Default::default()
+                };
+                vm.create_pit2(pit).map_err(ioctl("create PIT"))?;
+                vm.set_tss_address(0xfffb_d000).map_err(ioctl("set TSS address"))?;
+                linux::load(memory, cfg.memory, guest, boot, 1)?
+            }
+            None => {
+                let mut file = File::open(guest)
+                    .map_err(|source| VmError::Open { path: guest.display().to_string(), source })?;
+                let loaded =
+                    Elf::load(memory, None, &mut file, Some(GuestAddress(HIGHMEM_START))).map_err(|e| {
+                        VmError::Load { path: guest.display().to_string(), reason: e.to_string() }
+                    })?;
+                loaded.kernel_load.0
+            }
+        })
+    }
+
+    /// A bare-metal guest's payload, copied to the top of RAM (page
+    /// aligned, above `PAYLOAD_MIN`): its address and length.
+    fn place_payload(memory: &GuestMemoryMmap<()>, cfg: &VmConfig) -> Result<Option<(u64, u64)>, VmError> {
+        let memory_bytes = cfg.memory;
+        match (&cfg.payload, cfg.linux.as_ref()) {
+            (Some(p), None) => {
+                let at = memory_bytes
+                    .checked_sub(p.len() as u64)
+                    .map(|a| a & !0xfff)
+                    .filter(|&a| a >= PAYLOAD_MIN);
+                let at = at.ok_or_else(|| VmError::Memory {
+                    size: memory_bytes,
+                    reason: format!(
+                        "the payload of {} bytes must fit above {} MiB: give the VM more memory",
+                        p.len(),
+                        PAYLOAD_MIN >> 20
+                    ),
+                })?;
+                memory
+                    .write_slice(p, GuestAddress(at))
+                    .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") })?;
+                Ok(Some((at, p.len() as u64)))
+            }
+            (Some(_), Some(_)) => Err(VmError::Memory {
+                size: memory_bytes,
+                reason: "a payload is for bare-metal guests".into(),
+            }),
+            (None, _) => Ok(None),
+        }
+    }
+
+    /// Long mode at `entry` with the boot tables' segments `(cs, ds)`, and
+    /// the boot arguments: the zero page for Linux, else memory size, TSC
+    /// rate and payload (docs/guest-boot.md).
+    fn boot_registers(
+        vcpu: &VcpuFd,
+        cfg: &VmConfig,
+        (cs, ds): (u16, u16),
+        entry: u64,
+        payload: Option<(u64, u64)>,
+    ) -> Result<(), VmError> {
+        let mut sregs = vcpu.get_sregs().map_err(ioctl("get sregs"))?;
+        let (code, data) = (segment(cs, true), segment(ds, false));
+        sregs.cs = code;
+        sregs.ds = data;
+        sregs.es = data;
+        sregs.fs = data;
+        sregs.gs = data;
+        sregs.ss = data;
+        sregs.gdt.base = GDT_ADDR;
+        sregs.gdt.limit = 4 * 8 - 1;
+        sregs.cr3 = PML4_ADDR;
+        sregs.cr4 |= 1 << 5; // PAE
+        sregs.cr0 |= (1 << 0) | (1 << 31); // PE, PG
+        sregs.efer |= (1 << 8) | (1 << 10); // LME, LMA
+        vcpu.set_sregs(&sregs).map_err(ioctl("set sregs"))?;
+        let mut regs = vcpu.get_regs().map_err(ioctl("get regs"))?;
+        regs.rip = entry;
+        regs.rsp = STACK_TOP;
+        regs.rflags = 2;
+        if cfg.linux.is_some() {
+            // The 64-bit boot protocol: rsi = the zero page.
+            regs.rsi = linux::ZERO_PAGE;
+        } else {
+            // Boot arguments (docs/guest-boot.md): memory size and TSC rate.
+            regs.rdi = cfg.memory;
+            regs.rsi = vcpu.get_tsc_khz().map(u64::from).unwrap_or(0);
+            // The payload (0, 0 without one).
+            (regs.rdx, regs.rcx) = payload.unwrap_or((0, 0));
+        }
+        vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
+        Ok(())
     }
 
     /// The payload as the guest left it ([`VmConfig::payload`]), or `None`
