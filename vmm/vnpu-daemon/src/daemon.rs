@@ -236,19 +236,13 @@ impl ControlServer {
                     crate::accept::accept_retrying("control socket", &stop, || listener.accept())
                 {
                     serial += 1;
+                    // A client that may not manage the board is served like
+                    // any other (the same slots and idle bound), with every
+                    // request refused: it reads why, whenever it writes.
                     let who = crate::peer::peer(&stream);
-                    if !who.as_ref().is_ok_and(|p| crate::peer::allowed(p, group)) {
-                        let mut s = stream;
-                        let denied: Result<Outcome, ControlError> = Err(ControlError::Refused {
-                            kind: "permission".into(),
-                            message: "not allowed to manage this board: root, the daemon's user and the \
-                                      --control-group may"
-                                .into(),
-                        });
-                        log::warn!("control connection refused: {who:?}");
-                        let _ = s.set_write_timeout(Some(idle));
-                        let _ = control::write_line(&mut s, &control::Reply::from(denied));
-                        continue;
+                    let permitted = who.as_ref().is_ok_and(|p| crate::peer::allowed(p, group));
+                    if !permitted {
+                        log::warn!("control connection of {who:?}: not allowed to manage the board");
                     }
                     if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
                         let mut s = stream;
@@ -276,7 +270,19 @@ impl ControlServer {
                     let spawned = std::thread::Builder::new().name("control client".into()).spawn({
                         let done = done.clone();
                         move || {
-                            if let Err(e) = control::serve_connection(stream, |req| daemon.handle(req)) {
+                            let served = control::serve_connection(stream, |req| {
+                                if permitted {
+                                    daemon.handle(req)
+                                } else {
+                                    Err(ControlError::Refused {
+                                        kind: "permission".into(),
+                                        message: "not allowed to manage this board: root, the daemon's user \
+                                                  and the --control-group may"
+                                            .into(),
+                                    })
+                                }
+                            });
+                            if let Err(e) = served {
                                 log::warn!("control connection dropped: {e}");
                             }
                             done();

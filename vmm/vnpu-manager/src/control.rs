@@ -526,9 +526,18 @@ impl ControlClient {
 
     /// Sends `req` and waits for its reply.
     pub fn call(&mut self, req: &Request) -> Result<Outcome, ControlError> {
-        write_line(&mut self.writer, req)?;
-        let line = read_line(&mut self.reader)?
-            .ok_or_else(|| ControlError::Protocol("the daemon closed the connection".into()))?;
+        // A daemon that refuses the connection (too many open, or this user
+        // may not manage the board) replies once and closes, possibly
+        // before the request is written: its reply is still there to read.
+        let written = write_line(&mut self.writer, req);
+        let line = match read_line(&mut self.reader) {
+            Ok(l) => l,
+            Err(e) => {
+                written?;
+                return Err(e);
+            }
+        }
+        .ok_or_else(|| ControlError::Protocol("the daemon closed the connection".into()))?;
         let reply: Reply = serde_json::from_str(&line)
             .map_err(|e| ControlError::Protocol(format!("a reply that does not parse: {e}")))?;
         reply.into()
