@@ -1,0 +1,196 @@
+//! The board daemon against hostile or unwanted control clients
+//! (docs/isolation.md, "The board daemon against its clients"): descriptor
+//! exhaustion, idle connections holding every slot, clients of other
+//! users. Apart from `daemon.rs` so that these daemons do not run beside
+//! that file's timing-sensitive VM tests.
+
+#![allow(clippy::unwrap_used)] // test helpers
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{control_line, daemon_log, daemon_said, terminate, wait_for, Daemon};
+
+/// Descriptors exhausted by idle control connections (the daemon runs
+/// with 48 open files): its accept loop waits the exhaustion out, and once
+/// the connections close the daemon answers again. It used to stop
+/// accepting for good on its first `EMFILE`, so the management plane stayed
+/// dead after the attacker had gone.
+#[test]
+fn the_control_socket_outlives_descriptor_exhaustion() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-emfile-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (state, sockets) = (root.join("state"), root.join("sockets"));
+    std::fs::create_dir_all(&state).unwrap();
+    let child = Command::new("prlimit")
+        .arg("--nofile=48:48")
+        .arg("--")
+        .arg(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .stdout(Stdio::null())
+        .stderr(daemon_log(&state))
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    let ctl = sockets.join("control.sock");
+    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    // More idle connections than the daemon has descriptors for.
+    let held: Vec<_> = (0..80).filter_map(|_| std::os::unix::net::UnixStream::connect(&ctl).ok()).collect();
+    assert!(held.len() > 40, "only {} connections queued", held.len());
+    std::thread::sleep(Duration::from_millis(500));
+    drop(held);
+    // The daemon itself answers again, without a restart (not a command
+    // falling back to the state directory: the socket, directly).
+    let t = Instant::now();
+    let reply = loop {
+        match std::os::unix::net::UnixStream::connect(&ctl) {
+            Ok(_) => break control_line(&ctl, b"{\"op\":\"list\"}\n"),
+            Err(e) => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "the control socket refuses: {e}{}",
+                    daemon_said(&state)
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    };
+    assert_eq!(reply.len(), 1, "{reply:?}");
+    assert_eq!(reply[0]["ok"], serde_json::Value::Bool(true), "{reply:?}");
+    assert!(
+        daemon_said(&state).contains("accept failed"),
+        "the daemon never ran out: {}",
+        daemon_said(&state)
+    );
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Idle control connections give their slot up: with every one of the
+/// 32 slots held by a client that sends nothing, the daemon answers again
+/// once they have idled `--control-idle-ms` (they used to hold the slots
+/// for as long as they liked, locking every operator out).
+#[test]
+fn idle_control_connections_give_their_slots_up() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-idle-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (state, sockets) = (root.join("state"), root.join("sockets"));
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--control-idle-ms", "300", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .stdout(Stdio::null())
+        .stderr(daemon_log(&state))
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    let ctl = sockets.join("control.sock");
+    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    std::thread::sleep(Duration::from_millis(400));
+    let held: Vec<_> = (0..32).map(|_| std::os::unix::net::UnixStream::connect(&ctl).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    // A 33rd client is told so (read before it writes: the daemon closes
+    // a refused connection without reading it).
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(std::os::unix::net::UnixStream::connect(&ctl).unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("connections are open"), "all slots held: {line}");
+    // Served again once the idle clients have been closed (retried while
+    // the daemon still reports its slots full; without the idle bound it
+    // never answers).
+    let t = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let mut line = String::new();
+        let mut s = std::os::unix::net::UnixStream::connect(&ctl).unwrap();
+        std::io::Write::write_all(&mut s, b"{\"op\":\"list\"}\n").ok();
+        let _ = std::io::BufRead::read_line(&mut std::io::BufReader::new(s), &mut line);
+        if line.contains("\"ok\":true") {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "never served again: {line}{}", daemon_said(&state));
+    }
+    drop(held);
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// The control socket checks its clients' credentials, not only the
+/// socket file's mode: with the file opened to everyone, a client of
+/// another user is refused, and allowed once the daemon names a group it
+/// is in (`--control-group`). Needs root (to run the client as `nobody`).
+#[test]
+fn the_control_socket_serves_root_the_daemons_user_and_its_group_only() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // SAFETY: geteuid(2) has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: cannot run a client as another user");
+        return;
+    }
+    let nobody = 65_534;
+    let runs_as_nobody = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .arg("--version")
+        .uid(nobody)
+        .gid(nobody)
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !runs_as_nobody || group_missing("nogroup") {
+        eprintln!("`nobody` cannot run the binary here (or no `nogroup`): skipped");
+        return;
+    }
+    for (group, allowed) in [(None, false), (Some("nogroup"), true)] {
+        let root: PathBuf = std::env::temp_dir().join(format!("vnpu-peer-{}-{allowed}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (state, sockets, theirs) = (root.join("state"), root.join("sockets"), root.join("theirs"));
+        for d in [&root, &sockets, &theirs] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        }
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+        cmd.args(["daemon", "--state-dir"]).arg(&state).arg("--socket-dir").arg(&sockets);
+        if let Some(g) = group {
+            cmd.args(["--control-group", g]);
+        }
+        let d = Daemon(Some(cmd.stdout(Stdio::null()).stderr(daemon_log(&state)).spawn().unwrap()));
+        let ctl = sockets.join("control.sock");
+        wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+        std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+            .args(["list", "--json", "--state-dir"])
+            .arg(&theirs)
+            .arg("--socket-dir")
+            .arg(&sockets)
+            .uid(nobody)
+            .gid(nobody)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        if allowed {
+            assert!(out.status.success(), "a member of the control group: {said}{}", daemon_said(&state));
+        } else {
+            assert_eq!(out.status.code(), Some(1), "a stranger was served: {said}");
+            assert!(said.contains("not allowed to manage"), "{said}");
+        }
+        assert!(terminate(d).success());
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}
+
+/// Whether the host lacks group `name`.
+fn group_missing(name: &str) -> bool {
+    !std::fs::read_to_string("/etc/group")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(':').next() == Some(name))
+}
