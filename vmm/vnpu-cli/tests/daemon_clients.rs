@@ -14,6 +14,18 @@ mod common;
 
 use common::{control_line, daemon_log, daemon_said, terminate, wait_for, Daemon};
 
+/// Starts `cmd` (a `vnpu daemon` command line, maybe behind a wrapper) on
+/// `state` and `sockets`, logging to the state directory; returns it and
+/// its control socket once that answers.
+fn start(mut cmd: Command, state: &std::path::Path, sockets: &std::path::Path) -> (Daemon, PathBuf) {
+    cmd.arg("--state-dir").arg(state).arg("--socket-dir").arg(sockets);
+    let child = cmd.stdout(Stdio::null()).stderr(daemon_log(state)).spawn().unwrap();
+    let d = Daemon(Some(child));
+    let ctl = sockets.join("control.sock");
+    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    (d, ctl)
+}
+
 /// Descriptors exhausted by idle control connections (the daemon runs
 /// with 48 open files): its accept loop waits the exhaustion out, and once
 /// the connections close the daemon answers again. It used to stop
@@ -25,21 +37,9 @@ fn the_control_socket_outlives_descriptor_exhaustion() {
     let _ = std::fs::remove_dir_all(&root);
     let (state, sockets) = (root.join("state"), root.join("sockets"));
     std::fs::create_dir_all(&state).unwrap();
-    let child = Command::new("prlimit")
-        .arg("--nofile=48:48")
-        .arg("--")
-        .arg(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["daemon", "--state-dir"])
-        .arg(&state)
-        .arg("--socket-dir")
-        .arg(&sockets)
-        .stdout(Stdio::null())
-        .stderr(daemon_log(&state))
-        .spawn()
-        .unwrap();
-    let d = Daemon(Some(child));
-    let ctl = sockets.join("control.sock");
-    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    let mut cmd = Command::new("prlimit");
+    cmd.args(["--nofile=48:48", "--"]).arg(env!("CARGO_BIN_EXE_vnpu")).arg("daemon");
+    let (d, ctl) = start(cmd, &state, &sockets);
     // More idle connections than the daemon has descriptors for.
     let held: Vec<_> = (0..80).filter_map(|_| std::os::unix::net::UnixStream::connect(&ctl).ok()).collect();
     assert!(held.len() > 40, "only {} connections queued", held.len());
@@ -81,18 +81,9 @@ fn idle_control_connections_give_their_slots_up() {
     let root: PathBuf = std::env::temp_dir().join(format!("vnpu-idle-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let (state, sockets) = (root.join("state"), root.join("sockets"));
-    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["daemon", "--control-idle-ms", "300", "--state-dir"])
-        .arg(&state)
-        .arg("--socket-dir")
-        .arg(&sockets)
-        .stdout(Stdio::null())
-        .stderr(daemon_log(&state))
-        .spawn()
-        .unwrap();
-    let d = Daemon(Some(child));
-    let ctl = sockets.join("control.sock");
-    wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+    cmd.args(["daemon", "--control-idle-ms", "300"]);
+    let (d, ctl) = start(cmd, &state, &sockets);
     std::thread::sleep(Duration::from_millis(400));
     let held: Vec<_> = (0..32).map(|_| std::os::unix::net::UnixStream::connect(&ctl).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(100));
@@ -158,13 +149,11 @@ fn the_control_socket_serves_root_the_daemons_user_and_its_group_only() {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o777)).unwrap();
         }
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
-        cmd.args(["daemon", "--state-dir"]).arg(&state).arg("--socket-dir").arg(&sockets);
+        cmd.arg("daemon");
         if let Some(g) = group {
             cmd.args(["--control-group", g]);
         }
-        let d = Daemon(Some(cmd.stdout(Stdio::null()).stderr(daemon_log(&state)).spawn().unwrap()));
-        let ctl = sockets.join("control.sock");
-        wait_for("the control socket", || std::os::unix::net::UnixStream::connect(&ctl).is_ok());
+        let (d, ctl) = start(cmd, &state, &sockets);
         std::fs::set_permissions(&ctl, std::fs::Permissions::from_mode(0o777)).unwrap();
         let out = Command::new(env!("CARGO_BIN_EXE_vnpu"))
             .args(["list", "--json", "--state-dir"])
