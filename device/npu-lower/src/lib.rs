@@ -1041,6 +1041,29 @@ impl Lowerer {
         move |v: View, r0: u32| Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
     }
 
+    /// The HBM address of element `e` of f32 tensor `t`, as a closure that
+    /// owns its copy of the placement (so it can live inside a tile closure).
+    fn elem_addr(&self) -> impl Fn(TensorId, u64) -> Addr + Clone {
+        let hbm = self.hbm.clone();
+        move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F)
+    }
+
+    /// A copy of `r` rows of `cols` f32 elements from SRAM at `sram` into
+    /// view `v` from its row `r0`.
+    fn rows_store(&self) -> impl Fn(View, u32, u32, u32, u64) -> Instr + Clone {
+        let row_at = self.row_addr();
+        move |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
+            copy(
+                Addr::sram(sram),
+                row_at(v, r0),
+                r.into(),
+                u64::from(cols) * F,
+                u64::from(cols) * F,
+                u64::from(v.ld) * F,
+            )
+        }
+    }
+
     /// A VU pipeline over whole rows of `cols` elements: each tile of `r`
     /// rows loads the rows of every view of `ins` into consecutive slots of
     /// `r` rows from `base` (`scratch` more slots after them), runs
@@ -1459,8 +1482,7 @@ impl Lowerer {
         cols: u32,
         eps: f32,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let at = self.elem_addr();
         let row = u64::from(cols) * F;
         let preload = vec![
             copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0),
@@ -1489,8 +1511,7 @@ impl Lowerer {
         hw: u32,
         c: u32,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let at = self.elem_addr();
         // Units are (image, pixel-row) pairs flattened; a tile never
         // crosses an image so one scale vector serves it.
         let row = u64::from(c) * F;
@@ -1555,8 +1576,7 @@ impl Lowerer {
         heads: u32,
         dh: u32,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let at = self.elem_addr();
         let hid = heads * dh;
         let (sd, ss) = (u64::from(seq) * u64::from(dh) * F, u64::from(seq) * u64::from(seq) * F);
         let bytes = 4 * sd + ss;
@@ -1637,19 +1657,8 @@ impl Lowerer {
         dim: u32,
         pool: u32,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
-        let row_at = self.row_addr();
-        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
-            copy(
-                Addr::sram(sram),
-                row_at(v, r0),
-                r.into(),
-                u64::from(cols) * F,
-                u64::from(cols) * F,
-                u64::from(v.ld) * F,
-            )
-        };
+        let at = self.elem_addr();
+        let rows_to = self.rows_store();
         let row = u64::from(dim) * F;
         let per = u64::from(pool) * (4 + row) + row;
         let table_addr = at(table, 0);
@@ -1707,19 +1716,8 @@ impl Lowerer {
         f: u32,
         d: u32,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
-        let row_at = self.row_addr();
-        let rows_to = |v: View, r0: u32, r: u32, cols: u32, sram: u64| {
-            copy(
-                Addr::sram(sram),
-                row_at(v, r0),
-                r.into(),
-                u64::from(cols) * F,
-                u64::from(cols) * F,
-                u64::from(v.ld) * F,
-            )
-        };
+        let at = self.elem_addr();
+        let rows_to = self.rows_store();
         let zrow = u64::from(f) * u64::from(d) * F;
         let orow = u64::from(f) * u64::from(f) * F;
         self.vu_tiles(
@@ -1789,8 +1787,7 @@ impl Lowerer {
         offs: &[[u64; 3]],
         act: Act,
     ) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let at = self.elem_addr();
         let (ab, bb) = (u64::from(k) * F, u64::from(n) * F);
         let wb = u64::from(k) * bb;
         let tmp = if act.needs_scratch() { bb } else { 0 };
@@ -1876,8 +1873,7 @@ impl Lowerer {
 
     /// Lowers one `Copy` operation.
     fn copy_op(&mut self, x: View, y: View, rows: u32, cols: u32) -> Result<(), LowerError> {
-        let hbm = self.hbm.clone();
-        let at = move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+        let at = self.elem_addr();
         let src = at(x.t, u64::from(x.col));
         let dst = at(y.t, u64::from(y.col));
         // The previous operation's deferred stores first when the
