@@ -58,6 +58,15 @@ impl View {
     }
 }
 
+/// A residual add fused into the convolution that produces one of its
+/// operands: `y = act(conv_act(conv + bias) + r)`, `r` having the
+/// convolution's output shape (see `npu_lower::fuse_residual_adds`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Residual {
+    pub r: TensorId,
+    pub act: Act,
+}
+
 /// Activation applied on the VU after an operation.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Act {
@@ -157,7 +166,8 @@ impl Spatial {
 pub enum Op {
     /// SA: `y = act(x * w + b)` over `rows` rows.
     Linear { name: String, x: View, w: TensorId, b: TensorId, y: View, rows: u32, k: u32, n: u32, act: Act },
-    /// SA: NHWC convolution (`batch` images), HWIO weights, bias, activation.
+    /// SA: NHWC convolution (`batch` images), HWIO weights, bias, activation,
+    /// and optionally a residual added after the activation.
     Conv {
         name: String,
         x: TensorId,
@@ -169,6 +179,7 @@ pub enum Op {
         cin: u32,
         cout: u32,
         act: Act,
+        residual: Option<Residual>,
     },
     /// VU: depthwise convolution with bias and activation.
     Depthwise {
@@ -312,7 +323,10 @@ impl Op {
     pub fn tensors(&self) -> Vec<TensorId> {
         match *self {
             Op::Linear { x, w, b, y, .. } => vec![x.t, w, b, y.t],
-            Op::Conv { x, w, b, y, .. } | Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
+            Op::Conv { x, w, b, y, residual, .. } => {
+                [Some(x), Some(w), Some(b), residual.map(|r| r.r), Some(y)].into_iter().flatten().collect()
+            }
+            Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
             Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => vec![x, y],
             Op::Add { a, b, y, .. } | Op::Mul { a, b, y, .. } => vec![a.t, b.t, y.t],
             Op::AddNorm { a, b, gamma, beta, y, .. } => {
@@ -481,7 +495,19 @@ impl Graph {
             self.tensor(format!("{name}.w"), u64::from(fan_in) * u64::from(cout), Init::Weights { fan_in });
         let b = self.tensor(format!("{name}.b"), cout.into(), Init::Bias);
         let y = self.act(name, u64::from(self.batch) * u64::from(ho * wo) * u64::from(cout));
-        self.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch: self.batch, s, cin, cout, act });
+        self.ops.push(Op::Conv {
+            name: name.into(),
+            x,
+            w: wt,
+            b,
+            y,
+            batch: self.batch,
+            s,
+            cin,
+            cout,
+            act,
+            residual: None,
+        });
         (y, ho, wo)
     }
 

@@ -55,6 +55,14 @@ pub fn run(graph: &Graph, tensors: &mut [Vec<f32>]) {
 /// `dtype` before they are multiplied (what a program lowered by
 /// [`crate::lower_as`] computes); accumulation stays f64.
 pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
+    run_stored(graph, tensors, dtype, &[])
+}
+
+/// [`run_as`] for a program that stores tensor `t` as `stored[t]` (f32
+/// where `stored` is shorter): every tensor stored as bf16 is rounded to
+/// bf16 (nearest even) after each operation that touches it, as a program
+/// whose activations are bf16 in HBM rounds what it writes.
+pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored: &[DType]) {
     let q = |x: f32| operand(dtype, x);
     for op in &graph.ops {
         match *op {
@@ -69,7 +77,7 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
                     }
                 }
             }
-            Op::Conv { x, w, b, y, batch, s, cin, cout, act: a, .. } => {
+            Op::Conv { x, w, b, y, batch, s, cin, cout, act: a, residual, .. } => {
                 let (ho, wo) = s.out();
                 let (kh, kw) = (i64::from(s.kh), i64::from(s.kw));
                 for img in 0..i64::from(batch) {
@@ -96,7 +104,11 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
                                 }
                                 let yi =
                                     ((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(cout) + co;
-                                tensors[y][yi as usize] = act(a, acc) as f32;
+                                let mut v = act(a, acc) as f32;
+                                if let Some(res) = residual {
+                                    v = act(res.act, f64::from(v + tensors[res.r][yi as usize])) as f32;
+                                }
+                                tensors[y][yi as usize] = v;
                             }
                         }
                     }
@@ -318,6 +330,12 @@ pub fn run_as(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType) {
                         set(tensors, y, r, c, v);
                     }
                 }
+            }
+        }
+        // What the program stores as bf16 (`stored`) is rounded when written.
+        for t in op.tensors() {
+            if stored.get(t) == Some(&DType::Bf16) {
+                tensors[t].iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
             }
         }
     }

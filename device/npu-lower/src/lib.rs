@@ -21,7 +21,7 @@ use vnpu_abi::{
     Space, UnOp,
 };
 
-use npu_graph::{Act, Graph, Init, Op, PoolOp, Spatial, TensorId, View, NMS_STEP};
+use npu_graph::{Act, Graph, Init, Op, PoolOp, Residual, Spatial, TensorId, View, NMS_STEP};
 
 /// The vNPU core a program is lowered for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -141,6 +141,21 @@ struct Lane {
     store: Vec<Instr>,
 }
 
+/// Per lane of a tile: the semaphore its last engine signals the DMA
+/// engine on, and the lane's store.
+type Posts = Vec<(u8, Vec<Instr>)>;
+
+/// A tile whose lanes [`Lowerer::pipeline`] emits after the next tile's
+/// prep: its index, slot, lane count, the engine that started it, and
+/// each lane with its start semaphore.
+struct Held {
+    tile: usize,
+    slot: u32,
+    n_lanes: usize,
+    start: Engine,
+    lanes: Vec<(Lane, Option<u8>)>,
+}
+
 impl Tile {
     fn single(load: Vec<Instr>, stages: Vec<Stage>, store: Vec<Instr>) -> Self {
         Tile { load, prep: vec![], lanes: vec![Lane { stages, store }] }
@@ -174,6 +189,15 @@ impl Layout {
 
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1
+}
+
+/// Which convolution [`Lowerer::conv`] lowers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Conv {
+    /// On the SA, with its fused residual add if any.
+    Sa(Option<Residual>),
+    /// Depthwise, on the VU.
+    Depthwise,
 }
 
 /// A column block of a weight chunk: first column (within the chunk) and width.
@@ -283,6 +307,32 @@ fn to_sa_type(dtype: DType, ranges: &[(u64, u64)]) -> Vec<Instr> {
         .iter()
         .map(|&(at, len)| Instr::VConvert { from: DType::F32, to: dtype, src: at, dst: at, len: len as u32 })
         .collect()
+}
+
+/// The VU instruction rounding the `len` f32 values at `at` to bf16 in
+/// place before they are stored to a tensor of `esize` bytes per element
+/// (none for an f32 tensor): the bf16 values take the first half.
+fn narrow(esize: u64, at: u64, len: u64) -> Option<Instr> {
+    (esize == 2).then_some(Instr::VConvert {
+        from: DType::F32,
+        to: DType::Bf16,
+        src: at,
+        dst: at,
+        len: len as u32,
+    })
+}
+
+/// Where a tile's `len` elements of a tensor of `esize` bytes per element
+/// are loaded so that they end up as f32 at `at`, and the VU instruction
+/// that widens them there (none for an f32 tensor): bf16 values are loaded
+/// into the second half of the f32 range and widened in place.
+fn widen(esize: u64, at: u64, len: u64) -> (u64, Option<Instr>) {
+    if esize == 2 {
+        let src = at + len * 2;
+        (src, Some(Instr::VConvert { from: DType::Bf16, to: DType::F32, src, dst: at, len: len as u32 }))
+    } else {
+        (at, None)
+    }
 }
 
 /// Whether two strided byte sets `(start, rows, len, stride)` (rows of
@@ -397,12 +447,18 @@ impl Lowerer {
             self.b.push(Engine::DMA, i);
         }
         self.flush();
-        let mut pending: VecDeque<Vec<(u8, Vec<Instr>)>> = VecDeque::new();
+        // Stores not yet emitted, with their tile's index.
+        let mut pending: VecDeque<(usize, Posts)> = VecDeque::new();
+        // The lanes of the last tile, held back while the next tile's prep
+        // is emitted (see below).
+        let mut held: Option<Held> = None;
         for t in 0..n {
             let slot = (t as u32) % slots;
             let tl = tile(t, slot);
-            if pending.len() as u32 == slots {
-                if let Some(lanes) = pending.pop_front() {
+            // Slot `slot` is free once the tile `slots` before this one is
+            // stored.
+            while pending.front().is_some_and(|(i, _)| i + slots as usize <= t) {
+                if let Some((_, lanes)) = pending.pop_front() {
                     self.drain(lanes);
                 }
             }
@@ -412,7 +468,8 @@ impl Lowerer {
             let wide = tl.lanes.len() > 1;
             let n_lanes = tl.lanes.len() as u32;
             let mut start = Engine::DMA;
-            if !tl.prep.is_empty() {
+            let has_prep = !tl.prep.is_empty();
+            if has_prep {
                 let e = if wide { slot * n_lanes } else { slot };
                 start = Engine::vu((e % self.shape.vu) as u8);
                 let sem = self.chan(Engine::DMA, start)?;
@@ -422,61 +479,111 @@ impl Lowerer {
                     self.b.push(start, i);
                 }
             }
-            let (sas, vus) = (self.shape.sa, self.shape.vu);
-            let lane_engine = move |lane: usize, st: &Stage| {
-                let e = if wide { slot * n_lanes + lane as u32 } else { slot };
-                match st {
-                    Stage::Sa(_) => Engine::sa((e % sas) as u8),
-                    Stage::Vu(_) => Engine::vu((e % vus) as u8),
-                }
-            };
-            // When a VU prepared the tile, it signals every lane's first
-            // engine at once, before any lane's later stages: that VU may
-            // also post-process lane 0, and a lane's start signal queued
-            // behind that (which waits for lane 0's SA) would run the
-            // lanes' SAs one after the other instead of side by side.
-            let mut started: Vec<Option<u8>> = vec![None; tl.lanes.len()];
-            if start != Engine::DMA {
-                for (lane, l) in tl.lanes.iter().enumerate() {
-                    let Some(first) = l.stages.first().map(|st| lane_engine(lane, st)) else { continue };
-                    if first != start {
-                        let sem = self.chan(start, first)?;
-                        self.b.push(start, Instr::Signal { sem });
-                        started[lane] = Some(sem);
-                    }
-                }
+            // A VU stream is in order: if it post-processed tile `t - 1`
+            // before preparing tile `t`, tile `t`'s SAs would wait for tile
+            // `t - 1`'s SAs to finish, and the SAs would run one after the
+            // other. So the last tile's lanes (its post-processing) go after
+            // this tile's prep. A slot is reused only after its tile is
+            // stored, so this needs two slots.
+            let lanes = self.start_lanes(slot, start, tl.lanes)?;
+            if let Some(h) = held.take() {
+                let posts = self.lanes(h.slot, h.n_lanes, h.start, h.lanes)?;
+                pending.push_back((h.tile, posts));
             }
-            let mut posts = Vec::with_capacity(tl.lanes.len());
-            for (lane, l) in tl.lanes.into_iter().enumerate() {
-                let mut prev = start;
-                for st in l.stages {
-                    let engine = lane_engine(lane, &st);
-                    let code = match st {
-                        Stage::Sa(c) | Stage::Vu(c) => c,
-                    };
-                    // One engine's stream is in order: no token needed.
-                    if let (Some(sem), true) = (started[lane].take(), prev == start) {
-                        self.b.push(engine, Instr::Wait { sem });
-                    } else if engine != prev {
-                        let sem = self.chan(prev, engine)?;
-                        self.b.push(prev, Instr::Signal { sem });
-                        self.b.push(engine, Instr::Wait { sem });
-                    }
-                    for i in code {
-                        self.b.push(engine, i);
-                    }
-                    prev = engine;
-                }
-                // Without a compute stage the DMA stream orders itself.
-                let post = self.chan(prev, Engine::DMA)?;
-                self.b.push(prev, Instr::Signal { sem: post });
-                posts.push((post, l.store));
+            if has_prep && slots >= 2 {
+                held = Some(Held { tile: t, slot, n_lanes: n_lanes as usize, start, lanes });
+            } else {
+                let posts = self.lanes(slot, n_lanes as usize, start, lanes)?;
+                pending.push_back((t, posts));
             }
-            pending.push_back(posts);
         }
+        if let Some(h) = held.take() {
+            let posts = self.lanes(h.slot, h.n_lanes, h.start, h.lanes)?;
+            pending.push_back((h.tile, posts));
+        }
+        let pending: VecDeque<_> = pending.into_iter().map(|(_, lanes)| lanes).collect();
         self.deferred = pending;
         self.live = layout.live().to_vec();
         Ok(())
+    }
+
+    /// The engine that runs stage `st` of lane `lane` of a tile of
+    /// `n_lanes` lanes in slot `slot` (see [`Tile`]).
+    fn lane_engine(&self, slot: u32, n_lanes: usize, lane: usize, st: &Stage) -> Engine {
+        let e = if n_lanes > 1 { slot * n_lanes as u32 + lane as u32 } else { slot };
+        match st {
+            Stage::Sa(_) => Engine::sa((e % self.shape.sa) as u8),
+            Stage::Vu(_) => Engine::vu((e % self.shape.vu) as u8),
+        }
+    }
+
+    /// When a VU prepared the tile (`start` is not the DMA engine), it
+    /// signals every lane's first engine at once, before any lane's later
+    /// stages: that VU may also post-process lane 0, and a lane's start
+    /// signal queued behind that (which waits for lane 0's SA) would run
+    /// the lanes' SAs one after the other instead of side by side. Returns
+    /// each lane with the semaphore its first engine waits on, if any.
+    fn start_lanes(
+        &mut self,
+        slot: u32,
+        start: Engine,
+        lanes: Vec<Lane>,
+    ) -> Result<Vec<(Lane, Option<u8>)>, LowerError> {
+        let n_lanes = lanes.len();
+        let mut out = Vec::with_capacity(n_lanes);
+        for (lane, l) in lanes.into_iter().enumerate() {
+            let mut started = None;
+            if start != Engine::DMA {
+                if let Some(first) = l.stages.first().map(|st| self.lane_engine(slot, n_lanes, lane, st)) {
+                    if first != start {
+                        let sem = self.chan(start, first)?;
+                        self.b.push(start, Instr::Signal { sem });
+                        started = Some(sem);
+                    }
+                }
+            }
+            out.push((l, started));
+        }
+        Ok(out)
+    }
+
+    /// Emits each lane's chain of stages of a tile in slot `slot` whose
+    /// first stages `start` starts; returns, per lane, the semaphore its
+    /// last engine signals the DMA engine on and the lane's store.
+    fn lanes(
+        &mut self,
+        slot: u32,
+        n_lanes: usize,
+        start: Engine,
+        lanes: Vec<(Lane, Option<u8>)>,
+    ) -> Result<Posts, LowerError> {
+        let mut posts = Vec::with_capacity(lanes.len());
+        for (lane, (l, mut started)) in lanes.into_iter().enumerate() {
+            let mut prev = start;
+            for st in l.stages {
+                let engine = self.lane_engine(slot, n_lanes, lane, &st);
+                let code = match st {
+                    Stage::Sa(c) | Stage::Vu(c) => c,
+                };
+                // One engine's stream is in order: no token needed.
+                if let (Some(sem), true) = (started.take(), prev == start) {
+                    self.b.push(engine, Instr::Wait { sem });
+                } else if engine != prev {
+                    let sem = self.chan(prev, engine)?;
+                    self.b.push(prev, Instr::Signal { sem });
+                    self.b.push(engine, Instr::Wait { sem });
+                }
+                for i in code {
+                    self.b.push(engine, i);
+                }
+                prev = engine;
+            }
+            // Without a compute stage the DMA stream orders itself.
+            let post = self.chan(prev, Engine::DMA)?;
+            self.b.push(prev, Instr::Signal { sem: post });
+            posts.push((post, l.store));
+        }
+        Ok(posts)
     }
 
     /// Whether a deferred store writes HBM bytes of the `rows` rows of
@@ -672,10 +779,11 @@ impl Lowerer {
             let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
             let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
             preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
-            let hbm = self.hbm.clone();
-            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let at = self.elem_addr();
             let dtype = self.dtype;
-            let prep = |inb: u64, len: u64| to_sa_type(dtype, &[(inb, len)]);
+            let (xe, ye) = (self.esize[x.t], self.esize[y.t]);
+            // A bf16 input is the SA's operand as loaded.
+            let prep = |inb: u64, len: u64| if xe == 2 { vec![] } else { to_sa_type(dtype, &[(inb, len)]) };
             self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let m0 = t as u32 * rt;
                 let r = rt.min(rows - m0);
@@ -687,6 +795,15 @@ impl Lowerer {
                     .map(|bl| {
                         // Block `bl` of the output: `r x cols`, contiguous.
                         let off = u64::from(r) * u64::from(bl.c0) * F;
+                        let mut post = bias_act(
+                            outb + off,
+                            Some(b_s + u64::from(bl.c0) * F),
+                            r,
+                            bl.cols,
+                            act,
+                            tmpb + off,
+                        );
+                        post.extend(narrow(ye, outb + off, u64::from(r) * u64::from(bl.cols)));
                         Lane {
                             stages: vec![
                                 Stage::Sa(vec![Instr::MatMul {
@@ -702,22 +819,15 @@ impl Lowerer {
                                     ldb: bl.cols,
                                     ldc: bl.cols,
                                 }]),
-                                Stage::Vu(bias_act(
-                                    outb + off,
-                                    Some(b_s + u64::from(bl.c0) * F),
-                                    r,
-                                    bl.cols,
-                                    act,
-                                    tmpb + off,
-                                )),
+                                Stage::Vu(post),
                             ],
                             store: vec![copy(
                                 Addr::sram(outb + off),
                                 at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0 + bl.c0)),
                                 r.into(),
-                                u64::from(bl.cols) * F,
-                                u64::from(bl.cols) * F,
-                                u64::from(y.ld) * F,
+                                u64::from(bl.cols) * ye,
+                                u64::from(bl.cols) * ye,
+                                u64::from(y.ld) * ye,
                             )],
                         }
                     })
@@ -727,9 +837,9 @@ impl Lowerer {
                         at(x.t, u64::from(m0) * u64::from(x.ld) + u64::from(x.col)),
                         Addr::sram(inb),
                         r.into(),
-                        u64::from(k) * F,
-                        u64::from(x.ld) * F,
-                        u64::from(k) * F,
+                        u64::from(k) * xe,
+                        u64::from(x.ld) * xe,
+                        u64::from(k) * xe,
                     )],
                     prep: prep(inb, u64::from(r) * u64::from(k)),
                     lanes,
@@ -750,7 +860,8 @@ impl Lowerer {
         ((lo) as u32, (hi - lo).max(0) as u32, (-start).max(0) as u16, (end - h).max(0) as u16)
     }
 
-    /// Convolution (on the SA) or depthwise convolution (on the VU).
+    /// Convolution (on the SA, with its fused residual add if any) or
+    /// depthwise convolution (on the VU).
     fn conv(
         &mut self,
         name: &str,
@@ -763,8 +874,13 @@ impl Lowerer {
         cin: u32,
         cout: u32,
         act: Act,
-        depthwise: bool,
+        kind: Conv,
     ) -> Result<(), LowerError> {
+        let depthwise = kind == Conv::Depthwise;
+        let residual = match kind {
+            Conv::Sa(r) => r,
+            Conv::Depthwise => None,
+        };
         let (ho, wo) = s.out();
         let kk = u64::from(s.kh) * u64::from(s.kw);
         let krows = if depthwise { kk } else { kk * u64::from(cin) };
@@ -778,12 +894,14 @@ impl Lowerer {
             // end mid-word).
             let wbytes = wbytes.next_multiple_of(4);
             let fixed = (wbytes + u64::from(nt) * F).next_multiple_of(64);
-            let tmp = u64::from(act.needs_scratch());
+            let tmp = u64::from(act.needs_scratch() || residual.is_some_and(|r| r.act.needs_scratch()));
+            // The residual's tile beside the output's.
+            let res = u64::from(residual.is_some());
             let bytes = |r: u32| {
                 let (_, bh, _, _) = Self::band(&s, 0, r.min(ho));
                 let in_rows = u64::from(bh.max(((r - 1) * u32::from(s.sh) + u32::from(s.kh)).min(s.h)));
                 in_rows * u64::from(s.w) * u64::from(cin) * F
-                    + (1 + tmp) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
+                    + (1 + tmp + res) * u64::from(r) * u64::from(wo) * u64::from(nt) * F
             };
             let (slots, rt, blocks) = if depthwise {
                 let (slots, rt) = self.plan(name, fixed, self.shape.vu, ho * batch, bytes)?;
@@ -799,10 +917,18 @@ impl Lowerer {
             let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
             let mut preload = self.load_weights(w, krows, cout, n0, &blocks, w_s);
             preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
-            let hbm = self.hbm.clone();
-            let at = |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F);
+            let at = self.elem_addr();
+            let esize = self.esize.clone();
             let dtype = self.dtype;
-            let prep = |inb: u64, len: u64| if depthwise { vec![] } else { to_sa_type(dtype, &[(inb, len)]) };
+            let (xe, ye) = (self.esize[x], self.esize[y]);
+            // A bf16 input is the SA's operand as loaded.
+            let prep = |inb: u64, len: u64| {
+                if depthwise || xe == 2 {
+                    vec![]
+                } else {
+                    to_sa_type(dtype, &[(inb, len)])
+                }
+            };
             self.pipeline(layout, preload, slots, tiles, |t, slot| {
                 let img = t as u32 / bands;
                 let oy0 = (t as u32 % bands) * rt;
@@ -814,6 +940,8 @@ impl Lowerer {
                 let outb = base + in_elems * F;
                 let out_rows = r * wo;
                 let tmpb = outb + u64::from(out_rows) * u64::from(nt) * F;
+                let resb = tmpb + tmp * u64::from(out_rows) * u64::from(nt) * F;
+                let mut res_load = Vec::new();
                 let src_e =
                     (u64::from(img) * u64::from(s.h) + u64::from(lo)) * u64::from(s.w) * u64::from(cin);
                 let dst_e =
@@ -840,7 +968,7 @@ impl Lowerer {
                             pad_right: s.pad[3],
                         };
                         let (wb, ob) = (w_s + krows * u64::from(bl.c0) * we, outb + off);
-                        let post = bias_act(
+                        let mut post = bias_act(
                             ob,
                             Some(b_s + u64::from(bl.c0) * F),
                             out_rows,
@@ -848,6 +976,32 @@ impl Lowerer {
                             act,
                             tmpb + off,
                         );
+                        if let Some(rs) = residual {
+                            // The residual's block, laid out as the output's.
+                            let len = u64::from(out_rows) * u64::from(bl.cols);
+                            let re = esize[rs.r];
+                            let (at_r, wide) = widen(re, resb + off, len);
+                            res_load.push(copy(
+                                at(rs.r, dst_e + u64::from(bl.c0)),
+                                Addr::sram(at_r),
+                                out_rows.into(),
+                                u64::from(bl.cols) * re,
+                                u64::from(cout) * re,
+                                u64::from(bl.cols) * re,
+                            ));
+                            post.extend(wide);
+                            post.push(Instr::VBinary {
+                                op: BinOp::Add,
+                                bcast: Bcast::None,
+                                a: ob,
+                                b: resb + off,
+                                dst: ob,
+                                rows: out_rows,
+                                cols: bl.cols,
+                            });
+                            post.extend(bias_act(ob, None, out_rows, bl.cols, rs.act, tmpb + off));
+                        }
+                        post.extend(narrow(ye, ob, u64::from(out_rows) * u64::from(bl.cols)));
                         let stages = if depthwise {
                             let mut v = vec![Instr::VDepthwise { src: inb, weights: wb, dst: ob, geom }];
                             v.extend(post);
@@ -871,15 +1025,17 @@ impl Lowerer {
                                 Addr::sram(ob),
                                 at(y, dst_e + u64::from(bl.c0)),
                                 out_rows.into(),
-                                u64::from(bl.cols) * F,
-                                u64::from(bl.cols) * F,
-                                u64::from(cout) * F,
+                                u64::from(bl.cols) * ye,
+                                u64::from(bl.cols) * ye,
+                                u64::from(cout) * ye,
                             )],
                         }
                     })
                     .collect();
                 Tile {
-                    load: vec![copy(at(x, src_e), Addr::sram(inb), 1, in_elems * F, 0, 0)],
+                    load: std::iter::once(copy(at(x, src_e), Addr::sram(inb), 1, in_elems * xe, 0, 0))
+                        .chain(res_load)
+                        .collect(),
                     prep: prep(inb, in_elems),
                     lanes,
                 }
@@ -941,7 +1097,8 @@ impl Lowerer {
         out: u64,
         compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
     ) -> Result<(), LowerError> {
-        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        let at = self.elem_addr();
+        let (xe, ye) = (self.esize[x], self.esize[y]);
         self.vu_tiles(
             name,
             vec![],
@@ -951,10 +1108,14 @@ impl Lowerer {
             |u0, r, base| {
                 let outb = base + u64::from(r) * inn * F;
                 let (img, n) = (u64::from(u0), u64::from(r));
+                let (inb, wide) = widen(xe, base, n * inn);
+                let mut code: Vec<Instr> = wide.into_iter().collect();
+                code.extend(compute(r, base, outb));
+                code.extend(narrow(ye, outb, n * out));
                 (
-                    vec![copy(Addr::hbm(xa + img * inn * F), Addr::sram(base), 1, n * inn * F, 0, 0)],
-                    compute(r, base, outb),
-                    vec![copy(Addr::sram(outb), Addr::hbm(ya + img * out * F), 1, n * out * F, 0, 0)],
+                    vec![copy(at(x, img * inn), Addr::sram(inb), 1, n * inn * xe, 0, 0)],
+                    code,
+                    vec![copy(Addr::sram(outb), at(y, img * out), 1, n * out * ye, 0, 0)],
                 )
             },
         )
@@ -977,10 +1138,11 @@ impl Lowerer {
         compute: impl Fn(u32, u64, u64) -> Vec<Instr>,
     ) -> Result<(), LowerError> {
         let (ho, wo) = s.out();
-        let (xa, ya) = (self.hbm[x], self.hbm[y]);
+        let at = self.elem_addr();
+        let (xe, ye) = (self.esize[x], self.esize[y]);
         let (hw, ohw) = (u64::from(s.h) * u64::from(s.w), u64::from(ho) * u64::from(wo));
-        let cb = u64::from(c) * F;
         for img in 0..u64::from(batch) {
+            let at = at.clone();
             self.vu_tiles(
                 name,
                 vec![],
@@ -988,25 +1150,29 @@ impl Lowerer {
                 c,
                 |r| u64::from(r) * (hw + ohw) * F,
                 |c0, r, base| {
-                    let (c0, rb) = (u64::from(c0), u64::from(r) * F);
-                    let outb = base + hw * rb;
+                    let (c0, r64) = (u64::from(c0), u64::from(r));
+                    let outb = base + hw * r64 * F;
+                    let (inb, wide) = widen(xe, base, hw * r64);
+                    let mut code: Vec<Instr> = wide.into_iter().collect();
+                    code.extend(compute(r, base, outb));
+                    code.extend(narrow(ye, outb, ohw * r64));
                     (
                         vec![copy(
-                            Addr::hbm(xa + (img * hw * u64::from(c) + c0) * F),
-                            Addr::sram(base),
+                            at(x, img * hw * u64::from(c) + c0),
+                            Addr::sram(inb),
                             hw,
-                            rb,
-                            cb,
-                            rb,
+                            r64 * xe,
+                            u64::from(c) * xe,
+                            r64 * xe,
                         )],
-                        compute(r, base, outb),
+                        code,
                         vec![copy(
                             Addr::sram(outb),
-                            Addr::hbm(ya + (img * ohw * u64::from(c) + c0) * F),
+                            at(y, img * ohw * u64::from(c) + c0),
                             ohw,
-                            rb,
-                            rb,
-                            cb,
+                            r64 * ye,
+                            r64 * ye,
+                            u64::from(c) * ye,
                         )],
                     )
                 },
@@ -1037,15 +1203,15 @@ impl Lowerer {
 
     /// The HBM address of row `r0` of a view.
     fn row_addr(&self) -> impl Fn(View, u32) -> Addr + Clone {
-        let hbm = self.hbm.clone();
-        move |v: View, r0: u32| Addr::hbm(hbm[v.t] + (u64::from(r0) * u64::from(v.ld) + u64::from(v.col)) * F)
+        let at = self.elem_addr();
+        move |v: View, r0: u32| at(v.t, u64::from(r0) * u64::from(v.ld) + u64::from(v.col))
     }
 
-    /// The HBM address of element `e` of f32 tensor `t`, as a closure that
+    /// The HBM address of element `e` of tensor `t`, as a closure that
     /// owns its copy of the placement (so it can live inside a tile closure).
     fn elem_addr(&self) -> impl Fn(TensorId, u64) -> Addr + Clone {
-        let hbm = self.hbm.clone();
-        move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * F)
+        let (hbm, esize) = (self.hbm.clone(), self.esize.clone());
+        move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * esize[t])
     }
 
     /// A copy of `r` rows of `cols` f32 elements from SRAM at `sram` into
@@ -1082,6 +1248,7 @@ impl Lowerer {
     ) -> Result<(), LowerError> {
         let row = u64::from(cols) * F;
         let at = self.row_addr();
+        let esize = self.esize.clone();
         let slots = ins.len() as u64 + scratch;
         self.vu_tiles(
             name,
@@ -1091,16 +1258,23 @@ impl Lowerer {
             |r| u64::from(r) * row * slots,
             |u0, r, base| {
                 let slot = |i: u64| base + i * u64::from(r) * row;
-                let load = (0u64..)
-                    .zip(ins)
-                    .map(|(i, v)| {
-                        copy(at(*v, u0), Addr::sram(slot(i)), r.into(), row, u64::from(v.ld) * F, row)
-                    })
-                    .collect();
+                let len = u64::from(r) * u64::from(cols);
+                let mut load = Vec::with_capacity(ins.len());
+                let mut code = Vec::new();
+                for (i, v) in (0u64..).zip(ins) {
+                    let e = esize[v.t];
+                    let (dst, wide) = widen(e, slot(i), len);
+                    let bytes = u64::from(cols) * e;
+                    load.push(copy(at(*v, u0), Addr::sram(dst), r.into(), bytes, u64::from(v.ld) * e, bytes));
+                    code.extend(wide);
+                }
+                code.extend(compute(base, r));
+                code.extend(narrow(esize[y.t], base, len));
+                let out = u64::from(cols) * esize[y.t];
                 (
                     load,
-                    compute(base, r),
-                    vec![copy(Addr::sram(base), at(y, u0), r.into(), row, row, u64::from(y.ld) * F)],
+                    code,
+                    vec![copy(Addr::sram(base), at(y, u0), r.into(), out, out, u64::from(y.ld) * esize[y.t])],
                 )
             },
         )
@@ -1375,11 +1549,11 @@ impl Lowerer {
                     reason: "pooling takes one stride and the same padding on every side",
                 });
             }
-            Op::Conv { ref name, x, w, b, y, batch, s, cin, cout, act } => {
-                self.conv(name, x, w, b, y, batch, s, cin, cout, act, false)?
+            Op::Conv { ref name, x, w, b, y, batch, s, cin, cout, act, residual } => {
+                self.conv(name, x, w, b, y, batch, s, cin, cout, act, Conv::Sa(residual))?
             }
             Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
-                self.conv(name, x, w, b, y, batch, s, c, c, act, true)?
+                self.conv(name, x, w, b, y, batch, s, c, c, act, Conv::Depthwise)?
             }
             Op::Pool { ref name, x, y, batch, s, c, op } => self.pool_op(name, x, y, batch, s, c, op)?,
             Op::GlobalPool { ref name, x, y, batch, hw, c } => self.global_pool(name, x, y, batch, hw, c)?,
@@ -1928,39 +2102,146 @@ pub fn lower_ops(
 /// bytes; the runner stores it rounded to nearest even), and each product's
 /// computed operands are converted to bf16 in SRAM by a VU before the SA
 /// reads them. The SA accumulates and writes f32, so every activation
-/// stays f32 (`docs/model-format.md` gives the error bound).
+/// stays f32 (`docs/model-format.md` gives the error bound);
+/// [`LowerOptions::bf16_activations`] stores them as bf16 instead.
 pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered, LowerError> {
     lower_ops_as(graph, 0..graph.ops.len(), shape, dtype)
 }
 
 /// The tensors stored as `dtype` when `graph` is lowered with SA operands
-/// of `dtype`: see [`lower_as`].
-fn stored_types(graph: &Graph, dtype: DType) -> Vec<DType> {
-    let mut uses = vec![0u32; graph.tensors.len()];
-    let mut weight = vec![0u32; graph.tensors.len()];
+/// of `dtype` (see [`lower_as`]) and, with `bf16_activations`, the
+/// intermediate tensors every operation touching them can read and write
+/// as bf16 ([`bf16_activation`]).
+fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool) -> Vec<DType> {
+    let n = graph.tensors.len();
+    let mut uses = vec![0u32; n];
+    let mut weight = vec![0u32; n];
+    let mut bf16_io = vec![0u32; n];
     for op in &graph.ops {
         for t in op.tensors() {
             if let Some(u) = uses.get_mut(t) {
                 *u += 1;
+            }
+            if bf16_activation(op, t) {
+                if let Some(u) = bf16_io.get_mut(t) {
+                    *u += 1;
+                }
             }
         }
         if let Some(w) = op.sa_weight().and_then(|w| weight.get_mut(w)) {
             *w += 1;
         }
     }
+    let activations = bf16_activations && dtype == DType::Bf16;
     graph
         .tensors
         .iter()
         .enumerate()
         .map(|(i, t)| {
             let stored = t.init != Init::Activation && weight[i] > 0 && weight[i] == uses[i];
-            if stored {
+            let activation = activations
+                && t.init == Init::Activation
+                && i != graph.input
+                && i != graph.output
+                && uses[i] > 0
+                && bf16_io[i] == uses[i];
+            if stored || activation {
                 dtype
             } else {
                 DType::F32
             }
         })
         .collect()
+}
+
+/// Whether `op` reads or writes tensor `t` through a path that takes bf16
+/// activations: the input and output of a product (Linear, Conv: loaded as
+/// the SA's bf16 operand, stored after a VU rounds the f32 result) and of
+/// the VU operations lowered as row, image or channel tiles (loaded as
+/// bf16, widened to f32 by a VU, computed in f32, narrowed before the
+/// store). Weights, biases and the operands of every other operation stay
+/// f32.
+pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
+    match *op {
+        Op::Linear { x, y, .. } => x.t == t || y.t == t,
+        Op::Conv { x, y, residual, .. } => x == t || y == t || residual.is_some_and(|r| r.r == t),
+        Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => x == t || y == t,
+        Op::Add { a, b, y, .. } | Op::Mul { a, b, y, .. } => a.t == t || b.t == t || y.t == t,
+        Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => x.t == t || y.t == t,
+        _ => false,
+    }
+}
+
+/// `graph` with each residual add fused into the convolution that
+/// produces one of its operands (as XLA fuses a ResNet block's add into
+/// its last convolution): the convolution adds the other operand `r` to
+/// its result and applies the add's activation in the same VU pass, so
+/// its own output never goes to HBM and the add's three tensor passes
+/// (two loads, one store) become one load of `r`.
+///
+/// An `Add` of operands `a` and `b` into `y` is fused into the `Conv` at
+/// index `k` that writes `a` (or `b`) when: the views are dense and the
+/// add is over the convolution's whole output (`cols` = output channels);
+/// `a` has no other reader and is neither the graph's input nor output;
+/// `r` is not `a`, `y` is neither; the convolution does not touch `y`; and
+/// no operation between them touches `r` or `y` (so `r` is complete when
+/// the convolution runs, which may read it as its input too). The fused convolution writes
+/// `y`; `a` keeps its index but no elements (nothing stores it). Tensor
+/// indices are unchanged, so a program lowered from the result reads and
+/// writes the same tensors as one lowered from `graph`.
+pub fn fuse_residual_adds(graph: &Graph) -> Graph {
+    let mut g = graph.clone();
+    let mut uses = vec![0u32; g.tensors.len()];
+    for op in &g.ops {
+        for t in op.tensors() {
+            if let Some(u) = uses.get_mut(t) {
+                *u += 1;
+            }
+        }
+    }
+    let mut removed = vec![false; g.ops.len()];
+    for j in 0..g.ops.len() {
+        let Op::Add { a, b, y, rows, cols, act, .. } = g.ops[j] else { continue };
+        let dense = |v: View| v.col == 0 && v.ld == cols;
+        if !(dense(a) && dense(b) && dense(y)) || a.t == b.t {
+            continue;
+        }
+        for (c, r) in [(a.t, b.t), (b.t, a.t)] {
+            if uses[c] != 2 || c == g.input || c == g.output || r == y.t || c == y.t {
+                continue;
+            }
+            // The convolution writing `c`.
+            let Some(k) = (0..j).rev().find(|&k| !removed[k] && g.ops[k].tensors().contains(&c)) else {
+                continue;
+            };
+            let Op::Conv { y: cy, cout, batch, s, residual: None, .. } = g.ops[k] else { continue };
+            let (ho, wo) = s.out();
+            let out = u64::from(batch) * u64::from(ho) * u64::from(wo) * u64::from(cout);
+            if cy != c || cols != cout || u64::from(rows) * u64::from(cols) != out {
+                continue;
+            }
+            let between = (k + 1..j).filter(|&i| !removed[i]).any(|i| {
+                let ts = g.ops[i].tensors();
+                ts.contains(&r) || ts.contains(&y.t)
+            });
+            if between || g.ops[k].tensors().contains(&y.t) {
+                continue;
+            }
+            if let Op::Conv { y: cy, residual, .. } = &mut g.ops[k] {
+                *cy = y.t;
+                *residual = Some(Residual { r, act });
+            }
+            g.tensors[c].elems = 0;
+            removed[j] = true;
+            break;
+        }
+    }
+    let mut i = 0;
+    g.ops.retain(|_| {
+        i += 1;
+        !removed[i - 1]
+    });
+    g
 }
 
 /// How a graph is lowered, beyond the vNPU's shape.
@@ -1973,11 +2254,20 @@ pub struct LowerOptions {
     /// (see [`place_tensors`]). Off: every tensor has HBM of its own for
     /// the whole request.
     pub reuse_hbm: bool,
+    /// With bf16 SA operands, intermediate activations are stored as bf16
+    /// in HBM (half the DMA bytes) where every operation touching them can
+    /// take it ([`bf16_activation`]); VUs still compute in f32. Off: every
+    /// activation is f32 in HBM.
+    pub bf16_activations: bool,
+    /// Residual adds are fused into the convolution that produces one of
+    /// their operands ([`fuse_residual_adds`]; whole graphs only, not an
+    /// operator-level range).
+    pub fuse_residual: bool,
 }
 
 impl Default for LowerOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, reuse_hbm: false }
+        Self { dtype: DType::F32, reuse_hbm: false, bf16_activations: false, fuse_residual: false }
     }
 }
 
@@ -2071,7 +2361,15 @@ pub fn lower_ops_with(
     // Spread work over at most MAX_ENGINES engines of each kind, so that
     // the channels between them fit the ISA's semaphores.
     let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
-    let (placed, off) = place_tensors(graph, &stored_types(graph, dtype), options.reuse_hbm);
+    let fused;
+    let (graph, ops) = if options.fuse_residual && ops == (0..graph.ops.len()) {
+        fused = fuse_residual_adds(graph);
+        (&fused, 0..fused.ops.len())
+    } else {
+        (graph, ops)
+    };
+    let (placed, off) =
+        place_tensors(graph, &stored_types(graph, dtype, options.bf16_activations), options.reuse_hbm);
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
     }

@@ -37,6 +37,12 @@ pub struct RunOptions {
     /// Intermediate tensors share HBM by liveness
     /// (`npu_lower::LowerOptions::reuse_hbm`).
     pub reuse_hbm: bool,
+    /// With bf16 operands, intermediate activations are stored as bf16
+    /// (`npu_lower::LowerOptions::bf16_activations`).
+    pub bf16_activations: bool,
+    /// Residual adds fused into the convolution producing an operand
+    /// (`npu_lower::LowerOptions::fuse_residual`).
+    pub fuse_residual: bool,
 }
 
 impl RunOptions {
@@ -55,6 +61,8 @@ impl RunOptions {
             seed: 1,
             dtype: DType::F32,
             reuse_hbm: false,
+            bf16_activations: false,
+            fuse_residual: false,
         }
     }
 }
@@ -206,7 +214,12 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
     let sram_bytes = o.sram_bytes.unwrap_or(board.sram_bytes());
     let hbm_bytes = o.hbm_bytes.unwrap_or(board.hbm_bytes_per_chip() / u64::from(board.cores_per_chip));
     let shape = VnpuShape::on_board(board, o.sa, o.vu, sram_bytes, hbm_bytes);
-    let options = LowerOptions { dtype: o.dtype, reuse_hbm: o.reuse_hbm };
+    let options = LowerOptions {
+        dtype: o.dtype,
+        reuse_hbm: o.reuse_hbm,
+        bf16_activations: o.bf16_activations,
+        fuse_residual: o.fuse_residual,
+    };
     let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
     Ok((lowered, shape, graph.batch))

@@ -151,7 +151,7 @@ fn mini_cnn(batch: u32) -> Graph {
         let wt = g.tensor(format!("{name}.w"), u64::from(fan_in * cout), Init::Weights { fan_in });
         let b = g.tensor(format!("{name}.b"), cout.into(), Init::Bias);
         let y = g.act(name, u64::from(batch * ho * wo * cout));
-        g.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch, s, cin, cout, act });
+        g.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch, s, cin, cout, act, residual: None });
         (y, ho, wo)
     };
     let (a, h, w) = conv(&mut g, "c1", x, 9, 11, 3, 37, 3, 2, Act::Swish);
@@ -987,9 +987,223 @@ fn tensors_live_at_once_never_share_hbm() {
     let v3_core =
         VnpuShape { sa: 2, vu: 1, sram_bytes: 16 << 20, hbm_bytes: 16 << 30, sa_rows: 128, sa_cols: 128 };
     let with = |reuse_hbm| {
-        let o = npu_lower::LowerOptions { dtype: DType::Bf16, reuse_hbm };
+        let o = npu_lower::LowerOptions { dtype: DType::Bf16, reuse_hbm, ..Default::default() };
         npu_lower::lower_ops_with(&g, 0..g.ops.len(), v3_core, o)
     };
     assert!(matches!(with(false), Err(npu_lower::LowerError::Hbm { .. })));
     assert!(with(true).unwrap().hbm_bytes < 16 << 30);
+}
+
+/// Every path that takes bf16 activations, in one chain whose
+/// intermediate tensors are all stored as bf16: convolution, a pooling
+/// larger than SRAM (tiled over channels) and one that fits (image
+/// tiles), element-wise add, unary, softmax, global pooling and products.
+fn bf16_chain(batch: u32) -> Graph {
+    let (h, w, c) = (20u32, 18u32, 37u32);
+    let mut g = Graph::new("bf16-chain", batch);
+    let x = g.tensor("input", u64::from(batch * h * w * 3), Init::Input);
+    g.input = x;
+    let (a, h, w) = g.conv("c1", x, h, w, 3, c, 3, 1, Act::Relu);
+    let s = Spatial::square(h, w, 3, 2, 1);
+    let (ph, pw) = s.out();
+    let p = g.act("pool", u64::from(batch * ph * pw * c));
+    g.ops.push(Op::Pool { name: "pool".into(), x: a, y: p, batch, s, c, op: PoolOp::Max });
+    let (b, _, _) = g.conv("c2", p, ph, pw, c, c, 1, 1, Act::None);
+    let elems = u64::from(batch * ph * pw * c);
+    let sum = g.add("res", b, p, elems, c, Act::None);
+    let rows = (elems / u64::from(c)) as u32;
+    let u = g.act("gelu", elems);
+    g.ops.push(Op::Unary {
+        name: "gelu".into(),
+        x: View::dense(sum, c),
+        y: View::dense(u, c),
+        rows,
+        cols: c,
+        act: Act::Gelu,
+    });
+    let sm = g.act("softmax", elems);
+    g.ops.push(Op::Softmax {
+        name: "softmax".into(),
+        x: View::dense(u, c),
+        y: View::dense(sm, c),
+        rows,
+        cols: c,
+    });
+    let gp = g.global_pool(sm, ph * pw, c);
+    let s1 = g.linear("fc1", View::dense(gp, c), batch, c, 21, Act::Relu, None);
+    g.output = g.linear("fc2", s1, batch, 21, 10, Act::None, None).t;
+    g
+}
+
+/// Lowers `g` with bf16 operands and bf16 activations, runs it, and
+/// compares every tensor with the reference that rounds the same tensors
+/// when it writes them. The model and the reference sum in different
+/// orders, so a value near a bf16 rounding boundary may round the other
+/// way: such an element may be one bf16 step off (2^-7 relative), and
+/// its readers a little more; the rest must meet the f32 tolerance.
+fn check_bf16_activations(g: &Graph, sa: u32, vu: u32, sram: u64) -> Lowered {
+    let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+    let o = npu_lower::LowerOptions { dtype: DType::Bf16, bf16_activations: true, ..Default::default() };
+    let l = npu_lower::lower_ops_with(g, 0..g.ops.len(), shape, o).unwrap();
+    verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    let mut hbm = LazyHbm::new(1 << 30);
+    init_hbm(&l, &mut hbm, 7).unwrap();
+    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    let mut sram_m = Sram::new(sram);
+    let mut guest = VecGuestMemory::new(0, 0);
+    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
+    run_program(&board(), &l.program, Some(mem), None).unwrap();
+    let stored: Vec<DType> = l.tensors.iter().map(|p| p.dtype).collect();
+    reference::run_stored(g, &mut tensors, DType::Bf16, &stored);
+    let what = format!("{} on {sa} SA, {vu} VU, {sram} B SRAM", g.name);
+    for (i, p) in l.tensors.iter().enumerate() {
+        let got = read_tensor(&hbm, p);
+        let mut off = 0usize;
+        for (j, (a, b)) in got.iter().zip(&tensors[i]).enumerate() {
+            let close = (a - b).abs() <= 2e-4 * (1.0 + b.abs());
+            let step = (a - b).abs() <= 2f32.powi(-6) * b.abs() + 1e-3;
+            assert!(
+                close || step,
+                "{what}: tensor `{}` element {j}: model {a}, reference {b}",
+                g.tensors[i].name
+            );
+            off += usize::from(!close);
+        }
+        assert!(
+            off * 50 <= got.len().max(50),
+            "{what}: tensor `{}`: {off} of {} elements off",
+            g.tensors[i].name,
+            got.len()
+        );
+    }
+    l
+}
+
+/// bf16 activations (`LowerOptions::bf16_activations`): the intermediate
+/// tensors of the paths that take them are stored as bf16 (the graph's
+/// input and output, weights' biases and the tensors of other operations
+/// stay f32), the program computes what the reference that rounds them
+/// computes, and it moves fewer DMA bytes than with f32 activations.
+#[test]
+fn bf16_activations_match_the_reference_that_rounds_them() {
+    let g = bf16_chain(2);
+    // 48 KiB: the pooling is tiled over channels; 4 MiB: whole images.
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 1, 48 << 10), (3, 2, 4 << 20)] {
+        let l = check_bf16_activations(&g, sa, vu, sram);
+        for (i, (p, t)) in l.tensors.iter().zip(&g.tensors).enumerate() {
+            let activation = t.init == Init::Activation && i != g.input && i != g.output;
+            let weight = g.ops.iter().any(|op| op.sa_weight() == Some(i));
+            assert_eq!(
+                p.dtype == DType::Bf16,
+                activation || weight,
+                "tensor `{}` stored as {:?}",
+                t.name,
+                p.dtype
+            );
+        }
+        let dma_bytes = |l: &Lowered| -> u64 {
+            l.program
+                .streams
+                .iter()
+                .flat_map(|s| &s.code)
+                .map(|i| match *i {
+                    Instr::DmaCopy { rows, row_bytes, .. } => u64::from(rows) * u64::from(row_bytes),
+                    _ => 0,
+                })
+                .sum()
+        };
+        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let f32_acts = lower_as(&g, shape, DType::Bf16).unwrap();
+        assert!(
+            dma_bytes(&l) * 10 < dma_bytes(&f32_acts) * 7,
+            "{} against {} DMA bytes",
+            dma_bytes(&l),
+            dma_bytes(&f32_acts)
+        );
+    }
+    // Graphs mixing the paths with operations that keep f32 (depthwise,
+    // scaling, attention, layer norm): only the tensors every reader and
+    // writer takes as bf16 are.
+    check_bf16_activations(&mini_cnn(2), 2, 3, 96 << 10);
+    check_bf16_activations(&mini_encoder(2), 2, 2, 64 << 10);
+    check_bf16_activations(&written_out_attention(2, true), 2, 3, 8 << 10);
+}
+
+/// Two residual blocks: one whose shortcut is a projection convolution
+/// run after the block's last convolution (the add fuses into the
+/// projection), one with an identity shortcut (it fuses into the last
+/// convolution), and an add whose operand has a second reader (no fusion).
+fn residual_blocks(batch: u32) -> Graph {
+    let (h, w) = (9u32, 7u32);
+    let mut g = Graph::new("residual-blocks", batch);
+    let x = g.tensor("input", u64::from(batch * h * w * 5), Init::Input);
+    g.input = x;
+    let (stem, h, w) = g.conv("stem", x, h, w, 5, 19, 3, 1, Act::Relu);
+    let (c1, _, _) = g.conv("b1.conv1", stem, h, w, 19, 11, 1, 1, Act::Relu);
+    let (c2, _, _) = g.conv("b1.conv2", c1, h, w, 11, 23, 3, 1, Act::None);
+    let (proj, _, _) = g.conv("b1.proj", stem, h, w, 19, 23, 1, 1, Act::None);
+    let elems = u64::from(batch * h * w * 23);
+    let s1 = g.add("b1.add", c2, proj, elems, 23, Act::Relu);
+    let (c3, _, _) = g.conv("b2.conv1", s1, h, w, 23, 23, 3, 1, Act::Gelu);
+    let s2 = g.add("b2.add", c3, s1, elems, 23, Act::None);
+    let (c4, _, _) = g.conv("b3.conv", s2, h, w, 23, 23, 1, 1, Act::None);
+    let s3 = g.add("b3.add", c4, s2, elems, 23, Act::Relu);
+    // `c4`'s second reader: this add may not be fused.
+    let s4 = g.add("b3.add2", s3, c4, elems, 23, Act::None);
+    let gp = g.global_pool(s4, h * w, 23);
+    g.output = g.classifier(gp, 23, 7);
+    g
+}
+
+/// Residual adds fused into convolutions (`fuse_residual_adds`): the
+/// right adds are fused (into the convolution that runs last of the two
+/// producers; never where the operand has another reader), the fused
+/// graph computes what the original computes (the reference runs both),
+/// and the lowered fused program computes what the reference computes on
+/// the fused graph, with f32 and with bf16 activations.
+#[test]
+fn residual_adds_fused_into_convolutions_change_no_result() {
+    let g = residual_blocks(2);
+    let f = npu_lower::fuse_residual_adds(&g);
+    let fused: Vec<(&str, &str)> = f
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Conv { name, residual: Some(r), .. } => Some((name.as_str(), g.tensors[r.r].name.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(fused, [("b1.proj", "b1.conv2"), ("b2.conv1", "b1.add")]);
+    assert_eq!(f.ops.len(), g.ops.len() - 2);
+    assert!(f.ops.iter().any(|op| op.name() == "b3.add"), "an add whose operand has a second reader");
+    // The same results, by the reference on both graphs.
+    let shape = VnpuShape { sa: 2, vu: 2, sram_bytes: 4 << 20, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+    let l = lower(&g, shape).unwrap();
+    let mut hbm = LazyHbm::new(1 << 30);
+    init_hbm(&l, &mut hbm, 7).unwrap();
+    let start: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    let (mut a, mut b) = (start.clone(), start);
+    reference::run(&g, &mut a);
+    reference::run(&f, &mut b);
+    for (x, y) in a[g.output].iter().zip(&b[g.output]) {
+        assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "fused {y} against {x}");
+    }
+    // The lowered fused program against the reference on the fused graph.
+    for (sa, vu, sram) in [(1, 1, 4 << 20), (2, 3, 24 << 10)] {
+        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let o = npu_lower::LowerOptions { fuse_residual: true, ..Default::default() };
+        let l = npu_lower::lower_ops_with(&g, 0..g.ops.len(), shape, o).unwrap();
+        verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] })
+            .unwrap();
+        let mut hbm = LazyHbm::new(1 << 30);
+        init_hbm(&l, &mut hbm, 7).unwrap();
+        let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+        let mut sram_m = Sram::new(sram);
+        let mut guest = VecGuestMemory::new(0, 0);
+        let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
+        run_program(&board(), &l.program, Some(mem), None).unwrap();
+        reference::run(&f, &mut tensors);
+        compare(&f, &l.tensors, &hbm, &tensors, &format!("fused, {sa} SA, {vu} VU, {sram} B"));
+        check_bf16_activations(&f, sa, vu, sram);
+    }
 }

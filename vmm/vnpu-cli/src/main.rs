@@ -365,9 +365,21 @@ struct VnpuArgs {
     #[arg(long)]
     board: Option<PathBuf>,
     /// The SAs' operand type: bf16 stores the weights of products as bf16
-    /// and rounds their operands to bf16 (f32 accumulation and activations).
+    /// and rounds their operands to bf16 (f32 accumulation).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
+    /// How intermediate activations are stored in HBM (default: as
+    /// --dtype). bf16 (with --dtype bf16 only) halves their DMA bytes
+    /// wherever every operation touching them takes bf16 (products,
+    /// element-wise, pooling, softmax); VUs compute in f32 and round
+    /// what they store.
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    activations: Option<String>,
+    /// Fuse each residual add into the convolution that produces one of
+    /// its operands (the convolution adds the other operand in its VU
+    /// pass; its own output never goes to HBM), as XLA does on TPUs.
+    #[arg(long)]
+    fuse_residual: bool,
     /// Intermediate tensors share HBM by liveness: a tensor's space is
     /// free once the last operation that touches it has run (default:
     /// every tensor has HBM of its own for the whole request).
@@ -384,6 +396,9 @@ impl VnpuArgs {
         if self.batch == 0 {
             return Err(CliError::Batch);
         }
+        if self.activations.as_deref() == Some("bf16") && self.dtype != "bf16" {
+            return Err(CliError::Activations);
+        }
         let b = board(&self.board)?;
         let o = RunOptions {
             workload: self.name,
@@ -396,6 +411,8 @@ impl VnpuArgs {
             seed,
             dtype: vnpu_abi::DType::from_name(&self.dtype).unwrap_or(vnpu_abi::DType::F32),
             reuse_hbm: self.reuse_hbm,
+            bf16_activations: self.activations.as_deref().unwrap_or(&self.dtype) == "bf16",
+            fuse_residual: self.fuse_residual,
         };
         Ok((b, o))
     }
@@ -453,6 +470,8 @@ pub(crate) enum CliError {
     Shape,
     #[error("--batch must be at least 1")]
     Batch,
+    #[error("--activations bf16 needs --dtype bf16 (the SAs read bf16 activations as their operands)")]
+    Activations,
     #[error("{0}")]
     Json(#[from] serde_json::Error),
     #[error(transparent)]

@@ -400,7 +400,19 @@ impl Compiler<'_> {
             let fan_in = (kh * kw * cg) as u32;
             let wt = self.weight(&wname, wt, Init::Weights { fan_in });
             let (batch, cin, cout) = (b as u32, c as u32, m as u32);
-            self.g.ops.push(Op::Conv { name, x: x.t, w: wt, b: bt, y, batch, s, cin, cout, act: Act::None });
+            self.g.ops.push(Op::Conv {
+                name,
+                x: x.t,
+                w: wt,
+                b: bt,
+                y,
+                batch,
+                s,
+                cin,
+                cout,
+                act: Act::None,
+                residual: None,
+            });
         }
         Ok(Dyn::new(y, out_shape, Some(self.g.ops.len() - 1), true))
     }

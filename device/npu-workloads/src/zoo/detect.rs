@@ -90,6 +90,7 @@ pub fn retinanet(batch: u32, side: u32) -> Graph {
                     cin: CH,
                     cout,
                     act,
+                    residual: None,
                 });
                 x = y;
             }
