@@ -85,7 +85,7 @@ impl RequestPrograms {
             hbm_bytes: Some(hbm_core * mine / eus),
             sa: spec.sa,
             vu: spec.vu,
-            ..RunOptions::timing(spec.workload.clone(), spec.batch)
+            ..RunOptions::on_board(cfg, spec.workload.clone(), spec.batch)
         };
         let lower_err = |source| CoRunError::Lower {
             workload: spec.workload.clone(),

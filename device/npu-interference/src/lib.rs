@@ -6,5 +6,6 @@
 
 pub mod characterize;
 pub mod corun;
+pub mod matrix_file;
 pub mod predict;
 pub mod stream;

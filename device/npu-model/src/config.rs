@@ -59,6 +59,49 @@ pub struct BoardConfig {
     pub core: CoreConfig,
     pub hbm: HbmConfig,
     pub dma: DmaConfig,
+    /// How the tools lower a workload for this board unless told otherwise.
+    #[serde(default)]
+    pub lowering: LoweringConfig,
+}
+
+/// A number type of [`LoweringConfig`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NumType {
+    #[default]
+    F32,
+    Bf16,
+}
+
+/// How the tools (`vnpu workload run` and `lower`, the evaluations) lower a
+/// workload for this board unless their own flags say otherwise: the
+/// conventions of the board's compiler. A TPU preset says what XLA does on
+/// a TPU (bf16 data, residual adds fused into convolutions, buffers reused
+/// by liveness); the built-in board's are all off, so the programs behind
+/// every figure published on it stay the same.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoweringConfig {
+    /// The SAs' operand type (`--dtype`).
+    #[serde(default)]
+    pub dtype: NumType,
+    /// How intermediate activations are stored (`--activations`);
+    /// default: as `dtype`. bf16 needs `dtype = "bf16"`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub activations: Option<NumType>,
+    /// Residual adds fused into convolutions (`--fuse-residual`).
+    #[serde(default)]
+    pub fuse_residual: bool,
+    /// Intermediate tensors share HBM by liveness (`--reuse-hbm`).
+    #[serde(default)]
+    pub reuse_hbm: bool,
+}
+
+impl LoweringConfig {
+    /// Whether intermediate activations are stored as bf16.
+    pub fn bf16_activations(&self) -> bool {
+        self.activations.unwrap_or(self.dtype) == NumType::Bf16
+    }
 }
 
 /// One core: its engines and SRAM.
@@ -168,6 +211,7 @@ impl Default for BoardConfig {
                 partition: HbmPartition::Shared,
             },
             dma: DmaConfig { gbps: 400.0, host_gbps: 25.0, latency_ns: 100, host_latency_ns: 1000 },
+            lowering: LoweringConfig::default(),
         }
     }
 }
@@ -239,6 +283,9 @@ impl BoardConfig {
         positive("dma.host_gbps", self.dma.host_gbps, 1e6)?;
         range_u32("dma.latency_ns", self.dma.latency_ns, 0, 1_000_000)?;
         range_u32("dma.host_latency_ns", self.dma.host_latency_ns, 0, 10_000_000)?;
+        if self.lowering.bf16_activations() && self.lowering.dtype != NumType::Bf16 {
+            return Err(invalid("lowering.activations", "is bf16, which needs lowering.dtype = \"bf16\""));
+        }
         Ok(())
     }
 

@@ -10,6 +10,7 @@ use npu_graph::Init;
 use npu_lower::{lower_ops_with, LowerError, LowerOptions, Lowered, Placed, VnpuShape};
 
 use crate::zoo::build;
+use npu_model::config::NumType;
 use npu_model::memory::{write_f32s, Memory};
 use npu_model::{
     run_program, verify, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, VecGuestMemory, VerifyError,
@@ -63,6 +64,25 @@ impl RunOptions {
             reuse_hbm: false,
             bf16_activations: false,
             fuse_residual: false,
+        }
+    }
+}
+
+impl RunOptions {
+    /// [`RunOptions::timing`] lowered as `board` says programs for it are
+    /// lowered unless told otherwise (its `[lowering]` table: operand type,
+    /// activations, residual fusion, HBM reuse; `docs/board-config.md`).
+    pub fn on_board(board: &BoardConfig, workload: impl Into<String>, batch: u32) -> Self {
+        let l = &board.lowering;
+        Self {
+            dtype: match l.dtype {
+                NumType::F32 => DType::F32,
+                NumType::Bf16 => DType::Bf16,
+            },
+            bf16_activations: l.bf16_activations(),
+            fuse_residual: l.fuse_residual,
+            reuse_hbm: l.reuse_hbm,
+            ..Self::timing(workload, batch)
         }
     }
 }

@@ -49,15 +49,13 @@ fn bf16_matrix_products_on_a_v5e_core_take_what_xla_takes() {
 #[test]
 fn resnet50_on_a_v3_core_runs_what_mlperf_measured() {
     let board = preset("tpu-v3");
+    // The preset's `[lowering]` says exactly that.
     let o = RunOptions {
         sa: board.core.sa_count,
         vu: board.core.vu_count,
-        dtype: DType::Bf16,
-        bf16_activations: true,
-        fuse_residual: true,
-        reuse_hbm: true,
-        ..RunOptions::timing("resnet50", 256)
+        ..RunOptions::on_board(&board, "resnet50", 256)
     };
+    assert!(o.dtype == DType::Bf16 && o.bf16_activations && o.fuse_residual && o.reuse_hbm);
     let r = run_workload(&board, &o).unwrap();
     within("ResNet-50 b256 bf16 on tpu-v3 (images/s)", 256.0 / r.simulated_seconds, 4089.5, 0.15);
 }

@@ -232,18 +232,30 @@ fn the_command_characterizes_predicts_and_refuses_bad_input() {
     assert!(ok, "{err}");
     assert!(out.contains("10 workload pairs held out"), "{out}");
     assert!(out.contains("random forest") && out.contains("linear"), "{out}");
+    let tpu_v4 = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/boards/tpu-v4.toml");
+    let default_board = dir.join("default.toml");
+    std::fs::write(&default_board, npu_model::BoardConfig::default().to_toml()).unwrap();
     for (args, says) in [
         (vec!["characterize", "--shapes", "0+1"], "at least one SA"),
         (vec!["characterize", "--shapes", "2x2"], "expected SA+VU"),
         (vec!["characterize", "--workloads", "alexnet"], "unknown workload `alexnet`"),
         (vec!["characterize", "--placements", "rack"], "unknown placement `rack`"),
         (vec!["characterize", "--batches", "0"], "batch sizes start at 1"),
-        (vec!["predict", "--matrix", "/nonexistent/m.json"], "cannot read /nonexistent/m.json"),
-        (vec!["predict", "--matrix", svg.to_str().unwrap()], "not a matrix"),
+        (vec!["predict", "--matrix", "/nonexistent/m.json"], "cannot read matrix /nonexistent/m.json"),
+        (vec!["predict", "--matrix", svg.to_str().unwrap()], "is not a characterization matrix"),
+        (vec!["report", "--matrix", "/dev/null"], "not a regular file"),
+        (
+            vec!["predict", "--matrix", json.to_str().unwrap(), "--board", tpu_v4.to_str().unwrap()],
+            "not on `tpu-v4`",
+        ),
     ] {
         let (ok, _, err) = cli(&args);
         assert!(!ok && err.contains(says), "{args:?}: {err}");
     }
+    // The board the matrix was measured on is accepted.
+    let (ok, _, err) =
+        cli(&["report", "--matrix", json.to_str().unwrap(), "--board", default_board.to_str().unwrap()]);
+    assert!(ok, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -365,26 +365,31 @@ struct VnpuArgs {
     #[arg(long)]
     board: Option<PathBuf>,
     /// The SAs' operand type: bf16 stores the weights of products as bf16
-    /// and rounds their operands to bf16 (f32 accumulation).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
-    dtype: String,
-    /// How intermediate activations are stored in HBM (default: as
-    /// --dtype). bf16 (with --dtype bf16 only) halves their DMA bytes
-    /// wherever every operation touching them takes bf16 (products,
-    /// element-wise, pooling, softmax); VUs compute in f32 and round
-    /// what they store.
+    /// and rounds their operands to bf16 (f32 accumulation). Default: the
+    /// board's `lowering.dtype` (f32 on the built-in board).
+    #[arg(long, value_parser = ["f32", "bf16"])]
+    dtype: Option<String>,
+    /// How intermediate activations are stored in HBM (default: the
+    /// board's `lowering.activations`, else as --dtype). bf16 (with
+    /// --dtype bf16 only) halves their DMA bytes wherever every operation
+    /// touching them takes bf16 (products, element-wise, pooling,
+    /// softmax); VUs compute in f32 and round what they store.
     #[arg(long, value_parser = ["f32", "bf16"])]
     activations: Option<String>,
     /// Fuse each residual add into the convolution that produces one of
     /// its operands (the convolution adds the other operand in its VU
     /// pass; its own output never goes to HBM), as XLA does on TPUs.
-    #[arg(long)]
-    fuse_residual: bool,
+    /// Default: the board's `lowering.fuse_residual` (off on the built-in
+    /// board); `--fuse-residual=false` turns it off.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    fuse_residual: Option<bool>,
     /// Intermediate tensors share HBM by liveness: a tensor's space is
-    /// free once the last operation that touches it has run (default:
-    /// every tensor has HBM of its own for the whole request).
-    #[arg(long)]
-    reuse_hbm: bool,
+    /// free once the last operation that touches it has run. Default: the
+    /// board's `lowering.reuse_hbm` (off on the built-in board: every
+    /// tensor has HBM of its own for the whole request);
+    /// `--reuse-hbm=false` turns it off.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    reuse_hbm: Option<bool>,
 }
 
 impl VnpuArgs {
@@ -396,23 +401,33 @@ impl VnpuArgs {
         if self.batch == 0 {
             return Err(CliError::Batch);
         }
-        if self.activations.as_deref() == Some("bf16") && self.dtype != "bf16" {
+        let b = board(&self.board)?;
+        let d = RunOptions::on_board(&b, self.name, self.batch);
+        let dtype = match self.dtype.as_deref() {
+            Some(name) => vnpu_abi::DType::from_name(name).unwrap_or(vnpu_abi::DType::F32),
+            None => d.dtype,
+        };
+        let bf16_activations = match (self.activations.as_deref(), self.dtype.is_some()) {
+            (Some(a), _) => a == "bf16",
+            // --dtype given: activations as --dtype.
+            (None, true) => dtype == vnpu_abi::DType::Bf16,
+            (None, false) => d.bf16_activations,
+        };
+        if bf16_activations && dtype != vnpu_abi::DType::Bf16 {
             return Err(CliError::Activations);
         }
-        let b = board(&self.board)?;
         let o = RunOptions {
-            workload: self.name,
-            batch: self.batch,
             sa: self.sa,
             vu: self.vu,
             sram_bytes: self.sram,
             hbm_bytes: self.hbm,
             functional,
             seed,
-            dtype: vnpu_abi::DType::from_name(&self.dtype).unwrap_or(vnpu_abi::DType::F32),
-            reuse_hbm: self.reuse_hbm,
-            bf16_activations: self.activations.as_deref().unwrap_or(&self.dtype) == "bf16",
-            fuse_residual: self.fuse_residual,
+            dtype,
+            bf16_activations,
+            reuse_hbm: self.reuse_hbm.unwrap_or(d.reuse_hbm),
+            fuse_residual: self.fuse_residual.unwrap_or(d.fuse_residual),
+            ..d
         };
         Ok((b, o))
     }

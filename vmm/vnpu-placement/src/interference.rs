@@ -9,6 +9,7 @@ use std::path::Path;
 
 use npu_interference::characterize::{Matrix, Solo};
 use npu_interference::corun::{CoRunError, Spec};
+use npu_interference::matrix_file::MatrixFileError;
 use npu_interference::predict::{Learner, PredictError, Predictor};
 use npu_model::BoardConfig;
 use thiserror::Error;
@@ -18,18 +19,8 @@ use vnpu_spec::{Instance, Workload};
 /// Why interference could not be predicted.
 #[derive(Debug, Error)]
 pub enum InterferenceError {
-    #[error("interference matrix {path}: {source}")]
-    ReadMatrix {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("interference matrix {path}: {source}")]
-    ParseMatrix {
-        path: String,
-        #[source]
-        source: serde_json::Error,
-    },
+    #[error("interference {0}")]
+    Matrix(#[from] MatrixFileError),
     #[error("the interference matrix was measured on board `{matrix}`, this board is `{board}`: characterize this board first (npu-interference characterize --board ...)")]
     OtherBoard { matrix: String, board: String },
     #[error(transparent)]
@@ -72,33 +63,6 @@ pub fn predicted_slowdowns(p: &Predictor, tenants: &[(&Solo, usize)]) -> Result<
     Ok(out)
 }
 
-/// Largest characterization matrix read (the fifteen-workload one is
-/// about 2 MB).
-pub const MAX_MATRIX_BYTES: u64 = 64 << 20;
-
-/// The contents of `path`, which must be a regular file of at most `max`
-/// bytes. Opened without blocking, so a FIFO or a device named by a client
-/// of the daemon fails at once instead of holding the daemon (which reads
-/// the matrix while it serves a management request).
-fn read_regular_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path)?;
-    let meta = f.metadata()?;
-    if !meta.is_file() {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"));
-    }
-    if meta.len() > max {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("{} bytes, more than the {max} a matrix may have", meta.len()),
-        ));
-    }
-    let mut bytes = Vec::new();
-    f.take(max + 1).read_to_end(&mut bytes)?;
-    Ok(bytes)
-}
-
 impl InterferenceModel {
     /// Trains `learner` on `matrix` (measured on a board named as `board`).
     pub fn new(
@@ -126,12 +90,7 @@ impl InterferenceModel {
         board: &BoardConfig,
         learner: &dyn Learner,
     ) -> Result<Self, InterferenceError> {
-        let path_text = || path.display().to_string();
-        let bytes = read_regular_file(path, MAX_MATRIX_BYTES)
-            .map_err(|source| InterferenceError::ReadMatrix { path: path_text(), source })?;
-        let m: Matrix = serde_json::from_slice(&bytes)
-            .map_err(|source| InterferenceError::ParseMatrix { path: path_text(), source })?;
-        Self::new(&m, board, learner)
+        Self::new(&Matrix::load(path)?, board, learner)
     }
 
     /// The index of `spec`'s solo counters: the matrix's, else measured
@@ -180,36 +139,5 @@ impl InterferenceModel {
             out.extend(i.cores.iter().map(|&c| (s, c as usize)));
         }
         Ok(out)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A FIFO (which would block an open for reading until a writer
-    /// comes), a directory and a file past the limit are refused at once.
-    #[test]
-    fn only_regular_files_of_bounded_size_are_read() {
-        let dir = std::env::temp_dir().join(format!("vnpu-matrix-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap_or_default();
-        let fifo = dir.join("fifo");
-        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap_or_default();
-        // SAFETY: mkfifo(3) reads a NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let path = fifo.clone();
-        std::thread::spawn(move || {
-            let _ = tx.send(read_regular_file(&path, 1024).is_err());
-        });
-        let refused = rx.recv_timeout(std::time::Duration::from_secs(2));
-        assert_eq!(refused, Ok(true), "opening the FIFO blocked, or it was read");
-        assert!(read_regular_file(&dir, 1024).is_err());
-        let big = dir.join("big");
-        std::fs::write(&big, vec![b' '; 2048]).unwrap_or_default();
-        assert!(read_regular_file(&big, 1024).is_err());
-        assert_eq!(read_regular_file(&big, 4096).map(|b| b.len()).ok(), Some(2048));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -2,7 +2,7 @@
 //! group of workloads on the board model, then train and cross-validate
 //! predictors of the slowdown from solo counters (docs/interference.md).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -73,6 +73,10 @@ enum Command {
         /// The matrix written by `characterize --json`.
         #[arg(long)]
         matrix: PathBuf,
+        /// Board configuration (TOML) the matrix must have been measured
+        /// on: refused when the matrix names another board.
+        #[arg(long)]
+        board: Option<PathBuf>,
         /// Draw the pair heat maps into an SVG file here.
         #[arg(long)]
         svg: Option<PathBuf>,
@@ -85,6 +89,10 @@ enum Command {
         /// The matrix written by `characterize --json`.
         #[arg(long)]
         matrix: PathBuf,
+        /// Board configuration (TOML) the matrix must have been measured
+        /// on: refused when the matrix names another board.
+        #[arg(long)]
+        board: Option<PathBuf>,
         /// Trees of the random forest.
         #[arg(long, default_value_t = 100)]
         trees: usize,
@@ -111,9 +119,23 @@ fn write(path: &PathBuf, text: &str) -> Result<(), String> {
     std::fs::write(path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))
 }
 
-fn read_matrix(path: &PathBuf) -> Result<Matrix, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("{}: not a matrix: {e}", path.display()))
+/// The matrix at `path`; with `board`, it must have been measured on
+/// that board (its `board` field names the board's `name`).
+fn read_matrix(path: &Path, board: Option<&PathBuf>) -> Result<Matrix, String> {
+    let m = Matrix::load(path).map_err(|e| e.to_string())?;
+    if let Some(b) = board {
+        let cfg = BoardConfig::load(b).map_err(|e| format!("{}: {e}", b.display()))?;
+        if m.board != cfg.name {
+            return Err(format!(
+                "{} was measured on board `{}`, not on `{}` ({}): characterize that board first",
+                path.display(),
+                m.board,
+                cfg.name,
+                b.display()
+            ));
+        }
+    }
+    Ok(m)
 }
 
 fn run(cli: Cli) -> Result<(), String> {
@@ -175,16 +197,16 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Command::Report { matrix, svg } => {
-            let m = read_matrix(&matrix)?;
+        Command::Report { matrix, board, svg } => {
+            let m = read_matrix(&matrix, board.as_ref())?;
             print!("{}", summary(&m));
             if let Some(p) = svg {
                 heat_maps(&m, &p.display().to_string()).map_err(|e| e.to_string())?;
             }
             Ok(())
         }
-        Command::Predict { matrix, trees, seed, json } => {
-            let m = read_matrix(&matrix)?;
+        Command::Predict { matrix, board, trees, seed, json } => {
+            let m = read_matrix(&matrix, board.as_ref())?;
             let r =
                 cross_validate(&m, &[&Mean, &Linear, &Forest { trees, seed }]).map_err(|e| e.to_string())?;
             println!("{} tenants, {} workload pairs held out one at a time", r.samples, r.folds);

@@ -75,7 +75,7 @@ fn run(
         sa,
         vu,
         hbm_bytes: Some(board.hbm_bytes_per_chip()),
-        ..RunOptions::timing(workload, batch)
+        ..RunOptions::on_board(board, workload, batch)
     };
     match run_workload(board, &o) {
         Ok(r) => Ok(Ok(r)),

@@ -73,7 +73,7 @@ fn main() {
         let o = RunOptions {
             sram_bytes: Some(8 << 20),
             hbm_bytes: Some(8 << 30),
-            ..RunOptions::timing(name, batch)
+            ..RunOptions::on_board(&board, name, batch)
         };
         let victim = match lower_workload(&board, &o) {
             Ok((l, _, _)) => l.program,

@@ -193,7 +193,7 @@ fn run() -> Result<(), String> {
             vu,
             sram_bytes: Some(8 << 20),
             hbm_bytes: Some(8 << 30),
-            ..RunOptions::timing(w, batch)
+            ..RunOptions::on_board(&board, w, batch)
         };
         let (lowered, _, _) = lower_workload(&board, &o).map_err(|e| format!("{w}: {e}"))?;
         let alone = npu_model::run_program(&board, &lowered.program, None, None)

@@ -150,10 +150,7 @@ fn run(cli: Cli) -> Result<(), EvalError> {
         Some(p) => BoardConfig::load(p).map_err(|e| input(format!("{}: {e}", p.display())))?,
         None => BoardConfig::default(),
     };
-    let bytes =
-        std::fs::read(&cli.matrix).map_err(|e| input(format!("matrix {}: {e}", cli.matrix.display())))?;
-    let matrix: Matrix =
-        serde_json::from_slice(&bytes).map_err(|e| input(format!("matrix {}: {e}", cli.matrix.display())))?;
+    let matrix = Matrix::load(&cli.matrix).map_err(|e| input(e.to_string()))?;
     if matrix.board != cfg.name {
         return Err(input(format!(
             "the matrix was measured on board `{}`, this board is `{}`",

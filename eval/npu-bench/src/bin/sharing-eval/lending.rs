@@ -22,7 +22,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use npu_graph::Graph;
-use npu_lower::{lower_ops, VnpuShape};
+use npu_lower::{lower_ops_with, LowerOptions, VnpuShape};
 use npu_model::{run_program, verify, BoardConfig, CoreMemory, CoreSim, SimTenant, VnpuLimits};
 use npu_scheduler::{fission, least_shape, lend, pick_shape, AtBoundary, Engines};
 use vnpu_abi::Program;
@@ -60,6 +60,10 @@ pub struct Lending {
 /// core; tasks (ranges of operations) lowered on first use.
 pub struct Tasks {
     graph: Graph,
+    /// How each task is lowered: the board's `[lowering]`, with residual
+    /// adds fused into `graph` beforehand (a fused convolution is one
+    /// operation, so any range of operations can be a task).
+    options: LowerOptions,
     core: Engines,
     /// SRAM per engine: a shape of k engines gets k of them (1 SA + 1 VU:
     /// a quarter of the core's SRAM, as the static vNPU).
@@ -75,11 +79,24 @@ pub struct Tasks {
 }
 
 impl Tasks {
-    /// Times every operation of `graph` on every shape of `board`'s core.
+    /// Times every operation of `graph` on every shape of `board`'s core,
+    /// lowered as `board` says (`[lowering]`).
     pub fn new(board: &BoardConfig, graph: Graph) -> Result<Self, String> {
         let core = Engines::new(board.core.sa_count, board.core.vu_count);
+        let l = &board.lowering;
+        let graph = if l.fuse_residual { npu_lower::fuse_residual_adds(&graph) } else { graph };
+        let options = LowerOptions {
+            dtype: match l.dtype {
+                npu_model::config::NumType::F32 => vnpu_abi::DType::F32,
+                npu_model::config::NumType::Bf16 => vnpu_abi::DType::Bf16,
+            },
+            bf16_activations: l.bf16_activations(),
+            reuse_hbm: l.reuse_hbm,
+            fuse_residual: false,
+        };
         let mut t = Self {
             graph,
+            options,
             core,
             sram_per_engine: board.sram_bytes() / u64::from(core.total().max(1)),
             hbm_bytes: 8 << 30,
@@ -94,7 +111,8 @@ impl Tasks {
             for sa in 1..=core.sa {
                 for vu in 1..=core.vu {
                     let e = Engines::new(sa, vu);
-                    let p = lower_ops(&t.graph, op..op + 1, t.shape(e)).map_err(|x| t.err(op, e, &x))?;
+                    let p = lower_ops_with(&t.graph, op..op + 1, t.shape(e), t.options)
+                        .map_err(|x| t.err(op, e, &x))?;
                     let r = run_program(board, &p.program, None, None).map_err(|x| t.err(op, e, &x))?;
                     row.push(r.cycles);
                 }
@@ -150,7 +168,8 @@ impl Tasks {
             return Ok(p.clone());
         }
         let shape = self.shape(e);
-        let l = lower_ops(&self.graph, ops.clone(), shape).map_err(|x| self.err(ops.start, e, &x))?;
+        let l = lower_ops_with(&self.graph, ops.clone(), shape, self.options)
+            .map_err(|x| self.err(ops.start, e, &x))?;
         let limits = VnpuLimits {
             sa: e.sa,
             vu: e.vu,
@@ -378,6 +397,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use npu_graph::{Act, Init, View};
+    use npu_lower::lower_ops;
     use vnpu_abi::ProgramBuilder;
 
     /// Three 64 x 512 x 512 matrix products: SA-bound, faster on more SAs.

@@ -692,7 +692,7 @@ fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Resu
         vu: sa,
         sram_bytes: Some(sram),
         hbm_bytes: Some(8 << 30),
-        ..RunOptions::timing(w, batch)
+        ..RunOptions::on_board(board, w, batch)
     };
     let (l, _, _) = lower_workload(board, &opts).map_err(|e| format!("{w}: {e}"))?;
     let t = run_program(board, &l.program, None, None).map_err(|e| format!("{w}: {e}"))?.cycles;
