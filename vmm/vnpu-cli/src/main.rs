@@ -638,7 +638,8 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 return Err(CliError::Usage("--slo-ms must be a positive number of milliseconds".into()));
             }
             let b = board(&path)?;
-            return Ok(profile::run(&b, RunOptions::timing(name, batch), slo_ms, json)?);
+            let o = RunOptions::on_board(&b, name, batch);
+            return Ok(profile::run(&b, o, slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
         Command::Daemon { manage, poll_us, metrics, control_idle_ms, control_group } => {
@@ -704,7 +705,8 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 }
                 // Profiled here, on the board this command was given; the
                 // split over the instance's EUs is made where its state is.
-                let r = run_workload(&board(&manage.board)?, &RunOptions::timing(name.clone(), batch))?;
+                let b = board(&manage.board)?;
+                let r = run_workload(&b, &RunOptions::on_board(&b, name.clone(), batch))?;
                 let (x, y) = (r.sa_active_cycles as f64, r.vu_active_cycles.max(1) as f64);
                 let k = (x / y).sqrt();
                 println!("{name} batch {batch}: a = x/y = {:.3}, k = sqrt(a) = {k:.3}", x / y);
