@@ -16,18 +16,29 @@ vnpu=${1:-target/release/vnpu}
 [ -x "$vnpu" ] || cargo build --release -q -p vnpu-cli
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# Board variants: weight buffering, and 4 DMA transfers in flight (-k4;
+# the presets keep the default 1: the hardware's depth is not published).
 for b in tpu-v3 tpu-v4 tpu-v5e; do
     cp "docs/boards/$b.toml" "$tmp/$b-double.toml"
     sed 's/^sa_weight_buffering = "double"/sa_weight_buffering = "single"/' "docs/boards/$b.toml" > "$tmp/$b-single.toml"
+    for v in single double; do
+        sed 's/^in_flight = 1 .*/in_flight = 4/' "$tmp/$b-$v.toml" > "$tmp/$b-$v-k4.toml"
+        grep -q '^in_flight = 4' "$tmp/$b-$v-k4.toml"
+    done
 done
 # name | weight buffering | flags
+# Every row gives every lowering flag, so the presets' [lowering] table
+# decides nothing here.
+f32="--dtype f32 --activations f32"
 rows=(
-    "SCALE-Sim single-buffered weights, f32 data|single|--dtype f32"
-    "MXU weight double-buffering (2b)|double|--dtype f32"
-    "bf16 operands, f32 activations|single|--dtype bf16 --activations f32"
-    "bf16 operands and activations (2a)|single|--dtype bf16"
-    "residual adds fused (2d)|single|--dtype f32 --fuse-residual"
-    "all together|double|--dtype bf16 --fuse-residual"
+    "SCALE-Sim single-buffered weights, f32 data|single|$f32 --fuse-residual=false"
+    "MXU weight double-buffering (2b)|double|$f32 --fuse-residual=false"
+    "bf16 operands, f32 activations|single|--dtype bf16 --activations f32 --fuse-residual=false"
+    "bf16 operands and activations (2a)|single|--dtype bf16 --activations bf16 --fuse-residual=false"
+    "residual adds fused (2d)|single|$f32 --fuse-residual"
+    "4 DMA transfers in flight (2e)|single-k4|$f32 --fuse-residual=false"
+    "all together (the presets)|double|--dtype bf16 --activations bf16 --fuse-residual"
+    "all together, 4 DMA transfers in flight|double-k4|--dtype bf16 --activations bf16 --fuse-residual"
 )
 ms() {
     "$vnpu" workload run "$@" --reuse-hbm --json |

@@ -178,6 +178,14 @@ pub struct DmaConfig {
     pub latency_ns: u32,
     /// Host link latency added to transfers touching guest memory, in ns.
     pub host_latency_ns: u32,
+    /// Transfers one DMA stream of a program may have in flight at once
+    /// (asynchronous copies): 1 (the default) runs them one after the
+    /// other; with more, a stream issues the next transfer after the
+    /// previous one's issue overhead, so memory latencies overlap. A
+    /// transfer that touches bytes an earlier one in flight touches
+    /// waits for it, and a `signal` or the stream's end waits for all.
+    #[serde(default = "one")]
+    pub in_flight: u32,
 }
 
 impl Default for BoardConfig {
@@ -210,7 +218,13 @@ impl Default for BoardConfig {
                 latency_ns: 300,
                 partition: HbmPartition::Shared,
             },
-            dma: DmaConfig { gbps: 400.0, host_gbps: 25.0, latency_ns: 100, host_latency_ns: 1000 },
+            dma: DmaConfig {
+                gbps: 400.0,
+                host_gbps: 25.0,
+                latency_ns: 100,
+                host_latency_ns: 1000,
+                in_flight: 1,
+            },
             lowering: LoweringConfig::default(),
         }
     }
@@ -283,6 +297,7 @@ impl BoardConfig {
         positive("dma.host_gbps", self.dma.host_gbps, 1e6)?;
         range_u32("dma.latency_ns", self.dma.latency_ns, 0, 1_000_000)?;
         range_u32("dma.host_latency_ns", self.dma.host_latency_ns, 0, 10_000_000)?;
+        range_u32("dma.in_flight", self.dma.in_flight, 1, 64)?;
         if self.lowering.bf16_activations() && self.lowering.dtype != NumType::Bf16 {
             return Err(invalid("lowering.activations", "is bf16, which needs lowering.dtype = \"bf16\""));
         }

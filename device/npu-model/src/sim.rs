@@ -176,6 +176,44 @@ struct Run {
     last_transfer_end: f64,
     stats: EngineStats,
     rate: f64,
+    /// `Some(id)`: not a stream but one transfer in flight of stream
+    /// `stream` (`dma.in_flight > 1`), which it leaves when done.
+    transfer_of: Option<u64>,
+    /// A stream's transfers in flight as such runs: their ids and the
+    /// bytes each touches.
+    in_flight: Vec<(u64, [Span; 3])>,
+}
+
+/// Bytes `[start, end)` of one memory space (0: none).
+type Span = (u8, u64, u64);
+
+/// The bytes a transfer touches (bounding ranges per operand), to hold a
+/// later transfer of the same stream back while an earlier one that
+/// touches any of them is in flight.
+fn spans(instr: &Instr) -> [Span; 3] {
+    let sp = |a: vnpu_abi::Addr, len: u64| (a.space as u8 + 1, a.offset, a.offset.saturating_add(len));
+    let strided = |rows: u32, row_bytes: u32, stride: u64| {
+        u64::from(rows.saturating_sub(1)).saturating_mul(stride).saturating_add(u64::from(row_bytes))
+    };
+    match *instr {
+        Instr::DmaCopy { src, dst, rows, row_bytes, src_stride, dst_stride } => [
+            sp(src, strided(rows, row_bytes, src_stride)),
+            sp(dst, strided(rows, row_bytes, dst_stride)),
+            (0, 0, 0),
+        ],
+        Instr::DmaGather { table, indices, dst, count, row_bytes, table_rows } => [
+            sp(table, u64::from(table_rows).saturating_mul(u64::from(row_bytes))),
+            sp(vnpu_abi::Addr::sram(indices), u64::from(count).saturating_mul(4)),
+            sp(vnpu_abi::Addr::sram(dst), u64::from(count).saturating_mul(u64::from(row_bytes))),
+        ],
+        _ => [(0, 0, 0); 3],
+    }
+}
+
+/// Whether two transfers touch a common byte (conservatively: any overlap
+/// of their bounding ranges in one space).
+fn spans_meet(a: &[Span; 3], b: &[Span; 3]) -> bool {
+    a.iter().any(|x| x.0 != 0 && b.iter().any(|y| y.0 == x.0 && x.1 < y.2 && y.1 < x.2))
 }
 
 /// A flow of [`max_min_rates`]: its own cap (a transfer's rate alone, at
@@ -309,6 +347,8 @@ pub struct CoreSim<'c, J> {
     now: f64,
     slots: Vec<Option<Slot<J>>>,
     runs: Vec<Run>,
+    /// The id of the next transfer run (`Run::transfer_of`).
+    next_transfer: u64,
     /// Shares of HBM bandwidth under `hbm.partition = "equal"`.
     shares: usize,
     /// What its tenants contend for (read from a board's first core).
@@ -333,6 +373,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             now: 0.0,
             slots: Vec::new(),
             runs: Vec::new(),
+            next_transfer: 0,
             shares: shares.max(1),
             contention: Contention::default(),
         }
@@ -403,6 +444,8 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     host_bytes: 0,
                 },
                 rate: 0.0,
+                transfer_of: None,
+                in_flight: Vec::new(),
             });
         }
         id
@@ -451,7 +494,10 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         let mut engines = Vec::new();
         self.runs.retain(|r| {
             if r.tenant == id {
-                engines.push(r.stats.clone());
+                // A transfer in flight counts nothing until it lands.
+                if r.transfer_of.is_none() {
+                    engines.push(r.stats.clone());
+                }
                 false
             } else {
                 true
@@ -496,10 +542,12 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
     fn issue(&mut self) -> Vec<Finished<J>> {
         let cfg = self.cfg;
         let now = self.now;
-        let Self { slots, runs, .. } = self;
+        let depth = cfg.dma.in_flight.max(1) as usize;
+        let Self { slots, runs, next_transfer, .. } = self;
         // Issue everything that can issue at `now`, until nothing changes.
         loop {
             let mut progressed = false;
+            let mut spawned = Vec::new();
             for r in runs.iter_mut() {
                 let Some(ts) = slots.get_mut(r.tenant).and_then(Option::as_mut) else {
                     r.state = State::Done;
@@ -524,9 +572,28 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                         }
                     }
                     State::Ready => {
-                        progressed = true;
                         let instr =
                             ts.job.program().streams.get(r.stream).and_then(|s| s.code.get(r.pc)).copied();
+                        // With transfers in flight, a signal, a halt or the
+                        // stream's end waits for all of them (what it
+                        // announces must have landed), and a transfer waits
+                        // while `dma.in_flight` are in flight or one that
+                        // touches its bytes is.
+                        if !r.in_flight.is_empty() {
+                            let blocked = match instr {
+                                None | Some(Instr::Halt) | Some(Instr::Signal { .. }) => true,
+                                Some(Instr::Wait { .. }) => false,
+                                Some(i) => {
+                                    let mine = spans(&i);
+                                    r.in_flight.len() >= depth
+                                        || r.in_flight.iter().any(|(_, s)| spans_meet(s, &mine))
+                                }
+                            };
+                            if blocked {
+                                continue;
+                            }
+                        }
+                        progressed = true;
                         let Some(instr) = instr else {
                             r.state = State::Done;
                             r.finished_at = now;
@@ -608,16 +675,63 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                         if host {
                                             r.stats.host_bytes = r.stats.host_bytes.saturating_add(c.bytes);
                                         }
-                                        let streaming = (now - r.last_transfer_end).abs() <= EPS;
+                                        // The first bytes' latency is hidden
+                                        // when the engine is streaming: its
+                                        // last transfer ended just now, or
+                                        // one of the stream's is in flight.
+                                        let streaming = (now - r.last_transfer_end).abs() <= EPS
+                                            || !r.in_flight.is_empty();
                                         let lat = if streaming { latency } else { latency + first_byte };
-                                        State::Transfer {
-                                            start: now + lat,
-                                            remaining: bytes,
-                                            cap,
-                                            hbm,
-                                            host,
-                                            issued: now,
-                                            ideal: lat + bytes / cap,
+                                        if depth > 1 {
+                                            // Issued asynchronously: the stream
+                                            // is busy for the issue overhead,
+                                            // the transfer goes on as a run of
+                                            // its own (active: its data time;
+                                            // its memory latency overlaps).
+                                            let id = *next_transfer;
+                                            *next_transfer += 1;
+                                            r.in_flight.push((id, spans(&i)));
+                                            r.stats.active_cycles += latency;
+                                            spawned.push(Run {
+                                                tenant: r.tenant,
+                                                stream: r.stream,
+                                                pc: r.pc,
+                                                state: State::Transfer {
+                                                    start: now + lat,
+                                                    remaining: bytes,
+                                                    cap,
+                                                    hbm,
+                                                    host,
+                                                    issued: now + lat,
+                                                    ideal: bytes / cap,
+                                                },
+                                                finished_at: now,
+                                                last_transfer_end: f64::NEG_INFINITY,
+                                                stats: EngineStats {
+                                                    engine: r.stats.engine,
+                                                    instructions: 0,
+                                                    active_cycles: 0.0,
+                                                    stall_cycles: 0.0,
+                                                    flops: 0,
+                                                    bytes: 0,
+                                                    hbm_bytes: 0,
+                                                    host_bytes: 0,
+                                                },
+                                                rate: 0.0,
+                                                transfer_of: Some(id),
+                                                in_flight: Vec::new(),
+                                            });
+                                            State::Busy { until: now + latency }
+                                        } else {
+                                            State::Transfer {
+                                                start: now + lat,
+                                                remaining: bytes,
+                                                cap,
+                                                hbm,
+                                                host,
+                                                issued: now,
+                                                ideal: lat + bytes / cap,
+                                            }
                                         }
                                     }
                                     Occupancy::Sync => State::Ready,
@@ -628,6 +742,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                     State::Busy { .. } | State::Transfer { .. } | State::Done => {}
                 }
             }
+            runs.append(&mut spawned);
             if !progressed {
                 break;
             }
@@ -694,10 +809,25 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
     fn demands(&mut self) -> Vec<Demand> {
         let now = self.now;
         let mut out = Vec::new();
+        // A stream's transfers in flight move their data in issue order
+        // (their memory latencies overlap, their data phases do not): only
+        // the oldest of each stream flows.
+        let mut oldest: Vec<(usize, usize, u64)> = Vec::new();
+        for r in &self.runs {
+            if let (Some(id), State::Transfer { .. }) = (r.transfer_of, r.state) {
+                match oldest.iter_mut().find(|(t, s, _)| *t == r.tenant && *s == r.stream) {
+                    Some(o) => o.2 = o.2.min(id),
+                    None => oldest.push((r.tenant, r.stream, id)),
+                }
+            }
+        }
         for (run, r) in self.runs.iter_mut().enumerate() {
             if let State::Transfer { start, cap, hbm, host, .. } = r.state {
                 r.rate = 0.0;
-                if start <= now + EPS {
+                let first = r.transfer_of.is_none_or(|id| {
+                    oldest.iter().any(|&(t, s, o)| t == r.tenant && s == r.stream && o == id)
+                });
+                if first && start <= now + EPS {
                     out.push(Demand { run, tenant: r.tenant, cap, hbm, host });
                 }
             }
@@ -764,12 +894,36 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                         r.stats.active_cycles += *ideal;
                         r.stats.stall_cycles += (took - *ideal).max(0.0);
                         r.last_transfer_end = now;
-                        r.state = State::Ready;
+                        r.state = if r.transfer_of.is_some() { State::Done } else { State::Ready };
                     } else if flowing {
                         *remaining -= r.rate * (now - prev);
                     }
                 }
                 _ => {}
+            }
+        }
+        // Transfers in flight that are done leave; their stream counts them.
+        let landed: Vec<(usize, usize, u64, f64, f64)> = runs
+            .iter()
+            .filter_map(|r| match (r.transfer_of, r.state) {
+                (Some(id), State::Done) => {
+                    Some((r.tenant, r.stream, id, r.stats.active_cycles, r.stats.stall_cycles))
+                }
+                _ => None,
+            })
+            .collect();
+        if !landed.is_empty() {
+            runs.retain(|r| !(r.transfer_of.is_some() && matches!(r.state, State::Done)));
+            for (tenant, stream, id, active, stall) in landed {
+                let parent = runs
+                    .iter_mut()
+                    .find(|r| r.tenant == tenant && r.stream == stream && r.transfer_of.is_none());
+                if let Some(p) = parent {
+                    p.in_flight.retain(|(i, _)| *i != id);
+                    p.stats.active_cycles += active;
+                    p.stats.stall_cycles += stall;
+                    p.last_transfer_end = now;
+                }
             }
         }
         for ts in slots.iter_mut().flatten() {
