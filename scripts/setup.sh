@@ -15,8 +15,8 @@ if ! command -v qemu-system-x86_64 >/dev/null || ! command -v cpio >/dev/null; t
         echo "setup: install qemu-system-x86 and cpio (Debian packages) for scripts/nested-test.sh" >&2
     fi
 fi
-echo "setup: .venv-onnx with ONNX Runtime (the reference for compiled ONNX models, docs/model-format.md)" >&2
-if [ ! -x .venv-onnx/bin/python ] || ! .venv-onnx/bin/python -c "import onnxruntime, numpy" 2>/dev/null; then
+echo "setup: .venv-onnx with ONNX Runtime (the reference for compiled ONNX models) and onnx (its node tests; docs/model-format.md)" >&2
+if [ ! -x .venv-onnx/bin/python ] || ! .venv-onnx/bin/python -c "import onnxruntime, numpy, onnx" 2>/dev/null; then
     python3 -m venv .venv-onnx
-    .venv-onnx/bin/pip install -q 'onnxruntime==1.32.0' 'numpy==2.4.6'
+    .venv-onnx/bin/pip install -q 'onnxruntime==1.32.0' 'numpy==2.4.6' 'onnx==1.23.2'
 fi

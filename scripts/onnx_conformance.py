@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Writes ONNX's own backend node tests (the conformance suite every
+runtime runs), regenerated from the installed `onnx` package's generators,
+for `device/npu-onnx/tests/conformance.rs` (docs/model-format.md,
+"Conformance").
+
+    .venv-onnx/bin/python scripts/onnx_conformance.py [OUT]   # OUT: target/onnx-node-tests
+
+Each test whose inputs and outputs are all float32 tensors becomes
+OUT/NAME/model.onnx with input_I.npy and output_I.npy (its first data
+set); OUT/index.tsv lists every node test, one per line: name, the
+operator it tests (the first node's op type), opset, the suite's rtol and
+atol, the input names (comma-separated) and, for a test not written (an
+input or output that is not float32), the reason.
+"""
+import os
+import shutil
+import sys
+import warnings
+
+import numpy as np
+import onnx
+import onnx.backend.test.case.node as node_cases
+from onnx import TensorProto
+
+
+def float_tensor(vi) -> bool:
+    t = vi.type
+    return t.HasField("tensor_type") and t.tensor_type.elem_type == TensorProto.FLOAT
+
+
+def main() -> int:
+    out = sys.argv[1] if len(sys.argv) > 1 else "target/onnx-node-tests"
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    os.makedirs(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = node_cases.collect_testcases()
+    index = []
+    for case in cases:
+        if case.kind != "node" or case.model is None or not case.data_sets:
+            continue
+        g = case.model.graph
+        op = g.node[0].op_type if g.node else "?"
+        entry = {"name": case.name, "op": op, "rtol": case.rtol, "atol": case.atol}
+        if not all(float_tensor(v) for v in list(g.input) + list(g.output)):
+            entry["skipped"] = "an input or output is not a float32 tensor"
+            index.append(entry)
+            continue
+        inputs, outputs = case.data_sets[0]
+        if any(not isinstance(a, np.ndarray) for a in list(inputs) + list(outputs)):
+            entry["skipped"] = "an input or output is not a plain array"
+            index.append(entry)
+            continue
+        d = os.path.join(out, case.name)
+        os.makedirs(d)
+        with open(os.path.join(d, "model.onnx"), "wb") as f:
+            f.write(case.model.SerializeToString())
+        for i, a in enumerate(inputs):
+            np.save(os.path.join(d, f"input_{i}.npy"), np.ascontiguousarray(a, dtype=np.float32))
+        for i, a in enumerate(outputs):
+            np.save(os.path.join(d, f"output_{i}.npy"), np.ascontiguousarray(a, dtype=np.float32))
+        entry["inputs"] = [v.name for v in g.input]
+        entry["outputs"] = [v.name for v in g.output]
+        entry["opset"] = max((o.version for o in case.model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+        index.append(entry)
+    with open(os.path.join(out, "index.tsv"), "w") as f:
+        f.write(f"# onnx {onnx.__version__}\n")
+        for e in index:
+            f.write("\t".join([e["name"], e["op"], str(e.get("opset", 0)), repr(float(e["rtol"])),
+                                repr(float(e["atol"])), ",".join(e.get("inputs", [])), e.get("skipped", "")]) + "\n")
+    usable = sum(1 for e in index if "skipped" not in e)
+    print(f"onnx {onnx.__version__}: {len(index)} node tests, {usable} with float32 inputs and outputs -> {out}",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
