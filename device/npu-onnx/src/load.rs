@@ -19,7 +19,7 @@ pub enum LoadError {
     Initializer { name: String, reason: String },
     #[error("graph input `{name}`: {reason}")]
     Input { name: String, reason: String },
-    #[error("the model imports operator set `{domain}` version {version}; only the default domain (ai.onnx, opset 7 to 23) is compiled")]
+    #[error("the model imports operator set `{domain}` version {version}; only the default domain (ai.onnx, opset {MIN_OPSET} to {MAX_OPSET}) is compiled")]
     Opset { domain: String, version: i64 },
 }
 
@@ -234,6 +234,18 @@ fn io(v: &onnx_protobuf::ValueInfoProto) -> Io {
     Io { name: v.name.clone(), dims, elem }
 }
 
+/// Oldest `ai.onnx` operator set compiled.
+pub const MIN_OPSET: i64 = 7;
+/// Newest `ai.onnx` operator set compiled: what onnx 1.23 emits. Of the
+/// operators the compiler implements, only Cast, Constant, Flatten,
+/// Identity, Pad, Reshape, Shape, Squeeze, Transpose and Unsqueeze have a
+/// version newer than 23 (24, 25; Cast also 28), and each of those only
+/// adds element types (float8e8m0, float6, int2, uint2), which the
+/// compiler refuses anyway; Cast's `round_mode` (24) applies only to
+/// float8e8m0 results (read from onnx's own schemas,
+/// `onnx.defs.get_schema`; docs/model-format.md).
+pub const MAX_OPSET: i64 = 28;
+
 /// Reads an ONNX model from its bytes.
 pub fn load(bytes: &[u8]) -> Result<OnnxModel, LoadError> {
     let m = ModelProto::parse_from_bytes(bytes).map_err(|e| LoadError::Protobuf(e.to_string()))?;
@@ -241,7 +253,7 @@ pub fn load(bytes: &[u8]) -> Result<OnnxModel, LoadError> {
     let mut opset = 0;
     for o in &m.opset_import {
         if o.domain.is_empty() || o.domain == "ai.onnx" {
-            if !(7..=23).contains(&o.version) {
+            if !(MIN_OPSET..=MAX_OPSET).contains(&o.version) {
                 return Err(LoadError::Opset { domain: "ai.onnx".into(), version: o.version });
             }
             opset = o.version;
