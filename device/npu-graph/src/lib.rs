@@ -99,6 +99,18 @@ pub enum Act {
     },
     /// `x * min(max(x / 6 + 1/2, 0), 1)`, MobileNetV3's activation.
     HardSwish,
+    /// `|x|`.
+    Abs,
+    /// The natural logarithm.
+    Log,
+    /// Rounding toward `-inf`.
+    Floor,
+    /// Rounding toward `+inf`.
+    Ceil,
+    /// Sine.
+    Sin,
+    /// Cosine.
+    Cos,
 }
 
 impl Act {

@@ -33,6 +33,12 @@ fn act(a: Act, x: f64) -> f64 {
             (x * f64::from(scale) + f64::from(bias)).max(f64::from(lo)).min(f64::from(hi))
         }
         Act::HardSwish => x * (x / 6.0 + 0.5).clamp(0.0, 1.0),
+        Act::Abs => x.abs(),
+        Act::Log => x.ln(),
+        Act::Floor => x.floor(),
+        Act::Ceil => x.ceil(),
+        Act::Sin => x.sin(),
+        Act::Cos => x.cos(),
     }
 }
 

@@ -267,6 +267,12 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Exp => v.push(Instr::VUnary { op: UnOp::Exp, src: y, dst: y, len }),
         Act::Sigmoid => v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: y, len }),
         Act::Tanh => v.push(Instr::VUnary { op: UnOp::Tanh, src: y, dst: y, len }),
+        Act::Abs => v.push(Instr::VUnary { op: UnOp::Abs, src: y, dst: y, len }),
+        Act::Log => v.push(Instr::VUnary { op: UnOp::Log, src: y, dst: y, len }),
+        Act::Floor => v.push(Instr::VUnary { op: UnOp::Floor, src: y, dst: y, len }),
+        Act::Ceil => v.push(Instr::VUnary { op: UnOp::Ceil, src: y, dst: y, len }),
+        Act::Sin => v.push(Instr::VUnary { op: UnOp::Sin, src: y, dst: y, len }),
+        Act::Cos => v.push(Instr::VUnary { op: UnOp::Cos, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {
             if act == Act::Swish {
                 v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });

@@ -259,6 +259,12 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
         UnOp::Sqrt => x.sqrt(),
         UnOp::Erf => libm::erff(x),
         UnOp::GeluErf => gelu_erf(x),
+        UnOp::Abs => x.abs(),
+        UnOp::Log => libm::logf(x),
+        UnOp::Floor => libm::floorf(x),
+        UnOp::Ceil => libm::ceilf(x),
+        UnOp::Sin => libm::sinf(x),
+        UnOp::Cos => libm::cosf(x),
     }
 }
 

@@ -142,9 +142,9 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
         Instr::VUnary { op, len, .. } => {
             let e = u64::from(len);
             let passes = match op {
-                UnOp::Copy | UnOp::Relu | UnOp::Neg => 1.0,
+                UnOp::Copy | UnOp::Relu | UnOp::Neg | UnOp::Abs | UnOp::Floor | UnOp::Ceil => 1.0,
                 UnOp::Recip | UnOp::Sqrt => 2.0,
-                UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => trans,
+                UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid | UnOp::Log | UnOp::Sin | UnOp::Cos => trans,
                 UnOp::Erf => trans + 1.0,
                 UnOp::Gelu | UnOp::GeluErf => trans + 3.0,
             };
@@ -210,9 +210,15 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
 /// thread for longer than its budget. Saturating, like the cycle costs.
 pub fn host_work(instr: &Instr) -> u64 {
     let unary = |op: UnOp| match op {
-        UnOp::Gelu | UnOp::GeluErf | UnOp::Erf | UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid => {
-            TRANSCENDENTAL_UNITS
-        }
+        UnOp::Gelu
+        | UnOp::GeluErf
+        | UnOp::Erf
+        | UnOp::Exp
+        | UnOp::Tanh
+        | UnOp::Sigmoid
+        | UnOp::Log
+        | UnOp::Sin
+        | UnOp::Cos => TRANSCENDENTAL_UNITS,
         _ => VU_ELEMENT_UNITS,
     };
     let window = |n: u32, ho: u32, wo: u32, c: u32, kh: u32, kw: u32| {

@@ -440,7 +440,10 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(binary_const(&n.op, &a, &b)?)])
             }
-            "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" if all_const => {
+            "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"
+            | "Floor" | "Ceil" | "Sin" | "Cos"
+                if all_const =>
+            {
                 let a = self.konst(n, 0)?;
                 self.report.folded += 1;
                 let f: fn(f32) -> f32 = match n.op.as_str() {
@@ -451,6 +454,12 @@ impl Compiler<'_> {
                     "Sigmoid" => |x| 1.0 / (1.0 + (-x).exp()),
                     "Tanh" => f32::tanh,
                     "Exp" => f32::exp,
+                    "Abs" => f32::abs,
+                    "Log" => libm::logf,
+                    "Floor" => libm::floorf,
+                    "Ceil" => libm::ceilf,
+                    "Sin" => libm::sinf,
+                    "Cos" => libm::cosf,
                     _ => libm::erff,
                 };
                 Ok(vec![Val::C(Const {
@@ -461,11 +470,17 @@ impl Compiler<'_> {
             "MatMul" => self.matmul(n),
             "Gemm" => self.gemm(n),
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
-            "Relu" | "Sigmoid" | "Tanh" => {
+            "Relu" | "Sigmoid" | "Tanh" | "Abs" | "Log" | "Floor" | "Ceil" | "Sin" | "Cos" => {
                 Self::only_attrs(n, &[])?;
                 let act = match n.op.as_str() {
                     "Relu" => Act::Relu,
                     "Sigmoid" => Act::Sigmoid,
+                    "Abs" => Act::Abs,
+                    "Log" => Act::Log,
+                    "Floor" => Act::Floor,
+                    "Ceil" => Act::Ceil,
+                    "Sin" => Act::Sin,
+                    "Cos" => Act::Cos,
                     _ => Act::Tanh,
                 };
                 self.activation(n, act)

@@ -155,6 +155,18 @@ small_enum!(
         /// The exact GELU, `x * (1 + erf(x / sqrt 2)) / 2` (ONNX `Gelu`,
         /// PyTorch's default).
         GeluErf = 10,
+        /// `|x|`.
+        Abs = 11,
+        /// The natural logarithm (NaN below 0, `-inf` at 0).
+        Log = 12,
+        /// Rounding toward `-inf`.
+        Floor = 13,
+        /// Rounding toward `+inf`.
+        Ceil = 14,
+        /// Sine (radians).
+        Sin = 15,
+        /// Cosine (radians).
+        Cos = 16,
     }
 );
 small_enum!(
