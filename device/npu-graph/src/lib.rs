@@ -213,6 +213,11 @@ pub enum Op {
     Add { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = act(a * b)`, element-wise over `rows x cols`.
     Mul { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
+    /// VU: `y = act(max(a, b))`, element-wise over `rows x cols` (NaN if
+    /// either is NaN).
+    Max { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
+    /// VU: `y = act(min(a, b))`, element-wise, NaN as for `Max`.
+    Min { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = layernorm(a + b) * gamma + beta` (or `layernorm(a)` when
     /// `b` is `None`), row-wise, `eps` added to the variance.
     AddNorm {
@@ -308,6 +313,8 @@ impl Op {
             Op::GlobalPool { .. } => "GlobalPool",
             Op::Add { .. } => "Add",
             Op::Mul { .. } => "Mul",
+            Op::Max { .. } => "Max",
+            Op::Min { .. } => "Min",
             Op::AddNorm { .. } => "AddNorm",
             Op::ScaleChannels { .. } => "ScaleChannels",
             Op::Attention { .. } => "Attention",
@@ -340,7 +347,10 @@ impl Op {
             }
             Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
             Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => vec![x, y],
-            Op::Add { a, b, y, .. } | Op::Mul { a, b, y, .. } => vec![a.t, b.t, y.t],
+            Op::Add { a, b, y, .. }
+            | Op::Mul { a, b, y, .. }
+            | Op::Max { a, b, y, .. }
+            | Op::Min { a, b, y, .. } => vec![a.t, b.t, y.t],
             Op::AddNorm { a, b, gamma, beta, y, .. } => {
                 [Some(a), b, Some(gamma), Some(beta), Some(y)].into_iter().flatten().collect()
             }
@@ -363,6 +373,8 @@ impl Op {
             | Op::GlobalPool { name, .. }
             | Op::Add { name, .. }
             | Op::Mul { name, .. }
+            | Op::Max { name, .. }
+            | Op::Min { name, .. }
             | Op::AddNorm { name, .. }
             | Op::ScaleChannels { name, .. }
             | Op::Attention { name, .. }

@@ -209,6 +209,22 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                     }
                 }
             }
+            Op::Max { a, b, y, rows, cols, act: ac, .. } | Op::Min { a, b, y, rows, cols, act: ac, .. } => {
+                let max = matches!(op, Op::Max { .. });
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let (p, q) = (get(tensors, a, r, c), get(tensors, b, r, c));
+                        let v = if p.is_nan() || q.is_nan() {
+                            f64::NAN
+                        } else if max {
+                            p.max(q)
+                        } else {
+                            p.min(q)
+                        };
+                        set(tensors, y, r, c, act(ac, v));
+                    }
+                }
+            }
             Op::AddNorm { a, b, gamma, beta, y, rows, cols, eps, .. } => {
                 let n = cols as usize;
                 for r in 0..rows as usize {

@@ -1569,6 +1569,12 @@ impl Lowerer {
             Op::Mul { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Mul, a, b, y, rows, cols, act)?
             }
+            Op::Max { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Max, a, b, y, rows, cols, act)?
+            }
+            Op::Min { ref name, a, b, y, rows, cols, act } => {
+                self.eltwise(name, BinOp::Min, a, b, y, rows, cols, act)?
+            }
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
                 self.add_norm(name, a, b, gamma, beta, y, rows, cols, eps)?
             }
@@ -2172,7 +2178,10 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
         Op::Linear { x, y, .. } => x.t == t || y.t == t,
         Op::Conv { x, y, residual, .. } => x == t || y == t || residual.is_some_and(|r| r.r == t),
         Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => x == t || y == t,
-        Op::Add { a, b, y, .. } | Op::Mul { a, b, y, .. } => a.t == t || b.t == t || y.t == t,
+        Op::Add { a, b, y, .. }
+        | Op::Mul { a, b, y, .. }
+        | Op::Max { a, b, y, .. }
+        | Op::Min { a, b, y, .. } => a.t == t || b.t == t || y.t == t,
         Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => x.t == t || y.t == t,
         _ => false,
     }

@@ -435,7 +435,8 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(gather(&data, &idx, ax)?)])
             }
-            "Add" | "Sub" | "Mul" | "Div" | "Pow" | "Max" | "Min" if all_const => {
+            // (Max and Min take any number of inputs: `variadic` folds them.)
+            "Add" | "Sub" | "Mul" | "Div" | "Pow" if all_const => {
                 let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
                 self.report.folded += 1;
                 Ok(vec![Val::C(binary_const(&n.op, &a, &b)?)])
@@ -470,6 +471,7 @@ impl Compiler<'_> {
             "MatMul" => self.matmul(n),
             "Gemm" => self.gemm(n),
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
+            "Max" | "Min" | "Sum" | "Mean" => self.variadic(n),
             "Relu" | "Sigmoid" | "Tanh" | "Abs" | "Log" | "Floor" | "Ceil" | "Sin" | "Cos" => {
                 Self::only_attrs(n, &[])?;
                 let act = match n.op.as_str() {
@@ -748,10 +750,85 @@ impl Compiler<'_> {
                     "Div" => self.act_op(n, &y, Act::Recip),
                     _ => y,
                 };
+                if matches!(op, "Max" | "Min") {
+                    return Ok(vec![Val::D(self.extremum(n, op == "Max", &x, y.t))]);
+                }
                 Ok(vec![Val::D(self.eltwise(n, matches!(op, "Add" | "Sub"), &x, y.t))])
             }
             (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
         }
+    }
+
+    /// `Max`, `Min`, `Sum`, `Mean` of one or more inputs (numpy
+    /// broadcasting): folded when all are constants, else a chain of
+    /// element-wise operations from the left (`Mean`: the sum scaled by
+    /// `1 / inputs`, one affine pass).
+    fn variadic(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let k = n.inputs.len();
+        if k == 0 || n.inputs.iter().any(String::is_empty) {
+            return Err("needs one or more inputs".into());
+        }
+        let pair_op = match n.op.as_str() {
+            "Max" => "Max",
+            "Min" => "Min",
+            _ => "Add",
+        };
+        let mut acc = self.get(n, 0)?.clone();
+        for i in 1..k {
+            let b = self.get(n, i)?.clone();
+            let step = Node {
+                name: format!("{}#{i}", n.name),
+                op: pair_op.into(),
+                domain: String::new(),
+                inputs: vec![format!("{}#acc{i}", n.name), n.inputs[i].clone()],
+                outputs: vec![format!("{}#acc{}", n.name, i + 1)],
+                attrs: HashMap::new(),
+            };
+            self.vals.insert(step.inputs[0].clone(), acc.clone());
+            acc = match (&acc, &b) {
+                (Val::C(x), Val::C(y)) => {
+                    self.report.folded += 1;
+                    Val::C(binary_const(pair_op, x, y)?)
+                }
+                _ => self.binary(&step)?.swap_remove(0),
+            };
+        }
+        if n.op == "Mean" && k > 1 {
+            let scale = 1.0 / k as f32;
+            acc = match acc {
+                Val::C(c) => Val::C(Const {
+                    shape: c.shape.clone(),
+                    data: Data::F32(c.data.to_f32().into_iter().map(|x| x * scale).collect()),
+                }),
+                Val::D(d) => {
+                    let name = format!("{}#acc{k}", n.name);
+                    self.vals.insert(name.clone(), Val::D(d.clone()));
+                    self.activation_of(n, &name, &d, Act::affine(scale, 0.0))
+                }
+            };
+        }
+        if k == 1 {
+            self.report.aliases += 1;
+        }
+        Ok(vec![acc])
+    }
+
+    /// `max(a, b)` or `min(a, b)` element-wise (`b` stored as `a`).
+    fn extremum(&mut self, n: &Node, max: bool, a: &Dyn, b: TensorId) -> Dyn {
+        let shape = &a.shape;
+        let cols = (*shape.last().unwrap_or(&1)).max(1);
+        let rows = elems(shape) / cols;
+        let y = self.act_tensor(&n.name, elems(shape));
+        let (av, bv, yv) =
+            (View::dense(a.t, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
+        let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
+        self.g.ops.push(if max {
+            Op::Max { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
+        } else {
+            Op::Min { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
+        });
+        Dyn::new(y, shape.to_vec(), Some(self.g.ops.len() - 1), a.nhwc)
     }
 
     /// `Pow` of a computed tensor by a constant scalar exponent that the
@@ -799,6 +876,13 @@ impl Compiler<'_> {
         let d = self.computed(n, i)?;
         let d = if d.shape == shape { d } else { self.broadcast_to(&n.name, &d, shape, d.nhwc)? };
         let mut v = c.data.to_f32();
+        if matches!(op, "Max" | "Min") {
+            // The constant, broadcast and stored as `d` is.
+            let full = expand(&v, &c.shape, shape);
+            let full = if d.nhwc { nchw_to_nhwc(&full, shape) } else { full };
+            let ct = self.weight(&format!("{}.c", n.name), full, Init::Bias);
+            return Ok(vec![Val::D(self.extremum(n, op == "Max", &d, ct))]);
+        }
         // c - x = (-x) + c, c / x = (1/x) * c
         let d = match op {
             "Sub" if swapped => self.act_op(n, &d, Act::affine(-1.0, 0.0)),
@@ -873,6 +957,8 @@ impl Compiler<'_> {
                 Op::Linear { act, .. }
                 | Op::Add { act, .. }
                 | Op::Mul { act, .. }
+                | Op::Max { act, .. }
+                | Op::Min { act, .. }
                 | Op::Conv { act, .. }
                 | Op::Depthwise { act, .. }
                 | Op::BatchMatMul { act, .. }

@@ -88,3 +88,36 @@ fn a_rank_0_output_is_refused_at_compile_time() {
     let e = compile(&one_node(13, n, vec![], &[]), &opts).unwrap_err().to_string();
     assert!(e.contains("rank 0"), "{e}");
 }
+
+/// `op` over X (computed, 1 x 3), a constant C (3) and X again: the
+/// variadic operators fold every input, constant or not, left to right.
+fn variadic(op: &str, x: &[f32]) -> Vec<f32> {
+    let n = node(op, "v", &["X", "C", "X2"], &["Y"], vec![]);
+    let neg = node("Neg", "neg", &["X"], &["X2"], vec![]);
+    let mut g = GraphProto::new();
+    g.name = "variadic".into();
+    g.initializer = vec![tensor("C", &[3], &[0.5, -1.0, 2.0])];
+    g.input = vec![value("X", &[0, 3])];
+    g.output = vec![value("Y", &[0, 3])];
+    g.node = vec![neg, n];
+    let bytes = model_at(g, 13).write_to_bytes().unwrap();
+    let (board, opts) = options(1, DType::F32);
+    let compiled = compile(&bytes, &opts).unwrap();
+    let mut r = HostRunner::new(&board, &compiled.model).unwrap();
+    r.infer(&[x]).unwrap().0.remove(0)
+}
+
+/// Max, Min, Sum and Mean of three inputs (X, a constant, -X), worked
+/// out by hand; a NaN in X makes the Max and Min NaN (numpy's maximum).
+#[test]
+fn variadic_max_min_sum_mean_take_every_input() {
+    let x = [1.0, 3.0, f32::NAN];
+    let bits = |v: Vec<f32>| v.iter().map(|f| if f.is_nan() { u32::MAX } else { f.to_bits() }).collect::<Vec<_>>();
+    let nan = f32::NAN;
+    assert_eq!(bits(variadic("Max", &x)), bits(vec![1.0, 3.0, nan]));
+    assert_eq!(bits(variadic("Min", &x)), bits(vec![-1.0, -3.0, nan]));
+    assert_eq!(bits(variadic("Sum", &x)), bits(vec![0.5, -1.0, nan]));
+    let mean = variadic("Mean", &[3.0, 6.0, 0.0]);
+    let want = [0.5 / 3.0, -1.0 / 3.0, 2.0 / 3.0];
+    assert!(mean.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6), "{mean:?}");
+}
