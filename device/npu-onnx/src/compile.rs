@@ -472,6 +472,7 @@ impl Compiler<'_> {
             "Gemm" => self.gemm(n),
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
             "Max" | "Min" | "Sum" | "Mean" => self.variadic(n),
+            "LeakyRelu" | "Elu" | "Selu" | "Celu" | "Softplus" | "Softsign" | "PRelu" => self.composite(n),
             "Relu" | "Sigmoid" | "Tanh" | "Abs" | "Log" | "Floor" | "Ceil" | "Sin" | "Cos" => {
                 Self::only_attrs(n, &[])?;
                 let act = match n.op.as_str() {
@@ -812,6 +813,86 @@ impl Compiler<'_> {
             self.report.aliases += 1;
         }
         Ok(vec![acc])
+    }
+
+    /// Activations the VU has no single operation for, spelled with the
+    /// ones it has, each exactly as ONNX defines it for every input:
+    /// `LeakyRelu` = `relu(x) + alpha min(x, 0)`; `Elu` = `relu(x) +
+    /// alpha (exp(min(x, 0)) - 1)`; `Selu` = `gamma` times Elu's form;
+    /// `Celu` = `relu(x) + alpha (exp(min(x, 0) / alpha) - 1)` (only
+    /// `alpha` above 0); `Softplus` = `log(exp(x) + 1)`; `Softsign` = `x / (1 + |x|)`
+    /// (a reciprocal and a product); `PRelu` = `relu(x) + slope min(x, 0)`
+    /// (the slope broadcast as `Mul` broadcasts it).
+    fn composite(&mut self, n: &Node) -> NodeResult {
+        let op = n.op.as_str();
+        let attrs: &[&str] = match op {
+            "LeakyRelu" | "Elu" | "Celu" => &["alpha"],
+            "Selu" => &["alpha", "gamma"],
+            _ => &[],
+        };
+        Self::only_attrs(n, attrs)?;
+        let x = self.computed(n, 0)?;
+        let neg = Act::Clamp { scale: 1.0, bias: 0.0, lo: f32::MIN, hi: 0.0 };
+        let y = match op {
+            "LeakyRelu" => {
+                let alpha = Self::float_attr(n, "alpha", 0.01)?;
+                let m = self.act_op(n, &x, neg);
+                let m = self.act_op(n, &m, Act::affine(alpha, 0.0));
+                let p = self.act_op(n, &x, Act::Relu);
+                self.eltwise(n, true, &p, m.t)
+            }
+            "Elu" | "Selu" | "Celu" => {
+                let alpha = Self::float_attr(n, "alpha", if op == "Selu" { 1.673_263_2 } else { 1.0 })?;
+                let gamma = if op == "Selu" { Self::float_attr(n, "gamma", 1.050_701)? } else { 1.0 };
+                if op == "Celu" && alpha.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+                    return Err(format!("alpha = {alpha} is not supported (only alpha > 0)"));
+                }
+                let m = self.act_op(n, &x, neg);
+                let m = if op == "Celu" { self.act_op(n, &m, Act::affine(1.0 / alpha, 0.0)) } else { m };
+                let e = self.act_op(n, &m, Act::Exp);
+                let k = alpha * gamma;
+                let t = self.act_op(n, &e, Act::affine(k, -k));
+                let p = self.act_op(n, &x, Act::Relu);
+                let p = if gamma == 1.0 { p } else { self.act_op(n, &p, Act::affine(gamma, 0.0)) };
+                self.eltwise(n, true, &p, t.t)
+            }
+            "Softplus" => {
+                let e = self.act_op(n, &x, Act::Exp);
+                let e = self.act_op(n, &e, Act::affine(1.0, 1.0));
+                self.act_op(n, &e, Act::Log)
+            }
+            "Softsign" => {
+                let a = self.act_op(n, &x, Act::Abs);
+                let a = self.act_op(n, &a, Act::affine(1.0, 1.0));
+                let r = self.act_op(n, &a, Act::Recip);
+                self.eltwise(n, false, &x, r.t)
+            }
+            _ => {
+                // PRelu: `slope * min(x, 0)` as a `Mul` node would compute it.
+                let m = self.act_op(n, &x, neg);
+                let name = format!("{}#neg", n.name);
+                self.vals.insert(name.clone(), Val::D(m));
+                let slope = n.inputs.get(1).cloned().ok_or("input 1 (the slope) is missing")?;
+                let step = Node {
+                    name: format!("{}#slope", n.name),
+                    op: "Mul".into(),
+                    domain: String::new(),
+                    inputs: vec![name, slope],
+                    outputs: vec![],
+                    attrs: HashMap::new(),
+                };
+                let Val::D(s) = self.binary(&step)?.swap_remove(0) else {
+                    return Err("the slope product folded to a constant".into());
+                };
+                if s.shape != x.shape {
+                    return Err(format!("a slope of shape broadcasting x {:?} to {:?}", x.shape, s.shape));
+                }
+                let p = self.act_op(n, &x, Act::Relu);
+                let (p, s) = self.same_layout(n, p, s)?;
+                self.eltwise(n, true, &p, s.t)
+            }
+        };
+        Ok(vec![Val::D(y)])
     }
 
     /// `max(a, b)` or `min(a, b)` element-wise (`b` stored as `a`).

@@ -112,7 +112,8 @@ fn variadic(op: &str, x: &[f32]) -> Vec<f32> {
 #[test]
 fn variadic_max_min_sum_mean_take_every_input() {
     let x = [1.0, 3.0, f32::NAN];
-    let bits = |v: Vec<f32>| v.iter().map(|f| if f.is_nan() { u32::MAX } else { f.to_bits() }).collect::<Vec<_>>();
+    let bits =
+        |v: Vec<f32>| v.iter().map(|f| if f.is_nan() { u32::MAX } else { f.to_bits() }).collect::<Vec<_>>();
     let nan = f32::NAN;
     assert_eq!(bits(variadic("Max", &x)), bits(vec![1.0, 3.0, nan]));
     assert_eq!(bits(variadic("Min", &x)), bits(vec![-1.0, -3.0, nan]));
