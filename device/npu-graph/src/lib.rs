@@ -9,7 +9,7 @@
 
 pub mod reference;
 
-pub use vnpu_abi::PoolOp;
+pub use vnpu_abi::{PoolOp, RedOp};
 
 /// Index of a tensor in [`Graph::tensors`].
 pub type TensorId = usize;
@@ -209,6 +209,10 @@ pub enum Op {
     Pool { name: String, x: TensorId, y: TensorId, batch: u32, s: Spatial, c: u32, op: PoolOp },
     /// VU: mean over all pixels of each image: `[batch][hw][c] -> [batch][c]`.
     GlobalPool { name: String, x: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
+    /// VU: the sum, maximum or mean over the middle axis,
+    /// `[outer][reduce][inner] -> [outer][inner]` (a maximum is NaN if
+    /// any element is).
+    Reduce { name: String, op: RedOp, x: TensorId, y: TensorId, outer: u32, reduce: u32, inner: u32 },
     /// VU: `y = act(a + b)`, element-wise over `rows x cols`.
     Add { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = act(a * b)`, element-wise over `rows x cols`.
@@ -311,6 +315,7 @@ impl Op {
             Op::Pool { op: PoolOp::Max, .. } => "MaxPool",
             Op::Pool { op: PoolOp::Avg, .. } => "AvgPool",
             Op::GlobalPool { .. } => "GlobalPool",
+            Op::Reduce { .. } => "Reduce",
             Op::Add { .. } => "Add",
             Op::Mul { .. } => "Mul",
             Op::Max { .. } => "Max",
@@ -346,7 +351,7 @@ impl Op {
                 [Some(x), Some(w), Some(b), residual.map(|r| r.r), Some(y)].into_iter().flatten().collect()
             }
             Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
-            Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => vec![x, y],
+            Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } | Op::Reduce { x, y, .. } => vec![x, y],
             Op::Add { a, b, y, .. }
             | Op::Mul { a, b, y, .. }
             | Op::Max { a, b, y, .. }
@@ -371,6 +376,7 @@ impl Op {
             | Op::Depthwise { name, .. }
             | Op::Pool { name, .. }
             | Op::GlobalPool { name, .. }
+            | Op::Reduce { name, .. }
             | Op::Add { name, .. }
             | Op::Mul { name, .. }
             | Op::Max { name, .. }

@@ -3,7 +3,7 @@
 
 use vnpu_abi::DType;
 
-use crate::{Act, Graph, Op, PoolOp, View};
+use crate::{Act, Graph, Op, PoolOp, RedOp, View};
 
 /// An SA operand as the SA reads it: unchanged for f32, rounded to the
 /// nearest bf16 (ties to even) for bf16.
@@ -190,6 +190,26 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                             .map(|p| f64::from(tensors[x][(img * hw as usize + p) * c as usize + ch]))
                             .sum();
                         tensors[y][img * c as usize + ch] = (s / f64::from(hw)) as f32;
+                    }
+                }
+            }
+            Op::Reduce { op: rop, x, y, outer, reduce, inner, .. } => {
+                let (outer, reduce, inner) = (outer as usize, reduce as usize, inner as usize);
+                for o in 0..outer {
+                    for i in 0..inner {
+                        let v = (0..reduce).map(|r| f64::from(tensors[x][(o * reduce + r) * inner + i]));
+                        let out = match rop {
+                            RedOp::Sum => v.sum(),
+                            RedOp::Mean => v.sum::<f64>() / reduce.max(1) as f64,
+                            RedOp::Max => v.fold(f64::NEG_INFINITY, |m, e| {
+                                if m.is_nan() || e.is_nan() {
+                                    f64::NAN
+                                } else {
+                                    m.max(e)
+                                }
+                            }),
+                        };
+                        tensors[y][o * inner + i] = out as f32;
                     }
                 }
             }

@@ -1562,7 +1562,12 @@ impl Lowerer {
                 self.conv(name, x, w, b, y, batch, s, c, c, act, Conv::Depthwise)?
             }
             Op::Pool { ref name, x, y, batch, s, c, op } => self.pool_op(name, x, y, batch, s, c, op)?,
-            Op::GlobalPool { ref name, x, y, batch, hw, c } => self.global_pool(name, x, y, batch, hw, c)?,
+            Op::GlobalPool { ref name, x, y, batch, hw, c } => {
+                self.global_pool(name, RedOp::Mean, x, y, batch, hw, c)?
+            }
+            Op::Reduce { ref name, op, x, y, outer, reduce, inner } => {
+                self.global_pool(name, op, x, y, outer, reduce, inner)?
+            }
             Op::Add { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Add, a, b, y, rows, cols, act)?
             }
@@ -1639,9 +1644,11 @@ impl Lowerer {
     }
 
     /// Lowers one `GlobalPool` operation.
+    #[allow(clippy::too_many_arguments)]
     fn global_pool(
         &mut self,
         name: &str,
+        op: RedOp,
         x: TensorId,
         y: TensorId,
         batch: u32,
@@ -1649,7 +1656,7 @@ impl Lowerer {
         c: u32,
     ) -> Result<(), LowerError> {
         self.image_tiles(name, x, y, batch, u64::from(hw) * u64::from(c), c.into(), |r, src, dst| {
-            vec![Instr::VReduce { op: RedOp::Mean, src, dst, outer: r, reduce: hw, inner: c }]
+            vec![Instr::VReduce { op, src, dst, outer: r, reduce: hw, inner: c }]
         })?;
         Ok(())
     }
@@ -2177,7 +2184,7 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
     match *op {
         Op::Linear { x, y, .. } => x.t == t || y.t == t,
         Op::Conv { x, y, residual, .. } => x == t || y == t || residual.is_some_and(|r| r.r == t),
-        Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } => x == t || y == t,
+        Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } | Op::Reduce { x, y, .. } => x == t || y == t,
         Op::Add { a, b, y, .. }
         | Op::Mul { a, b, y, .. }
         | Op::Max { a, b, y, .. }

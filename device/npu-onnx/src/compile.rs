@@ -513,7 +513,8 @@ impl Compiler<'_> {
             }
             "Transpose" => self.transpose(n),
             "LayerNormalization" => self.layer_norm(n),
-            "ReduceMean" => self.reduce_mean(n),
+            "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceL1" | "ReduceL2"
+            | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => self.reduce_mean(n),
             "Conv" => self.conv(n),
             "BatchNormalization" => self.batch_norm(n),
             "MaxPool" | "AveragePool" => self.pool(n),

@@ -37,6 +37,8 @@ struct Case {
     atol: f64,
     inputs: Vec<String>,
     skipped: Option<String>,
+    /// Its integer inputs were made constants of the model (counted apart).
+    consts: bool,
 }
 
 fn parse(line: &str) -> Option<Case> {
@@ -51,6 +53,7 @@ fn parse(line: &str) -> Option<Case> {
         atol: f[4].parse().ok()?,
         inputs: f[5].split(',').filter(|s| !s.is_empty()).map(String::from).collect(),
         skipped: (!f[6].is_empty()).then(|| f[6].to_string()),
+        consts: f.get(7).is_some_and(|x| *x == "consts"),
     })
 }
 
@@ -133,8 +136,9 @@ fn onnx_node_tests_give_no_wrong_answer() {
         return;
     };
     let version = index.lines().next().unwrap_or("").trim_start_matches("# ").to_string();
-    // op -> (passed, wrong, refused, not float32)
-    let mut per_op: BTreeMap<String, [usize; 4]> = BTreeMap::new();
+    // op -> (passed, wrong, refused, skipped, and passed, wrong, refused
+    // of the tests whose integer inputs were made constants)
+    let mut per_op: BTreeMap<String, [usize; 7]> = BTreeMap::new();
     let mut wrong = Vec::new();
     let mut refusals: BTreeMap<String, usize> = BTreeMap::new();
     for c in index.lines().filter_map(parse) {
@@ -145,38 +149,48 @@ fn onnx_node_tests_give_no_wrong_answer() {
         }
         let outcome = std::panic::catch_unwind(|| run_case(&dir, &c))
             .unwrap_or_else(|_| Outcome::Wrong("panicked".into()));
+        let k = if c.consts { 4 } else { 0 };
         match outcome {
-            Outcome::Passed => row[0] += 1,
+            Outcome::Passed => row[k] += 1,
             Outcome::Wrong(why) => {
-                row[1] += 1;
+                row[k + 1] += 1;
                 wrong.push(format!("{} ({}): {why}", c.name, c.op));
             }
             Outcome::Refused(why) => {
-                row[2] += 1;
+                row[k + 2] += 1;
                 // The reason without the node's name, to count alike ones.
                 let key = why.split_once("): ").map_or(why.as_str(), |(_, r)| r).to_string();
                 *refusals.entry(format!("{}: {key}", c.op)).or_default() += 1;
             }
         }
     }
-    let total = per_op.values().fold([0usize; 4], |mut a, r| {
-        (0..4).for_each(|i| a[i] += r[i]);
+    let total = per_op.values().fold([0usize; 7], |mut a, r| {
+        (0..7).for_each(|i| a[i] += r[i]);
         a
     });
     let mut report = format!(
-        "ONNX backend node tests ({version}): {} tests; float32 inputs and outputs: {}; passed {}, wrong {}, refused {}\n\n",
-        total.iter().sum::<usize>(),
+        "ONNX backend node tests ({version}): {} tests\n\
+         float32 inputs and outputs: {}: passed {}, wrong {}, refused {}\n\
+         integer inputs made constants: {}: passed {}, wrong {}, refused {}\n\n",
+        per_op.values().map(|r| r[0] + r[1] + r[2] + r[3] + r[4] + r[5] + r[6]).sum::<usize>(),
         total[0] + total[1] + total[2],
         total[0],
         total[1],
-        total[2]
+        total[2],
+        total[4] + total[5] + total[6],
+        total[4],
+        total[5],
+        total[6]
     );
     report.push_str(&format!(
-        "{:<28} {:>6} {:>6} {:>7} {:>9}\n",
-        "op", "passed", "wrong", "refused", "not f32"
+        "{:<28} {:>6} {:>6} {:>7} {:>9}   {:>6} {:>6} {:>7}  (integer inputs made constants)\n",
+        "op", "passed", "wrong", "refused", "skipped", "passed", "wrong", "refused"
     ));
     for (op, r) in &per_op {
-        report.push_str(&format!("{op:<28} {:>6} {:>6} {:>7} {:>9}\n", r[0], r[1], r[2], r[3]));
+        report.push_str(&format!(
+            "{op:<28} {:>6} {:>6} {:>7} {:>9}   {:>6} {:>6} {:>7}\n",
+            r[0], r[1], r[2], r[3], r[4], r[5], r[6]
+        ));
     }
     report.push_str("\nwrong:\n");
     for w in &wrong {

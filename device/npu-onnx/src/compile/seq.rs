@@ -9,7 +9,7 @@
 //! written by the product itself, and anything else that needs dense data
 //! gets it from [`Compiler::materialize`] (strided DMA copies).
 
-use npu_graph::{Act, Init, Op, TensorId, View};
+use npu_graph::{Act, Init, Op, RedOp, TensorId, View};
 
 use super::{axis, elems, Compiler, Dyn, NodeResult, Val};
 use crate::load::{Attr, Node};
@@ -372,6 +372,11 @@ impl Compiler<'_> {
 
     /// `ReduceMean` over one run of adjacent axes (the pixels of a
     /// channels-last image, or any adjacent axes of a dense tensor).
+    /// `ReduceMean`, `ReduceSum`, `ReduceMax`, `ReduceMin`, `ReduceL1`,
+    /// `ReduceL2`, `ReduceSumSquare`, `ReduceLogSum`, `ReduceLogSumExp`
+    /// over adjacent axes: a `vu.reduce` (mean, sum or max) with the
+    /// element-wise steps around it that make the others (`min = -max(-x)`,
+    /// `|x|`, `x * x`, `exp` before; `sqrt`, `log`, negation after).
     pub(super) fn reduce_mean(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
         let x = self.computed_view(n, 0)?;
@@ -409,16 +414,38 @@ impl Compiler<'_> {
             let s = x.shape.clone();
             (x, elems(&s[..first]), elems(&s[first..=last]), elems(&s[last + 1..]), false)
         };
-        let y = self.act_tensor(&n.name, outer * inner);
-        self.g.ops.push(Op::GlobalPool {
-            name: n.name.clone(),
-            x: x.t,
-            y,
-            batch: u32_of(outer, "rows")?,
-            hw: u32_of(hw, "reduced elements")?,
-            c: u32_of(inner, "columns")?,
+        let (outer, hw, inner) =
+            (u32_of(outer, "rows")?, u32_of(hw, "reduced elements")?, u32_of(inner, "columns")?);
+        let op = n.op.as_str();
+        // The element-wise step before the reduction, the reduction, the step after.
+        let (pre, red, post) = match op {
+            "ReduceMean" => (None, RedOp::Mean, None),
+            "ReduceSum" => (None, RedOp::Sum, None),
+            "ReduceMax" => (None, RedOp::Max, None),
+            "ReduceMin" => (Some(Act::affine(-1.0, 0.0)), RedOp::Max, Some(Act::affine(-1.0, 0.0))),
+            "ReduceL1" => (Some(Act::Abs), RedOp::Sum, None),
+            "ReduceL2" => (None, RedOp::Sum, Some(Act::Sqrt)),
+            "ReduceSumSquare" => (None, RedOp::Sum, None),
+            "ReduceLogSum" => (None, RedOp::Sum, Some(Act::Log)),
+            _ => (Some(Act::Exp), RedOp::Sum, Some(Act::Log)),
+        };
+        let x = match pre {
+            Some(a) => self.act_op(n, &x, a),
+            None if matches!(op, "ReduceL2" | "ReduceSumSquare") => self.eltwise(n, false, &x, x.t),
+            None => x,
+        };
+        let y = self.act_tensor(&n.name, outer as usize * inner as usize);
+        let name = n.name.clone();
+        self.g.ops.push(if red == RedOp::Mean {
+            Op::GlobalPool { name, x: x.t, y, batch: outer, hw, c: inner }
+        } else {
+            Op::Reduce { name, op: red, x: x.t, y, outer, reduce: hw, inner }
         });
-        Ok(vec![Val::D(Dyn::new(y, out_shape, None, nhwc))])
+        let y = Dyn::new(y, out_shape, None, nhwc);
+        Ok(vec![Val::D(match post {
+            Some(a) => self.act_op(n, &y, a),
+            None => y,
+        })])
     }
 
     /// `Gelu`'s activation: exact (`approximate = "none"`) or tanh.
