@@ -374,8 +374,17 @@ impl Compiler<'_> {
                 self.report.aliases += 1;
                 Ok(vec![self.get(n, 0)?.clone()])
             }
-            "Cast" => {
-                let to = Self::int_attr(n, "to", 1)?;
+            "Cast" | "CastLike" => {
+                let to = if n.op == "CastLike" {
+                    Self::only_attrs(n, &["saturate"])?;
+                    // The type of the second input: computed tensors are f32.
+                    match self.get(n, 1)? {
+                        Val::C(Const { data: Data::I64(_), .. }) => 7,
+                        _ => 1,
+                    }
+                } else {
+                    Self::int_attr(n, "to", 1)?
+                };
                 let v = self.get(n, 0)?.clone();
                 match &v {
                     Val::C(_) => self.report.folded += 1,
@@ -402,6 +411,62 @@ impl Compiler<'_> {
                 let v: Vec<i64> = s[start..end.max(start)].iter().map(|&d| d as i64).collect();
                 self.report.folded += 1;
                 Ok(vec![Val::C(Const { shape: vec![v.len()], data: Data::I64(v) })])
+            }
+            "Size" => {
+                Self::only_attrs(n, &[])?;
+                let s = self.shape_of(n, 0)?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(Const { shape: vec![], data: Data::I64(vec![elems(&s) as i64]) })])
+            }
+            "ConstantOfShape" => {
+                Self::only_attrs(n, &["value"])?;
+                let dims = self.konst(n, 0)?.data.to_i64();
+                let shape: Vec<usize> = dims
+                    .iter()
+                    .map(|&d| usize::try_from(d).map_err(|_| format!("dimension {d} is negative")))
+                    .collect::<Result<_, _>>()?;
+                let count =
+                    shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).filter(|&c| c <= MAX_FOLDED);
+                let count = count
+                    .ok_or(format!("a constant of shape {shape:?} (more than {MAX_FOLDED} elements)"))?;
+                let data = match n.attrs.get("value") {
+                    None => Data::F32(vec![0.0; count]),
+                    Some(Attr::Tensor(c)) if c.data.len() == 1 => match &c.data {
+                        Data::F32(v) => Data::F32(vec![v[0]; count]),
+                        Data::I64(v) => Data::I64(vec![v[0]; count]),
+                    },
+                    Some(_) => return Err("attribute `value` must be a one-element tensor".into()),
+                };
+                self.report.folded += 1;
+                Ok(vec![Val::C(Const { shape, data })])
+            }
+            "Range" => {
+                Self::only_attrs(n, &[])?;
+                let (a, b, d) = (self.konst(n, 0)?, self.konst(n, 1)?, self.konst(n, 2)?);
+                if [&a, &b, &d].iter().any(|c| c.data.len() != 1) {
+                    return Err("start, limit and delta must be scalars".into());
+                }
+                let ints = [&a, &b, &d].iter().all(|c| matches!(c.data, Data::I64(_)));
+                let (s, l, st) =
+                    (a.data.to_f32()[0] as f64, b.data.to_f32()[0] as f64, d.data.to_f32()[0] as f64);
+                let count = ((l - s) / st).ceil();
+                if !(count.is_finite() && st != 0.0) {
+                    return Err("delta is 0, or the range is not finite".into());
+                }
+                let count = count.max(0.0) as usize;
+                if count > MAX_FOLDED {
+                    return Err(format!("a range of {count} elements (more than {MAX_FOLDED})"));
+                }
+                let data = if ints {
+                    let (s, st) = (a.data.to_i64()[0], d.data.to_i64()[0]);
+                    Data::I64((0..count as i64).map(|i| s + i * st).collect())
+                } else {
+                    // As ONNX defines it: start + i * delta, in the input's f32.
+                    let (s, st) = (a.data.to_f32()[0], d.data.to_f32()[0]);
+                    Data::F32((0..count).map(|i| s + i as f32 * st).collect())
+                };
+                self.report.folded += 1;
+                Ok(vec![Val::C(Const { shape: vec![count], data })])
             }
             "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
                 let s = self.shape_of(n, 0)?;
@@ -1242,6 +1307,10 @@ pub fn compile(bytes: &[u8], o: &CompileOptions) -> Result<Compiled, CompileErro
     let m = load(bytes)?;
     compile_model(&m, o)
 }
+
+/// Most elements a constant computed at compile time (`ConstantOfShape`,
+/// `Range`) may have: a model cannot make the compiler allocate more.
+const MAX_FOLDED: usize = 1 << 26;
 
 /// A graph input or output: its name, its tensor and its ONNX shape.
 type Io = (String, TensorId, Vec<usize>);

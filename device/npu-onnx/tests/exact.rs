@@ -122,3 +122,62 @@ fn variadic_max_min_sum_mean_take_every_input() {
     let want = [0.5 / 3.0, -1.0 / 3.0, 2.0 / 3.0];
     assert!(mean.iter().zip(want).all(|(a, b)| (a - b).abs() <= 1e-6), "{mean:?}");
 }
+
+/// `X + ConstantOfShape(S)` where `S` is a constant shape: the constant
+/// is folded (a model cannot make the compiler allocate without bound:
+/// a shape of more than 2^26 elements or a negative dimension is refused
+/// by name), and `Range` with a zero step is refused.
+#[test]
+fn constants_of_shape_and_ranges_are_folded_within_bounds() {
+    let run = |shape: &[i64]| {
+        let mut v = common::attr_f("value", 0.0);
+        v.type_ = onnx_protobuf::attribute_proto::AttributeType::TENSOR.into();
+        v.t = protobuf::MessageField::some(tensor("v", &[1], &[2.5]));
+        let mut g = GraphProto::new();
+        g.name = "cos".into();
+        g.initializer = vec![common::int_tensor("S", &[shape.len() as i64], shape)];
+        g.input = vec![value("X", &[0, 3])];
+        g.output = vec![value("Y", &[0, 3])];
+        g.node = vec![
+            node("ConstantOfShape", "c", &["S"], &["C"], vec![v]),
+            node("Add", "add", &["X", "C"], &["Y"], vec![]),
+        ];
+        let bytes = model_at(g, 13).write_to_bytes().unwrap();
+        let (board, opts) = options(1, DType::F32);
+        compile(&bytes, &opts).map(|c| {
+            let mut r = HostRunner::new(&board, &c.model).unwrap();
+            r.infer(&[&[1.0, 2.0, 3.0]]).unwrap().0.remove(0)
+        })
+    };
+    assert_eq!(run(&[1, 3]).unwrap(), vec![3.5, 4.5, 5.5]);
+    let big = run(&[1 << 20, 1 << 20]).map(|_| ()).unwrap_err().to_string();
+    assert!(big.contains("more than"), "{big}");
+    let neg = run(&[-1, 3]).map(|_| ()).unwrap_err().to_string();
+    assert!(neg.contains("negative"), "{neg}");
+
+    let range = |delta: i64| {
+        let mut g = GraphProto::new();
+        g.name = "range".into();
+        g.initializer = vec![
+            common::int_tensor("A", &[], &[0]),
+            common::int_tensor("B", &[], &[3]),
+            common::int_tensor("D", &[], &[delta]),
+        ];
+        g.input = vec![value("X", &[0, 3])];
+        g.output = vec![value("Y", &[0, 3])];
+        g.node = vec![
+            node("Range", "r", &["A", "B", "D"], &["R"], vec![]),
+            node("Cast", "c", &["R"], &["F"], vec![common::attr_i("to", 1)]),
+            node("Add", "add", &["X", "F"], &["Y"], vec![]),
+        ];
+        let bytes = model_at(g, 13).write_to_bytes().unwrap();
+        let (board, opts) = options(1, DType::F32);
+        compile(&bytes, &opts).map(|c| {
+            let mut r = HostRunner::new(&board, &c.model).unwrap();
+            r.infer(&[&[1.0, 2.0, 3.0]]).unwrap().0.remove(0)
+        })
+    };
+    assert_eq!(range(1).unwrap(), vec![1.0, 3.0, 5.0]);
+    let zero = range(0).map(|_| ()).unwrap_err().to_string();
+    assert!(zero.contains("delta is 0"), "{zero}");
+}

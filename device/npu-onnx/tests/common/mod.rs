@@ -108,3 +108,13 @@ pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
     (board, CompileOptions { shape, batch, shapes: HashMap::new(), outputs: None, dtype })
 }
+
+/// An int64 initializer.
+pub fn int_tensor(name: &str, dims: &[i64], v: &[i64]) -> TensorProto {
+    let mut t = TensorProto::new();
+    t.name = name.into();
+    t.dims = dims.to_vec();
+    t.data_type = DataType::INT64.value();
+    t.int64_data = v.to_vec();
+    t
+}
