@@ -537,6 +537,8 @@ impl Compiler<'_> {
             "Gemm" => self.gemm(n),
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
             "Max" | "Min" | "Sum" | "Mean" => self.variadic(n),
+            "Split" => self.split(n),
+            "Expand" => self.expand_node(n),
             "LeakyRelu" | "Elu" | "Selu" | "Celu" | "Softplus" | "Softsign" | "PRelu" => self.composite(n),
             "Relu" | "Sigmoid" | "Tanh" | "Abs" | "Log" | "Floor" | "Ceil" | "Sin" | "Cos" => {
                 Self::only_attrs(n, &[])?;
@@ -959,6 +961,98 @@ impl Compiler<'_> {
             }
         };
         Ok(vec![Val::D(y)])
+    }
+
+    /// `Split` along one axis into the outputs' sizes (the `split` input
+    /// or attribute; else equal parts, the last smaller when the axis does
+    /// not divide, as opset 18's `num_outputs` says): one `Slice` each.
+    fn split(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis", "split", "num_outputs"])?;
+        let shape = self.shape_of(n, 0)?;
+        let ax = axis(Self::int_attr(n, "axis", 0)?, shape.len()).ok_or("axis out of range")?;
+        let (dim, k) = (shape[ax], n.outputs.len());
+        let listed = match Self::ints_attr(n, "split")? {
+            Some(s) => Some(s),
+            None => self.const_ints(n, 1, "split")?,
+        };
+        let sizes: Vec<usize> = match listed {
+            Some(s) => s
+                .iter()
+                .map(|&v| usize::try_from(v).map_err(|_| format!("a negative split size {v}")))
+                .collect::<Result<_, _>>()?,
+            None => {
+                let part = dim.div_ceil(k.max(1));
+                (0..k).map(|i| part.min(dim.saturating_sub(i * part))).collect()
+            }
+        };
+        if sizes.len() != k || sizes.iter().sum::<usize>() != dim {
+            return Err(format!("sizes {sizes:?} do not split an axis of {dim} into {k} outputs"));
+        }
+        if sizes.contains(&0) {
+            return Err("an empty output (empty tensors are not supported)".into());
+        }
+        let all_const = matches!(self.get(n, 0)?, Val::C(_));
+        let mut out = Vec::with_capacity(k);
+        let mut start = 0i64;
+        for (i, &sz) in sizes.iter().enumerate() {
+            let end = start + sz as i64;
+            let part = Node {
+                name: format!("{}#{i}", n.name),
+                op: "Slice".into(),
+                domain: String::new(),
+                inputs: vec![n.inputs[0].clone()],
+                outputs: vec![n.outputs[i].clone()],
+                attrs: HashMap::from([
+                    ("starts".to_string(), Attr::Ints(vec![start])),
+                    ("ends".to_string(), Attr::Ints(vec![end])),
+                    ("axes".to_string(), Attr::Ints(vec![ax as i64])),
+                ]),
+            };
+            out.push(if all_const {
+                self.report.folded += 1;
+                Val::C(self.slice_const(&part)?)
+            } else {
+                self.slice(&part)?.swap_remove(0)
+            });
+            start = end;
+        }
+        Ok(out)
+    }
+
+    /// `Expand`: numpy broadcasting of the input to the constant shape.
+    fn expand_node(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let want: Vec<usize> = self
+            .konst(n, 1)?
+            .data
+            .to_i64()
+            .iter()
+            .map(|&d| usize::try_from(d).map_err(|_| format!("dimension {d} is negative")))
+            .collect::<Result<_, _>>()?;
+        let s = self.shape_of(n, 0)?;
+        let shape = bcast_shape(&s, &want).ok_or(format!("{s:?} does not broadcast to {want:?}"))?;
+        if elems(&shape) > MAX_FOLDED {
+            return Err(format!("an output of shape {shape:?} (more than {MAX_FOLDED} elements)"));
+        }
+        Ok(vec![match self.get(n, 0)?.clone() {
+            Val::C(c) => {
+                self.report.folded += 1;
+                let data = match &c.data {
+                    Data::F32(v) => Data::F32(expand(v, &c.shape, &shape)),
+                    Data::I64(v) => Data::I64(expand(v, &c.shape, &shape)),
+                };
+                Val::C(Const { shape, data })
+            }
+            Val::D(_) => {
+                let d = self.computed(n, 0)?;
+                if d.shape == shape {
+                    self.report.aliases += 1;
+                    Val::D(d)
+                } else {
+                    Val::D(self.broadcast_to(&n.name, &d, &shape, d.nhwc)?)
+                }
+            }
+        }])
     }
 
     /// `max(a, b)` or `min(a, b)` element-wise (`b` stored as `a`).
