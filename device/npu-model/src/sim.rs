@@ -63,6 +63,22 @@ pub struct EngineStats {
     pub host_bytes: u64,
 }
 
+impl EngineStats {
+    /// The counters of `engine` before it has done anything.
+    pub fn idle(engine: Engine) -> Self {
+        Self {
+            engine,
+            instructions: 0,
+            active_cycles: 0.0,
+            stall_cycles: 0.0,
+            flops: 0,
+            bytes: 0,
+            hbm_bytes: 0,
+            host_bytes: 0,
+        }
+    }
+}
+
 /// Sums over engines.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Totals {
@@ -433,16 +449,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 state: if delay > 0.0 { State::Busy { until: self.now + delay } } else { State::Ready },
                 finished_at: self.now,
                 last_transfer_end: f64::NEG_INFINITY,
-                stats: EngineStats {
-                    engine,
-                    instructions: 0,
-                    active_cycles: 0.0,
-                    stall_cycles: 0.0,
-                    flops: 0,
-                    bytes: 0,
-                    hbm_bytes: 0,
-                    host_bytes: 0,
-                },
+                stats: EngineStats::idle(engine),
                 rate: 0.0,
                 transfer_of: None,
                 in_flight: Vec::new(),
@@ -707,16 +714,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                                 },
                                                 finished_at: now,
                                                 last_transfer_end: f64::NEG_INFINITY,
-                                                stats: EngineStats {
-                                                    engine: r.stats.engine,
-                                                    instructions: 0,
-                                                    active_cycles: 0.0,
-                                                    stall_cycles: 0.0,
-                                                    flops: 0,
-                                                    bytes: 0,
-                                                    hbm_bytes: 0,
-                                                    host_bytes: 0,
-                                                },
+                                                stats: EngineStats::idle(r.stats.engine),
                                                 rate: 0.0,
                                                 transfer_of: Some(id),
                                                 in_flight: Vec::new(),

@@ -1057,18 +1057,31 @@ impl Compiler<'_> {
 
     /// `max(a, b)` or `min(a, b)` element-wise (`b` stored as `a`).
     fn extremum(&mut self, n: &Node, max: bool, a: &Dyn, b: TensorId) -> Dyn {
+        self.elementwise(n, a, b, |name, a, b, y, rows, cols| {
+            if max {
+                Op::Max { name, a, b, y, rows, cols, act: Act::None }
+            } else {
+                Op::Min { name, a, b, y, rows, cols, act: Act::None }
+            }
+        })
+    }
+
+    /// A new tensor of `a`'s shape written by the element-wise operation
+    /// `op` of `a` and `b` (stored as `a`), over rows of its last axis.
+    fn elementwise(
+        &mut self,
+        n: &Node,
+        a: &Dyn,
+        b: TensorId,
+        op: impl FnOnce(String, View, View, View, u32, u32) -> Op,
+    ) -> Dyn {
         let shape = &a.shape;
         let cols = (*shape.last().unwrap_or(&1)).max(1);
         let rows = elems(shape) / cols;
         let y = self.act_tensor(&n.name, elems(shape));
         let (av, bv, yv) =
             (View::dense(a.t, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
-        let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
-        self.g.ops.push(if max {
-            Op::Max { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
-        } else {
-            Op::Min { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
-        });
+        self.g.ops.push(op(n.name.clone(), av, bv, yv, rows as u32, cols as u32));
         Dyn::new(y, shape.to_vec(), Some(self.g.ops.len() - 1), a.nhwc)
     }
 
@@ -1170,19 +1183,13 @@ impl Compiler<'_> {
 
     /// `a + b` or `a * b` (element-wise, `b` stored as `a`).
     fn eltwise(&mut self, n: &Node, add: bool, a: &Dyn, b: TensorId) -> Dyn {
-        let shape = &a.shape;
-        let cols = (*shape.last().unwrap_or(&1)).max(1);
-        let rows = elems(shape) / cols;
-        let y = self.act_tensor(&n.name, elems(shape));
-        let (av, bv, yv) =
-            (View::dense(a.t, cols as u32), View::dense(b, cols as u32), View::dense(y, cols as u32));
-        let (name, rows, cols) = (n.name.clone(), rows as u32, cols as u32);
-        self.g.ops.push(if add {
-            Op::Add { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
-        } else {
-            Op::Mul { name, a: av, b: bv, y: yv, rows, cols, act: Act::None }
-        });
-        Dyn::new(y, shape.to_vec(), Some(self.g.ops.len() - 1), a.nhwc)
+        self.elementwise(n, a, b, |name, a, b, y, rows, cols| {
+            if add {
+                Op::Add { name, a, b, y, rows, cols, act: Act::None }
+            } else {
+                Op::Mul { name, a, b, y, rows, cols, act: Act::None }
+            }
+        })
     }
 
     fn activation(&mut self, n: &Node, act: Act) -> NodeResult {
