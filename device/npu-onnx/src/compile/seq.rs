@@ -296,9 +296,6 @@ impl Compiler<'_> {
     /// residual `Add` before it (its only reader) is fused in.
     pub(super) fn layer_norm(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axis", "epsilon", "stash_type"])?;
-        if n.outputs.iter().skip(1).any(|o| !o.is_empty()) {
-            return Err("the Mean and InvStdDev outputs are not supported".into());
-        }
         if Self::int_attr(n, "stash_type", 1)? != 1 {
             return Err("stash_type other than 1 (f32) is not supported".into());
         }
@@ -311,6 +308,31 @@ impl Compiler<'_> {
         let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
         let cols = elems(&x.shape[ax..]);
         let rows = elems(&x.shape[..ax]);
+        // The Mean and InvStdDev outputs, when asked for: computed apart,
+        // as ONNX defines them (the mean over the normalised axes, and
+        // 1 / sqrt(mean((x - mean)^2) + epsilon)). They read `x`, so `x`
+        // must stay what it is: the operations they add also keep the
+        // residual sum below from being fused away (it must be the last).
+        let stats = if n.outputs.iter().skip(1).any(|o| !o.is_empty()) {
+            let (r32, c32) = (u32_of(rows, "rows")?, u32_of(cols, "columns")?);
+            let kept: Vec<usize> = (0..rank).map(|i| if i < ax { x.shape[i] } else { 1 }).collect();
+            let mean_of = |c: &mut Self, t: TensorId| {
+                let m = c.act_tensor(&n.name, rows);
+                c.g.ops.push(Op::GlobalPool { name: n.name.clone(), x: t, y: m, batch: r32, hw: c32, c: 1 });
+                Dyn::new(m, kept.clone(), None, false)
+            };
+            let mean = mean_of(self, x.t);
+            let wide = self.broadcast_to(&n.name, &mean, &x.shape, false)?;
+            let neg = self.act_op(n, &wide, Act::affine(-1.0, 0.0));
+            let centered = self.eltwise(n, true, &x, neg.t);
+            let sq = self.eltwise(n, false, &centered, centered.t);
+            let var = mean_of(self, sq.t);
+            let v = self.act_op(n, &var, Act::affine(1.0, eps));
+            let v = self.act_op(n, &v, Act::Sqrt);
+            Some((mean, self.act_op(n, &v, Act::Recip)))
+        } else {
+            None
+        };
         let param = |c: Option<&Val>, what: &str, fill: f32| -> Result<Vec<f32>, String> {
             match c {
                 None => Ok(vec![fill; cols]),
@@ -328,8 +350,50 @@ impl Compiler<'_> {
                 Some(Val::D(_)) => Err(format!("a computed {what} is not supported (only constants)")),
             }
         };
-        let gamma = param(Some(self.get(n, 1)?), "scale", 1.0)?;
-        let beta = param(self.opt(n, 2), "bias", 0.0)?;
+        // A computed scale or bias is applied after the normalisation, as
+        // a `Mul` / `Add` node would (numpy broadcasting).
+        let computed_scale = matches!(self.get(n, 1)?, Val::D(_));
+        let computed_bias = matches!(self.opt(n, 2), Some(Val::D(_)));
+        let gamma =
+            if computed_scale { vec![1.0; cols] } else { param(Some(self.get(n, 1)?), "scale", 1.0)? };
+        let beta = if computed_bias { vec![0.0; cols] } else { param(self.opt(n, 2), "bias", 0.0)? };
+        if computed_scale || computed_bias {
+            let y = self.act_tensor(&n.name, elems(&x.shape));
+            let (r32, c32) = (u32_of(rows, "rows")?, u32_of(cols, "columns")?);
+            let gt = self.weight(&format!("{}.gamma", n.name), gamma, Init::Ones);
+            let bt = self.weight(&format!("{}.beta", n.name), beta, Init::Zeros);
+            self.g.ops.push(Op::AddNorm {
+                name: n.name.clone(),
+                a: x.t,
+                b: None,
+                gamma: gt,
+                beta: bt,
+                y,
+                rows: r32,
+                cols: c32,
+                eps,
+            });
+            let mut v = Val::D(Dyn::new(y, x.shape.clone(), None, false));
+            for (i, op) in [(1usize, "Mul"), (2, "Add")] {
+                let Some(input) = n.inputs.get(i).filter(|s| !s.is_empty()) else { continue };
+                let name = format!("{}#{op}", n.name);
+                self.vals.insert(name.clone(), v);
+                let step = Node {
+                    name: format!("{}#{op}", n.name),
+                    op: op.into(),
+                    domain: String::new(),
+                    inputs: vec![name, input.clone()],
+                    outputs: vec![],
+                    attrs: std::collections::HashMap::new(),
+                };
+                v = self.binary(&step)?.swap_remove(0);
+            }
+            let Val::D(y) = v else { return Err("the layer norm folded to a constant".into()) };
+            if y.shape != x.shape {
+                return Err(format!("a scale or bias broadcasting the output to {:?}", y.shape));
+            }
+            return Ok(with_stats(y, stats));
+        }
         let gt = self.weight(&format!("{}.gamma", n.name), gamma, Init::Ones);
         let bt = self.weight(&format!("{}.beta", n.name), beta, Init::Zeros);
         let (r32, c32) = (u32_of(rows, "rows")?, u32_of(cols, "columns")?);
@@ -351,7 +415,8 @@ impl Compiler<'_> {
                         eps,
                     };
                     self.report.fused += 1;
-                    return Ok(vec![Val::D(Dyn::new(y.t, x.shape.clone(), None, false))]);
+                    let y = Dyn::new(y.t, x.shape.clone(), None, false);
+                    return Ok(with_stats(y, stats));
                 }
             }
         }
@@ -367,9 +432,21 @@ impl Compiler<'_> {
             cols: c32,
             eps,
         });
-        Ok(vec![Val::D(Dyn::new(y, x.shape.clone(), None, false))])
+        Ok(with_stats(Dyn::new(y, x.shape.clone(), None, false), stats))
     }
+}
 
+/// A layer norm's outputs: `Y`, then `Mean` and `InvStdDev` when computed.
+fn with_stats(y: Dyn, stats: Option<(Dyn, Dyn)>) -> Vec<Val> {
+    let mut out = vec![Val::D(y)];
+    if let Some((m, s)) = stats {
+        out.push(Val::D(m));
+        out.push(Val::D(s));
+    }
+    out
+}
+
+impl Compiler<'_> {
     /// `ReduceMean` over one run of adjacent axes (the pixels of a
     /// channels-last image, or any adjacent axes of a dense tensor).
     /// `ReduceMean`, `ReduceSum`, `ReduceMax`, `ReduceMin`, `ReduceL1`,
