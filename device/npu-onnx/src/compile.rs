@@ -538,6 +538,8 @@ impl Compiler<'_> {
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
             "Max" | "Min" | "Sum" | "Mean" => self.variadic(n),
             "Split" => self.split(n),
+            "LogSoftmax" => self.log_softmax(n),
+            "RMSNormalization" => self.rms_norm(n),
             "Expand" => self.expand_node(n),
             "LeakyRelu" | "Elu" | "Selu" | "Celu" | "Softplus" | "Softsign" | "PRelu" => self.composite(n),
             "Relu" | "Sigmoid" | "Tanh" | "Abs" | "Log" | "Floor" | "Ceil" | "Sin" | "Cos" => {

@@ -436,6 +436,100 @@ impl Compiler<'_> {
     }
 }
 
+impl Compiler<'_> {
+    /// `red` over the axes `first..=last` of the dense `x` (ONNX order),
+    /// the reduced axes kept as ones.
+    fn reduce_keep(
+        &mut self,
+        n: &Node,
+        x: &Dyn,
+        first: usize,
+        last: usize,
+        red: RedOp,
+    ) -> Result<Dyn, String> {
+        let s = &x.shape;
+        let (outer, reduce, inner) = (elems(&s[..first]), elems(&s[first..=last]), elems(&s[last + 1..]));
+        let kept: Vec<usize> =
+            s.iter().enumerate().map(|(i, &d)| if (first..=last).contains(&i) { 1 } else { d }).collect();
+        let y = self.act_tensor(&n.name, outer * inner);
+        self.g.ops.push(Op::Reduce {
+            name: n.name.clone(),
+            op: red,
+            x: x.t,
+            y,
+            outer: u32_of(outer, "rows")?,
+            reduce: u32_of(reduce, "reduced elements")?,
+            inner: u32_of(inner, "columns")?,
+        });
+        Ok(Dyn::new(y, kept, None, false))
+    }
+
+    /// `x + b` (`add`) or `x * b` with `b`, of kept axes, broadcast to `x`.
+    fn with_broadcast(&mut self, n: &Node, x: &Dyn, b: &Dyn, add: bool) -> Result<Dyn, String> {
+        let wide = self.broadcast_to(&n.name, b, &x.shape, false)?;
+        Ok(self.eltwise(n, add, x, wide.t))
+    }
+
+    /// `LogSoftmax` as ONNX defines it, `x - max - log(sum(exp(x - max)))`
+    /// over `axis` (from opset 13; before it, over the axes from `axis` to
+    /// the last, as one).
+    pub(super) fn log_softmax(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis"])?;
+        let x = self.dense(n, 0)?;
+        let rank = x.shape.len();
+        let default = if self.m.opset >= 13 { -1 } else { 1 };
+        let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
+        let last = if self.m.opset >= 13 { ax } else { rank - 1 };
+        let m = self.reduce_keep(n, &x, ax, last, RedOp::Max)?;
+        let m = self.act_op(n, &m, Act::affine(-1.0, 0.0));
+        let xm = self.with_broadcast(n, &x, &m, true)?;
+        let e = self.act_op(n, &xm, Act::Exp);
+        let s = self.reduce_keep(n, &e, ax, last, RedOp::Sum)?;
+        let l = self.act_op(n, &s, Act::Log);
+        let l = self.act_op(n, &l, Act::affine(-1.0, 0.0));
+        Ok(vec![Val::D(self.with_broadcast(n, &xm, &l, true)?)])
+    }
+
+    /// `RMSNormalization`: `x / sqrt(mean(x^2) + epsilon) * scale` over the
+    /// axes from `axis` to the last (`stash_type` 1), the scale broadcast
+    /// as `Mul` broadcasts it.
+    pub(super) fn rms_norm(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis", "epsilon", "stash_type"])?;
+        if Self::int_attr(n, "stash_type", 1)? != 1 {
+            return Err("stash_type other than 1 (f32) is not supported".into());
+        }
+        let eps = Self::float_attr(n, "epsilon", 1e-5)?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(format!("epsilon {eps} must be finite and not negative"));
+        }
+        let x = self.dense(n, 0)?;
+        let rank = x.shape.len();
+        let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
+        let sq = self.eltwise(n, false, &x, x.t);
+        let ms = self.reduce_keep(n, &sq, ax, rank - 1, RedOp::Mean)?;
+        let r = self.act_op(n, &ms, Act::affine(1.0, eps));
+        let r = self.act_op(n, &r, Act::Sqrt);
+        let r = self.act_op(n, &r, Act::Recip);
+        let y = self.with_broadcast(n, &x, &r, false)?;
+        let name = format!("{}#normed", n.name);
+        self.vals.insert(name.clone(), Val::D(y));
+        let scale = n.inputs.get(1).filter(|s| !s.is_empty()).ok_or("input 1 (the scale) is missing")?;
+        let step = Node {
+            name: format!("{}#scale", n.name),
+            op: "Mul".into(),
+            domain: String::new(),
+            inputs: vec![name, scale.clone()],
+            outputs: vec![],
+            attrs: std::collections::HashMap::new(),
+        };
+        let v = self.binary(&step)?;
+        match v.first() {
+            Some(Val::D(d)) if d.shape == x.shape => Ok(v),
+            _ => Err("a scale that broadcasts the output beyond the input's shape".into()),
+        }
+    }
+}
+
 /// A layer norm's outputs: `Y`, then `Mean` and `InvStdDev` when computed.
 fn with_stats(y: Dyn, stats: Option<(Dyn, Dyn)>) -> Vec<Val> {
     let mut out = vec![Val::D(y)];
