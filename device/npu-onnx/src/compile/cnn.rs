@@ -11,9 +11,11 @@
 
 use npu_graph::{Act, Init, Op, PoolOp, Spatial, View};
 
+use super::layout::str_attr;
 use super::seq::{dense_strides, Place};
 use super::{elems, Compiler, Dyn, NodeResult, Val};
-use crate::load::{Const, Data, Node};
+use crate::load::{Attr, Const, Data, Node};
+use std::collections::HashMap;
 
 /// `x` (row-major in `[N, C, H, W]`) reordered to `[N][H][W][C]`.
 pub(super) fn nchw_to_nhwc<T: Copy>(x: &[T], shape: &[usize]) -> Vec<T> {
@@ -593,9 +595,7 @@ impl Compiler<'_> {
                 "strides",
             ],
         )?;
-        if Self::int_attr(n, "ceil_mode", 0)? != 0 {
-            return Err("ceil_mode = 1 is not supported".into());
-        }
+        let ceil = Self::int_attr(n, "ceil_mode", 0)? != 0;
         if n.outputs.iter().skip(1).any(|o| !o.is_empty()) {
             return Err("the Indices output is not supported".into());
         }
@@ -604,7 +604,37 @@ impl Compiler<'_> {
             [b, c, h, w] => [b, c, h, w],
             _ => return Err(format!("input of shape {:?} (only 2-D pooling: [N, C, H, W])", x.shape)),
         };
-        let s = Self::window(n, h, w, None)?;
+        let mut s = Self::window(n, h, w, None)?;
+        let extra = if ceil { self.ceil_rows(n, &s)? } else { (0, 0) };
+        let (x, h, w) = match (ceil, extra) {
+            (false, _) | (true, (0, 0)) => (x, h, w),
+            (true, _) if avg => {
+                return Err("ceil_mode = 1 with a last window past the padding (AveragePool)".into())
+            }
+            (true, (eh, ew)) => {
+                // The extra windows of ceil mode read past the padded input:
+                // pad it there with -inf, which no maximum takes (each
+                // window starts inside the input or its leading padding).
+                let name = format!("{}#ceil", n.name);
+                let pad = Node {
+                    name: name.clone(),
+                    op: "Pad".into(),
+                    domain: String::new(),
+                    inputs: vec![n.inputs[0].clone()],
+                    outputs: vec![name],
+                    attrs: HashMap::from([
+                        ("pads".to_string(), Attr::Ints(vec![0, 0, 0, 0, 0, 0, eh as i64, ew as i64])),
+                        ("value".to_string(), Attr::Float(f32::NEG_INFINITY)),
+                    ]),
+                };
+                let Some(Val::D(xp)) = self.pad(&pad)?.pop() else {
+                    return Err("the padded input folded to a constant".into());
+                };
+                s = Self::window(n, h + eh, w + ew, None)?;
+                (xp, h + eh, w + ew)
+            }
+        };
+        let _ = (h, w);
         let include_pad = Self::int_attr(n, "count_include_pad", 0)? != 0;
         // An average whose every window has kh*kw terms (no padding, or
         // padding counted) is a depthwise convolution with weights
@@ -629,6 +659,27 @@ impl Compiler<'_> {
         let op = if avg { PoolOp::Avg } else { PoolOp::Max };
         self.g.ops.push(Op::Pool { name: n.name.clone(), x: x.t, y, batch: b as u32, s, c: c as u32, op });
         Ok(vec![Val::D(Dyn::new(y, out_shape, None, true))])
+    }
+
+    /// Rows and columns that ceil mode's last windows read beyond the
+    /// padded input (`(0, 0)`: ceil mode changes nothing). ONNX's output
+    /// size is `ceil((in + pads - k) / stride) + 1`, less one where that
+    /// window would start past the input and its leading padding.
+    fn ceil_rows(&self, n: &Node, s: &Spatial) -> Result<(usize, usize), String> {
+        if str_attr(n, "auto_pad", "NOTSET")? != "NOTSET" {
+            return Err("ceil_mode = 1 with auto_pad is not supported".into());
+        }
+        let extra = |inp: u32, k: u16, st: u16, p0: u16, p1: u16| -> usize {
+            let (inp, k, st, p0, p1) =
+                (inp as usize, usize::from(k), usize::from(st).max(1), usize::from(p0), usize::from(p1));
+            let span = (inp + p0 + p1).saturating_sub(k);
+            let mut out = span.div_ceil(st) + 1;
+            if (out - 1) * st >= inp + p0 {
+                out -= 1;
+            }
+            ((out - 1) * st + k).saturating_sub(inp + p0 + p1)
+        };
+        Ok((extra(s.h, s.kh, s.sh, s.pad[0], s.pad[1]), extra(s.w, s.kw, s.sw, s.pad[2], s.pad[3])))
     }
 
     pub(super) fn global_pool(&mut self, n: &Node) -> NodeResult {

@@ -138,7 +138,7 @@ fn interp_matrix(i: Interp, coord: Coord, scale: f32, len_in: usize, len_out: us
 /// padded slab).
 pub(super) const MAX_REVERSED_SLABS: usize = 4096;
 
-fn str_attr(n: &Node, k: &str, default: &str) -> Result<String, String> {
+pub(super) fn str_attr(n: &Node, k: &str, default: &str) -> Result<String, String> {
     match n.attrs.get(k) {
         None => Ok(default.to_string()),
         Some(Attr::Str(s)) => Ok(s.clone()),
