@@ -727,6 +727,15 @@ impl Compiler<'_> {
 
     fn gemm(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["alpha", "beta", "transA", "transB"])?;
+        let computed_c = matches!(self.opt(n, 2), Some(Val::D(_)));
+        let per_sample_c = matches!(self.opt(n, 2), Some(Val::C(c)) if c.shape.len() == 2 && c.shape[0] != 1);
+        if matches!(self.get(n, 1)?, Val::D(_))
+            || Self::int_attr(n, "transA", 0)? != 0
+            || computed_c
+            || per_sample_c
+        {
+            return self.gemm_general(n);
+        }
         let x = self.dense(n, 0)?;
         if Self::int_attr(n, "transA", 0)? != 0 {
             return Err("transA = 1 is not supported".into());
@@ -828,6 +837,62 @@ impl Compiler<'_> {
             }
             (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
         }
+    }
+
+    /// `Gemm` as the nodes it is made of, `alpha * A' B' + beta * C`
+    /// (`'`: transposed when `transA`/`transB` say): for a computed `B`,
+    /// `transA`, or a `C` that is computed or has a row per sample.
+    fn gemm_general(&mut self, n: &Node) -> NodeResult {
+        let alpha = Self::float_attr(n, "alpha", 1.0)?;
+        let beta = Self::float_attr(n, "beta", 1.0)?;
+        let step = |c: &mut Self, tag: &str, op: &str, inputs: Vec<String>, attrs: HashMap<String, Attr>| {
+            let node = Node {
+                name: format!("{}#{tag}", n.name),
+                op: op.into(),
+                domain: String::new(),
+                inputs,
+                outputs: vec![],
+                attrs,
+            };
+            let out = match op {
+                "Transpose" => c.transpose(&node),
+                "MatMul" => c.matmul(&node),
+                _ => c.binary(&node),
+            }?;
+            let name = format!("{}#{tag}.out", n.name);
+            let v = out.into_iter().next().ok_or("no output")?;
+            c.vals.insert(name.clone(), v);
+            Ok::<String, String>(name)
+        };
+        let perm = || HashMap::from([("perm".to_string(), Attr::Ints(vec![1, 0]))]);
+        let mut a = n.inputs.first().cloned().ok_or("input A is missing")?;
+        let mut b = n.inputs.get(1).cloned().ok_or("input B is missing")?;
+        if Self::int_attr(n, "transA", 0)? != 0 {
+            a = step(self, "ta", "Transpose", vec![a], perm())?;
+        }
+        if Self::int_attr(n, "transB", 0)? != 0 {
+            b = step(self, "tb", "Transpose", vec![b], perm())?;
+        }
+        let mut y = step(self, "mm", "MatMul", vec![a, b], HashMap::new())?;
+        let scalar = |c: &mut Self, tag: &str, v: f32| {
+            let name = format!("{}#{tag}", n.name);
+            c.vals.insert(name.clone(), Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }));
+            name
+        };
+        if alpha != 1.0 {
+            let s = scalar(self, "alpha", alpha);
+            y = step(self, "scaled", "Mul", vec![y, s], HashMap::new())?;
+        }
+        if let Some(c) = n.inputs.get(2).filter(|c| !c.is_empty()).cloned() {
+            let c = if beta == 1.0 {
+                c
+            } else {
+                let s = scalar(self, "beta", beta);
+                step(self, "c", "Mul", vec![c, s], HashMap::new())?
+            };
+            y = step(self, "bias", "Add", vec![y, c], HashMap::new())?;
+        }
+        Ok(vec![self.vals.get(&y).cloned().ok_or("no output")?])
     }
 
     /// `Max`, `Min`, `Sum`, `Mean` of one or more inputs (numpy
