@@ -2131,7 +2131,7 @@ pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered
 /// of `dtype` (see [`lower_as`]) and, with `bf16_activations`, the
 /// intermediate tensors every operation touching them can read and write
 /// as bf16 ([`bf16_activation`]).
-fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool) -> Vec<DType> {
+fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool, keep_f32: &[TensorId]) -> Vec<DType> {
     let n = graph.tensors.len();
     let mut uses = vec![0u32; n];
     let mut weight = vec![0u32; n];
@@ -2162,6 +2162,7 @@ fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool) -> Vec<DTyp
                 && t.init == Init::Activation
                 && i != graph.input
                 && i != graph.output
+                && !keep_f32.contains(&i)
                 && uses[i] > 0
                 && bf16_io[i] == uses[i];
             if stored || activation {
@@ -2376,6 +2377,20 @@ pub fn lower_ops_with(
     shape: VnpuShape,
     options: LowerOptions,
 ) -> Result<Lowered, LowerError> {
+    lower_ops_keeping(graph, ops, shape, options, &[])
+}
+
+/// [`lower_ops_with`], with the tensors `keep_f32` stored as f32 whatever
+/// `options.bf16_activations` says (a compiled model's inputs and outputs
+/// beyond the graph's one input and output, which guests read and write
+/// as f32).
+pub fn lower_ops_keeping(
+    graph: &Graph,
+    ops: std::ops::Range<usize>,
+    shape: VnpuShape,
+    options: LowerOptions,
+    keep_f32: &[TensorId],
+) -> Result<Lowered, LowerError> {
     let dtype = options.dtype;
     if shape.sa == 0 || shape.vu == 0 {
         return Err(LowerError::Shape { sa: shape.sa, vu: shape.vu });
@@ -2390,8 +2405,11 @@ pub fn lower_ops_with(
     } else {
         (graph, ops)
     };
-    let (placed, off) =
-        place_tensors(graph, &stored_types(graph, dtype, options.bf16_activations), options.reuse_hbm);
+    let (placed, off) = place_tensors(
+        graph,
+        &stored_types(graph, dtype, options.bf16_activations, keep_f32),
+        options.reuse_hbm,
+    );
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
     }

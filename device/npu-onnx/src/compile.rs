@@ -18,7 +18,7 @@
 use std::collections::{HashMap, HashSet};
 
 use npu_graph::{Act, Graph, Init, Op, TensorId, View};
-use npu_lower::{lower_as, LowerError, VnpuShape};
+use npu_lower::{lower_as, lower_ops_keeping, LowerError, LowerOptions, VnpuShape};
 use npu_model::{verify, VnpuLimits};
 use thiserror::Error;
 use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
@@ -45,8 +45,12 @@ pub struct CompileOptions {
     pub outputs: Option<Vec<String>>,
     /// The SA's operand type (`--dtype`): with bf16 the weights of matrix
     /// products and convolutions are stored as bf16 and every product's
-    /// operands are rounded to bf16 (f32 accumulation, f32 activations).
+    /// operands are rounded to bf16 (f32 accumulation).
     pub dtype: DType,
+    /// With bf16 operands, intermediate activations stored as bf16 too
+    /// (`--activations bf16`, `npu_lower::LowerOptions::bf16_activations`;
+    /// the model's inputs and outputs stay f32).
+    pub bf16_activations: bool,
 }
 
 /// Why a model cannot be compiled.
@@ -56,6 +60,8 @@ pub enum CompileError {
     Load(#[from] LoadError),
     #[error("node `{node}` ({op}): {reason}")]
     Node { node: String, op: String, reason: String },
+    #[error("bf16 activations need bf16 operands (--dtype bf16)")]
+    Activations,
     #[error("input `{name}`: {reason}")]
     Input { name: String, reason: String },
     #[error("output `{name}`: {reason}")]
@@ -1499,7 +1505,17 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     let mut report = std::mem::take(&mut c.report);
     report.macs = c.g.macs();
     report.ops = op_counts(&c.g);
-    let lowered = lower_as(&c.g, o.shape, o.dtype).map_err(CompileError::Fit)?;
+    if o.bf16_activations && o.dtype != DType::Bf16 {
+        return Err(CompileError::Activations);
+    }
+    let lowered = if o.bf16_activations {
+        let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
+        let options = LowerOptions { dtype: o.dtype, bf16_activations: true, ..LowerOptions::default() };
+        lower_ops_keeping(&c.g, 0..c.g.ops.len(), o.shape, options, &keep)
+    } else {
+        lower_as(&c.g, o.shape, o.dtype)
+    }
+    .map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
     let (load, weights) = weight_image(&c.data, &lowered);
     report.weight_bytes = weights.len() as u64;

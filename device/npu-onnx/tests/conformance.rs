@@ -90,6 +90,7 @@ fn run_case(dir: &Path, c: &Case) -> Outcome {
         shapes,
         outputs: None,
         dtype: DType::F32,
+        bf16_activations: false,
     };
     let compiled = match compile(&bytes, &opts) {
         Ok(c) => c,

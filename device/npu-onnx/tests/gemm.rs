@@ -133,12 +133,20 @@ fn oversized_tensors_are_refused_not_allocated() {
     let board = BoardConfig::default();
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
     // [2^14, 1] + [1, 2^15] broadcasts to 2^29 elements.
-    let opts = CompileOptions { shape, batch: 1, shapes: HashMap::new(), outputs: None, dtype: DType::F32 };
+    let opts = CompileOptions {
+        shape,
+        batch: 1,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+        bf16_activations: false,
+    };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
     // An input of 2^40 elements.
     let shapes = HashMap::from([("X".to_string(), vec![1usize << 25, 1 << 15])]);
-    let opts = CompileOptions { shape, batch: 1, shapes, outputs: None, dtype: DType::F32 };
+    let opts =
+        CompileOptions { shape, batch: 1, shapes, outputs: None, dtype: DType::F32, bf16_activations: false };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
 }

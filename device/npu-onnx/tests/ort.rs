@@ -90,7 +90,7 @@ fn compile_and_run_as(
     outputs: Option<&str>,
     dtype: DType,
 ) -> (Compiled, Vec<f32>) {
-    compile_and_run_inputs(model, &[x], sa, vu, outputs, dtype)
+    compile_and_run_inputs(model, &[x], sa, vu, outputs, (dtype, false))
 }
 
 /// [`compile_and_run_as`] for a model of several inputs, `xs` in its input
@@ -101,7 +101,7 @@ fn compile_and_run_inputs(
     sa: u32,
     vu: u32,
     outputs: Option<&str>,
-    dtype: DType,
+    (dtype, bf16_activations): (DType, bool),
 ) -> (Compiled, Vec<f32>) {
     let board = BoardConfig::default();
     let opts = CompileOptions {
@@ -110,6 +110,7 @@ fn compile_and_run_inputs(
         shapes: HashMap::new(),
         outputs: outputs.map(|o| vec![o.to_string()]),
         dtype,
+        bf16_activations,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -181,7 +182,7 @@ fn check_ops_inputs(name: &str, inputs: &[&str], sa: u32, vu: u32) {
     let paths: Vec<PathBuf> = inputs.iter().map(|i| fixture(&format!("ops/{name}-{i}.npy"))).collect();
     let xs: Vec<npy::Array> = paths.iter().map(|p| npy::read_file(p).unwrap()).collect();
     let refs: Vec<&npy::Array> = xs.iter().collect();
-    let (c, got) = compile_and_run_inputs(&model, &refs, sa, vu, None, DType::F32);
+    let (c, got) = compile_and_run_inputs(&model, &refs, sa, vu, None, (DType::F32, false));
     let names: Vec<&str> = c.model.inputs.iter().map(|i| i.name.as_str()).collect();
     assert_eq!(names, inputs, "{name}: the compiled model's inputs");
     let out = c.model.outputs[0].clone();
@@ -338,15 +339,17 @@ fn bf16_models_stay_within_the_documented_bound() {
             Some(fixture("torch/digits-transformer-f64.npy")),
         ),
     ];
-    for (name, model, xp, input, exact) in cases {
-        let x = npy::read_file(&xp).unwrap();
+    for ((name, model, xp, input, exact), acts) in cases.iter().flat_map(|c| [(c, false), (c, true)]) {
+        let (name, exact) =
+            (format!("{name}{}", if acts { " +bf16 activations" } else { "" }), exact.clone());
+        let x = npy::read_file(xp).unwrap();
         let classifier = name.starts_with("digits-mlp");
         let out = if classifier { Some("probabilities") } else { None };
-        let (c, got) = compile_and_run_as(&model, &x, 1, 1, out, DType::Bf16);
+        let (c, got) = compile_and_run_inputs(model, &[&x], 1, 1, out, (DType::Bf16, acts));
         assert_eq!(c.model.target.sa_dtype, DType::Bf16, "{name}");
-        let (f32c, _) = compile_and_run(&model, &x, 1, 1, out);
+        let (f32c, _) = compile_and_run(model, &x, 1, 1, out);
         let oname = c.model.outputs[0].name.clone();
-        let want = ort(&model, &[(input, &xp)], &oname);
+        let want = ort(model, &[(input, xp)], &oname);
         let reference = match &exact {
             Some(p) => npy::read_file(p).unwrap().data,
             None => want.data.clone(),

@@ -83,6 +83,12 @@ enum Command {
         /// accumulation; error bound in docs/model-format.md).
         #[arg(long, default_value = "f32")]
         dtype: String,
+        /// How intermediate activations are stored (with `--dtype bf16`):
+        /// `f32` (the default: the error bound of docs/model-format.md), or
+        /// `bf16` (half the DMA bytes where every operation touching a
+        /// tensor takes bf16; the model's inputs and outputs stay f32).
+        #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+        activations: String,
         /// A static shape for an input, `NAME=D0,D1,...` (repeatable).
         #[arg(long = "shape", value_parser = model::parse_shape)]
         shapes: Vec<(String, Vec<usize>)>,
@@ -587,8 +593,10 @@ fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
         Command::Run(args) => return run::run_vm(args),
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
-        Command::Compile { model, vnpu, batch, dtype, shapes, outputs, board: path, out } => {
-            model::compile(&model, &vnpu, &board(&path)?, batch, &dtype, shapes, outputs, &out)?;
+        Command::Compile { model, vnpu, batch, dtype, activations, shapes, outputs, board: path, out } => {
+            let bf16_activations = activations == "bf16";
+            let b = board(&path)?;
+            model::compile(&model, &vnpu, &b, batch, (&dtype, bf16_activations), shapes, outputs, &out)?;
         }
         Command::Infer { model, inputs, vnpu, output, top, show, in_process, guest, board: path } => {
             return Ok(model::infer(model::InferArgs {

@@ -96,7 +96,7 @@ pub fn compile(
     spec: &vnpu_spec::VnpuSpec,
     board: &BoardConfig,
     batch: u32,
-    dtype: &str,
+    (dtype, bf16_activations): (&str, bool),
     shapes: Vec<(String, Vec<usize>)>,
     outputs: Vec<String>,
     out: &Path,
@@ -114,6 +114,7 @@ pub fn compile(
         shapes: shapes.into_iter().collect::<HashMap<_, _>>(),
         outputs: (!outputs.is_empty()).then_some(outputs),
         dtype,
+        bf16_activations,
     };
     let c = npu_onnx::compile(&bytes, &opts)?;
     print_report(&c.report, &c.model);

@@ -106,7 +106,17 @@ pub fn model(g: GraphProto) -> ModelProto {
 pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
     let board = BoardConfig::default();
     let shape = VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 64 << 20);
-    (board, CompileOptions { shape, batch, shapes: HashMap::new(), outputs: None, dtype })
+    (
+        board,
+        CompileOptions {
+            shape,
+            batch,
+            shapes: HashMap::new(),
+            outputs: None,
+            dtype,
+            bf16_activations: false,
+        },
+    )
 }
 
 /// An int64 initializer.

@@ -163,6 +163,7 @@ fn main() {
                 shapes: c.shape.iter().map(|s| (c.input_name.to_string(), s.clone())).collect(),
                 outputs: c.output.map(|o| vec![o.to_string()]),
                 dtype,
+                bf16_activations: false,
             };
             let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());
