@@ -408,9 +408,7 @@ impl Compiler<'_> {
         if Self::int_attr(n, "antialias", 0)? != 0 {
             return Err("antialias is not supported".into());
         }
-        if Self::ints_attr(n, "axes")?.is_some() {
-            return Err("attribute `axes` is not supported (give scales or sizes for every axis)".into());
-        }
+        let axes = Self::ints_attr(n, "axes")?;
         let policy = str_attr(n, "keep_aspect_ratio_policy", "stretch")?;
         if policy != "stretch" {
             return Err(format!("keep_aspect_ratio_policy `{policy}` is not supported (only stretch)"));
@@ -440,6 +438,45 @@ impl Compiler<'_> {
                 _ => None,
             };
             (floats(self.opt(n, 2))?, sizes)
+        };
+        // `axes` (opset 18): scales or sizes for those axes only; the
+        // others keep their size.
+        let (scales, sizes) = match &axes {
+            None => (scales, sizes),
+            Some(a) => {
+                let rank = x.shape.len();
+                let ax: Vec<usize> =
+                    a.iter().map(|&v| axis(v, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?;
+                let mut seen = ax.clone();
+                seen.sort_unstable();
+                seen.dedup();
+                if seen.len() != ax.len() {
+                    return Err(format!("axes {a:?} repeat an axis"));
+                }
+                let spread = |given: &[f32], fill: Vec<f32>| -> Result<Vec<f32>, String> {
+                    if given.len() != ax.len() {
+                        return Err(format!("{} values for {} axes", given.len(), ax.len()));
+                    }
+                    let mut full = fill;
+                    for (i, &k) in ax.iter().enumerate() {
+                        full[k] = given[i];
+                    }
+                    Ok(full)
+                };
+                let scales = match scales {
+                    Some(s) => Some(spread(&s, vec![1.0; rank])?),
+                    None => None,
+                };
+                let sizes = match sizes {
+                    Some(s) => {
+                        let given: Vec<f32> = s.iter().map(|&v| v as f32).collect();
+                        let full = spread(&given, x.shape.iter().map(|&d| d as f32).collect())?;
+                        Some(full.iter().map(|&v| v as i64).collect())
+                    }
+                    None => None,
+                };
+                (scales, sizes)
+            }
         };
         let (out, scale): (Vec<usize>, Vec<f32>) = match (sizes, scales) {
             (Some(s), _) if s.len() == 4 => {
