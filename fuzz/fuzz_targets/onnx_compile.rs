@@ -15,13 +15,14 @@ use vnpu_abi::model::Model;
 use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
-    for dtype in [DType::F32, DType::Bf16] {
+    for (dtype, bf16_activations) in [(DType::F32, false), (DType::Bf16, false), (DType::Bf16, true)] {
         let opts = CompileOptions {
             shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
             batch: 2,
             shapes: HashMap::new(),
             outputs: None,
             dtype,
+            bf16_activations,
         };
         let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");
