@@ -370,7 +370,13 @@ fn scenario_time_shares_an_oversubscribed_core() {
     let f: Vec<&str> = core.split_whitespace().collect();
     let (requests, waited, shared): (u64, u64, f64) =
         (f[1].parse().unwrap(), f[2].parse().unwrap(), f[4].parse().unwrap());
-    assert!(waited > 0 && waited < requests, "{core}");
+    // Whether a request waits depends on whether the two guests' requests
+    // overlap in wall time, which a loaded host does not promise (one VM
+    // may finish before the other starts; seen once with another build
+    // running): that a request waits there is checked deterministically by
+    // `npu-board-runtime`'s `an_oversubscribed_core_runs_the_higher_priority_first`.
+    // Here: the first request never waits, and the two never run at once.
+    assert!(waited < requests, "{core}");
     assert_eq!(shared, 0.0, "{core}");
     assert!(core.contains("digits/") && core.contains("recsys-2/"), "{core}");
     // digits' 1 ms latency target: every one of its 936 requests on the
