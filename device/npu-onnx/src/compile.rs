@@ -851,24 +851,10 @@ impl Compiler<'_> {
     fn gemm_general(&mut self, n: &Node) -> NodeResult {
         let alpha = Self::float_attr(n, "alpha", 1.0)?;
         let beta = Self::float_attr(n, "beta", 1.0)?;
+        // Each step's output, known by name to the next.
         let step = |c: &mut Self, tag: &str, op: &str, inputs: Vec<String>, attrs: HashMap<String, Attr>| {
-            let node = Node {
-                name: format!("{}#{tag}", n.name),
-                op: op.into(),
-                domain: String::new(),
-                inputs,
-                outputs: vec![],
-                attrs,
-            };
-            let out = match op {
-                "Transpose" => c.transpose(&node),
-                "MatMul" => c.matmul(&node),
-                _ => c.binary(&node),
-            }?;
-            let name = format!("{}#{tag}.out", n.name);
-            let v = out.into_iter().next().ok_or("no output")?;
-            c.vals.insert(name.clone(), v);
-            Ok::<String, String>(name)
+            let v = c.run_part(n, tag, op, inputs, attrs)?;
+            Ok::<String, String>(c.stash(n, &format!("{tag}.out"), v))
         };
         let perm = || HashMap::from([("perm".to_string(), Attr::Ints(vec![1, 0]))]);
         let mut a = n.inputs.first().cloned().ok_or("input A is missing")?;
@@ -881,9 +867,7 @@ impl Compiler<'_> {
         }
         let mut y = step(self, "mm", "MatMul", vec![a, b], HashMap::new())?;
         let scalar = |c: &mut Self, tag: &str, v: f32| {
-            let name = format!("{}#{tag}", n.name);
-            c.vals.insert(name.clone(), Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }));
-            name
+            c.stash(n, tag, Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }))
         };
         if alpha != 1.0 {
             let s = scalar(self, "alpha", alpha);
@@ -899,6 +883,55 @@ impl Compiler<'_> {
             y = step(self, "bias", "Add", vec![y, c], HashMap::new())?;
         }
         Ok(vec![self.vals.get(&y).cloned().ok_or("no output")?])
+    }
+
+    /// A node standing for a part of `n` (named `n#tag`): the compiler
+    /// translates it as it translates the model's own nodes.
+    pub(super) fn part(
+        n: &Node,
+        tag: &str,
+        op: &str,
+        inputs: Vec<String>,
+        attrs: HashMap<String, Attr>,
+    ) -> Node {
+        Node {
+            name: format!("{}#{tag}", n.name),
+            op: op.into(),
+            domain: String::new(),
+            inputs,
+            outputs: vec![],
+            attrs,
+        }
+    }
+
+    /// `v`, known from now on as `n#tag` (an input of a [`Self::part`]).
+    pub(super) fn stash(&mut self, n: &Node, tag: &str, v: Val) -> String {
+        let name = format!("{}#{tag}", n.name);
+        self.vals.insert(name.clone(), v);
+        name
+    }
+
+    /// The first output of the part `op` of `n` on the values named
+    /// `inputs` (a `Transpose`, `MatMul`, `Pad`, `Slice`, or an
+    /// element-wise `Add`, `Sub`, `Mul`, `Div`, `Max`, `Min`).
+    pub(super) fn run_part(
+        &mut self,
+        n: &Node,
+        tag: &str,
+        op: &str,
+        inputs: Vec<String>,
+        attrs: HashMap<String, Attr>,
+    ) -> Result<Val, String> {
+        let p = Self::part(n, tag, op, inputs, attrs);
+        let out = match op {
+            "Transpose" => self.transpose(&p),
+            "MatMul" => self.matmul(&p),
+            "Pad" => self.pad(&p),
+            "Slice" => self.slice(&p),
+            "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => self.binary(&p),
+            _ => Err(format!("`{op}` is not a part the compiler builds")),
+        }?;
+        out.into_iter().next().ok_or_else(|| format!("`{op}` gave no output"))
     }
 
     /// `Max`, `Min`, `Sum`, `Mean` of one or more inputs (numpy
@@ -919,21 +952,15 @@ impl Compiler<'_> {
         let mut acc = self.get(n, 0)?.clone();
         for i in 1..k {
             let b = self.get(n, i)?.clone();
-            let step = Node {
-                name: format!("{}#{i}", n.name),
-                op: pair_op.into(),
-                domain: String::new(),
-                inputs: vec![format!("{}#acc{i}", n.name), n.inputs[i].clone()],
-                outputs: vec![format!("{}#acc{}", n.name, i + 1)],
-                attrs: HashMap::new(),
-            };
-            self.vals.insert(step.inputs[0].clone(), acc.clone());
             acc = match (&acc, &b) {
                 (Val::C(x), Val::C(y)) => {
                     self.report.folded += 1;
                     Val::C(binary_const(pair_op, x, y)?)
                 }
-                _ => self.binary(&step)?.swap_remove(0),
+                _ => {
+                    let a = self.stash(n, &format!("acc{i}"), acc);
+                    self.run_part(n, &i.to_string(), pair_op, vec![a, n.inputs[i].clone()], HashMap::new())?
+                }
             };
         }
         if n.op == "Mean" && k > 1 {
@@ -944,8 +971,7 @@ impl Compiler<'_> {
                     data: Data::F32(c.data.to_f32().into_iter().map(|x| x * scale).collect()),
                 }),
                 Val::D(d) => {
-                    let name = format!("{}#acc{k}", n.name);
-                    self.vals.insert(name.clone(), Val::D(d.clone()));
+                    let name = self.stash(n, &format!("acc{k}"), Val::D(d.clone()));
                     self.activation_of(n, &name, &d, Act::affine(scale, 0.0))
                 }
             };
@@ -1011,18 +1037,9 @@ impl Compiler<'_> {
             _ => {
                 // PRelu: `slope * min(x, 0)` as a `Mul` node would compute it.
                 let m = self.act_op(n, &x, neg);
-                let name = format!("{}#neg", n.name);
-                self.vals.insert(name.clone(), Val::D(m));
+                let name = self.stash(n, "neg", Val::D(m));
                 let slope = n.inputs.get(1).cloned().ok_or("input 1 (the slope) is missing")?;
-                let step = Node {
-                    name: format!("{}#slope", n.name),
-                    op: "Mul".into(),
-                    domain: String::new(),
-                    inputs: vec![name, slope],
-                    outputs: vec![],
-                    attrs: HashMap::new(),
-                };
-                let Val::D(s) = self.binary(&step)?.swap_remove(0) else {
+                let Val::D(s) = self.run_part(n, "slope", "Mul", vec![name, slope], HashMap::new())? else {
                     return Err("the slope product folded to a constant".into());
                 };
                 if s.shape != x.shape {
@@ -1069,23 +1086,17 @@ impl Compiler<'_> {
         let mut start = 0i64;
         for (i, &sz) in sizes.iter().enumerate() {
             let end = start + sz as i64;
-            let part = Node {
-                name: format!("{}#{i}", n.name),
-                op: "Slice".into(),
-                domain: String::new(),
-                inputs: vec![n.inputs[0].clone()],
-                outputs: vec![n.outputs[i].clone()],
-                attrs: HashMap::from([
-                    ("starts".to_string(), Attr::Ints(vec![start])),
-                    ("ends".to_string(), Attr::Ints(vec![end])),
-                    ("axes".to_string(), Attr::Ints(vec![ax as i64])),
-                ]),
-            };
+            let attrs = HashMap::from([
+                ("starts".to_string(), Attr::Ints(vec![start])),
+                ("ends".to_string(), Attr::Ints(vec![end])),
+                ("axes".to_string(), Attr::Ints(vec![ax as i64])),
+            ]);
+            let tag = i.to_string();
             out.push(if all_const {
                 self.report.folded += 1;
-                Val::C(self.slice_const(&part)?)
+                Val::C(self.slice_const(&Self::part(n, &tag, "Slice", vec![n.inputs[0].clone()], attrs))?)
             } else {
-                self.slice(&part)?.swap_remove(0)
+                self.run_part(n, &tag, "Slice", vec![n.inputs[0].clone()], attrs)?
             });
             start = end;
         }

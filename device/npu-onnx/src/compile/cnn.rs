@@ -606,8 +606,8 @@ impl Compiler<'_> {
         };
         let mut s = Self::window(n, h, w, None)?;
         let extra = if ceil { self.ceil_rows(n, &s)? } else { (0, 0) };
-        let (x, h, w) = match (ceil, extra) {
-            (false, _) | (true, (0, 0)) => (x, h, w),
+        let x = match (ceil, extra) {
+            (false, _) | (true, (0, 0)) => x,
             (true, _) if avg => {
                 return Err("ceil_mode = 1 with a last window past the padding (AveragePool)".into())
             }
@@ -615,26 +615,17 @@ impl Compiler<'_> {
                 // The extra windows of ceil mode read past the padded input:
                 // pad it there with -inf, which no maximum takes (each
                 // window starts inside the input or its leading padding).
-                let name = format!("{}#ceil", n.name);
-                let pad = Node {
-                    name: name.clone(),
-                    op: "Pad".into(),
-                    domain: String::new(),
-                    inputs: vec![n.inputs[0].clone()],
-                    outputs: vec![name],
-                    attrs: HashMap::from([
-                        ("pads".to_string(), Attr::Ints(vec![0, 0, 0, 0, 0, 0, eh as i64, ew as i64])),
-                        ("value".to_string(), Attr::Float(f32::NEG_INFINITY)),
-                    ]),
-                };
-                let Some(Val::D(xp)) = self.pad(&pad)?.pop() else {
+                let attrs = HashMap::from([
+                    ("pads".to_string(), Attr::Ints(vec![0, 0, 0, 0, 0, 0, eh as i64, ew as i64])),
+                    ("value".to_string(), Attr::Float(f32::NEG_INFINITY)),
+                ]);
+                let Val::D(xp) = self.run_part(n, "ceil", "Pad", vec![n.inputs[0].clone()], attrs)? else {
                     return Err("the padded input folded to a constant".into());
                 };
                 s = Self::window(n, h + eh, w + ew, None)?;
-                (xp, h + eh, w + ew)
+                xp
             }
         };
-        let _ = (h, w);
         let include_pad = Self::int_attr(n, "count_include_pad", 0)? != 0;
         // An average whose every window has kh*kw terms (no padding, or
         // padding counted) is a depthwise convolution with weights

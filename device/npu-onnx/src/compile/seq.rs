@@ -9,6 +9,8 @@
 //! written by the product itself, and anything else that needs dense data
 //! gets it from [`Compiler::materialize`] (strided DMA copies).
 
+use std::collections::HashMap;
+
 use npu_graph::{Act, Init, Op, RedOp, TensorId, View};
 
 use super::{axis, elems, Compiler, Dyn, NodeResult, Val};
@@ -292,9 +294,9 @@ impl Compiler<'_> {
         Ok(vec![Val::D(Dyn::new(y, shape, Some(self.g.ops.len() - 1), false))])
     }
 
-    /// `LayerNormalization` over the trailing axes from `axis`; the
-    /// residual `Add` before it (its only reader) is fused in.
-    pub(super) fn layer_norm(&mut self, n: &Node) -> NodeResult {
+    /// The attributes `LayerNormalization` and `RMSNormalization` share
+    /// checked (`axis`, `stash_type` 1), and their `epsilon`.
+    fn norm_epsilon(n: &Node) -> Result<f32, String> {
         Self::only_attrs(n, &["axis", "epsilon", "stash_type"])?;
         if Self::int_attr(n, "stash_type", 1)? != 1 {
             return Err("stash_type other than 1 (f32) is not supported".into());
@@ -303,6 +305,13 @@ impl Compiler<'_> {
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(format!("epsilon {eps} must be finite and not negative"));
         }
+        Ok(eps)
+    }
+
+    /// `LayerNormalization` over the trailing axes from `axis`; the
+    /// residual `Add` before it (its only reader) is fused in.
+    pub(super) fn layer_norm(&mut self, n: &Node) -> NodeResult {
+        let eps = Self::norm_epsilon(n)?;
         let x = self.dense(n, 0)?;
         let rank = x.shape.len();
         let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
@@ -376,17 +385,8 @@ impl Compiler<'_> {
             let mut v = Val::D(Dyn::new(y, x.shape.clone(), None, false));
             for (i, op) in [(1usize, "Mul"), (2, "Add")] {
                 let Some(input) = n.inputs.get(i).filter(|s| !s.is_empty()) else { continue };
-                let name = format!("{}#{op}", n.name);
-                self.vals.insert(name.clone(), v);
-                let step = Node {
-                    name: format!("{}#{op}", n.name),
-                    op: op.into(),
-                    domain: String::new(),
-                    inputs: vec![name, input.clone()],
-                    outputs: vec![],
-                    attrs: std::collections::HashMap::new(),
-                };
-                v = self.binary(&step)?.swap_remove(0);
+                let name = self.stash(n, &format!("{op}.in"), v);
+                v = self.run_part(n, op, op, vec![name, input.clone()], HashMap::new())?;
             }
             let Val::D(y) = v else { return Err("the layer norm folded to a constant".into()) };
             if y.shape != x.shape {
@@ -494,14 +494,7 @@ impl Compiler<'_> {
     /// axes from `axis` to the last (`stash_type` 1), the scale broadcast
     /// as `Mul` broadcasts it.
     pub(super) fn rms_norm(&mut self, n: &Node) -> NodeResult {
-        Self::only_attrs(n, &["axis", "epsilon", "stash_type"])?;
-        if Self::int_attr(n, "stash_type", 1)? != 1 {
-            return Err("stash_type other than 1 (f32) is not supported".into());
-        }
-        let eps = Self::float_attr(n, "epsilon", 1e-5)?;
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(format!("epsilon {eps} must be finite and not negative"));
-        }
+        let eps = Self::norm_epsilon(n)?;
         let x = self.dense(n, 0)?;
         let rank = x.shape.len();
         let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
@@ -511,20 +504,10 @@ impl Compiler<'_> {
         let r = self.act_op(n, &r, Act::Sqrt);
         let r = self.act_op(n, &r, Act::Recip);
         let y = self.with_broadcast(n, &x, &r, false)?;
-        let name = format!("{}#normed", n.name);
-        self.vals.insert(name.clone(), Val::D(y));
+        let name = self.stash(n, "normed", Val::D(y));
         let scale = n.inputs.get(1).filter(|s| !s.is_empty()).ok_or("input 1 (the scale) is missing")?;
-        let step = Node {
-            name: format!("{}#scale", n.name),
-            op: "Mul".into(),
-            domain: String::new(),
-            inputs: vec![name, scale.clone()],
-            outputs: vec![],
-            attrs: std::collections::HashMap::new(),
-        };
-        let v = self.binary(&step)?;
-        match v.first() {
-            Some(Val::D(d)) if d.shape == x.shape => Ok(v),
+        match self.run_part(n, "scale", "Mul", vec![name, scale.clone()], HashMap::new())? {
+            Val::D(d) if d.shape == x.shape => Ok(vec![Val::D(d)]),
             _ => Err("a scale that broadcasts the output beyond the input's shape".into()),
         }
     }
