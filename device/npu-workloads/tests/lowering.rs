@@ -38,21 +38,30 @@ fn read_tensor(hbm: &LazyHbm, p: &Placed) -> Vec<f32> {
     }
 }
 
+/// Verifies `l` for `sa` SAs, `vu` VUs and `sram` bytes of SRAM, fills a
+/// 1 GiB HBM with its seeded data and runs it there. Returns the HBM after
+/// the run, the tensors as they were before it (the reference's start) and
+/// the simulated cycles.
+fn run_lowered(l: &Lowered, sa: u32, vu: u32, sram: u64) -> (LazyHbm, Vec<Vec<f32>>, f64) {
+    verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    let mut hbm = LazyHbm::new(1 << 30);
+    init_hbm(l, &mut hbm, 7).unwrap();
+    let before: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
+    let mut sram_m = Sram::new(sram);
+    let mut guest = VecGuestMemory::new(0, 0);
+    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
+    let cycles = run_program(&board(), &l.program, Some(mem), None).unwrap().cycles;
+    (hbm, before, cycles)
+}
+
 /// [`check`] with the SA's operands in `dtype`, against the reference
 /// that rounds them the same way. Returns the lowered program with the
 /// tensors it computed.
 fn check_as(g: &Graph, sa: u32, vu: u32, sram: u64, dtype: DType) -> (Lowered, Vec<Vec<f32>>) {
     let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
     let l = lower_as(g, shape, dtype).unwrap();
-    verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
-    let mut hbm = LazyHbm::new(1 << 30);
-    init_hbm(&l, &mut hbm, 7).unwrap();
-    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
-    let mut sram_m = Sram::new(sram);
-    let mut guest = VecGuestMemory::new(0, 0);
-    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
-    let r = run_program(&board(), &l.program, Some(mem), None).unwrap();
-    assert!(r.cycles > 0.0);
+    let (hbm, mut tensors, cycles) = run_lowered(&l, sa, vu, sram);
+    assert!(cycles > 0.0);
     reference::run_as(g, &mut tensors, dtype);
     compare(g, &l.tensors, &hbm, &tensors, &format!("{sa} SA, {vu} VU, {sram} B SRAM, {dtype:?}"));
     let got = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
@@ -814,15 +823,7 @@ fn retinanet_matches_reference() {
     let sram = 32 << 20;
     let shape = VnpuShape { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
     let l = lower(&g, shape).unwrap();
-    verify(&l.program, &VnpuLimits { sa: 2, vu: 2, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] })
-        .unwrap();
-    let mut hbm = LazyHbm::new(1 << 30);
-    init_hbm(&l, &mut hbm, 7).unwrap();
-    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
-    let mut sram_m = Sram::new(sram);
-    let mut guest = VecGuestMemory::new(0, 0);
-    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
-    run_program(&board(), &l.program, Some(mem), None).unwrap();
+    let (hbm, mut tensors, _) = run_lowered(&l, 2, 2, sram);
     let got: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
     // The NMS on the program's own inputs.
     let mut own = got.clone();
@@ -1045,14 +1046,7 @@ fn check_bf16_activations(g: &Graph, sa: u32, vu: u32, sram: u64) -> Lowered {
     let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
     let o = npu_lower::LowerOptions { dtype: DType::Bf16, bf16_activations: true, ..Default::default() };
     let l = npu_lower::lower_ops_with(g, 0..g.ops.len(), shape, o).unwrap();
-    verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
-    let mut hbm = LazyHbm::new(1 << 30);
-    init_hbm(&l, &mut hbm, 7).unwrap();
-    let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
-    let mut sram_m = Sram::new(sram);
-    let mut guest = VecGuestMemory::new(0, 0);
-    let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
-    run_program(&board(), &l.program, Some(mem), None).unwrap();
+    let (hbm, mut tensors, _) = run_lowered(&l, sa, vu, sram);
     let stored: Vec<DType> = l.tensors.iter().map(|p| p.dtype).collect();
     reference::run_stored(g, &mut tensors, DType::Bf16, &stored);
     let what = format!("{} on {sa} SA, {vu} VU, {sram} B SRAM", g.name);
@@ -1193,15 +1187,7 @@ fn residual_adds_fused_into_convolutions_change_no_result() {
         let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
         let o = npu_lower::LowerOptions { fuse_residual: true, ..Default::default() };
         let l = npu_lower::lower_ops_with(&g, 0..g.ops.len(), shape, o).unwrap();
-        verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] })
-            .unwrap();
-        let mut hbm = LazyHbm::new(1 << 30);
-        init_hbm(&l, &mut hbm, 7).unwrap();
-        let mut tensors: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
-        let mut sram_m = Sram::new(sram);
-        let mut guest = VecGuestMemory::new(0, 0);
-        let mem = CoreMemory { sram: &mut sram_m, hbm: &mut hbm, guest: &mut guest };
-        run_program(&board(), &l.program, Some(mem), None).unwrap();
+        let (hbm, mut tensors, _) = run_lowered(&l, sa, vu, sram);
         reference::run(&f, &mut tensors);
         compare(&f, &l.tensors, &hbm, &tensors, &format!("fused, {sa} SA, {vu} VU, {sram} B"));
         check_bf16_activations(&f, sa, vu, sram);
