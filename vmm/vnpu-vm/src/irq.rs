@@ -47,7 +47,11 @@ pub enum IrqError {
 impl MsiRoutes {
     fn gsi(slot: usize, vector: u16) -> Option<u32> {
         let v = u32::from(vector);
-        (v < GSIS_PER_SLOT).then(|| FIRST_MSI_GSI + slot as u32 * GSIS_PER_SLOT + v)
+        let slot = u32::try_from(slot).ok()?;
+        if v >= GSIS_PER_SLOT {
+            return None;
+        }
+        slot.checked_mul(GSIS_PER_SLOT)?.checked_add(FIRST_MSI_GSI)?.checked_add(v)
     }
 
     fn program(&self, vm: &VmFd) -> Result<(), IrqError> {
@@ -68,7 +72,10 @@ impl MsiRoutes {
         }
         for (&gsi, &(address, data)) in &self.routes {
             let mut e = kvm_irq_routing_entry { gsi, type_: KVM_IRQ_ROUTING_MSI, ..Default::default() };
-            e.u.msi.address_lo = address as u32;
+            #[allow(clippy::cast_possible_truncation)] // the low half, by intent
+            {
+                e.u.msi.address_lo = address as u32;
+            }
             e.u.msi.address_hi = (address >> 32) as u32;
             e.u.msi.data = data;
             table.push(e).map_err(IrqError::Table)?;

@@ -20,6 +20,13 @@
 //! IRQ 4, BARs placed as firmware would, and an i8042 reset line that ends
 //! the VM (`docs/linux-guests.md`).
 
+// Exits carry guest-chosen ports, addresses and data: no silent narrowing
+// casts outside the tests.
+#![cfg_attr(
+    not(test),
+    warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
+)]
+
 mod cmos;
 mod irq;
 mod linux;
@@ -262,9 +269,18 @@ fn host_is_qemu_tcg() -> bool {
     &name == b"TCGTCGTCGTCG"
 }
 
+/// The low and high 32 bits of `v`.
+fn split_u64(v: u64) -> [u32; 2] {
+    let b = v.to_le_bytes();
+    [u32::from_le_bytes([b[0], b[1], b[2], b[3]]), u32::from_le_bytes([b[4], b[5], b[6], b[7]])]
+}
+
 /// The little-endian value of up to 4 bytes.
 fn le_u32(data: &[u8]) -> u32 {
-    le_u64(&data[..data.len().min(4)]) as u32
+    let mut b = [0u8; 4];
+    let n = data.len().min(4);
+    b[..n].copy_from_slice(&data[..n]);
+    u32::from_le_bytes(b)
 }
 
 /// Up to the first 8 bytes of `data`, little-endian, zero-extended.
@@ -433,14 +449,18 @@ impl<W: Write> Vm<W> {
     /// registered with KVM as slot 0.
     fn guest_memory(vm: &VmFd, cfg: &VmConfig) -> Result<GuestMemoryMmap<()>, VmError> {
         let memory_bytes = cfg.memory;
+        let len = usize::try_from(memory_bytes).map_err(|_| VmError::Memory {
+            size: memory_bytes,
+            reason: "larger than the address space".into(),
+        })?;
         let memory: GuestMemoryMmap<()> = if cfg.remote_vnpus.is_empty() {
-            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), memory_bytes as usize)])
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), len)])
         } else {
             let file = shared_ram(memory_bytes)
                 .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("memfd: {e}") })?;
             GuestMemoryMmap::from_ranges_with_files([(
                 GuestAddress(0),
-                memory_bytes as usize,
+                len,
                 Some(vm_memory::FileOffset::new(file, 0)),
             )])
         }
@@ -567,7 +587,11 @@ impl<W: Write> Vm<W> {
     /// when the VM was given none.
     pub fn read_payload(&self) -> Result<Option<Vec<u8>>, VmError> {
         let Some((at, len)) = self.payload else { return Ok(None) };
-        let mut b = vec![0u8; len as usize];
+        let size = usize::try_from(len).map_err(|_| VmError::Memory {
+            size: len,
+            reason: "a payload larger than the address space".into(),
+        })?;
+        let mut b = vec![0u8; size];
         self.memory
             .read_slice(&mut b, GuestAddress(at))
             .map_err(|e| VmError::Memory { size: len, reason: format!("reading the payload back: {e}") })?;
@@ -640,11 +664,11 @@ impl<W: Write> Vm<W> {
         for (reg, mode) in [(0x350usize, 7u32), (0x360, 4)] {
             let mut b = [0u8; 4];
             for (i, x) in b.iter_mut().enumerate() {
-                *x = lapic.regs[reg + i] as u8;
+                *x = lapic.regs[reg + i].to_le_bytes()[0];
             }
             let v = (u32::from_le_bytes(b) & !0x700) | (mode << 8);
             for (i, x) in v.to_le_bytes().iter().enumerate() {
-                lapic.regs[reg + i] = *x as _;
+                lapic.regs[reg + i] = i8::from_le_bytes([*x]);
             }
         }
         vcpu.set_lapic(&lapic).map_err(ioctl("set local APIC"))?;
@@ -659,8 +683,9 @@ impl<W: Write> Vm<W> {
             let bar0 = PCI_MMIO_BASE + slot as u64 * 0x1_0000;
             for (reg, addr) in [(0x10u64, bar0), (0x18, bar0 + 0x8000)] {
                 let off = ((slot as u64) << 15) | reg;
-                pci.ecam_write(off, &(addr as u32).to_le_bytes());
-                pci.ecam_write(off + 4, &((addr >> 32) as u32).to_le_bytes());
+                let [lo, hi] = split_u64(addr);
+                pci.ecam_write(off, &lo.to_le_bytes());
+                pci.ecam_write(off + 4, &hi.to_le_bytes());
             }
         }
     }
@@ -832,7 +857,7 @@ impl<W: Write> Vm<W> {
                     if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
                         if let Some(v) = data.first() {
                             // A write the UART cannot take is dropped, as on hardware.
-                            let _ = uart(&self.serial).write((port - SERIAL_PORT) as u8, *v);
+                            let _ = uart(&self.serial).write((port - SERIAL_PORT).to_le_bytes()[0], *v);
                         }
                     } else if (vnpu_pci::CONF1_ADDRESS..vnpu_pci::CONF1_ADDRESS + 8).contains(&port) {
                         self.pci.pio_write(port, data);
@@ -844,7 +869,7 @@ impl<W: Write> Vm<W> {
                         self.pci.pio_read(port, data);
                     } else {
                         let v = if (SERIAL_PORT..SERIAL_PORT + 8).contains(&port) {
-                            uart(&self.serial).read((port - SERIAL_PORT) as u8)
+                            uart(&self.serial).read((port - SERIAL_PORT).to_le_bytes()[0])
                         } else if port == cmos::CMOS_INDEX || port == cmos::CMOS_DATA {
                             self.cmos.read(port)
                         } else if port == I8042_COMMAND_PORT {
@@ -877,7 +902,7 @@ impl<W: Write> Vm<W> {
                     if let Some(id) = addr
                         .checked_sub(SYSCON_BASE + SYSCON_BENCH)
                         .filter(|o| *o < 8 * SYSCON_BENCH_SLOTS)
-                        .map(|o| (o / 8) as u32)
+                        .and_then(|o| u32::try_from(o / 8).ok())
                     {
                         if let Some(hook) = self.benchmark.as_mut() {
                             hook(id, le_u64(data));

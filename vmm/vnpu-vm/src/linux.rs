@@ -132,8 +132,16 @@ pub fn load(
         memory
             .write_slice(&bytes, GuestAddress(initrd_start))
             .map_err(|e| VmError::Memory { size: mem_size, reason: e.to_string() })?;
-        params.hdr.ramdisk_image = initrd_start as u32;
-        params.hdr.ramdisk_size = size as u32;
+        // The boot protocol's fields are 32 bits; the initrd sits below
+        // the top of guest RAM, which `VmConfig` keeps below 4 GiB.
+        let below_4g = |v: u64, what: &str| {
+            u32::try_from(v).map_err(|_| VmError::Memory {
+                size: mem_size,
+                reason: format!("the initrd's {what} {v:#x} does not fit the boot protocol's 32 bits"),
+            })
+        };
+        params.hdr.ramdisk_image = below_4g(initrd_start, "address")?;
+        params.hdr.ramdisk_size = below_4g(size, "size")?;
     }
     if init_end > initrd_start {
         return Err(VmError::Memory {
@@ -155,8 +163,10 @@ pub fn load(
     cmdline.insert_str(&boot.cmdline).map_err(|e| load_err(kernel, format!("command line: {e}")))?;
     load_cmdline(memory, GuestAddress(CMDLINE_START), &cmdline)
         .map_err(|e| load_err(kernel, format!("command line: {e}")))?;
-    params.hdr.cmd_line_ptr = CMDLINE_START as u32;
-    params.hdr.cmdline_size = boot.cmdline.len() as u32 + 1;
+    params.hdr.cmd_line_ptr = u32::try_from(CMDLINE_START).expect("a constant below 4 GiB");
+    // `insert_str` above refused anything longer than CMDLINE_CAPACITY.
+    params.hdr.cmdline_size = u32::try_from(boot.cmdline.len() + 1)
+        .map_err(|_| load_err(kernel, "command line: too long".to_string()))?;
 
     let e820 = [
         (0, mptable::MPTABLE_START, E820_RAM),
@@ -166,7 +176,7 @@ pub fn load(
     for (i, (addr, size, kind)) in e820.into_iter().enumerate() {
         params.e820_table[i] = boot_e820_entry { addr, size, r#type: kind };
     }
-    params.e820_entries = e820.len() as u8;
+    params.e820_entries = u8::try_from(e820.len()).expect("a fixed, short table");
     let err = |e: vm_memory::GuestMemoryError| VmError::Memory { size: mem_size, reason: e.to_string() };
     memory.write_obj(params, GuestAddress(ZERO_PAGE)).map_err(err)?;
     memory.write_slice(&mptable::build(cpus), GuestAddress(mptable::MPTABLE_START)).map_err(err)?;

@@ -31,7 +31,7 @@ fn checksum(bytes: &[u8]) -> u8 {
 /// `cpus` processors (APIC IDs 0..cpus; the IOAPIC takes ID `cpus`), to be
 /// written at [`MPTABLE_START`].
 pub fn build(cpus: u8) -> Vec<u8> {
-    let table_at = MPTABLE_START as u32 + 16;
+    let table_at = u32::try_from(MPTABLE_START).expect("a constant below 4 GiB") + 16;
     let ioapic_id = cpus;
     let mut entries = Vec::new();
     let mut count = 0u16;
@@ -67,7 +67,9 @@ pub fn build(cpus: u8) -> Vec<u8> {
 
     let mut table = Vec::with_capacity(44 + entries.len());
     table.extend_from_slice(b"PCMP");
-    table.extend_from_slice(&((44 + entries.len()) as u16).to_le_bytes());
+    // At most 255 processors and a fixed number of other entries.
+    let length = u16::try_from(44 + entries.len()).expect("an MP table of a u8 CPU count fits 64 KiB");
+    table.extend_from_slice(&length.to_le_bytes());
     table.push(4); // spec revision 1.4
     table.push(0); // checksum, below
     table.extend_from_slice(b"VNPU    "); // OEM ID

@@ -177,7 +177,7 @@ impl RemoteFunction {
         let mut bar = 0;
         while bar < 6 {
             let reg = le32(&remote, 0x10 + 4 * bar);
-            let size = client.region(bar as u32).map_or(0, |r| r.size);
+            let size = client.region(region_index(bar)).map_or(0, |r| r.size);
             let wide = reg & 1 == 0 && (reg >> 1) & 3 == 2;
             if size > 0 {
                 let kind = if reg & 1 == 1 {
@@ -369,7 +369,8 @@ impl PciFunction for RemoteFunction {
                 for (i, d) in data.iter_mut().enumerate() {
                     let first = (at + i as u64) * 8;
                     *d = (0..8u64).fold(0u8, |byte, b| {
-                        let v = (first + b) as usize;
+                        // A vector past the table (or past usize) is not pending.
+                        let v = usize::try_from(first + b).unwrap_or(usize::MAX);
                         let pending = self.live.get(v) == Some(&false)
                             && self.irqfds.get(v).is_some_and(|fd| readable(fd.as_raw_fd()));
                         byte | (u8::from(pending) << b)
@@ -378,7 +379,7 @@ impl PciFunction for RemoteFunction {
             }
             None if self.broken => data.fill(0xff),
             None => {
-                let r = self.client().region_read(bar as u32, offset, data);
+                let r = self.client().region_read(region_index(bar), offset, data);
                 if let Err(e) = r {
                     data.fill(0xff);
                     self.fail(e);
@@ -395,11 +396,17 @@ impl PciFunction for RemoteFunction {
             Some((false, _)) => {}
             None if self.broken => {}
             None => {
-                let r = self.client().region_write(bar as u32, offset, data);
+                let r = self.client().region_write(region_index(bar), offset, data);
                 if let Err(e) = r {
                     self.fail(e);
                 }
             }
         }
     }
+}
+
+/// The vfio-user region index of BAR `bar` (0..6); an index past `u32`
+/// becomes one no server has, so the request fails instead of wrapping.
+fn region_index(bar: usize) -> u32 {
+    u32::try_from(bar).unwrap_or(u32::MAX)
 }
