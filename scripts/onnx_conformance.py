@@ -84,9 +84,9 @@ def main() -> int:
         with open(os.path.join(d, "model.onnx"), "wb") as f:
             f.write(model.SerializeToString())
         for i, a in enumerate(inputs):
-            np.save(os.path.join(d, f"input_{i}.npy"), np.ascontiguousarray(a, dtype=np.float32))
+            np.save(os.path.join(d, f"input_{i}.npy"), np.asarray(a, dtype=np.float32, order="C"))
         for i, a in enumerate(outputs):
-            np.save(os.path.join(d, f"output_{i}.npy"), np.ascontiguousarray(a, dtype=np.float32))
+            np.save(os.path.join(d, f"output_{i}.npy"), np.asarray(a, dtype=np.float32, order="C"))
         entry["inputs"] = [v.name for v in g.input]
         entry["outputs"] = [v.name for v in g.output]
         entry["opset"] = max((o.version for o in case.model.opset_import if o.domain in ("", "ai.onnx")), default=0)

@@ -15,11 +15,12 @@
 //! Computed tensors are dense and row-major in ONNX's own order, so
 //! `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze` and `Identity` cost nothing.
 
+use crate::refusal::{invalid, unsupported, Refusal};
 use std::collections::{HashMap, HashSet};
 
 use npu_graph::{Act, Graph, Init, Op, TensorId, View};
 use npu_lower::{lower_as, lower_ops_keeping, LowerError, LowerOptions, VnpuShape};
-use npu_model::{verify, VnpuLimits};
+use npu_model::{verify, VerifyError, VnpuLimits};
 use thiserror::Error;
 use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
 use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
@@ -59,17 +60,51 @@ pub enum CompileError {
     #[error(transparent)]
     Load(#[from] LoadError),
     #[error("node `{node}` ({op}): {reason}")]
-    Node { node: String, op: String, reason: String },
+    Node {
+        node: String,
+        op: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("bf16 activations need bf16 operands (--dtype bf16)")]
     Activations,
     #[error("input `{name}`: {reason}")]
-    Input { name: String, reason: String },
+    Input {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("output `{name}`: {reason}")]
-    Output { name: String, reason: String },
+    Output {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("the model does not fit the vNPU: {0}")]
-    Fit(LowerError),
-    #[error("the compiled {which} program was refused by the verifier (a compiler bug): {reason}")]
-    Verify { which: &'static str, reason: String },
+    Fit(#[source] LowerError),
+    #[error("the compiled {which} program was refused by the verifier (a compiler bug): {source}")]
+    Verify {
+        which: &'static str,
+        #[source]
+        source: VerifyError,
+    },
+}
+
+impl CompileError {
+    /// The refusal of a node, an input or an output, if that is what
+    /// stopped the compiler (its kind says whether the model is valid ONNX
+    /// the compiler does not handle, or not valid ONNX at all).
+    pub fn refusal(&self) -> Option<&Refusal> {
+        match self {
+            CompileError::Node { reason, .. }
+            | CompileError::Input { reason, .. }
+            | CompileError::Output { reason, .. }
+            | CompileError::Load(LoadError::Initializer { reason, .. } | LoadError::Input { reason, .. }) => {
+                Some(reason)
+            }
+            _ => None,
+        }
+    }
 }
 
 /// What the compiler did, for the user.
@@ -139,9 +174,11 @@ fn elems(shape: &[usize]) -> usize {
 const MAX_ELEMS: usize = 1 << 28;
 
 /// Refuses a tensor of `shape` larger than [`MAX_ELEMS`].
-fn check_size(shape: &[usize]) -> Result<(), String> {
+fn check_size(shape: &[usize]) -> Result<(), Refusal> {
     if elems(shape) > MAX_ELEMS {
-        return Err(format!("a tensor of shape {shape:?} is larger than the 2^28 elements a vNPU can hold"));
+        return Err(unsupported(format!(
+            "a tensor of shape {shape:?} is larger than the 2^28 elements a vNPU can hold"
+        )));
     }
     Ok(())
 }
@@ -206,7 +243,7 @@ struct Compiler<'m> {
     report: CompileReport,
 }
 
-type NodeResult = Result<Vec<Val>, String>;
+type NodeResult = Result<Vec<Val>, Refusal>;
 
 impl Compiler<'_> {
     /// A new graph tensor of `n` elements, with its data when it is a constant.
@@ -226,51 +263,55 @@ impl Compiler<'_> {
 
     /// Input `i`, which must be a computed tensor, not a view (a view is
     /// stored densely first).
-    fn computed(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+    fn computed(&mut self, n: &Node, i: usize) -> Result<Dyn, Refusal> {
         let d = self.computed_view(n, i)?;
         self.materialize(&n.name, &d)
     }
 
     /// Input `i`, which must be a computed tensor, as it is (maybe a view).
-    fn computed_view(&self, n: &Node, i: usize) -> Result<Dyn, String> {
+    fn computed_view(&self, n: &Node, i: usize) -> Result<Dyn, Refusal> {
         match self.get(n, i)? {
             Val::D(d) => Ok(d.clone()),
-            Val::C(_) => Err(format!(
+            Val::C(_) => Err(unsupported(format!(
                 "input {i} (`{}`) is a constant: {} is compiled only on computed tensors here",
                 n.inputs[i], n.op
-            )),
+            ))),
         }
     }
 
     /// Input `i`, a computed tensor, stored dense in ONNX's order.
-    fn dense(&mut self, n: &Node, i: usize) -> Result<Dyn, String> {
+    fn dense(&mut self, n: &Node, i: usize) -> Result<Dyn, Refusal> {
         let d = self.computed(n, i)?;
         self.onnx_order(&n.name, &d)
     }
 
-    fn get(&self, n: &Node, i: usize) -> Result<&Val, String> {
-        let name = n.inputs.get(i).filter(|s| !s.is_empty()).ok_or(format!("input {i} is missing"))?;
-        self.vals.get(name).ok_or(format!("input `{name}` is not produced before this node"))
+    fn get(&self, n: &Node, i: usize) -> Result<&Val, Refusal> {
+        let name = n
+            .inputs
+            .get(i)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| invalid(format!("input {i} is missing")))?;
+        self.vals.get(name).ok_or_else(|| invalid(format!("input `{name}` is not produced before this node")))
     }
 
     fn opt(&self, n: &Node, i: usize) -> Option<&Val> {
         n.inputs.get(i).filter(|s| !s.is_empty()).and_then(|s| self.vals.get(s))
     }
 
-    fn konst(&self, n: &Node, i: usize) -> Result<Const, String> {
+    fn konst(&self, n: &Node, i: usize) -> Result<Const, Refusal> {
         match self.get(n, i)? {
             Val::C(c) => Ok(c.clone()),
-            Val::D(_) => Err(format!("input {i} (`{}`) must be a constant", n.inputs[i])),
+            Val::D(_) => Err(unsupported(format!("input {i} (`{}`) must be a constant", n.inputs[i]))),
         }
     }
 
     /// Constant input `i` as integers, `None` when it is absent; a computed
     /// one is refused as "`what` must be a constant".
-    fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, String> {
+    fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, Refusal> {
         match self.opt(n, i) {
             None => Ok(None),
             Some(Val::C(c)) => Ok(Some(c.data.to_i64())),
-            Some(Val::D(_)) => Err(format!("{what} must be a constant")),
+            Some(Val::D(_)) => Err(unsupported(format!("{what} must be a constant"))),
         }
     }
 
@@ -282,39 +323,39 @@ impl Compiler<'_> {
             .then_some(op)
     }
 
-    fn int_attr(n: &Node, k: &str, default: i64) -> Result<i64, String> {
+    fn int_attr(n: &Node, k: &str, default: i64) -> Result<i64, Refusal> {
         match n.attrs.get(k) {
             None => Ok(default),
             Some(Attr::Int(v)) => Ok(*v),
-            Some(_) => Err(format!("attribute `{k}` must be an integer")),
+            Some(_) => Err(invalid(format!("attribute `{k}` must be an integer"))),
         }
     }
 
-    fn float_attr(n: &Node, k: &str, default: f32) -> Result<f32, String> {
+    fn float_attr(n: &Node, k: &str, default: f32) -> Result<f32, Refusal> {
         match n.attrs.get(k) {
             None => Ok(default),
             Some(Attr::Float(v)) => Ok(*v),
-            Some(_) => Err(format!("attribute `{k}` must be a float")),
+            Some(_) => Err(invalid(format!("attribute `{k}` must be a float"))),
         }
     }
 
-    fn ints_attr(n: &Node, k: &str) -> Result<Option<Vec<i64>>, String> {
+    fn ints_attr(n: &Node, k: &str) -> Result<Option<Vec<i64>>, Refusal> {
         match n.attrs.get(k) {
             None => Ok(None),
             Some(Attr::Ints(v)) => Ok(Some(v.clone())),
-            Some(_) => Err(format!("attribute `{k}` must be a list of integers")),
+            Some(_) => Err(invalid(format!("attribute `{k}` must be a list of integers"))),
         }
     }
 
     /// Refuses attributes the handler does not read.
-    fn only_attrs(n: &Node, known: &[&str]) -> Result<(), String> {
+    fn only_attrs(n: &Node, known: &[&str]) -> Result<(), Refusal> {
         match n.attrs.keys().find(|k| !known.contains(&k.as_str())) {
-            Some(k) => Err(format!("attribute `{k}` is not supported")),
+            Some(k) => Err(unsupported(format!("attribute `{k}` is not supported"))),
             None => Ok(()),
         }
     }
 
-    fn shape_of(&self, n: &Node, i: usize) -> Result<Vec<usize>, String> {
+    fn shape_of(&self, n: &Node, i: usize) -> Result<Vec<usize>, Refusal> {
         Ok(match self.get(n, i)? {
             Val::C(c) => c.shape.clone(),
             Val::D(d) => d.shape.clone(),
@@ -323,11 +364,11 @@ impl Compiler<'_> {
 
     fn node(&mut self, n: &Node) -> NodeResult {
         if !(n.domain.is_empty() || n.domain == "ai.onnx") {
-            return Err(format!(
+            return Err(unsupported(format!(
                 "operators of domain `{}` are not supported (for scikit-learn classifiers, compile the \
                  probabilities output only: --output NAME)",
                 n.domain
-            ));
+            )));
         }
         let all_const =
             n.inputs.iter().filter(|s| !s.is_empty()).all(|s| matches!(self.vals.get(s), Some(Val::C(_))));
@@ -348,9 +389,9 @@ impl Compiler<'_> {
                         Const { shape: vec![i.len()], data: Data::I64(i.clone()) }
                     }
                     _ => {
-                        return Err(
-                            "only value, value_float(s) and value_int(s) constants are supported".into()
-                        )
+                        return Err(unsupported(
+                            "only value, value_float(s) and value_int(s) constants are supported",
+                        ))
                     }
                 };
                 self.report.folded += 1;
@@ -358,7 +399,7 @@ impl Compiler<'_> {
             }
             "Identity" | "Dropout" => {
                 if n.op == "Dropout" && n.outputs.len() > 1 {
-                    return Err("the mask output of Dropout is not supported".into());
+                    return Err(unsupported("the mask output of Dropout is not supported"));
                 }
                 // Inference is the identity; training mode drops elements
                 // at random, which nothing here computes.
@@ -367,14 +408,16 @@ impl Compiler<'_> {
                         None => {}
                         Some(Val::C(c)) if c.data.to_i64().iter().all(|&v| v == 0) => {}
                         Some(Val::C(_)) => {
-                            return Err("training_mode is true: Dropout would drop elements at random".into())
+                            return Err(unsupported(
+                                "training_mode is true: Dropout would drop elements at random",
+                            ))
                         }
                         Some(Val::D(_)) => {
-                            return Err("training_mode must be a constant false (inference)".into())
+                            return Err(unsupported("training_mode must be a constant false (inference)"))
                         }
                     }
                     if Self::int_attr(n, "is_test", 1)? == 0 {
-                        return Err("is_test is 0: Dropout in training mode is not supported".into());
+                        return Err(unsupported("is_test is 0: Dropout in training mode is not supported"));
                     }
                 }
                 self.report.aliases += 1;
@@ -404,9 +447,9 @@ impl Compiler<'_> {
                         Ok(vec![Val::C(Const { shape: c.shape, data: Data::I64(c.data.to_i64()) })])
                     }
                     (Val::D(d), 1) => Ok(vec![Val::D(Dyn { op: None, ..d })]),
-                    (_, to) => {
-                        Err(format!("cast to ONNX type {to} is not supported (computed tensors are f32)"))
-                    }
+                    (_, to) => Err(unsupported(format!(
+                        "cast to ONNX type {to} is not supported (computed tensors are f32)"
+                    ))),
                 }
             }
             "Shape" => {
@@ -429,19 +472,20 @@ impl Compiler<'_> {
                 let dims = self.konst(n, 0)?.data.to_i64();
                 let shape: Vec<usize> = dims
                     .iter()
-                    .map(|&d| usize::try_from(d).map_err(|_| format!("dimension {d} is negative")))
+                    .map(|&d| usize::try_from(d).map_err(|_| invalid(format!("dimension {d} is negative"))))
                     .collect::<Result<_, _>>()?;
                 let count =
                     shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).filter(|&c| c <= MAX_FOLDED);
-                let count = count
-                    .ok_or(format!("a constant of shape {shape:?} (more than {MAX_FOLDED} elements)"))?;
+                let count = count.ok_or_else(|| {
+                    unsupported(format!("a constant of shape {shape:?} (more than {MAX_FOLDED} elements)"))
+                })?;
                 let data = match n.attrs.get("value") {
                     None => Data::F32(vec![0.0; count]),
                     Some(Attr::Tensor(c)) if c.data.len() == 1 => match &c.data {
                         Data::F32(v) => Data::F32(vec![v[0]; count]),
                         Data::I64(v) => Data::I64(vec![v[0]; count]),
                     },
-                    Some(_) => return Err("attribute `value` must be a one-element tensor".into()),
+                    Some(_) => return Err(invalid("attribute `value` must be a one-element tensor")),
                 };
                 self.report.folded += 1;
                 Ok(vec![Val::C(Const { shape, data })])
@@ -450,18 +494,18 @@ impl Compiler<'_> {
                 Self::only_attrs(n, &[])?;
                 let (a, b, d) = (self.konst(n, 0)?, self.konst(n, 1)?, self.konst(n, 2)?);
                 if [&a, &b, &d].iter().any(|c| c.data.len() != 1) {
-                    return Err("start, limit and delta must be scalars".into());
+                    return Err(invalid("start, limit and delta must be scalars"));
                 }
                 let ints = [&a, &b, &d].iter().all(|c| matches!(c.data, Data::I64(_)));
                 let (s, l, st) =
                     (a.data.to_f32()[0] as f64, b.data.to_f32()[0] as f64, d.data.to_f32()[0] as f64);
                 let count = ((l - s) / st).ceil();
                 if !(count.is_finite() && st != 0.0) {
-                    return Err("delta is 0, or the range is not finite".into());
+                    return Err(invalid("delta is 0, or the range is not finite"));
                 }
                 let count = count.max(0.0) as usize;
                 if count > MAX_FOLDED {
-                    return Err(format!("a range of {count} elements (more than {MAX_FOLDED})"));
+                    return Err(unsupported(format!("a range of {count} elements (more than {MAX_FOLDED})")));
                 }
                 let data = if ints {
                     let (s, st) = (a.data.to_i64()[0], d.data.to_i64()[0]);
@@ -478,7 +522,7 @@ impl Compiler<'_> {
                 let s = self.shape_of(n, 0)?;
                 let new = self.reshaped(n, &s)?;
                 if elems(&new) != elems(&s) {
-                    return Err(format!("cannot reshape {s:?} to {new:?}"));
+                    return Err(invalid(format!("cannot reshape {s:?} to {new:?}")));
                 }
                 Ok(vec![match self.get(n, 0)?.clone() {
                     Val::C(c) => {
@@ -502,7 +546,8 @@ impl Compiler<'_> {
             "Gather" if all_const => {
                 let data = self.konst(n, 0)?;
                 let idx = self.konst(n, 1)?;
-                let ax = axis(Self::int_attr(n, "axis", 0)?, data.shape.len()).ok_or("axis out of range")?;
+                let ax = axis(Self::int_attr(n, "axis", 0)?, data.shape.len())
+                    .ok_or_else(|| invalid("axis out of range"))?;
                 self.report.folded += 1;
                 Ok(vec![Val::C(gather(&data, &idx, ax)?)])
             }
@@ -609,11 +654,13 @@ impl Compiler<'_> {
             "Exp" => self.activation(n, Act::Exp),
             "Neg" => self.activation(n, Act::affine(-1.0, 0.0)),
             "Pow" => self.pow(n),
-            op => Err(format!("operator `{op}` is not supported (docs/model-format.md lists what is)")),
+            op => Err(unsupported(format!(
+                "operator `{op}` is not supported (docs/model-format.md lists what is)"
+            ))),
         }
     }
 
-    fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, String> {
+    fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, Refusal> {
         let rank = s.len();
         match n.op.as_str() {
             "Reshape" => {
@@ -627,15 +674,17 @@ impl Compiler<'_> {
                             infer = Some(i);
                             out.push(1);
                         }
-                        0 if !allowzero => out.push(*s.get(i).ok_or("0 refers to a missing dimension")?),
+                        0 if !allowzero => {
+                            out.push(*s.get(i).ok_or_else(|| invalid("0 refers to a missing dimension"))?)
+                        }
                         d if d >= 0 => out.push(d as usize),
-                        d => return Err(format!("bad reshape dimension {d}")),
+                        d => return Err(invalid(format!("bad reshape dimension {d}"))),
                     }
                 }
                 if let Some(i) = infer {
                     let known = elems(&out);
                     if known == 0 || !elems(s).is_multiple_of(known) {
-                        return Err(format!("cannot infer -1 reshaping {s:?} to {spec:?}"));
+                        return Err(invalid(format!("cannot infer -1 reshaping {s:?} to {spec:?}")));
                     }
                     out[i] = elems(s) / known;
                 }
@@ -645,7 +694,7 @@ impl Compiler<'_> {
                 let a = Self::int_attr(n, "axis", 1)?;
                 let a = if a < 0 { a + rank as i64 } else { a };
                 if !(0..=rank as i64).contains(&a) {
-                    return Err(format!("axis {a} out of range"));
+                    return Err(invalid(format!("axis {a} out of range")));
                 }
                 let a = a as usize;
                 Ok(vec![elems(&s[..a]), elems(&s[a..])])
@@ -658,12 +707,12 @@ impl Compiler<'_> {
                 let axes: Vec<usize> = match axes {
                     Some(a) => a
                         .iter()
-                        .map(|&x| axis(x, rank).ok_or("axis out of range"))
+                        .map(|&x| axis(x, rank).ok_or_else(|| invalid("axis out of range")))
                         .collect::<Result<_, _>>()?,
                     None => (0..rank).filter(|&i| s[i] == 1).collect(),
                 };
                 if axes.iter().any(|&a| s[a] != 1) {
-                    return Err("squeezed axis is not 1".into());
+                    return Err(invalid("squeezed axis is not 1"));
                 }
                 Ok(s.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect())
             }
@@ -675,7 +724,7 @@ impl Compiler<'_> {
                 let out_rank = rank + axes.len();
                 let mut axes: Vec<usize> = axes
                     .iter()
-                    .map(|&x| axis(x, out_rank).ok_or("axis out of range"))
+                    .map(|&x| axis(x, out_rank).ok_or_else(|| invalid("axis out of range")))
                     .collect::<Result<_, _>>()?;
                 axes.sort_unstable();
                 let mut out = s.to_vec();
@@ -697,7 +746,10 @@ impl Compiler<'_> {
         bias: Option<Vec<f32>>,
     ) -> NodeResult {
         if x.shape.last() != Some(&k) {
-            return Err(format!("input of shape {:?} does not end in the weights' {k} rows", x.shape));
+            return Err(invalid(format!(
+                "input of shape {:?} does not end in the weights' {k} rows",
+                x.shape
+            )));
         }
         let rows = elems(&x.shape[..x.shape.len() - 1]);
         let mut shape = x.shape.clone();
@@ -726,7 +778,10 @@ impl Compiler<'_> {
         };
         let x = self.dense(n, 0)?;
         if w.shape.len() != 2 {
-            return Err(format!("weights of rank {} (only 2-D weights are supported)", w.shape.len()));
+            return Err(unsupported(format!(
+                "weights of rank {} (only 2-D weights are supported)",
+                w.shape.len()
+            )));
         }
         self.linear(n, &x, w.data.to_f32(), w.shape[0], w.shape[1], None)
     }
@@ -744,14 +799,14 @@ impl Compiler<'_> {
         }
         let x = self.dense(n, 0)?;
         if Self::int_attr(n, "transA", 0)? != 0 {
-            return Err("transA = 1 is not supported".into());
+            return Err(unsupported("transA = 1 is not supported"));
         }
         if x.shape.len() != 2 {
-            return Err(format!("A must be 2-D, it is {:?}", x.shape));
+            return Err(invalid(format!("A must be 2-D, it is {:?}", x.shape)));
         }
-        let b = self.konst(n, 1).map_err(|_| "B must be a constant (weights)".to_string())?;
+        let b = self.konst(n, 1).map_err(|_| unsupported("B must be a constant (weights)"))?;
         if b.shape.len() != 2 {
-            return Err("B must be 2-D".into());
+            return Err(invalid("B must be 2-D"));
         }
         let alpha = Self::float_attr(n, "alpha", 1.0)?;
         let beta = Self::float_attr(n, "beta", 1.0)?;
@@ -773,24 +828,28 @@ impl Compiler<'_> {
             None => None,
             Some(Val::C(c)) => {
                 if bcast_shape(&[x.shape[0], nn], &c.shape) != Some(vec![x.shape[0], nn]) {
-                    return Err(format!(
+                    return Err(invalid(format!(
                         "C of shape {:?} does not broadcast to {:?}",
                         c.shape,
                         [x.shape[0], nn]
-                    ));
+                    )));
                 }
                 if c.shape.len() == 2 && c.shape[0] != 1 {
-                    return Err("a C with one row per sample is not supported (only a bias row)".into());
+                    return Err(unsupported(
+                        "a C with one row per sample is not supported (only a bias row)",
+                    ));
                 }
                 let v = c.data.to_f32();
                 let row = match v.len() {
                     1 => vec![v[0]; nn],
                     l if l == nn => v,
-                    _ => return Err(format!("C of shape {:?} is not a bias row of {nn}", c.shape)),
+                    _ => return Err(invalid(format!("C of shape {:?} is not a bias row of {nn}", c.shape))),
                 };
                 Some(row.into_iter().map(|v| v * beta).collect())
             }
-            Some(Val::D(_)) => return Err("a computed C is not supported (only a constant bias)".into()),
+            Some(Val::D(_)) => {
+                return Err(unsupported("a computed C is not supported (only a constant bias)"))
+            }
         };
         self.linear(n, &x, w, k, nn, bias)
     }
@@ -806,7 +865,8 @@ impl Compiler<'_> {
             Val::C(c) => c.shape.clone(),
             Val::D(d) => d.shape.clone(),
         };
-        let shape = bcast_shape(&sa, &sb).ok_or(format!("shapes {sa:?} and {sb:?} do not broadcast"))?;
+        let shape = bcast_shape(&sa, &sb)
+            .ok_or_else(|| invalid(format!("shapes {sa:?} and {sb:?} do not broadcast")))?;
         let op = n.op.as_str();
         match (a, b) {
             (Val::D(_), Val::C(c)) => self.with_const(n, 0, &c, op, false, &shape),
@@ -841,7 +901,9 @@ impl Compiler<'_> {
                 }
                 Ok(vec![Val::D(self.eltwise(n, matches!(op, "Add" | "Sub"), &x, y.t))])
             }
-            (Val::C(_), Val::C(_)) => Err("both operands are constants (folded before this point)".into()),
+            (Val::C(_), Val::C(_)) => {
+                Err(unsupported("both operands are constants (folded before this point)"))
+            }
         }
     }
 
@@ -854,11 +916,11 @@ impl Compiler<'_> {
         // Each step's output, known by name to the next.
         let step = |c: &mut Self, tag: &str, op: &str, inputs: Vec<String>, attrs: HashMap<String, Attr>| {
             let v = c.run_part(n, tag, op, inputs, attrs)?;
-            Ok::<String, String>(c.stash(n, &format!("{tag}.out"), v))
+            Ok::<String, Refusal>(c.stash(n, &format!("{tag}.out"), v))
         };
         let perm = || HashMap::from([("perm".to_string(), Attr::Ints(vec![1, 0]))]);
-        let mut a = n.inputs.first().cloned().ok_or("input A is missing")?;
-        let mut b = n.inputs.get(1).cloned().ok_or("input B is missing")?;
+        let mut a = n.inputs.first().cloned().ok_or_else(|| invalid("input A is missing"))?;
+        let mut b = n.inputs.get(1).cloned().ok_or_else(|| invalid("input B is missing"))?;
         if Self::int_attr(n, "transA", 0)? != 0 {
             a = step(self, "ta", "Transpose", vec![a], perm())?;
         }
@@ -882,7 +944,7 @@ impl Compiler<'_> {
             };
             y = step(self, "bias", "Add", vec![y, c], HashMap::new())?;
         }
-        Ok(vec![self.vals.get(&y).cloned().ok_or("no output")?])
+        Ok(vec![self.vals.get(&y).cloned().ok_or_else(|| invalid("no output"))?])
     }
 
     /// A node standing for a part of `n` (named `n#tag`): the compiler
@@ -921,7 +983,7 @@ impl Compiler<'_> {
         op: &str,
         inputs: Vec<String>,
         attrs: HashMap<String, Attr>,
-    ) -> Result<Val, String> {
+    ) -> Result<Val, Refusal> {
         let p = Self::part(n, tag, op, inputs, attrs);
         let out = match op {
             "Transpose" => self.transpose(&p),
@@ -929,9 +991,9 @@ impl Compiler<'_> {
             "Pad" => self.pad(&p),
             "Slice" => self.slice(&p),
             "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => self.binary(&p),
-            _ => Err(format!("`{op}` is not a part the compiler builds")),
+            _ => Err(unsupported(format!("`{op}` is not a part the compiler builds"))),
         }?;
-        out.into_iter().next().ok_or_else(|| format!("`{op}` gave no output"))
+        out.into_iter().next().ok_or_else(|| invalid(format!("`{op}` gave no output")))
     }
 
     /// `Max`, `Min`, `Sum`, `Mean` of one or more inputs (numpy
@@ -942,7 +1004,7 @@ impl Compiler<'_> {
         Self::only_attrs(n, &[])?;
         let k = n.inputs.len();
         if k == 0 || n.inputs.iter().any(String::is_empty) {
-            return Err("needs one or more inputs".into());
+            return Err(invalid("needs one or more inputs"));
         }
         let pair_op = match n.op.as_str() {
             "Max" => "Max",
@@ -1012,7 +1074,7 @@ impl Compiler<'_> {
                 let alpha = Self::float_attr(n, "alpha", if op == "Selu" { 1.673_263_2 } else { 1.0 })?;
                 let gamma = if op == "Selu" { Self::float_attr(n, "gamma", 1.050_701)? } else { 1.0 };
                 if op == "Celu" && alpha.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
-                    return Err(format!("alpha = {alpha} is not supported (only alpha > 0)"));
+                    return Err(unsupported(format!("alpha = {alpha} is not supported (only alpha > 0)")));
                 }
                 let m = self.act_op(n, &x, neg);
                 let m = if op == "Celu" { self.act_op(n, &m, Act::affine(1.0 / alpha, 0.0)) } else { m };
@@ -1038,12 +1100,16 @@ impl Compiler<'_> {
                 // PRelu: `slope * min(x, 0)` as a `Mul` node would compute it.
                 let m = self.act_op(n, &x, neg);
                 let name = self.stash(n, "neg", Val::D(m));
-                let slope = n.inputs.get(1).cloned().ok_or("input 1 (the slope) is missing")?;
+                let slope =
+                    n.inputs.get(1).cloned().ok_or_else(|| invalid("input 1 (the slope) is missing"))?;
                 let Val::D(s) = self.run_part(n, "slope", "Mul", vec![name, slope], HashMap::new())? else {
-                    return Err("the slope product folded to a constant".into());
+                    return Err(unsupported("the slope product folded to a constant"));
                 };
                 if s.shape != x.shape {
-                    return Err(format!("a slope of shape broadcasting x {:?} to {:?}", x.shape, s.shape));
+                    return Err(invalid(format!(
+                        "a slope of shape broadcasting x {:?} to {:?}",
+                        x.shape, s.shape
+                    )));
                 }
                 let p = self.act_op(n, &x, Act::Relu);
                 let (p, s) = self.same_layout(n, p, s)?;
@@ -1059,7 +1125,8 @@ impl Compiler<'_> {
     fn split(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axis", "split", "num_outputs"])?;
         let shape = self.shape_of(n, 0)?;
-        let ax = axis(Self::int_attr(n, "axis", 0)?, shape.len()).ok_or("axis out of range")?;
+        let ax =
+            axis(Self::int_attr(n, "axis", 0)?, shape.len()).ok_or_else(|| invalid("axis out of range"))?;
         let (dim, k) = (shape[ax], n.outputs.len());
         let listed = match Self::ints_attr(n, "split")? {
             Some(s) => Some(s),
@@ -1068,7 +1135,7 @@ impl Compiler<'_> {
         let sizes: Vec<usize> = match listed {
             Some(s) => s
                 .iter()
-                .map(|&v| usize::try_from(v).map_err(|_| format!("a negative split size {v}")))
+                .map(|&v| usize::try_from(v).map_err(|_| invalid(format!("a negative split size {v}"))))
                 .collect::<Result<_, _>>()?,
             None => {
                 let part = dim.div_ceil(k.max(1));
@@ -1076,10 +1143,10 @@ impl Compiler<'_> {
             }
         };
         if sizes.len() != k || sizes.iter().sum::<usize>() != dim {
-            return Err(format!("sizes {sizes:?} do not split an axis of {dim} into {k} outputs"));
+            return Err(invalid(format!("sizes {sizes:?} do not split an axis of {dim} into {k} outputs")));
         }
         if sizes.contains(&0) {
-            return Err("an empty output (empty tensors are not supported)".into());
+            return Err(unsupported("an empty output (empty tensors are not supported)"));
         }
         let all_const = matches!(self.get(n, 0)?, Val::C(_));
         let mut out = Vec::with_capacity(k);
@@ -1111,12 +1178,15 @@ impl Compiler<'_> {
             .data
             .to_i64()
             .iter()
-            .map(|&d| usize::try_from(d).map_err(|_| format!("dimension {d} is negative")))
+            .map(|&d| usize::try_from(d).map_err(|_| invalid(format!("dimension {d} is negative"))))
             .collect::<Result<_, _>>()?;
         let s = self.shape_of(n, 0)?;
-        let shape = bcast_shape(&s, &want).ok_or(format!("{s:?} does not broadcast to {want:?}"))?;
+        let shape =
+            bcast_shape(&s, &want).ok_or_else(|| invalid(format!("{s:?} does not broadcast to {want:?}")))?;
         if elems(&shape) > MAX_FOLDED {
-            return Err(format!("an output of shape {shape:?} (more than {MAX_FOLDED} elements)"));
+            return Err(unsupported(format!(
+                "an output of shape {shape:?} (more than {MAX_FOLDED} elements)"
+            )));
         }
         Ok(vec![match self.get(n, 0)?.clone() {
             Val::C(c) => {
@@ -1177,8 +1247,10 @@ impl Compiler<'_> {
         let x = self.computed(n, 0)?;
         let e = match self.get(n, 1)? {
             Val::C(c) if elems(&c.shape) == 1 => c.data.to_f32()[0],
-            Val::C(c) => return Err(format!("an exponent of shape {:?} (only a scalar)", c.shape)),
-            Val::D(_) => return Err("a computed exponent is not supported (only a constant)".into()),
+            Val::C(c) => {
+                return Err(unsupported(format!("an exponent of shape {:?} (only a scalar)", c.shape)))
+            }
+            Val::D(_) => return Err(unsupported("a computed exponent is not supported (only a constant)")),
         };
         Ok(vec![Val::D(match e {
             1.0 => {
@@ -1196,7 +1268,7 @@ impl Compiler<'_> {
                 self.act_op(n, &r, Act::Recip)
             }
             -1.0 => self.act_op(n, &x, Act::Recip),
-            e => return Err(format!("exponent {e} is not supported (1, 2, 3, 0.5, -0.5, -1)")),
+            e => return Err(unsupported(format!("exponent {e} is not supported (1, 2, 3, 0.5, -0.5, -1)"))),
         })])
     }
 
@@ -1254,7 +1326,7 @@ impl Compiler<'_> {
     }
 
     /// `x` and `y` stored the same way (channels-last if either is).
-    fn same_layout(&mut self, n: &Node, x: Dyn, y: Dyn) -> Result<(Dyn, Dyn), String> {
+    fn same_layout(&mut self, n: &Node, x: Dyn, y: Dyn) -> Result<(Dyn, Dyn), Refusal> {
         Ok(match (x.nhwc, y.nhwc) {
             (true, false) => {
                 let y = self.channels_last(&n.name, &y)?;
@@ -1335,13 +1407,16 @@ impl Compiler<'_> {
         let d = self.dense(n, 0)?;
         let rank = d.shape.len();
         let default = if self.m.opset >= 13 { -1 } else { 1 };
-        let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
+        let ax =
+            axis(Self::int_attr(n, "axis", default)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         // Before opset 13 the input is seen as 2-D at `axis`; from 13 on
         // the axis alone is normalised. Both are rows x cols when the axis
         // is the last one (or, before 13, when everything after it is).
         let cols = if self.m.opset >= 13 {
             if ax != rank - 1 {
-                return Err(format!("softmax over axis {ax} of a rank-{rank} tensor (only the last axis)"));
+                return Err(unsupported(format!(
+                    "softmax over axis {ax} of a rank-{rank} tensor (only the last axis)"
+                )));
             }
             d.shape[rank - 1]
         } else {
@@ -1361,16 +1436,16 @@ fn axis_clamp(a: i64, r: i64) -> usize {
     (if a < 0 { a + r } else { a }).clamp(0, r) as usize
 }
 
-fn concat(parts: &[Const], ax: i64) -> Result<Const, String> {
-    let first = parts.first().ok_or("no inputs")?;
+fn concat(parts: &[Const], ax: i64) -> Result<Const, Refusal> {
+    let first = parts.first().ok_or_else(|| invalid("no inputs"))?;
     let rank = first.shape.len();
-    let a = axis(ax, rank).ok_or("axis out of range")?;
+    let a = axis(ax, rank).ok_or_else(|| invalid("axis out of range"))?;
     let outer = elems(&first.shape[..a]);
     let mut shape = first.shape.clone();
     shape[a] = 0;
     for p in parts {
         if p.shape.len() != rank || (0..rank).any(|i| i != a && p.shape[i] != first.shape[i]) {
-            return Err("concatenated shapes differ".into());
+            return Err(invalid("concatenated shapes differ"));
         }
         shape[a] += p.shape[a];
     }
@@ -1391,7 +1466,7 @@ fn concat(parts: &[Const], ax: i64) -> Result<Const, String> {
     Ok(Const { shape, data: if ints { Data::I64(i) } else { Data::F32(f) } })
 }
 
-fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
+fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
     let outer = elems(&data.shape[..ax]);
     let dim = data.shape[ax];
     let inner = elems(&data.shape[ax + 1..]);
@@ -1401,7 +1476,10 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
         .iter()
         .map(|&i| {
             let i = if i < 0 { i + dim as i64 } else { i };
-            usize::try_from(i).ok().filter(|&i| i < dim).ok_or(format!("index {i} out of range"))
+            usize::try_from(i)
+                .ok()
+                .filter(|&i| i < dim)
+                .ok_or_else(|| invalid(format!("index {i} out of range")))
         })
         .collect::<Result<_, _>>()?;
     let mut shape = data.shape[..ax].to_vec();
@@ -1423,8 +1501,8 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, String> {
     })
 }
 
-fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
-    let shape = bcast_shape(&a.shape, &b.shape).ok_or("shapes do not broadcast")?;
+fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, Refusal> {
+    let shape = bcast_shape(&a.shape, &b.shape).ok_or_else(|| invalid("shapes do not broadcast"))?;
     check_size(&shape)?;
     if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
         let x = expand(x, &a.shape, &shape);
@@ -1436,12 +1514,12 @@ fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
                 "Add" => Ok(p.wrapping_add(q)),
                 "Sub" => Ok(p.wrapping_sub(q)),
                 "Mul" => Ok(p.wrapping_mul(q)),
-                "Div" => p.checked_div(q).ok_or("integer division by zero".to_string()),
+                "Div" => p.checked_div(q).ok_or_else(|| invalid("integer division by zero")),
                 "Max" => Ok(p.max(q)),
                 "Min" => Ok(p.min(q)),
                 _ => Ok((p as f64).powf(q as f64) as i64),
             })
-            .collect::<Result<Vec<_>, String>>()?;
+            .collect::<Result<Vec<_>, Refusal>>()?;
         return Ok(Const { shape, data: Data::I64(v) });
     }
     let x = expand(&a.data.to_f32(), &a.shape, &shape);
@@ -1464,25 +1542,28 @@ fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, String> {
 
 /// Static shape of model input `io` under the options.
 fn input_shape(io: &crate::load::Io, o: &CompileOptions) -> Result<Vec<usize>, CompileError> {
-    let bad = |reason: String| CompileError::Input { name: io.name.clone(), reason };
+    let bad = |reason: Refusal| CompileError::Input { name: io.name.clone(), reason };
     if io.elem != 1 {
-        return Err(bad(format!("element type {} (only float inputs are supported)", io.elem)));
+        return Err(bad(unsupported(format!("element type {} (only float inputs are supported)", io.elem))));
     }
     if let Some(s) = o.shapes.get(&io.name) {
         if let Some(d) = &io.dims {
             if d.len() != s.len() || d.iter().zip(s).any(|(d, &x)| matches!(d, Dim::Fixed(f) if *f != x)) {
-                return Err(bad(format!("--shape {s:?} contradicts the model's {d:?}")));
+                return Err(bad(invalid(format!("--shape {s:?} contradicts the model's {d:?}"))));
             }
         }
         return Ok(s.clone());
     }
-    let dims = io.dims.as_ref().ok_or_else(|| bad("no shape declared: give one with --shape".into()))?;
+    let dims =
+        io.dims.as_ref().ok_or_else(|| bad(unsupported("no shape declared: give one with --shape")))?;
     dims.iter()
         .enumerate()
         .map(|(i, d)| match d {
             Dim::Fixed(x) => Ok(*x),
             Dim::Free(_) if i == 0 => Ok(o.batch as usize),
-            Dim::Free(p) => Err(bad(format!("dimension {i} (`{p}`) is free: give the shape with --shape"))),
+            Dim::Free(p) => {
+                Err(bad(unsupported(format!("dimension {i} (`{p}`) is free: give the shape with --shape"))))
+            }
         })
         .collect()
 }
@@ -1543,8 +1624,8 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         hbm_bytes: shape.hbm_bytes,
         guest: std::iter::once(0..window).collect(),
     };
-    verify(&load, &limits).map_err(|e| CompileError::Verify { which: "load", reason: e.to_string() })?;
-    verify(&infer, &limits).map_err(|e| CompileError::Verify { which: "infer", reason: e.to_string() })?;
+    verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
+    verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;
     report.load_instructions = load.instruction_count();
     report.infer_instructions = infer.instruction_count();
     let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
@@ -1574,7 +1655,7 @@ fn checked_outputs(m: &OnnxModel, o: &CompileOptions) -> Result<Vec<String>, Com
         if !m.inputs.iter().any(|i| &i.name == k) {
             return Err(CompileError::Input {
                 name: k.clone(),
-                reason: "--shape names no input of the model".into(),
+                reason: invalid("--shape names no input of the model"),
             });
         }
     }
@@ -1586,7 +1667,7 @@ fn checked_outputs(m: &OnnxModel, o: &CompileOptions) -> Result<Vec<String>, Com
                 {
                     return Err(CompileError::Output {
                         name: name.clone(),
-                        reason: "no node produces it".into(),
+                        reason: invalid("no node produces it"),
                     });
                 }
             }
@@ -1665,7 +1746,8 @@ fn check_transfers(inputs: &[Io], outputs: &[Io]) -> Result<(), CompileError> {
     for (i, (name, _, s)) in inputs.iter().chain(outputs).enumerate() {
         let need = elems(s) as u64 * 4;
         if need > u64::from(u32::MAX) {
-            let reason = format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX);
+            let reason =
+                unsupported(format!("{need} bytes per batch; one transfer moves at most {} bytes", u32::MAX));
             return Err(if i < inputs.len() {
                 CompileError::Input { name: name.clone(), reason }
             } else {
@@ -1755,13 +1837,16 @@ impl<'m> Compiler<'m> {
         for io in m.inputs.iter().filter(|i| need.contains(&i.name)) {
             let shape = input_shape(io, o)?;
             if elems(&shape) == 0 {
-                return Err(CompileError::Input { name: io.name.clone(), reason: "has no elements".into() });
+                return Err(CompileError::Input {
+                    name: io.name.clone(),
+                    reason: unsupported("has no elements (empty tensors are not supported)"),
+                });
             }
             check_size(&shape).map_err(|reason| CompileError::Input { name: io.name.clone(), reason })?;
             if shape.is_empty() {
                 return Err(CompileError::Input {
                     name: io.name.clone(),
-                    reason: "is a scalar (rank 0): a model's inputs need at least one axis".into(),
+                    reason: unsupported("is a scalar (rank 0): a model's inputs need at least one axis"),
                 });
             }
             let t = self.tensor(&io.name, elems(&shape), Init::Input, None);
@@ -1771,7 +1856,7 @@ impl<'m> Compiler<'m> {
         if inputs.is_empty() {
             return Err(CompileError::Input {
                 name: String::new(),
-                reason: "the outputs need no model input".into(),
+                reason: unsupported("the outputs need no model input"),
             });
         }
         Ok(inputs)
@@ -1783,7 +1868,7 @@ impl<'m> Compiler<'m> {
             let outs = self.node(n).map_err(|mut reason| {
                 if o.outputs.is_none() && m.outputs.len() > 1 {
                     let names: Vec<&str> = m.outputs.iter().map(|x| x.name.as_str()).collect();
-                    reason.push_str(&format!(
+                    reason = reason.with_hint(&format!(
                         "; to leave it out, compile only the outputs that do not need it (--output NAME; this \
                          model's outputs: {})",
                         names.join(", ")
@@ -1819,9 +1904,10 @@ impl<'m> Compiler<'m> {
                     if d.shape.is_empty() {
                         return Err(CompileError::Output {
                             name: name.clone(),
-                            reason: "is a scalar (rank 0): a model's outputs need at least one axis \
-                                     (e.g. ReduceMean with keepdims=1)"
-                                .into(),
+                            reason: unsupported(
+                                "is a scalar (rank 0): a model's outputs need at least one axis \
+                                 (e.g. ReduceMean with keepdims=1)",
+                            ),
                         });
                     }
                     outputs.push((name.clone(), d.t, d.shape.clone()))
@@ -1829,13 +1915,13 @@ impl<'m> Compiler<'m> {
                 Some(Val::C(_)) => {
                     return Err(CompileError::Output {
                         name: name.clone(),
-                        reason: "is a constant (it does not depend on the input)".into(),
+                        reason: unsupported("is a constant (it does not depend on the input)"),
                     })
                 }
                 None => {
                     return Err(CompileError::Output {
                         name: name.clone(),
-                        reason: "is never computed".into(),
+                        reason: invalid("is never computed"),
                     })
                 }
             }

@@ -8,7 +8,9 @@
 pub mod compile;
 pub mod host;
 pub mod load;
+mod refusal;
 pub use npu_infer_io::npy;
 
 pub use compile::{compile, compile_model, CompileError, CompileOptions, CompileReport, Compiled};
 pub use load::{load, LoadError, OnnxModel};
+pub use refusal::Refusal;

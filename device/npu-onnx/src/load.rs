@@ -8,17 +8,27 @@ use onnx_protobuf::{tensor_proto::DataType, Message, ModelProto, TensorProto};
 use protobuf::Enum;
 use thiserror::Error;
 
+use crate::refusal::{invalid, unsupported, Refusal};
+
 /// Why a file is not an ONNX model this compiler can read.
 #[derive(Debug, Error)]
 pub enum LoadError {
     #[error("not an ONNX model: {0}")]
-    Protobuf(String),
+    Protobuf(#[source] protobuf::Error),
     #[error("the model has no graph")]
     NoGraph,
     #[error("initializer `{name}`: {reason}")]
-    Initializer { name: String, reason: String },
+    Initializer {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("graph input `{name}`: {reason}")]
-    Input { name: String, reason: String },
+    Input {
+        name: String,
+        #[source]
+        reason: Refusal,
+    },
     #[error("the model imports operator set `{domain}` version {version}; only the default domain (ai.onnx, opset {MIN_OPSET} to {MAX_OPSET}) is compiled")]
     Opset { domain: String, version: i64 },
 }
@@ -120,26 +130,35 @@ pub struct OnnxModel {
     pub outputs: Vec<Io>,
 }
 
-fn dims(t: &TensorProto) -> Result<Vec<usize>, String> {
-    t.dims.iter().map(|&d| usize::try_from(d).map_err(|_| format!("negative dimension {d}"))).collect()
+fn dims(t: &TensorProto) -> Result<Vec<usize>, Refusal> {
+    t.dims
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| invalid(format!("negative dimension {d}"))))
+        .collect()
 }
 
 /// Reads a `TensorProto` (inline data only; external data is refused).
-pub fn tensor(t: &TensorProto) -> Result<Const, String> {
+pub fn tensor(t: &TensorProto) -> Result<Const, Refusal> {
     if !t.external_data.is_empty() {
-        return Err("external data files are not supported (save the model with its weights inside)".into());
+        return Err(unsupported(
+            "external data files are not supported (save the model with its weights inside)",
+        ));
     }
     let shape = dims(t)?;
-    let n = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or("element count overflows")?;
+    let n = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .ok_or_else(|| invalid("element count overflows"))?;
     let raw = &t.raw_data;
     let want = |have: usize| {
         if have == n {
             Ok(())
         } else {
-            Err(format!("{have} elements for shape {shape:?} ({n} expected)"))
+            Err(invalid(format!("{have} elements for shape {shape:?} ({n} expected)")))
         }
     };
-    let dt = DataType::from_i32(t.data_type).ok_or_else(|| format!("unknown data type {}", t.data_type))?;
+    let dt = DataType::from_i32(t.data_type)
+        .ok_or_else(|| invalid(format!("unknown data type {}", t.data_type)))?;
     let data = match dt {
         DataType::FLOAT => {
             let v: Vec<f32> = if raw.is_empty() {
@@ -191,12 +210,12 @@ pub fn tensor(t: &TensorProto) -> Result<Const, String> {
             want(v.len())?;
             Data::I64(v)
         }
-        other => return Err(format!("data type {other:?} is not supported")),
+        other => return Err(unsupported(format!("data type {other:?} is not supported"))),
     };
     Ok(Const { shape, data })
 }
 
-fn attr(a: &onnx_protobuf::AttributeProto) -> Result<Attr, String> {
+fn attr(a: &onnx_protobuf::AttributeProto) -> Result<Attr, Refusal> {
     use onnx_protobuf::attribute_proto::AttributeType as T;
     Ok(match a.type_.enum_value() {
         Ok(T::INT) => Attr::Int(a.i),
@@ -248,7 +267,7 @@ pub const MAX_OPSET: i64 = 28;
 
 /// Reads an ONNX model from its bytes.
 pub fn load(bytes: &[u8]) -> Result<OnnxModel, LoadError> {
-    let m = ModelProto::parse_from_bytes(bytes).map_err(|e| LoadError::Protobuf(e.to_string()))?;
+    let m = ModelProto::parse_from_bytes(bytes).map_err(LoadError::Protobuf)?;
     let g = m.graph.as_ref().ok_or(LoadError::NoGraph)?;
     let mut opset = 0;
     for o in &m.opset_import {

@@ -9,6 +9,7 @@
 //! a model output); then strided DMA copies transpose it. When `H*W` or `C`
 //! is 1 the two orders are the same bytes and nothing moves.
 
+use crate::refusal::{invalid, unsupported, Refusal};
 use npu_graph::{Act, Init, Op, PoolOp, Spatial, View};
 
 use super::layout::str_attr;
@@ -85,31 +86,36 @@ pub(super) fn then(a: Act, b: Act) -> Option<Act> {
     }
 }
 
-fn u16_of(v: i64, what: &str) -> Result<u16, String> {
-    u16::try_from(v).map_err(|_| format!("{what} {v} is out of range (0..=65535)"))
+fn u16_of(v: i64, what: &str) -> Result<u16, Refusal> {
+    u16::try_from(v).map_err(|_| unsupported(format!("{what} {v} is out of range (0..=65535)")))
 }
 
 impl Compiler<'_> {
     /// `d` stored channels-last (a rank-4 tensor).
-    pub(super) fn channels_last(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
+    pub(super) fn channels_last(&mut self, name: &str, d: &Dyn) -> Result<Dyn, Refusal> {
         self.stored(name, d, true)
     }
 
     /// `d` stored dense in ONNX's order.
-    pub(super) fn onnx_order(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
+    pub(super) fn onnx_order(&mut self, name: &str, d: &Dyn) -> Result<Dyn, Refusal> {
         self.stored(name, d, false)
     }
 
     /// `d` stored channels-last (`nhwc`) or in ONNX's order, transposed by
     /// DMA when the bytes differ.
-    fn stored(&mut self, name: &str, d: &Dyn, nhwc: bool) -> Result<Dyn, String> {
+    fn stored(&mut self, name: &str, d: &Dyn, nhwc: bool) -> Result<Dyn, Refusal> {
         let d = &self.materialize(name, d)?;
         if d.nhwc == nhwc {
             return Ok(d.clone());
         }
         let [c, h, w] = match d.shape[..] {
             [_, c, h, w] => [c, h, w],
-            _ => return Err(format!("an image tensor [N, C, H, W] is expected, not {:?}", d.shape)),
+            _ => {
+                return Err(unsupported(format!(
+                    "an image tensor [N, C, H, W] is expected, not {:?}",
+                    d.shape
+                )))
+            }
         };
         if h * w == 1 || c == 1 {
             return Ok(Dyn { nhwc, ..d.clone() });
@@ -157,7 +163,7 @@ impl Compiler<'_> {
     }
 
     /// `x[N,C,H,W] * s[N,C,1,1]`.
-    pub(super) fn scale_channels(&mut self, n: &Node, x: &Dyn, s: &Dyn) -> Result<Dyn, String> {
+    pub(super) fn scale_channels(&mut self, n: &Node, x: &Dyn, s: &Dyn) -> Result<Dyn, Refusal> {
         let x = self.channels_last(&n.name, x)?;
         let [b, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
         let y = self.act_tensor(&n.name, elems(&x.shape));
@@ -175,63 +181,67 @@ impl Compiler<'_> {
 
     /// The activation of a `Clip` node (bounds from inputs, or before
     /// opset 11 from attributes).
-    pub(super) fn clip(&self, n: &Node) -> Result<Act, String> {
-        let bound = |i: usize, attr: &str, default: f32| -> Result<f32, String> {
+    pub(super) fn clip(&self, n: &Node) -> Result<Act, Refusal> {
+        let bound = |i: usize, attr: &str, default: f32| -> Result<f32, Refusal> {
             if let Some(v) = n.attrs.get(attr) {
                 return match v {
                     crate::load::Attr::Float(f) => Ok(*f),
-                    _ => Err(format!("attribute `{attr}` must be a float")),
+                    _ => Err(invalid(format!("attribute `{attr}` must be a float"))),
                 };
             }
             match self.opt(n, i) {
                 None => Ok(default),
                 Some(Val::C(c)) => {
                     let v = c.data.to_f32();
-                    (v.len() == 1).then(|| v[0]).ok_or(format!("input {i} of Clip must be a scalar"))
+                    (v.len() == 1)
+                        .then(|| v[0])
+                        .ok_or_else(|| invalid(format!("input {i} of Clip must be a scalar")))
                 }
-                Some(Val::D(_)) => Err(format!("input {i} of Clip must be a constant")),
+                Some(Val::D(_)) => Err(unsupported(format!("input {i} of Clip must be a constant"))),
             }
         };
         Self::only_attrs(n, &["min", "max"])?;
         let lo = bound(1, "min", f32::MIN)?.max(f32::MIN);
         let hi = bound(2, "max", f32::MAX)?.min(f32::MAX);
         if lo.is_nan() || hi.is_nan() || lo > hi {
-            return Err(format!("bounds [{lo}, {hi}] are not an interval"));
+            return Err(invalid(format!("bounds [{lo}, {hi}] are not an interval")));
         }
         Ok(Act::Clamp { scale: 1.0, bias: 0.0, lo, hi })
     }
 
     /// Kernel, strides and padding of a `Conv` or pooling node over `h x w`.
-    fn window(n: &Node, h: usize, w: usize, kernel: Option<[usize; 2]>) -> Result<Spatial, String> {
+    fn window(n: &Node, h: usize, w: usize, kernel: Option<[usize; 2]>) -> Result<Spatial, Refusal> {
         let ints = |k: &str| Self::ints_attr(n, k);
         let k = match (ints("kernel_shape")?, kernel) {
             (Some(v), _) if v.len() == 2 => [v[0], v[1]],
-            (Some(v), _) => return Err(format!("kernel_shape {v:?} (only 2-D windows are supported)")),
+            (Some(v), _) => {
+                return Err(unsupported(format!("kernel_shape {v:?} (only 2-D windows are supported)")))
+            }
             (None, Some(k)) => [k[0] as i64, k[1] as i64],
-            (None, None) => return Err("kernel_shape is missing".into()),
+            (None, None) => return Err(invalid("kernel_shape is missing")),
         };
         if let Some(d) = ints("dilations")? {
             if d.iter().any(|&x| x != 1) {
-                return Err(format!("dilations {d:?} (only 1 is supported)"));
+                return Err(unsupported(format!("dilations {d:?} (only 1 is supported)")));
             }
         }
         let s = ints("strides")?.unwrap_or(vec![1, 1]);
         if s.len() != 2 {
-            return Err(format!("strides {s:?} (2 expected)"));
+            return Err(invalid(format!("strides {s:?} (2 expected)")));
         }
         let (kh, kw) = (u16_of(k[0], "kernel height")?, u16_of(k[1], "kernel width")?);
         let (sh, sw) = (u16_of(s[0], "stride")?, u16_of(s[1], "stride")?);
         if kh == 0 || kw == 0 || sh == 0 || sw == 0 {
-            return Err("kernel and strides must be positive".into());
+            return Err(invalid("kernel and strides must be positive"));
         }
         let auto = match n.attrs.get("auto_pad") {
             None => "NOTSET".to_string(),
             Some(crate::load::Attr::Str(s)) => s.clone(),
-            Some(_) => return Err("attribute `auto_pad` must be a string".into()),
+            Some(_) => return Err(invalid("attribute `auto_pad` must be a string")),
         };
         let (h16, w16) = (
-            u32::try_from(h).map_err(|_| "image too tall")?,
-            u32::try_from(w).map_err(|_| "image too wide")?,
+            u32::try_from(h).map_err(|_| unsupported("image too tall"))?,
+            u32::try_from(w).map_err(|_| unsupported("image too wide"))?,
         );
         // ONNX pads: [top, left, bottom, right].
         let pads: [u16; 4] = match auto.as_str() {
@@ -240,7 +250,7 @@ impl Compiler<'_> {
                 Some(p) if p.len() == 4 => {
                     [u16_of(p[0], "pad")?, u16_of(p[2], "pad")?, u16_of(p[1], "pad")?, u16_of(p[3], "pad")?]
                 }
-                Some(p) => return Err(format!("pads {p:?} (4 expected)")),
+                Some(p) => return Err(invalid(format!("pads {p:?} (4 expected)"))),
             },
             "VALID" => [0; 4],
             "SAME_UPPER" | "SAME_LOWER" => {
@@ -259,11 +269,11 @@ impl Compiler<'_> {
                 let (l, r) = same(w16, kw, sw);
                 [t, b, l, r]
             }
-            other => return Err(format!("auto_pad `{other}` is not supported")),
+            other => return Err(unsupported(format!("auto_pad `{other}` is not supported"))),
         };
         let s = Spatial { h: h16, w: w16, kh, kw, sh, sw, pad: pads };
         if !s.valid() {
-            return Err(format!("a {kh}x{kw} window does not fit the padded {h}x{w} image"));
+            return Err(invalid(format!("a {kh}x{kw} window does not fit the padded {h}x{w} image")));
         }
         Ok(s)
     }
@@ -275,43 +285,48 @@ impl Compiler<'_> {
         &mut self,
         n: &Node,
         layout: &str,
-    ) -> Result<(Dyn, [usize; 4], Const, [usize; 4]), String> {
+    ) -> Result<(Dyn, [usize; 4], Const, [usize; 4]), Refusal> {
         let x = self.computed(n, 0)?;
-        let wc = self.konst(n, 1).map_err(|_| "the weights must be a constant".to_string())?;
+        let wc = self.konst(n, 1).map_err(|_| unsupported("the weights must be a constant"))?;
         let xd = match x.shape[..] {
             [b, c, h, w] => [b, c, h, w],
-            _ => return Err(format!("input of shape {:?} (only 2-D convolutions: [N, C, H, W])", x.shape)),
+            _ => {
+                return Err(unsupported(format!(
+                    "input of shape {:?} (only 2-D convolutions: [N, C, H, W])",
+                    x.shape
+                )))
+            }
         };
         let wd = match wc.shape[..] {
             [a, b, kh, kw] => [a, b, kh, kw],
-            _ => return Err(format!("weights of shape {:?} ({layout} expected)", wc.shape)),
+            _ => return Err(invalid(format!("weights of shape {:?} ({layout} expected)", wc.shape))),
         };
         Ok((x, xd, wc, wd))
     }
 
     /// The constant bias of a convolution with `m` output channels (input
     /// 2; zeros when absent).
-    fn conv_bias(&self, n: &Node, m: usize) -> Result<Vec<f32>, String> {
+    fn conv_bias(&self, n: &Node, m: usize) -> Result<Vec<f32>, Refusal> {
         match self.opt(n, 2) {
             None => Ok(vec![0.0; m]),
             Some(Val::C(bc)) if elems(&bc.shape) == m => Ok(bc.data.to_f32()),
-            Some(Val::C(bc)) => Err(format!("bias of shape {:?} ({m} expected)", bc.shape)),
-            Some(Val::D(_)) => Err("the bias must be a constant".into()),
+            Some(Val::C(bc)) => Err(invalid(format!("bias of shape {:?} ({m} expected)", bc.shape))),
+            Some(Val::D(_)) => Err(unsupported("the bias must be a constant")),
         }
     }
 
     pub(super) fn conv(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["auto_pad", "dilations", "group", "kernel_shape", "pads", "strides"])?;
         let (x, [_, c, h, w], wc, [m, cg, kh, kw]) = self.conv_operands(n, "[M, C/group, kH, kW]")?;
-        let g = usize::try_from(Self::int_attr(n, "group", 1)?).map_err(|_| "negative group")?;
+        let g = usize::try_from(Self::int_attr(n, "group", 1)?).map_err(|_| invalid("negative group"))?;
         if g == 0 || c % g != 0 || m % g != 0 || cg * g != c {
-            return Err(format!(
+            return Err(invalid(format!(
                 "group {g} does not divide {c} input and {m} output channels into [{cg}] each"
-            ));
+            )));
         }
         let s = Self::window(n, h, w, Some([kh, kw]))?;
         if usize::from(s.kh) != kh || usize::from(s.kw) != kw {
-            return Err("kernel_shape contradicts the weights".into());
+            return Err(invalid("kernel_shape contradicts the weights"));
         }
         let bias = self.conv_bias(n, m)?;
         let y = self.conv_op(&n.name, &x, &wc.data.to_f32(), [m, cg, kh, kw], g, s, bias)?;
@@ -333,7 +348,7 @@ impl Compiler<'_> {
         g: usize,
         s: Spatial,
         bias: Vec<f32>,
-    ) -> Result<Dyn, String> {
+    ) -> Result<Dyn, Refusal> {
         let [b, c, h, w] = [x.shape[0], x.shape[1], x.shape[2], x.shape[3]];
         let x = self.channels_last(name, x)?;
         let (ho, wo) = s.out();
@@ -430,35 +445,38 @@ impl Compiler<'_> {
         )?;
         let (x, [b, c, h, w], wc, [ci, mg, kh, kw]) = self.conv_operands(n, "[C, M/group, kH, kW]")?;
         if elems(&x.shape) == 0 {
-            return Err("an empty input is not supported".into());
+            return Err(unsupported("an empty input is not supported"));
         }
-        let g = usize::try_from(Self::int_attr(n, "group", 1)?).map_err(|_| "negative group")?;
+        let g = usize::try_from(Self::int_attr(n, "group", 1)?).map_err(|_| invalid("negative group"))?;
         if g == 0 || ci != c || c % g != 0 || kh == 0 || kw == 0 {
-            return Err(format!("weights {:?} do not fit {c} input channels in group {g}", wc.shape));
+            return Err(invalid(format!(
+                "weights {:?} do not fit {c} input channels in group {g}",
+                wc.shape
+            )));
         }
         let (cg, m) = (c / g, mg.saturating_mul(g));
         if let Some(k) = Self::ints_attr(n, "kernel_shape")? {
             if k.len() != 2 || k[0] != kh as i64 || k[1] != kw as i64 {
-                return Err(format!("kernel_shape {k:?} contradicts the weights"));
+                return Err(invalid(format!("kernel_shape {k:?} contradicts the weights")));
             }
         }
         if let Some(d) = Self::ints_attr(n, "dilations")? {
             if d.iter().any(|&x| x != 1) {
-                return Err(format!("dilations {d:?} (only 1 is supported)"));
+                return Err(unsupported(format!("dilations {d:?} (only 1 is supported)")));
             }
         }
         match n.attrs.get("auto_pad") {
             None => {}
             Some(crate::load::Attr::Str(s)) if s == "NOTSET" || s == "VALID" => {}
-            Some(_) => return Err("auto_pad other than NOTSET and VALID is not supported".into()),
+            Some(_) => return Err(unsupported("auto_pad other than NOTSET and VALID is not supported")),
         }
-        let two = |k: &str, default: i64| -> Result<[usize; 2], String> {
+        let two = |k: &str, default: i64| -> Result<[usize; 2], Refusal> {
             match Self::ints_attr(n, k)? {
                 None => Ok([default as usize; 2]),
                 Some(v) if v.len() == 2 && v.iter().all(|&x| (0..=4096).contains(&x)) => {
                     Ok([v[0] as usize, v[1] as usize])
                 }
-                Some(v) => Err(format!("{k} {v:?} (two values in 0..=4096 expected)")),
+                Some(v) => Err(unsupported(format!("{k} {v:?} (two values in 0..=4096 expected)"))),
             }
         };
         let [sh, sw] = two("strides", 1)?;
@@ -468,10 +486,10 @@ impl Compiler<'_> {
             Some(p) if p.len() == 4 && p.iter().all(|&x| (0..=4096).contains(&x)) => {
                 [p[0] as usize, p[1] as usize, p[2] as usize, p[3] as usize]
             }
-            Some(p) => return Err(format!("pads {p:?} (four values in 0..=4096 expected)")),
+            Some(p) => return Err(unsupported(format!("pads {p:?} (four values in 0..=4096 expected)"))),
         };
         if sh == 0 || sw == 0 || oph >= sh || opw >= sw {
-            return Err("strides must be positive and output_padding below them".into());
+            return Err(invalid("strides must be positive and output_padding below them"));
         }
         let bias = self.conv_bias(n, m)?;
         let (oh, phases_h) = transpose_phases(h, kh, sh, pads[0], pads[2], oph)?;
@@ -489,10 +507,9 @@ impl Compiler<'_> {
                     continue;
                 }
                 if ph.taps == 0 || pw.taps == 0 {
-                    return Err(
-                        "a kernel smaller than the stride (outputs that are the bias alone) is not supported"
-                            .into(),
-                    );
+                    return Err(unsupported(
+                        "a kernel smaller than the stride (outputs that are the bias alone) is not supported",
+                    ));
                 }
                 let (th, tw) = (ph.taps, pw.taps);
                 let mut w2 = vec![0.0; m * cg * th * tw];
@@ -509,8 +526,8 @@ impl Compiler<'_> {
                     }
                 }
                 let s = Spatial {
-                    h: u32::try_from(h).map_err(|_| "image too tall")?,
-                    w: u32::try_from(w).map_err(|_| "image too wide")?,
+                    h: u32::try_from(h).map_err(|_| unsupported("image too tall"))?,
+                    w: u32::try_from(w).map_err(|_| unsupported("image too wide"))?,
                     kh: u16_of(th as i64, "kernel height")?,
                     kw: u16_of(tw as i64, "kernel width")?,
                     sh: 1,
@@ -543,15 +560,15 @@ impl Compiler<'_> {
     pub(super) fn batch_norm(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["epsilon", "momentum", "training_mode", "spatial"])?;
         if Self::int_attr(n, "training_mode", 0)? != 0 || n.outputs.iter().skip(1).any(|o| !o.is_empty()) {
-            return Err("training mode (running statistics as outputs) is not supported".into());
+            return Err(unsupported("training mode (running statistics as outputs) is not supported"));
         }
         let x = self.computed(n, 0)?;
         let eps = Self::float_attr(n, "epsilon", 1e-5)?;
         let p: Vec<Vec<f32>> =
             (1..5).map(|i| self.konst(n, i).map(|c| c.data.to_f32())).collect::<Result<_, _>>()?;
-        let ch = *x.shape.get(1).ok_or("input of rank below 2")?;
+        let ch = *x.shape.get(1).ok_or_else(|| invalid("input of rank below 2"))?;
         if p.iter().any(|v| v.len() != ch) {
-            return Err(format!("scale, bias, mean and variance must have {ch} values"));
+            return Err(invalid(format!("scale, bias, mean and variance must have {ch} values")));
         }
         let scale: Vec<f32> = (0..ch)
             .map(|c| (f64::from(p[0][c]) / (f64::from(p[3][c]) + f64::from(eps)).sqrt()) as f32)
@@ -597,19 +614,24 @@ impl Compiler<'_> {
         )?;
         let ceil = Self::int_attr(n, "ceil_mode", 0)? != 0;
         if n.outputs.iter().skip(1).any(|o| !o.is_empty()) {
-            return Err("the Indices output is not supported".into());
+            return Err(unsupported("the Indices output is not supported"));
         }
         let x = self.computed(n, 0)?;
         let [b, c, h, w] = match x.shape[..] {
             [b, c, h, w] => [b, c, h, w],
-            _ => return Err(format!("input of shape {:?} (only 2-D pooling: [N, C, H, W])", x.shape)),
+            _ => {
+                return Err(unsupported(format!(
+                    "input of shape {:?} (only 2-D pooling: [N, C, H, W])",
+                    x.shape
+                )))
+            }
         };
         let mut s = Self::window(n, h, w, None)?;
         let extra = if ceil { self.ceil_rows(n, &s)? } else { (0, 0) };
         let x = match (ceil, extra) {
             (false, _) | (true, (0, 0)) => x,
             (true, _) if avg => {
-                return Err("ceil_mode = 1 with a last window past the padding (AveragePool)".into())
+                return Err(unsupported("ceil_mode = 1 with a last window past the padding (AveragePool)"))
             }
             (true, (eh, ew)) => {
                 // The extra windows of ceil mode read past the padded input:
@@ -620,7 +642,7 @@ impl Compiler<'_> {
                     ("value".to_string(), Attr::Float(f32::NEG_INFINITY)),
                 ]);
                 let Val::D(xp) = self.run_part(n, "ceil", "Pad", vec![n.inputs[0].clone()], attrs)? else {
-                    return Err("the padded input folded to a constant".into());
+                    return Err(unsupported("the padded input folded to a constant"));
                 };
                 s = Self::window(n, h + eh, w + ew, None)?;
                 xp
@@ -638,10 +660,9 @@ impl Compiler<'_> {
             return Ok(vec![Val::D(y)]);
         }
         if !s.uniform() || usize::from(s.pad[0]) >= usize::from(s.kh.min(s.kw)) {
-            return Err(
-                "pooling takes one stride, the same padding on every side and padding below the window"
-                    .into(),
-            );
+            return Err(unsupported(
+                "pooling takes one stride, the same padding on every side and padding below the window",
+            ));
         }
         let x = self.channels_last(&n.name, &x)?;
         let (ho, wo) = s.out();
@@ -656,9 +677,9 @@ impl Compiler<'_> {
     /// padded input (`(0, 0)`: ceil mode changes nothing). ONNX's output
     /// size is `ceil((in + pads - k) / stride) + 1`, less one where that
     /// window would start past the input and its leading padding.
-    fn ceil_rows(&self, n: &Node, s: &Spatial) -> Result<(usize, usize), String> {
+    fn ceil_rows(&self, n: &Node, s: &Spatial) -> Result<(usize, usize), Refusal> {
         if str_attr(n, "auto_pad", "NOTSET")? != "NOTSET" {
-            return Err("ceil_mode = 1 with auto_pad is not supported".into());
+            return Err(unsupported("ceil_mode = 1 with auto_pad is not supported"));
         }
         let extra = |inp: u32, k: u16, st: u16, p0: u16, p1: u16| -> usize {
             let (inp, k, st, p0, p1) =
@@ -678,7 +699,7 @@ impl Compiler<'_> {
         let x = self.computed(n, 0)?;
         let [b, c, h, w] = match x.shape[..] {
             [b, c, h, w] => [b, c, h, w],
-            _ => return Err(format!("input of shape {:?} ([N, C, H, W] expected)", x.shape)),
+            _ => return Err(unsupported(format!("input of shape {:?} ([N, C, H, W] expected)", x.shape))),
         };
         let x = self.channels_last(&n.name, &x)?;
         let y = self.act_tensor(&n.name, b * c);
@@ -688,12 +709,15 @@ impl Compiler<'_> {
     }
 
     /// The indices `Slice` picks along each axis of a `shape` tensor.
-    pub(super) fn slice_picks(&self, n: &Node, shape: &[usize]) -> Result<Vec<Vec<usize>>, String> {
+    pub(super) fn slice_picks(&self, n: &Node, shape: &[usize]) -> Result<Vec<Vec<usize>>, Refusal> {
         let rank = shape.len();
         let ints = |i: usize| self.const_ints(n, i, &format!("input {i}"));
         let (starts, ends) = match (Self::ints_attr(n, "starts")?, Self::ints_attr(n, "ends")?) {
             (Some(s), Some(e)) => (s, e),
-            _ => (ints(1)?.ok_or("starts missing")?, ints(2)?.ok_or("ends missing")?),
+            _ => (
+                ints(1)?.ok_or_else(|| invalid("starts missing"))?,
+                ints(2)?.ok_or_else(|| invalid("ends missing"))?,
+            ),
         };
         let axes = match Self::ints_attr(n, "axes")? {
             Some(a) => a,
@@ -701,15 +725,15 @@ impl Compiler<'_> {
         };
         let steps = ints(4)?.unwrap_or_else(|| vec![1; starts.len()]);
         if ends.len() != starts.len() || axes.len() != starts.len() || steps.len() != starts.len() {
-            return Err("starts, ends, axes and steps differ in length".into());
+            return Err(invalid("starts, ends, axes and steps differ in length"));
         }
         let mut ranges: Vec<Vec<usize>> = shape.iter().map(|&d| (0..d).collect()).collect();
         for i in 0..starts.len() {
-            let a = super::axis(axes[i], rank).ok_or("axis out of range")?;
+            let a = super::axis(axes[i], rank).ok_or_else(|| invalid("axis out of range"))?;
             let dim = shape[a] as i64;
             let step = steps[i];
             if step == 0 {
-                return Err("step 0".into());
+                return Err(invalid("step 0"));
             }
             let clampi =
                 |v: i64, lo: i64, hi: i64| (if v < 0 { v.saturating_add(dim) } else { v }).clamp(lo, hi);
@@ -732,7 +756,7 @@ impl Compiler<'_> {
     }
 
     /// `Slice` of a constant.
-    pub(super) fn slice_const(&self, n: &Node) -> Result<Const, String> {
+    pub(super) fn slice_const(&self, n: &Node) -> Result<Const, Refusal> {
         let data = self.konst(n, 0)?;
         let rank = data.shape.len();
         let ranges = self.slice_picks(n, &data.shape)?;
@@ -786,11 +810,11 @@ fn transpose_phases(
     pb: usize,
     pe: usize,
     op: usize,
-) -> Result<(usize, Vec<Phase>), String> {
+) -> Result<(usize, Vec<Phase>), Refusal> {
     let (len, k, s, pb, pe, op) = (len as i64, k as i64, s as i64, pb as i64, pe as i64, op as i64);
     let out = s.saturating_mul(len - 1).saturating_add(op + k - pb - pe);
     if out <= 0 || out > 1 << 28 {
-        return Err(format!("the output length {out} is not positive or too large"));
+        return Err(invalid(format!("the output length {out} is not positive or too large")));
     }
     let mut phases = Vec::new();
     for r in 0..s {

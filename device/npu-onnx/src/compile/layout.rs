@@ -9,6 +9,7 @@
 //! a constant interpolation matrix (two or four non-zero weights a row)
 //! on the SA.
 
+use crate::refusal::{invalid, unsupported, Refusal};
 use npu_graph::{Init, Op, View};
 
 use super::seq::{dense_strides, u32_of, Place};
@@ -138,18 +139,23 @@ fn interp_matrix(i: Interp, coord: Coord, scale: f32, len_in: usize, len_out: us
 /// padded slab).
 pub(super) const MAX_REVERSED_SLABS: usize = 4096;
 
-pub(super) fn str_attr(n: &Node, k: &str, default: &str) -> Result<String, String> {
+pub(super) fn str_attr(n: &Node, k: &str, default: &str) -> Result<String, Refusal> {
     match n.attrs.get(k) {
         None => Ok(default.to_string()),
         Some(Attr::Str(s)) => Ok(s.clone()),
-        Some(_) => Err(format!("attribute `{k}` must be a string")),
+        Some(_) => Err(invalid(format!("attribute `{k}` must be a string"))),
     }
 }
 
 impl Compiler<'_> {
     /// A new tensor of `shape`, stored channels-last when `nhwc` (rank 4)
     /// or dense, and its element strides.
-    fn new_stored(&mut self, name: &str, shape: Vec<usize>, nhwc: bool) -> Result<(Dyn, Vec<usize>), String> {
+    fn new_stored(
+        &mut self,
+        name: &str,
+        shape: Vec<usize>,
+        nhwc: bool,
+    ) -> Result<(Dyn, Vec<usize>), Refusal> {
         check_size(&shape)?;
         let y = self.act_tensor(name, elems(&shape));
         let nhwc = nhwc && shape.len() == 4;
@@ -175,7 +181,9 @@ impl Compiler<'_> {
         for (a, p) in picks.iter().enumerate() {
             let step = match p[..] {
                 [] => {
-                    return Err(format!("the slice of axis {a} is empty (empty tensors are not supported)"))
+                    return Err(unsupported(format!(
+                        "the slice of axis {a} is empty (empty tensors are not supported)"
+                    )))
                 }
                 [_] => 1,
                 [first, second, ..] if second > first => second - first,
@@ -194,10 +202,10 @@ impl Compiler<'_> {
         match slabs {
             Some(k) if k <= MAX_REVERSED_SLABS => {}
             _ => {
-                return Err(format!(
+                return Err(unsupported(format!(
                     "negative steps on axes {reversed:?} need one copy per picked index; more than \
                      {MAX_REVERSED_SLABS} are not supported"
-                ))
+                )))
             }
         }
         let (y, dst) = self.new_stored(&n.name, shape, x.nhwc)?;
@@ -242,14 +250,14 @@ impl Compiler<'_> {
             (0..n.inputs.len()).map(|i| self.get(n, i).cloned()).collect::<Result<_, _>>()?;
         let shapes: Vec<Vec<usize>> =
             (0..parts.len()).map(|i| self.shape_of(n, i)).collect::<Result<_, _>>()?;
-        let first = shapes.first().cloned().ok_or("no inputs")?;
+        let first = shapes.first().cloned().ok_or_else(|| invalid("no inputs"))?;
         let rank = first.len();
-        let ax = axis(Self::int_attr(n, "axis", 0)?, rank).ok_or("axis out of range")?;
+        let ax = axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         let mut shape = first.clone();
         shape[ax] = 0;
         for s in &shapes {
             if s.len() != rank || (0..rank).any(|i| i != ax && s[i] != first[i]) {
-                return Err(format!("concatenated shapes {first:?} and {s:?} differ off axis {ax}"));
+                return Err(invalid(format!("concatenated shapes {first:?} and {s:?} differ off axis {ax}")));
             }
             shape[ax] = shape[ax].saturating_add(s[ax]);
         }
@@ -280,38 +288,41 @@ impl Compiler<'_> {
         Self::only_attrs(n, &["mode", "pads", "value"])?;
         let mode = str_attr(n, "mode", "constant")?;
         if !["constant", "edge", "reflect", "wrap"].contains(&mode.as_str()) {
-            return Err(format!("mode `{mode}` is not supported (constant, edge, reflect, wrap)"));
+            return Err(unsupported(format!(
+                "mode `{mode}` is not supported (constant, edge, reflect, wrap)"
+            )));
         }
         let x = self.computed_view(n, 0)?;
         let rank = x.shape.len();
         let listed = match Self::ints_attr(n, "pads")? {
             Some(p) => p,
-            None => self.const_ints(n, 1, "pads")?.ok_or("pads missing")?,
+            None => self.const_ints(n, 1, "pads")?.ok_or_else(|| invalid("pads missing"))?,
         };
         let value = match self.opt(n, 2) {
             None => Self::float_attr(n, "value", 0.0)?,
             Some(Val::C(c)) => match c.data.to_f32()[..] {
                 [v] => v,
-                _ => return Err("constant_value must be one value".into()),
+                _ => return Err(invalid("constant_value must be one value")),
             },
-            Some(Val::D(_)) => return Err("constant_value must be a constant".into()),
+            Some(Val::D(_)) => return Err(unsupported("constant_value must be a constant")),
         };
         let axes: Vec<usize> = match self.const_ints(n, 3, "axes")? {
             None => (0..rank).collect(),
-            Some(a) => {
-                a.iter().map(|&v| axis(v, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?
-            }
+            Some(a) => a
+                .iter()
+                .map(|&v| axis(v, rank).ok_or_else(|| invalid("axis out of range")))
+                .collect::<Result<_, _>>()?,
         };
         if listed.len() != 2 * axes.len() {
-            return Err(format!("{} pads for {} axes", listed.len(), axes.len()));
+            return Err(invalid(format!("{} pads for {} axes", listed.len(), axes.len())));
         }
         let (mut begin, mut end) = (vec![0usize; rank], vec![0usize; rank]);
         for (i, &a) in axes.iter().enumerate() {
             let (b, e) = (listed[i], listed[i + axes.len()]);
-            begin[a] =
-                usize::try_from(b).map_err(|_| format!("negative pad {b} (cropping) is not supported"))?;
-            end[a] =
-                usize::try_from(e).map_err(|_| format!("negative pad {e} (cropping) is not supported"))?;
+            begin[a] = usize::try_from(b)
+                .map_err(|_| unsupported(format!("negative pad {b} (cropping) is not supported")))?;
+            end[a] = usize::try_from(e)
+                .map_err(|_| unsupported(format!("negative pad {e} (cropping) is not supported")))?;
         }
         if begin.iter().chain(&end).all(|&p| p == 0) {
             self.report.aliases += 1;
@@ -324,20 +335,20 @@ impl Compiler<'_> {
                 let len = x.shape[a];
                 let most = begin[a].max(end[a]);
                 if (begin[a] > 0 || end[a] > 0) && len == 0 {
-                    return Err(format!("axis {a} is empty: nothing to pad it with"));
+                    return Err(unsupported(format!("axis {a} is empty: nothing to pad it with")));
                 }
                 if mode == "reflect" && most >= len {
-                    return Err(format!(
+                    return Err(invalid(format!(
                         "reflect pad {most} on axis {a} of length {len} (at most {})",
                         len - 1
-                    ));
+                    )));
                 }
             }
             let slabs = (0..rank).map(|a| begin[a] + end[a]).sum::<usize>();
             if slabs > MAX_REVERSED_SLABS {
-                return Err(format!(
+                return Err(unsupported(format!(
                     "{slabs} padded slabs; more than {MAX_REVERSED_SLABS} are not supported"
-                ));
+                )));
             }
         }
         let (y, dst) = self.new_stored(&n.name, shape.clone(), x.nhwc)?;
@@ -406,25 +417,32 @@ impl Compiler<'_> {
             ],
         )?;
         if Self::int_attr(n, "antialias", 0)? != 0 {
-            return Err("antialias is not supported".into());
+            return Err(unsupported("antialias is not supported"));
         }
         let axes = Self::ints_attr(n, "axes")?;
         let policy = str_attr(n, "keep_aspect_ratio_policy", "stretch")?;
         if policy != "stretch" {
-            return Err(format!("keep_aspect_ratio_policy `{policy}` is not supported (only stretch)"));
+            return Err(unsupported(format!(
+                "keep_aspect_ratio_policy `{policy}` is not supported (only stretch)"
+            )));
         }
         let x = self.computed(n, 0)?;
         let [b, c] = match x.shape[..] {
             [b, c, _, _] => [b, c],
-            _ => return Err(format!("input of shape {:?} (only images [N, C, H, W] are resized)", x.shape)),
+            _ => {
+                return Err(unsupported(format!(
+                    "input of shape {:?} (only images [N, C, H, W] are resized)",
+                    x.shape
+                )))
+            }
         };
         if elems(&x.shape) == 0 {
-            return Err("an empty input is not supported".into());
+            return Err(unsupported("an empty input is not supported"));
         }
-        let floats = |v: Option<&Val>| -> Result<Option<Vec<f32>>, String> {
+        let floats = |v: Option<&Val>| -> Result<Option<Vec<f32>>, Refusal> {
             match v {
                 Some(Val::C(c)) if elems(&c.shape) > 0 => Ok(Some(c.data.to_f32())),
-                Some(Val::D(_)) => Err("scales and sizes must be constants".into()),
+                Some(Val::D(_)) => Err(unsupported("scales and sizes must be constants")),
                 _ => Ok(None),
             }
         };
@@ -434,7 +452,7 @@ impl Compiler<'_> {
         } else {
             let sizes = match self.opt(n, 3) {
                 Some(Val::C(c)) if elems(&c.shape) > 0 => Some(c.data.to_i64()),
-                Some(Val::D(_)) => return Err("sizes must be a constant".into()),
+                Some(Val::D(_)) => return Err(unsupported("sizes must be a constant")),
                 _ => None,
             };
             (floats(self.opt(n, 2))?, sizes)
@@ -445,17 +463,19 @@ impl Compiler<'_> {
             None => (scales, sizes),
             Some(a) => {
                 let rank = x.shape.len();
-                let ax: Vec<usize> =
-                    a.iter().map(|&v| axis(v, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?;
+                let ax: Vec<usize> = a
+                    .iter()
+                    .map(|&v| axis(v, rank).ok_or_else(|| invalid("axis out of range")))
+                    .collect::<Result<_, _>>()?;
                 let mut seen = ax.clone();
                 seen.sort_unstable();
                 seen.dedup();
                 if seen.len() != ax.len() {
-                    return Err(format!("axes {a:?} repeat an axis"));
+                    return Err(invalid(format!("axes {a:?} repeat an axis")));
                 }
-                let spread = |given: &[f32], fill: Vec<f32>| -> Result<Vec<f32>, String> {
+                let spread = |given: &[f32], fill: Vec<f32>| -> Result<Vec<f32>, Refusal> {
                     if given.len() != ax.len() {
-                        return Err(format!("{} values for {} axes", given.len(), ax.len()));
+                        return Err(invalid(format!("{} values for {} axes", given.len(), ax.len())));
                     }
                     let mut full = fill;
                     for (i, &k) in ax.iter().enumerate() {
@@ -482,29 +502,29 @@ impl Compiler<'_> {
             (Some(s), _) if s.len() == 4 => {
                 let out: Vec<usize> = s
                     .iter()
-                    .map(|&v| usize::try_from(v).map_err(|_| format!("size {v}")))
+                    .map(|&v| usize::try_from(v).map_err(|_| invalid(format!("size {v}"))))
                     .collect::<Result<_, _>>()?;
                 let scale = out.iter().zip(&x.shape).map(|(&o, &i)| o as f32 / i as f32).collect();
                 (out, scale)
             }
             (None, Some(s)) if s.len() == 4 => {
                 if s.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
-                    return Err(format!("scales {s:?} must be positive"));
+                    return Err(invalid(format!("scales {s:?} must be positive")));
                 }
                 let out = s.iter().zip(&x.shape).map(|(&f, &i)| (i as f32 * f).floor() as usize).collect();
                 (out, s)
             }
-            _ => return Err("scales or sizes with one value per axis (4) are needed".into()),
+            _ => return Err(invalid("scales or sizes with one value per axis (4) are needed")),
         };
         if out[0] != b || out[1] != c {
-            return Err(format!(
+            return Err(unsupported(format!(
                 "resizing the batch or channel axis ({:?} to {out:?}) is not supported",
                 x.shape
-            ));
+            )));
         }
         let [ho, wo] = [out[2], out[3]];
         if ho == 0 || wo == 0 {
-            return Err("an empty output is not supported".into());
+            return Err(unsupported("an empty output is not supported"));
         }
         check_size(&out)?;
         let mode = str_attr(n, "mode", "nearest")?;
@@ -515,7 +535,7 @@ impl Compiler<'_> {
         if old {
             for a in ["nearest_mode", "coordinate_transformation_mode", "cubic_coeff_a", "exclude_outside"] {
                 if n.attrs.contains_key(a) {
-                    return Err(format!("attribute `{a}` does not exist before opset 11"));
+                    return Err(invalid(format!("attribute `{a}` does not exist before opset 11")));
                 }
             }
         }
@@ -526,14 +546,14 @@ impl Compiler<'_> {
                 "round_prefer_ceil" => Rounding::PreferCeil,
                 "floor" => Rounding::Floor,
                 "ceil" => Rounding::Ceil,
-                m => return Err(format!("nearest_mode `{m}` is not supported")),
+                m => return Err(unsupported(format!("nearest_mode `{m}` is not supported"))),
             }),
             "linear" | "bilinear" => Interp::Linear,
             "cubic" => Interp::Cubic(
                 Self::float_attr(n, "cubic_coeff_a", -0.75)?,
                 Self::int_attr(n, "exclude_outside", 0)? != 0,
             ),
-            m => return Err(format!("mode `{m}` is not supported (nearest, linear, cubic)")),
+            m => return Err(unsupported(format!("mode `{m}` is not supported (nearest, linear, cubic)"))),
         };
         // Upsample and Resize-10 are asymmetric.
         let default = if n.op == "Upsample" || self.m.opset < 11 { "asymmetric" } else { "half_pixel" };
@@ -543,7 +563,7 @@ impl Compiler<'_> {
             "align_corners" => Coord::AlignCorners,
             "asymmetric" => Coord::Asymmetric,
             "tf_half_pixel_for_nn" => Coord::TfHalfPixelForNn,
-            m => return Err(format!("coordinate_transformation_mode `{m}` is not supported")),
+            m => return Err(unsupported(format!("coordinate_transformation_mode `{m}` is not supported"))),
         };
         let x = self.channels_last(&n.name, &x)?;
         // The width first, then the height; an axis that keeps its size
@@ -565,7 +585,7 @@ impl Compiler<'_> {
         scale: f32,
         interp: Interp,
         coord: Coord,
-    ) -> Result<Dyn, String> {
+    ) -> Result<Dyn, Refusal> {
         let len_in = x.shape[a];
         let mut shape = x.shape.clone();
         shape[a] = len_out;
@@ -642,7 +662,7 @@ impl Compiler<'_> {
         d: &Dyn,
         shape: &[usize],
         nhwc: bool,
-    ) -> Result<Dyn, String> {
+    ) -> Result<Dyn, Refusal> {
         let st = Self::strides_of(d);
         let off = shape.len() - d.shape.len();
         let src: Vec<usize> = (0..shape.len())

@@ -9,6 +9,7 @@
 //! written by the product itself, and anything else that needs dense data
 //! gets it from [`Compiler::materialize`] (strided DMA copies).
 
+use crate::refusal::{invalid, unsupported, Refusal};
 use std::collections::HashMap;
 
 use npu_graph::{Act, Init, Op, RedOp, TensorId, View};
@@ -63,8 +64,8 @@ impl<'a> Place<'a> {
     }
 }
 
-pub(super) fn u32_of(v: usize, what: &str) -> Result<u32, String> {
-    u32::try_from(v).map_err(|_| format!("{what} {v} does not fit 32 bits"))
+pub(super) fn u32_of(v: usize, what: &str) -> Result<u32, Refusal> {
+    u32::try_from(v).map_err(|_| unsupported(format!("{what} {v} does not fit 32 bits")))
 }
 
 impl Compiler<'_> {
@@ -80,7 +81,7 @@ impl Compiler<'_> {
     }
 
     /// `d` stored densely in ONNX's order when it is a view.
-    pub(super) fn materialize(&mut self, name: &str, d: &Dyn) -> Result<Dyn, String> {
+    pub(super) fn materialize(&mut self, name: &str, d: &Dyn) -> Result<Dyn, Refusal> {
         let Some(st) = d.strides.clone() else { return Ok(d.clone()) };
         let y = self.act_tensor(&format!("{name}.dense"), elems(&d.shape));
         let dst = dense_strides(&d.shape);
@@ -100,7 +101,7 @@ impl Compiler<'_> {
         shape: &[usize],
         from: Place,
         to: Place,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         let (x, y) = (from.t, to.t);
         if shape.contains(&0) {
             return Ok(());
@@ -132,9 +133,9 @@ impl Compiler<'_> {
         let extents: Vec<usize> = loops.iter().map(|l| l.0).collect();
         let n = elems(&extents);
         if n > MAX_COPIES {
-            return Err(format!(
+            return Err(invalid(format!(
                 "re-laying out a {shape:?} tensor takes {n} DMA transfers (at most {MAX_COPIES})"
-            ));
+            )));
         }
         let name = format!("{name}.copy");
         let (rows, cols) = (u32_of(rows, "rows")?, u32_of(run, "columns")?);
@@ -163,12 +164,12 @@ impl Compiler<'_> {
             None => (0..rank).rev().collect(),
             Some(p) => p
                 .iter()
-                .map(|&a| axis(a, rank).ok_or("perm names a missing axis"))
+                .map(|&a| axis(a, rank).ok_or_else(|| invalid("perm names a missing axis")))
                 .collect::<Result<_, _>>()?,
         };
         let mut seen = vec![false; rank];
         if perm.len() != rank || perm.iter().any(|&a| std::mem::replace(&mut seen[a], true)) {
-            return Err(format!("perm {perm:?} is not a permutation of {rank} axes"));
+            return Err(invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
         }
         self.report.aliases += 1;
         let st = Self::strides_of(&d);
@@ -228,17 +229,20 @@ impl Compiler<'_> {
         let mut b = self.computed_view(n, 1)?;
         let (ra, rb) = (a.shape.len(), b.shape.len());
         if ra < 2 || rb < 2 {
-            return Err(format!(
+            return Err(unsupported(format!(
                 "products of {:?} and {:?} (both operands need 2 axes or more)",
                 a.shape, b.shape
-            ));
+            )));
         }
         let batch = broadcast_batch(&a.shape[..ra - 2], &b.shape[..rb - 2]).ok_or_else(|| {
-            format!("the leading axes of {:?} and {:?} do not broadcast (numpy's rules)", a.shape, b.shape)
+            invalid(format!(
+                "the leading axes of {:?} and {:?} do not broadcast (numpy's rules)",
+                a.shape, b.shape
+            ))
         })?;
         let (m, k, kb, nn) = (a.shape[ra - 2], a.shape[ra - 1], b.shape[rb - 2], b.shape[rb - 1]);
         if k != kb {
-            return Err(format!("inner dimensions differ: {:?} x {:?}", a.shape, b.shape));
+            return Err(invalid(format!("inner dimensions differ: {:?} x {:?}", a.shape, b.shape)));
         }
         // Broadcasting multiplies the leading axes of the two operands: the
         // result is refused before its per-matrix offsets are built.
@@ -296,14 +300,14 @@ impl Compiler<'_> {
 
     /// The attributes `LayerNormalization` and `RMSNormalization` share
     /// checked (`axis`, `stash_type` 1), and their `epsilon`.
-    fn norm_epsilon(n: &Node) -> Result<f32, String> {
+    fn norm_epsilon(n: &Node) -> Result<f32, Refusal> {
         Self::only_attrs(n, &["axis", "epsilon", "stash_type"])?;
         if Self::int_attr(n, "stash_type", 1)? != 1 {
-            return Err("stash_type other than 1 (f32) is not supported".into());
+            return Err(unsupported("stash_type other than 1 (f32) is not supported"));
         }
         let eps = Self::float_attr(n, "epsilon", 1e-5)?;
         if !(eps.is_finite() && eps >= 0.0) {
-            return Err(format!("epsilon {eps} must be finite and not negative"));
+            return Err(invalid(format!("epsilon {eps} must be finite and not negative")));
         }
         Ok(eps)
     }
@@ -314,7 +318,7 @@ impl Compiler<'_> {
         let eps = Self::norm_epsilon(n)?;
         let x = self.dense(n, 0)?;
         let rank = x.shape.len();
-        let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
+        let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         let cols = elems(&x.shape[ax..]);
         let rows = elems(&x.shape[..ax]);
         // The Mean and InvStdDev outputs, when asked for: computed apart,
@@ -342,7 +346,7 @@ impl Compiler<'_> {
         } else {
             None
         };
-        let param = |c: Option<&Val>, what: &str, fill: f32| -> Result<Vec<f32>, String> {
+        let param = |c: Option<&Val>, what: &str, fill: f32| -> Result<Vec<f32>, Refusal> {
             match c {
                 None => Ok(vec![fill; cols]),
                 Some(Val::C(c)) => {
@@ -350,13 +354,15 @@ impl Compiler<'_> {
                     match v.len() {
                         1 => Ok(vec![v[0]; cols]),
                         l if l == cols => Ok(v),
-                        _ => Err(format!(
+                        _ => Err(invalid(format!(
                             "{what} of shape {:?} does not match the normalised {cols} values",
                             c.shape
-                        )),
+                        ))),
                     }
                 }
-                Some(Val::D(_)) => Err(format!("a computed {what} is not supported (only constants)")),
+                Some(Val::D(_)) => {
+                    Err(unsupported(format!("a computed {what} is not supported (only constants)")))
+                }
             }
         };
         // A computed scale or bias is applied after the normalisation, as
@@ -388,9 +394,9 @@ impl Compiler<'_> {
                 let name = self.stash(n, &format!("{op}.in"), v);
                 v = self.run_part(n, op, op, vec![name, input.clone()], HashMap::new())?;
             }
-            let Val::D(y) = v else { return Err("the layer norm folded to a constant".into()) };
+            let Val::D(y) = v else { return Err(unsupported("the layer norm folded to a constant")) };
             if y.shape != x.shape {
-                return Err(format!("a scale or bias broadcasting the output to {:?}", y.shape));
+                return Err(invalid(format!("a scale or bias broadcasting the output to {:?}", y.shape)));
             }
             return Ok(with_stats(y, stats));
         }
@@ -446,7 +452,7 @@ impl Compiler<'_> {
         first: usize,
         last: usize,
         red: RedOp,
-    ) -> Result<Dyn, String> {
+    ) -> Result<Dyn, Refusal> {
         let s = &x.shape;
         let (outer, reduce, inner) = (elems(&s[..first]), elems(&s[first..=last]), elems(&s[last + 1..]));
         let kept: Vec<usize> =
@@ -465,7 +471,7 @@ impl Compiler<'_> {
     }
 
     /// `x + b` (`add`) or `x * b` with `b`, of kept axes, broadcast to `x`.
-    fn with_broadcast(&mut self, n: &Node, x: &Dyn, b: &Dyn, add: bool) -> Result<Dyn, String> {
+    fn with_broadcast(&mut self, n: &Node, x: &Dyn, b: &Dyn, add: bool) -> Result<Dyn, Refusal> {
         let wide = self.broadcast_to(&n.name, b, &x.shape, false)?;
         Ok(self.eltwise(n, add, x, wide.t))
     }
@@ -478,7 +484,8 @@ impl Compiler<'_> {
         let x = self.dense(n, 0)?;
         let rank = x.shape.len();
         let default = if self.m.opset >= 13 { -1 } else { 1 };
-        let ax = axis(Self::int_attr(n, "axis", default)?, rank).ok_or("axis out of range")?;
+        let ax =
+            axis(Self::int_attr(n, "axis", default)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         let last = if self.m.opset >= 13 { ax } else { rank - 1 };
         let m = self.reduce_keep(n, &x, ax, last, RedOp::Max)?;
         let m = self.act_op(n, &m, Act::affine(-1.0, 0.0));
@@ -497,7 +504,7 @@ impl Compiler<'_> {
         let eps = Self::norm_epsilon(n)?;
         let x = self.dense(n, 0)?;
         let rank = x.shape.len();
-        let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or("axis out of range")?;
+        let ax = axis(Self::int_attr(n, "axis", -1)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         let sq = self.eltwise(n, false, &x, x.t);
         let ms = self.reduce_keep(n, &sq, ax, rank - 1, RedOp::Mean)?;
         let r = self.act_op(n, &ms, Act::affine(1.0, eps));
@@ -505,10 +512,14 @@ impl Compiler<'_> {
         let r = self.act_op(n, &r, Act::Recip);
         let y = self.with_broadcast(n, &x, &r, false)?;
         let name = self.stash(n, "normed", Val::D(y));
-        let scale = n.inputs.get(1).filter(|s| !s.is_empty()).ok_or("input 1 (the scale) is missing")?;
+        let scale = n
+            .inputs
+            .get(1)
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| invalid("input 1 (the scale) is missing"))?;
         match self.run_part(n, "scale", "Mul", vec![name, scale.clone()], HashMap::new())? {
             Val::D(d) if d.shape == x.shape => Ok(vec![Val::D(d)]),
-            _ => Err("a scale that broadcasts the output beyond the input's shape".into()),
+            _ => Err(invalid("a scale that broadcasts the output beyond the input's shape")),
         }
     }
 }
@@ -541,9 +552,10 @@ impl Compiler<'_> {
         };
         let keep = Self::int_attr(n, "keepdims", 1)? != 0;
         let mut axes: Vec<usize> = match listed {
-            Some(a) if !a.is_empty() => {
-                a.iter().map(|&v| axis(v, rank).ok_or("axis out of range")).collect::<Result<_, _>>()?
-            }
+            Some(a) if !a.is_empty() => a
+                .iter()
+                .map(|&v| axis(v, rank).ok_or_else(|| invalid("axis out of range")))
+                .collect::<Result<_, _>>()?,
             _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => {
                 self.report.aliases += 1;
                 return Ok(vec![Val::D(x)]);
@@ -554,7 +566,7 @@ impl Compiler<'_> {
         axes.dedup();
         let (first, last) = match (axes.first(), axes.last()) {
             (Some(&f), Some(&l)) if l - f + 1 == axes.len() => (f, l),
-            _ => return Err(format!("the reduced axes {axes:?} are not adjacent")),
+            _ => return Err(unsupported(format!("the reduced axes {axes:?} are not adjacent"))),
         };
         let out_shape: Vec<usize> = (0..rank)
             .filter_map(|i| if (first..=last).contains(&i) { keep.then_some(1) } else { Some(x.shape[i]) })
@@ -603,14 +615,16 @@ impl Compiler<'_> {
     }
 
     /// `Gelu`'s activation: exact (`approximate = "none"`) or tanh.
-    pub(super) fn gelu(n: &Node) -> Result<Act, String> {
+    pub(super) fn gelu(n: &Node) -> Result<Act, Refusal> {
         Self::only_attrs(n, &["approximate"])?;
         match n.attrs.get("approximate") {
             None => Ok(Act::GeluErf),
             Some(Attr::Str(s)) if s == "none" => Ok(Act::GeluErf),
             Some(Attr::Str(s)) if s == "tanh" => Ok(Act::Gelu),
-            Some(Attr::Str(s)) => Err(format!("approximate `{s}` is not supported (none or tanh)")),
-            Some(_) => Err("attribute `approximate` must be a string".into()),
+            Some(Attr::Str(s)) => {
+                Err(unsupported(format!("approximate `{s}` is not supported (none or tanh)")))
+            }
+            Some(_) => Err(invalid("attribute `approximate` must be a string")),
         }
     }
 }
