@@ -9,12 +9,22 @@ use thiserror::Error;
 /// A bad `.npy` file.
 #[derive(Debug, Error)]
 pub enum NpyError {
-    #[error("{path}: {reason}")]
-    Read { path: String, reason: String },
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: Fortran-order arrays are not read (save with np.ascontiguousarray)")]
+    Fortran { path: String },
     #[error("{path}: element type `{dtype}` (f32, f64, and integer arrays are read)")]
     Type { path: String, dtype: String },
-    #[error("writing {path}: {reason}")]
-    Write { path: String, reason: String },
+    #[error("writing {path}: {source}")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A row-major f32 array.
@@ -27,10 +37,10 @@ pub struct Array {
 /// Reads an array as f32 (f64 and integers converted). Fortran-order
 /// arrays are refused.
 pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
-    let err = |reason: String| NpyError::Read { path: path.into(), reason };
-    let npy = npyz::NpyFile::new(bytes).map_err(|e| err(e.to_string()))?;
+    let err = |source: std::io::Error| NpyError::Read { path: path.into(), source };
+    let npy = npyz::NpyFile::new(bytes).map_err(err)?;
     if npy.order() != npyz::Order::C && npy.shape().len() > 1 {
-        return Err(err("Fortran-order arrays are not read (save with np.ascontiguousarray)".into()));
+        return Err(NpyError::Fortran { path: path.into() });
     }
     let shape = npy.shape().to_vec();
     let dtype = npy.dtype();
@@ -39,15 +49,15 @@ pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
         other => return Err(NpyError::Type { path: path.into(), dtype: format!("{other:?}") }),
     };
     let data: Vec<f32> = match (ts.type_char(), ts.size_field()) {
-        (npyz::TypeChar::Float, 4) => npy.into_vec::<f32>().map_err(|e| err(e.to_string()))?,
+        (npyz::TypeChar::Float, 4) => npy.into_vec::<f32>().map_err(err)?,
         (npyz::TypeChar::Float, 8) => {
-            npy.into_vec::<f64>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+            npy.into_vec::<f64>().map_err(err)?.into_iter().map(|x| x as f32).collect()
         }
         (npyz::TypeChar::Int, 8) => {
-            npy.into_vec::<i64>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+            npy.into_vec::<i64>().map_err(err)?.into_iter().map(|x| x as f32).collect()
         }
         (npyz::TypeChar::Int, 4) => {
-            npy.into_vec::<i32>().map_err(|e| err(e.to_string()))?.into_iter().map(|x| x as f32).collect()
+            npy.into_vec::<i32>().map_err(err)?.into_iter().map(|x| x as f32).collect()
         }
         _ => return Err(NpyError::Type { path: path.into(), dtype: ts.to_string() }),
     };
@@ -57,13 +67,13 @@ pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
 /// Reads a file.
 pub fn read_file(path: &std::path::Path) -> Result<Array, NpyError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| NpyError::Read { path: p.clone(), reason: e.to_string() })?;
+    let bytes = std::fs::read(path).map_err(|source| NpyError::Read { path: p.clone(), source })?;
     read(&bytes, &p)
 }
 
 /// The `.npy` bytes of an f32 array.
 pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
-    let err = |reason: String| NpyError::Write { path: String::new(), reason };
+    let err = |source: std::io::Error| NpyError::Write { path: String::new(), source };
     let mut buf = Vec::new();
     {
         let mut w = npyz::WriteOptions::new()
@@ -71,9 +81,9 @@ pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
             .shape(&a.shape)
             .writer(&mut buf)
             .begin_nd()
-            .map_err(|e| err(e.to_string()))?;
-        w.extend(a.data.iter().copied()).map_err(|e| err(e.to_string()))?;
-        w.finish().map_err(|e| err(e.to_string()))?;
+            .map_err(err)?;
+        w.extend(a.data.iter().copied()).map_err(err)?;
+        w.finish().map_err(err)?;
     }
     Ok(buf)
 }
@@ -82,12 +92,11 @@ pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
 pub fn write_file(path: &std::path::Path, a: &Array) -> Result<(), NpyError> {
     let p = path.display().to_string();
     let bytes = to_bytes(a).map_err(|e| match e {
-        NpyError::Write { reason, .. } => NpyError::Write { path: p.clone(), reason },
+        NpyError::Write { source, .. } => NpyError::Write { path: p.clone(), source },
         e => e,
     })?;
-    let mut f = std::fs::File::create(path)
-        .map_err(|e| NpyError::Write { path: p.clone(), reason: e.to_string() })?;
-    f.write_all(&bytes).map_err(|e| NpyError::Write { path: p, reason: e.to_string() })
+    let mut f = std::fs::File::create(path).map_err(|source| NpyError::Write { path: p.clone(), source })?;
+    f.write_all(&bytes).map_err(|source| NpyError::Write { path: p, source })
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ pub enum ConfigError {
     #[error("cannot read board config {path}: {source}")]
     Io { path: String, source: std::io::Error },
     #[error("board config: {0}")]
-    Parse(String),
+    Parse(#[source] toml::de::Error),
     #[error("board config: `{field}` {reason}")]
     Invalid { field: &'static str, reason: String },
 }
@@ -251,7 +251,7 @@ fn positive(field: &'static str, v: f64, hi: f64) -> Result<(), ConfigError> {
 impl BoardConfig {
     /// Parses and validates TOML text.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let c: Self = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        let c: Self = toml::from_str(text).map_err(ConfigError::Parse)?;
         c.validate()?;
         Ok(c)
     }

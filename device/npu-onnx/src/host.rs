@@ -2,7 +2,7 @@
 //! reference the VM path is compared with, and the functional model that
 //! `vnpu infer --in-process` and the benchmark time.
 
-use npu_model::memory::{read_f32s, write_f32s};
+use npu_model::memory::{read_f32s, write_f32s, MemoryError};
 use npu_model::{
     run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VecGuestMemory,
 };
@@ -19,7 +19,7 @@ pub enum HostError {
     #[error("{want} inputs expected, {got} given")]
     InputCount { got: usize, want: usize },
     #[error("guest memory: {0}")]
-    Memory(String),
+    Memory(#[source] MemoryError),
 }
 
 /// A compiled model with its weights loaded into a private vNPU core.
@@ -61,7 +61,7 @@ impl HostRunner {
             if x.len() as u64 != want {
                 return Err(HostError::InputSize { name: d.name.clone(), got: x.len(), want });
             }
-            write_f32s(&mut self.guest, d.offset, x).map_err(|e| HostError::Memory(e.to_string()))?;
+            write_f32s(&mut self.guest, d.offset, x).map_err(HostError::Memory)?;
         }
         let mem = CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest };
         let report = run_program(&self.board, &self.model.infer, Some(mem), None)
@@ -72,7 +72,7 @@ impl HostRunner {
             .iter()
             .map(|d| read_f32s(&self.guest, d.offset, d.elems().unwrap_or(0) as usize))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| HostError::Memory(e.to_string()))?;
+            .map_err(HostError::Memory)?;
         Ok((outs, report))
     }
 }

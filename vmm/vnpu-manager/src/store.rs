@@ -23,8 +23,12 @@ const LOCK: &str = "vnpu-state.lock";
 pub enum StoreError {
     #[error("state directory {path}: {source}")]
     Io { path: String, source: std::io::Error },
-    #[error("state file {path} is not valid: {reason}")]
-    Corrupt { path: String, reason: String },
+    #[error("state file {path} is not valid: {source}")]
+    Corrupt {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
     #[error("no vNPU instance {0}")]
     Unknown(String),
     #[error("a vNPU instance {0} already exists")]
@@ -81,10 +85,8 @@ impl Store {
         let path = dir.join(STATE);
         let instances = match fs::read(&path) {
             Ok(bytes) => {
-                let s: StateFile = serde_json::from_slice(&bytes).map_err(|e| StoreError::Corrupt {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?;
+                let s: StateFile = serde_json::from_slice(&bytes)
+                    .map_err(|source| StoreError::Corrupt { path: path.display().to_string(), source })?;
                 s.instances
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -198,7 +200,7 @@ impl Store {
         let path = self.dir.join(STATE);
         let tmp = self.dir.join(format!(".{STATE}.tmp"));
         let body = serde_json::to_vec_pretty(&StateFile { version: 1, instances: self.instances.clone() })
-            .map_err(|e| StoreError::Corrupt { path: path.display().to_string(), reason: e.to_string() })?;
+            .map_err(|source| StoreError::Corrupt { path: path.display().to_string(), source })?;
         let mut f = File::create(&tmp).map_err(io(&tmp))?;
         f.write_all(&body).map_err(io(&tmp))?;
         f.sync_all().map_err(io(&tmp))?;
