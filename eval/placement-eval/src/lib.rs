@@ -27,8 +27,9 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use npu_model::config::{HBM_SLICE, SRAM_SLICE};
 use vnpu_placement::{predicted_slowdowns, Board, Policy};
-use vnpu_spec::Shape;
+use vnpu_spec::{Shape, ShapeError};
 
 /// Why an evaluation could not run.
 #[derive(Debug, Error)]
@@ -39,6 +40,8 @@ pub enum EvalError {
     Predict(#[from] PredictError),
     #[error("{0}")]
     Input(String),
+    #[error("a vNPU of the stream: {0}")]
+    Shape(#[from] ShapeError),
 }
 
 /// A placement policy of the evaluation.
@@ -192,20 +195,21 @@ pub struct JobStream {
 
 /// The manager's shape of a vNPU `item`: SRAM and HBM of each core in
 /// proportion to its EUs, as [`RequestPrograms::lower`] lowers for.
-pub fn shape_of(cfg: &BoardConfig, item: &Item) -> Shape {
+/// HBM is rounded down to whole slices, as the manager hands it out.
+pub fn shape_of(cfg: &BoardConfig, item: &Item) -> Result<Shape, ShapeError> {
     let spec = &item.spec;
     let eus = u64::from(cfg.core.sa_count + cfg.core.vu_count).max(1);
     let mine = u64::from(spec.sa + spec.vu);
-    let slice = 2u64 << 20;
+    let slices = |bytes: u64, slice: u64| (bytes * mine / eus / slice).max(1) * slice;
     let hbm_core = cfg.hbm_bytes_per_chip() / u64::from(cfg.cores_per_chip.max(1));
-    Shape {
-        chips: item.chips.max(1),
-        cores_per_chip: item.cores.max(1),
-        sa_per_core: spec.sa,
-        vu_per_core: spec.vu,
-        sram_per_core: (cfg.sram_bytes() * mine / eus / slice).max(1) * slice,
-        hbm_per_core: hbm_core * mine / eus,
-    }
+    Shape::new(
+        item.chips.max(1),
+        item.cores.max(1),
+        spec.sa,
+        spec.vu,
+        slices(cfg.sram_bytes(), SRAM_SLICE),
+        slices(hbm_core, HBM_SLICE),
+    )
 }
 
 fn exp(rng: &mut StdRng, mean: f64) -> f64 {
@@ -427,8 +431,8 @@ fn choose<T, K: Ord>(v: &mut Vec<T>, k: usize, policy: EvalPolicy, rng: &mut Std
 /// (`random`), or those whose chosen cores have the most EUs left
 /// (`spread`), listed chip by chip.
 fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -> Option<Vec<u32>> {
-    let k = s.cores_per_chip.max(1) as usize;
-    let want = s.chips.max(1) as usize;
+    let k = s.cores_per_chip().max(1) as usize;
+    let want = s.chips().max(1) as usize;
     let fitting = board.fitting_cores(s);
     if k == 1 && want == 1 {
         // The whole board's fitting cores at once (as before multi-core
@@ -446,7 +450,7 @@ fn blind_cores(board: &Board, s: &Shape, policy: EvalPolicy, rng: &mut StdRng) -
     for chip in 0..board.chips as usize {
         let mut mine: Vec<usize> = fitting.iter().copied().filter(|c| c / per == chip).collect();
         let hbm = board.hbm_used.get(chip).copied().unwrap_or(u64::MAX);
-        if mine.len() < k || hbm.saturating_add(s.hbm_per_core.saturating_mul(k as u64)) > board.hbm {
+        if mine.len() < k || hbm.saturating_add(s.hbm_per_core().saturating_mul(k as u64)) > board.hbm {
             continue;
         }
         choose(&mut mine, k, policy, rng, |&c| (std::cmp::Reverse(board.score(c, s).0), c));
@@ -474,7 +478,7 @@ pub fn run_policy(
     plan: &StreamPlan,
 ) -> Result<PolicyRun, EvalError> {
     let started = std::time::Instant::now();
-    let shapes: Vec<Shape> = stream.items.iter().map(|s| shape_of(cfg, s)).collect();
+    let shapes: Vec<Shape> = stream.items.iter().map(|s| shape_of(cfg, s)).collect::<Result<_, _>>()?;
     let mut board = Board::new(cfg);
     let mut sim = Stream::new(cfg);
     let mut rng = StdRng::seed_from_u64(plan.seed ^ 0x9e37_79b9_7f4a_7c15);

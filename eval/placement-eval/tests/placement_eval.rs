@@ -93,8 +93,8 @@ fn a_vnpu_alone_runs_its_solo_time_and_two_on_one_core_slow_each_other() {
     assert!(one > 1.3 && two < 1.1, "co-run: one core {one}, two cores {two}");
     assert!(spread.measured >= 1);
     // The shape a stream item asks the manager for.
-    let s = shape_of(&cfg, &items[0]);
-    assert_eq!((s.sa_per_core, s.vu_per_core, s.sram_per_core, s.cores_per_chip), (1, 1, 8 << 20, 1));
+    let s = shape_of(&cfg, &items[0]).unwrap();
+    assert_eq!((s.sa_per_core(), s.vu_per_core(), s.sram_per_core(), s.cores_per_chip()), (1, 1, 8 << 20, 1));
 }
 
 /// A vNPU of two cores runs each request on both, data-parallel: alone it
@@ -120,8 +120,8 @@ fn a_two_core_vnpu_runs_each_request_on_both_cores() {
     assert!(two >= solo * (1.0 - 1e-9), "two cores alone {two} faster than one core {solo}");
     assert!((two - pair).abs() < 0.01 * pair, "two cores alone {two} vs co-run {pair}");
     assert_eq!(it.alone[0], solo, "one core alone is its solo latency");
-    let shape = shape_of(&cfg, &items[1]);
-    assert_eq!((shape.cores_per_chip, shape.sa_per_core), (2, 1));
+    let shape = shape_of(&cfg, &items[1]).unwrap();
+    assert_eq!((shape.cores_per_chip(), shape.sa_per_core()), (2, 1));
     // Alone in a stream: slowdown 1; both cores taken, then given back.
     let alone = JobStream {
         items: items.clone(),
@@ -181,8 +181,8 @@ fn a_vnpu_across_two_chips_runs_each_request_on_a_core_of_each() {
     let (solo, two) = (it.solos[1].latency, it.alone[1]);
     assert!(two >= solo * (1.0 - 1e-9), "two chips alone {two} faster than one core {solo}");
     assert!((two - pair).abs() < 0.01 * pair, "two chips alone {two} vs co-run {pair}");
-    let shape = shape_of(&cfg, &items[1]);
-    assert_eq!((shape.chips, shape.cores_per_chip), (2, 1));
+    let shape = shape_of(&cfg, &items[1]).unwrap();
+    assert_eq!((shape.chips(), shape.cores_per_chip()), (2, 1));
     let alone = JobStream { items: items.clone(), jobs: vec![Job { arrival: 0.0, item: 1, requests: 10 }] };
     for policy in [EvalPolicy::FirstFit, EvalPolicy::Balance, EvalPolicy::Random, EvalPolicy::Spread] {
         let r = run_policy(&cfg, &alone, &it, None, policy, &plan()).unwrap();

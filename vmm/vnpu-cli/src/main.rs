@@ -738,10 +738,10 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             };
             println!(
                 "{uuid} remapped from {} SA + {} VU to {} SA + {} VU per core{}",
-                old.sa_per_core,
-                old.vu_per_core,
-                i.shape.sa_per_core,
-                i.shape.vu_per_core,
+                old.sa_per_core(),
+                old.vu_per_core(),
+                i.shape.sa_per_core(),
+                i.shape.vu_per_core(),
                 if i.active {
                     format!(" on physical cores {:?} (its HBM data stays)", i.cores)
                 } else {

@@ -144,12 +144,12 @@ fn instance_json(i: &Instance) -> serde_json::Value {
         "uuid": i.uuid,
         "type": i.type_name,
         "spec": shape_text(&i.shape),
-        "sa_per_core": i.shape.sa_per_core,
-        "vu_per_core": i.shape.vu_per_core,
-        "sram_per_core": i.shape.sram_per_core,
-        "hbm_per_core": i.shape.hbm_per_core,
-        "cores_per_chip": i.shape.cores_per_chip,
-        "chips": i.shape.chips,
+        "sa_per_core": i.shape.sa_per_core(),
+        "vu_per_core": i.shape.vu_per_core(),
+        "sram_per_core": i.shape.sram_per_core(),
+        "hbm_per_core": i.shape.hbm_per_core(),
+        "cores_per_chip": i.shape.cores_per_chip(),
+        "chips": i.shape.chips(),
         "persistent": i.persistent,
         "active": i.active,
         "physical_cores": i.cores,
@@ -262,7 +262,8 @@ pub fn follow_remaps(
             if spec != *current {
                 eprintln!(
                     "vnpu: {uuid} remapped to {} SA + {} VU per core while running",
-                    spec.sa_per_core, spec.vu_per_core
+                    spec.sa_per_core(),
+                    spec.vu_per_core()
                 );
                 handle.regrant(spec);
                 *current = spec;

@@ -42,7 +42,13 @@ pub enum ModelCmdError {
 
 /// The vNPU core a `--vnpu` spec gives (one core: a model runs on one).
 pub fn shape(spec: &vnpu_spec::VnpuSpec, board: &BoardConfig) -> VnpuShape {
-    VnpuShape::on_board(board, spec.sa_per_core, spec.vu_per_core, spec.sram_per_core, spec.hbm_per_core)
+    VnpuShape::on_board(
+        board,
+        spec.sa_per_core(),
+        spec.vu_per_core(),
+        spec.sram_per_core(),
+        spec.hbm_per_core(),
+    )
 }
 
 /// `NAME=D0,D1,...`.

@@ -127,7 +127,7 @@ fn instance_samples(core_cfg: &CoreConfig, served: Vec<ServedSample>) -> Vec<Ins
             let shape = t.config.unwrap_or(i.shape);
             let cores = f64::from(shape.cores());
             let peak =
-                cores * (f64::from(shape.sa_per_core) * sa_peak + f64::from(shape.vu_per_core) * vu_peak);
+                cores * (f64::from(shape.sa_per_core()) * sa_peak + f64::from(shape.vu_per_core()) * vu_peak);
             InstanceSample { labels, t, attached: s.attached, peak_flops_per_cycle: peak }
         })
         .collect()
@@ -151,14 +151,14 @@ fn encode_instances(
             "VNPU_FI_PROF_SA_ACTIVE",
             "Ratio of simulated cycles the vNPU's systolic arrays were active (as DCGM_FI_PROF_PIPE_TENSOR_ACTIVE), over its requests so far",
             Gauge,
-            per(&|s| ratio(s.t.sa_active_cycles, engines(s, |c| c.sa_per_core))),
+            per(&|s| ratio(s.t.sa_active_cycles, engines(s, |c| c.sa_per_core()))),
         )?;
     family(
             enc,
             "VNPU_FI_PROF_VU_ACTIVE",
             "Ratio of simulated cycles the vNPU's vector units were active (as DCGM_FI_PROF_PIPE_FP32_ACTIVE), over its requests so far",
             Gauge,
-            per(&|s| ratio(s.t.vu_active_cycles, engines(s, |c| c.vu_per_core))),
+            per(&|s| ratio(s.t.vu_active_cycles, engines(s, |c| c.vu_per_core()))),
         )?;
     family(
             enc,
@@ -179,7 +179,7 @@ fn encode_instances(
         "VNPU_FI_DEV_HBM_USED",
         "HBM bytes allocated to the vNPU's configuration (as DCGM_FI_DEV_FB_USED)",
         Gauge,
-        per(&|s| s.t.config.map_or(0.0, |c| c.hbm_per_core as f64 * f64::from(c.cores()))),
+        per(&|s| s.t.config.map_or(0.0, |c| c.hbm_per_core() as f64 * f64::from(c.cores()))),
     )?;
     family(
         enc,

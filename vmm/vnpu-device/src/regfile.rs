@@ -82,21 +82,15 @@ impl RegFile {
 
     /// Shows `spec` in the hierarchy registers (all zero for `None`).
     pub fn set_hierarchy(&mut self, spec: Option<&VnpuSpec>) {
-        let z = VnpuSpec {
-            chips: 0,
-            cores_per_chip: 0,
-            sa_per_core: 0,
-            vu_per_core: 0,
-            sram_per_core: 0,
-            hbm_per_core: 0,
-        };
-        let s = spec.unwrap_or(&z);
-        self.set_u32(regs::NUM_CHIPS, s.chips);
-        self.set_u32(regs::CORES_PER_CHIP, s.cores_per_chip);
-        self.set_u32(regs::SA_PER_CORE, s.sa_per_core);
-        self.set_u32(regs::VU_PER_CORE, s.vu_per_core);
-        self.set_u64(regs::SRAM_PER_CORE, s.sram_per_core);
-        self.set_u64(regs::HBM_PER_CORE, s.hbm_per_core);
+        let counts =
+            spec.map_or([0; 4], |s| [s.chips(), s.cores_per_chip(), s.sa_per_core(), s.vu_per_core()]);
+        let sizes = spec.map_or([0; 2], |s| [s.sram_per_core(), s.hbm_per_core()]);
+        let count_regs = [regs::NUM_CHIPS, regs::CORES_PER_CHIP, regs::SA_PER_CORE, regs::VU_PER_CORE];
+        for (reg, v) in count_regs.into_iter().zip(counts) {
+            self.set_u32(reg, v);
+        }
+        self.set_u64(regs::SRAM_PER_CORE, sizes[0]);
+        self.set_u64(regs::HBM_PER_CORE, sizes[1]);
     }
 }
 

@@ -66,7 +66,7 @@ impl ControlError {
         match self {
             ControlError::Store(e) => match e {
                 StoreError::Io { .. } => "io",
-                StoreError::Corrupt { .. } => "corrupt_state",
+                StoreError::Corrupt { .. } | StoreError::StateUuid { .. } => "corrupt_state",
                 StoreError::Unknown(_) => "unknown_instance",
                 StoreError::Exists(_) => "exists",
                 StoreError::BadUuid(_) => "bad_uuid",
@@ -302,16 +302,16 @@ pub fn shape_text(s: &Shape) -> String {
     }
     let mut t = format!(
         "sa={},vu={},sram={},hbm={}",
-        s.sa_per_core,
-        s.vu_per_core,
-        size(s.sram_per_core),
-        size(s.hbm_per_core)
+        s.sa_per_core(),
+        s.vu_per_core(),
+        size(s.sram_per_core()),
+        size(s.hbm_per_core())
     );
-    if s.cores_per_chip != 1 {
-        t += &format!(",cores={}", s.cores_per_chip);
+    if s.cores_per_chip() != 1 {
+        t += &format!(",cores={}", s.cores_per_chip());
     }
-    if s.chips != 1 {
-        t += &format!(",chips={}", s.chips);
+    if s.chips() != 1 {
+        t += &format!(",chips={}", s.chips());
     }
     t
 }
@@ -386,7 +386,7 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
                 .map(|(t, s)| TypeInfo {
                     type_name: t.to_string(),
                     spec: shape_text(&s),
-                    execution_units: s.sa_per_core + s.vu_per_core,
+                    execution_units: s.sa_per_core() + s.vu_per_core(),
                     available_instances: b.room_for(&s),
                 })
                 .collect();
@@ -415,7 +415,7 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
         }
         Request::Remap { uuid, sa, vu, sram, ratio, workload, oversubscribe } => {
             let old = store.get(uuid)?.shape;
-            let mut to = old;
+            let (mut nsa, mut nvu) = (old.sa_per_core(), old.vu_per_core());
             if let Some(k) = ratio {
                 if sa.is_some() || vu.is_some() {
                     return Err(ControlError::BadRequest("give `ratio` or `sa`/`vu`, not both".into()));
@@ -423,24 +423,22 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
                 if !(k.is_finite() && *k > 0.0) {
                     return Err(ControlError::BadRequest(format!("ratio {k} is not a positive number")));
                 }
-                let eus = old.sa_per_core + old.vu_per_core;
-                let (nsa, nvu) = split_for_ratio(eus, *k, board.core.sa_count, board.core.vu_count)
-                    .ok_or_else(|| {
+                let eus = old.eus();
+                (nsa, nvu) =
+                    split_for_ratio(eus, *k, board.core.sa_count, board.core.vu_count).ok_or_else(|| {
                         ControlError::BadRequest(format!(
                             "{eus} EUs per core cannot hold both an SA and a VU"
                         ))
                     })?;
-                to.sa_per_core = nsa;
-                to.vu_per_core = nvu;
             } else if sa.is_none() && vu.is_none() && sram.is_none() {
                 return Err(ControlError::BadRequest("remap needs sa, vu, sram or ratio".into()));
             }
-            to.sa_per_core = sa.unwrap_or(to.sa_per_core);
-            to.vu_per_core = vu.unwrap_or(to.vu_per_core);
-            to.sram_per_core = sram.unwrap_or(to.sram_per_core);
-            if to.sa_per_core + to.vu_per_core == 0 {
-                return Err(ControlError::BadRequest("a vNPU needs at least one SA or VU".into()));
-            }
+            // The same checks as `define` and `create`: through the
+            // shape's constructor.
+            let to = old
+                .with_units(sa.unwrap_or(nsa), vu.unwrap_or(nvu))
+                .and_then(|s| s.with_sram(sram.unwrap_or(old.sram_per_core())))
+                .map_err(|e| ControlError::BadRequest(format!("remap: {e}")))?;
             if oversubscribe == &Some(0) {
                 return Err(ControlError::BadRequest("oversubscribe must be 1 or more".into()));
             }
@@ -644,6 +642,54 @@ mod tests {
         assert_eq!(lines.len(), 4, "{replies}");
         assert!(lines[0].contains("error") && lines[1].contains("error"), "{replies}");
         assert!(lines[3].contains("small"), "the created instance is listed: {replies}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// `remap` goes through the shape's constructor, as `define` and
+    /// `create` do: no zero counts, no SRAM off the slices, no wrap.
+    #[test]
+    fn remap_refuses_shapes_define_would_refuse() {
+        let dir = std::env::temp_dir().join(format!("vnpu-control-remap-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let board = BoardConfig::default();
+        let define = Request::Define {
+            type_name: None,
+            spec: Some("sa=1,vu=1,sram=4M,hbm=1G".into()),
+            uuid: None,
+            workload: None,
+            qos: Qos::default(),
+        };
+        let Ok(Outcome::Instance { instance, .. }) = execute(&dir, &board, &define) else {
+            panic!("define failed")
+        };
+        let uuid = instance.uuid;
+        let remap = |sa: Option<u32>, vu: Option<u32>, sram: Option<u64>| Request::Remap {
+            uuid: uuid.clone(),
+            sa,
+            vu,
+            sram,
+            ratio: None,
+            workload: None,
+            oversubscribe: None,
+        };
+        for bad in [
+            remap(Some(0), None, None),
+            remap(None, Some(0), None),
+            remap(Some(u32::MAX), Some(1), None),
+            remap(Some(65), None, None),
+            remap(None, None, Some(3)),
+            remap(None, None, Some(0)),
+        ] {
+            let e = execute(&dir, &board, &bad).unwrap_err();
+            assert!(matches!(e, ControlError::BadRequest(_)), "{bad:?}: {e}");
+        }
+        let Ok(Outcome::Instances(list)) = execute(&dir, &board, &Request::List {}) else {
+            panic!("list failed")
+        };
+        assert_eq!(list[0].shape, instance.shape, "a refused remap changed the shape");
+        let ok = execute(&dir, &board, &remap(Some(2), None, Some(8 << 20))).unwrap();
+        let Outcome::Instance { instance: after, .. } = ok else { panic!("remap failed") };
+        assert_eq!((after.shape.sa_per_core(), after.shape.sram_per_core()), (2, 8 << 20));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

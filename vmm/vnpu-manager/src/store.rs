@@ -29,6 +29,8 @@ pub enum StoreError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("state file {path}: instance `{uuid}` is not named by a canonical UUID, or named twice")]
+    StateUuid { path: String, uuid: String },
     #[error("no vNPU instance {0}")]
     Unknown(String),
     #[error("a vNPU instance {0} already exists")]
@@ -85,8 +87,21 @@ impl Store {
         let path = dir.join(STATE);
         let instances = match fs::read(&path) {
             Ok(bytes) => {
+                // Shapes are checked as they deserialize (`VnpuSpec`);
+                // the UUIDs name sockets and files, so they are checked
+                // here before any becomes a path.
                 let s: StateFile = serde_json::from_slice(&bytes)
                     .map_err(|source| StoreError::Corrupt { path: path.display().to_string(), source })?;
+                let mut seen = std::collections::HashSet::new();
+                for i in &s.instances {
+                    let canonical = uuid::Uuid::parse_str(&i.uuid).is_ok_and(|u| u.to_string() == i.uuid);
+                    if !canonical || !seen.insert(i.uuid.as_str()) {
+                        return Err(StoreError::StateUuid {
+                            path: path.display().to_string(),
+                            uuid: i.uuid.clone(),
+                        });
+                    }
+                }
                 s.instances
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
@@ -155,7 +170,7 @@ impl Store {
         };
         let priced = |source| StoreError::Interference { uuid: uuid.into(), source: Box::new(source) };
         let mut tenants = model.tenants(&self.instances).map_err(priced)?;
-        let own = model.solo(&spec_of(w, shape.sa_per_core, shape.vu_per_core)).map_err(priced)?;
+        let own = model.solo(&spec_of(w, shape.sa_per_core(), shape.vu_per_core())).map_err(priced)?;
         let model = &*model;
         let mut failed = None;
         let r = board.place_scored(shape, self.policy, &mut |_, cores| {
@@ -201,10 +216,15 @@ impl Store {
         let tmp = self.dir.join(format!(".{STATE}.tmp"));
         let body = serde_json::to_vec_pretty(&StateFile { version: 1, instances: self.instances.clone() })
             .map_err(|source| StoreError::Corrupt { path: path.display().to_string(), source })?;
-        let mut f = File::create(&tmp).map_err(io(&tmp))?;
-        f.write_all(&body).map_err(io(&tmp))?;
-        f.sync_all().map_err(io(&tmp))?;
-        fs::rename(&tmp, &path).map_err(io(&path))?;
+        let written = File::create(&tmp)
+            .and_then(|mut f| f.write_all(&body).and_then(|()| f.sync_all()))
+            .map_err(io(&tmp))
+            .and_then(|()| fs::rename(&tmp, &path).map_err(io(&path)));
+        if written.is_err() {
+            // Nothing half-written stays behind (the old state file is intact).
+            let _ = fs::remove_file(&tmp);
+        }
+        written?;
         // Make the rename itself durable.
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(&self.dir))?;
         Ok(())
@@ -420,7 +440,7 @@ mod tests {
     fn remap_keeps_the_cores_and_refuses_what_does_not_fit_there() {
         let d = dir("remap");
         let b = BoardConfig::default();
-        let shape = |sa, vu| Shape { sa_per_core: sa, vu_per_core: vu, ..small() };
+        let shape = |sa, vu| small().with_units(sa, vu).unwrap();
         let mut s = Store::open(&d, &b).unwrap();
         // Two tenants filling one 4 SA + 4 VU core between them.
         let a = s.create(shape(3, 1), None, None).unwrap();
@@ -441,7 +461,7 @@ mod tests {
         s.remap(&a, shape(2, 2), Some(2)).unwrap();
         assert!(s.board().oversubscribed(core[0] as usize));
         // The number of cores is not a remap.
-        let two = Shape { cores_per_chip: 2, ..shape(1, 1) };
+        let two = Shape::new(1, 2, 1, 1, small().sram_per_core(), small().hbm_per_core()).unwrap();
         let e = s.remap(&a, two, None).unwrap_err();
         assert!(
             matches!(e, StoreError::Placement { source: PlacementError::CoreCountChange { .. }, .. }),
@@ -494,6 +514,53 @@ mod tests {
         // A state file that is not JSON is reported, not replaced.
         fs::write(d.join(STATE), b"garbage").unwrap();
         assert!(matches!(Store::open(&d, &b), Err(StoreError::Corrupt { .. })));
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A state file is checked as it loads: every shape through the
+    /// shape's constructor, every UUID canonical and unique (UUIDs become
+    /// socket paths).
+    #[test]
+    fn a_state_file_with_a_bad_shape_or_uuid_is_refused() {
+        let d = dir("badstate");
+        let b = BoardConfig::default();
+        let u = Store::open(&d, &b).unwrap().define(small(), None, None).unwrap();
+        let good = fs::read_to_string(d.join(STATE)).unwrap();
+        let cases = [
+            (good.replace("\"sa_per_core\": 1", "\"sa_per_core\": 0"), "corrupt"),
+            (good.replace("\"sa_per_core\": 1", "\"sa_per_core\": 4294967295"), "corrupt"),
+            (good.replace(&format!("\"sram_per_core\": {}", 4u64 << 20), "\"sram_per_core\": 3"), "corrupt"),
+            (good.replace(&u, "../../x"), "uuid"),
+            (good.replace(&u, &u.to_uppercase()), "uuid"),
+        ];
+        for (text, want) in cases {
+            assert_ne!(text, good, "the case did not change the file");
+            fs::write(d.join(STATE), &text).unwrap();
+            match (Store::open(&d, &b), want) {
+                (Err(StoreError::Corrupt { .. }), "corrupt")
+                | (Err(StoreError::StateUuid { .. }), "uuid") => {}
+                (r, _) => panic!("{text}: {r:?}"),
+            }
+        }
+        // The same instance twice.
+        let mut twice: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let first = twice["instances"][0].clone();
+        twice["instances"].as_array_mut().unwrap().push(first);
+        fs::write(d.join(STATE), twice.to_string()).unwrap();
+        assert!(matches!(Store::open(&d, &b), Err(StoreError::StateUuid { .. })));
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A write that fails leaves no temporary file behind.
+    #[test]
+    fn a_failed_write_leaves_no_temporary_file() {
+        let d = dir("failedwrite");
+        let b = BoardConfig::default();
+        let mut s = Store::open(&d, &b).unwrap();
+        // The rename fails: the state file's name is taken by a directory.
+        fs::create_dir_all(d.join(STATE).join("x")).unwrap();
+        assert!(matches!(s.define(small(), None, None), Err(StoreError::Io { .. })));
+        assert!(!d.join(format!(".{STATE}.tmp")).exists(), "a .tmp file stayed behind");
         fs::remove_dir_all(&d).unwrap();
     }
 

@@ -135,7 +135,7 @@ impl InterferenceModel {
         let mut out = Vec::new();
         for i in instances.iter().filter(|i| i.active) {
             let Some(w) = &i.workload else { continue };
-            let s = self.solo(&spec_of(w, i.shape.sa_per_core, i.shape.vu_per_core))?;
+            let s = self.solo(&spec_of(w, i.shape.sa_per_core(), i.shape.vu_per_core()))?;
             out.extend(i.cores.iter().map(|&c| (s, c as usize)));
         }
         Ok(out)

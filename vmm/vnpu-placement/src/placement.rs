@@ -125,17 +125,17 @@ impl Board {
     pub fn fits(&self, core: usize, s: &Shape) -> bool {
         let c = &self.cores[core];
         let chip = core / self.cores_per_chip as usize;
-        c.sa + s.sa_per_core <= self.sa
-            && c.vu + s.vu_per_core <= self.vu
-            && c.sram + s.sram_per_core <= self.sram
-            && self.hbm_used[chip] + s.hbm_per_core <= self.hbm
+        c.sa + s.sa_per_core() <= self.sa
+            && c.vu + s.vu_per_core() <= self.vu
+            && c.sram + s.sram_per_core() <= self.sram
+            && self.hbm_used[chip] + s.hbm_per_core() <= self.hbm
     }
 
     /// Lower is better: EUs left free on the core after placing `s` (fill
     /// cores up), then the gap between its EU and memory fill (balance).
     pub fn score(&self, core: usize, s: &Shape) -> (u32, u64) {
         let c = &self.cores[core];
-        let (sa, vu, sram) = (c.sa + s.sa_per_core, c.vu + s.vu_per_core, c.sram + s.sram_per_core);
+        let (sa, vu, sram) = (c.sa + s.sa_per_core(), c.vu + s.vu_per_core(), c.sram + s.sram_per_core());
         let eu_left = self.sa + self.vu - sa - vu;
         let eu_fill = f64::from(sa + vu) / f64::from(self.sa + self.vu);
         let mem_fill = sram as f64 / self.sram as f64;
@@ -147,12 +147,12 @@ impl Board {
         for &c in cores {
             let (i, chip) = (c as usize, (c / self.cores_per_chip) as usize);
             if let Some(l) = self.cores.get_mut(i) {
-                l.sa += s.sa_per_core;
-                l.vu += s.vu_per_core;
-                l.sram += s.sram_per_core;
+                l.sa += s.sa_per_core();
+                l.vu += s.vu_per_core();
+                l.sram += s.sram_per_core();
             }
             if let Some(h) = self.hbm_used.get_mut(chip) {
-                *h += s.hbm_per_core;
+                *h += s.hbm_per_core();
             }
         }
     }
@@ -162,12 +162,12 @@ impl Board {
         for &c in cores {
             let (i, chip) = (c as usize, (c / self.cores_per_chip) as usize);
             if let Some(l) = self.cores.get_mut(i) {
-                l.sa = l.sa.saturating_sub(s.sa_per_core);
-                l.vu = l.vu.saturating_sub(s.vu_per_core);
-                l.sram = l.sram.saturating_sub(s.sram_per_core);
+                l.sa = l.sa.saturating_sub(s.sa_per_core());
+                l.vu = l.vu.saturating_sub(s.vu_per_core());
+                l.sram = l.sram.saturating_sub(s.sram_per_core());
             }
             if let Some(h) = self.hbm_used.get_mut(chip) {
-                *h = h.saturating_sub(s.hbm_per_core);
+                *h = h.saturating_sub(s.hbm_per_core());
             }
         }
     }
@@ -183,10 +183,10 @@ impl Board {
         cores: &[u32],
         oversubscribe: Option<u32>,
     ) -> Result<(), PlacementError> {
-        if (from.chips, from.cores_per_chip) != (to.chips, to.cores_per_chip) {
+        if (from.chips(), from.cores_per_chip()) != (to.chips(), to.cores_per_chip()) {
             return Err(PlacementError::CoreCountChange {
-                from: from.chips * from.cores_per_chip,
-                to: to.chips * to.cores_per_chip,
+                from: from.chips() * from.cores_per_chip(),
+                to: to.chips() * to.cores_per_chip(),
             });
         }
         let mut trial = self.clone();
@@ -196,16 +196,16 @@ impl Board {
             let i = c as usize;
             let chip = i / self.cores_per_chip as usize;
             let Some(l) = trial.cores.get(i) else { return Err(PlacementError::NoRoom) };
-            let ok = l.sa + to.sa_per_core <= self.sa * f
-                && l.vu + to.vu_per_core <= self.vu * f
-                && l.sram + to.sram_per_core <= self.sram
-                && trial.hbm_used.get(chip).is_some_and(|h| h + to.hbm_per_core <= self.hbm);
+            let ok = l.sa + to.sa_per_core() <= self.sa * f
+                && l.vu + to.vu_per_core() <= self.vu * f
+                && l.sram + to.sram_per_core() <= self.sram
+                && trial.hbm_used.get(chip).is_some_and(|h| h + to.hbm_per_core() <= self.hbm);
             if !ok {
                 return Err(PlacementError::NoRoomOnCore {
                     core: c,
-                    sa: to.sa_per_core,
-                    vu: to.vu_per_core,
-                    sram: to.sram_per_core,
+                    sa: to.sa_per_core(),
+                    vu: to.vu_per_core(),
+                    sram: to.sram_per_core(),
                 });
             }
             trial.occupy(to, &[c]);
@@ -229,18 +229,18 @@ impl Board {
     /// The errors of a shape no placement can fit: cores larger than a
     /// physical core, more chips or cores per chip than the board has.
     fn check(&self, s: &Shape) -> Result<(), PlacementError> {
-        if s.sa_per_core > self.sa || s.vu_per_core > self.vu || s.sram_per_core > self.sram {
+        if s.sa_per_core() > self.sa || s.vu_per_core() > self.vu || s.sram_per_core() > self.sram {
             return Err(PlacementError::NeverFits {
-                sa: s.sa_per_core,
-                vu: s.vu_per_core,
-                sram: s.sram_per_core,
+                sa: s.sa_per_core(),
+                vu: s.vu_per_core(),
+                sram: s.sram_per_core(),
                 board_sa: self.sa,
                 board_vu: self.vu,
                 board_sram: self.sram,
             });
         }
-        if s.chips > self.chips || s.cores_per_chip > self.cores_per_chip {
-            return Err(PlacementError::TooManyChips { chips: s.chips, board_chips: self.chips });
+        if s.chips() > self.chips || s.cores_per_chip() > self.cores_per_chip {
+            return Err(PlacementError::TooManyChips { chips: s.chips(), board_chips: self.chips });
         }
         Ok(())
     }
@@ -267,14 +267,14 @@ impl Board {
         let mut trial = self.clone();
         let mut placed: Vec<u32> = Vec::new();
         let mut used_chips: Vec<u32> = Vec::new();
-        for _ in 0..s.chips {
+        for _ in 0..s.chips() {
             let mut best: Option<(Vec<u32>, K)> = None;
             for chip in (0..self.chips).filter(|c| !used_chips.contains(c)) {
                 let mut t = trial.clone();
                 let mut with = placed.clone();
                 let mut total = (0u32, 0u64);
                 let base = chip * self.cores_per_chip;
-                for _ in 0..s.cores_per_chip {
+                for _ in 0..s.cores_per_chip() {
                     let fitting: Vec<u32> = (base..base + self.cores_per_chip)
                         .filter(|c| !with.contains(c) && t.fits(*c as usize, s))
                         .collect();
@@ -284,7 +284,7 @@ impl Board {
                     t.occupy(s, &[c]);
                     with.push(c);
                 }
-                if with.len() - placed.len() != s.cores_per_chip as usize {
+                if with.len() - placed.len() != s.cores_per_chip() as usize {
                     continue;
                 }
                 let k = key(&t, &with, total);
@@ -310,7 +310,7 @@ impl Board {
         if let Ok(p) = self.place(s) {
             return Ok(p);
         }
-        if s.chips != 1 || s.cores_per_chip != 1 {
+        if s.chips() != 1 || s.cores_per_chip() != 1 {
             return Err(PlacementError::NoRoom);
         }
         let (cap_sa, cap_vu) = (self.sa * max_factor.max(1), self.vu * max_factor.max(1));
@@ -318,15 +318,15 @@ impl Board {
             .filter(|&c| {
                 let l = &self.cores[c];
                 let chip = c / self.cores_per_chip as usize;
-                l.sram + s.sram_per_core <= self.sram
-                    && self.hbm_used[chip] + s.hbm_per_core <= self.hbm
-                    && l.sa + s.sa_per_core <= cap_sa
-                    && l.vu + s.vu_per_core <= cap_vu
+                l.sram + s.sram_per_core() <= self.sram
+                    && self.hbm_used[chip] + s.hbm_per_core() <= self.hbm
+                    && l.sa + s.sa_per_core() <= cap_sa
+                    && l.vu + s.vu_per_core() <= cap_vu
             })
             .min_by_key(|&c| {
                 let l = &self.cores[c];
                 let over = |used: u32, cap: u32| u64::from(used) * 1000 / u64::from(cap.max(1));
-                over(l.sa + s.sa_per_core, self.sa).max(over(l.vu + s.vu_per_core, self.vu))
+                over(l.sa + s.sa_per_core(), self.sa).max(over(l.vu + s.vu_per_core(), self.vu))
             })
             .ok_or(PlacementError::NoRoom)?;
         let p = vec![best as u32];
@@ -386,7 +386,7 @@ impl Board {
         if policy == Policy::Pack {
             return self.place(s);
         }
-        if s.chips != 1 || s.cores_per_chip != 1 {
+        if s.chips() != 1 || s.cores_per_chip() != 1 {
             return self.place_cores_scored(s, policy, cost);
         }
         let fitting = self.fitting_cores(s);

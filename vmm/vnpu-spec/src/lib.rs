@@ -14,7 +14,7 @@
 
 mod spec;
 
-pub use spec::{parse_size, SpecError, VnpuSpec};
+pub use spec::{parse_size, ShapeError, SpecError, VnpuSpec, MAX_COUNT};
 
 use serde::{Deserialize, Serialize};
 
@@ -113,6 +113,6 @@ pub fn split_for_ratio(eus: u32, k: f64, max_sa: u32, max_vu: u32) -> Option<(u3
 impl Instance {
     /// Execution units per vNPU core.
     pub fn eus(&self) -> u32 {
-        self.shape.sa_per_core + self.shape.vu_per_core
+        self.shape.eus()
     }
 }

@@ -5,14 +5,74 @@ use thiserror::Error;
 
 /// The vNPU board a tenant asked for (Listing 1 of the design). The
 /// manager stores it as JSON with these field names.
+///
+/// Valid by construction: every count in 1..=[`MAX_COUNT`], SRAM and HBM
+/// positive multiples of their slices. [`VnpuSpec::new`] checks that, and
+/// so do deserialization (state files, control requests), the parser and
+/// the `with_*` changes; the fields are read through methods.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(try_from = "RawSpec")]
 pub struct VnpuSpec {
-    pub chips: u32,
-    pub cores_per_chip: u32,
-    pub sa_per_core: u32,
-    pub vu_per_core: u32,
-    pub sram_per_core: u64,
-    pub hbm_per_core: u64,
+    chips: u32,
+    cores_per_chip: u32,
+    sa_per_core: u32,
+    vu_per_core: u32,
+    sram_per_core: u64,
+    hbm_per_core: u64,
+}
+
+/// The most chips, cores per chip, SAs or VUs per core a vNPU may have.
+pub const MAX_COUNT: u32 = 64;
+
+/// The fields of a [`VnpuSpec`] before they are checked.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSpec {
+    chips: u32,
+    cores_per_chip: u32,
+    sa_per_core: u32,
+    vu_per_core: u32,
+    sram_per_core: u64,
+    hbm_per_core: u64,
+}
+
+impl TryFrom<RawSpec> for VnpuSpec {
+    type Error = ShapeError;
+    fn try_from(r: RawSpec) -> Result<Self, ShapeError> {
+        VnpuSpec::new(
+            r.chips,
+            r.cores_per_chip,
+            r.sa_per_core,
+            r.vu_per_core,
+            r.sram_per_core,
+            r.hbm_per_core,
+        )
+    }
+}
+
+/// A shape no vNPU can have.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum ShapeError {
+    #[error("`{key}` is {value}, must be a whole number in 1..={MAX_COUNT}")]
+    Count { key: &'static str, value: u32 },
+    #[error("`{key}` is {value} bytes, must be a positive multiple of {} MiB", slice >> 20)]
+    Size { key: &'static str, value: u64, slice: u64 },
+}
+
+fn count(key: &'static str, value: u32) -> Result<u32, ShapeError> {
+    if (1..=MAX_COUNT).contains(&value) {
+        Ok(value)
+    } else {
+        Err(ShapeError::Count { key, value })
+    }
+}
+
+fn bytes(key: &'static str, value: u64, slice: u64) -> Result<u64, ShapeError> {
+    if value > 0 && value.is_multiple_of(slice) {
+        Ok(value)
+    } else {
+        Err(ShapeError::Size { key, value, slice })
+    }
 }
 
 /// A bad `--vnpu` specification.
@@ -26,6 +86,14 @@ pub enum SpecError {
     Value { spec: String, key: &'static str, reason: String },
     #[error("vNPU spec `{spec}`: missing `{key}`")]
     Missing { spec: String, key: &'static str },
+    #[error("vNPU spec `{spec}`: `{key}` is given twice")]
+    Repeated { spec: String, key: &'static str },
+    #[error("vNPU spec `{spec}`: {source}")]
+    Shape {
+        spec: String,
+        #[source]
+        source: ShapeError,
+    },
 }
 
 /// Parses a byte size: `4096`, `64K`, `2MiB`, `8G`, `1TiB` (binary units;
@@ -47,13 +115,79 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 }
 
 impl VnpuSpec {
-    /// What the verifier checks a program against on one core of this vNPU,
-    /// whose DMA may reach `guest` (guest-physical ranges).
-    /// vNPU cores: chips x cores per chip.
-    pub fn cores(&self) -> u32 {
-        self.chips.saturating_mul(self.cores_per_chip)
+    /// A checked shape: `chips` x `cores_per_chip` cores of `sa_per_core`
+    /// SAs, `vu_per_core` VUs, and SRAM and HBM of the given bytes each.
+    pub fn new(
+        chips: u32,
+        cores_per_chip: u32,
+        sa_per_core: u32,
+        vu_per_core: u32,
+        sram_per_core: u64,
+        hbm_per_core: u64,
+    ) -> Result<Self, ShapeError> {
+        Ok(Self {
+            chips: count("chips", chips)?,
+            cores_per_chip: count("cores", cores_per_chip)?,
+            sa_per_core: count("sa", sa_per_core)?,
+            vu_per_core: count("vu", vu_per_core)?,
+            sram_per_core: bytes("sram", sram_per_core, SRAM_SLICE)?,
+            hbm_per_core: bytes("hbm", hbm_per_core, HBM_SLICE)?,
+        })
     }
 
+    /// The same vNPU with `sa` SAs and `vu` VUs per core (a remap).
+    pub fn with_units(self, sa: u32, vu: u32) -> Result<Self, ShapeError> {
+        Self::new(self.chips, self.cores_per_chip, sa, vu, self.sram_per_core, self.hbm_per_core)
+    }
+
+    /// The same vNPU with `sram` bytes of SRAM per core (a remap).
+    pub fn with_sram(self, sram: u64) -> Result<Self, ShapeError> {
+        Self::new(
+            self.chips,
+            self.cores_per_chip,
+            self.sa_per_core,
+            self.vu_per_core,
+            sram,
+            self.hbm_per_core,
+        )
+    }
+
+    pub fn chips(&self) -> u32 {
+        self.chips
+    }
+
+    pub fn cores_per_chip(&self) -> u32 {
+        self.cores_per_chip
+    }
+
+    pub fn sa_per_core(&self) -> u32 {
+        self.sa_per_core
+    }
+
+    pub fn vu_per_core(&self) -> u32 {
+        self.vu_per_core
+    }
+
+    pub fn sram_per_core(&self) -> u64 {
+        self.sram_per_core
+    }
+
+    pub fn hbm_per_core(&self) -> u64 {
+        self.hbm_per_core
+    }
+
+    /// Execution units per core: SAs plus VUs (at most 2 x [`MAX_COUNT`]).
+    pub fn eus(&self) -> u32 {
+        self.sa_per_core + self.vu_per_core
+    }
+
+    /// vNPU cores: chips x cores per chip (at most [`MAX_COUNT`] squared).
+    pub fn cores(&self) -> u32 {
+        self.chips * self.cores_per_chip
+    }
+
+    /// What the verifier checks a program against on one core of this vNPU,
+    /// whose DMA may reach `guest` (guest-physical ranges).
     pub fn limits(&self, guest: Vec<std::ops::Range<u64>>) -> npu_model::VnpuLimits {
         npu_model::VnpuLimits {
             sa: self.sa_per_core,
@@ -64,31 +198,30 @@ impl VnpuSpec {
         }
     }
 
-    /// Checks a configuration the guest asks for (mailbox `CONFIGURE`)
-    /// against the rules of `--vnpu` and against `grant`, what the host
-    /// gave the VM. Returns the mailbox status code on refusal.
-    pub fn check_within(&self, grant: &VnpuSpec) -> Result<(), u32> {
+    /// Checks a configuration the guest asks for (mailbox `CONFIGURE`, its
+    /// six words as the guest wrote them) against the rules of `--vnpu`
+    /// and against `grant`, what the host gave the VM. Returns the mailbox
+    /// status code on refusal.
+    pub fn guest_request(words: [u64; 6], grant: &VnpuSpec) -> Result<Self, u32> {
         use vnpu_abi::device::{ST_BAD_ARGUMENT, ST_EXCEEDS_GRANT};
-        let counts = [self.chips, self.cores_per_chip, self.sa_per_core, self.vu_per_core];
-        if counts.iter().any(|c| !(1..=64).contains(c))
-            || self.sram_per_core == 0
-            || !self.sram_per_core.is_multiple_of(SRAM_SLICE)
-            || self.hbm_per_core == 0
-            || !self.hbm_per_core.is_multiple_of(HBM_SLICE)
-        {
-            return Err(ST_BAD_ARGUMENT);
+        let n = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        let want = Self::new(n(words[5]), n(words[4]), n(words[0]), n(words[1]), words[2], words[3])
+            .map_err(|_| ST_BAD_ARGUMENT)?;
+        if want.fits_within(grant) {
+            Ok(want)
+        } else {
+            Err(ST_EXCEEDS_GRANT)
         }
-        let fits = self.chips <= grant.chips
+    }
+
+    /// Whether every count and size is at most `grant`'s.
+    pub fn fits_within(&self, grant: &VnpuSpec) -> bool {
+        self.chips <= grant.chips
             && self.cores_per_chip <= grant.cores_per_chip
             && self.sa_per_core <= grant.sa_per_core
             && self.vu_per_core <= grant.vu_per_core
             && self.sram_per_core <= grant.sram_per_core
-            && self.hbm_per_core <= grant.hbm_per_core;
-        if fits {
-            Ok(())
-        } else {
-            Err(ST_EXCEEDS_GRANT)
-        }
+            && self.hbm_per_core <= grant.hbm_per_core
     }
 
     /// The named types: the smallest runnable vNPU and two larger ones
@@ -100,14 +233,7 @@ impl VnpuSpec {
             "large" => (4, 32 << 20, 8 << 30),
             _ => return None,
         };
-        Some(Self {
-            chips: 1,
-            cores_per_chip: 1,
-            sa_per_core: eu,
-            vu_per_core: eu,
-            sram_per_core: sram,
-            hbm_per_core: hbm,
-        })
+        Self::new(1, 1, eu, eu, sram, hbm).ok()
     }
 
     /// Parses `sa=N,vu=M,sram=SIZE,hbm=SIZE[,cores=C][,chips=K]` or
@@ -135,7 +261,7 @@ impl VnpuSpec {
                 reason: format!("`{t}` is not small, medium or large"),
             });
         }
-        let mut out = Self {
+        let mut out = RawSpec {
             chips: 1,
             cores_per_chip: 1,
             sa_per_core: 0,
@@ -143,13 +269,20 @@ impl VnpuSpec {
             sram_per_core: 0,
             hbm_per_core: 0,
         };
-        let mut seen = [false; 4];
+        const KEYS: [&str; 6] = ["sa", "vu", "sram", "hbm", "cores", "chips"];
+        let mut seen = [false; 6];
         for (k, v) in kv {
+            let Some(i) = KEYS.iter().position(|key| *key == k) else {
+                return Err(SpecError::Key { spec: s, key: k.into() });
+            };
+            if std::mem::replace(&mut seen[i], true) {
+                return Err(SpecError::Repeated { spec: s, key: KEYS[i] });
+            }
             let count = |key: &'static str| {
-                v.parse::<u32>().ok().filter(|n| (1..=64).contains(n)).ok_or(SpecError::Value {
+                v.parse::<u32>().ok().filter(|n| (1..=MAX_COUNT).contains(n)).ok_or(SpecError::Value {
                     spec: s.clone(),
                     key,
-                    reason: format!("is `{v}`, must be a whole number in 1..=64"),
+                    reason: format!("is `{v}`, must be a whole number in 1..={MAX_COUNT}"),
                 })
             };
             let bytes = |key: &'static str, slice: u64| {
@@ -159,22 +292,21 @@ impl VnpuSpec {
                     reason: format!("is `{v}`, must be a positive multiple of {} MiB", slice >> 20),
                 })
             };
-            match k {
-                "sa" => (out.sa_per_core, seen[0]) = (count("sa")?, true),
-                "vu" => (out.vu_per_core, seen[1]) = (count("vu")?, true),
-                "sram" => (out.sram_per_core, seen[2]) = (bytes("sram", SRAM_SLICE)?, true),
-                "hbm" => (out.hbm_per_core, seen[3]) = (bytes("hbm", HBM_SLICE)?, true),
+            match KEYS[i] {
+                "sa" => out.sa_per_core = count("sa")?,
+                "vu" => out.vu_per_core = count("vu")?,
+                "sram" => out.sram_per_core = bytes("sram", SRAM_SLICE)?,
+                "hbm" => out.hbm_per_core = bytes("hbm", HBM_SLICE)?,
                 "cores" => out.cores_per_chip = count("cores")?,
-                "chips" => out.chips = count("chips")?,
-                other => return Err(SpecError::Key { spec: s, key: other.into() }),
+                _ => out.chips = count("chips")?,
             }
         }
-        for (i, key) in ["sa", "vu", "sram", "hbm"].into_iter().enumerate() {
+        for (i, key) in KEYS.into_iter().enumerate().take(4) {
             if !seen[i] {
                 return Err(SpecError::Missing { spec: s, key });
             }
         }
-        Ok(out)
+        Self::try_from(out).map_err(|source| SpecError::Shape { spec: s, source })
     }
 }
 
@@ -218,17 +350,7 @@ mod tests {
     #[test]
     fn specs_parse_and_bad_ones_name_the_key() {
         let v = VnpuSpec::parse("sa=2,vu=1,sram=8M,hbm=1G,cores=2").unwrap();
-        assert_eq!(
-            v,
-            VnpuSpec {
-                chips: 1,
-                cores_per_chip: 2,
-                sa_per_core: 2,
-                vu_per_core: 1,
-                sram_per_core: 8 << 20,
-                hbm_per_core: 1 << 30
-            }
-        );
+        assert_eq!(v, VnpuSpec::new(1, 2, 2, 1, 8 << 20, 1 << 30).unwrap());
         assert_eq!(VnpuSpec::parse("type=medium").unwrap(), VnpuSpec::named("medium").unwrap());
         let e = |s: &str| VnpuSpec::parse(s).unwrap_err().to_string();
         assert!(e("sa=0,vu=1,sram=2M,hbm=256M").contains("`sa`"));
@@ -238,7 +360,53 @@ mod tests {
         assert!(e("sa=1,vu=1,sram=2M,hbm=256M,gpu=1").contains("unknown key `gpu`"));
         assert!(e("sa=1,vu").contains("not key=value"));
         assert!(e("type=huge").contains("huge"));
+        assert!(e("sa=1,vu=1,sram=2M,hbm=256M,sa=2").contains("`sa` is given twice"));
         assert!(e("type=small,sa=2").contains("combined"));
         assert!(e("sa=1,vu=1,sram=99999999999999999999G,hbm=256M").contains("`sram`"));
+    }
+
+    #[test]
+    fn every_way_in_checks_the_shape() {
+        use vnpu_abi::device::{ST_BAD_ARGUMENT, ST_EXCEEDS_GRANT};
+        let (sram, hbm) = (SRAM_SLICE, HBM_SLICE);
+        assert!(VnpuSpec::new(1, 1, 1, 1, sram, hbm).is_ok());
+        for (chips, cores, sa, vu, sr, hb) in [
+            (1, 1, 0, 1, sram, hbm),
+            (1, 1, 1, 0, sram, hbm),
+            (1, 1, u32::MAX, 1, sram, hbm),
+            (1, 1, 65, 1, sram, hbm),
+            (0, 1, 1, 1, sram, hbm),
+            (1, 0, 1, 1, sram, hbm),
+            (1, 1, 1, 1, 3, hbm),
+            (1, 1, 1, 1, 0, hbm),
+            (1, 1, 1, 1, sram, hbm + 1),
+        ] {
+            assert!(
+                VnpuSpec::new(chips, cores, sa, vu, sr, hb).is_err(),
+                "{:?}",
+                (chips, cores, sa, vu, sr, hb)
+            );
+        }
+        // Deserialization (state files, requests) goes through `new`.
+        let good = VnpuSpec::new(1, 2, 3, 4, sram, hbm).unwrap();
+        let json = serde_json::to_string(&good).unwrap();
+        assert_eq!(serde_json::from_str::<VnpuSpec>(&json).unwrap(), good);
+        for bad in
+            [json.replace("\"sa_per_core\":3", "\"sa_per_core\":0"), json.replace(&hbm.to_string(), "7")]
+        {
+            assert_ne!(bad, json);
+            assert!(serde_json::from_str::<VnpuSpec>(&bad).is_err(), "{bad}");
+        }
+        // A remap's changes too.
+        assert!(good.with_units(0, 1).is_err() && good.with_sram(3).is_err());
+        // The guest's CONFIGURE: its six words [sa, vu, sram, hbm, cores, chips].
+        let grant = VnpuSpec::new(1, 2, 2, 2, 2 * sram, hbm).unwrap();
+        let ask = |w: [u64; 6]| VnpuSpec::guest_request(w, &grant);
+        assert_eq!(ask([1, 2, sram, hbm, 2, 1]), Ok(VnpuSpec::new(1, 2, 1, 2, sram, hbm).unwrap()));
+        assert_eq!(ask([0, 1, sram, hbm, 1, 1]), Err(ST_BAD_ARGUMENT));
+        assert_eq!(ask([1 << 32, 1, sram, hbm, 1, 1]), Err(ST_BAD_ARGUMENT));
+        assert_eq!(ask([1, 1, 3, hbm, 1, 1]), Err(ST_BAD_ARGUMENT));
+        assert_eq!(ask([3, 1, sram, hbm, 1, 1]), Err(ST_EXCEEDS_GRANT));
+        assert_eq!(ask([1, 1, 4 * sram, hbm, 1, 1]), Err(ST_EXCEEDS_GRANT));
     }
 }

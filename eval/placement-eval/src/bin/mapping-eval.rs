@@ -53,14 +53,7 @@ fn request(r: &mut Rng) -> Shape {
         7 => (1, 1 + r.below(3) as u32, mib(2 + 2 * r.below(2)), 2 << 30), // VU-heavy (DLRM)
         _ => (1, 1, mib(16 + 4 * r.below(4)), 4 << 30), // memory-heavy
     };
-    Shape {
-        chips: 1,
-        cores_per_chip: 1,
-        sa_per_core: sa,
-        vu_per_core: vu,
-        sram_per_core: sram,
-        hbm_per_core: hbm,
-    }
+    Shape::new(1, 1, sa, vu, sram, hbm).expect("the request kinds above are valid shapes")
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -91,15 +84,15 @@ fn spot(policy: Policy, bs: &[Board], s: &Shape) -> Option<(usize, usize)> {
     }
 }
 
+/// `s` grown to every SA, VU and byte of SRAM of a core of `cfg`.
+fn whole_core(s: &Shape, cfg: &BoardConfig) -> Result<Shape, vnpu_spec::ShapeError> {
+    s.with_units(cfg.core.sa_count, cfg.core.vu_count)?.with_sram(cfg.sram_bytes())
+}
+
 /// What a placed vNPU occupies: its shape, or the whole core.
 fn taken(policy: Policy, s: &Shape, cfg: &BoardConfig) -> Shape {
     if policy == Policy::WholeCore {
-        Shape {
-            sa_per_core: cfg.core.sa_count,
-            vu_per_core: cfg.core.vu_count,
-            sram_per_core: cfg.sram_bytes(),
-            ..*s
-        }
+        whole_core(s, cfg).expect("main checked that a whole core is a valid vNPU shape")
     } else {
         *s
     }
@@ -132,14 +125,14 @@ fn run(
         while leaving.last().is_some_and(|l| l.0 <= now) {
             if let Some((_, b, c, k)) = leaving.pop() {
                 bs[b].release(&taken(policy, &reqs[k], cfg), &[c as u32]);
-                eus -= u64::from(reqs[k].sa_per_core + reqs[k].vu_per_core);
-                sram -= reqs[k].sram_per_core;
+                eus -= u64::from(reqs[k].sa_per_core() + reqs[k].vu_per_core());
+                sram -= reqs[k].sram_per_core();
             }
         }
         match spot(policy, &bs, s) {
             Some((b, c)) => {
-                eus += u64::from(s.sa_per_core + s.vu_per_core);
-                sram += s.sram_per_core;
+                eus += u64::from(s.sa_per_core() + s.vu_per_core());
+                sram += s.sram_per_core();
                 bs[b].occupy(&taken(policy, s, cfg), &[c as u32]);
                 if let Some(l) = lifetimes {
                     let end = now + l.get(i).copied().unwrap_or(f64::INFINITY);
@@ -208,9 +201,13 @@ fn main() -> ExitCode {
         },
         None => BoardConfig::default(),
     };
+    if let Err(e) = whole_core(&request(&mut Rng(1)), &cfg) {
+        eprintln!("mapping-eval: a whole core of this board is not a vNPU shape: {e}");
+        return ExitCode::from(2);
+    }
     let mut r = Rng(seed.max(1) * 0x9e37_79b9_7f4a_7c15);
     let reqs: Vec<Shape> = (0..n).map(|_| request(&mut r)).collect();
-    let demand: u64 = reqs.iter().map(|s| u64::from(s.sa_per_core + s.vu_per_core)).sum();
+    let demand: u64 = reqs.iter().map(|s| u64::from(s.sa_per_core() + s.vu_per_core())).sum();
     let cluster_eus =
         boards as f64 * f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
     // By default each vNPU stays as long as it takes for the arrivals to

@@ -55,8 +55,8 @@ impl Counters {
             for core in 0..s.cores() {
                 // At most 64 engines of a kind (VnpuSpec's limit).
                 let index = |i: u32| u8::try_from(i).unwrap_or(u8::MAX);
-                let sa = (0..s.sa_per_core).map(|i| (1u8, index(i)));
-                let vu = (0..s.vu_per_core).map(|i| (2u8, index(i)));
+                let sa = (0..s.sa_per_core()).map(|i| (1u8, index(i)));
+                let vu = (0..s.vu_per_core()).map(|i| (2u8, index(i)));
                 for (kind, index) in sa.chain(vu).chain([(0u8, 0u8)]) {
                     let t = self.engines.get(&(core, kind, index)).copied().unwrap_or_default();
                     engines.push((core, kind, index, t));

@@ -1,6 +1,7 @@
 //! The `vnpu_ring` fuzz target's harness.
 
 use super::*;
+use npu_model::config::{HBM_SLICE, SRAM_SLICE};
 
 /// Drives a worker synchronously from fuzzer bytes (no thread): an
 /// operation count, that many 16-byte operations (ring set-up with any
@@ -27,14 +28,10 @@ pub fn fuzz_drive(data: &[u8]) {
     // Completions raise vectors through the sink.
     lock(&shared.irq.state).enabled = true;
     let shared = Arc::new(shared);
-    let grant = VnpuSpec {
-        chips: 1,
-        cores_per_chip: 2,
-        sa_per_core: 2,
-        vu_per_core: 2,
-        // Small segments keep each run fast; the checks do not depend on size.
-        sram_per_core: 64 << 10,
-        hbm_per_core: 1 << 20,
+    // The smallest segments a vNPU can have keep each run fast (HBM is
+    // allocated lazily); a guest's CONFIGURE within them succeeds.
+    let Ok(grant) = VnpuSpec::new(1, 2, 2, 2, SRAM_SLICE, HBM_SLICE) else {
+        return;
     };
     let mut w = Worker::new(
         shared,

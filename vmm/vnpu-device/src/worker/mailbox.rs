@@ -6,24 +6,13 @@ use super::*;
 impl Worker {
     pub(super) fn mailbox(&mut self, cmd: u32, a: [u64; 6]) -> (u32, u64) {
         match cmd {
-            abi::MBOX_CONFIGURE => {
-                let n = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
-                let spec = VnpuSpec {
-                    sa_per_core: n(a[0]),
-                    vu_per_core: n(a[1]),
-                    sram_per_core: a[2],
-                    hbm_per_core: a[3],
-                    cores_per_chip: n(a[4]),
-                    chips: n(a[5]),
-                };
-                match spec.check_within(&self.grant) {
-                    Ok(()) => {
-                        self.configure(spec);
-                        (abi::ST_OK, 0)
-                    }
-                    Err(st) => (st, 0),
+            abi::MBOX_CONFIGURE => match VnpuSpec::guest_request(a, &self.grant) {
+                Ok(spec) => {
+                    self.configure(spec);
+                    (abi::ST_OK, 0)
                 }
-            }
+                Err(st) => (st, 0),
+            },
             abi::MBOX_RELEASE => {
                 self.release();
                 (abi::ST_OK, 0)
@@ -42,10 +31,10 @@ impl Worker {
             }
             abi::MBOX_QUERY_GRANT => {
                 let g = &self.grant;
-                let r = u64::from(g.sa_per_core)
-                    | u64::from(g.vu_per_core) << 16
-                    | u64::from(g.cores_per_chip) << 32
-                    | u64::from(g.chips) << 48;
+                let r = u64::from(g.sa_per_core())
+                    | u64::from(g.vu_per_core()) << 16
+                    | u64::from(g.cores_per_chip()) << 32
+                    | u64::from(g.chips()) << 48;
                 (abi::ST_OK, r)
             }
             _ => {

@@ -318,7 +318,7 @@ impl Worker {
     fn regrant(&mut self, grant: VnpuSpec) {
         self.grant = grant;
         match self.config {
-            Some(c) if c.check_within(&grant).is_ok() => {}
+            Some(c) if c.fits_within(&grant) => {}
             Some(_) => self.configure(grant),
             None => {}
         }

@@ -253,15 +253,15 @@ impl Worker {
             n => n.min(MAX_BUDGET),
         };
         let core = self.cores[core_slot].get_or_insert_with(|| Core {
-            sram: Sram::new(spec.sram_per_core),
-            hbm: LazyHbm::new(spec.hbm_per_core),
+            sram: Sram::new(spec.sram_per_core()),
+            hbm: LazyHbm::new(spec.hbm_per_core()),
         });
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
             let claim = npu_board_runtime::Claim {
-                sa: spec.sa_per_core,
-                vu: spec.vu_per_core,
+                sa: spec.sa_per_core(),
+                vu: spec.vu_per_core(),
                 priority: self.opts.priority,
                 slo_cycles: self.opts.slo_us.saturating_mul(u64::from(self.board.clock_mhz)),
             };
