@@ -444,7 +444,18 @@ impl Client {
     }
 
     pub fn new(path: &Path) -> Result<Client, Error> {
+        Self::new_with_timeout(path, None)
+    }
+
+    /// As [`Client::new`], with every read and write of the handshake
+    /// (version and regions) bounded by `timeout` (patched: a server busy
+    /// with another client, or hung, held `new` for ever). A handshake
+    /// that takes longer fails with an I/O error of kind `WouldBlock` or
+    /// `TimedOut`; afterwards the socket blocks as before.
+    pub fn new_with_timeout(path: &Path, timeout: Option<std::time::Duration>) -> Result<Client, Error> {
         let stream = UnixStream::connect(path).map_err(Error::Connect)?;
+        stream.set_read_timeout(timeout).map_err(Error::Connect)?;
+        stream.set_write_timeout(timeout).map_err(Error::Connect)?;
 
         let mut client = Client {
             next_message_id: Wrapping(0),
@@ -458,6 +469,8 @@ impl Client {
         client.negotiate_version()?;
 
         client.regions = client.get_regions()?;
+        client.stream.set_read_timeout(None).map_err(Error::Connect)?;
+        client.stream.set_write_timeout(None).map_err(Error::Connect)?;
 
         Ok(client)
     }
@@ -1107,6 +1120,41 @@ fn reply_header(header: &Header, message_size: usize) -> Header {
         message_size: message_size as u32,
         ..Default::default()
     }
+}
+
+/// Answers the first message of a client that cannot be served with an
+/// error reply of `errno` (e.g. `EBUSY`: the device serves another client),
+/// waiting at most `wait` for that message, then hangs up (patched: a
+/// server that serves one client at a time left the next one waiting
+/// unanswered in the listen queue). Returns whether the reply was sent.
+pub fn refuse_client(mut stream: UnixStream, errno: u32, wait: std::time::Duration) -> bool {
+    if stream.set_read_timeout(Some(wait)).is_err() || stream.set_write_timeout(Some(wait)).is_err() {
+        return false;
+    }
+    let mut header = Header::default();
+    if stream.read_exact(header.as_mut_slice()).is_err() {
+        return false;
+    }
+    // The rest of the message, so that the client's write of it does not
+    // fail before it reads the answer (a VERSION's capabilities are small;
+    // anything past the protocol's bound is not waited for).
+    let rest = (header.message_size as usize).saturating_sub(size_of::<Header>());
+    if rest <= MAX_PAYLOAD as usize {
+        let mut sink = vec![0u8; rest];
+        if stream.read_exact(&mut sink).is_err() {
+            return false;
+        }
+    }
+    let reply = Header {
+        message_id: header.message_id,
+        command: header.command,
+        flags: HeaderFlags::Error as u32 | HeaderFlags::Reply as u32,
+        message_size: size_of::<Header>() as u32,
+        error: errno,
+    };
+    let sent = stream.write_all(reply.as_slice()).is_ok();
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    sent
 }
 
 impl Server {

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // test helpers
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vfio_bindings::bindings::vfio::VFIO_PCI_CONFIG_REGION_INDEX;
@@ -14,14 +14,10 @@ use vfio_user::Client;
 
 mod common;
 
-use common::{control_line, daemon_log, daemon_said, terminate, wait_for, Daemon};
-
-fn vnpu(state: &Path, args: &[&str]) -> String {
-    let out =
-        Command::new(env!("CARGO_BIN_EXE_vnpu")).args(args).arg("--state-dir").arg(state).output().unwrap();
-    assert!(out.status.success(), "vnpu {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).to_string()
-}
+use common::{
+    control_line, daemon_log, daemon_said, finish, finish_within, terminate, vm, vm_with, vnpu, wait_for,
+    Daemon,
+};
 
 fn daemon(state: &Path, sockets: &Path) -> Daemon {
     let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
@@ -191,54 +187,6 @@ fn management_goes_through_the_control_socket_and_loses_no_update() {
     assert_eq!(again.len(), 30);
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
-}
-
-fn guest(name: &str) -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../guest-images/target/x86_64-unknown-none/release")
-        .join(name);
-    assert!(p.exists(), "guest {} missing: run scripts/build-guests.sh first", p.display());
-    p
-}
-
-/// A VM as its own `vnpu run` process, attached to instance `uuid`.
-fn vm(state: &Path, guest_name: &str, uuid: &str) -> Child {
-    vm_with(state, guest_name, &[uuid])
-}
-
-/// A VM as its own `vnpu run` process with a vNPU per instance of `uuids`.
-fn vm_with(state: &Path, guest_name: &str, uuids: &[&str]) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["run", "--memory", "64M", "--guest"])
-        .arg(guest(guest_name))
-        .args(uuids.iter().flat_map(|u| ["--vnpu".to_string(), format!("uuid={u}")]))
-        .arg("--state-dir")
-        .arg(state)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-/// As [`finish`], but a VM still running after `limit` is killed and
-/// the test fails (a hang is the bug these tests look for).
-fn finish_within(mut c: Child, limit: Duration) -> (i32, String) {
-    let t = Instant::now();
-    while c.try_wait().unwrap().is_none() {
-        if t.elapsed() > limit {
-            let _ = c.kill();
-            let (_, out) = finish(c);
-            panic!("the VM still ran {} s later:\n{out}", limit.as_secs());
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    finish(c)
-}
-
-fn finish(c: Child) -> (i32, String) {
-    let out = c.wait_with_output().unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code().unwrap_or(-1), text)
 }
 
 fn metrics_daemon(state: &Path) -> (Daemon, u16) {

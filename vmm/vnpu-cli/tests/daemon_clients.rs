@@ -1,8 +1,9 @@
 //! The board daemon against hostile or unwanted control clients
 //! (docs/isolation.md, "The board daemon against its clients"): descriptor
 //! exhaustion, idle connections holding every slot, clients of other
-//! users. Apart from `daemon.rs` so that these daemons do not run beside
-//! that file's timing-sensitive VM tests.
+//! users, a second VMM on a served instance. Apart from `daemon.rs` so
+//! that these daemons do not run beside that file's timing-sensitive VM
+//! tests.
 
 #![allow(clippy::unwrap_used)] // test helpers
 
@@ -12,7 +13,8 @@ use std::time::{Duration, Instant};
 
 mod common;
 
-use common::{control_line, daemon_log, daemon_said, terminate, wait_for, Daemon};
+use common::{control_line, daemon_log, daemon_said, finish_within, terminate, vm, vnpu, wait_for, Daemon};
+use vfio_user::Client;
 
 /// Starts `cmd` (a `vnpu daemon` command line, maybe behind a wrapper) on
 /// `state` and `sockets`, logging to the state directory; returns it and
@@ -182,4 +184,57 @@ fn group_missing(name: &str) -> bool {
         .unwrap_or_default()
         .lines()
         .any(|l| l.split(':').next() == Some(name))
+}
+
+/// A second VMM on an instance that serves one already is refused at once
+/// with `EBUSY` (it used to wait unanswered in the listen queue for as long
+/// as the first stayed, and `vnpu run` said nothing); `vnpu run` names the
+/// reason. The first client keeps its vNPU, and a VM on another instance of
+/// the same daemon gets its CPU reference's results meanwhile.
+#[test]
+fn a_second_vmm_on_a_served_instance_is_refused_at_once() {
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-second-vmm-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    // The default socket directory, where `vnpu run` looks.
+    let state = root.join("state");
+    let sockets = state.join("sockets");
+    let held = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    let other = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+    cmd.arg("daemon");
+    let (d, _) = start(cmd, &state, &sockets);
+    let sock = sockets.join(format!("{held}.sock"));
+    wait_for("the instance's socket", || sock.exists());
+    let mut first = Client::new(&sock).unwrap();
+    let bystander = vm(&state, "digits", &other);
+
+    let t = Instant::now();
+    let second = Client::new_with_timeout(&sock, Some(Duration::from_secs(30)));
+    let waited = t.elapsed();
+    assert!(
+        matches!(second, Err(vfio_user::Error::Reply { errno, .. }) if errno == libc::EBUSY.unsigned_abs()),
+        "{:?}",
+        second.err()
+    );
+    assert!(waited < Duration::from_secs(5), "refused only after {waited:?}");
+
+    let (code, out) = finish_within(vm(&state, "digits", &held), Duration::from_secs(60));
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("serves another VMM"), "{out}");
+
+    // The first client still has its vNPU.
+    let mut magic = [0u8; 4];
+    first.region_read(0, vnpu_abi::device::regs::MAGIC, &mut magic).unwrap();
+    assert_eq!(u32::from_le_bytes(magic), vnpu_abi::device::MAGIC);
+    let (code, next_door) = finish_within(bystander, Duration::from_secs(600));
+    assert_eq!(code, 0, "{next_door}");
+    assert!(next_door.contains("digits: vNPU and CPU agree on every image"), "{next_door}");
+
+    // Once the first leaves, the instance takes the next VMM.
+    drop(first);
+    let (code, out) = finish_within(vm(&state, "digits", &held), Duration::from_secs(600));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("digits: vNPU and CPU agree on every image"), "{out}");
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
 }

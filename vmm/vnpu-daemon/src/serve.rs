@@ -1,6 +1,8 @@
-//! The vfio-user socket of one vNPU instance: a thread that accepts one
-//! VMM at a time and serves it until it disconnects (or dies: the kernel
-//! closes its end), then frees the vNPU's engines and waits for the next.
+//! The vfio-user socket of one vNPU instance: a thread that serves one VMM
+//! at a time until it disconnects (or dies: the kernel closes its end),
+//! then frees the vNPU's engines and waits for the next; and a thread that
+//! accepts connections, handing one to the first thread when it is free
+//! and answering any other with an `EBUSY` error reply at once.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -29,11 +31,31 @@ pub type BackendFactory = Box<dyn Fn() -> Result<VnpuBackend, BackendError> + Se
 /// A vNPU instance being served on its socket.
 pub struct InstanceServer {
     path: PathBuf,
-    listener_fd: i32,
     /// Set before the listener is shut down: the accept loop's end.
     stopping: Arc<AtomicBool>,
     client: Arc<Mutex<Option<UnixStream>>>,
-    thread: Option<JoinHandle<()>>,
+    /// The accepting thread, then the serving thread.
+    threads: Vec<JoinHandle<()>>,
+    /// Shared with the threads; its listener is shut down to stop them.
+    server: Arc<Server>,
+}
+
+/// How long a refused client has to send its first message before the
+/// daemon hangs up on it without an answer.
+const REFUSE_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// How long a new client waits for the teardown of one that has just
+/// hung up (its worker stops within a request's host work) before it is
+/// refused as if that one were still there.
+const TEARDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether the peer of `s` has closed its end (or the socket failed).
+fn hung_up(s: &UnixStream) -> bool {
+    let mut fd = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: poll(2) on one valid pollfd (the stream is borrowed for the
+    // call) with a zero timeout; it only writes `revents`.
+    let n = unsafe { libc::poll(&mut fd, 1, 0) };
+    n > 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 impl std::fmt::Debug for InstanceServer {
@@ -53,39 +75,93 @@ impl InstanceServer {
         let server = Server::new(path, true, irqs(), regions())
             .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?
             .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_REGIONS).unwrap_or(u32::MAX));
-        let listener_fd = server.listener().as_raw_fd();
+        let server = Arc::new(server);
         let client: Arc<Mutex<Option<UnixStream>>> = Arc::default();
         let current = Arc::clone(&client);
         let label = name.to_string();
         let stopping = Arc::new(AtomicBool::new(false));
+        // Set by the accepting thread when it hands a client over, cleared
+        // by the serving thread when that client is gone.
+        let busy = Arc::new(AtomicBool::new(false));
+        let (handover, clients) = std::sync::mpsc::sync_channel::<UnixStream>(1);
+        let kept = Arc::clone(&server);
+        let serving = {
+            let (server, busy, label) = (Arc::clone(&server), Arc::clone(&busy), label.clone());
+            let stop = Arc::clone(&stopping);
+            std::thread::Builder::new().name(format!("vfio-user {name}")).spawn(move || {
+                while let Ok(stream) = clients.recv() {
+                    {
+                        // Under the lock `stop` takes after setting
+                        // `stopping`: either it sees this client and shuts
+                        // it down, or this thread sees `stopping`.
+                        let mut c = lock(&current);
+                        if stop.load(Ordering::SeqCst) {
+                            break;
+                        }
+                        *c = stream.try_clone().ok();
+                    }
+                    match factory() {
+                        Ok(mut backend) => {
+                            log::info!("{label}: client attached");
+                            match server.serve(stream, &mut backend) {
+                                Ok(()) => log::info!("{label}: client detached"),
+                                Err(e) => log::warn!("{label}: client dropped: {e}"),
+                            }
+                            // Dropping the backend stops the vNPU's worker
+                            // and frees its engines for the next client.
+                            drop(backend);
+                        }
+                        Err(e) => log::error!("{label}: cannot serve a client: {e}"),
+                    }
+                    // Kept until the teardown is over: a client arriving
+                    // meanwhile sees this one hung up and waits for it.
+                    *lock(&current) = None;
+                    busy.store(false, Ordering::SeqCst);
+                }
+            })
+        }
+        .map_err(ServeError::Thread)?;
         let stop = Arc::clone(&stopping);
-        let thread = std::thread::Builder::new()
-            .name(format!("vfio-user {name}"))
-            .spawn(move || {
+        let watched = Arc::clone(&client);
+        let accepting =
+            std::thread::Builder::new().name(format!("vfio-user accept {name}")).spawn(move || {
                 while let Some((stream, _)) =
                     crate::accept::accept_retrying(&label, &stop, || server.listener().accept())
                 {
-                    let mut backend = match factory() {
-                        Ok(b) => b,
-                        Err(e) => {
-                            log::error!("{label}: cannot serve a client: {e}");
-                            continue;
+                    if busy.load(Ordering::SeqCst) && lock(&watched).as_ref().is_some_and(hung_up) {
+                        // The client being served has just left: wait for
+                        // its teardown rather than refuse its successor.
+                        let t = std::time::Instant::now();
+                        while busy.load(Ordering::SeqCst) && t.elapsed() < TEARDOWN_WAIT {
+                            std::thread::sleep(std::time::Duration::from_millis(5));
                         }
-                    };
-                    *lock(&current) = stream.try_clone().ok();
-                    log::info!("{label}: client attached");
-                    match server.serve(stream, &mut backend) {
-                        Ok(()) => log::info!("{label}: client detached"),
-                        Err(e) => log::warn!("{label}: client dropped: {e}"),
                     }
-                    *lock(&current) = None;
-                    // Dropping the backend stops the vNPU's worker and frees
-                    // its engines for the next client.
-                    drop(backend);
+                    if busy.swap(true, Ordering::SeqCst) {
+                        log::warn!("{label}: another client refused (EBUSY): one VMM at a time");
+                        vfio_user::refuse_client(stream, libc::EBUSY.unsigned_abs(), REFUSE_WAIT);
+                        continue;
+                    }
+                    if handover.send(stream).is_err() {
+                        break;
+                    }
                 }
-            })
-            .map_err(ServeError::Thread)?;
-        Ok(Self { path: path.to_path_buf(), listener_fd, stopping, client, thread: Some(thread) })
+                // Dropping `handover` ends the serving thread.
+            });
+        let accepting = match accepting {
+            Ok(t) => t,
+            Err(e) => {
+                // The serving thread ends with the channel's sender.
+                let _ = serving.join();
+                return Err(ServeError::Thread(e));
+            }
+        };
+        Ok(Self {
+            path: path.to_path_buf(),
+            stopping,
+            client,
+            threads: vec![accepting, serving],
+            server: kept,
+        })
     }
 
     /// Whether a VMM is attached now.
@@ -99,13 +175,16 @@ impl InstanceServer {
         if let Some(c) = lock(&self.client).as_ref() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
-        // SAFETY: shutdown(2) on the listening socket, which the server
-        // thread owns and keeps open until it returns: it only makes the
-        // blocked accept() fail, so the thread ends.
-        unsafe { libc::shutdown(self.listener_fd, libc::SHUT_RDWR) };
-        if let Some(t) = self.thread.take() {
+        // SAFETY: shutdown(2) on the listening socket of the `Server` this
+        // value keeps, so the descriptor is open. It only makes the blocked accept()
+        // fail, so the threads end.
+        unsafe { libc::shutdown(self.server.listener().as_raw_fd(), libc::SHUT_RDWR) };
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // The socket goes with the instance (the `Server`, which would
+        // remove it when dropped, lives as long as this value).
+        let _ = std::fs::remove_file(&self.path);
     }
 }
 

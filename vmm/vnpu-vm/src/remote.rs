@@ -34,7 +34,20 @@ use crate::irq::MsiRoutes;
 #[derive(Debug, Error)]
 pub enum RemoteError {
     #[error("vfio-user server {path}: {source}")]
-    Client { path: String, source: vfio_user::Error },
+    Client {
+        path: String,
+        #[source]
+        source: vfio_user::Error,
+    },
+    #[error(
+        "vfio-user server {path} serves another VMM (one VMM per vNPU at a time; is the VM running already?)"
+    )]
+    Busy { path: String },
+    #[error(
+        "vfio-user server {path} did not answer within {} s (is the board daemon hung, or is another program holding the socket?)",
+        ATTACH_TIMEOUT.as_secs()
+    )]
+    NoAnswer { path: String },
     #[error("vfio-user server {path}: {what}")]
     Device { path: String, what: String },
     #[error("guest memory is not in a shared file (needed to share it with the server)")]
@@ -45,6 +58,21 @@ pub enum RemoteError {
     Pci(#[from] vnpu_pci::PciError),
     #[error("MSI-X routing: {0}")]
     Irq(#[from] crate::irq::IrqError),
+}
+
+/// How long attaching waits for the server's answers (the version and
+/// region handshake) before it gives up.
+pub const ATTACH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a handshake failed because the server did not answer in time.
+fn timed_out(e: &vfio_user::Error) -> bool {
+    let slow =
+        |k: std::io::ErrorKind| matches!(k, std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut);
+    match e {
+        vfio_user::Error::StreamRead(io) | vfio_user::Error::StreamWrite(io) => slow(io.kind()),
+        vfio_user::Error::ReceiveWithFd(errno) => matches!(errno.errno(), libc::EAGAIN | libc::ETIMEDOUT),
+        _ => false,
+    }
 }
 
 /// The function's MSI-X capability and where its table and PBA sit.
@@ -157,7 +185,13 @@ impl RemoteFunction {
     ) -> Result<Self, RemoteError> {
         let name = path.display().to_string();
         let client_err = |source| RemoteError::Client { path: name.clone(), source };
-        let mut client = Client::new(path).map_err(client_err)?;
+        let mut client = Client::new_with_timeout(path, Some(ATTACH_TIMEOUT)).map_err(|e| match e {
+            vfio_user::Error::Reply { errno, .. } if errno == libc::EBUSY.unsigned_abs() => {
+                RemoteError::Busy { path: name.clone() }
+            }
+            e if timed_out(&e) => RemoteError::NoAnswer { path: name.clone() },
+            e => client_err(e),
+        })?;
         let mut remote = [0u8; 256];
         for at in (0..256).step_by(4) {
             client
