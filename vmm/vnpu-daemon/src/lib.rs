@@ -12,6 +12,7 @@
 mod accept;
 pub mod backend;
 pub mod daemon;
+mod http;
 pub mod metrics;
 pub mod peer;
 pub mod serve;

@@ -8,7 +8,6 @@
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 
 use npu_model::config::CoreConfig;
 use prometheus_client::collector::Collector;
@@ -301,62 +300,32 @@ fn encode_cores(
     Ok(())
 }
 
-/// The HTTP endpoint's thread.
+/// The HTTP endpoint (`http.rs`: bounded connections, heads and time).
 pub(crate) struct MetricsServer {
-    server: Arc<tiny_http::Server>,
-    thread: Option<JoinHandle<()>>,
+    server: crate::http::HttpServer,
     pub addr: SocketAddr,
 }
 
 impl MetricsServer {
     pub fn start(addr: SocketAddr, source: Arc<dyn BoardSource>) -> Result<Self, MetricsError> {
-        let server = Arc::new(
-            tiny_http::Server::http(addr).map_err(|e| MetricsError::Bind { addr, reason: e.to_string() })?,
-        );
-        let bound = server.server_addr().to_ip().unwrap_or(addr);
+        let listener = std::net::TcpListener::bind(addr)
+            .map_err(|e| MetricsError::Bind { addr, reason: e.to_string() })?;
+        let bound = listener.local_addr().unwrap_or(addr);
         let mut registry = Registry::default();
         registry.register_collector(Box::new(BoardCollector { source: Arc::downgrade(&source) }));
-        let s = Arc::clone(&server);
-        let thread = std::thread::Builder::new()
-            .name("metrics".into())
-            .spawn(move || {
-                for req in s.incoming_requests() {
-                    let reply = if req.url() != "/metrics" && !req.url().starts_with("/metrics?") {
-                        tiny_http::Response::from_string("not found: the metrics are at /metrics\n")
-                            .with_status_code(404)
-                    } else if *req.method() != tiny_http::Method::Get
-                        && *req.method() != tiny_http::Method::Head
-                    {
-                        tiny_http::Response::from_string("GET /metrics\n").with_status_code(405)
-                    } else {
-                        let mut body = String::new();
-                        match prometheus_client::encoding::text::encode(&mut body, &registry) {
-                            Ok(()) => {
-                                let mut r = tiny_http::Response::from_string(body);
-                                if let Ok(h) = tiny_http::Header::from_bytes(
-                                    &b"Content-Type"[..],
-                                    &b"application/openmetrics-text; version=1.0.0; charset=utf-8"[..],
-                                ) {
-                                    r = r.with_header(h);
-                                }
-                                r
-                            }
-                            Err(_) => {
-                                tiny_http::Response::from_string("encoding failed\n").with_status_code(500)
-                            }
-                        }
-                    };
-                    let _ = req.respond(reply);
-                }
-            })
+        let registry = Arc::new(registry);
+        let render: crate::http::Render = Arc::new(move || {
+            let mut body = String::new();
+            prometheus_client::encoding::text::encode(&mut body, &registry)
+                .ok()
+                .map(|()| (body, "application/openmetrics-text; version=1.0.0; charset=utf-8"))
+        });
+        let server = crate::http::HttpServer::start(listener, crate::http::HttpLimits::default(), render)
             .map_err(MetricsError::Thread)?;
-        Ok(Self { server, thread: Some(thread), addr: bound })
+        Ok(Self { server, addr: bound })
     }
 
     pub fn stop(&mut self) {
-        self.server.unblock();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.server.stop();
     }
 }
