@@ -144,6 +144,8 @@ impl Daemon {
     /// are serialized; the state directory's lock keeps managers that
     /// bypass the daemon from losing updates).
     fn handle(&self, req: &Request) -> Result<Outcome, ControlError> {
+        // Files the request names are read before any lock is taken.
+        let prepared = control::prepare(&self.opts.board, req)?;
         let mut served = lock(&self.served);
         if self.stopping.load(Ordering::SeqCst) {
             return Err(ControlError::Protocol("the daemon is stopping".into()));
@@ -152,11 +154,12 @@ impl Daemon {
             return self.cores();
         }
         let mut serving = Ok(());
-        let mut outcome = control::execute_then(&self.opts.state_dir, &self.opts.board, req, |instances| {
-            if req.changes_state() {
-                serving = serve_started(&self.opts, &self.board, &mut served, instances);
-            }
-        })?;
+        let mut outcome =
+            control::execute_prepared(&self.opts.state_dir, &self.opts.board, req, prepared, |instances| {
+                if req.changes_state() {
+                    serving = serve_started(&self.opts, &self.board, &mut served, instances);
+                }
+            })?;
         serving.map_err(|e| ControlError::Protocol(format!("the request was done but: {e}")))?;
         if let Outcome::Instance { instance, socket, .. } = &mut outcome {
             if served.contains_key(&instance.uuid) {

@@ -326,19 +326,42 @@ fn resolve_shape(type_name: &Option<String>, spec: &Option<String>) -> Result<Sh
     }
 }
 
-fn apply_placement(store: &mut Store, board: &BoardConfig, place: &PlaceOptions) -> Result<(), ControlError> {
+fn apply_placement(
+    store: &mut Store,
+    place: &PlaceOptions,
+    model: Option<InterferenceModel>,
+) -> Result<(), ControlError> {
     if let Some(f) = place.oversubscribe {
         if f == 0 {
             return Err(ControlError::BadRequest("oversubscribe must be 1 or more".into()));
         }
         store.allow_oversubscription(f);
     }
+    store.set_placement(place.placement, model);
+    Ok(())
+}
+
+/// What a request needs from outside the state before any lock is taken:
+/// the interference model its placement is trained on (a file the client
+/// named, read and trained on here, so that no lock is held across the
+/// open, the read or the training).
+#[derive(Debug, Default)]
+pub struct Prepared {
+    model: Option<InterferenceModel>,
+}
+
+/// Reads and trains what `req` needs ([`Prepared`]); call it before taking
+/// any lock, then [`execute_prepared`].
+pub fn prepare(board: &BoardConfig, req: &Request) -> Result<Prepared, ControlError> {
+    let place = match req {
+        Request::Create { place, .. } | Request::Start { place, .. } => place,
+        _ => return Ok(Prepared::default()),
+    };
     let model = match (&place.interference_matrix, place.placement) {
         (_, Policy::Pack) | (None, _) => None,
         (Some(path), _) => Some(InterferenceModel::from_file(path, board, &vnpu_placement::Linear)?),
     };
-    store.set_placement(place.placement, model);
-    Ok(())
+    Ok(Prepared { model })
 }
 
 /// Executes `req` against the state directory `dir` (holding its lock for
@@ -356,13 +379,30 @@ pub fn execute_then(
     req: &Request,
     then: impl FnOnce(&[Instance]),
 ) -> Result<Outcome, ControlError> {
+    let prepared = prepare(board, req)?;
+    execute_prepared(dir, board, req, prepared, then)
+}
+
+/// As [`execute_then`], with what [`prepare`] read for `req`.
+pub fn execute_prepared(
+    dir: &Path,
+    board: &BoardConfig,
+    req: &Request,
+    prepared: Prepared,
+    then: impl FnOnce(&[Instance]),
+) -> Result<Outcome, ControlError> {
     let mut store = Store::open(dir, board)?;
-    let outcome = execute_on(&mut store, board, req)?;
+    let outcome = execute_on(&mut store, board, req, prepared)?;
     then(store.instances());
     Ok(outcome)
 }
 
-fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<Outcome, ControlError> {
+fn execute_on(
+    store: &mut Store,
+    board: &BoardConfig,
+    req: &Request,
+    prepared: Prepared,
+) -> Result<Outcome, ControlError> {
     if let Request::Define { workload: Some(w), .. }
     | Request::Create { workload: Some(w), .. }
     | Request::Remap { workload: Some(w), .. } = req
@@ -404,12 +444,12 @@ fn execute_on(store: &mut Store, board: &BoardConfig, req: &Request) -> Result<O
         }
         Request::Create { type_name, spec, uuid, workload, qos, place } => {
             let shape = resolve_shape(type_name, spec)?;
-            apply_placement(store, board, place)?;
+            apply_placement(store, place, prepared.model)?;
             let u = store.create_for(shape, type_name.as_deref(), uuid.as_deref(), workload.clone(), *qos)?;
             instance(store, &u)
         }
         Request::Start { uuid, place } => {
-            apply_placement(store, board, place)?;
+            apply_placement(store, place, prepared.model)?;
             store.start(uuid)?;
             instance(store, uuid)
         }
@@ -690,6 +730,39 @@ mod tests {
         let ok = execute(&dir, &board, &remap(Some(2), None, Some(8 << 20))).unwrap();
         let Outcome::Instance { instance: after, .. } = ok else { panic!("remap failed") };
         assert_eq!((after.shape.sa_per_core(), after.shape.sram_per_core()), (2, 8 << 20));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The interference matrix a request names is read and trained on by
+    /// `prepare`, before the state directory is locked: executing needs
+    /// the file no more (here it is gone by then).
+    #[test]
+    fn a_named_matrix_is_read_before_the_state_is_locked() {
+        let dir = std::env::temp_dir().join(format!("vnpu-control-prepare-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let matrix = dir.join("matrix.json");
+        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json"), &matrix).unwrap();
+        let board = BoardConfig::default();
+        let create = Request::Create {
+            type_name: Some("small".into()),
+            spec: None,
+            uuid: None,
+            workload: Some(Workload { name: "mobilenet".into(), batch: 1 }),
+            qos: Qos::default(),
+            place: PlaceOptions {
+                oversubscribe: None,
+                placement: Policy::Interference,
+                interference_matrix: Some(matrix.clone()),
+            },
+        };
+        let prepared = prepare(&board, &create).unwrap();
+        std::fs::remove_file(&matrix).unwrap();
+        let state = dir.join("state");
+        let outcome = execute_prepared(&state, &board, &create, prepared, |_| {}).unwrap();
+        assert!(matches!(outcome, Outcome::Instance { .. }), "{outcome:?}");
+        // Without `prepare`, the same request now fails on the missing file.
+        assert!(execute(&state, &board, &create).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 
