@@ -481,7 +481,14 @@ impl Client {
     /// structure and hung on a header-only error reply).
     fn read_reply_header(&mut self, command: Command) -> Result<(Header, Option<File>), Error> {
         let mut header = Header::default();
-        let (n, fd) = self.stream.recv_with_fd(header.as_mut_slice()).map_err(Error::ReceiveWithFd)?;
+        let (n, fd) = loop {
+            match self.stream.recv_with_fd(header.as_mut_slice()) {
+                // A signal is not the server's answer (patched: EINTR
+                // failed the request).
+                Err(e) if e.errno() == libc::EINTR => continue,
+                r => break r.map_err(Error::ReceiveWithFd)?,
+            }
+        };
         if n == 0 {
             return Err(Error::StreamRead(std::io::ErrorKind::UnexpectedEof.into()));
         }
@@ -981,8 +988,14 @@ impl Client {
             }];
             // SAFETY: the iovec points at `header`, which outlives the call,
             // and `raw` has room for the 16 descriptors asked for.
-            let (n, count) =
-                unsafe { self.stream.recv_with_fds(&mut iov, &mut raw) }.map_err(Error::ReceiveWithFd)?;
+            let (n, count) = loop {
+                // SAFETY: as above; a call interrupted by a signal (EINTR)
+                // received nothing and is repeated.
+                match unsafe { self.stream.recv_with_fds(&mut iov, &mut raw) } {
+                    Err(e) if e.errno() == libc::EINTR => continue,
+                    r => break r.map_err(Error::ReceiveWithFd)?,
+                }
+            };
             // SAFETY: the kernel installed `count` new descriptors, owned
             // by nothing else.
             let fds: Vec<File> = raw[..count].iter().map(|&fd| unsafe { File::from_raw_fd(fd) }).collect();
@@ -1505,9 +1518,14 @@ impl Server {
                 iov_base: header.as_mut_slice().as_mut_ptr() as *mut c_void,
                 iov_len: header.as_mut_slice().len(),
             }];
-            // SAFETY: Safe as the iovect is correctly initialised and fds is big enough
-            let (bytes, fds_received) =
-                unsafe { stream.recv_with_fds(&mut iovecs, &mut fds).map_err(Error::ReceiveWithFd)? };
+            let (bytes, fds_received) = loop {
+                // SAFETY: Safe as the iovect is correctly initialised and fds is big enough
+                match unsafe { stream.recv_with_fds(&mut iovecs, &mut fds) } {
+                    // Interrupted by a signal: nothing was received (patched).
+                    Err(e) if e.errno() == libc::EINTR => continue,
+                    r => break r.map_err(Error::ReceiveWithFd)?,
+                }
+            };
 
             // Other end closed connection
             if bytes == 0 {

@@ -16,10 +16,17 @@ mod http;
 pub mod metrics;
 pub mod peer;
 pub mod serve;
+#[cfg(any(fuzzing, test))]
+mod session_fuzz;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};
 pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions, DEFAULT_CONTROL_IDLE};
 pub use serve::{InstanceServer, ServeError};
+/// The `vfio_user_session` fuzz target's harness (built only for it and
+/// the tests: cargo-fuzz builds with `--cfg fuzzing`).
+#[cfg(any(fuzzing, test))]
+#[doc(hidden)]
+pub use session_fuzz::fuzz_session;
 
 /// Serves `data` as the byte stream of one vfio-user connection (no file
 /// descriptors) to a vNPU backend shared by every call; replies are read

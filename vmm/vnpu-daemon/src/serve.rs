@@ -90,15 +90,10 @@ impl InstanceServer {
             let stop = Arc::clone(&stopping);
             std::thread::Builder::new().name(format!("vfio-user {name}")).spawn(move || {
                 while let Ok(stream) = clients.recv() {
-                    {
-                        // Under the lock `stop` takes after setting
-                        // `stopping`: either it sees this client and shuts
-                        // it down, or this thread sees `stopping`.
-                        let mut c = lock(&current);
-                        if stop.load(Ordering::SeqCst) {
-                            break;
-                        }
-                        *c = stream.try_clone().ok();
+                    // `current` (set by the accepting thread at the handover)
+                    // is what `stop` shuts down after setting `stopping`.
+                    if stop.load(Ordering::SeqCst) {
+                        break;
                     }
                     match factory() {
                         Ok(mut backend) => {
@@ -141,6 +136,10 @@ impl InstanceServer {
                         vfio_user::refuse_client(stream, libc::EBUSY.unsigned_abs(), REFUSE_WAIT);
                         continue;
                     }
+                    // Watched from the handover on, so a successor that
+                    // arrives before the serving thread takes this client
+                    // sees it hang up, and `stop` can shut it down.
+                    *lock(&watched) = stream.try_clone().ok();
                     if handover.send(stream).is_err() {
                         break;
                     }

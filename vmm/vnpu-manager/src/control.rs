@@ -742,7 +742,8 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let matrix = dir.join("matrix.json");
-        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json"), &matrix).unwrap();
+        std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json"), &matrix)
+            .unwrap();
         let board = BoardConfig::default();
         let create = Request::Create {
             type_name: Some("small".into()),
