@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -101,8 +101,15 @@ pub(crate) struct ServedInstance {
 /// The instances being served, by UUID.
 pub(crate) type Served = BTreeMap<String, ServedInstance>;
 
-/// Most control connections served at once; more are refused.
+/// Most control connections served at once. When all are taken, a new
+/// one takes the slot of the connection idle longest, if that one has
+/// been idle for [`EVICT_IDLE`]; otherwise it is refused.
 pub const MAX_CONTROL_CONNECTIONS: usize = 32;
+
+/// How long a connection must have been idle before a newcomer may take
+/// its slot (control socket and `/metrics`): honest clients send their
+/// request as soon as they connect.
+pub const EVICT_IDLE: Duration = Duration::from_millis(100);
 
 /// What the control threads (and the metrics endpoint) share with the
 /// main loop.
@@ -233,7 +240,7 @@ impl ControlServer {
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
-                let active = Arc::new(AtomicUsize::new(0));
+                let slots = crate::slots::Slots::new(MAX_CONTROL_CONNECTIONS, EVICT_IDLE);
                 let mut serial = 0u64;
                 while let Some((stream, _)) =
                     crate::accept::accept_retrying("control socket", &stop, || listener.accept())
@@ -247,26 +254,25 @@ impl ControlServer {
                     if !permitted {
                         log::warn!("control connection of {who:?}: not allowed to manage the board");
                     }
-                    if active.load(Ordering::SeqCst) >= MAX_CONTROL_CONNECTIONS {
+                    let slot = slots.admit(stream.try_clone().ok().map(Into::into));
+                    let Some(slot) = slot else {
                         let mut s = stream;
                         let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(
                             "{MAX_CONTROL_CONNECTIONS} management connections are open; try again"
                         )));
                         let _ = control::write_line(&mut s, &control::Reply::from(busy));
                         continue;
-                    }
+                    };
                     // An idle client gives its slot up after `idle`.
                     let _ = stream.set_read_timeout(Some(idle));
                     let _ = stream.set_write_timeout(Some(idle));
                     if let Ok(c) = stream.try_clone() {
                         lock(&open).insert(serial, c);
                     }
-                    active.fetch_add(1, Ordering::SeqCst);
                     let done = {
-                        let (active, open) = (Arc::clone(&active), Arc::clone(&open));
+                        let open = Arc::clone(&open);
                         move || {
                             lock(&open).remove(&serial);
-                            active.fetch_sub(1, Ordering::SeqCst);
                         }
                     };
                     let daemon = Arc::clone(&daemon);
@@ -274,7 +280,8 @@ impl ControlServer {
                         let done = done.clone();
                         move || {
                             let served = control::serve_connection(stream, |req| {
-                                if permitted {
+                                slot.busy();
+                                let reply = if permitted {
                                     daemon.handle(req)
                                 } else {
                                     Err(ControlError::Refused {
@@ -283,7 +290,9 @@ impl ControlServer {
                                                   and the --control-group may"
                                             .into(),
                                     })
-                                }
+                                };
+                                slot.idle();
+                                reply
                             });
                             if let Err(e) = served {
                                 log::warn!("control connection dropped: {e}");

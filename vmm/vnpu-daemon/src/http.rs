@@ -9,7 +9,9 @@
 //! the daemon's descriptors), and whose accept loop ended on its first
 //! error. Here:
 //! - at most [`HttpLimits::connections`] connections are served at once;
-//!   more are answered `503` without being read and closed;
+//!   a newcomer takes the slot of one that has sent nothing for
+//!   [`HttpLimits::evict_idle`] (`slots.rs`), else it is answered `503`
+//!   without being read and closed;
 //! - a request head is read up to [`HttpLimits::head_bytes`] (else `431`)
 //!   within [`HttpLimits::deadline`] of the connection's accept, and the
 //!   answer written within the same deadline, each connection on its own
@@ -21,10 +23,12 @@
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use crate::slots::{Slot, Slots};
 
 /// What one client may hold of the endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -35,11 +39,19 @@ pub struct HttpLimits {
     pub head_bytes: usize,
     /// From accept to the last byte of the answer.
     pub deadline: Duration,
+    /// With every slot taken, a connection that has not sent its request
+    /// head for this long gives its slot up to a new one.
+    pub evict_idle: Duration,
 }
 
 impl Default for HttpLimits {
     fn default() -> Self {
-        Self { connections: 16, head_bytes: 8 << 10, deadline: Duration::from_secs(5) }
+        Self {
+            connections: 16,
+            head_bytes: 8 << 10,
+            deadline: Duration::from_secs(5),
+            evict_idle: crate::daemon::EVICT_IDLE,
+        }
     }
 }
 
@@ -59,24 +71,21 @@ impl HttpServer {
     pub fn start(listener: TcpListener, limits: HttpLimits, render: Render) -> std::io::Result<Self> {
         let listener = Arc::new(listener);
         let stopping = Arc::new(AtomicBool::new(false));
-        let active = Arc::new(AtomicUsize::new(0));
+        let slots = Slots::new(limits.connections, limits.evict_idle);
         let (l, stop) = (Arc::clone(&listener), Arc::clone(&stopping));
         let thread = std::thread::Builder::new().name("metrics".into()).spawn(move || {
             while let Some((stream, _)) = crate::accept::accept_retrying("metrics", &stop, || l.accept()) {
                 let accepted = Instant::now();
-                if active.fetch_add(1, Ordering::SeqCst) >= limits.connections {
-                    active.fetch_sub(1, Ordering::SeqCst);
+                let Some(slot) = slots.admit(stream.try_clone().ok().map(Into::into)) else {
                     refuse(&stream);
                     continue;
-                }
-                let (slots, render) = (Arc::clone(&active), Arc::clone(&render));
+                };
+                let render = Arc::clone(&render);
                 let spawned = std::thread::Builder::new().name("metrics client".into()).spawn(move || {
-                    serve(&stream, accepted, limits, &*render);
-                    slots.fetch_sub(1, Ordering::SeqCst);
+                    serve(&stream, &slot, accepted, limits, &*render);
                 });
                 if spawned.is_err() {
-                    // The closure and its stream are dropped; free the slot.
-                    active.fetch_sub(1, Ordering::SeqCst);
+                    // The closure, its stream and its slot are dropped.
                     log::warn!("metrics: cannot start a connection's thread");
                 }
             }
@@ -114,6 +123,7 @@ fn refuse(stream: &TcpStream) {
 /// Reads one request head and answers it, all within the deadline.
 fn serve(
     stream: &TcpStream,
+    slot: &Slot,
     accepted: Instant,
     limits: HttpLimits,
     render: &dyn Fn() -> Option<(String, &'static str)>,
@@ -127,6 +137,7 @@ fn serve(
         }
         Head::Gone => return,
     };
+    slot.busy();
     let reply = respond(&head, render);
     write_by(stream, end, &reply);
     let _ = stream.shutdown(Shutdown::Both);
@@ -280,7 +291,7 @@ mod tests {
     /// deadline.)
     #[test]
     fn greedy_and_silent_clients_do_not_hold_a_scrape_up() {
-        let limits = HttpLimits { connections: 8, head_bytes: 8 << 10, deadline: Duration::from_secs(6) };
+        let limits = HttpLimits { connections: 8, deadline: Duration::from_secs(6), ..HttpLimits::default() };
         let (_srv, addr) = server(limits);
         let mut greedy = TcpStream::connect(addr).unwrap();
         greedy.write_all(&b"GET /metrics HTTP/1.1\r\n\r\n".repeat(1000)).unwrap();
@@ -292,26 +303,32 @@ mod tests {
     }
 
     /// With every slot held by a silent client, the next is told so at
-    /// once, and once the deadline has passed the slots are free again
-    /// though those clients still hold their connections.
+    /// once while they are fresh; once they have been idle for
+    /// `evict_idle` a newcomer takes the slot of the one idle longest
+    /// (well before their 6 s deadline), and that one is closed.
     #[test]
-    fn silent_clients_hold_their_slots_only_until_the_deadline() {
-        let limits = HttpLimits { connections: 4, head_bytes: 8 << 10, deadline: Duration::from_secs(2) };
+    fn silent_clients_give_their_slots_up_to_newcomers() {
+        let limits = HttpLimits {
+            connections: 4,
+            deadline: Duration::from_secs(6),
+            evict_idle: Duration::from_millis(500),
+            ..HttpLimits::default()
+        };
         let (_srv, addr) = server(limits);
-        let silent: Vec<_> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let mut silent: Vec<_> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
         let t = Instant::now();
         let refused = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-        assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
-        assert!(t.elapsed() < Duration::from_secs(1), "a refusal waited {:?}", t.elapsed());
-        while !get(addr, b"GET /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 200") {
-            assert!(t.elapsed() < Duration::from_secs(20), "the slots were never freed");
-            std::thread::sleep(Duration::from_millis(100));
+        if t.elapsed() < Duration::from_millis(400) {
+            assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
         }
-        assert!(
-            t.elapsed() >= Duration::from_millis(1500),
-            "served at {:?}, before the deadline",
-            t.elapsed()
-        );
-        drop(silent);
+        std::thread::sleep(Duration::from_millis(600));
+        let t = Instant::now();
+        let served = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+        assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+        assert!(t.elapsed() < Duration::from_secs(3), "the newcomer waited {:?}", t.elapsed());
+        // The oldest silent connection was closed for it.
+        silent[0].set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 1];
+        assert!(matches!(silent[0].read(&mut b), Ok(0) | Err(_)), "the evicted connection is still open");
     }
 }

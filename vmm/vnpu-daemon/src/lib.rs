@@ -18,6 +18,7 @@ pub mod peer;
 pub mod serve;
 #[cfg(any(fuzzing, test))]
 mod session_fuzz;
+mod slots;
 
 pub use backend::{irqs, regions, BackendError, VnpuBackend};
 pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions, DEFAULT_CONTROL_IDLE};

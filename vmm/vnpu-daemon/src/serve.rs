@@ -110,7 +110,10 @@ impl InstanceServer {
                     }
                     // Kept until the teardown is over: a client arriving
                     // meanwhile sees this one hung up and waits for it.
-                    *lock(&current) = None;
+                    // Both change under the lock the accepting thread
+                    // decides under.
+                    let mut c = lock(&current);
+                    *c = None;
                     busy.store(false, Ordering::SeqCst);
                 }
             })
@@ -123,23 +126,31 @@ impl InstanceServer {
                 while let Some((stream, _)) =
                     crate::accept::accept_retrying(&label, &stop, || server.listener().accept())
                 {
-                    if busy.load(Ordering::SeqCst) && lock(&watched).as_ref().is_some_and(hung_up) {
-                        // The client being served has just left: wait for
-                        // its teardown rather than refuse its successor.
-                        let t = std::time::Instant::now();
-                        while busy.load(Ordering::SeqCst) && t.elapsed() < TEARDOWN_WAIT {
-                            std::thread::sleep(std::time::Duration::from_millis(5));
+                    // Free: this client is handed over, and watched from
+                    // then on (so a successor that arrives before the
+                    // serving thread takes it sees it hang up, and `stop`
+                    // can shut it down). Busy with a client that has hung
+                    // up: its teardown is waited for. Busy otherwise: EBUSY.
+                    let t = std::time::Instant::now();
+                    let free = loop {
+                        let mut c = lock(&watched);
+                        if !busy.load(Ordering::SeqCst) {
+                            busy.store(true, Ordering::SeqCst);
+                            *c = stream.try_clone().ok();
+                            break true;
                         }
-                    }
-                    if busy.swap(true, Ordering::SeqCst) {
+                        let leaving = c.as_ref().is_some_and(hung_up);
+                        drop(c);
+                        if !leaving || t.elapsed() > TEARDOWN_WAIT {
+                            break false;
+                        }
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    };
+                    if !free {
                         log::warn!("{label}: another client refused (EBUSY): one VMM at a time");
                         vfio_user::refuse_client(stream, libc::EBUSY.unsigned_abs(), REFUSE_WAIT);
                         continue;
                     }
-                    // Watched from the handover on, so a successor that
-                    // arrives before the serving thread takes this client
-                    // sees it hang up, and `stop` can shut it down.
-                    *lock(&watched) = stream.try_clone().ok();
                     if handover.send(stream).is_err() {
                         break;
                     }
