@@ -210,6 +210,11 @@ enum Command {
         /// other client is refused, whatever the socket file's mode).
         #[arg(long, value_name = "GROUP")]
         control_group: Option<String>,
+        /// What a system call outside the daemon's list does once it has
+        /// started (docs/isolation.md): fail with EPERM, kill the daemon,
+        /// or no filter at all.
+        #[arg(long, value_enum, default_value_t = vnpu_daemon::seccomp::Mode::Errno)]
+        seccomp: vnpu_daemon::seccomp::Mode,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -511,6 +516,8 @@ pub(crate) enum CliError {
     Scenario(#[from] scenario::ScenarioError),
     #[error(transparent)]
     Daemon(#[from] vnpu_daemon::DaemonError),
+    #[error(transparent)]
+    Seccomp(#[from] vnpu_daemon::seccomp::SeccompError),
     #[error("{0}")]
     Usage(String),
     #[error("cannot read {path}: {source}")]
@@ -650,7 +657,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, o, slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, poll_us, metrics, control_idle_ms, control_group } => {
+        Command::Daemon { manage, poll_us, metrics, control_idle_ms, control_group, seccomp } => {
             let control_group = match control_group {
                 Some(name) => Some(vnpu_daemon::peer::group_id(&name).ok_or_else(|| {
                     CliError::Usage(format!("--control-group {name}: no such group on this host"))
@@ -673,6 +680,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 control_group,
             };
             vnpu_daemon::stop_on_signals();
+            vnpu_daemon::seccomp::install(seccomp)?;
             let stop = std::sync::atomic::AtomicBool::new(false);
             let dir = opts.socket_dir.clone();
             vnpu_daemon::run(&opts, &stop, || eprintln!("vnpu daemon: serving at {}", dir.display()))?;

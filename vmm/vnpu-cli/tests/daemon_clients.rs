@@ -87,6 +87,8 @@ fn idle_control_connections_give_their_slots_up() {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
     cmd.args(["daemon", "--control-idle-ms", "300"]);
     let (d, ctl) = start(cmd, &state, &sockets);
+    // The connections `start` probed with are gone first.
+    std::thread::sleep(Duration::from_millis(400));
     let mut held: Vec<_> = (0..32).map(|_| std::os::unix::net::UnixStream::connect(&ctl).unwrap()).collect();
     std::thread::sleep(Duration::from_millis(150));
     // Every slot is held by a client idle for longer than the eviction
@@ -245,7 +247,7 @@ fn a_second_vmm_on_a_served_instance_is_refused_at_once() {
 /// may, offers a pipe as an interrupt trigger, sends garbage and
 /// reconnects, and a second VMM that is refused. The bystander's results
 /// must equal its CPU reference, and `vnpu list` and a scrape must answer
-/// during the attacks.
+/// during the attacks. The daemon runs with `--seccomp kill`.
 #[test]
 fn a_bystander_vm_is_correct_while_every_client_attack_runs() {
     use std::io::{Read, Write};
@@ -262,7 +264,9 @@ fn a_bystander_vm_is_correct_while_every_client_attack_runs() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
-    cmd.args(["daemon", "--metrics", &metrics.to_string()]);
+    // With the seccomp filter killing the daemon on any call outside its
+    // list: every path these attacks and the VM reach must be on it.
+    cmd.args(["daemon", "--metrics", &metrics.to_string(), "--seccomp", "kill"]);
     let (d, ctl) = start(cmd, &state, &sockets);
     let victim = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
     let bystander = vnpu(&state, &["create", "--type", "small"]).trim().to_string();

@@ -15,6 +15,7 @@ pub mod daemon;
 mod http;
 pub mod metrics;
 pub mod peer;
+pub mod seccomp;
 pub mod serve;
 #[cfg(any(fuzzing, test))]
 mod session_fuzz;
