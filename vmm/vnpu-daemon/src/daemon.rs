@@ -106,6 +106,9 @@ pub(crate) type Served = BTreeMap<String, ServedInstance>;
 /// been idle for [`EVICT_IDLE`]; otherwise it is refused.
 pub const MAX_CONTROL_CONNECTIONS: usize = 32;
 
+/// The control socket's listen queue (std's default is 128).
+const CONTROL_BACKLOG: libc::c_int = 8;
+
 /// How long a connection must have been idle before a newcomer may take
 /// its slot (control socket and `/metrics`): honest clients send their
 /// request as soon as they connect.
@@ -231,6 +234,11 @@ impl ControlServer {
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path).map_err(err)?;
         let listener_fd = listener.as_raw_fd();
+        // A short listen queue: a client flooding connections waits to
+        // connect instead of queueing 128 ahead of an operator.
+        // SAFETY: listen(2) again on the socket just bound, which only
+        // changes its backlog.
+        unsafe { libc::listen(listener_fd, CONTROL_BACKLOG) };
         let clients: Arc<Mutex<BTreeMap<u64, UnixStream>>> = Arc::default();
         let open = Arc::clone(&clients);
         let stopping = Arc::new(AtomicBool::new(false));

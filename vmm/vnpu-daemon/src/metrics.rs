@@ -43,10 +43,14 @@ pub struct ServedSample {
 /// Why the metrics endpoint could not start.
 #[derive(Debug, Error)]
 pub enum MetricsError {
-    #[error("metrics endpoint {addr}: {reason}")]
-    Bind { addr: SocketAddr, reason: String },
+    #[error("metrics endpoint {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("metrics thread: {0}")]
-    Thread(std::io::Error),
+    Thread(#[source] std::io::Error),
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -308,8 +312,8 @@ pub(crate) struct MetricsServer {
 
 impl MetricsServer {
     pub fn start(addr: SocketAddr, source: Arc<dyn BoardSource>) -> Result<Self, MetricsError> {
-        let listener = std::net::TcpListener::bind(addr)
-            .map_err(|e| MetricsError::Bind { addr, reason: e.to_string() })?;
+        let listener =
+            std::net::TcpListener::bind(addr).map_err(|source| MetricsError::Bind { addr, source })?;
         let bound = listener.local_addr().unwrap_or(addr);
         let mut registry = Registry::default();
         registry.register_collector(Box::new(BoardCollector { source: Arc::downgrade(&source) }));
