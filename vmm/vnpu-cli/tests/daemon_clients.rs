@@ -408,6 +408,28 @@ fn a_bystander_vm_is_correct_while_every_client_attack_runs() {
     ] {
         assert!(out.contains(want), "{want} missing:\n{out}");
     }
+    // Every daemon thread runs under the daemon's filter, and each
+    // instance's serving thread under the narrower instance filter too
+    // (`Seccomp_filters` counts the filters stacked on a thread).
+    let pid = d.0.as_ref().unwrap().id();
+    let mut kinds = std::collections::BTreeMap::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default().trim().to_string();
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let filters: u32 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Seccomp_filters:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        let kind = if comm.starts_with("vfio-user") && !comm.starts_with("vfio-user accep") {
+            "instance"
+        } else {
+            "other"
+        };
+        kinds.entry(kind).or_insert_with(Vec::new).push((comm, filters));
+    }
+    assert!(kinds["other"].iter().all(|(_, f)| *f >= 1), "{kinds:?}");
+    assert!(kinds.get("instance").is_some_and(|v| v.iter().all(|(_, f)| *f >= 2)), "{kinds:?}");
     // The daemon is still whole: it answers and stops cleanly.
     let reply = control_line(&ctl, b"{\"op\":\"list\"}\n");
     assert_eq!(

@@ -80,6 +80,8 @@ const ALLOWED: &[i64] = &[
     libc::SYS_sigaltstack,
     libc::SYS_restart_syscall,
     libc::SYS_prctl,
+    // Only ever narrows what a thread may do (the per-thread filters).
+    libc::SYS_seccomp,
     libc::SYS_getrandom,
     // Identity (read only) and limits.
     libc::SYS_geteuid,
@@ -157,8 +159,39 @@ const ALLOWED: &[i64] = &[
 
 /// The compiled filter: the calls in [`ALLOWED`] pass, others as `mode`.
 fn program(mode: Mode) -> Result<BpfProgram, SeccompError> {
-    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> =
-        ALLOWED.iter().map(|&n| (n, Vec::new())).collect();
+    program_of(ALLOWED.iter().copied(), mode)
+}
+
+/// What a vNPU instance's threads (the vfio-user connection and the
+/// worker it starts) may not do beyond the daemon's list: make sockets,
+/// or create, rename, remove, lock, sync or change the mode of files.
+/// What they serve comes to them as descriptors over their connection.
+const NOT_FOR_INSTANCES: &[i64] = &[
+    libc::SYS_socket,
+    libc::SYS_socketpair,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_connect,
+    libc::SYS_mkdir,
+    libc::SYS_mkdirat,
+    libc::SYS_chmod,
+    libc::SYS_fchmod,
+    libc::SYS_rename,
+    libc::SYS_renameat,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_flock,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+];
+
+/// The mode [`install`] installed, for the per-thread filters.
+static INSTALLED: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
+
+fn program_of(calls: impl Iterator<Item = i64>, mode: Mode) -> Result<BpfProgram, SeccompError> {
+    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = calls.map(|n| (n, Vec::new())).collect();
     let filter = SeccompFilter::new(rules, mismatch(mode), SeccompAction::Allow, TargetArch::x86_64)
         .map_err(SeccompError::Build)?;
     filter.try_into().map_err(SeccompError::Compile)
@@ -178,7 +211,19 @@ pub fn install(mode: Mode) -> Result<(), SeccompError> {
     if mode == Mode::Off {
         return Ok(());
     }
-    seccompiler::apply_filter_all_threads(&program(mode)?).map_err(SeccompError::Install)
+    seccompiler::apply_filter_all_threads(&program(mode)?).map_err(SeccompError::Install)?;
+    let _ = INSTALLED.set(mode);
+    Ok(())
+}
+
+/// Narrows the calling thread (and the threads it starts) to what a vNPU
+/// instance's threads need ([`NOT_FOR_INSTANCES`] left out), when the
+/// daemon installed its filter; otherwise (a daemon in a test or a
+/// benchmark's process) does nothing.
+pub fn confine_instance_thread() -> Result<(), SeccompError> {
+    let Some(&mode) = INSTALLED.get() else { return Ok(()) };
+    let calls = ALLOWED.iter().copied().filter(|n| !NOT_FOR_INSTANCES.contains(n));
+    seccompiler::apply_filter(&program_of(calls, mode)?).map_err(SeccompError::Install)
 }
 
 #[cfg(test)]
@@ -229,5 +274,38 @@ mod tests {
             0,
             "10: not installed; 11: execve not refused or a call refused"
         );
+    }
+
+    /// The instance filter, stacked on the daemon's in a child process,
+    /// refuses sockets and file creation and still allows what serving
+    /// needs (reads, writes, memory, eventfds).
+    #[test]
+    fn the_instance_filter_refuses_sockets_and_file_creation() {
+        let base = program(Mode::Errno).unwrap();
+        let calls = ALLOWED.iter().copied().filter(|n| !NOT_FOR_INSTANCES.contains(n));
+        let narrow = program_of(calls, Mode::Errno).unwrap();
+        // SAFETY: fork(2) in a test process; the child only makes system
+        // calls and exits with _exit.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let applied =
+                seccompiler::apply_filter(&base).is_ok() && seccompiler::apply_filter(&narrow).is_ok();
+            // SAFETY: plain system calls on no memory but a static string.
+            let (sock, dir, efd) = unsafe {
+                (
+                    libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0),
+                    libc::mkdir(c"/tmp/vnpu-seccomp-test-dir".as_ptr(), 0o700),
+                    libc::eventfd(0, 0),
+                )
+            };
+            let code = if applied && sock == -1 && dir == -1 && efd >= 0 { 0 } else { 12 };
+            // SAFETY: ends the child without running the harness's code.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child just forked.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status:#x}");
     }
 }

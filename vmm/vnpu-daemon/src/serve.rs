@@ -89,6 +89,9 @@ impl InstanceServer {
             let (server, busy, label) = (Arc::clone(&server), Arc::clone(&busy), label.clone());
             let stop = Arc::clone(&stopping);
             std::thread::Builder::new().name(format!("vfio-user {name}")).spawn(move || {
+                if let Err(e) = crate::seccomp::confine_instance_thread() {
+                    log::error!("{label}: {e}; serving without the instance filter");
+                }
                 while let Ok(stream) = clients.recv() {
                     // `current` (set by the accepting thread at the handover)
                     // is what `stop` shuts down after setting `stopping`.
