@@ -46,8 +46,9 @@ pub enum SeccompError {
     Install(#[source] seccompiler::Error),
 }
 
-/// The calls every daemon thread may make.
-const ALLOWED: &[i64] = &[
+/// The calls every daemon thread may make, a vNPU instance's threads
+/// included.
+const CORE: &[i64] = &[
     // Memory.
     libc::SYS_brk,
     libc::SYS_mmap,
@@ -119,17 +120,6 @@ const ALLOWED: &[i64] = &[
     libc::SYS_readlink,
     libc::SYS_getcwd,
     libc::SYS_getdents64,
-    libc::SYS_mkdir,
-    libc::SYS_mkdirat,
-    libc::SYS_chmod,
-    libc::SYS_fchmod,
-    libc::SYS_rename,
-    libc::SYS_renameat,
-    libc::SYS_unlink,
-    libc::SYS_unlinkat,
-    libc::SYS_flock,
-    libc::SYS_fsync,
-    libc::SYS_fdatasync,
     libc::SYS_pipe2,
     libc::SYS_eventfd2,
     libc::SYS_poll,
@@ -138,14 +128,7 @@ const ALLOWED: &[i64] = &[
     libc::SYS_epoll_ctl,
     libc::SYS_epoll_wait,
     libc::SYS_epoll_pwait,
-    // Sockets (control, instances, metrics).
-    libc::SYS_socket,
-    libc::SYS_socketpair,
-    libc::SYS_bind,
-    libc::SYS_listen,
-    libc::SYS_accept,
-    libc::SYS_accept4,
-    libc::SYS_connect,
+    // Sockets the daemon was handed or accepted.
     libc::SYS_shutdown,
     libc::SYS_getsockname,
     libc::SYS_getpeername,
@@ -157,16 +140,12 @@ const ALLOWED: &[i64] = &[
     libc::SYS_sendmsg,
 ];
 
-/// The compiled filter: the calls in [`ALLOWED`] pass, others as `mode`.
-fn program(mode: Mode) -> Result<BpfProgram, SeccompError> {
-    program_of(ALLOWED.iter().copied(), mode)
-}
-
-/// What a vNPU instance's threads (the vfio-user connection and the
-/// worker it starts) may not do beyond the daemon's list: make sockets,
-/// or create, rename, remove, lock, sync or change the mode of files.
-/// What they serve comes to them as descriptors over their connection.
-const NOT_FOR_INSTANCES: &[i64] = &[
+/// The calls only the daemon's management threads may make (control,
+/// accepting, metrics, the state directory): make sockets, and create,
+/// rename, remove, lock, sync or change the mode of files. A vNPU
+/// instance's threads (its vfio-user connection and the worker it starts)
+/// may not: what they serve reaches them as descriptors.
+const MANAGEMENT: &[i64] = &[
     libc::SYS_socket,
     libc::SYS_socketpair,
     libc::SYS_bind,
@@ -186,6 +165,16 @@ const NOT_FOR_INSTANCES: &[i64] = &[
     libc::SYS_fsync,
     libc::SYS_fdatasync,
 ];
+
+/// The calls every daemon thread may make.
+fn allowed() -> impl Iterator<Item = i64> {
+    CORE.iter().chain(MANAGEMENT).copied()
+}
+
+/// The compiled filter: the calls of [`allowed`] pass, others as `mode`.
+fn program(mode: Mode) -> Result<BpfProgram, SeccompError> {
+    program_of(allowed(), mode)
+}
 
 /// The mode [`install`] installed, for the per-thread filters.
 static INSTALLED: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
@@ -217,13 +206,12 @@ pub fn install(mode: Mode) -> Result<(), SeccompError> {
 }
 
 /// Narrows the calling thread (and the threads it starts) to what a vNPU
-/// instance's threads need ([`NOT_FOR_INSTANCES`] left out), when the
+/// instance's threads need ([`CORE`]: no [`MANAGEMENT`] calls), when the
 /// daemon installed its filter; otherwise (a daemon in a test or a
 /// benchmark's process) does nothing.
 pub fn confine_instance_thread() -> Result<(), SeccompError> {
     let Some(&mode) = INSTALLED.get() else { return Ok(()) };
-    let calls = ALLOWED.iter().copied().filter(|n| !NOT_FOR_INSTANCES.contains(n));
-    seccompiler::apply_filter(&program_of(calls, mode)?).map_err(SeccompError::Install)
+    seccompiler::apply_filter(&program_of(CORE.iter().copied(), mode)?).map_err(SeccompError::Install)
 }
 
 #[cfg(test)]
@@ -282,8 +270,7 @@ mod tests {
     #[test]
     fn the_instance_filter_refuses_sockets_and_file_creation() {
         let base = program(Mode::Errno).unwrap();
-        let calls = ALLOWED.iter().copied().filter(|n| !NOT_FOR_INSTANCES.contains(n));
-        let narrow = program_of(calls, Mode::Errno).unwrap();
+        let narrow = program_of(CORE.iter().copied(), Mode::Errno).unwrap();
         // SAFETY: fork(2) in a test process; the child only makes system
         // calls and exits with _exit.
         let pid = unsafe { libc::fork() };

@@ -145,18 +145,16 @@ fn idle_control(t: &Target, stop: &AtomicBool) {
     drop(held);
 }
 
-/// Fresh idle connections as fast as two threads can open them (each
-/// keeps its newest 64): slots held by connections younger than the
-/// eviction bound.
-fn churn_control(t: &Target, stop: &AtomicBool) {
+/// Fresh idle connections from `connect` as fast as two threads can open
+/// them (each keeps its newest 64): slots held by connections younger than
+/// the eviction bound.
+fn churn<C: Send>(stop: &AtomicBool, connect: impl Fn() -> Option<C> + Sync) {
     std::thread::scope(|s| {
         for _ in 0..2 {
             s.spawn(|| {
                 let mut held = std::collections::VecDeque::new();
                 while !stop.load(Ordering::SeqCst) {
-                    if let Ok(c) = UnixStream::connect(&t.control) {
-                        held.push_back(c);
-                    }
+                    held.extend(connect());
                     if held.len() > 64 {
                         held.pop_front();
                     }
@@ -166,23 +164,12 @@ fn churn_control(t: &Target, stop: &AtomicBool) {
     });
 }
 
-/// The same against `/metrics`.
+fn churn_control(t: &Target, stop: &AtomicBool) {
+    churn(stop, || UnixStream::connect(&t.control).ok());
+}
+
 fn churn_metrics(t: &Target, stop: &AtomicBool) {
-    std::thread::scope(|s| {
-        for _ in 0..2 {
-            s.spawn(|| {
-                let mut held = std::collections::VecDeque::new();
-                while !stop.load(Ordering::SeqCst) {
-                    if let Ok(c) = TcpStream::connect(t.metrics) {
-                        held.push_back(c);
-                    }
-                    if held.len() > 64 {
-                        held.pop_front();
-                    }
-                }
-            });
-        }
-    });
+    churn(stop, || TcpStream::connect(t.metrics).ok());
 }
 
 fn idle_metrics(t: &Target, stop: &AtomicBool) {
