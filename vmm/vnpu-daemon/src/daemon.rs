@@ -218,8 +218,8 @@ struct ControlServer {
     listener_fd: i32,
     /// Set before the listener is shut down: the accept loop's end.
     stopping: Arc<AtomicBool>,
-    /// Each open connection (to shut down at stop), by a serial number.
-    clients: Arc<Mutex<BTreeMap<u64, UnixStream>>>,
+    /// The open connections' slots (shut down at stop).
+    slots: Arc<crate::slots::Slots>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -239,8 +239,8 @@ impl ControlServer {
         // SAFETY: listen(2) again on the socket just bound, which only
         // changes its backlog.
         unsafe { libc::listen(listener_fd, CONTROL_BACKLOG) };
-        let clients: Arc<Mutex<BTreeMap<u64, UnixStream>>> = Arc::default();
-        let open = Arc::clone(&clients);
+        let slots = crate::slots::Slots::new(MAX_CONTROL_CONNECTIONS, EVICT_IDLE);
+        let admitting = Arc::clone(&slots);
         let stopping = Arc::new(AtomicBool::new(false));
         let stop = Arc::clone(&stopping);
         let idle = daemon.opts.control_idle.max(Duration::from_millis(1));
@@ -248,12 +248,9 @@ impl ControlServer {
         let thread = std::thread::Builder::new()
             .name("control".into())
             .spawn(move || {
-                let slots = crate::slots::Slots::new(MAX_CONTROL_CONNECTIONS, EVICT_IDLE);
-                let mut serial = 0u64;
                 while let Some((stream, _)) =
                     crate::accept::accept_retrying("control socket", &stop, || listener.accept())
                 {
-                    serial += 1;
                     // A client that may not manage the board is served like
                     // any other (the same slots and idle bound), with every
                     // request refused: it reads why, whenever it writes.
@@ -262,7 +259,7 @@ impl ControlServer {
                     if !permitted {
                         log::warn!("control connection of {who:?}: not allowed to manage the board");
                     }
-                    let slot = slots.admit(stream.try_clone().ok().map(Into::into));
+                    let slot = admitting.admit(stream.try_clone().ok().map(Into::into));
                     let Some(slot) = slot else {
                         let mut s = stream;
                         let busy: Result<Outcome, ControlError> = Err(ControlError::Protocol(format!(
@@ -274,19 +271,11 @@ impl ControlServer {
                     // An idle client gives its slot up after `idle`.
                     let _ = stream.set_read_timeout(Some(idle));
                     let _ = stream.set_write_timeout(Some(idle));
-                    if let Ok(c) = stream.try_clone() {
-                        lock(&open).insert(serial, c);
-                    }
-                    let done = {
-                        let open = Arc::clone(&open);
-                        move || {
-                            lock(&open).remove(&serial);
-                        }
-                    };
                     let daemon = Arc::clone(&daemon);
-                    let spawned = std::thread::Builder::new().name("control client".into()).spawn({
-                        let done = done.clone();
-                        move || {
+                    // The slot is freed when the thread ends (or, if it
+                    // cannot start, with the closure that holds it).
+                    let spawned =
+                        std::thread::Builder::new().name("control client".into()).spawn(move || {
                             let served = control::serve_connection(stream, |req| {
                                 slot.busy();
                                 let reply = if permitted {
@@ -305,16 +294,14 @@ impl ControlServer {
                             if let Err(e) = served {
                                 log::warn!("control connection dropped: {e}");
                             }
-                            done();
-                        }
-                    });
-                    if spawned.is_err() {
-                        done();
+                        });
+                    if let Err(e) = spawned {
+                        log::warn!("control socket: cannot start a connection's thread: {e}");
                     }
                 }
             })
             .map_err(|e| DaemonError::Control { path: path.clone(), source: e })?;
-        Ok(Self { path, listener_fd, stopping, clients, thread: Some(thread) })
+        Ok(Self { path, listener_fd, stopping, slots, thread: Some(thread) })
     }
 
     fn stop(&mut self) {
@@ -325,9 +312,7 @@ impl ControlServer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        for c in std::mem::take(&mut *lock(&self.clients)).into_values() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
+        self.slots.shutdown_all();
         let _ = std::fs::remove_file(&self.path);
     }
 }

@@ -28,12 +28,20 @@ pub enum ServeError {
 /// Builds the backend for each new connection.
 pub type BackendFactory = Box<dyn Fn() -> Result<VnpuBackend, BackendError> + Send>;
 
+/// Who holds an instance: nobody, or one client from its handover to the
+/// serving thread until its teardown is over (with a duplicate of its
+/// socket, to watch it hang up and shut it down, when one could be made).
+enum Holder {
+    Free,
+    Held(Option<UnixStream>),
+}
+
 /// A vNPU instance being served on its socket.
 pub struct InstanceServer {
     path: PathBuf,
     /// Set before the listener is shut down: the accept loop's end.
     stopping: Arc<AtomicBool>,
-    client: Arc<Mutex<Option<UnixStream>>>,
+    client: Arc<Mutex<Holder>>,
     /// The accepting thread, then the serving thread.
     threads: Vec<JoinHandle<()>>,
     /// Shared with the threads; its listener is shut down to stop them.
@@ -76,17 +84,16 @@ impl InstanceServer {
             .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?
             .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_REGIONS).unwrap_or(u32::MAX));
         let server = Arc::new(server);
-        let client: Arc<Mutex<Option<UnixStream>>> = Arc::default();
+        // Held from the accepting thread's handover until the serving
+        // thread's teardown is over.
+        let client = Arc::new(Mutex::new(Holder::Free));
         let current = Arc::clone(&client);
         let label = name.to_string();
         let stopping = Arc::new(AtomicBool::new(false));
-        // Set by the accepting thread when it hands a client over, cleared
-        // by the serving thread when that client is gone.
-        let busy = Arc::new(AtomicBool::new(false));
         let (handover, clients) = std::sync::mpsc::sync_channel::<UnixStream>(1);
         let kept = Arc::clone(&server);
         let serving = {
-            let (server, busy, label) = (Arc::clone(&server), Arc::clone(&busy), label.clone());
+            let (server, label) = (Arc::clone(&server), label.clone());
             let stop = Arc::clone(&stopping);
             std::thread::Builder::new().name(format!("vfio-user {name}")).spawn(move || {
                 if let Err(e) = crate::seccomp::confine_instance_thread() {
@@ -111,13 +118,9 @@ impl InstanceServer {
                         }
                         Err(e) => log::error!("{label}: cannot serve a client: {e}"),
                     }
-                    // Kept until the teardown is over: a client arriving
+                    // Held until the teardown is over: a client arriving
                     // meanwhile sees this one hung up and waits for it.
-                    // Both change under the lock the accepting thread
-                    // decides under.
-                    let mut c = lock(&current);
-                    *c = None;
-                    busy.store(false, Ordering::SeqCst);
+                    *lock(&current) = Holder::Free;
                 }
             })
         }
@@ -137,12 +140,11 @@ impl InstanceServer {
                     let t = std::time::Instant::now();
                     let free = loop {
                         let mut c = lock(&watched);
-                        if !busy.load(Ordering::SeqCst) {
-                            busy.store(true, Ordering::SeqCst);
-                            *c = stream.try_clone().ok();
+                        if matches!(*c, Holder::Free) {
+                            *c = Holder::Held(stream.try_clone().ok());
                             break true;
                         }
-                        let leaving = c.as_ref().is_some_and(hung_up);
+                        let leaving = matches!(&*c, Holder::Held(Some(s)) if hung_up(s));
                         drop(c);
                         if !leaving || t.elapsed() > TEARDOWN_WAIT {
                             break false;
@@ -177,20 +179,20 @@ impl InstanceServer {
         })
     }
 
-    /// Whether a VMM is attached now.
+    /// Whether a VMM is attached now (or its teardown is not over).
     pub fn attached(&self) -> bool {
-        lock(&self.client).is_some()
+        matches!(*lock(&self.client), Holder::Held(_))
     }
 
     /// Disconnects the client, if any, stops serving and removes the socket.
     pub fn stop(&mut self) {
         self.stopping.store(true, Ordering::SeqCst);
-        if let Some(c) = lock(&self.client).as_ref() {
+        if let Holder::Held(Some(c)) = &*lock(&self.client) {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         // SAFETY: shutdown(2) on the listening socket of the `Server` this
-        // value keeps, so the descriptor is open. It only makes the blocked accept()
-        // fail, so the threads end.
+        // value keeps, so the descriptor is open. It only makes the
+        // blocked accept() fail, so the threads end.
         unsafe { libc::shutdown(self.server.listener().as_raw_fd(), libc::SHUT_RDWR) };
         for t in self.threads.drain(..) {
             let _ = t.join();

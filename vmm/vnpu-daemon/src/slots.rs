@@ -32,6 +32,19 @@ struct Entry {
     state: Arc<State>,
 }
 
+impl Entry {
+    /// Marks the connection evicted and shuts it down: its reads and
+    /// writes fail, so its thread ends and drops its slot.
+    fn shut_down(&self) {
+        self.state.evicted.store(true, Ordering::SeqCst);
+        if let Some(fd) = &self.fd {
+            // SAFETY: shutdown(2) on the duplicate descriptor this entry
+            // owns; it only ends the connection's traffic.
+            unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+    }
+}
+
 /// The slots of one listening socket.
 #[derive(Debug)]
 pub(crate) struct Slots {
@@ -85,13 +98,7 @@ impl Slots {
                 .filter(|(since, _)| now.saturating_sub(*since) >= min_idle)
                 .min_by_key(|(since, _)| *since)
                 .map(|(_, e)| e)?;
-            victim.state.evicted.store(true, Ordering::SeqCst);
-            if let Some(fd) = &victim.fd {
-                // SAFETY: shutdown(2) on the duplicate descriptor this
-                // entry owns; it makes the connection's reads and writes
-                // fail, so its thread ends and drops its slot.
-                unsafe { libc::shutdown(fd.as_raw_fd(), libc::SHUT_RDWR) };
-            }
+            victim.shut_down();
             log::warn!(
                 "a connection idle for {} ms gave its slot up to a new one",
                 now - victim.state.idle_since.load(Ordering::SeqCst)
@@ -105,6 +112,12 @@ impl Slots {
         });
         entries.push(Entry { id: *next, fd, state: Arc::clone(&state) });
         Some(Slot { slots: Arc::clone(self), id: *next, state })
+    }
+
+    /// Shuts every admitted connection down (a stop): their threads' reads
+    /// and writes fail, so they end and drop their slots.
+    pub fn shutdown_all(&self) {
+        lock(&self.entries).1.iter().for_each(Entry::shut_down);
     }
 
     /// Connections admitted and not yet dropped (evicted ones included
