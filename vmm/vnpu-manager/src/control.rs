@@ -426,7 +426,7 @@ fn execute_on(
                 .map(|(t, s)| TypeInfo {
                     type_name: t.to_string(),
                     spec: shape_text(&s),
-                    execution_units: s.sa_per_core() + s.vu_per_core(),
+                    execution_units: s.eus(),
                     available_instances: b.room_for(&s),
                 })
                 .collect();

@@ -49,6 +49,12 @@ pub enum StoreError {
     Interference { uuid: String, source: Box<InterferenceError> },
 }
 
+/// `u` as a UUID in its canonical form (lower-case, hyphenated), or `None`
+/// when it is not a UUID.
+fn canonical_uuid(u: &str) -> Option<String> {
+    uuid::Uuid::parse_str(u).ok().map(|u| u.to_string())
+}
+
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct StateFile {
     version: u32,
@@ -94,7 +100,7 @@ impl Store {
                     .map_err(|source| StoreError::Corrupt { path: path.display().to_string(), source })?;
                 let mut seen = std::collections::HashSet::new();
                 for i in &s.instances {
-                    let canonical = uuid::Uuid::parse_str(&i.uuid).is_ok_and(|u| u.to_string() == i.uuid);
+                    let canonical = canonical_uuid(&i.uuid).is_some_and(|u| u == i.uuid);
                     if !canonical || !seen.insert(i.uuid.as_str()) {
                         return Err(StoreError::StateUuid {
                             path: path.display().to_string(),
@@ -232,7 +238,7 @@ impl Store {
 
     fn new_uuid(&self, uuid: Option<&str>) -> Result<String, StoreError> {
         let u = match uuid {
-            Some(u) => uuid::Uuid::parse_str(u).map_err(|_| StoreError::BadUuid(u.into()))?.to_string(),
+            Some(u) => canonical_uuid(u).ok_or_else(|| StoreError::BadUuid(u.into()))?,
             None => uuid::Uuid::new_v4().to_string(),
         };
         if self.instances.iter().any(|i| i.uuid == u) {

@@ -125,13 +125,13 @@ fn run(
         while leaving.last().is_some_and(|l| l.0 <= now) {
             if let Some((_, b, c, k)) = leaving.pop() {
                 bs[b].release(&taken(policy, &reqs[k], cfg), &[c as u32]);
-                eus -= u64::from(reqs[k].sa_per_core() + reqs[k].vu_per_core());
+                eus -= u64::from(reqs[k].eus());
                 sram -= reqs[k].sram_per_core();
             }
         }
         match spot(policy, &bs, s) {
             Some((b, c)) => {
-                eus += u64::from(s.sa_per_core() + s.vu_per_core());
+                eus += u64::from(s.eus());
                 sram += s.sram_per_core();
                 bs[b].occupy(&taken(policy, s, cfg), &[c as u32]);
                 if let Some(l) = lifetimes {
@@ -207,7 +207,7 @@ fn main() -> ExitCode {
     }
     let mut r = Rng(seed.max(1) * 0x9e37_79b9_7f4a_7c15);
     let reqs: Vec<Shape> = (0..n).map(|_| request(&mut r)).collect();
-    let demand: u64 = reqs.iter().map(|s| u64::from(s.sa_per_core() + s.vu_per_core())).sum();
+    let demand: u64 = reqs.iter().map(|s| u64::from(s.eus())).sum();
     let cluster_eus =
         boards as f64 * f64::from(cfg.chips * cfg.cores_per_chip * (cfg.core.sa_count + cfg.core.vu_count));
     // By default each vNPU stays as long as it takes for the arrivals to
