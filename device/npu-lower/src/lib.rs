@@ -110,9 +110,15 @@ const GROUP_TILES: u32 = 32;
 /// Most engines of one kind a lowered program spreads work over.
 pub const MAX_ENGINES: u32 = 8;
 const F: u64 = 4;
+/// With weights streamed ([`LowerOptions::stream_weights`]), each column
+/// block of a weight chunk loads in at most this many pieces.
+const STREAM_PIECES: u32 = 4;
 
 enum Stage {
     Sa(Vec<Instr>),
+    /// SA work split by the weight piece it reads: the engine waits for
+    /// piece `p` to land before running its code (weights streamed).
+    SaPieces(Vec<(usize, Vec<Instr>)>),
     Vu(Vec<Instr>),
 }
 
@@ -139,6 +145,9 @@ struct Tile {
 struct Lane {
     stages: Vec<Stage>,
     store: Vec<Instr>,
+    /// The lane's first (SA) stage split by weight piece, for a tile that
+    /// starts before all weights have landed (empty: not splittable).
+    split: Vec<(usize, Vec<Instr>)>,
 }
 
 /// Per lane of a tile: the semaphore its last engine signals the DMA
@@ -158,7 +167,7 @@ struct Held {
 
 impl Tile {
     fn single(load: Vec<Instr>, stages: Vec<Stage>, store: Vec<Instr>) -> Self {
-        Tile { load, prep: vec![], lanes: vec![Lane { stages, store }] }
+        Tile { load, prep: vec![], lanes: vec![Lane { stages, store, split: vec![] }] }
     }
 }
 
@@ -222,6 +231,8 @@ struct Lowerer {
     dtype: DType,
     /// Bytes per element of each tensor in HBM.
     esize: Vec<u64>,
+    /// Weights streamed within an operation ([`LowerOptions::stream_weights`]).
+    stream: bool,
 }
 
 fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
@@ -444,15 +455,49 @@ impl Lowerer {
         preload: Vec<Instr>,
         slots: u32,
         n: usize,
+        tile: impl FnMut(usize, u32) -> Tile,
+    ) -> Result<(), LowerError> {
+        self.pipeline_pieces(layout, preload, vec![], slots, n, tile)
+    }
+
+    /// [`Lowerer::pipeline`] whose preload ends with weight `pieces`. When
+    /// the preload cannot overlap the previous pipeline and weights are
+    /// streamed, the first tile of each SA (its "wave": tiles on distinct
+    /// SAs) loads before the pieces and runs its lanes' `split` SA code
+    /// piece by piece, each part as soon as its piece has landed, while the
+    /// rest load. Otherwise the pieces are part of the preload.
+    fn pipeline_pieces(
+        &mut self,
+        layout: Layout,
+        preload: Vec<Instr>,
+        pieces: Vec<Vec<Instr>>,
+        slots: u32,
+        n: usize,
         mut tile: impl FnMut(usize, u32) -> Tile,
     ) -> Result<(), LowerError> {
-        if preload.is_empty() || self.live.iter().any(|r| overlaps(*r, layout.preload())) {
+        let nothing = preload.is_empty() && pieces.is_empty();
+        // Hoisted: the preload runs while the previous pipeline finishes
+        // (with no previous pipeline, it overlaps nothing).
+        let hoist = !nothing
+            && !self.deferred.is_empty()
+            && !self.live.iter().any(|r| overlaps(*r, layout.preload()));
+        if !hoist {
             self.flush();
         }
         for i in preload {
             self.b.push(Engine::DMA, i);
         }
+        let mut pieces = Some(pieces);
+        if hoist || !self.stream || pieces.as_ref().is_some_and(|p| p.len() < 2) {
+            for i in pieces.take().into_iter().flatten().flatten() {
+                self.b.push(Engine::DMA, i);
+            }
+        }
         self.flush();
+        // Streamed: the tiles before `wave` start on the first piece;
+        // `waiting[p]` are the SAs to signal once piece `p` has landed.
+        let mut wave = 0;
+        let mut waiting: Vec<Vec<Engine>> = Vec::new();
         // Stores not yet emitted, with their tile's index.
         let mut pending: VecDeque<(usize, Posts)> = VecDeque::new();
         // The lanes of the last tile, held back while the next tile's prep
@@ -460,7 +505,32 @@ impl Lowerer {
         let mut held: Option<Held> = None;
         for t in 0..n {
             let slot = (t as u32) % slots;
-            let tl = tile(t, slot);
+            let mut tl = tile(t, slot);
+            let n_lanes = tl.lanes.len();
+            if t == 0 && pieces.is_some() {
+                let groups = (self.shape.sa as usize / n_lanes.max(1)).max(1);
+                wave = n.min(slots as usize).min(groups);
+                waiting = vec![Vec::new(); pieces.as_ref().map_or(0, Vec::len)];
+            }
+            if t < wave {
+                for (li, lane) in tl.lanes.iter_mut().enumerate() {
+                    let split = std::mem::take(&mut lane.split);
+                    let Some(first) = lane.stages.first_mut() else { continue };
+                    if split.is_empty()
+                        || !matches!(first, Stage::Sa(_))
+                        || split.iter().any(|(p, _)| *p >= waiting.len())
+                    {
+                        continue;
+                    }
+                    let engine = self.lane_engine(slot, n_lanes, li, first);
+                    for (p, _) in &split {
+                        if let Some(w) = waiting.get_mut(*p) {
+                            w.push(engine);
+                        }
+                    }
+                    *first = Stage::SaPieces(split);
+                }
+            }
             // Slot `slot` is free once the tile `slots` before this one is
             // stored.
             while pending.front().is_some_and(|(i, _)| i + slots as usize <= t) {
@@ -502,7 +572,11 @@ impl Lowerer {
                 let posts = self.lanes(slot, n_lanes as usize, start, lanes)?;
                 pending.push_back((t, posts));
             }
+            if t + 1 == wave {
+                self.land(pieces.take().unwrap_or_default(), &waiting)?;
+            }
         }
+        self.land(pieces.take().unwrap_or_default(), &waiting)?;
         if let Some(h) = held.take() {
             let posts = self.lanes(h.slot, h.n_lanes, h.start, h.lanes)?;
             pending.push_back((h.tile, posts));
@@ -513,12 +587,27 @@ impl Lowerer {
         Ok(())
     }
 
+    /// The DMA engine loads each weight piece and then signals every SA
+    /// whose streamed stage waits for it (`waiting[p]`).
+    fn land(&mut self, pieces: Vec<Vec<Instr>>, waiting: &[Vec<Engine>]) -> Result<(), LowerError> {
+        for (p, copies) in pieces.into_iter().enumerate() {
+            for i in copies {
+                self.b.push(Engine::DMA, i);
+            }
+            for &e in waiting.get(p).map_or(&[][..], Vec::as_slice) {
+                let sem = self.chan(Engine::DMA, e)?;
+                self.b.push(Engine::DMA, Instr::Signal { sem });
+            }
+        }
+        Ok(())
+    }
+
     /// The engine that runs stage `st` of lane `lane` of a tile of
     /// `n_lanes` lanes in slot `slot` (see [`Tile`]).
     fn lane_engine(&self, slot: u32, n_lanes: usize, lane: usize, st: &Stage) -> Engine {
         let e = if n_lanes > 1 { slot * n_lanes as u32 + lane as u32 } else { slot };
         match st {
-            Stage::Sa(_) => Engine::sa((e % self.shape.sa) as u8),
+            Stage::Sa(_) | Stage::SaPieces(_) => Engine::sa((e % self.shape.sa) as u8),
             Stage::Vu(_) => Engine::vu((e % self.shape.vu) as u8),
         }
     }
@@ -568,8 +657,9 @@ impl Lowerer {
             let mut prev = start;
             for st in l.stages {
                 let engine = self.lane_engine(slot, n_lanes, lane, &st);
-                let code = match st {
-                    Stage::Sa(c) | Stage::Vu(c) => c,
+                let parts = match st {
+                    Stage::Sa(c) | Stage::Vu(c) => vec![(None, c)],
+                    Stage::SaPieces(parts) => parts.into_iter().map(|(p, c)| (Some(p), c)).collect(),
                 };
                 // One engine's stream is in order: no token needed.
                 if let (Some(sem), true) = (started.take(), prev == start) {
@@ -579,8 +669,15 @@ impl Lowerer {
                     self.b.push(prev, Instr::Signal { sem });
                     self.b.push(engine, Instr::Wait { sem });
                 }
-                for i in code {
-                    self.b.push(engine, i);
+                for (piece, code) in parts {
+                    if piece.is_some() {
+                        // Its piece has landed ([`Lowerer::land`]).
+                        let sem = self.chan(Engine::DMA, engine)?;
+                        self.b.push(engine, Instr::Wait { sem });
+                    }
+                    for i in code {
+                        self.b.push(engine, i);
+                    }
                 }
                 prev = engine;
             }
@@ -737,6 +834,46 @@ impl Lowerer {
             .collect()
     }
 
+    /// [`Lowerer::load_weights`] in pieces, for weights streamed: each
+    /// block in at most [`STREAM_PIECES`] column ranges of whole SA folds,
+    /// ordered piece by piece across the blocks (so every block's lane can
+    /// start on its first piece). Each: block index, first column within
+    /// the block, columns, and the copy.
+    fn weight_pieces(
+        &self,
+        w: TensorId,
+        krows: u64,
+        n: u32,
+        n0: u32,
+        blocks: &[Block],
+        dst: u64,
+    ) -> Vec<(usize, u32, u32, Instr)> {
+        let e = self.esize[w];
+        let sc = self.shape.sa_cols.max(1);
+        let per: Vec<u32> =
+            blocks.iter().map(|bl| bl.cols.div_ceil(sc).div_ceil(STREAM_PIECES).max(1) * sc).collect();
+        let mut out = Vec::new();
+        for j in 0..STREAM_PIECES {
+            for (bi, bl) in blocks.iter().enumerate() {
+                let pc0 = j * per[bi];
+                if pc0 >= bl.cols {
+                    continue;
+                }
+                let pw = per[bi].min(bl.cols - pc0);
+                let copy = copy(
+                    self.addr(w, u64::from(n0 + bl.c0 + pc0)),
+                    Addr::sram(dst + krows * u64::from(bl.c0) * e + u64::from(pc0) * e),
+                    krows,
+                    u64::from(pw) * e,
+                    u64::from(n) * e,
+                    u64::from(bl.cols) * e,
+                );
+                out.push((bi, pc0, pw, copy));
+            }
+        }
+        out
+    }
+
     /// Column chunk of weights (`esize` bytes per element) that fits half
     /// the SRAM with its bias.
     fn weight_chunk(&self, k: u64, n: u32, esize: u64) -> u32 {
@@ -783,14 +920,24 @@ impl Lowerer {
             let tiles = rows.div_ceil(rt) as usize;
             let layout = self.bank(fixed, u64::from(slots.min(tiles as u32)) * slot_bytes);
             let (w_s, b_s) = (layout.wbase, layout.wbase + wbytes);
-            let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
-            preload.push(copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0));
+            let bias = copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0);
+            // Streamed: the bias first, then the weights piece by piece.
+            let (preload, parts, pieces) = if self.stream {
+                let parts = self.weight_pieces(w, k.into(), n, n0, &blocks, w_s);
+                let pieces = parts.iter().map(|p| vec![p.3]).collect();
+                (vec![bias], parts, pieces)
+            } else {
+                let mut preload = self.load_weights(w, k.into(), n, n0, &blocks, w_s);
+                preload.push(bias);
+                (preload, vec![], vec![])
+            };
+            let stream_tiles = if self.stream { self.shape.sa as usize } else { 0 };
             let at = self.elem_addr();
             let dtype = self.dtype;
             let (xe, ye) = (self.esize[x.t], self.esize[y.t]);
             // A bf16 input is the SA's operand as loaded.
             let prep = |inb: u64, len: u64| if xe == 2 { vec![] } else { to_sa_type(dtype, &[(inb, len)]) };
-            self.pipeline(layout, preload, slots, tiles, |t, slot| {
+            self.pipeline_pieces(layout, preload, pieces, slots, tiles, |t, slot| {
                 let m0 = t as u32 * rt;
                 let r = rt.min(rows - m0);
                 let base = layout.sbase + u64::from(slot) * slot_bytes;
@@ -798,9 +945,36 @@ impl Lowerer {
                 let tmpb = outb + u64::from(r) * u64::from(nt) * F;
                 let lanes = blocks
                     .iter()
-                    .map(|bl| {
+                    .enumerate()
+                    .map(|(bi, bl)| {
                         // Block `bl` of the output: `r x cols`, contiguous.
                         let off = u64::from(r) * u64::from(bl.c0) * F;
+                        let wb = w_s + u64::from(k) * u64::from(bl.c0) * we;
+                        let mm = |c0: u32, cols: u32| Instr::MatMul {
+                            dtype,
+                            flags: MatFlags::default(),
+                            a: inb,
+                            b: wb + u64::from(c0) * we,
+                            c: outb + off + u64::from(c0) * F,
+                            m: r,
+                            k,
+                            n: cols,
+                            lda: k,
+                            ldb: bl.cols,
+                            ldc: bl.cols,
+                        };
+                        // Columns are independent: the parts compute
+                        // exactly what the whole product does.
+                        let split = if t < stream_tiles {
+                            parts
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, part)| part.0 == bi)
+                                .map(|(p, part)| (p, vec![mm(part.1, part.2)]))
+                                .collect()
+                        } else {
+                            vec![]
+                        };
                         let mut post = bias_act(
                             outb + off,
                             Some(b_s + u64::from(bl.c0) * F),
@@ -811,22 +985,8 @@ impl Lowerer {
                         );
                         post.extend(narrow(ye, outb + off, u64::from(r) * u64::from(bl.cols)));
                         Lane {
-                            stages: vec![
-                                Stage::Sa(vec![Instr::MatMul {
-                                    dtype,
-                                    flags: MatFlags::default(),
-                                    a: inb,
-                                    b: w_s + u64::from(k) * u64::from(bl.c0) * we,
-                                    c: outb + off,
-                                    m: r,
-                                    k,
-                                    n: bl.cols,
-                                    lda: k,
-                                    ldb: bl.cols,
-                                    ldc: bl.cols,
-                                }]),
-                                Stage::Vu(post),
-                            ],
+                            stages: vec![Stage::Sa(vec![mm(0, bl.cols)]), Stage::Vu(post)],
+                            split,
                             store: vec![copy(
                                 Addr::sram(outb + off),
                                 at(y.t, u64::from(m0) * u64::from(y.ld) + u64::from(y.col + n0 + bl.c0)),
@@ -1027,6 +1187,9 @@ impl Lowerer {
                         };
                         Lane {
                             stages,
+                            // Conv2d has no weight leading dimension to
+                            // split by columns: not streamed.
+                            split: vec![],
                             store: vec![copy(
                                 Addr::sram(ob),
                                 at(y, dst_e + u64::from(bl.c0)),
@@ -2286,11 +2449,23 @@ pub struct LowerOptions {
     /// their operands ([`fuse_residual_adds`]; whole graphs only, not an
     /// operator-level range).
     pub fuse_residual: bool,
+    /// Weights streamed within an operation: when a product's weights
+    /// cannot load while the previous operation runs, the first tile on
+    /// each SA starts on the first columns while the rest load (products
+    /// only: a convolution's weights have no leading dimension to split).
+    /// Off: every tile waits for the whole weight chunk.
+    pub stream_weights: bool,
 }
 
 impl Default for LowerOptions {
     fn default() -> Self {
-        Self { dtype: DType::F32, reuse_hbm: false, bf16_activations: false, fuse_residual: false }
+        Self {
+            dtype: DType::F32,
+            reuse_hbm: false,
+            bf16_activations: false,
+            fuse_residual: false,
+            stream_weights: false,
+        }
     }
 }
 
@@ -2422,6 +2597,7 @@ pub fn lower_ops_keeping(
         live: Vec::new(),
         dtype,
         esize: placed.iter().map(|p| p.dtype.size()).collect(),
+        stream: options.stream_weights,
     };
     for op in graph.ops.get(ops).unwrap_or_default() {
         l.op(op)?;

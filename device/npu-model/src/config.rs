@@ -95,6 +95,10 @@ pub struct LoweringConfig {
     /// Intermediate tensors share HBM by liveness (`--reuse-hbm`).
     #[serde(default)]
     pub reuse_hbm: bool,
+    /// A product's weights streamed within the operation: its first tiles
+    /// start on the first columns while the rest load (`--stream-weights`).
+    #[serde(default)]
+    pub stream_weights: bool,
 }
 
 impl LoweringConfig {

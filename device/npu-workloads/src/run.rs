@@ -44,6 +44,9 @@ pub struct RunOptions {
     /// Residual adds fused into the convolution producing an operand
     /// (`npu_lower::LowerOptions::fuse_residual`).
     pub fuse_residual: bool,
+    /// A product's weights streamed within the operation
+    /// (`npu_lower::LowerOptions::stream_weights`).
+    pub stream_weights: bool,
 }
 
 impl RunOptions {
@@ -64,6 +67,7 @@ impl RunOptions {
             reuse_hbm: false,
             bf16_activations: false,
             fuse_residual: false,
+            stream_weights: false,
         }
     }
 }
@@ -82,6 +86,7 @@ impl RunOptions {
             bf16_activations: l.bf16_activations(),
             fuse_residual: l.fuse_residual,
             reuse_hbm: l.reuse_hbm,
+            stream_weights: l.stream_weights,
             ..Self::timing(workload, batch)
         }
     }
@@ -239,6 +244,7 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
         reuse_hbm: o.reuse_hbm,
         bf16_activations: o.bf16_activations,
         fuse_residual: o.fuse_residual,
+        stream_weights: o.stream_weights,
     };
     let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;

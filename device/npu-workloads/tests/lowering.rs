@@ -44,6 +44,7 @@ fn read_tensor(hbm: &LazyHbm, p: &Placed) -> Vec<f32> {
 /// the simulated cycles.
 fn run_lowered(l: &Lowered, sa: u32, vu: u32, sram: u64) -> (LazyHbm, Vec<Vec<f32>>, f64) {
     verify(&l.program, &VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![] }).unwrap();
+    assert_race_free(&l.program, &format!("{sa} SA, {vu} VU, {sram} B"));
     let mut hbm = LazyHbm::new(1 << 30);
     init_hbm(l, &mut hbm, 7).unwrap();
     let before: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
@@ -1191,5 +1192,219 @@ fn residual_adds_fused_into_convolutions_change_no_result() {
         reference::run(&f, &mut tensors);
         compare(&f, &l.tensors, &hbm, &tensors, &format!("fused, {sa} SA, {vu} VU, {sram} B"));
         check_bf16_activations(&f, sa, vu, sram);
+    }
+}
+
+/// One product whose weights dominate: nothing runs before it, so its
+/// weights' load is exposed unless it is streamed.
+fn weight_bound_product(batch: u32) -> Graph {
+    let mut g = Graph::new("weight-bound-product", batch);
+    let x = g.tensor("input", u64::from(batch * 384), Init::Input);
+    g.input = x;
+    let y = g.linear("fc1", View::dense(x, 384), batch, 384, 200, Act::Relu, None);
+    g.output = g.linear("fc2", y, batch, 200, 72, Act::None, None).t;
+    g
+}
+
+/// Weights streamed within an operation (`LowerOptions::stream_weights`):
+/// the streamed program computes bit for bit what the program that waits
+/// for whole weight chunks computes, and what the reference computes,
+/// with f32 and bf16 operands, on shapes with one lane, several lanes and
+/// several weight chunks; some SA starts a part of a product after a
+/// wait for its piece; and a product whose weight load nothing else
+/// hides finishes sooner.
+#[test]
+fn streamed_weights_change_no_result_and_start_products_early() {
+    let graphs = [weight_bound_product(8), wide_products(2), mini_encoder(2)];
+    for g in &graphs {
+        let mut started = 0;
+        for (sa, vu, sram) in [(1, 1, 1 << 20), (4, 2, 4 << 20), (3, 1, 160 << 10), (2, 3, 2 << 20)] {
+            for dtype in [DType::F32, DType::Bf16] {
+                let shape =
+                    VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+                let lowered = |stream_weights| {
+                    let o = npu_lower::LowerOptions { dtype, stream_weights, ..Default::default() };
+                    npu_lower::lower_ops_with(g, 0..g.ops.len(), shape, o).unwrap()
+                };
+                let what = format!("{} on {sa} SA, {vu} VU, {sram} B SRAM, {dtype:?}", g.name);
+                let (whole, streamed) = (lowered(false), lowered(true));
+                let (hbm_w, _, cycles_w) = run_lowered(&whole, sa, vu, sram);
+                let (hbm_s, mut tensors, cycles_s) = run_lowered(&streamed, sa, vu, sram);
+                for (i, p) in streamed.tensors.iter().enumerate() {
+                    let (a, b) = (read_tensor(&hbm_s, p), read_tensor(&hbm_w, p));
+                    let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{what}: tensor `{}` differs when streamed", g.tensors[i].name);
+                }
+                reference::run_as(g, &mut tensors, dtype);
+                compare(g, &streamed.tensors, &hbm_s, &tensors, &what);
+                // A part of a product: fewer columns than its leading
+                // dimension, right after a wait.
+                let parts = (0..sa).any(|i| {
+                    let code = &streamed.program.stream(Engine::sa(i as u8)).unwrap().code;
+                    code.windows(2)
+                        .any(|w| matches!(w, [Instr::Wait { .. }, Instr::MatMul { n, ldb, .. }] if n < ldb))
+                });
+                started += usize::from(parts);
+                if g.name == "weight-bound-product" {
+                    assert!(cycles_s < cycles_w, "{what}: streamed {cycles_s} cycles, whole {cycles_w}");
+                }
+            }
+        }
+        // wide-products' products follow a convolution: their weights
+        // load while it runs (hoisted), so nothing is streamed there.
+        if g.name != "wide-products" {
+            assert!(started >= 4, "{}: {started} cases started a product on a piece of its weights", g.name);
+        }
+    }
+}
+
+/// A set of byte rows in one memory space: `rows` rows of `len` bytes,
+/// `stride` apart, from `start`.
+#[derive(Clone, Copy, Debug)]
+struct Rows {
+    space: Space,
+    start: u64,
+    rows: u64,
+    len: u64,
+    stride: u64,
+    write: bool,
+}
+
+impl Rows {
+    fn end(&self) -> u64 {
+        self.start + self.rows.saturating_sub(1) * self.stride + self.len
+    }
+
+    /// Whether some byte is in both sets (exact for strided rows).
+    fn meets(&self, o: &Rows) -> bool {
+        if self.space != o.space || self.len == 0 || o.len == 0 {
+            return false;
+        }
+        if self.start >= o.end() || o.start >= self.end() {
+            return false;
+        }
+        let (a, b) = if self.rows <= o.rows { (self, o) } else { (o, self) };
+        (0..a.rows).any(|r| {
+            let x = i128::from(a.start + r * a.stride);
+            let (s, st, l, x1) =
+                (i128::from(b.start), i128::from(b.stride), i128::from(b.len), x + i128::from(a.len));
+            if b.rows == 1 || st == 0 {
+                return s < x1 && s + l > x;
+            }
+            // Rows i of `b` with s + i st < x1 and s + i st + l > x.
+            let hi = (x1 - s - 1).div_euclid(st).min(i128::from(b.rows) - 1);
+            let lo = (x - l - s).div_euclid(st) + 1;
+            lo.max(0) <= hi
+        })
+    }
+}
+
+/// The byte rows `i` reads and writes: exact rows for copies and
+/// products, the verifier's bounding ranges for the rest.
+fn accesses(i: &Instr) -> Vec<Rows> {
+    let rows = |space, start, rows: u64, len: u64, stride: u64, write| Rows {
+        space,
+        start,
+        rows,
+        len,
+        stride,
+        write,
+    };
+    match *i {
+        Instr::DmaCopy { src, dst, rows: r, row_bytes, src_stride, dst_stride } => {
+            let (r, b) = (u64::from(r), u64::from(row_bytes));
+            let src_rows = if src_stride == 0 { r.min(1) } else { r };
+            vec![
+                rows(src.space, src.offset, src_rows, b, src_stride, false),
+                rows(dst.space, dst.offset, r, b, dst_stride, true),
+            ]
+        }
+        Instr::MatMul { dtype, flags, a, b, c, m, k, n, lda, ldb, ldc } => {
+            let s = dtype.size();
+            let (m, k, n) = (u64::from(m), u64::from(k), u64::from(n));
+            let (br, bc) = if flags.transpose_b { (n, k) } else { (k, n) };
+            vec![
+                rows(Space::Sram, a, m, k * s, u64::from(lda) * s, false),
+                rows(Space::Sram, b, br, bc * s, u64::from(ldb) * s, false),
+                rows(Space::Sram, c, m, n * 4, u64::from(ldc) * 4, true),
+            ]
+        }
+        _ => i
+            .footprint()
+            .unwrap()
+            .iter()
+            .map(|a| rows(a.space, a.start, 1, a.len, 0, a.kind == vnpu_abi::AccessKind::Write))
+            .collect(),
+    }
+}
+
+/// Every two instructions of different streams that touch a common byte,
+/// one of them writing it, are ordered by the program's signals and waits
+/// (the model applies an instruction when it starts, so a missing wait
+/// would not change its results: this finds it). Each semaphore must have
+/// one signalling and one waiting stream, as the lowering's channels do.
+fn assert_race_free(p: &vnpu_abi::Program, what: &str) {
+    let n = p.streams.len();
+    let mut vc = vec![vec![0u32; n]; n];
+    let mut pc = vec![0usize; n];
+    let mut signals: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 256];
+    let mut consumed = vec![0usize; 256];
+    let mut ends: Vec<(Option<usize>, Option<usize>)> = vec![(None, None); 256];
+    // (stream, clock, accesses) of every memory instruction.
+    let mut done: Vec<(usize, Vec<u32>, Vec<Rows>)> = Vec::new();
+    loop {
+        let mut progress = false;
+        for s in 0..n {
+            while let Some(i) = p.streams[s].code.get(pc[s]) {
+                match *i {
+                    Instr::Wait { sem } => {
+                        let e = &mut ends[usize::from(sem)].1;
+                        assert!(e.is_none_or(|w| w == s), "{what}: semaphore {sem} has two waiting streams");
+                        *e = Some(s);
+                        let Some(c) = signals[usize::from(sem)].get(consumed[usize::from(sem)]) else {
+                            break;
+                        };
+                        vc[s] = vc[s].iter().zip(c).map(|(a, b)| *a.max(b)).collect();
+                        consumed[usize::from(sem)] += 1;
+                    }
+                    Instr::Signal { sem } => {
+                        let e = &mut ends[usize::from(sem)].0;
+                        assert!(
+                            e.is_none_or(|w| w == s),
+                            "{what}: semaphore {sem} has two signalling streams"
+                        );
+                        *e = Some(s);
+                        vc[s][s] += 1;
+                        signals[usize::from(sem)].push(vc[s].clone());
+                    }
+                    Instr::Halt => {}
+                    _ => {
+                        vc[s][s] += 1;
+                        done.push((s, vc[s].clone(), accesses(i)));
+                    }
+                }
+                pc[s] += 1;
+                progress = true;
+            }
+        }
+        if !progress {
+            break;
+        }
+    }
+    for (s, (at, stream)) in pc.iter().zip(&p.streams).enumerate() {
+        assert_eq!(*at, stream.code.len(), "{what}: stream {s} never finishes");
+    }
+    for (x, (s1, c1, a1)) in done.iter().enumerate() {
+        for (s2, c2, a2) in &done[x + 1..] {
+            if s1 == s2 || c1[*s1] <= c2[*s1] || c2[*s2] <= c1[*s2] {
+                continue;
+            }
+            let hit = a1.iter().any(|a| a2.iter().any(|b| (a.write || b.write) && a.meets(b)));
+            assert!(
+                !hit,
+                "{what}: unordered accesses: stream {s1} at {} and stream {s2} at {}",
+                c1[*s1], c2[*s2]
+            );
+        }
     }
 }

@@ -401,6 +401,14 @@ struct VnpuArgs {
     /// `--reuse-hbm=false` turns it off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     reuse_hbm: Option<bool>,
+    /// Stream a product's weights within the operation: when they cannot
+    /// load while the previous operation runs, the first tile on each SA
+    /// starts on the first columns while the rest load, as XLA's pipelined
+    /// TPU kernels do (convolutions are not split). Default: the board's
+    /// `lowering.stream_weights` (off on the built-in board);
+    /// `--stream-weights=false` turns it off.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    stream_weights: Option<bool>,
 }
 
 impl VnpuArgs {
@@ -438,6 +446,7 @@ impl VnpuArgs {
             bf16_activations,
             reuse_hbm: self.reuse_hbm.unwrap_or(d.reuse_hbm),
             fuse_residual: self.fuse_residual.unwrap_or(d.fuse_residual),
+            stream_weights: self.stream_weights.unwrap_or(d.stream_weights),
             ..d
         };
         Ok((b, o))

@@ -93,6 +93,7 @@ impl Tasks {
             bf16_activations: l.bf16_activations(),
             reuse_hbm: l.reuse_hbm,
             fuse_residual: false,
+            stream_weights: l.stream_weights,
         };
         let mut t = Self {
             graph,
