@@ -13,3 +13,7 @@ cargo clippy -p vnpu-driver --features std --all-targets --locked -- -D warnings
 cargo test --workspace --locked
 bash scripts/fuzz-smoke.sh
 bash scripts/nested-test.sh
+# QEMU 10.2.2's own vfio-user client against the daemon (docs/vfio-user.md):
+# built from Debian's source package once per machine (about 3 minutes),
+# then the same Debian guest in it (about 6 seconds).
+QEMU=$(bash scripts/build-qemu.sh) bash scripts/qemu-interop.sh
