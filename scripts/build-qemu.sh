@@ -86,7 +86,18 @@ sed -i 's/^\( *\)unpack_edk2_blobs = bzip2.found()/\1unpack_edk2_blobs = false/'
 grep -q "unpack_edk2_blobs = false" "$src/meson.build" || { log "meson.build: no edk2 step to turn off"; exit 1; }
 sed -i "s/^subdir('dtb')/# subdir('dtb')  (build-qemu.sh: no prebuilt dtbs in +ds)/" "$src/pc-bios/meson.build"
 
-# 5. Configure and build the one binary.
+# 5. One QEMU bug patched: unplugging any vfio-user-pci device with MSI-X
+# (device_del) aborts QEMU 10.2.2 in vfio_user_pci_finalize ->
+# vfio_user_msix_teardown -> memory_region_del_subregion, "Assertion
+# `subregion->container == mr' failed": by finalize the PBA region is no
+# longer in the BAR it was added to (the PCI core removed the BARs at
+# unrealize), as reported on qemu-devel (Akihiko Odaki, 2025-10-10). The
+# removal is made conditional on the region still being there.
+pci_c=$src/hw/vfio-user/pci.c
+grep -q '^    memory_region_del_subregion(mr, sub);$' "$pci_c" || { log "$pci_c: the teardown to patch is not there"; exit 1; }
+sed -i 's/^    memory_region_del_subregion(mr, sub);$/    if (sub->container == mr) {\n        memory_region_del_subregion(mr, sub);\n    }/' "$pci_c"
+
+# 6. Configure and build the one binary.
 log "configure"
 mkdir -p "$src/build"
 (

@@ -215,6 +215,12 @@ enum Command {
         /// or no filter at all.
         #[arg(long, value_enum, default_value_t = vnpu_daemon::seccomp::Mode::Errno)]
         seccomp: vnpu_daemon::seccomp::Mode,
+        /// When `vnpu stop` stops an instance a VMM is attached to, the
+        /// daemon raises the device's request interrupt (QEMU then unplugs
+        /// it from its guest) and cuts the VMM off if it has not let go
+        /// after this many milliseconds (0: at once, no request).
+        #[arg(long, value_name = "MS", default_value_t = 10_000)]
+        release_timeout_ms: u64,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -666,7 +672,15 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             return Ok(profile::run(&b, o, slo_ms, json)?);
         }
         Command::Scenario { file } => return Ok(scenario::run(&file)?),
-        Command::Daemon { manage, poll_us, metrics, control_idle_ms, control_group, seccomp } => {
+        Command::Daemon {
+            manage,
+            poll_us,
+            metrics,
+            control_idle_ms,
+            control_group,
+            seccomp,
+            release_timeout_ms,
+        } => {
             let control_group = match control_group {
                 Some(name) => Some(vnpu_daemon::peer::group_id(&name).ok_or_else(|| {
                     CliError::Usage(format!("--control-group {name}: no such group on this host"))
@@ -687,6 +701,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 metrics,
                 control_idle: std::time::Duration::from_millis(control_idle_ms),
                 control_group,
+                release_timeout: std::time::Duration::from_millis(release_timeout_ms),
             };
             vnpu_daemon::stop_on_signals();
             vnpu_daemon::seccomp::install(seccomp)?;

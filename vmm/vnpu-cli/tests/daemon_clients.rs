@@ -440,3 +440,90 @@ fn a_bystander_vm_is_correct_while_every_client_attack_runs() {
     assert!(terminate(d).success(), "{said}");
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// `vnpu stop` of an instance a client is attached to asks that client to
+/// let go first (the device-request interrupt, index 4, which QEMU answers
+/// by unplugging the device from its guest): a client that lets go ends
+/// the instance at once, one that ignores the request is cut off at
+/// `--release-timeout-ms`, and one that gave no request trigger is cut off
+/// at once. The daemon used to cut every client off at once.
+#[test]
+fn a_stopped_instance_asks_its_client_to_release_the_device() {
+    use std::os::fd::AsRawFd;
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-release-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let sockets = state.join("sockets");
+    let uuids: Vec<String> =
+        (0..3).map(|_| vnpu(&state, &["create", "--type", "small"]).trim().to_string()).collect();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+    cmd.args(["daemon", "--release-timeout-ms", "2000"]);
+    let (d, _) = start(cmd, &state, &sockets);
+    let sock = |u: &str| sockets.join(format!("{u}.sock"));
+    for u in &uuids {
+        wait_for("the instance's socket", || sock(u).exists());
+    }
+    const REQ: u32 = 4;
+    const TRIGGER_EVENTFD: u32 = 32 | 4;
+    let attach = |u: &str, trigger: bool| {
+        let mut c = Client::new(&sock(u)).unwrap();
+        let info = c.get_irq_info(REQ).unwrap();
+        assert_eq!(info.count, 1, "the request index has one vector");
+        // SAFETY: eventfd(2) has no memory effects; it returns a fresh
+        // descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK) };
+        assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+        // SAFETY: `fd` is that fresh descriptor, which the File then owns.
+        let efd = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        if trigger {
+            c.set_irqs(REQ, TRIGGER_EVENTFD, 0, 1, &[efd.as_raw_fd()]).unwrap();
+        }
+        (c, efd)
+    };
+    let raised = |mut efd: &std::fs::File| {
+        use std::io::Read;
+        let t = Instant::now();
+        loop {
+            let mut n = [0u8; 8];
+            if efd.read_exact(&mut n).is_ok() {
+                return (u64::from_ne_bytes(n), t.elapsed());
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no device request{}", daemon_said(&state));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    };
+
+    // Lets go when asked: the instance ends then, well before its deadline.
+    let (c, efd) = attach(&uuids[0], true);
+    vnpu(&state, &["stop", &uuids[0]]);
+    let (n, _) = raised(&efd);
+    assert_eq!(n, 1);
+    assert!(sock(&uuids[0]).exists(), "cut off before it could let go");
+    drop(c);
+    let t = Instant::now();
+    wait_for("the released instance's socket to go", || !sock(&uuids[0]).exists());
+    assert!(t.elapsed() < Duration::from_millis(1500), "ended {:?} after the client let go", t.elapsed());
+
+    // Ignores the request: cut off at the deadline, not before.
+    let (mut c, efd) = attach(&uuids[1], true);
+    let t = Instant::now();
+    vnpu(&state, &["stop", &uuids[1]]);
+    raised(&efd);
+    let mut magic = [0u8; 4];
+    c.region_read(0, vnpu_abi::device::regs::MAGIC, &mut magic).unwrap();
+    wait_for("the ignoring client to be cut off", || !sock(&uuids[1]).exists());
+    let waited = t.elapsed();
+    assert!(waited >= Duration::from_millis(1900), "cut off after {waited:?}, before the 2 s deadline");
+    assert!(c.region_read(0, vnpu_abi::device::regs::MAGIC, &mut magic).is_err(), "still served");
+    assert!(daemon_said(&state).contains("did not release the device in time"), "{}", daemon_said(&state));
+
+    // No request trigger: nobody to ask, cut off at once.
+    let (mut c, _efd) = attach(&uuids[2], false);
+    let t = Instant::now();
+    vnpu(&state, &["stop", &uuids[2]]);
+    wait_for("the client without a trigger to be cut off", || !sock(&uuids[2]).exists());
+    assert!(t.elapsed() < Duration::from_millis(1900), "cut off only after {:?}", t.elapsed());
+    assert!(c.region_read(0, vnpu_abi::device::regs::MAGIC, &mut magic).is_err(), "still served");
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}

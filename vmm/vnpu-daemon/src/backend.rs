@@ -6,6 +6,10 @@
 //! for a client that forwards it, though a VMM normally emulates it), and
 //! region 7 is configuration space. Interrupt index 2 is MSI-X with the
 //! function's vectors, raised by signalling the eventfds `SET_IRQS` gave.
+//! Index 3 (error) takes one trigger and is never raised (the function
+//! reports its errors in its own registers); index 4 (device request)
+//! takes one trigger, raised when the daemon asks the client to release
+//! the device ([`ReleaseRequest`]).
 //! Guest memory arrives by `DMA_MAP` with a file descriptor and is mapped
 //! with vm-memory; a range mapped without one (QEMU maps its ROMs so) is
 //! recorded and stays out of the vNPU's reach. Everything here is input
@@ -21,8 +25,9 @@ use npu_model::BoardConfig;
 use thiserror::Error;
 use vfio_bindings::bindings::vfio::{
     VFIO_IRQ_INFO_EVENTFD, VFIO_IRQ_INFO_NORESIZE, VFIO_IRQ_SET_ACTION_TRIGGER, VFIO_IRQ_SET_DATA_EVENTFD,
-    VFIO_IRQ_SET_DATA_NONE, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_NUM_IRQS,
-    VFIO_PCI_NUM_REGIONS, VFIO_REGION_INFO_FLAG_READ, VFIO_REGION_INFO_FLAG_WRITE,
+    VFIO_IRQ_SET_DATA_NONE, VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX,
+    VFIO_PCI_NUM_IRQS, VFIO_PCI_NUM_REGIONS, VFIO_PCI_REQ_IRQ_INDEX, VFIO_REGION_INFO_FLAG_READ,
+    VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, ServerBackend, ServerRegion, SubRegionIoEventFd};
 use vm_memory::{
@@ -133,20 +138,70 @@ pub fn regions() -> Vec<ServerRegion> {
         .collect()
 }
 
-/// The interrupts a vNPU function serves: MSI-X only.
+/// The interrupts a vNPU function serves: MSI-X with the function's
+/// vectors, and one trigger each for the error and device-request indexes
+/// (QEMU warns `Could not enable error recovery` when the error index has
+/// none, and asks the guest to unplug the device when the request one is
+/// raised).
 pub fn irqs() -> Vec<IrqInfo> {
     (0..VFIO_PCI_NUM_IRQS)
-        .map(|index| IrqInfo {
-            index,
-            flags: if index == VFIO_PCI_MSIX_IRQ_INDEX {
-                VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE
-            } else {
-                0
+        .map(|index| match index {
+            VFIO_PCI_MSIX_IRQ_INDEX => IrqInfo {
+                index,
+                flags: VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE,
+                count: u32::from(MSIX_VECTORS),
             },
-            count: if index == VFIO_PCI_MSIX_IRQ_INDEX { u32::from(MSIX_VECTORS) } else { 0 },
+            VFIO_PCI_ERR_IRQ_INDEX | VFIO_PCI_REQ_IRQ_INDEX => {
+                IrqInfo { index, flags: VFIO_IRQ_INFO_EVENTFD, count: 1 }
+            }
+            _ => IrqInfo { index, flags: 0, count: 0 },
         })
         .collect()
 }
+
+/// The device-request trigger of whichever client is attached to an
+/// instance (interrupt index 4): the daemon raises it to ask that client
+/// to release the device (QEMU then unplugs it from its guest) before it
+/// cuts the client off. Shared between the instance's server and each
+/// backend; a backend's trigger goes when that backend does.
+#[derive(Debug, Default)]
+pub struct ReleaseRequest {
+    /// The trigger, with the id of the backend that set it.
+    trigger: Mutex<Option<(u64, File)>>,
+}
+
+impl ReleaseRequest {
+    /// Raises the attached client's device request. False when no client
+    /// gave a trigger (or the write failed for another reason than a full
+    /// counter, which leaves the request pending anyway): then nobody will
+    /// release the device on request.
+    pub fn raise(&self) -> bool {
+        let t = self.trigger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some((_, file)) = t.as_ref() else { return false };
+        // Non-blocking (interrupt_trigger made it so): never waits.
+        // An eventfd takes its 8 bytes in one write or none.
+        match (&*file).write_all(&1u64.to_ne_bytes()) {
+            Ok(()) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        }
+    }
+
+    fn set(&self, owner: u64, trigger: Option<File>) {
+        let mut t = self.trigger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        *t = trigger.map(|f| (owner, f));
+    }
+
+    /// Drops `owner`'s trigger (and only its own).
+    fn forget(&self, owner: u64) {
+        let mut t = self.trigger.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if t.as_ref().is_some_and(|(o, _)| *o == owner) {
+            *t = None;
+        }
+    }
+}
+
+/// Ids of backends, for [`ReleaseRequest::forget`].
+static BACKEND_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// One connected client's view of a vNPU instance.
 pub struct VnpuBackend {
@@ -161,6 +216,17 @@ pub struct VnpuBackend {
     unreachable: Vec<(u64, u64)>,
     /// Doorbell eventfds handed out by `GET_REGION_IO_FDS` (kept open here).
     ioevents: Vec<(u64, EventFd)>,
+    /// The error index's trigger (held, never raised).
+    error_trigger: Option<File>,
+    /// Where this client's device-request trigger goes.
+    release: Arc<ReleaseRequest>,
+    id: u64,
+}
+
+impl Drop for VnpuBackend {
+    fn drop(&mut self) {
+        self.release.forget(self.id);
+    }
 }
 
 impl std::fmt::Debug for VnpuBackend {
@@ -228,7 +294,23 @@ impl VnpuBackend {
         let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
         let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
         let ioevents = function.ioevents()?;
-        Ok(Self { function, vectors, memory: GuestMemoryMmap::new(), unreachable: Vec::new(), ioevents })
+        Ok(Self {
+            function,
+            vectors,
+            memory: GuestMemoryMmap::new(),
+            unreachable: Vec::new(),
+            ioevents,
+            error_trigger: None,
+            release: Arc::default(),
+            id: BACKEND_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        })
+    }
+
+    /// This backend with its device-request trigger going to `release`
+    /// (the instance's, which the daemon raises).
+    pub fn with_release(mut self, release: Arc<ReleaseRequest>) -> Self {
+        self.release = release;
+        self
     }
 
     fn map(&mut self, offset: u64, address: u64, size: u64, fd: Option<File>) -> Result<(), BackendError> {
@@ -329,13 +411,16 @@ impl VnpuBackend {
         count: u32,
         fds: Vec<File>,
     ) -> Result<(), BackendError> {
+        if flags & VFIO_IRQ_SET_ACTION_TRIGGER == 0 {
+            return Err(BackendError::Irqs("only the TRIGGER action is supported (the VMM masks)".into()));
+        }
+        if index == VFIO_PCI_ERR_IRQ_INDEX || index == VFIO_PCI_REQ_IRQ_INDEX {
+            return self.single_trigger(index, flags, start, count, fds);
+        }
         if index != VFIO_PCI_MSIX_IRQ_INDEX {
             return Err(BackendError::Irqs(format!(
                 "interrupt index {index} has no vectors (MSI-X is {VFIO_PCI_MSIX_IRQ_INDEX})"
             )));
-        }
-        if flags & VFIO_IRQ_SET_ACTION_TRIGGER == 0 {
-            return Err(BackendError::Irqs("only the TRIGGER action is supported (the VMM masks)".into()));
         }
         // Checked before the vectors' lock is taken: nothing here blocks.
         let fds = fds.into_iter().map(interrupt_trigger).collect::<Result<Vec<_>, _>>()?;
@@ -356,6 +441,32 @@ impl VnpuBackend {
         }
         for (slot, file) in slots.iter_mut().zip(fds) {
             *slot = Some(file);
+        }
+        Ok(())
+    }
+
+    /// `SET_IRQS` on the error or device-request index: one trigger (an
+    /// eventfd, as for MSI-X), or none (`DATA_NONE`, or no descriptor).
+    fn single_trigger(
+        &mut self,
+        index: u32,
+        flags: u32,
+        start: u32,
+        count: u32,
+        fds: Vec<File>,
+    ) -> Result<(), BackendError> {
+        let none = flags & VFIO_IRQ_SET_DATA_NONE != 0 && count == 0;
+        if !none && flags & VFIO_IRQ_SET_DATA_EVENTFD == 0 {
+            return Err(BackendError::Irqs("only eventfd data is supported".into()));
+        }
+        if !none && (start != 0 || count != 1 || fds.len() > 1) {
+            return Err(BackendError::Irqs(format!("interrupt index {index} has one vector")));
+        }
+        let trigger = fds.into_iter().next().map(interrupt_trigger).transpose()?;
+        if index == VFIO_PCI_REQ_IRQ_INDEX {
+            self.release.set(self.id, trigger);
+        } else {
+            self.error_trigger = trigger;
         }
         Ok(())
     }
@@ -525,6 +636,58 @@ mod tests {
             "signalling a full eventfd blocked the device"
         );
         assert_eq!(efd.read().expect("read"), u64::MAX - 1, "the failed write added nothing");
+    }
+
+    /// The error and device-request indexes have one vector each and take
+    /// one eventfd (a pipe is refused, more than one vector too); the
+    /// request trigger is the instance's [`ReleaseRequest`]: raising it
+    /// signals the client's eventfd, and once the trigger is disabled or
+    /// its backend is gone there is nobody to ask.
+    #[test]
+    fn error_and_request_indexes_take_one_eventfd_each() {
+        use std::os::fd::FromRawFd;
+        let info = irqs();
+        for index in [VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_REQ_IRQ_INDEX] {
+            let i = info.iter().find(|i| i.index == index).expect("index served");
+            assert_eq!((i.count, i.flags & VFIO_IRQ_INFO_EVENTFD), (1, VFIO_IRQ_INFO_EVENTFD));
+        }
+        let release = Arc::new(ReleaseRequest::default());
+        let mut b = backend().with_release(Arc::clone(&release));
+        assert!(!release.raise(), "no trigger yet");
+        let set = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+        let eventfd = || {
+            let efd = EventFd::new(libc::EFD_NONBLOCK).expect("eventfd");
+            // SAFETY: into_raw_fd hands over the descriptor the File then owns.
+            let file = unsafe {
+                File::from_raw_fd(std::os::fd::IntoRawFd::into_raw_fd(efd.try_clone().expect("clone")))
+            };
+            (efd, file)
+        };
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe(2) fills the two descriptors, which the Files below own.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: fresh descriptors nobody else owns.
+        let (pipe, _read_end) = unsafe { (File::from_raw_fd(fds[1]), File::from_raw_fd(fds[0])) };
+        assert!(b.irqs(VFIO_PCI_REQ_IRQ_INDEX, set, 0, 1, vec![pipe]).is_err(), "a pipe");
+        let (_e1, f1) = eventfd();
+        let (_e2, f2) = eventfd();
+        assert!(b.irqs(VFIO_PCI_REQ_IRQ_INDEX, set, 0, 2, vec![f1, f2]).is_err(), "two vectors");
+        let (err_efd, err_file) = eventfd();
+        b.irqs(VFIO_PCI_ERR_IRQ_INDEX, set, 0, 1, vec![err_file]).expect("the error index's trigger");
+        let (req_efd, req_file) = eventfd();
+        b.irqs(VFIO_PCI_REQ_IRQ_INDEX, set, 0, 1, vec![req_file]).expect("the request index's trigger");
+        assert!(release.raise());
+        assert_eq!(req_efd.read().expect("the request reached the client"), 1);
+        assert!(err_efd.read().is_err(), "the error index is never raised");
+        // Disabled: nobody to ask.
+        b.irqs(VFIO_PCI_REQ_IRQ_INDEX, VFIO_IRQ_SET_DATA_NONE | VFIO_IRQ_SET_ACTION_TRIGGER, 0, 0, vec![])
+            .expect("disable");
+        assert!(!release.raise());
+        // Set again, then the backend goes (the client left).
+        let (_e3, f3) = eventfd();
+        b.irqs(VFIO_PCI_REQ_IRQ_INDEX, set, 0, 1, vec![f3]).expect("again");
+        drop(b);
+        assert!(!release.raise(), "a departed client's trigger");
     }
 
     /// Guest memory on hugetlbfs whose huge pages the host's pool cannot

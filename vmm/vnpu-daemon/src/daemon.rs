@@ -17,7 +17,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use npu_model::BoardConfig;
 use thiserror::Error;
@@ -26,7 +26,7 @@ use vnpu_manager::control::{self, ControlError, Outcome, Request, CONTROL_SOCKET
 use vnpu_manager::{CoreUse, TenantUse};
 use vnpu_manager::{Instance, Store};
 
-use crate::backend::VnpuBackend;
+use crate::backend::{ReleaseRequest, VnpuBackend};
 use crate::metrics::{BoardSource, MetricsError, MetricsServer, ServedSample};
 use crate::serve::{InstanceServer, ServeError};
 
@@ -68,10 +68,19 @@ pub struct DaemonOptions {
     /// Besides root and the daemon's own user, members of this group
     /// (a gid) may manage the board on the control socket.
     pub control_group: Option<u32>,
+    /// An instance stopped while a client is attached: the daemon raises
+    /// that client's device request (QEMU unplugs the device from its
+    /// guest) and cuts the client off if it has not let go after this
+    /// long ([`DEFAULT_RELEASE_TIMEOUT`]; zero: at once).
+    pub release_timeout: Duration,
 }
 
 /// Default of [`DaemonOptions::control_idle`].
 pub const DEFAULT_CONTROL_IDLE: Duration = Duration::from_secs(30);
+/// Default of [`DaemonOptions::release_timeout`]: Linux's PCIe hot-plug
+/// driver waits 5 s after the attention button before it removes a
+/// device, so this leaves the guest as long again to finish.
+pub const DEFAULT_RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Set by SIGTERM / SIGINT: the daemon stops serving and exits.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -96,6 +105,11 @@ pub(crate) struct ServedInstance {
     pub server: InstanceServer,
     /// What its vNPU did, across the VMs that attached (and remaps).
     pub telemetry: Arc<Telemetry>,
+    /// The attached client's device request.
+    pub release: Arc<ReleaseRequest>,
+    /// Stopped while attached, its client asked to let go: cut off at
+    /// this instant if it has not.
+    pub releasing: Option<Instant>,
 }
 
 /// The instances being served, by UUID.
@@ -349,6 +363,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
         let mut scanned = std::time::Instant::now();
         while !stop.load(Ordering::SeqCst) && !STOP.load(Ordering::SeqCst) {
             std::thread::sleep(Duration::from_millis(20));
+            finish_releases(&mut lock(&daemon.served), Instant::now());
             if scanned.elapsed() < opts.rescan {
                 continue;
             }
@@ -416,9 +431,29 @@ fn serve_started(
         })
         .map(|(u, _)| u.clone())
         .collect();
+    // Started again while its client was being asked to let go: served on.
+    for (u, s) in served.iter_mut() {
+        if s.releasing.is_some() && !stale.contains(u) {
+            s.releasing = None;
+        }
+    }
     // A remapped instance keeps its totals.
     let mut kept: BTreeMap<String, Arc<Telemetry>> = BTreeMap::new();
     for u in stale {
+        let stopped = !wanted.contains_key(&u);
+        let Some(s) = served.get_mut(&u) else { continue };
+        // Stopped (not remapped) with a client attached: ask the client to
+        // release the device first; `finish_releases` ends it.
+        if stopped && !opts.release_timeout.is_zero() {
+            if s.releasing.is_some() {
+                continue;
+            }
+            if s.server.attached() && s.release.raise() {
+                log::info!("{u}: stopped; asked its client to release the device");
+                s.releasing = Some(Instant::now() + opts.release_timeout);
+                continue;
+            }
+        }
         if let Some(mut s) = served.remove(&u) {
             s.server.stop();
             log::info!("{u}: no longer served");
@@ -442,14 +477,40 @@ fn serve_started(
             ..opts.device.clone()
         };
         let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());
+        let release = Arc::new(ReleaseRequest::default());
+        let theirs = Arc::clone(&release);
         let server = InstanceServer::start(
             &path,
             &uuid,
-            Box::new(move || VnpuBackend::new(&spec, &cfg, &name, device.clone())),
+            Box::new(move || {
+                VnpuBackend::new(&spec, &cfg, &name, device.clone())
+                    .map(|b| b.with_release(Arc::clone(&theirs)))
+            }),
         )
         .map_err(|source| DaemonError::Serve { uuid: uuid.clone(), source })?;
         log::info!("{uuid}: served at {}", path.display());
-        served.insert(uuid, ServedInstance { instance: inst, server, telemetry });
+        served.insert(uuid, ServedInstance { instance: inst, server, telemetry, release, releasing: None });
     }
     Ok(())
+}
+
+/// Ends the instances whose client was asked to release the device: once
+/// it has let go, or at their deadline (then it is cut off).
+fn finish_releases(served: &mut Served, now: Instant) {
+    let done: Vec<String> = served
+        .iter()
+        .filter(|(_, s)| s.releasing.is_some_and(|deadline| now >= deadline || !s.server.attached()))
+        .map(|(u, _)| u.clone())
+        .collect();
+    for u in done {
+        if let Some(mut s) = served.remove(&u) {
+            if s.server.attached() {
+                log::warn!("{u}: its client did not release the device in time; cut off");
+            } else {
+                log::info!("{u}: its client released the device");
+            }
+            s.server.stop();
+            log::info!("{u}: no longer served");
+        }
+    }
 }

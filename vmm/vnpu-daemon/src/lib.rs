@@ -21,8 +21,10 @@ pub mod serve;
 mod session_fuzz;
 mod slots;
 
-pub use backend::{irqs, regions, BackendError, VnpuBackend};
-pub use daemon::{run, stop_on_signals, DaemonError, DaemonOptions, DEFAULT_CONTROL_IDLE};
+pub use backend::{irqs, regions, BackendError, ReleaseRequest, VnpuBackend};
+pub use daemon::{
+    run, stop_on_signals, DaemonError, DaemonOptions, DEFAULT_CONTROL_IDLE, DEFAULT_RELEASE_TIMEOUT,
+};
 pub use serve::{InstanceServer, ServeError};
 /// The `vfio_user_session` fuzz target's harness (built only for it and
 /// the tests: cargo-fuzz builds with `--cfg fuzzing`).

@@ -5,7 +5,9 @@
 //! capability a client reads) is the constant the daemon uses.
 #![allow(clippy::unwrap_used)]
 
-use vfio_bindings::bindings::vfio::{VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_MSIX_IRQ_INDEX};
+use vfio_bindings::bindings::vfio::{
+    VFIO_PCI_CONFIG_REGION_INDEX, VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_REQ_IRQ_INDEX,
+};
 use vfio_user::DmaUnmapFlags;
 use vnpu_abi::device::{BAR0_SIZE, BAR2_SIZE, MSIX_VECTORS};
 use vnpu_daemon::backend::{MAX_DMA_BYTES, MAX_DMA_REGIONS};
@@ -40,14 +42,21 @@ fn the_region_table_is_what_the_server_reports() {
     ] {
         assert!(doc.contains(row), "the region table lacks `{row}`");
     }
-    // Interrupts: MSI-X only, at index 2, with MSIX_VECTORS vectors.
-    assert_eq!(VFIO_PCI_MSIX_IRQ_INDEX, 2);
+    // Interrupts: MSI-X at index 2 with MSIX_VECTORS vectors, one vector
+    // each at the error (3) and device-request (4) indexes, none else.
+    assert_eq!((VFIO_PCI_MSIX_IRQ_INDEX, VFIO_PCI_ERR_IRQ_INDEX, VFIO_PCI_REQ_IRQ_INDEX), (2, 3, 4));
     let irqs = vnpu_daemon::irqs();
     for i in &irqs {
-        let want = if i.index == VFIO_PCI_MSIX_IRQ_INDEX { u32::from(MSIX_VECTORS) } else { 0 };
+        let want = match i.index {
+            VFIO_PCI_MSIX_IRQ_INDEX => u32::from(MSIX_VECTORS),
+            VFIO_PCI_ERR_IRQ_INDEX | VFIO_PCI_REQ_IRQ_INDEX => 1,
+            _ => 0,
+        };
         assert_eq!(i.count, want, "interrupt index {}", i.index);
     }
-    assert!(flat().contains("Index 2 (MSI-X) has `MSIX_VECTORS` vectors"));
+    let doc = flat();
+    assert!(doc.contains("Index 2 (MSI-X) has `MSIX_VECTORS` vectors"));
+    assert!(doc.contains("index 3 (error) and index 4 (device request) have one vector each"));
 }
 
 #[test]

@@ -106,6 +106,7 @@ fn main() -> Result<(), String> {
     let board = BoardConfig::default();
     let opts = vnpu_daemon::DaemonOptions {
         control_idle: vnpu_daemon::DEFAULT_CONTROL_IDLE,
+        release_timeout: vnpu_daemon::DEFAULT_RELEASE_TIMEOUT,
         control_group: None,
         board: board.clone(),
         state_dir: state.clone(),
