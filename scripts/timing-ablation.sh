@@ -31,16 +31,18 @@ done
 # decides nothing here.
 f32="--dtype f32 --activations f32"
 rows=(
-    "SCALE-Sim single-buffered weights, f32 data|single|$f32 --fuse-residual=false --stream-weights=false"
-    "MXU weight double-buffering (2b)|double|$f32 --fuse-residual=false --stream-weights=false"
-    "bf16 operands, f32 activations|single|--dtype bf16 --activations f32 --fuse-residual=false --stream-weights=false"
-    "bf16 operands and activations (2a)|single|--dtype bf16 --activations bf16 --fuse-residual=false --stream-weights=false"
-    "weights streamed within products (2c)|single|$f32 --fuse-residual=false --stream-weights"
-    "residual adds fused (2d)|single|$f32 --fuse-residual --stream-weights=false"
-    "4 DMA transfers in flight (2e)|single-k4|$f32 --fuse-residual=false --stream-weights=false"
-    "all together (the presets)|double|--dtype bf16 --activations bf16 --fuse-residual --stream-weights"
-    "all together, 4 DMA transfers in flight|double-k4|--dtype bf16 --activations bf16 --fuse-residual --stream-weights"
-    "all together, weights not streamed|double|--dtype bf16 --activations bf16 --fuse-residual --stream-weights=false"
+    "SCALE-Sim single-buffered weights, f32 data|single|$f32 --fuse-residual=false --stream-weights=false --keep-on-chip=false"
+    "MXU weight double-buffering (2b)|double|$f32 --fuse-residual=false --stream-weights=false --keep-on-chip=false"
+    "bf16 operands, f32 activations|single|--dtype bf16 --activations f32 --fuse-residual=false --stream-weights=false --keep-on-chip=false"
+    "bf16 operands and activations (2a)|single|--dtype bf16 --activations bf16 --fuse-residual=false --stream-weights=false --keep-on-chip=false"
+    "weights streamed within products (2c)|single|$f32 --fuse-residual=false --stream-weights --keep-on-chip=false"
+    "residual adds fused (2d)|single|$f32 --fuse-residual --stream-weights=false --keep-on-chip=false"
+    "activations kept on chip (2d)|single|$f32 --fuse-residual=false --stream-weights=false --keep-on-chip"
+    "4 DMA transfers in flight (2e)|single-k4|$f32 --fuse-residual=false --stream-weights=false --keep-on-chip=false"
+    "all together (the presets)|double|--dtype bf16 --activations bf16 --fuse-residual --stream-weights --keep-on-chip"
+    "all together, 4 DMA transfers in flight|double-k4|--dtype bf16 --activations bf16 --fuse-residual --stream-weights --keep-on-chip"
+    "all together, weights not streamed|double|--dtype bf16 --activations bf16 --fuse-residual --stream-weights=false --keep-on-chip"
+    "all together, activations not kept on chip|double|--dtype bf16 --activations bf16 --fuse-residual --stream-weights --keep-on-chip=false"
 )
 ms() {
     "$vnpu" workload run "$@" --reuse-hbm --json |

@@ -87,6 +87,10 @@ pub struct Placed {
     /// How its elements are stored: f32, or bf16 for the weights of SA
     /// products lowered with bf16 operands ([`lower_as`]).
     pub dtype: DType,
+    /// Kept on chip ([`LowerOptions::keep_on_chip`]): the SRAM offset the
+    /// program keeps it at while it is live; its HBM space is never
+    /// written, and it is not in SRAM after the program.
+    pub on_chip: Option<u64>,
 }
 
 /// The lowered program and where everything lives.
@@ -196,6 +200,169 @@ impl Layout {
     }
 }
 
+/// The fields of `i` that hold SRAM addresses.
+fn sram_fields(i: &mut Instr) -> Vec<&mut u64> {
+    match i {
+        Instr::DmaCopy { src, dst, .. } => {
+            [src, dst].into_iter().filter(|a| a.space == Space::Sram).map(|a| &mut a.offset).collect()
+        }
+        Instr::DmaGather { table, indices, dst, .. } => {
+            let mut v = vec![indices, dst];
+            if table.space == Space::Sram {
+                v.push(&mut table.offset);
+            }
+            v
+        }
+        Instr::MatMul { a, b, c, .. } => vec![a, b, c],
+        Instr::Conv2d { input, weights, output, .. } => vec![input, weights, output],
+        Instr::VBinary { a, b, dst, .. } => vec![a, b, dst],
+        Instr::VUnary { src, dst, .. }
+        | Instr::VAffine { src, dst, .. }
+        | Instr::VClamp { src, dst, .. }
+        | Instr::VReduce { src, dst, .. }
+        | Instr::VSoftmax { src, dst, .. }
+        | Instr::VPool { src, dst, .. }
+        | Instr::VConvert { src, dst, .. } => vec![src, dst],
+        Instr::VLayerNorm { src, dst, gamma, beta, .. } => vec![src, dst, gamma, beta],
+        Instr::VDepthwise { src, weights, dst, .. } => vec![src, weights, dst],
+        Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => vec![],
+    }
+}
+
+impl Tile {
+    /// Every instruction of the tile but its loads.
+    fn compute_mut(&mut self) -> impl Iterator<Item = &mut Instr> {
+        self.prep.iter_mut().chain(self.lanes.iter_mut().flat_map(|l| {
+            l.stages
+                .iter_mut()
+                .flat_map(|st| match st {
+                    Stage::Sa(c) | Stage::Vu(c) => c.iter_mut().collect::<Vec<_>>(),
+                    Stage::SaPieces(p) => p.iter_mut().flat_map(|(_, c)| c.iter_mut()).collect(),
+                })
+                .chain(l.split.iter_mut().flat_map(|(_, c)| c.iter_mut()))
+                .chain(l.store.iter_mut())
+        }))
+    }
+
+    /// Drops the loads that copy a tensor kept on chip (at or above
+    /// `resident`) into the tile's slot, and points what reads the copy at
+    /// the tensor itself: only a one-row SRAM-to-SRAM copy whose
+    /// destination nothing else in the tile writes, and that every access
+    /// either covers from inside or leaves alone (else the copy stays).
+    fn read_in_place(&mut self, resident: u64) {
+        let mut i = 0;
+        while i < self.load.len() {
+            let Instr::DmaCopy { src, dst, rows: 1, row_bytes, .. } = self.load[i] else {
+                i += 1;
+                continue;
+            };
+            let len = u64::from(row_bytes);
+            if src.space != Space::Sram || dst.space != Space::Sram || src.offset < resident || len == 0 {
+                i += 1;
+                continue;
+            }
+            let d = (dst.offset, dst.offset + len);
+            let others = self.load.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, x)| *x);
+            let mut all: Vec<Instr> = others.collect();
+            all.extend(self.compute_mut().map(|x| *x));
+            let safe = all.iter().all(|x| {
+                x.footprint().is_ok_and(|f| {
+                    f.iter().all(|a| {
+                        let (s, e) = (a.start, a.end());
+                        a.space != Space::Sram
+                            || e <= d.0
+                            || s >= d.1
+                            || (s >= d.0 && e <= d.1 && a.kind == vnpu_abi::AccessKind::Read)
+                    })
+                })
+            });
+            if !safe {
+                if self.convert_in_place(i, d, src.offset) {
+                    self.load.remove(i);
+                } else {
+                    i += 1;
+                }
+                continue;
+            }
+            for x in self.compute_mut() {
+                for f in sram_fields(x) {
+                    if (d.0..d.1).contains(f) {
+                        *f = src.offset + (*f - d.0);
+                    }
+                }
+            }
+            self.load.remove(i);
+        }
+    }
+
+    /// The other case [`Tile::read_in_place`] takes: the first instruction
+    /// touching the copy `d` is a `vu.convert` reading within it (a VU
+    /// operation widening a bf16 input, or the prep rounding an f32 SA
+    /// operand to bf16), in the prep (which runs before every lane) or in
+    /// the one lane's stages in order, and everything else in the tile
+    /// touches `d` only within what that convert writes. The convert then
+    /// reads the tensor at `src`, and nothing else saw the copy.
+    fn convert_in_place(&mut self, load: usize, d: (u64, u64), src: u64) -> bool {
+        let touches = |x: &Instr| {
+            x.footprint()
+                .map_or(true, |f| f.iter().any(|a| a.space == Space::Sram && a.start < d.1 && a.end() > d.0))
+        };
+        if self.load.iter().enumerate().any(|(j, x)| j != load && touches(x)) {
+            return false;
+        }
+        let in_prep = self.prep.iter().any(touches);
+        if !in_prep && self.lanes.len() != 1 {
+            return false;
+        }
+        // The convert: where it is in `ordered` (the prep, then the one
+        // lane's stages), and what it writes.
+        let ordered: Vec<&Instr> = if in_prep {
+            self.prep.iter().collect()
+        } else {
+            let lane = &self.lanes[0];
+            let mut v: Vec<&Instr> = self.prep.iter().collect();
+            for st in &lane.stages {
+                match st {
+                    Stage::Sa(c) | Stage::Vu(c) => v.extend(c.iter()),
+                    Stage::SaPieces(_) => return false,
+                }
+            }
+            v
+        };
+        let Some(first) = ordered.iter().position(|x| touches(x)) else { return false };
+        let Instr::VConvert { from, to, src: s, dst, len } = *ordered[first] else { return false };
+        let (read, written) = (u64::from(len) * from.size(), u64::from(len) * to.size());
+        if s < d.0 || s + read > d.1 {
+            return false;
+        }
+        let w = (dst, dst + written);
+        let within = |x: &Instr| {
+            x.footprint().is_ok_and(|f| {
+                f.iter().all(|a| {
+                    a.space != Space::Sram
+                        || a.end() <= d.0
+                        || a.start >= d.1
+                        || (a.start >= w.0 && a.end() <= w.1)
+                })
+            })
+        };
+        let target: *const Instr = ordered[first];
+        let rest_ok = self.compute_mut().all(|x| std::ptr::eq(x, target) || within(x));
+        if !rest_ok {
+            return false;
+        }
+        for x in self.compute_mut() {
+            if std::ptr::eq(x, target) {
+                if let Instr::VConvert { src: s, .. } = x {
+                    *s = src + (*s - d.0);
+                }
+                return true;
+            }
+        }
+        false
+    }
+}
+
 fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < a.1 && b.0 < b.1 && a.0 < b.1 && b.0 < a.1
 }
@@ -233,6 +400,9 @@ struct Lowerer {
     esize: Vec<u64>,
     /// Weights streamed within an operation ([`LowerOptions::stream_weights`]).
     stream: bool,
+    /// Where each tensor kept on chip lives in SRAM
+    /// ([`LowerOptions::keep_on_chip`]), above `shape.sram_bytes`.
+    on_chip: Vec<Option<u64>>,
 }
 
 fn copy(src: Addr, dst: Addr, rows: u64, row_bytes: u64, src_stride: u64, dst_stride: u64) -> Instr {
@@ -387,7 +557,10 @@ fn max_rows(budget: u64, hi: u32, bytes: impl Fn(u32) -> u64) -> u32 {
 
 impl Lowerer {
     fn addr(&self, t: TensorId, elem: u64) -> Addr {
-        Addr::hbm(self.hbm[t] + elem * self.esize[t])
+        match self.on_chip[t] {
+            Some(at) => Addr::sram(at + elem * self.esize[t]),
+            None => Addr::hbm(self.hbm[t] + elem * self.esize[t]),
+        }
     }
 
     /// Picks slot count and rows per tile: as many slots as engines allow
@@ -506,6 +679,9 @@ impl Lowerer {
         for t in 0..n {
             let slot = (t as u32) % slots;
             let mut tl = tile(t, slot);
+            if self.on_chip.iter().any(Option::is_some) {
+                tl.read_in_place(self.shape.sram_bytes);
+            }
             let n_lanes = tl.lanes.len();
             if t == 0 && pieces.is_some() {
                 let groups = (self.shape.sa as usize / n_lanes.max(1)).max(1);
@@ -689,11 +865,11 @@ impl Lowerer {
         Ok(posts)
     }
 
-    /// Whether a deferred store writes HBM bytes of the `rows` rows of
+    /// Whether a deferred store writes bytes of `space` in the `rows` rows of
     /// `len` bytes, `stride` apart, from `start`.
-    fn deferred_meets(&self, start: u64, rows: u64, len: u64, stride: u64) -> bool {
+    fn deferred_meets(&self, space: Space, start: u64, rows: u64, len: u64, stride: u64) -> bool {
         self.deferred.iter().flatten().flat_map(|(_, store)| store).any(|i| match *i {
-            Instr::DmaCopy { dst, rows: r, row_bytes, dst_stride, .. } if dst.space == Space::Hbm => {
+            Instr::DmaCopy { dst, rows: r, row_bytes, dst_stride, .. } if dst.space == space => {
                 strided_meet((dst.offset, r.into(), row_bytes.into(), dst_stride), (start, rows, len, stride))
             }
             _ => false,
@@ -1379,8 +1555,11 @@ impl Lowerer {
     /// The HBM address of element `e` of tensor `t`, as a closure that
     /// owns its copy of the placement (so it can live inside a tile closure).
     fn elem_addr(&self) -> impl Fn(TensorId, u64) -> Addr + Clone {
-        let (hbm, esize) = (self.hbm.clone(), self.esize.clone());
-        move |t: TensorId, e: u64| Addr::hbm(hbm[t] + e * esize[t])
+        let (hbm, esize, on_chip) = (self.hbm.clone(), self.esize.clone(), self.on_chip.clone());
+        move |t: TensorId, e: u64| match on_chip[t] {
+            Some(at) => Addr::sram(at + e * esize[t]),
+            None => Addr::hbm(hbm[t] + e * esize[t]),
+        }
     }
 
     /// A copy of `r` rows of `cols` f32 elements from SRAM at `sram` into
@@ -2235,8 +2414,8 @@ impl Lowerer {
         // The previous operation's deferred stores first when the
         // copy reads or overwrites what they write.
         let row = u64::from(cols) * F;
-        if self.deferred_meets(src.offset, rows.into(), row, u64::from(x.ld) * F)
-            || self.deferred_meets(dst.offset, rows.into(), row, u64::from(y.ld) * F)
+        if self.deferred_meets(src.space, src.offset, rows.into(), row, u64::from(x.ld) * F)
+            || self.deferred_meets(dst.space, dst.offset, rows.into(), row, u64::from(y.ld) * F)
         {
             self.flush();
         }
@@ -2455,6 +2634,81 @@ pub struct LowerOptions {
     /// only: a convolution's weights have no leading dimension to split).
     /// Off: every tile waits for the whole weight chunk.
     pub stream_weights: bool,
+    /// Intermediate activations stay on chip between operations when they
+    /// fit (whole graphs only): a quarter of the SRAM holds them, placed by
+    /// liveness ([`plan_on_chip`]); the rest goes to HBM. A tile whose
+    /// input is on chip reads it where it is instead of copying it into
+    /// its slot. Off: every activation goes to HBM and back.
+    pub keep_on_chip: bool,
+}
+
+/// With [`LowerOptions::keep_on_chip`], one SRAM byte in this many holds
+/// the activations kept on chip.
+pub const ON_CHIP_SHARE: u64 = 4;
+
+/// The operations whose tensors may stay on chip: they address every
+/// tensor through the lowering's one address map (the others compute HBM
+/// addresses of their own).
+fn on_chip_capable(op: &Op) -> bool {
+    !matches!(op, Op::FastNms { .. } | Op::Embedding { .. } | Op::Copy { .. })
+}
+
+/// Which intermediate tensors of `graph` (stored as `types`) stay on chip
+/// within `budget` bytes, and where (offsets from the region's start):
+/// activations other than the graph's input and output and `keep_f32`,
+/// touched only by [`on_chip_capable`] operations, each live from the
+/// first to the last operation that touches it and placed first fit
+/// (64-byte aligned) in order of first use where no tensor live at the
+/// same time is; one that does not fit stays in HBM.
+pub fn plan_on_chip(graph: &Graph, types: &[DType], keep_f32: &[TensorId], budget: u64) -> Vec<Option<u64>> {
+    let n = graph.tensors.len();
+    let mut range: Vec<Option<(usize, usize)>> = vec![None; n];
+    let mut capable = vec![true; n];
+    for (i, op) in graph.ops.iter().enumerate() {
+        let ok = on_chip_capable(op);
+        for t in op.tensors() {
+            if let Some(r) = range.get_mut(t) {
+                *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
+            }
+            if !ok {
+                if let Some(c) = capable.get_mut(t) {
+                    *c = false;
+                }
+            }
+        }
+    }
+    let mut out = vec![None; n];
+    let mut order: Vec<usize> = (0..n)
+        .filter(|&t| {
+            graph.tensors[t].init == Init::Activation
+                && t != graph.input
+                && t != graph.output
+                && !keep_f32.contains(&t)
+                && capable[t]
+                && range[t].is_some()
+        })
+        .collect();
+    order.sort_by_key(|&t| (range[t].map_or(usize::MAX, |r| r.0), t));
+    // (start, end, last use) of the space held now.
+    let mut held: Vec<(u64, u64, usize)> = Vec::new();
+    for t in order {
+        let Some((first, last)) = range[t] else { continue };
+        let need = (graph.tensors[t].elems * types[t].size()).next_multiple_of(64);
+        held.retain(|&(_, _, end)| end >= first);
+        held.sort_unstable();
+        let mut at = 0u64;
+        for &(s, e, _) in &held {
+            if s >= at + need {
+                break;
+            }
+            at = at.max(e);
+        }
+        if at + need <= budget {
+            out[t] = Some(at);
+            held.push((at, at + need, last));
+        }
+    }
+    out
 }
 
 impl Default for LowerOptions {
@@ -2465,6 +2719,7 @@ impl Default for LowerOptions {
             bf16_activations: false,
             fuse_residual: false,
             stream_weights: false,
+            keep_on_chip: false,
         }
     }
 }
@@ -2530,7 +2785,7 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool) -> (Vec<Placed
         .iter()
         .zip(types)
         .zip(offsets)
-        .map(|((t, &dtype), offset)| Placed { offset, elems: t.elems, init: t.init, dtype })
+        .map(|((t, &dtype), offset)| Placed { offset, elems: t.elems, init: t.init, dtype, on_chip: None })
         .collect();
     (placed, off)
 }
@@ -2580,13 +2835,44 @@ pub fn lower_ops_keeping(
     } else {
         (graph, ops)
     };
-    let (placed, off) = place_tensors(
-        graph,
-        &stored_types(graph, dtype, options.bf16_activations, keep_f32),
-        options.reuse_hbm,
-    );
+    let types = stored_types(graph, dtype, options.bf16_activations, keep_f32);
+    let (mut placed, off) = place_tensors(graph, &types, options.reuse_hbm);
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
+    }
+    // Activations kept on chip: the top of SRAM, out of the operations'
+    // working SRAM (whole graphs only: operator-level tasks leave their
+    // outputs in HBM for the next task).
+    // They are placed from the top of SRAM down; an operation works in
+    // the SRAM below every tensor kept on chip that is live during it or
+    // the operation before (whose last stores and this operation's
+    // preload may overlap).
+    let total_sram = shape.sram_bytes;
+    let mut on_chip = vec![None; graph.tensors.len()];
+    let mut work_sram = vec![total_sram; graph.ops.len()];
+    if options.keep_on_chip && ops == (0..graph.ops.len()) {
+        let budget = (total_sram / ON_CHIP_SHARE) / 64 * 64;
+        let plan = plan_on_chip(graph, &types, keep_f32, budget);
+        let need = |t: usize| (graph.tensors[t].elems * types[t].size()).next_multiple_of(64);
+        let mut range: Vec<Option<(usize, usize)>> = vec![None; graph.tensors.len()];
+        for (i, op) in graph.ops.iter().enumerate() {
+            for t in op.tensors() {
+                if let Some(r) = range.get_mut(t) {
+                    *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
+                }
+            }
+        }
+        for (t, at) in plan.iter().enumerate() {
+            let (Some(at), Some((first, last))) = (*at, range[t]) else { continue };
+            let top = at + need(t);
+            on_chip[t] = Some(total_sram - top);
+            for w in &mut work_sram[first..(last + 2).min(graph.ops.len())] {
+                *w = (*w).min(total_sram - top);
+            }
+        }
+        for (p, o) in placed.iter_mut().zip(&on_chip) {
+            p.on_chip = *o;
+        }
     }
     let mut l = Lowerer {
         b: ProgramBuilder::new(),
@@ -2598,8 +2884,10 @@ pub fn lower_ops_keeping(
         dtype,
         esize: placed.iter().map(|p| p.dtype.size()).collect(),
         stream: options.stream_weights,
+        on_chip,
     };
-    for op in graph.ops.get(ops).unwrap_or_default() {
+    for (i, op) in graph.ops.iter().enumerate().skip(ops.start).take(ops.len()) {
+        l.shape.sram_bytes = work_sram[i];
         l.op(op)?;
     }
     l.flush();

@@ -99,6 +99,10 @@ pub struct LoweringConfig {
     /// start on the first columns while the rest load (`--stream-weights`).
     #[serde(default)]
     pub stream_weights: bool,
+    /// Intermediate activations kept on chip between operations when they
+    /// fit (`--keep-on-chip`).
+    #[serde(default)]
+    pub keep_on_chip: bool,
 }
 
 impl LoweringConfig {

@@ -47,6 +47,9 @@ pub struct RunOptions {
     /// A product's weights streamed within the operation
     /// (`npu_lower::LowerOptions::stream_weights`).
     pub stream_weights: bool,
+    /// Intermediate activations kept on chip when they fit
+    /// (`npu_lower::LowerOptions::keep_on_chip`).
+    pub keep_on_chip: bool,
 }
 
 impl RunOptions {
@@ -68,6 +71,7 @@ impl RunOptions {
             bf16_activations: false,
             fuse_residual: false,
             stream_weights: false,
+            keep_on_chip: false,
         }
     }
 }
@@ -87,6 +91,7 @@ impl RunOptions {
             fuse_residual: l.fuse_residual,
             reuse_hbm: l.reuse_hbm,
             stream_weights: l.stream_weights,
+            keep_on_chip: l.keep_on_chip,
             ..Self::timing(workload, batch)
         }
     }
@@ -245,6 +250,7 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
         bf16_activations: o.bf16_activations,
         fuse_residual: o.fuse_residual,
         stream_weights: o.stream_weights,
+        keep_on_chip: o.keep_on_chip,
     };
     let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
     verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;

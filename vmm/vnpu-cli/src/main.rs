@@ -415,6 +415,13 @@ struct VnpuArgs {
     /// `--stream-weights=false` turns it off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     stream_weights: Option<bool>,
+    /// Keep intermediate activations on chip between operations when they
+    /// fit: a quarter of the SRAM holds them (placed by liveness), and a
+    /// tile reads an input kept there in place instead of copying it.
+    /// Default: the board's `lowering.keep_on_chip` (off on the built-in
+    /// board); `--keep-on-chip=false` turns it off.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    keep_on_chip: Option<bool>,
 }
 
 impl VnpuArgs {
@@ -453,6 +460,7 @@ impl VnpuArgs {
             reuse_hbm: self.reuse_hbm.unwrap_or(d.reuse_hbm),
             fuse_residual: self.fuse_residual.unwrap_or(d.fuse_residual),
             stream_weights: self.stream_weights.unwrap_or(d.stream_weights),
+            keep_on_chip: self.keep_on_chip.unwrap_or(d.keep_on_chip),
             ..d
         };
         Ok((b, o))

@@ -94,6 +94,8 @@ impl Tasks {
             reuse_hbm: l.reuse_hbm,
             fuse_residual: false,
             stream_weights: l.stream_weights,
+            // Operator-level tasks leave their outputs in HBM.
+            keep_on_chip: false,
         };
         let mut t = Self {
             graph,
