@@ -332,8 +332,8 @@ fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
 }
 
 /// Four VMs; three share physical core 0 (SA-heavy and VU-heavy tenants).
-/// Every tenant's results are correct and their work overlapped in
-/// simulated time.
+/// Every tenant's results are correct, and the core's shared time is
+/// within its busy time.
 #[test]
 fn scenario_runs_vms_whose_vnpus_share_a_core() {
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/shared-core.toml");
@@ -350,9 +350,16 @@ fn scenario_runs_vms_whose_vnpus_share_a_core() {
     assert!(out.contains("[digits] digits: vNPU and CPU agree on every image"), "{out}");
     assert!(out.contains("[selfcheck] selfcheck: 60/60"), "{out}");
     assert!(out.contains("[recsys] recsys: max abs error vs CPU") && out.contains("(ok)"), "{out}");
+    // Whether the tenants' requests met on core 0 depends on wall time (a
+    // VM can finish before another starts on a loaded machine: seen with
+    // other test binaries running beside this one), so only what holds
+    // whatever the timing is checked here; overlap itself is tested
+    // deterministically in `npu-board-runtime`
+    // (`concurrent_tenants_share_the_simulated_timeline`).
     let core = out.lines().find(|l| l.starts_with("0 ")).unwrap();
-    let shared: f64 = core.split_whitespace().nth(4).unwrap().parse().unwrap();
-    assert!(shared > 0.0, "no spatial sharing: {core}");
+    let field = |i: usize| -> f64 { core.split_whitespace().nth(i).unwrap().parse().unwrap() };
+    let (board_us, shared) = (field(3), field(4));
+    assert!(shared >= 0.0 && shared <= board_us, "shared {shared} us of {board_us} us: {core}");
     let (code, _, err) = vnpu(&["scenario", "/nonexistent.toml"]);
     assert_eq!(code, 1);
     assert!(err.contains("cannot read scenario"), "{err}");

@@ -370,6 +370,7 @@ impl VnpuBackend {
     }
 
     fn unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), BackendError> {
+        log::debug!("DMA_UNMAP flags {:#x} address {address:#x} size {size:#x}", flags.bits());
         if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
             self.memory = GuestMemoryMmap::new();
             self.unreachable.clear();
