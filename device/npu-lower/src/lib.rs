@@ -994,24 +994,12 @@ impl Lowerer {
         blocks: &[Block],
         dst: u64,
     ) -> Vec<Instr> {
-        let e = self.esize[w];
-        blocks
-            .iter()
-            .map(|bl| {
-                copy(
-                    self.addr(w, u64::from(n0 + bl.c0)),
-                    Addr::sram(dst + krows * u64::from(bl.c0) * e),
-                    krows,
-                    u64::from(bl.cols) * e,
-                    u64::from(n) * e,
-                    u64::from(bl.cols) * e,
-                )
-            })
-            .collect()
+        self.weight_pieces(w, krows, n, n0, blocks, dst, 1).into_iter().map(|p| p.3).collect()
     }
 
     /// [`Lowerer::load_weights`] in pieces, for weights streamed: each
-    /// block in at most [`STREAM_PIECES`] column ranges of whole SA folds,
+    /// block in at most `pieces` column ranges of whole SA folds (one: the
+    /// whole block),
     /// ordered piece by piece across the blocks (so every block's lane can
     /// start on its first piece). Each: block index, first column within
     /// the block, columns, and the copy.
@@ -1023,13 +1011,14 @@ impl Lowerer {
         n0: u32,
         blocks: &[Block],
         dst: u64,
+        pieces: u32,
     ) -> Vec<(usize, u32, u32, Instr)> {
         let e = self.esize[w];
         let sc = self.shape.sa_cols.max(1);
         let per: Vec<u32> =
-            blocks.iter().map(|bl| bl.cols.div_ceil(sc).div_ceil(STREAM_PIECES).max(1) * sc).collect();
+            blocks.iter().map(|bl| bl.cols.div_ceil(sc).div_ceil(pieces).max(1) * sc).collect();
         let mut out = Vec::new();
-        for j in 0..STREAM_PIECES {
+        for j in 0..pieces {
             for (bi, bl) in blocks.iter().enumerate() {
                 let pc0 = j * per[bi];
                 if pc0 >= bl.cols {
@@ -1099,7 +1088,7 @@ impl Lowerer {
             let bias = copy(self.addr(b, n0.into()), Addr::sram(b_s), 1, u64::from(nt) * F, 0, 0);
             // Streamed: the bias first, then the weights piece by piece.
             let (preload, parts, pieces) = if self.stream {
-                let parts = self.weight_pieces(w, k.into(), n, n0, &blocks, w_s);
+                let parts = self.weight_pieces(w, k.into(), n, n0, &blocks, w_s, STREAM_PIECES);
                 let pieces = parts.iter().map(|p| vec![p.3]).collect();
                 (vec![bias], parts, pieces)
             } else {
@@ -2653,6 +2642,36 @@ fn on_chip_capable(op: &Op) -> bool {
     !matches!(op, Op::FastNms { .. } | Op::Embedding { .. } | Op::Copy { .. })
 }
 
+/// The first and last operation that touches each tensor of `graph`
+/// (`None`: no operation does).
+fn live_ranges(graph: &Graph) -> Vec<Option<(usize, usize)>> {
+    let mut range: Vec<Option<(usize, usize)>> = vec![None; graph.tensors.len()];
+    for (i, op) in graph.ops.iter().enumerate() {
+        for t in op.tensors() {
+            if let Some(r) = range.get_mut(t) {
+                *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
+            }
+        }
+    }
+    range
+}
+
+/// The lowest offset from `base` where `need` bytes meet none of `held`
+/// (start, end, last use) still live at operation `first`; drops from
+/// `held` what is no longer live. The caller records what it places.
+fn first_fit(held: &mut Vec<(u64, u64, usize)>, base: u64, first: usize, need: u64) -> u64 {
+    held.retain(|&(_, _, end)| end >= first);
+    held.sort_unstable();
+    let mut at = base;
+    for &(s, e, _) in held.iter() {
+        if s >= at + need {
+            break;
+        }
+        at = at.max(e);
+    }
+    at
+}
+
 /// Which intermediate tensors of `graph` (stored as `types`) stay on chip
 /// within `budget` bytes, and where (offsets from the region's start):
 /// activations other than the graph's input and output and `keep_f32`,
@@ -2662,18 +2681,12 @@ fn on_chip_capable(op: &Op) -> bool {
 /// same time is; one that does not fit stays in HBM.
 pub fn plan_on_chip(graph: &Graph, types: &[DType], keep_f32: &[TensorId], budget: u64) -> Vec<Option<u64>> {
     let n = graph.tensors.len();
-    let mut range: Vec<Option<(usize, usize)>> = vec![None; n];
+    let range = live_ranges(graph);
     let mut capable = vec![true; n];
-    for (i, op) in graph.ops.iter().enumerate() {
-        let ok = on_chip_capable(op);
+    for op in graph.ops.iter().filter(|op| !on_chip_capable(op)) {
         for t in op.tensors() {
-            if let Some(r) = range.get_mut(t) {
-                *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
-            }
-            if !ok {
-                if let Some(c) = capable.get_mut(t) {
-                    *c = false;
-                }
+            if let Some(c) = capable.get_mut(t) {
+                *c = false;
             }
         }
     }
@@ -2694,15 +2707,7 @@ pub fn plan_on_chip(graph: &Graph, types: &[DType], keep_f32: &[TensorId], budge
     for t in order {
         let Some((first, last)) = range[t] else { continue };
         let need = (graph.tensors[t].elems * types[t].size()).next_multiple_of(64);
-        held.retain(|&(_, _, end)| end >= first);
-        held.sort_unstable();
-        let mut at = 0u64;
-        for &(s, e, _) in &held {
-            if s >= at + need {
-                break;
-            }
-            at = at.max(e);
-        }
+        let at = first_fit(&mut held, 0, first, need);
         if at + need <= budget {
             out[t] = Some(at);
             held.push((at, at + need, last));
@@ -2744,15 +2749,7 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool) -> (Vec<Placed
         off += bytes(t);
     }
     if reuse {
-        // Live range of each shared tensor, in operations.
-        let mut range: Vec<Option<(usize, usize)>> = vec![None; graph.tensors.len()];
-        for (i, op) in graph.ops.iter().enumerate() {
-            for t in op.tensors() {
-                if let Some(r) = range.get_mut(t) {
-                    *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
-                }
-            }
-        }
+        let range = live_ranges(graph);
         let base = off;
         // (start, end, last use) of the space held now, by start.
         let mut held: Vec<(u64, u64, usize)> = Vec::new();
@@ -2765,16 +2762,8 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool) -> (Vec<Placed
                 off += bytes(t);
                 continue;
             };
-            held.retain(|&(_, _, end)| end >= first);
-            held.sort_unstable();
             let need = bytes(t);
-            let mut at = base;
-            for &(s, e, _) in &held {
-                if s >= at + need {
-                    break;
-                }
-                at = at.max(e);
-            }
+            let at = first_fit(&mut held, base, first, need);
             offsets[t] = at;
             held.push((at, at + need, last));
             off = off.max(at + need);
@@ -2854,14 +2843,7 @@ pub fn lower_ops_keeping(
         let budget = (total_sram / ON_CHIP_SHARE) / 64 * 64;
         let plan = plan_on_chip(graph, &types, keep_f32, budget);
         let need = |t: usize| (graph.tensors[t].elems * types[t].size()).next_multiple_of(64);
-        let mut range: Vec<Option<(usize, usize)>> = vec![None; graph.tensors.len()];
-        for (i, op) in graph.ops.iter().enumerate() {
-            for t in op.tensors() {
-                if let Some(r) = range.get_mut(t) {
-                    *r = Some(r.map_or((i, i), |(a, _)| (a, i)));
-                }
-            }
-        }
+        let range = live_ranges(graph);
         for (t, at) in plan.iter().enumerate() {
             let (Some(at), Some((first, last))) = (*at, range[t]) else { continue };
             let top = at + need(t);
