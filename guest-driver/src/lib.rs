@@ -158,7 +158,14 @@ pub struct Vnpu<B: Bar> {
     /// The device stopped the ring (its ERROR): requests fail at once
     /// until a reset succeeds.
     failed: Option<u32>,
+    /// Requests and mailbox commands submitted again because the device
+    /// answered `ST_RETRY` (its board daemon restarted while they ran).
+    retried: u64,
 }
+
+/// Most times one request or mailbox command is submitted again after
+/// `ST_RETRY` (each answer means the board daemon restarted once more).
+const MAX_RETRIES: u32 = 16;
 
 /// One step of a busy-wait. Deliberately not `pause`
 /// (`core::hint::spin_loop`): under nested KVM a guest's `pause` can exit
@@ -232,6 +239,7 @@ impl<B: Bar> Vnpu<B> {
             idle: None,
             timeout_spins: 1 << 36,
             failed: None,
+            retried: 0,
         };
         v.reset()?;
         v.hierarchy = v.read_hierarchy();
@@ -382,20 +390,47 @@ impl<B: Bar> Vnpu<B> {
     /// Has the device decode and verify `program` once and keep it: later
     /// runs by handle skip both (and the program copy).
     pub fn register(&mut self, program: &DmaBuf) -> Result<ProgramHandle, Error> {
-        let t = self.submit_op(abi::OP_REGISTER, Some(program), 0, &RunOptions::default())?;
-        self.wait(t).map(|st| ProgramHandle(st.detail))
+        self.submit_and_wait(abi::OP_REGISTER, Some(program), 0, &RunOptions::default())
+            .map(|st| ProgramHandle(st.detail))
     }
 
     /// Runs registered program `handle` and waits for it.
     pub fn run_registered(&mut self, handle: ProgramHandle, opts: &RunOptions) -> Result<StatusBlock, Error> {
-        let t = self.submit_registered(handle, opts)?;
-        self.wait(t)
+        self.submit_and_wait(abi::OP_RUN_REGISTERED, None, handle.0, opts)
     }
 
     /// Forgets registered program `handle`.
     pub fn unregister(&mut self, handle: ProgramHandle) -> Result<(), Error> {
-        let t = self.submit_op(abi::OP_UNREGISTER, None, handle.0, &RunOptions::default())?;
-        self.wait(t).map(|_| ())
+        self.submit_and_wait(abi::OP_UNREGISTER, None, handle.0, &RunOptions::default()).map(|_| ())
+    }
+
+    /// Requests and mailbox commands this driver submitted again because
+    /// the device answered `ST_RETRY` (its board daemon restarted while
+    /// they ran; `docs/device-interface.md`).
+    pub fn retried(&self) -> u64 {
+        self.retried
+    }
+
+    /// Submits a request and waits for it; one that completes with
+    /// `ST_RETRY` is submitted again (up to [`MAX_RETRIES`] times).
+    fn submit_and_wait(
+        &mut self,
+        opcode: u32,
+        program: Option<&DmaBuf>,
+        handle: u32,
+        opts: &RunOptions,
+    ) -> Result<StatusBlock, Error> {
+        let mut tries = 0;
+        loop {
+            let t = self.submit_op(opcode, program, handle, opts)?;
+            match self.wait(t) {
+                Err(Error::Request { status: abi::ST_RETRY, .. }) if tries < MAX_RETRIES => {
+                    tries += 1;
+                    self.retried += 1;
+                }
+                r => return r,
+            }
+        }
     }
 
     fn submit_op(
@@ -564,20 +599,32 @@ impl<B: Bar> Vnpu<B> {
         out.iter().position(|&b| b == 0).unwrap_or(out.len().min(MESSAGE_BYTES))
     }
 
-    /// Submits `program` and waits for it.
+    /// Submits `program` and waits for it (again after `ST_RETRY`).
     pub fn run(&mut self, program: &DmaBuf, opts: &RunOptions) -> Result<StatusBlock, Error> {
-        let t = self.submit(Some(program), opts)?;
-        self.wait(t)
+        self.submit_and_wait(abi::OP_RUN, Some(program), 0, opts)
     }
 
     /// An empty request (the ring's round trip).
     pub fn nop(&mut self, wait: Wait) -> Result<StatusBlock, Error> {
-        let t = self.submit(None, &RunOptions { wait, ..Default::default() })?;
-        self.wait(t)
+        self.submit_and_wait(abi::OP_NOP, None, 0, &RunOptions { wait, ..Default::default() })
     }
 
-    /// Runs mailbox command `cmd` with `args` and returns its result.
+    /// Runs mailbox command `cmd` with `args` and returns its result (run
+    /// again when the device answers `ST_RETRY`).
     pub fn mailbox(&mut self, cmd: u32, args: &[u64]) -> Result<u64, Error> {
+        let mut tries = 0;
+        loop {
+            match self.mailbox_once(cmd, args) {
+                Err(Error::Mailbox { status: abi::ST_RETRY, .. }) if tries < MAX_RETRIES => {
+                    tries += 1;
+                    self.retried += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn mailbox_once(&mut self, cmd: u32, args: &[u64]) -> Result<u64, Error> {
         let b = &self.bar;
         for (i, a) in args.iter().take(6).enumerate() {
             b.write64(regs::MBOX_ARG0 + 8 * i as u64, *a);

@@ -1,7 +1,9 @@
 //! Memories a program can name: the core's SRAM segment, a lazily backed
 //! HBM segment and the guest's DMA-visible memory.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::os::fd::AsRawFd;
 
 use thiserror::Error;
 
@@ -12,6 +14,83 @@ pub enum MemoryError {
     OutOfRange { space: &'static str, start: u64, len: u64, size: u64 },
     #[error("guest memory access at {addr:#x} (+{len:#x}) failed: {reason}")]
     Guest { addr: u64, len: u64, reason: String },
+    /// A file-backed HBM segment could not store a write (its disk is full).
+    #[error("hbm store at {addr:#x} (+{len:#x}) failed: {reason}")]
+    Store { addr: u64, len: u64, reason: String },
+}
+
+/// A file mapped whole into memory: where a memory's bytes live when they
+/// must outlive the process (a vNPU's SRAM and HBM in the board daemon's
+/// state directory, so that a restarted daemon resumes them). Every page
+/// a write may touch is reserved on disk first (`fallocate`), so a full
+/// disk fails that write instead of killing the process with SIGBUS.
+struct MappedFile {
+    file: File,
+    map: memmap2::MmapMut,
+}
+
+impl MappedFile {
+    /// Maps `file` as `size` bytes. Its contents are kept if it is that
+    /// long already; otherwise it is emptied and sized (reads as zeros).
+    /// The file must be this process's alone: another process that
+    /// shrank it would make the next access fault.
+    fn open(file: File, size: u64) -> std::io::Result<Self> {
+        if file.metadata()?.len() != size {
+            file.set_len(0)?;
+            file.set_len(size)?;
+        }
+        let len =
+            usize::try_from(size).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: the mapping covers exactly the file's `size` bytes (set
+        // above); the file lives in the daemon's own state directory and
+        // is never truncated while mapped, so no access can fault on a
+        // missing page; writes go only to pages `reserve` allocated.
+        let map = unsafe { memmap2::MmapOptions::new().len(len).map_mut(&file)? };
+        Ok(Self { file, map })
+    }
+
+    /// The [`HBM_CHUNK`]s of the file that have blocks allocated (found
+    /// with `SEEK_DATA`/`SEEK_HOLE`; all of them where those fail).
+    fn allocated_chunks(&self, size: u64) -> HashSet<u64> {
+        let fd = self.file.as_raw_fd();
+        let mut out = HashSet::new();
+        let mut at: i64 = 0;
+        let end = i64::try_from(size).unwrap_or(i64::MAX);
+        while at < end {
+            // SAFETY: lseek(2) on a descriptor we own moves only its offset.
+            let data = unsafe { libc::lseek(fd, at, libc::SEEK_DATA) };
+            if data < 0 {
+                if std::io::Error::last_os_error().raw_os_error() != Some(libc::ENXIO) {
+                    // No SEEK_DATA here: count every chunk as allocated.
+                    out.extend(0..size.div_ceil(HBM_CHUNK));
+                }
+                break;
+            }
+            // SAFETY: as above.
+            let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+            let hole = if hole < 0 { end } else { hole.min(end) };
+            // Both are in [0, size): the casts cannot lose anything.
+            let (first, last) = (data as u64 / HBM_CHUNK, (hole as u64).div_ceil(HBM_CHUNK));
+            out.extend(first..last);
+            at = hole.max(data + 1);
+        }
+        out
+    }
+
+    /// Allocates the file's blocks for `[offset, offset + len)`, so that
+    /// writing there cannot fail for want of space.
+    fn reserve(&self, offset: u64, len: u64) -> std::io::Result<()> {
+        let (Ok(off), Ok(n)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: fallocate(2) with mode 0 on a descriptor we own only
+        // allocates blocks of the file (its size already covers the range).
+        let r = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, off, n) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
 }
 
 fn check(space: &'static str, start: u64, len: u64, size: u64) -> Result<(), MemoryError> {
@@ -35,26 +114,61 @@ pub trait Memory {
 
 /// On-chip SRAM of one vNPU core: bytes allocated up front, 8-byte
 /// aligned so aligned f32 operands can be used in place.
-#[derive(Debug, Clone)]
+/// Or held in a file it maps ([`Sram::file_backed`]; page aligned).
 pub struct Sram {
     words: Vec<u64>,
     size: u64,
+    file: Option<MappedFile>,
+}
+
+impl std::fmt::Debug for Sram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sram").field("size", &self.size).field("file_backed", &self.file.is_some()).finish()
+    }
+}
+
+/// A copy in host memory (a file-backed SRAM's copy is not file-backed).
+impl Clone for Sram {
+    fn clone(&self) -> Self {
+        let mut c = Self::new(self.size);
+        c.bytes_mut().copy_from_slice(self.bytes());
+        c
+    }
 }
 
 impl Sram {
     pub fn new(size: u64) -> Self {
-        Self { words: vec![0; size.div_ceil(8) as usize], size }
+        Self { words: vec![0; size.div_ceil(8) as usize], size, file: None }
+    }
+
+    /// An SRAM of `size` bytes held in `file`: what the file holds if it
+    /// is `size` bytes long already (a restarted daemon resumes it), zeros
+    /// otherwise. Its blocks are all allocated now, so no later access can
+    /// fail for want of disk space.
+    pub fn file_backed(size: u64, file: File) -> std::io::Result<Self> {
+        if size == 0 {
+            return Ok(Self::new(0));
+        }
+        let f = MappedFile::open(file, size)?;
+        f.reserve(0, size)?;
+        Ok(Self { words: Vec::new(), size, file: Some(f) })
     }
 
     /// All bytes.
     pub fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.size as usize]
+        match &self.file {
+            Some(f) => &f.map[..],
+            None => &bytemuck::cast_slice(&self.words)[..self.size as usize],
+        }
     }
 
     /// All bytes, mutably.
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.size as usize;
-        &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
+        match &mut self.file {
+            Some(f) => &mut f.map[..],
+            None => &mut bytemuck::cast_slice_mut(&mut self.words)[..n],
+        }
     }
 }
 
@@ -85,21 +199,67 @@ pub const HBM_CHUNK: u64 = 1 << 20;
 
 /// HBM segment backed lazily: a chunk is allocated on its first write and
 /// untouched memory reads as zero, so a board with tens of GiB of modelled
-/// HBM costs host memory only for what tenants write.
-#[derive(Debug, Clone, Default)]
+/// HBM costs host memory only for what tenants write. The chunks live in
+/// host memory, or in a sparse file the segment maps
+/// ([`LazyHbm::file_backed`]), whose blocks are allocated chunk by chunk.
+#[derive(Default)]
 pub struct LazyHbm {
     size: u64,
     chunks: HashMap<u64, Box<[u8]>>,
+    file: Option<(MappedFile, HashSet<u64>)>,
+}
+
+impl std::fmt::Debug for LazyHbm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LazyHbm")
+            .field("size", &self.size)
+            .field("resident_bytes", &self.resident_bytes())
+            .field("file_backed", &self.file.is_some())
+            .finish()
+    }
+}
+
+/// A copy in host memory (a file-backed segment's copy is not file-backed).
+impl Clone for LazyHbm {
+    fn clone(&self) -> Self {
+        let mut chunks = self.chunks.clone();
+        if let Some((f, reserved)) = &self.file {
+            for &c in reserved {
+                let at = (c * HBM_CHUNK) as usize;
+                let end = (at + HBM_CHUNK as usize).min(f.map.len());
+                let mut b = vec![0u8; HBM_CHUNK as usize].into_boxed_slice();
+                b[..end - at].copy_from_slice(&f.map[at..end]);
+                chunks.insert(c, b);
+            }
+        }
+        Self { size: self.size, chunks, file: None }
+    }
 }
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self { size, chunks: HashMap::new() }
+        Self { size, chunks: HashMap::new(), file: None }
     }
 
-    /// Host bytes actually allocated for this segment.
+    /// A segment of `size` bytes held in `file`, a sparse file: what the
+    /// file holds if it is `size` bytes long already (a restarted daemon
+    /// resumes it), zeros otherwise. A chunk's blocks are allocated on its
+    /// first write (a full disk fails that write with
+    /// [`MemoryError::Store`], never a fault).
+    pub fn file_backed(size: u64, file: File) -> std::io::Result<Self> {
+        if size == 0 {
+            return Ok(Self::new(0));
+        }
+        let f = MappedFile::open(file, size)?;
+        let reserved = f.allocated_chunks(size);
+        Ok(Self { size, chunks: HashMap::new(), file: Some((f, reserved)) })
+    }
+
+    /// Host bytes actually allocated for this segment (for a file-backed
+    /// one: the chunks written since it was opened).
     pub fn resident_bytes(&self) -> u64 {
-        self.chunks.len() as u64 * HBM_CHUNK
+        let reserved = self.file.as_ref().map_or(0, |(_, r)| r.len());
+        (self.chunks.len() + reserved) as u64 * HBM_CHUNK
     }
 
     fn pieces(addr: u64, len: usize) -> impl Iterator<Item = (u64, usize, usize, usize)> {
@@ -126,6 +286,12 @@ impl Memory for LazyHbm {
     }
     fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
         check("hbm", addr, buf.len() as u64, self.size)?;
+        if let Some((f, _)) = &self.file {
+            // Holes read as zeros.
+            let a = addr as usize;
+            buf.copy_from_slice(&f.map[a..a + buf.len()]);
+            return Ok(());
+        }
         for (chunk, off, at, n) in Self::pieces(addr, buf.len()) {
             let dst = &mut buf[at..at + n];
             match self.chunks.get(&chunk) {
@@ -137,6 +303,24 @@ impl Memory for LazyHbm {
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
         check("hbm", addr, data.len() as u64, self.size)?;
+        if let Some((f, reserved)) = &mut self.file {
+            for (chunk, _, _, _) in Self::pieces(addr, data.len()) {
+                if reserved.contains(&chunk) {
+                    continue;
+                }
+                let at = chunk * HBM_CHUNK;
+                let n = HBM_CHUNK.min(self.size - at);
+                f.reserve(at, n).map_err(|e| MemoryError::Store {
+                    addr,
+                    len: data.len() as u64,
+                    reason: e.to_string(),
+                })?;
+                reserved.insert(chunk);
+            }
+            let a = addr as usize;
+            f.map[a..a + data.len()].copy_from_slice(data);
+            return Ok(());
+        }
         for (chunk, off, at, n) in Self::pieces(addr, data.len()) {
             let c =
                 self.chunks.entry(chunk).or_insert_with(|| vec![0u8; HBM_CHUNK as usize].into_boxed_slice());
@@ -252,5 +436,56 @@ mod tests {
         assert!(g.write(0xfff, &[1]).is_err());
         assert!(g.read(0x10ff, &mut [0; 2]).is_err());
         assert!(g.read(u64::MAX, &mut [0; 2]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod file_backed_tests {
+    use super::*;
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("npu-model-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_file(&p);
+        p
+    }
+
+    fn open(p: &std::path::Path) -> File {
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(p).unwrap()
+    }
+
+    /// What a file-backed SRAM or HBM holds is in its file: reopened (a
+    /// restarted daemon), it reads back the same bytes; untouched HBM
+    /// reads zeros and takes no blocks; a file of another size starts
+    /// from zeros.
+    #[test]
+    fn file_backed_memories_keep_their_bytes_across_reopening() {
+        let (sp, hp) = (scratch("sram"), scratch("hbm"));
+        {
+            let mut s = Sram::file_backed(1 << 16, open(&sp)).unwrap();
+            s.write(100, &[1, 2, 3]).unwrap();
+            let mut h = LazyHbm::file_backed(1 << 30, open(&hp)).unwrap();
+            h.write((5 << 20) - 2, &[7, 8, 9, 10]).unwrap();
+            assert_eq!(h.resident_bytes(), 2 * HBM_CHUNK, "the write spans two chunks");
+            assert!(h.write((1 << 30) - 1, &[0, 0]).is_err(), "past the end");
+        }
+        let s = Sram::file_backed(1 << 16, open(&sp)).unwrap();
+        let mut b = [0u8; 3];
+        s.read(100, &mut b).unwrap();
+        assert_eq!(b, [1, 2, 3]);
+        let h = LazyHbm::file_backed(1 << 30, open(&hp)).unwrap();
+        let mut b = [0u8; 6];
+        h.read((5 << 20) - 3, &mut b).unwrap();
+        assert_eq!(b, [0, 7, 8, 9, 10, 0]);
+        // Sparse: about two chunks of blocks, not a GiB.
+        let blocks = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&hp).unwrap());
+        assert!(blocks * 512 <= 4 * HBM_CHUNK, "{blocks} blocks");
+        // A copy lives in host memory and holds the same bytes.
+        let c = h.clone();
+        c.read((5 << 20) - 3, &mut b).unwrap();
+        assert_eq!(b, [0, 7, 8, 9, 10, 0]);
+        // Another size: a fresh, zeroed segment.
+        let s = Sram::file_backed(1 << 12, open(&sp)).unwrap();
+        assert!(s.bytes().iter().all(|&x| x == 0));
+        let _ = (std::fs::remove_file(&sp), std::fs::remove_file(&hp));
     }
 }

@@ -215,6 +215,9 @@ pub const ST_BAD_ADDRESS: u32 = 12;
 pub const ST_BAD_HANDLE: u32 = 13;
 /// All [`MAX_REGISTERED`] handles are in use.
 pub const ST_NO_SPACE: u32 = 14;
+/// The board daemon restarted while the request (or mailbox command) ran:
+/// it may have run in part and its results are not there; submit it again.
+pub const ST_RETRY: u32 = 15;
 
 /// A short name for a status code.
 pub fn status_name(code: u32) -> &'static str {
@@ -234,6 +237,7 @@ pub fn status_name(code: u32) -> &'static str {
         ST_BAD_ADDRESS => "bad guest address",
         ST_BAD_HANDLE => "no such program handle",
         ST_NO_SPACE => "no free program handle",
+        ST_RETRY => "device restarted: retry",
         _ => "unknown status",
     }
 }

@@ -265,3 +265,65 @@ pub fn run<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P) -
     }
     ok
 }
+
+/// Classifies every held-out image with the MLP, `rounds` times over, one
+/// image per request, each against the CPU's answer with the same
+/// weights, with the weights kept in the vNPU's SRAM and the program
+/// registered once for the whole run: a device that lost either (a board
+/// daemon that restarted without resuming the session) gives wrong
+/// answers or errors. Prints each round and, at the end, how many
+/// requests the driver submitted again after `ST_RETRY`; true when every
+/// answer matched.
+pub fn classify_rounds<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P, rounds: u32) -> bool {
+    let Some(data) = p.data(DATA_BYTES).filter(|d| d.len >= DATA_BYTES).map(Data) else {
+        out!(p, "this guest needs {DATA_BYTES} bytes of DMA memory for its tensors");
+        return false;
+    };
+    let opts = RunOptions { wait: p.wait(), ..Default::default() };
+    let plan = layout::MLP_SRAM;
+    data.buf(layout::MLP_WEIGHTS, MLP.len()).write(0, MLP);
+    let load = digits::load_weights(plan, data.addr(layout::MLP_WEIGHTS), MLP.len()).encode();
+    let one = digits::mlp_infer(plan, 1, data.addr(layout::ONE_X), data.addr(layout::ONE_OUT)).encode();
+    let (load, one) = match (npu.load(dma, &load), npu.load(dma, &one)) {
+        (Ok(l), Ok(o)) => (l, o),
+        _ => {
+            out!(p, "no DMA memory for the programs");
+            return false;
+        }
+    };
+    if let Err(e) = npu.run(&load, &opts) {
+        out!(p, "loading the weights: {e}");
+        return false;
+    }
+    let one = match npu.register(&one) {
+        Ok(h) => h,
+        Err(e) => {
+            out!(p, "register: {e}");
+            return false;
+        }
+    };
+    let n = TEST_Y.len();
+    let (w, x) = (f32s(MLP), f32s(TEST_X));
+    let cpu: Vec<usize> = (0..n).map(|i| argmax(&digits::mlp_cpu(&w, &x[i * PIXELS..(i + 1) * PIXELS]))).collect();
+    let (x1, out1) = (data.buf(layout::ONE_X, 4 * PIXELS), data.buf(layout::ONE_OUT, 4 * CLASSES));
+    let mut all = true;
+    for r in 0..rounds {
+        let mut agree = 0;
+        for (i, want) in cpu.iter().enumerate() {
+            x1.write(0, &TEST_X[i * 4 * PIXELS..(i + 1) * 4 * PIXELS]);
+            // Last round's answer must not pass for this one's.
+            out1.write(0, &[0xff; 4 * CLASSES]);
+            if let Err(e) = npu.run_registered(one, &opts) {
+                out!(p, "round {r} image {i}: {e}");
+                return false;
+            }
+            let mut logits = [0f32; CLASSES];
+            out1.read_f32s(0, &mut logits);
+            agree += usize::from(logits.iter().all(|v| v.is_finite()) && argmax(&logits) == *want);
+        }
+        all &= agree == n;
+        out!(p, "round {r}: agree={agree}/{n} retried={}", npu.retried());
+    }
+    out!(p, "rounds={rounds} images={} all_agree={all} retried={}", rounds as usize * n, npu.retried());
+    all
+}

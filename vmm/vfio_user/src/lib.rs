@@ -240,6 +240,12 @@ struct Capabilities {
     /// `max_dma_maps`; a client that is not told assumes 65,535).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_dma_maps: Option<u32>,
+    /// Patched: capabilities this crate does not know, as sent (a peer
+    /// ignores the ones it does not know). A client adds its own with
+    /// [`Client::new_with_capabilities`]; a server's backend sees them
+    /// and adds its answer ([`ServerBackend::version`]).
+    #[serde(flatten)]
+    extra: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Default)]
@@ -254,6 +260,7 @@ impl Default for Capabilities {
             max_data_xfer_size: default_max_data_xfer_size(),
             migration: default_migration_capabilities(),
             max_dma_maps: None,
+            extra: serde_json::Map::new(),
         }
     }
 }
@@ -266,6 +273,8 @@ pub struct Client {
     regions: Vec<Region>,
     /// The server's `max_dma_maps`, if it said (patched).
     max_dma_maps: Option<u32>,
+    /// The server's capabilities this crate does not know (patched).
+    server_extra: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug)]
@@ -453,6 +462,18 @@ impl Client {
     /// that takes longer fails with an I/O error of kind `WouldBlock` or
     /// `TimedOut`; afterwards the socket blocks as before.
     pub fn new_with_timeout(path: &Path, timeout: Option<std::time::Duration>) -> Result<Client, Error> {
+        Self::new_with_capabilities(path, timeout, serde_json::Map::new())
+    }
+
+    /// As [`Client::new_with_timeout`], sending `extra` among the
+    /// version's capabilities (patched: a vendor's own capabilities, e.g.
+    /// a session to resume); the server's own extra capabilities are then
+    /// [`Client::server_capabilities`].
+    pub fn new_with_capabilities(
+        path: &Path,
+        timeout: Option<std::time::Duration>,
+        extra: serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Client, Error> {
         let stream = UnixStream::connect(path).map_err(Error::Connect)?;
         stream.set_read_timeout(timeout).map_err(Error::Connect)?;
         stream.set_write_timeout(timeout).map_err(Error::Connect)?;
@@ -464,9 +485,10 @@ impl Client {
             resettable: false,
             regions: Vec::new(),
             max_dma_maps: None,
+            server_extra: serde_json::Map::new(),
         };
 
-        client.negotiate_version()?;
+        client.negotiate_version(extra)?;
 
         client.regions = client.get_regions()?;
         client.stream.set_read_timeout(None).map_err(Error::Connect)?;
@@ -532,8 +554,9 @@ impl Client {
         Ok(())
     }
 
-    fn negotiate_version(&mut self) -> Result<(), Error> {
-        let caps = CapabilitiesData::default();
+    fn negotiate_version(&mut self, extra: serde_json::Map<String, serde_json::Value>) -> Result<(), Error> {
+        let mut caps = CapabilitiesData::default();
+        caps.capabilities.extra = extra;
 
         let version_data = serde_json::to_string(&caps).map_err(Error::SerializeCapabilites)?;
 
@@ -586,8 +609,15 @@ impl Client {
             server_version.major, server_version.minor, server_caps.capabilities
         );
         self.max_dma_maps = server_caps.capabilities.max_dma_maps;
+        self.server_extra = server_caps.capabilities.extra;
 
         Ok(())
+    }
+
+    /// The capabilities the server sent that this crate does not know
+    /// (patched).
+    pub fn server_capabilities(&self) -> &serde_json::Map<String, serde_json::Value> {
+        &self.server_extra
     }
 
     /// The most DMA mappings the server said it takes (`max_dma_maps`),
@@ -1088,6 +1118,15 @@ pub trait ServerBackend {
     fn region_io_fds(&mut self, _region: u32) -> Result<Vec<(SubRegionIoEventFd, RawFd)>, std::io::Error> {
         Err(std::io::Error::from_raw_os_error(libc::ENOTSUP))
     }
+    /// `VFIO_USER_VERSION` (added by the patch): the client's capabilities
+    /// this crate does not know; returns the server's own to add to the
+    /// reply. By default none, whatever the client sent.
+    fn version(
+        &mut self,
+        _client: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, std::io::Error> {
+        Ok(serde_json::Map::new())
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -1248,6 +1287,8 @@ impl Server {
 
                 let mut server_capabilities = CapabilitiesData::default();
                 server_capabilities.capabilities.max_dma_maps = self.max_dma_maps;
+                server_capabilities.capabilities.extra =
+                    backend.version(&client_capabilities.capabilities.extra).map_err(Error::Backend)?;
                 let server_version_data =
                     serde_json::to_string(&server_capabilities).map_err(Error::SerializeCapabilites)?;
                 let server_version_data =

@@ -47,11 +47,29 @@ pub struct RunArgs {
     /// 0 = never poll (lowest host CPU use, higher latency).
     #[arg(long, default_value_t = vnpu_device::DEFAULT_POLL_US)]
     pub poll_us: u64,
+    /// When the board daemon serving a vNPU hangs up (it died, or is being
+    /// restarted or upgraded), wait this many seconds for it to come back
+    /// on the same socket and resume the device session (the guest's
+    /// device accesses wait meanwhile); after that the device reads as
+    /// failed. 0: fail at once.
+    #[arg(long, default_value_t = vnpu_vm::remote::DEFAULT_RECONNECT.as_secs())]
+    pub reconnect_s: u64,
 }
 
 /// Boots the VM and returns the exit code its guest asked for.
 pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
-    let RunArgs { guest, kernel, initrd, cmdline, memory, vnpus, state_dir, board: path, poll_us } = args;
+    let RunArgs {
+        guest,
+        kernel,
+        initrd,
+        cmdline,
+        memory,
+        vnpus,
+        state_dir,
+        board: path,
+        poll_us,
+        reconnect_s,
+    } = args;
     let b = board(&path)?;
     let dir = manage::state_dir(&state_dir);
     let (vnpus, remote_vnpus) = split_remote(vnpus, &dir);
@@ -87,6 +105,7 @@ pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
         name: "vm".into(),
         linux,
         remote_vnpus,
+        reconnect: std::time::Duration::from_secs(reconnect_s),
         payload: None,
     };
     let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;

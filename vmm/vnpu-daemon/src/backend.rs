@@ -221,7 +221,17 @@ pub struct VnpuBackend {
     /// Where this client's device-request trigger goes.
     release: Arc<ReleaseRequest>,
     id: u64,
+    /// The instance's session directory (state kept for a restart).
+    store_dir: Option<std::path::PathBuf>,
+    /// This client resumed a session: its ring is taken up once it has
+    /// given its MSI-X triggers (its memory is mapped by then).
+    resuming: bool,
 }
+
+/// The `VERSION` capability in which a client names its device session
+/// and the daemon answers whether it resumed it (`docs/vfio-user.md`,
+/// "Daemon restarts").
+pub const SESSION_CAPABILITY: &str = "vnpu-session";
 
 impl Drop for VnpuBackend {
     fn drop(&mut self) {
@@ -303,7 +313,50 @@ impl VnpuBackend {
             error_trigger: None,
             release: Arc::default(),
             id: BACKEND_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            store_dir: None,
+            resuming: false,
         })
+    }
+
+    /// This backend keeping the vNPU's state in `dir` (an existing
+    /// directory, the instance's own) for a restarted daemon.
+    pub fn with_store(mut self, dir: std::path::PathBuf) -> Self {
+        self.store_dir = Some(dir);
+        self
+    }
+
+    /// The client's `VERSION` capabilities: a session it names (`id`) and
+    /// asks to resume (`resume`) is resumed when the store holds that
+    /// session; otherwise a new one starts under the id (0 when it gave
+    /// none). The answer says which.
+    fn session(
+        &mut self,
+        client: &serde_json::Map<String, serde_json::Value>,
+    ) -> serde_json::Map<String, serde_json::Value> {
+        let mut answer = serde_json::Map::new();
+        // One session per connection: a client that sends `VERSION` again
+        // gets no second one (nor the disk work of starting it).
+        let Some(dir) = self.store_dir.take() else { return answer };
+        let asked = client.get(SESSION_CAPABILITY);
+        let id = asked.and_then(|a| a.get("id")).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        let resume = asked.and_then(|a| a.get("resume")).and_then(serde_json::Value::as_bool) == Some(true);
+        let store = match vnpu_device::SessionStore::open(&dir) {
+            Ok(s) => Arc::new(s),
+            Err(e) => {
+                log::warn!("{}: session store: {e}; this session cannot be resumed", dir.display());
+                return answer;
+            }
+        };
+        let resumed = resume && id != 0 && store.session() == Some(id);
+        if !resumed {
+            if let Err(e) = store.begin(id) {
+                store.invalidate(&format!("starting a session: {e}"));
+            }
+        }
+        self.resuming = resumed;
+        self.function.keep_in(store, resumed);
+        answer.insert(SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resumed": resumed }));
+        answer
     }
 
     /// This backend with its device-request trigger going to `release`
@@ -388,6 +441,14 @@ impl VnpuBackend {
         Ok(())
     }
 
+    /// A resumed session whose client touches the device before it gave
+    /// its MSI-X triggers takes its ring up now.
+    fn resume_on_bar_access(&mut self, region: u32) {
+        if region != VFIO_PCI_CONFIG_REGION_INDEX && std::mem::take(&mut self.resuming) {
+            self.function.resume();
+        }
+    }
+
     fn check_access(region: u32, offset: u64, len: usize) -> Result<(), BackendError> {
         let size = region_size(region);
         if size == 0 {
@@ -443,6 +504,10 @@ impl VnpuBackend {
         for (slot, file) in slots.iter_mut().zip(fds) {
             *slot = Some(file);
         }
+        drop(v);
+        if std::mem::take(&mut self.resuming) {
+            self.function.resume();
+        }
         Ok(())
     }
 
@@ -482,6 +547,7 @@ fn config_offset(offset: u64) -> Result<usize, std::io::Error> {
 impl ServerBackend for VnpuBackend {
     fn region_read(&mut self, region: u32, offset: u64, data: &mut [u8]) -> Result<(), std::io::Error> {
         Self::check_access(region, offset, data.len())?;
+        self.resume_on_bar_access(region);
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => self.function.config().read(config_offset(offset)?, data),
             bar => self.function.bar_read(bar as usize, offset, data),
@@ -491,6 +557,7 @@ impl ServerBackend for VnpuBackend {
 
     fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), std::io::Error> {
         Self::check_access(region, offset, data.len())?;
+        self.resume_on_bar_access(region);
         match region {
             VFIO_PCI_CONFIG_REGION_INDEX => {
                 let offset = config_offset(offset)?;
@@ -531,6 +598,13 @@ impl ServerBackend for VnpuBackend {
         fds: Vec<File>,
     ) -> Result<(), std::io::Error> {
         Ok(self.irqs(index, flags, start, count, fds)?)
+    }
+
+    fn version(
+        &mut self,
+        client: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<serde_json::Map<String, serde_json::Value>, std::io::Error> {
+        Ok(self.session(client))
     }
 
     fn region_io_fds(&mut self, region: u32) -> Result<Vec<(SubRegionIoEventFd, RawFd)>, std::io::Error> {

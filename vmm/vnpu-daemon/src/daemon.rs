@@ -460,10 +460,20 @@ fn serve_started(
             kept.insert(u, s.telemetry);
         }
     }
+    prune_sessions(opts, instances);
     for (uuid, inst) in wanted {
         if served.contains_key(&uuid) {
             continue;
         }
+        // Where the vNPU's state is kept for a restart (docs/vfio-user.md).
+        let store_dir = session_dir(opts, &uuid);
+        let store_dir = match std::fs::create_dir_all(&store_dir) {
+            Ok(()) => Some(store_dir),
+            Err(e) => {
+                log::warn!("{uuid}: {}: {e}; its sessions cannot be resumed", store_dir.display());
+                None
+            }
+        };
         let path = control::instance_socket(&opts.socket_dir, &uuid);
         // A socket left by a daemon that died.
         let _ = std::fs::remove_file(&path);
@@ -483,8 +493,13 @@ fn serve_started(
             &path,
             &uuid,
             Box::new(move || {
-                VnpuBackend::new(&spec, &cfg, &name, device.clone())
-                    .map(|b| b.with_release(Arc::clone(&theirs)))
+                VnpuBackend::new(&spec, &cfg, &name, device.clone()).map(|b| {
+                    let b = b.with_release(Arc::clone(&theirs));
+                    match &store_dir {
+                        Some(d) => b.with_store(d.clone()),
+                        None => b,
+                    }
+                })
             }),
         )
         .map_err(|source| DaemonError::Serve { uuid: uuid.clone(), source })?;
@@ -492,6 +507,27 @@ fn serve_started(
         served.insert(uuid, ServedInstance { instance: inst, server, telemetry, release, releasing: None });
     }
     Ok(())
+}
+
+/// Directory of the sessions kept for instances (docs/vfio-user.md).
+const SESSIONS: &str = "sessions";
+
+/// The directory where instance `uuid` keeps its device session.
+fn session_dir(opts: &DaemonOptions, uuid: &str) -> PathBuf {
+    opts.state_dir.join(SESSIONS).join(uuid)
+}
+
+/// Removes the kept sessions of instances that no longer exist.
+fn prune_sessions(opts: &DaemonOptions, instances: &[Instance]) {
+    let Ok(dir) = std::fs::read_dir(opts.state_dir.join(SESSIONS)) else { return };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        if !instances.iter().any(|i| std::ffi::OsStr::new(&i.uuid) == name) {
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                log::warn!("{}: {err}", e.path().display());
+            }
+        }
+    }
 }
 
 /// Ends the instances whose client was asked to release the device: once

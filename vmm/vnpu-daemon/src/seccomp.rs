@@ -58,6 +58,8 @@ const CORE: &[i64] = &[
     libc::SYS_madvise,
     libc::SYS_memfd_create,
     libc::SYS_ftruncate,
+    // A vNPU's kept memories (`vnpu_device::SessionStore`).
+    libc::SYS_fallocate,
     // Threads, time, signals.
     libc::SYS_clone,
     libc::SYS_clone3,

@@ -16,11 +16,13 @@
 mod guest_ram;
 mod msi;
 mod regfile;
+mod store;
 mod telemetry;
 mod worker;
 
 pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink, VectorSink};
+pub use store::SessionStore;
 // The board runtime's handles a device is built with and reports on.
 pub use npu_board_runtime::{SharedBoard, SharedCore, SharingStats};
 pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
@@ -133,6 +135,21 @@ impl VnpuFunction {
     /// Replaces the guest memory the vNPU's DMA reaches (between requests).
     pub fn set_memory(&self, memory: GuestMemoryMmap<()>) {
         self.shared.post(Control::Memory(memory));
+    }
+
+    /// Keeps the vNPU's state in `store` from now on, so that a restarted
+    /// daemon can resume it: a new session from nothing, or (`resume`) the
+    /// one the store holds (its registers, configuration and memories at
+    /// once; its programs and ring at [`Self::resume`]).
+    pub fn keep_in(&self, store: Arc<SessionStore>, resume: bool) {
+        self.shared.post(Control::Session { store, resume });
+    }
+
+    /// A resumed session's client is set up again: the ring carries on
+    /// where it was, and the request that was running completes with
+    /// `ST_RETRY`.
+    pub fn resume(&self) {
+        self.shared.post(Control::Resume);
     }
 
     fn build(

@@ -14,6 +14,8 @@ pub(crate) const LEN: usize = regs::END as usize;
 #[derive(Clone, Debug)]
 pub(crate) struct RegFile {
     bytes: [u8; LEN],
+    /// Where every change is also written (the daemon's session store).
+    mirror: Option<std::sync::Arc<crate::store::SessionStore>>,
 }
 
 /// Byte ranges the guest writes as plain storage (side-effect registers are
@@ -26,7 +28,38 @@ const GUEST_WRITABLE: [(u64, u64); 3] = [
 
 impl RegFile {
     pub fn new() -> Self {
-        Self { bytes: [0; LEN] }
+        Self { bytes: [0; LEN], mirror: None }
+    }
+
+    /// Writes every change to `store` from now on (and the registers as
+    /// they are now).
+    pub fn mirror_to(&mut self, store: Option<std::sync::Arc<crate::store::SessionStore>>) {
+        self.mirror = store;
+        self.sync();
+    }
+
+    /// Takes the registers a guest's driver and the device change from
+    /// `stored` (a resumed session's), keeping this file's identity and
+    /// board registers (`MAGIC` to `CLOCK_MHZ`, `QUEUE_SIZE_MAX`: the
+    /// restarted daemon's own).
+    pub fn resume(&mut self, stored: &[u8; LEN]) {
+        let kept = |o: u64| {
+            (regs::NUM_CHIPS..regs::INT_TEST).contains(&o)
+                || o < regs::STATUS
+                || (regs::QUEUE_SIZE_MAX..regs::QUEUE_SIZE).contains(&o)
+        };
+        for (o, b) in stored.iter().enumerate() {
+            if !kept(o as u64) {
+                self.bytes[o] = *b;
+            }
+        }
+        self.sync();
+    }
+
+    fn sync(&self) {
+        if let Some(m) = &self.mirror {
+            m.save_regs(&self.bytes);
+        }
     }
 
     pub fn u32(&self, off: u64) -> u32 {
@@ -42,6 +75,7 @@ impl RegFile {
         let Ok(o) = usize::try_from(off) else { return };
         if let Some(b) = self.bytes.get_mut(o..o.saturating_add(4)) {
             b.copy_from_slice(&v.to_le_bytes());
+            self.sync();
         }
     }
 
@@ -78,6 +112,7 @@ impl RegFile {
                 }
             }
         }
+        self.sync();
     }
 
     /// Shows `spec` in the hierarchy registers (all zero for `None`).

@@ -41,7 +41,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{kvm_segment, kvm_userspace_memory_region};
-use kvm_ioctls::{IoEventAddress, Kvm, NoDatamatch, VcpuExit, VcpuFd, VmFd};
+use kvm_ioctls::{Kvm, VcpuExit, VcpuFd, VmFd};
 use linux_loader::loader::{elf::Elf, KernelLoader};
 use npu_model::BoardConfig;
 use thiserror::Error;
@@ -201,8 +201,9 @@ pub struct Vm<W: Write> {
 #[derive(Debug)]
 struct Doorbells {
     slot: usize,
-    events: Vec<(u64, EventFd)>,
-    registered: Option<u64>,
+    /// Shared with a remote function, which replaces them when it
+    /// reconnects to a restarted server.
+    io: Arc<Mutex<remote::IoEvents>>,
     /// None for a function served by a daemon (its grant is the daemon's).
     grant: Option<vnpu_device::GrantHandle>,
 }
@@ -333,6 +334,10 @@ pub struct VmConfig {
     /// socket of each, attached as PCI functions after `vnpus`. Guest RAM
     /// is then a sealed memfd shared with the daemon.
     pub remote_vnpus: Vec<std::path::PathBuf>,
+    /// How long a remote vNPU whose server hung up waits for it to come
+    /// back (a restarted board daemon resumes the device session) before
+    /// its device reads as failed.
+    pub reconnect: std::time::Duration,
     /// Bytes placed at the top of a bare-metal guest's RAM (page-aligned,
     /// above 32 MiB), handed to it in `rdx` (address) and `rcx` (length)
     /// and readable after the run with [`Vm::read_payload`]: how `vnpu
@@ -354,6 +359,7 @@ impl VmConfig {
             name: "vm".into(),
             linux: None,
             remote_vnpus: Vec::new(),
+            reconnect: remote::DEFAULT_RECONNECT,
             payload: None,
         }
     }
@@ -733,15 +739,23 @@ impl<W: Write> Vm<W> {
             events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
             let grant = Some(f.grant_handle());
             bus.add(slot, Box::new(f))?;
-            doorbells.push(Doorbells { slot, events, registered: None, grant });
+            let io = Arc::new(Mutex::new(remote::IoEvents { events, registered: None }));
+            doorbells.push(Doorbells { slot, io, grant });
         }
         for (i, path) in cfg.remote_vnpus.iter().enumerate() {
             let slot = vnpus.len() + i + 1;
-            let f = remote::RemoteFunction::attach(path, slot, memory, Arc::clone(vm), Arc::clone(msi))
-                .map_err(|source| VmError::Attach { path: path.display().to_string(), source })?;
-            let events = f.ioevents().map_err(vnpu_device::DeviceError::Io)?;
+            let f = remote::RemoteFunction::attach(
+                path,
+                slot,
+                memory,
+                Arc::clone(vm),
+                Arc::clone(msi),
+                cfg.reconnect,
+            )
+            .map_err(|source| VmError::Attach { path: path.display().to_string(), source })?;
+            let io = f.ioevents();
             bus.add(slot, Box::new(f))?;
-            doorbells.push(Doorbells { slot, events, registered: None, grant: None });
+            doorbells.push(Doorbells { slot, io, grant: None });
         }
         Ok((bus, doorbells))
     }
@@ -750,7 +764,7 @@ impl<W: Write> Vm<W> {
     /// decoded (after any configuration write: BAR moves and command
     /// register changes).
     fn sync_doorbells(&mut self) {
-        for d in &mut self.doorbells {
+        for d in &self.doorbells {
             let now = self
                 .pci
                 .function(d.slot)
@@ -758,31 +772,7 @@ impl<W: Write> Vm<W> {
                 .filter(|c| c.memory_enabled())
                 .and_then(|c| c.bar_address(0))
                 .filter(|a| *a != 0);
-            if now == d.registered {
-                continue;
-            }
-            if let Some(old) = d.registered.take() {
-                for (off, fd) in &d.events {
-                    // Failing to remove one that was never added is harmless.
-                    let _ = self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(old + off), NoDatamatch);
-                }
-            }
-            if let Some(base) = now {
-                let ok = d.events.iter().all(|(off, fd)| {
-                    base.checked_add(*off).is_some_and(|a| {
-                        self.vm.register_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch).is_ok()
-                    })
-                });
-                // Without the ioeventfds the doorbells still work, through
-                // MMIO exits to the function.
-                d.registered = ok.then_some(base);
-                if !ok {
-                    for (off, fd) in &d.events {
-                        let _ =
-                            self.vm.unregister_ioevent(fd, &IoEventAddress::Mmio(base + off), NoDatamatch);
-                    }
-                }
-            }
+            d.io.lock().unwrap_or_else(std::sync::PoisonError::into_inner).place(&self.vm, now);
         }
     }
 

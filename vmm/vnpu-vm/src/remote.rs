@@ -85,10 +85,172 @@ struct Msix {
     pba_offset: u64,
 }
 
+/// A function's BAR 0 ioeventfds (offset, eventfd) and the BAR address
+/// they are registered at in KVM, if any. Shared by the VM (which moves
+/// them with the BAR) and a remote function (which replaces them when it
+/// reconnects to a restarted server).
+#[derive(Debug, Default)]
+pub struct IoEvents {
+    pub events: Vec<(u64, EventFd)>,
+    pub registered: Option<u64>,
+}
+
+impl IoEvents {
+    /// Registers the ioeventfds at `base` (none: unregistered), moving them
+    /// from where they were. Without them the doorbells still work,
+    /// through MMIO exits to the function.
+    pub fn place(&mut self, vm: &VmFd, base: Option<u64>) {
+        use kvm_ioctls::{IoEventAddress, NoDatamatch};
+        if base == self.registered {
+            return;
+        }
+        if let Some(old) = self.registered.take() {
+            for (off, fd) in &self.events {
+                // Failing to remove one that was never added is harmless.
+                let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(old + off), NoDatamatch);
+            }
+        }
+        if let Some(base) = base {
+            let ok = self.events.iter().all(|(off, fd)| {
+                base.checked_add(*off)
+                    .is_some_and(|a| vm.register_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch).is_ok())
+            });
+            self.registered = ok.then_some(base);
+            if !ok {
+                for (off, fd) in &self.events {
+                    let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(base + off), NoDatamatch);
+                }
+            }
+        }
+    }
+
+    /// Swaps the ioeventfds for `events`, registered where the old ones were.
+    pub fn replace(&mut self, vm: &VmFd, events: Vec<(u64, EventFd)>) {
+        let base = self.registered;
+        self.place(vm, None);
+        self.events = events;
+        self.place(vm, base);
+    }
+}
+
+/// What reconnecting to a restarted server needs, shared by the function
+/// (vCPU thread) and the thread that watches the connection.
+struct Link {
+    path: std::path::PathBuf,
+    client: Mutex<Client>,
+    /// This VMM's device session (`docs/vfio-user.md`, "Daemon restarts").
+    session: u64,
+    /// Guest RAM as mapped: (file, offset in it, guest address, length).
+    memory: Vec<(std::fs::File, u64, u64, u64)>,
+    /// The vectors' irqfds (the server signals them).
+    irqfds: Vec<EventFd>,
+    /// Configuration writes forwarded to the server, by offset (replayed
+    /// to a restarted one).
+    config: Mutex<std::collections::BTreeMap<usize, Vec<u8>>>,
+    io: Arc<Mutex<IoEvents>>,
+    vm: Arc<VmFd>,
+    /// How long a hung-up server is waited for.
+    reconnect: std::time::Duration,
+    /// Bumped at each reconnection.
+    generation: std::sync::atomic::AtomicU64,
+    /// Given up on the server: reads return all ones, writes are dropped.
+    broken: std::sync::atomic::AtomicBool,
+    /// Requests retried on a new connection (the server went mid-access).
+    retried: std::sync::atomic::AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The session capability a client sends (`docs/vfio-user.md`).
+fn session_capability(id: u64, resume: bool) -> serde_json::Map<String, serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    m.insert(SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resume": resume }));
+    m
+}
+
+/// The `VERSION` capability naming a device session.
+pub const SESSION_CAPABILITY: &str = "vnpu-session";
+
+/// Whether the server said it resumed the session.
+fn resumed(c: &Client) -> bool {
+    c.server_capabilities()
+        .get(SESSION_CAPABILITY)
+        .and_then(|s| s.get("resumed"))
+        .and_then(serde_json::Value::as_bool)
+        == Some(true)
+}
+
+/// A random session id (never 0, which names no session).
+fn new_session() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom(2) fills at most the 8 bytes of `b`.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    let mut id = u64::from_ne_bytes(b);
+    if n != 8 {
+        // No entropy source: time and process make it unlikely to repeat.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        id = u64::try_from(t.as_nanos() & u128::from(u64::MAX)).unwrap_or(1)
+            ^ u64::from(std::process::id()) << 32;
+    }
+    id.max(1)
+}
+
+impl Link {
+    /// Attaches again to a restarted server: resumes the session, maps
+    /// guest RAM, replays configuration writes, hands the irqfds over and
+    /// takes the new doorbells.
+    fn reattach(&self) -> Result<Client, String> {
+        let mut c = Client::new_with_capabilities(
+            &self.path,
+            Some(ATTACH_TIMEOUT),
+            session_capability(self.session, true),
+        )
+        .map_err(|e| e.to_string())?;
+        if !resumed(&c) {
+            return Err("the server did not resume this VM's device session (its state is gone)".into());
+        }
+        for (f, offset, addr, len) in &self.memory {
+            c.dma_map(*offset, *addr, *len, f.as_raw_fd()).map_err(|e| format!("DMA_MAP: {e}"))?;
+        }
+        for (off, data) in lock(&self.config).iter() {
+            c.region_write(VFIO_PCI_CONFIG_REGION_INDEX, *off as u64, data)
+                .map_err(|e| format!("configuration write: {e}"))?;
+        }
+        let raw: Vec<i32> = self.irqfds.iter().map(|f| f.as_raw_fd()).collect();
+        let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+        let n = u32::try_from(raw.len()).unwrap_or(0);
+        c.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, n, &raw).map_err(|e| format!("SET_IRQS: {e}"))?;
+        let events = io_events(&mut c);
+        lock(&self.io).replace(&self.vm, events);
+        Ok(c)
+    }
+}
+
+/// The server's BAR 0 ioeventfds, when it offers them.
+fn io_events(client: &mut Client) -> Vec<(u64, EventFd)> {
+    match client.get_region_io_fds(0) {
+        Ok(list) => list
+            .into_iter()
+            .filter(|(s, _)| s.flags == 0)
+            .map(|(s, f)| {
+                // SAFETY: `into_raw_fd` gives up the File's ownership
+                // of the descriptor, which the EventFd takes over.
+                (s.offset, unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+            })
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// Default of how long a VMM waits for a hung-up server to come back.
+pub const DEFAULT_RECONNECT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A PCI function whose device model runs in a vfio-user server.
 pub struct RemoteFunction {
     path: String,
-    client: Mutex<Client>,
+    link: Arc<Link>,
     config: ConfigSpace,
     msix: Msix,
     table: MsixTable,
@@ -97,33 +259,43 @@ pub struct RemoteFunction {
     routes: Arc<Mutex<MsiRoutes>>,
     /// Whether each vector's irqfd is assigned in KVM now.
     live: Vec<bool>,
-    /// The vectors' irqfds (the server signals them).
-    irqfds: Vec<EventFd>,
-    /// The server's ioeventfds (BAR 0 offset, eventfd).
-    ioevents: Vec<(u64, EventFd)>,
-    /// The connection failed: reads return all ones, writes are dropped.
-    broken: bool,
     /// Stops the thread that watches the connection.
     watch_stop: EventFd,
+    /// Said once: the server is gone for good.
+    failed_said: bool,
 }
 
 /// How often a dead server's vectors are signalled again.
 const DEAD_SERVER_WAKE: libc::c_int = 10; // ms
 
-/// Waits for the server to hang up (or `stop`). From then on it signals
-/// every vector's irqfd, and again every [`DEAD_SERVER_WAKE`] ms until
-/// `stop`, so a guest waiting for an interrupt wakes, reads the device
-/// (all ones now: failed) and sees the error instead of waiting for a
-/// completion that cannot come. Once is not enough: a guest that took
-/// that interrupt as the completion of a request already done, then
-/// submits another and halts, would never wake again.
-fn watch(path: String, conn: std::os::unix::net::UnixStream, stop: EventFd, irqfds: Vec<EventFd>) {
-    let mut fds = [
-        libc::pollfd { fd: conn.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 },
-        libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-    ];
+/// First and longest pause between attempts to reach a restarted server.
+const BACKOFF_FIRST: std::time::Duration = std::time::Duration::from_millis(20);
+const BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Waits for the server to hang up (or `stop`). Then it attaches to the
+/// server restarted at the same path, with back-off, for up to the link's
+/// reconnect time, holding the connection's lock (the vCPUs' accesses to
+/// the device wait meanwhile, as for a slow device): the device session
+/// resumes, and every vector is signalled once so a driver waiting for a
+/// completion looks again. When the server does not come back, the device
+/// reads as failed (all ones) from then on and every vector is signalled
+/// every [`DEAD_SERVER_WAKE`] ms until `stop`, so a guest waiting for an
+/// interrupt wakes and sees the error instead of waiting for a completion
+/// that cannot come (once is not enough: a guest that took that interrupt
+/// as the completion of a request already done, then submits another and
+/// halts, would never wake again).
+fn watch(link: Arc<Link>, mut conn: std::os::unix::net::UnixStream, stop: EventFd) {
+    let name = link.path.display().to_string();
     let mut hung_up = false;
     loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: if hung_up { -1 } else { conn.as_raw_fd() },
+                events: libc::POLLRDHUP,
+                revents: 0,
+            },
+            libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
         let timeout = if hung_up { DEAD_SERVER_WAKE } else { -1 };
         // SAFETY: poll(2) on two pollfds this function owns for the whole
         // call (a negative fd is ignored); it only fills in `revents`.
@@ -134,18 +306,89 @@ fn watch(path: String, conn: std::os::unix::net::UnixStream, stop: EventFd, irqf
         if fds[1].revents != 0 || n < 0 {
             return;
         }
-        if !hung_up && fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
-            eprintln!("vnpu: vfio-user server {path} hung up; the device reads as failed from now on");
-            hung_up = true;
-            // Nothing more to hear from it.
-            fds[0].fd = -1;
-        }
         if hung_up {
-            for f in &irqfds {
+            for f in &link.irqfds {
                 let _ = f.write(1);
+            }
+            continue;
+        }
+        if fds[0].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+            continue;
+        }
+        eprintln!(
+            "vnpu: vfio-user server {name} hung up; reconnecting for up to {} s",
+            link.reconnect.as_secs()
+        );
+        let t0 = std::time::Instant::now();
+        let mut client = lock(&link.client);
+        let mut pause = BACKOFF_FIRST;
+        let mut last = String::new();
+        let mut unserved: Option<std::time::Instant> = None;
+        let next = loop {
+            match link.reattach() {
+                Ok(c) => break Some(c),
+                Err(e) => last = e,
+            }
+            if t0.elapsed() >= link.reconnect || stop_requested(&stop) {
+                break None;
+            }
+            // A board daemon that answers on its control socket but no
+            // longer has this vNPU's socket stopped serving it (`vnpu
+            // stop`, `remove`): nothing will come back. A moment's grace
+            // for a daemon that is starting (its instance sockets come
+            // just after its control socket).
+            if daemon_answers_without(&link.path) {
+                let since = *unserved.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= UNSERVED_GRACE {
+                    last = "the board daemon runs but no longer serves this vNPU".into();
+                    break None;
+                }
+            } else {
+                unserved = None;
+            }
+            std::thread::sleep(pause.min(link.reconnect.saturating_sub(t0.elapsed())));
+            pause = (pause * 2).min(BACKOFF_MAX);
+        };
+        match next.and_then(|c| c.connection().ok().map(|k| (c, k))) {
+            Some((c, k)) => {
+                *client = c;
+                conn = k;
+                link.generation.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(client);
+                eprintln!(
+                    "vnpu: vfio-user server {name} is back after {} ms; device session resumed",
+                    t0.elapsed().as_millis()
+                );
+                for f in &link.irqfds {
+                    let _ = f.write(1);
+                }
+            }
+            None => {
+                link.broken.store(true, std::sync::atomic::Ordering::SeqCst);
+                drop(client);
+                eprintln!("vnpu: vfio-user server {name} did not come back ({last}); the device reads as failed from now on");
+                hung_up = true;
             }
         }
     }
+}
+
+/// How long a daemon may answer without serving this vNPU before the
+/// VMM stops waiting for it.
+const UNSERVED_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether a board daemon answers on the control socket beside `path`
+/// (`control.sock`, `docs/management.md`) while `path` itself is gone.
+fn daemon_answers_without(path: &Path) -> bool {
+    !path.exists()
+        && path
+            .parent()
+            .is_some_and(|d| std::os::unix::net::UnixStream::connect(d.join("control.sock")).is_ok())
+}
+
+/// Whether `stop` was signalled (without consuming it).
+fn stop_requested(stop: &EventFd) -> bool {
+    readable(stop.as_raw_fd())
 }
 
 impl Drop for RemoteFunction {
@@ -182,16 +425,20 @@ impl RemoteFunction {
         memory: &GuestMemoryMmap<()>,
         vm: Arc<VmFd>,
         routes: Arc<Mutex<MsiRoutes>>,
+        reconnect: std::time::Duration,
     ) -> Result<Self, RemoteError> {
         let name = path.display().to_string();
         let client_err = |source| RemoteError::Client { path: name.clone(), source };
-        let mut client = Client::new_with_timeout(path, Some(ATTACH_TIMEOUT)).map_err(|e| match e {
-            vfio_user::Error::Reply { errno, .. } if errno == libc::EBUSY.unsigned_abs() => {
-                RemoteError::Busy { path: name.clone() }
-            }
-            e if timed_out(&e) => RemoteError::NoAnswer { path: name.clone() },
-            e => client_err(e),
-        })?;
+        let session = new_session();
+        let mut client =
+            Client::new_with_capabilities(path, Some(ATTACH_TIMEOUT), session_capability(session, false))
+                .map_err(|e| match e {
+                    vfio_user::Error::Reply { errno, .. } if errno == libc::EBUSY.unsigned_abs() => {
+                        RemoteError::Busy { path: name.clone() }
+                    }
+                    e if timed_out(&e) => RemoteError::NoAnswer { path: name.clone() },
+                    e => client_err(e),
+                })?;
         let mut remote = [0u8; 256];
         for at in (0..256).step_by(4) {
             client
@@ -252,11 +499,14 @@ impl RemoteFunction {
         })?;
         let vectors = msix.cap.vectors;
         // Guest RAM, shared by descriptor.
+        let mut mapped = Vec::new();
         for r in memory.iter() {
             let fo = r.file_offset().ok_or(RemoteError::NotShared)?;
             client
                 .dma_map(fo.start(), r.start_addr().0, r.len(), fo.file().as_raw_fd())
                 .map_err(client_err)?;
+            let file = fo.file().try_clone().map_err(RemoteError::Io)?;
+            mapped.push((file, fo.start(), r.start_addr().0, r.len()));
         }
         // One irqfd per vector, routed by the table here.
         let irqfds = {
@@ -267,37 +517,35 @@ impl RemoteFunction {
         let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
         client.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, u32::from(vectors), &raw).map_err(client_err)?;
         // Doorbells as ioeventfds, when the server offers them.
-        let ioevents = match client.get_region_io_fds(0) {
-            Ok(list) => list
-                .into_iter()
-                .filter(|(s, _)| s.flags == 0)
-                .map(|(s, f)| {
-                    // SAFETY: `into_raw_fd` gives up the File's ownership
-                    // of the descriptor, which the EventFd takes over.
-                    (s.offset, unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
-                })
-                .collect(),
-            Err(_) => Vec::new(),
-        };
+        let io = Arc::new(Mutex::new(IoEvents { events: io_events(&mut client), registered: None }));
         let watch_stop = EventFd::new(0).map_err(RemoteError::Io)?;
+        let conn = client.connection().map_err(RemoteError::Io)?;
+        let stop = watch_stop.try_clone().map_err(RemoteError::Io)?;
+        let link = Arc::new(Link {
+            path: path.to_path_buf(),
+            client: Mutex::new(client),
+            session,
+            memory: mapped,
+            irqfds,
+            config: Mutex::new(std::collections::BTreeMap::new()),
+            io,
+            vm: Arc::clone(&vm),
+            reconnect,
+            generation: std::sync::atomic::AtomicU64::new(0),
+            broken: std::sync::atomic::AtomicBool::new(false),
+            retried: std::sync::atomic::AtomicU64::new(0),
+        });
         {
-            let conn = client.connection().map_err(RemoteError::Io)?;
-            let stop = watch_stop.try_clone().map_err(RemoteError::Io)?;
-            let fds = irqfds
-                .iter()
-                .map(EventFd::try_clone)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(RemoteError::Io)?;
-            let path = name.clone();
+            let link = Arc::clone(&link);
             std::thread::Builder::new()
                 .name("vfio-user watch".into())
-                .spawn(move || watch(path, conn, stop, fds))
+                .spawn(move || watch(link, conn, stop))
                 .map_err(RemoteError::Io)?;
         }
         let mut f = Self {
             watch_stop,
             path: name,
-            client: Mutex::new(client),
+            link,
             config,
             msix,
             table: MsixTable::new(vectors),
@@ -305,29 +553,72 @@ impl RemoteFunction {
             vm,
             routes,
             live: vec![true; usize::from(vectors)],
-            irqfds,
-            ioevents,
-            broken: false,
+            failed_said: false,
         };
         // Every vector starts masked (and MSI-X disabled): no irqfd yet.
         f.sync_vectors();
         Ok(f)
     }
 
-    /// The server's ioeventfds: (BAR 0 offset, eventfd) for KVM.
-    pub fn ioevents(&self) -> std::io::Result<Vec<(u64, EventFd)>> {
-        self.ioevents.iter().map(|(o, e)| Ok((*o, e.try_clone()?))).collect()
+    /// The server's ioeventfds, (BAR 0 offset, eventfd) for KVM, which
+    /// the VM registers where BAR 0 is; replaced when the function
+    /// reconnects to a restarted server.
+    pub fn ioevents(&self) -> Arc<Mutex<IoEvents>> {
+        Arc::clone(&self.link.io)
     }
 
-    fn client(&self) -> std::sync::MutexGuard<'_, Client> {
-        self.client.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// Device accesses that failed because the server went, and were made
+    /// again once it was back.
+    pub fn retried(&self) -> u64 {
+        self.link.retried.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    fn fail(&mut self, e: vfio_user::Error) {
-        if !self.broken {
-            eprintln!("vnpu: vfio-user server {}: {e}; the device reads as all ones from now on", self.path);
+    fn broken(&self) -> bool {
+        self.link.broken.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Makes `op` on the server; when the connection failed, waits for the
+    /// watching thread to reconnect (or give up) and makes it once more.
+    fn with_server<T>(
+        &mut self,
+        mut op: impl FnMut(&mut Client) -> Result<T, vfio_user::Error>,
+    ) -> Option<T> {
+        use std::sync::atomic::Ordering::SeqCst;
+        for attempt in 0..2 {
+            if self.broken() {
+                break;
+            }
+            let generation = self.link.generation.load(SeqCst);
+            let r = op(&mut lock(&self.link.client));
+            let e = match r {
+                Ok(v) => return Some(v),
+                Err(e) => e,
+            };
+            if attempt == 1 {
+                eprintln!("vnpu: vfio-user server {}: {e}", self.path);
+                break;
+            }
+            // The watcher notices the hang-up within its poll; wait for it
+            // to reconnect (it holds the client meanwhile) or give up.
+            let limit = std::time::Instant::now() + self.link.reconnect + ATTACH_TIMEOUT;
+            while self.link.generation.load(SeqCst) == generation && !self.broken() {
+                if std::time::Instant::now() >= limit {
+                    self.link.broken.store(true, SeqCst);
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                drop(lock(&self.link.client));
+            }
+            self.link.retried.fetch_add(1, SeqCst);
         }
-        self.broken = true;
+        if !self.failed_said {
+            eprintln!(
+                "vnpu: vfio-user server {} is gone; the device reads as all ones from now on",
+                self.path
+            );
+            self.failed_said = true;
+        }
+        None
     }
 
     /// Makes KVM's irqfds match the table: a vector is live while MSI-X is
@@ -383,13 +674,11 @@ impl PciFunction for RemoteFunction {
         // BAR placement is the VMM's alone; everything else (command
         // register, MSI-X control) goes to the server too.
         let bars = 0x10..0x28;
-        if !self.broken && !bars.contains(&offset) {
+        if !bars.contains(&offset) {
             let mut data = vec![0u8; len];
             self.config.read(offset, &mut data);
-            let r = self.client().region_write(VFIO_PCI_CONFIG_REGION_INDEX, offset as u64, &data);
-            if let Err(e) = r {
-                self.fail(e);
-            }
+            lock(&self.link.config).insert(offset, data.clone());
+            self.with_server(|c| c.region_write(VFIO_PCI_CONFIG_REGION_INDEX, offset as u64, &data));
         }
         self.sync_vectors();
     }
@@ -406,17 +695,17 @@ impl PciFunction for RemoteFunction {
                         // A vector past the table (or past usize) is not pending.
                         let v = usize::try_from(first + b).unwrap_or(usize::MAX);
                         let pending = self.live.get(v) == Some(&false)
-                            && self.irqfds.get(v).is_some_and(|fd| readable(fd.as_raw_fd()));
+                            && self.link.irqfds.get(v).is_some_and(|fd| readable(fd.as_raw_fd()));
                         byte | (u8::from(pending) << b)
                     });
                 }
             }
-            None if self.broken => data.fill(0xff),
             None => {
-                let r = self.client().region_read(region_index(bar), offset, data);
-                if let Err(e) = r {
-                    data.fill(0xff);
-                    self.fail(e);
+                let mut got = vec![0u8; data.len()];
+                let r = self.with_server(|c| c.region_read(region_index(bar), offset, &mut got));
+                match r {
+                    Some(()) => data.copy_from_slice(&got),
+                    None => data.fill(0xff),
                 }
             }
         }
@@ -428,12 +717,8 @@ impl PciFunction for RemoteFunction {
                 self.sync_vectors();
             }
             Some((false, _)) => {}
-            None if self.broken => {}
             None => {
-                let r = self.client().region_write(region_index(bar), offset, data);
-                if let Err(e) = r {
-                    self.fail(e);
-                }
+                self.with_server(|c| c.region_write(region_index(bar), offset, data));
             }
         }
     }

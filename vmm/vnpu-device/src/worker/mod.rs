@@ -87,6 +87,16 @@ pub(crate) enum Control {
     /// Guest memory is now this (a vfio-user client mapped or unmapped
     /// DMA regions); applied between requests.
     Memory(GuestMemoryMmap<()>),
+    /// Keep the vNPU's state in `store` from now on: a new session from
+    /// nothing, or (`resume`) the session it holds, left by a daemon that
+    /// died or restarted (its ring is taken up again at [`Control::Resume`]).
+    Session {
+        store: Arc<crate::store::SessionStore>,
+        resume: bool,
+    },
+    /// The client of a resumed session is set up again (memory mapped,
+    /// interrupts given): take the ring up where it was.
+    Resume,
     Stop,
     /// Makes the worker panic (tests of the fault path only).
     #[cfg(test)]
@@ -181,7 +191,22 @@ impl Shared {
 }
 
 /// One core of the vNPU: its SRAM and HBM segments, created on first use.
-type Core = npu_board_runtime::CoreMem;
+pub(crate) type Core = npu_board_runtime::CoreMem;
+
+/// A resumed session's ring and programs, taken up at [`Control::Resume`]
+/// (once the client has mapped guest memory again: programs are verified
+/// against it, and the ring lives in it).
+#[derive(Debug)]
+struct Parked {
+    programs: Vec<(usize, Vec<u8>)>,
+    /// The ring was enabled: take it up where the guest's used ring says.
+    ring: bool,
+    /// The ring was being enabled (or reset) when the daemon went.
+    enable: bool,
+    reset: bool,
+    /// Ring index of the request that was running.
+    in_flight: Option<u16>,
+}
 
 /// A descriptor of a request chain.
 #[derive(Clone, Copy, Debug)]
@@ -266,6 +291,11 @@ pub(crate) struct Worker {
     /// Programs verified once (`REGISTER`), by handle; dropped whenever
     /// the configuration changes, since they were checked against it.
     programs: Vec<Option<Arc<Program>>>,
+    /// Where the vNPU's state is kept for a restarted daemon (a served
+    /// vNPU's, once its client said which session it is).
+    store: Option<Arc<crate::store::SessionStore>>,
+    /// A resumed session waiting for [`Control::Resume`].
+    parked: Option<Parked>,
 }
 
 impl Worker {
@@ -290,6 +320,8 @@ impl Worker {
             counters: Counters::default(),
             stopped: false,
             programs: Vec::new(),
+            store: None,
+            parked: None,
         };
         w.configure(grant);
         w
@@ -301,6 +333,7 @@ impl Worker {
 
     fn configure(&mut self, spec: VnpuSpec) {
         self.programs.clear();
+        self.store_config(Some(spec));
         let n = spec.cores() as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
@@ -326,6 +359,7 @@ impl Worker {
 
     fn release(&mut self) {
         self.programs.clear();
+        self.store_config(None);
         self.cores.clear();
         self.config = None;
         if let Some(t) = &self.opts.telemetry {
@@ -334,6 +368,196 @@ impl Worker {
         let mut r = self.regs();
         r.set_hierarchy(None);
         r.update_u32(regs::STATUS, |s| s & !abi::STATUS_READY);
+    }
+
+    /// A new configuration (or none) in the store: the programs and core
+    /// memories of the old one go.
+    fn store_config(&mut self, spec: Option<VnpuSpec>) {
+        if let Some(st) = &self.store {
+            st.save_config(spec);
+            if let Err(e) = st.clear_programs().and_then(|()| st.clear_cores()) {
+                st.invalidate(&format!("dropping the old configuration's state: {e}"));
+            }
+        }
+    }
+
+    /// Starts keeping state in `store`: from nothing, or (`resume`) from
+    /// the session it holds, whose registers, configuration and core
+    /// memories are taken now and whose programs and ring wait for
+    /// [`Control::Resume`].
+    fn session(&mut self, store: Arc<crate::store::SessionStore>, resume: bool) {
+        if !resume {
+            self.store = Some(Arc::clone(&store));
+            self.store_config(self.config);
+            self.regs().mirror_to(Some(store));
+            return;
+        }
+        let config = match store.config() {
+            Ok(c) => c,
+            Err(e) => {
+                // Not a shape this daemon takes: start afresh.
+                log::warn!("{}: the stored configuration is not valid ({e}); not resumed", self.name);
+                self.store = Some(Arc::clone(&store));
+                self.store_config(self.config);
+                self.regs().mirror_to(Some(store));
+                return;
+            }
+        };
+        let programs = store.programs().unwrap_or_else(|e| {
+            log::warn!("{}: reading the stored programs: {e}", self.name);
+            Vec::new()
+        });
+        let stored = store.regs();
+        let in_flight = store.in_flight();
+        {
+            let mut r = self.regs();
+            r.resume(&stored);
+        }
+        self.store = Some(Arc::clone(&store));
+        match config {
+            // Still within the grant: kept, with its memories.
+            Some(c) if c.fits_within(&self.grant) => {
+                self.config = Some(c);
+                self.cores = (0..c.cores() as usize).map(|_| None).collect();
+                if let Some(t) = &self.opts.telemetry {
+                    t.configured(Some(c));
+                }
+                let mut r = self.regs();
+                r.set_hierarchy(Some(&c));
+                r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
+            }
+            Some(_) => {
+                self.configure(self.grant);
+                self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
+            }
+            None => self.release(),
+        }
+        let (status, enable) = {
+            let r = self.regs();
+            (r.u32(regs::STATUS), r.u32(regs::QUEUE_ENABLE))
+        };
+        let kept = self.config == config;
+        self.parked = Some(Parked {
+            programs: if kept { programs } else { Vec::new() },
+            ring: status & abi::STATUS_QUEUE_READY != 0,
+            enable: enable != 0 && status & (abi::STATUS_QUEUE_READY | abi::STATUS_FAILED) == 0,
+            reset: status & abi::STATUS_RESETTING != 0,
+            in_flight,
+        });
+        self.regs().mirror_to(Some(store));
+        // The ring waits for the client's memory.
+        {
+            let mut r = self.regs();
+            r.update_u32(regs::STATUS, |s| s & !abi::STATUS_QUEUE_READY);
+        }
+        // A mailbox command the old daemon had not finished: the driver
+        // retries it.
+        let busy = self.regs().u32(regs::MBOX_STATUS) == abi::MBOX_BUSY;
+        if busy {
+            self.regs().set_u32(regs::MBOX_STATUS, abi::ST_RETRY);
+            self.shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
+        }
+        log::info!(
+            "{}: session resumed ({} programs)",
+            self.name,
+            self.parked.as_ref().map_or(0, |p| p.programs.len())
+        );
+    }
+
+    /// Takes a resumed session's programs and ring up again (the client's
+    /// memory is mapped now).
+    fn resume(&mut self) {
+        let Some(p) = self.parked.take() else { return };
+        if let Some(spec) = self.config {
+            let limits =
+                spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
+            for (handle, bytes) in p.programs {
+                let ok = Program::decode(&bytes)
+                    .ok()
+                    .filter(|prog| npu_model::verify(prog, &limits).is_ok())
+                    .filter(|_| handle < abi::MAX_REGISTERED);
+                match ok {
+                    Some(prog) => {
+                        if handle >= self.programs.len() {
+                            self.programs.resize_with(handle + 1, || None);
+                        }
+                        self.programs[handle] = Some(Arc::new(prog));
+                    }
+                    None => {
+                        log::warn!("{}: stored program {handle} no longer verifies; dropped", self.name);
+                        if let Some(st) = &self.store {
+                            let _ = st.forget_program(handle);
+                        }
+                    }
+                }
+            }
+        }
+        if p.reset {
+            self.reset();
+        } else if p.enable || p.ring {
+            let (size, desc, avail, used) = {
+                let r = self.regs();
+                (
+                    r.u32(regs::QUEUE_SIZE),
+                    r.u64(regs::QUEUE_DESC),
+                    r.u64(regs::QUEUE_AVAIL),
+                    r.u64(regs::QUEUE_USED),
+                )
+            };
+            self.enable(size, desc, avail, used);
+            if p.ring {
+                self.take_ring_up(p.in_flight);
+            }
+        }
+        if let Some(st) = &self.store {
+            st.set_in_flight(None);
+        }
+        // Whatever happened meanwhile, the driver looks again.
+        self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
+    }
+
+    /// A resumed ring carries on after the last request the guest's used
+    /// ring shows done; the one that was running when the daemon went (it
+    /// may have run in part) completes with `ST_RETRY`, unrun.
+    fn take_ring_up(&mut self, in_flight: Option<u16>) {
+        let Some(q) = self.queue.as_mut() else { return };
+        let done = match q.used_idx(&self.mem, std::sync::atomic::Ordering::Acquire) {
+            Ok(i) => i.0,
+            Err(e) => {
+                self.fail_ring(&format!("reading the used ring to resume: {e}"));
+                return;
+            }
+        };
+        q.set_next_avail(done);
+        q.set_next_used(done);
+        if in_flight != Some(done) {
+            return;
+        }
+        let next = match q.iter(&self.mem) {
+            Ok(mut it) => it.next().map(|chain| {
+                let head = chain.head_index();
+                let descs: Vec<Desc> = chain
+                    .map(|d| Desc { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
+                    .collect();
+                (head, descs)
+            }),
+            Err(e) => {
+                self.fail_ring(&format!("reading the available ring to resume: {e}"));
+                return;
+            }
+        };
+        let Some((head, descs)) = next else { return };
+        let len = self.complete_unrun(
+            &descs,
+            abi::ST_RETRY,
+            "the board daemon restarted while this request ran; it may have run in part: submit it again",
+        );
+        let Some(q) = self.queue.as_mut() else { return };
+        if let Err(e) = q.add_used(&self.mem, head, len) {
+            self.fail_ring(&format!("completing the request at head {head}: {e}"));
+            return;
+        }
+        self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
     }
 
     /// Handles every posted control message, in order.
@@ -351,6 +575,8 @@ impl Worker {
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
                 Some(Control::Memory(mem)) => self.mem = mem,
+                Some(Control::Session { store, resume }) => self.session(store, resume),
+                Some(Control::Resume) => self.resume(),
                 Some(Control::Regrant(spec)) => {
                     self.regrant(spec);
                     self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);

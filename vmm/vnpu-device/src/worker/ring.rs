@@ -4,6 +4,12 @@
 
 use super::*;
 
+/// A request's status block: its last device-writable descriptor, if
+/// large enough.
+fn status_desc(descs: &[Desc]) -> Option<Desc> {
+    descs.iter().rfind(|d| d.write).filter(|d| d.len as usize >= abi::STATUS_BYTES).copied()
+}
+
 impl Worker {
     pub(super) fn drain_ring(&mut self) {
         loop {
@@ -17,6 +23,7 @@ impl Worker {
                 }
             }
             let Some(q) = self.queue.as_mut() else { return };
+            let taken_at = q.next_avail();
             let next = match q.iter(&self.mem) {
                 Ok(mut it) => it.next().map(|chain| {
                     let head = chain.head_index();
@@ -34,11 +41,17 @@ impl Worker {
                 }
             };
             let Some((head, descs)) = next else { return };
+            if let Some(st) = &self.store {
+                st.set_in_flight(Some(taken_at));
+            }
             let (len, interrupt) = self.process(&descs);
             let Some(q) = self.queue.as_mut() else { return };
             if let Err(e) = q.add_used(&self.mem, head, len) {
                 self.fail_ring(&format!("completing the request at head {head}: {e}"));
                 return;
+            }
+            if let Some(st) = &self.store {
+                st.set_in_flight(None);
             }
             self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
             if interrupt {
@@ -50,13 +63,11 @@ impl Worker {
     /// Runs one request; returns the used length and whether to interrupt.
     pub(super) fn process(&mut self, descs: &[Desc]) -> (u32, bool) {
         let t0 = Instant::now();
-        let writable: Vec<&Desc> = descs.iter().filter(|d| d.write).collect();
-        let Some(status_desc) = writable.last().filter(|d| d.len as usize >= abi::STATUS_BYTES) else {
+        if status_desc(descs).is_none() {
             self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
             self.counters.failed += 1;
             return (0, true);
-        };
-        let message_desc = (writable.len() > 1).then(|| writable[0]);
+        }
         let mut header = abi::RequestHeader::default();
         let outcome = self.run_request(descs, &mut header);
         let wall_ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -69,10 +80,41 @@ impl Worker {
         if outcome.status != abi::ST_OK {
             self.counters.failed += 1;
         }
+        let used = self.complete(descs, &outcome, header.tag, wall_ns);
+        (used, header.flags & abi::FLAG_NO_INTERRUPT == 0)
+    }
+
+    /// Completes a request without running it, with `status` and
+    /// `message` (its header's tag kept when it can be read); returns the
+    /// used length.
+    pub(super) fn complete_unrun(&mut self, descs: &[Desc], status: u32, message: &str) -> u32 {
+        if status_desc(descs).is_none() {
+            self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
+            return 0;
+        }
+        let mut hb = [0u8; abi::HEADER_BYTES];
+        let tag = descs
+            .first()
+            .filter(|d| !d.write && d.len as usize >= abi::HEADER_BYTES)
+            .filter(|d| self.mem.read_slice(&mut hb, GuestAddress(d.addr)).is_ok())
+            .map_or(0, |_| abi::RequestHeader::from_bytes(&hb).tag);
+        self.complete(descs, &Outcome::fail(status, message), tag, 0)
+    }
+
+    /// Writes a request's message and status block; returns the used
+    /// length (0, with `ERR_NO_STATUS_BLOCK`, when the block cannot be
+    /// written).
+    fn complete(&mut self, descs: &[Desc], outcome: &Outcome, tag: u64, wall_ns: u64) -> u32 {
+        let Some(status_desc) = status_desc(descs) else {
+            self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
+            return 0;
+        };
+        let writable: Vec<&Desc> = descs.iter().filter(|d| d.write).collect();
+        let message_desc = (writable.len() > 1).then(|| writable[0]);
         let mut block = abi::StatusBlock {
             status: outcome.status,
             detail: outcome.detail,
-            tag: header.tag,
+            tag,
             wall_ns,
             ..Default::default()
         };
@@ -94,10 +136,9 @@ impl Worker {
         }
         if self.mem.write_slice(&block.to_bytes(), GuestAddress(status_desc.addr)).is_err() {
             self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
-            return (0, true);
+            return 0;
         }
-        used += u32::try_from(abi::STATUS_BYTES).unwrap_or(0);
-        (used, header.flags & abi::FLAG_NO_INTERRUPT == 0)
+        used + u32::try_from(abi::STATUS_BYTES).unwrap_or(0)
     }
 
     pub(super) fn run_request(&mut self, descs: &[Desc], header: &mut abi::RequestHeader) -> Outcome {
@@ -132,6 +173,11 @@ impl Worker {
             abi::OP_UNREGISTER => match self.registered(header.handle) {
                 Ok(_) => {
                     self.programs[header.handle as usize] = None;
+                    if let Some(st) = &self.store {
+                        if let Err(e) = st.forget_program(header.handle as usize) {
+                            st.invalidate(&format!("dropping program {}: {e}", header.handle));
+                        }
+                    }
                     Outcome::default()
                 }
                 Err(o) => o,
@@ -220,6 +266,11 @@ impl Worker {
         if slot >= self.programs.len() {
             self.programs.resize_with(slot + 1, || None);
         }
+        if let Some(st) = &self.store {
+            if let Err(e) = st.save_program(slot, &program.encode()) {
+                st.invalidate(&format!("storing program {slot}: {e}"));
+            }
+        }
         self.programs[slot] = Some(Arc::new(program));
         Outcome {
             status: abi::ST_OK,
@@ -252,10 +303,21 @@ impl Worker {
             0 => DEFAULT_BUDGET,
             n => n.min(MAX_BUDGET),
         };
-        let core = self.cores[core_slot].get_or_insert_with(|| Core {
-            sram: Sram::new(spec.sram_per_core()),
-            hbm: LazyHbm::new(spec.hbm_per_core()),
-        });
+        if self.cores[core_slot].is_none() {
+            let (sram, hbm) = (spec.sram_per_core(), spec.hbm_per_core());
+            let stored = self.store.as_ref().map(|st| {
+                st.core(core_slot, sram, hbm).map_err(|e| {
+                    st.invalidate(&format!("core {core_slot}'s memories: {e}"));
+                })
+            });
+            self.cores[core_slot] = Some(match stored {
+                Some(Ok(c)) => c,
+                _ => Core { sram: Sram::new(sram), hbm: LazyHbm::new(hbm) },
+            });
+        }
+        let Some(core) = self.cores[core_slot].as_mut() else {
+            return Outcome::fail(abi::ST_EXEC_FAULT, "the core's memory is missing");
+        };
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
