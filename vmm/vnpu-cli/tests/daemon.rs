@@ -15,8 +15,8 @@ use vfio_user::Client;
 mod common;
 
 use common::{
-    control_line, daemon_log, daemon_said, finish, finish_within, terminate, vm, vm_with, vnpu, wait_for,
-    Daemon,
+    control_line, daemon_log, daemon_said, finish, finish_within, terminate, vm, vm_args, vm_with, vnpu,
+    wait_for, Daemon,
 };
 
 fn daemon(state: &Path, sockets: &Path) -> Daemon {
@@ -439,31 +439,16 @@ fn the_hostile_suite_through_the_daemon_leaves_its_core_neighbour_correct() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
-/// A VM as its own `vnpu run` process on instance `uuid`, with `extra`
-/// arguments to `vnpu run`.
-fn vm_args(state: &Path, guest_name: &str, uuid: &str, extra: &[&str]) -> std::process::Child {
-    Command::new(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["run", "--memory", "64M", "--guest"])
-        .arg(common::guest(guest_name))
-        .args(["--vnpu", &format!("uuid={uuid}")])
-        .args(extra)
-        .arg("--state-dir")
-        .arg(state)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-/// The daemon killed with SIGKILL twice under a VM that classifies
-/// digits round after round, and restarted each time: the VM reconnects,
+/// The daemon killed with SIGKILL under a VM that classifies digits round
+/// after round, then stopped with SIGTERM (an upgrade in place), and
+/// restarted each time: the VM reconnects,
 /// the device session resumes (registered program, weights in the vNPU's
 /// SRAM, ring position), the request that was running when the daemon
 /// died completes with `ST_RETRY` and is submitted again, and the guest
 /// finishes with every answer equal to the CPU's. Without the resume the
 /// guest fails (a device error, or wrong answers from lost SRAM).
 #[test]
-fn a_daemon_killed_twice_mid_run_resumes_its_vms_device() {
+fn a_daemon_killed_and_restarted_mid_run_resumes_its_vms_device() {
     use std::io::BufRead;
     let root: PathBuf = std::env::temp_dir().join(format!("vnpu-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
@@ -471,7 +456,7 @@ fn a_daemon_killed_twice_mid_run_resumes_its_vms_device() {
     let uuid = vnpu(&state, &["define", "--spec", "sa=2,vu=2,sram=8M,hbm=1G"]).trim().to_string();
     vnpu(&state, &["start", &uuid]);
     let (mut d, _) = metrics_daemon(&state);
-    let mut run = vm_args(&state, "resume", &uuid, &[]);
+    let mut run = vm_args(&state, "resume", &[&uuid], &[]);
     // The guest's lines as they come.
     let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let stdout = run.stdout.take().unwrap();
@@ -483,12 +468,17 @@ fn a_daemon_killed_twice_mid_run_resumes_its_vms_device() {
     });
     let has = |prefix: &str| lines.lock().unwrap().iter().any(|l| l.starts_with(prefix));
     let mut restarts = Vec::new();
-    for round in ["round 5:", "round 40:"] {
+    for (round, kill) in [("round 5:", true), ("round 40:", false)] {
         wait_for(&format!("the guest's {round}"), || has(round) || run.try_wait().unwrap().is_some());
         assert!(!has("rounds="), "the guest finished before the kill{}", daemon_said(&state));
-        let mut child = d.0.take().unwrap();
-        child.kill().unwrap();
-        let _ = child.wait();
+        if kill {
+            let mut child = d.0.take().unwrap();
+            child.kill().unwrap();
+            let _ = child.wait();
+        } else {
+            // Stopped as for an upgrade: its sockets go, then come back.
+            assert!(terminate(d).success());
+        }
         let t = Instant::now();
         d = metrics_daemon(&state).0;
         restarts.push(t.elapsed());
@@ -532,7 +522,7 @@ fn a_killed_daemon_leaves_its_vms_a_readable_device_error() {
     let mut landed = None;
     for _ in 0..5 {
         let (mut d, port) = metrics_daemon(&state);
-        let run = vm_args(&state, "digits", &uuid, &["--reconnect-s", "0"]);
+        let run = vm_args(&state, "digits", &[&uuid], &["--reconnect-s", "0"]);
         wait_for("the guest's first requests", || {
             metric(&scrape(port), "vnpu_requests_total", &label) > 470.0
         });

@@ -67,10 +67,16 @@ pub fn vm(state: &Path, guest_name: &str, uuid: &str) -> Child {
 
 /// A VM as its own `vnpu run` process with a vNPU per instance of `uuids`.
 pub fn vm_with(state: &Path, guest_name: &str, uuids: &[&str]) -> Child {
+    vm_args(state, guest_name, uuids, &[])
+}
+
+/// As [`vm_with`], with `extra` arguments to `vnpu run`.
+pub fn vm_args(state: &Path, guest_name: &str, uuids: &[&str], extra: &[&str]) -> Child {
     Command::new(env!("CARGO_BIN_EXE_vnpu"))
         .args(["run", "--memory", "64M", "--guest"])
         .arg(guest(guest_name))
         .args(uuids.iter().flat_map(|u| ["--vnpu".to_string(), format!("uuid={u}")]))
+        .args(extra)
         .arg("--state-dir")
         .arg(state)
         .stdout(Stdio::piped())

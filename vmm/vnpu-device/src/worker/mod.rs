@@ -533,20 +533,7 @@ impl Worker {
         if in_flight != Some(done) {
             return;
         }
-        let next = match q.iter(&self.mem) {
-            Ok(mut it) => it.next().map(|chain| {
-                let head = chain.head_index();
-                let descs: Vec<Desc> = chain
-                    .map(|d| Desc { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
-                    .collect();
-                (head, descs)
-            }),
-            Err(e) => {
-                self.fail_ring(&format!("reading the available ring to resume: {e}"));
-                return;
-            }
-        };
-        let Some((head, descs)) = next else { return };
+        let Some((head, descs)) = self.take_request() else { return };
         let len = self.complete_unrun(
             &descs,
             abi::ST_RETRY,
@@ -791,5 +778,98 @@ mod registration_tests {
         assert!(o.message.contains("would pass the limit"), "{}", o.message);
         w.programs[1] = None;
         assert_eq!(w.register(&payload).status, abi::ST_OK);
+    }
+}
+
+#[cfg(test)]
+mod resume_tests {
+    use super::*;
+
+    const DESC: u64 = 0x1000;
+    const AVAIL: u64 = 0x2000;
+    const USED: u64 = 0x3000;
+
+    fn worker(mem: &GuestMemoryMmap<()>) -> Worker {
+        let shared = Arc::new(
+            Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).expect("shared"),
+        );
+        let spec = VnpuSpec::named("small").expect("spec");
+        Worker::new(shared, mem.clone(), BoardConfig::default(), spec, DeviceOptions::default(), "t")
+    }
+
+    /// Posts a `NOP` with `tag` as ring entry `idx` (descriptors 2*idx and
+    /// 2*idx + 1; status block at 0x5000 + 0x100 * idx).
+    fn post_nop(mem: &GuestMemoryMmap<()>, idx: u16, tag: u64) {
+        let header = abi::RequestHeader { opcode: abi::OP_NOP, tag, ..Default::default() };
+        let (h, st) = (0x4000 + 0x100 * u64::from(idx), 0x5000 + 0x100 * u64::from(idx));
+        mem.write_slice(&header.to_bytes(), GuestAddress(h)).unwrap();
+        mem.write_slice(&[0xee; abi::STATUS_BYTES], GuestAddress(st)).unwrap();
+        let d = DESC + 32 * u64::from(idx);
+        let next = 2 * idx + 1;
+        mem.write_obj(h, GuestAddress(d)).unwrap();
+        mem.write_obj(abi::HEADER_BYTES as u32, GuestAddress(d + 8)).unwrap();
+        mem.write_obj(1u16, GuestAddress(d + 12)).unwrap(); // NEXT
+        mem.write_obj(next, GuestAddress(d + 14)).unwrap();
+        mem.write_obj(st, GuestAddress(d + 16)).unwrap();
+        mem.write_obj(abi::STATUS_BYTES as u32, GuestAddress(d + 24)).unwrap();
+        mem.write_obj(2u16, GuestAddress(d + 28)).unwrap(); // WRITE
+        mem.write_obj(0u16, GuestAddress(d + 30)).unwrap();
+        mem.write_obj(2 * idx, GuestAddress(AVAIL + 4 + 2 * u64::from(idx))).unwrap();
+        mem.write_obj(idx + 1, GuestAddress(AVAIL + 2)).unwrap();
+    }
+
+    fn status(mem: &GuestMemoryMmap<()>, idx: u16) -> abi::StatusBlock {
+        let mut b = [0u8; abi::STATUS_BYTES];
+        mem.read_slice(&mut b, GuestAddress(0x5000 + 0x100 * u64::from(idx))).unwrap();
+        abi::StatusBlock::from_bytes(&b)
+    }
+
+    /// A daemon that died while request 1 ran (request 0 done): the
+    /// restarted daemon's worker, resuming the session, completes request
+    /// 1 with `ST_RETRY` without running it (tag kept, one more used
+    /// entry), takes up the ring after it, and serves the next request as
+    /// usual; the registers (ring addresses, vectors) are the old ones.
+    #[test]
+    fn the_request_running_when_the_daemon_went_completes_with_retry() {
+        let dir = std::env::temp_dir().join(format!("vnpu-resume-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let store = Arc::new(crate::store::SessionStore::open(&dir).unwrap());
+        store.begin(42).unwrap();
+        let mut old = worker(&mem);
+        old.session(Arc::clone(&store), false);
+        {
+            let mut r = old.regs();
+            r.set_u32(regs::QUEUE_SIZE, 8);
+            r.set_u64(regs::QUEUE_DESC, DESC);
+            r.set_u64(regs::QUEUE_AVAIL, AVAIL);
+            r.set_u64(regs::QUEUE_USED, USED);
+            r.set_u32(regs::QUEUE_ENABLE, 1);
+            r.set_u32(regs::QUEUE_VECTOR, 3);
+        }
+        old.enable(8, DESC, AVAIL, USED);
+        post_nop(&mem, 0, 100);
+        old.drain_ring();
+        assert_eq!(status(&mem, 0).status, abi::ST_OK);
+        // Request 1 taken, then the daemon dies.
+        post_nop(&mem, 1, 101);
+        store.set_in_flight(Some(1));
+        drop(old);
+
+        let reopened = Arc::new(crate::store::SessionStore::open(&dir).unwrap());
+        assert_eq!(reopened.session(), Some(42));
+        let mut new = worker(&mem);
+        new.session(reopened, true);
+        assert_eq!(new.regs().u32(regs::QUEUE_VECTOR), 3, "the guest's registers are back");
+        new.resume();
+        let st = status(&mem, 1);
+        assert_eq!((st.status, st.tag), (abi::ST_RETRY, 101), "the running request gets RETRY");
+        let used: u16 = mem.read_obj(GuestAddress(USED + 2)).unwrap();
+        assert_eq!(used, 2);
+        post_nop(&mem, 2, 102);
+        new.drain_ring();
+        assert_eq!((status(&mem, 2).status, status(&mem, 2).tag), (abi::ST_OK, 102));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

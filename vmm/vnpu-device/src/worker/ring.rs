@@ -22,25 +22,8 @@ impl Worker {
                     return;
                 }
             }
-            let Some(q) = self.queue.as_mut() else { return };
-            let taken_at = q.next_avail();
-            let next = match q.iter(&self.mem) {
-                Ok(mut it) => it.next().map(|chain| {
-                    let head = chain.head_index();
-                    let descs: Vec<Desc> = chain
-                        .map(|d| Desc { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
-                        .collect();
-                    (head, descs)
-                }),
-                Err(e) => {
-                    // The available index is more than a ring ahead, or
-                    // the ring is not in guest memory.
-                    let why = format!("reading the available ring (next {}): {e}", q.next_avail());
-                    self.fail_ring(&why);
-                    return;
-                }
-            };
-            let Some((head, descs)) = next else { return };
+            let Some(taken_at) = self.queue.as_ref().map(QueueT::next_avail) else { return };
+            let Some((head, descs)) = self.take_request() else { return };
             if let Some(st) = &self.store {
                 st.set_in_flight(Some(taken_at));
             }
@@ -56,6 +39,28 @@ impl Worker {
             self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
             if interrupt {
                 self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
+            }
+        }
+    }
+
+    /// The next request on the ring (its head and descriptors), taken off
+    /// it; none when the ring is empty or gone. A ring that cannot be read
+    /// (the available index more than a ring ahead, or the ring outside
+    /// guest memory) is failed.
+    pub(super) fn take_request(&mut self) -> Option<(u16, Vec<Desc>)> {
+        let q = self.queue.as_mut()?;
+        match q.iter(&self.mem) {
+            Ok(mut it) => it.next().map(|chain| {
+                let head = chain.head_index();
+                let descs: Vec<Desc> = chain
+                    .map(|d| Desc { addr: d.addr().0, len: d.len(), write: d.is_write_only() })
+                    .collect();
+                (head, descs)
+            }),
+            Err(e) => {
+                let why = format!("reading the available ring (next {}): {e}", q.next_avail());
+                self.fail_ring(&why);
+                None
             }
         }
     }
