@@ -27,6 +27,7 @@ use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
 
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
+mod attention;
 mod cnn;
 mod layout;
 mod seq;
@@ -518,24 +519,7 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(Const { shape: vec![count], data })])
             }
-            "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => {
-                let s = self.shape_of(n, 0)?;
-                let new = self.reshaped(n, &s)?;
-                if elems(&new) != elems(&s) {
-                    return Err(invalid(format!("cannot reshape {s:?} to {new:?}")));
-                }
-                Ok(vec![match self.get(n, 0)?.clone() {
-                    Val::C(c) => {
-                        self.report.folded += 1;
-                        Val::C(Const { shape: new, data: c.data })
-                    }
-                    Val::D(d) => {
-                        self.report.aliases += 1;
-                        let d = self.onnx_order(&n.name, &d)?;
-                        Val::D(Dyn::new(d.t, new, None, false))
-                    }
-                }])
-            }
+            "Reshape" | "Flatten" | "Squeeze" | "Unsqueeze" => self.reshape(n),
             "Concat" if all_const => {
                 let ax = Self::int_attr(n, "axis", 0)?;
                 let parts: Vec<Const> =
@@ -609,6 +593,7 @@ impl Compiler<'_> {
                 self.activation(n, act)
             }
             "Softmax" => self.softmax(n),
+            "Attention" => self.attention(n),
             "Clip" => {
                 let act = self.clip(n)?;
                 self.activation(n, act)
@@ -658,6 +643,27 @@ impl Compiler<'_> {
                 "operator `{op}` is not supported (docs/model-format.md lists what is)"
             ))),
         }
+    }
+
+    /// `Reshape`, `Flatten`, `Squeeze`, `Unsqueeze`: a constant folded, a
+    /// computed tensor renamed (in ONNX's order).
+    fn reshape(&mut self, n: &Node) -> NodeResult {
+        let s = self.shape_of(n, 0)?;
+        let new = self.reshaped(n, &s)?;
+        if elems(&new) != elems(&s) {
+            return Err(invalid(format!("cannot reshape {s:?} to {new:?}")));
+        }
+        Ok(vec![match self.get(n, 0)?.clone() {
+            Val::C(c) => {
+                self.report.folded += 1;
+                Val::C(Const { shape: new, data: c.data })
+            }
+            Val::D(d) => {
+                self.report.aliases += 1;
+                let d = self.onnx_order(&n.name, &d)?;
+                Val::D(Dyn::new(d.t, new, None, false))
+            }
+        }])
     }
 
     fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, Refusal> {
@@ -990,6 +996,10 @@ impl Compiler<'_> {
             "MatMul" => self.matmul(&p),
             "Pad" => self.pad(&p),
             "Slice" => self.slice(&p),
+            "Reshape" => self.reshape(&p),
+            "Concat" => self.concat(&p),
+            "Softmax" => self.softmax(&p),
+            "Tanh" => self.activation(&p, Act::Tanh),
             "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => self.binary(&p),
             _ => Err(unsupported(format!("`{op}` is not a part the compiler builds"))),
         }?;
