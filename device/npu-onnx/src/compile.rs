@@ -29,6 +29,7 @@ use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
 
 mod attention;
 mod cnn;
+mod composite;
 mod layout;
 mod seq;
 use cnn::{channel_vec, nchw_to_nhwc, then};
@@ -541,6 +542,34 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(binary_const(&n.op, &a, &b)?)])
             }
+            "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or" | "Xor"
+                if all_const =>
+            {
+                Self::only_attrs(n, &[])?;
+                let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                self.report.folded += 1;
+                Ok(vec![Val::C(compare_const(&n.op, &a, &b)?)])
+            }
+            "Mod" if all_const => {
+                Self::only_attrs(n, &["fmod"])?;
+                let fmod = Self::int_attr(n, "fmod", 0)? != 0;
+                let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                self.report.folded += 1;
+                Ok(vec![Val::C(mod_const(fmod, &a, &b)?)])
+            }
+            "Not" if all_const => {
+                Self::only_attrs(n, &[])?;
+                let a = self.konst(n, 0)?;
+                self.report.folded += 1;
+                let v = a.data.to_i64().iter().map(|&x| i64::from(x == 0)).collect();
+                Ok(vec![Val::C(Const { shape: a.shape, data: Data::I64(v) })])
+            }
+            "Where" if all_const => {
+                Self::only_attrs(n, &[])?;
+                let (c, x, y) = (self.konst(n, 0)?, self.konst(n, 1)?, self.konst(n, 2)?);
+                self.report.folded += 1;
+                Ok(vec![Val::C(where_const(&c, &x, &y)?)])
+            }
             "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"
             | "Floor" | "Ceil" | "Sin" | "Cos"
                 if all_const =>
@@ -568,7 +597,7 @@ impl Compiler<'_> {
                     data: Data::F32(a.data.to_f32().into_iter().map(f).collect()),
                 })])
             }
-            "MatMul" => self.matmul(n),
+            "MatMul" => self.matmul_any(n),
             "Gemm" => self.gemm(n),
             "Add" | "Sub" | "Mul" | "Div" => self.binary(n),
             "Max" | "Min" | "Sum" | "Mean" => self.variadic(n),
@@ -592,8 +621,18 @@ impl Compiler<'_> {
                 };
                 self.activation(n, act)
             }
-            "Softmax" => self.softmax(n),
+            "Softmax" => self.softmax_any(n),
             "Attention" => self.attention(n),
+            "Swish" | "Tan" | "Sinh" | "Cosh" => self.unary_chain(n),
+            "GlobalMaxPool" => self.global_max_pool(n),
+            "LpNormalization" => self.lp_normalization(n),
+            "InstanceNormalization" | "GroupNormalization" => self.group_normalization(n),
+            "DepthToSpace" | "SpaceToDepth" => self.depth_space(n),
+            "LpPool" => self.lp_pool(n),
+            "SwiGLU" => self.swiglu(n),
+            "Shrink" => self.shrink(n),
+            "LRN" => self.lrn(n),
+            "RotaryEmbedding" => self.rotary_embedding(n),
             "Clip" => {
                 let act = self.clip(n)?;
                 self.activation(n, act)
@@ -621,8 +660,8 @@ impl Compiler<'_> {
             "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceL1" | "ReduceL2"
             | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => self.reduce_mean(n),
             "Conv" => self.conv(n),
-            "BatchNormalization" => self.batch_norm(n),
-            "MaxPool" | "AveragePool" => self.pool(n),
+            "BatchNormalization" => self.batch_norm_any(n),
+            "MaxPool" | "AveragePool" => self.pool_any(n),
             "GlobalAveragePool" => self.global_pool(n),
             "Slice" if all_const => {
                 let r = self.slice_const(n)?;
@@ -998,6 +1037,12 @@ impl Compiler<'_> {
             "Slice" => self.slice(&p),
             "Reshape" => self.reshape(&p),
             "Concat" => self.concat(&p),
+            "ReduceMean" | "ReduceMax" | "ReduceL1" | "ReduceL2" => self.reduce_mean(&p),
+            "Sqrt" => self.activation(&p, Act::Sqrt),
+            "Abs" => self.activation(&p, Act::Abs),
+            "Log" => self.activation(&p, Act::Log),
+            "Exp" => self.activation(&p, Act::Exp),
+            "AveragePool" | "MaxPool" => self.pool_any(&p),
             "Softmax" => self.softmax(&p),
             "Tanh" => self.activation(&p, Act::Tanh),
             "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" => self.binary(&p),
@@ -1511,6 +1556,90 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
     })
 }
 
+/// A comparison or logical operation of two constants (numpy
+/// broadcasting; booleans as 0 and 1): integers compared as integers,
+/// anything else as f32 (a NaN compares false).
+fn compare_const(op: &str, a: &Const, b: &Const) -> Result<Const, Refusal> {
+    let shape = bcast_shape(&a.shape, &b.shape).ok_or_else(|| invalid("shapes do not broadcast"))?;
+    check_size(&shape)?;
+    let cmp = |o: Option<std::cmp::Ordering>| -> bool {
+        use std::cmp::Ordering::{Equal, Greater, Less};
+        match op {
+            "Equal" => o == Some(Equal),
+            "Less" => o == Some(Less),
+            "Greater" => o == Some(Greater),
+            "LessOrEqual" => matches!(o, Some(Less | Equal)),
+            _ => matches!(o, Some(Greater | Equal)),
+        }
+    };
+    let v: Vec<i64> = if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
+        let (x, y) = (expand(x, &a.shape, &shape), expand(y, &b.shape, &shape));
+        x.iter()
+            .zip(&y)
+            .map(|(&p, &q)| match op {
+                "And" => i64::from(p != 0 && q != 0),
+                "Or" => i64::from(p != 0 || q != 0),
+                "Xor" => i64::from((p != 0) != (q != 0)),
+                _ => i64::from(cmp(p.partial_cmp(&q))),
+            })
+            .collect()
+    } else {
+        if matches!(op, "And" | "Or" | "Xor") {
+            return Err(invalid(format!("{op} of non-boolean tensors")));
+        }
+        let (x, y) = (expand(&a.data.to_f32(), &a.shape, &shape), expand(&b.data.to_f32(), &b.shape, &shape));
+        x.iter().zip(&y).map(|(p, q)| i64::from(cmp(p.partial_cmp(q)))).collect()
+    };
+    Ok(Const { shape, data: Data::I64(v) })
+}
+
+/// `Mod` of constants: with `fmod` the remainder of truncated division
+/// (C's `fmod`, the sign of `a`), else of floored division (Python's `%`,
+/// the sign of `b`; integers only, as ONNX says).
+fn mod_const(fmod: bool, a: &Const, b: &Const) -> Result<Const, Refusal> {
+    let shape = bcast_shape(&a.shape, &b.shape).ok_or_else(|| invalid("shapes do not broadcast"))?;
+    check_size(&shape)?;
+    if let (Data::I64(x), Data::I64(y)) = (&a.data, &b.data) {
+        let (x, y) = (expand(x, &a.shape, &shape), expand(y, &b.shape, &shape));
+        let v = x
+            .iter()
+            .zip(&y)
+            .map(|(&p, &q)| {
+                let r = p.checked_rem(q).ok_or_else(|| invalid("integer modulo by zero"))?;
+                Ok(if !fmod && r != 0 && (r < 0) != (q < 0) { r + q } else { r })
+            })
+            .collect::<Result<Vec<_>, Refusal>>()?;
+        return Ok(Const { shape, data: Data::I64(v) });
+    }
+    if !fmod {
+        return Err(invalid("Mod of floating-point tensors needs fmod = 1"));
+    }
+    let (x, y) = (expand(&a.data.to_f32(), &a.shape, &shape), expand(&b.data.to_f32(), &b.shape, &shape));
+    Ok(Const { shape, data: Data::F32(x.iter().zip(&y).map(|(p, q)| p % q).collect()) })
+}
+
+/// `Where` of constants: `x` where `c` is true, else `y` (numpy
+/// broadcasting of all three).
+fn where_const(c: &Const, x: &Const, y: &Const) -> Result<Const, Refusal> {
+    let shape = bcast_shape(&c.shape, &x.shape)
+        .and_then(|s| bcast_shape(&s, &y.shape))
+        .ok_or_else(|| invalid("shapes do not broadcast"))?;
+    check_size(&shape)?;
+    let cond = expand(&c.data.to_i64(), &c.shape, &shape);
+    let data = if let (Data::I64(a), Data::I64(b)) = (&x.data, &y.data) {
+        let (a, b) = (expand(a, &x.shape, &shape), expand(b, &y.shape, &shape));
+        Data::I64(
+            cond.iter().zip(a.iter().zip(&b)).map(|(&k, (&p, &q))| if k != 0 { p } else { q }).collect(),
+        )
+    } else {
+        let (a, b) = (expand(&x.data.to_f32(), &x.shape, &shape), expand(&y.data.to_f32(), &y.shape, &shape));
+        Data::F32(
+            cond.iter().zip(a.iter().zip(&b)).map(|(&k, (&p, &q))| if k != 0 { p } else { q }).collect(),
+        )
+    };
+    Ok(Const { shape, data })
+}
+
 fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, Refusal> {
     let shape = bcast_shape(&a.shape, &b.shape).ok_or_else(|| invalid("shapes do not broadcast"))?;
     check_size(&shape)?;
@@ -1943,6 +2072,32 @@ impl<'m> Compiler<'m> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Comparisons, `Where` and `Mod` folded as numpy computes them
+    /// (hand-checked values; `Mod` without `fmod` takes the divisor's
+    /// sign, with it the dividend's).
+    #[test]
+    fn comparisons_where_and_mod_fold_as_numpy() {
+        let i = |shape: Vec<usize>, v: Vec<i64>| Const { shape, data: Data::I64(v) };
+        let f = |shape: Vec<usize>, v: Vec<f32>| Const { shape, data: Data::F32(v) };
+        let a = i(vec![2, 2], vec![1, 5, 3, 7]);
+        let b = i(vec![2], vec![3, 5]);
+        assert_eq!(compare_const("Less", &a, &b).unwrap().data, Data::I64(vec![1, 0, 0, 0]));
+        assert_eq!(compare_const("Equal", &a, &b).unwrap().data, Data::I64(vec![0, 1, 1, 0]));
+        assert_eq!(compare_const("GreaterOrEqual", &a, &b).unwrap().data, Data::I64(vec![0, 1, 1, 1]));
+        let nan = f(vec![2], vec![f32::NAN, 1.0]);
+        assert_eq!(compare_const("Equal", &nan, &nan).unwrap().data, Data::I64(vec![0, 1]));
+        let t = i(vec![2], vec![1, 0]);
+        assert_eq!(compare_const("Xor", &t, &i(vec![1], vec![1])).unwrap().data, Data::I64(vec![0, 1]));
+        let w = where_const(&i(vec![2, 1], vec![1, 0]), &f(vec![2], vec![1.0, 2.0]), &f(vec![], vec![-1.0]));
+        assert_eq!(w.unwrap().data, Data::F32(vec![1.0, 2.0, -1.0, -1.0]));
+        let (x, y) = (i(vec![4], vec![-7, 7, -7, 7]), i(vec![4], vec![3, -3, -3, 3]));
+        assert_eq!(mod_const(false, &x, &y).unwrap().data, Data::I64(vec![2, -2, -1, 1]));
+        assert_eq!(mod_const(true, &x, &y).unwrap().data, Data::I64(vec![-1, 1, -1, 1]));
+        assert!(mod_const(false, &f(vec![1], vec![1.0]), &f(vec![1], vec![2.0])).is_err());
+        let m = mod_const(true, &f(vec![2], vec![-7.5, 7.5]), &f(vec![1], vec![2.0])).unwrap();
+        assert_eq!(m.data, Data::F32(vec![-1.5, 1.5]));
+    }
 
     #[test]
     fn broadcasting_follows_numpy() {
