@@ -123,9 +123,10 @@ pub const MAX_CONTROL_CONNECTIONS: usize = 32;
 /// The control socket's listen queue (std's default is 128).
 const CONTROL_BACKLOG: libc::c_int = 8;
 
-/// How long a connection must have been idle before a newcomer may take
-/// its slot (control socket and `/metrics`): honest clients send their
-/// request as soon as they connect.
+/// How long a control connection must have been idle before a newcomer
+/// may take its slot: honest clients send their request as soon as they
+/// connect. (`/metrics` holds no slot for a connection that has not sent
+/// its request: `http.rs`.)
 pub const EVICT_IDLE: Duration = Duration::from_millis(100);
 
 /// What the control threads (and the metrics endpoint) share with the

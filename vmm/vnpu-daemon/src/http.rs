@@ -8,60 +8,60 @@
 //! idle connection without a limit (about 500 idle connections exhausted
 //! the daemon's descriptors), and whose accept loop ended on its first
 //! error. Here:
-//! - at most [`HttpLimits::connections`] connections are served at once;
-//!   a newcomer takes the slot of one that has sent nothing for
-//!   [`HttpLimits::evict_idle`] (`slots.rs`), else it is answered `503`
-//!   without being read and closed;
-//! - a request head is read up to [`HttpLimits::head_bytes`] (else `431`)
-//!   within [`HttpLimits::deadline`] of the connection's accept, and the
-//!   answer written within the same deadline, each connection on its own
-//!   thread, so a slow or silent client holds only its own slot, and only
-//!   that long;
+//! - one thread accepts connections and reads their request heads, all
+//!   non-blocking, in one `poll(2)` loop: a connection that has not sent
+//!   its head costs a descriptor and a buffer, no thread. At most
+//!   [`HttpLimits::pending`] wait for their heads; a newcomer beyond that
+//!   closes the one waiting longest (an honest client sends its head as
+//!   soon as it connects, so a crowd of silent or churned connections
+//!   cannot keep a scrape out: the scrape's head arrives before the crowd
+//!   has pushed it out), and each is closed at [`HttpLimits::deadline`];
+//! - a head is read up to [`HttpLimits::head_bytes`] (else `431`);
+//! - at most [`HttpLimits::connections`] complete requests are answered
+//!   at once, each on its own thread, the answer written within the
+//!   deadline; a request beyond that is answered `503` at once;
 //! - one request per connection (`Connection: close`);
-//! - the accept loop waits out `EMFILE` and the like (`accept.rs`).
+//! - a failed accept (`EMFILE` and the like) is waited out, and a stop
+//!   ends the loop within [`TICK`].
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::slots::{Slot, Slots};
-
 /// What one client may hold of the endpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HttpLimits {
-    /// Connections served at once.
+    /// Requests answered at once.
     pub connections: usize,
+    /// Connections waiting for their request heads.
+    pub pending: usize,
     /// Bytes of a request head (request line and headers).
     pub head_bytes: usize,
     /// From accept to the last byte of the answer.
     pub deadline: Duration,
-    /// With every slot taken, a connection that has not sent its request
-    /// head for this long gives its slot up to a new one.
-    pub evict_idle: Duration,
 }
 
 impl Default for HttpLimits {
     fn default() -> Self {
-        Self {
-            connections: 16,
-            head_bytes: 8 << 10,
-            deadline: Duration::from_secs(5),
-            evict_idle: crate::daemon::EVICT_IDLE,
-        }
+        Self { connections: 16, pending: 256, head_bytes: 8 << 10, deadline: Duration::from_secs(5) }
     }
 }
+
+/// The longest the loop sleeps: how soon it sees a stop (and retries a
+/// failed accept).
+pub const TICK: Duration = Duration::from_millis(50);
 
 /// The body of `GET /metrics` and its content type, or `None` when it
 /// cannot be made now (answered `500`).
 pub type Render = Arc<dyn Fn() -> Option<(String, &'static str)> + Send + Sync>;
 
-/// A running endpoint: its accept thread and what stops it.
+/// A running endpoint: its thread and what stops it.
 pub struct HttpServer {
-    listener: Arc<TcpListener>,
     stopping: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -69,37 +69,19 @@ pub struct HttpServer {
 impl HttpServer {
     /// Serves `render` on `listener` within `limits`.
     pub fn start(listener: TcpListener, limits: HttpLimits, render: Render) -> std::io::Result<Self> {
-        let listener = Arc::new(listener);
+        listener.set_nonblocking(true)?;
         let stopping = Arc::new(AtomicBool::new(false));
-        let slots = Slots::new(limits.connections, limits.evict_idle);
-        let (l, stop) = (Arc::clone(&listener), Arc::clone(&stopping));
-        let thread = std::thread::Builder::new().name("metrics".into()).spawn(move || {
-            while let Some((stream, _)) = crate::accept::accept_retrying("metrics", &stop, || l.accept()) {
-                let accepted = Instant::now();
-                let Some(slot) = slots.admit(stream.try_clone().ok().map(Into::into)) else {
-                    refuse(&stream);
-                    continue;
-                };
-                let render = Arc::clone(&render);
-                let spawned = std::thread::Builder::new().name("metrics client".into()).spawn(move || {
-                    serve(&stream, &slot, accepted, limits, &*render);
-                });
-                if spawned.is_err() {
-                    // The closure, its stream and its slot are dropped.
-                    log::warn!("metrics: cannot start a connection's thread");
-                }
-            }
-        })?;
-        Ok(Self { listener, stopping, thread: Some(thread) })
+        let stop = Arc::clone(&stopping);
+        let thread = std::thread::Builder::new()
+            .name("metrics".into())
+            .spawn(move || Endpoint::new(listener, limits, render).run(&stop))?;
+        Ok(Self { stopping, thread: Some(thread) })
     }
 
-    /// Stops accepting and joins the accept thread (connections being
-    /// served end within their deadline).
+    /// Stops accepting and joins the endpoint's thread (requests being
+    /// answered end within their deadline).
     pub fn stop(&mut self) {
         self.stopping.store(true, Ordering::SeqCst);
-        // SAFETY: shutdown(2) on the listening socket this value keeps
-        // open (`listener`); it only makes the blocked accept() fail.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -112,69 +94,195 @@ impl Drop for HttpServer {
     }
 }
 
-/// Answers `503` without reading anything, never blocking.
-fn refuse(stream: &TcpStream) {
-    let _ = stream.set_nonblocking(true);
-    let mut s = stream;
-    let _ = s.write_all(&answer(503, "text/plain", b"too many connections\n", false));
-    let _ = stream.shutdown(Shutdown::Both);
-}
-
-/// Reads one request head and answers it, all within the deadline.
-fn serve(
-    stream: &TcpStream,
-    slot: &Slot,
+/// A connection waiting for its request head.
+struct Pending {
+    stream: TcpStream,
     accepted: Instant,
-    limits: HttpLimits,
-    render: &dyn Fn() -> Option<(String, &'static str)>,
-) {
-    let end = accepted + limits.deadline;
-    let head = match read_head(stream, end, limits.head_bytes) {
-        Head::Complete(h) => h,
-        Head::TooLong => {
-            write_by(stream, end, &answer(431, "text/plain", b"request head too long\n", false));
-            return;
-        }
-        Head::Gone => return,
-    };
-    slot.busy();
-    let reply = respond(&head, render);
-    write_by(stream, end, &reply);
-    let _ = stream.shutdown(Shutdown::Both);
+    head: Vec<u8>,
 }
 
-enum Head {
-    Complete(Vec<u8>),
+/// What a read of a pending connection found.
+enum Read_ {
+    /// Keep waiting.
+    More,
+    /// The head is complete (without its blank line).
+    Head(Vec<u8>),
     TooLong,
     Gone,
 }
 
-/// The bytes up to the blank line that ends a request head.
-fn read_head(stream: &TcpStream, end: Instant, max: usize) -> Head {
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 1024];
-    let mut s = stream;
-    loop {
-        let Some(left) = end.checked_duration_since(Instant::now()).filter(|d| !d.is_zero()) else {
-            return Head::Gone;
-        };
-        if s.set_read_timeout(Some(left)).is_err() {
-            return Head::Gone;
-        }
-        let n = match s.read(&mut buf) {
-            Ok(0) | Err(_) => return Head::Gone,
-            Ok(n) => n,
-        };
-        let from = head.len().saturating_sub(3);
-        head.extend_from_slice(&buf[..n]);
-        if let Some(at) = head[from..].windows(4).position(|w| w == b"\r\n\r\n") {
-            head.truncate(from + at);
-            return Head::Complete(head);
-        }
-        if head.len() > max {
-            return Head::TooLong;
+/// The endpoint's loop state.
+struct Endpoint {
+    listener: TcpListener,
+    limits: HttpLimits,
+    render: Render,
+    pending: VecDeque<Pending>,
+    /// Requests being answered.
+    busy: Arc<AtomicUsize>,
+    /// Accept failed (descriptors exhausted): not tried again before this.
+    accept_after: Option<Instant>,
+}
+
+impl Endpoint {
+    fn new(listener: TcpListener, limits: HttpLimits, render: Render) -> Self {
+        Self {
+            listener,
+            limits,
+            render,
+            pending: VecDeque::new(),
+            busy: Arc::new(AtomicUsize::new(0)),
+            accept_after: None,
         }
     }
+
+    fn run(&mut self, stop: &AtomicBool) {
+        let mut fds: Vec<libc::pollfd> = Vec::new();
+        while !stop.load(Ordering::SeqCst) {
+            let now = Instant::now();
+            self.pending.retain(|p| now < p.accepted + self.limits.deadline);
+            let accepting = self.accept_after.is_none_or(|t| now >= t);
+            fds.clear();
+            fds.push(libc::pollfd {
+                fd: if accepting { self.listener.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            });
+            fds.extend(self.pending.iter().map(|p| libc::pollfd {
+                fd: p.stream.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            }));
+            let n = libc::nfds_t::try_from(fds.len()).unwrap_or(libc::nfds_t::MAX);
+            let tick = libc::c_int::try_from(TICK.as_millis()).unwrap_or(50);
+            // SAFETY: poll(2) on `fds`, a vector of `n` pollfds this loop
+            // owns for the whole call; it only writes their `revents`.
+            let r = unsafe { libc::poll(fds.as_mut_ptr(), n, tick) };
+            if r <= 0 {
+                continue;
+            }
+            // Heads first (a newcomer may push the oldest out below).
+            let ready: Vec<bool> = fds[1..].iter().map(|f| f.revents != 0).collect();
+            let mut i = 0;
+            let mut k = 0;
+            while i < self.pending.len() {
+                if !ready.get(k).copied().unwrap_or(false) {
+                    i += 1;
+                    k += 1;
+                    continue;
+                }
+                k += 1;
+                match read_some(&mut self.pending[i], self.limits.head_bytes) {
+                    Read_::More => i += 1,
+                    outcome => {
+                        if let Some(p) = self.pending.remove(i) {
+                            self.finish(p, outcome);
+                        }
+                    }
+                }
+            }
+            if fds[0].revents != 0 {
+                self.accept_all();
+            }
+        }
+    }
+
+    /// Takes every waiting connection (`pending` at most: the longest
+    /// waiting ones make room).
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((stream, _)) => {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if self.pending.len() >= self.limits.pending.max(1) {
+                        if let Some(old) = self.pending.pop_front() {
+                            let _ = old.stream.shutdown(Shutdown::Both);
+                        }
+                    }
+                    self.pending.push_back(Pending { stream, accepted: Instant::now(), head: Vec::new() });
+                    self.accept_after = None;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    // Descriptors exhausted and the like: the oldest
+                    // waiting connection goes, and accepting waits a tick.
+                    if self.accept_after.is_none() {
+                        log::warn!("metrics: accept failed ({e}); retrying every {} ms", TICK.as_millis());
+                    }
+                    if let Some(old) = self.pending.pop_front() {
+                        let _ = old.stream.shutdown(Shutdown::Both);
+                    }
+                    self.accept_after = Some(Instant::now() + TICK);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Answers a connection whose head is complete (or refuses it).
+    fn finish(&mut self, p: Pending, outcome: Read_) {
+        let end = p.accepted + self.limits.deadline;
+        let head = match outcome {
+            Read_::Head(h) => h,
+            Read_::TooLong => {
+                write_now(&p.stream, &answer(431, "text/plain", b"request head too long\n", false));
+                return;
+            }
+            Read_::Gone | Read_::More => return,
+        };
+        if self.busy.fetch_add(1, Ordering::SeqCst) >= self.limits.connections {
+            self.busy.fetch_sub(1, Ordering::SeqCst);
+            write_now(&p.stream, &answer(503, "text/plain", b"too many requests at once\n", false));
+            return;
+        }
+        let (render, busy) = (Arc::clone(&self.render), Arc::clone(&self.busy));
+        let spawned = std::thread::Builder::new().name("metrics client".into()).spawn(move || {
+            let _ = p.stream.set_nonblocking(false);
+            let reply = respond(&head, &*render);
+            write_by(&p.stream, end, &reply);
+            let _ = p.stream.shutdown(Shutdown::Both);
+            busy.fetch_sub(1, Ordering::SeqCst);
+        });
+        if spawned.is_err() {
+            // The closure and its stream are dropped.
+            self.busy.fetch_sub(1, Ordering::SeqCst);
+            log::warn!("metrics: cannot start a request's thread");
+        }
+    }
+}
+
+/// Reads what a pending connection has sent, without blocking.
+fn read_some(p: &mut Pending, max: usize) -> Read_ {
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = match (&p.stream).read(&mut buf) {
+            Ok(0) => return Read_::Gone,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Read_::More,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(_) => return Read_::Gone,
+        };
+        let from = p.head.len().saturating_sub(3);
+        p.head.extend_from_slice(&buf[..n]);
+        if let Some(at) = p.head[from..].windows(4).position(|w| w == b"\r\n\r\n") {
+            let mut head = std::mem::take(&mut p.head);
+            head.truncate(from + at);
+            return Read_::Head(head);
+        }
+        if p.head.len() > max {
+            return Read_::TooLong;
+        }
+    }
+}
+
+/// Writes a short answer without blocking (what does not fit in the
+/// socket's buffer is dropped) and closes the connection.
+fn write_now(stream: &TcpStream, bytes: &[u8]) {
+    let mut s = stream;
+    let _ = s.write_all(bytes);
+    let _ = stream.shutdown(Shutdown::Both);
 }
 
 /// Writes `bytes`, giving up at `end`.
@@ -302,33 +410,49 @@ mod tests {
         drop((greedy, silent));
     }
 
-    /// With every slot held by a silent client, the next is told so at
-    /// once while they are fresh; once they have been idle for
-    /// `evict_idle` a newcomer takes the slot of the one idle longest
-    /// (well before their 6 s deadline), and that one is closed.
+    /// Silent connections hold no slot: with more of them than may wait
+    /// (`pending`), and more arriving all the time, every scrape is still
+    /// answered at once, and the ones that waited longest were closed to
+    /// make room for the newcomers (long before their 6 s deadline). The
+    /// endpoint used to give each connection a slot from accept on, so
+    /// fresh silent connections kept scrapes out (`503`).
     #[test]
-    fn silent_clients_give_their_slots_up_to_newcomers() {
+    fn silent_clients_cannot_keep_a_scrape_out() {
         let limits = HttpLimits {
             connections: 4,
+            pending: 8,
             deadline: Duration::from_secs(6),
-            evict_idle: Duration::from_millis(500),
             ..HttpLimits::default()
         };
         let (_srv, addr) = server(limits);
-        let mut silent: Vec<_> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
-        let t = Instant::now();
-        let refused = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-        if t.elapsed() < Duration::from_millis(400) {
-            assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+        let mut first = TcpStream::connect(addr).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let churn = {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut held = VecDeque::new();
+                while !stop.load(Ordering::SeqCst) {
+                    if let Ok(s) = TcpStream::connect(addr) {
+                        held.push_back(s);
+                    }
+                    if held.len() > 64 {
+                        held.pop_front();
+                    }
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(200));
+        for _ in 0..20 {
+            let t = Instant::now();
+            let served = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+            assert!(served.starts_with("HTTP/1.1 200"), "{served}");
+            assert!(t.elapsed() < Duration::from_secs(3), "a scrape waited {:?}", t.elapsed());
         }
-        std::thread::sleep(Duration::from_millis(600));
-        let t = Instant::now();
-        let served = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-        assert!(served.starts_with("HTTP/1.1 200"), "{served}");
-        assert!(t.elapsed() < Duration::from_secs(3), "the newcomer waited {:?}", t.elapsed());
-        // The oldest silent connection was closed for it.
-        silent[0].set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        stop.store(true, Ordering::SeqCst);
+        churn.join().unwrap();
+        // The oldest silent connection was closed for a newcomer.
+        first.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut b = [0u8; 1];
-        assert!(matches!(silent[0].read(&mut b), Ok(0) | Err(_)), "the evicted connection is still open");
+        assert!(matches!(first.read(&mut b), Ok(0) | Err(_)), "the oldest silent connection is still open");
     }
 }
