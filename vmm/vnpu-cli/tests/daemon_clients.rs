@@ -414,8 +414,15 @@ fn a_bystander_vm_is_correct_while_every_client_attack_runs() {
     let pid = d.0.as_ref().unwrap().id();
     let mut kinds = std::collections::BTreeMap::new();
     for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
-        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default().trim().to_string();
-        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        // A thread that ended since the listing (a request's thread) has
+        // nothing left to read.
+        let (Ok(comm), Ok(status)) = (
+            std::fs::read_to_string(t.path().join("comm")),
+            std::fs::read_to_string(t.path().join("status")),
+        ) else {
+            continue;
+        };
+        let comm = comm.trim().to_string();
         let filters: u32 = status
             .lines()
             .find_map(|l| l.strip_prefix("Seccomp_filters:"))

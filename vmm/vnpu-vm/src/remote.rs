@@ -223,7 +223,15 @@ impl Link {
         let n = u32::try_from(raw.len()).unwrap_or(0);
         c.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, n, &raw).map_err(|e| format!("SET_IRQS: {e}"))?;
         let events = io_events(&mut c);
-        lock(&self.io).replace(&self.vm, events);
+        let mut io = lock(&self.io);
+        io.replace(&self.vm, events);
+        // A doorbell the guest rang after the server took the ring up but
+        // before the swap went to the old server's eventfd and is lost:
+        // ring the new ones once, so the server looks at the ring again.
+        for (_, e) in &io.events {
+            let _ = e.write(1);
+        }
+        drop(io);
         Ok(c)
     }
 }
