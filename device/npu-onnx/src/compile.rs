@@ -958,10 +958,8 @@ impl Compiler<'_> {
     fn gemm_general(&mut self, n: &Node) -> NodeResult {
         let alpha = Self::float_attr(n, "alpha", 1.0)?;
         let beta = Self::float_attr(n, "beta", 1.0)?;
-        // Each step's output, known by name to the next.
         let step = |c: &mut Self, tag: &str, op: &str, inputs: Vec<String>, attrs: HashMap<String, Attr>| {
-            let v = c.run_part(n, tag, op, inputs, attrs)?;
-            Ok::<String, Refusal>(c.stash(n, &format!("{tag}.out"), v))
+            c.step(n, tag, op, inputs, attrs)
         };
         let perm = || HashMap::from([("perm".to_string(), Attr::Ints(vec![1, 0]))]);
         let mut a = n.inputs.first().cloned().ok_or_else(|| invalid("input A is missing"))?;
@@ -1011,6 +1009,51 @@ impl Compiler<'_> {
         }
     }
 
+    /// The part `op` of `n` on the values named `inputs` (see
+    /// [`Self::run_part`]), its output known from now on as `n#tag.out`,
+    /// the name returned: how a node made of others is written.
+    pub(super) fn step(
+        &mut self,
+        n: &Node,
+        tag: &str,
+        op: &str,
+        inputs: Vec<String>,
+        attrs: HashMap<String, Attr>,
+    ) -> Result<String, Refusal> {
+        let v = self.run_part(n, tag, op, inputs, attrs)?;
+        Ok(self.stash(n, &format!("{tag}.out"), v))
+    }
+
+    /// The shape of the value named `name`.
+    pub(super) fn value_shape(&self, name: &str) -> Result<Vec<usize>, Refusal> {
+        match self.vals.get(name) {
+            Some(Val::C(c)) => Ok(c.shape.clone()),
+            Some(Val::D(d)) => Ok(d.shape.clone()),
+            None => Err(invalid(format!("no value `{name}`"))),
+        }
+    }
+
+    /// The value named `name` as a node's result.
+    pub(super) fn result(&self, name: &str) -> NodeResult {
+        Ok(vec![self.vals.get(name).cloned().ok_or_else(|| invalid(format!("no value `{name}`")))?])
+    }
+
+    /// The integers `v` as a 1-D constant known as `n#tag` (a shape, axes).
+    pub(super) fn stash_ints(&mut self, n: &Node, tag: &str, v: &[i64]) -> String {
+        self.stash(n, tag, Val::C(Const { shape: vec![v.len()], data: Data::I64(v.to_vec()) }))
+    }
+
+    /// The sizes `v` as a 1-D constant known as `n#tag` (a shape).
+    pub(super) fn sizes(&mut self, n: &Node, tag: &str, v: &[usize]) -> String {
+        let v: Vec<i64> = v.iter().map(|&x| x as i64).collect();
+        self.stash_ints(n, tag, &v)
+    }
+
+    /// The scalar `v` as a constant known as `n#tag`.
+    pub(super) fn stash_scalar(&mut self, n: &Node, tag: &str, v: f32) -> String {
+        self.stash(n, tag, Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }))
+    }
+
     /// `v`, known from now on as `n#tag` (an input of a [`Self::part`]).
     pub(super) fn stash(&mut self, n: &Node, tag: &str, v: Val) -> String {
         let name = format!("{}#{tag}", n.name);
@@ -1019,8 +1062,11 @@ impl Compiler<'_> {
     }
 
     /// The first output of the part `op` of `n` on the values named
-    /// `inputs` (a `Transpose`, `MatMul`, `Pad`, `Slice`, or an
-    /// element-wise `Add`, `Sub`, `Mul`, `Div`, `Max`, `Min`).
+    /// `inputs`: a `Transpose`, `MatMul`, `Pad`, `Slice`, `Reshape`,
+    /// `Concat`, `Softmax`, a reduction (`ReduceMean`, `ReduceMax`,
+    /// `ReduceL1`, `ReduceL2`), a pooling (`MaxPool`, `AveragePool`), an
+    /// activation (`Tanh`, `Sqrt`, `Abs`, `Log`, `Exp`) or an element-wise
+    /// `Add`, `Sub`, `Mul`, `Div`, `Max`, `Min`.
     pub(super) fn run_part(
         &mut self,
         n: &Node,

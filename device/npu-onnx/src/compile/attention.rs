@@ -136,12 +136,12 @@ impl Compiler<'_> {
                 }
                 past = pk[2];
                 let axis2 = || HashMap::from([("axis".to_string(), Attr::Int(2))]);
-                k = self.attention_step(n, "present_key", "Concat", vec![input(4)?, k], axis2())?;
-                v = self.attention_step(n, "present_value", "Concat", vec![input(5)?, v], axis2())?;
+                k = self.step(n, "present_key", "Concat", vec![input(4)?, k], axis2())?;
+                v = self.step(n, "present_value", "Concat", vec![input(5)?, v], axis2())?;
             }
             _ => return Err(invalid("past_key and past_value come together")),
         }
-        let skv = self.shape_of_name(&k)?[2];
+        let skv = self.value_shape(&k)?[2];
         let (present_k, present_v) = (k.clone(), v.clone());
         // Grouped-query attention: each K and V head repeated in place
         // ([h0, h0, h1, h1, ...]).
@@ -159,18 +159,18 @@ impl Compiler<'_> {
             Some(Attr::Float(s)) => f64::from(*s),
             Some(_) => return Err(invalid("attribute `scale` must be a float")),
         };
-        let root = self.scalar(n, "scale", scale.sqrt() as f32);
+        let root = self.stash_scalar(n, "scale", scale.sqrt() as f32);
         let none = HashMap::new;
-        let qs_ = self.attention_step(n, "q_scaled", "Mul", vec![q, root.clone()], none())?;
-        let ks_ = self.attention_step(n, "k_scaled", "Mul", vec![k, root], none())?;
+        let qs_ = self.step(n, "q_scaled", "Mul", vec![q, root.clone()], none())?;
+        let ks_ = self.step(n, "k_scaled", "Mul", vec![k, root], none())?;
         let perm = HashMap::from([("perm".to_string(), Attr::Ints(vec![0, 1, 3, 2]))]);
-        let kt = self.attention_step(n, "k_t", "Transpose", vec![ks_], perm)?;
-        let mut scores = self.attention_step(n, "qk", "MatMul", vec![qs_, kt], none())?;
+        let kt = self.step(n, "k_t", "Transpose", vec![ks_], perm)?;
+        let mut scores = self.step(n, "qk", "MatMul", vec![qs_, kt], none())?;
         if softcap > 0.0 {
-            let c = self.scalar(n, "softcap", softcap);
-            let x = self.attention_step(n, "capped_in", "Div", vec![scores, c.clone()], none())?;
-            let t = self.attention_step(n, "capped_tanh", "Tanh", vec![x], none())?;
-            scores = self.attention_step(n, "capped", "Mul", vec![t, c], none())?;
+            let c = self.stash_scalar(n, "softcap", softcap);
+            let x = self.step(n, "capped_in", "Div", vec![scores, c.clone()], none())?;
+            let t = self.step(n, "capped_tanh", "Tanh", vec![x], none())?;
+            scores = self.step(n, "capped", "Mul", vec![t, c], none())?;
         }
         let qk = scores.clone();
         if nonpad.as_ref().is_some_and(|v| v.len() != b) {
@@ -184,17 +184,17 @@ impl Compiler<'_> {
             Hide { causal, window, past, nonpad: nonpad.as_deref() },
             [b, hq, sq, skv],
         )? {
-            Some(bias) => self.attention_step(n, "biased", "Add", vec![scores, bias], none())?,
+            Some(bias) => self.step(n, "biased", "Add", vec![scores, bias], none())?,
             None => scores,
         };
         let axis = HashMap::from([("axis".to_string(), Attr::Int(-1))]);
-        let p = self.attention_step(n, "softmax", "Softmax", vec![with_bias.clone()], axis)?;
-        let mut y = self.attention_step(n, "pv", "MatMul", vec![p.clone(), v], none())?;
+        let p = self.step(n, "softmax", "Softmax", vec![with_bias.clone()], axis)?;
+        let mut y = self.step(n, "pv", "MatMul", vec![p.clone(), v], none())?;
         if rank == 3 {
             let perm = HashMap::from([("perm".to_string(), Attr::Ints(vec![0, 2, 1, 3]))]);
-            y = self.attention_step(n, "y_t", "Transpose", vec![y], perm)?;
-            let shape = self.ints(n, "y_shape", &[b, sq, hq * dv]);
-            y = self.attention_step(n, "y", "Reshape", vec![y, shape], none())?;
+            y = self.step(n, "y_t", "Transpose", vec![y], perm)?;
+            let shape = self.sizes(n, "y_shape", &[b, sq, hq * dv]);
+            y = self.step(n, "y", "Reshape", vec![y, shape], none())?;
         }
         let qk_out = match mode {
             0 | 1 => qk,
@@ -209,42 +209,12 @@ impl Compiler<'_> {
             .collect()
     }
 
-    /// The part `op` of `n` on `inputs`, its output known as `n#tag.out`.
-    fn attention_step(
-        &mut self,
-        n: &Node,
-        tag: &str,
-        op: &str,
-        inputs: Vec<String>,
-        attrs: HashMap<String, Attr>,
-    ) -> Result<String, Refusal> {
-        let v = self.run_part(n, tag, op, inputs, attrs)?;
-        Ok(self.stash(n, &format!("{tag}.out"), v))
-    }
-
-    fn shape_of_name(&self, name: &str) -> Result<Vec<usize>, Refusal> {
-        match self.vals.get(name) {
-            Some(Val::C(c)) => Ok(c.shape.clone()),
-            Some(Val::D(d)) => Ok(d.shape.clone()),
-            None => Err(invalid(format!("no value `{name}`"))),
-        }
-    }
-
-    fn scalar(&mut self, n: &Node, tag: &str, v: f32) -> String {
-        self.stash(n, tag, Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }))
-    }
-
-    fn ints(&mut self, n: &Node, tag: &str, v: &[usize]) -> String {
-        let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-        self.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-    }
-
     /// `[B, S, H * D]` as `[B, H, S, D]`.
     fn split_heads(&mut self, n: &Node, tag: &str, x: String, split: [usize; 4]) -> Result<String, Refusal> {
-        let shape = self.ints(n, &format!("{tag}_split"), &split);
-        let r = self.attention_step(n, &format!("{tag}_heads"), "Reshape", vec![x, shape], HashMap::new())?;
+        let shape = self.sizes(n, &format!("{tag}_split"), &split);
+        let r = self.step(n, &format!("{tag}_heads"), "Reshape", vec![x, shape], HashMap::new())?;
         let perm = HashMap::from([("perm".to_string(), Attr::Ints(vec![0, 2, 1, 3]))]);
-        self.attention_step(n, &format!("{tag}_bhsd"), "Transpose", vec![r], perm)
+        self.step(n, &format!("{tag}_bhsd"), "Transpose", vec![r], perm)
     }
 
     /// Each of the `heads` heads (axis 1) of `x` repeated `reps` times in
@@ -258,11 +228,11 @@ impl Compiler<'_> {
         reps: usize,
     ) -> Result<String, Refusal> {
         let mut parts = Vec::with_capacity(heads * reps);
-        let axes = self.ints(n, &format!("{tag}_rep_axes"), &[1]);
+        let axes = self.sizes(n, &format!("{tag}_rep_axes"), &[1]);
         for h in 0..heads {
-            let starts = self.ints(n, &format!("{tag}_rep_s{h}"), &[h]);
-            let ends = self.ints(n, &format!("{tag}_rep_e{h}"), &[h + 1]);
-            let one = self.attention_step(
+            let starts = self.sizes(n, &format!("{tag}_rep_s{h}"), &[h]);
+            let ends = self.sizes(n, &format!("{tag}_rep_e{h}"), &[h + 1]);
+            let one = self.step(
                 n,
                 &format!("{tag}_head{h}"),
                 "Slice",
@@ -272,7 +242,7 @@ impl Compiler<'_> {
             parts.extend(std::iter::repeat_n(one, reps));
         }
         let axis = HashMap::from([("axis".to_string(), Attr::Int(1))]);
-        self.attention_step(n, &format!("{tag}_repeated"), "Concat", parts, axis)
+        self.step(n, &format!("{tag}_repeated"), "Concat", parts, axis)
     }
 
     /// The additive bias of the scores `[B, H, Sq, Skv]`, as a constant:

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 
 use npu_graph::Act;
 
-use crate::load::{Attr, Const, Data, Node};
+use crate::load::{Attr, Node};
 use crate::refusal::{invalid, unsupported, Refusal};
 
 use super::{Compiler, NodeResult, Val};
@@ -48,23 +48,6 @@ impl Compiler<'_> {
         Ok(vec![Val::D(y)])
     }
 
-    /// The part `op` of `n` on `inputs`, known as `n#tag.out`.
-    fn composite_step(
-        &mut self,
-        n: &Node,
-        tag: &str,
-        op: &str,
-        inputs: Vec<String>,
-        attrs: HashMap<String, Attr>,
-    ) -> Result<String, Refusal> {
-        let v = self.run_part(n, tag, op, inputs, attrs)?;
-        Ok(self.stash(n, &format!("{tag}.out"), v))
-    }
-
-    fn result(&self, name: &str) -> NodeResult {
-        Ok(vec![self.vals.get(name).cloned().ok_or_else(|| invalid(format!("no value `{name}`")))?])
-    }
-
     /// `GlobalMaxPool`: the maximum over every axis after the channels.
     pub(super) fn global_max_pool(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &[])?;
@@ -76,7 +59,7 @@ impl Compiler<'_> {
         let axes = (2..rank as i64).collect();
         let attrs =
             HashMap::from([("axes".to_string(), Attr::Ints(axes)), ("keepdims".to_string(), Attr::Int(1))]);
-        let y = self.composite_step(n, "max", "ReduceMax", vec![x], attrs)?;
+        let y = self.step(n, "max", "ReduceMax", vec![x], attrs)?;
         self.result(&y)
     }
 
@@ -98,11 +81,10 @@ impl Compiler<'_> {
             ("axes".to_string(), Attr::Ints(vec![ax])),
             ("keepdims".to_string(), Attr::Int(1)),
         ]);
-        let norm = self.composite_step(n, "norm", reduce, vec![x.clone()], attrs)?;
-        let floor =
-            self.stash(n, "floor", Val::C(Const { shape: vec![], data: Data::F32(vec![f32::MIN_POSITIVE]) }));
-        let norm = self.composite_step(n, "norm_floor", "Max", vec![norm, floor], HashMap::new())?;
-        let y = self.composite_step(n, "y", "Div", vec![x, norm], HashMap::new())?;
+        let norm = self.step(n, "norm", reduce, vec![x.clone()], attrs)?;
+        let floor = self.stash_scalar(n, "floor", f32::MIN_POSITIVE);
+        let norm = self.step(n, "norm_floor", "Max", vec![norm, floor], HashMap::new())?;
+        let y = self.step(n, "y", "Div", vec![x, norm], HashMap::new())?;
         self.result(&y)
     }
 
@@ -135,10 +117,6 @@ impl Compiler<'_> {
                 g => return Err(invalid(format!("num_groups {g} for {c} channels"))),
             }
         };
-        let ints = |me: &mut Self, tag: &str, v: &[usize]| {
-            let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-        };
         // `[C]` as `[C, 1, ...]`, to broadcast over the other axes.
         let mut per = vec![1usize; rank - 1];
         per[0] = c;
@@ -146,32 +124,32 @@ impl Compiler<'_> {
             if me.shape_of(n, i)? != [c] {
                 return Err(invalid(format!("input {i} of shape {:?} for {c} channels", me.shape_of(n, i)?)));
             }
-            let shape = ints(me, &format!("{tag}_shape"), &per);
+            let shape = me.sizes(n, &format!("{tag}_shape"), &per);
             let v = n.inputs.get(i).cloned().ok_or_else(|| invalid(format!("input {i} is missing")))?;
-            me.composite_step(n, tag, "Reshape", vec![v, shape], HashMap::new())
+            me.step(n, tag, "Reshape", vec![v, shape], HashMap::new())
         };
         let scale = per_channel(self, 1, "scale")?;
         let bias = per_channel(self, 2, "bias")?;
         let rest = shape[1..].iter().product::<usize>() / groups;
-        let grouped = ints(self, "grouped_shape", &[shape[0], groups, rest]);
+        let grouped = self.sizes(n, "grouped_shape", &[shape[0], groups, rest]);
         let x = n.inputs[0].clone();
         let none = HashMap::new;
-        let xg = self.composite_step(n, "grouped", "Reshape", vec![x, grouped], none())?;
+        let xg = self.step(n, "grouped", "Reshape", vec![x, grouped], none())?;
         let last = || {
             HashMap::from([("axes".to_string(), Attr::Ints(vec![2])), ("keepdims".to_string(), Attr::Int(1))])
         };
-        let mean = self.composite_step(n, "mean", "ReduceMean", vec![xg.clone()], last())?;
-        let d = self.composite_step(n, "centered", "Sub", vec![xg, mean], none())?;
-        let sq = self.composite_step(n, "squared", "Mul", vec![d.clone(), d.clone()], none())?;
-        let var = self.composite_step(n, "var", "ReduceMean", vec![sq], last())?;
-        let e = self.stash(n, "epsilon", Val::C(Const { shape: vec![], data: Data::F32(vec![eps]) }));
-        let ve = self.composite_step(n, "var_eps", "Add", vec![var, e], none())?;
-        let sd = self.composite_step(n, "std", "Sqrt", vec![ve], none())?;
-        let z = self.composite_step(n, "normalized", "Div", vec![d, sd], none())?;
-        let back = ints(self, "shape", &shape);
-        let z = self.composite_step(n, "ungrouped", "Reshape", vec![z, back], none())?;
-        let zs = self.composite_step(n, "scaled", "Mul", vec![z, scale], none())?;
-        let y = self.composite_step(n, "y", "Add", vec![zs, bias], none())?;
+        let mean = self.step(n, "mean", "ReduceMean", vec![xg.clone()], last())?;
+        let d = self.step(n, "centered", "Sub", vec![xg, mean], none())?;
+        let sq = self.step(n, "squared", "Mul", vec![d.clone(), d.clone()], none())?;
+        let var = self.step(n, "var", "ReduceMean", vec![sq], last())?;
+        let e = self.stash_scalar(n, "epsilon", eps);
+        let ve = self.step(n, "var_eps", "Add", vec![var, e], none())?;
+        let sd = self.step(n, "std", "Sqrt", vec![ve], none())?;
+        let z = self.step(n, "normalized", "Div", vec![d, sd], none())?;
+        let back = self.sizes(n, "shape", &shape);
+        let z = self.step(n, "ungrouped", "Reshape", vec![z, back], none())?;
+        let zs = self.step(n, "scaled", "Mul", vec![z, scale], none())?;
+        let y = self.step(n, "y", "Add", vec![zs, bias], none())?;
         self.result(&y)
     }
 
@@ -215,22 +193,18 @@ impl Compiler<'_> {
             };
             (vec![b0, c, h / k, k, w / k, k], perm, vec![b0, c * k * k, h / k, w / k])
         };
-        let ints = |me: &mut Self, tag: &str, v: &[usize]| {
-            let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-        };
-        let s6 = ints(self, "split", &split);
+        let s6 = self.sizes(n, "split", &split);
         let x = n.inputs[0].clone();
-        let r = self.composite_step(n, "six", "Reshape", vec![x, s6], HashMap::new())?;
-        let t = self.composite_step(
+        let r = self.step(n, "six", "Reshape", vec![x, s6], HashMap::new())?;
+        let t = self.step(
             n,
             "moved",
             "Transpose",
             vec![r],
             HashMap::from([("perm".to_string(), Attr::Ints(perm))]),
         )?;
-        let s4 = ints(self, "shape", &out);
-        let y = self.composite_step(n, "y", "Reshape", vec![t, s4], HashMap::new())?;
+        let s4 = self.sizes(n, "shape", &out);
+        let y = self.step(n, "y", "Reshape", vec![t, s4], HashMap::new())?;
         self.result(&y)
     }
 
@@ -249,18 +223,17 @@ impl Compiler<'_> {
         let k = k.ok_or_else(|| invalid(format!("kernel_shape {kernel:?}")))?;
         let none = HashMap::new;
         let x = n.inputs[0].clone();
-        let a = self.composite_step(n, "abs", "Abs", vec![x], none())?;
+        let a = self.step(n, "abs", "Abs", vec![x], none())?;
         // `exp(k log(v))` of the value named `v`.
         let power = |me: &mut Self, tag: &str, v: String, k: f32| -> Result<String, Refusal> {
-            let l = me.composite_step(n, &format!("{tag}_log"), "Log", vec![v], HashMap::new())?;
-            let c =
-                me.stash(n, &format!("{tag}_k"), Val::C(Const { shape: vec![], data: Data::F32(vec![k]) }));
-            let m = me.composite_step(n, &format!("{tag}_scaled"), "Mul", vec![l, c], HashMap::new())?;
-            me.composite_step(n, tag, "Exp", vec![m], HashMap::new())
+            let l = me.step(n, &format!("{tag}_log"), "Log", vec![v], HashMap::new())?;
+            let c = me.stash_scalar(n, &format!("{tag}_k"), k);
+            let m = me.step(n, &format!("{tag}_scaled"), "Mul", vec![l, c], HashMap::new())?;
+            me.step(n, tag, "Exp", vec![m], HashMap::new())
         };
         let powered = match p {
             1 => a,
-            2 => self.composite_step(n, "squared", "Mul", vec![a.clone(), a], none())?,
+            2 => self.step(n, "squared", "Mul", vec![a.clone(), a], none())?,
             _ => power(self, "powered", a, p as f32)?,
         };
         // Padding counts as zeros: the average is over the whole window.
@@ -271,12 +244,12 @@ impl Compiler<'_> {
             .map(|(key, v)| (key.clone(), v.clone()))
             .collect();
         attrs.insert("count_include_pad".into(), Attr::Int(1));
-        let avg = self.composite_step(n, "average", "AveragePool", vec![powered], attrs)?;
-        let kc = self.stash(n, "window", Val::C(Const { shape: vec![], data: Data::F32(vec![k as f32]) }));
-        let sum = self.composite_step(n, "sum", "Mul", vec![avg, kc], none())?;
+        let avg = self.step(n, "average", "AveragePool", vec![powered], attrs)?;
+        let kc = self.stash_scalar(n, "window", k as f32);
+        let sum = self.step(n, "sum", "Mul", vec![avg, kc], none())?;
         let y = match p {
             1 => sum,
-            2 => self.composite_step(n, "y", "Sqrt", vec![sum], none())?,
+            2 => self.step(n, "y", "Sqrt", vec![sum], none())?,
             _ => power(self, "y", sum, 1.0 / p as f32)?,
         };
         self.result(&y)
@@ -305,26 +278,14 @@ impl Compiler<'_> {
             };
             attrs.insert(key.clone(), widened);
         }
-        let ints = |me: &mut Self, tag: &str, v: &[usize]| {
-            let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-        };
-        let image = ints(self, "image_shape", &[b, c, 1, l]);
+        let image = self.sizes(n, "image_shape", &[b, c, 1, l]);
         let x = n.inputs[0].clone();
-        let r = self.composite_step(n, "image", "Reshape", vec![x, image], HashMap::new())?;
-        let pooled = self.composite_step(n, "pooled", &n.op, vec![r], attrs)?;
-        let out = self.shape_of_value(&pooled)?;
-        let back = ints(self, "shape", &[b, c, out[3]]);
-        let y = self.composite_step(n, "y", "Reshape", vec![pooled, back], HashMap::new())?;
+        let r = self.step(n, "image", "Reshape", vec![x, image], HashMap::new())?;
+        let pooled = self.step(n, "pooled", &n.op, vec![r], attrs)?;
+        let out = self.value_shape(&pooled)?;
+        let back = self.sizes(n, "shape", &[b, c, out[3]]);
+        let y = self.step(n, "y", "Reshape", vec![pooled, back], HashMap::new())?;
         self.result(&y)
-    }
-
-    fn shape_of_value(&self, name: &str) -> Result<Vec<usize>, Refusal> {
-        match self.vals.get(name) {
-            Some(Val::C(c)) => Ok(c.shape.clone()),
-            Some(Val::D(d)) => Ok(d.shape.clone()),
-            None => Err(invalid(format!("no value `{name}`"))),
-        }
     }
 
     /// `Softmax` over any axis (opset 13 on): the axis moved last, the
@@ -340,10 +301,10 @@ impl Compiler<'_> {
                 perm.swap(ax, rank - 1);
                 let p = || HashMap::from([("perm".to_string(), Attr::Ints(perm.clone()))]);
                 let x = n.inputs[0].clone();
-                let t = self.composite_step(n, "moved", "Transpose", vec![x], p())?;
+                let t = self.step(n, "moved", "Transpose", vec![x], p())?;
                 let last = HashMap::from([("axis".to_string(), Attr::Int(-1))]);
-                let s = self.composite_step(n, "softmax", "Softmax", vec![t], last)?;
-                let y = self.composite_step(n, "y", "Transpose", vec![s], p())?;
+                let s = self.step(n, "softmax", "Softmax", vec![t], last)?;
+                let y = self.step(n, "y", "Transpose", vec![s], p())?;
                 self.result(&y)
             }
             _ => self.softmax(n),
@@ -361,26 +322,22 @@ impl Compiler<'_> {
         if sa.len() == 1 && sb.len() == 1 {
             return Err(unsupported("the product of two vectors (a scalar result)"));
         }
-        let ints = |me: &mut Self, tag: &str, v: &[usize]| {
-            let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-        };
         let (mut a, mut b) = (n.inputs[0].clone(), n.inputs[1].clone());
         let none = HashMap::new;
         let out: Vec<usize> = if sb.len() == 1 {
-            let col = ints(self, "column", &[sb[0], 1]);
-            b = self.composite_step(n, "b", "Reshape", vec![b, col], none())?;
+            let col = self.sizes(n, "column", &[sb[0], 1]);
+            b = self.step(n, "b", "Reshape", vec![b, col], none())?;
             sa[..sa.len() - 1].to_vec()
         } else {
-            let row = ints(self, "row", &[1, sa[0]]);
-            a = self.composite_step(n, "a", "Reshape", vec![a, row], none())?;
+            let row = self.sizes(n, "row", &[1, sa[0]]);
+            a = self.step(n, "a", "Reshape", vec![a, row], none())?;
             let mut o = sb[..sb.len() - 2].to_vec();
             o.push(sb[sb.len() - 1]);
             o
         };
-        let c = self.composite_step(n, "product", "MatMul", vec![a, b], none())?;
-        let shape = ints(self, "shape", &out);
-        let y = self.composite_step(n, "y", "Reshape", vec![c, shape], none())?;
+        let c = self.step(n, "product", "MatMul", vec![a, b], none())?;
+        let shape = self.sizes(n, "shape", &out);
+        let y = self.step(n, "y", "Reshape", vec![c, shape], none())?;
         self.result(&y)
     }
 
@@ -406,8 +363,7 @@ impl Compiler<'_> {
         let c = *shape.get(1).ok_or_else(|| invalid("input of rank below 2"))?;
         let mut per = vec![1usize; rank - 1];
         per[0] = c;
-        let data = Data::I64(per.iter().map(|&x| x as i64).collect());
-        let per_shape = self.stash(n, "per_channel", Val::C(Const { shape: vec![per.len()], data }));
+        let per_shape = self.sizes(n, "per_channel", &per);
         let mut p = Vec::with_capacity(4);
         for (i, tag) in [(1, "scale"), (2, "bias"), (3, "mean"), (4, "var")] {
             if self.shape_of(n, i)? != [c] {
@@ -417,17 +373,17 @@ impl Compiler<'_> {
                 )));
             }
             let v = n.inputs[i].clone();
-            p.push(self.composite_step(n, tag, "Reshape", vec![v, per_shape.clone()], HashMap::new())?);
+            p.push(self.step(n, tag, "Reshape", vec![v, per_shape.clone()], HashMap::new())?);
         }
         let none = HashMap::new;
         let x = n.inputs[0].clone();
-        let d = self.composite_step(n, "centered", "Sub", vec![x, p[2].clone()], none())?;
-        let e = self.stash(n, "epsilon", Val::C(Const { shape: vec![], data: Data::F32(vec![eps]) }));
-        let ve = self.composite_step(n, "var_eps", "Add", vec![p[3].clone(), e], none())?;
-        let sd = self.composite_step(n, "std", "Sqrt", vec![ve], none())?;
-        let z = self.composite_step(n, "normalized", "Div", vec![d, sd], none())?;
-        let zs = self.composite_step(n, "scaled", "Mul", vec![z, p[0].clone()], none())?;
-        let y = self.composite_step(n, "y", "Add", vec![zs, p[1].clone()], none())?;
+        let d = self.step(n, "centered", "Sub", vec![x, p[2].clone()], none())?;
+        let e = self.stash_scalar(n, "epsilon", eps);
+        let ve = self.step(n, "var_eps", "Add", vec![p[3].clone(), e], none())?;
+        let sd = self.step(n, "std", "Sqrt", vec![ve], none())?;
+        let z = self.step(n, "normalized", "Div", vec![d, sd], none())?;
+        let zs = self.step(n, "scaled", "Mul", vec![z, p[0].clone()], none())?;
+        let y = self.step(n, "y", "Add", vec![zs, p[1].clone()], none())?;
         self.result(&y)
     }
 
@@ -445,7 +401,7 @@ impl Compiler<'_> {
         let swish = self.eltwise(n, false, &a, g.t);
         let name = self.stash(n, "swish", Val::D(swish));
         let b = n.inputs[1].clone();
-        let y = self.composite_step(n, "y", "Mul", vec![name, b], HashMap::new())?;
+        let y = self.step(n, "y", "Mul", vec![name, b], HashMap::new())?;
         self.result(&y)
     }
 
@@ -485,41 +441,34 @@ impl Compiler<'_> {
         let [b, c, h, w] = s[..] else {
             return Err(invalid(format!("an input of shape {s:?} (only [N, C, H, W])")));
         };
-        let ints = |me: &mut Self, tag: &str, v: &[usize]| {
-            let data = Data::I64(v.iter().map(|&x| x as i64).collect());
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data }))
-        };
-        let scalar = |me: &mut Self, tag: &str, v: f32| {
-            me.stash(n, tag, Val::C(Const { shape: vec![], data: Data::F32(vec![v]) }))
-        };
         let none = HashMap::new;
         let perm = |p: Vec<i64>| HashMap::from([("perm".to_string(), Attr::Ints(p))]);
         let x = n.inputs[0].clone();
-        let sq = self.composite_step(n, "sq", "Mul", vec![x.clone(), x.clone()], none())?;
-        let t = self.composite_step(n, "channels_last", "Transpose", vec![sq], perm(vec![0, 2, 3, 1]))?;
-        let rows = ints(self, "rows", &[b * h * w, 1, c]);
-        let r = self.composite_step(n, "rows", "Reshape", vec![t, rows], none())?;
+        let sq = self.step(n, "sq", "Mul", vec![x.clone(), x.clone()], none())?;
+        let t = self.step(n, "channels_last", "Transpose", vec![sq], perm(vec![0, 2, 3, 1]))?;
+        let rows = self.sizes(n, "rows", &[b * h * w, 1, c]);
+        let r = self.step(n, "rows", "Reshape", vec![t, rows], none())?;
         let (before, after) = ((size - 1) / 2, size / 2);
         let pool = HashMap::from([
             ("kernel_shape".to_string(), Attr::Ints(vec![size])),
             ("pads".to_string(), Attr::Ints(vec![before, after])),
             ("count_include_pad".to_string(), Attr::Int(1)),
         ]);
-        let avg = self.composite_step(n, "window", "AveragePool", vec![r], pool)?;
-        let k = scalar(self, "size", size as f32);
-        let sum = self.composite_step(n, "sum", "Mul", vec![avg, k], none())?;
-        let back = ints(self, "image", &[b, h, w, c]);
-        let sum = self.composite_step(n, "image", "Reshape", vec![sum, back], none())?;
-        let sum = self.composite_step(n, "channels_first", "Transpose", vec![sum], perm(vec![0, 3, 1, 2]))?;
-        let a = scalar(self, "alpha", alpha / size as f32);
-        let t = self.composite_step(n, "scaled", "Mul", vec![sum, a], none())?;
-        let bb = scalar(self, "bias", bias);
-        let t = self.composite_step(n, "biased", "Add", vec![t, bb], none())?;
-        let l = self.composite_step(n, "log", "Log", vec![t], none())?;
-        let be = scalar(self, "beta", beta);
-        let l = self.composite_step(n, "log_beta", "Mul", vec![l, be], none())?;
-        let d = self.composite_step(n, "denominator", "Exp", vec![l], none())?;
-        let y = self.composite_step(n, "y", "Div", vec![x, d], none())?;
+        let avg = self.step(n, "window", "AveragePool", vec![r], pool)?;
+        let k = self.stash_scalar(n, "size", size as f32);
+        let sum = self.step(n, "sum", "Mul", vec![avg, k], none())?;
+        let back = self.sizes(n, "image", &[b, h, w, c]);
+        let sum = self.step(n, "image", "Reshape", vec![sum, back], none())?;
+        let sum = self.step(n, "channels_first", "Transpose", vec![sum], perm(vec![0, 3, 1, 2]))?;
+        let a = self.stash_scalar(n, "alpha", alpha / size as f32);
+        let t = self.step(n, "scaled", "Mul", vec![sum, a], none())?;
+        let bb = self.stash_scalar(n, "bias", bias);
+        let t = self.step(n, "biased", "Add", vec![t, bb], none())?;
+        let l = self.step(n, "log", "Log", vec![t], none())?;
+        let be = self.stash_scalar(n, "beta", beta);
+        let l = self.step(n, "log_beta", "Mul", vec![l, be], none())?;
+        let d = self.step(n, "denominator", "Exp", vec![l], none())?;
+        let y = self.step(n, "y", "Div", vec![x, d], none())?;
         self.result(&y)
     }
 
@@ -542,9 +491,6 @@ impl Compiler<'_> {
             [b, sq, _] => (b, sq),
             _ => return Err(invalid(format!("an input of shape {s:?} (3-D or 4-D)"))),
         };
-        let ints = |me: &mut Self, tag: &str, v: &[i64]| {
-            me.stash(n, tag, Val::C(Const { shape: vec![v.len()], data: Data::I64(v.to_vec()) }))
-        };
         let none = HashMap::new;
         let x = n.inputs[0].clone();
         // [B, H, S, D] (4-D), or [B, S, H, D] from [B, S, H * D].
@@ -555,8 +501,8 @@ impl Compiler<'_> {
                 h if h > 0 && s[2] % h as usize == 0 => h as usize,
                 h => return Err(invalid(format!("num_heads {h} for a hidden size of {}", s[2]))),
             };
-            let split = ints(self, "heads", &[b as i64, seq as i64, h as i64, (s[2] / h) as i64]);
-            let x = self.composite_step(n, "heads", "Reshape", vec![x, split], none())?;
+            let split = self.stash_ints(n, "heads", &[b as i64, seq as i64, h as i64, (s[2] / h) as i64]);
+            let x = self.step(n, "heads", "Reshape", vec![x, split], none())?;
             (x, s[2] / h, vec![b as i64, seq as i64, 1, -1])
         };
         let rd = match Self::int_attr(n, "rotary_embedding_dim", 0)? {
@@ -571,19 +517,19 @@ impl Compiler<'_> {
             if cs != [b, seq, half] {
                 return Err(invalid(format!("{tag}_cache of shape {cs:?} (expected {:?})", [b, seq, half])));
             }
-            let shape = ints(self, &format!("{tag}_shape"), &cache_shape);
+            let shape = self.stash_ints(n, &format!("{tag}_shape"), &cache_shape);
             let c = n.inputs[i].clone();
-            caches.push(self.composite_step(n, tag, "Reshape", vec![c, shape], none())?);
+            caches.push(self.step(n, tag, "Reshape", vec![c, shape], none())?);
         }
         let (cos, sin) = (caches[0].clone(), caches[1].clone());
-        let last = ints(self, "last", &[-1]);
+        let last = self.stash_ints(n, "last", &[-1]);
         let slice = |me: &mut Self, tag: &str, v: &str, from: usize, to: usize, step: usize| {
             let (a, e, st) = (
-                ints(me, &format!("{tag}_from"), &[from as i64]),
-                ints(me, &format!("{tag}_to"), &[to as i64]),
-                ints(me, &format!("{tag}_step"), &[step as i64]),
+                me.stash_ints(n, &format!("{tag}_from"), &[from as i64]),
+                me.stash_ints(n, &format!("{tag}_to"), &[to as i64]),
+                me.stash_ints(n, &format!("{tag}_step"), &[step as i64]),
             );
-            me.composite_step(n, tag, "Slice", vec![v.to_string(), a, e, last.clone(), st], HashMap::new())
+            me.step(n, tag, "Slice", vec![v.to_string(), a, e, last.clone(), st], HashMap::new())
         };
         let (x1, x2) = if interleaved {
             (slice(self, "x1", &x, 0, rd, 2)?, slice(self, "x2", &x, 1, rd, 2)?)
@@ -591,37 +537,37 @@ impl Compiler<'_> {
             (slice(self, "x1", &x, 0, half, 1)?, slice(self, "x2", &x, half, rd, 1)?)
         };
         let mul = |me: &mut Self, tag: &str, a: &str, b: &str| {
-            me.composite_step(n, tag, "Mul", vec![a.to_string(), b.to_string()], HashMap::new())
+            me.step(n, tag, "Mul", vec![a.to_string(), b.to_string()], HashMap::new())
         };
         let (c1, s2) = (mul(self, "c1", &cos, &x1)?, mul(self, "s2", &sin, &x2)?);
-        let real = self.composite_step(n, "real", "Sub", vec![c1, s2], none())?;
+        let real = self.step(n, "real", "Sub", vec![c1, s2], none())?;
         let (s1, c2) = (mul(self, "s1", &sin, &x1)?, mul(self, "c2", &cos, &x2)?);
-        let imag = self.composite_step(n, "imag", "Add", vec![s1, c2], none())?;
+        let imag = self.step(n, "imag", "Add", vec![s1, c2], none())?;
         let axis = |a: i64| HashMap::from([("axis".to_string(), Attr::Int(a))]);
-        let xs = self.shape_of_value(&x)?;
+        let xs = self.value_shape(&x)?;
         let mut rotated = if interleaved {
             // (real, imag) pairs: each as [..., half, 1], side by side.
             let mut pair = xs.iter().map(|&v| v as i64).collect::<Vec<_>>();
             pair[3] = half as i64;
             pair.push(1);
-            let p = ints(self, "pair", &pair);
-            let r = self.composite_step(n, "real_col", "Reshape", vec![real, p.clone()], none())?;
-            let i = self.composite_step(n, "imag_col", "Reshape", vec![imag, p], none())?;
-            let both = self.composite_step(n, "pairs", "Concat", vec![r, i], axis(-1))?;
+            let p = self.stash_ints(n, "pair", &pair);
+            let r = self.step(n, "real_col", "Reshape", vec![real, p.clone()], none())?;
+            let i = self.step(n, "imag_col", "Reshape", vec![imag, p], none())?;
+            let both = self.step(n, "pairs", "Concat", vec![r, i], axis(-1))?;
             let mut flat = xs.iter().map(|&v| v as i64).collect::<Vec<_>>();
             flat[3] = rd as i64;
-            let f = ints(self, "flat", &flat);
-            self.composite_step(n, "rotated", "Reshape", vec![both, f], none())?
+            let f = self.stash_ints(n, "flat", &flat);
+            self.step(n, "rotated", "Reshape", vec![both, f], none())?
         } else {
-            self.composite_step(n, "rotated", "Concat", vec![real, imag], axis(-1))?
+            self.step(n, "rotated", "Concat", vec![real, imag], axis(-1))?
         };
         if rd < d {
             let kept = slice(self, "kept", &x, rd, d, 1)?;
-            rotated = self.composite_step(n, "whole", "Concat", vec![rotated, kept], axis(-1))?;
+            rotated = self.step(n, "whole", "Concat", vec![rotated, kept], axis(-1))?;
         }
         let y = if s.len() == 3 {
-            let back = ints(self, "shape", &s.iter().map(|&v| v as i64).collect::<Vec<_>>());
-            self.composite_step(n, "y", "Reshape", vec![rotated, back], none())?
+            let back = self.stash_ints(n, "shape", &s.iter().map(|&v| v as i64).collect::<Vec<_>>());
+            self.step(n, "y", "Reshape", vec![rotated, back], none())?
         } else {
             rotated
         };
