@@ -107,7 +107,9 @@ impl IoEvents {
         if let Some(old) = self.registered.take() {
             for (off, fd) in &self.events {
                 // Failing to remove one that was never added is harmless.
-                let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(old + off), NoDatamatch);
+                if let Some(a) = old.checked_add(*off) {
+                    let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch);
+                }
             }
         }
         if let Some(base) = base {
@@ -118,7 +120,10 @@ impl IoEvents {
             self.registered = ok.then_some(base);
             if !ok {
                 for (off, fd) in &self.events {
-                    let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(base + off), NoDatamatch);
+                    // (A BAR the guest placed so that this wraps registered nothing.)
+                    if let Some(a) = base.checked_add(*off) {
+                        let _ = vm.unregister_ioevent(fd, &IoEventAddress::Mmio(a), NoDatamatch);
+                    }
                 }
             }
         }
