@@ -334,6 +334,12 @@ impl Worker {
     fn configure(&mut self, spec: VnpuSpec) {
         self.programs.clear();
         self.store_config(Some(spec));
+        self.adopt(spec);
+    }
+
+    /// Takes `spec` as the configuration: its cores (memories created on
+    /// first use), the telemetry and the hierarchy registers.
+    fn adopt(&mut self, spec: VnpuSpec) {
         let n = spec.cores() as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
@@ -386,22 +392,22 @@ impl Worker {
     /// memories are taken now and whose programs and ring wait for
     /// [`Control::Resume`].
     fn session(&mut self, store: Arc<crate::store::SessionStore>, resume: bool) {
-        if !resume {
+        let stored = if resume {
+            store
+                .config()
+                .map_err(|e| {
+                    // Not a shape this daemon takes: start afresh.
+                    log::warn!("{}: the stored configuration is not valid ({e}); not resumed", self.name);
+                })
+                .ok()
+        } else {
+            None
+        };
+        let Some(config) = stored else {
             self.store = Some(Arc::clone(&store));
             self.store_config(self.config);
             self.regs().mirror_to(Some(store));
             return;
-        }
-        let config = match store.config() {
-            Ok(c) => c,
-            Err(e) => {
-                // Not a shape this daemon takes: start afresh.
-                log::warn!("{}: the stored configuration is not valid ({e}); not resumed", self.name);
-                self.store = Some(Arc::clone(&store));
-                self.store_config(self.config);
-                self.regs().mirror_to(Some(store));
-                return;
-            }
         };
         let programs = store.programs().unwrap_or_else(|e| {
             log::warn!("{}: reading the stored programs: {e}", self.name);
@@ -416,16 +422,7 @@ impl Worker {
         self.store = Some(Arc::clone(&store));
         match config {
             // Still within the grant: kept, with its memories.
-            Some(c) if c.fits_within(&self.grant) => {
-                self.config = Some(c);
-                self.cores = (0..c.cores() as usize).map(|_| None).collect();
-                if let Some(t) = &self.opts.telemetry {
-                    t.configured(Some(c));
-                }
-                let mut r = self.regs();
-                r.set_hierarchy(Some(&c));
-                r.update_u32(regs::STATUS, |s| s | abi::STATUS_READY);
-            }
+            Some(c) if c.fits_within(&self.grant) => self.adopt(c),
             Some(_) => {
                 self.configure(self.grant);
                 self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
@@ -469,8 +466,7 @@ impl Worker {
     fn resume(&mut self) {
         let Some(p) = self.parked.take() else { return };
         if let Some(spec) = self.config {
-            let limits =
-                spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
+            let limits = self.limits(&spec);
             for (handle, bytes) in p.programs {
                 let ok = Program::decode(&bytes)
                     .ok()
@@ -539,12 +535,7 @@ impl Worker {
             abi::ST_RETRY,
             "the board daemon restarted while this request ran; it may have run in part: submit it again",
         );
-        let Some(q) = self.queue.as_mut() else { return };
-        if let Err(e) = q.add_used(&self.mem, head, len) {
-            self.fail_ring(&format!("completing the request at head {head}: {e}"));
-            return;
-        }
-        self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
+        self.push_used(head, len);
     }
 
     /// Handles every posted control message, in order.

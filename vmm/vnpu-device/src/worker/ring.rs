@@ -28,19 +28,29 @@ impl Worker {
                 st.set_in_flight(Some(taken_at));
             }
             let (len, interrupt) = self.process(&descs);
-            let Some(q) = self.queue.as_mut() else { return };
-            if let Err(e) = q.add_used(&self.mem, head, len) {
-                self.fail_ring(&format!("completing the request at head {head}: {e}"));
+            if !self.push_used(head, len) {
                 return;
             }
             if let Some(st) = &self.store {
                 st.set_in_flight(None);
             }
-            self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
             if interrupt {
                 self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
             }
         }
+    }
+
+    /// Puts the request at `head` on the used ring (`len` bytes written)
+    /// and counts it in `COMPLETED`; false when the ring is gone or broke
+    /// (then failed).
+    pub(super) fn push_used(&mut self, head: u16, len: u32) -> bool {
+        let Some(q) = self.queue.as_mut() else { return false };
+        if let Err(e) = q.add_used(&self.mem, head, len) {
+            self.fail_ring(&format!("completing the request at head {head}: {e}"));
+            return false;
+        }
+        self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
+        true
     }
 
     /// The next request on the ring (its head and descriptors), taken off
@@ -93,10 +103,6 @@ impl Worker {
     /// `message` (its header's tag kept when it can be read); returns the
     /// used length.
     pub(super) fn complete_unrun(&mut self, descs: &[Desc], status: u32, message: &str) -> u32 {
-        if status_desc(descs).is_none() {
-            self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
-            return 0;
-        }
         let mut hb = [0u8; abi::HEADER_BYTES];
         let tag = descs
             .first()
@@ -222,9 +228,7 @@ impl Worker {
         }
         let program =
             Program::decode(&bytes).map_err(|e| Outcome::fail(abi::ST_BAD_PROGRAM, e.to_string()))?;
-        let limits =
-            spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect());
-        if let Err(e) = npu_model::verify(&program, &limits) {
+        if let Err(e) = npu_model::verify(&program, &self.limits(&spec)) {
             let detail = e.position().map_or(NO_DETAIL, |(s, i)| crate::position_detail(s, i));
             return Err(Outcome {
                 status: abi::ST_VERIFY_FAILED,
@@ -234,6 +238,12 @@ impl Worker {
             });
         }
         Ok(program)
+    }
+
+    /// What the verifier checks a program against: `spec` and the guest
+    /// memory mapped now.
+    pub(super) fn limits(&self, spec: &VnpuSpec) -> npu_model::VnpuLimits {
+        spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect())
     }
 
     /// `RUN`: load, verify, execute.
@@ -308,21 +318,17 @@ impl Worker {
             0 => DEFAULT_BUDGET,
             n => n.min(MAX_BUDGET),
         };
-        if self.cores[core_slot].is_none() {
+        let store = self.store.as_ref();
+        let core = self.cores[core_slot].get_or_insert_with(|| {
             let (sram, hbm) = (spec.sram_per_core(), spec.hbm_per_core());
-            let stored = self.store.as_ref().map(|st| {
-                st.core(core_slot, sram, hbm).map_err(|e| {
-                    st.invalidate(&format!("core {core_slot}'s memories: {e}"));
-                })
+            // In the session's files when it has any (else, never resumed, in host memory).
+            let stored = store.and_then(|st| {
+                st.core(core_slot, sram, hbm)
+                    .map_err(|e| st.invalidate(&format!("core {core_slot}'s memories: {e}")))
+                    .ok()
             });
-            self.cores[core_slot] = Some(match stored {
-                Some(Ok(c)) => c,
-                _ => Core { sram: Sram::new(sram), hbm: LazyHbm::new(hbm) },
-            });
-        }
-        let Some(core) = self.cores[core_slot].as_mut() else {
-            return Outcome::fail(abi::ST_EXEC_FAULT, "the core's memory is missing");
-        };
+            stored.unwrap_or_else(|| Core { sram: Sram::new(sram), hbm: LazyHbm::new(hbm) })
+        });
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
