@@ -14,6 +14,11 @@ pub const CLASS: u32 = 0x12_00_00;
 /// Value of `ABI_VERSION` (major << 16 | minor). Minor 1 added program
 /// registration (`OP_REGISTER`, `OP_RUN_REGISTERED`, `OP_UNREGISTER`).
 pub const ABI_VERSION: u32 = 1 << 16 | 1;
+/// The vfio-user `VERSION` capability in which a VMM names its device
+/// session and asks the board daemon to resume it after a restart, and
+/// the daemon answers whether it did (`docs/vfio-user.md`, "Daemon
+/// restarts").
+pub const SESSION_CAPABILITY: &str = "vnpu-session";
 /// Programs a vNPU keeps registered at once.
 pub const MAX_REGISTERED: usize = 64;
 /// Most instructions all of a vNPU's registered programs may hold together

@@ -228,11 +228,6 @@ pub struct VnpuBackend {
     resuming: bool,
 }
 
-/// The `VERSION` capability in which a client names its device session
-/// and the daemon answers whether it resumed it (`docs/vfio-user.md`,
-/// "Daemon restarts").
-pub const SESSION_CAPABILITY: &str = "vnpu-session";
-
 impl Drop for VnpuBackend {
     fn drop(&mut self) {
         self.release.forget(self.id);
@@ -337,7 +332,7 @@ impl VnpuBackend {
         // One session per connection: a client that sends `VERSION` again
         // gets no second one (nor the disk work of starting it).
         let Some(dir) = self.store_dir.take() else { return answer };
-        let asked = client.get(SESSION_CAPABILITY);
+        let asked = client.get(abi::SESSION_CAPABILITY);
         let id = asked.and_then(|a| a.get("id")).and_then(serde_json::Value::as_u64).unwrap_or(0);
         let resume = asked.and_then(|a| a.get("resume")).and_then(serde_json::Value::as_bool) == Some(true);
         let store = match vnpu_device::SessionStore::open(&dir) {
@@ -355,7 +350,7 @@ impl VnpuBackend {
         }
         self.resuming = resumed;
         self.function.keep_in(store, resumed);
-        answer.insert(SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resumed": resumed }));
+        answer.insert(abi::SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resumed": resumed }));
         answer
     }
 
@@ -441,11 +436,19 @@ impl VnpuBackend {
         Ok(())
     }
 
+    /// A resumed session takes its ring up (once): when its client has
+    /// given its MSI-X triggers (its memory is mapped by then).
+    fn take_up_resumed(&mut self) {
+        if std::mem::take(&mut self.resuming) {
+            self.function.resume();
+        }
+    }
+
     /// A resumed session whose client touches the device before it gave
     /// its MSI-X triggers takes its ring up now.
     fn resume_on_bar_access(&mut self, region: u32) {
-        if region != VFIO_PCI_CONFIG_REGION_INDEX && std::mem::take(&mut self.resuming) {
-            self.function.resume();
+        if region != VFIO_PCI_CONFIG_REGION_INDEX {
+            self.take_up_resumed();
         }
     }
 
@@ -505,9 +508,7 @@ impl VnpuBackend {
             *slot = Some(file);
         }
         drop(v);
-        if std::mem::take(&mut self.resuming) {
-            self.function.resume();
-        }
+        self.take_up_resumed();
         Ok(())
     }
 

@@ -160,8 +160,6 @@ struct Link {
     generation: std::sync::atomic::AtomicU64,
     /// Given up on the server: reads return all ones, writes are dropped.
     broken: std::sync::atomic::AtomicBool,
-    /// Requests retried on a new connection (the server went mid-access).
-    retried: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -171,17 +169,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// The session capability a client sends (`docs/vfio-user.md`).
 fn session_capability(id: u64, resume: bool) -> serde_json::Map<String, serde_json::Value> {
     let mut m = serde_json::Map::new();
-    m.insert(SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resume": resume }));
+    m.insert(vnpu_abi::device::SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resume": resume }));
     m
 }
-
-/// The `VERSION` capability naming a device session.
-pub const SESSION_CAPABILITY: &str = "vnpu-session";
 
 /// Whether the server said it resumed the session.
 fn resumed(c: &Client) -> bool {
     c.server_capabilities()
-        .get(SESSION_CAPABILITY)
+        .get(vnpu_abi::device::SESSION_CAPABILITY)
         .and_then(|s| s.get("resumed"))
         .and_then(serde_json::Value::as_bool)
         == Some(true)
@@ -216,17 +211,12 @@ impl Link {
         if !resumed(&c) {
             return Err("the server did not resume this VM's device session (its state is gone)".into());
         }
-        for (f, offset, addr, len) in &self.memory {
-            c.dma_map(*offset, *addr, *len, f.as_raw_fd()).map_err(|e| format!("DMA_MAP: {e}"))?;
-        }
+        map_memory(&mut c, &self.memory).map_err(|e| format!("DMA_MAP: {e}"))?;
         for (off, data) in lock(&self.config).iter() {
             c.region_write(VFIO_PCI_CONFIG_REGION_INDEX, *off as u64, data)
                 .map_err(|e| format!("configuration write: {e}"))?;
         }
-        let raw: Vec<i32> = self.irqfds.iter().map(|f| f.as_raw_fd()).collect();
-        let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
-        let n = u32::try_from(raw.len()).unwrap_or(0);
-        c.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, n, &raw).map_err(|e| format!("SET_IRQS: {e}"))?;
+        give_irqfds(&mut c, &self.irqfds).map_err(|e| format!("SET_IRQS: {e}"))?;
         let events = io_events(&mut c);
         let mut io = lock(&self.io);
         io.replace(&self.vm, events);
@@ -239,6 +229,20 @@ impl Link {
         drop(io);
         Ok(c)
     }
+}
+
+/// Guest RAM (file, offset in it, guest address, length) shared with the
+/// server by `DMA_MAP`.
+fn map_memory(c: &mut Client, memory: &[(std::fs::File, u64, u64, u64)]) -> Result<(), vfio_user::Error> {
+    memory.iter().try_for_each(|(f, offset, addr, len)| c.dma_map(*offset, *addr, *len, f.as_raw_fd()))
+}
+
+/// The MSI-X vectors' irqfds handed to the server (`SET_IRQS`).
+fn give_irqfds(c: &mut Client, irqfds: &[EventFd]) -> Result<(), vfio_user::Error> {
+    let raw: Vec<i32> = irqfds.iter().map(|f| f.as_raw_fd()).collect();
+    let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
+    let n = u32::try_from(raw.len()).unwrap_or(u32::MAX);
+    c.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, n, &raw)
 }
 
 /// The server's BAR 0 ioeventfds, when it offers them.
@@ -512,23 +516,22 @@ impl RemoteFunction {
         })?;
         let vectors = msix.cap.vectors;
         // Guest RAM, shared by descriptor.
-        let mut mapped = Vec::new();
-        for r in memory.iter() {
-            let fo = r.file_offset().ok_or(RemoteError::NotShared)?;
-            client
-                .dma_map(fo.start(), r.start_addr().0, r.len(), fo.file().as_raw_fd())
-                .map_err(client_err)?;
-            let file = fo.file().try_clone().map_err(RemoteError::Io)?;
-            mapped.push((file, fo.start(), r.start_addr().0, r.len()));
-        }
+        // (kept, to share it again with a restarted server)
+        let mapped = memory
+            .iter()
+            .map(|r| {
+                let fo = r.file_offset().ok_or(RemoteError::NotShared)?;
+                let file = fo.file().try_clone().map_err(RemoteError::Io)?;
+                Ok((file, fo.start(), r.start_addr().0, r.len()))
+            })
+            .collect::<Result<Vec<_>, RemoteError>>()?;
+        map_memory(&mut client, &mapped).map_err(client_err)?;
         // One irqfd per vector, routed by the table here.
         let irqfds = {
             let mut r = routes.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             (0..vectors).map(|v| r.irqfd(&vm, slot, v)).collect::<Result<Vec<_>, _>>()?
         };
-        let raw: Vec<i32> = irqfds.iter().map(|f| f.as_raw_fd()).collect();
-        let flags = VFIO_IRQ_SET_DATA_EVENTFD | VFIO_IRQ_SET_ACTION_TRIGGER;
-        client.set_irqs(VFIO_PCI_MSIX_IRQ_INDEX, flags, 0, u32::from(vectors), &raw).map_err(client_err)?;
+        give_irqfds(&mut client, &irqfds).map_err(client_err)?;
         // Doorbells as ioeventfds, when the server offers them.
         let io = Arc::new(Mutex::new(IoEvents { events: io_events(&mut client), registered: None }));
         let watch_stop = EventFd::new(0).map_err(RemoteError::Io)?;
@@ -546,7 +549,6 @@ impl RemoteFunction {
             reconnect,
             generation: std::sync::atomic::AtomicU64::new(0),
             broken: std::sync::atomic::AtomicBool::new(false),
-            retried: std::sync::atomic::AtomicU64::new(0),
         });
         {
             let link = Arc::clone(&link);
@@ -578,12 +580,6 @@ impl RemoteFunction {
     /// reconnects to a restarted server.
     pub fn ioevents(&self) -> Arc<Mutex<IoEvents>> {
         Arc::clone(&self.link.io)
-    }
-
-    /// Device accesses that failed because the server went, and were made
-    /// again once it was back.
-    pub fn retried(&self) -> u64 {
-        self.link.retried.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     fn broken(&self) -> bool {
@@ -622,7 +618,6 @@ impl RemoteFunction {
                 std::thread::sleep(std::time::Duration::from_millis(2));
                 drop(lock(&self.link.client));
             }
-            self.link.retried.fetch_add(1, SeqCst);
         }
         if !self.failed_said {
             eprintln!(
@@ -714,11 +709,8 @@ impl PciFunction for RemoteFunction {
                 }
             }
             None => {
-                let mut got = vec![0u8; data.len()];
-                let r = self.with_server(|c| c.region_read(region_index(bar), offset, &mut got));
-                match r {
-                    Some(()) => data.copy_from_slice(&got),
-                    None => data.fill(0xff),
+                if self.with_server(|c| c.region_read(region_index(bar), offset, data)).is_none() {
+                    data.fill(0xff);
                 }
             }
         }
