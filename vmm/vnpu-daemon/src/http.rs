@@ -102,7 +102,7 @@ struct Pending {
 }
 
 /// What a read of a pending connection found.
-enum Read_ {
+enum HeadRead {
     /// Keep waiting.
     More,
     /// The head is complete (without its blank line).
@@ -160,24 +160,23 @@ impl Endpoint {
             if r <= 0 {
                 continue;
             }
-            // Heads first (a newcomer may push the oldest out below).
-            let ready: Vec<bool> = fds[1..].iter().map(|f| f.revents != 0).collect();
-            let mut i = 0;
-            let mut k = 0;
-            while i < self.pending.len() {
-                if !ready.get(k).copied().unwrap_or(false) {
-                    i += 1;
-                    k += 1;
+            // Heads first (a newcomer may push the oldest out below); the
+            // pollfds after the listener's are `pending`'s, in order.
+            let mut done = Vec::new();
+            for (i, f) in fds[1..].iter().enumerate() {
+                if f.revents == 0 {
                     continue;
                 }
-                k += 1;
-                match read_some(&mut self.pending[i], self.limits.head_bytes) {
-                    Read_::More => i += 1,
-                    outcome => {
-                        if let Some(p) = self.pending.remove(i) {
-                            self.finish(p, outcome);
-                        }
-                    }
+                let Some(p) = self.pending.get_mut(i) else { break };
+                match read_some(p, self.limits.head_bytes) {
+                    HeadRead::More => {}
+                    outcome => done.push((i, outcome)),
+                }
+            }
+            // From the back, so that each index still names its connection.
+            for (i, outcome) in done.into_iter().rev() {
+                if let Some(p) = self.pending.remove(i) {
+                    self.finish(p, outcome);
                 }
             }
             if fds[0].revents != 0 {
@@ -196,9 +195,7 @@ impl Endpoint {
                         continue;
                     }
                     if self.pending.len() >= self.limits.pending.max(1) {
-                        if let Some(old) = self.pending.pop_front() {
-                            let _ = old.stream.shutdown(Shutdown::Both);
-                        }
+                        self.make_room();
                     }
                     self.pending.push_back(Pending { stream, accepted: Instant::now(), head: Vec::new() });
                     self.accept_after = None;
@@ -211,9 +208,7 @@ impl Endpoint {
                     if self.accept_after.is_none() {
                         log::warn!("metrics: accept failed ({e}); retrying every {} ms", TICK.as_millis());
                     }
-                    if let Some(old) = self.pending.pop_front() {
-                        let _ = old.stream.shutdown(Shutdown::Both);
-                    }
+                    self.make_room();
                     self.accept_after = Some(Instant::now() + TICK);
                     return;
                 }
@@ -221,16 +216,30 @@ impl Endpoint {
         }
     }
 
+    /// Takes the connection waiting longest out of `pending`: answered
+    /// if its head has arrived since the last look (a burst of newcomers
+    /// between two looks must not push out a client that did send its
+    /// request), else closed.
+    fn make_room(&mut self) {
+        let Some(mut old) = self.pending.pop_front() else { return };
+        match read_some(&mut old, self.limits.head_bytes) {
+            HeadRead::More | HeadRead::Gone => {
+                let _ = old.stream.shutdown(Shutdown::Both);
+            }
+            outcome => self.finish(old, outcome),
+        }
+    }
+
     /// Answers a connection whose head is complete (or refuses it).
-    fn finish(&mut self, p: Pending, outcome: Read_) {
+    fn finish(&mut self, p: Pending, outcome: HeadRead) {
         let end = p.accepted + self.limits.deadline;
         let head = match outcome {
-            Read_::Head(h) => h,
-            Read_::TooLong => {
+            HeadRead::Head(h) => h,
+            HeadRead::TooLong => {
                 write_now(&p.stream, &answer(431, "text/plain", b"request head too long\n", false));
                 return;
             }
-            Read_::Gone | Read_::More => return,
+            HeadRead::Gone | HeadRead::More => return,
         };
         if self.busy.fetch_add(1, Ordering::SeqCst) >= self.limits.connections {
             self.busy.fetch_sub(1, Ordering::SeqCst);
@@ -254,25 +263,25 @@ impl Endpoint {
 }
 
 /// Reads what a pending connection has sent, without blocking.
-fn read_some(p: &mut Pending, max: usize) -> Read_ {
+fn read_some(p: &mut Pending, max: usize) -> HeadRead {
     let mut buf = [0u8; 1024];
     loop {
         let n = match (&p.stream).read(&mut buf) {
-            Ok(0) => return Read_::Gone,
+            Ok(0) => return HeadRead::Gone,
             Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Read_::More,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return HeadRead::More,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(_) => return Read_::Gone,
+            Err(_) => return HeadRead::Gone,
         };
         let from = p.head.len().saturating_sub(3);
         p.head.extend_from_slice(&buf[..n]);
         if let Some(at) = p.head[from..].windows(4).position(|w| w == b"\r\n\r\n") {
             let mut head = std::mem::take(&mut p.head);
             head.truncate(from + at);
-            return Read_::Head(head);
+            return HeadRead::Head(head);
         }
         if p.head.len() > max {
-            return Read_::TooLong;
+            return HeadRead::TooLong;
         }
     }
 }
