@@ -420,11 +420,22 @@ impl<B: Bar> Vnpu<B> {
         handle: u32,
         opts: &RunOptions,
     ) -> Result<StatusBlock, Error> {
+        self.retrying(|v| {
+            let t = v.submit_op(opcode, program, handle, opts)?;
+            v.wait(t)
+        })
+    }
+
+    /// `op`, made again (up to [`MAX_RETRIES`] times, each counted in
+    /// [`Vnpu::retried`]) while the device answers it with `ST_RETRY`.
+    fn retrying<T>(&mut self, mut op: impl FnMut(&mut Self) -> Result<T, Error>) -> Result<T, Error> {
         let mut tries = 0;
         loop {
-            let t = self.submit_op(opcode, program, handle, opts)?;
-            match self.wait(t) {
-                Err(Error::Request { status: abi::ST_RETRY, .. }) if tries < MAX_RETRIES => {
+            match op(self) {
+                Err(
+                    Error::Request { status: abi::ST_RETRY, .. }
+                    | Error::Mailbox { status: abi::ST_RETRY, .. },
+                ) if tries < MAX_RETRIES => {
                     tries += 1;
                     self.retried += 1;
                 }
@@ -612,16 +623,7 @@ impl<B: Bar> Vnpu<B> {
     /// Runs mailbox command `cmd` with `args` and returns its result (run
     /// again when the device answers `ST_RETRY`).
     pub fn mailbox(&mut self, cmd: u32, args: &[u64]) -> Result<u64, Error> {
-        let mut tries = 0;
-        loop {
-            match self.mailbox_once(cmd, args) {
-                Err(Error::Mailbox { status: abi::ST_RETRY, .. }) if tries < MAX_RETRIES => {
-                    tries += 1;
-                    self.retried += 1;
-                }
-                r => return r,
-            }
-        }
+        self.retrying(|v| v.mailbox_once(cmd, args))
     }
 
     fn mailbox_once(&mut self, cmd: u32, args: &[u64]) -> Result<u64, Error> {

@@ -256,7 +256,7 @@ impl LazyHbm {
     }
 
     /// Host bytes actually allocated for this segment (for a file-backed
-    /// one: the chunks written since it was opened).
+    /// one: the chunks that have blocks in its file).
     pub fn resident_bytes(&self) -> u64 {
         let reserved = self.file.as_ref().map_or(0, |(_, r)| r.len());
         (self.chunks.len() + reserved) as u64 * HBM_CHUNK

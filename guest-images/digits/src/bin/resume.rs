@@ -5,35 +5,14 @@
 #![no_std]
 #![no_main]
 
-use guest_rt::vnpu_driver::{DmaBuf, Wait};
-use guest_rt::{phys, println, rdtsc, tsc_to_ns, Env};
-use vnpu_models::digits::layout;
+use guest_rt::{println, Env};
+
+#[path = "../bare_metal.rs"]
+mod bare_metal;
+use bare_metal::BareMetal;
 
 /// Rounds over the held-out digits.
 const ROUNDS: u32 = 200;
-
-struct BareMetal {
-    memory: u64,
-}
-
-impl guest_apps::Platform for BareMetal {
-    fn print(&self, args: core::fmt::Arguments) {
-        guest_rt::print!("{args}");
-    }
-    fn now_ns(&self) -> u64 {
-        tsc_to_ns(rdtsc())
-    }
-    fn data(&self, len: usize) -> Option<DmaBuf> {
-        (layout::MLP_WEIGHTS + len as u64 <= self.memory).then(|| phys(layout::MLP_WEIGHTS, len))
-    }
-    fn wait(&self) -> Wait {
-        Wait::Interrupt
-    }
-    fn ticks(&self) -> u64 {
-        rdtsc()
-    }
-    fn host_round(&self, _id: u32, _ticks: u64) {}
-}
 
 #[no_mangle]
 fn guest_main(env: &mut Env) -> u32 {
