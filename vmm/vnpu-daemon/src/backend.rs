@@ -30,20 +30,15 @@ use vfio_bindings::bindings::vfio::{
     VFIO_REGION_INFO_FLAG_WRITE,
 };
 use vfio_user::{DmaMapFlags, DmaUnmapFlags, IrqInfo, ServerBackend, ServerRegion, SubRegionIoEventFd};
-use vm_memory::{
-    FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap,
-};
+
 use vmm_sys_util::eventfd::EventFd;
 use vnpu_abi::device as abi;
 use vnpu_device::{DeviceOptions, VectorSink, VnpuFunction, BAR0_SIZE, BAR2_SIZE, MSIX_VECTORS};
 use vnpu_pci::PciFunction;
 use vnpu_spec::VnpuSpec;
 
-/// Most `DMA_MAP` regions one client may have at once.
-pub const MAX_DMA_REGIONS: usize = 64;
-/// Most bytes of guest memory one client may map (1 TiB): what it maps
-/// takes the daemon's address space, which every tenant shares.
-pub const MAX_DMA_BYTES: u64 = 1 << 40;
+use crate::dma::DmaSpace;
+pub use crate::dma::{MAX_DMA_BYTES, MAX_DMA_FILES, MAX_DMA_MAPS, MAX_DMA_RUNS};
 /// Size of configuration space as served (the conventional 256 bytes).
 pub const CONFIG_REGION_SIZE: u64 = 256;
 
@@ -56,12 +51,8 @@ pub enum BackendError {
         "access of {len} bytes at {offset:#x} is outside region {region}, or not 1, 2, 4 or 8 bytes of a BAR"
     )]
     BadAccess { region: u32, offset: u64, len: usize },
-    #[error("DMA_MAP: a client may map at most {MAX_DMA_REGIONS} regions")]
-    TooManyRegions,
-    #[error("DMA_MAP of {size:#x} bytes at {address:#x}: {reason}")]
-    DmaMap { address: u64, size: u64, reason: String },
-    #[error("DMA_UNMAP of {size:#x} bytes at {address:#x}: no such mapping")]
-    DmaUnmap { address: u64, size: u64 },
+    #[error(transparent)]
+    Dma(#[from] crate::dma::DmaError),
     #[error("SET_IRQS: {0}")]
     Irqs(String),
     #[error("the vNPU function: {0}")]
@@ -73,7 +64,7 @@ pub enum BackendError {
 impl BackendError {
     fn errno(&self) -> i32 {
         match self {
-            BackendError::TooManyRegions => libc::ENOSPC,
+            BackendError::Dma(e) => e.errno(),
             BackendError::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
             BackendError::Device(_) => libc::EIO,
             _ => libc::EINVAL,
@@ -207,13 +198,6 @@ static BACKEND_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 pub struct VnpuBackend {
     function: VnpuFunction,
     vectors: Arc<Vectors>,
-    memory: GuestMemoryMmap<()>,
-    /// Ranges mapped without a file descriptor (address, size): known to
-    /// the client's IOMMU view, out of the vNPU's reach (this server does
-    /// not fetch guest memory with `DMA_READ`/`DMA_WRITE` messages; a
-    /// program whose DMA names them fails like any address outside guest
-    /// memory).
-    unreachable: Vec<(u64, u64)>,
     /// Doorbell eventfds handed out by `GET_REGION_IO_FDS` (kept open here).
     ioevents: Vec<(u64, EventFd)>,
     /// The error index's trigger (held, never raised).
@@ -226,6 +210,10 @@ pub struct VnpuBackend {
     /// This client resumed a session: its ring is taken up once it has
     /// given its MSI-X triggers (its memory is mapped by then).
     resuming: bool,
+    /// The client's DMA mappings. Declared after `function`, so dropped
+    /// after it: the function's worker (joined when it drops) reaches
+    /// guest memory through views into the mappings this owns.
+    dma: DmaSpace,
 }
 
 impl Drop for VnpuBackend {
@@ -265,28 +253,6 @@ fn interrupt_trigger(file: File) -> Result<File, BackendError> {
     Ok(file)
 }
 
-/// Whether `file` lives on hugetlbfs: its pages come from the host's huge
-/// page pool, and a page the pool cannot supply is a SIGBUS when touched,
-/// not an error.
-fn on_hugetlbfs(file: &File) -> bool {
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
-    // SAFETY: fstatfs(2) fills `st` for a descriptor we own; it is read
-    // only when the call succeeded.
-    let ok = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) } == 0;
-    // SAFETY: initialised by the successful call above.
-    ok && unsafe { st.assume_init() }.f_type == libc::HUGETLBFS_MAGIC
-}
-
-/// Whether `file` is sealed against shrinking: a client that shrank a
-/// mapped file would make the daemon's next access to it fault (SIGBUS)
-/// and take every other tenant down with it.
-fn sealed_against_shrinking(file: &File) -> bool {
-    // SAFETY: F_GET_SEALS reads the seals of an open descriptor we own;
-    // it has no other effect.
-    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
-    seals >= 0 && seals & libc::F_SEAL_SHRINK != 0
-}
-
 impl VnpuBackend {
     /// A fresh function for `spec` on `board` (its cores placed as `opts`
     /// say), named `name`, with no guest memory and no interrupts yet.
@@ -302,14 +268,13 @@ impl VnpuBackend {
         Ok(Self {
             function,
             vectors,
-            memory: GuestMemoryMmap::new(),
-            unreachable: Vec::new(),
             ioevents,
             error_trigger: None,
             release: Arc::default(),
             id: BACKEND_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             store_dir: None,
             resuming: false,
+            dma: DmaSpace::default(),
         })
     }
 
@@ -362,77 +327,18 @@ impl VnpuBackend {
     }
 
     fn map(&mut self, offset: u64, address: u64, size: u64, fd: Option<File>) -> Result<(), BackendError> {
-        let err = |reason: &str| BackendError::DmaMap { address, size, reason: reason.to_string() };
-        if self.memory.num_regions() + self.unreachable.len() >= MAX_DMA_REGIONS {
-            return Err(BackendError::TooManyRegions);
+        let reaches = fd.is_some();
+        self.dma.map(offset, address, size, fd)?;
+        if reaches {
+            self.function.set_memory(self.dma.memory().clone());
         }
-        if size == 0 || address.checked_add(size).is_none() || offset.checked_add(size).is_none() {
-            return Err(err("empty or wrapping range"));
-        }
-        let end = address + size;
-        let overlaps = |a: u64, len: u64| a < end && address < a.saturating_add(len);
-        if self.unreachable.iter().any(|&(a, len)| overlaps(a, len))
-            || self.memory.iter().any(|r| overlaps(r.start_addr().0, r.len()))
-        {
-            return Err(err("overlaps a range mapped already"));
-        }
-        let Some(file) = fd else {
-            self.unreachable.push((address, size));
-            return Ok(());
-        };
-        if !sealed_against_shrinking(&file) {
-            return Err(err(
-                "the file is not sealed against shrinking (F_SEAL_SHRINK; QEMU's memfd backend seals it)",
-            ));
-        }
-        let len = file.metadata().map_err(BackendError::Io)?.len();
-        if offset.checked_add(size).is_none_or(|end| end > len) {
-            return Err(err(&format!("the file is {len:#x} bytes long")));
-        }
-        let mapped: u64 = self.memory.iter().map(|r| r.len()).sum();
-        if mapped.saturating_add(size) > MAX_DMA_BYTES {
-            return Err(err(&format!("a client may map at most {MAX_DMA_BYTES:#x} bytes of guest memory")));
-        }
-        let huge = on_hugetlbfs(&file);
-        let size = usize::try_from(size).map_err(|_| err("too large"))?;
-        let region =
-            GuestRegionMmap::from_range(GuestAddress(address), size, Some(FileOffset::new(file, offset)))
-                .map_err(|e| err(&e.to_string()))?;
-        if huge {
-            // Every huge page the mapping needs, now: a pool that cannot
-            // supply them fails this request instead of killing the daemon
-            // with SIGBUS at the device's first access.
-            // SAFETY: the range is exactly the mapping `region` owns, and
-            // MADV_POPULATE_WRITE only faults its pages in (no data change).
-            let r = unsafe { libc::madvise(region.as_ptr().cast(), size, libc::MADV_POPULATE_WRITE) };
-            if r != 0 {
-                let e = std::io::Error::last_os_error();
-                return Err(err(&format!(
-                    "its huge pages cannot be had ({e}): the host's huge page pool is short"
-                )));
-            }
-        }
-        self.memory = self.memory.insert_region(Arc::new(region)).map_err(|e| err(&e.to_string()))?;
-        self.function.set_memory(self.memory.clone());
         Ok(())
     }
 
     fn unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), BackendError> {
         log::debug!("DMA_UNMAP flags {:#x} address {address:#x} size {size:#x}", flags.bits());
-        if flags.contains(DmaUnmapFlags::UNMAP_ALL) {
-            self.memory = GuestMemoryMmap::new();
-            self.unreachable.clear();
-        } else if let Some(i) = self.unreachable.iter().position(|&r| r == (address, size)) {
-            self.unreachable.swap_remove(i);
-            return Ok(());
-        } else {
-            let (rest, _) = self
-                .memory
-                .remove_region(GuestAddress(address), size)
-                .map_err(|_| BackendError::DmaUnmap { address, size })?;
-            self.memory = rest;
-        }
-        self.function.set_memory(self.memory.clone());
+        self.dma.unmap(flags.contains(DmaUnmapFlags::UNMAP_ALL), address, size)?;
+        self.function.set_memory(self.dma.memory().clone());
         Ok(())
     }
 
@@ -625,6 +531,7 @@ impl ServerBackend for VnpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vm_memory::GuestMemoryBackend;
 
     fn backend() -> VnpuBackend {
         let spec = VnpuSpec::parse("sa=1,vu=1,sram=4M,hbm=256M").expect("spec");
@@ -662,17 +569,18 @@ mod tests {
         let mut b = backend();
         let rom = (0xfffc_0000u64, 0x4_0000u64);
         b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, rom.1, None).expect("fd-less map");
-        assert_eq!(b.memory.num_regions(), 0, "the vNPU cannot reach it");
+        assert_eq!(b.dma.memory().num_regions(), 0, "the vNPU cannot reach it");
         assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0 + 0x1000, 0x1000, None).is_err(), "overlap");
         assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, rom.0, 0, None).is_err(), "empty");
         assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, u64::MAX - 10, 0x1000, None).is_err(), "wraps");
         b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).expect("unmap");
         assert!(b.dma_unmap(DmaUnmapFlags::empty(), rom.0, rom.1).is_err(), "unmapped twice");
-        // At most MAX_DMA_REGIONS ranges, with or without files.
-        for i in 0..MAX_DMA_REGIONS as u64 {
+        // At most MAX_DMA_MAPS ranges, with or without files.
+        for i in 0..MAX_DMA_MAPS as u64 {
             b.dma_map(DmaMapFlags::READ_WRITE, 0, i << 20, 1 << 20, None).expect("within the limit");
         }
-        assert!(b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 40, 1 << 20, None).is_err(), "past the limit");
+        let past = b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 40, 1 << 20, None).expect_err("past the limit");
+        assert_eq!(past.raw_os_error(), Some(libc::ENOSPC));
     }
 
     /// Only eventfds become interrupt triggers, and they are written

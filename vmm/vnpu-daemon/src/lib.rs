@@ -12,6 +12,7 @@
 mod accept;
 pub mod backend;
 pub mod daemon;
+pub mod dma;
 mod http;
 pub mod metrics;
 pub mod peer;

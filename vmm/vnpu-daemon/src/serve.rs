@@ -82,7 +82,7 @@ impl InstanceServer {
     pub fn start(path: &Path, name: &str, factory: BackendFactory) -> Result<Self, ServeError> {
         let server = Server::new(path, true, irqs(), regions())
             .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?
-            .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_REGIONS).unwrap_or(u32::MAX));
+            .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_MAPS).unwrap_or(u32::MAX));
         let server = Arc::new(server);
         // Held from the accepting thread's handover until the serving
         // thread's teardown is over.

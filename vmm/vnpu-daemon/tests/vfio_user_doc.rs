@@ -10,7 +10,7 @@ use vfio_bindings::bindings::vfio::{
 };
 use vfio_user::DmaUnmapFlags;
 use vnpu_abi::device::{BAR0_SIZE, BAR2_SIZE, MSIX_VECTORS};
-use vnpu_daemon::backend::{MAX_DMA_BYTES, MAX_DMA_REGIONS};
+use vnpu_daemon::backend::{MAX_DMA_BYTES, MAX_DMA_FILES, MAX_DMA_MAPS, MAX_DMA_RUNS};
 
 fn page() -> String {
     std::fs::read_to_string(format!("{}/../../docs/vfio-user.md", env!("CARGO_MANIFEST_DIR"))).unwrap()
@@ -62,8 +62,10 @@ fn the_region_table_is_what_the_server_reports() {
 #[test]
 fn the_limits_and_flags_the_page_states_are_the_daemons() {
     let doc = flat();
-    assert!(doc.contains(&format!("at most {MAX_DMA_REGIONS} regions")), "the DMA region limit");
-    assert!(doc.contains(&format!("`max_dma_maps: {MAX_DMA_REGIONS}`")), "the advertised limit");
+    assert!(doc.contains(&format!("at most {MAX_DMA_MAPS} ranges")), "the DMA mapping limit");
+    assert!(doc.contains(&format!("in at most {MAX_DMA_RUNS} runs")), "the limit of runs");
+    assert!(doc.contains(&format!("from at most {MAX_DMA_FILES} files")), "the limit of files");
+    assert!(doc.contains(&format!("`max_dma_maps: {MAX_DMA_MAPS}`")), "the advertised limit");
     assert_eq!(MAX_DMA_BYTES, 1 << 40);
     assert!(doc.contains("1 TiB (`MAX_DMA_BYTES`)"), "the DMA byte limit");
     let all = DmaUnmapFlags::UNMAP_ALL.bits();
