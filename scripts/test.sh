@@ -15,5 +15,8 @@ bash scripts/fuzz-smoke.sh
 bash scripts/nested-test.sh
 # QEMU 10.2.2's own vfio-user client against the daemon (docs/vfio-user.md):
 # built from Debian's source package once per machine (about 3 minutes),
-# then the same Debian guest in it (about 6 seconds).
-QEMU=$(bash scripts/build-qemu.sh) bash scripts/qemu-interop.sh
+# then the same Debian guest in it (about 10 seconds), without and with
+# QEMU's vIOMMU (which maps the guest's DMA memory page by page).
+qemu=$(bash scripts/build-qemu.sh)
+QEMU=$qemu bash scripts/qemu-interop.sh
+QEMU=$qemu VIOMMU=1 bash scripts/qemu-interop.sh

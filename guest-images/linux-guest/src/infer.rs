@@ -13,7 +13,6 @@ use npu_infer_io::{
     append_outputs, batch_input_bytes, compare, gather_inputs, print_report, ReportOptions, RunStat,
 };
 use vnpu_abi::model::Model;
-use vnpu_driver::linux::DmaMemory;
 use vnpu_driver::Vnpu;
 
 const USAGE: &str = "\
@@ -131,18 +130,7 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
         .and_then(|w| w.checked_add(1 << 20))
         .and_then(|w| w.checked_next_multiple_of(4096))
         .ok_or_else(|| format!("the model's I/O window of {} bytes is too large", model.window_bytes))?;
-    let dma = match opened.dev.dma_file() {
-        Some(f) => {
-            let d = DmaMemory::from_module(f, len)?;
-            println!("dma: {} KiB from the vnpu module at physical {:#x}", d.len() >> 10, d.phys());
-            d
-        }
-        None => {
-            let d = DmaMemory::huge_pages(len)?;
-            println!("dma: {} 2 MiB huge page(s) at physical {:#x}", d.len() >> 21, d.phys());
-            d
-        }
-    };
+    let dma = opened.dma_memory(len)?;
     let mut region = dma.region(0, dma.len());
     let mut npu = Vnpu::new(opened.dev.bar(), &mut region, 64)?;
     opened.hook_interrupts(&mut npu);

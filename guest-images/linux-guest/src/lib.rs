@@ -8,7 +8,7 @@ use std::io::Read;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::OnceLock;
 
-use vnpu_driver::linux::{find_vnpus, LinuxError, LinuxVnpu};
+use vnpu_driver::linux::{find_vnpus, DmaMemory, LinuxError, LinuxVnpu};
 use vnpu_driver::{MmioBar, Vnpu, Wait};
 
 /// Completion interrupts seen so far (the kernel module's count).
@@ -71,6 +71,27 @@ pub fn open_first() -> Result<Opened, LinuxError> {
 }
 
 impl Opened {
+    /// `len` bytes of DMA memory for the vNPU, and where the device sees
+    /// them: a coherent buffer from the kernel module when it is loaded
+    /// (the address is the DMA API's, an IOVA behind an IOMMU), else 2 MiB
+    /// huge pages at their physical address (from pagemap: right only
+    /// without an IOMMU). Prints which.
+    pub fn dma_memory(&self, len: usize) -> Result<DmaMemory, LinuxError> {
+        let d = match self.dev.dma_file() {
+            Some(f) => {
+                let d = DmaMemory::from_module(f, len)?;
+                println!("dma: {} KiB from the vnpu module at bus address {:#x}", d.len() >> 10, d.phys());
+                d
+            }
+            None => {
+                let d = DmaMemory::huge_pages(len)?;
+                println!("dma: {} 2 MiB huge page(s) at physical {:#x}", d.len() >> 21, d.phys());
+                d
+            }
+        };
+        Ok(d)
+    }
+
     /// With the kernel module: completions by MSI-X vector 0 (which the
     /// module programmed); after a short spin a wait sleeps in the
     /// module's read. Without it, nothing changes (polling).

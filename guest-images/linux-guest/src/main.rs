@@ -1,7 +1,8 @@
 //! `vnpu-digits`: the digits classifier of the bare-metal `digits` guest,
 //! in Linux user space. Finds the first vNPU under /sys/bus/pci, maps its
-//! BAR 0, takes one 2 MiB huge page for DMA (tensors in its first half,
-//! ring, programs and counters in the second) and waits for completions by
+//! BAR 0, takes 2 MiB of DMA memory (tensors in its first half, ring,
+//! programs and counters in the second: from the `vnpu` kernel module
+//! when it is loaded, else one huge page) and waits for completions by
 //! interrupt when the `vnpu` kernel module drives the function's MSI-X, by
 //! polling otherwise (`docs/linux-guests.md`). Prints the device's PCI view and the same
 //! report as the bare-metal guest; exits 0 only when the vNPU and the CPU
@@ -51,8 +52,7 @@ fn main() -> ExitCode {
 
 fn run() -> Result<bool, Box<dyn std::error::Error>> {
     let mut opened = linux_guest::open_first()?;
-    let p = LinuxUser { start: Instant::now(), dma: DmaMemory::huge_pages(HUGE_PAGE)?, wait: opened.wait };
-    println!("dma: one 2 MiB huge page at physical {:#x}", p.dma.phys());
+    let p = LinuxUser { start: Instant::now(), dma: opened.dma_memory(HUGE_PAGE)?, wait: opened.wait };
     let mut region = p.dma.region(HUGE_PAGE / 2, HUGE_PAGE / 2);
     let mut npu = Vnpu::new(opened.dev.bar(), &mut region, 64)?;
     opened.hook_interrupts(&mut npu);

@@ -30,9 +30,12 @@
  * Reserved memory, for kernels without CMA (Debian's): boot with
  * memmap=SIZE$BASE (the kernel leaves those bytes of RAM alone) and load
  * the module with reserve=SIZE@BASE (the same range): it maps the range
- * and hands out physically contiguous buffers of any size from it. The
- * bus address of such a buffer is its physical address (dma-direct: no
- * IOMMU in front of the function).
+ * and hands out physically contiguous buffers of any size from it. Such
+ * a buffer is mapped for the function with the DMA API (dma_map_page
+ * where the range has struct pages, as memmap= RAM does; else
+ * dma_map_resource): its bus address is its physical address without an
+ * IOMMU, and an address the IOMMU translates with one (intel_iommu=on
+ * behind QEMU's vIOMMU).
  *
  * Everything else (ring, mailbox) stays in user space.
  */
@@ -111,13 +114,35 @@ static int vnpu_open(struct inode *inode, struct file *f)
 	return 0;
 }
 
+/* The reserved range's RAM has struct pages (memmap= leaves it in the
+ * kernel's memory map as reserved), and dma_map_resource refuses RAM. */
+static bool reserved_has_pages;
+
+static dma_addr_t vnpu_map_reserved(struct device *dev, phys_addr_t phys, size_t len)
+{
+	if (reserved_has_pages)
+		return dma_map_page(dev, pfn_to_page(PHYS_PFN(phys)), offset_in_page(phys), len,
+				    DMA_BIDIRECTIONAL);
+	return dma_map_resource(dev, phys, len, DMA_BIDIRECTIONAL, 0);
+}
+
+static void vnpu_unmap_reserved(struct device *dev, dma_addr_t bus, size_t len)
+{
+	if (reserved_has_pages)
+		dma_unmap_page(dev, bus, len, DMA_BIDIRECTIONAL);
+	else
+		dma_unmap_resource(dev, bus, len, DMA_BIDIRECTIONAL, 0);
+}
+
 static int vnpu_release(struct inode *inode, struct file *f)
 {
 	struct vnpu_file *vf = f->private_data;
 
 	/* The last mapping is gone too: a mapping holds the file. */
-	if (vf->cpu && vf->reserved)
+	if (vf->cpu && vf->reserved) {
+		vnpu_unmap_reserved(&vf->v->pdev->dev, vf->bus, vf->len);
 		gen_pool_free(reserved_pool, (unsigned long)vf->cpu, vf->len);
+	}
 	else if (vf->cpu)
 		dma_free_coherent(&vf->v->pdev->dev, vf->len, vf->cpu, vf->bus);
 	kfree(vf);
@@ -163,12 +188,19 @@ static int vnpu_mmap(struct file *f, struct vm_area_struct *vma)
 	{
 		phys_addr_t phys = gen_pool_virt_to_phys(reserved_pool, (unsigned long)vf->cpu);
 
-		vf->bus = phys_to_dma(dev, phys);
+		vf->bus = vnpu_map_reserved(dev, phys, len);
+		if (dma_mapping_error(dev, vf->bus)) {
+			gen_pool_free(reserved_pool, (unsigned long)vf->cpu, len);
+			vf->cpu = NULL;
+			ret = -ENOMEM;
+			goto out;
+		}
 		vf->len = len;
 		vf->reserved = true;
 		ret = remap_pfn_range(vma, vma->vm_start, PHYS_PFN(phys), len, vma->vm_page_prot);
 	}
 	if (ret) {
+		vnpu_unmap_reserved(dev, vf->bus, len);
 		gen_pool_free(reserved_pool, (unsigned long)vf->cpu, len);
 		vf->cpu = NULL;
 		vf->reserved = false;
@@ -322,6 +354,7 @@ static void vnpu_unreserve(void)
 static int vnpu_reserve(void)
 {
 	unsigned long long size, base;
+	unsigned long pfn;
 	char *at;
 
 	if (!reserve || !*reserve)
@@ -349,7 +382,11 @@ static int vnpu_reserve(void)
 		vnpu_unreserve();
 		return -ENOMEM;
 	}
-	pr_info("vnpu: %llu KiB of reserved memory at %#llx for DMA buffers\n", size >> 10, base);
+	reserved_has_pages = true;
+	for (pfn = PHYS_PFN(base); pfn < PHYS_PFN(base + size); pfn++)
+		reserved_has_pages &= pfn_valid(pfn);
+	pr_info("vnpu: %llu KiB of reserved memory at %#llx for DMA buffers (%s)\n", size >> 10, base,
+		reserved_has_pages ? "struct pages" : "no struct pages");
 	return 0;
 }
 

@@ -243,7 +243,7 @@ impl Worker {
     /// What the verifier checks a program against: `spec` and the guest
     /// memory mapped now.
     pub(super) fn limits(&self, spec: &VnpuSpec) -> npu_model::VnpuLimits {
-        spec.limits(self.mem.iter().map(|r| r.start_addr().0..r.start_addr().0 + r.len()).collect())
+        spec.limits(guest_ranges(&self.mem))
     }
 
     /// `RUN`: load, verify, execute.
@@ -379,4 +379,21 @@ impl Worker {
             }
         }
     }
+}
+
+/// The guest address ranges `mem` covers, regions that meet merged into
+/// one range: a DMA access may cross from one region into the next (a
+/// VMM with a vIOMMU maps a buffer contiguous in guest addresses page by
+/// page from wherever its pages are), and vm-memory's accessors cross
+/// such a boundary.
+pub(crate) fn guest_ranges(mem: &GuestMemoryMmap<()>) -> Vec<std::ops::Range<u64>> {
+    let mut out: Vec<std::ops::Range<u64>> = Vec::new();
+    for r in mem.iter() {
+        let (start, end) = (r.start_addr().0, r.start_addr().0.saturating_add(r.len()));
+        match out.last_mut() {
+            Some(last) if last.end == start => last.end = end,
+            _ => out.push(start..end),
+        }
+    }
+    out
 }
