@@ -247,13 +247,22 @@ impl ControlServer {
         }
         // A socket left by a daemon that died.
         let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).map_err(err)?;
+        // Bound and listening under a temporary name, then renamed into
+        // place: a client that connects as soon as the path appears must
+        // not find a socket that does not listen yet (ECONNREFUSED).
+        let temporary = path.with_file_name(format!(".control-{}.bind", std::process::id()));
+        let _ = std::fs::remove_file(&temporary);
+        let listener = UnixListener::bind(&temporary).map_err(err)?;
         let listener_fd = listener.as_raw_fd();
         // A short listen queue: a client flooding connections waits to
         // connect instead of queueing 128 ahead of an operator.
         // SAFETY: listen(2) again on the socket just bound, which only
         // changes its backlog.
         unsafe { libc::listen(listener_fd, CONTROL_BACKLOG) };
+        if let Err(e) = std::fs::rename(&temporary, &path) {
+            let _ = std::fs::remove_file(&temporary);
+            return Err(err(e));
+        }
         let slots = crate::slots::Slots::new(MAX_CONTROL_CONNECTIONS, EVICT_IDLE);
         let admitting = Arc::clone(&slots);
         let stopping = Arc::new(AtomicBool::new(false));
