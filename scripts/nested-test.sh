@@ -95,7 +95,7 @@ need() {
 }
 # Lines both L2 runs (through the daemon, then in-process) print: once per
 # run, or once per program that opens the vNPU (the daemon's L2 runs
-# vnpu-digits and three vnpu-infer, the in-process L2 vnpu-digits).
+# vnpu-digits and four vnpu-infer, the in-process L2 vnpu-digits).
 needn() {
     local n
     n=$(grep -cF -- "$2" "$log" || true)
@@ -128,18 +128,20 @@ fi
 need "check         probabilities against /models/sklearn-mlp-ort.npy"
 need "check         logits against /models/torch-cnn-ort.npy"
 need "check         probabilities against /models/sklearn-mlp-x32-ort.npy"
+need "check         matmul_18 against /models/token-embedding-ort.npy"
 # The 14,400-row batch's window is above 4 MiB: a buffer from CMA.
 if ! grep -qE '^dma: (4[3-9][0-9][0-9]|[5-9][0-9]{3}|[0-9]{5,}) KiB from the vnpu module' "$log"; then
     echo "nested-test: FAIL: no vnpu-infer run had a DMA buffer above 4 MiB from the vnpu module" >&2
     fail=1
 fi
-if ! [ "$(grep -cE '^check .* top-1 agree (450/450|14400/14400)$' "$log")" = 3 ]; then
+if ! [ "$(grep -cE '^check .* top-1 agree (450/450|14400/14400|3/3)$' "$log")" = 4 ]; then
     echo "nested-test: FAIL: vnpu-infer: not every top-1 agrees with ONNX Runtime" >&2
     fail=1
 fi
 need "L2: vnpu-infer sklearn-mlp exit 0"
 need "L2: vnpu-infer torch-cnn exit 0"
 need "L2: vnpu-infer sklearn-mlp-x32 exit 0"
+need "L2: vnpu-infer token-embedding exit 0"
 need "L2: console got [typed-into-l2]"
 # Completions arrived as MSI-X interrupts through the kernel module.
 irqs=$(awk '/^L2: interrupts / && /vnpu-0000:00:01.0/ { print $4; exit }' "$log")

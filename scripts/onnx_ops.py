@@ -304,6 +304,38 @@ def masked_attention():
     g.save(y, opset=13, extra={"m": m})
 
 
+def token_embedding():
+    # A text model's front: int64 token ids in (as transformers exports
+    # them), word embeddings gathered by them (once directly, once through
+    # a Reshape of the ids to one axis and back), position embeddings
+    # gathered by constant positions (folded), a layer norm and a
+    # projection. Its own generator and its own input, `ids`.
+    global rng
+    rng = np.random.default_rng(20261126)
+    n, s, v, d = 3, 7, 50, 16
+    g = G("token-embedding", [n, s])
+    x = g.op("Gather", [g.const(rng.normal(0, 1, (v, d))), "ids"], axis=0)
+    flat = g.op("Reshape", ["ids", g.const_i64([-1])])
+    x2 = g.op("Gather", [g.const(rng.normal(0, 1, (v, d))), flat])
+    x2 = g.op("Reshape", [x2, g.const_i64([-1, s, d])])
+    pos = g.op("Gather", [g.const(rng.normal(0, 1, (s, d))), g.const_i64(np.arange(s))])
+    x = g.op("Add", [g.op("Add", [x, x2]), pos])
+    x = g.op("LayerNormalization", [x, g.const(np.ones(d)), g.const(np.zeros(d))], axis=-1, epsilon=1e-5)
+    y = g.op("MatMul", [x, g.const(rng.normal(0, 0.3, (d, 5)))])
+    ids = rng.integers(0, v, (n, s)).astype(np.int64)
+    ids[0, :3] = [0, v - 1, 0]  # the table's first and last rows
+    ids_info = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", s])
+    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", s, 5])
+    graph = helper.make_graph(g.nodes, g.name, [ids_info], [y_info], g.inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    os.makedirs(OUT, exist_ok=True)
+    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
+    np.save(os.path.join(OUT, f"{g.name}-ids.npy"), ids)
+    print(f"{g.name}: {len(g.nodes)} nodes, input ids {list(ids.shape)} int64")
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -316,6 +348,7 @@ BUILDERS = {
     "transposed-operands": transposed_operands,
     "pad-slice-modes": pad_slice_modes,
     "masked-attention": masked_attention,
+    "token-embedding": token_embedding,
 }
 
 
@@ -339,3 +372,4 @@ if __name__ == "__main__":
     transposed_operands()
     pad_slice_modes()
     masked_attention()
+    token_embedding()

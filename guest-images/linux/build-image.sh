@@ -53,7 +53,8 @@ cp "$out/pkgs/bin/busybox" "$digits" "$infer" "$l2/bin/"
 # in .venv-onnx): sklearn-mlp-x32 is the MLP compiled for one batch of
 # 14,400 rows, whose I/O window (4.3 MB) is more DMA memory than the
 # kernel's buddy allocator gives at once (4 MiB), so it tests the vnpu
-# module's buffers from CMA (l1-init boots L2 with cma=).
+# module's buffers from CMA (l1-init boots L2 with cma=); token-embedding
+# takes int64 token ids (its `-x.npy` is an integer array).
 py="$root/.venv-onnx/bin/python"
 fix="$root/tests/fixtures/onnx"
 while read -r name model xname input output batch repeat; do
@@ -77,6 +78,7 @@ done <<'MODELS'
 sklearn-mlp digits-mlp.onnx X digits-x.npy probabilities 50 1
 sklearn-mlp-x32 digits-mlp.onnx X digits-x.npy probabilities 14400 32
 torch-cnn torch/digits-cnn.onnx x torch/digits-img-x.npy logits 50 1
+token-embedding ops/token-embedding.onnx ids ops/token-embedding-ids.npy matmul_18 3 1
 MODELS
 # The vnpu kernel module (MSI-X completions), built against the headers of
 # the same kernel (Debian's linux-headers-$kver, installed if missing).

@@ -67,6 +67,22 @@ pub fn gather_inputs(m: &Model, args: &[String]) -> Result<(Vec<Array>, u32), In
         if *runs.get_or_insert(r) != r {
             return Err(usage("the inputs make different numbers of batches".into()));
         }
+        if t.elem.is_int() {
+            // Integers travel as i32: every value must fit, exactly.
+            let Some(ints) = &a.ints else {
+                return Err(usage(format!(
+                    "input `{}` is {} in the model: give an integer array (this one is floating-point)",
+                    t.name,
+                    t.elem.name()
+                )));
+            };
+            if let Some(v) = ints.iter().find(|&&v| i32::try_from(v).is_err()) {
+                return Err(usage(format!(
+                    "input `{}` holds {v}, outside the 32-bit range integer inputs travel in",
+                    t.name
+                )));
+            }
+        }
         out.push(a);
     }
     Ok((out, runs.unwrap_or(1)))
@@ -78,8 +94,19 @@ pub fn batch_input_bytes(m: &Model, inputs: &[Array], run: usize) -> Vec<u8> {
     let mut out = Vec::new();
     for (x, d) in inputs.iter().zip(&m.inputs) {
         let n = d.elems().unwrap_or(0) as usize;
-        for v in x.data.iter().skip(run * n).take(n) {
-            out.extend_from_slice(&v.to_le_bytes());
+        match (&x.ints, d.elem.is_int()) {
+            // Checked to fit by `gather_inputs`; saturated otherwise.
+            (Some(ints), true) => {
+                for &v in ints.iter().skip(run * n).take(n) {
+                    let v = i32::try_from(v).unwrap_or(if v < 0 { i32::MIN } else { i32::MAX });
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            _ => {
+                for v in x.data.iter().skip(run * n).take(n) {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
         }
     }
     out
@@ -202,7 +229,7 @@ pub fn print_report(
                 let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
                 path.with_file_name(format!("{stem}.{i}.{}.npy", d.name.replace(['/', ':'], "_")))
             };
-            npy::write_file(&p, &Array { shape, data: v.clone() })?;
+            npy::write_file(&p, &Array::floats(shape, v.clone()))?;
             println!("wrote         {} ({})", p.display(), d.name);
         }
     }
@@ -301,7 +328,7 @@ mod tests {
     fn file(name: &str, shape: Vec<u64>) -> String {
         let p = std::env::temp_dir().join(format!("infer-io-{}-{name}.npy", std::process::id()));
         let n = shape.iter().product::<u64>() as usize;
-        npy::write_file(&p, &Array { shape, data: (0..n).map(|i| i as f32).collect() }).unwrap();
+        npy::write_file(&p, &Array::floats(shape, (0..n).map(|i| i as f32).collect())).unwrap();
         p.display().to_string()
     }
 
@@ -324,6 +351,40 @@ mod tests {
         // A rank-0 input (the model's and the file's) is refused, not indexed.
         let scalar = file("scalar", vec![]);
         assert!(matches!(gather_inputs(&model(vec![]), &[scalar]), Err(InferIoError::Usage(_))));
+    }
+
+    /// An int64 `.npy` file of `v`, shaped `shape`.
+    fn int_file(name: &str, shape: Vec<u64>, v: &[i64]) -> String {
+        use npyz::WriterBuilder;
+        let p = std::env::temp_dir().join(format!("infer-io-{}-{name}.npy", std::process::id()));
+        let mut buf = Vec::new();
+        let mut w =
+            npyz::WriteOptions::new().default_dtype().shape(&shape).writer(&mut buf).begin_nd().unwrap();
+        w.extend(v.iter().copied()).unwrap();
+        w.finish().unwrap();
+        std::fs::write(&p, buf).unwrap();
+        p.display().to_string()
+    }
+
+    /// An integer input takes an integer file's values exactly, as i32 in
+    /// the window; a float file, or a value past i32, is refused.
+    #[test]
+    fn integer_inputs_travel_as_i32_and_must_fit() {
+        let mut m = model(vec![2, 3]);
+        m.inputs[0].elem = vnpu_abi::model::ElemType::I64;
+        let big = (1i64 << 24) + 1; // not exact as an f32
+        let ids = int_file("ids", vec![2, 3], &[0, 1, -1, big, 7, 30521]);
+        let (xs, runs) = gather_inputs(&m, std::slice::from_ref(&ids)).unwrap();
+        assert_eq!(runs, 1);
+        let b = batch_input_bytes(&m, &xs, 0);
+        let got: Vec<i32> = b.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(got, vec![0, 1, -1, big as i32, 7, 30521]);
+        let floats = file("floats", vec![2, 3]);
+        let e = gather_inputs(&m, &[floats]).unwrap_err().to_string();
+        assert!(e.contains("give an integer array"), "{e}");
+        let far = int_file("far", vec![2, 3], &[0, 1, 2, 3, 4, 1 << 31]);
+        let e = gather_inputs(&m, &[far]).unwrap_err().to_string();
+        assert!(e.contains("outside the 32-bit range"), "{e}");
     }
 
     #[test]

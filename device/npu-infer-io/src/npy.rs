@@ -27,11 +27,26 @@ pub enum NpyError {
     },
 }
 
-/// A row-major f32 array.
+/// A row-major array, as f32; an integer file's values also exactly.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Array {
     pub shape: Vec<u64>,
     pub data: Vec<f32>,
+    /// The values of an integer file, exactly (`None` for a float file):
+    /// what a model's integer input is given.
+    pub ints: Option<Vec<i64>>,
+}
+
+impl Array {
+    /// An f32 array.
+    pub fn floats(shape: Vec<u64>, data: Vec<f32>) -> Self {
+        Self { shape, data, ints: None }
+    }
+
+    /// An integer array.
+    pub fn integers(shape: Vec<u64>, ints: Vec<i64>) -> Self {
+        Self { shape, data: ints.iter().map(|&v| v as f32).collect(), ints: Some(ints) }
+    }
 }
 
 /// Reads an array as f32 (f64 and integers converted). Fortran-order
@@ -48,20 +63,17 @@ pub fn read(bytes: &[u8], path: &str) -> Result<Array, NpyError> {
         npyz::DType::Plain(ts) => ts.clone(),
         other => return Err(NpyError::Type { path: path.into(), dtype: format!("{other:?}") }),
     };
-    let data: Vec<f32> = match (ts.type_char(), ts.size_field()) {
-        (npyz::TypeChar::Float, 4) => npy.into_vec::<f32>().map_err(err)?,
+    Ok(match (ts.type_char(), ts.size_field()) {
+        (npyz::TypeChar::Float, 4) => Array::floats(shape, npy.into_vec::<f32>().map_err(err)?),
         (npyz::TypeChar::Float, 8) => {
-            npy.into_vec::<f64>().map_err(err)?.into_iter().map(|x| x as f32).collect()
+            Array::floats(shape, npy.into_vec::<f64>().map_err(err)?.into_iter().map(|x| x as f32).collect())
         }
-        (npyz::TypeChar::Int, 8) => {
-            npy.into_vec::<i64>().map_err(err)?.into_iter().map(|x| x as f32).collect()
-        }
+        (npyz::TypeChar::Int, 8) => Array::integers(shape, npy.into_vec::<i64>().map_err(err)?),
         (npyz::TypeChar::Int, 4) => {
-            npy.into_vec::<i32>().map_err(err)?.into_iter().map(|x| x as f32).collect()
+            Array::integers(shape, npy.into_vec::<i32>().map_err(err)?.into_iter().map(i64::from).collect())
         }
         _ => return Err(NpyError::Type { path: path.into(), dtype: ts.to_string() }),
-    };
-    Ok(Array { shape, data })
+    })
 }
 
 /// Reads a file.
@@ -105,7 +117,7 @@ mod tests {
 
     #[test]
     fn round_trip() {
-        let a = Array { shape: vec![2, 3], data: vec![1.0, -2.5, 3.0, 0.0, f32::MAX, 1e-30] };
+        let a = Array::floats(vec![2, 3], vec![1.0, -2.5, 3.0, 0.0, f32::MAX, 1e-30]);
         let b = read(&to_bytes(&a).unwrap(), "x").unwrap();
         assert_eq!(a, b);
         assert!(read(b"not npy", "x").is_err());

@@ -159,10 +159,27 @@ impl Dyn {
     }
 }
 
+/// The refusal of input `i` of `n` being a computed integer tensor where
+/// the operation takes a float one.
+fn int_refused(n: &Node, i: usize) -> Refusal {
+    unsupported(format!(
+        "input {i} (`{}`) is an integer tensor computed on the device (from an integer model input); {} \
+         is compiled only on float tensors (an integer input reaches Gather's indices, and Cast to an \
+         integer type)",
+        n.inputs.get(i).map_or("", String::as_str),
+        n.op
+    ))
+}
+
 #[derive(Clone, Debug)]
 enum Val {
     C(Const),
     D(Dyn),
+    /// A computed integer tensor (a model's integer input, `i32` on the
+    /// device): only what is written for it takes one (`Gather`'s
+    /// indices, `Cast` to an integer type, `Shape`); everything else
+    /// refuses it, as a float tensor it is not.
+    I(Dyn),
 }
 
 /// Elements of `shape` (saturating: a shape past [`MAX_ELEMS`] is refused
@@ -274,6 +291,7 @@ impl Compiler<'_> {
     fn computed_view(&self, n: &Node, i: usize) -> Result<Dyn, Refusal> {
         match self.get(n, i)? {
             Val::D(d) => Ok(d.clone()),
+            Val::I(_) => Err(int_refused(n, i)),
             Val::C(_) => Err(unsupported(format!(
                 "input {i} (`{}`) is a constant: {} is compiled only on computed tensors here",
                 n.inputs[i], n.op
@@ -303,7 +321,9 @@ impl Compiler<'_> {
     fn konst(&self, n: &Node, i: usize) -> Result<Const, Refusal> {
         match self.get(n, i)? {
             Val::C(c) => Ok(c.clone()),
-            Val::D(_) => Err(unsupported(format!("input {i} (`{}`) must be a constant", n.inputs[i]))),
+            Val::D(_) | Val::I(_) => {
+                Err(unsupported(format!("input {i} (`{}`) must be a constant", n.inputs[i])))
+            }
         }
     }
 
@@ -313,7 +333,7 @@ impl Compiler<'_> {
         match self.opt(n, i) {
             None => Ok(None),
             Some(Val::C(c)) => Ok(Some(c.data.to_i64())),
-            Some(Val::D(_)) => Err(unsupported(format!("{what} must be a constant"))),
+            Some(Val::D(_) | Val::I(_)) => Err(unsupported(format!("{what} must be a constant"))),
         }
     }
 
@@ -360,7 +380,7 @@ impl Compiler<'_> {
     fn shape_of(&self, n: &Node, i: usize) -> Result<Vec<usize>, Refusal> {
         Ok(match self.get(n, i)? {
             Val::C(c) => c.shape.clone(),
-            Val::D(d) => d.shape.clone(),
+            Val::D(d) | Val::I(d) => d.shape.clone(),
         })
     }
 
@@ -414,7 +434,7 @@ impl Compiler<'_> {
                                 "training_mode is true: Dropout would drop elements at random",
                             ))
                         }
-                        Some(Val::D(_)) => {
+                        Some(Val::D(_) | Val::I(_)) => {
                             return Err(unsupported("training_mode must be a constant false (inference)"))
                         }
                     }
@@ -430,7 +450,7 @@ impl Compiler<'_> {
                     Self::only_attrs(n, &["saturate"])?;
                     // The type of the second input: computed tensors are f32.
                     match self.get(n, 1)? {
-                        Val::C(Const { data: Data::I64(_), .. }) => 7,
+                        Val::C(Const { data: Data::I64(_), .. }) | Val::I(_) => 7,
                         _ => 1,
                     }
                 } else {
@@ -439,9 +459,16 @@ impl Compiler<'_> {
                 let v = self.get(n, 0)?.clone();
                 match &v {
                     Val::C(_) => self.report.folded += 1,
-                    Val::D(_) => self.report.aliases += 1,
+                    Val::D(_) | Val::I(_) => self.report.aliases += 1,
                 }
                 match (v, to) {
+                    // Integer to integer: the values are i32 on the device
+                    // (a model input's values were checked to fit).
+                    (Val::I(d), 6 | 7) => Ok(vec![Val::I(Dyn { op: None, ..d })]),
+                    (Val::I(_), _) => Err(unsupported(format!(
+                        "cast of an integer tensor computed on the device to ONNX type {to} is not supported \
+                         (the device has no integer-to-float conversion yet)"
+                    ))),
                     (Val::C(c), 1) => {
                         Ok(vec![Val::C(Const { shape: c.shape, data: Data::F32(c.data.to_f32()) })])
                     }
@@ -528,6 +555,7 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(concat(&parts, ax)?)])
             }
+            "Gather" if matches!(self.get(n, 1)?, Val::I(_)) => self.embedding(n),
             "Gather" if all_const => {
                 let data = self.konst(n, 0)?;
                 let idx = self.konst(n, 1)?;
@@ -702,7 +730,68 @@ impl Compiler<'_> {
                 let d = self.onnx_order(&n.name, &d)?;
                 Val::D(Dyn::new(d.t, new, None, false))
             }
+            // Integer tensors are dense in ONNX's order (model inputs and
+            // their renamings): a rename.
+            Val::I(d) if d.strides.is_none() && !d.nhwc => {
+                self.report.aliases += 1;
+                Val::I(Dyn::new(d.t, new, None, false))
+            }
+            Val::I(_) => return Err(int_refused(n, 0)),
         }])
+    }
+
+    /// `Gather` of the rows of a constant table by a computed integer
+    /// tensor (an embedding lookup: token ids in): a DMA gather of HBM rows
+    /// (`Op::Embedding`, `dma.gather`). An index outside the table (ONNX
+    /// allows negative ones; they are refused too) fails the request at
+    /// run time: the device checks every index it gathers by.
+    fn embedding(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis"])?;
+        let table = match self.get(n, 0)? {
+            Val::C(c) => c.clone(),
+            Val::D(_) => {
+                return Err(unsupported(
+                    "a computed table gathered by computed indices (only the rows of a constant table)",
+                ))
+            }
+            Val::I(_) => return Err(int_refused(n, 0)),
+        };
+        let Val::I(idx) = self.get(n, 1)?.clone() else {
+            return Err(invalid("indices are not an integer tensor"));
+        };
+        let rank = table.shape.len();
+        if rank == 0 {
+            return Err(invalid("a scalar table"));
+        }
+        if axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))? != 0 {
+            return Err(unsupported("a gather by computed indices along an axis other than 0"));
+        }
+        let rows = table.shape[0];
+        let dim = elems(&table.shape[1..]);
+        let count = elems(&idx.shape);
+        let mut shape = idx.shape.clone();
+        shape.extend_from_slice(&table.shape[1..]);
+        check_size(&shape)?;
+        let fits = |v: usize| u32::try_from(v).ok();
+        let (Some(rows32), Some(dim32), Some(count32)) = (fits(rows), fits(dim), fits(count)) else {
+            return Err(unsupported("a table or an index tensor too large for one gather"));
+        };
+        if rows == 0 || dim == 0 || dim32.checked_mul(4).is_none() {
+            return Err(unsupported(format!("a table of shape {:?}", table.shape)));
+        }
+        let t = self.weight(&format!("{}.table", n.name), table.data.to_f32(), Init::Bias);
+        let y = self.act_tensor(&n.name, count * dim);
+        self.g.ops.push(Op::Embedding {
+            name: n.name.clone(),
+            table: t,
+            idx: idx.t,
+            y: View::dense(y, dim32),
+            batch: count32,
+            rows: rows32,
+            dim: dim32,
+            pool: 1,
+        });
+        Ok(vec![Val::D(Dyn::new(y, shape, None, false))])
     }
 
     fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, Refusal> {
@@ -820,6 +909,7 @@ impl Compiler<'_> {
         let w = match self.get(n, 1)? {
             Val::C(c) => c.clone(),
             Val::D(_) => return self.batch_matmul(n),
+            Val::I(_) => return Err(int_refused(n, 1)),
         };
         let x = self.dense(n, 0)?;
         if w.shape.len() != 2 {
@@ -892,7 +982,7 @@ impl Compiler<'_> {
                 };
                 Some(row.into_iter().map(|v| v * beta).collect())
             }
-            Some(Val::D(_)) => {
+            Some(Val::D(_) | Val::I(_)) => {
                 return Err(unsupported("a computed C is not supported (only a constant bias)"))
             }
         };
@@ -902,18 +992,19 @@ impl Compiler<'_> {
     fn binary(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &[])?;
         let (a, b) = (self.get(n, 0)?.clone(), self.get(n, 1)?.clone());
-        let sa = match &a {
-            Val::C(c) => c.shape.clone(),
-            Val::D(d) => d.shape.clone(),
-        };
-        let sb = match &b {
-            Val::C(c) => c.shape.clone(),
-            Val::D(d) => d.shape.clone(),
-        };
+        for (i, v) in [&a, &b].into_iter().enumerate() {
+            if matches!(v, Val::I(_)) {
+                return Err(int_refused(n, i));
+            }
+        }
+        let sa = self.shape_of(n, 0)?;
+        let sb = self.shape_of(n, 1)?;
         let shape = bcast_shape(&sa, &sb)
             .ok_or_else(|| invalid(format!("shapes {sa:?} and {sb:?} do not broadcast")))?;
         let op = n.op.as_str();
         match (a, b) {
+            (Val::I(_), _) => Err(int_refused(n, 0)),
+            (_, Val::I(_)) => Err(int_refused(n, 1)),
             (Val::D(_), Val::C(c)) => self.with_const(n, 0, &c, op, false, &shape),
             (Val::C(c), Val::D(_)) => self.with_const(n, 1, &c, op, true, &shape),
             (Val::D(_), Val::D(_)) => {
@@ -1028,7 +1119,7 @@ impl Compiler<'_> {
     pub(super) fn value_shape(&self, name: &str) -> Result<Vec<usize>, Refusal> {
         match self.vals.get(name) {
             Some(Val::C(c)) => Ok(c.shape.clone()),
-            Some(Val::D(d)) => Ok(d.shape.clone()),
+            Some(Val::D(d) | Val::I(d)) => Ok(d.shape.clone()),
             None => Err(invalid(format!("no value `{name}`"))),
         }
     }
@@ -1137,6 +1228,7 @@ impl Compiler<'_> {
                     let name = self.stash(n, &format!("acc{k}"), Val::D(d.clone()));
                     self.activation_of(n, &name, &d, Act::affine(scale, 0.0))
                 }
+                Val::I(_) => return Err(int_refused(n, 0)),
             };
         }
         if k == 1 {
@@ -1298,6 +1390,7 @@ impl Compiler<'_> {
                 };
                 Val::C(Const { shape, data })
             }
+            Val::I(_) => return Err(int_refused(n, 0)),
             Val::D(_) => {
                 let d = self.computed(n, 0)?;
                 if d.shape == shape {
@@ -1351,7 +1444,9 @@ impl Compiler<'_> {
             Val::C(c) => {
                 return Err(unsupported(format!("an exponent of shape {:?} (only a scalar)", c.shape)))
             }
-            Val::D(_) => return Err(unsupported("a computed exponent is not supported (only a constant)")),
+            Val::D(_) | Val::I(_) => {
+                return Err(unsupported("a computed exponent is not supported (only a constant)"))
+            }
         };
         Ok(vec![Val::D(match e {
             1.0 => {
@@ -1728,8 +1823,11 @@ fn binary_const(op: &str, a: &Const, b: &Const) -> Result<Const, Refusal> {
 /// Static shape of model input `io` under the options.
 fn input_shape(io: &crate::load::Io, o: &CompileOptions) -> Result<Vec<usize>, CompileError> {
     let bad = |reason: Refusal| CompileError::Input { name: io.name.clone(), reason };
-    if io.elem != 1 {
-        return Err(bad(unsupported(format!("element type {} (only float inputs are supported)", io.elem))));
+    if !matches!(io.elem, 1 | 6 | 7) {
+        return Err(bad(unsupported(format!(
+            "element type {} (float, int32 and int64 inputs are supported)",
+            io.elem
+        ))));
     }
     if let Some(s) = o.shapes.get(&io.name) {
         if let Some(d) = &io.dims {
@@ -1798,7 +1896,15 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     report.weight_bytes = weights.len() as u64;
     check_transfers(&inputs, &outputs)?;
     let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
-    let ins = place_in_window(&inputs, &mut window);
+    let mut ins = place_in_window(&inputs, &mut window);
+    for (d, _) in &mut ins {
+        // Integer inputs travel as i32 (the runner converts).
+        d.elem = match m.inputs.iter().find(|i| i.name == d.name).map(|i| i.elem) {
+            Some(7) => ElemType::I64,
+            Some(6) => ElemType::I32,
+            _ => ElemType::F32,
+        };
+    }
     let outs = place_in_window(&outputs, &mut window);
     let infer = infer_program(&lowered, &ins, &outs);
     let shape = o.shape;
@@ -2035,7 +2141,9 @@ impl<'m> Compiler<'m> {
                 });
             }
             let t = self.tensor(&io.name, elems(&shape), Init::Input, None);
-            self.vals.insert(io.name.clone(), Val::D(Dyn::new(t, shape.clone(), None, false)));
+            let d = Dyn::new(t, shape.clone(), None, false);
+            // Integers (token ids, indices) are i32 on the device.
+            self.vals.insert(io.name.clone(), if io.elem == 1 { Val::D(d) } else { Val::I(d) });
             inputs.push((io.name.clone(), t, shape));
         }
         if inputs.is_empty() {
@@ -2062,7 +2170,7 @@ impl<'m> Compiler<'m> {
                 CompileError::Node { node: n.name.clone(), op: n.op.clone(), reason }
             })?;
             for (name, v) in n.outputs.iter().zip(outs) {
-                if let Val::D(d) = &v {
+                if let Val::D(d) | Val::I(d) = &v {
                     check_size(&d.shape).map_err(|reason| CompileError::Node {
                         node: n.name.clone(),
                         op: n.op.clone(),
@@ -2101,6 +2209,12 @@ impl<'m> Compiler<'m> {
                     return Err(CompileError::Output {
                         name: name.clone(),
                         reason: unsupported("is a constant (it does not depend on the input)"),
+                    })
+                }
+                Some(Val::I(_)) => {
+                    return Err(CompileError::Output {
+                        name: name.clone(),
+                        reason: unsupported("is an integer tensor (integer outputs are not supported yet)"),
                     })
                 }
                 None => {

@@ -2,7 +2,7 @@
 //! reference the VM path is compared with, and the functional model that
 //! `vnpu infer --in-process` and the benchmark time.
 
-use npu_model::memory::{read_f32s, write_f32s, MemoryError};
+use npu_model::memory::{read_f32s, write_f32s, Memory, MemoryError};
 use npu_model::{
     run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VecGuestMemory,
 };
@@ -18,6 +18,8 @@ pub enum HostError {
     InputSize { name: String, got: usize, want: u64 },
     #[error("{want} inputs expected, {got} given")]
     InputCount { got: usize, want: usize },
+    #[error("input `{name}` is an integer tensor: element {index} ({value}) is not an integer of at most 2^24 in size")]
+    NotAnInteger { name: String, index: usize, value: f32 },
     #[error("guest memory: {0}")]
     Memory(#[source] MemoryError),
 }
@@ -50,8 +52,10 @@ impl HostRunner {
         Ok(r)
     }
 
-    /// One batch: `inputs` in the model's order, row-major f32. Returns
-    /// the outputs and the simulation's report.
+    /// One batch: `inputs` in the model's order, row-major f32 (an integer
+    /// input's values too: each must be an integer of at most 2^24 in
+    /// size, which f32 holds exactly; it is written as the i32 the device
+    /// reads). Returns the outputs and the simulation's report.
     pub fn infer(&mut self, inputs: &[&[f32]]) -> Result<(Vec<Vec<f32>>, TenantReport), HostError> {
         if inputs.len() != self.model.inputs.len() {
             return Err(HostError::InputCount { got: inputs.len(), want: self.model.inputs.len() });
@@ -61,7 +65,18 @@ impl HostRunner {
             if x.len() as u64 != want {
                 return Err(HostError::InputSize { name: d.name.clone(), got: x.len(), want });
             }
-            write_f32s(&mut self.guest, d.offset, x).map_err(HostError::Memory)?;
+            if d.elem.is_int() {
+                let bad =
+                    x.iter().position(|&v| v.fract() != 0.0 || v.abs() > (1 << 24) as f32 || v.is_nan());
+                if let Some(index) = bad {
+                    return Err(HostError::NotAnInteger { name: d.name.clone(), index, value: x[index] });
+                }
+                // Exact: integral and within +-2^24.
+                let bytes: Vec<u8> = x.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect();
+                self.guest.write(d.offset, &bytes).map_err(HostError::Memory)?;
+            } else {
+                write_f32s(&mut self.guest, d.offset, x).map_err(HostError::Memory)?;
+            }
         }
         let mem = CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest };
         let report = run_program(&self.board, &self.model.infer, Some(mem), None)

@@ -194,6 +194,39 @@ fn check_ops_inputs(name: &str, inputs: &[&str], sa: u32, vu: u32) {
     assert!(rel <= 1e-4, "{name}: max relative error {rel} (abs {abs}) against ONNX Runtime");
 }
 
+/// Token ids in (int64, as `transformers` exports them): word embeddings
+/// gathered by them (directly, and through a Reshape of the ids), position
+/// embeddings by constant positions, a layer norm and a projection, against
+/// ONNX Runtime; the compiled input is int64 (i32 in the window). An id
+/// outside the table fails the request instead of reading past it.
+#[test]
+fn token_ids_gather_embeddings_as_onnx_runtime_does() {
+    check_ops_inputs("token-embedding", &["ids"], 1, 1);
+    check_ops_inputs("token-embedding", &["ids"], 2, 2);
+    let model = fixture("ops/token-embedding.onnx");
+    let ids = npy::read_file(&fixture("ops/token-embedding-ids.npy")).unwrap();
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: shape(&board, 1, 1),
+        batch: ids.shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+        bf16_activations: false,
+    };
+    let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
+    assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    for bad in [50.0f32, -1.0] {
+        let mut x = ids.data.clone();
+        x[4] = bad;
+        let e = r.infer(&[&x]).expect_err("an id outside the table").to_string();
+        assert!(e.contains("index"), "{bad}: {e}");
+    }
+    // The runner still answers.
+    assert!(r.infer(&[&ids.data]).is_ok());
+}
+
 /// Multi-query attention (keys and values of one head broadcast over four
 /// by the batched products) with an additive padding mask computed from a
 /// second input and a constant causal mask of -inf.

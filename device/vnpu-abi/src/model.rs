@@ -37,10 +37,44 @@ pub const MAX_RANK: u8 = 8;
 /// Largest model file accepted (1 GiB).
 pub const MAX_MODEL_BYTES: usize = 1 << 30;
 
-/// Element type of an input or output (only f32 for now).
+/// Element type of an input or output. Every element takes 4 bytes in the
+/// I/O window: an integer tensor travels as little-endian `i32`, whatever
+/// its type in the source model (which a runner reads and writes, and
+/// converts with a range check: a value outside `i32` is an error, never
+/// wrapped).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElemType {
     F32 = 0,
+    /// `int64` in the source model (token ids, indices).
+    I64 = 1,
+    /// `int32` in the source model.
+    I32 = 2,
+}
+
+impl ElemType {
+    /// The type a code names (`None` for an unknown one).
+    pub fn from_u8(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(Self::F32),
+            1 => Some(Self::I64),
+            2 => Some(Self::I32),
+            _ => None,
+        }
+    }
+
+    /// Whether it is an integer type (`i32` in the window).
+    pub fn is_int(self) -> bool {
+        !matches!(self, Self::F32)
+    }
+
+    /// NumPy's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::I64 => "int64",
+            Self::I32 => "int32",
+        }
+    }
 }
 
 /// An input or output of the model, as laid out in the I/O window.
@@ -227,9 +261,9 @@ fn tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, ModelError> {
     let name = String::from(name);
     let t = r.take(2, what)?;
     let (code, rank) = (t[0], t[1]);
-    if code != ElemType::F32 as u8 {
+    let Some(elem) = ElemType::from_u8(code) else {
         return Err(ModelError::BadElemType { name, code });
-    }
+    };
     if rank == 0 || rank > MAX_RANK {
         return Err(ModelError::BadRank { name, rank });
     }
@@ -238,7 +272,7 @@ fn tensor(r: &mut Reader<'_>, index: usize) -> Result<TensorDesc, ModelError> {
         dims.push(le_u64(r.take(8, what)?, 0));
     }
     let offset = le_u64(r.take(8, what)?, 0);
-    Ok(TensorDesc { name, elem: ElemType::F32, dims, offset })
+    Ok(TensorDesc { name, elem, dims, offset })
 }
 
 /// Checks that every guest operand of `p` lies in `0..window`.

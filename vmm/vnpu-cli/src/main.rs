@@ -108,7 +108,8 @@ enum Command {
     ///
     /// The inputs (NumPy .npy, f32/f64/int) must have the model's shape, or
     /// a leading dimension that is a multiple of the compiled batch (one
-    /// request per batch). Prints the latency per batch (guest wall time and
+    /// request per batch); an integer input (token ids) takes an integer
+    /// file whose values fit in 32 bits. Prints the latency per batch (guest wall time and
     /// simulated NPU time, min/median/max), the SA/VU counters, and the
     /// top-k of each output row; --output writes the outputs as .npy.
     Infer {

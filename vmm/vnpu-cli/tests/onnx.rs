@@ -160,7 +160,7 @@ fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
     assert_eq!(code, 0, "{out}{err}");
     let x1 = tmp("x1.npy");
     let x = npy::read_file(Path::new(&fixture("digits-x.npy"))).unwrap();
-    npy::write_file(Path::new(&x1), &npy::Array { shape: vec![1, 64], data: x.data[..64].to_vec() }).unwrap();
+    npy::write_file(Path::new(&x1), &npy::Array::floats(vec![1, 64], x.data[..64].to_vec())).unwrap();
     let (code, out, err) = vnpu(&["infer", &art, "--input", &x1, "--vnpu", "sa=1,vu=1,sram=8M,hbm=512M"]);
     assert_ne!(code, 0);
     assert!(err.contains("compiled for 2 SA") && out.contains("infer:"), "{out}{err}");
@@ -205,15 +205,21 @@ fn compile_and_infer(
 /// random weights, scripts/onnx_ops.py) compiled at `batch`, run through a
 /// VM on its input, and checked against ONNX Runtime.
 fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
+    ops_end_to_end(name, "x", vnpu_spec, batch);
+}
+
+/// [`cnn_end_to_end`] for a model whose one input is `input`
+/// (`ops/<name>-<input>.npy`).
+fn ops_end_to_end(name: &str, input: &str, vnpu_spec: &str, batch: u32) {
     let m = fixture(&format!("ops/{name}.onnx"));
-    let x = fixture(&format!("ops/{name}-x.npy"));
-    let (_, out, got) = compile_and_infer(&m, &format!("x={x}"), vnpu_spec, batch, name);
+    let x = fixture(&format!("ops/{name}-{input}.npy"));
+    let (_, out, got) = compile_and_infer(&m, &format!("{input}={x}"), vnpu_spec, batch, name);
     let output = out
         .lines()
         .find_map(|l| l.strip_prefix("wrote         ").filter(|r| r.contains(&format!("{name}.out.npy"))))
         .and_then(|r| r.rsplit_once(" (").map(|(_, o)| o.trim_end_matches(')').to_string()))
         .unwrap_or_else(|| panic!("{name}: no output name in {out}"));
-    let want = ort(&m, &format!("x={x}"), &output);
+    let want = ort(&m, &format!("{input}={x}"), &output);
     assert_eq!(got.shape, want.shape, "{name}");
     let rel = scaled_rel(name, &got.data, &want.data);
     println!("{name} batch {batch} via VM: max rel {rel:.3e}");
@@ -223,6 +229,14 @@ fn cnn_end_to_end(name: &str, vnpu_spec: &str, batch: u32) {
 #[test]
 fn a_cnn_with_squeeze_excitation_runs_in_a_vm_and_matches_onnx_runtime() {
     cnn_end_to_end("se-head", "sa=1,vu=1,sram=8M,hbm=512M", 1);
+}
+
+/// Token ids (an int64 `.npy`, as `transformers` takes them) through
+/// `vnpu compile` and `vnpu infer` in a VM: embeddings gathered by them,
+/// against ONNX Runtime.
+#[test]
+fn token_ids_run_in_a_vm_and_match_onnx_runtime() {
+    ops_end_to_end("token-embedding", "ids", "sa=1,vu=1,sram=8M,hbm=512M", 1);
 }
 
 #[test]

@@ -58,7 +58,9 @@ impl Compiler<'_> {
         let nonpad = match self.opt(n, 6) {
             None => None,
             Some(Val::C(c)) => Some(c.data.to_i64()),
-            Some(Val::D(_)) => return Err(unsupported("a computed nonpad_kv_seqlen (only a constant)")),
+            Some(Val::D(_) | Val::I(_)) => {
+                return Err(unsupported("a computed nonpad_kv_seqlen (only a constant)"))
+            }
         };
         if let Some(p) = n.attrs.get("softmax_precision") {
             if !matches!(p, Attr::Int(FLOAT)) {
@@ -260,7 +262,7 @@ impl Compiler<'_> {
         let Hide { causal, window, past, nonpad } = hide;
         let mask = match self.opt(n, 3) {
             None => None,
-            Some(Val::D(_)) => {
+            Some(Val::D(_) | Val::I(_)) => {
                 return Err(unsupported(
                     "a computed attn_mask (only a constant mask or is_causal: a row a mask hides \
                      entirely gives zeros in ONNX, which is not compiled exactly)",

@@ -197,7 +197,9 @@ impl Compiler<'_> {
                         .then(|| v[0])
                         .ok_or_else(|| invalid(format!("input {i} of Clip must be a scalar")))
                 }
-                Some(Val::D(_)) => Err(unsupported(format!("input {i} of Clip must be a constant"))),
+                Some(Val::D(_) | Val::I(_)) => {
+                    Err(unsupported(format!("input {i} of Clip must be a constant")))
+                }
             }
         };
         Self::only_attrs(n, &["min", "max"])?;
@@ -311,7 +313,7 @@ impl Compiler<'_> {
             None => Ok(vec![0.0; m]),
             Some(Val::C(bc)) if elems(&bc.shape) == m => Ok(bc.data.to_f32()),
             Some(Val::C(bc)) => Err(invalid(format!("bias of shape {:?} ({m} expected)", bc.shape))),
-            Some(Val::D(_)) => Err(unsupported("the bias must be a constant")),
+            Some(Val::D(_) | Val::I(_)) => Err(unsupported("the bias must be a constant")),
         }
     }
 

@@ -13,7 +13,7 @@ use crate::refusal::{invalid, unsupported, Refusal};
 use npu_graph::{Init, Op, View};
 
 use super::seq::{dense_strides, u32_of, Place};
-use super::{axis, check_size, elems, Compiler, Dyn, NodeResult, Val};
+use super::{axis, check_size, elems, int_refused, Compiler, Dyn, NodeResult, Val};
 use crate::load::{Attr, Node};
 
 /// How `Resize` maps an output coordinate to the input
@@ -267,6 +267,7 @@ impl Compiler<'_> {
         for (i, p) in parts.into_iter().enumerate() {
             let (t, shape, src) = match p {
                 Val::D(d) => (d.t, d.shape.clone(), Self::strides_of(&d)),
+                Val::I(_) => return Err(int_refused(n, i)),
                 Val::C(c) => {
                     let t = self.weight(&format!("{}.c{i}", n.name), c.data.to_f32(), Init::Bias);
                     (t, c.shape.clone(), dense_strides(&c.shape))
@@ -304,7 +305,7 @@ impl Compiler<'_> {
                 [v] => v,
                 _ => return Err(invalid("constant_value must be one value")),
             },
-            Some(Val::D(_)) => return Err(unsupported("constant_value must be a constant")),
+            Some(Val::D(_) | Val::I(_)) => return Err(unsupported("constant_value must be a constant")),
         };
         let axes: Vec<usize> = match self.const_ints(n, 3, "axes")? {
             None => (0..rank).collect(),
@@ -442,7 +443,7 @@ impl Compiler<'_> {
         let floats = |v: Option<&Val>| -> Result<Option<Vec<f32>>, Refusal> {
             match v {
                 Some(Val::C(c)) if elems(&c.shape) > 0 => Ok(Some(c.data.to_f32())),
-                Some(Val::D(_)) => Err(unsupported("scales and sizes must be constants")),
+                Some(Val::D(_) | Val::I(_)) => Err(unsupported("scales and sizes must be constants")),
                 _ => Ok(None),
             }
         };
@@ -452,7 +453,7 @@ impl Compiler<'_> {
         } else {
             let sizes = match self.opt(n, 3) {
                 Some(Val::C(c)) if elems(&c.shape) > 0 => Some(c.data.to_i64()),
-                Some(Val::D(_)) => return Err(unsupported("sizes must be a constant")),
+                Some(Val::D(_) | Val::I(_)) => return Err(unsupported("sizes must be a constant")),
                 _ => None,
             };
             (floats(self.opt(n, 2))?, sizes)

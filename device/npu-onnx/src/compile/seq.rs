@@ -360,7 +360,7 @@ impl Compiler<'_> {
                         ))),
                     }
                 }
-                Some(Val::D(_)) => {
+                Some(Val::D(_) | Val::I(_)) => {
                     Err(unsupported(format!("a computed {what} is not supported (only constants)")))
                 }
             }
