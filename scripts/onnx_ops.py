@@ -336,6 +336,42 @@ def token_embedding():
     print(f"{g.name}: {len(g.nodes)} nodes, input ids {list(ids.shape)} int64")
 
 
+def token_mask():
+    # A text model's attention with its padding mask as transformers
+    # exports it: int64 ids and an int64 attention mask in; the ids cast to
+    # int32 and gathered by, the mask cast to float, (1 - m) * -10000
+    # unsqueezed over the query rows and added to the scores, softmax,
+    # the product with the values. Two inputs, `ids` and `mask`.
+    global rng
+    rng = np.random.default_rng(20261127)
+    n, s, v, d = 3, 6, 40, 8
+    g = G("token-mask", [n, s])
+    ids32 = g.op("Cast", ["ids"], to=TensorProto.INT32)
+    x = g.op("Gather", [g.const(rng.normal(0, 1, (v, d))), ids32])
+    m = g.op("Cast", ["mask"], to=TensorProto.FLOAT)
+    bias = g.op("Mul", [g.op("Sub", [g.const(1.0), m]), g.const(-10000.0)])
+    bias = g.op("Unsqueeze", [bias, g.const_i64([1])])
+    sc = g.op("MatMul", [x, g.op("Transpose", [x], perm=[0, 2, 1])])
+    sc = g.op("Add", [g.op("Mul", [sc, g.const(1 / np.sqrt(d))]), bias])
+    p = g.op("Softmax", [sc], axis=-1)
+    y = g.op("MatMul", [p, x])
+    ids = rng.integers(0, v, (n, s)).astype(np.int64)
+    lens = rng.integers(1, s + 1, n)
+    lens[0] = s
+    mask = (np.arange(s)[None, :] < lens[:, None]).astype(np.int64)
+    infos = [helper.make_tensor_value_info(k, TensorProto.INT64, ["N", s]) for k in ("ids", "mask")]
+    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", s, d])
+    graph = helper.make_graph(g.nodes, g.name, infos, [y_info], g.inits)
+    mdl = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
+    mdl.ir_version = 8
+    onnx.checker.check_model(mdl)
+    os.makedirs(OUT, exist_ok=True)
+    onnx.save(mdl, os.path.join(OUT, f"{g.name}.onnx"))
+    np.save(os.path.join(OUT, f"{g.name}-ids.npy"), ids)
+    np.save(os.path.join(OUT, f"{g.name}-mask.npy"), mask)
+    print(f"{g.name}: {len(g.nodes)} nodes, inputs ids and mask {list(ids.shape)} int64")
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -349,6 +385,7 @@ BUILDERS = {
     "pad-slice-modes": pad_slice_modes,
     "masked-attention": masked_attention,
     "token-embedding": token_embedding,
+    "token-mask": token_mask,
 }
 
 
@@ -373,3 +410,4 @@ if __name__ == "__main__":
     pad_slice_modes()
     masked_attention()
     token_embedding()
+    token_mask()

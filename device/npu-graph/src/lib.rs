@@ -111,6 +111,9 @@ pub enum Act {
     Sin,
     /// Cosine.
     Cos,
+    /// The input's elements are `i32` (an integer model input): each is
+    /// converted to the nearest `f32` (ONNX `Cast` to float).
+    I32ToF32,
 }
 
 impl Act {

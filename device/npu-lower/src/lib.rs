@@ -454,6 +454,7 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Ceil => v.push(Instr::VUnary { op: UnOp::Ceil, src: y, dst: y, len }),
         Act::Sin => v.push(Instr::VUnary { op: UnOp::Sin, src: y, dst: y, len }),
         Act::Cos => v.push(Instr::VUnary { op: UnOp::Cos, src: y, dst: y, len }),
+        Act::I32ToF32 => v.push(Instr::VUnary { op: UnOp::I32ToF32, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {
             if act == Act::Swish {
                 v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });

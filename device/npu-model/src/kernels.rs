@@ -265,6 +265,8 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
         UnOp::Ceil => libm::ceilf(x),
         UnOp::Sin => libm::sinf(x),
         UnOp::Cos => libm::cosf(x),
+        // The element's bits are an i32 (`as` rounds to nearest even).
+        UnOp::I32ToF32 => x.to_bits().cast_signed() as f32,
     }
 }
 

@@ -142,7 +142,13 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
         Instr::VUnary { op, len, .. } => {
             let e = u64::from(len);
             let passes = match op {
-                UnOp::Copy | UnOp::Relu | UnOp::Neg | UnOp::Abs | UnOp::Floor | UnOp::Ceil => 1.0,
+                UnOp::Copy
+                | UnOp::Relu
+                | UnOp::Neg
+                | UnOp::Abs
+                | UnOp::Floor
+                | UnOp::Ceil
+                | UnOp::I32ToF32 => 1.0,
                 UnOp::Recip | UnOp::Sqrt => 2.0,
                 UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid | UnOp::Log | UnOp::Sin | UnOp::Cos => trans,
                 UnOp::Erf => trans + 1.0,

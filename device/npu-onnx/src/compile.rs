@@ -465,9 +465,11 @@ impl Compiler<'_> {
                     // Integer to integer: the values are i32 on the device
                     // (a model input's values were checked to fit).
                     (Val::I(d), 6 | 7) => Ok(vec![Val::I(Dyn { op: None, ..d })]),
+                    // `vu.unary i32_to_f32`: round to nearest, as ONNX's
+                    // Cast from an integer type to float.
+                    (Val::I(d), 1) => Ok(vec![Val::D(self.act_op(n, &d, Act::I32ToF32))]),
                     (Val::I(_), _) => Err(unsupported(format!(
-                        "cast of an integer tensor computed on the device to ONNX type {to} is not supported \
-                         (the device has no integer-to-float conversion yet)"
+                        "cast of an integer tensor computed on the device to ONNX type {to} is not supported"
                     ))),
                     (Val::C(c), 1) => {
                         Ok(vec![Val::C(Const { shape: c.shape, data: Data::F32(c.data.to_f32()) })])

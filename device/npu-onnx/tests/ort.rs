@@ -227,6 +227,14 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
     assert!(r.infer(&[&ids.data]).is_ok());
 }
 
+/// An attention mask as `transformers` exports it: int64 ids cast to
+/// int32 and gathered by, an int64 mask cast to float on the device
+/// (`vu.unary i32_to_f32`) and made an additive bias, softmax attention.
+#[test]
+fn an_integer_attention_mask_cast_to_float_matches_onnx_runtime() {
+    check_ops_inputs("token-mask", &["ids", "mask"], 1, 1);
+}
+
 /// Multi-query attention (keys and values of one head broadcast over four
 /// by the batched products) with an additive padding mask computed from a
 /// second input and a constant causal mask of -inf.

@@ -729,6 +729,9 @@ fn unary(op: UnOp, x: f32) -> Expect {
             let v = if op == UnOp::Sin { xd.sin() } else { xd.cos() };
             Expect::F32 { value: v, tol: 4.0 * U * v.abs() + TINY }
         }
+        // The bits as an i32, rounded once to f32 (through f64, which holds
+        // every i32 exactly).
+        UnOp::I32ToF32 => exact(f64::from(x.to_bits().cast_signed()) as f32),
     }
 }
 

@@ -167,6 +167,10 @@ small_enum!(
         Sin = 15,
         /// Cosine (radians).
         Cos = 16,
+        /// Each element's four bytes read as a little-endian `i32`, written
+        /// as the nearest `f32` (ties to even: exact up to `2^24`), as ONNX's
+        /// `Cast` from an integer to float.
+        I32ToF32 = 17,
     }
 );
 small_enum!(
