@@ -372,6 +372,48 @@ def token_mask():
     print(f"{g.name}: {len(g.nodes)} nodes, inputs ids and mask {list(ids.shape)} int64")
 
 
+def logic_ops():
+    # Comparisons, logic and selection on computed tensors, as exporters
+    # build masks: Less / GreaterOrEqual / Equal against constants and
+    # between computed tensors, And / Or / Not / Xor, Where with a
+    # constant and a computed branch (a -10000 mask before a softmax),
+    # IsNaN of a square root of negatives, IsInf of 1 / x at an exact 0,
+    # Cast to bool and back to float. The input holds exact 0, 0.5 and
+    # -0.5 (the comparisons' boundaries).
+    global rng
+    rng = np.random.default_rng(20261128)
+    n, k = 4, 10
+    g = G("logic-ops", [n, k])
+    a = g.op("Less", ["x", g.const(0.5)])
+    b = g.op("GreaterOrEqual", ["x", g.const(-0.5)])
+    inside = g.op("And", [a, b])
+    d = g.op("Or", [g.op("Not", [a]), g.op("Equal", ["x", g.const(0.0)])])
+    e = g.op("Xor", [inside, d])
+    sq = g.op("Mul", ["x", "x"])
+    gt = g.op("Greater", [sq, "x"])
+    masked = g.op("Where", [inside, "x", g.const(-10000.0)])
+    p = g.op("Softmax", [masked], axis=-1)
+    picked = g.op("Where", [e, g.op("Exp", ["x"]), g.const(2.0)])
+    nan = g.op("IsNaN", [g.op("Sqrt", ["x"])])
+    inf = g.op("IsInf", [g.op("Div", [g.const(1.0), "x"])])
+    nz = g.op("Cast", ["x"], to=TensorProto.BOOL)
+    f = lambda t: g.op("Cast", [t], to=TensorProto.FLOAT)
+    y = g.op("Concat", [p, picked, f(nan), f(inf), f(nz), f(e), f(gt)], axis=1)
+    x = rng.normal(0, 1, (n, k)).astype(np.float32)
+    x[:, 0] = [0.0, 0.5, -0.5, 0.25]  # every row has an element inside [-0.5, 0.5)
+    x[1, 3], x[2, 4], x[3, 5] = 0.0, 0.5, -0.5
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])
+    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", 7 * k])
+    graph = helper.make_graph(g.nodes, g.name, [x_info], [y_info], g.inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    os.makedirs(OUT, exist_ok=True)
+    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
+    np.save(os.path.join(OUT, f"{g.name}-x.npy"), x)
+    print(f"{g.name}: {len(g.nodes)} nodes, input {list(x.shape)}")
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -386,6 +428,7 @@ BUILDERS = {
     "masked-attention": masked_attention,
     "token-embedding": token_embedding,
     "token-mask": token_mask,
+    "logic-ops": logic_ops,
 }
 
 
@@ -411,3 +454,4 @@ if __name__ == "__main__":
     masked_attention()
     token_embedding()
     token_mask()
+    logic_ops()

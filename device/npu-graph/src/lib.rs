@@ -225,6 +225,10 @@ pub enum Op {
     Max { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
     /// VU: `y = act(min(a, b))`, element-wise, NaN as for `Max`.
     Min { name: String, a: View, b: View, y: View, rows: u32, cols: u32, act: Act },
+    /// VU: `y = a op b` element-wise for a comparison (`1.0` or `0.0`, as
+    /// IEEE compares) or `keep` (`b` where `a` is not zero, else `+0.0`):
+    /// the booleans of ONNX's comparisons, logic and `Where`.
+    Compare { name: String, op: vnpu_abi::BinOp, a: View, b: View, y: View, rows: u32, cols: u32 },
     /// VU: `y = layernorm(a + b) * gamma + beta` (or `layernorm(a)` when
     /// `b` is `None`), row-wise, `eps` added to the variance.
     AddNorm {
@@ -323,6 +327,7 @@ impl Op {
             Op::Mul { .. } => "Mul",
             Op::Max { .. } => "Max",
             Op::Min { .. } => "Min",
+            Op::Compare { .. } => "Compare",
             Op::AddNorm { .. } => "AddNorm",
             Op::ScaleChannels { .. } => "ScaleChannels",
             Op::Attention { .. } => "Attention",
@@ -358,7 +363,8 @@ impl Op {
             Op::Add { a, b, y, .. }
             | Op::Mul { a, b, y, .. }
             | Op::Max { a, b, y, .. }
-            | Op::Min { a, b, y, .. } => vec![a.t, b.t, y.t],
+            | Op::Min { a, b, y, .. }
+            | Op::Compare { a, b, y, .. } => vec![a.t, b.t, y.t],
             Op::AddNorm { a, b, gamma, beta, y, .. } => {
                 [Some(a), b, Some(gamma), Some(beta), Some(y)].into_iter().flatten().collect()
             }
@@ -384,6 +390,7 @@ impl Op {
             | Op::Mul { name, .. }
             | Op::Max { name, .. }
             | Op::Min { name, .. }
+            | Op::Compare { name, .. }
             | Op::AddNorm { name, .. }
             | Op::ScaleChannels { name, .. }
             | Op::Attention { name, .. }

@@ -247,6 +247,31 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                     }
                 }
             }
+            Op::Compare { op: bop, a, b, y, rows, cols, .. } => {
+                use vnpu_abi::BinOp;
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let (p, q) = (get(tensors, a, r, c), get(tensors, b, r, c));
+                        let v = match bop {
+                            BinOp::Eq => f64::from(u8::from(p == q)),
+                            BinOp::Ne => f64::from(u8::from(p != q)),
+                            BinOp::Lt => f64::from(u8::from(p < q)),
+                            BinOp::Le => f64::from(u8::from(p <= q)),
+                            BinOp::Gt => f64::from(u8::from(p > q)),
+                            BinOp::Ge => f64::from(u8::from(p >= q)),
+                            BinOp::Keep if p == 0.0 => 0.0,
+                            BinOp::Keep => q,
+                            BinOp::Add => p + q,
+                            BinOp::Sub => p - q,
+                            BinOp::Mul => p * q,
+                            BinOp::Max | BinOp::Min if p.is_nan() || q.is_nan() => f64::NAN,
+                            BinOp::Max => p.max(q),
+                            BinOp::Min => p.min(q),
+                        };
+                        set(tensors, y, r, c, v);
+                    }
+                }
+            }
             Op::AddNorm { a, b, gamma, beta, y, rows, cols, eps, .. } => {
                 let n = cols as usize;
                 for r in 0..rows as usize {

@@ -1912,6 +1912,9 @@ impl Lowerer {
             Op::Min { ref name, a, b, y, rows, cols, act } => {
                 self.eltwise(name, BinOp::Min, a, b, y, rows, cols, act)?
             }
+            Op::Compare { ref name, op, a, b, y, rows, cols } => {
+                self.eltwise(name, op, a, b, y, rows, cols, Act::None)?
+            }
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
                 self.add_norm(name, a, b, gamma, beta, y, rows, cols, eps)?
             }

@@ -278,6 +278,19 @@ pub fn binary(op: BinOp, a: f32, b: f32) -> f32 {
         BinOp::Mul => a * b,
         BinOp::Max => max_nan(a, b),
         BinOp::Min => min_nan(a, b),
+        BinOp::Eq => f32::from(u8::from(a == b)),
+        BinOp::Ne => f32::from(u8::from(a != b)),
+        BinOp::Lt => f32::from(u8::from(a < b)),
+        BinOp::Le => f32::from(u8::from(a <= b)),
+        BinOp::Gt => f32::from(u8::from(a > b)),
+        BinOp::Ge => f32::from(u8::from(a >= b)),
+        BinOp::Keep => {
+            if a != 0.0 {
+                b
+            } else {
+                0.0
+            }
+        }
     }
 }
 

@@ -31,6 +31,7 @@ mod attention;
 mod cnn;
 mod composite;
 mod layout;
+mod logic;
 mod seq;
 use cnn::{channel_vec, nchw_to_nhwc, then};
 
@@ -468,6 +469,12 @@ impl Compiler<'_> {
                     // `vu.unary i32_to_f32`: round to nearest, as ONNX's
                     // Cast from an integer type to float.
                     (Val::I(d), 1) => Ok(vec![Val::D(self.act_op(n, &d, Act::I32ToF32))]),
+                    // To bool: `x != 0`, stored as 0 or 1.
+                    (v @ (Val::I(_) | Val::D(_)), 9) => Ok(vec![Val::D(self.cast_to_bool(n, &v)?)]),
+                    (Val::C(c), 9) => Ok(vec![Val::C(Const {
+                        shape: c.shape,
+                        data: Data::I64(c.data.to_f32().iter().map(|&x| i64::from(x != 0.0)).collect()),
+                    })]),
                     (Val::I(_), _) => Err(unsupported(format!(
                         "cast of an integer tensor computed on the device to ONNX type {to} is not supported"
                     ))),
@@ -600,6 +607,12 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(where_const(&c, &x, &y)?)])
             }
+            "Equal" | "Less" | "Greater" | "LessOrEqual" | "GreaterOrEqual" | "And" | "Or" | "Xor" => {
+                self.compare(n)
+            }
+            "Not" => self.not(n),
+            "Where" => self.select(n),
+            "IsNaN" | "IsInf" => self.is_special(n),
             "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"
             | "Floor" | "Ceil" | "Sin" | "Cos"
                 if all_const =>
@@ -2191,6 +2204,18 @@ impl<'m> Compiler<'m> {
     fn collect_outputs(&mut self, out_names: &[String]) -> Result<Vec<Io>, CompileError> {
         let mut outputs = Vec::new();
         for name in out_names {
+            // A boolean or integer output would be written as f32 (booleans
+            // are 0.0 and 1.0 on the device): refused, not mislabelled.
+            let elem = self.m.outputs.iter().find(|o| &o.name == name).map_or(1, |o| o.elem);
+            if !matches!(elem, 0 | 1) {
+                return Err(CompileError::Output {
+                    name: name.clone(),
+                    reason: unsupported(format!(
+                        "is of element type {elem} (only float outputs are written; integer and boolean \
+                         outputs are not supported yet)"
+                    )),
+                });
+            }
             match self.vals.get(name).cloned() {
                 Some(Val::D(d)) => {
                     let d = self

@@ -235,6 +235,15 @@ fn an_integer_attention_mask_cast_to_float_matches_onnx_runtime() {
     check_ops_inputs("token-mask", &["ids", "mask"], 1, 1);
 }
 
+/// Comparisons, logic, `Where`, `IsNaN`, `IsInf` and casts to bool on
+/// computed tensors (`vu.binary` eq/lt/.../keep), at the comparisons'
+/// boundaries, against ONNX Runtime.
+#[test]
+fn comparisons_logic_and_where_match_onnx_runtime() {
+    check_ops("logic-ops", 1, 1);
+    check_ops("logic-ops", 2, 2);
+}
+
 /// Multi-query attention (keys and values of one head broadcast over four
 /// by the batched products) with an additive padding mask computed from a
 /// second input and a constant causal mask of -inf.

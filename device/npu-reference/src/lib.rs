@@ -450,6 +450,15 @@ impl Machine {
                             BinOp::Mul => f64::from(x * y),
                             BinOp::Max => max_nan(x.into(), y.into()),
                             BinOp::Min => min_nan(x.into(), y.into()),
+                            // Decided in f64, which orders every f32 as f32 does.
+                            BinOp::Eq => f64::from(u8::from(f64::from(x) == f64::from(y))),
+                            BinOp::Ne => f64::from(u8::from(f64::from(x) != f64::from(y))),
+                            BinOp::Lt => f64::from(u8::from(f64::from(x) < f64::from(y))),
+                            BinOp::Le => f64::from(u8::from(f64::from(x) <= f64::from(y))),
+                            BinOp::Gt => f64::from(u8::from(f64::from(x) > f64::from(y))),
+                            BinOp::Ge => f64::from(u8::from(f64::from(x) >= f64::from(y))),
+                            BinOp::Keep if f64::from(x) == 0.0 => 0.0,
+                            BinOp::Keep => f64::from(y),
                         };
                         out.push(sram_f32(at(dst, i, 4)?, Expect::F32 { value: v, tol: 0.0 }));
                     }

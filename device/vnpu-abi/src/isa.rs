@@ -123,8 +123,24 @@ macro_rules! small_enum {
 }
 
 small_enum!(
-    /// Element-wise binary operations of the vector unit.
-    BinOp { Add = 0, Sub = 1, Mul = 2, Max = 3, Min = 4 }
+    /// Element-wise binary operations of the vector unit. The comparisons
+    /// give `1.0` when `a op b` holds and `0.0` otherwise, as IEEE compares
+    /// (every comparison with a NaN is false, but `Ne`); `Keep` gives `b`
+    /// where `a` is not zero and `+0.0` elsewhere (a NaN `a` keeps `b`).
+    BinOp {
+        Add = 0,
+        Sub = 1,
+        Mul = 2,
+        Max = 3,
+        Min = 4,
+        Eq = 5,
+        Ne = 6,
+        Lt = 7,
+        Le = 8,
+        Gt = 9,
+        Ge = 10,
+        Keep = 11,
+    }
 );
 small_enum!(
     /// How the second operand of a [`Instr::VBinary`] is broadcast.

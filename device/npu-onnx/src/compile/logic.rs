@@ -1,0 +1,214 @@
+//! Comparisons, logic and selection on computed tensors: `Equal`,
+//! `Less`, `LessOrEqual`, `Greater`, `GreaterOrEqual`, `Not`, `And`, `Or`,
+//! `Xor`, `Where`, `IsNaN`, `IsInf`, and `Cast` to bool. A boolean is
+//! stored as an f32 `0.0` or `1.0` (what `vu.binary`'s comparisons
+//! write), so every boolean the compiler makes is exactly 0 or 1: a
+//! comparison's result, a cast to bool (`x != 0`), a constant. `Where` is
+//! `keep(c, x) + keep(not c, y)`: one of the two terms is `+0.0`, so the
+//! other goes through unchanged, infinities and NaN included.
+
+use npu_graph::{Act, Op, View};
+use vnpu_abi::BinOp;
+
+use crate::load::Node;
+use crate::refusal::{invalid, unsupported, Refusal};
+
+use super::{bcast_shape, check_size, elems, expand, int_refused, Compiler, Dyn, NodeResult, Val};
+use crate::load::{Const, Data};
+
+/// Largest integer an f32 holds exactly: integer constants compared on
+/// the device must be within it.
+const EXACT_INT: i64 = 1 << 24;
+
+impl Compiler<'_> {
+    /// Input `i` of `n` as a dense f32 tensor of `shape` (broadcast to it
+    /// by numpy's rules): a constant becomes a tensor of the compiled
+    /// model; an integer tensor computed on the device is refused.
+    fn operand(&mut self, n: &Node, i: usize, shape: &[usize]) -> Result<Dyn, Refusal> {
+        match self.get(n, i)?.clone() {
+            Val::C(c) => {
+                if let Data::I64(v) = &c.data {
+                    if v.iter().any(|x| x.abs() > EXACT_INT) {
+                        return Err(unsupported(format!(
+                            "input {i} holds integers beyond 2^24, which the device compares as f32"
+                        )));
+                    }
+                }
+                if bcast_shape(&c.shape, shape).as_deref() != Some(shape) {
+                    return Err(invalid(format!("shapes {:?} and {shape:?} do not broadcast", c.shape)));
+                }
+                let data = expand(&c.data.to_f32(), &c.shape, shape);
+                let t = self.weight(&format!("{}.c{i}", n.name), data, npu_graph::Init::Bias);
+                Ok(Dyn::new(t, shape.to_vec(), None, false))
+            }
+            Val::I(_) => Err(int_refused(n, i)),
+            Val::D(_) => {
+                let d = self.dense(n, i)?;
+                if d.shape == shape {
+                    return Ok(d);
+                }
+                if bcast_shape(&d.shape, shape).as_deref() != Some(shape) {
+                    return Err(invalid(format!("shapes {:?} and {shape:?} do not broadcast", d.shape)));
+                }
+                let b = self.broadcast_to(&n.name, &d, shape, false)?;
+                self.onnx_order(&n.name, &b)
+            }
+        }
+    }
+
+    /// `y = a op b` element-wise over dense tensors of one shape.
+    fn compare_op(&mut self, n: &Node, op: BinOp, a: &Dyn, b: &Dyn) -> Dyn {
+        let cols = (*a.shape.last().unwrap_or(&1)).max(1);
+        let rows = elems(&a.shape) / cols;
+        let y = self.act_tensor(&n.name, elems(&a.shape));
+        let c32 = cols as u32;
+        self.g.ops.push(Op::Compare {
+            name: n.name.clone(),
+            op,
+            a: View::dense(a.t, c32),
+            b: View::dense(b.t, c32),
+            y: View::dense(y, c32),
+            rows: rows as u32,
+            cols: c32,
+        });
+        Dyn::new(y, a.shape.clone(), None, false)
+    }
+
+    /// A scalar constant tensor of `shape`, all `v`.
+    fn filled(&mut self, n: &Node, tag: &str, shape: &[usize], v: f32) -> Dyn {
+        let t = self.weight(&format!("{}.{tag}", n.name), vec![v; elems(shape)], npu_graph::Init::Bias);
+        Dyn::new(t, shape.to_vec(), None, false)
+    }
+
+    /// The shape inputs `ins` of `n` broadcast to (numpy's rules).
+    fn out_shape(&self, n: &Node, ins: &[usize]) -> Result<Vec<usize>, Refusal> {
+        let mut shape: Vec<usize> = Vec::new();
+        for &i in ins {
+            let s = self.shape_of(n, i)?;
+            shape = bcast_shape(&shape, &s)
+                .ok_or_else(|| invalid(format!("shapes {shape:?} and {s:?} do not broadcast")))?;
+        }
+        check_size(&shape)?;
+        Ok(shape)
+    }
+
+    /// `Equal`, `Less`, `LessOrEqual`, `Greater`, `GreaterOrEqual`, `And`,
+    /// `Or`, `Xor` with a computed input.
+    pub(super) fn compare(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let shape = self.out_shape(n, &[0, 1])?;
+        let (a, b) = (self.operand(n, 0, &shape)?, self.operand(n, 1, &shape)?);
+        let op = match n.op.as_str() {
+            "Equal" => BinOp::Eq,
+            "Less" => BinOp::Lt,
+            "LessOrEqual" => BinOp::Le,
+            "Greater" => BinOp::Gt,
+            "GreaterOrEqual" => BinOp::Ge,
+            // Booleans are 0 or 1: `and` keeps b where a holds, `or` is the
+            // larger, `xor` is "differ".
+            "And" => BinOp::Keep,
+            "Xor" => BinOp::Ne,
+            "Or" => {
+                let y = self.elementwise(n, &a, b.t, |name, a, b, y, rows, cols| Op::Max {
+                    name,
+                    a,
+                    b,
+                    y,
+                    rows,
+                    cols,
+                    act: Act::None,
+                });
+                return Ok(vec![Val::D(Dyn { op: None, ..y })]);
+            }
+            op => return Err(unsupported(format!("`{op}` is not a comparison"))),
+        };
+        Ok(vec![Val::D(self.compare_op(n, op, &a, &b))])
+    }
+
+    /// `Not` of a computed boolean: `x == 0`.
+    pub(super) fn not(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        let shape = self.shape_of(n, 0)?;
+        let x = self.operand(n, 0, &shape)?;
+        let zero = self.filled(n, "zero", &shape, 0.0);
+        Ok(vec![Val::D(self.compare_op(n, BinOp::Eq, &x, &zero))])
+    }
+
+    /// `Where(c, x, y)` with a computed input: `keep(c, x) + keep(c == 0,
+    /// y)`. Integer branches (a selection of indices) are refused: the
+    /// result would be an integer tensor, which is not computed here.
+    pub(super) fn select(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &[])?;
+        for i in [1, 2] {
+            let int = matches!(self.get(n, i)?, Val::C(Const { data: Data::I64(_), .. }) | Val::I(_));
+            if int {
+                return Err(unsupported(format!(
+                    "input {i} is an integer tensor: Where of integer branches is not computed on the device"
+                )));
+            }
+        }
+        let shape = self.out_shape(n, &[0, 1, 2])?;
+        let c = self.operand(n, 0, &shape)?;
+        let x = self.operand(n, 1, &shape)?;
+        let y = self.operand(n, 2, &shape)?;
+        let kx = self.compare_op(n, BinOp::Keep, &c, &x);
+        let zero = self.filled(n, "zero", &shape, 0.0);
+        let not_c = self.compare_op(n, BinOp::Eq, &c, &zero);
+        let ky = self.compare_op(n, BinOp::Keep, &not_c, &y);
+        let out = self.elementwise(n, &kx, ky.t, |name, a, b, y, rows, cols| Op::Add {
+            name,
+            a,
+            b,
+            y,
+            rows,
+            cols,
+            act: Act::None,
+        });
+        Ok(vec![Val::D(Dyn { op: None, ..out })])
+    }
+
+    /// `IsNaN` (`x != x`) and `IsInf` (`|x| == inf`, or `x == +inf` or
+    /// `x == -inf` when only one sign is detected).
+    pub(super) fn is_special(&mut self, n: &Node) -> NodeResult {
+        let shape = self.shape_of(n, 0)?;
+        if n.op == "IsNaN" {
+            Self::only_attrs(n, &[])?;
+            let x = self.operand(n, 0, &shape)?;
+            return Ok(vec![Val::D(self.compare_op(n, BinOp::Ne, &x, &x))]);
+        }
+        Self::only_attrs(n, &["detect_negative", "detect_positive"])?;
+        let neg = Self::int_attr(n, "detect_negative", 1)? != 0;
+        let pos = Self::int_attr(n, "detect_positive", 1)? != 0;
+        let x = self.operand(n, 0, &shape)?;
+        let y = match (neg, pos) {
+            (true, true) => {
+                let a = self.act_op(n, &x, Act::Abs);
+                let inf = self.filled(n, "inf", &shape, f32::INFINITY);
+                self.compare_op(n, BinOp::Eq, &a, &inf)
+            }
+            (false, true) | (true, false) => {
+                let inf = self.filled(n, "inf", &shape, if pos { f32::INFINITY } else { f32::NEG_INFINITY });
+                self.compare_op(n, BinOp::Eq, &x, &inf)
+            }
+            (false, false) => {
+                // Nothing is detected: all false.
+                let zero = self.filled(n, "zero", &shape, 0.0);
+                self.compare_op(n, BinOp::Ne, &zero, &zero)
+            }
+        };
+        Ok(vec![Val::D(y)])
+    }
+
+    /// A computed tensor cast to bool: `x != 0` (a NaN is true, as ONNX
+    /// casts it); an integer tensor is converted to f32 first (no nonzero
+    /// i32 converts to zero).
+    pub(super) fn cast_to_bool(&mut self, n: &Node, v: &Val) -> Result<Dyn, Refusal> {
+        let x = match v {
+            Val::I(d) => self.act_op(n, d, Act::I32ToF32),
+            Val::D(_) => self.dense(n, 0)?,
+            Val::C(_) => return Err(invalid("a constant is folded, not cast on the device")),
+        };
+        let zero = self.filled(n, "zero", &x.shape, 0.0);
+        Ok(self.compare_op(n, BinOp::Ne, &x, &zero))
+    }
+}
