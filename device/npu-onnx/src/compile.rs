@@ -573,6 +573,33 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(gather(&data, &idx, ax)?)])
             }
+            "Gather" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_computed(n),
+            "GatherND" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_nd_computed(n),
+            "GatherElements" if matches!(self.get(n, 0)?, Val::D(_)) => {
+                Self::only_attrs(n, &["axis"])?;
+                let d = self.dense(n, 0)?;
+                let idx = self.konst(n, 1)?;
+                let ax = axis(Self::int_attr(n, "axis", 0)?, d.shape.len())
+                    .ok_or_else(|| invalid("axis out of range"))?;
+                let at = gather_elements_offsets(&d.shape, &idx, ax)?;
+                self.gather_rows(n, &d, elems(&d.shape), 1, &at, idx.shape.clone())
+            }
+            "GatherND" if all_const => {
+                Self::only_attrs(n, &["batch_dims"])?;
+                let (data, idx) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                let b = usize::try_from(Self::int_attr(n, "batch_dims", 0)?)
+                    .map_err(|_| invalid("negative batch_dims"))?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(gather_nd_const(&data, &idx, b)?)])
+            }
+            "GatherElements" if all_const => {
+                Self::only_attrs(n, &["axis"])?;
+                let (data, idx) = (self.konst(n, 0)?, self.konst(n, 1)?);
+                let ax = axis(Self::int_attr(n, "axis", 0)?, data.shape.len())
+                    .ok_or_else(|| invalid("axis out of range"))?;
+                self.report.folded += 1;
+                Ok(vec![Val::C(gather_elements_const(&data, &idx, ax)?)])
+            }
             // (Max and Min take any number of inputs: `variadic` folds them.)
             "Add" | "Sub" | "Mul" | "Div" | "Pow" if all_const => {
                 let (a, b) = (self.konst(n, 0)?, self.konst(n, 1)?);
@@ -1709,6 +1736,89 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
     Ok(match &data.data {
         Data::I64(v) => Const { shape, data: Data::I64(pick(v, outer, dim, inner, &ids)) },
         Data::F32(v) => Const { shape, data: Data::F32(pick(v, outer, dim, inner, &ids)) },
+    })
+}
+
+/// `GatherElements` of constants: `out[i] = data[i with axis ax replaced
+/// by idx[i]]` (`idx` of `data`'s rank).
+fn gather_elements_const(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
+    let at = gather_elements_offsets(&data.shape, idx, ax)?;
+    let shape = idx.shape.clone();
+    Ok(match &data.data {
+        Data::I64(v) => Const { shape, data: Data::I64(at.iter().map(|&o| v[o]).collect()) },
+        Data::F32(v) => Const { shape, data: Data::F32(at.iter().map(|&o| v[o]).collect()) },
+    })
+}
+
+/// The element of data (of shape `dshape`, row-major) each element of a
+/// `GatherElements` output reads.
+fn gather_elements_offsets(dshape: &[usize], idx: &Const, ax: usize) -> Result<Vec<usize>, Refusal> {
+    let data_shape = dshape;
+    let rank = data_shape.len();
+    if idx.shape.len() != rank {
+        return Err(invalid("indices of another rank than the data"));
+    }
+    check_size(&idx.shape)?;
+    let ids = idx.data.to_i64();
+    let dstride: Vec<usize> = (0..rank).map(|i| elems(&data_shape[i + 1..])).collect();
+    let istride: Vec<usize> = (0..rank).map(|i| elems(&idx.shape[i + 1..])).collect();
+    let mut at = Vec::with_capacity(ids.len());
+    for (flat, &v) in ids.iter().enumerate() {
+        let dim = data_shape[ax] as i64;
+        let j = if v < 0 { v + dim } else { v };
+        if !(0..dim).contains(&j) {
+            return Err(invalid(format!("index {v} out of range")));
+        }
+        let mut off = 0usize;
+        for a in 0..rank {
+            let c = if a == ax { j as usize } else { (flat / istride[a]) % idx.shape[a] };
+            if c >= data_shape[a] {
+                return Err(invalid("indices larger than the data"));
+            }
+            off += c * dstride[a];
+        }
+        at.push(off);
+    }
+    Ok(at)
+}
+
+/// `GatherND` of constants with `b` batch axes.
+fn gather_nd_const(data: &Const, idx: &Const, b: usize) -> Result<Const, Refusal> {
+    let r = *idx.shape.last().ok_or_else(|| invalid("indices of rank 0"))?;
+    if b >= idx.shape.len() || b + r > data.shape.len() || data.shape[..b] != idx.shape[..b] {
+        return Err(invalid("indices and data do not agree"));
+    }
+    let batches = elems(&data.shape[..b]);
+    let lead = &data.shape[b..b + r];
+    let inner = elems(&data.shape[b + r..]);
+    let per_batch_data = elems(&data.shape[b..]);
+    let tuples = elems(&idx.shape[b..idx.shape.len() - 1]);
+    let v = idx.data.to_i64();
+    let mut at = Vec::new();
+    for bi in 0..batches {
+        for t in 0..tuples {
+            let tuple = &v[(bi * tuples + t) * r..(bi * tuples + t + 1) * r];
+            let mut row = 0usize;
+            for (&i, &dim) in tuple.iter().zip(lead) {
+                let j = if i < 0 { i + dim as i64 } else { i };
+                let j = usize::try_from(j)
+                    .ok()
+                    .filter(|&j| j < dim)
+                    .ok_or_else(|| invalid(format!("index {i} out of range")))?;
+                row = row * dim + j;
+            }
+            at.push(bi * per_batch_data + row * inner);
+        }
+    }
+    let mut shape = idx.shape[..idx.shape.len() - 1].to_vec();
+    shape.extend_from_slice(&data.shape[b + r..]);
+    check_size(&shape)?;
+    fn pick<T: Copy>(v: &[T], at: &[usize], inner: usize) -> Vec<T> {
+        at.iter().flat_map(|&o| v[o..o + inner].iter().copied()).collect()
+    }
+    Ok(match &data.data {
+        Data::I64(v) => Const { shape, data: Data::I64(pick(v, &at, inner)) },
+        Data::F32(v) => Const { shape, data: Data::F32(pick(v, &at, inner)) },
     })
 }
 

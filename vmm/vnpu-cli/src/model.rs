@@ -90,7 +90,12 @@ fn print_report(r: &CompileReport, m: &Model) {
     println!("programs      load {} instructions, infer {}", r.load_instructions, r.infer_instructions);
     for (what, list) in [("input", &m.inputs), ("output", &m.outputs)] {
         for t in list.iter() {
-            println!("{what:<13} {} f32 {:?}", t.name, t.dims);
+            let elem = match t.elem {
+                vnpu_abi::model::ElemType::F32 => "f32",
+                vnpu_abi::model::ElemType::I64 => "int64 (i32 on the device)",
+                vnpu_abi::model::ElemType::I32 => "int32",
+            };
+            println!("{what:<13} {} {elem} {:?}", t.name, t.dims);
         }
     }
 }

@@ -212,3 +212,108 @@ impl Compiler<'_> {
         Ok(self.compare_op(n, BinOp::Ne, &x, &zero))
     }
 }
+
+impl Compiler<'_> {
+    /// Rows of computed tensor `d`, viewed as `[rows][inner]`, gathered by
+    /// the constant row numbers `ids` into a tensor of `shape`: one
+    /// `dma.gather` (`Op::Embedding` with a constant index tensor).
+    pub(super) fn gather_rows(
+        &mut self,
+        n: &Node,
+        d: &Dyn,
+        rows: usize,
+        inner: usize,
+        ids: &[usize],
+        shape: Vec<usize>,
+    ) -> NodeResult {
+        check_size(&shape)?;
+        let fits = |v: usize| u32::try_from(v).ok();
+        let (Some(rows32), Some(inner32), Some(count32)) = (fits(rows), fits(inner), fits(ids.len())) else {
+            return Err(unsupported("a gather too large for one dma.gather"));
+        };
+        if inner32.checked_mul(4).is_none() || ids.is_empty() || inner == 0 {
+            return Err(unsupported("an empty gather, or rows too long for one dma.gather"));
+        }
+        // The row numbers as the u32s `dma.gather` reads (their bits in an
+        // f32 tensor: the weight image keeps them as they are).
+        let bits: Vec<f32> = ids.iter().map(|&i| f32::from_bits(i as u32)).collect();
+        let idx = self.weight(&format!("{}.idx", n.name), bits, npu_graph::Init::Bias);
+        let y = self.act_tensor(&n.name, ids.len() * inner);
+        self.g.ops.push(Op::Embedding {
+            name: n.name.clone(),
+            table: d.t,
+            idx,
+            y: View::dense(y, inner32),
+            batch: count32,
+            rows: rows32,
+            dim: inner32,
+            pool: 1,
+        });
+        Ok(vec![Val::D(Dyn::new(y, shape, None, false))])
+    }
+
+    /// `Gather` of a computed tensor by constant indices, any axis.
+    pub(super) fn gather_computed(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis"])?;
+        let d = self.dense(n, 0)?;
+        let idx = self.konst(n, 1)?;
+        let rank = d.shape.len();
+        let ax =
+            super::axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))?;
+        let (outer, dim, inner) = (elems(&d.shape[..ax]), d.shape[ax], elems(&d.shape[ax + 1..]));
+        let mut ids = Vec::new();
+        let picks: Vec<usize> = idx
+            .data
+            .to_i64()
+            .iter()
+            .map(|&i| {
+                let j = if i < 0 { i + dim as i64 } else { i };
+                usize::try_from(j)
+                    .ok()
+                    .filter(|&j| j < dim)
+                    .ok_or_else(|| invalid(format!("index {i} out of range")))
+            })
+            .collect::<Result<_, _>>()?;
+        for o in 0..outer {
+            ids.extend(picks.iter().map(|&i| o * dim + i));
+        }
+        let mut shape = d.shape[..ax].to_vec();
+        shape.extend_from_slice(&idx.shape);
+        shape.extend_from_slice(&d.shape[ax + 1..]);
+        self.gather_rows(n, &d, outer * dim, inner, &ids, shape)
+    }
+
+    /// `GatherND` of a computed tensor by constant indices (`batch_dims`
+    /// 0): each index tuple names a row of the data viewed as
+    /// `[rows of the first r axes][the rest]`.
+    pub(super) fn gather_nd_computed(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["batch_dims"])?;
+        if Self::int_attr(n, "batch_dims", 0)? != 0 {
+            return Err(unsupported("GatherND with batch_dims other than 0 on a computed tensor"));
+        }
+        let d = self.dense(n, 0)?;
+        let idx = self.konst(n, 1)?;
+        let r = *idx.shape.last().ok_or_else(|| invalid("indices of rank 0"))?;
+        if r == 0 || r > d.shape.len() {
+            return Err(invalid(format!("index tuples of {r} for data of rank {}", d.shape.len())));
+        }
+        let (lead, inner) = (&d.shape[..r], elems(&d.shape[r..]));
+        let v = idx.data.to_i64();
+        let mut ids = Vec::with_capacity(v.len() / r);
+        for t in v.chunks(r) {
+            let mut row = 0usize;
+            for (&i, &dim) in t.iter().zip(lead) {
+                let j = if i < 0 { i + dim as i64 } else { i };
+                let j = usize::try_from(j)
+                    .ok()
+                    .filter(|&j| j < dim)
+                    .ok_or_else(|| invalid(format!("index {i} out of range")))?;
+                row = row * dim + j;
+            }
+            ids.push(row);
+        }
+        let mut shape = idx.shape[..idx.shape.len() - 1].to_vec();
+        shape.extend_from_slice(&d.shape[r..]);
+        self.gather_rows(n, &d, elems(lead), inner, &ids, shape)
+    }
+}
