@@ -1982,6 +1982,16 @@ pub fn compile(bytes: &[u8], o: &CompileOptions) -> Result<Compiled, CompileErro
     compile_model(&m, o)
 }
 
+/// Compiles the ONNX model in file `path` (its external data files, if
+/// any, read from beside it).
+pub fn compile_file(path: &std::path::Path, o: &CompileOptions) -> Result<Compiled, CompileError> {
+    let bytes = std::fs::read(path)
+        .map_err(|source| crate::load::LoadError::Read { path: path.display().to_string(), source })?;
+    let dir = path.parent().map(|p| if p.as_os_str().is_empty() { std::path::Path::new(".") } else { p });
+    let m = crate::load::load_from(&bytes, dir)?;
+    compile_model(&m, o)
+}
+
 /// Most elements a constant computed at compile time (`ConstantOfShape`,
 /// `Range`) may have: a model cannot make the compiler allocate more.
 const MAX_FOLDED: usize = 1 << 26;

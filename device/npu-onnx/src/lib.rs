@@ -11,6 +11,8 @@ pub mod load;
 mod refusal;
 pub use npu_infer_io::npy;
 
-pub use compile::{compile, compile_model, CompileError, CompileOptions, CompileReport, Compiled};
-pub use load::{load, LoadError, OnnxModel};
+pub use compile::{
+    compile, compile_file, compile_model, CompileError, CompileOptions, CompileReport, Compiled,
+};
+pub use load::{load, load_from, LoadError, OnnxModel};
 pub use refusal::Refusal;

@@ -17,6 +17,12 @@ pub enum LoadError {
     Protobuf(#[source] protobuf::Error),
     #[error("the model has no graph")]
     NoGraph,
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("initializer `{name}`: {reason}")]
     Initializer {
         name: String,
@@ -137,7 +143,87 @@ fn dims(t: &TensorProto) -> Result<Vec<usize>, Refusal> {
         .collect()
 }
 
-/// Reads a `TensorProto` (inline data only; external data is refused).
+/// Bytes per element of an ONNX data type with fixed-size elements.
+fn elem_bytes(data_type: i32) -> Option<u64> {
+    Some(match DataType::from_i32(data_type)? {
+        DataType::FLOAT | DataType::INT32 | DataType::UINT32 => 4,
+        DataType::DOUBLE | DataType::INT64 | DataType::UINT64 => 8,
+        DataType::INT16 | DataType::UINT16 | DataType::FLOAT16 | DataType::BFLOAT16 => 2,
+        DataType::INT8 | DataType::UINT8 | DataType::BOOL => 1,
+        _ => return None,
+    })
+}
+
+/// Reads `t`'s external data into its `raw_data` (see [`load_from`]),
+/// counting the bytes against `budget`.
+fn inline_external(
+    t: &mut TensorProto,
+    dir: Option<&std::path::Path>,
+    budget: &mut u64,
+) -> Result<(), Refusal> {
+    use std::io::{Read, Seek, SeekFrom};
+    use std::path::Component;
+    let Some(dir) = dir else {
+        return Err(unsupported(
+            "its data is in an external file: compile the model from its file (vnpu compile reads the data beside it)",
+        ));
+    };
+    let mut location = None;
+    let (mut offset, mut length) = (0u64, None);
+    for e in &t.external_data {
+        let num = || {
+            e.value.parse::<u64>().map_err(|_| invalid(format!("external data `{}` is not a number", e.key)))
+        };
+        match e.key.as_str() {
+            "location" => location = Some(e.value.clone()),
+            "offset" => offset = num()?,
+            "length" => length = Some(num()?),
+            _ => {}
+        }
+    }
+    let location = location.ok_or_else(|| invalid("external data without a location"))?;
+    let rel = std::path::Path::new(&location);
+    if location.is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(invalid(format!(
+            "external data location `{location}` is not a relative path below the model's directory"
+        )));
+    }
+    let n = dims(t)?.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+    let size = n
+        .zip(elem_bytes(t.data_type))
+        .and_then(|(n, b)| n.checked_mul(b))
+        .ok_or_else(|| unsupported(format!("external data of data type {}", t.data_type)))?;
+    if length.is_some_and(|l| l != size) {
+        return Err(invalid(format!(
+            "external data of {} bytes for a tensor of {size}",
+            length.unwrap_or(0)
+        )));
+    }
+    if size > *budget {
+        return Err(unsupported(format!("more than {MAX_EXTERNAL_BYTES} bytes of external data")));
+    }
+    let path = dir.join(rel);
+    let io = |e: std::io::Error| unsupported(format!("external data file {}: {e}", path.display()));
+    let mut f = std::fs::File::open(&path).map_err(io)?;
+    let file_len = f.metadata().map_err(io)?.len();
+    if offset.checked_add(size).is_none_or(|end| end > file_len) {
+        return Err(invalid(format!(
+            "external data {offset}..+{size} is outside {} ({file_len} bytes)",
+            path.display()
+        )));
+    }
+    f.seek(SeekFrom::Start(offset)).map_err(io)?;
+    let mut raw = vec![0u8; usize::try_from(size).map_err(|_| unsupported("external data too large"))?];
+    f.read_exact(&mut raw).map_err(io)?;
+    *budget -= size;
+    t.raw_data = raw;
+    t.external_data.clear();
+    t.data_location = protobuf::EnumOrUnknown::new(onnx_protobuf::tensor_proto::DataLocation::DEFAULT);
+    Ok(())
+}
+
+/// Reads a `TensorProto` (inline data; external data is read by
+/// [`load_from`] before, and refused here).
 pub fn tensor(t: &TensorProto) -> Result<Const, Refusal> {
     if !t.external_data.is_empty() {
         return Err(unsupported(
@@ -265,9 +351,29 @@ pub const MIN_OPSET: i64 = 7;
 /// `onnx.defs.get_schema`; docs/model-format.md).
 pub const MAX_OPSET: i64 = 28;
 
-/// Reads an ONNX model from its bytes.
+/// Most bytes of external data one model may read (16 GiB).
+pub const MAX_EXTERNAL_BYTES: u64 = 16 << 30;
+
+/// Reads an ONNX model from its bytes (initializers stored inline).
 pub fn load(bytes: &[u8]) -> Result<OnnxModel, LoadError> {
-    let m = ModelProto::parse_from_bytes(bytes).map_err(LoadError::Protobuf)?;
+    load_from(bytes, None)
+}
+
+/// Reads an ONNX model from its bytes; initializers stored in external
+/// data files (what `torch.onnx.export` writes beside the model, e.g.
+/// `model.onnx.data`) are read from `dir`, the model file's directory.
+/// A location must be a relative path below `dir` (no `..`, no absolute
+/// path), the range `offset`/`length` inside the file and exactly the
+/// tensor's size, and a model reads at most [`MAX_EXTERNAL_BYTES`].
+pub fn load_from(bytes: &[u8], dir: Option<&std::path::Path>) -> Result<OnnxModel, LoadError> {
+    let mut m = ModelProto::parse_from_bytes(bytes).map_err(LoadError::Protobuf)?;
+    if let Some(g) = m.graph.as_mut() {
+        let mut budget = MAX_EXTERNAL_BYTES;
+        for t in g.initializer.iter_mut().filter(|t| !t.external_data.is_empty()) {
+            let name = t.name.clone();
+            inline_external(t, dir, &mut budget).map_err(|reason| LoadError::Initializer { name, reason })?;
+        }
+    }
     let g = m.graph.as_ref().ok_or(LoadError::NoGraph)?;
     let mut opset = 0;
     for o in &m.opset_import {
@@ -310,4 +416,61 @@ pub fn load(bytes: &[u8]) -> Result<OnnxModel, LoadError> {
     let inputs = g.input.iter().filter(|v| !constants.contains_key(&v.name)).map(io).collect();
     let outputs = g.output.iter().map(io).collect();
     Ok(OnnxModel { opset, producer: m.producer_name.clone(), nodes, constants, inputs, outputs })
+}
+
+#[cfg(test)]
+mod external_tests {
+    use super::*;
+    use onnx_protobuf::{GraphProto, StringStringEntryProto};
+
+    /// A model whose one initializer `w` (2 floats) is external data at
+    /// `location`, `offset`.
+    fn model(location: &str, offset: u64) -> Vec<u8> {
+        let mut t = TensorProto::new();
+        t.name = "w".into();
+        t.dims = vec![2];
+        t.data_type = DataType::FLOAT as i32;
+        for (k, v) in
+            [("location", location.to_string()), ("offset", offset.to_string()), ("length", "8".into())]
+        {
+            let mut e = StringStringEntryProto::new();
+            e.key = k.into();
+            e.value = v;
+            t.external_data.push(e);
+        }
+        let mut g = GraphProto::new();
+        g.initializer.push(t);
+        let mut m = ModelProto::new();
+        m.graph = protobuf::MessageField::some(g);
+        let mut o = onnx_protobuf::OperatorSetIdProto::new();
+        o.version = 17;
+        m.opset_import.push(o);
+        m.write_to_bytes().unwrap_or_default()
+    }
+
+    /// Data beside the model is read; a location outside its directory,
+    /// a range past the file's end, a missing file, and a model given
+    /// without its directory are refused, each with a reason.
+    #[test]
+    fn external_data_is_read_from_beside_the_model_only() {
+        let dir = std::env::temp_dir().join(format!("npu-onnx-external-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).unwrap_or_default();
+        let data: Vec<u8> = [0.0f32, 1.5, -2.0].iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(dir.join("m.onnx.data"), &data).unwrap_or_default();
+        let m = load_from(&model("m.onnx.data", 4), Some(&dir)).expect("beside the model");
+        assert_eq!(m.constants["w"].data, Data::F32(vec![1.5, -2.0]));
+        for (loc, off, why) in [
+            ("../m.onnx.data", 0, "not a relative path below"),
+            ("/etc/passwd", 0, "not a relative path below"),
+            ("sub/../../x", 0, "not a relative path below"),
+            ("m.onnx.data", 8, "outside"),
+            ("missing.data", 0, "missing.data"),
+        ] {
+            let e = load_from(&model(loc, off), Some(&dir)).expect_err(loc).to_string();
+            assert!(e.contains(why), "{loc}: {e}");
+        }
+        let e = load(&model("m.onnx.data", 0)).expect_err("no directory").to_string();
+        assert!(e.contains("external file"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

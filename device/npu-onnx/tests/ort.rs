@@ -244,6 +244,67 @@ fn comparisons_logic_and_where_match_onnx_runtime() {
     check_ops("logic-ops", 2, 2);
 }
 
+/// A `transformers` text model (scripts/hf_models.py: small configs built
+/// in code, seeded random weights, exported by `torch.onnx.export` with
+/// its weights in an external data file), compiled from its file with
+/// int64 token ids and attention mask in (the second sequence padded),
+/// run in-process, against ONNX Runtime: max abs error, that error
+/// relative to the output's scale (its largest magnitude), argmax
+/// agreement over the last axis.
+fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
+    let model = fixture(&format!("hf/{name}.onnx"));
+    let inputs = ["input_ids", "attention_mask"];
+    let paths: Vec<PathBuf> = inputs.iter().map(|i| fixture(&format!("hf/{name}-{i}.npy"))).collect();
+    let xs: Vec<npy::Array> = paths.iter().map(|p| npy::read_file(p).unwrap()).collect();
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: shape(&board, sa, vu),
+        batch: xs[0].shape[0] as u32,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+        bf16_activations: false,
+    };
+    let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    for t in &c.model.inputs {
+        assert_eq!(t.elem, vnpu_abi::model::ElemType::I64, "{name}: input {} is int64", t.name);
+    }
+    let mut r = HostRunner::new(&board, &c.model).unwrap();
+    let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+    let (outs, _) = r.infer(&data).unwrap();
+    let out = c.model.outputs[0].clone();
+    let feeds: Vec<(&str, &Path)> = inputs.iter().copied().zip(paths.iter().map(PathBuf::as_path)).collect();
+    let want = ort(&model, &feeds, &out.name);
+    assert_eq!(want.shape, out.dims, "{name}: output shape");
+    let (abs, _) = errors(&outs[0], &want.data);
+    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let scaled = abs / scale;
+    let row = *out.dims.last().unwrap() as usize;
+    let rows = want.data.len() / row;
+    let agree = (0..rows)
+        .filter(|&i| argmax(&outs[0][i * row..(i + 1) * row]) == argmax(&want.data[i * row..(i + 1) * row]))
+        .count();
+    println!(
+        "{name} {sa}sa{vu}vu: max abs {abs:.3e}, of the scale ({scale:.3}) {scaled:.3e}, argmax {agree}/{rows} \
+         ({} nodes: {:?})",
+        c.report.nodes,
+        c.report.ops
+    );
+    (abs, scaled, agree, rows)
+}
+
+/// BERT, DistilBERT and GPT-2 as `transformers` and `torch.onnx.export`
+/// give them: within 1e-5 of ONNX Runtime's outputs relative to their
+/// scale, every argmax the same.
+#[test]
+fn transformers_text_models_match_onnx_runtime() {
+    for (name, sa, vu) in [("bert", 1, 1), ("distilbert", 2, 2), ("gpt2", 1, 1)] {
+        let (abs, scaled, agree, rows) = check_text_model(name, sa, vu);
+        assert!(scaled <= 1e-5, "{name}: error {scaled} of the output's scale (max abs {abs})");
+        assert_eq!(agree, rows, "{name}: argmax agreement");
+    }
+}
+
 /// Multi-query attention (keys and values of one head broadcast over four
 /// by the batched products) with an additive padding mask computed from a
 /// second input and a constant causal mask of -inf.

@@ -127,7 +127,12 @@ pub fn compile(
         dtype,
         bf16_activations,
     };
-    let c = npu_onnx::compile(&bytes, &opts)?;
+    let m = npu_onnx::load_from(
+        &bytes,
+        Some(model.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."))),
+    )
+    .map_err(npu_onnx::CompileError::Load)?;
+    let c = npu_onnx::compile_model(&m, &opts)?;
     print_report(&c.report, &c.model);
     std::fs::write(out, c.model.encode())
         .map_err(|source| ModelCmdError::Io { path: out.display().to_string(), source })?;

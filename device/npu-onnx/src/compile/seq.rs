@@ -158,6 +158,40 @@ impl Compiler<'_> {
     /// the transposed layout directly.
     pub(super) fn transpose(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["perm"])?;
+        if let Val::C(c) = self.get(n, 0)?.clone() {
+            // A constant (a tied weight, transposed by the exporter): folded.
+            let rank = c.shape.len();
+            let perm: Vec<usize> = match Self::ints_attr(n, "perm")? {
+                None => (0..rank).rev().collect(),
+                Some(p) => p
+                    .iter()
+                    .map(|&a| axis(a, rank).ok_or_else(|| invalid("perm names a missing axis")))
+                    .collect::<Result<_, _>>()?,
+            };
+            let mut seen = vec![false; rank];
+            if perm.len() != rank || perm.iter().any(|&a| std::mem::replace(&mut seen[a], true)) {
+                return Err(invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
+            }
+            let st = dense_strides(&c.shape);
+            let shape: Vec<usize> = perm.iter().map(|&a| c.shape[a]).collect();
+            let src: Vec<usize> = perm.iter().map(|&a| st[a]).collect();
+            let at: Vec<usize> = (0..elems(&shape))
+                .map(|mut flat| {
+                    let mut off = 0;
+                    for (d, s) in shape.iter().zip(&src).rev() {
+                        off += (flat % d) * s;
+                        flat /= d;
+                    }
+                    off
+                })
+                .collect();
+            self.report.folded += 1;
+            let data = match &c.data {
+                crate::load::Data::F32(v) => crate::load::Data::F32(at.iter().map(|&o| v[o]).collect()),
+                crate::load::Data::I64(v) => crate::load::Data::I64(at.iter().map(|&o| v[o]).collect()),
+            };
+            return Ok(vec![Val::C(crate::load::Const { shape, data })]);
+        }
         let d = self.computed_view(n, 0)?;
         let rank = d.shape.len();
         let perm: Vec<usize> = match Self::ints_attr(n, "perm")? {
