@@ -262,10 +262,12 @@ fn run_vm(
     // memory, the payload on top; at least 64 MiB.
     let need = (32u64 << 20) + 2 * (m.window_bytes + model_bytes.len() as u64) + total as u64;
     let memory = need.next_multiple_of(16 << 20).max(64 << 20);
-    if memory > 1 << 30 {
+    if memory > vnpu_vm::PCI_MMIO_BASE {
         return Err(ModelCmdError::Usage(format!(
-            "the job needs {} MiB of guest memory; a bare-metal guest has at most 1 GiB (run fewer batches)",
-            memory >> 20
+            "the job needs {} MiB of guest memory; a guest has at most {} MiB of RAM, below the PCI hole \
+             (run fewer batches)",
+            memory >> 20,
+            vnpu_vm::PCI_MMIO_BASE >> 20
         )));
     }
     let mut cfg = vnpu_vm::VmConfig::new(memory, guest).vnpus(&[spec]);

@@ -435,13 +435,10 @@ impl<W: Write> Vm<W> {
         if count > MAX_VNPUS {
             return Err(VmError::TooManyVnpus { count });
         }
-        // A bare-metal guest lives in the 1 GiB its stub maps; a Linux
-        // guest's RAM may reach the PCI hole, where the BARs go.
-        let (max, why) = if cfg.linux.is_some() {
-            (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)")
-        } else {
-            (1 << 30, "1 GiB (the identity map covers 1 GiB)")
-        };
+        // RAM ends where the PCI hole starts (the BARs, ECAM, the system
+        // controller and the local APIC live in the top GiB, which the
+        // boot identity map marks cache-disabled).
+        let (max, why) = (PCI_MMIO_BASE, "3 GiB (RAM ends where the PCI hole starts)");
         if !(MIN_MEMORY..=max).contains(&cfg.memory) {
             return Err(VmError::Memory {
                 size: cfg.memory,
