@@ -239,6 +239,42 @@ fn token_ids_run_in_a_vm_and_match_onnx_runtime() {
     ops_end_to_end("token-embedding", "ids", "sa=1,vu=1,sram=8M,hbm=512M", 1);
 }
 
+/// torchvision's ViT-B/16 as exported (tests/fixtures/onnx/vision, its
+/// 346 MB of weights written from a seed by scripts/fill_external.py):
+/// `vnpu compile` reads its external data, and `vnpu infer` sizes the VM's
+/// memory from the model (a 1.7 GiB job; guests were capped at 1 GiB) and
+/// matches ONNX Runtime.
+#[test]
+fn vit_b_16_runs_in_a_vm_sized_from_the_model() {
+    let dir = std::env::temp_dir().join(format!("vnpu-cli-vit-{}", std::process::id()));
+    let py = root().join(".venv-onnx/bin/python");
+    let out = Command::new(&py)
+        .arg(root().join("scripts/fill_external.py"))
+        .arg(fixture("vision/vit_b_16.onnx"))
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let m = dir.join("vit_b_16.onnx").display().to_string();
+    let x = dir.join("vit_b_16-x.npy").display().to_string();
+    let (_, out, got) = compile_and_infer(&m, &format!("x={x}"), "sa=4,vu=4,sram=32M,hbm=4G", 1, "vit_b_16");
+    assert!(out.contains("VM"), "{out}");
+    let want = ort(&m, &format!("x={x}"), "y");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(got.data.len(), want.data.len());
+    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let abs = got.data.iter().zip(&want.data).fold(0f64, |m, (&g, &w)| {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        if d.is_nan() || m.is_nan() {
+            f64::NAN
+        } else {
+            m.max(d)
+        }
+    });
+    println!("vit_b_16 via VM: max abs {abs:.3e}, of the output's scale {:.3e}", abs / scale);
+    assert!(abs / scale <= 1e-5, "vit_b_16: error {abs} of a scale {scale} against ONNX Runtime");
+}
+
 #[test]
 fn a_depthwise_hardswish_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
     cnn_end_to_end("dw-hardswish", "sa=2,vu=2,sram=8M,hbm=512M", 1);
