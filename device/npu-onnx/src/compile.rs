@@ -393,6 +393,12 @@ impl Compiler<'_> {
                 n.domain
             )));
         }
+        if !crate::operators::listed(&n.op) {
+            return Err(unsupported(format!(
+                "operator `{}` is not supported (docs/model-format.md lists what is)",
+                n.op
+            )));
+        }
         let all_const =
             n.inputs.iter().filter(|s| !s.is_empty()).all(|s| matches!(self.vals.get(s), Some(Val::C(_))));
         match n.op.as_str() {
@@ -638,6 +644,7 @@ impl Compiler<'_> {
                 self.compare(n)
             }
             "Not" => self.not(n),
+            "Mod" => Err(unsupported("Mod of a computed tensor (folded on constants only)")),
             "Where" => self.select(n),
             "IsNaN" | "IsInf" => self.is_special(n),
             "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"

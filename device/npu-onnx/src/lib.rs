@@ -11,6 +11,7 @@ pub mod load;
 mod refusal;
 pub use npu_infer_io::npy;
 
+pub mod operators;
 pub use compile::{
     compile, compile_file, compile_model, CompileError, CompileOptions, CompileReport, Compiled,
 };

@@ -210,5 +210,28 @@ fn onnx_node_tests_give_no_wrong_answer() {
     }
     println!("{report}");
     let _ = std::fs::write(root().join("target/onnx-conformance.txt"), &report);
+    // docs/model-format.md's operator table: the compiler's own list with
+    // these figures (both groups together).
+    let table = npu_onnx::operators::table(|op| {
+        per_op.get(op).map(|r| (r[0] + r[4], r[1] + r[5], r[2] + r[6])).filter(|&(p, w, f)| p + w + f > 0)
+    });
+    let doc_path = root().join("docs/model-format.md");
+    let doc = std::fs::read_to_string(&doc_path).unwrap();
+    let (begin, end) = ("<!-- operators:begin -->\n", "<!-- operators:end -->");
+    let (Some(b), Some(e)) = (doc.find(begin), doc.find(end)) else {
+        panic!("docs/model-format.md has no {begin:?}..{end:?} section for the operator table");
+    };
+    let have = &doc[b + begin.len()..e];
+    if have != table {
+        if std::env::var_os("VNPU_WRITE_DOCS").is_some() {
+            let new = format!("{}{table}{}", &doc[..b + begin.len()], &doc[e..]);
+            std::fs::write(&doc_path, new).unwrap();
+        } else {
+            panic!(
+                "docs/model-format.md's operator table is not the compiler's list with these figures: \
+                 regenerate it with VNPU_WRITE_DOCS=1 cargo test --release -p npu-onnx --test conformance"
+            );
+        }
+    }
     assert!(wrong.is_empty(), "{} node tests gave a wrong answer:\n{}", wrong.len(), wrong.join("\n"));
 }

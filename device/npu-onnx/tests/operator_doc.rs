@@ -1,0 +1,26 @@
+//! `docs/model-format.md`'s operator table lists exactly the compiler's
+//! operators with their notes (the conformance test, which has the node
+//! tests, also checks the figures).
+#![allow(clippy::unwrap_used)]
+
+#[test]
+fn the_operator_table_is_the_compilers_list() {
+    let doc = std::fs::read_to_string(format!("{}/../../docs/model-format.md", env!("CARGO_MANIFEST_DIR")))
+        .unwrap();
+    let b = doc.find("<!-- operators:begin -->").expect("the table's start marker");
+    let e = doc.find("<!-- operators:end -->").expect("the table's end marker");
+    let rows: Vec<(String, String)> = doc[b..e]
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|l| {
+            let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
+            (cells[0].trim_matches('`').to_string(), cells[1].to_string())
+        })
+        .collect();
+    let want: Vec<(String, String)> =
+        npu_onnx::operators::OPERATORS.iter().map(|o| (o.op.to_string(), o.notes.to_string())).collect();
+    assert_eq!(
+        rows, want,
+        "regenerate: VNPU_WRITE_DOCS=1 cargo test --release -p npu-onnx --test conformance"
+    );
+}
