@@ -414,6 +414,34 @@ def logic_ops():
     print(f"{g.name}: {len(g.nodes)} nodes, input {list(x.shape)}")
 
 
+def arg_extremes(name, op, axis, keepdims, last):
+    # ArgMax / ArgMin with an integer (int64) output, on an input with
+    # ties (the first or last index must win), both axes. No NaN: ONNX
+    # Runtime scans with `>` (a NaN first element wins, later ones are
+    # skipped) where numpy and ONNX's reference take the first NaN, as the
+    # compiler does (docs/model-format.md).
+    global rng
+    rng = np.random.default_rng(20261129)
+    n, k = 5, 9
+    g = G(name, [n, k])
+    y = g.op(op, ["x"], axis=axis, keepdims=keepdims, select_last_index=last)
+    x = rng.integers(-3, 4, (n, k)).astype(np.float32) * 0.5  # many ties
+    x[0, :] = 1.0  # all equal
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])
+    shape = list(np.zeros((n, k)).max(axis=axis, keepdims=bool(keepdims)).shape)
+    if axis == 1:
+        shape[0] = "N"
+    y_info = helper.make_tensor_value_info(y, TensorProto.INT64, shape)
+    graph = helper.make_graph(g.nodes, g.name, [x_info], [y_info], g.inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="onnx_ops.py")
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    os.makedirs(OUT, exist_ok=True)
+    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
+    np.save(os.path.join(OUT, f"{g.name}-x.npy"), x)
+    print(f"{g.name}: {op} axis {axis} keepdims {keepdims} select_last_index {last}")
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -429,6 +457,8 @@ BUILDERS = {
     "token-embedding": token_embedding,
     "token-mask": token_mask,
     "logic-ops": logic_ops,
+    "argmax": lambda: arg_extremes("argmax", "ArgMax", 1, 0, 0),
+    "argmin-last": lambda: arg_extremes("argmin-last", "ArgMin", 1, 1, 1),
 }
 
 
@@ -455,3 +485,5 @@ if __name__ == "__main__":
     token_embedding()
     token_mask()
     logic_ops()
+    arg_extremes("argmax", "ArgMax", 1, 0, 0)
+    arg_extremes("argmin-last", "ArgMin", 1, 1, 1)

@@ -114,6 +114,9 @@ pub enum Act {
     /// The input's elements are `i32` (an integer model input): each is
     /// converted to the nearest `f32` (ONNX `Cast` to float).
     I32ToF32,
+    /// Each `f32` rounded toward zero to an `i32`, stored as its bits (an
+    /// integer result: `ArgMax`'s indices).
+    F32ToI32,
 }
 
 impl Act {

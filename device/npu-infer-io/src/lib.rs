@@ -113,12 +113,18 @@ pub fn batch_input_bytes(m: &Model, inputs: &[Array], run: usize) -> Vec<u8> {
 }
 
 /// Splits one batch's output bytes (every output, in the model's order)
-/// and appends each output's f32s to `outs`.
+/// and appends each output's values to `outs` as f32 (an integer output's
+/// i32s converted).
 pub fn append_outputs(m: &Model, bytes: &[u8], outs: &mut [Vec<f32>]) {
     let mut at = 0;
     for (acc, d) in outs.iter_mut().zip(&m.outputs) {
         let n = (d.bytes().unwrap_or(0) as usize).min(bytes.len().saturating_sub(at));
-        acc.extend(bytes[at..at + n].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        let words = bytes[at..at + n].chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+        if d.elem.is_int() {
+            acc.extend(words.map(|w| i32::from_le_bytes(w) as f32));
+        } else {
+            acc.extend(words.map(f32::from_le_bytes));
+        }
         at += n;
     }
 }
@@ -229,7 +235,14 @@ pub fn print_report(
                 let stem = path.file_stem().map(|s| s.to_string_lossy().to_string()).unwrap_or_default();
                 path.with_file_name(format!("{stem}.{i}.{}.npy", d.name.replace(['/', ':'], "_")))
             };
-            npy::write_file(&p, &Array::floats(shape, v.clone()))?;
+            // An integer output (i32 in the window, exact in f32 up to
+            // 2^24, as an index is) is written as int64.
+            let a = if d.elem.is_int() {
+                Array::integers(shape, v.iter().map(|&x| x as i64).collect())
+            } else {
+                Array::floats(shape, v.clone())
+            };
+            npy::write_file(&p, &a)?;
             println!("wrote         {} ({})", p.display(), d.name);
         }
     }

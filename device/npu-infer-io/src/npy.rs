@@ -83,10 +83,21 @@ pub fn read_file(path: &std::path::Path) -> Result<Array, NpyError> {
     read(&bytes, &p)
 }
 
-/// The `.npy` bytes of an f32 array.
+/// The `.npy` bytes of an array: int64 for an integer one, else f32.
 pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
     let err = |source: std::io::Error| NpyError::Write { path: String::new(), source };
     let mut buf = Vec::new();
+    if let Some(ints) = &a.ints {
+        let mut w = npyz::WriteOptions::new()
+            .default_dtype()
+            .shape(&a.shape)
+            .writer(&mut buf)
+            .begin_nd()
+            .map_err(err)?;
+        w.extend(ints.iter().copied()).map_err(err)?;
+        w.finish().map_err(err)?;
+        return Ok(buf);
+    }
     {
         let mut w = npyz::WriteOptions::new()
             .default_dtype()

@@ -455,6 +455,7 @@ fn bias_act(y: u64, bias: Option<u64>, rows: u32, cols: u32, act: Act, tmp: u64)
         Act::Sin => v.push(Instr::VUnary { op: UnOp::Sin, src: y, dst: y, len }),
         Act::Cos => v.push(Instr::VUnary { op: UnOp::Cos, src: y, dst: y, len }),
         Act::I32ToF32 => v.push(Instr::VUnary { op: UnOp::I32ToF32, src: y, dst: y, len }),
+        Act::F32ToI32 => v.push(Instr::VUnary { op: UnOp::F32ToI32, src: y, dst: y, len }),
         Act::Swish | Act::HardSwish => {
             if act == Act::Swish {
                 v.push(Instr::VUnary { op: UnOp::Sigmoid, src: y, dst: tmp, len });
@@ -2525,6 +2526,9 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
         | Op::Mul { a, b, y, .. }
         | Op::Max { a, b, y, .. }
         | Op::Min { a, b, y, .. } => a.t == t || b.t == t || y.t == t,
+        // An integer tensor (read or written by a conversion) keeps its
+        // 4 bytes.
+        Op::Unary { act: Act::I32ToF32 | Act::F32ToI32, .. } => false,
         Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => x.t == t || y.t == t,
         _ => false,
     }

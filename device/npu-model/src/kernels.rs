@@ -267,6 +267,8 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
         UnOp::Cos => libm::cosf(x),
         // The element's bits are an i32 (`as` rounds to nearest even).
         UnOp::I32ToF32 => x.to_bits().cast_signed() as f32,
+        // `as` rounds toward zero, saturates, and takes NaN to 0.
+        UnOp::F32ToI32 => f32::from_bits((x as i32).cast_unsigned()),
     }
 }
 

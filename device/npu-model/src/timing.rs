@@ -148,7 +148,8 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
                 | UnOp::Abs
                 | UnOp::Floor
                 | UnOp::Ceil
-                | UnOp::I32ToF32 => 1.0,
+                | UnOp::I32ToF32
+                | UnOp::F32ToI32 => 1.0,
                 UnOp::Recip | UnOp::Sqrt => 2.0,
                 UnOp::Exp | UnOp::Tanh | UnOp::Sigmoid | UnOp::Log | UnOp::Sin | UnOp::Cos => trans,
                 UnOp::Erf => trans + 1.0,

@@ -645,6 +645,7 @@ impl Compiler<'_> {
             }
             "Not" => self.not(n),
             "Mod" => Err(unsupported("Mod of a computed tensor (folded on constants only)")),
+            "ArgMax" | "ArgMin" => self.arg_extreme(n),
             "Where" => self.select(n),
             "IsNaN" | "IsInf" => self.is_special(n),
             "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"
@@ -1223,7 +1224,7 @@ impl Compiler<'_> {
             "Slice" => self.slice(&p),
             "Reshape" => self.reshape(&p),
             "Concat" => self.concat(&p),
-            "ReduceMean" | "ReduceMax" | "ReduceL1" | "ReduceL2" => self.reduce_mean(&p),
+            "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceL1" | "ReduceL2" => self.reduce_mean(&p),
             "Sqrt" => self.activation(&p, Act::Sqrt),
             "Abs" => self.activation(&p, Act::Abs),
             "Log" => self.activation(&p, Act::Log),
@@ -2047,7 +2048,15 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             _ => ElemType::F32,
         };
     }
-    let outs = place_in_window(&outputs, &mut window);
+    let mut outs = place_in_window(&outputs, &mut window);
+    for (d, _) in &mut outs {
+        // Integer outputs (ArgMax's indices) travel as i32.
+        d.elem = match m.outputs.iter().find(|o| o.name == d.name).map(|o| o.elem) {
+            Some(7) => ElemType::I64,
+            Some(6) => ElemType::I32,
+            _ => ElemType::F32,
+        };
+    }
     let infer = infer_program(&lowered, &ins, &outs);
     let shape = o.shape;
     let limits = VnpuLimits {
@@ -2331,19 +2340,32 @@ impl<'m> Compiler<'m> {
     fn collect_outputs(&mut self, out_names: &[String]) -> Result<Vec<Io>, CompileError> {
         let mut outputs = Vec::new();
         for name in out_names {
-            // A boolean or integer output would be written as f32 (booleans
-            // are 0.0 and 1.0 on the device): refused, not mislabelled.
+            // A boolean output would be written as f32 (booleans are 0.0
+            // and 1.0 on the device): refused, not mislabelled. An integer
+            // output must be an integer tensor on the device (i32 bits).
             let elem = self.m.outputs.iter().find(|o| &o.name == name).map_or(1, |o| o.elem);
-            if !matches!(elem, 0 | 1) {
-                return Err(CompileError::Output {
-                    name: name.clone(),
-                    reason: unsupported(format!(
-                        "is of element type {elem} (only float outputs are written; integer and boolean \
-                         outputs are not supported yet)"
-                    )),
-                });
+            let int_out = matches!(elem, 6 | 7);
+            let refuse = |why: String| CompileError::Output { name: name.clone(), reason: unsupported(why) };
+            if !matches!(elem, 0 | 1 | 6 | 7) {
+                return Err(refuse(format!(
+                    "is of element type {elem} (float, int32 and int64 outputs are written; boolean ones \
+                     are not supported yet)"
+                )));
             }
             match self.vals.get(name).cloned() {
+                Some(Val::D(_)) if int_out => {
+                    return Err(refuse(format!(
+                        "is declared of integer type {elem} but computed as a float tensor here"
+                    )))
+                }
+                Some(Val::I(d)) if int_out => {
+                    if d.shape.is_empty() {
+                        return Err(refuse(
+                            "is a scalar (rank 0): a model's outputs need at least one axis".into(),
+                        ));
+                    }
+                    outputs.push((name.clone(), d.t, d.shape.clone()))
+                }
                 Some(Val::D(d)) => {
                     let d = self
                         .onnx_order(name, &d)
@@ -2366,10 +2388,7 @@ impl<'m> Compiler<'m> {
                     })
                 }
                 Some(Val::I(_)) => {
-                    return Err(CompileError::Output {
-                        name: name.clone(),
-                        reason: unsupported("is an integer tensor (integer outputs are not supported yet)"),
-                    })
+                    return Err(refuse("is an integer tensor on the device but declared float".into()))
                 }
                 None => {
                     return Err(CompileError::Output {

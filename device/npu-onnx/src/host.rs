@@ -85,7 +85,15 @@ impl HostRunner {
             .model
             .outputs
             .iter()
-            .map(|d| read_f32s(&self.guest, d.offset, d.elems().unwrap_or(0) as usize))
+            .map(|d| {
+                let v = read_f32s(&self.guest, d.offset, d.elems().unwrap_or(0) as usize)?;
+                // An integer output's i32s, as values.
+                Ok(if d.elem.is_int() {
+                    v.iter().map(|x| x.to_bits().cast_signed() as f32).collect()
+                } else {
+                    v
+                })
+            })
             .collect::<Result<Vec<_>, _>>()
             .map_err(HostError::Memory)?;
         Ok((outs, report))

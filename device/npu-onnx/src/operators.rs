@@ -24,6 +24,8 @@ pub const OPERATORS: &[Operator] = &[
     op("Abs", "`vu.unary abs`; folded on constants"),
     op("Add", "`vu.binary add`, numpy broadcasting, constants folded into the operation before"),
     op("And", "booleans (0/1): `keep(a, b)`"),
+    op("ArgMax", "`axis`, `keepdims`, `select_last_index`; the first NaN wins, as numpy's; an integer output (`vu.unary f32_to_i32`)"),
+    op("ArgMin", "as `ArgMax` of `-x`"),
     op("Attention", "opset 23+: heads, cache, GQA, scale, softcap, `qk_matmul_output`; the mask must be a constant or `is_causal`"),
     op("AveragePool", "2-D and 1-D, strides, pads, `ceil_mode`; `count_include_pad` 1 with padding refused"),
     op("BatchNormalization", "inference; folded into the product before, else per channel; computed statistics as their definition"),

@@ -176,7 +176,7 @@ fn onnx_node_tests_give_no_wrong_answer() {
     });
     let mut report = format!(
         "ONNX backend node tests ({version}): {} tests\n\
-         float32 inputs and outputs: {}: passed {}, wrong {}, refused {}\n\
+         float32 inputs (float32 or integer outputs): {}: passed {}, wrong {}, refused {}\n\
          integer inputs made constants: {}: passed {}, wrong {}, refused {}\n\n",
         per_op.values().map(|r| r[0] + r[1] + r[2] + r[3] + r[4] + r[5] + r[6]).sum::<usize>(),
         total[0] + total[1] + total[2],

@@ -493,3 +493,22 @@ fn bf16_models_stay_within_the_documented_bound() {
 /// with bf16 SA operands: 2^-5, four times a single product's 2u
 /// (docs/model-format.md, "bf16").
 const BF16_BOUND: f64 = 0.03125;
+
+/// `ArgMax` (the first of tied maxima) and `ArgMin` with
+/// `select_last_index` (the last of tied minima) over rows with many
+/// ties and one all equal, as int64 outputs, against ONNX Runtime: the
+/// compiled output is int64 and every index is the same.
+#[test]
+fn argmax_and_argmin_give_onnx_runtimes_indices() {
+    for name in ["argmax", "argmin-last"] {
+        let model = fixture(&format!("ops/{name}.onnx"));
+        let x = npy::read_file(&fixture(&format!("ops/{name}-x.npy"))).unwrap();
+        let (c, got) = compile_and_run(&model, &x, 1, 1, None);
+        assert_eq!(c.model.outputs[0].elem, vnpu_abi::model::ElemType::I64, "{name}");
+        let out = c.model.outputs[0].clone();
+        let want = ort(&model, &[("x", &fixture(&format!("ops/{name}-x.npy")))], &out.name);
+        let want: Vec<f32> = want.ints.as_ref().unwrap().iter().map(|&v| v as f32).collect();
+        println!("{name}: {got:?}");
+        assert_eq!(got, want, "{name}: indices against ONNX Runtime");
+    }
+}

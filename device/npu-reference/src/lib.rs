@@ -468,6 +468,25 @@ impl Machine {
                 w.add(len.into())?;
                 for i in 0..u64::from(len) {
                     let x = self.elem(src, i, DType::F32)?;
+                    if op == UnOp::F32ToI32 {
+                        // Round toward zero, saturate, NaN to 0: decided
+                        // in f64, which holds every f32 and every i32.
+                        let v = f64::from(x);
+                        let r = if v.is_nan() {
+                            0
+                        } else {
+                            v.trunc().clamp(f64::from(i32::MIN), f64::from(i32::MAX)) as i32
+                        };
+                        let d = at(dst, i, 4)?;
+                        for (k, b) in r.to_le_bytes().into_iter().enumerate() {
+                            out.push(Write {
+                                space: Space::Sram,
+                                addr: d + k as u64,
+                                expect: Expect::Byte(b),
+                            });
+                        }
+                        continue;
+                    }
                     out.push(sram_f32(at(dst, i, 4)?, unary(op, x)));
                 }
             }
@@ -741,6 +760,9 @@ fn unary(op: UnOp, x: f32) -> Expect {
         // The bits as an i32, rounded once to f32 (through f64, which holds
         // every i32 exactly).
         UnOp::I32ToF32 => exact(f64::from(x.to_bits().cast_signed()) as f32),
+        // Checked byte by byte (its result is an i32, not an f32): see
+        // the `VUnary` arm.
+        UnOp::F32ToI32 => Expect::F32 { value: 0.0, tol: f64::INFINITY },
     }
 }
 

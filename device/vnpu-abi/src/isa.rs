@@ -187,6 +187,11 @@ small_enum!(
         /// as the nearest `f32` (ties to even: exact up to `2^24`), as ONNX's
         /// `Cast` from an integer to float.
         I32ToF32 = 17,
+        /// Each `f32` rounded toward zero to an `i32` (saturating at the
+        /// `i32` range; NaN gives 0), written as the `i32`'s four
+        /// little-endian bytes: an integer result (an index) for a runner
+        /// to read as one.
+        F32ToI32 = 18,
     }
 );
 small_enum!(

@@ -239,6 +239,18 @@ fn token_ids_run_in_a_vm_and_match_onnx_runtime() {
     ops_end_to_end("token-embedding", "ids", "sa=1,vu=1,sram=8M,hbm=512M", 1);
 }
 
+/// An int64 output (ArgMax's indices) through `vnpu infer` in a VM:
+/// written as an int64 `.npy`, equal to ONNX Runtime's.
+#[test]
+fn argmax_indices_come_out_of_a_vm_as_int64() {
+    let m = fixture("ops/argmax.onnx");
+    let x = fixture("ops/argmax-x.npy");
+    let (_, out, got) = compile_and_infer(&m, &format!("x={x}"), "sa=1,vu=1,sram=8M,hbm=512M", 5, "argmax");
+    let want = ort(&m, &format!("x={x}"), "argmax_1");
+    assert_eq!(got.ints, want.ints, "{out}");
+    assert!(got.ints.is_some(), "written as an integer array");
+}
+
 /// torchvision's ViT-B/16 as exported (tests/fixtures/onnx/vision, its
 /// 346 MB of weights written from a seed by scripts/fill_external.py):
 /// `vnpu compile` reads its external data, and `vnpu infer` sizes the VM's

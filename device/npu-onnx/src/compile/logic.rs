@@ -317,3 +317,86 @@ impl Compiler<'_> {
         self.gather_rows(n, &d, elems(lead), inner, &ids, shape)
     }
 }
+
+impl Compiler<'_> {
+    /// `ArgMax` and `ArgMin` (`axis`, `keepdims`, `select_last_index`):
+    /// the candidates are the elements equal to the extreme of their
+    /// slice, or NaN (numpy's argmax picks the first NaN, and a slice with
+    /// a NaN has a NaN maximum, equal to nothing); each candidate keeps
+    /// its index, the others a value past the last, and the smallest (the
+    /// largest with `select_last_index`) is the answer, converted to an
+    /// integer tensor (`vu.unary f32_to_i32`).
+    pub(super) fn arg_extreme(&mut self, n: &Node) -> NodeResult {
+        use std::collections::HashMap;
+
+        use crate::load::Attr;
+        Self::only_attrs(n, &["axis", "keepdims", "select_last_index"])?;
+        let x = self.dense(n, 0)?;
+        let rank = x.shape.len();
+        let ax =
+            super::axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))?;
+        let keep = Self::int_attr(n, "keepdims", 1)? != 0;
+        let last = Self::int_attr(n, "select_last_index", 0)? != 0;
+        let dim = x.shape[ax];
+        if dim > EXACT_INT as usize {
+            return Err(unsupported("an axis longer than 2^24 (its indices are computed as f32)"));
+        }
+        // ArgMin is ArgMax of -x (NaN stays NaN).
+        let x = if n.op == "ArgMin" { self.act_op(n, &x, Act::affine(-1.0, 0.0)) } else { x };
+        let xs = self.stash(n, "x", Val::D(x.clone()));
+        let attrs = |k: bool| {
+            HashMap::from([
+                ("axes".to_string(), Attr::Ints(vec![ax as i64])),
+                ("keepdims".to_string(), Attr::Int(i64::from(k))),
+            ])
+        };
+        let Val::D(m) = self.run_part(n, "max", "ReduceMax", vec![xs], attrs(true))? else {
+            return Err(invalid("the maximum folded to a constant"));
+        };
+        let m = self.broadcast_to(&n.name, &m, &x.shape, false)?;
+        let m = self.onnx_order(&n.name, &m)?;
+        let eq = self.compare_op(n, BinOp::Eq, &x, &m);
+        let nan = self.compare_op(n, BinOp::Ne, &x, &x);
+        let cand = self.elementwise(n, &eq, nan.t, |name, a, b, y, rows, cols| Op::Max {
+            name,
+            a,
+            b,
+            y,
+            rows,
+            cols,
+            act: Act::None,
+        });
+        // Each element's index along the axis, and what a non-candidate gets.
+        let (outer, inner) = (elems(&x.shape[..ax]), elems(&x.shape[ax + 1..]));
+        let mut iota = Vec::with_capacity(elems(&x.shape));
+        for _ in 0..outer {
+            for k in 0..dim {
+                iota.extend(std::iter::repeat_n(k as f32, inner));
+            }
+        }
+        let t = self.weight(&format!("{}.iota", n.name), iota, npu_graph::Init::Bias);
+        let iota = Dyn::new(t, x.shape.clone(), None, false);
+        let other = self.filled(n, "past", &x.shape, if last { -1.0 } else { dim as f32 });
+        let keep_i = self.compare_op(n, BinOp::Keep, &cand, &iota);
+        let zero = self.filled(n, "zero", &x.shape, 0.0);
+        let not_cand = self.compare_op(n, BinOp::Eq, &cand, &zero);
+        let keep_o = self.compare_op(n, BinOp::Keep, &not_cand, &other);
+        let picked = self.elementwise(n, &keep_i, keep_o.t, |name, a, b, y, rows, cols| Op::Add {
+            name,
+            a,
+            b,
+            y,
+            rows,
+            cols,
+            act: Act::None,
+        });
+        let ps = self.stash(n, "picked", Val::D(Dyn { op: None, ..picked }));
+        let reduce = if last { "ReduceMax" } else { "ReduceMin" };
+        let Val::D(r) = self.run_part(n, "pick", reduce, vec![ps], attrs(keep))? else {
+            return Err(invalid("the index folded to a constant"));
+        };
+        let r = self.onnx_order(&n.name, &r)?;
+        let i = self.act_op(n, &r, Act::F32ToI32);
+        Ok(vec![Val::I(Dyn { op: None, ..i })])
+    }
+}
