@@ -122,6 +122,21 @@ class G:
         print(f"{self.name}: {len(self.nodes)} nodes, input {self.x_shape}")
 
 
+def save_typed(g, inputs, y, y_shape, y_type=TensorProto.FLOAT, opset=17):
+    """Writes model `g` with `inputs` (name, element type, declared shape,
+    array: saved as `<model>-<name>.npy`) and the output `y`."""
+    infos = [helper.make_tensor_value_info(k, t, shape) for k, t, shape, _ in inputs]
+    y_info = helper.make_tensor_value_info(y, y_type, y_shape)
+    graph = helper.make_graph(g.nodes, g.name, infos, [y_info], g.inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="onnx_ops.py")
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    os.makedirs(OUT, exist_ok=True)
+    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
+    for k, _, _, a in inputs:
+        np.save(os.path.join(OUT, f"{g.name}-{k}.npy"), a)
+
+
 def conv_bn_relu6():
     g = G("conv-bn-relu6", [2, 3, 9, 11])
     y = g.conv("x", 3, 8, 3)
@@ -324,15 +339,7 @@ def token_embedding():
     y = g.op("MatMul", [x, g.const(rng.normal(0, 0.3, (d, 5)))])
     ids = rng.integers(0, v, (n, s)).astype(np.int64)
     ids[0, :3] = [0, v - 1, 0]  # the table's first and last rows
-    ids_info = helper.make_tensor_value_info("ids", TensorProto.INT64, ["N", s])
-    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", s, 5])
-    graph = helper.make_graph(g.nodes, g.name, [ids_info], [y_info], g.inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    os.makedirs(OUT, exist_ok=True)
-    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
-    np.save(os.path.join(OUT, f"{g.name}-ids.npy"), ids)
+    save_typed(g, [("ids", TensorProto.INT64, ["N", s], ids)], y, ["N", s, 5])
     print(f"{g.name}: {len(g.nodes)} nodes, input ids {list(ids.shape)} int64")
 
 
@@ -359,16 +366,7 @@ def token_mask():
     lens = rng.integers(1, s + 1, n)
     lens[0] = s
     mask = (np.arange(s)[None, :] < lens[:, None]).astype(np.int64)
-    infos = [helper.make_tensor_value_info(k, TensorProto.INT64, ["N", s]) for k in ("ids", "mask")]
-    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", s, d])
-    graph = helper.make_graph(g.nodes, g.name, infos, [y_info], g.inits)
-    mdl = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
-    mdl.ir_version = 8
-    onnx.checker.check_model(mdl)
-    os.makedirs(OUT, exist_ok=True)
-    onnx.save(mdl, os.path.join(OUT, f"{g.name}.onnx"))
-    np.save(os.path.join(OUT, f"{g.name}-ids.npy"), ids)
-    np.save(os.path.join(OUT, f"{g.name}-mask.npy"), mask)
+    save_typed(g, [(k, TensorProto.INT64, ["N", s], a) for k, a in (("ids", ids), ("mask", mask))], y, ["N", s, d])
     print(f"{g.name}: {len(g.nodes)} nodes, inputs ids and mask {list(ids.shape)} int64")
 
 
@@ -402,15 +400,7 @@ def logic_ops():
     x = rng.normal(0, 1, (n, k)).astype(np.float32)
     x[:, 0] = [0.0, 0.5, -0.5, 0.25]  # every row has an element inside [-0.5, 0.5)
     x[1, 3], x[2, 4], x[3, 5] = 0.0, 0.5, -0.5
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])
-    y_info = helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N", 7 * k])
-    graph = helper.make_graph(g.nodes, g.name, [x_info], [y_info], g.inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="onnx_ops.py")
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    os.makedirs(OUT, exist_ok=True)
-    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
-    np.save(os.path.join(OUT, f"{g.name}-x.npy"), x)
+    save_typed(g, [("x", TensorProto.FLOAT, ["N", k], x)], y, ["N", 7 * k])
     print(f"{g.name}: {len(g.nodes)} nodes, input {list(x.shape)}")
 
 
@@ -427,18 +417,10 @@ def arg_extremes(name, op, axis, keepdims, last):
     y = g.op(op, ["x"], axis=axis, keepdims=keepdims, select_last_index=last)
     x = rng.integers(-3, 4, (n, k)).astype(np.float32) * 0.5  # many ties
     x[0, :] = 1.0  # all equal
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", k])
     shape = list(np.zeros((n, k)).max(axis=axis, keepdims=bool(keepdims)).shape)
     if axis == 1:
         shape[0] = "N"
-    y_info = helper.make_tensor_value_info(y, TensorProto.INT64, shape)
-    graph = helper.make_graph(g.nodes, g.name, [x_info], [y_info], g.inits)
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], producer_name="onnx_ops.py")
-    m.ir_version = 8
-    onnx.checker.check_model(m)
-    os.makedirs(OUT, exist_ok=True)
-    onnx.save(m, os.path.join(OUT, f"{g.name}.onnx"))
-    np.save(os.path.join(OUT, f"{g.name}-x.npy"), x)
+    save_typed(g, [("x", TensorProto.FLOAT, ["N", k], x)], y, shape, TensorProto.INT64, opset=13)
     print(f"{g.name}: {op} axis {axis} keepdims {keepdims} select_last_index {last}")
 
 

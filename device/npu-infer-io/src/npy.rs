@@ -85,33 +85,21 @@ pub fn read_file(path: &std::path::Path) -> Result<Array, NpyError> {
 
 /// The `.npy` bytes of an array: int64 for an integer one, else f32.
 pub fn to_bytes(a: &Array) -> Result<Vec<u8>, NpyError> {
-    let err = |source: std::io::Error| NpyError::Write { path: String::new(), source };
-    let mut buf = Vec::new();
-    if let Some(ints) = &a.ints {
-        let mut w = npyz::WriteOptions::new()
-            .default_dtype()
-            .shape(&a.shape)
-            .writer(&mut buf)
-            .begin_nd()
-            .map_err(err)?;
-        w.extend(ints.iter().copied()).map_err(err)?;
-        w.finish().map_err(err)?;
-        return Ok(buf);
+    fn write<T: npyz::AutoSerialize + Copy>(shape: &[u64], v: &[T]) -> std::io::Result<Vec<u8>> {
+        let mut buf = Vec::new();
+        let mut w = npyz::WriteOptions::new().default_dtype().shape(shape).writer(&mut buf).begin_nd()?;
+        w.extend(v.iter().copied())?;
+        w.finish()?;
+        Ok(buf)
     }
-    {
-        let mut w = npyz::WriteOptions::new()
-            .default_dtype()
-            .shape(&a.shape)
-            .writer(&mut buf)
-            .begin_nd()
-            .map_err(err)?;
-        w.extend(a.data.iter().copied()).map_err(err)?;
-        w.finish().map_err(err)?;
+    match &a.ints {
+        Some(ints) => write(&a.shape, ints),
+        None => write(&a.shape, &a.data),
     }
-    Ok(buf)
+    .map_err(|source| NpyError::Write { path: String::new(), source })
 }
 
-/// Writes an f32 array to a file.
+/// Writes an array to a file (int64 for an integer one, else f32).
 pub fn write_file(path: &std::path::Path, a: &Array) -> Result<(), NpyError> {
     let p = path.display().to_string();
     let bytes = to_bytes(a).map_err(|e| match e {

@@ -1716,18 +1716,7 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
     let outer = elems(&data.shape[..ax]);
     let dim = data.shape[ax];
     let inner = elems(&data.shape[ax + 1..]);
-    let ids: Vec<usize> = idx
-        .data
-        .to_i64()
-        .iter()
-        .map(|&i| {
-            let i = if i < 0 { i + dim as i64 } else { i };
-            usize::try_from(i)
-                .ok()
-                .filter(|&i| i < dim)
-                .ok_or_else(|| invalid(format!("index {i} out of range")))
-        })
-        .collect::<Result<_, _>>()?;
+    let ids: Vec<usize> = idx.data.to_i64().iter().map(|&i| index_in(i, dim)).collect::<Result<_, _>>()?;
     let mut shape = data.shape[..ax].to_vec();
     shape.extend_from_slice(&idx.shape);
     shape.extend_from_slice(&data.shape[ax + 1..]);
@@ -1745,6 +1734,13 @@ fn gather(data: &Const, idx: &Const, ax: usize) -> Result<Const, Refusal> {
         Data::I64(v) => Const { shape, data: Data::I64(pick(v, outer, dim, inner, &ids)) },
         Data::F32(v) => Const { shape, data: Data::F32(pick(v, outer, dim, inner, &ids)) },
     })
+}
+
+/// Index `i` of an axis of `dim` (a negative one counts from the end), or
+/// the refusal of one outside it.
+pub(super) fn index_in(i: i64, dim: usize) -> Result<usize, Refusal> {
+    let j = if i < 0 { i.saturating_add(dim as i64) } else { i };
+    usize::try_from(j).ok().filter(|&j| j < dim).ok_or_else(|| invalid(format!("index {i} out of range")))
 }
 
 /// `GatherElements` of constants: `out[i] = data[i with axis ax replaced
@@ -1772,14 +1768,10 @@ fn gather_elements_offsets(dshape: &[usize], idx: &Const, ax: usize) -> Result<V
     let istride: Vec<usize> = (0..rank).map(|i| elems(&idx.shape[i + 1..])).collect();
     let mut at = Vec::with_capacity(ids.len());
     for (flat, &v) in ids.iter().enumerate() {
-        let dim = data_shape[ax] as i64;
-        let j = if v < 0 { v + dim } else { v };
-        if !(0..dim).contains(&j) {
-            return Err(invalid(format!("index {v} out of range")));
-        }
+        let j = index_in(v, data_shape[ax])?;
         let mut off = 0usize;
         for a in 0..rank {
-            let c = if a == ax { j as usize } else { (flat / istride[a]) % idx.shape[a] };
+            let c = if a == ax { j } else { (flat / istride[a]) % idx.shape[a] };
             if c >= data_shape[a] {
                 return Err(invalid("indices larger than the data"));
             }
@@ -1808,12 +1800,7 @@ fn gather_nd_const(data: &Const, idx: &Const, b: usize) -> Result<Const, Refusal
             let tuple = &v[(bi * tuples + t) * r..(bi * tuples + t + 1) * r];
             let mut row = 0usize;
             for (&i, &dim) in tuple.iter().zip(lead) {
-                let j = if i < 0 { i + dim as i64 } else { i };
-                let j = usize::try_from(j)
-                    .ok()
-                    .filter(|&j| j < dim)
-                    .ok_or_else(|| invalid(format!("index {i} out of range")))?;
-                row = row * dim + j;
+                row = row * dim + index_in(i, dim)?;
             }
             at.push(bi * per_batch_data + row * inner);
         }
@@ -2040,22 +2027,17 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     check_transfers(&inputs, &outputs)?;
     let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
     let mut ins = place_in_window(&inputs, &mut window);
-    for (d, _) in &mut ins {
-        // Integer inputs travel as i32 (the runner converts).
-        d.elem = match m.inputs.iter().find(|i| i.name == d.name).map(|i| i.elem) {
-            Some(7) => ElemType::I64,
-            Some(6) => ElemType::I32,
-            _ => ElemType::F32,
-        };
-    }
     let mut outs = place_in_window(&outputs, &mut window);
-    for (d, _) in &mut outs {
-        // Integer outputs (ArgMax's indices) travel as i32.
-        d.elem = match m.outputs.iter().find(|o| o.name == d.name).map(|o| o.elem) {
-            Some(7) => ElemType::I64,
-            Some(6) => ElemType::I32,
-            _ => ElemType::F32,
-        };
+    // Integer inputs (token ids) and outputs (ArgMax's indices) travel as
+    // i32; the runner converts.
+    for (descs, ios) in [(&mut ins, &m.inputs), (&mut outs, &m.outputs)] {
+        for (d, _) in descs.iter_mut() {
+            d.elem = match ios.iter().find(|i| i.name == d.name).map(|i| i.elem) {
+                Some(7) => ElemType::I64,
+                Some(6) => ElemType::I32,
+                _ => ElemType::F32,
+            };
+        }
     }
     let infer = infer_program(&lowered, &ins, &outs);
     let shape = o.shape;

@@ -262,18 +262,8 @@ impl Compiler<'_> {
             super::axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))?;
         let (outer, dim, inner) = (elems(&d.shape[..ax]), d.shape[ax], elems(&d.shape[ax + 1..]));
         let mut ids = Vec::new();
-        let picks: Vec<usize> = idx
-            .data
-            .to_i64()
-            .iter()
-            .map(|&i| {
-                let j = if i < 0 { i + dim as i64 } else { i };
-                usize::try_from(j)
-                    .ok()
-                    .filter(|&j| j < dim)
-                    .ok_or_else(|| invalid(format!("index {i} out of range")))
-            })
-            .collect::<Result<_, _>>()?;
+        let picks: Vec<usize> =
+            idx.data.to_i64().iter().map(|&i| super::index_in(i, dim)).collect::<Result<_, _>>()?;
         for o in 0..outer {
             ids.extend(picks.iter().map(|&i| o * dim + i));
         }
@@ -303,12 +293,7 @@ impl Compiler<'_> {
         for t in v.chunks(r) {
             let mut row = 0usize;
             for (&i, &dim) in t.iter().zip(lead) {
-                let j = if i < 0 { i + dim as i64 } else { i };
-                let j = usize::try_from(j)
-                    .ok()
-                    .filter(|&j| j < dim)
-                    .ok_or_else(|| invalid(format!("index {i} out of range")))?;
-                row = row * dim + j;
+                row = row * dim + super::index_in(i, dim)?;
             }
             ids.push(row);
         }

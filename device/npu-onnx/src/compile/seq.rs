@@ -156,22 +156,28 @@ impl Compiler<'_> {
 
     /// `Transpose`: a view, or the product that wrote the input writes
     /// the transposed layout directly.
+    /// `Transpose`'s `perm` for a tensor of `rank` axes (reversed when
+    /// absent), checked to be a permutation.
+    fn perm(n: &Node, rank: usize) -> Result<Vec<usize>, Refusal> {
+        let perm: Vec<usize> = match Self::ints_attr(n, "perm")? {
+            None => (0..rank).rev().collect(),
+            Some(p) => p
+                .iter()
+                .map(|&a| axis(a, rank).ok_or_else(|| invalid("perm names a missing axis")))
+                .collect::<Result<_, _>>()?,
+        };
+        let mut seen = vec![false; rank];
+        if perm.len() != rank || perm.iter().any(|&a| std::mem::replace(&mut seen[a], true)) {
+            return Err(invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
+        }
+        Ok(perm)
+    }
+
     pub(super) fn transpose(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["perm"])?;
         if let Val::C(c) = self.get(n, 0)?.clone() {
             // A constant (a tied weight, transposed by the exporter): folded.
-            let rank = c.shape.len();
-            let perm: Vec<usize> = match Self::ints_attr(n, "perm")? {
-                None => (0..rank).rev().collect(),
-                Some(p) => p
-                    .iter()
-                    .map(|&a| axis(a, rank).ok_or_else(|| invalid("perm names a missing axis")))
-                    .collect::<Result<_, _>>()?,
-            };
-            let mut seen = vec![false; rank];
-            if perm.len() != rank || perm.iter().any(|&a| std::mem::replace(&mut seen[a], true)) {
-                return Err(invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
-            }
+            let perm = Self::perm(n, c.shape.len())?;
             let st = dense_strides(&c.shape);
             let shape: Vec<usize> = perm.iter().map(|&a| c.shape[a]).collect();
             let src: Vec<usize> = perm.iter().map(|&a| st[a]).collect();
@@ -193,18 +199,7 @@ impl Compiler<'_> {
             return Ok(vec![Val::C(crate::load::Const { shape, data })]);
         }
         let d = self.computed_view(n, 0)?;
-        let rank = d.shape.len();
-        let perm: Vec<usize> = match Self::ints_attr(n, "perm")? {
-            None => (0..rank).rev().collect(),
-            Some(p) => p
-                .iter()
-                .map(|&a| axis(a, rank).ok_or_else(|| invalid("perm names a missing axis")))
-                .collect::<Result<_, _>>()?,
-        };
-        let mut seen = vec![false; rank];
-        if perm.len() != rank || perm.iter().any(|&a| std::mem::replace(&mut seen[a], true)) {
-            return Err(invalid(format!("perm {perm:?} is not a permutation of {rank} axes")));
-        }
+        let perm = Self::perm(n, d.shape.len())?;
         self.report.aliases += 1;
         let st = Self::strides_of(&d);
         let shape: Vec<usize> = perm.iter().map(|&a| d.shape[a]).collect();
