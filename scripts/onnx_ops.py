@@ -424,6 +424,23 @@ def arg_extremes(name, op, axis, keepdims, last):
     print(f"{g.name}: {op} axis {axis} keepdims {keepdims} select_last_index {last}")
 
 
+def top_k(name, largest, out):
+    # TopK, K = 4 along the rows, over rows with ties, a row all equal and
+    # infinities; the values (`out` 0) or the int64 indices (`out` 1).
+    global rng
+    rng = np.random.default_rng(20261130)
+    n, k = 5, 10
+    g = G(name, [n, k])
+    outs = [g.t("values"), g.t("indices")]
+    g.nodes.append(helper.make_node("TopK", ["x", g.const_i64([4])], outs, name=name, axis=1, largest=largest))
+    x = rng.integers(-3, 4, (n, k)).astype(np.float32) * 0.5
+    x[0, :] = 2.0
+    x[1, 2], x[1, 7], x[2, 0] = np.inf, -np.inf, -np.inf
+    y_type = TensorProto.FLOAT if out == 0 else TensorProto.INT64
+    save_typed(g, [("x", TensorProto.FLOAT, ["N", k], x)], outs[out], ["N", 4], y_type, opset=13)
+    print(f"{g.name}: TopK largest {largest}, output {out}")
+
+
 BUILDERS = {
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
@@ -441,6 +458,8 @@ BUILDERS = {
     "logic-ops": logic_ops,
     "argmax": lambda: arg_extremes("argmax", "ArgMax", 1, 0, 0),
     "argmin-last": lambda: arg_extremes("argmin-last", "ArgMin", 1, 1, 1),
+    "topk-indices": lambda: top_k("topk-indices", 1, 1),
+    "topk-smallest": lambda: top_k("topk-smallest", 0, 0),
 }
 
 
@@ -469,3 +488,5 @@ if __name__ == "__main__":
     logic_ops()
     arg_extremes("argmax", "ArgMax", 1, 0, 0)
     arg_extremes("argmin-last", "ArgMin", 1, 1, 1)
+    top_k("topk-indices", 1, 1)
+    top_k("topk-smallest", 0, 0)

@@ -646,6 +646,7 @@ impl Compiler<'_> {
             "Not" => self.not(n),
             "Mod" => Err(unsupported("Mod of a computed tensor (folded on constants only)")),
             "ArgMax" | "ArgMin" => self.arg_extreme(n),
+            "TopK" => self.top_k(n),
             "Where" => self.select(n),
             "IsNaN" | "IsInf" => self.is_special(n),
             "Sqrt" | "Neg" | "Reciprocal" | "Relu" | "Sigmoid" | "Tanh" | "Exp" | "Erf" | "Abs" | "Log"

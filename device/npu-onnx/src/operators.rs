@@ -126,6 +126,7 @@ pub const OPERATORS: &[Operator] = &[
     op("Swish", "`x * sigmoid(alpha * x)`"),
     op("Tan", "`sin / cos`"),
     op("Tanh", "`vu.unary tanh`"),
+    op("TopK", "a constant K (at most 256), `axis`, `largest`, `sorted`: K rounds of the largest element not taken yet (a NaN the largest, the first of equal ones); the values sorted; the indices an integer output"),
     op("Transpose", "a view (strided reads); folded on constants"),
     op("Unsqueeze", "a rename"),
     op("Upsample", "opsets 7-9: nearest (floor) and linear"),

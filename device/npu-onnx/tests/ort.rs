@@ -512,3 +512,23 @@ fn argmax_and_argmin_give_onnx_runtimes_indices() {
         assert_eq!(got, want, "{name}: indices against ONNX Runtime");
     }
 }
+
+/// `TopK` (K = 4 of 10) over rows with ties, a row all equal and
+/// infinities: the int64 indices of the largest (the first of equal ones)
+/// and the values of the smallest, against ONNX Runtime.
+#[test]
+fn top_k_gives_onnx_runtimes_indices_and_values() {
+    let model = fixture("ops/topk-indices.onnx");
+    let x = npy::read_file(&fixture("ops/topk-indices-x.npy")).unwrap();
+    let (c, got) = compile_and_run(&model, &x, 1, 1, None);
+    let out = c.model.outputs[0].clone();
+    assert_eq!(out.elem, vnpu_abi::model::ElemType::I64);
+    let want = ort(&model, &[("x", &fixture("ops/topk-indices-x.npy"))], &out.name);
+    let want: Vec<f32> = want.ints.as_ref().unwrap().iter().map(|&v| v as f32).collect();
+    assert_eq!(got, want, "indices");
+    let model = fixture("ops/topk-smallest.onnx");
+    let x = npy::read_file(&fixture("ops/topk-smallest-x.npy")).unwrap();
+    let (c, got) = compile_and_run(&model, &x, 1, 1, None);
+    let want = ort(&model, &[("x", &fixture("ops/topk-smallest-x.npy"))], &c.model.outputs[0].name);
+    assert_eq!(got, want.data, "values");
+}

@@ -385,3 +385,132 @@ impl Compiler<'_> {
         Ok(vec![Val::I(Dyn { op: None, ..i })])
     }
 }
+
+/// Most elements `TopK` may return per slice (it is unrolled: a dozen
+/// operations each).
+const MAX_TOPK: usize = 256;
+
+impl Compiler<'_> {
+    /// `Max(a, b)` or `Add(a, b)` of two dense tensors of one shape.
+    fn pair(&mut self, n: &Node, add: bool, a: &Dyn, b: &Dyn) -> Dyn {
+        let y = self.elementwise(n, a, b.t, |name, a, b, y, rows, cols| {
+            if add {
+                Op::Add { name, a, b, y, rows, cols, act: Act::None }
+            } else {
+                Op::Max { name, a, b, y, rows, cols, act: Act::None }
+            }
+        });
+        Dyn { op: None, ..y }
+    }
+
+    /// A reduction (`ReduceMax` or `ReduceMin`) of `x` over `axis`, kept.
+    fn reduce_axis(&mut self, n: &Node, tag: &str, op: &str, x: &Dyn, ax: usize) -> Result<Dyn, Refusal> {
+        use std::collections::HashMap;
+
+        use crate::load::Attr;
+        let xs = self.stash(n, tag, Val::D(x.clone()));
+        let attrs = HashMap::from([
+            ("axes".to_string(), Attr::Ints(vec![ax as i64])),
+            ("keepdims".to_string(), Attr::Int(1)),
+        ]);
+        let Val::D(r) = self.run_part(n, tag, op, vec![xs], attrs)? else {
+            return Err(invalid("a reduction folded to a constant"));
+        };
+        self.onnx_order(&n.name, &r)
+    }
+
+    /// `d` (a reduction, kept) broadcast back to `shape`, dense.
+    fn spread(&mut self, n: &Node, d: &Dyn, shape: &[usize]) -> Result<Dyn, Refusal> {
+        let b = self.broadcast_to(&n.name, d, shape, false)?;
+        self.onnx_order(&n.name, &b)
+    }
+
+    /// `TopK` with a constant `K` (at most [`MAX_TOPK`]): `K` rounds, each
+    /// taking the largest element not taken yet of every slice (a NaN
+    /// counts as the largest; the first of equal ones), its value and its
+    /// index; `largest = 0` takes the smallest (of `-x`). The values are
+    /// sorted, as `sorted = 1` asks and `sorted = 0` allows.
+    pub(super) fn top_k(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axis", "largest", "sorted", "k"])?;
+        let x = self.dense(n, 0)?;
+        // K: an input from opset 10, an attribute before.
+        let k = match self.opt(n, 1) {
+            Some(_) => self.konst(n, 1)?.data.to_i64(),
+            None => vec![Self::int_attr(n, "k", -1)?],
+        };
+        let rank = x.shape.len();
+        let ax =
+            super::axis(Self::int_attr(n, "axis", -1)?, rank).ok_or_else(|| invalid("axis out of range"))?;
+        let dim = x.shape[ax];
+        let k = match k[..] {
+            [k] => usize::try_from(k).map_err(|_| invalid(format!("K = {k}")))?,
+            _ => return Err(invalid("K must be one value")),
+        };
+        if k > dim {
+            return Err(invalid(format!("K = {k} is more than the axis's {dim} elements")));
+        }
+        if k == 0 || k > MAX_TOPK || dim > EXACT_INT as usize {
+            return Err(unsupported(format!("K = {k} (1 to {MAX_TOPK}) on an axis of at most 2^24")));
+        }
+        let neg = Self::int_attr(n, "largest", 1)? == 0;
+        let x = if neg { self.act_op(n, &x, Act::affine(-1.0, 0.0)) } else { x };
+        let (outer, inner) = (elems(&x.shape[..ax]), elems(&x.shape[ax + 1..]));
+        let mut iota = Vec::with_capacity(elems(&x.shape));
+        for _ in 0..outer {
+            for j in 0..dim {
+                iota.extend(std::iter::repeat_n(j as f32, inner));
+            }
+        }
+        let t = self.weight(&format!("{}.iota", n.name), iota, npu_graph::Init::Bias);
+        let iota = Dyn::new(t, x.shape.clone(), None, false);
+        let zero = self.filled(n, "zero", &x.shape, 0.0);
+        let ninf = self.filled(n, "ninf", &x.shape, f32::NEG_INFINITY);
+        let past = self.filled(n, "past", &x.shape, dim as f32);
+        let isnan = self.compare_op(n, BinOp::Ne, &x, &x);
+        let mut taken = zero.clone();
+        let (mut values, mut indices) = (Vec::new(), Vec::new());
+        for r in 0..k {
+            // What is left: taken elements as -inf (never a candidate).
+            let free = self.compare_op(n, BinOp::Eq, &taken, &zero);
+            let kept = self.compare_op(n, BinOp::Keep, &free, &x);
+            let gone = self.compare_op(n, BinOp::Keep, &taken, &ninf);
+            let left = self.pair(n, true, &kept, &gone);
+            let m = self.reduce_axis(n, &format!("max{r}"), "ReduceMax", &left, ax)?;
+            let mb = self.spread(n, &m, &x.shape)?;
+            let eq = self.compare_op(n, BinOp::Eq, &left, &mb);
+            let hit = self.pair(n, false, &eq, &isnan);
+            let cand = self.compare_op(n, BinOp::Keep, &free, &hit);
+            let not_cand = self.compare_op(n, BinOp::Eq, &cand, &zero);
+            let ki = self.compare_op(n, BinOp::Keep, &cand, &iota);
+            let kp = self.compare_op(n, BinOp::Keep, &not_cand, &past);
+            let picked = self.pair(n, true, &ki, &kp);
+            let idx = self.reduce_axis(n, &format!("idx{r}"), "ReduceMin", &picked, ax)?;
+            if r + 1 < k {
+                let ib = self.spread(n, &idx, &x.shape)?;
+                let sel = self.compare_op(n, BinOp::Eq, &iota, &ib);
+                taken = self.pair(n, false, &taken, &sel);
+            }
+            let v = if neg { self.act_op(n, &m, Act::affine(-1.0, 0.0)) } else { m };
+            values.push(self.stash(n, &format!("v{r}"), Val::D(v)));
+            indices.push(self.stash(n, &format!("i{r}"), Val::D(idx)));
+        }
+        let values = self.concat_parts(n, "values", values, ax)?;
+        let indices = self.concat_parts(n, "indices", indices, ax)?;
+        let i = self.act_op(n, &indices, Act::F32ToI32);
+        Ok(vec![Val::D(values), Val::I(Dyn { op: None, ..i })])
+    }
+
+    /// The values named `parts` (computed) concatenated along `ax`.
+    fn concat_parts(&mut self, n: &Node, tag: &str, parts: Vec<String>, ax: usize) -> Result<Dyn, Refusal> {
+        if let [one] = &parts[..] {
+            let Some(Val::D(d)) = self.vals.get(one).cloned() else { return Err(invalid("no part")) };
+            return Ok(d);
+        }
+        let attrs =
+            std::collections::HashMap::from([("axis".to_string(), crate::load::Attr::Int(ax as i64))]);
+        match self.run_part(n, tag, "Concat", parts, attrs)? {
+            Val::D(d) => self.onnx_order(&n.name, &d),
+            _ => Err(invalid("a concatenation folded to a constant")),
+        }
+    }
+}
