@@ -106,8 +106,8 @@ needn() {
 }
 need2() { needn 2 "$1"; }
 need2 "L2: pci 0000:00:01.0 vendor 0x5650 device 0x0001 class 0x120000"
-needn 5 "pci 0000:00:01.0: vendor 0x5650 device 0x0001 class 0x120000 driver vnpu"
-needn 5 "msix: capability with 8 vectors, enabled; completions by interrupt (vnpu kernel module)"
+needn 6 "pci 0000:00:01.0: vendor 0x5650 device 0x0001 class 0x120000 driver vnpu"
+needn 6 "msix: capability with 8 vectors, enabled; completions by interrupt (vnpu kernel module)"
 need2 "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450"
 need2 "accuracy vnpu=0.9911 cpu=0.9911 model=cnn agree=450/450 batch_agree=450/450"
 need2 "digits: vNPU and CPU agree on every image"
