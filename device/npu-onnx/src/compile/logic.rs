@@ -74,6 +74,20 @@ impl Compiler<'_> {
         Dyn::new(y, a.shape.clone(), None, false)
     }
 
+    /// A constant tensor of `shape` holding each element's index along
+    /// axis `ax`.
+    fn iota(&mut self, n: &Node, shape: &[usize], ax: usize) -> Dyn {
+        let (outer, dim, inner) = (elems(&shape[..ax]), shape[ax], elems(&shape[ax + 1..]));
+        let mut v = Vec::with_capacity(elems(shape));
+        for _ in 0..outer {
+            for j in 0..dim {
+                v.extend(std::iter::repeat_n(j as f32, inner));
+            }
+        }
+        let t = self.weight(&format!("{}.iota", n.name), v, npu_graph::Init::Bias);
+        Dyn::new(t, shape.to_vec(), None, false)
+    }
+
     /// A scalar constant tensor of `shape`, all `v`.
     fn filled(&mut self, n: &Node, tag: &str, shape: &[usize], v: f32) -> Dyn {
         let t = self.weight(&format!("{}.{tag}", n.name), vec![v; elems(shape)], npu_graph::Init::Bias);
@@ -109,16 +123,8 @@ impl Compiler<'_> {
             "And" => BinOp::Keep,
             "Xor" => BinOp::Ne,
             "Or" => {
-                let y = self.elementwise(n, &a, b.t, |name, a, b, y, rows, cols| Op::Max {
-                    name,
-                    a,
-                    b,
-                    y,
-                    rows,
-                    cols,
-                    act: Act::None,
-                });
-                return Ok(vec![Val::D(Dyn { op: None, ..y })]);
+                let y = self.pair(n, false, &a, &b);
+                return Ok(vec![Val::D(y)]);
             }
             op => return Err(unsupported(format!("`{op}` is not a comparison"))),
         };
@@ -155,16 +161,8 @@ impl Compiler<'_> {
         let zero = self.filled(n, "zero", &shape, 0.0);
         let not_c = self.compare_op(n, BinOp::Eq, &c, &zero);
         let ky = self.compare_op(n, BinOp::Keep, &not_c, &y);
-        let out = self.elementwise(n, &kx, ky.t, |name, a, b, y, rows, cols| Op::Add {
-            name,
-            a,
-            b,
-            y,
-            rows,
-            cols,
-            act: Act::None,
-        });
-        Ok(vec![Val::D(Dyn { op: None, ..out })])
+        let out = self.pair(n, true, &kx, &ky);
+        Ok(vec![Val::D(out)])
     }
 
     /// `IsNaN` (`x != x`) and `IsInf` (`|x| == inf`, or `x == +inf` or
@@ -342,40 +340,16 @@ impl Compiler<'_> {
         let m = self.onnx_order(&n.name, &m)?;
         let eq = self.compare_op(n, BinOp::Eq, &x, &m);
         let nan = self.compare_op(n, BinOp::Ne, &x, &x);
-        let cand = self.elementwise(n, &eq, nan.t, |name, a, b, y, rows, cols| Op::Max {
-            name,
-            a,
-            b,
-            y,
-            rows,
-            cols,
-            act: Act::None,
-        });
+        let cand = self.pair(n, false, &eq, &nan);
         // Each element's index along the axis, and what a non-candidate gets.
-        let (outer, inner) = (elems(&x.shape[..ax]), elems(&x.shape[ax + 1..]));
-        let mut iota = Vec::with_capacity(elems(&x.shape));
-        for _ in 0..outer {
-            for k in 0..dim {
-                iota.extend(std::iter::repeat_n(k as f32, inner));
-            }
-        }
-        let t = self.weight(&format!("{}.iota", n.name), iota, npu_graph::Init::Bias);
-        let iota = Dyn::new(t, x.shape.clone(), None, false);
+        let iota = self.iota(n, &x.shape, ax);
         let other = self.filled(n, "past", &x.shape, if last { -1.0 } else { dim as f32 });
         let keep_i = self.compare_op(n, BinOp::Keep, &cand, &iota);
         let zero = self.filled(n, "zero", &x.shape, 0.0);
         let not_cand = self.compare_op(n, BinOp::Eq, &cand, &zero);
         let keep_o = self.compare_op(n, BinOp::Keep, &not_cand, &other);
-        let picked = self.elementwise(n, &keep_i, keep_o.t, |name, a, b, y, rows, cols| Op::Add {
-            name,
-            a,
-            b,
-            y,
-            rows,
-            cols,
-            act: Act::None,
-        });
-        let ps = self.stash(n, "picked", Val::D(Dyn { op: None, ..picked }));
+        let picked = self.pair(n, true, &keep_i, &keep_o);
+        let ps = self.stash(n, "picked", Val::D(picked));
         let reduce = if last { "ReduceMax" } else { "ReduceMin" };
         let Val::D(r) = self.run_part(n, "pick", reduce, vec![ps], attrs(keep))? else {
             return Err(invalid("the index folded to a constant"));
@@ -454,15 +428,7 @@ impl Compiler<'_> {
         }
         let neg = Self::int_attr(n, "largest", 1)? == 0;
         let x = if neg { self.act_op(n, &x, Act::affine(-1.0, 0.0)) } else { x };
-        let (outer, inner) = (elems(&x.shape[..ax]), elems(&x.shape[ax + 1..]));
-        let mut iota = Vec::with_capacity(elems(&x.shape));
-        for _ in 0..outer {
-            for j in 0..dim {
-                iota.extend(std::iter::repeat_n(j as f32, inner));
-            }
-        }
-        let t = self.weight(&format!("{}.iota", n.name), iota, npu_graph::Init::Bias);
-        let iota = Dyn::new(t, x.shape.clone(), None, false);
+        let iota = self.iota(n, &x.shape, ax);
         let zero = self.filled(n, "zero", &x.shape, 0.0);
         let ninf = self.filled(n, "ninf", &x.shape, f32::NEG_INFINITY);
         let past = self.filled(n, "past", &x.shape, dim as f32);
