@@ -817,32 +817,11 @@ impl Compiler<'_> {
         if axis(Self::int_attr(n, "axis", 0)?, rank).ok_or_else(|| invalid("axis out of range"))? != 0 {
             return Err(unsupported("a gather by computed indices along an axis other than 0"));
         }
-        let rows = table.shape[0];
-        let dim = elems(&table.shape[1..]);
-        let count = elems(&idx.shape);
+        let (rows, dim) = (table.shape[0], elems(&table.shape[1..]));
         let mut shape = idx.shape.clone();
         shape.extend_from_slice(&table.shape[1..]);
-        check_size(&shape)?;
-        let fits = |v: usize| u32::try_from(v).ok();
-        let (Some(rows32), Some(dim32), Some(count32)) = (fits(rows), fits(dim), fits(count)) else {
-            return Err(unsupported("a table or an index tensor too large for one gather"));
-        };
-        if rows == 0 || dim == 0 || dim32.checked_mul(4).is_none() {
-            return Err(unsupported(format!("a table of shape {:?}", table.shape)));
-        }
         let t = self.weight(&format!("{}.table", n.name), table.data.to_f32(), Init::Bias);
-        let y = self.act_tensor(&n.name, count * dim);
-        self.g.ops.push(Op::Embedding {
-            name: n.name.clone(),
-            table: t,
-            idx: idx.t,
-            y: View::dense(y, dim32),
-            batch: count32,
-            rows: rows32,
-            dim: dim32,
-            pool: 1,
-        });
-        Ok(vec![Val::D(Dyn::new(y, shape, None, false))])
+        self.gather_op(n, t, rows, dim, idx.t, elems(&idx.shape), shape)
     }
 
     fn reshaped(&self, n: &Node, s: &[usize]) -> Result<Vec<usize>, Refusal> {

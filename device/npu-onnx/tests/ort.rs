@@ -3,6 +3,8 @@
 //! scripts/setup.sh installs) and against the labels.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -276,14 +278,9 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
     let feeds: Vec<(&str, &Path)> = inputs.iter().copied().zip(paths.iter().map(PathBuf::as_path)).collect();
     let want = ort(&model, &feeds, &out.name);
     assert_eq!(want.shape, out.dims, "{name}: output shape");
-    let (abs, _) = errors(&outs[0], &want.data);
-    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let common::Agreement { abs, scale, agree, rows } =
+        common::agreement(&outs[0], &want.data, *out.dims.last().unwrap() as usize);
     let scaled = abs / scale;
-    let row = *out.dims.last().unwrap() as usize;
-    let rows = want.data.len() / row;
-    let agree = (0..rows)
-        .filter(|&i| argmax(&outs[0][i * row..(i + 1) * row]) == argmax(&want.data[i * row..(i + 1) * row]))
-        .count();
     println!(
         "{name} {sa}sa{vu}vu: max abs {abs:.3e}, of the scale ({scale:.3}) {scaled:.3e}, argmax {agree}/{rows} \
          ({} nodes: {:?})",

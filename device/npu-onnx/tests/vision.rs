@@ -5,6 +5,8 @@
 //! the file with its external data, run in-process, against ONNX Runtime.
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -74,20 +76,8 @@ fn check(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
     let (outs, _) = r.infer(&[&x.data]).unwrap();
     let want = ort(&dir, name);
     let _ = std::fs::remove_dir_all(&dir);
-    let got = &outs[0];
-    assert_eq!(got.len(), want.data.len(), "{name}: output size");
-    let mut abs = 0f64;
-    for (&g, &w) in got.iter().zip(&want.data) {
-        let d = (f64::from(g) - f64::from(w)).abs();
-        abs = if d.is_nan() { f64::NAN } else { abs.max(d) };
-    }
-    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
-    let row = *want.shape.last().unwrap() as usize;
-    let rows = want.data.len() / row;
-    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |b, (i, &x)| if x > v[b] { i } else { b });
-    let agree = (0..rows)
-        .filter(|&i| argmax(&got[i * row..(i + 1) * row]) == argmax(&want.data[i * row..(i + 1) * row]))
-        .count();
+    let common::Agreement { abs, scale, agree, rows } =
+        common::agreement(&outs[0], &want.data, *want.shape.last().unwrap() as usize);
     println!(
         "{name} {sa}sa{vu}vu: max abs {abs:.3e}, of the scale ({scale:.3e}) {:.3e}, argmax {agree}/{rows} ({} nodes: {:?})",
         abs / scale,

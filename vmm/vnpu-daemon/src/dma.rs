@@ -237,14 +237,13 @@ impl DmaSpace {
         if self.mapped.saturating_add(size) > MAX_DMA_BYTES {
             return Err(err(&format!("a client may map at most {MAX_DMA_BYTES:#x} bytes of guest memory")));
         }
-        let host = self.host_address(&file, (meta.dev(), meta.ino()), len, offset, size)?;
-        let new = view(address, host, size).map_err(|e| err(&e))?;
+        let host = self.host_address(&file, (meta.dev(), meta.ino()), len, address, offset, size)?;
         // Merge with the runs it continues, in both spaces.
         let mut start = (address, host, size);
         let mut remove = Vec::new();
-        if let Some(prev) = self.memory.find_region(GuestAddress(address.wrapping_sub(1))) {
+        if let Some(prev) = address.checked_sub(1).and_then(|a| self.memory.find_region(GuestAddress(a))) {
             let prev_len = prev.len();
-            if address.checked_sub(1).is_some() && host_of(prev) + prev_len == host {
+            if host_of(prev) + prev_len == host {
                 start = (prev.start_addr().0, host_of(prev), prev_len + size);
                 remove.push((prev.start_addr(), prev_len));
             }
@@ -258,8 +257,7 @@ impl DmaSpace {
         if remove.is_empty() && self.memory.num_regions() >= MAX_DMA_RUNS {
             return Err(DmaError::TooManyRuns);
         }
-        let merged =
-            if remove.is_empty() { new } else { view(start.0, start.1, start.2).map_err(|e| err(&e))? };
+        let merged = view(start.0, start.1, start.2).map_err(|e| err(&e))?;
         let mut memory = self.memory.clone();
         for (a, len) in remove {
             memory = memory.remove_region(a, len).map_err(|e| err(&e.to_string()))?.0;
@@ -271,17 +269,19 @@ impl DmaSpace {
     }
 
     /// The host address of `file`'s byte `offset`, `size` bytes of which
-    /// will be mapped: in the daemon's mapping of the file (made now if
-    /// the file is new, or grew past the last one).
+    /// will be mapped at client address `address`: in the daemon's mapping
+    /// of the file (made now if the file is new, or grew past the last
+    /// one).
     fn host_address(
         &mut self,
         file: &File,
         id: (u64, u64),
         len: u64,
+        address: u64,
         offset: u64,
         size: u64,
     ) -> Result<u64, DmaError> {
-        let err = |reason: String| DmaError::Map { address: offset, size, reason };
+        let err = |reason: String| DmaError::Map { address, size, reason };
         let i = match self.backings.iter().position(|b| b.id == id) {
             Some(i) => i,
             None => {

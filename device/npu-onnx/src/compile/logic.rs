@@ -224,22 +224,43 @@ impl Compiler<'_> {
         ids: &[usize],
         shape: Vec<usize>,
     ) -> NodeResult {
-        check_size(&shape)?;
-        let fits = |v: usize| u32::try_from(v).ok();
-        let (Some(rows32), Some(inner32), Some(count32)) = (fits(rows), fits(inner), fits(ids.len())) else {
-            return Err(unsupported("a gather too large for one dma.gather"));
-        };
-        if inner32.checked_mul(4).is_none() || ids.is_empty() || inner == 0 {
-            return Err(unsupported("an empty gather, or rows too long for one dma.gather"));
-        }
         // The row numbers as the u32s `dma.gather` reads (their bits in an
-        // f32 tensor: the weight image keeps them as they are).
+        // f32 tensor: the weight image keeps them as they are). Numbers past
+        // u32 are refused by `gather_op` (the table has fewer rows).
         let bits: Vec<f32> = ids.iter().map(|&i| f32::from_bits(i as u32)).collect();
         let idx = self.weight(&format!("{}.idx", n.name), bits, npu_graph::Init::Bias);
-        let y = self.act_tensor(&n.name, ids.len() * inner);
+        self.gather_op(n, d.t, rows, inner, idx, ids.len(), shape)
+    }
+
+    /// `count` rows of `inner` f32 elements of `table` (`rows` of them)
+    /// gathered by the u32 row numbers in `idx` into a new tensor of
+    /// `shape`: one `dma.gather` (`Op::Embedding`, a bag of one row),
+    /// which checks every number against `rows` when it runs.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gather_op(
+        &mut self,
+        n: &Node,
+        table: npu_graph::TensorId,
+        rows: usize,
+        inner: usize,
+        idx: npu_graph::TensorId,
+        count: usize,
+        shape: Vec<usize>,
+    ) -> NodeResult {
+        check_size(&shape)?;
+        let fits = |v: usize| u32::try_from(v).ok();
+        let (Some(rows32), Some(inner32), Some(count32)) = (fits(rows), fits(inner), fits(count)) else {
+            return Err(unsupported("a table or an index tensor too large for one dma.gather"));
+        };
+        if rows == 0 || inner == 0 || count == 0 || inner32.checked_mul(4).is_none() {
+            return Err(unsupported(format!(
+                "a gather of {count} rows of {inner} elements from {rows} (empty, or rows too long for one dma.gather)"
+            )));
+        }
+        let y = self.act_tensor(&n.name, count * inner);
         self.g.ops.push(Op::Embedding {
             name: n.name.clone(),
-            table: d.t,
+            table,
             idx,
             y: View::dense(y, inner32),
             batch: count32,

@@ -128,3 +128,34 @@ pub fn int_tensor(name: &str, dims: &[i64], v: &[i64]) -> TensorProto {
     t.int64_data = v.to_vec();
     t
 }
+
+/// How an output agrees with a reference (ONNX Runtime's).
+#[derive(Clone, Copy, Debug)]
+pub struct Agreement {
+    /// Largest absolute difference (NaN when either side has a NaN the
+    /// other has not there).
+    pub abs: f64,
+    /// The reference's largest magnitude.
+    pub scale: f64,
+    /// Rows of the last axis whose argmax is the same, of `rows`.
+    pub agree: usize,
+    pub rows: usize,
+}
+
+/// `got` against `want`, both row-major with rows of `row` elements.
+pub fn agreement(got: &[f32], want: &[f32], row: usize) -> Agreement {
+    assert_eq!(got.len(), want.len(), "output sizes");
+    let mut abs = 0f64;
+    for (&g, &w) in got.iter().zip(want) {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        abs = if d.is_nan() || abs.is_nan() { f64::NAN } else { abs.max(d) };
+    }
+    let scale = want.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs()));
+    let argmax =
+        |v: &[f32]| v.iter().enumerate().fold(0, |b, (i, &x)| if x > v[b] || x.is_nan() { i } else { b });
+    let rows = want.len() / row.max(1);
+    let agree = (0..rows)
+        .filter(|&i| argmax(&got[i * row..(i + 1) * row]) == argmax(&want[i * row..(i + 1) * row]))
+        .count();
+    Agreement { abs, scale, agree, rows }
+}
