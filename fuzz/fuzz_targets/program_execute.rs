@@ -75,6 +75,8 @@ fuzz_target!(|data: &[u8]| {
         sram_bytes: 64 << 10,
         hbm_bytes: 64 << 10,
         guest: vec![GUEST_BASE..GUEST_BASE + 0x4000],
+        borrow_sa: 0,
+        borrow_vu: 0,
     };
     let mut initial = memories(u64::from_le_bytes(*seed), &limits);
     // Larger instructions are skipped (with what ran before compared):

@@ -35,7 +35,8 @@ use npu_model::{
     BoardConfig, BoardSim, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport,
 };
 pub use npu_scheduler::{
-    admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher, Pending,
+    admission_order, harvest, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher,
+    Engines, Pending,
 };
 use vnpu_abi::Program;
 
@@ -137,6 +138,38 @@ struct CoreLog {
     preempted: u64,
     slo_requests: u64,
     slo_misses: u64,
+    /// Harvesting per tenant.
+    harvest: Vec<(String, Harvest)>,
+}
+
+impl CoreLog {
+    fn harvest(&mut self, tenant: &str) -> &mut Harvest {
+        let i = match self.harvest.iter().position(|h| h.0 == tenant) {
+            Some(i) => i,
+            None => {
+                self.harvest.push((tenant.to_string(), Harvest::default()));
+                self.harvest.len() - 1
+            }
+        };
+        &mut self.harvest[i].1
+    }
+}
+
+/// What harvesting did for and to one tenant of a core
+/// (`docs/management.md`, "Harvesting").
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Harvest {
+    /// Engine-cycles its spread programs ran on engines beyond its claim
+    /// (`npu_model::TenantReport::borrowed_cycles`).
+    pub borrowed_cycles: f64,
+    /// Engine-cycles its own engines were lent to others while it had no
+    /// request on the core (engines no vNPU claims are lent first).
+    pub lent_cycles: f64,
+    /// Its requests that waited for borrowers to give engines back, the
+    /// cycles they waited, and the longest wait.
+    pub reclaims: u64,
+    pub reclaim_cycles: f64,
+    pub reclaim_max_cycles: f64,
 }
 
 #[derive(Default)]
@@ -225,6 +258,8 @@ pub struct SharingStats {
     /// Requests that had a latency target, and those that missed it.
     pub slo_requests: u64,
     pub slo_misses: u64,
+    /// Harvesting per tenant (tenants it touched).
+    pub harvest: Vec<(String, Harvest)>,
 }
 
 impl SharedBoard {
@@ -403,6 +438,7 @@ impl SharedCore {
             tenants,
             slo_requests: c.slo_requests,
             slo_misses: c.slo_misses,
+            harvest: c.harvest.clone(),
         }
     }
 
@@ -433,8 +469,9 @@ struct EngineState<'c> {
     switch: f64,
     sim: BoardSim<'c, Job>,
     dispatchers: Vec<Dispatcher<Job>>,
-    /// Tenants seen on each core (HBM shares under the "equal" policy).
-    tenants: Vec<Vec<String>>,
+    /// Tenants seen on each core (HBM shares under the "equal" policy)
+    /// with their latest claim (whose engines they lend while idle).
+    tenants: Vec<Vec<(String, Claim)>>,
     /// Tenants (core, name) that just got a result and may submit their
     /// next request.
     replied: Vec<(usize, String)>,
@@ -442,6 +479,9 @@ struct EngineState<'c> {
     /// those that got one within `Inner::active` may be about to submit
     /// again.
     recent: Vec<(usize, String, Instant)>,
+    /// Per core, the tenants with a request on it (as the last pass left
+    /// it).
+    running: Vec<Vec<String>>,
     /// Per core, (simulation id, engines free, issuing again) of every
     /// suspension of a request still on the core: its busy interval
     /// leaves them out (infinity: not resumed yet).
@@ -468,11 +508,14 @@ impl Engine {
                 board,
                 switch: switch_cycles(board),
                 sim,
-                dispatchers: (0..n).map(|_| Dispatcher::default()).collect(),
+                dispatchers: (0..n)
+                    .map(|_| Dispatcher::harvesting(Engines::new(board.core.sa_count, board.core.vu_count)))
+                    .collect(),
                 tenants: vec![Vec::new(); n],
                 replied: Vec::new(),
                 recent: Vec::new(),
                 gaps: vec![Vec::new(); n],
+                running: vec![Vec::new(); n],
             }
         })
     }
@@ -571,9 +614,12 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
                 // the requester gets no answer rather than a wrong one.
                 continue;
             };
-            if !seen.contains(&j.tenant) {
-                seen.push(j.tenant.clone());
-                core.set_shares(seen.len());
+            match seen.iter_mut().find(|t| t.0 == j.tenant) {
+                Some(t) => t.1 = j.claim,
+                None => {
+                    seen.push((j.tenant.clone(), j.claim));
+                    core.set_shares(seen.len());
+                }
             }
             let p = j.pending();
             st.dispatchers[j.core].submit(j, p);
@@ -584,14 +630,47 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
     // urgent requests for the most urgent one left over; the rest wait.
     let board = st.board;
     let mut passes = Vec::with_capacity(st.dispatchers.len());
+    // Per core, who borrows what until the next pass, and who waited for
+    // engines to come back (named now: they may finish in this step).
+    let mut lending: Vec<Lending> = Vec::new();
     for (c, d) in st.dispatchers.iter_mut().enumerate() {
         let Some(core) = st.sim.core(c) else { continue };
-        passes.push((c, d.dispatch(core, st.switch, |w, r| schedule(board, w, r), |j, at| j.begin = at)));
+        let pass = d.dispatch(core, st.switch, |w, r| schedule(board, w, r), |j, at| j.begin = at);
+        let name = |id: usize| core.job(id).map(|j| j.tenant.clone());
+        let borrowing: Vec<(String, Engines)> =
+            pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
+        let reclaimed: Vec<(String, f64)> =
+            pass.reclaimed.iter().filter_map(|&(id, d)| Some((name(id)?, d))).collect();
+        let running: Vec<String> = core.jobs().map(|j| j.tenant.clone()).collect();
+        if !borrowing.is_empty() || !reclaimed.is_empty() {
+            lending.push(Lending { core: c, borrowing, reclaimed });
+        }
+        st.running[c] = running;
+        passes.push((c, pass));
     }
     // Advance the whole board to the next completion.
+    let before = st.sim.now();
     let done = st.sim.step();
     let mut q = lock(&inner.q);
     q.now = st.sim.now();
+    let dt = (q.now - before).max(0.0);
+    for Lending { core: c, borrowing, reclaimed } in lending {
+        let (Some(log), Some(seen), Some(running)) =
+            (q.cores.get_mut(c), st.tenants.get(c), st.running.get(c))
+        else {
+            continue;
+        };
+        for (tenant, wait) in reclaimed {
+            let h = log.harvest(&tenant);
+            h.reclaims += 1;
+            h.reclaim_cycles += wait;
+            h.reclaim_max_cycles = h.reclaim_max_cycles.max(wait);
+        }
+        let lent = borrowing.iter().fold(Engines::default(), |a, (_, g)| a.saturating_add(*g));
+        for (tenant, cycles) in lenders(board, seen, running, lent) {
+            log.harvest(&tenant).lent_cycles += cycles * dt;
+        }
+    }
     for (c, pass) in passes {
         if let Some(log) = q.cores.get_mut(c) {
             log.waited += pass.waited;
@@ -608,6 +687,11 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
     for (c, (id, job, r)) in done {
         if let Some(d) = st.dispatchers.get_mut(c) {
             d.finished(id);
+        }
+        if let (Ok(t), Some(log)) = (&r, q.cores.get_mut(c)) {
+            if t.borrowed_cycles > 0.0 {
+                log.harvest(&job.tenant).borrowed_cycles += t.borrowed_cycles;
+            }
         }
         let end = r.as_ref().map_or(st.sim.now(), |t| t.cycles);
         let begin = job.begin.min(end);
@@ -657,6 +741,40 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
     }
     q.busy = st.busy();
     true
+}
+
+/// One core's lending in one pass: (tenant, engines it borrows until the
+/// next pass) and (tenant, cycles its request placed now waits for
+/// borrowers to give engines back).
+struct Lending {
+    core: usize,
+    borrowing: Vec<(String, Engines)>,
+    reclaimed: Vec<(String, f64)>,
+}
+
+/// Whose engines `lent` are (engines lent on a core now): first the
+/// engines no tenant `seen` on the core claims, then, in the order they
+/// were seen, the claimed engines of tenants with no request `running`,
+/// each up to its claim. Returns (tenant, engines of its lent).
+fn lenders(
+    board: &BoardConfig,
+    seen: &[(String, Claim)],
+    running: &[String],
+    lent: Engines,
+) -> Vec<(String, f64)> {
+    let claimed =
+        seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(Engines::new(c.sa, c.vu)));
+    let core = Engines::new(board.core.sa_count, board.core.vu_count);
+    let mut left = lent.saturating_sub(core.saturating_sub(claimed));
+    let mut out = Vec::new();
+    for (tenant, c) in seen.iter().filter(|(t, _)| !running.contains(t)) {
+        let own = left.min(Engines::new(c.sa, c.vu));
+        left = left.saturating_sub(own);
+        if own.total() > 0 {
+            out.push((tenant.clone(), f64::from(own.total())));
+        }
+    }
+    out
 }
 
 /// Adds each (tenant, cycles) to `into`'s entry of that tenant.
@@ -843,7 +961,7 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-test").unwrap();
         core.pause();
-        let claim = Claim { sa: 1, vu: 1, priority: 0, slo_cycles: 0 };
+        let claim = Claim { sa: 1, vu: 1, priority: 0, slo_cycles: 0, ..Claim::default() };
         let threads = [submit(&core, "t0", claim), submit(&core, "t1", claim)];
         core.resume();
         for t in threads {
@@ -930,8 +1048,13 @@ mod tests {
         let board = BoardConfig::default();
         let shared = SharedBoard::with_gather(&board, "board-preempt", Duration::from_secs(2)).unwrap();
         let (c0, c1) = (shared.core(0).unwrap(), shared.core(1).unwrap());
-        let whole =
-            |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority, slo_cycles: 0 };
+        let whole = |priority| Claim {
+            sa: board.core.sa_count,
+            vu: board.core.vu_count,
+            priority,
+            slo_cycles: 0,
+            ..Claim::default()
+        };
         shared.pause();
         let long = submit_copies(&c0, "long", whole(0), 64);
         let early = submit_copies(&c1, "early", whole(0), 1);
@@ -1005,8 +1128,13 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-slo").unwrap();
         core.pause();
-        let whole =
-            |slo_cycles| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority: 0, slo_cycles };
+        let whole = |slo_cycles| Claim {
+            sa: board.core.sa_count,
+            vu: board.core.vu_count,
+            priority: 0,
+            slo_cycles,
+            ..Claim::default()
+        };
         // Submitted in this order: no target, a loose one, a tight one.
         let none = submit(&core, "none", whole(0));
         let loose = submit(&core, "loose", whole(1 << 40));
@@ -1028,8 +1156,13 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
-        let whole =
-            |priority| Claim { sa: board.core.sa_count, vu: board.core.vu_count, priority, slo_cycles: 0 };
+        let whole = |priority| Claim {
+            sa: board.core.sa_count,
+            vu: board.core.vu_count,
+            priority,
+            slo_cycles: 0,
+            ..Claim::default()
+        };
         // Submitted in this order: low first.
         let low = submit(&core, "low", whole(1));
         let high = submit(&core, "high", whole(9));
@@ -1051,7 +1184,8 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-admit").unwrap();
         core.pause();
-        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let half =
+            Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0, ..Claim::default() };
         let long = submit_copies(&core, "long", half, 16);
         let short = submit_copies(&core, "short", half, 1);
         let next = submit_copies(&core, "next", half, 1);
@@ -1074,7 +1208,8 @@ mod tests {
         // Waits as long as it takes for "short" to submit again.
         let core = SharedCore::with_gather(&board, "core-continuous", Duration::from_secs(2)).unwrap();
         core.pause();
-        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let half =
+            Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0, ..Claim::default() };
         let long = submit_copies(&core, "long", half, 64);
         let first = submit_copies(&core, "short", half, 1);
         core.resume();
@@ -1101,13 +1236,15 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::with_gather(&board, "core-preempt", Duration::from_secs(2)).unwrap();
         core.pause();
-        let half = Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0 };
+        let half =
+            Claim { sa: board.core.sa_count / 2, vu: 1, priority: 0, slo_cycles: 0, ..Claim::default() };
         let long = submit_copies(&core, "long", half, 64);
         let short = submit_copies(&core, "rt", half, 1);
         core.resume();
         let short = short.join().unwrap();
         // The same vNPU's next request needs the whole core, within 1 ms.
-        let whole = Claim { sa: board.core.sa_count, vu: 2, priority: 0, slo_cycles: 940_000 };
+        let whole =
+            Claim { sa: board.core.sa_count, vu: 2, priority: 0, slo_cycles: 940_000, ..Claim::default() };
         let (_, r, s, e) = run_copies(&core, "rt", whole, 1);
         assert!(r.is_ok() && s >= short.3);
         let long = long.join().unwrap();
@@ -1115,6 +1252,102 @@ mod tests {
         let st = core.stats();
         assert_eq!((st.requests, st.preempted), (3, 1));
         assert!(long.1.is_ok());
+        core.stop();
+    }
+
+    /// `streams` VU streams (spread or not), stream `s` adding its block
+    /// of `n` f32s at `s * 3n` to the next block into the third, `each`
+    /// times.
+    fn adds(streams: u8, n: u32, each: usize, spread: bool) -> Arc<Program> {
+        let mut b = ProgramBuilder::new();
+        let block = u64::from(n) * 4;
+        for s in 0..streams {
+            let at = u64::from(s) * 3 * block;
+            for _ in 0..each {
+                let (a, bb, dst) = (at, at + block, at + 2 * block);
+                let op = vnpu_abi::BinOp::Add;
+                b.push(
+                    Engine::vu(s),
+                    Instr::VBinary { op, bcast: vnpu_abi::Bcast::None, a, b: bb, dst, rows: 1, cols: n },
+                );
+            }
+        }
+        if spread {
+            b.spread();
+        }
+        Arc::new(b.finish())
+    }
+
+    /// A tenant's memory: SRAM holding `seed + i` at f32 `i`.
+    fn filled(seed: f32) -> CoreMem {
+        let mut sram = Sram::new(1 << 20);
+        let v: Vec<f32> = (0..(1 << 18)).map(|i| seed + i as f32).collect();
+        npu_model::memory::write_f32s(&mut sram, 0, &v).unwrap();
+        CoreMem { sram, hbm: LazyHbm::new(1 << 20) }
+    }
+
+    /// What [`adds`] leaves in [`filled`]`(seed)`'s SRAM: each stream's
+    /// third block is the sum of its first two (computed here, on the CPU).
+    fn added(seed: f32, streams: u8, n: u32) -> Vec<f32> {
+        let mut v: Vec<f32> = (0..(1 << 18)).map(|i| seed + i as f32).collect();
+        let n = n as usize;
+        for s in 0..streams as usize {
+            for i in 0..n {
+                v[s * 3 * n + 2 * n + i] = v[s * 3 * n + i] + v[s * 3 * n + n + i];
+            }
+        }
+        v
+    }
+
+    /// Harvesting through the shared core: a spread tenant borrows the
+    /// VUs of an idle neighbour (counted on both sides), gives them back
+    /// when the neighbour submits, and each tenant's memory holds its own
+    /// results only, as the CPU computes them.
+    #[test]
+    fn a_borrower_runs_on_an_idle_neighbours_engines_and_sees_only_its_memory() {
+        let board = BoardConfig::default();
+        assert_eq!(board.core.vu_count, 4);
+        let core = SharedCore::new(&board, "harvest-test").unwrap();
+        let owner = Claim { sa: 1, vu: 3, borrow: Engines::default(), ..Claim::default() };
+        let borrower = Claim { sa: 1, vu: 1, borrow: Engines::new(3, 3), ..Claim::default() };
+        let n = 4096;
+        fn run(c: &SharedCore, name: &str, claim: Claim, p: Arc<Program>, seed: f32) -> JobResult {
+            let guest = Box::new(npu_model::VecGuestMemory { base: 0, bytes: vec![0; 64] });
+            c.run(name, claim, p, filled(seed), guest, 1 << 40, 1 << 40).unwrap()
+        }
+        // The owner once, then the borrower alone: it gets the owner's VUs.
+        let (mem, r, _, _) = run(&core, "owner", owner, adds(3, n, 1, false), 1.0);
+        assert!(r.is_ok());
+        assert_eq!(npu_model::memory::read_f32s(&mem.sram, 0, 1 << 18).unwrap(), added(1.0, 3, n));
+        let (mem, r, _, _) = run(&core, "borrower", borrower, adds(4, n, 8, true), 5.0);
+        let alone = r.unwrap();
+        assert_eq!(npu_model::memory::read_f32s(&mem.sram, 0, 1 << 18).unwrap(), added(5.0, 4, n));
+        assert!(alone.borrowed_cycles > 0.0);
+        let st = core.stats();
+        let h = |t: &str| st.harvest.iter().find(|h| h.0 == t).map(|h| h.1.clone()).unwrap_or_default();
+        assert_eq!(h("borrower").borrowed_cycles, alone.borrowed_cycles);
+        // Three of its four streams ran on the owner's VUs: 3/4 of the
+        // borrower's time, lent by the owner for as long as it ran.
+        assert!((h("borrower").borrowed_cycles - 0.75 * 4.0 * alone.cycles).abs() <= 1e-6 * alone.cycles);
+        assert!((h("owner").lent_cycles - 3.0 * alone.cycles).abs() <= 1e-6 * alone.cycles);
+        // Both at once: each gets its own results.
+        core.pause();
+        let c2 = core.clone();
+        let t = std::thread::spawn(move || run(&c2, "borrower", borrower, adds(4, n, 8, true), 7.0));
+        while core.pending() < 1 {
+            std::thread::yield_now();
+        }
+        let c3 = core.clone();
+        let o = std::thread::spawn(move || run(&c3, "owner", owner, adds(3, n, 1, false), 3.0));
+        while core.pending() < 2 {
+            std::thread::yield_now();
+        }
+        core.resume();
+        let (bm, br, _, _) = t.join().unwrap();
+        let (om, or, _, _) = o.join().unwrap();
+        assert!(br.is_ok() && or.is_ok());
+        assert_eq!(npu_model::memory::read_f32s(&bm.sram, 0, 1 << 18).unwrap(), added(7.0, 4, n));
+        assert_eq!(npu_model::memory::read_f32s(&om.sram, 0, 1 << 18).unwrap(), added(3.0, 3, n));
         core.stop();
     }
 }

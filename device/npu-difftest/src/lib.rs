@@ -223,13 +223,31 @@ pub fn check(
     initial: &Machine,
     max_cycles: Option<u64>,
 ) -> Result<Outcome, Mismatch> {
+    check_on(board, program, limits, initial, max_cycles, None)
+}
+
+/// As [`check`], a spread program running on `engines` (SAs, VUs; its
+/// guarantee is `limits`' `sa` and `vu`) instead of every engine of the
+/// core: the order its instructions take effect in depends on how many
+/// engines it gets, and every such order must match the reference.
+pub fn check_on(
+    board: &BoardConfig,
+    program: &Program,
+    limits: &VnpuLimits,
+    initial: &Machine,
+    max_cycles: Option<u64>,
+    engines: Option<[u32; 2]>,
+) -> Result<Outcome, Mismatch> {
     if let Err(e) = verify(program, limits) {
         return Ok(Outcome::Rejected(e));
     }
     // The model's core, as a device runs it.
     let mut sim = CoreSim::new(board, 1);
     let recorder = Recorder { program, memory: ModelMemory::new(initial), max_cycles, order: Vec::new() };
-    sim.add(recorder, 0.0);
+    let id = sim.add(recorder, 0.0);
+    if let Some(w) = engines {
+        sim.set_engines(id, [limits.sa, limits.vu], w);
+    }
     let (core, result) = loop {
         if let Some((_, job, result)) = sim.step().pop() {
             break (job, result);

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use npu_difftest::{check, Outcome};
+use npu_difftest::{check, check_on, Outcome};
 use npu_model::{BoardConfig, VnpuLimits};
 use npu_reference::Machine;
 use rand::rngs::StdRng;
@@ -29,6 +29,8 @@ fn limits() -> VnpuLimits {
         sram_bytes: SRAM,
         hbm_bytes: HBM,
         guest: std::iter::once(GUEST_BASE..GUEST_BASE + GUEST).collect(),
+        borrow_sa: 0,
+        borrow_vu: 0,
     }
 }
 
@@ -332,12 +334,15 @@ fn pick<'a, T>(rng: &mut StdRng, all: &'a [T]) -> &'a T {
 }
 
 fn program(rng: &mut StdRng) -> vnpu_abi::Program {
-    let engines = [Engine::DMA, Engine::sa(0), Engine::sa(1), Engine::vu(0), Engine::vu(1)];
+    program_on(rng, &[Engine::DMA, Engine::sa(0), Engine::sa(1), Engine::vu(0), Engine::vu(1)])
+}
+
+fn program_on(rng: &mut StdRng, engines: &[Engine]) -> vnpu_abi::Program {
     let mut b = ProgramBuilder::new();
     for _ in 0..rng.random_range(1..10) {
-        let e = *pick(rng, &engines);
+        let e = *pick(rng, engines);
         if rng.random_range(0..4) == 0 {
-            let waiter = *pick(rng, &engines);
+            let waiter = *pick(rng, engines);
             if waiter != e {
                 b.sync(e, waiter, rng.random_range(0..4));
             }
@@ -416,4 +421,41 @@ fn random_verified_programs_match_the_reference() {
         assert!(n >= 20, "{m} compared only {n} times");
     }
     assert!(outcomes.get("kernel failure").copied().unwrap_or(0) > 0, "no gather ever failed: {outcomes:?}");
+}
+
+/// Spread programs (four logical SA and four logical VU streams on a vNPU
+/// of one SA and one VU that may borrow three of each) match the
+/// reference on every number of engines the core may give them: each
+/// gives another order of effects, and each order must be one the ISA
+/// allows with the reference's values. Not spread, the same programs are
+/// refused.
+#[test]
+fn spread_programs_match_the_reference_on_any_engines() {
+    let board = BoardConfig::default();
+    let mut rng = StdRng::seed_from_u64(0x5b7e_ad00);
+    let engines: Vec<Engine> =
+        std::iter::once(Engine::DMA).chain((0..4).flat_map(|i| [Engine::sa(i), Engine::vu(i)])).collect();
+    let spread = VnpuLimits { sa: 1, vu: 1, borrow_sa: 3, borrow_vu: 3, ..limits() };
+    let (mut completed, mut refused) = (0, 0);
+    let cases = 300;
+    for case in 0..cases {
+        let mut p = program_on(&mut rng, &engines);
+        let initial = memory(&mut rng);
+        if p.streams.iter().any(|s| s.engine.index > 0) {
+            let bound = check(&board, &p, &spread, &initial, Some(1 << 30)).unwrap();
+            assert!(matches!(bound, Outcome::Rejected(_)), "case {case}: not spread, yet {bound:?}");
+            refused += 1;
+        }
+        p.spread = true;
+        for width in [None, Some([1, 1]), Some([2, 1]), Some([1, 3]), Some([4, 4])] {
+            match check_on(&board, &p, &spread, &initial, Some(1 << 30), width) {
+                Err(m) => panic!("case {case} on {width:?}: {m}\nprogram: {p:#?}"),
+                Ok(Outcome::Rejected(e)) => panic!("case {case}: refused: {e}"),
+                Ok(Outcome::Completed { .. }) => completed += 1,
+                Ok(_) => {}
+            }
+        }
+    }
+    assert!(completed * 2 > cases * 5, "only {completed} of {} runs completed", cases * 5);
+    assert!(refused * 2 > cases, "only {refused} of {cases} programs used a borrowed engine index");
 }

@@ -20,7 +20,7 @@ pub use config::BoardConfig;
 pub use kernels::CoreMemory;
 pub use memory::{LazyHbm, Memory, Sram, VecGuestMemory};
 pub use sim::{
-    run_core, run_program, BoardSim, Contention, CoreReport, CoreSim, EngineStats, ExecError, Finished,
-    SimTenant, Tenant, TenantReport, Totals,
+    run_core, run_program, run_program_on, BoardSim, Contention, CoreReport, CoreSim, EngineStats, ExecError,
+    Finished, SimTenant, Tenant, TenantReport, Totals,
 };
 pub use verify::{verify, VerifyError, VnpuLimits};

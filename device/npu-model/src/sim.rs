@@ -133,6 +133,12 @@ pub struct TenantReport {
     /// added with.
     pub started: f64,
     pub engines: Vec<EngineStats>,
+    /// Engine-cycles of the SA and VU instructions of a spread program
+    /// that started while the tenant already had as many of its
+    /// instructions of that kind running as it is guaranteed engines: its
+    /// work on borrowed engines ([`CoreSim::set_engines`]; 0 for a program
+    /// that is not spread).
+    pub borrowed_cycles: f64,
 }
 
 impl TenantReport {
@@ -190,6 +196,9 @@ struct Run {
     finished_at: f64,
     /// When this stream's last transfer ended (for DMA pipelining).
     last_transfer_end: f64,
+    /// It runs an instruction of a spread program on one of the tenant's
+    /// engines ([`Slot::holding`]) until its `Busy` ends.
+    holds: bool,
     stats: EngineStats,
     rate: f64,
     /// `Some(id)`: not a stream but one transfer in flight of stream
@@ -348,6 +357,26 @@ struct Slot<J> {
     suspended_at: Option<f64>,
     /// Host-work units spent on it so far (counted when it has a budget).
     host_work: u64,
+    /// A spread program's engines ([`CoreSim::set_engines`]): how many of
+    /// its SA and VU instructions may run at once (`None`: not spread, one
+    /// engine per stream).
+    width: Option<[u32; 2]>,
+    /// Of those, its own (what it has beyond them is borrowed).
+    guarantee: [u32; 2],
+    /// Its SA and VU instructions running now (spread programs only).
+    holding: [u32; 2],
+    /// Engine-cycles of instructions started beyond its guarantee.
+    borrowed: f64,
+}
+
+/// Index of `kind` in a slot's per-kind counts (SA 0, VU 1), if it is a
+/// compute engine.
+fn compute_kind(kind: vnpu_abi::EngineKind) -> Option<usize> {
+    match kind {
+        vnpu_abi::EngineKind::Sa => Some(0),
+        vnpu_abi::EngineKind::Vu => Some(1),
+        vnpu_abi::EngineKind::Dma => None,
+    }
 }
 
 /// What [`CoreSim::step`] hands back for a tenant that finished or failed:
@@ -422,6 +451,11 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         let delay = delay.max(0.0);
         let budget_end = job.max_cycles().map_or(f64::INFINITY, |b| self.now + delay + b as f64);
         let streams: Vec<Engine> = job.program().streams.iter().map(|s| s.engine).collect();
+        // A spread program runs on every engine of the core until told
+        // otherwise (a lone tenant has them all); its logical streams
+        // bound that anyway.
+        let all = [self.cfg.core.sa_count.max(1), self.cfg.core.vu_count.max(1)];
+        let width = job.program().spread.then_some(all);
         let slot = Slot {
             job,
             sems: [0; vnpu_abi::isa::NUM_SEMAPHORES as usize],
@@ -430,6 +464,10 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             budget_end,
             suspended_at: None,
             host_work: 0,
+            width,
+            guarantee: all,
+            holding: [0; 2],
+            borrowed: 0.0,
         };
         let id = match self.slots.iter().position(Option::is_none) {
             Some(i) => {
@@ -449,6 +487,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 state: if delay > 0.0 { State::Busy { until: self.now + delay } } else { State::Ready },
                 finished_at: self.now,
                 last_transfer_end: f64::NEG_INFINITY,
+                holds: false,
                 stats: EngineStats::idle(engine),
                 rate: 0.0,
                 transfer_of: None,
@@ -489,6 +528,61 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         true
     }
 
+    /// Sets the engines spread tenant `id` runs on from now: `guarantee`
+    /// (SAs, VUs) of its own and `width` in all (at least one of each and
+    /// at least the guarantee). Its instructions running on engines beyond
+    /// the new width finish (an instruction is the unit of preemption);
+    /// returns the cycles until they have, when the engines taken back are
+    /// free (0 when none is taken back, or `id` is not a spread tenant).
+    pub fn set_engines(&mut self, id: usize, guarantee: [u32; 2], width: [u32; 2]) -> f64 {
+        let now = self.now;
+        let Some(ts) = self.slots.get_mut(id).and_then(Option::as_mut) else { return 0.0 };
+        if ts.width.is_none() {
+            return 0.0;
+        }
+        let guarantee = guarantee.map(|g| g.max(1));
+        let width = [width[0].max(guarantee[0]), width[1].max(guarantee[1])];
+        ts.width = Some(width);
+        ts.guarantee = guarantee;
+        let holding = ts.holding;
+        let mut drain: f64 = 0.0;
+        for k in 0..2 {
+            let excess = holding[k].saturating_sub(width[k]) as usize;
+            if excess == 0 {
+                continue;
+            }
+            let mut left: Vec<f64> = self
+                .runs
+                .iter()
+                .filter(|r| r.tenant == id && r.holds && compute_kind(r.stats.engine.kind) == Some(k))
+                .filter_map(|r| match r.state {
+                    State::Busy { until } => Some((until - now).max(0.0)),
+                    _ => None,
+                })
+                .collect();
+            left.sort_by(f64::total_cmp);
+            if let Some(t) = left.get(excess - 1) {
+                drain = drain.max(*t);
+            }
+        }
+        drain
+    }
+
+    /// The tenants on the core.
+    pub fn jobs(&self) -> impl Iterator<Item = &J> {
+        self.slots.iter().flatten().map(|s| &s.job)
+    }
+
+    /// Tenant `id`, if it is on the core.
+    pub fn job(&self, id: usize) -> Option<&J> {
+        self.slots.get(id).and_then(Option::as_ref).map(|s| &s.job)
+    }
+
+    /// The engines spread tenant `id` runs on now (SAs, VUs), if it is one.
+    pub fn engines(&self, id: usize) -> Option<[u32; 2]> {
+        self.slots.get(id).and_then(Option::as_ref).and_then(|s| s.width)
+    }
+
     /// Takes tenant `id` off the core now, unfinished (PREMA's KILL: its
     /// work is lost and it starts again from scratch later). Returns its
     /// job and the counters of what it did until now (engine time spent on
@@ -510,7 +604,8 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 true
             }
         });
-        Some((slot.job, TenantReport { cycles: self.now, started: slot.started, engines }))
+        let borrowed_cycles = slot.borrowed;
+        Some((slot.job, TenantReport { cycles: self.now, started: slot.started, engines, borrowed_cycles }))
     }
 
     /// Cycles until what tenant `id` has in flight is done (at its
@@ -600,6 +695,14 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                 continue;
                             }
                         }
+                        // A spread program's instruction waits for one of
+                        // the tenant's engines of its kind.
+                        let kind = instr.and_then(|i| i.engine_kind()).and_then(compute_kind);
+                        if let (Some(k), Some(w)) = (kind, ts.width) {
+                            if ts.holding[k] >= w[k] {
+                                continue;
+                            }
+                        }
                         progressed = true;
                         let Some(instr) = instr else {
                             r.state = State::Done;
@@ -673,6 +776,13 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                 r.state = match c.occupancy {
                                     Occupancy::Fixed(cy) => {
                                         r.stats.active_cycles += cy;
+                                        if let (Some(k), Some(_)) = (kind, ts.width) {
+                                            if ts.holding[k] >= ts.guarantee[k] {
+                                                ts.borrowed += cy;
+                                            }
+                                            ts.holding[k] += 1;
+                                            r.holds = true;
+                                        }
                                         State::Busy { until: now + cy }
                                     }
                                     Occupancy::Transfer { latency, first_byte, bytes, cap, hbm, host } => {
@@ -714,6 +824,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                                                 },
                                                 finished_at: now,
                                                 last_transfer_end: f64::NEG_INFINITY,
+                                                holds: false,
                                                 stats: EngineStats::idle(r.stats.engine),
                                                 rate: 0.0,
                                                 transfer_of: Some(id),
@@ -792,6 +903,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                         cycles: mine.clone().map(|r| r.finished_at).fold(ts.started, f64::max),
                         started: ts.started,
                         engines: mine.map(|r| r.stats.clone()).collect(),
+                        borrowed_cycles: ts.borrowed,
                     })
                 }
             };
@@ -875,7 +987,16 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         let Self { slots, runs, .. } = self;
         for r in runs.iter_mut() {
             match &mut r.state {
-                State::Busy { until } if *until <= now => r.state = State::Ready,
+                State::Busy { until } if *until <= now => {
+                    r.state = State::Ready;
+                    if r.holds {
+                        r.holds = false;
+                        let k = compute_kind(r.stats.engine.kind).unwrap_or(0);
+                        if let Some(ts) = slots.get_mut(r.tenant).and_then(Option::as_mut) {
+                            ts.holding[k] = ts.holding[k].saturating_sub(1);
+                        }
+                    }
+                }
                 State::Transfer { start, remaining, issued, ideal, .. } => {
                     // A transfer flowing since `prev` finishes when the same
                     // expression that chose `next` says so; comparing times
@@ -1208,6 +1329,30 @@ fn report(results: Vec<Option<Result<TenantReport, ExecError>>>) -> CoreReport {
 }
 
 /// Runs one program alone on a core.
+/// As [`run_program`], a spread program on `width` engines (SAs, VUs) of
+/// which `guarantee` are its own ([`CoreSim::set_engines`]); a program
+/// that is not spread runs as with [`run_program`].
+pub fn run_program_on(
+    cfg: &BoardConfig,
+    program: &Program,
+    memory: Option<CoreMemory<'_>>,
+    max_cycles: Option<u64>,
+    guarantee: [u32; 2],
+    width: [u32; 2],
+) -> Result<TenantReport, ExecError> {
+    let mut sim = CoreSim::new(cfg, 1);
+    let id = sim.add(Tenant { program, memory, max_cycles }, 0.0);
+    sim.set_engines(id, guarantee, width);
+    loop {
+        if let Some((_, _, r)) = sim.step().pop() {
+            return r;
+        }
+        if sim.is_idle() {
+            return Err(ExecError::Budget { budget: 0 });
+        }
+    }
+}
+
 pub fn run_program(
     cfg: &BoardConfig,
     program: &Program,

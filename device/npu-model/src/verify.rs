@@ -21,6 +21,25 @@ pub struct VnpuLimits {
     pub hbm_bytes: u64,
     /// Guest-physical ranges the vNPU may DMA to and from.
     pub guest: Vec<Range<u64>>,
+    /// Engines it may borrow beyond `sa` and `vu` (its borrowing cap): a
+    /// spread program ([`vnpu_abi::program::FLAG_SPREAD`]) may have up to
+    /// `sa + borrow_sa` SA and `vu + borrow_vu` VU streams, and never runs
+    /// on more engines than that at once. A program that is not spread is
+    /// bound to `sa` and `vu`, whatever the cap.
+    pub borrow_sa: u32,
+    pub borrow_vu: u32,
+}
+
+impl VnpuLimits {
+    /// The most SA and VU streams `program` may have: the guarantee, plus
+    /// the borrowing cap if the program is spread.
+    pub fn engines_for(&self, program: &Program) -> (u32, u32) {
+        if program.spread {
+            (self.sa.saturating_add(self.borrow_sa), self.vu.saturating_add(self.borrow_vu))
+        } else {
+            (self.sa, self.vu)
+        }
+    }
 }
 
 /// Why a program was refused.
@@ -28,8 +47,8 @@ pub struct VnpuLimits {
 pub enum VerifyError {
     #[error("program has {count} instructions, limit is {MAX_INSTRUCTIONS}")]
     TooLong { count: usize },
-    #[error("stream {stream}: engine {engine} does not exist on this vNPU ({sa} SAs, {vu} VUs, 1 DMA)")]
-    NoSuchEngine { stream: usize, engine: vnpu_abi::Engine, sa: u32, vu: u32 },
+    #[error("stream {stream}: engine {engine} does not exist on this vNPU ({sa} SAs, {vu} VUs, 1 DMA{})", if *spread { ", guarantee plus borrowing cap of a spread program" } else { "" })]
+    NoSuchEngine { stream: usize, engine: vnpu_abi::Engine, sa: u32, vu: u32, spread: bool },
     #[error("stream {stream} instruction {index} ({mnemonic}): {source}")]
     Footprint { stream: usize, index: usize, mnemonic: &'static str, source: FootprintError },
     #[error("stream {stream} instruction {index} ({mnemonic}): {kind} of {space} [{start:#x}, +{len:#x}) outside the vNPU's {space} segment")]
@@ -62,15 +81,16 @@ pub fn verify(program: &Program, limits: &VnpuLimits) -> Result<(), VerifyError>
     if count > MAX_INSTRUCTIONS {
         return Err(VerifyError::TooLong { count });
     }
+    let (sa, vu) = limits.engines_for(program);
     for (s, stream) in program.streams.iter().enumerate() {
         let e = stream.engine;
         let ok = match e.kind {
             EngineKind::Dma => e.index == 0,
-            EngineKind::Sa => u32::from(e.index) < limits.sa,
-            EngineKind::Vu => u32::from(e.index) < limits.vu,
+            EngineKind::Sa => u32::from(e.index) < sa,
+            EngineKind::Vu => u32::from(e.index) < vu,
         };
         if !ok {
-            return Err(VerifyError::NoSuchEngine { stream: s, engine: e, sa: limits.sa, vu: limits.vu });
+            return Err(VerifyError::NoSuchEngine { stream: s, engine: e, sa, vu, spread: program.spread });
         }
         for (i, instr) in stream.code.iter().enumerate() {
             let fp = instr.footprint().map_err(|source| VerifyError::Footprint {

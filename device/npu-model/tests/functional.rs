@@ -689,7 +689,15 @@ fn zero_sized_operands_with_huge_dimensions_are_cheap_and_safe() {
             false,
         ),
     ];
-    let limits = npu_model::VnpuLimits { sa: 1, vu: 1, sram_bytes: SRAM, hbm_bytes: 1 << 30, guest: vec![] };
+    let limits = npu_model::VnpuLimits {
+        sa: 1,
+        vu: 1,
+        sram_bytes: SRAM,
+        hbm_bytes: 1 << 30,
+        guest: vec![],
+        borrow_sa: 0,
+        borrow_vu: 0,
+    };
     for (name, engine, i, accepted, runs) in cases {
         let mut p = ProgramBuilder::new();
         p.push(engine, i);

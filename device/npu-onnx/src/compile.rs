@@ -55,6 +55,12 @@ pub struct CompileOptions {
     /// (`--activations bf16`, `npu_lower::LowerOptions::bf16_activations`;
     /// the model's inputs and outputs stay f32).
     pub bf16_activations: bool,
+    /// Compile spread programs (`docs/isa.md`, "Spread programs") for
+    /// this many SAs and VUs beyond `shape`'s (`vnpu compile --spread`):
+    /// lowered for the larger shape, they run on `shape`'s engines alone
+    /// and on up to the larger shape's when the vNPU borrows idle ones
+    /// (its borrowing cap must allow it). `None`: ordinary programs.
+    pub spread: Option<(u32, u32)>,
 }
 
 /// Why a model cannot be compiled.
@@ -71,6 +77,8 @@ pub enum CompileError {
     },
     #[error("bf16 activations need bf16 operands (--dtype bf16)")]
     Activations,
+    #[error("--spread: the vNPU's engines plus the spread overflow")]
+    Spread,
     #[error("input `{name}`: {reason}")]
     Input {
         name: String,
@@ -1993,12 +2001,19 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     if o.bf16_activations && o.dtype != DType::Bf16 {
         return Err(CompileError::Activations);
     }
+    // Spread programs are lowered for the engines they may spread over.
+    let (more_sa, more_vu) = o.spread.unwrap_or((0, 0));
+    let streams = VnpuShape {
+        sa: o.shape.sa.checked_add(more_sa).ok_or(CompileError::Spread)?,
+        vu: o.shape.vu.checked_add(more_vu).ok_or(CompileError::Spread)?,
+        ..o.shape
+    };
     let lowered = if o.bf16_activations {
         let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
         let options = LowerOptions { dtype: o.dtype, bf16_activations: true, ..LowerOptions::default() };
-        lower_ops_keeping(&c.g, 0..c.g.ops.len(), o.shape, options, &keep)
+        lower_ops_keeping(&c.g, 0..c.g.ops.len(), streams, options, &keep)
     } else {
-        lower_as(&c.g, o.shape, o.dtype)
+        lower_as(&c.g, streams, o.dtype)
     }
     .map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
@@ -2019,7 +2034,10 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
             };
         }
     }
-    let infer = infer_program(&lowered, &ins, &outs);
+    let mut infer = infer_program(&lowered, &ins, &outs);
+    let mut load = load;
+    load.spread = o.spread.is_some();
+    infer.spread = o.spread.is_some();
     let shape = o.shape;
     let limits = VnpuLimits {
         sa: shape.sa,
@@ -2027,6 +2045,8 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         sram_bytes: shape.sram_bytes,
         hbm_bytes: shape.hbm_bytes,
         guest: std::iter::once(0..window).collect(),
+        borrow_sa: more_sa,
+        borrow_vu: more_vu,
     };
     verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
     verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;

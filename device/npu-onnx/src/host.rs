@@ -4,7 +4,8 @@
 
 use npu_model::memory::{read_f32s, write_f32s, Memory, MemoryError};
 use npu_model::{
-    run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport, VecGuestMemory,
+    run_program, run_program_on, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport,
+    VecGuestMemory,
 };
 use thiserror::Error;
 use vnpu_abi::model::Model;
@@ -32,6 +33,9 @@ pub struct HostRunner {
     sram: Sram,
     hbm: LazyHbm,
     guest: VecGuestMemory,
+    /// The engines a spread model's programs run on (SAs, VUs; `None`:
+    /// every engine of the core, as a lone tenant).
+    engines: Option<[u32; 2]>,
 }
 
 impl HostRunner {
@@ -45,11 +49,20 @@ impl HostRunner {
             sram: Sram::new(model.target.sram_bytes),
             hbm: LazyHbm::new(model.target.hbm_bytes),
             guest,
+            engines: None,
         };
         let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest: &mut r.guest };
         run_program(&r.board, &r.model.load, Some(mem), None)
             .map_err(|error| HostError::Exec { which: "load", error })?;
         Ok(r)
+    }
+
+    /// Runs a spread model's infer program on `engines` (SAs, VUs) from
+    /// now on, of which the model's target shape is its own
+    /// (`npu_model::CoreSim::set_engines`): what the board runtime gives
+    /// it with that many engines lent.
+    pub fn on_engines(&mut self, engines: [u32; 2]) {
+        self.engines = Some(engines);
     }
 
     /// One batch: `inputs` in the model's order, row-major f32 (an integer
@@ -79,8 +92,14 @@ impl HostRunner {
             }
         }
         let mem = CoreMemory { sram: &mut self.sram, hbm: &mut self.hbm, guest: &mut self.guest };
-        let report = run_program(&self.board, &self.model.infer, Some(mem), None)
-            .map_err(|error| HostError::Exec { which: "infer", error })?;
+        let report = match self.engines {
+            Some(w) => {
+                let own = [self.model.target.sa, self.model.target.vu];
+                run_program_on(&self.board, &self.model.infer, Some(mem), None, own, w)
+            }
+            None => run_program(&self.board, &self.model.infer, Some(mem), None),
+        }
+        .map_err(|error| HostError::Exec { which: "infer", error })?;
         let outs = self
             .model
             .outputs

@@ -198,6 +198,7 @@ mod tests {
             outputs: None,
             dtype: vnpu_abi::DType::F32,
             bf16_activations: false,
+            spread: None,
         };
         for o in OPERATORS {
             let mut node = NodeProto::new();

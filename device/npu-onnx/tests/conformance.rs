@@ -91,6 +91,7 @@ fn run_case(dir: &Path, c: &Case) -> Outcome {
         outputs: None,
         dtype: DType::F32,
         bf16_activations: false,
+        spread: None,
     };
     let compiled = match compile(&bytes, &opts) {
         Ok(c) => c,

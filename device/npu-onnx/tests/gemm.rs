@@ -140,13 +140,21 @@ fn oversized_tensors_are_refused_not_allocated() {
         outputs: None,
         dtype: DType::F32,
         bf16_activations: false,
+        spread: None,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
     // An input of 2^40 elements.
     let shapes = HashMap::from([("X".to_string(), vec![1usize << 25, 1 << 15])]);
-    let opts =
-        CompileOptions { shape, batch: 1, shapes, outputs: None, dtype: DType::F32, bf16_activations: false };
+    let opts = CompileOptions {
+        shape,
+        batch: 1,
+        shapes,
+        outputs: None,
+        dtype: DType::F32,
+        bf16_activations: false,
+        spread: None,
+    };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");
 }

@@ -113,6 +113,7 @@ fn compile_and_run_inputs(
         outputs: outputs.map(|o| vec![o.to_string()]),
         dtype,
         bf16_activations,
+        spread: None,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -215,6 +216,7 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
         outputs: None,
         dtype: DType::F32,
         bf16_activations: false,
+        spread: None,
     };
     let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
     assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
@@ -266,6 +268,7 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         outputs: None,
         dtype: DType::F32,
         bf16_activations: false,
+        spread: None,
     };
     let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     for t in &c.model.inputs {
@@ -528,4 +531,60 @@ fn top_k_gives_onnx_runtimes_indices_and_values() {
     let (c, got) = compile_and_run(&model, &x, 1, 1, None);
     let want = ort(&model, &[("x", &fixture("ops/topk-smallest-x.npy"))], &c.model.outputs[0].name);
     assert_eq!(got, want.data, "values");
+}
+
+/// The CNN and the transformer compiled as spread programs (1 SA + 1 VU of
+/// their own, lowered for 3 more of each) give the float64 result within
+/// the same bound on every number of engines the board may give them,
+/// bit for bit the same outputs on each (the compiled programs are
+/// race-free), and take less time with more engines.
+#[test]
+fn spread_models_give_the_same_results_on_any_engines() {
+    let board = BoardConfig::default();
+    for (name, input) in [("digits-cnn", "digits-img-x.npy"), ("digits-transformer", "digits-seq-x.npy")] {
+        let model = fixture(&format!("torch/{name}.onnx"));
+        let x = npy::read_file(&fixture(&format!("torch/{input}"))).unwrap();
+        let exact = npy::read_file(&fixture(&format!("torch/{name}-f64.npy"))).unwrap();
+        let opts = CompileOptions {
+            shape: shape(&board, 1, 1),
+            batch: x.shape[0] as u32,
+            shapes: HashMap::new(),
+            outputs: None,
+            dtype: DType::F32,
+            bf16_activations: false,
+            spread: Some((3, 3)),
+        };
+        let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
+        assert!(c.model.infer.spread && c.model.load.spread);
+        assert_eq!((c.model.target.sa, c.model.target.vu), (1, 1));
+        assert_eq!(c.model.infer.compute_streams(), (4, 4), "{name}");
+        let mut runs: Vec<([u32; 2], Vec<f32>, f64)> = Vec::new();
+        for engines in [[1, 1], [2, 2], [1, 4], [4, 4]] {
+            let mut r = HostRunner::new(&board, &c.model).unwrap();
+            r.on_engines(engines);
+            let (mut outs, report) = r.infer(&[&x.data]).unwrap();
+            runs.push((engines, outs.swap_remove(0), report.cycles));
+        }
+        // Not spread, lowered for its own engine of each kind.
+        let plain =
+            compile(&std::fs::read(&model).unwrap(), &CompileOptions { spread: None, ..opts }).unwrap();
+        let (_, plain) = HostRunner::new(&board, &plain.model).unwrap().infer(&[&x.data]).unwrap();
+        let one = runs[0].2;
+        println!(
+            "{name} not spread on 1+1: {:.0} cycles ({:.2}x spread on 1+1)",
+            plain.cycles,
+            plain.cycles / one
+        );
+        for (engines, got, cycles) in &runs {
+            let (abs, rel) = scaled_errors(got, &exact.data);
+            println!(
+                "{name} spread on {engines:?}: {cycles:.0} cycles ({:.2}x on 1+1); against f64 max abs {abs:.3e} max rel {rel:.3e}",
+                cycles / one
+            );
+            assert!(rel <= 1e-4, "{name} on {engines:?}: max relative error {rel} against float64");
+            let same = got.iter().zip(&runs[0].1).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: outputs on {engines:?} differ from those on one engine of each");
+        }
+        assert!(runs[3].2 < runs[1].2 && runs[1].2 < runs[0].2, "{name}: more engines, no faster: {runs:?}");
+    }
 }

@@ -33,6 +33,9 @@ pub struct Claim {
     /// Latency target in simulated cycles from arrival on the core (0:
     /// none); among equal priorities the earliest deadline runs first.
     pub slo_cycles: u64,
+    /// Idle engines of the core a spread program may run on beyond `sa`
+    /// and `vu` ([`harvest`]).
+    pub borrow: Engines,
 }
 
 /// Cycles to switch engines from one tenant's request to another's: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
@@ -100,6 +103,38 @@ impl Pending {
     }
 }
 
+/// The idle engines each running request gets beyond its claim
+/// (harvesting): `core`'s engines that no claim holds go, most urgent
+/// request first ([`admission_order`]), to the requests that can use
+/// them (`wants`: at most what each one's claim lets it borrow and its
+/// spread program has logical streams for), and the rest to the next.
+/// Claims come first, so a request placed on the core takes back what
+/// its claim needs from the borrowers.
+pub fn harvest(core: Engines, running: &[Pending], wants: &[Engines]) -> Vec<Engines> {
+    let held = running
+        .iter()
+        .fold(Engines::default(), |a, p| a.saturating_add(Engines::new(p.claim.sa, p.claim.vu)));
+    let mut idle = core.saturating_sub(held);
+    let mut out = vec![Engines::default(); running.len()];
+    for i in admission_order(running) {
+        let (Some(w), Some(o)) = (wants.get(i), out.get_mut(i)) else { continue };
+        *o = w.min(idle);
+        idle = idle.saturating_sub(*o);
+    }
+    out
+}
+
+/// What request `p` of `program` can use beyond its claim: the smaller of
+/// its borrowing cap and its logical streams beyond the claim (nothing
+/// unless the program is spread).
+pub fn wants(program: &vnpu_abi::Program, p: &Pending) -> Engines {
+    if !program.spread {
+        return Engines::default();
+    }
+    let (sa, vu) = program.compute_streams();
+    Engines::new(sa.saturating_sub(p.claim.sa), vu.saturating_sub(p.claim.vu)).min(p.claim.borrow)
+}
+
 /// One scheduling pass of an oversubscribed core.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Decision {
@@ -163,6 +198,9 @@ pub struct Dispatcher<J> {
     /// (simulation id, request) on the core, issuing or suspended.
     running: Vec<(usize, Pending)>,
     suspended: Vec<(usize, Pending)>,
+    /// The engines of the core ([`Dispatcher::harvesting`]); `None`: no
+    /// request borrows.
+    core: Option<Engines>,
 }
 
 /// What one [`Dispatcher::dispatch`] pass did.
@@ -178,11 +216,27 @@ pub struct Dispatched {
     /// (simulation id, when it issues again) of each suspended request
     /// resumed.
     pub resumed: Vec<(usize, f64)>,
+    /// (simulation id, idle engines it runs on beyond its claim from now)
+    /// of each running request that borrows ([`harvest`]).
+    pub borrowing: Vec<(usize, Engines)>,
+    /// (simulation id, cycles) of each request placed or resumed this
+    /// pass that waited for borrowers to give engines back: the
+    /// instructions running on them finish first.
+    pub reclaimed: Vec<(usize, f64)>,
 }
 
 impl<J> Default for Dispatcher<J> {
     fn default() -> Self {
-        Self { waiting: Vec::new(), running: Vec::new(), suspended: Vec::new() }
+        Self { waiting: Vec::new(), running: Vec::new(), suspended: Vec::new(), core: None }
+    }
+}
+
+impl<J> Dispatcher<J> {
+    /// A dispatcher that lends `core`'s idle engines to spread programs
+    /// ([`harvest`]) at every pass, and takes them back for the claims of
+    /// the requests it places.
+    pub fn harvesting(core: Engines) -> Self {
+        Self { core: Some(core), ..Self::default() }
     }
 }
 
@@ -237,11 +291,19 @@ impl<J: SimTenant> Dispatcher<J> {
         let mut place = d.place;
         place.sort_unstable_by(|a, b| b.cmp(a));
         place.dedup();
-        for i in place.into_iter().filter(|&i| i < cands.len()) {
-            let delay = |waited: bool| match (Some(i) == preemptor, waited) {
-                (true, _) => switch.max(drain),
-                (false, true) => switch,
-                (false, false) => 0.0,
+        place.retain(|&i| i < cands.len());
+        // Lend the idle engines among what runs from now on, and take
+        // back from borrowers what the claims placed now need.
+        let (reclaim, grants) = self.lend(sim, &place, n_waiting);
+        let n_running = self.running.len();
+        for &i in &place {
+            let delay = |waited: bool| {
+                let d = match (Some(i) == preemptor, waited) {
+                    (true, _) => switch.max(drain),
+                    (false, true) => switch,
+                    (false, false) => 0.0,
+                };
+                d.max(reclaim)
             };
             if i >= n_waiting {
                 // A suspended request goes on where it stopped.
@@ -250,16 +312,75 @@ impl<J: SimTenant> Dispatcher<J> {
                 sim.resume(id, d);
                 out.resumed.push((id, sim.now() + d));
                 self.running.push((id, p));
-                continue;
+            } else {
+                // `remove` (not `swap_remove`): the rest stay in arrival order.
+                let (mut job, p, waited) = self.waiting.remove(i);
+                let delay = delay(waited);
+                out.waited += u64::from(waited);
+                starts(&mut job, sim.now() + delay);
+                self.running.push((sim.add(job, delay), p));
             }
-            // `remove` (not `swap_remove`): the rest stay in arrival order.
-            let (mut job, p, waited) = self.waiting.remove(i);
-            let delay = delay(waited);
-            out.waited += u64::from(waited);
-            starts(&mut job, sim.now() + delay);
-            self.running.push((sim.add(job, delay), p));
+            if reclaim > 0.0 {
+                if let Some(&(id, _)) = self.running.last() {
+                    out.reclaimed.push((id, reclaim));
+                }
+            }
+        }
+        // The placed requests' engines (they were added in `place`'s
+        // order, after the requests running before).
+        for (k, &(id, p)) in self.running.iter().enumerate() {
+            let Some(g) = grants.get(k) else { continue };
+            let claim = [p.claim.sa, p.claim.vu];
+            if k >= n_running {
+                sim.set_engines(id, claim, [claim[0].saturating_add(g.sa), claim[1].saturating_add(g.vu)]);
+            }
+            if g.total() > 0 {
+                out.borrowing.push((id, *g));
+            }
         }
         out
+    }
+
+    /// Lends the core's idle engines ([`harvest`]) to the requests running
+    /// now and those about to be placed (`place`: indices into the waiting
+    /// requests followed by the suspended ones; `n_waiting` of the
+    /// former) and applies the new shares of the running ones. Returns
+    /// how long the placed requests wait for borrowers to give engines
+    /// back, and each one's grant in the order `self.running` will hold
+    /// them (running ones first, then `place`'s order).
+    fn lend(&mut self, sim: &mut CoreSim<'_, J>, place: &[usize], n_waiting: usize) -> (f64, Vec<Engines>) {
+        let Some(core) = self.core else {
+            // Nobody borrows: every request runs on its claim.
+            return (0.0, vec![Engines::default(); self.running.len() + place.len()]);
+        };
+        let mut who: Vec<Pending> = Vec::new();
+        let mut want: Vec<Engines> = Vec::new();
+        for &(id, p) in &self.running {
+            who.push(p);
+            want.push(sim.job(id).map_or(Engines::default(), |j| wants(j.program(), &p)));
+        }
+        for &i in place {
+            let (p, w) = if i >= n_waiting {
+                let Some(&(id, p)) = self.suspended.get(i - n_waiting) else { continue };
+                (p, sim.job(id).map_or(Engines::default(), |j| wants(j.program(), &p)))
+            } else {
+                let Some((job, p, _)) = self.waiting.get(i) else { continue };
+                (*p, wants(job.program(), p))
+            };
+            who.push(p);
+            want.push(w);
+        }
+        let grants = harvest(core, &who, &want);
+        let mut reclaim: f64 = 0.0;
+        for (&(id, p), g) in self.running.iter().zip(&grants) {
+            let claim = [p.claim.sa, p.claim.vu];
+            let width = [claim[0].saturating_add(g.sa), claim[1].saturating_add(g.vu)];
+            reclaim = reclaim.max(sim.set_engines(id, claim, width));
+        }
+        if place.is_empty() {
+            reclaim = 0.0;
+        }
+        (reclaim, grants)
     }
 
     /// The earliest arrival of a request not finished (waiting, running
@@ -288,7 +409,7 @@ mod tests {
     /// requests are held in; urgency goes first.
     #[test]
     fn admission_order_breaks_ties_by_arrival() {
-        let c = |priority, slo_cycles| Claim { sa: 1, vu: 1, priority, slo_cycles };
+        let c = |priority, slo_cycles| Claim { sa: 1, vu: 1, priority, slo_cycles, ..Claim::default() };
         let p = |claim, arrival| Pending { claim, arrival };
         assert_eq!(admission_order(&[p(c(0, 0), 5.0), p(c(0, 0), 1.0), p(c(0, 0), 1.0)]), vec![1, 2, 0]);
         assert_eq!(admission_order(&[p(c(0, 0), 1.0), p(c(0, 100), 50.0), p(c(1, 0), 9.0)]), vec![2, 1, 0]);
@@ -297,7 +418,7 @@ mod tests {
     #[test]
     fn schedule_preempts_only_for_more_urgent_requests() {
         let board = BoardConfig::default();
-        let half = |slo_cycles, priority| Claim { sa: 2, vu: 2, priority, slo_cycles };
+        let half = |slo_cycles, priority| Claim { sa: 2, vu: 2, priority, slo_cycles, ..Claim::default() };
         let p = |claim, arrival| Pending { claim, arrival };
         let running = [p(half(0, 0), 0.0), p(half(0, 0), 10.0)];
         // A request with a latency target preempts the later of two equal
@@ -315,7 +436,7 @@ mod tests {
         assert_eq!(schedule(&board, &[p(half(1000, 0), 1.0)], &tight), Decision::default());
         // A request that would not fit even alone beside nothing suspends
         // as many as it needs.
-        let whole = Claim { sa: 4, vu: 4, priority: 0, slo_cycles: 10 };
+        let whole = Claim { sa: 4, vu: 4, priority: 0, slo_cycles: 10, ..Claim::default() };
         let d = schedule(&board, &[p(whole, 30.0)], &running);
         assert_eq!((d.place, d.preempt.len()), (vec![0], 2));
     }
@@ -379,7 +500,7 @@ mod tests {
         let alone = |p: &Program| npu_model::run_program(&c, p, None, None).unwrap().cycles;
         let (tl, ts) = (alone(&long), alone(&short));
         // Each claims half the VUs: two run at once. Order: 0, 1, 2, 3.
-        let half = Claim { sa: 0, vu: c.core.vu_count / 2, priority: 0, slo_cycles: 0 };
+        let half = Claim { sa: 0, vu: c.core.vu_count / 2, priority: 0, slo_cycles: 0, ..Claim::default() };
         let t = dispatch_all(&c, &[&long, &short, &short, &long], &[half; 4], None, 500.0);
         assert_eq!((t[0].started, t[1].started), (0.0, 0.0));
         // Request 2 takes request 1's VUs when it ends, not when request 0 ends.
@@ -406,7 +527,13 @@ mod tests {
         let c = BoardConfig::default();
         let p = vu_work(10);
         let one = npu_model::run_program(&c, &p, None, None).unwrap().cycles;
-        let whole = |priority| Claim { sa: c.core.sa_count, vu: c.core.vu_count, priority, slo_cycles: 0 };
+        let whole = |priority| Claim {
+            sa: c.core.sa_count,
+            vu: c.core.vu_count,
+            priority,
+            slo_cycles: 0,
+            ..Claim::default()
+        };
         let t = dispatch_all(
             &c,
             &[&p, &p, &p],
@@ -416,7 +543,125 @@ mod tests {
         );
         assert!(t[2].started == 0.0 && t[0].started > 0.0 && t[1].started > t[0].started);
         // (Each would have exceeded its budget if it counted from the core's start.)
-        let big = Claim { sa: 99, vu: 99, priority: 0, slo_cycles: 0 };
+        let big = Claim { sa: 99, vu: 99, priority: 0, slo_cycles: 0, ..Claim::default() };
         assert_eq!(dispatch_all(&c, &[&p], &[big], None, 0.0).len(), 1);
+    }
+
+    /// `streams` independent VU streams of `each` `exp` passes over 64 Ki
+    /// elements, spread or not.
+    fn vu_streams(streams: u8, each: usize, spread: bool) -> Program {
+        let mut b = ProgramBuilder::new();
+        for s in 0..streams {
+            for _ in 0..each {
+                b.push(
+                    Engine::vu(s),
+                    Instr::VUnary { op: vnpu_abi::UnOp::Exp, src: 0, dst: 0, len: 1 << 16 },
+                );
+            }
+        }
+        if spread {
+            b.spread();
+        }
+        b.finish()
+    }
+
+    struct Timed(Program, &'static str);
+    impl SimTenant for Timed {
+        fn program(&self) -> &Program {
+            &self.0
+        }
+        fn memory(&mut self) -> Option<CoreMemory<'_>> {
+            None
+        }
+        fn max_cycles(&self) -> Option<u64> {
+            None
+        }
+    }
+
+    /// Steps `sim` to its next completion and dispatches again until
+    /// nothing is left, from simulated time `until` on; returns each
+    /// tenant's end and everything dispatched.
+    fn drain_all(
+        board: &BoardConfig,
+        sim: &mut CoreSim<'_, Timed>,
+        d: &mut Dispatcher<Timed>,
+        ends: &mut Vec<(&'static str, f64)>,
+        passes: &mut Vec<Dispatched>,
+    ) {
+        loop {
+            let done = sim.step();
+            if done.is_empty() {
+                break;
+            }
+            for (id, t, r) in done {
+                d.finished(id);
+                ends.push((t.1, r.unwrap().cycles));
+            }
+            passes.push(d.dispatch(sim, 0.0, |w, r| schedule(board, w, r), |_, _| {}));
+        }
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+    }
+
+    /// A lone tenant with a spread program runs on every idle engine its
+    /// cap and streams allow; without a cap, or without harvesting, on its
+    /// claim.
+    #[test]
+    fn a_lone_tenant_gets_every_idle_engine() {
+        let board = BoardConfig::default();
+        let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+        let core = Engines::new(board.core.sa_count, board.core.vu_count);
+        let run = |d: &mut Dispatcher<Timed>, borrow: Engines| {
+            let mut sim = CoreSim::new(&board, 1);
+            let claim = Claim { sa: 1, vu: 1, borrow, ..Claim::default() };
+            d.submit(Timed(vu_streams(4, 3, true), "b"), Pending { claim, arrival: 0.0 });
+            let first = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
+            let (mut ends, mut passes) = (Vec::new(), Vec::new());
+            drain_all(&board, &mut sim, d, &mut ends, &mut passes);
+            (ends[0].1, first.borrowing)
+        };
+        let (t, lent) = run(&mut Dispatcher::harvesting(core), Engines::new(3, 3));
+        assert!(close(t, 3.0 * c), "{t} vs {}", 3.0 * c);
+        // Its streams bound what it borrows: four VU streams, no SA one.
+        assert_eq!(lent.iter().map(|l| l.1).collect::<Vec<_>>(), [Engines::new(0, 3)]);
+        let (t, _) = run(&mut Dispatcher::harvesting(core), Engines::new(0, 1));
+        assert!(close(t, 6.0 * c), "{t} vs {}", 6.0 * c);
+        let (t, _) = run(&mut Dispatcher::default(), Engines::new(3, 3));
+        assert!(close(t, 12.0 * c), "{t} vs {}", 12.0 * c);
+    }
+
+    /// An owner's request takes its engines back from a borrower within
+    /// one instruction of the borrower: it arrives 1.5 instructions into
+    /// the borrower's run on four VUs and starts when the borrower's
+    /// second round ends, half an instruction later.
+    #[test]
+    fn an_owner_takes_its_engines_back_within_one_instruction() {
+        let board = BoardConfig::default();
+        let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+        let mut sim = CoreSim::new(&board, 2);
+        let mut d = Dispatcher::harvesting(Engines::new(board.core.sa_count, board.core.vu_count));
+        let borrower = Claim { sa: 1, vu: 1, borrow: Engines::new(3, 3), ..Claim::default() };
+        let owner = Claim { sa: 1, vu: 3, ..Claim::default() };
+        d.submit(Timed(vu_streams(4, 6, true), "borrower"), Pending { claim: borrower, arrival: 0.0 });
+        d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
+        assert!(sim.step_until(1.5 * c).is_empty());
+        d.submit(Timed(vu_streams(3, 1, false), "owner"), Pending { claim: owner, arrival: 1.5 * c });
+        let pass = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
+        assert_eq!(pass.reclaimed.len(), 1);
+        assert!(close(pass.reclaimed[0].1, 0.5 * c), "{:?} vs {}", pass.reclaimed, 0.5 * c);
+        assert!(pass.borrowing.is_empty(), "{:?}", pass.borrowing);
+        let (mut ends, mut passes) = (Vec::new(), Vec::new());
+        drain_all(&board, &mut sim, &mut d, &mut ends, &mut passes);
+        // The owner: from 2c, one instruction on each of its three VUs.
+        let end = |n: &str| ends.iter().find(|e| e.0 == n).unwrap().1;
+        assert!(close(end("owner"), 3.0 * c), "{} vs {}", end("owner"), 3.0 * c);
+        // The borrower: 8 instructions by 2c on four VUs, one more by 3c
+        // on its own, then four VUs again for the 15 left (four rounds:
+        // three streams have four each).
+        assert!(close(end("borrower"), 7.0 * c), "{} vs {}", end("borrower"), 7.0 * c);
+        // Lent again once the owner left.
+        assert_eq!(passes[0].borrowing.iter().map(|b| b.1).collect::<Vec<_>>(), [Engines::new(0, 3)]);
     }
 }

@@ -253,7 +253,18 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
         keep_on_chip: o.keep_on_chip,
     };
     let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
-    verify(&lowered.program, &VnpuLimits { sa: o.sa, vu: o.vu, sram_bytes, hbm_bytes, guest: Vec::new() })?;
+    verify(
+        &lowered.program,
+        &VnpuLimits {
+            sa: o.sa,
+            vu: o.vu,
+            sram_bytes,
+            hbm_bytes,
+            guest: Vec::new(),
+            borrow_sa: 0,
+            borrow_vu: 0,
+        },
+    )?;
     Ok((lowered, shape, graph.batch))
 }
 

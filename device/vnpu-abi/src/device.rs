@@ -12,8 +12,10 @@ pub const DEVICE_ID: u16 = 0x0001;
 /// PCI class code: processing accelerator.
 pub const CLASS: u32 = 0x12_00_00;
 /// Value of `ABI_VERSION` (major << 16 | minor). Minor 1 added program
-/// registration (`OP_REGISTER`, `OP_RUN_REGISTERED`, `OP_UNREGISTER`).
-pub const ABI_VERSION: u32 = 1 << 16 | 1;
+/// registration (`OP_REGISTER`, `OP_RUN_REGISTERED`, `OP_UNREGISTER`);
+/// minor 2 spread programs (program container version 2,
+/// [`crate::program::FLAG_SPREAD`]).
+pub const ABI_VERSION: u32 = 1 << 16 | 2;
 /// The vfio-user `VERSION` capability in which a VMM names its device
 /// session and asks the board daemon to resume it after a restart, and
 /// the daemon answers whether it did (`docs/vfio-user.md`, "Daemon

@@ -4,9 +4,9 @@
 //! ```text
 //! offset size field
 //! 0      4    magic "VNPU"
-//! 4      2    version (1)
+//! 4      2    version (1, or 2 for a program with flags)
 //! 6      2    stream_count (1..=MAX_STREAMS)
-//! 8      4    flags (0)
+//! 8      4    flags (version 1: 0; version 2: FLAG_SPREAD, nothing else)
 //! 12     4    code_bytes: total length of all streams' code
 //! 16     8*S  stream table: kind u8, index u8, reserved u16 (0), code_len u32
 //! ..     ..   code of stream 0, stream 1, ... back to back
@@ -19,8 +19,20 @@ use crate::isa::{DecodeError, Engine, EngineKind, Instr};
 
 /// `"VNPU"`.
 pub const MAGIC: [u8; 4] = *b"VNPU";
-/// The container version this crate reads and writes.
+/// The container version of a program without flags: what every program
+/// was before spreading, written byte for byte as it always was.
 pub const VERSION: u16 = 1;
+/// The container version of a program with flags ([`FLAG_SPREAD`]); a
+/// reader of version 1 only refuses it (`BadVersion`).
+pub const VERSION_FLAGS: u16 = 2;
+/// Header flag (version 2): the program's SA and VU streams are logical,
+/// not bound to physical engines. The core runs them on as many physical
+/// engines as it grants the tenant at the moment (its guarantee, plus idle
+/// engines it lends), each engine taking a ready stream at instruction
+/// boundaries; stream indices are bounded by the vNPU's guarantee plus its
+/// borrowing cap instead of its guarantee (`docs/isa.md`, "Spread
+/// programs").
+pub const FLAG_SPREAD: u32 = 1;
 /// Header length in bytes.
 pub const HEADER_LEN: usize = 16;
 /// Stream table entry length in bytes.
@@ -50,6 +62,8 @@ pub struct Stream {
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct Program {
     pub streams: Vec<Stream>,
+    /// Its SA and VU streams are logical ([`FLAG_SPREAD`]).
+    pub spread: bool,
 }
 
 /// Why a byte sequence is not a valid program container.
@@ -82,9 +96,11 @@ impl fmt::Display for ProgramError {
             }
             Self::BadMagic => write!(f, "bad magic (expected \"VNPU\")"),
             Self::BadVersion(v) => {
-                write!(f, "unsupported container version {v} (expected {VERSION})")
+                write!(f, "unsupported container version {v} (expected {VERSION} or {VERSION_FLAGS})")
             }
-            Self::BadFlags(v) => write!(f, "header flags 0x{v:x} must be zero"),
+            Self::BadFlags(v) => {
+                write!(f, "header flags 0x{v:x}: version {VERSION} has none, {VERSION_FLAGS} only 0x{FLAG_SPREAD:x}")
+            }
             Self::BadStreamCount(n) => {
                 write!(f, "stream count {n} outside 1..={MAX_STREAMS}")
             }
@@ -170,10 +186,11 @@ impl Program {
             .collect();
         let total: usize = codes.iter().map(Vec::len).sum();
         let mut out = Vec::with_capacity(HEADER_LEN + STREAM_ENTRY_LEN * codes.len() + total);
+        let (version, flags) = if self.spread { (VERSION_FLAGS, FLAG_SPREAD) } else { (VERSION, 0) };
         out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&version.to_le_bytes());
         out.extend_from_slice(&(self.streams.len() as u16).to_le_bytes());
-        out.extend_from_slice(&0u32.to_le_bytes());
+        out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&(total as u32).to_le_bytes());
         for (s, c) in self.streams.iter().zip(&codes) {
             out.push(s.engine.kind as u8);
@@ -202,7 +219,7 @@ impl Program {
             return Err(ProgramError::BadMagic);
         }
         let version = le_u16(bytes, 4);
-        if version != VERSION {
+        if version != VERSION && version != VERSION_FLAGS {
             return Err(ProgramError::BadVersion(version));
         }
         let count = le_u16(bytes, 6);
@@ -210,7 +227,10 @@ impl Program {
             return Err(ProgramError::BadStreamCount(count));
         }
         let flags = le_u32(bytes, 8);
-        if flags != 0 {
+        // Version 1 has no flags; version 2 has at least one (a program
+        // without flags is written as version 1: one encoding each).
+        let known = if version == VERSION { 0 } else { FLAG_SPREAD };
+        if flags & !known != 0 || (version == VERSION_FLAGS && flags == 0) {
             return Err(ProgramError::BadFlags(flags));
         }
         let declared = u64::from(le_u32(bytes, 12));
@@ -285,7 +305,13 @@ impl Program {
             instrs.shrink_to_fit();
             streams.push(Stream { engine, code: instrs });
         }
-        Ok(Self { streams })
+        Ok(Self { streams, spread: flags & FLAG_SPREAD != 0 })
+    }
+
+    /// Its SA and VU stream counts (logical engines if it is spread).
+    pub fn compute_streams(&self) -> (u32, u32) {
+        let count = |k: EngineKind| self.streams.iter().filter(|s| s.engine.kind == k).count() as u32;
+        (count(EngineKind::Sa), count(EngineKind::Vu))
     }
 }
 
@@ -327,6 +353,13 @@ impl ProgramBuilder {
     pub fn sync(&mut self, engine: Engine, waiter: Engine, sem: u8) -> &mut Self {
         self.push(engine, Instr::Signal { sem });
         self.push(waiter, Instr::Wait { sem })
+    }
+
+    /// Marks the program spread ([`FLAG_SPREAD`]): its SA and VU streams
+    /// are logical engines.
+    pub fn spread(&mut self) -> &mut Self {
+        self.program.spread = true;
+        self
     }
 
     /// Number of instructions pushed so far.

@@ -188,7 +188,7 @@ proptest! {
     }
 
     #[test]
-    fn program_round_trips(instrs in proptest::collection::vec(instr(), 0..40), engines in proptest::collection::vec(0u8..6, 40)) {
+    fn program_round_trips(instrs in proptest::collection::vec(instr(), 0..40), engines in proptest::collection::vec(0u8..6, 40), spread in any::<bool>()) {
         let mut b = ProgramBuilder::new();
         for (i, e) in instrs.iter().zip(engines) {
             let engine = match i.engine_kind() {
@@ -202,6 +202,9 @@ proptest! {
         }
         if b.is_empty() {
             b.push(Engine::DMA, Instr::Halt);
+        }
+        if spread {
+            b.spread();
         }
         let p = b.finish();
         let bytes = p.encode();
@@ -232,6 +235,19 @@ fn container_errors_are_specific() {
     let mut bad = good.clone();
     bad[4] = 9;
     assert_eq!(Program::decode(&bad), Err(ProgramError::BadVersion(9)));
+    // Version 1 has no flags; version 2 has the spread flag and only it.
+    let mut bad = good.clone();
+    bad[8] = 1;
+    assert_eq!(Program::decode(&bad), Err(ProgramError::BadFlags(1)));
+    let mut spread = good.clone();
+    spread[4] = 2;
+    assert_eq!(Program::decode(&spread), Err(ProgramError::BadFlags(0)));
+    spread[8] = 1;
+    assert!(Program::decode(&spread).unwrap().spread);
+    spread[8] = 3;
+    assert_eq!(Program::decode(&spread), Err(ProgramError::BadFlags(3)));
+    // A program that is not spread encodes as version 1, as before.
+    assert_eq!(good[4..6], [1, 0]);
     assert!(matches!(Program::decode(&good[..good.len() - 1]), Err(ProgramError::LengthMismatch { .. })));
 
     // A VU instruction in an SA stream is refused with its position.

@@ -99,6 +99,13 @@ enum Command {
         /// Board config file (TOML): the SA size the lowering tiles for.
         #[arg(long)]
         board: Option<PathBuf>,
+        /// Compile spread programs for `SA,VU` engines beyond the vNPU's
+        /// (docs/isa.md, "Spread programs"): they run on the vNPU's own
+        /// engines, and on up to that many more that its neighbours leave
+        /// idle when its borrowing cap allows (docs/management.md,
+        /// "Harvesting").
+        #[arg(long)]
+        spread: Option<vnpu_spec::Borrow>,
         /// The compiled model to write.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
@@ -156,6 +163,11 @@ enum Command {
         /// Guest RAM the program may DMA to and from (from address 0).
         #[arg(long, default_value = "256M", value_parser = vnpu_spec::parse_size)]
         memory: u64,
+        /// Borrowing cap `SA,VU` a spread program is checked against (its
+        /// streams may number the vNPU's engines plus this); default: the
+        /// vNPU's own counts again (docs/management.md, "Harvesting").
+        #[arg(long)]
+        borrow: Option<vnpu_spec::Borrow>,
     },
     /// Profile a workload on 1 SA + 1 VU and size a vNPU for it.
     ///
@@ -624,10 +636,22 @@ fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
         Command::Run(args) => return run::run_vm(args),
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
-        Command::Compile { model, vnpu, batch, dtype, activations, shapes, outputs, board: path, out } => {
+        Command::Compile {
+            model,
+            vnpu,
+            batch,
+            dtype,
+            activations,
+            shapes,
+            outputs,
+            board: path,
+            spread,
+            out,
+        } => {
             let bf16_activations = activations == "bf16";
             let b = board(&path)?;
-            model::compile(&model, &vnpu, &b, batch, (&dtype, bf16_activations), shapes, outputs, &out)?;
+            let how = (dtype.as_str(), bf16_activations);
+            model::compile(&model, &vnpu, &b, batch, how, shapes, outputs, spread, &out)?;
         }
         Command::Infer { model, inputs, vnpu, output, top, show, in_process, guest, board: path } => {
             return Ok(model::infer(model::InferArgs {
@@ -642,7 +666,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 in_process,
             })?);
         }
-        Command::Verify { file, vnpu, memory } => {
+        Command::Verify { file, vnpu, memory, borrow } => {
             let bytes = std::fs::read(&file)
                 .map_err(|source| CliError::Read { path: file.display().to_string(), source })?;
             let program = match vnpu_abi::Program::decode(&bytes) {
@@ -653,7 +677,10 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 }
             };
             return Ok(
-                match npu_model::verify(&program, &vnpu.limits(std::iter::once(0..memory).collect())) {
+                match npu_model::verify(&program, &{
+                    let cap = vnpu_spec::Qos { borrow, ..Default::default() }.borrow_cap(&vnpu);
+                    vnpu.limits(std::iter::once(0..memory).collect(), cap)
+                }) {
                     Ok(()) => {
                         println!(
                             "accepted: {} instructions in {} streams",

@@ -119,11 +119,16 @@ pub struct QosArgs {
     /// earliest deadline runs first; misses are counted per core.
     #[arg(long, default_value_t = 0)]
     pub slo_us: u64,
+    /// Borrowing cap `SA,VU`: how many idle engines of its physical core
+    /// beyond its own its spread programs may run on at once (0,0: none).
+    /// Default: as many as it owns (docs/management.md, "Harvesting").
+    #[arg(long)]
+    pub borrow: Option<vnpu_manager::Borrow>,
 }
 
 impl QosArgs {
     pub fn qos(&self) -> vnpu_manager::Qos {
-        vnpu_manager::Qos { priority: self.priority, slo_us: self.slo_us }
+        vnpu_manager::Qos { priority: self.priority, slo_us: self.slo_us, borrow: self.borrow }
     }
 }
 
@@ -156,6 +161,8 @@ fn instance_json(i: &Instance) -> serde_json::Value {
         "workload": i.workload.as_ref().map(|w| format!("{}:{}", w.name, w.batch)),
         "priority": i.qos.priority,
         "slo_us": i.qos.slo_us,
+        "borrow_sa": i.qos.borrow_cap(&i.shape).0,
+        "borrow_vu": i.qos.borrow_cap(&i.shape).1,
     })
 }
 
@@ -234,6 +241,24 @@ pub fn print_cores(clock_mhz: u32, cores: &[vnpu_manager::CoreUse], name: impl F
                 "{:<6} SLO: {} of {} requests missed their latency target; {} preemptions",
                 c.core, c.slo_misses, c.slo_requests, c.preempted
             );
+        }
+        let harvest: Vec<String> = c
+            .tenants
+            .iter()
+            .filter(|t| t.borrowed_cycles > 0.0 || t.lent_cycles > 0.0 || t.reclaims > 0)
+            .map(|t| {
+                format!(
+                    "{} borrowed {:.1}, lent {:.1}, {} reclaims (longest {:.2})",
+                    name(&t.tenant),
+                    t.borrowed_cycles / mhz,
+                    t.lent_cycles / mhz,
+                    t.reclaims,
+                    t.reclaim_max_cycles / mhz
+                )
+            })
+            .collect();
+        if !harvest.is_empty() {
+            println!("{:<6} harvesting (engine-us): {}", c.core, harvest.join("; "));
         }
     }
 }

@@ -110,6 +110,7 @@ pub fn compile(
     (dtype, bf16_activations): (&str, bool),
     shapes: Vec<(String, Vec<usize>)>,
     outputs: Vec<String>,
+    spread: Option<vnpu_spec::Borrow>,
     out: &Path,
 ) -> Result<(), ModelCmdError> {
     let dtype = DType::from_name(dtype)
@@ -126,6 +127,7 @@ pub fn compile(
         outputs: (!outputs.is_empty()).then_some(outputs),
         dtype,
         bf16_activations,
+        spread: spread.map(|b| (b.sa, b.vu)),
     };
     let m = npu_onnx::load_from(
         &bytes,

@@ -64,6 +64,10 @@ struct VmEntry {
     /// the earliest deadline runs first; misses are counted.
     #[serde(default)]
     slo_us: u64,
+    /// Borrowing cap of its vNPUs (`{ sa = N, vu = M }`; default: their
+    /// own counts again).
+    #[serde(default)]
+    borrow: Option<vnpu_manager::Borrow>,
 }
 
 fn default_memory() -> String {
@@ -299,7 +303,7 @@ fn launch(
                 spec: Some(v.clone()),
                 uuid: None,
                 workload: None,
-                qos: Qos { priority: vm.priority, slo_us: vm.slo_us },
+                qos: Qos { priority: vm.priority, slo_us: vm.slo_us, borrow: vm.borrow },
                 place: place.clone(),
             };
             let outcome = client.call(&req).map_err(|source| ScenarioError::Placement {

@@ -213,11 +213,7 @@ impl Daemon {
                 preempted: s.preempted,
                 board_cycles: s.busy_cycles,
                 overlap_cycles: s.overlap_cycles,
-                tenants: s
-                    .tenants
-                    .into_iter()
-                    .map(|(tenant, busy_cycles)| TenantUse { tenant, busy_cycles })
-                    .collect(),
+                tenants: tenant_use(&s),
                 slo_requests: s.slo_requests,
                 slo_misses: s.slo_misses,
                 oversubscribed: placement.oversubscribed(core),
@@ -225,6 +221,36 @@ impl Daemon {
             .collect();
         Ok(Outcome::Cores { clock_mhz: b.clock_mhz, cores })
     }
+}
+
+/// Each tenant's busy time and harvesting on a core: the tenants that ran
+/// on it, then any that only lent engines.
+fn tenant_use(s: &vnpu_device::SharingStats) -> Vec<TenantUse> {
+    let mut out: Vec<TenantUse> = s
+        .tenants
+        .iter()
+        .map(|(tenant, busy_cycles)| TenantUse {
+            tenant: tenant.clone(),
+            busy_cycles: *busy_cycles,
+            ..Default::default()
+        })
+        .collect();
+    for (tenant, h) in &s.harvest {
+        let i = match out.iter().position(|u| &u.tenant == tenant) {
+            Some(i) => i,
+            None => {
+                out.push(TenantUse { tenant: tenant.clone(), ..Default::default() });
+                out.len() - 1
+            }
+        };
+        let u = &mut out[i];
+        u.borrowed_cycles = h.borrowed_cycles;
+        u.lent_cycles = h.lent_cycles;
+        u.reclaims = h.reclaims;
+        u.reclaim_cycles = h.reclaim_cycles;
+        u.reclaim_max_cycles = h.reclaim_max_cycles;
+    }
+    out
 }
 
 /// The control socket's listener thread and its connections.
@@ -494,6 +520,7 @@ fn serve_started(
             telemetry: Some(Arc::clone(&telemetry)),
             priority: inst.qos.priority,
             slo_us: inst.qos.slo_us,
+            borrow: inst.qos.borrow,
             ..opts.device.clone()
         };
         let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());

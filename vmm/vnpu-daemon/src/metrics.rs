@@ -294,6 +294,44 @@ fn encode_cores(
         Counter,
         per_core(&|s| s.slo_misses as f64),
     )?;
+    // Harvesting, per core and tenant (a vNPU: its instance's UUID).
+    let per_tenant = |f: &dyn Fn(&vnpu_device::Harvest) -> f64| -> Vec<(Labels, f64)> {
+        let each = cores.iter().flat_map(|(l, s)| s.harvest.iter().map(move |(t, h)| (l, t, h)));
+        each.map(|(l, t, h)| {
+            let mut labels = l.clone();
+            labels.push(("tenant", t.clone()));
+            (labels, f(h))
+        })
+        .collect()
+    };
+    family(
+        enc,
+        "vnpu_core_borrowed_cycles",
+        "Engine-cycles the tenant's spread programs ran on idle engines beyond its own",
+        Counter,
+        per_tenant(&|h| h.borrowed_cycles),
+    )?;
+    family(
+        enc,
+        "vnpu_core_lent_cycles",
+        "Engine-cycles the tenant's own engines were lent to others while it had no request on the core",
+        Counter,
+        per_tenant(&|h| h.lent_cycles),
+    )?;
+    family(
+        enc,
+        "vnpu_core_reclaims",
+        "The tenant's requests that waited for borrowers to give its engines back",
+        Counter,
+        per_tenant(&|h| h.reclaims as f64),
+    )?;
+    family(
+        enc,
+        "vnpu_core_reclaim_cycles",
+        "Simulated cycles the tenant's requests waited for borrowers to give engines back",
+        Counter,
+        per_tenant(&|h| h.reclaim_cycles),
+    )?;
     family(
         enc,
         "vnpu_board_time_cycles",

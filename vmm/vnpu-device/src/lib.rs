@@ -24,7 +24,7 @@ pub use guest_ram::GuestRam;
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use store::SessionStore;
 // The board runtime's handles a device is built with and reports on.
-pub use npu_board_runtime::{SharedBoard, SharedCore, SharingStats};
+pub use npu_board_runtime::{Harvest, SharedBoard, SharedCore, SharingStats};
 pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,

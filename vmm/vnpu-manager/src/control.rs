@@ -239,11 +239,26 @@ pub struct CoreUse {
     pub oversubscribed: bool,
 }
 
-/// One tenant's busy time on a core.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One tenant's busy time on a core, and what harvesting did for and to
+/// it (engine-cycles; `docs/management.md`, "Harvesting").
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct TenantUse {
     pub tenant: String,
     pub busy_cycles: f64,
+    /// Its spread programs' work on idle engines beyond its own.
+    #[serde(default)]
+    pub borrowed_cycles: f64,
+    /// Its own engines lent to others while it had no request on the core.
+    #[serde(default)]
+    pub lent_cycles: f64,
+    /// Its requests that waited for borrowers to give engines back, the
+    /// cycles they waited in all, and the longest wait.
+    #[serde(default)]
+    pub reclaims: u64,
+    #[serde(default)]
+    pub reclaim_cycles: f64,
+    #[serde(default)]
+    pub reclaim_max_cycles: f64,
 }
 
 /// A refused request, as sent.
@@ -609,7 +624,7 @@ mod tests {
                     spec: Some("sa=4,vu=4,sram=8M,hbm=1G".into()),
                     uuid: None,
                     workload: None,
-                    qos: Qos { priority: 5, slo_us: 1000 },
+                    qos: Qos { priority: 5, slo_us: 1000, borrow: None },
                     place: PlaceOptions::default(),
                 },
             ),
@@ -626,13 +641,13 @@ mod tests {
             ),
             (r#"{"op":"stop","uuid":"x"}"#, Request::Stop { uuid: "x".into() }),
             (
-                r#"{"op":"define","mdev_type":"large","uuid":"u","qos":{"slo_us":250}}"#,
+                r#"{"op":"define","mdev_type":"large","uuid":"u","qos":{"slo_us":250,"borrow":{"sa":1,"vu":0}}}"#,
                 Request::Define {
                     type_name: Some("large".into()),
                     spec: None,
                     uuid: Some("u".into()),
                     workload: None,
-                    qos: Qos { priority: 0, slo_us: 250 },
+                    qos: Qos { priority: 0, slo_us: 250, borrow: Some(crate::Borrow { sa: 1, vu: 0 }) },
                 },
             ),
         ];

@@ -19,4 +19,4 @@ pub use control::{
 pub use store::{Store, StoreError};
 // What the manager's requests and replies carry, from the crates that own it.
 pub use vnpu_placement::{InterferenceError, PlacementError, Policy};
-pub use vnpu_spec::{split_for_ratio, Instance, Qos, Shape, Workload, TYPES};
+pub use vnpu_spec::{split_for_ratio, Borrow, Instance, Qos, Shape, Workload, TYPES};

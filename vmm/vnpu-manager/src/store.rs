@@ -491,7 +491,7 @@ mod tests {
     fn service_levels_are_kept_with_the_definition() {
         let d = dir("qos");
         let b = BoardConfig::default();
-        let qos = Qos { priority: 5, slo_us: 1000 };
+        let qos = Qos { priority: 5, slo_us: 1000, borrow: None };
         let (u, plain) = {
             let mut s = Store::open(&d, &b).unwrap();
             let u = s.define_for(small(), None, None, None, qos).unwrap();

@@ -54,8 +54,10 @@ impl std::str::FromStr for Workload {
 
 /// The service a tenant's vNPU gets on a shared physical core: the
 /// order of its requests among the core's tenants (higher priority first,
-/// then the earliest deadline) and their latency target, in microseconds of
-/// simulated time from arrival (0: none; misses are counted per core).
+/// then the earliest deadline), their latency target, in microseconds of
+/// simulated time from arrival (0: none; misses are counted per core), and
+/// how many idle engines its spread programs may borrow beyond its own
+/// (`docs/management.md`, "Harvesting").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Qos {
@@ -63,12 +65,50 @@ pub struct Qos {
     pub priority: u8,
     #[serde(default)]
     pub slo_us: u64,
+    /// Borrowing cap per vNPU core; `None`: [`Qos::borrow_cap`]'s default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub borrow: Option<Borrow>,
+}
+
+/// A borrowing cap: at most this many SAs and VUs beyond a vNPU core's own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Borrow {
+    pub sa: u32,
+    pub vu: u32,
+}
+
+impl std::str::FromStr for Borrow {
+    type Err = String;
+    /// `SA,VU` (two counts, e.g. `2,2`; `0,0` turns borrowing off).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || format!("`{s}` is not a borrowing cap: give SA,VU, two counts such as 2,2 (0,0: none)");
+        let (a, b) = s.split_once(',').ok_or_else(bad)?;
+        let sa: u32 = a.trim().parse().map_err(|_| bad())?;
+        let vu: u32 = b.trim().parse().map_err(|_| bad())?;
+        if sa > MAX_COUNT || vu > MAX_COUNT {
+            return Err(format!("`{s}`: a borrowing cap is at most {MAX_COUNT} of each"));
+        }
+        Ok(Self { sa, vu })
+    }
 }
 
 impl Qos {
-    /// No priority and no latency target (how it is left out of JSON).
+    /// No priority, no latency target, the default cap (how it is left
+    /// out of JSON).
     pub fn is_none(&self) -> bool {
         *self == Self::default()
+    }
+
+    /// The borrowing cap of a vNPU of `shape` (SAs, VUs per core): the
+    /// one set, or by default as many engines again as it owns, so a
+    /// spread program compiled for twice its shape runs on up to twice its
+    /// engines when its neighbours leave them idle.
+    pub fn borrow_cap(&self, shape: &VnpuSpec) -> (u32, u32) {
+        match self.borrow {
+            Some(b) => (b.sa, b.vu),
+            None => (shape.sa_per_core(), shape.vu_per_core()),
+        }
     }
 }
 

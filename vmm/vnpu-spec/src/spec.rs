@@ -187,14 +187,17 @@ impl VnpuSpec {
     }
 
     /// What the verifier checks a program against on one core of this vNPU,
-    /// whose DMA may reach `guest` (guest-physical ranges).
-    pub fn limits(&self, guest: Vec<std::ops::Range<u64>>) -> npu_model::VnpuLimits {
+    /// whose DMA may reach `guest` (guest-physical ranges), with `borrow`
+    /// its borrowing cap (SAs, VUs; [`crate::Qos::borrow_cap`]).
+    pub fn limits(&self, guest: Vec<std::ops::Range<u64>>, borrow: (u32, u32)) -> npu_model::VnpuLimits {
         npu_model::VnpuLimits {
             sa: self.sa_per_core,
             vu: self.vu_per_core,
             sram_bytes: self.sram_per_core,
             hbm_bytes: self.hbm_per_core,
             guest,
+            borrow_sa: borrow.0,
+            borrow_vu: borrow.1,
         }
     }
 

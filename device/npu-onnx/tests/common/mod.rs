@@ -115,6 +115,7 @@ pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
             outputs: None,
             dtype,
             bf16_activations: false,
+            spread: None,
         },
     )
 }

@@ -164,6 +164,7 @@ fn main() {
                 outputs: c.output.map(|o| vec![o.to_string()]),
                 dtype,
                 bf16_activations: false,
+                spread: None,
             };
             let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());

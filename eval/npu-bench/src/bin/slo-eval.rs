@@ -199,7 +199,8 @@ fn run() -> Result<(), String> {
         let alone = npu_model::run_program(&board, &lowered.program, None, None)
             .map_err(|e| format!("{w}: {e}"))?
             .cycles;
-        let claim = Claim { sa, vu, priority: 0, slo_cycles: (slo_ms * 1e-3 * hz) as u64 };
+        let claim =
+            Claim { sa, vu, priority: 0, slo_cycles: (slo_ms * 1e-3 * hz) as u64, ..Claim::default() };
         ts.push(VnpuTenant { name, program: lowered.program, claim, alone });
     }
     let (csa, cvu) = (board.core.sa_count, board.core.vu_count);

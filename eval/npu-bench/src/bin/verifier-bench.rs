@@ -65,6 +65,8 @@ fn main() -> ExitCode {
                 sram_bytes: shape.sram_bytes,
                 hbm_bytes: shape.hbm_bytes,
                 guest: std::iter::once(0..1 << 30).collect(),
+                borrow_sa: 0,
+                borrow_vu: 0,
             };
             let mut times = Vec::new();
             let t_all = Instant::now();

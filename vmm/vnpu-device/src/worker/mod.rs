@@ -248,6 +248,9 @@ pub struct DeviceOptions {
     /// simulated time from its arrival (0: none): among equal priorities
     /// the earliest deadline runs first.
     pub slo_us: u64,
+    /// Engines its spread programs may borrow beyond its own, per vNPU
+    /// core (`None`: `vnpu_spec::Qos::borrow_cap`'s default).
+    pub borrow: Option<vnpu_spec::Borrow>,
     /// Cap of a request's cycle budget on a shared core.
     pub shared_max_cycles: u64,
     /// Host-work budget of a request on a shared core.
@@ -263,6 +266,7 @@ impl Default for DeviceOptions {
             cores: Vec::new(),
             priority: 0,
             slo_us: 0,
+            borrow: None,
             shared_max_cycles: SHARED_MAX_BUDGET,
             shared_max_host_work: SHARED_MAX_HOST_WORK,
             telemetry: None,

@@ -243,7 +243,12 @@ impl Worker {
     /// What the verifier checks a program against: `spec` and the guest
     /// memory mapped now.
     pub(super) fn limits(&self, spec: &VnpuSpec) -> npu_model::VnpuLimits {
-        spec.limits(guest_ranges(&self.mem))
+        spec.limits(guest_ranges(&self.mem), self.borrow_cap(spec))
+    }
+
+    /// The vNPU's borrowing cap per core (SAs, VUs).
+    pub(super) fn borrow_cap(&self, spec: &VnpuSpec) -> (u32, u32) {
+        vnpu_spec::Qos { borrow: self.opts.borrow, ..Default::default() }.borrow_cap(spec)
     }
 
     /// `RUN`: load, verify, execute.
@@ -318,6 +323,7 @@ impl Worker {
             0 => DEFAULT_BUDGET,
             n => n.min(MAX_BUDGET),
         };
+        let cap = self.borrow_cap(&spec);
         let store = self.store.as_ref();
         let core = self.cores[core_slot].get_or_insert_with(|| {
             let (sram, hbm) = (spec.sram_per_core(), spec.hbm_per_core());
@@ -337,6 +343,7 @@ impl Worker {
                 vu: spec.vu_per_core(),
                 priority: self.opts.priority,
                 slo_cycles: self.opts.slo_us.saturating_mul(u64::from(self.board.clock_mhz)),
+                borrow: npu_board_runtime::Engines::new(cap.0, cap.1),
             };
             // Co-located tenants wait for this batch: a tighter budget.
             let budget = budget.min(self.opts.shared_max_cycles.max(1));

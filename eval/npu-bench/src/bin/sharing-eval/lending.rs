@@ -179,6 +179,8 @@ impl Tasks {
             sram_bytes: shape.sram_bytes,
             hbm_bytes: shape.hbm_bytes,
             guest: Vec::new(),
+            borrow_sa: 0,
+            borrow_vu: 0,
         };
         verify(&l.program, &limits).map_err(|x| self.err(ops.start, e, &x))?;
         let p = Rc::new(l.program);

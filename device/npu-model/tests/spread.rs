@@ -1,0 +1,102 @@
+//! Spread programs (`vnpu_abi::program::FLAG_SPREAD`): logical streams on
+//! as many physical engines as the core gives the tenant, cases whose
+//! times follow by hand from one instruction's.
+#![allow(clippy::unwrap_used)]
+
+use npu_model::{run_program, BoardConfig, CoreMemory, CoreSim, SimTenant};
+use vnpu_abi::{Engine, Instr, Program, ProgramBuilder, UnOp};
+
+/// `streams` independent VU streams of `each` `exp` passes over 64 Ki
+/// elements, spread or not.
+fn vu_streams(streams: u8, each: usize, spread: bool) -> Program {
+    let mut b = ProgramBuilder::new();
+    for s in 0..streams {
+        for _ in 0..each {
+            b.push(Engine::vu(s), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 16 });
+        }
+    }
+    if spread {
+        b.spread();
+    }
+    b.finish()
+}
+
+struct T(Program);
+impl SimTenant for T {
+    fn program(&self) -> &Program {
+        &self.0
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        None
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Cycles and borrowed cycles of `p` alone on a core that gives it
+/// `width` engines of which `guarantee` are its own.
+fn on(cfg: &BoardConfig, p: &Program, guarantee: [u32; 2], width: [u32; 2]) -> (f64, f64) {
+    let mut sim = CoreSim::new(cfg, 1);
+    let id = sim.add(T(p.clone()), 0.0);
+    assert_eq!(sim.set_engines(id, guarantee, width), 0.0);
+    let (_, _, r) = sim.step().pop().unwrap();
+    let r = r.unwrap();
+    (r.cycles, r.borrowed_cycles)
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() <= 1e-9 * b.abs().max(1.0)
+}
+
+#[test]
+fn a_spread_program_runs_on_the_engines_it_is_given() {
+    let cfg = BoardConfig::default();
+    assert_eq!(cfg.core.vu_count, 4);
+    let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+    let p = vu_streams(4, 3, true);
+    // Four streams of three instructions: twelve instructions on one
+    // engine, six rounds on two, three on four.
+    let cases = [([1, 1], 12.0 * c, 0.0), ([1, 2], 6.0 * c, 6.0 * c), ([1, 4], 3.0 * c, 9.0 * c)];
+    for (width, cycles, borrowed) in cases {
+        let (t, b) = on(&cfg, &p, [1, 1], width);
+        assert!(
+            close(t, cycles) && close(b, borrowed),
+            "{width:?}: {t} and {b}, expected {cycles} and {borrowed}"
+        );
+    }
+    // Its own two VUs are not borrowed.
+    let (t, b) = on(&cfg, &p, [1, 2], [1, 2]);
+    assert!(close(t, 6.0 * c) && b == 0.0, "{t} {b}");
+    // A lone spread program gets every engine of the core; a program
+    // that is not spread has one engine per stream, whatever it is told.
+    assert!(close(run_program(&cfg, &p, None, None).unwrap().cycles, 3.0 * c));
+    assert!(close(on(&cfg, &vu_streams(4, 3, false), [1, 1], [1, 1]).0, 3.0 * c));
+}
+
+/// Taking engines back waits for the instructions on them, no longer:
+/// at 1.5 instructions into a run on four VUs, the second round ends half
+/// an instruction later.
+#[test]
+fn engines_taken_back_are_free_after_the_instruction_on_them() {
+    let cfg = BoardConfig::default();
+    let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+    let mut sim = CoreSim::new(&cfg, 1);
+    let id = sim.add(T(vu_streams(4, 3, true)), 0.0);
+    sim.set_engines(id, [1, 1], [1, 4]);
+    assert!(sim.step_until(1.5 * c).is_empty());
+    let drain = sim.set_engines(id, [1, 1], [1, 1]);
+    assert!(close(drain, 0.5 * c), "{drain} vs {}", 0.5 * c);
+    assert_eq!(sim.engines(id), Some([1, 1]));
+    // Eight of twelve instructions started on four engines; the four left
+    // run one at a time from 2c.
+    let (_, _, r) = sim.step().pop().unwrap();
+    let r = r.unwrap();
+    assert!(close(r.cycles, 6.0 * c), "{} vs {}", r.cycles, 6.0 * c);
+    // Giving back what is not taken costs nothing.
+    let mut sim = CoreSim::new(&cfg, 1);
+    let id = sim.add(T(vu_streams(4, 3, true)), 0.0);
+    sim.set_engines(id, [1, 1], [1, 2]);
+    assert!(sim.step_until(0.5 * c).is_empty());
+    assert_eq!(sim.set_engines(id, [1, 1], [1, 4]), 0.0);
+}
