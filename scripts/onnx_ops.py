@@ -441,7 +441,33 @@ def top_k(name, largest, out):
     print(f"{g.name}: TopK largest {largest}, output {out}")
 
 
+def vector_head():
+    # A vector-unit head with no matrix product (its SA:VU time ratio is
+    # 0, a CNN's above 10; for the harvesting scenario,
+    # tests/scenarios/harvest.toml): softmax over rows, a scale, sigmoid,
+    # a residual, tanh, exp, a gate, and a mean over each row.
+    # Its own generator, so building it alone gives the committed weights;
+    # ONNX Runtime's output is saved too (`vector-head-ort.npy`), the
+    # reference the scenario checks the VMs' outputs against.
+    global rng
+    saved, rng = rng, np.random.default_rng(20261126)
+    g = G("vector-head", [4, 64, 512])
+    s = g.op("Softmax", ["x"], axis=-1)
+    m = g.op("Mul", [s, g.const(rng.normal(0, 64, 512))])
+    a = g.op("Add", [g.op("Sigmoid", [m]), "x"])
+    e = g.op("Exp", [g.op("Tanh", [a])])
+    h = g.op("Mul", [g.op("Sigmoid", [e]), g.op("Tanh", [e])])
+    g.save(g.op("ReduceMean", [h], axes=[-1], keepdims=0))
+    import onnxruntime as ort
+
+    x = np.load(os.path.join(OUT, "vector-head-x.npy"))
+    sess = ort.InferenceSession(os.path.join(OUT, "vector-head.onnx"))
+    np.save(os.path.join(OUT, "vector-head-ort.npy"), sess.run(None, {"x": x})[0])
+    rng = saved
+
+
 BUILDERS = {
+    "vector-head": vector_head,
     "conv-bn-relu6": conv_bn_relu6,
     "dw-hardswish": depthwise_hardswish,
     "group-pool": grouped_pool,

@@ -325,6 +325,19 @@ impl SharedBoard {
         self.inner.cv.notify_all();
     }
 
+    /// Turns harvesting on or off for requests placed from now on (on by
+    /// default): off, every request runs on its claim's engines alone
+    /// (`docs/management.md`, "Harvesting"), as on a board without it.
+    pub fn set_harvesting(&self, on: bool) {
+        let mut engine = lock(&self.inner.engine);
+        engine.with_dependent_mut(|_, st| {
+            let core = Engines::new(st.board.core.sa_count, st.board.core.vu_count);
+            for d in &mut st.dispatchers {
+                d.set_harvesting(on.then_some(core));
+            }
+        });
+    }
+
     /// Stops the engine thread (pending requests get no answer).
     pub fn stop(&self) {
         lock(&self.inner.q).stop = true;
@@ -641,9 +654,11 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
             pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
         let reclaimed: Vec<(String, f64)> =
             pass.reclaimed.iter().filter_map(|&(id, d)| Some((name(id)?, d))).collect();
+        let unused: Vec<(String, Engines)> =
+            pass.unused.iter().filter_map(|&(id, u)| Some((name(id)?, u))).collect();
         let running: Vec<String> = core.jobs().map(|j| j.tenant.clone()).collect();
         if !borrowing.is_empty() || !reclaimed.is_empty() {
-            lending.push(Lending { core: c, borrowing, reclaimed });
+            lending.push(Lending { core: c, borrowing, reclaimed, unused });
         }
         st.running[c] = running;
         passes.push((c, pass));
@@ -654,7 +669,7 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
     let mut q = lock(&inner.q);
     q.now = st.sim.now();
     let dt = (q.now - before).max(0.0);
-    for Lending { core: c, borrowing, reclaimed } in lending {
+    for Lending { core: c, borrowing, reclaimed, unused } in lending {
         let (Some(log), Some(seen), Some(running)) =
             (q.cores.get_mut(c), st.tenants.get(c), st.running.get(c))
         else {
@@ -667,7 +682,7 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
             h.reclaim_max_cycles = h.reclaim_max_cycles.max(wait);
         }
         let lent = borrowing.iter().fold(Engines::default(), |a, (_, g)| a.saturating_add(*g));
-        for (tenant, cycles) in lenders(board, seen, running, lent) {
+        for (tenant, cycles) in lenders(board, seen, running, &unused, lent) {
             log.harvest(&tenant).lent_cycles += cycles * dt;
         }
     }
@@ -750,28 +765,38 @@ struct Lending {
     core: usize,
     borrowing: Vec<(String, Engines)>,
     reclaimed: Vec<(String, f64)>,
+    /// (tenant, engines of its running request's claim its program
+    /// cannot use).
+    unused: Vec<(String, Engines)>,
 }
 
 /// Whose engines `lent` are (engines lent on a core now): first the
-/// engines no tenant `seen` on the core claims, then, in the order they
-/// were seen, the claimed engines of tenants with no request `running`,
-/// each up to its claim. Returns (tenant, engines of its lent).
+/// engines no tenant `seen` on the core claims, then the engines of
+/// running requests' claims their programs cannot use (`unused`), then,
+/// in the order they were seen, the claimed engines of tenants with no
+/// request `running`, each up to its claim. Returns (tenant, engines of
+/// its lent).
 fn lenders(
     board: &BoardConfig,
     seen: &[(String, Claim)],
     running: &[String],
+    unused: &[(String, Engines)],
     lent: Engines,
 ) -> Vec<(String, f64)> {
     let claimed =
         seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(Engines::new(c.sa, c.vu)));
     let core = Engines::new(board.core.sa_count, board.core.vu_count);
     let mut left = lent.saturating_sub(core.saturating_sub(claimed));
-    let mut out = Vec::new();
-    for (tenant, c) in seen.iter().filter(|(t, _)| !running.contains(t)) {
-        let own = left.min(Engines::new(c.sa, c.vu));
-        left = left.saturating_sub(own);
-        if own.total() > 0 {
-            out.push((tenant.clone(), f64::from(own.total())));
+    let idle = seen.iter().filter(|(t, _)| !running.contains(t)).map(|(t, c)| (t, Engines::new(c.sa, c.vu)));
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for (tenant, own) in unused.iter().map(|(t, u)| (t, *u)).chain(idle) {
+        let from = left.min(own);
+        left = left.saturating_sub(from);
+        if from.total() > 0 {
+            match out.iter_mut().find(|o| &o.0 == tenant) {
+                Some(o) => o.1 += f64::from(from.total()),
+                None => out.push((tenant.clone(), f64::from(from.total()))),
+            }
         }
     }
     out

@@ -104,16 +104,15 @@ impl Pending {
 }
 
 /// The idle engines each running request gets beyond its claim
-/// (harvesting): `core`'s engines that no claim holds go, most urgent
-/// request first ([`admission_order`]), to the requests that can use
-/// them (`wants`: at most what each one's claim lets it borrow and its
-/// spread program has logical streams for), and the rest to the next.
-/// Claims come first, so a request placed on the core takes back what
-/// its claim needs from the borrowers.
-pub fn harvest(core: Engines, running: &[Pending], wants: &[Engines]) -> Vec<Engines> {
-    let held = running
-        .iter()
-        .fold(Engines::default(), |a, p| a.saturating_add(Engines::new(p.claim.sa, p.claim.vu)));
+/// (harvesting): `core`'s engines that no running request can use (`uses`:
+/// of its claim, what its program has streams for, [`uses`]) go, most
+/// urgent request first ([`admission_order`]), to the requests that can
+/// use more (`wants`: at most what each one's claim lets it borrow and
+/// its spread program has logical streams for), and the rest to the
+/// next. Claims come first, so a request placed on the core takes back
+/// what its program needs from the borrowers.
+pub fn harvest(core: Engines, running: &[Pending], wants: &[Engines], uses: &[Engines]) -> Vec<Engines> {
+    let held = uses.iter().fold(Engines::default(), |a, u| a.saturating_add(*u));
     let mut idle = core.saturating_sub(held);
     let mut out = vec![Engines::default(); running.len()];
     for i in admission_order(running) {
@@ -122,6 +121,15 @@ pub fn harvest(core: Engines, running: &[Pending], wants: &[Engines]) -> Vec<Eng
         idle = idle.saturating_sub(*o);
     }
     out
+}
+
+/// What request `p` of `program` can use of its claim: all of it for the
+/// kinds its program has as many streams of, else one engine per stream
+/// (a program with no VU stream never uses its claim's VUs: they can be
+/// lent for as long as it runs).
+pub fn uses(program: &vnpu_abi::Program, p: &Pending) -> Engines {
+    let (sa, vu) = program.compute_streams();
+    Engines::new(sa, vu).min(Engines::new(p.claim.sa, p.claim.vu))
 }
 
 /// What request `p` of `program` can use beyond its claim: the smaller of
@@ -219,6 +227,9 @@ pub struct Dispatched {
     /// (simulation id, idle engines it runs on beyond its claim from now)
     /// of each running request that borrows ([`harvest`]).
     pub borrowing: Vec<(usize, Engines)>,
+    /// (simulation id, engines of its claim its program cannot use) of
+    /// each running request that leaves some of its claim idle ([`uses`]).
+    pub unused: Vec<(usize, Engines)>,
     /// (simulation id, cycles) of each request placed or resumed this
     /// pass that waited for borrowers to give engines back: the
     /// instructions running on them finish first.
@@ -237,6 +248,12 @@ impl<J> Dispatcher<J> {
     /// the requests it places.
     pub fn harvesting(core: Engines) -> Self {
         Self { core: Some(core), ..Self::default() }
+    }
+
+    /// Lends `core`'s idle engines from the next pass on (`None`: no
+    /// more lending; what is lent now is taken back at the next pass).
+    pub fn set_harvesting(&mut self, core: Option<Engines>) {
+        self.core = core;
     }
 }
 
@@ -294,7 +311,7 @@ impl<J: SimTenant> Dispatcher<J> {
         place.retain(|&i| i < cands.len());
         // Lend the idle engines among what runs from now on, and take
         // back from borrowers what the claims placed now need.
-        let (reclaim, grants) = self.lend(sim, &place, n_waiting);
+        let (reclaim, grants, spare) = self.lend(sim, &place, n_waiting);
         let n_running = self.running.len();
         for &i in &place {
             let delay = |waited: bool| {
@@ -337,6 +354,9 @@ impl<J: SimTenant> Dispatcher<J> {
             if g.total() > 0 {
                 out.borrowing.push((id, *g));
             }
+            if let Some(u) = spare.get(k).filter(|u| u.total() > 0) {
+                out.unused.push((id, *u));
+            }
         }
         out
     }
@@ -346,31 +366,47 @@ impl<J: SimTenant> Dispatcher<J> {
     /// requests followed by the suspended ones; `n_waiting` of the
     /// former) and applies the new shares of the running ones. Returns
     /// how long the placed requests wait for borrowers to give engines
-    /// back, and each one's grant in the order `self.running` will hold
-    /// them (running ones first, then `place`'s order).
-    fn lend(&mut self, sim: &mut CoreSim<'_, J>, place: &[usize], n_waiting: usize) -> (f64, Vec<Engines>) {
+    /// back, and each one's grant and the engines of its claim it cannot
+    /// use, in the order `self.running` will hold them (running ones
+    /// first, then `place`'s order).
+    fn lend(
+        &mut self,
+        sim: &mut CoreSim<'_, J>,
+        place: &[usize],
+        n_waiting: usize,
+    ) -> (f64, Vec<Engines>, Vec<Engines>) {
+        let n = self.running.len() + place.len();
         let Some(core) = self.core else {
             // Nobody borrows: every request runs on its claim.
-            return (0.0, vec![Engines::default(); self.running.len() + place.len()]);
+            return (0.0, vec![Engines::default(); n], vec![Engines::default(); n]);
         };
         let mut who: Vec<Pending> = Vec::new();
         let mut want: Vec<Engines> = Vec::new();
-        for &(id, p) in &self.running {
+        let mut using: Vec<Engines> = Vec::new();
+        let mut add = |p: Pending, program: Option<&vnpu_abi::Program>| {
             who.push(p);
-            want.push(sim.job(id).map_or(Engines::default(), |j| wants(j.program(), &p)));
+            want.push(program.map_or(Engines::default(), |g| wants(g, &p)));
+            // A request whose program is gone from view keeps its claim.
+            using.push(program.map_or(Engines::new(p.claim.sa, p.claim.vu), |g| uses(g, &p)));
+        };
+        for &(id, p) in &self.running {
+            add(p, sim.job(id).map(SimTenant::program));
         }
         for &i in place {
-            let (p, w) = if i >= n_waiting {
+            if i >= n_waiting {
                 let Some(&(id, p)) = self.suspended.get(i - n_waiting) else { continue };
-                (p, sim.job(id).map_or(Engines::default(), |j| wants(j.program(), &p)))
+                add(p, sim.job(id).map(SimTenant::program));
             } else {
                 let Some((job, p, _)) = self.waiting.get(i) else { continue };
-                (*p, wants(job.program(), p))
-            };
-            who.push(p);
-            want.push(w);
+                add(*p, Some(job.program()));
+            }
         }
-        let grants = harvest(core, &who, &want);
+        let grants = harvest(core, &who, &want, &using);
+        let spare: Vec<Engines> = who
+            .iter()
+            .zip(&using)
+            .map(|(p, u)| Engines::new(p.claim.sa, p.claim.vu).saturating_sub(*u))
+            .collect();
         let mut reclaim: f64 = 0.0;
         for (&(id, p), g) in self.running.iter().zip(&grants) {
             let claim = [p.claim.sa, p.claim.vu];
@@ -380,7 +416,7 @@ impl<J: SimTenant> Dispatcher<J> {
         if place.is_empty() {
             reclaim = 0.0;
         }
-        (reclaim, grants)
+        (reclaim, grants, spare)
     }
 
     /// The earliest arrival of a request not finished (waiting, running
@@ -663,5 +699,57 @@ mod tests {
         assert!(close(end("borrower"), 7.0 * c), "{} vs {}", end("borrower"), 7.0 * c);
         // Lent again once the owner left.
         assert_eq!(passes[0].borrowing.iter().map(|b| b.1).collect::<Vec<_>>(), [Engines::new(0, 3)]);
+    }
+
+    /// A running request whose program has no VU stream lends the VUs of
+    /// its claim for as long as it runs: a spread neighbour runs on them
+    /// and the owner is not slowed (it could never use them).
+    #[test]
+    fn a_running_request_lends_the_engines_its_program_cannot_use() {
+        let board = BoardConfig::default();
+        let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+        let mut owner = ProgramBuilder::new();
+        for _ in 0..40 {
+            let i = Instr::MatMul {
+                dtype: vnpu_abi::DType::F32,
+                flags: vnpu_abi::MatFlags::default(),
+                a: 0,
+                b: 0,
+                c: 0,
+                m: 256,
+                k: 128,
+                n: 128,
+                lda: 128,
+                ldb: 128,
+                ldc: 128,
+            };
+            owner.push(Engine::sa(0), i);
+        }
+        let owner = owner.finish();
+        let alone = npu_model::run_program(&board, &owner, None, None).unwrap().cycles;
+        assert!(alone > 3.0 * c, "the owner must outlast the borrower: {alone} vs {c}");
+        let core = Engines::new(board.core.sa_count, board.core.vu_count);
+        let run = |d: &mut Dispatcher<Timed>| {
+            let mut sim = CoreSim::new(&board, 2);
+            let own = Claim { sa: 2, vu: 2, ..Claim::default() };
+            let borrower = Claim { sa: 1, vu: 1, borrow: Engines::new(3, 3), ..Claim::default() };
+            d.submit(Timed(owner.clone(), "owner"), Pending { claim: own, arrival: 0.0 });
+            d.submit(Timed(vu_streams(4, 3, true), "borrower"), Pending { claim: borrower, arrival: 0.0 });
+            let first = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
+            let (mut ends, mut passes) = (Vec::new(), Vec::new());
+            drain_all(&board, &mut sim, d, &mut ends, &mut passes);
+            let end = |n: &str| ends.iter().find(|e| e.0 == n).unwrap().1;
+            (end("owner"), end("borrower"), first)
+        };
+        // The owner uses one SA and no VU of its 2+2: the borrower gets
+        // the core's other three VUs and runs its 12 instructions in 3.
+        let (owner_end, borrower_end, first) = run(&mut Dispatcher::harvesting(core));
+        assert!(close(borrower_end, 3.0 * c), "{borrower_end} vs {}", 3.0 * c);
+        assert!(close(owner_end, alone), "{owner_end} vs {alone}");
+        let unused: Vec<Engines> = first.unused.iter().map(|u| u.1).collect();
+        assert!(unused.contains(&Engines::new(1, 2)), "{:?}", first.unused);
+        // Without harvesting: 12 on its one VU; the owner the same.
+        let (owner_end, borrower_end, _) = run(&mut Dispatcher::default());
+        assert!(close(borrower_end, 12.0 * c) && close(owner_end, alone), "{borrower_end} {owner_end}");
     }
 }

@@ -138,8 +138,23 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         show: usize,
         /// Run on the NPU model in this process instead of in a VM.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "attach")]
         in_process: bool,
+        /// Attach the VM's vNPU to a board daemon's vfio-user socket
+        /// (`S/UUID.sock` of a started instance, docs/vfio-user.md)
+        /// instead of a vNPU in this process; the instance's shape and
+        /// borrowing cap apply.
+        #[arg(long, value_name = "SOCKET", conflicts_with = "vnpu")]
+        attach: Option<PathBuf>,
+        /// A reference .npy the first output must match (every run, in
+        /// order): exit 1 when its largest error exceeds --tolerance of the
+        /// reference's largest magnitude.
+        #[arg(long, value_name = "NPY")]
+        expect: Option<PathBuf>,
+        /// With --expect: the largest error allowed, as a fraction of the
+        /// reference's largest magnitude.
+        #[arg(long, default_value_t = 1e-4, requires = "expect")]
+        tolerance: f64,
         /// The runner guest ELF (default: the one build-guests.sh builds).
         #[arg(long)]
         guest: Option<PathBuf>,
@@ -234,6 +249,11 @@ enum Command {
         /// after this many milliseconds (0: at once, no request).
         #[arg(long, value_name = "MS", default_value_t = 10_000)]
         release_timeout_ms: u64,
+        /// Lend engines a core's vNPUs leave idle to their neighbours'
+        /// spread programs (docs/management.md, "Harvesting"); `off` runs
+        /// every request on its own vNPU's engines (static partitions).
+        #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
+        harvest: String,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -653,7 +673,20 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             let how = (dtype.as_str(), bf16_activations);
             model::compile(&model, &vnpu, &b, batch, how, shapes, outputs, spread, &out)?;
         }
-        Command::Infer { model, inputs, vnpu, output, top, show, in_process, guest, board: path } => {
+        Command::Infer {
+            model,
+            inputs,
+            vnpu,
+            output,
+            top,
+            show,
+            in_process,
+            attach,
+            expect,
+            tolerance,
+            guest,
+            board: path,
+        } => {
             return Ok(model::infer(model::InferArgs {
                 model,
                 inputs,
@@ -664,6 +697,8 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 top,
                 show,
                 in_process,
+                attach,
+                expect: expect.map(|e| (e, tolerance)),
             })?);
         }
         Command::Verify { file, vnpu, memory, borrow } => {
@@ -716,6 +751,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             control_group,
             seccomp,
             release_timeout_ms,
+            harvest,
         } => {
             let control_group = match control_group {
                 Some(name) => Some(vnpu_daemon::peer::group_id(&name).ok_or_else(|| {
@@ -738,6 +774,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 control_idle: std::time::Duration::from_millis(control_idle_ms),
                 control_group,
                 release_timeout: std::time::Duration::from_millis(release_timeout_ms),
+                harvest: harvest == "on",
             };
             vnpu_daemon::stop_on_signals();
             vnpu_daemon::seccomp::install(seccomp)?;

@@ -38,6 +38,8 @@ pub enum ModelCmdError {
     Guest { code: u32, message: String },
     #[error("in-process run: {0}")]
     Host(#[from] npu_onnx::host::HostError),
+    #[error("--expect: {0}")]
+    Expect(#[from] npu_infer_io::npy::NpyError),
 }
 
 /// The vNPU core a `--vnpu` spec gives (one core: a model runs on one).
@@ -154,6 +156,13 @@ pub struct InferArgs {
     pub top: usize,
     pub show: usize,
     pub in_process: bool,
+    /// A board daemon's vfio-user socket to attach the VM's vNPU to
+    /// (instead of a vNPU of `spec` in this process).
+    pub attach: Option<PathBuf>,
+    /// A reference the first output must match (`--expect`), and the
+    /// largest error allowed, as a fraction of the reference's largest
+    /// magnitude.
+    pub expect: Option<(PathBuf, f64)>,
 }
 
 fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
@@ -165,6 +174,11 @@ fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
 
 /// `vnpu infer`: returns the exit code.
 pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
+    if let Some((_, t)) = a.expect {
+        if t.is_nan() || t < 0.0 {
+            return Err(ModelCmdError::Usage(format!("--tolerance {t}: give 0 or more")));
+        }
+    }
     let m = read_model(&a.model)?;
     let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
     let (outputs, stats, path) = if a.in_process {
@@ -208,7 +222,39 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
         output: a.output.as_deref(),
     };
     npu_infer_io::print_report(&m, runs, &outputs, &stats, &opts)?;
-    Ok(0)
+    match &a.expect {
+        Some((path, tolerance)) => expect(path, *tolerance, outputs.first().map_or(&[][..], |o| &o[..])),
+        None => Ok(0),
+    }
+}
+
+/// Compares `got` (the first output, every run) with the `.npy` at
+/// `path`: its largest absolute difference as a fraction of the
+/// reference's largest magnitude must be at most `tolerance` (a NaN on
+/// either side fails). Exit code 0 when it matches, 1 when not.
+fn expect(path: &Path, tolerance: f64, got: &[f32]) -> Result<u8, ModelCmdError> {
+    let want = npu_infer_io::npy::read_file(path)?;
+    let name = path.display();
+    if want.data.len() != got.len() {
+        println!("expect        {name}: {} values, the output has {}: MISMATCH", want.data.len(), got.len());
+        return Ok(1);
+    }
+    let scale = want.data.iter().fold(0f64, |m, &w| m.max(f64::from(w).abs())).max(f64::MIN_POSITIVE);
+    let worst = got.iter().zip(&want.data).fold(0f64, |m, (&g, &w)| {
+        let d = (f64::from(g) - f64::from(w)).abs();
+        if d.is_nan() || m.is_nan() {
+            f64::NAN
+        } else {
+            m.max(d)
+        }
+    });
+    let error = worst / scale;
+    let ok = error <= tolerance;
+    println!(
+        "expect        {name}: max error {worst:.3e}, {error:.3e} of its largest magnitude (tolerance {tolerance:.1e}): {}",
+        if ok { "match" } else { "MISMATCH" }
+    );
+    Ok(if ok { 0 } else { 1 })
 }
 
 fn run_vm(
@@ -272,7 +318,12 @@ fn run_vm(
             vnpu_vm::PCI_MMIO_BASE >> 20
         )));
     }
-    let mut cfg = vnpu_vm::VmConfig::new(memory, guest).vnpus(&[spec]);
+    let mut cfg = vnpu_vm::VmConfig::new(memory, guest);
+    match &a.attach {
+        // The daemon's instance is the vNPU (its shape is the daemon's).
+        Some(socket) => cfg.remote_vnpus = vec![socket.clone()],
+        None => cfg = cfg.vnpus(&[spec]),
+    }
     cfg.board = a.board.clone();
     cfg.payload = Some(p);
     let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;

@@ -43,6 +43,9 @@ struct File {
     /// Allow placing vNPUs beyond a core's EUs, up to this factor; the
     /// vNPUs of an oversubscribed core time-share it by priority.
     oversubscribe: Option<u32>,
+    /// Lend idle engines to spread programs (`vnpu daemon --harvest`;
+    /// default true).
+    harvest: Option<bool>,
     #[serde(default)]
     vm: Vec<VmEntry>,
 }
@@ -51,8 +54,20 @@ struct File {
 #[serde(deny_unknown_fields)]
 struct VmEntry {
     name: String,
-    /// Guest ELF, relative to the scenario file.
-    guest: PathBuf,
+    /// Guest ELF, relative to the scenario file (with `model`: the runner
+    /// guest, default the one `scripts/build-guests.sh` builds).
+    guest: Option<PathBuf>,
+    /// A compiled model (`vnpu compile`) the VM runs with `vnpu infer`
+    /// on `inputs` instead of a guest of its own.
+    model: Option<PathBuf>,
+    /// The model's inputs, `FILE` or `NAME=FILE`, relative to the
+    /// scenario file.
+    #[serde(default)]
+    inputs: Vec<String>,
+    /// A reference the model's first output must match (`vnpu infer
+    /// --expect`), within `tolerance` of its largest magnitude.
+    expect: Option<PathBuf>,
+    tolerance: Option<f64>,
     #[serde(default = "default_memory")]
     memory: String,
     vnpu: Vec<String>,
@@ -195,8 +210,39 @@ pub fn run(path: &Path) -> Result<u8, ScenarioError> {
         for v in &vm.vnpu {
             VnpuSpec::parse(v).map_err(|e| invalid(e.to_string()))?;
         }
-        if !base.join(&vm.guest).is_file() {
-            return Err(invalid(format!("no guest at {}", base.join(&vm.guest).display())));
+        if let Some(g) = &vm.guest {
+            if !base.join(g).is_file() {
+                return Err(invalid(format!("no guest at {}", base.join(g).display())));
+            }
+        }
+        match &vm.model {
+            None if vm.guest.is_none() => return Err(invalid("give `guest` or `model`".into())),
+            None if !vm.inputs.is_empty() || vm.expect.is_some() || vm.tolerance.is_some() => {
+                return Err(invalid("`inputs`, `expect` and `tolerance` go with `model`".into()))
+            }
+            None => {}
+            Some(m) => {
+                if vm.vnpu.len() != 1 {
+                    return Err(invalid("a `model` VM has one vNPU".into()));
+                }
+                if vm.inputs.is_empty() {
+                    return Err(invalid("a `model` VM needs `inputs`".into()));
+                }
+                let files = vm
+                    .inputs
+                    .iter()
+                    .map(|i| input_file(i).1)
+                    .chain([m.as_path()])
+                    .chain(vm.expect.as_deref());
+                for f in files {
+                    if !base.join(f).is_file() {
+                        return Err(invalid(format!("no file at {}", base.join(f).display())));
+                    }
+                }
+                if vm.tolerance.is_some_and(|t| t.is_nan() || t < 0.0) {
+                    return Err(invalid("`tolerance` must be 0 or more".into()));
+                }
+            }
         }
     }
     let board =
@@ -263,6 +309,9 @@ fn launch(
     if let Some(b) = board {
         daemon.arg("--board").arg(b);
     }
+    if file.harvest == Some(false) {
+        daemon.args(["--harvest", "off"]);
+    }
     let child = daemon
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -322,13 +371,36 @@ fn launch(
         vm_sockets.push(mine);
     }
 
-    // One `vnpu run` process per VM, all at once.
+    // One `vnpu run` (or `vnpu infer`) process per VM, all at once.
     let mut relays = Vec::new();
     for (vm, socks) in file.vm.iter().zip(&vm_sockets) {
         let mut cmd = Command::new(exe);
-        cmd.arg("run").arg("--guest").arg(base.join(&vm.guest)).arg("--memory").arg(&vm.memory);
-        for s in socks {
-            cmd.arg("--vnpu").arg(format!("socket={}", s.display()));
+        match &vm.model {
+            Some(m) => {
+                cmd.arg("infer").arg(base.join(m)).args(["--top", "0", "--show", "0"]);
+                for i in &vm.inputs {
+                    let (name, f) = input_file(i);
+                    let f = base.join(f).display().to_string();
+                    cmd.arg("--input").arg(name.map_or(f.clone(), |n| format!("{n}={f}")));
+                }
+                for s in socks {
+                    cmd.arg("--attach").arg(s);
+                }
+                if let Some(e) = &vm.expect {
+                    cmd.arg("--expect").arg(base.join(e));
+                    cmd.arg("--tolerance").arg(vm.tolerance.unwrap_or(1e-4).to_string());
+                }
+                if let Some(g) = &vm.guest {
+                    cmd.arg("--guest").arg(base.join(g));
+                }
+            }
+            None => {
+                let guest = vm.guest.as_ref().map_or_else(PathBuf::new, |g| base.join(g));
+                cmd.arg("run").arg("--guest").arg(guest).arg("--memory").arg(&vm.memory);
+                for s in socks {
+                    cmd.arg("--vnpu").arg(format!("socket={}", s.display()));
+                }
+            }
         }
         let mut child = cmd
             .stdin(Stdio::null())
@@ -384,6 +456,15 @@ fn launch(
         }
     }
     Ok(if all_ok { 0 } else { 1 })
+}
+
+/// A `model` VM's input entry: (`NAME`, `FILE`) of `NAME=FILE`, or
+/// (none, `FILE`).
+fn input_file(entry: &str) -> (Option<&str>, &Path) {
+    match entry.split_once('=') {
+        Some((n, f)) => (Some(n), Path::new(f)),
+        None => (None, Path::new(entry)),
+    }
 }
 
 #[cfg(test)]

@@ -365,6 +365,38 @@ fn scenario_runs_vms_whose_vnpus_share_a_core() {
     assert!(err.contains("cannot read scenario"), "{err}");
 }
 
+/// Harvesting through real VMs: an SA-heavy CNN and a vector-only head,
+/// each a spread model in a VM of its own process, share core 0 of one
+/// board daemon with vNPUs of 1 SA + 1 VU. Both match their references
+/// (float64 for the CNN, ONNX Runtime for the head), and the CNN runs on
+/// engines beyond its own: the core's two SAs and two VUs no vNPU claims
+/// are lent to it whenever it runs, whatever the wall-time interleaving.
+#[test]
+fn scenario_harvests_idle_engines_between_vms() {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/../..");
+    let built = Command::new("bash")
+        .arg(format!("{root}/scripts/harvest-models.sh"))
+        .arg(env!("CARGO_BIN_EXE_vnpu"))
+        .output()
+        .unwrap();
+    assert!(built.status.success(), "{}", String::from_utf8_lossy(&built.stderr));
+    let (code, out, err) = vnpu(&["scenario", &format!("{root}/tests/scenarios/harvest.toml")]);
+    assert_eq!(code, 0, "{out}\n{err}");
+    for vm in ["cnn", "vector"] {
+        assert!(
+            out.lines().any(|l| l.starts_with(&format!("{vm}: vNPU 0 (")) && l.ends_with("[0]")),
+            "{out}"
+        );
+        let expect =
+            out.lines().find(|l| l.starts_with(&format!("[{vm}] expect"))).unwrap_or_else(|| panic!("{out}"));
+        assert!(expect.ends_with(": match"), "{expect}");
+    }
+    let line = out.lines().find(|l| l.contains("harvesting (engine-us)")).unwrap_or_else(|| panic!("{out}"));
+    let cnn = line.split("cnn/vnpu-1 borrowed ").nth(1).unwrap_or_else(|| panic!("{line}"));
+    let borrowed: f64 = cnn.split(',').next().unwrap().parse().unwrap();
+    assert!(borrowed > 0.0, "{line}");
+}
+
 /// A fifth whole-core vNPU on a four-core board: placed on an oversubscribed
 /// core, where the two tenants time-share (rounds, no overlap); all correct.
 #[test]

@@ -73,6 +73,9 @@ pub struct DaemonOptions {
     /// guest) and cuts the client off if it has not let go after this
     /// long ([`DEFAULT_RELEASE_TIMEOUT`]; zero: at once).
     pub release_timeout: Duration,
+    /// Lend idle engines to spread programs (`docs/management.md`,
+    /// "Harvesting"); off, every request runs on its vNPU's engines.
+    pub harvest: bool,
 }
 
 /// Default of [`DaemonOptions::control_idle`].
@@ -374,6 +377,7 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     std::fs::create_dir_all(&opts.socket_dir)
         .map_err(|source| DaemonError::SocketDir { dir: opts.socket_dir.clone(), source })?;
     let board = SharedBoard::new(&opts.board, "board").map_err(DaemonError::Board)?;
+    board.set_harvesting(opts.harvest);
     let daemon = Arc::new(Daemon {
         opts: opts.clone(),
         board,

@@ -114,6 +114,7 @@ fn main() -> Result<(), String> {
         rescan: Duration::from_millis(100),
         device: Default::default(),
         metrics: None,
+        harvest: true,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
