@@ -31,14 +31,17 @@ use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use npu_model::{
-    BoardConfig, BoardSim, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport,
-};
+use npu_model::{BoardConfig, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport};
 pub use npu_scheduler::{
     admission_order, harvest, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher,
     Engines, Pending,
 };
 use vnpu_abi::Program;
+
+mod runtime;
+#[cfg(test)]
+use runtime::{add_busy, overlap, CoreLog, FOLD_AT};
+pub use runtime::{Completion, Harvest, Interval, Policy, Runtime, SharingStats};
 
 /// A lock that outlives a panicked holder (the board's state stays
 /// consistent between steps).
@@ -70,13 +73,18 @@ pub struct CoreMem {
 /// simulated timeline (cycles).
 pub type JobResult = (CoreMem, Result<TenantReport, ExecError>, f64, f64);
 
-struct Job {
+/// A request waiting for the next pass (the runtime takes it then).
+struct Submitted {
     /// The board's core it runs on.
     core: usize,
     tenant: String,
     claim: Claim,
-    /// The core's simulated time when the request arrived.
-    arrival: f64,
+    job: Job,
+}
+
+/// A request as the runtime runs it: its program, memories, budgets and
+/// where its answer goes.
+struct Job {
     program: Arc<Program>,
     mem: CoreMem,
     guest: GuestMemory,
@@ -84,14 +92,6 @@ struct Job {
     /// Host-work budget (`npu_model::timing::host_work` units).
     host_work: u64,
     reply: mpsc::Sender<JobResult>,
-    /// When its program starts on the core's timeline.
-    begin: f64,
-}
-
-impl Job {
-    fn pending(&self) -> Pending {
-        Pending { claim: self.claim, arrival: self.arrival }
-    }
 }
 
 impl SimTenant for Job {
@@ -109,75 +109,14 @@ impl SimTenant for Job {
     }
 }
 
-/// A tenant's busy interval on the core's simulated timeline.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Interval {
-    pub tenant: String,
-    pub start: f64,
-    pub end: f64,
-}
-
-/// Busy intervals a core keeps before it folds the settled ones into
-/// totals ([`CoreLog::fold`]): a daemon serves for ever, its log must not
-/// grow with every request.
-const FOLD_AT: usize = 1024;
-
-/// What happened on one core of the board.
-#[derive(Default)]
-struct CoreLog {
-    /// Busy intervals not folded yet (all of them end after `settled`).
-    log: Vec<Interval>,
-    /// Before this simulated time every interval is counted in
-    /// `settled_busy` and `settled_overlap`: no request still to finish
-    /// started before it.
-    settled: f64,
-    settled_busy: Vec<(String, f64)>,
-    settled_overlap: f64,
-    requests: u64,
-    waited: u64,
-    preempted: u64,
-    slo_requests: u64,
-    slo_misses: u64,
-    /// Harvesting per tenant.
-    harvest: Vec<(String, Harvest)>,
-}
-
-impl CoreLog {
-    fn harvest(&mut self, tenant: &str) -> &mut Harvest {
-        let i = match self.harvest.iter().position(|h| h.0 == tenant) {
-            Some(i) => i,
-            None => {
-                self.harvest.push((tenant.to_string(), Harvest::default()));
-                self.harvest.len() - 1
-            }
-        };
-        &mut self.harvest[i].1
-    }
-}
-
-/// What harvesting did for and to one tenant of a core
-/// (`docs/management.md`, "Harvesting").
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Harvest {
-    /// Engine-cycles its spread programs ran on engines beyond its claim
-    /// (`npu_model::TenantReport::borrowed_cycles`).
-    pub borrowed_cycles: f64,
-    /// Engine-cycles its own engines were lent to others while it had no
-    /// request on the core (engines no vNPU claims are lent first).
-    pub lent_cycles: f64,
-    /// Its requests that waited for borrowers to give engines back, the
-    /// cycles they waited, and the longest wait.
-    pub reclaims: u64,
-    pub reclaim_cycles: f64,
-    pub reclaim_max_cycles: f64,
-}
-
 #[derive(Default)]
 struct Queue {
-    pending: Vec<Job>,
+    pending: Vec<Submitted>,
     /// The board's simulated time.
     now: f64,
-    cores: Vec<CoreLog>,
+    /// Each core's counters as the last pass that changed them left them
+    /// (read without waiting for a pass).
+    stats: Vec<SharingStats>,
     stop: bool,
     paused: bool,
     /// A thread is running the engine's passes (the board's own, or a
@@ -239,29 +178,6 @@ impl std::fmt::Debug for SharedCore {
     }
 }
 
-/// What the core did.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct SharingStats {
-    /// Requests served.
-    pub requests: u64,
-    /// Requests that had to wait for engines (only on an oversubscribed
-    /// core).
-    pub waited: u64,
-    /// Times a running request was suspended for a more urgent one.
-    pub preempted: u64,
-    /// Simulated cycles the core was busy.
-    pub busy_cycles: f64,
-    /// Simulated cycles during which two or more tenants ran at once.
-    pub overlap_cycles: f64,
-    /// Busy cycles per tenant.
-    pub tenants: Vec<(String, f64)>,
-    /// Requests that had a latency target, and those that missed it.
-    pub slo_requests: u64,
-    pub slo_misses: u64,
-    /// Harvesting per tenant (tenants it touched).
-    pub harvest: Vec<(String, Harvest)>,
-}
-
 impl SharedBoard {
     /// Every core of `board` with the board's engine thread.
     pub fn new(board: &BoardConfig, name: &str) -> std::io::Result<Self> {
@@ -287,7 +203,7 @@ impl SharedBoard {
         active: Duration,
     ) -> std::io::Result<Self> {
         let n = board.chips.saturating_mul(board.cores_per_chip).max(1) as usize;
-        let q = Queue { cores: (0..n).map(|_| CoreLog::default()).collect(), ..Queue::default() };
+        let q = Queue { stats: vec![SharingStats::default(); n], ..Queue::default() };
         let inner = Arc::new(Inner {
             board: board.clone(),
             gather,
@@ -330,12 +246,7 @@ impl SharedBoard {
     /// (`docs/management.md`, "Harvesting"), as on a board without it.
     pub fn set_harvesting(&self, on: bool) {
         let mut engine = lock(&self.inner.engine);
-        engine.with_dependent_mut(|_, st| {
-            let core = Engines::new(st.board.core.sa_count, st.board.core.vu_count);
-            for d in &mut st.dispatchers {
-                d.set_harvesting(on.then_some(core));
-            }
-        });
+        engine.with_dependent_mut(|_, st| st.rt.set_harvesting(on));
     }
 
     /// Stops the engine thread (pending requests get no answer).
@@ -385,20 +296,8 @@ impl SharedCore {
             if q.stop {
                 return None;
             }
-            let arrival = q.now;
-            q.pending.push(Job {
-                core: self.index,
-                tenant: tenant.into(),
-                claim,
-                arrival,
-                program,
-                mem,
-                guest,
-                budget,
-                host_work,
-                reply: tx,
-                begin: arrival,
-            });
+            let job = Job { program, mem, guest, budget, host_work, reply: tx };
+            q.pending.push(Submitted { core: self.index, tenant: tenant.into(), claim, job });
             // Nobody runs the board: this thread does, until its own
             // request is answered (no hand-off to the board's thread and
             // back: two thread wake-ups saved per request).
@@ -436,23 +335,13 @@ impl SharedCore {
         answer
     }
 
-    /// Busy time, overlap and per-tenant use of this core so far.
+    /// Busy time, overlap, per-tenant use and harvesting of this core so
+    /// far.
     pub fn stats(&self) -> SharingStats {
         let q = lock(&self.board.inner.q);
-        let Some(c) = q.cores.get(self.index) else { return SharingStats::default() };
-        let mut tenants = c.settled_busy.clone();
-        add_busy(&mut tenants, c.log.iter().map(|iv| (iv.tenant.as_str(), iv.end - iv.start)));
-        SharingStats {
-            requests: c.requests,
-            waited: c.waited,
-            preempted: c.preempted,
-            busy_cycles: q.now,
-            overlap_cycles: c.settled_overlap + overlap(c.log.iter().map(|i| (i.start, i.end))),
-            tenants,
-            slo_requests: c.slo_requests,
-            slo_misses: c.slo_misses,
-            harvest: c.harvest.clone(),
-        }
+        let mut s = q.stats.get(self.index).cloned().unwrap_or_default();
+        s.busy_cycles = q.now;
+        s
     }
 
     /// Holds the board's submitted requests back ([`SharedBoard::pause`]).
@@ -478,13 +367,8 @@ impl SharedCore {
 
 /// What the board's engine keeps from one pass to the next.
 struct EngineState<'c> {
-    board: &'c BoardConfig,
-    switch: f64,
-    sim: BoardSim<'c, Job>,
-    dispatchers: Vec<Dispatcher<Job>>,
-    /// Tenants seen on each core (HBM shares under the "equal" policy)
-    /// with their latest claim (whose engines they lend while idle).
-    tenants: Vec<Vec<(String, Claim)>>,
+    /// The one engine of sharing.
+    rt: Runtime<'c, Job>,
     /// Tenants (core, name) that just got a result and may submit their
     /// next request.
     replied: Vec<(usize, String)>,
@@ -492,13 +376,6 @@ struct EngineState<'c> {
     /// those that got one within `Inner::active` may be about to submit
     /// again.
     recent: Vec<(usize, String, Instant)>,
-    /// Per core, the tenants with a request on it (as the last pass left
-    /// it).
-    running: Vec<Vec<String>>,
-    /// Per core, (simulation id, engines free, issuing again) of every
-    /// suspension of a request still on the core: its busy interval
-    /// leaves them out (infinity: not resumed yet).
-    gaps: Vec<Vec<(usize, f64, f64)>>,
 }
 
 self_cell::self_cell!(
@@ -514,34 +391,11 @@ self_cell::self_cell!(
 
 impl Engine {
     fn for_board(board: &BoardConfig) -> Self {
-        Engine::new(board.clone(), |board| {
-            let sim = BoardSim::new(board);
-            let n = sim.len();
-            EngineState {
-                board,
-                switch: switch_cycles(board),
-                sim,
-                dispatchers: (0..n)
-                    .map(|_| Dispatcher::harvesting(Engines::new(board.core.sa_count, board.core.vu_count)))
-                    .collect(),
-                tenants: vec![Vec::new(); n],
-                replied: Vec::new(),
-                recent: Vec::new(),
-                gaps: vec![Vec::new(); n],
-                running: vec![Vec::new(); n],
-            }
+        Engine::new(board.clone(), |board| EngineState {
+            rt: Runtime::new(board),
+            replied: Vec::new(),
+            recent: Vec::new(),
         })
-    }
-}
-
-impl EngineState<'_> {
-    fn waiting(&self) -> bool {
-        self.dispatchers.iter().any(|d| d.waiting().next().is_some())
-    }
-
-    /// Requests are on the cores or waiting for engines.
-    fn busy(&self) -> bool {
-        !self.sim.is_idle() || self.waiting()
     }
 }
 
@@ -587,12 +441,12 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
             if q.stop {
                 return false;
             }
-            if (!q.pending.is_empty() || st.busy()) && !q.paused {
+            if (!q.pending.is_empty() || st.rt.busy()) && !q.paused {
                 break;
             }
             q = inner.cv.wait(q).unwrap_or_else(std::sync::PoisonError::into_inner);
         }
-        !st.busy()
+        !st.rt.busy()
     };
     // Before simulated time moves on, let the active vNPUs that just got
     // a result submit their next request (and, on an idle board, let the
@@ -621,250 +475,33 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
         if q.stop {
             return false;
         }
-        for j in q.pending.drain(..) {
-            let (Some(seen), Some(core)) = (st.tenants.get_mut(j.core), st.sim.core(j.core)) else {
-                // Cannot happen (cores come from `SharedBoard::core`);
-                // the requester gets no answer rather than a wrong one.
-                continue;
-            };
-            match seen.iter_mut().find(|t| t.0 == j.tenant) {
-                Some(t) => t.1 = j.claim,
-                None => {
-                    seen.push((j.tenant.clone(), j.claim));
-                    core.set_shares(seen.len());
-                }
-            }
-            let p = j.pending();
-            st.dispatchers[j.core].submit(j, p);
+        for Submitted { core, tenant, claim, job } in q.pending.drain(..) {
+            // Cannot fail (cores come from `SharedBoard::core`); the
+            // requester would get no answer rather than a wrong one.
+            let _ = st.rt.submit(core, &tenant, claim, job);
         }
     }
     st.replied.clear();
-    // On each core, place what fits, most urgent first, preempting less
-    // urgent requests for the most urgent one left over; the rest wait.
-    let board = st.board;
-    let mut passes = Vec::with_capacity(st.dispatchers.len());
-    // Per core, who borrows what until the next pass, and who waited for
-    // engines to come back (named now: they may finish in this step).
-    let mut lending: Vec<Lending> = Vec::new();
-    for (c, d) in st.dispatchers.iter_mut().enumerate() {
-        let Some(core) = st.sim.core(c) else { continue };
-        let pass = d.dispatch(core, st.switch, |w, r| schedule(board, w, r), |j, at| j.begin = at);
-        let name = |id: usize| core.job(id).map(|j| j.tenant.clone());
-        let borrowing: Vec<(String, Engines)> =
-            pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
-        let reclaimed: Vec<(String, f64)> =
-            pass.reclaimed.iter().filter_map(|&(id, d)| Some((name(id)?, d))).collect();
-        let unused: Vec<(String, Engines)> =
-            pass.unused.iter().filter_map(|&(id, u)| Some((name(id)?, u))).collect();
-        let running: Vec<String> = core.jobs().map(|j| j.tenant.clone()).collect();
-        if !borrowing.is_empty() || !reclaimed.is_empty() {
-            lending.push(Lending { core: c, borrowing, reclaimed, unused });
-        }
-        st.running[c] = running;
-        passes.push((c, pass));
-    }
-    // Advance the whole board to the next completion.
-    let before = st.sim.now();
-    let done = st.sim.step();
+    // Place, lend and advance the whole board to the next completion.
+    let done = st.rt.step(f64::INFINITY);
     let mut q = lock(&inner.q);
-    q.now = st.sim.now();
-    let dt = (q.now - before).max(0.0);
-    for Lending { core: c, borrowing, reclaimed, unused } in lending {
-        let (Some(log), Some(seen), Some(running)) =
-            (q.cores.get_mut(c), st.tenants.get(c), st.running.get(c))
-        else {
-            continue;
-        };
-        for (tenant, wait) in reclaimed {
-            let h = log.harvest(&tenant);
-            h.reclaims += 1;
-            h.reclaim_cycles += wait;
-            h.reclaim_max_cycles = h.reclaim_max_cycles.max(wait);
-        }
-        let lent = borrowing.iter().fold(Engines::default(), |a, (_, g)| a.saturating_add(*g));
-        for (tenant, cycles) in lenders(board, seen, running, &unused, lent) {
-            log.harvest(&tenant).lent_cycles += cycles * dt;
+    q.now = st.rt.now();
+    for &c in st.rt.touched() {
+        if let Some(s) = q.stats.get_mut(c) {
+            *s = st.rt.stats(c);
         }
     }
-    for (c, pass) in passes {
-        if let Some(log) = q.cores.get_mut(c) {
-            log.waited += pass.waited;
-            log.preempted += pass.preempted;
-        }
-        let Some(g) = st.gaps.get_mut(c) else { continue };
-        g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
-        for (id, at) in pass.resumed {
-            if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
-                open.2 = at;
-            }
-        }
-    }
-    for (c, (id, job, r)) in done {
-        if let Some(d) = st.dispatchers.get_mut(c) {
-            d.finished(id);
-        }
-        if let (Ok(t), Some(log)) = (&r, q.cores.get_mut(c)) {
-            if t.borrowed_cycles > 0.0 {
-                log.harvest(&job.tenant).borrowed_cycles += t.borrowed_cycles;
-            }
-        }
-        let end = r.as_ref().map_or(st.sim.now(), |t| t.cycles);
-        let begin = job.begin.min(end);
-        let mut mine: Vec<(f64, f64)> = Vec::new();
-        if let Some(g) = st.gaps.get_mut(c) {
-            mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
-            g.retain(|x| x.0 != id);
-        }
-        let runs = busy_intervals(begin, end, mine);
-        if let Some(log) = q.cores.get_mut(c) {
-            for (start, stop) in runs {
-                log.log.push(Interval { tenant: job.tenant.clone(), start, end: stop });
-            }
-            log.requests += 1;
-            if job.claim.slo_cycles > 0 {
-                log.slo_requests += 1;
-                log.slo_misses += u64::from(end > job.pending().deadline());
-            }
-        }
-        st.replied.push((c, job.tenant.clone()));
-        match st.recent.iter_mut().find(|r| r.0 == c && r.1 == job.tenant) {
+    for Completion { core, tenant, job, result, begin, end, .. } in done {
+        match st.recent.iter_mut().find(|r| r.0 == core && r.1 == tenant) {
             Some(r) => r.2 = Instant::now(),
-            None => st.recent.push((c, job.tenant.clone(), Instant::now())),
+            None => st.recent.push((core, tenant.clone(), Instant::now())),
         }
-        if q.cores.get(c).is_some_and(|l| l.log.len() >= FOLD_AT) {
-            // Requests still to finish on this core arrived no earlier
-            // than the oldest unfinished one, and new ones arrive now or
-            // later: nothing will start before that.
-            let oldest = st.dispatchers.get(c).and_then(Dispatcher::oldest_arrival);
-            let frontier = oldest.map_or(q.now, |a| a.min(q.now));
-            if let Some(log) = q.cores.get_mut(c) {
-                log.fold(frontier);
-            }
-        }
-        // The requester sees its own request's time: cycles from its
-        // start on the core (after any wait for engines) to its
-        // completion, not the board's clock. (Its arrival is the board's
-        // time when it was submitted, which runs ahead of the wall clock
-        // in steps: no basis for a latency.)
-        let r = r.map(|mut t| {
-            t.cycles = (t.cycles - t.started).max(0.0);
-            t.started = 0.0;
-            t
-        });
+        st.replied.push((core, tenant));
         // A vNPU that went away does not stop the board.
-        let _ = job.reply.send((job.mem, r, begin, end));
+        let _ = job.reply.send((job.mem, result, begin, end));
     }
-    q.busy = st.busy();
+    q.busy = st.rt.busy();
     true
-}
-
-/// One core's lending in one pass: (tenant, engines it borrows until the
-/// next pass) and (tenant, cycles its request placed now waits for
-/// borrowers to give engines back).
-struct Lending {
-    core: usize,
-    borrowing: Vec<(String, Engines)>,
-    reclaimed: Vec<(String, f64)>,
-    /// (tenant, engines of its running request's claim its program
-    /// cannot use).
-    unused: Vec<(String, Engines)>,
-}
-
-/// Whose engines `lent` are (engines lent on a core now): first the
-/// engines no tenant `seen` on the core claims, then the engines of
-/// running requests' claims their programs cannot use (`unused`), then,
-/// in the order they were seen, the claimed engines of tenants with no
-/// request `running`, each up to its claim. Returns (tenant, engines of
-/// its lent).
-fn lenders(
-    board: &BoardConfig,
-    seen: &[(String, Claim)],
-    running: &[String],
-    unused: &[(String, Engines)],
-    lent: Engines,
-) -> Vec<(String, f64)> {
-    let claimed =
-        seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(Engines::new(c.sa, c.vu)));
-    let core = Engines::new(board.core.sa_count, board.core.vu_count);
-    let mut left = lent.saturating_sub(core.saturating_sub(claimed));
-    let idle = seen.iter().filter(|(t, _)| !running.contains(t)).map(|(t, c)| (t, Engines::new(c.sa, c.vu)));
-    let mut out: Vec<(String, f64)> = Vec::new();
-    for (tenant, own) in unused.iter().map(|(t, u)| (t, *u)).chain(idle) {
-        let from = left.min(own);
-        left = left.saturating_sub(from);
-        if from.total() > 0 {
-            match out.iter_mut().find(|o| &o.0 == tenant) {
-                Some(o) => o.1 += f64::from(from.total()),
-                None => out.push((tenant.clone(), f64::from(from.total()))),
-            }
-        }
-    }
-    out
-}
-
-/// Adds each (tenant, cycles) to `into`'s entry of that tenant.
-fn add_busy<'a>(into: &mut Vec<(String, f64)>, busy: impl Iterator<Item = (&'a str, f64)>) {
-    for (tenant, cycles) in busy {
-        match into.iter_mut().find(|(t, _)| t == tenant) {
-            Some(e) => e.1 += cycles,
-            None => into.push((tenant.to_string(), cycles)),
-        }
-    }
-}
-
-/// Time during which two or more of `intervals` (start, end) run: a sweep
-/// of their end points.
-fn overlap(intervals: impl Iterator<Item = (f64, f64)>) -> f64 {
-    let mut ev: Vec<(f64, i32)> = intervals.flat_map(|(s, e)| [(s, 1), (e, -1)]).collect();
-    ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    let (mut active, mut last, mut total) = (0, 0.0, 0.0);
-    for (t, d) in ev {
-        if active >= 2 {
-            total += t - last;
-        }
-        active += d;
-        last = t;
-    }
-    total
-}
-
-impl CoreLog {
-    /// Counts everything before simulated time `frontier` (no interval
-    /// still to come starts before it) in the settled totals and keeps
-    /// only the parts of intervals after it. Busy time and overlap are
-    /// sums over time, so the totals are exactly what the whole log gives.
-    fn fold(&mut self, frontier: f64) {
-        if frontier <= self.settled {
-            return;
-        }
-        let before = self.log.iter().filter(|i| i.start < frontier);
-        let busy = before.clone().map(|i| (i.tenant.as_str(), i.end.min(frontier) - i.start));
-        add_busy(&mut self.settled_busy, busy);
-        self.settled_overlap += overlap(before.map(|i| (i.start, i.end.min(frontier))));
-        self.log.retain(|i| i.end > frontier);
-        for i in &mut self.log {
-            i.start = i.start.max(frontier);
-        }
-        self.settled = frontier;
-    }
-}
-
-/// A request's busy intervals: from `begin` to `end`, less its
-/// suspensions (engines free, issuing again; infinity: never resumed).
-fn busy_intervals(begin: f64, end: f64, mut gaps: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
-    gaps.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let mut runs = Vec::new();
-    let mut from = begin;
-    for (stop, again) in gaps {
-        if stop > from {
-            runs.push((from, stop.min(end)));
-        }
-        from = from.max(again.min(end));
-    }
-    if end > from || runs.is_empty() {
-        runs.push((from.min(end), end));
-    }
-    runs
 }
 
 #[cfg(test)]
@@ -1052,7 +689,7 @@ mod tests {
             })
             .collect();
         let want: Vec<f64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        let kept = lock(&core.board.inner.q).cores[0].log.len();
+        let kept = lock(&core.board.inner.engine).with_dependent(|_, st| st.rt.kept_intervals(0));
         let st = core.stats();
         core.stop();
         assert!(kept < FOLD_AT + 4, "{kept} intervals kept after {} requests", 2 * per_tenant);

@@ -1,13 +1,12 @@
 //! SLO evaluation of an oversubscribed core: vNPUs of different
 //! shapes whose claims exceed one physical core (4 SA + 4 VU), two of them
 //! latency-critical with a latency target, two batch-like without, all
-//! with Poisson arrivals. The core runs as the device's shared core does
-//! (`npu_board_runtime::SharedCore`): one continuous simulation of the core
-//! (`npu_model::CoreSim`) that each vNPU's requests join in turn (one at a
-//! time per vNPU, the rest queue in the guest's ring), waiting requests
-//! placed with `npu_scheduler::placements` as soon as their claims fit, a
-//! request that had to wait paying `npu_scheduler::switch_cycles`. Only the
-//! scheduling policy differs:
+//! with Poisson arrivals. The core is the device's own board runtime
+//! (`npu_board_runtime::Runtime`, what `SharedCore` runs): each vNPU's
+//! requests join core 0 in turn (one at a time per vNPU, the rest queue in
+//! the guest's ring), waiting requests placed as soon as their claims fit,
+//! a request that had to wait paying `npu_scheduler::switch_cycles`. Only
+//! the scheduling policy differs (`Runtime::set_policy`):
 //!
 //! - **EDF+preempt** (this system, `npu_scheduler::schedule`): waiting
 //!   requests by priority, then earliest deadline, then arrival, first fit;
@@ -25,10 +24,9 @@
 
 use clap::Parser;
 use npu_bench::{fail, p99, positive, usage_error, BoardArg, Request, Rng};
-use npu_model::{BoardConfig, CoreSim};
-use npu_scheduler::{
-    admission_order, placements, schedule, switch_cycles, Claim, Decision, Dispatcher, Pending,
-};
+use npu_board_runtime::Runtime;
+use npu_model::BoardConfig;
+use npu_scheduler::{admission_order, placements, schedule, switch_cycles, Claim, Decision, Pending};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
 
@@ -76,57 +74,44 @@ fn simulate(
     policy: Policy,
 ) -> Result<Outcome, String> {
     let n = ts.len();
-    let switch = switch_cycles(board);
     let mut o = Outcome { latencies: vec![Vec::new(); n], slo_met: vec![0; n], ..Default::default() };
-    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
-    let mut dispatcher: Dispatcher<Request<'_>> = Dispatcher::default();
+    // The board runtime the device runs (core 0 of the board), with the
+    // order under test.
+    let mut rt: Runtime<'_, Request<'_>> = Runtime::new(board);
+    rt.set_policy(match policy {
+        Policy::Preemptive => schedule,
+        Policy::PriorityEdf => priority_edf,
+        Policy::Fifo => fifo,
+    });
     let mut next = vec![0usize; n];
     // Per tenant: a request of it is submitted and not finished.
     let mut busy = vec![false; n];
-    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
     loop {
-        let now = sim.now();
-        // Each vNPU submits its oldest request once the previous one is done.
+        let now = rt.now();
+        // Each vNPU submits its oldest request once the previous one is
+        // done (the rest queue in its ring, their arrival kept).
         for i in 0..n {
             if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
                 busy[i] = true;
                 let req = Request { tenant: i, arrival, program: &ts[i].program };
-                dispatcher.submit(req, Pending { claim: ts[i].claim, arrival });
+                rt.submit_arrived(0, ts[i].name, ts[i].claim, req, arrival)
+                    .map_err(|_| "the board has no core 0".to_string())?;
             }
         }
-        let n_disp = dispatcher.dispatch(
-            &mut sim,
-            switch,
-            |w, r| match policy {
-                Policy::Preemptive => schedule(board, w, r),
-                Policy::PriorityEdf => Decision {
-                    place: placements(board, &claims(w), &admission_order(w), &claims(r)),
-                    preempt: vec![],
-                },
-                Policy::Fifo => {
-                    let mut order: Vec<usize> = (0..w.len()).collect();
-                    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
-                    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: vec![] }
-                }
-            },
-            |_, _| {},
-        );
-        o.waited += n_disp.waited as usize;
-        o.preempted += n_disp.preempted as usize;
         // Run until a request finishes or the next one arrives.
         let next_arrival = (0..n)
             .filter(|&i| !busy[i])
             .filter_map(|i| arrivals[i].get(next[i]).copied())
             .fold(f64::INFINITY, f64::min);
-        if sim.is_idle() && dispatcher.waiting().next().is_none() && !next_arrival.is_finite() {
+        if !rt.busy() && !next_arrival.is_finite() {
             break;
         }
-        for (id, req, r) in sim.step_until(next_arrival) {
-            dispatcher.finished(id);
-            let t = r.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
+        for done in rt.step(next_arrival) {
+            let req = done.job;
+            let t = done.result.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
             let tot = t.totals();
             o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
-            let lat = t.cycles - req.arrival;
+            let lat = done.end - req.arrival;
             o.latencies[req.tenant].push(lat);
             let slo = ts[req.tenant].claim.slo_cycles;
             if slo > 0 && lat <= slo as f64 {
@@ -136,8 +121,28 @@ fn simulate(
             next[req.tenant] += 1;
         }
     }
-    o.end = sim.now();
+    let st = rt.stats(0);
+    o.waited = st.waited as usize;
+    o.preempted = st.preempted as usize;
+    o.end = rt.now();
     Ok(o)
+}
+
+/// The claims of `ps`.
+fn claims(ps: &[Pending]) -> Vec<Claim> {
+    ps.iter().map(|p| p.claim).collect()
+}
+
+/// Priority, then earliest deadline, first fit; no preemption.
+fn priority_edf(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
+    Decision { place: placements(board, &claims(w), &admission_order(w), &claims(r)), preempt: vec![] }
+}
+
+/// Arrival order, first fit; no preemption.
+fn fifo(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
+    let mut order: Vec<usize> = (0..w.len()).collect();
+    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
+    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: vec![] }
 }
 
 /// SLO evaluation of an oversubscribed core: four vNPUs whose claims exceed

@@ -1,0 +1,520 @@
+//! The one engine of sharing: the board's cores in one simulation
+//! (`npu_model::BoardSim`), each with its dispatcher (`npu_scheduler`:
+//! placement, preemption, harvesting), and what happened on each core.
+//! [`Runtime`] is driven in simulated time: submit requests, step to the
+//! next completion (or a given time), read the counters. The daemon's and
+//! the in-process device's shared board ([`crate::SharedBoard`]) drive it
+//! from the vNPUs' threads, coupling simulated to wall time; an evaluation
+//! drives it with arrivals of its own. Either way, dispatch, budgets,
+//! preemption, lending and the counters are this code's.
+
+use npu_model::{BoardConfig, BoardSim, CoreMemory, ExecError, SimTenant, TenantReport};
+use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending};
+use vnpu_abi::Program;
+
+/// Who runs next on a core, and what is preempted for it (default:
+/// [`npu_scheduler::schedule`]; an evaluation may run a baseline's).
+pub type Policy = fn(&BoardConfig, &[Pending], &[Pending]) -> Decision;
+
+/// A request with what the runtime knows of it.
+struct Entry<J> {
+    job: J,
+    tenant: String,
+    claim: Claim,
+    arrival: f64,
+    /// When its program starts on the core's timeline.
+    begin: f64,
+}
+
+impl<J: SimTenant> SimTenant for Entry<J> {
+    fn program(&self) -> &Program {
+        self.job.program()
+    }
+    fn memory(&mut self) -> Option<CoreMemory<'_>> {
+        self.job.memory()
+    }
+    fn max_cycles(&self) -> Option<u64> {
+        self.job.max_cycles()
+    }
+    fn max_host_work(&self) -> Option<u64> {
+        self.job.max_host_work()
+    }
+    fn took_effect(&mut self, stream: usize, index: usize) {
+        self.job.took_effect(stream, index);
+    }
+}
+
+/// A request that finished (or failed).
+#[derive(Debug)]
+pub struct Completion<J> {
+    pub core: usize,
+    pub tenant: String,
+    pub job: J,
+    /// Its report; `cycles` count from its start on the core (after any
+    /// wait for engines), `started` is 0.
+    pub result: Result<TenantReport, ExecError>,
+    /// On the board's timeline (cycles): when it was submitted, when its
+    /// program started, when it ended.
+    pub arrival: f64,
+    pub begin: f64,
+    pub end: f64,
+}
+
+/// A tenant's busy interval on the core's simulated timeline.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Interval {
+    pub tenant: String,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// Busy intervals a core keeps before it folds the settled ones into
+/// totals ([`CoreLog::fold`]): a daemon serves for ever, its log must not
+/// grow with every request.
+pub(crate) const FOLD_AT: usize = 1024;
+
+/// What happened on one core of the board.
+#[derive(Default)]
+pub(crate) struct CoreLog {
+    /// Busy intervals not folded yet (all of them end after `settled`).
+    pub(crate) log: Vec<Interval>,
+    /// Before this simulated time every interval is counted in
+    /// `settled_busy` and `settled_overlap`: no request still to finish
+    /// started before it.
+    pub(crate) settled: f64,
+    pub(crate) settled_busy: Vec<(String, f64)>,
+    pub(crate) settled_overlap: f64,
+    requests: u64,
+    waited: u64,
+    preempted: u64,
+    slo_requests: u64,
+    slo_misses: u64,
+    /// Harvesting per tenant.
+    harvest: Vec<(String, Harvest)>,
+}
+
+impl CoreLog {
+    fn harvest(&mut self, tenant: &str) -> &mut Harvest {
+        let i = match self.harvest.iter().position(|h| h.0 == tenant) {
+            Some(i) => i,
+            None => {
+                self.harvest.push((tenant.to_string(), Harvest::default()));
+                self.harvest.len() - 1
+            }
+        };
+        &mut self.harvest[i].1
+    }
+
+    /// Counts everything before simulated time `frontier` (no interval
+    /// still to come starts before it) in the settled totals and keeps
+    /// only the parts of intervals after it. Busy time and overlap are
+    /// sums over time, so the totals are exactly what the whole log gives.
+    pub(crate) fn fold(&mut self, frontier: f64) {
+        if frontier <= self.settled {
+            return;
+        }
+        let before = self.log.iter().filter(|i| i.start < frontier);
+        let busy = before.clone().map(|i| (i.tenant.as_str(), i.end.min(frontier) - i.start));
+        add_busy(&mut self.settled_busy, busy);
+        self.settled_overlap += overlap(before.map(|i| (i.start, i.end.min(frontier))));
+        self.log.retain(|i| i.end > frontier);
+        for i in &mut self.log {
+            i.start = i.start.max(frontier);
+        }
+        self.settled = frontier;
+    }
+
+    fn stats(&self, now: f64) -> SharingStats {
+        let mut tenants = self.settled_busy.clone();
+        add_busy(&mut tenants, self.log.iter().map(|iv| (iv.tenant.as_str(), iv.end - iv.start)));
+        SharingStats {
+            requests: self.requests,
+            waited: self.waited,
+            preempted: self.preempted,
+            busy_cycles: now,
+            overlap_cycles: self.settled_overlap + overlap(self.log.iter().map(|i| (i.start, i.end))),
+            tenants,
+            slo_requests: self.slo_requests,
+            slo_misses: self.slo_misses,
+            harvest: self.harvest.clone(),
+        }
+    }
+}
+
+/// What harvesting did for and to one tenant of a core
+/// (`docs/management.md`, "Harvesting").
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Harvest {
+    /// Engine-cycles its spread programs ran on engines beyond its claim
+    /// (`npu_model::TenantReport::borrowed_cycles`).
+    pub borrowed_cycles: f64,
+    /// Engine-cycles its own engines were granted to others, used or not,
+    /// while its request could not use them or it had none on the core
+    /// (engines no vNPU claims count first).
+    pub lent_cycles: f64,
+    /// Its requests that waited for borrowers to give engines back, the
+    /// cycles they waited, and the longest wait.
+    pub reclaims: u64,
+    pub reclaim_cycles: f64,
+    pub reclaim_max_cycles: f64,
+}
+
+/// What a core did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SharingStats {
+    /// Requests served.
+    pub requests: u64,
+    /// Requests that had to wait for engines (only on an oversubscribed
+    /// core).
+    pub waited: u64,
+    /// Times a running request was suspended for a more urgent one.
+    pub preempted: u64,
+    /// The board's simulated time (cycles).
+    pub busy_cycles: f64,
+    /// Simulated cycles during which two or more tenants ran at once.
+    pub overlap_cycles: f64,
+    /// Busy cycles per tenant.
+    pub tenants: Vec<(String, f64)>,
+    /// Requests that had a latency target, and those that missed it.
+    pub slo_requests: u64,
+    pub slo_misses: u64,
+    /// Harvesting per tenant (tenants it touched).
+    pub harvest: Vec<(String, Harvest)>,
+}
+
+/// The board's cores in one simulation with their dispatchers and logs
+/// (see the module's documentation).
+pub struct Runtime<'c, J> {
+    board: &'c BoardConfig,
+    switch: f64,
+    policy: Policy,
+    sim: BoardSim<'c, Entry<J>>,
+    dispatchers: Vec<Dispatcher<Entry<J>>>,
+    /// Tenants seen on each core (HBM shares under the "equal" policy)
+    /// with their latest claim (whose engines they lend while idle).
+    tenants: Vec<Vec<(String, Claim)>>,
+    /// Per core, (simulation id, engines free, issuing again) of every
+    /// suspension of a request still on the core: its busy interval
+    /// leaves them out (infinity: not resumed yet).
+    gaps: Vec<Vec<(usize, f64, f64)>>,
+    logs: Vec<CoreLog>,
+    /// Cores whose counters the last step changed.
+    touched: Vec<usize>,
+}
+
+impl<J: SimTenant> std::fmt::Debug for Runtime<'_, J> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("now", &self.sim.now()).finish_non_exhaustive()
+    }
+}
+
+impl<'c, J: SimTenant> Runtime<'c, J> {
+    /// Every core of `board`, idle at time 0, harvesting on, scheduled by
+    /// [`npu_scheduler::schedule`].
+    pub fn new(board: &'c BoardConfig) -> Self {
+        let sim = BoardSim::new(board);
+        let n = sim.len();
+        let core = Engines::new(board.core.sa_count, board.core.vu_count);
+        Self {
+            board,
+            switch: switch_cycles(board),
+            policy: schedule,
+            sim,
+            dispatchers: (0..n).map(|_| Dispatcher::harvesting(core)).collect(),
+            tenants: vec![Vec::new(); n],
+            gaps: vec![Vec::new(); n],
+            logs: (0..n).map(|_| CoreLog::default()).collect(),
+            touched: Vec::new(),
+        }
+    }
+
+    /// Lends idle engines to spread programs from the next step on, or
+    /// not (then every request runs on its claim's engines).
+    pub fn set_harvesting(&mut self, on: bool) {
+        let core = Engines::new(self.board.core.sa_count, self.board.core.vu_count);
+        for d in &mut self.dispatchers {
+            d.set_harvesting(on.then_some(core));
+        }
+    }
+
+    /// Runs every core by `policy` from the next step on.
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+    }
+
+    /// The board's cores.
+    pub fn cores(&self) -> usize {
+        self.sim.len()
+    }
+
+    /// The board's simulated time (cycles).
+    pub fn now(&self) -> f64 {
+        self.sim.now()
+    }
+
+    /// Requests are on the cores or waiting for engines.
+    pub fn busy(&self) -> bool {
+        !self.sim.is_idle() || self.dispatchers.iter().any(|d| d.waiting().next().is_some())
+    }
+
+    /// A request of `tenant` arrives on `core` now, claiming `claim`; it
+    /// goes on the core at the next [`Runtime::step`]. Hands the job back
+    /// if the board has no such core.
+    pub fn submit(&mut self, core: usize, tenant: &str, claim: Claim, job: J) -> Result<(), J> {
+        let now = self.sim.now();
+        self.submit_arrived(core, tenant, claim, job, now)
+    }
+
+    /// As [`Runtime::submit`], for a request that arrived at simulated time
+    /// `arrival` (no later than now: a request that queued behind its
+    /// tenant's previous one, as in a guest's ring) and reaches the core
+    /// now: its deadline and its place among equals count from `arrival`.
+    pub fn submit_arrived(
+        &mut self,
+        core: usize,
+        tenant: &str,
+        claim: Claim,
+        job: J,
+        arrival: f64,
+    ) -> Result<(), J> {
+        let arrival = arrival.min(self.sim.now());
+        let (Some(seen), Some(c), Some(d)) =
+            (self.tenants.get_mut(core), self.sim.core(core), self.dispatchers.get_mut(core))
+        else {
+            return Err(job);
+        };
+        match seen.iter_mut().find(|t| t.0 == tenant) {
+            Some(t) => t.1 = claim,
+            None => {
+                seen.push((tenant.to_string(), claim));
+                c.set_shares(seen.len());
+            }
+        }
+        let p = Pending { claim, arrival };
+        d.submit(Entry { job, tenant: tenant.to_string(), claim, arrival, begin: arrival }, p);
+        Ok(())
+    }
+
+    /// One pass: on each core, place what fits (most urgent first,
+    /// preempting for the most urgent one left over) and lend the idle
+    /// engines; then advance the whole board to the next completion, or
+    /// to simulated time `until` if none comes first. Returns the requests
+    /// that finished.
+    pub fn step(&mut self, until: f64) -> Vec<Completion<J>> {
+        let board = self.board;
+        let policy = self.policy;
+        self.touched.clear();
+        let mut passes = Vec::with_capacity(self.dispatchers.len());
+        // Per core, who borrows what until the next pass, and who waited
+        // for engines to come back (named now: they may finish in this
+        // step).
+        let mut lending: Vec<Lending> = Vec::new();
+        for (c, d) in self.dispatchers.iter_mut().enumerate() {
+            let Some(core) = self.sim.core(c) else { continue };
+            if core.is_idle() && d.waiting().next().is_none() {
+                continue;
+            }
+            let pass = d.dispatch(core, self.switch, |w, r| policy(board, w, r), |j, at| j.begin = at);
+            let name = |id: usize| core.job(id).map(|j| j.tenant.clone());
+            let borrowing: Vec<(String, Engines)> =
+                pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
+            let reclaimed: Vec<(String, f64)> =
+                pass.reclaimed.iter().filter_map(|&(id, d)| Some((name(id)?, d))).collect();
+            let unused: Vec<(String, Engines)> =
+                pass.unused.iter().filter_map(|&(id, u)| Some((name(id)?, u))).collect();
+            if !borrowing.is_empty() || !reclaimed.is_empty() {
+                let running = core.jobs().map(|j| j.tenant.clone()).collect();
+                lending.push(Lending { core: c, borrowing, reclaimed, unused, running });
+            }
+            self.touched.push(c);
+            passes.push((c, pass));
+        }
+        let before = self.sim.now();
+        let done = self.sim.step_until(until);
+        let dt = (self.sim.now() - before).max(0.0);
+        for Lending { core: c, borrowing, reclaimed, unused, running } in lending {
+            let (Some(log), Some(seen)) = (self.logs.get_mut(c), self.tenants.get(c)) else {
+                continue;
+            };
+            for (tenant, wait) in reclaimed {
+                let h = log.harvest(&tenant);
+                h.reclaims += 1;
+                h.reclaim_cycles += wait;
+                h.reclaim_max_cycles = h.reclaim_max_cycles.max(wait);
+            }
+            let lent = borrowing.iter().fold(Engines::default(), |a, (_, g)| a.saturating_add(*g));
+            for (tenant, cycles) in lenders(board, seen, &running, &unused, lent) {
+                log.harvest(&tenant).lent_cycles += cycles * dt;
+            }
+        }
+        for (c, pass) in passes {
+            if let Some(log) = self.logs.get_mut(c) {
+                log.waited += pass.waited;
+                log.preempted += pass.preempted;
+            }
+            let Some(g) = self.gaps.get_mut(c) else { continue };
+            g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
+            for (id, at) in pass.resumed {
+                if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
+                    open.2 = at;
+                }
+            }
+        }
+        let now = self.sim.now();
+        let mut out = Vec::with_capacity(done.len());
+        for (c, (id, entry, r)) in done {
+            if let Some(d) = self.dispatchers.get_mut(c) {
+                d.finished(id);
+            }
+            let end = r.as_ref().map_or(now, |t| t.cycles);
+            let begin = entry.begin.min(end);
+            let mut mine: Vec<(f64, f64)> = Vec::new();
+            if let Some(g) = self.gaps.get_mut(c) {
+                mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
+                g.retain(|x| x.0 != id);
+            }
+            if let Some(log) = self.logs.get_mut(c) {
+                if let Ok(t) = &r {
+                    if t.borrowed_cycles > 0.0 {
+                        log.harvest(&entry.tenant).borrowed_cycles += t.borrowed_cycles;
+                    }
+                }
+                for (start, stop) in busy_intervals(begin, end, mine) {
+                    log.log.push(Interval { tenant: entry.tenant.clone(), start, end: stop });
+                }
+                log.requests += 1;
+                if entry.claim.slo_cycles > 0 {
+                    log.slo_requests += 1;
+                    let deadline = Pending { claim: entry.claim, arrival: entry.arrival }.deadline();
+                    log.slo_misses += u64::from(end > deadline);
+                }
+                if log.log.len() >= FOLD_AT {
+                    // Requests still to finish on this core arrived no
+                    // earlier than the oldest unfinished one, and new ones
+                    // arrive now or later: nothing will start before that.
+                    let oldest = self.dispatchers.get(c).and_then(Dispatcher::oldest_arrival);
+                    log.fold(oldest.map_or(now, |a| a.min(now)));
+                }
+            }
+            if !self.touched.contains(&c) {
+                self.touched.push(c);
+            }
+            // The requester sees its own request's time: cycles from its
+            // start on the core (after any wait for engines) to its
+            // completion, not the board's clock.
+            let result = r.map(|mut t| {
+                t.cycles = (t.cycles - t.started).max(0.0);
+                t.started = 0.0;
+                t
+            });
+            let Entry { job, tenant, arrival, .. } = entry;
+            out.push(Completion { core: c, tenant, job, result, arrival, begin, end });
+        }
+        out
+    }
+
+    /// Busy time, overlap, per-tenant use and harvesting of `core` so far.
+    pub fn stats(&self, core: usize) -> SharingStats {
+        self.logs.get(core).map_or_else(SharingStats::default, |l| l.stats(self.sim.now()))
+    }
+
+    /// The cores whose counters the last [`Runtime::step`] changed.
+    pub fn touched(&self) -> &[usize] {
+        &self.touched
+    }
+
+    /// Busy intervals `core` keeps unfolded (bounded by [`FOLD_AT`]).
+    #[cfg(test)]
+    pub(crate) fn kept_intervals(&self, core: usize) -> usize {
+        self.logs.get(core).map_or(0, |l| l.log.len())
+    }
+}
+
+/// One core's lending in one pass: (tenant, engines it borrows until the
+/// next pass), (tenant, cycles its request placed now waits for
+/// borrowers to give engines back), (tenant, engines of its running
+/// request's claim its program cannot use) and the tenants with a request
+/// on the core.
+struct Lending {
+    core: usize,
+    borrowing: Vec<(String, Engines)>,
+    reclaimed: Vec<(String, f64)>,
+    unused: Vec<(String, Engines)>,
+    running: Vec<String>,
+}
+
+/// Whose engines `lent` are (engines lent on a core now): first the
+/// engines no tenant `seen` on the core claims, then the engines of
+/// running requests' claims their programs cannot use (`unused`), then,
+/// in the order they were seen, the claimed engines of tenants with no
+/// request `running`, each up to its claim. Returns (tenant, engines of
+/// its lent).
+fn lenders(
+    board: &BoardConfig,
+    seen: &[(String, Claim)],
+    running: &[String],
+    unused: &[(String, Engines)],
+    lent: Engines,
+) -> Vec<(String, f64)> {
+    let claimed =
+        seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(Engines::new(c.sa, c.vu)));
+    let core = Engines::new(board.core.sa_count, board.core.vu_count);
+    let mut left = lent.saturating_sub(core.saturating_sub(claimed));
+    let idle = seen.iter().filter(|(t, _)| !running.contains(t)).map(|(t, c)| (t, Engines::new(c.sa, c.vu)));
+    let mut out: Vec<(String, f64)> = Vec::new();
+    for (tenant, own) in unused.iter().map(|(t, u)| (t, *u)).chain(idle) {
+        let from = left.min(own);
+        left = left.saturating_sub(from);
+        if from.total() > 0 {
+            match out.iter_mut().find(|o| &o.0 == tenant) {
+                Some(o) => o.1 += f64::from(from.total()),
+                None => out.push((tenant.clone(), f64::from(from.total()))),
+            }
+        }
+    }
+    out
+}
+
+/// Adds each (tenant, cycles) to `into`'s entry of that tenant.
+pub(crate) fn add_busy<'a>(into: &mut Vec<(String, f64)>, busy: impl Iterator<Item = (&'a str, f64)>) {
+    for (tenant, cycles) in busy {
+        match into.iter_mut().find(|(t, _)| t == tenant) {
+            Some(e) => e.1 += cycles,
+            None => into.push((tenant.to_string(), cycles)),
+        }
+    }
+}
+
+/// Time during which two or more of `intervals` (start, end) run: a sweep
+/// of their end points.
+pub(crate) fn overlap(intervals: impl Iterator<Item = (f64, f64)>) -> f64 {
+    let mut ev: Vec<(f64, i32)> = intervals.flat_map(|(s, e)| [(s, 1), (e, -1)]).collect();
+    ev.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let (mut active, mut last, mut total) = (0, 0.0, 0.0);
+    for (t, d) in ev {
+        if active >= 2 {
+            total += t - last;
+        }
+        active += d;
+        last = t;
+    }
+    total
+}
+
+/// A request's busy intervals: from `begin` to `end`, less its
+/// suspensions (engines free, issuing again; infinity: never resumed).
+fn busy_intervals(begin: f64, end: f64, mut gaps: Vec<(f64, f64)>) -> Vec<(f64, f64)> {
+    gaps.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut runs = Vec::new();
+    let mut from = begin;
+    for (stop, again) in gaps {
+        if stop > from {
+            runs.push((from, stop.min(end)));
+        }
+        from = from.max(again.min(end));
+    }
+    if end > from || runs.is_empty() {
+        runs.push((from.min(end), end));
+    }
+    runs
+}
