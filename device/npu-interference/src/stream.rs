@@ -7,10 +7,14 @@
 //! last of them is done. Everything the
 //! tenants meet on the way (co-tenants that come and go, each core's DMA
 //! engines, each chip's HBM, the board's host link) is the board model's,
-//! in one continuous simulation: what a placement policy's choices cost
-//! its tenants, measured rather than predicted.
+//! in one continuous simulation run by the device's own board runtime
+//! (`npu_board_runtime::Runtime`: each phase is a request of the tenant's
+//! vNPU claiming its SAs and VUs on the core, dispatched as the daemon
+//! dispatches it): what a placement policy's choices cost its tenants,
+//! measured rather than predicted.
 
-use npu_model::{BoardConfig, BoardSim};
+use npu_board_runtime::{Claim, Runtime};
+use npu_model::BoardConfig;
 
 use crate::corun::{CoRunError, Job, RequestPrograms};
 
@@ -29,7 +33,7 @@ struct Tenant<'p> {
 /// The board and its tenants, advanced in time by the caller (between
 /// arrivals).
 pub struct Stream<'c, 'p> {
-    board: BoardSim<'c, Job<'p>>,
+    board: Runtime<'c, Job<'p>>,
     tenants: Vec<Tenant<'p>>,
 }
 
@@ -43,7 +47,7 @@ impl<'c, 'p> Stream<'c, 'p> {
     /// An idle board of `cfg` at time 0 (every resource contended, as on
     /// the hardware).
     pub fn new(cfg: &'c BoardConfig) -> Self {
-        Self { board: BoardSim::new(cfg), tenants: Vec::new() }
+        Self { board: Runtime::new(cfg), tenants: Vec::new() }
     }
 
     /// Simulated cycles since the stream began.
@@ -61,7 +65,7 @@ impl<'c, 'p> Stream<'c, 'p> {
         requests: u64,
     ) -> Result<usize, CoRunError> {
         let id = self.tenants.len();
-        let n = self.board.len();
+        let n = self.board.cores();
         if let Some(&core) = cores.iter().find(|&&c| c >= n) {
             return Err(CoRunError::NoCore { tenant: id, core, cores: n });
         }
@@ -70,9 +74,13 @@ impl<'c, 'p> Stream<'c, 'p> {
             return Err(CoRunError::BadCores { tenant: id, core: twice.map_or(0, |(_, &c)| c) });
         }
         for &core in cores {
-            if let Some(c) = self.board.core(core) {
-                c.add(Job { tenant: id, program: request.phase(0) }, 0.0);
-            }
+            // Checked above: every core exists.
+            let _ = self.board.submit(
+                core,
+                &name(id),
+                claim(request),
+                Job { tenant: id, program: request.phase(0) },
+            );
         }
         let arrived = self.board.now();
         self.tenants.push(Tenant {
@@ -93,7 +101,7 @@ impl<'c, 'p> Stream<'c, 'p> {
     pub fn run_until(&mut self, until: f64) -> Result<Vec<usize>, CoRunError> {
         let mut gone = Vec::new();
         loop {
-            let finished = self.board.step_until(until);
+            let finished = self.board.step(until);
             if finished.is_empty() {
                 if until.is_infinite() && self.tenants.iter().any(|t| t.left_at.is_none()) {
                     return Err(CoRunError::Stuck);
@@ -101,8 +109,8 @@ impl<'c, 'p> Stream<'c, 'p> {
                 return Ok(gone);
             }
             let now = self.board.now();
-            for (_, (_, job, report)) in finished {
-                let id = job.tenant;
+            for done in finished {
+                let (id, report) = (done.job.tenant, done.result);
                 let Some(t) = self.tenants.get_mut(id) else { return Err(CoRunError::Stuck) };
                 report.map_err(|source| CoRunError::Exec {
                     tenant: id,
@@ -126,10 +134,9 @@ impl<'c, 'p> Stream<'c, 'p> {
                 }
                 t.pending = t.cores.len();
                 let program = t.request.phase(t.phase);
+                let claim = claim(t.request);
                 for &core in &t.cores {
-                    if let Some(c) = self.board.core(core) {
-                        c.add(Job { tenant: id, program }, 0.0);
-                    }
+                    let _ = self.board.submit(core, &name(id), claim, Job { tenant: id, program });
                 }
             }
         }
@@ -139,4 +146,14 @@ impl<'c, 'p> Stream<'c, 'p> {
     pub fn times(&self, id: usize) -> Option<(f64, Option<f64>)> {
         self.tenants.get(id).map(|t| (t.arrived, t.left_at))
     }
+}
+
+/// Tenant `id`'s name on the board's cores.
+fn name(id: usize) -> String {
+    format!("tenant-{id}")
+}
+
+/// What a request of `request`'s vNPU claims on each of its cores.
+fn claim(request: &RequestPrograms) -> Claim {
+    Claim { sa: request.spec.sa, vu: request.spec.vu, ..Claim::default() }
 }
