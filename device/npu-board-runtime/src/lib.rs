@@ -710,13 +710,7 @@ mod tests {
         let board = BoardConfig::default();
         let shared = SharedBoard::with_gather(&board, "board-preempt", Duration::from_secs(2)).unwrap();
         let (c0, c1) = (shared.core(0).unwrap(), shared.core(1).unwrap());
-        let whole = |priority| Claim {
-            sa: board.core.sa_count,
-            vu: board.core.vu_count,
-            priority,
-            slo_cycles: 0,
-            ..Claim::default()
-        };
+        let whole = |priority| Claim { priority, ..Claim::whole_core(&board) };
         shared.pause();
         let long = submit_copies(&c0, "long", whole(0), 64);
         let early = submit_copies(&c1, "early", whole(0), 1);
@@ -790,13 +784,7 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-slo").unwrap();
         core.pause();
-        let whole = |slo_cycles| Claim {
-            sa: board.core.sa_count,
-            vu: board.core.vu_count,
-            priority: 0,
-            slo_cycles,
-            ..Claim::default()
-        };
+        let whole = |slo_cycles| Claim { slo_cycles, ..Claim::whole_core(&board) };
         // Submitted in this order: no target, a loose one, a tight one.
         let none = submit(&core, "none", whole(0));
         let loose = submit(&core, "loose", whole(1 << 40));
@@ -818,13 +806,7 @@ mod tests {
         let board = BoardConfig::default();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
-        let whole = |priority| Claim {
-            sa: board.core.sa_count,
-            vu: board.core.vu_count,
-            priority,
-            slo_cycles: 0,
-            ..Claim::default()
-        };
+        let whole = |priority| Claim { priority, ..Claim::whole_core(&board) };
         // Submitted in this order: low first.
         let low = submit(&core, "low", whole(1));
         let high = submit(&core, "high", whole(9));

@@ -3,7 +3,7 @@
 //! times follow by hand from one instruction's.
 #![allow(clippy::unwrap_used)]
 
-use npu_model::{run_program, BoardConfig, CoreMemory, CoreSim, SimTenant};
+use npu_model::{run_program, BoardConfig, CoreSim, Tenant};
 use vnpu_abi::{Engine, Instr, Program, ProgramBuilder, UnOp};
 
 /// `streams` independent VU streams of `each` `exp` passes over 64 Ki
@@ -21,24 +21,11 @@ fn vu_streams(streams: u8, each: usize, spread: bool) -> Program {
     b.finish()
 }
 
-struct T(Program);
-impl SimTenant for T {
-    fn program(&self) -> &Program {
-        &self.0
-    }
-    fn memory(&mut self) -> Option<CoreMemory<'_>> {
-        None
-    }
-    fn max_cycles(&self) -> Option<u64> {
-        None
-    }
-}
-
 /// Cycles and borrowed cycles of `p` alone on a core that gives it
 /// `width` engines of which `guarantee` are its own.
 fn on(cfg: &BoardConfig, p: &Program, guarantee: [u32; 2], width: [u32; 2]) -> (f64, f64) {
     let mut sim = CoreSim::new(cfg, 1);
-    let id = sim.add(T(p.clone()), 0.0);
+    let id = sim.add(Tenant { program: p, memory: None, max_cycles: None }, 0.0);
     assert_eq!(sim.set_engines(id, guarantee, width), 0.0);
     let (_, _, r) = sim.step().pop().unwrap();
     let r = r.unwrap();
@@ -81,8 +68,9 @@ fn a_spread_program_runs_on_the_engines_it_is_given() {
 fn engines_taken_back_are_free_after_the_instruction_on_them() {
     let cfg = BoardConfig::default();
     let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
+    let p = vu_streams(4, 3, true);
     let mut sim = CoreSim::new(&cfg, 1);
-    let id = sim.add(T(vu_streams(4, 3, true)), 0.0);
+    let id = sim.add(Tenant { program: &p, memory: None, max_cycles: None }, 0.0);
     sim.set_engines(id, [1, 1], [1, 4]);
     assert!(sim.step_until(1.5 * c).is_empty());
     let drain = sim.set_engines(id, [1, 1], [1, 1]);
@@ -95,7 +83,7 @@ fn engines_taken_back_are_free_after_the_instruction_on_them() {
     assert!(close(r.cycles, 6.0 * c), "{} vs {}", r.cycles, 6.0 * c);
     // Giving back what is not taken costs nothing.
     let mut sim = CoreSim::new(&cfg, 1);
-    let id = sim.add(T(vu_streams(4, 3, true)), 0.0);
+    let id = sim.add(Tenant { program: &p, memory: None, max_cycles: None }, 0.0);
     sim.set_engines(id, [1, 1], [1, 2]);
     assert!(sim.step_until(0.5 * c).is_empty());
     assert_eq!(sim.set_engines(id, [1, 1], [1, 4]), 0.0);

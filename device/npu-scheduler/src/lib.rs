@@ -38,6 +38,13 @@ pub struct Claim {
     pub borrow: Engines,
 }
 
+impl Claim {
+    /// Every SA and VU of a core of `board`, nothing else set.
+    pub fn whole_core(board: &BoardConfig) -> Self {
+        Self { sa: board.core.sa_count, vu: board.core.vu_count, ..Self::default() }
+    }
+}
+
 /// Cycles to switch engines from one tenant's request to another's: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
 /// load the next tenants' first weights (one SA tile over the DMA engine).
 pub fn switch_cycles(board: &BoardConfig) -> f64 {
@@ -563,13 +570,7 @@ mod tests {
         let c = BoardConfig::default();
         let p = vu_work(10);
         let one = npu_model::run_program(&c, &p, None, None).unwrap().cycles;
-        let whole = |priority| Claim {
-            sa: c.core.sa_count,
-            vu: c.core.vu_count,
-            priority,
-            slo_cycles: 0,
-            ..Claim::default()
-        };
+        let whole = |priority| Claim { priority, ..Claim::whole_core(&c) };
         let t = dispatch_all(
             &c,
             &[&p, &p, &p],

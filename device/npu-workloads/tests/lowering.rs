@@ -13,6 +13,12 @@ use npu_model::{run_program, verify, BoardConfig, CoreMemory, LazyHbm, Sram, Vec
 use npu_workloads::{build, init_hbm};
 use vnpu_abi::{DType, Engine, Instr, Space};
 
+/// A vNPU core of `sa` SAs, `vu` VUs, `sram` bytes of SRAM and 1 GiB of
+/// HBM, without guest memory.
+fn limits(sa: u32, vu: u32, sram: u64) -> VnpuLimits {
+    VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![], borrow_sa: 0, borrow_vu: 0 }
+}
+
 fn board() -> BoardConfig {
     let mut b = BoardConfig::default();
     b.core.sa_rows = 16;
@@ -43,19 +49,7 @@ fn read_tensor(hbm: &LazyHbm, p: &Placed) -> Vec<f32> {
 /// the run, the tensors as they were before it (the reference's start) and
 /// the simulated cycles.
 fn run_lowered(l: &Lowered, sa: u32, vu: u32, sram: u64) -> (LazyHbm, Vec<Vec<f32>>, f64) {
-    verify(
-        &l.program,
-        &VnpuLimits {
-            sa,
-            vu,
-            sram_bytes: sram,
-            hbm_bytes: 1 << 30,
-            guest: vec![],
-            borrow_sa: 0,
-            borrow_vu: 0,
-        },
-    )
-    .unwrap();
+    verify(&l.program, &limits(sa, vu, sram)).unwrap();
     assert_race_free(&l.program, &format!("{sa} SA, {vu} VU, {sram} B"));
     let mut hbm = LazyHbm::new(1 << 30);
     init_hbm(l, &mut hbm, 7).unwrap();
@@ -123,16 +117,7 @@ fn check_tasks(g: &Graph, shapes: &[(u32, u32)], sram: u64) {
         let (sa, vu) = shapes[k % shapes.len()];
         let task = npu_lower::lower_op(g, k, shape((sa, vu))).unwrap();
         assert_eq!(task.tensors, whole.tensors, "task {k}: tensors placed elsewhere");
-        let limits = VnpuLimits {
-            sa,
-            vu,
-            sram_bytes: sram,
-            hbm_bytes: 1 << 30,
-            guest: vec![],
-            borrow_sa: 0,
-            borrow_vu: 0,
-        };
-        verify(&task.program, &limits).unwrap();
+        verify(&task.program, &limits(sa, vu, sram)).unwrap();
         let mut sram_m = Sram::new(sram);
         sram_m.bytes_mut().fill(0xff);
         let mut guest = VecGuestMemory::new(0, 0);
@@ -712,19 +697,7 @@ fn nms_graph(batch: u32, n: u32, classes: u32) -> (Graph, usize, usize, usize) {
 
 /// Runs `l` on `hbm` (already initialised) on 1 SA + 1 VU with `sram` bytes.
 fn run_on(l: &Lowered, hbm: &mut LazyHbm, sram: u64) {
-    verify(
-        &l.program,
-        &VnpuLimits {
-            sa: 1,
-            vu: 1,
-            sram_bytes: sram,
-            hbm_bytes: 1 << 30,
-            guest: vec![],
-            borrow_sa: 0,
-            borrow_vu: 0,
-        },
-    )
-    .unwrap();
+    verify(&l.program, &limits(1, 1, sram)).unwrap();
     let mut sram_m = Sram::new(sram);
     let mut guest = VecGuestMemory::new(0, 0);
     let mem = CoreMemory { sram: &mut sram_m, hbm, guest: &mut guest };
@@ -943,19 +916,7 @@ fn hbm_reused_by_liveness_changes_no_result() {
         let run = |reuse_hbm: bool| {
             let o = LowerOptions { reuse_hbm, ..LowerOptions::default() };
             let l = lower_ops_with(&g, 0..g.ops.len(), shape, o).unwrap();
-            verify(
-                &l.program,
-                &VnpuLimits {
-                    sa,
-                    vu,
-                    sram_bytes: sram,
-                    hbm_bytes: 1 << 30,
-                    guest: vec![],
-                    borrow_sa: 0,
-                    borrow_vu: 0,
-                },
-            )
-            .unwrap();
+            verify(&l.program, &limits(sa, vu, sram)).unwrap();
             let mut hbm = LazyHbm::new(1 << 30);
             init_hbm(&l, &mut hbm, 7).unwrap();
             let inputs: Vec<Vec<f32>> = l.tensors.iter().map(|p| read_tensor(&hbm, p)).collect();
