@@ -3,7 +3,7 @@
 //! lowering never panic and never allocate past the compiler's tensor
 //! limit; whatever compiles is accepted by the verifier (the compiler
 //! checks) and its file decodes to the same model, with f32 and with bf16
-//! SA operands.
+//! SA operands, and as spread programs (`--spread 1,1`).
 #![no_main]
 
 use std::collections::HashMap;
@@ -15,7 +15,8 @@ use vnpu_abi::model::Model;
 use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
-    for (dtype, bf16_activations) in [(DType::F32, false), (DType::Bf16, false), (DType::Bf16, true)] {
+    let cases = [(DType::F32, false, None), (DType::Bf16, false, None), (DType::Bf16, true, None), (DType::F32, false, Some((1, 1)))];
+    for (dtype, bf16_activations, spread) in cases {
         let opts = CompileOptions {
             shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
             batch: 2,
@@ -23,6 +24,7 @@ fuzz_target!(|data: &[u8]| {
             outputs: None,
             dtype,
             bf16_activations,
+            spread,
         };
         let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");

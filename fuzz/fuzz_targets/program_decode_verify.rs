@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(p) = Program::decode(data) {
         let again = Program::decode(&p.encode()).expect("re-encoded program decodes");
         assert_eq!(again, p);
-        let limits = VnpuLimits { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 1 << 24, guest: vec![0x1000..0x10_0000], borrow_sa: 0, borrow_vu: 0 };
+        let limits = VnpuLimits { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 1 << 24, guest: vec![0x1000..0x10_0000], borrow_sa: 1, borrow_vu: 1 };
         let _ = verify(&p, &limits);
     }
 });
