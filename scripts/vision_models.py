@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Exports the vision-model fixtures of tests/fixtures/onnx/vision/:
-torchvision's `squeezenet1_0` and `vit_b_16` as the library builds them,
+torchvision's `squeezenet1_0` and `vit_b_16` as the library builds them
+(and, by name, any other torchvision classifier: `resnet18` and
+`mobilenet_v2` are committed for the functional model's profile,
+docs/benchmarks.md),
 and a YOLO-family detector built in code here (a YOLOv5-style backbone of
 Conv + BatchNorm + SiLU blocks, C3 blocks that Split their input, SPPF max
 pooling, a neck that upsamples with Resize and concatenates, and the
