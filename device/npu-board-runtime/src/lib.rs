@@ -41,7 +41,7 @@ use vnpu_abi::Program;
 mod runtime;
 #[cfg(test)]
 use runtime::{add_busy, overlap, CoreLog, FOLD_AT};
-pub use runtime::{Completion, Harvest, Interval, Policy, Runtime, SharingStats};
+pub use runtime::{Completion, Counters, Harvest, Interval, Policy, Runtime, SharingStats};
 
 /// A lock that outlives a panicked holder (the board's state stays
 /// consistent between steps).
@@ -114,9 +114,6 @@ struct Queue {
     pending: Vec<Submitted>,
     /// The board's simulated time.
     now: f64,
-    /// Each core's counters as the last pass that changed them left them
-    /// (read without waiting for a pass).
-    stats: Vec<SharingStats>,
     stop: bool,
     paused: bool,
     /// A thread is running the engine's passes (the board's own, or a
@@ -145,6 +142,8 @@ struct Inner {
     /// The simulation and the dispatchers, run by whoever holds
     /// `Queue::running`.
     engine: Mutex<Engine>,
+    /// The cores' counters (the engine's runtime updates them).
+    counters: Counters,
 }
 
 /// The board's cores in one simulation (`npu_model::BoardSim`), advanced
@@ -202,15 +201,16 @@ impl SharedBoard {
         gather: Duration,
         active: Duration,
     ) -> std::io::Result<Self> {
-        let n = board.chips.saturating_mul(board.cores_per_chip).max(1) as usize;
-        let q = Queue { stats: vec![SharingStats::default(); n], ..Queue::default() };
+        let state = Engine::for_board(board);
+        let counters = state.with_dependent(|_, st| st.rt.counters());
         let inner = Arc::new(Inner {
             board: board.clone(),
             gather,
             active,
-            q: Mutex::new(q),
+            q: Mutex::new(Queue::default()),
             cv: Condvar::new(),
-            engine: Mutex::new(Engine::for_board(board)),
+            engine: Mutex::new(state),
+            counters,
         });
         let i = Arc::clone(&inner);
         let t = std::thread::Builder::new().name(name.into()).spawn(move || engine(&i))?;
@@ -338,10 +338,8 @@ impl SharedCore {
     /// Busy time, overlap, per-tenant use and harvesting of this core so
     /// far.
     pub fn stats(&self) -> SharingStats {
-        let q = lock(&self.board.inner.q);
-        let mut s = q.stats.get(self.index).cloned().unwrap_or_default();
-        s.busy_cycles = q.now;
-        s
+        let now = lock(&self.board.inner.q).now;
+        self.board.inner.counters.stats(self.index, now)
     }
 
     /// Holds the board's submitted requests back ([`SharedBoard::pause`]).
@@ -486,11 +484,6 @@ fn pass(inner: &Inner, st: &mut EngineState<'_>) -> bool {
     let done = st.rt.step(f64::INFINITY);
     let mut q = lock(&inner.q);
     q.now = st.rt.now();
-    for &c in st.rt.touched() {
-        if let Some(s) = q.stats.get_mut(c) {
-            *s = st.rt.stats(c);
-        }
-    }
     for Completion { core, tenant, job, result, begin, end, .. } in done {
         match st.recent.iter_mut().find(|r| r.0 == core && r.1 == tenant) {
             Some(r) => r.2 = Instant::now(),

@@ -8,6 +8,8 @@
 //! drives it with arrivals of its own. Either way, dispatch, budgets,
 //! preemption, lending and the counters are this code's.
 
+use std::sync::{Arc, Mutex};
+
 use npu_model::{BoardConfig, BoardSim, CoreMemory, ExecError, SimTenant, TenantReport};
 use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending};
 use vnpu_abi::Program;
@@ -197,9 +199,30 @@ pub struct Runtime<'c, J> {
     /// suspension of a request still on the core: its busy interval
     /// leaves them out (infinity: not resumed yet).
     gaps: Vec<Vec<(usize, f64, f64)>>,
-    logs: Vec<CoreLog>,
-    /// Cores whose counters the last step changed.
-    touched: Vec<usize>,
+    logs: Counters,
+}
+
+/// The per-core logs of a [`Runtime`], readable from other threads while
+/// it steps ([`Runtime::counters`]): a step updates them in one short
+/// lock, and the totals (busy time, overlap) are derived only when read.
+#[derive(Clone, Default)]
+pub struct Counters(Arc<Mutex<Vec<CoreLog>>>);
+
+impl std::fmt::Debug for Counters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Counters").finish_non_exhaustive()
+    }
+}
+
+impl Counters {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<CoreLog>> {
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// What `core` did until the board's simulated time `now`.
+    pub fn stats(&self, core: usize, now: f64) -> SharingStats {
+        self.lock().get(core).map_or_else(SharingStats::default, |l| l.stats(now))
+    }
 }
 
 impl<J: SimTenant> std::fmt::Debug for Runtime<'_, J> {
@@ -223,8 +246,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             dispatchers: (0..n).map(|_| Dispatcher::harvesting(core)).collect(),
             tenants: vec![Vec::new(); n],
             gaps: vec![Vec::new(); n],
-            logs: (0..n).map(|_| CoreLog::default()).collect(),
-            touched: Vec::new(),
+            logs: Counters(Arc::new(Mutex::new((0..n).map(|_| CoreLog::default()).collect()))),
         }
     }
 
@@ -303,7 +325,6 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
     pub fn step(&mut self, until: f64) -> Vec<Completion<J>> {
         let board = self.board;
         let policy = self.policy;
-        self.touched.clear();
         let mut passes = Vec::with_capacity(self.dispatchers.len());
         // Per core, who borrows what until the next pass, and who waited
         // for engines to come back (named now: they may finish in this
@@ -326,14 +347,14 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 let running = core.jobs().map(|j| j.tenant.clone()).collect();
                 lending.push(Lending { core: c, borrowing, reclaimed, unused, running });
             }
-            self.touched.push(c);
             passes.push((c, pass));
         }
         let before = self.sim.now();
         let done = self.sim.step_until(until);
         let dt = (self.sim.now() - before).max(0.0);
+        let mut logs = self.logs.lock();
         for Lending { core: c, borrowing, reclaimed, unused, running } in lending {
-            let (Some(log), Some(seen)) = (self.logs.get_mut(c), self.tenants.get(c)) else {
+            let (Some(log), Some(seen)) = (logs.get_mut(c), self.tenants.get(c)) else {
                 continue;
             };
             for (tenant, wait) in reclaimed {
@@ -348,7 +369,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             }
         }
         for (c, pass) in passes {
-            if let Some(log) = self.logs.get_mut(c) {
+            if let Some(log) = logs.get_mut(c) {
                 log.waited += pass.waited;
                 log.preempted += pass.preempted;
             }
@@ -373,7 +394,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
                 g.retain(|x| x.0 != id);
             }
-            if let Some(log) = self.logs.get_mut(c) {
+            if let Some(log) = logs.get_mut(c) {
                 if let Ok(t) = &r {
                     if t.borrowed_cycles > 0.0 {
                         log.harvest(&entry.tenant).borrowed_cycles += t.borrowed_cycles;
@@ -396,9 +417,6 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                     log.fold(oldest.map_or(now, |a| a.min(now)));
                 }
             }
-            if !self.touched.contains(&c) {
-                self.touched.push(c);
-            }
             // The requester sees its own request's time: cycles from its
             // start on the core (after any wait for engines) to its
             // completion, not the board's clock.
@@ -415,18 +433,18 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
 
     /// Busy time, overlap, per-tenant use and harvesting of `core` so far.
     pub fn stats(&self, core: usize) -> SharingStats {
-        self.logs.get(core).map_or_else(SharingStats::default, |l| l.stats(self.sim.now()))
+        self.logs.stats(core, self.sim.now())
     }
 
-    /// The cores whose counters the last [`Runtime::step`] changed.
-    pub fn touched(&self) -> &[usize] {
-        &self.touched
+    /// A handle on the cores' counters for other threads.
+    pub fn counters(&self) -> Counters {
+        self.logs.clone()
     }
 
     /// Busy intervals `core` keeps unfolded (bounded by [`FOLD_AT`]).
     #[cfg(test)]
     pub(crate) fn kept_intervals(&self, core: usize) -> usize {
-        self.logs.get(core).map_or(0, |l| l.log.len())
+        self.logs.lock().get(core).map_or(0, |l| l.log.len())
     }
 }
 
