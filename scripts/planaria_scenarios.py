@@ -37,7 +37,7 @@ Planaria-like and V10-like comparisons, and FIFO (PREMA's NP-FCFS
 baseline) for scale.
 
   cargo build --release -p npu-bench
-  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--no-prema-kill] [--priorities equal|drawn]
+  python3 scripts/planaria_scenarios.py [--seconds S] [--seed N] [--out DIR] [--only detect,light] [--levels x1,x0.5] [--no-prema-kill] [--priorities equal|drawn]
 """
 import argparse
 import json
@@ -52,7 +52,7 @@ SCENARIOS = {
     "translate": [("resnet50", 15), ("yolov3", 100), ("gnmt", 250), ("ssd-mobilenet", 10)],
 }
 LEVELS = [("x1", 1.0), ("x0.5", 0.5), ("x0.25", 0.25)]
-OURS = ["vNPU", "vNPU-WC", "Planaria", "V10", "FIFO"]
+OURS = ["vNPU", "vNPU-WC", "vNPU-H", "Planaria", "V10", "FIFO"]
 
 p = argparse.ArgumentParser()
 p.add_argument("--seconds", default="0.5")
@@ -60,6 +60,7 @@ p.add_argument("--seed", default="1")
 p.add_argument("--bin", default="target/release/sharing-eval")
 p.add_argument("--out", default="target/planaria-scenarios", help="directory for each run's JSON and SVG")
 p.add_argument("--only", help="comma-separated scenario names")
+p.add_argument("--levels", help="comma-separated bound levels (x1, x0.5, x0.25; default all)")
 p.add_argument("--no-prema-kill", action="store_true", help="PREMA-ckpt without PREMA's KILL option")
 p.add_argument("--priorities", choices=["equal", "drawn"], default="equal",
                help="all tenants at priority 1, or one priority per tenant drawn from 1..12")
@@ -69,6 +70,12 @@ names = a.only.split(",") if a.only else list(SCENARIOS)
 for n in names:
     if n not in SCENARIOS:
         sys.exit(f"planaria_scenarios: unknown scenario `{n}` (known: {', '.join(SCENARIOS)})")
+levels = LEVELS
+if a.levels:
+    levels = [(t, x) for t, x in LEVELS if t in a.levels.split(",")]
+    unknown = set(a.levels.split(",")) - {t for t, _ in LEVELS}
+    if unknown:
+        sys.exit(f"planaria_scenarios: unknown level(s) {', '.join(sorted(unknown))} (known: x1, x0.5, x0.25)")
 
 
 def row_at(rates, offered):
@@ -84,7 +91,7 @@ print("| scenario | bounds | system | SLA throughput / PREMA | EU util / PREMA |
 print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
 for n in names:
     tenants = SCENARIOS[n]
-    for level, scale in LEVELS:
+    for level, scale in levels:
         tag = f"{n}-{level}"
         js = os.path.join(a.out, f"{tag}.json")
         cmd = [a.bin, "--tenants", ",".join(w for w, _ in tenants),

@@ -27,6 +27,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
     for name in [
         "vNPU",
         "vNPU-WC",
+        "vNPU-H",
         "PREMA-ckpt",
         "PREMA-drain",
         "Planaria",
@@ -39,21 +40,21 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
     }
     assert_eq!(v["tenants"].as_array().unwrap().len(), 4);
     let sat = |s: &str| v["saturation_rps"][s].as_f64().unwrap();
-    let (sat_vnpu, sat_wc, sat_prema, sat_planaria, sat_v10) =
-        (sat("vNPU"), sat("vNPU-WC"), sat("PREMA-like"), sat("Planaria"), sat("V10"));
-    for x in [sat_vnpu, sat_wc, sat_prema, sat_planaria, sat_v10] {
+    let (sat_vnpu, sat_wc, sat_h, sat_prema, sat_planaria, sat_v10) =
+        (sat("vNPU"), sat("vNPU-WC"), sat("vNPU-H"), sat("PREMA-like"), sat("Planaria"), sat("V10"));
+    for x in [sat_vnpu, sat_wc, sat_h, sat_prema, sat_planaria, sat_v10] {
         assert!(x.is_finite() && x > 0.0, "{x}");
     }
     let rates = v["rates"].as_array().unwrap();
     let t44: Vec<f64> =
         v["tenants"].as_array().unwrap().iter().map(|t| t["t_4sa_4vu_s"].as_f64().unwrap()).collect();
     // 0.2 and 0.7 of each system's saturation.
-    assert_eq!(rates.len(), 10);
+    assert_eq!(rates.len(), 12);
     for r in rates {
         let offered = r["offered_rps"].as_f64().unwrap();
         let systems = r["systems"].as_array().unwrap();
         let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
-        assert_eq!(names, ["vNPU", "vNPU-WC", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"]);
+        assert_eq!(names, ["vNPU", "vNPU-WC", "vNPU-H", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"]);
         for s in systems {
             let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
@@ -72,6 +73,7 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
             let own = match name {
                 "vNPU" => sat_vnpu,
                 "vNPU-WC" => sat_wc,
+                "vNPU-H" => sat_h,
                 "Planaria" => sat_planaria,
                 "V10" => sat_v10,
                 _ => sat_prema,
@@ -105,26 +107,31 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
                 assert!(t <= most * (1.0 + 1e-9), "{name}: {t} req/s above one after another ({most})");
             }
         }
-        // vNPU, vNPU-WC, PREMA-drain, Planaria, FIFO and V10 never
-        // preempt; only vNPU-WC, Planaria and V10 run tasks beyond 1+1 (the
-        // static vNPUs run whole programs).
-        for i in [0, 1, 3, 4, 5, 6] {
+        // Only PREMA-ckpt preempts; only vNPU-WC, Planaria and V10 run
+        // tasks (the vNPUs run whole programs); the static vNPUs never
+        // borrow.
+        for i in [0, 1, 2, 4, 5, 6, 7] {
             assert_eq!(systems[i]["context_switches"], 0, "{}", names[i]);
         }
         assert_eq!(systems[0]["tasks"], 0);
-        for wc in [&systems[1], &systems[4], &systems[6]] {
+        assert_eq!(systems[2]["tasks"], 0);
+        assert_eq!(systems[0]["borrowed_eu_share"], 0.0);
+        for wc in [&systems[1], &systems[5], &systems[7]] {
             assert!(
                 wc["tasks"].as_u64().unwrap() > 0 && wc["borrowed_eu_share"].as_f64().unwrap() > 0.0,
                 "{wc}"
             );
         }
         let t = |i: usize| systems[i]["throughput_rps"].as_f64().unwrap();
-        for (i, name) in [(0, "vNPU"), (1, "vNPU-WC"), (4, "Planaria"), (6, "V10")] {
+        for (i, name) in [(0, "vNPU"), (1, "vNPU-WC"), (2, "vNPU-H"), (5, "Planaria"), (7, "V10")] {
             let ratio = r["vs_best_baseline"][name]["throughput_ratio"].as_f64().unwrap();
-            assert!((ratio - t(i) / t(2).max(t(3))).abs() < 1e-9, "{name}: {ratio}");
+            assert!((ratio - t(i) / t(3).max(t(4))).abs() < 1e-9, "{name}: {ratio}");
         }
+        // Lending on against off, same spread programs: a finite ratio.
+        let slow = r["owner_slowdown"]["mean_latency_ratio"].as_f64().unwrap();
+        assert!(slow.is_finite() && slow > 0.0, "{slow}");
     }
-    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 7);
+    assert_eq!(v["throughput_at_sla"].as_array().unwrap().len(), 8);
 }
 
 #[test]
@@ -136,6 +143,7 @@ fn sharing_eval_refuses_bad_arguments() {
         &["--preempt-margin", "-3"],
         &["--task-us", "0"],
         &["--lend-tolerance", "x"],
+        &["--spread-cost", "0.5"],
         &["--frobnicate"],
         &["--tenants", "nope"],
         &["--tenants", "resnet50"],

@@ -420,7 +420,19 @@ mod tests {
 
     fn workload() -> Workload {
         let p = ProgramBuilder::new().finish();
-        Workload { name: "mlp".into(), p11: p.clone(), p44: p, t11: 1.0, t44: 1e12, sla: 1e13, priority: 1 }
+        Workload {
+            name: "mlp".into(),
+            p11: p.clone(),
+            spread: p.clone(),
+            spread_k: 1,
+            p44: p,
+            t11: 1.0,
+            t44: 1e12,
+            ts11: 1.0,
+            ts44: 1.0,
+            sla: 1e13,
+            priority: 1,
+        }
     }
 
     /// Operation `op` of `g` alone on `sa` + `vu`, lowered and run here

@@ -65,14 +65,16 @@ use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
 
 use clap::Parser;
 use npu_bench::{fail, line_plots, p99, positive, usage_error, BoardArg, Panel, Request, Rng};
-use npu_model::{run_program, BoardConfig, CoreSim, TenantReport};
+use npu_board_runtime::Runtime;
+use npu_model::{run_program, run_program_on, BoardConfig, CoreSim, TenantReport};
+use npu_scheduler::{placements, Claim, Decision, Engines, Pending};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
-/// The rows of each rate: vNPU, vNPU-WC, PREMA-ckpt, PREMA-drain,
+/// The rows of each rate: vNPU, vNPU-WC, vNPU-H, PREMA-ckpt, PREMA-drain,
 /// Planaria-like, FIFO, V10-like; ratios are against the better of the
 /// PREMA rows.
-const PREMA: std::ops::Range<usize> = 2..4;
+const PREMA: std::ops::Range<usize> = 3..5;
 
 /// The default tenants: workload and batch.
 const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8)];
@@ -86,6 +88,15 @@ struct Workload {
     /// Cycles of one request alone on each.
     t11: f64,
     t44: f64,
+    /// The spread program of the harvesting vNPU (lowered for the core's
+    /// engines with a quarter of its SRAM) and its cycles alone on 1 SA +
+    /// 1 VU and on every engine of the core.
+    spread: Program,
+    /// The spread program's width, k SA + k VU (1: the vNPU's own
+    /// program, `--spread-cost`).
+    spread_k: u32,
+    ts11: f64,
+    ts44: f64,
     /// Latency bound of one request (cycles): `--qos` times `t44`, or the
     /// tenant's `--sla-ms`.
     sla: f64,
@@ -114,6 +125,8 @@ struct Outcome {
     tasks: u64,
     reclaim_waits: u64,
     reclaim_max: f64,
+    /// Cycles requests waited for lent engines in all.
+    reclaim_cycles: f64,
     /// Engine-cycles tasks ran on beyond their tenant's guarantee.
     borrowed_eu_cycles: f64,
 }
@@ -139,37 +152,174 @@ impl Outcome {
     }
 }
 
-/// The vNPU system: every tenant's requests one at a time on its own 1+1
-/// vNPU, all four vNPUs on one core simulation.
-fn simulate_vnpu(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>]) -> Outcome {
+/// The systems that run on the board runtime (`npu_board_runtime::Runtime`,
+/// core 0 of the board): the runtime the daemon runs places, lends and
+/// reclaims; this evaluation only submits each tenant's requests one at a
+/// time in arrival order (the rest queue in the guest's ring) and reads
+/// what finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum OnRuntime {
+    /// Static vNPUs: each tenant's programs lowered for its 1 SA + 1 VU
+    /// vNPU, lending off.
+    Static,
+    /// Harvesting vNPUs: the same 1 SA + 1 VU guarantees, spread programs
+    /// lowered for the whole core's engines (8 MiB SRAM), borrowing every
+    /// other engine of the core (cap 3 SA + 3 VU) when idle; the owner
+    /// takes its engines back when it submits (`docs/management.md`,
+    /// "Harvesting").
+    Harvest,
+    /// The same spread programs and guarantees with lending off: what
+    /// each tenant's requests take without borrowing or being borrowed
+    /// from (the owner-slowdown control).
+    Unlent,
+    /// The whole core per request, oldest first, never preempting
+    /// (PREMA's NP-FCFS baseline); a request that waited for the core
+    /// starts after one engine switch (`npu_scheduler::switch_cycles`).
+    Fifo,
+}
+
+impl OnRuntime {
+    fn program(self, w: &Workload) -> &Program {
+        match self {
+            Self::Static => &w.p11,
+            Self::Harvest | Self::Unlent => &w.spread,
+            Self::Fifo => &w.p44,
+        }
+    }
+
+    fn claim(self, board: &BoardConfig, w: &Workload) -> Claim {
+        let c = &board.core;
+        match self {
+            Self::Fifo => Claim::whole_core(board),
+            // Priority, then deadline order who borrows first.
+            _ => Claim {
+                sa: 1,
+                vu: 1,
+                priority: w.priority,
+                slo_cycles: w.sla as u64,
+                borrow: Engines::new(c.sa_count.saturating_sub(1), c.vu_count.saturating_sub(1)),
+            },
+        }
+    }
+
+    fn runtime(self, board: &BoardConfig) -> Runtime<'_, Request<'_>> {
+        let mut rt = Runtime::new(board);
+        rt.set_harvesting(self == Self::Harvest);
+        if self == Self::Fifo {
+            rt.set_policy(fifo);
+        }
+        rt
+    }
+}
+
+/// Arrival order, first fit, never preempting: the runtime's policy for
+/// the whole-core FIFO baseline.
+fn fifo(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
+    let mut order: Vec<usize> = (0..w.len()).collect();
+    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
+    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
+    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: Vec::new() }
+}
+
+/// The runtime's name of tenant `i` (names of the mix may repeat).
+fn runtime_tenant(i: usize, w: &Workload) -> String {
+    format!("{i}:{}", w.name)
+}
+
+/// `system` on the board runtime with `arrivals` (cycles, per tenant).
+fn simulate_runtime(
+    board: &BoardConfig,
+    ws: &[Workload],
+    arrivals: &[Vec<f64>],
+    system: OnRuntime,
+) -> Result<Outcome, String> {
     let n = ws.len();
     let mut o = Outcome::new(n);
-    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
+    let mut rt = system.runtime(board);
+    let names: Vec<String> = ws.iter().enumerate().map(|(i, w)| runtime_tenant(i, w)).collect();
     let mut next = vec![0usize; n];
     let mut busy = vec![false; n];
     loop {
-        let now = sim.now();
+        let now = rt.now();
         for i in 0..n {
             if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
                 busy[i] = true;
                 next[i] += 1;
-                sim.add(Request { tenant: i, arrival, program: &ws[i].p11 }, 0.0);
+                let req = Request { tenant: i, arrival, program: system.program(&ws[i]) };
+                rt.submit_arrived(0, &names[i], system.claim(board, &ws[i]), req, arrival)
+                    .map_err(|_| "the board has no core 0".to_string())?;
             }
         }
-        // The next arrival a free vNPU takes.
+        // The next arrival a free tenant submits.
         let limit = (0..n)
             .filter(|&i| !busy[i])
             .filter_map(|i| arrivals[i].get(next[i]).copied())
             .fold(f64::INFINITY, f64::min);
-        if sim.is_idle() && !limit.is_finite() {
+        if !rt.busy() && !limit.is_finite() {
             break;
         }
-        for (_, req, r) in sim.step_until(limit) {
+        for done in rt.step(limit) {
+            let req = done.job;
             busy[req.tenant] = false;
-            o.record(&req, r, sim.now());
+            match done.result {
+                Ok(t) => {
+                    let tot = t.totals();
+                    o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+                    o.borrowed_eu_cycles += t.borrowed_cycles;
+                    o.latencies[req.tenant].push(done.end - req.arrival);
+                }
+                Err(_) => o.failed += 1,
+            }
+            o.end = o.end.max(done.end);
         }
     }
-    o
+    let st = rt.stats(0);
+    o.switches = st.preempted;
+    for (_, h) in &st.harvest {
+        o.reclaim_waits += h.reclaims;
+        o.reclaim_max = o.reclaim_max.max(h.reclaim_max_cycles);
+        o.reclaim_cycles += h.reclaim_cycles;
+    }
+    Ok(o)
+}
+
+/// Per-tenant request rates (per cycle) at which `system` saturates, for
+/// relative rates `weights`: every tenant backlogged (each resubmits at
+/// once) until every one has completed `rounds` requests; the scale of
+/// `weights` at which the first tenant is busy all the time.
+fn saturation_runtime(
+    board: &BoardConfig,
+    ws: &[Workload],
+    weights: &[f64],
+    rounds: usize,
+    system: OnRuntime,
+) -> Result<f64, String> {
+    let n = ws.len();
+    let mut rt = system.runtime(board);
+    let names: Vec<String> = ws.iter().enumerate().map(|(i, w)| runtime_tenant(i, w)).collect();
+    let mut done = vec![0usize; n];
+    let mut last = vec![0f64; n];
+    let mut backlog: Vec<usize> = (0..n).collect();
+    while done.iter().any(|d| *d < rounds) {
+        for i in backlog.drain(..) {
+            let req = Request { tenant: i, arrival: rt.now(), program: system.program(&ws[i]) };
+            rt.submit(0, &names[i], system.claim(board, &ws[i]), req)
+                .map_err(|_| "the board has no core 0".to_string())?;
+        }
+        let finished = rt.step(f64::INFINITY);
+        if finished.is_empty() {
+            break;
+        }
+        for c in finished {
+            let i = c.job.tenant;
+            if c.result.is_ok() {
+                done[i] += 1;
+                last[i] = c.end;
+            }
+            backlog.push(i);
+        }
+    }
+    Ok((0..n).map(|i| done[i] as f64 / last[i].max(1.0) / weights[i]).fold(f64::INFINITY, f64::min))
 }
 
 /// A request of the PREMA-like core that is not running.
@@ -227,25 +377,18 @@ struct WholeCore {
     margin: f64,
     /// PREMA's KILL for a request that has run less than one switch.
     kill: bool,
-    /// Plain first-come first-served (PREMA's NP-FCFS baseline): the oldest
-    /// request runs next, no tokens, no priorities, no preemption.
-    fifo: bool,
 }
 
 impl WholeCore {
-    const fn fifo(switch: f64) -> Self {
-        Self { switch, margin: f64::INFINITY, kill: false, fifo: true }
-    }
     const fn prema(switch: f64, margin: f64, kill: bool) -> Self {
-        Self { switch, margin, kill, fifo: false }
+        Self { switch, margin, kill }
     }
 }
 
-/// The whole-core systems: one request at a time on the whole core,
-/// PREMA's token-based preemption with checkpointing, or FIFO (see the
-/// module doc).
+/// The PREMA-like systems: one request at a time on the whole core,
+/// PREMA's token-based preemption with checkpointing (see the module doc).
 fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], how: WholeCore) -> Outcome {
-    let WholeCore { switch, margin, kill, fifo } = how;
+    let WholeCore { switch, margin, kill } = how;
     let n = ws.len();
     let mut o = Outcome::new(n);
     let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, 1);
@@ -261,12 +404,7 @@ fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], h
     let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) * rate(tenant);
     let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
         let fronts = (0..n).filter_map(|i| queues[i].front().map(|w| (i, w.arrival)));
-        if fifo {
-            // The oldest request (negated: the maximum is the earliest).
-            fronts.map(|(i, a)| (i, -a)).max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)))
-        } else {
-            fronts.map(|(i, a)| (i, tokens(i, a, now))).max_by(|a, b| a.1.total_cmp(&b.1))
-        }
+        fronts.map(|(i, a)| (i, tokens(i, a, now))).max_by(|a, b| a.1.total_cmp(&b.1))
     };
     loop {
         let now = sim.now();
@@ -296,7 +434,7 @@ fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], h
         for (i, q) in queues.iter().enumerate() {
             let Some(w) = q.front() else { continue };
             let rw = rate(i);
-            if !fifo && rw > rr {
+            if rw > rr {
                 let t = (w.arrival * rw - arrival * rr + margin * switch * rw) / (rw - rr);
                 // A little past the crossing, so the waiter is strictly
                 // ahead. A crossing already past was decided on (the
@@ -322,7 +460,7 @@ fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], h
         admit(&mut queues, arrivals, &mut next, ws, now);
         let ran = executed + (now - since).max(0.0);
         let Some((k, tk)) = best(&queues, now) else { continue };
-        let ahead = !fifo && tk > tokens(tenant, arrival, now) + margin * switch * rate(k);
+        let ahead = tk > tokens(tenant, arrival, now) + margin * switch * rate(k);
         if ahead && kill && ran < switch {
             // PREMA's KILL: it has run for less than a checkpoint and a
             // restore would cost; its work is dropped (the engine time it
@@ -375,36 +513,6 @@ fn start<'p>(
             Running { tenant, arrival: w.arrival, id, executed: 0.0, since: now + delay }
         }
     }
-}
-
-/// Per-tenant request rates (per cycle) at which the vNPU system saturates,
-/// for relative rates `weights`: every tenant backlogged on its vNPU (each
-/// resubmits at once) until every one has completed `rounds` requests;
-/// the scale of `weights` at which the first tenant's vNPU is busy all the
-/// time.
-fn saturation_vnpu(board: &BoardConfig, ws: &[Workload], weights: &[f64], rounds: usize) -> f64 {
-    let n = ws.len();
-    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, n);
-    let mut done = vec![0usize; n];
-    let mut last = vec![0f64; n];
-    for (i, w) in ws.iter().enumerate() {
-        sim.add(Request { tenant: i, arrival: 0.0, program: &w.p11 }, 0.0);
-    }
-    while done.iter().any(|d| *d < rounds) {
-        let finished = sim.step();
-        if finished.is_empty() {
-            break;
-        }
-        for (_, req, r) in finished {
-            let i = req.tenant;
-            if let Ok(t) = r {
-                done[i] += 1;
-                last[i] = t.cycles;
-            }
-            sim.add(Request { tenant: i, arrival: sim.now(), program: &ws[i].p11 }, 0.0);
-        }
-    }
-    (0..n).map(|i| done[i] as f64 / last[i].max(1.0) / weights[i]).fold(f64::INFINITY, f64::min)
 }
 
 /// The same for the PREMA-like core: one request after another, so the
@@ -486,6 +594,12 @@ struct Args {
     /// the task more than F faster (a fraction, 0 to 10).
     #[arg(long = "lend-tolerance", default_value_t = 0.05, value_parser = tolerance)]
     tolerance: f64,
+    /// vNPU-H: each tenant runs the widest spread program (k SA + k VU,
+    /// k from the core's engines down to 2, lowered with its vNPU's 8 MiB
+    /// SRAM) that alone on its 1 SA + 1 VU takes at most F times the
+    /// vNPU's own program (1 to 10); its own program if none does.
+    #[arg(long = "spread-cost", default_value_t = 1.1, value_parser = spread_cost)]
+    spread_cost: f64,
     /// Also write the results as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<String>,
@@ -508,6 +622,10 @@ fn in_range(v: &str, lo: f64, hi: f64) -> Result<f64, String> {
 
 fn margin(v: &str) -> Result<f64, String> {
     in_range(v, 0.0, 100.0)
+}
+
+fn spread_cost(v: &str) -> Result<f64, String> {
+    in_range(v, 1.0, 10.0)
 }
 
 fn tolerance(v: &str) -> Result<f64, String> {
@@ -601,6 +719,32 @@ struct Row {
     /// Engine time held beyond guarantees (borrowed from idle neighbours)
     /// over all engine time.
     borrowed: f64,
+}
+
+/// What lending costs the owners: per tenant, its mean and p99 latency
+/// with lending on over the same with lending off (same programs, same
+/// arrivals); the worst tenant's. Below 1 when borrowing gains more than
+/// reclaims cost.
+#[derive(Clone, Copy, Debug)]
+struct Slowdown {
+    mean: f64,
+    p99: f64,
+}
+
+impl Slowdown {
+    fn of(on: &Outcome, off: &Outcome) -> Self {
+        let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+        // NaN-propagating max over the tenants that sent requests.
+        let worst = |f: &dyn Fn(&[f64]) -> f64| {
+            on.latencies
+                .iter()
+                .zip(&off.latencies)
+                .filter(|(a, b)| !a.is_empty() || !b.is_empty())
+                .map(|(a, b)| f(a) / f(b))
+                .fold(f64::NEG_INFINITY, |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.max(y) })
+        };
+        Self { mean: worst(&mean), p99: worst(&|l| p99(l)) }
+    }
 }
 
 /// A system against the best of the baselines on each metric: throughput
@@ -699,6 +843,46 @@ fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Resu
     Ok((l.program, t))
 }
 
+/// The harvesting vNPU's program of `w`: lowered with its vNPU's 8 MiB of
+/// SRAM for k SA + k VU (k from every engine of the core down to 2) and
+/// marked spread, the widest whose time alone on the guarantee (1 SA + 1
+/// VU) is at most `max_cost` times `t11`, the vNPU's own program's (a
+/// wider lowering splits the SRAM into smaller tiles); the vNPU's own
+/// program if none is. Returns k (1: its own program), its cycles alone
+/// on 1 SA + 1 VU and on every engine, and the program.
+fn spread_program(
+    board: &BoardConfig,
+    w: &str,
+    batch: u32,
+    (p11, t11): (&Program, f64),
+    max_cost: f64,
+) -> Result<(u32, f64, f64, Program), String> {
+    let c = &board.core;
+    let widest = c.sa_count.min(c.vu_count);
+    for k in (2..=widest).rev() {
+        let opts = RunOptions {
+            sa: k,
+            vu: k,
+            sram_bytes: Some(8 << 20),
+            hbm_bytes: Some(8 << 30),
+            ..RunOptions::on_board(board, w, batch)
+        };
+        let (l, _, _) = lower_workload(board, &opts).map_err(|e| format!("{w}: {e}"))?;
+        let mut p = l.program;
+        p.spread = true;
+        let on = |width: [u32; 2]| {
+            run_program_on(board, &p, None, None, [1, 1], width)
+                .map(|t| t.cycles)
+                .map_err(|e| format!("{w}: {e}"))
+        };
+        let ts11 = on([1, 1])?;
+        if ts11 <= max_cost * t11 {
+            return Ok((k, ts11, on([c.sa_count, c.vu_count])?, p));
+        }
+    }
+    Ok((1, t11, t11, p11.clone()))
+}
+
 fn run() -> Result<(), String> {
     let args = parse_args();
     let board = args.board.load()?;
@@ -710,12 +894,25 @@ fn run() -> Result<(), String> {
         let (w, batch) = (w.as_str(), *batch);
         let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
         let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
+        let (spread_k, ts11, ts44, spread) = spread_program(&board, w, batch, (&p11, t11), args.spread_cost)?;
         let sla = match args.sla_ms() {
             Some(ms) => ms[i] * 1e-3 * hz,
             None => args.qos * t44,
         };
         let priority = args.priorities.get(i).copied().unwrap_or(1);
-        ws.push(Workload { name: format!("{w} b{batch}"), p11, p44, t11, t44, sla, priority });
+        ws.push(Workload {
+            name: format!("{w} b{batch}"),
+            p11,
+            p44,
+            t11,
+            t44,
+            spread,
+            spread_k,
+            ts11,
+            ts44,
+            sla,
+            priority,
+        });
         tasks.push(Tasks::new(&board, build(w, batch).ok_or(format!("unknown workload {w}"))?)?);
     }
     let how = Lending {
@@ -728,7 +925,8 @@ fn run() -> Result<(), String> {
     let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix() { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
-    let sat_vnpu = saturation_vnpu(&board, &ws, &weights, 20);
+    let sat_vnpu = saturation_runtime(&board, &ws, &weights, 20, OnRuntime::Static)?;
+    let sat_h = saturation_runtime(&board, &ws, &weights, 20, OnRuntime::Harvest)?;
     let sat_prema = saturation_prema(&ws, &weights);
     let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
     let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
@@ -751,30 +949,44 @@ fn run() -> Result<(), String> {
         }
     );
     println!(
-        "  {:<12} {:>10} {:>10} {:>9} {:>10} {:>7} {:>8}",
-        "tenant", "1+1 us", "4+4 us", "4+4 gain", "SLA us", "share", "priority"
+        "  {:<12} {:>10} {:>10} {:>9} {:>6} {:>12} {:>12} {:>10} {:>7} {:>8}",
+        "tenant",
+        "1+1 us",
+        "4+4 us",
+        "4+4 gain",
+        "spread",
+        "spread 1+1",
+        "spread 4+4",
+        "SLA us",
+        "share",
+        "priority"
     );
     for (w, x) in ws.iter().zip(&weights) {
         println!(
-            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>10.1} {:>6.1}% {:>8}",
+            "  {:<12} {:>10.1} {:>10.1} {:>8.2}x {:>6} {:>12.1} {:>12.1} {:>10.1} {:>6.1}% {:>8}",
             w.name,
             w.t11 / hz * 1e6,
             w.t44 / hz * 1e6,
             w.t11 / w.t44,
+            format!("{}+{}", w.spread_k, w.spread_k),
+            w.ts11 / hz * 1e6,
+            w.ts44 / hz * 1e6,
             w.sla / hz * 1e6,
             100.0 * x / wsum,
             w.priority
         );
     }
     println!(
-        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, PREMA-like {:.0}, Planaria-like {:.0}, V10-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, 1, {:.2}x, {:.2}x)",
+        "saturation (all tenants' requests per second): vNPU {:.0}, vNPU-WC {:.0}, vNPU-H {:.0}, PREMA-like {:.0}, Planaria-like {:.0}, V10-like {:.0} (vs PREMA-like: {:.2}x, {:.2}x, {:.2}x, 1, {:.2}x, {:.2}x)",
         sat_vnpu * wsum * hz,
         sat_wc * wsum * hz,
+        sat_h * wsum * hz,
         sat_prema * wsum * hz,
         sat_planaria * wsum * hz,
         sat_v10 * wsum * hz,
         sat_vnpu / sat_prema,
         sat_wc / sat_prema,
+        sat_h / sat_prema,
         sat_planaria / sat_prema,
         sat_v10 / sat_prema
     );
@@ -787,7 +999,7 @@ fn run() -> Result<(), String> {
     let mut scales: Vec<f64> = args
         .loads
         .iter()
-        .flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_prema, l * sat_planaria, l * sat_v10])
+        .flat_map(|l| [l * sat_vnpu, l * sat_wc, l * sat_h, l * sat_prema, l * sat_planaria, l * sat_v10])
         .collect();
     scales.sort_by(f64::total_cmp);
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
@@ -817,9 +1029,12 @@ fn run() -> Result<(), String> {
         let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, how)?;
         let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, planaria)?;
         let interleave = simulate_lending(&board, &ws, &mut tasks, &arrivals, v10)?;
+        let harvest = simulate_runtime(&board, &ws, &arrivals, OnRuntime::Harvest)?;
+        let unlent = simulate_runtime(&board, &ws, &arrivals, OnRuntime::Unlent)?;
         let rows: Vec<Row> = [
-            ("vNPU", scale / sat_vnpu, simulate_vnpu(&board, &ws, &arrivals)),
+            ("vNPU", scale / sat_vnpu, simulate_runtime(&board, &ws, &arrivals, OnRuntime::Static)?),
             ("vNPU-WC", scale / sat_wc, wc),
+            ("vNPU-H", scale / sat_h, harvest.clone()),
             (
                 "PREMA-ckpt",
                 scale / sat_prema,
@@ -836,7 +1051,7 @@ fn run() -> Result<(), String> {
                 simulate_prema(&board, &ws, &arrivals, WholeCore::prema(switch, f64::INFINITY, false)),
             ),
             ("Planaria", scale / sat_planaria, fission),
-            ("FIFO", scale / sat_prema, simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(switch))),
+            ("FIFO", scale / sat_prema, simulate_runtime(&board, &ws, &arrivals, OnRuntime::Fifo)?),
             ("V10", scale / sat_v10, interleave),
         ]
         .iter()
@@ -860,7 +1075,7 @@ fn run() -> Result<(), String> {
                     + &if r.failed > 0 { format!("  ({} failed)", r.failed) } else { String::new() }
             );
         }
-        for wc in [&rows[1], &rows[4], &rows[6]] {
+        for wc in rows.iter().filter(|r| ["vNPU-WC", "Planaria", "V10"].contains(&r.system)) {
             println!(
                 "{:>9} {}: {} tasks, {:.1}% of engine time beyond 1+1, {} waits for engines at a boundary, longest {:.1} us",
                 "",
@@ -871,6 +1086,17 @@ fn run() -> Result<(), String> {
                 wc.reclaim_max * 1e6
             );
         }
+        let slow = Slowdown::of(&harvest, &unlent);
+        println!(
+            "{:>9} vNPU-H: {:.1}% of engine time beyond 1+1, {} reclaims, waits {:.2} us on average, longest {:.1} us; owner slowdown from lending: mean latency {:.3}x, p99 {:.3}x of lending off (worst tenant)",
+            "",
+            100.0 * harvest.borrowed_eu_cycles / (eus * harvest.end.max(1.0)),
+            harvest.reclaim_waits,
+            harvest.reclaim_cycles / harvest.reclaim_waits.max(1) as f64 / hz * 1e6,
+            harvest.reclaim_max / hz * 1e6,
+            slow.mean,
+            slow.p99
+        );
         let base = &rows[PREMA];
         for us in rows.iter().filter(|r| !r.system.starts_with("PREMA")) {
             let ratios = Ratios::of(us, base);
@@ -880,7 +1106,7 @@ fn run() -> Result<(), String> {
             );
         }
         let n: Vec<usize> = arrivals.iter().map(Vec::len).collect();
-        results.push((offered, n, rows));
+        results.push((offered, n, rows, slow));
     }
     // Throughput at the SLA: the highest offered rate at which every
     // tenant's p99 is within its bound.
@@ -891,10 +1117,11 @@ fn run() -> Result<(), String> {
     let systems = results.first().map_or(0, |r| r.2.len());
     let mut best_rps = vec![0.0f64; systems];
     for s in 0..systems {
-        let best = results.iter().filter(|(_, _, rows)| rows[s].sla_met).max_by(|a, b| a.0.total_cmp(&b.0));
+        let best =
+            results.iter().filter(|(_, _, rows, _)| rows[s].sla_met).max_by(|a, b| a.0.total_cmp(&b.0));
         let name = results.first().map_or("", |r| r.2[s].system);
         match best {
-            Some((offered, _, rows)) => {
+            Some((offered, _, rows, _)) => {
                 println!(
                     "  {name:<11} {offered:.0}/s offered (load {:.2}): {:.0} req/s",
                     rows[s].load, rows[s].throughput
@@ -921,7 +1148,7 @@ fn run() -> Result<(), String> {
             (0..systems)
                 .map(|s| {
                     let name = results.first().map_or("", |r| r.2[s].system).to_string();
-                    (name, results.iter().map(|(o, _, rows)| (o / 1e3, f(&rows[s]))).collect())
+                    (name, results.iter().map(|(o, _, rows, _)| (o / 1e3, f(&rows[s]))).collect())
                 })
                 .collect()
         };
@@ -965,14 +1192,15 @@ fn run() -> Result<(), String> {
             "qos_factor": if args.sla_ms().is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
             "sla_ms": args.sla_ms(), "preempt_margin": args.margin, "prema_kill": args.prema_kill(),
             "mix": if args.equal_mix() { "equal" } else { "balanced" }, "context_switch_s": switch / hz,
-            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz,
+            "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz, "vNPU-H": sat_h * wsum * hz,
                 "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz, "V10": sat_v10 * wsum * hz},
-            "task_us": args.task_us, "lend_tolerance": args.tolerance,
+            "task_us": args.task_us, "lend_tolerance": args.tolerance, "spread_cost": args.spread_cost,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
+                "spread_width": w.spread_k, "t_spread_1sa_1vu_s": w.ts11 / hz, "t_spread_4sa_4vu_s": w.ts44 / hz,
                 "rate_share": x / wsum, "priority": w.priority})).collect::<Vec<_>>(),
-            "rates": results.iter().map(|(offered, n, rows)| serde_json::json!({
-                "offered_rps": offered, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
+            "rates": results.iter().map(|(offered, n, rows, slow)| serde_json::json!({
+                "offered_rps": offered, "owner_slowdown": {"mean_latency_ratio": slow.mean, "p99_latency_ratio": slow.p99}, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
                 "vs_best_baseline": rows.iter().filter(|r| !r.system.starts_with("PREMA")).map(|us| {
                     let r = Ratios::of(us, &rows[PREMA]);
                     (us.system.to_string(), serde_json::json!({"throughput_ratio": r.throughput,
@@ -1008,11 +1236,41 @@ mod tests {
         p.finish()
     }
 
+    /// `n` exp passes on each of `streams` logical VUs, marked spread.
+    fn spread_work(streams: u8, n: usize) -> Program {
+        let mut p = ProgramBuilder::new();
+        for v in 0..streams {
+            for _ in 0..n {
+                p.push(Engine::vu(v), Instr::VUnary { op: UnOp::Exp, src: 0, dst: 0, len: 1 << 20 });
+            }
+        }
+        let mut p = p.finish();
+        p.spread = true;
+        p
+    }
+
     fn workload(board: &BoardConfig, name: &str, n11: usize, n44: usize) -> Workload {
         let (p11, p44) = (vu_work(n11), vu_work(n44));
         let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
         let t44 = t(&p44);
-        Workload { name: name.into(), t11: t(&p11), t44, sla: 10.0 * t44, p11, p44, priority: 1 }
+        // The spread form: the 1+1 work over 4 logical VUs.
+        let spread = spread_work(4, (n11 / 4).max(1));
+        let on = |w| run_program_on(board, &spread, None, None, [1, 1], w).unwrap().cycles;
+        let (ts11, ts44) = (on([1, 1]), on([4, 4]));
+        let t11 = t(&p11);
+        Workload {
+            name: name.into(),
+            t11,
+            t44,
+            spread,
+            spread_k: 4,
+            ts11,
+            ts44,
+            sla: 10.0 * t44,
+            p11,
+            p44,
+            priority: 1,
+        }
     }
 
     #[test]
@@ -1022,13 +1280,45 @@ mod tests {
         let pass = ws[0].t11 / 4.0;
         // a: two requests at 0 (the second queues behind the first), one
         // long after; b: one at 0, running beside a's on its own VU.
-        let o = simulate_vnpu(&board, &ws, &[vec![0.0, 0.0, 100.0 * pass], vec![0.0]]);
+        let o = simulate_runtime(&board, &ws, &[vec![0.0, 0.0, 100.0 * pass], vec![0.0]], OnRuntime::Static)
+            .unwrap();
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         let (a, b) = (&o.latencies[0], &o.latencies[1]);
         assert!(close(a[0], 4.0 * pass) && close(a[1], 8.0 * pass) && close(a[2], 4.0 * pass), "{a:?}");
         assert!(close(b[0], 8.0 * pass), "{b:?}");
         assert!(close(o.end, 104.0 * pass), "{}", o.end);
         assert_eq!((o.switches, o.failed), (0, 0));
+    }
+
+    #[test]
+    fn a_harvesting_vnpu_borrows_idle_engines_and_gives_them_back() {
+        let board = BoardConfig::default();
+        // "a": 4 passes on each of 4 logical VUs; "b": one pass.
+        let mut ws = [workload(&board, "a", 16, 4), workload(&board, "b", 4, 1)];
+        ws[1].spread = spread_work(1, 1);
+        let pass = ws[1].t44;
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
+        // Alone, "a" runs on every VU of the core: 4 passes with lending,
+        // 16 without; 3 VUs x 4 passes borrowed.
+        let lone = [vec![0.0], vec![]];
+        let on = simulate_runtime(&board, &ws, &lone, OnRuntime::Harvest).unwrap();
+        let off = simulate_runtime(&board, &ws, &lone, OnRuntime::Unlent).unwrap();
+        assert!(close(on.latencies[0][0], 4.0 * pass), "{}", on.latencies[0][0] / pass);
+        assert!(close(off.latencies[0][0], 16.0 * pass), "{}", off.latencies[0][0] / pass);
+        assert!(close(on.borrowed_eu_cycles, 12.0 * pass), "{}", on.borrowed_eu_cycles / pass);
+        assert_eq!((off.borrowed_eu_cycles, off.reclaim_waits), (0.0, 0));
+        // "b" submits 1.5 passes in: it takes its VU back when a's pass on
+        // it ends (2 passes) and runs its own pass there (until 3).
+        let both = [vec![0.0], vec![1.5 * pass]];
+        let on = simulate_runtime(&board, &ws, &both, OnRuntime::Harvest).unwrap();
+        assert_eq!(on.reclaim_waits, 1);
+        assert!(close(on.reclaim_max, 0.5 * pass), "{}", on.reclaim_max / pass);
+        assert!(close(on.latencies[1][0], 1.5 * pass), "{}", on.latencies[1][0] / pass);
+        let off = simulate_runtime(&board, &ws, &both, OnRuntime::Unlent).unwrap();
+        assert!(close(off.latencies[1][0], pass), "{}", off.latencies[1][0] / pass);
+        // The owner's slowdown from lending is its reclaim wait: 1.5x.
+        let s = Slowdown::of(&on, &off);
+        assert!(close(s.mean, 1.5) && close(s.p99, 1.5), "{s:?}");
     }
 
     #[test]
@@ -1103,12 +1393,20 @@ mod tests {
         let pass = ws[2].t44;
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         // The long request runs to its end although the short one has
-        // more tokens long before; then "mid" (arrived first), then "short".
+        // more tokens long before; then "mid" (arrived first), then
+        // "short", each after one engine switch (it waited for the core).
         let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.5 * pass]];
-        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::fifo(10.0 * pass));
+        let o = simulate_runtime(&board, &ws, &arrivals, OnRuntime::Fifo).unwrap();
         let l = |i: usize| o.latencies[i][0] / pass;
-        assert!(close(l(0), 100.0) && close(l(1), 94.0) && close(l(2), 94.5), "{} {} {}", l(0), l(1), l(2));
-        assert_eq!((o.switches, o.kills), (0, 0));
+        let sw = npu_scheduler::switch_cycles(&board) / pass;
+        assert!(
+            close(l(0), 100.0) && close(l(1), 94.0 + sw) && close(l(2), 94.5 + 2.0 * sw),
+            "{} {} {} (switch {sw})",
+            l(0),
+            l(1),
+            l(2)
+        );
+        assert_eq!((o.switches, o.kills, o.failed), (0, 0, 0));
         // PREMA on the same stream preempts the long one for the short one.
         let o = simulate_prema(&board, &ws, &arrivals, WholeCore::prema(10.0 * pass, 0.0, false));
         assert!(o.switches > 0);
@@ -1185,7 +1483,7 @@ mod tests {
         let ws = [workload(&board, "a", 2, 1), workload(&board, "b", 8, 4)];
         let w = [1.0, 1.0];
         // vNPU: b's vNPU saturates first at 1 / t11(b) per cycle.
-        let s = saturation_vnpu(&board, &ws, &w, 20);
+        let s = saturation_runtime(&board, &ws, &w, 20, OnRuntime::Static).unwrap();
         assert!((s * ws[1].t11 - 1.0).abs() < 1e-6, "{s} vs {}", 1.0 / ws[1].t11);
         // PREMA-like: one of each per t44(a) + t44(b).
         let p = saturation_prema(&ws, &w);
