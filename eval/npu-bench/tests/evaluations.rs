@@ -54,7 +54,10 @@ fn sharing_eval_runs_every_system_at_every_rate_and_draws_them() {
         let offered = r["offered_rps"].as_f64().unwrap();
         let systems = r["systems"].as_array().unwrap();
         let names: Vec<&str> = systems.iter().map(|s| s["system"].as_str().unwrap()).collect();
-        assert_eq!(names, ["vNPU", "vNPU-WC", "vNPU-H", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"]);
+        assert_eq!(
+            names,
+            ["vNPU", "vNPU-WC", "vNPU-H", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"]
+        );
         for s in systems {
             let name = s["system"].as_str().unwrap();
             for k in ["throughput_rps", "eu_utilization", "avg_latency_s", "p99_latency_s", "fairness"] {
