@@ -382,26 +382,34 @@ pub fn check_span(m: &dyn Memory, addr: u64, len: u64) -> Result<(), MemoryError
 }
 
 /// Reads `n` little-endian f32 values (none: nothing is touched, at any
-/// address, as the ISA says of zero-sized operands).
+/// address, as the ISA says of zero-sized operands). On a little-endian
+/// host the bytes land in the values' own storage: no second buffer and
+/// no conversion pass (the bit patterns are the same either way).
 pub fn read_f32s(m: &dyn Memory, addr: u64, n: usize) -> Result<Vec<f32>, MemoryError> {
     if n == 0 {
         return Ok(Vec::new());
     }
-    check_span(m, addr, n as u64 * 4)?;
-    let mut bytes = vec![0u8; n * 4];
-    m.read(addr, &mut bytes)?;
-    Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    check_span(m, addr, (n as u64).saturating_mul(4))?;
+    let mut v = vec![0f32; n];
+    m.read(addr, bytemuck::cast_slice_mut(&mut v))?;
+    if cfg!(target_endian = "big") {
+        for x in &mut v {
+            *x = f32::from_bits(u32::from_le(x.to_bits()));
+        }
+    }
+    Ok(v)
 }
 
-/// Writes f32 values little-endian (none: nothing is touched).
+/// Writes f32 values little-endian (none: nothing is touched); on a
+/// little-endian host straight from the values' storage.
 pub fn write_f32s(m: &mut dyn Memory, addr: u64, v: &[f32]) -> Result<(), MemoryError> {
     if v.is_empty() {
         return Ok(());
     }
-    let mut bytes = Vec::with_capacity(v.len() * 4);
-    for x in v {
-        bytes.extend_from_slice(&x.to_le_bytes());
+    if cfg!(target_endian = "little") {
+        return m.write(addr, bytemuck::cast_slice(v));
     }
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     m.write(addr, &bytes)
 }
 
@@ -424,6 +432,26 @@ mod tests {
         assert_eq!(h.resident_bytes(), 2 * HBM_CHUNK);
         assert!(h.write(32 << 30, &[0]).is_err());
         assert!(h.read(u64::MAX, &mut [0]).is_err());
+    }
+
+    /// f32 values go to memory as little-endian bytes and come back with
+    /// every bit (NaN payloads, signed zeros, subnormals), at any
+    /// alignment.
+    #[test]
+    fn f32s_are_little_endian_bit_for_bit_at_any_address() {
+        let v = [1.5f32, -0.0, f32::from_bits(0x7fa0_0001), f32::from_bits(1), f32::NEG_INFINITY];
+        let mut s = Sram::new(64);
+        for addr in [0u64, 1, 3, 40] {
+            write_f32s(&mut s, addr, &v).unwrap();
+            let mut b = [0u8; 20];
+            s.read(addr, &mut b).unwrap();
+            let want: Vec<u8> = v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+            assert_eq!(b.as_slice(), want.as_slice(), "at {addr}");
+            let back = read_f32s(&s, addr, v.len()).unwrap();
+            assert!(back.iter().zip(&v).all(|(a, b)| a.to_bits() == b.to_bits()), "at {addr}");
+        }
+        assert!(read_f32s(&s, 48, 5).is_err() && write_f32s(&mut s, 48, &v).is_err());
+        assert!(read_f32s(&s, u64::MAX, 0).unwrap().is_empty());
     }
 
     #[test]
