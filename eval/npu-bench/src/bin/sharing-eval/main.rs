@@ -725,25 +725,54 @@ struct Row {
 /// with lending on over the same with lending off (same programs, same
 /// arrivals); the worst tenant's. Below 1 when borrowing gains more than
 /// reclaims cost.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Slowdown {
     mean: f64,
     p99: f64,
+    /// Per tenant (NaN: it sent nothing), mean and p99.
+    tenants: Vec<(f64, f64)>,
 }
 
 impl Slowdown {
     fn of(on: &Outcome, off: &Outcome) -> Self {
         let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+        let tenants: Vec<(f64, f64)> = on
+            .latencies
+            .iter()
+            .zip(&off.latencies)
+            .map(|(a, b)| {
+                if a.is_empty() && b.is_empty() {
+                    (f64::NAN, f64::NAN)
+                } else {
+                    (mean(a) / mean(b), p99(a) / p99(b))
+                }
+            })
+            .collect();
         // NaN-propagating max over the tenants that sent requests.
-        let worst = |f: &dyn Fn(&[f64]) -> f64| {
+        let sent = || {
             on.latencies
                 .iter()
                 .zip(&off.latencies)
-                .filter(|(a, b)| !a.is_empty() || !b.is_empty())
-                .map(|(a, b)| f(a) / f(b))
-                .fold(f64::NEG_INFINITY, |x, y| if x.is_nan() || y.is_nan() { f64::NAN } else { x.max(y) })
+                .zip(&tenants)
+                .filter(|((a, b), _)| !a.is_empty() || !b.is_empty())
         };
-        Self { mean: worst(&mean), p99: worst(&|l| p99(l)) }
+        let worst = |f: fn(&(f64, f64)) -> f64| {
+            sent().map(|(_, t)| f(t)).fold(f64::NEG_INFINITY, |x, y| {
+                if x.is_nan() || y.is_nan() {
+                    f64::NAN
+                } else {
+                    x.max(y)
+                }
+            })
+        };
+        Self { mean: worst(|t| t.0), p99: worst(|t| t.1), tenants }
+    }
+
+    /// The tenant with the largest p99 ratio.
+    fn worst_p99(&self) -> Option<usize> {
+        (0..self.tenants.len())
+            .filter(|&i| !self.tenants[i].1.is_nan())
+            .max_by(|&a, &b| self.tenants[a].1.total_cmp(&self.tenants[b].1))
     }
 }
 
@@ -1088,14 +1117,15 @@ fn run() -> Result<(), String> {
         }
         let slow = Slowdown::of(&harvest, &unlent);
         println!(
-            "{:>9} vNPU-H: {:.1}% of engine time beyond 1+1, {} reclaims, waits {:.2} us on average, longest {:.1} us; owner slowdown from lending: mean latency {:.3}x, p99 {:.3}x of lending off (worst tenant)",
+            "{:>9} vNPU-H: {:.1}% of engine time beyond 1+1, {} reclaims, waits {:.2} us on average, longest {:.1} us; owner slowdown from lending: mean latency {:.3}x, p99 {:.3}x of lending off (worst tenant; p99: {})",
             "",
             100.0 * harvest.borrowed_eu_cycles / (eus * harvest.end.max(1.0)),
             harvest.reclaim_waits,
             harvest.reclaim_cycles / harvest.reclaim_waits.max(1) as f64 / hz * 1e6,
             harvest.reclaim_max / hz * 1e6,
             slow.mean,
-            slow.p99
+            slow.p99,
+            slow.worst_p99().map_or("none", |i| ws[i].name.as_str())
         );
         let base = &rows[PREMA];
         for us in rows.iter().filter(|r| !r.system.starts_with("PREMA")) {
@@ -1200,7 +1230,8 @@ fn run() -> Result<(), String> {
                 "spread_width": w.spread_k, "t_spread_1sa_1vu_s": w.ts11 / hz, "t_spread_4sa_4vu_s": w.ts44 / hz,
                 "rate_share": x / wsum, "priority": w.priority})).collect::<Vec<_>>(),
             "rates": results.iter().map(|(offered, n, rows, slow)| serde_json::json!({
-                "offered_rps": offered, "owner_slowdown": {"mean_latency_ratio": slow.mean, "p99_latency_ratio": slow.p99}, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
+                "offered_rps": offered, "owner_slowdown": {"mean_latency_ratio": slow.mean, "p99_latency_ratio": slow.p99,
+                    "tenants": slow.tenants.iter().map(|(m, p)| serde_json::json!({"mean_latency_ratio": m, "p99_latency_ratio": p})).collect::<Vec<_>>()}, "requests": n.iter().sum::<usize>(), "requests_per_tenant": n, "systems": rows.iter().map(sys).collect::<Vec<_>>(),
                 "vs_best_baseline": rows.iter().filter(|r| !r.system.starts_with("PREMA")).map(|us| {
                     let r = Ratios::of(us, &rows[PREMA]);
                     (us.system.to_string(), serde_json::json!({"throughput_ratio": r.throughput,
