@@ -613,6 +613,151 @@ fn matmul_in_place(
     true
 }
 
+/// SRAM as f32 values, for the kernels that work on it in place: on a
+/// little-endian host (where SRAM's bytes are the values' own
+/// representation) and a 4-byte aligned buffer (SRAM's is 8-byte aligned,
+/// or page aligned when file-backed). A trailing partial word is left out.
+fn sram_f32s(sram: &mut Sram) -> Option<&mut [f32]> {
+    if cfg!(target_endian = "big") {
+        return None;
+    }
+    let b = sram.bytes_mut();
+    let n = b.len() / 4 * 4;
+    bytemuck::try_cast_slice_mut(b.get_mut(..n)?).ok()
+}
+
+/// The values `[addr, addr + 4 n)` of SRAM as indices into
+/// [`sram_f32s`]'s `len` values, when `addr` is 4-byte aligned and the
+/// span lies inside (overflow-checked).
+fn f32_span(addr: u64, n: usize, len: usize) -> Option<std::ops::Range<usize>> {
+    if !addr.is_multiple_of(4) {
+        return None;
+    }
+    let start = usize::try_from(addr / 4).ok()?;
+    let end = start.checked_add(n)?;
+    (end <= len).then_some(start..end)
+}
+
+/// `out` of `v` mutably and each of `ins` shared, when no input overlaps
+/// `out` (inputs may overlap each other): the operands of an instruction
+/// that reads every input before it writes its output, in place.
+fn split_views<const N: usize>(
+    v: &mut [f32],
+    out: std::ops::Range<usize>,
+    ins: [std::ops::Range<usize>; N],
+) -> Option<(&mut [f32], [&[f32]; N])> {
+    if out.end > v.len() || ins.iter().any(|r| r.start < out.end && out.start < r.end || r.end > v.len()) {
+        return None;
+    }
+    let (left, rest) = v.split_at_mut(out.start);
+    let (o, right) = rest.split_at_mut(out.len());
+    let (left, right) = (&*left, &*right);
+    let view = |r: std::ops::Range<usize>| {
+        if r.end <= out.start {
+            left.get(r)
+        } else {
+            right.get(r.start - out.end..r.end - out.end)
+        }
+    };
+    let mut views: [&[f32]; N] = [&[]; N];
+    for (slot, r) in views.iter_mut().zip(ins) {
+        *slot = view(r)?;
+    }
+    Some((o, views))
+}
+
+/// `dst[i] = f(src[i])` for `n` f32 values in SRAM, in place: `src` and
+/// `dst` the same values, or not overlapping. False when the fast path
+/// does not apply (then nothing was touched).
+fn map_in_sram(sram: &mut Sram, src: u64, dst: u64, n: usize, f: impl Fn(f32) -> f32) -> bool {
+    if n == 0 {
+        return false;
+    }
+    let Some(v) = sram_f32s(sram) else { return false };
+    let (Some(s), Some(d)) = (f32_span(src, n, v.len()), f32_span(dst, n, v.len())) else {
+        return false;
+    };
+    if s == d {
+        v[d].iter_mut().for_each(|x| *x = f(*x));
+        return true;
+    }
+    let Some((out, [x])) = split_views(v, d, [s]) else { return false };
+    out.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x));
+    true
+}
+
+/// `vu.binary` on `n` f32 values in SRAM, in place: the output the same
+/// values as `a` (an accumulation) or overlapping no input, and `b`
+/// overlapping no output. False when the fast path does not apply (then
+/// nothing was touched).
+fn binary_in_sram(
+    sram: &mut Sram,
+    (op, bcast): (BinOp, Bcast),
+    (a, b, dst): (u64, u64, u64),
+    n: usize,
+    cols: usize,
+) -> bool {
+    if n == 0 || cols == 0 {
+        return false;
+    }
+    let Some(v) = sram_f32s(sram) else { return false };
+    let len = v.len();
+    let b_len = match bcast {
+        Bcast::None => n,
+        Bcast::Row => cols,
+        Bcast::Scalar => 1,
+    };
+    let (Some(ra), Some(rb), Some(rd)) =
+        (f32_span(a, n, len), f32_span(b, b_len, len), f32_span(dst, n, len))
+    else {
+        return false;
+    };
+    let apply = |out: &mut [f32], av: Option<&[f32]>, bv: &[f32]| {
+        for (i, o) in out.iter_mut().enumerate() {
+            let x = av.map_or(*o, |a| a[i]);
+            let y = match bcast {
+                Bcast::None => bv[i],
+                Bcast::Row => bv[i % cols],
+                Bcast::Scalar => bv[0],
+            };
+            *o = binary(op, x, y);
+        }
+    };
+    if ra == rd {
+        let Some((out, [bv])) = split_views(v, rd, [rb]) else { return false };
+        apply(out, None, bv);
+        return true;
+    }
+    let Some((out, [av, bv])) = split_views(v, rd, [ra, rb]) else { return false };
+    apply(out, Some(av), bv);
+    true
+}
+
+/// `sa.conv2d`'s products: `out += im2col(x) * w`, a chunk of output
+/// pixels at a time.
+#[allow(clippy::too_many_arguments)]
+fn conv_products(
+    x: &[f32],
+    wv: &[f32],
+    out: &mut [f32],
+    g: &ConvGeom,
+    ho: usize,
+    wo: usize,
+    rows: usize,
+    kk: usize,
+) {
+    let cout = g.cout as usize;
+    let chunk = (IM2COL_CHUNK / kk).max(1);
+    let mut p0 = 0;
+    while p0 < rows {
+        let p1 = (p0 + chunk).min(rows);
+        let cols = im2col(x, g, ho, wo, p0..p1);
+        let shape = GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
+        gemm_f32(&cols, wv, &mut out[p0 * cout..p1 * cout], shape);
+        p0 = p1;
+    }
+}
+
 /// Executes one instruction on real data. Signal, wait and halt are the
 /// scheduler's business and do nothing here.
 pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelError> {
@@ -694,30 +839,48 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             if rows == 0 || cout == 0 {
                 return Ok(());
             }
+            let products = kk > 0 && in_len > 0;
+            if products {
+                window_steps(rows, usize::from(g.kh) * usize::from(g.kw))?;
+            }
+            // f32 operands in place in SRAM when aligned and the output
+            // overlaps neither input (the same values, no copies).
+            if dtype == DType::F32 && products {
+                if let Some(v) = sram_f32s(mem.sram) {
+                    let len = v.len();
+                    let spans = (
+                        f32_span(output, rows * cout, len),
+                        f32_span(input, in_len, len),
+                        f32_span(weights, kk * cout, len),
+                    );
+                    if let (Some(o), Some(x), Some(w)) = spans {
+                        if let Some((out, [x, wv])) = split_views(v, o, [x, w]) {
+                            if !flags.accumulate {
+                                out.fill(0.0);
+                            }
+                            conv_products(x, wv, out, &g, ho as usize, wo as usize, rows, kk);
+                            return Ok(());
+                        }
+                    }
+                }
+            }
             let mut out = if flags.accumulate {
                 read_f32s(mem.sram, output, rows * cout)?
             } else {
                 vec![0.0; rows * cout]
             };
-            if kk > 0 && in_len > 0 {
-                window_steps(rows, usize::from(g.kh) * usize::from(g.kw))?;
+            if products {
                 let x = read_elems(mem.sram, input, in_len, dtype)?;
                 let wv = read_elems(mem.sram, weights, kk * cout, dtype)?;
-                let chunk = (IM2COL_CHUNK / kk).max(1);
-                let mut p0 = 0;
-                while p0 < rows {
-                    let p1 = (p0 + chunk).min(rows);
-                    let cols = im2col(&x, &g, ho as usize, wo as usize, p0..p1);
-                    let shape =
-                        GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
-                    gemm_f32(&cols, &wv, &mut out[p0 * cout..p1 * cout], shape);
-                    p0 = p1;
-                }
+                conv_products(&x, &wv, &mut out, &g, ho as usize, wo as usize, rows, kk);
             }
             write_f32s(mem.sram, output, &out)?;
         }
         Instr::VBinary { op, bcast, a, b, dst, rows, cols } => {
             let n = limit(u64::from(rows) * u64::from(cols))?;
+            if binary_in_sram(mem.sram, (op, bcast), (a, b, dst), n, cols as usize) {
+                return Ok(());
+            }
             let av = read_f32s(mem.sram, a, n)?;
             let out: Vec<f32> = match bcast {
                 Bcast::None => {
@@ -736,17 +899,29 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             write_f32s(mem.sram, dst, &out)?;
         }
         Instr::VUnary { op, src, dst, len } => {
-            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            let n = limit(len.into())?;
+            if map_in_sram(mem.sram, src, dst, n, |x| unary(op, x)) {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
             v.iter_mut().for_each(|x| *x = unary(op, *x));
             write_f32s(mem.sram, dst, &v)?;
         }
         Instr::VAffine { src, dst, len, scale, bias } => {
-            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            let n = limit(len.into())?;
+            if map_in_sram(mem.sram, src, dst, n, |x| x * scale + bias) {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
             v.iter_mut().for_each(|x| *x = *x * scale + bias);
             write_f32s(mem.sram, dst, &v)?;
         }
         Instr::VClamp { src, dst, len, lo, hi } => {
-            let mut v = read_f32s(mem.sram, src, limit(len.into())?)?;
+            let n = limit(len.into())?;
+            if map_in_sram(mem.sram, src, dst, n, |x| clamp_nan(x, lo, hi)) {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
             v.iter_mut().for_each(|x| *x = clamp_nan(*x, lo, hi));
             write_f32s(mem.sram, dst, &v)?;
         }
@@ -793,8 +968,13 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                 return Ok(());
             }
             window_steps(pixels, usize::from(geom.kh) * usize::from(geom.kw))?;
-            let v = read_f32s(mem.sram, src, n)?;
-            let out = pool(&v, op, &geom, ho as usize, wo as usize);
+            let views = sram_f32s(mem.sram).and_then(|v| {
+                Some(pool(&v[f32_span(src, n, v.len())?], op, &geom, ho as usize, wo as usize))
+            });
+            let out = match views {
+                Some(out) => out,
+                None => pool(&read_f32s(mem.sram, src, n)?, op, &geom, ho as usize, wo as usize),
+            };
             write_f32s(mem.sram, dst, &out)?;
         }
         Instr::VDepthwise { src, weights, dst, geom } => {
@@ -812,9 +992,19 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                 vec![0.0; out_len]
             } else {
                 window_steps(pixels, taps)?;
-                let x = read_f32s(mem.sram, src, in_len)?;
-                let wv = read_f32s(mem.sram, weights, taps * c)?;
-                depthwise(&x, &wv, &geom, ho as usize, wo as usize)
+                // The operands straight from SRAM when aligned and inside.
+                let views = sram_f32s(mem.sram).and_then(|v| {
+                    let (x, w) = (f32_span(src, in_len, v.len())?, f32_span(weights, taps * c, v.len())?);
+                    Some(depthwise(&v[x], &v[w], &geom, ho as usize, wo as usize))
+                });
+                match views {
+                    Some(out) => out,
+                    None => {
+                        let x = read_f32s(mem.sram, src, in_len)?;
+                        let wv = read_f32s(mem.sram, weights, taps * c)?;
+                        depthwise(&x, &wv, &geom, ho as usize, wo as usize)
+                    }
+                }
             };
             write_f32s(mem.sram, dst, &out)?;
         }
