@@ -6,20 +6,24 @@
 //! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
 //! rounds (docs/model-format.md, "Benchmark").
 //!
-//!   onnx-bench [--rounds N] [--python PATH] [--dtype f32|bf16] [--board FILE]
+//!   onnx-bench [--rounds N] [--only NAME,...] [--python PATH] [--dtype f32|bf16] [--board FILE]
 //!
 //! The pretrained network (scripts/pretrained.sh) is included when that
-//! script has fetched it and made its inputs (.cache/pretrained).
+//! script has fetched it and made its inputs (.cache/pretrained). The
+//! torchvision graphs of tests/fixtures/onnx/vision (ResNet-18,
+//! MobileNetV2, SqueezeNet 1.0 at batch 1 and 8, ViT-B/16 at batch 1) get
+//! random weights from scripts/fill_external.py (seed 1, written once to
+//! target/onnx-bench-vision) and random inputs (seeded).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
 use clap::Parser;
-use npu_bench::BoardArg;
+use npu_bench::{BoardArg, Rng};
 use npu_lower::VnpuShape;
 use npu_onnx::host::HostRunner;
-use npu_onnx::{compile, npy, CompileOptions};
+use npu_onnx::{compile_file, npy, CompileOptions};
 use vnpu_abi::DType;
 
 struct Case {
@@ -37,7 +41,7 @@ struct Case {
 
 /// The test models of tests/fixtures/onnx, and the pretrained network when
 /// scripts/pretrained.sh has fetched it.
-fn cases(root: &Path) -> Vec<Case> {
+fn cases(root: &Path, python: &Path) -> Vec<Case> {
     let fx = root.join("tests/fixtures/onnx");
     let mut v: Vec<Case> = ["digits-mlp", "digits-mlp2"]
         .iter()
@@ -115,6 +119,57 @@ fn cases(root: &Path) -> Vec<Case> {
             ),
         }
     }
+    v.extend(vision(root, python));
+    v
+}
+
+/// The torchvision graphs with random weights (scripts/fill_external.py,
+/// seed 1) and seeded random inputs of each batch, written once to
+/// target/onnx-bench-vision; none when Python cannot write them.
+fn vision(root: &Path, python: &Path) -> Vec<Case> {
+    let dir = root.join("target/onnx-bench-vision");
+    let mut v = Vec::new();
+    for (m, batches) in
+        [("resnet18", &[1, 8][..]), ("mobilenet_v2", &[1, 8]), ("squeezenet1_0", &[1, 8]), ("vit_b_16", &[1])]
+    {
+        let model = dir.join(format!("{m}.onnx"));
+        if !model.exists() {
+            let src = root.join(format!("tests/fixtures/onnx/vision/{m}.onnx"));
+            eprintln!("onnx-bench: writing random weights for {m} (scripts/fill_external.py) ...");
+            let ok = Command::new(python)
+                .arg(root.join("scripts/fill_external.py"))
+                .args([&src, &dir])
+                .args(["--seed", "1"])
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok {
+                eprintln!("onnx-bench: {m} is left out (scripts/fill_external.py failed)");
+                continue;
+            }
+        }
+        for &batch in batches {
+            let input = dir.join(format!("{m}-b{batch}-x.npy"));
+            if !input.exists() {
+                // A seeded input of the graph's image shape.
+                let (mut rng, n) = (Rng(0x5eed ^ u64::from(batch)), batch as usize * 3 * 224 * 224);
+                let data: Vec<f32> = (0..n).map(|_| (2.0 * rng.unit() - 1.0) as f32).collect();
+                let a = npy::Array::floats(vec![u64::from(batch), 3, 224, 224], data);
+                if let Err(e) = npy::write_file(&input, &a) {
+                    eprintln!("onnx-bench: {m}: {}: {e}", input.display());
+                    continue;
+                }
+            }
+            v.push(Case {
+                name: format!("{m} (torchvision, random weights)"),
+                model: model.clone(),
+                input,
+                input_name: "x",
+                output: None,
+                batch,
+                shape: None,
+            });
+        }
+    }
     v
 }
 
@@ -136,6 +191,10 @@ struct Args {
     /// The Python with ONNX Runtime [default: .venv-onnx/bin/python].
     #[arg(long, value_name = "PATH")]
     python: Option<PathBuf>,
+    /// Only the models whose name contains one of these (comma-separated),
+    /// e.g. `resnet18,mobilenet` [default: every model].
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     /// Element type of the products' weights and operands.
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
@@ -151,8 +210,10 @@ fn main() {
     let python = args.python.clone().unwrap_or_else(|| root.join(".venv-onnx/bin/python"));
     let board = args.board.load().unwrap_or_else(|e| npu_bench::fail("onnx-bench", &e));
     let clock = f64::from(board.clock_mhz) * 1e6;
-    for c in cases(&root) {
-        let bytes = std::fs::read(&c.model).unwrap_or_else(|e| panic!("{}: {e}", c.model.display()));
+    for c in cases(&root, &python) {
+        if !args.only.is_empty() && !args.only.iter().any(|o| c.name.contains(o.as_str())) {
+            continue;
+        }
         let x = npy::read_file(&c.input).unwrap_or_else(|e| panic!("{e}"));
         let mut host_runner = None;
         let mut output = c.output.map(str::to_string);
@@ -166,7 +227,7 @@ fn main() {
                 bf16_activations: false,
                 spread: None,
             };
-            let compiled = compile(&bytes, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
+            let compiled = compile_file(&c.model, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());
             let mut r = HostRunner::new(&board, &compiled.model).unwrap_or_else(|e| panic!("{e}"));
             let (_, rep) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
