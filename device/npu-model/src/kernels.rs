@@ -246,6 +246,7 @@ pub fn clamp_nan(x: f32, lo: f32, hi: f32) -> f32 {
 }
 
 /// Applies a unary operation to one value.
+#[inline]
 pub fn unary(op: UnOp, x: f32) -> f32 {
     match op {
         UnOp::Copy => x,
@@ -273,6 +274,7 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
 }
 
 /// Applies a binary operation to one pair.
+#[inline]
 pub fn binary(op: BinOp, a: f32, b: f32) -> f32 {
     match op {
         BinOp::Add => a + b,
@@ -712,25 +714,74 @@ fn binary_in_sram(
     else {
         return false;
     };
-    let apply = |out: &mut [f32], av: Option<&[f32]>, bv: &[f32]| {
-        for (i, o) in out.iter_mut().enumerate() {
-            let x = av.map_or(*o, |a| a[i]);
-            let y = match bcast {
-                Bcast::None => bv[i],
-                Bcast::Row => bv[i % cols],
-                Bcast::Scalar => bv[0],
-            };
-            *o = binary(op, x, y);
-        }
-    };
     if ra == rd {
         let Some((out, [bv])) = split_views(v, rd, [rb]) else { return false };
-        apply(out, None, bv);
+        binary_into(op, bcast, cols, out, None, bv);
         return true;
     }
     let Some((out, [av, bv])) = split_views(v, rd, [ra, rb]) else { return false };
-    apply(out, Some(av), bv);
+    binary_into(op, bcast, cols, out, Some(av), bv);
     true
+}
+
+/// `out = op(a, b)` (`a`: `out` itself when `None`) with `b` broadcast
+/// as `bcast` over rows of `cols`, one loop per operation and broadcast,
+/// so each is compiled for its operation (and vectorized where it can
+/// be); the same values as [`binary`] element by element.
+fn binary_into(op: BinOp, bcast: Bcast, cols: usize, out: &mut [f32], a: Option<&[f32]>, b: &[f32]) {
+    macro_rules! each {
+        ($($v:ident),*) => {
+            match op {
+                $(BinOp::$v => binary_loop(bcast, cols, out, a, b, |x, y| binary(BinOp::$v, x, y)),)*
+            }
+        };
+    }
+    each!(Add, Sub, Mul, Max, Min, Eq, Ne, Lt, Le, Gt, Ge, Keep)
+}
+
+#[inline(always)]
+fn binary_loop(
+    bcast: Bcast,
+    cols: usize,
+    out: &mut [f32],
+    a: Option<&[f32]>,
+    b: &[f32],
+    f: impl Fn(f32, f32) -> f32,
+) {
+    let row = |o: &mut [f32], a: Option<&[f32]>, b: &[f32]| match a {
+        Some(a) => o.iter_mut().zip(a).zip(b).for_each(|((o, x), y)| *o = f(*x, *y)),
+        None => o.iter_mut().zip(b).for_each(|(o, y)| *o = f(*o, *y)),
+    };
+    match bcast {
+        Bcast::None => row(out, a, b),
+        Bcast::Row => {
+            for (r, o) in out.chunks_mut(cols.max(1)).enumerate() {
+                row(o, a.and_then(|a| a.get(r * cols..(r + 1) * cols)), b);
+            }
+        }
+        Bcast::Scalar => {
+            let Some(&y) = b.first() else { return };
+            match a {
+                Some(a) => out.iter_mut().zip(a).for_each(|(o, x)| *o = f(*x, y)),
+                None => out.iter_mut().for_each(|o| *o = f(*o, y)),
+            }
+        }
+    }
+}
+
+/// [`map_in_sram`] of `op`, one loop per operation (see [`binary_into`]).
+fn unary_in_sram(sram: &mut Sram, op: UnOp, src: u64, dst: u64, n: usize) -> bool {
+    macro_rules! each {
+        ($($v:ident),*) => {
+            match op {
+                $(UnOp::$v => map_in_sram(sram, src, dst, n, |x| unary(UnOp::$v, x)),)*
+            }
+        };
+    }
+    each!(
+        Copy, Relu, Gelu, Exp, Tanh, Sigmoid, Neg, Recip, Sqrt, Erf, GeluErf, Abs, Log, Floor, Ceil, Sin,
+        Cos, I32ToF32, F32ToI32
+    )
 }
 
 /// `sa.conv2d`'s products: `out += im2col(x) * w`, a chunk of output
@@ -900,7 +951,7 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::VUnary { op, src, dst, len } => {
             let n = limit(len.into())?;
-            if map_in_sram(mem.sram, src, dst, n, |x| unary(op, x)) {
+            if unary_in_sram(mem.sram, op, src, dst, n) {
                 return Ok(());
             }
             let mut v = read_f32s(mem.sram, src, n)?;
