@@ -1,7 +1,7 @@
 //! Memories a program can name: the core's SRAM segment, a lazily backed
 //! HBM segment and the guest's DMA-visible memory.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
@@ -205,7 +205,12 @@ pub const HBM_CHUNK: u64 = 1 << 20;
 #[derive(Default)]
 pub struct LazyHbm {
     size: u64,
-    chunks: HashMap<u64, Box<[u8]>>,
+    /// Indexed by chunk (a DMA reads and writes chunk by chunk, row by
+    /// row: an index, not a hash, per row); grown up to the highest chunk
+    /// written, at most `size / HBM_CHUNK` entries.
+    chunks: Vec<Option<Box<[u8]>>>,
+    /// How many of `chunks` are allocated.
+    resident: usize,
     file: Option<(MappedFile, HashSet<u64>)>,
 }
 
@@ -222,23 +227,35 @@ impl std::fmt::Debug for LazyHbm {
 /// A copy in host memory (a file-backed segment's copy is not file-backed).
 impl Clone for LazyHbm {
     fn clone(&self) -> Self {
-        let mut chunks = self.chunks.clone();
+        let mut copy =
+            Self { size: self.size, chunks: self.chunks.clone(), resident: self.resident, file: None };
         if let Some((f, reserved)) = &self.file {
             for &c in reserved {
                 let at = (c * HBM_CHUNK) as usize;
                 let end = (at + HBM_CHUNK as usize).min(f.map.len());
-                let mut b = vec![0u8; HBM_CHUNK as usize].into_boxed_slice();
-                b[..end - at].copy_from_slice(&f.map[at..end]);
-                chunks.insert(c, b);
+                copy.chunk_mut(c)[..end - at].copy_from_slice(&f.map[at..end]);
             }
         }
-        Self { size: self.size, chunks, file: None }
+        copy
     }
 }
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self { size, chunks: HashMap::new(), file: None }
+        Self { size, chunks: Vec::new(), resident: 0, file: None }
+    }
+
+    /// Chunk `c`, allocated (zeroed) on first use.
+    fn chunk_mut(&mut self, c: u64) -> &mut [u8] {
+        let i = c as usize;
+        if self.chunks.len() <= i {
+            self.chunks.resize_with(i + 1, || None);
+        }
+        let slot = &mut self.chunks[i];
+        if slot.is_none() {
+            self.resident += 1;
+        }
+        slot.get_or_insert_with(|| vec![0u8; HBM_CHUNK as usize].into_boxed_slice())
     }
 
     /// A segment of `size` bytes held in `file`, a sparse file: what the
@@ -252,14 +269,14 @@ impl LazyHbm {
         }
         let f = MappedFile::open(file, size)?;
         let reserved = f.allocated_chunks(size);
-        Ok(Self { size, chunks: HashMap::new(), file: Some((f, reserved)) })
+        Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
     }
 
     /// Host bytes actually allocated for this segment (for a file-backed
     /// one: the chunks that have blocks in its file).
     pub fn resident_bytes(&self) -> u64 {
         let reserved = self.file.as_ref().map_or(0, |(_, r)| r.len());
-        (self.chunks.len() + reserved) as u64 * HBM_CHUNK
+        (self.resident + reserved) as u64 * HBM_CHUNK
     }
 
     fn pieces(addr: u64, len: usize) -> impl Iterator<Item = (u64, usize, usize, usize)> {
@@ -294,7 +311,7 @@ impl Memory for LazyHbm {
         }
         for (chunk, off, at, n) in Self::pieces(addr, buf.len()) {
             let dst = &mut buf[at..at + n];
-            match self.chunks.get(&chunk) {
+            match self.chunks.get(chunk as usize).and_then(Option::as_ref) {
                 Some(c) => dst.copy_from_slice(&c[off..off + n]),
                 None => dst.fill(0),
             }
@@ -322,9 +339,7 @@ impl Memory for LazyHbm {
             return Ok(());
         }
         for (chunk, off, at, n) in Self::pieces(addr, data.len()) {
-            let c =
-                self.chunks.entry(chunk).or_insert_with(|| vec![0u8; HBM_CHUNK as usize].into_boxed_slice());
-            c[off..off + n].copy_from_slice(&data[at..at + n]);
+            self.chunk_mut(chunk)[off..off + n].copy_from_slice(&data[at..at + n]);
         }
         Ok(())
     }
