@@ -203,6 +203,10 @@ fn metrics_daemon(state: &Path) -> (Daemon, u16) {
     wait_for("the control socket", || {
         vnpu_manager::ControlClient::connect(&state.join("sockets/control.sock")).is_ok()
     });
+    // The metrics listener starts on a thread of its own: the control
+    // socket being up does not mean it is (a scrape in between was
+    // refused once in CI).
+    wait_for("the metrics listener", || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
     (d, port)
 }
 

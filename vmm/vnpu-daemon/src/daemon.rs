@@ -389,12 +389,15 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
     let result = (|| {
         let mut seen = Store::stamp(&opts.state_dir);
         reconcile(opts, &daemon.board, &mut lock(&daemon.served))?;
-        control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
+        // Metrics first: once the control socket answers, everything the
+        // daemon serves is up (a client that scraped right after the
+        // control socket came up was once refused).
         if let Some(addr) = opts.metrics {
             let m = MetricsServer::start(addr, Arc::clone(&daemon) as Arc<dyn BoardSource>)?;
             log::info!("metrics at http://{}/metrics", m.addr);
             metrics_server = Some(m);
         }
+        control_server = Some(ControlServer::start(Arc::clone(&daemon))?);
         ready();
         // Once running, a state directory that cannot be read for a moment
         // (or an instance that cannot be served) is logged, once per
