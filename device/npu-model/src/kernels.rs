@@ -803,12 +803,22 @@ fn conv_products(
 ) {
     let cout = g.cout as usize;
     let chunk = (IM2COL_CHUNK / kk).max(1);
+    // A 1x1 window at stride 1 without padding: each output pixel's
+    // im2col row is its input pixel's channels, so the input is the
+    // im2col matrix itself (the same values, no copy).
+    let pointwise = (g.kh, g.kw, g.stride_h, g.stride_w) == (1, 1, 1, 1)
+        && (g.pad_top, g.pad_bottom, g.pad_left, g.pad_right) == (0, 0, 0, 0)
+        && x.len() == rows * kk;
     let mut p0 = 0;
     while p0 < rows {
         let p1 = (p0 + chunk).min(rows);
-        let cols = im2col(x, g, ho, wo, p0..p1);
         let shape = GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
-        gemm_f32(&cols, wv, &mut out[p0 * cout..p1 * cout], shape);
+        if pointwise {
+            gemm_f32(&x[p0 * kk..p1 * kk], wv, &mut out[p0 * cout..p1 * cout], shape);
+        } else {
+            let cols = im2col(x, g, ho, wo, p0..p1);
+            gemm_f32(&cols, wv, &mut out[p0 * cout..p1 * cout], shape);
+        }
         p0 = p1;
     }
 }
