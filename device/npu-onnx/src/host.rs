@@ -43,9 +43,21 @@ impl HostRunner {
     pub fn new(board: &BoardConfig, model: &Model) -> Result<Self, HostError> {
         let mut guest = VecGuestMemory::new(0, model.window_bytes as usize);
         guest.bytes[..model.weights.len()].copy_from_slice(&model.weights);
+        // The weights are in guest memory now: the runner keeps the rest
+        // of the model (a second copy of the weights would only cost time
+        // and memory).
+        let rest = Model {
+            target: model.target,
+            window_bytes: model.window_bytes,
+            inputs: model.inputs.clone(),
+            outputs: model.outputs.clone(),
+            load: model.load.clone(),
+            infer: model.infer.clone(),
+            weights: Vec::new(),
+        };
         let mut r = Self {
             board: board.clone(),
-            model: model.clone(),
+            model: rest,
             sram: Sram::new(model.target.sram_bytes),
             hbm: LazyHbm::new(model.target.hbm_bytes),
             guest,
