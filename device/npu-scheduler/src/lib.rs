@@ -201,6 +201,17 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
     Decision { place, preempt: Vec::new() }
 }
 
+/// A baseline policy (PREMA's NP-FCFS): waiting requests in arrival
+/// order, each placed if its claim fits (first fit), nothing preempted;
+/// priorities and deadlines ignored. `slo-eval` and `sharing-eval` run it
+/// through the board runtime (`Runtime::set_policy`).
+pub fn fifo(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> Decision {
+    let mut order: Vec<usize> = (0..waiting.len()).collect();
+    order.sort_by(|&a, &b| waiting[a].arrival.total_cmp(&waiting[b].arrival));
+    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
+    Decision { place: placements(board, &claims(waiting), &order, &claims(running)), preempt: Vec::new() }
+}
+
 /// The requests of one shared core that have not finished: waiting for
 /// engines, running, or suspended. [`Dispatcher::dispatch`] applies a
 /// scheduling [`Decision`] to the core's simulation. The device's shared
@@ -482,6 +493,23 @@ mod tests {
         let whole = Claim { sa: 4, vu: 4, priority: 0, slo_cycles: 10, ..Claim::default() };
         let d = schedule(&board, &[p(whole, 30.0)], &running);
         assert_eq!((d.place, d.preempt.len()), (vec![0], 2));
+    }
+
+    /// FIFO places in arrival order whatever the urgency, first fit, and
+    /// never preempts.
+    #[test]
+    fn fifo_places_the_oldest_that_fit_and_never_preempts() {
+        let board = BoardConfig::default();
+        let c = |sa, priority, slo_cycles| Claim { sa, vu: 1, priority, slo_cycles, ..Claim::default() };
+        let p = |claim, arrival| Pending { claim, arrival };
+        // 3 SAs free beside a running 1-SA request: the oldest (2 SAs, no
+        // urgency) goes, the urgent 2-SA one no longer fits, the 1-SA
+        // one does.
+        let waiting = [p(c(2, 9, 10), 5.0), p(c(2, 0, 0), 1.0), p(c(1, 0, 0), 7.0)];
+        let running = [p(c(1, 0, 0), 0.0)];
+        assert_eq!(fifo(&board, &waiting, &running), Decision { place: vec![1, 2], preempt: vec![] });
+        // The same, by the device's policy: urgency first.
+        assert_eq!(schedule(&board, &waiting, &running).place[0], 0);
     }
 
     /// A VU-only program busy for `n` exp passes over 1 Mi elements.

@@ -26,7 +26,7 @@ use clap::Parser;
 use npu_bench::{fail, p99, positive, usage_error, BoardArg, Request, Rng};
 use npu_board_runtime::Runtime;
 use npu_model::BoardConfig;
-use npu_scheduler::{admission_order, placements, schedule, switch_cycles, Claim, Decision, Pending};
+use npu_scheduler::{admission_order, fifo, placements, schedule, switch_cycles, Claim, Decision, Pending};
 use npu_workloads::{lower_workload, RunOptions};
 use vnpu_abi::Program;
 
@@ -136,13 +136,6 @@ fn claims(ps: &[Pending]) -> Vec<Claim> {
 /// Priority, then earliest deadline, first fit; no preemption.
 fn priority_edf(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
     Decision { place: placements(board, &claims(w), &admission_order(w), &claims(r)), preempt: vec![] }
-}
-
-/// Arrival order, first fit; no preemption.
-fn fifo(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
-    let mut order: Vec<usize> = (0..w.len()).collect();
-    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
-    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: vec![] }
 }
 
 /// SLO evaluation of an oversubscribed core: four vNPUs whose claims exceed

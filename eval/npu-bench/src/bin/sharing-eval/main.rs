@@ -67,7 +67,7 @@ use clap::Parser;
 use npu_bench::{fail, line_plots, p99, positive, usage_error, BoardArg, Panel, Request, Rng};
 use npu_board_runtime::Runtime;
 use npu_model::{run_program, run_program_on, BoardConfig, CoreSim, TenantReport};
-use npu_scheduler::{placements, Claim, Decision, Engines, Pending};
+use npu_scheduler::{fifo, Claim, Engines};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
@@ -210,15 +210,6 @@ impl OnRuntime {
         }
         rt
     }
-}
-
-/// Arrival order, first fit, never preempting: the runtime's policy for
-/// the whole-core FIFO baseline.
-fn fifo(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
-    let mut order: Vec<usize> = (0..w.len()).collect();
-    order.sort_by(|&a, &b| w[a].arrival.total_cmp(&w[b].arrival));
-    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
-    Decision { place: placements(board, &claims(w), &order, &claims(r)), preempt: Vec::new() }
 }
 
 /// The runtime's name of tenant `i` (names of the mix may repeat).
