@@ -6,7 +6,7 @@
 //! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
 //! rounds (docs/model-format.md, "Benchmark").
 //!
-//!   onnx-bench [--rounds N] [--only NAME,...] [--python PATH] [--dtype f32|bf16] [--board FILE]
+//!   onnx-bench [--rounds N] [--only NAME,...] [--threads N] [--python PATH] [--dtype f32|bf16] [--board FILE]
 //!
 //! The pretrained network (scripts/pretrained.sh) is included when that
 //! script has fetched it and made its inputs (.cache/pretrained). The
@@ -195,6 +195,11 @@ struct Args {
     /// e.g. `resnet18,mobilenet` [default: every model].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Threads of the functional model's products (rayon's pool). ONNX
+    /// Runtime runs on one; more than one makes the ratio flatter the
+    /// model.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    threads: u32,
     /// Element type of the products' weights and operands.
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     dtype: String,
@@ -204,6 +209,12 @@ struct Args {
 
 fn main() {
     let args = Args::parse();
+    // The functional model's large products run on rayon's pool (two
+    // threads on two cores by default), ONNX Runtime on one thread: the
+    // model gets as many (`--threads`), before any product runs. Edition
+    // 2021: setting the environment of this still single-threaded
+    // process is safe.
+    std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string());
     let rounds = args.rounds as usize;
     let dtype = DType::from_name(&args.dtype).unwrap_or(DType::F32);
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
