@@ -708,13 +708,8 @@ fn binary_in_sram(
     }
     let Some(v) = sram_f32s(sram) else { return false };
     let len = v.len();
-    let b_len = match bcast {
-        Bcast::None => n,
-        Bcast::Row => cols,
-        Bcast::Scalar => 1,
-    };
     let (Some(ra), Some(rb), Some(rd)) =
-        (f32_span(a, n, len), f32_span(b, b_len, len), f32_span(dst, n, len))
+        (f32_span(a, n, len), f32_span(b, broadcast_len(bcast, n, cols), len), f32_span(dst, n, len))
     else {
         return false;
     };
@@ -726,6 +721,17 @@ fn binary_in_sram(
     let Some((out, [av, bv])) = split_views(v, rd, [ra, rb]) else { return false };
     binary_into(op, bcast, cols, out, Some(av), bv);
     true
+}
+
+/// Elements of `vu.binary`'s `b` for `n` elements of `a` in rows of
+/// `cols` (none when `n` is 0: zero-sized operands touch nothing).
+fn broadcast_len(bcast: Bcast, n: usize, cols: usize) -> usize {
+    match (n, bcast) {
+        (0, _) => 0,
+        (_, Bcast::None) => n,
+        (_, Bcast::Row) => cols,
+        (_, Bcast::Scalar) => 1,
+    }
 }
 
 /// `out = op(a, b)` (`a`: `out` itself when `None`) with `b` broadcast
@@ -946,21 +952,9 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             if binary_in_sram(mem.sram, (op, bcast), (a, b, dst), n, cols as usize) {
                 return Ok(());
             }
-            let av = read_f32s(mem.sram, a, n)?;
-            let out: Vec<f32> = match bcast {
-                Bcast::None => {
-                    let bv = read_f32s(mem.sram, b, n)?;
-                    av.iter().zip(&bv).map(|(x, y)| binary(op, *x, *y)).collect()
-                }
-                Bcast::Row => {
-                    let bv = read_f32s(mem.sram, b, if n == 0 { 0 } else { cols as usize })?;
-                    av.iter().enumerate().map(|(i, x)| binary(op, *x, bv[i % cols as usize])).collect()
-                }
-                Bcast::Scalar => {
-                    let bv = read_f32s(mem.sram, b, usize::from(n > 0))?;
-                    av.iter().map(|x| binary(op, *x, bv[0])).collect()
-                }
-            };
+            let mut out = read_f32s(mem.sram, a, n)?;
+            let bv = read_f32s(mem.sram, b, broadcast_len(bcast, n, cols as usize))?;
+            binary_into(op, bcast, cols as usize, &mut out, None, &bv);
             write_f32s(mem.sram, dst, &out)?;
         }
         Instr::VUnary { op, src, dst, len } => {
