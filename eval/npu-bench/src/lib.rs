@@ -3,7 +3,9 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use npu_board_runtime::{Completion, Runtime};
 use npu_model::{BoardConfig, CoreMemory, SimTenant};
+use npu_scheduler::Claim;
 use vnpu_abi::Program;
 
 /// One request of an arrival stream on a simulated core, timing only:
@@ -24,6 +26,52 @@ impl SimTenant for Request<'_> {
     }
     fn max_cycles(&self) -> Option<u64> {
         None
+    }
+}
+
+/// Serves per-tenant arrival streams (`arrivals[i]`: tenant `i`'s
+/// arrival times in cycles, ascending) on core 0 of the board runtime
+/// `rt`, as guests do: each tenant submits its oldest arrived request once
+/// its previous one has finished (the rest wait in its ring, their arrival
+/// kept), as tenant `tenants[i]` (the runtime's name, its claim, its
+/// program), until every request is served. `done` sees each completion;
+/// its error stops the run.
+pub fn serve_arrivals<'p>(
+    rt: &mut Runtime<'_, Request<'p>>,
+    arrivals: &[Vec<f64>],
+    tenants: &[(String, Claim, &'p Program)],
+    mut done: impl FnMut(Completion<Request<'p>>) -> Result<(), String>,
+) -> Result<(), String> {
+    let n = tenants.len().min(arrivals.len());
+    let mut next = vec![0usize; n];
+    // Per tenant: a request of it is submitted and not finished.
+    let mut busy = vec![false; n];
+    loop {
+        let now = rt.now();
+        for i in 0..n {
+            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
+                busy[i] = true;
+                next[i] += 1;
+                let (name, claim, program) = &tenants[i];
+                let req = Request { tenant: i, arrival, program };
+                rt.submit_arrived(0, name, *claim, req, arrival)
+                    .map_err(|_| "the board has no core 0".to_string())?;
+            }
+        }
+        // Run until a request finishes or a free tenant's next one arrives.
+        let limit = (0..n)
+            .filter(|&i| !busy[i])
+            .filter_map(|i| arrivals[i].get(next[i]).copied())
+            .fold(f64::INFINITY, f64::min);
+        if !rt.busy() && !limit.is_finite() {
+            return Ok(());
+        }
+        for c in rt.step(limit) {
+            if let Some(b) = busy.get_mut(c.job.tenant) {
+                *b = false;
+            }
+            done(c)?;
+        }
     }
 }
 

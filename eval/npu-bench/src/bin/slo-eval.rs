@@ -23,7 +23,7 @@
 //! `cargo build --release -p npu-bench && target/release/slo-eval --help`
 
 use clap::Parser;
-use npu_bench::{fail, p99, positive, usage_error, BoardArg, Request, Rng};
+use npu_bench::{fail, p99, positive, serve_arrivals, usage_error, BoardArg, Request, Rng};
 use npu_board_runtime::Runtime;
 use npu_model::BoardConfig;
 use npu_scheduler::{admission_order, fifo, placements, schedule, switch_cycles, Claim, Decision, Pending};
@@ -83,44 +83,20 @@ fn simulate(
         Policy::PriorityEdf => priority_edf,
         Policy::Fifo => fifo,
     });
-    let mut next = vec![0usize; n];
-    // Per tenant: a request of it is submitted and not finished.
-    let mut busy = vec![false; n];
-    loop {
-        let now = rt.now();
-        // Each vNPU submits its oldest request once the previous one is
-        // done (the rest queue in its ring, their arrival kept).
-        for i in 0..n {
-            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
-                busy[i] = true;
-                let req = Request { tenant: i, arrival, program: &ts[i].program };
-                rt.submit_arrived(0, ts[i].name, ts[i].claim, req, arrival)
-                    .map_err(|_| "the board has no core 0".to_string())?;
-            }
+    let tenants: Vec<_> = ts.iter().map(|t| (t.name.to_string(), t.claim, &t.program)).collect();
+    serve_arrivals(&mut rt, arrivals, &tenants, |done| {
+        let req = done.job;
+        let t = done.result.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
+        let tot = t.totals();
+        o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+        let lat = done.end - req.arrival;
+        o.latencies[req.tenant].push(lat);
+        let slo = ts[req.tenant].claim.slo_cycles;
+        if slo > 0 && lat <= slo as f64 {
+            o.slo_met[req.tenant] += 1;
         }
-        // Run until a request finishes or the next one arrives.
-        let next_arrival = (0..n)
-            .filter(|&i| !busy[i])
-            .filter_map(|i| arrivals[i].get(next[i]).copied())
-            .fold(f64::INFINITY, f64::min);
-        if !rt.busy() && !next_arrival.is_finite() {
-            break;
-        }
-        for done in rt.step(next_arrival) {
-            let req = done.job;
-            let t = done.result.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
-            let tot = t.totals();
-            o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
-            let lat = done.end - req.arrival;
-            o.latencies[req.tenant].push(lat);
-            let slo = ts[req.tenant].claim.slo_cycles;
-            if slo > 0 && lat <= slo as f64 {
-                o.slo_met[req.tenant] += 1;
-            }
-            busy[req.tenant] = false;
-            next[req.tenant] += 1;
-        }
-    }
+        Ok(())
+    })?;
     let st = rt.stats(0);
     o.waited = st.waited as usize;
     o.preempted = st.preempted as usize;

@@ -64,7 +64,9 @@ use std::collections::VecDeque;
 use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
 
 use clap::Parser;
-use npu_bench::{fail, line_plots, p99, positive, usage_error, BoardArg, Panel, Request, Rng};
+use npu_bench::{
+    fail, line_plots, p99, positive, serve_arrivals, usage_error, BoardArg, Panel, Request, Rng,
+};
 use npu_board_runtime::Runtime;
 use npu_model::{run_program, run_program_on, BoardConfig, CoreSim, TenantReport};
 use npu_scheduler::{fifo, Claim, Engines};
@@ -202,6 +204,15 @@ impl OnRuntime {
         }
     }
 
+    /// Each tenant of `ws` as the runtime sees it: its name (`i:name`,
+    /// as names of the mix may repeat), its claim and its program.
+    fn tenants<'w>(self, board: &BoardConfig, ws: &'w [Workload]) -> Vec<(String, Claim, &'w Program)> {
+        ws.iter()
+            .enumerate()
+            .map(|(i, w)| (format!("{i}:{}", w.name), self.claim(board, w), self.program(w)))
+            .collect()
+    }
+
     fn runtime(self, board: &BoardConfig) -> Runtime<'_, Request<'_>> {
         let mut rt = Runtime::new(board);
         rt.set_harvesting(self == Self::Harvest);
@@ -210,11 +221,6 @@ impl OnRuntime {
         }
         rt
     }
-}
-
-/// The runtime's name of tenant `i` (names of the mix may repeat).
-fn runtime_tenant(i: usize, w: &Workload) -> String {
-    format!("{i}:{}", w.name)
 }
 
 /// `system` on the board runtime with `arrivals` (cycles, per tenant).
@@ -227,43 +233,20 @@ fn simulate_runtime(
     let n = ws.len();
     let mut o = Outcome::new(n);
     let mut rt = system.runtime(board);
-    let names: Vec<String> = ws.iter().enumerate().map(|(i, w)| runtime_tenant(i, w)).collect();
-    let mut next = vec![0usize; n];
-    let mut busy = vec![false; n];
-    loop {
-        let now = rt.now();
-        for i in 0..n {
-            if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
-                busy[i] = true;
-                next[i] += 1;
-                let req = Request { tenant: i, arrival, program: system.program(&ws[i]) };
-                rt.submit_arrived(0, &names[i], system.claim(board, &ws[i]), req, arrival)
-                    .map_err(|_| "the board has no core 0".to_string())?;
+    serve_arrivals(&mut rt, arrivals, &system.tenants(board, ws), |done| {
+        let req = done.job;
+        match done.result {
+            Ok(t) => {
+                let tot = t.totals();
+                o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+                o.borrowed_eu_cycles += t.borrowed_cycles;
+                o.latencies[req.tenant].push(done.end - req.arrival);
             }
+            Err(_) => o.failed += 1,
         }
-        // The next arrival a free tenant submits.
-        let limit = (0..n)
-            .filter(|&i| !busy[i])
-            .filter_map(|i| arrivals[i].get(next[i]).copied())
-            .fold(f64::INFINITY, f64::min);
-        if !rt.busy() && !limit.is_finite() {
-            break;
-        }
-        for done in rt.step(limit) {
-            let req = done.job;
-            busy[req.tenant] = false;
-            match done.result {
-                Ok(t) => {
-                    let tot = t.totals();
-                    o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
-                    o.borrowed_eu_cycles += t.borrowed_cycles;
-                    o.latencies[req.tenant].push(done.end - req.arrival);
-                }
-                Err(_) => o.failed += 1,
-            }
-            o.end = o.end.max(done.end);
-        }
-    }
+        o.end = o.end.max(done.end);
+        Ok(())
+    })?;
     let st = rt.stats(0);
     o.switches = st.preempted;
     for (_, h) in &st.harvest {
@@ -287,15 +270,15 @@ fn saturation_runtime(
 ) -> Result<f64, String> {
     let n = ws.len();
     let mut rt = system.runtime(board);
-    let names: Vec<String> = ws.iter().enumerate().map(|(i, w)| runtime_tenant(i, w)).collect();
+    let tenants = system.tenants(board, ws);
     let mut done = vec![0usize; n];
     let mut last = vec![0f64; n];
     let mut backlog: Vec<usize> = (0..n).collect();
     while done.iter().any(|d| *d < rounds) {
         for i in backlog.drain(..) {
-            let req = Request { tenant: i, arrival: rt.now(), program: system.program(&ws[i]) };
-            rt.submit(0, &names[i], system.claim(board, &ws[i]), req)
-                .map_err(|_| "the board has no core 0".to_string())?;
+            let (name, claim, program) = &tenants[i];
+            let req = Request { tenant: i, arrival: rt.now(), program };
+            rt.submit(0, name, *claim, req).map_err(|_| "the board has no core 0".to_string())?;
         }
         let finished = rt.step(f64::INFINITY);
         if finished.is_empty() {
