@@ -197,6 +197,14 @@ pub enum ModelError {
     },
     /// The SA operand type byte is not a known type.
     BadSaType(u8),
+    /// [`relocate_span`]: an instruction reaches guest memory outside the
+    /// part of the window being moved.
+    OutsideSpan {
+        stream: usize,
+        index: usize,
+        start: u64,
+        end: u64,
+    },
 }
 
 impl fmt::Display for ModelError {
@@ -231,6 +239,10 @@ impl fmt::Display for ModelError {
             ),
             Self::BadShape { field } => write!(f, "target `{field}` must be positive"),
             Self::BadSaType(t) => write!(f, "unknown SA operand type {t} (0 f32, 1 bf16)"),
+            Self::OutsideSpan { stream, index, start, end } => write!(
+                f,
+                "program stream {stream} instruction {index}: guest access outside window bytes {start}..{end}"
+            ),
         }
     }
 }
@@ -438,6 +450,74 @@ impl Model {
     }
 }
 
+/// The window bytes `p`'s guest accesses cover, from the lowest first byte
+/// to the highest last one (`None` when it touches no guest memory).
+pub fn guest_span(p: &Program) -> Result<Option<core::ops::Range<u64>>, ModelError> {
+    let mut span: Option<core::ops::Range<u64>> = None;
+    for (s, stream) in p.streams.iter().enumerate() {
+        for (i, instr) in stream.code.iter().enumerate() {
+            let bad = ModelError::GuestAccess { which: "a", stream: s, index: i };
+            for a in instr.footprint().map_err(|_| bad)?.iter().filter(|a| a.space == Space::Guest) {
+                span = Some(match span {
+                    Some(r) => r.start.min(a.start)..r.end.max(a.end()),
+                    None => a.start..a.end(),
+                });
+            }
+        }
+    }
+    Ok(span)
+}
+
+/// Places the part `from` of the window at guest-physical `base`: every
+/// guest operand of `p` at window offset `o` becomes `base + o -
+/// from.start`. Every guest access must lie wholly inside `from` (so a
+/// runner may put the weight image and the inputs and outputs in separate
+/// buffers); fails, leaving `p` unchanged, when one does not or an address
+/// would overflow.
+pub fn relocate_span(p: &mut Program, from: core::ops::Range<u64>, base: u64) -> Result<(), ModelError> {
+    for (s, stream) in p.streams.iter().enumerate() {
+        for (i, instr) in stream.code.iter().enumerate() {
+            let outside = ModelError::OutsideSpan { stream: s, index: i, start: from.start, end: from.end };
+            let accesses = instr.footprint().map_err(|_| outside.clone())?;
+            for a in accesses.iter().filter(|a| a.space == Space::Guest) {
+                if a.start < from.start || a.end() > from.end {
+                    return Err(outside);
+                }
+                // The access's last byte lands at base + (end - 1 - from.start).
+                base.checked_add(a.end() - 1 - from.start)
+                    .ok_or(ModelError::Overflow { what: "a relocated address" })?;
+            }
+        }
+    }
+    // Zero-sized operands touch nothing (no footprint) but move too: the
+    // moves are checked and made on a copy, so `p` is unchanged on error.
+    let shift = |a: &mut Addr| -> Result<(), ModelError> {
+        if a.space == Space::Guest {
+            a.offset = a
+                .offset
+                .checked_sub(from.start)
+                .and_then(|o| base.checked_add(o))
+                .ok_or(ModelError::Overflow { what: "a relocated address" })?;
+        }
+        Ok(())
+    };
+    let mut q = p.clone();
+    for s in &mut q.streams {
+        for i in &mut s.code {
+            match i {
+                Instr::DmaCopy { src, dst, .. } => {
+                    shift(src)?;
+                    shift(dst)?;
+                }
+                Instr::DmaGather { table, .. } => shift(table)?,
+                _ => {}
+            }
+        }
+    }
+    *p = q;
+    Ok(())
+}
+
 /// Adds `base` to every guest-memory operand of `p`: the window was placed
 /// at guest-physical `base`. Fails (leaving `p` partly relocated) when an
 /// address would overflow.
@@ -617,6 +697,30 @@ mod tests {
         relocate(&mut p, 0x100_0000).unwrap();
         assert_eq!(p.streams[0].code[0], Instr::copy(Addr::guest(0x100_0040), Addr::hbm(64), 16));
         assert!(relocate(&mut m.infer.clone(), u64::MAX).is_err());
+    }
+
+    /// The weight image and the inputs and outputs placed apart: each
+    /// operand lands at its span's base plus its offset in the span, and an
+    /// access reaching outside the span (or an address that would
+    /// overflow) is refused with the program left as it was.
+    #[test]
+    fn a_span_of_the_window_moves_alone() {
+        let m = model();
+        assert_eq!(guest_span(&m.load), Ok(Some(0..64)));
+        assert_eq!(guest_span(&m.infer), Ok(Some(64..144)));
+        assert_eq!(guest_span(&Program::default()), Ok(None));
+        let mut load = m.load.clone();
+        relocate_span(&mut load, 0..64, 0x7000_0000).unwrap();
+        assert_eq!(load.streams[0].code[0], Instr::copy(Addr::guest(0x7000_0000), Addr::hbm(0), 64));
+        let mut infer = m.infer.clone();
+        relocate_span(&mut infer, 64..192, 0x20_0000).unwrap();
+        assert_eq!(infer.streams[0].code[0], Instr::copy(Addr::guest(0x20_0000), Addr::hbm(64), 16));
+        assert_eq!(infer.streams[0].code[1], Instr::copy(Addr::hbm(64), Addr::guest(0x20_0040), 16));
+        for (from, base) in [(0..63, 0), (65..192, 0), (64..143, 0), (64..192, u64::MAX - 70)] {
+            let mut p = m.infer.clone();
+            assert!(relocate_span(&mut p, from.clone(), base).is_err(), "{from:?} at {base:#x}");
+            assert_eq!(p, m.infer);
+        }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 use alloc::format;
 use alloc::string::String;
 use vnpu_abi::device::StatusBlock;
-use vnpu_abi::model::{relocate, Model, Target};
+use vnpu_abi::model::{guest_span, relocate, relocate_span, Model, Target};
 use vnpu_driver::{Bar, DmaBuf, DmaRegion, Hierarchy, ProgramHandle, RunOptions, Vnpu, Wait};
 
 /// A model whose weights are in the vNPU's memory and whose infer program
@@ -16,9 +16,31 @@ use vnpu_driver::{Bar, DmaBuf, DmaRegion, Hierarchy, ProgramHandle, RunOptions, 
 #[derive(Debug)]
 pub struct Loaded {
     handle: ProgramHandle,
-    /// The I/O window (weight image, inputs, outputs) in DMA memory.
+    /// The part of the I/O window the infer program uses (its inputs and
+    /// outputs), in DMA memory: window offset `io_start` is its byte 0.
     pub window: DmaBuf,
+    /// The window offset where [`Loaded::window`] starts.
+    pub io_start: u64,
     opts: RunOptions,
+}
+
+/// Where the load program finds the weight image.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    /// These bytes, copied into DMA memory first.
+    Copy(&'a [u8]),
+    /// Already in guest memory the device may read, physically contiguous
+    /// at `phys` (e.g. a VMM's payload): the load program reads it there,
+    /// nothing is copied. `bytes` is the same image as the guest sees it.
+    InPlace { phys: u64, bytes: &'a [u8] },
+}
+
+impl Weights<'_> {
+    fn bytes(&self) -> &[u8] {
+        match *self {
+            Weights::Copy(b) | Weights::InPlace { bytes: b, .. } => b,
+        }
+    }
 }
 
 /// Why the vNPU cannot take a model compiled for `t`, if it cannot.
@@ -51,28 +73,61 @@ pub fn batch_bytes(model: &Model) -> Option<(u64, u64)> {
     Some((sum(&model.inputs)?, sum(&model.outputs)?))
 }
 
-/// Checks the vNPU against the model, takes the I/O window from `dma`,
-/// writes the weight image into it, relocates the programs to it (so
-/// `model`'s programs change), runs the load program and registers the
-/// infer program.
+/// Checks the vNPU against the model, places the I/O window in `dma`,
+/// relocates the programs to it (so `model`'s programs change), runs the
+/// load program and registers the infer program.
+///
+/// The window's parts go where they cost least: when the infer program
+/// and the tensors use only the part of the window past the weight image
+/// (as `vnpu compile`'s programs do), DMA memory holds only that part, and
+/// the load program reads [`Weights::InPlace`] weights where they are (else
+/// from a copy of just the image). Any other model gets the whole window
+/// with the image copied to its start, as the format describes.
 pub fn load<B: Bar>(
     npu: &mut Vnpu<B>,
     dma: &mut DmaRegion,
     model: &mut Model,
-    weights: &[u8],
+    weights: Weights<'_>,
     wait: Wait,
 ) -> Result<Loaded, String> {
     check_target(&npu.hierarchy(), &model.target)?;
-    let window = dma
-        .alloc(model.window_bytes as usize, 4096)
-        .map_err(|e| format!("the I/O window of {} bytes: {e}", model.window_bytes))?;
-    if weights.len() > window.len {
-        return Err(format!("{} bytes of weights do not fit the {}-byte window", weights.len(), window.len));
+    let image = weights.bytes();
+    let w = image.len() as u64;
+    if w > model.window_bytes {
+        return Err(format!("{w} bytes of weights do not fit the {}-byte window", model.window_bytes));
     }
-    window.write(0, weights);
-    relocate(&mut model.load, window.phys)
-        .and_then(|_| relocate(&mut model.infer, window.phys))
-        .map_err(|e| format!("{e}"))?;
+    let span = |p: &vnpu_abi::Program| relocate_err(guest_span(p));
+    let (load_span, infer_span) = (span(&model.load)?, span(&model.infer)?);
+    // The first window byte of the inputs, outputs and infer accesses,
+    // 64-byte aligned as the format aligns every tensor.
+    let first = model
+        .inputs
+        .iter()
+        .chain(&model.outputs)
+        .map(|t| t.offset)
+        .chain(infer_span.map(|r| r.start))
+        .min()
+        .unwrap_or(model.window_bytes);
+    let split = (first & !63) >= w && load_span.is_none_or(|r| r.end <= w);
+    let io_start = if split { first & !63 } else { 0 };
+    let window = dma
+        .alloc((model.window_bytes - io_start) as usize, 4096)
+        .map_err(|e| format!("the I/O window of {} bytes: {e}", model.window_bytes - io_start))?;
+    relocate_err(relocate_span(&mut model.infer, io_start..model.window_bytes, window.phys))?;
+    match (split, weights) {
+        (true, Weights::InPlace { phys, .. }) => relocate_err(relocate_span(&mut model.load, 0..w, phys))?,
+        (true, Weights::Copy(b)) => {
+            let buf = dma
+                .alloc(b.len(), 4096)
+                .map_err(|e| format!("the weight image of {} bytes: {e}", b.len()))?;
+            buf.write(0, b);
+            relocate_err(relocate_span(&mut model.load, 0..w, buf.phys))?;
+        }
+        (false, _) => {
+            window.write(0, image);
+            relocate_err(relocate(&mut model.load, window.phys))?;
+        }
+    }
     let opts = RunOptions { wait, ..Default::default() };
     npu.load(dma, &model.load.encode())
         .and_then(|p| npu.run(&p, &opts))
@@ -81,7 +136,11 @@ pub fn load<B: Bar>(
         .load(dma, &model.infer.encode())
         .and_then(|p| npu.register(&p))
         .map_err(|e| format!("registering the infer program: {e}"))?;
-    Ok(Loaded { handle, window, opts })
+    Ok(Loaded { handle, window, io_start, opts })
+}
+
+fn relocate_err<T>(r: Result<T, vnpu_abi::model::ModelError>) -> Result<T, String> {
+    r.map_err(|e| format!("{e}"))
 }
 
 impl Loaded {
@@ -109,7 +168,7 @@ impl Loaded {
         let mut at = 0;
         for d in &model.inputs {
             let n = d.bytes().unwrap_or(0) as usize;
-            self.window.write(d.offset as usize, &inputs[at..at + n]);
+            self.window.write((d.offset - self.io_start) as usize, &inputs[at..at + n]);
             at += n;
         }
         let t0 = clock();
@@ -118,7 +177,7 @@ impl Loaded {
         let mut at = 0;
         for d in &model.outputs {
             let n = d.bytes().unwrap_or(0) as usize;
-            self.window.read(d.offset as usize, &mut outputs[at..at + n]);
+            self.window.read((d.offset - self.io_start) as usize, &mut outputs[at..at + n]);
             at += n;
         }
         Ok((took, st))

@@ -17,7 +17,7 @@ extern crate alloc;
 
 use alloc::format;
 use alloc::string::String;
-use guest_apps::infer;
+use guest_apps::infer::{self, Weights};
 use guest_rt::vnpu_driver::Wait;
 use guest_rt::{println, rdtsc, tsc_to_ns, Env};
 use vnpu_abi::model::{job, Model};
@@ -50,8 +50,8 @@ fn guest_main(env: &mut Env) -> u32 {
         Ok(h) => h,
         Err(e) => return fail(payload, format!("{e}")),
     };
-    // The weights stay in the payload (they go straight to DMA memory):
-    // the heap holds only the programs.
+    // The weights stay in the payload (the device reads them there): the
+    // heap holds only the programs.
     let (mut model, weights_range) = match Model::decode_parts(section(payload, h.model)) {
         Ok((m, w)) => {
             let start = w.as_ptr() as usize - payload.as_ptr() as usize;
@@ -73,8 +73,11 @@ fn guest_main(env: &mut Env) -> u32 {
     let Some((_, mut npu)) = guest_rt::vnpu::open_first(env) else {
         return fail(payload, "no vNPU to run on".into());
     };
+    // The payload is identity-mapped guest RAM the device may read: the
+    // load program reads the weights where the VMM put them.
+    let weights = Weights::InPlace { phys: at + weights_range.start as u64, bytes: &payload[weights_range] };
     let loaded =
-        match infer::load(&mut npu, &mut env.dma, &mut model, &payload[weights_range], Wait::Interrupt) {
+        match infer::load(&mut npu, &mut env.dma, &mut model, weights, Wait::Interrupt) {
             Ok(l) => l,
             Err(e) => return fail(payload, e),
         };

@@ -134,7 +134,7 @@ fn run(a: &Args) -> Result<bool, Box<dyn std::error::Error>> {
     let mut region = dma.region(0, dma.len());
     let mut npu = Vnpu::new(opened.dev.bar(), &mut region, 64)?;
     opened.hook_interrupts(&mut npu);
-    let loaded = infer::load(&mut npu, &mut region, &mut model, weights, opened.wait)?;
+    let loaded = infer::load(&mut npu, &mut region, &mut model, infer::Weights::Copy(weights), opened.wait)?;
 
     let start = Instant::now();
     let clock = || start.elapsed().as_nanos() as u64;

@@ -254,6 +254,15 @@ enum Command {
         /// every request on its own vNPU's engines (static partitions).
         #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
         harvest: String,
+        /// Most host work one request may spend on a core of the daemon
+        /// (units of `npu_model::timing::host_work`, about a nanosecond
+        /// each at most): it bounds how long one tenant's request holds up
+        /// its neighbours, and a request past it fails with
+        /// BUDGET_EXHAUSTED (docs/isolation.md). Large batches of large
+        /// models need more (ResNet-18 at batch 8: about 2^30).
+        #[arg(long, value_name = "UNITS", default_value_t = vnpu_device::SHARED_MAX_HOST_WORK,
+              value_parser = clap::value_parser!(u64).range(1..))]
+        max_host_work: u64,
     },
     /// Run several VMs at once on one modelled board (docs/management.md).
     ///
@@ -752,6 +761,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             seccomp,
             release_timeout_ms,
             harvest,
+            max_host_work,
         } => {
             let control_group = match control_group {
                 Some(name) => Some(vnpu_daemon::peer::group_id(&name).ok_or_else(|| {
@@ -768,6 +778,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 rescan: std::time::Duration::from_millis(100),
                 device: vnpu_device::DeviceOptions {
                     poll: std::time::Duration::from_micros(poll_us),
+                    shared_max_host_work: max_host_work,
                     ..Default::default()
                 },
                 metrics,

@@ -165,11 +165,45 @@ pub struct InferArgs {
     pub expect: Option<(PathBuf, f64)>,
 }
 
-fn read_model(path: &Path) -> Result<Model, ModelCmdError> {
-    let bytes = std::fs::read(path)
-        .map_err(|source| ModelCmdError::Io { path: path.display().to_string(), source })?;
-    Model::decode(&bytes)
-        .map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })
+/// A model file's bytes: mapped (the page cache's own pages, read only
+/// where they are used) or, when the file cannot be mapped (a pipe),
+/// read.
+enum ModelFile {
+    Mapped(memmap2::Mmap),
+    Read(Vec<u8>),
+}
+
+impl AsRef<[u8]> for ModelFile {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            ModelFile::Mapped(m) => m,
+            ModelFile::Read(v) => v,
+        }
+    }
+}
+
+/// The model file's bytes and the model they hold; its weights are left
+/// in the bytes (not copied into [`Model::weights`]) unless `weights`.
+fn read_model(path: &Path, weights: bool) -> Result<(ModelFile, Model), ModelCmdError> {
+    let io = |source| ModelCmdError::Io { path: path.display().to_string(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    // SAFETY: a private read-only mapping; the bytes are checked by
+    // `Model::decode_parts` before use like any read file's. The file
+    // must not shrink while `vnpu infer` runs (docs/cli.md): reading a
+    // truncated mapping's page is a SIGBUS.
+    let bytes = match unsafe { memmap2::Mmap::map(&file) } {
+        Ok(m) => ModelFile::Mapped(m),
+        Err(_) => {
+            let mut v = Vec::new();
+            std::io::Read::read_to_end(&mut &file, &mut v).map_err(io)?;
+            ModelFile::Read(v)
+        }
+    };
+    let b = bytes.as_ref();
+    let m = if weights { Model::decode(b) } else { Model::decode_parts(b).map(|(m, _)| m) };
+    let m =
+        m.map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })?;
+    Ok((bytes, m))
 }
 
 /// `vnpu infer`: returns the exit code.
@@ -179,7 +213,9 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
             return Err(ModelCmdError::Usage(format!("--tolerance {t}: give 0 or more")));
         }
     }
-    let m = read_model(&a.model)?;
+    // The VM path hands the file to the guest as it is: its weights are
+    // never copied out of it on the host.
+    let (file, m) = read_model(&a.model, a.in_process)?;
     let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
     let (outputs, stats, path) = if a.in_process {
         let mut r = HostRunner::new(&a.board, &m)?;
@@ -210,7 +246,7 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
         }
         (outs, stats, "in-process (NPU model, no VM)")
     } else {
-        let (o, s) = run_vm(&a, &m, &inputs, runs)?;
+        let (o, s) = run_vm(&a, &m, file, &inputs, runs)?;
         (o, s, "VM (runner guest, driver, ring, verifier, model, MSI-X)")
     };
     let opts = ReportOptions {
@@ -260,6 +296,7 @@ fn expect(path: &Path, tolerance: f64, got: &[f32]) -> Result<u8, ModelCmdError>
 fn run_vm(
     a: &InferArgs,
     m: &Model,
+    file: ModelFile,
     inputs: &[Array],
     runs: u32,
 ) -> Result<(Vec<Vec<f32>>, Vec<RunStat>), ModelCmdError> {
@@ -276,39 +313,40 @@ fn run_vm(
         ))
         .map_err(|e| ModelCmdError::Usage(e.to_string()))?,
     };
-    // The job: header, model, inputs, outputs, statistics.
-    let model_bytes = m.encode();
+    // The job: header, the model file as it is, inputs, outputs,
+    // statistics; written piece by piece into guest RAM.
+    let model_len = file.as_ref().len();
     let in_bytes: usize = inputs.iter().map(|x| x.data.len() * 4).sum();
     let out_bytes: usize =
         m.outputs.iter().map(|t| t.bytes().unwrap_or(0) as usize).sum::<usize>() * runs as usize;
     let stat_bytes = job::STAT_WORDS * 8 * runs as usize;
     let align = |x: usize| x.next_multiple_of(64);
     let model_at = job::HEADER_BYTES;
-    let in_at = align(model_at + model_bytes.len());
+    let in_at = align(model_at + model_len);
     let out_at = align(in_at + in_bytes);
     let stat_at = align(out_at + out_bytes);
     let total = stat_at + stat_bytes;
-    let mut p = vec![0u8; total];
     let h = job::Header {
         runs,
         status: job::PENDING,
-        model: (model_at as u64, model_bytes.len() as u64),
+        model: (model_at as u64, model_len as u64),
         inputs: (in_at as u64, in_bytes as u64),
         outputs: (out_at as u64, out_bytes as u64),
         stats: (stat_at as u64, stat_bytes as u64),
     };
-    p[..job::HEADER_BYTES].copy_from_slice(&h.encode());
-    p[model_at..model_at + model_bytes.len()].copy_from_slice(&model_bytes);
     // Interleave per run: each input's batch slice in the model's order.
-    let mut at = in_at;
+    let mut in_data = Vec::with_capacity(in_bytes);
     for run in 0..runs as usize {
-        let b = batch_input_bytes(m, inputs, run);
-        p[at..at + b.len()].copy_from_slice(&b);
-        at += b.len();
+        in_data.extend_from_slice(&batch_input_bytes(m, inputs, run));
     }
-    // Memory: the runtime's 24 MiB, the program copies and window in DMA
-    // memory, the payload on top; at least 64 MiB.
-    let need = (32u64 << 20) + 2 * (m.window_bytes + model_bytes.len() as u64) + total as u64;
+    let mut p = vnpu_vm::Payload::zeroed(total as u64);
+    p.put(0, h.encode().to_vec())?;
+    p.put(model_at as u64, file)?;
+    p.put(in_at as u64, in_data)?;
+    // Memory: the runtime's 24 MiB, the I/O window and program copies in
+    // DMA memory, the payload on top; at least 64 MiB. (The weight image
+    // stays in the payload: the runner reads it there, `apps::infer::load`.)
+    let need = (32u64 << 20) + 2 * (m.window_bytes + model_len as u64) + total as u64;
     let memory = need.next_multiple_of(16 << 20).max(64 << 20);
     if memory > vnpu_vm::PCI_MMIO_BASE {
         return Err(ModelCmdError::Usage(format!(
@@ -328,23 +366,27 @@ fn run_vm(
     cfg.payload = Some(p);
     let mut vm = vnpu_vm::Vm::new(&cfg, std::io::stdout())?;
     let code = vm.run()?;
-    let back = vm.read_payload()?.unwrap_or_default();
+    // Only what the guest writes comes back: the header, outputs, stats.
+    let back =
+        |at: usize, len: usize| vm.read_payload_at(at as u64, len as u64).map(Option::unwrap_or_default);
+    let head = back(0, job::HEADER_BYTES)?;
     let status =
-        back.get(job::STATUS_AT..job::STATUS_AT + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        head.get(job::STATUS_AT..job::STATUS_AT + 4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     if code != 0 || status != Some(job::DONE) {
-        let msg = back
+        let msg = head
             .get(job::MESSAGE_AT..job::HEADER_BYTES)
             .map(|b| String::from_utf8_lossy(b).trim_end_matches('\0').to_string())
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| "no message (see the guest's console output above)".into());
         return Err(ModelCmdError::Guest { code, message: msg });
     }
+    let (out, st) = (back(out_at, out_bytes)?, back(stat_at, stat_bytes)?);
     let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
     let per_run = out_bytes / runs.max(1) as usize;
     for run in 0..runs as usize {
-        append_outputs(m, &back[out_at + run * per_run..out_at + (run + 1) * per_run], &mut outs);
+        append_outputs(m, out.get(run * per_run..(run + 1) * per_run).unwrap_or_default(), &mut outs);
     }
-    let stats = back[stat_at..stat_at + stat_bytes]
+    let stats = st
         .chunks_exact(job::STAT_WORDS * 8)
         .map(|c| {
             let w = |i: usize| u64::from_le_bytes(c[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));

@@ -397,3 +397,65 @@ fn a_bf16_compiled_cnn_runs_in_a_vm_within_the_bf16_bound() {
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(npy::read_file(Path::new(&host_path)).unwrap(), got, "VM and in-process differ");
 }
+
+/// A hand-built model (the reference is its own bytes): `y` = the input
+/// `x` followed by weights 5..8. Compiled models read their weights only
+/// through HBM, so the runner reads the weight image where the job put it
+/// and keeps only the inputs and outputs in DMA memory; a model whose
+/// infer program also reads the image from the window gets the whole
+/// window with the image copied in. Both give the same `y`, in a VM and
+/// in-process.
+#[test]
+fn weights_in_place_or_copied_give_the_same_outputs() {
+    use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
+    use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
+    let x = [0.5f32, -1.0, 2.25, 3.0];
+    let xf = tmp("hand-x.npy");
+    npy::write_file(Path::new(&xf), &npy::Array::floats(vec![1, 4], x.to_vec())).unwrap();
+    let weights: Vec<u8> = (1..=16).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    for (name, from_window) in [("through-hbm", false), ("from-window", true)] {
+        let mut load = ProgramBuilder::new();
+        load.push(Engine::DMA, Instr::copy(Addr::guest(0), Addr::hbm(0), 64));
+        let mut infer = ProgramBuilder::new();
+        infer.push(Engine::DMA, Instr::copy(Addr::guest(64), Addr::hbm(256), 16));
+        infer.push(Engine::DMA, Instr::copy(Addr::hbm(256), Addr::guest(128), 16));
+        if from_window {
+            infer.push(Engine::DMA, Instr::copy(Addr::guest(16), Addr::hbm(512), 16));
+            infer.push(Engine::DMA, Instr::copy(Addr::hbm(512), Addr::guest(144), 16));
+        } else {
+            infer.push(Engine::DMA, Instr::copy(Addr::hbm(16), Addr::guest(144), 16));
+        }
+        let desc = |name: &str, dims: Vec<u64>, offset| TensorDesc {
+            name: name.into(),
+            elem: ElemType::F32,
+            dims,
+            offset,
+        };
+        let m = Model {
+            target: Target {
+                batch: 1,
+                sa: 1,
+                vu: 1,
+                sram_bytes: 4 << 20,
+                hbm_bytes: 256 << 20,
+                sa_dtype: DType::F32,
+            },
+            window_bytes: 192,
+            inputs: vec![desc("x", vec![1, 4], 64)],
+            outputs: vec![desc("y", vec![1, 8], 128)],
+            load: load.finish(),
+            infer: infer.finish(),
+            weights: weights.clone(),
+        };
+        let art = tmp(&format!("hand-{name}.vnpu"));
+        std::fs::write(&art, m.encode()).unwrap();
+        for path in [&[][..], &["--in-process"][..]] {
+            let out = tmp(&format!("hand-{name}-y.npy"));
+            let (code, stdout, err) =
+                vnpu(&[&["infer", &art, "--input", &xf, "--output", &out][..], path].concat());
+            assert_eq!(code, 0, "{name} {path:?}: {stdout}{err}");
+            let y = npy::read_file(Path::new(&out)).unwrap();
+            assert_eq!(y.data, [0.5, -1.0, 2.25, 3.0, 5.0, 6.0, 7.0, 8.0], "{name} {path:?}");
+        }
+    }
+}

@@ -343,7 +343,67 @@ pub struct VmConfig {
     /// and readable after the run with [`Vm::read_payload`]: how `vnpu
     /// infer` passes a model and its inputs in and gets the outputs back
     /// (docs/guest-boot.md).
-    pub payload: Option<Vec<u8>>,
+    pub payload: Option<Payload>,
+}
+
+/// The bytes of one piece of a [`Payload`].
+type PayloadBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A bare-metal guest's payload ([`VmConfig::payload`]): `len` bytes,
+/// zero except where a piece was put. The pieces are written straight
+/// into guest RAM (fresh guest RAM reads as zero), so a large payload is
+/// never assembled in one more buffer first; a piece may be any bytes,
+/// e.g. a mapped file.
+#[derive(Clone, Default)]
+pub struct Payload {
+    len: u64,
+    pieces: Vec<(u64, PayloadBytes)>,
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let pieces: Vec<(u64, usize)> =
+            self.pieces.iter().map(|(at, b)| (*at, (**b).as_ref().len())).collect();
+        f.debug_struct("Payload").field("len", &self.len).field("pieces (at, len)", &pieces).finish()
+    }
+}
+
+impl Payload {
+    /// `len` zero bytes.
+    pub fn zeroed(len: u64) -> Self {
+        Self { len, pieces: Vec::new() }
+    }
+
+    /// Puts `bytes` at offset `at`; fails when they do not fit.
+    pub fn put(&mut self, at: u64, bytes: impl AsRef<[u8]> + Send + Sync + 'static) -> Result<(), VmError> {
+        let n = bytes.as_ref().len();
+        let fits = u64::try_from(n).ok().and_then(|n| at.checked_add(n)).is_some_and(|e| e <= self.len);
+        if !fits {
+            return Err(VmError::Memory {
+                size: self.len,
+                reason: format!("a payload piece of {n} bytes at {at} runs past its end"),
+            });
+        }
+        self.pieces.push((at, std::sync::Arc::new(bytes)));
+        Ok(())
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl From<Vec<u8>> for Payload {
+    fn from(bytes: Vec<u8>) -> Self {
+        let len = bytes.len() as u64;
+        Self { len, pieces: vec![(0, std::sync::Arc::new(bytes))] }
+    }
 }
 
 impl VmConfig {
@@ -518,10 +578,7 @@ impl<W: Write> Vm<W> {
         let memory_bytes = cfg.memory;
         match (&cfg.payload, cfg.linux.as_ref()) {
             (Some(p), None) => {
-                let at = memory_bytes
-                    .checked_sub(p.len() as u64)
-                    .map(|a| a & !0xfff)
-                    .filter(|&a| a >= PAYLOAD_MIN);
+                let at = memory_bytes.checked_sub(p.len()).map(|a| a & !0xfff).filter(|&a| a >= PAYLOAD_MIN);
                 let at = at.ok_or_else(|| VmError::Memory {
                     size: memory_bytes,
                     reason: format!(
@@ -530,10 +587,14 @@ impl<W: Write> Vm<W> {
                         PAYLOAD_MIN >> 20
                     ),
                 })?;
-                memory
-                    .write_slice(p, GuestAddress(at))
-                    .map_err(|e| VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") })?;
-                Ok(Some((at, p.len() as u64)))
+                // Every piece lies inside the payload (`Payload::put`), and
+                // the payload inside RAM (`at + len <= memory_bytes`).
+                for (off, bytes) in &p.pieces {
+                    memory.write_slice((**bytes).as_ref(), GuestAddress(at + off)).map_err(|e| {
+                        VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") }
+                    })?;
+                }
+                Ok(Some((at, p.len())))
             }
             (Some(_), Some(_)) => Err(VmError::Memory {
                 size: memory_bytes,
@@ -589,14 +650,26 @@ impl<W: Write> Vm<W> {
     /// The payload as the guest left it ([`VmConfig::payload`]), or `None`
     /// when the VM was given none.
     pub fn read_payload(&self) -> Result<Option<Vec<u8>>, VmError> {
-        let Some((at, len)) = self.payload else { return Ok(None) };
-        let size = usize::try_from(len).map_err(|_| VmError::Memory {
-            size: len,
-            reason: "a payload larger than the address space".into(),
+        match self.payload {
+            Some((_, len)) => self.read_payload_at(0, len),
+            None => Ok(None),
+        }
+    }
+
+    /// `len` bytes of the payload from offset `offset`, as the guest left
+    /// them (a caller reads back only what the guest wrote, not megabytes
+    /// of inputs); `None` when the VM was given no payload. Fails when the
+    /// range runs past the payload's end.
+    pub fn read_payload_at(&self, offset: u64, len: u64) -> Result<Option<Vec<u8>>, VmError> {
+        let Some((at, total)) = self.payload else { return Ok(None) };
+        let end = offset.checked_add(len).filter(|&e| e <= total);
+        let size = end.and_then(|_| usize::try_from(len).ok()).ok_or_else(|| VmError::Memory {
+            size: total,
+            reason: format!("payload bytes {offset}+{len} run past its end"),
         })?;
         let mut b = vec![0u8; size];
         self.memory
-            .read_slice(&mut b, GuestAddress(at))
+            .read_slice(&mut b, GuestAddress(at + offset))
             .map_err(|e| VmError::Memory { size: len, reason: format!("reading the payload back: {e}") })?;
         Ok(Some(b))
     }
