@@ -12,7 +12,7 @@ input, round by round, the sides in an order rotated every round:
   VM           `vnpu infer` (the runner guest in a VM, its own vNPU;
                guest wall per batch on the TSC)
   daemon       `vnpu infer --attach` to a vNPU of a `vnpu daemon` this
-               script starts, with `--max-host-work 2^31` (the default
+               script starts, with `--max-host-work 2^34` (the default
                2^28 refuses batch-8 requests of these models) (guest wall
                per batch)
   VM (base)    with --baseline VNPU,GUEST: another build's `vnpu infer`
@@ -130,7 +130,7 @@ def main():
     samples = {}
     try:
         if "daemon" in sides:
-            daemon = subprocess.Popen([VNPU, "daemon", "--state-dir", state, "--max-host-work", str(1 << 31)], stdout=subprocess.DEVNULL,
+            daemon = subprocess.Popen([VNPU, "daemon", "--state-dir", state, "--max-host-work", str(1 << 34)], stdout=subprocess.DEVNULL,
                                       stderr=open(os.path.join(tmp, "daemon.log"), "w"))
             control = os.path.join(state, "sockets", "control.sock")
             for _ in range(200):
