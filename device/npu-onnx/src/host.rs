@@ -41,8 +41,23 @@ pub struct HostRunner {
 impl HostRunner {
     /// Loads the weights (runs the load program once).
     pub fn new(board: &BoardConfig, model: &Model) -> Result<Self, HostError> {
+        Self::with_weights(board, model, &model.weights)
+    }
+
+    /// [`HostRunner::new`] with the weight image given apart from the
+    /// model (whose own [`Model::weights`] are ignored): e.g. borrowed
+    /// from a mapped model file by [`Model::decode_parts`], so it is not
+    /// copied once more on the way to HBM.
+    pub fn with_weights(board: &BoardConfig, model: &Model, weights: &[u8]) -> Result<Self, HostError> {
         let mut guest = VecGuestMemory::new(0, model.window_bytes as usize);
-        guest.bytes[..model.weights.len()].copy_from_slice(&model.weights);
+        let too_large = HostError::Memory(npu_model::memory::MemoryError::OutOfRange {
+            space: "guest (the I/O window)",
+            start: 0,
+            len: weights.len() as u64,
+            size: model.window_bytes,
+        });
+        let image = guest.bytes.get_mut(..weights.len()).ok_or(too_large)?;
+        image.copy_from_slice(weights);
         // The weights are in guest memory now: the runner keeps the rest
         // of the model (a second copy of the weights would only cost time
         // and memory).

@@ -183,8 +183,8 @@ impl AsRef<[u8]> for ModelFile {
 }
 
 /// The model file's bytes and the model they hold; its weights are left
-/// in the bytes (not copied into [`Model::weights`]) unless `weights`.
-fn read_model(path: &Path, weights: bool) -> Result<(ModelFile, Model), ModelCmdError> {
+/// in the bytes (not copied into [`Model::weights`]).
+fn read_model(path: &Path) -> Result<(ModelFile, Model), ModelCmdError> {
     let io = |source| ModelCmdError::Io { path: path.display().to_string(), source };
     let file = std::fs::File::open(path).map_err(io)?;
     // SAFETY: a private read-only mapping; the bytes are checked by
@@ -200,7 +200,7 @@ fn read_model(path: &Path, weights: bool) -> Result<(ModelFile, Model), ModelCmd
         }
     };
     let b = bytes.as_ref();
-    let m = if weights { Model::decode(b) } else { Model::decode_parts(b).map(|(m, _)| m) };
+    let m = Model::decode_parts(b).map(|(m, _)| m);
     let m =
         m.map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })?;
     Ok((bytes, m))
@@ -213,12 +213,16 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
             return Err(ModelCmdError::Usage(format!("--tolerance {t}: give 0 or more")));
         }
     }
-    // The VM path hands the file to the guest as it is: its weights are
-    // never copied out of it on the host.
-    let (file, m) = read_model(&a.model, a.in_process)?;
+    // Both paths take the weights from the mapped file: the VM path hands
+    // the file to the guest as it is, the in-process runner copies the
+    // image into its window once.
+    let (file, m) = read_model(&a.model)?;
     let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
     let (outputs, stats, path) = if a.in_process {
-        let mut r = HostRunner::new(&a.board, &m)?;
+        let weights = Model::decode_parts(file.as_ref()).map(|(_, w)| w).map_err(|e| {
+            ModelCmdError::Model { path: a.model.display().to_string(), reason: e.to_string() }
+        })?;
+        let mut r = HostRunner::with_weights(&a.board, &m, weights)?;
         let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
         let mut stats = Vec::new();
         for run in 0..runs as usize {
