@@ -53,6 +53,8 @@ GUEST = os.path.join(ROOT, "guest-images/target/x86_64-unknown-none/release/infe
 VISION = os.path.join(ROOT, "target/onnx-bench-vision")
 MODELS = [("resnet18", 1), ("resnet18", 8), ("mobilenet_v2", 1), ("mobilenet_v2", 8),
           ("squeezenet1_0", 1), ("squeezenet1_0", 8)]
+# Run only when --only names them (346 MB of weights; about a minute a round).
+EXTRA = [("vit_b_16", 1)]
 BATCHES = 3
 # `vnpu compile`'s default vNPU shape, which the daemon's instance gets.
 COMPILED_FOR = "sa=1,vu=1,sram=8M,hbm=512M"
@@ -104,7 +106,8 @@ def stats(xs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--only", help="models whose name contains one of these (comma-separated)")
+    ap.add_argument("--only", help="models whose name contains one of these (comma-separated); "
+                    "vit_b_16 runs only when named")
     ap.add_argument("--baseline", help="VNPU,GUEST: another build to time beside (side `VM (base)`)")
     ap.add_argument("--no-daemon", action="store_true", help="leave the daemon side out")
     ap.add_argument("--json", help="write every sample here")
@@ -117,6 +120,7 @@ def main():
                      "cargo build --release -p vnpu-cli)")
     models = [(m, b) for m, b in MODELS
               if not args.only or any(o in m for o in args.only.split(","))]
+    models += [(m, b) for m, b in EXTRA if args.only and any(o in m for o in args.only.split(","))]
     sides = ["in-process", "VM"] + ([] if args.no_daemon else ["daemon"])
     base = None
     if args.baseline:

@@ -17,6 +17,24 @@ pub mod timing;
 pub mod verify;
 
 pub use config::BoardConfig;
+
+/// Keeps freed memory in the process (glibc): the model allocates large
+/// scratch buffers per instruction (im2col chunks, outputs), and handing
+/// them back to the kernel after each one turns the next one's first
+/// touches into page faults, which cost microseconds apiece under nested
+/// virtualization. Every binary that runs the model calls it first, so
+/// that the `vnpu` binary (the VMM, the daemon, `vnpu infer`) and the
+/// benchmarks that time the model (`onnx-bench`) run it the same way.
+/// Call before any other thread exists.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes allocator parameters; the caller runs
+    // before any other thread exists, so no allocation races with it.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
 pub use kernels::CoreMemory;
 pub use memory::{LazyHbm, Memory, Sram, VecGuestMemory};
 pub use sim::{

@@ -920,22 +920,8 @@ fn created(outcome: &Outcome) -> Result<&Instance, CliError> {
     }
 }
 
-/// Keeps freed memory in the process (glibc): the NPU model allocates
-/// large scratch buffers per instruction, and handing them back to the
-/// kernel after every request turns each request's first touches into page
-/// faults, which cost microseconds apiece under nested virtualization.
-fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes allocator parameters; called before any
-    // other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
-    }
-}
-
 fn main() -> ExitCode {
-    tune_allocator();
+    npu_model::keep_freed_memory();
     match run(Cli::parse()) {
         Ok(code) => ExitCode::from(code),
         Err(e) => {

@@ -208,6 +208,8 @@ struct Args {
 }
 
 fn main() {
+    // The model's allocator settings as the `vnpu` binary has them.
+    npu_model::keep_freed_memory();
     let args = Args::parse();
     // The functional model's large products run on rayon's pool (two
     // threads on two cores by default), ONNX Runtime on one thread: the
