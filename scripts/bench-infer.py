@@ -55,8 +55,11 @@ MODELS = [("resnet18", 1), ("resnet18", 8), ("mobilenet_v2", 1), ("mobilenet_v2"
           ("squeezenet1_0", 1), ("squeezenet1_0", 8)]
 # Run only when --only names them (346 MB of weights; about a minute a round).
 EXTRA = [("vit_b_16", 1)]
+# Models that need a larger vNPU than `vnpu compile`'s default shape.
+SHAPE = {"vit_b_16": "sa=1,vu=1,sram=8M,hbm=1G"}
 BATCHES = 3
-# `vnpu compile`'s default vNPU shape, which the daemon's instance gets.
+# `vnpu compile`'s default vNPU shape: models are compiled for it (or for
+# their SHAPE) and the daemon's instance gets the same.
 COMPILED_FOR = "sa=1,vu=1,sram=8M,hbm=512M"
 LATENCY = re.compile(r"^latency\s+per batch: (?:guest|host) wall min/median/max ([\d./]+) us", re.M)
 
@@ -147,12 +150,13 @@ def main():
             if not (os.path.exists(onnx) and os.path.exists(x1)):
                 sys.exit(f"bench-infer: {onnx} or {x1} is missing (run target/release/onnx-bench once)")
             art = os.path.join(tmp, f"{m}-b{batch}.vnpu")
-            run([VNPU, "compile", onnx, "--batch", str(batch), "-o", art])
+            shape = SHAPE.get(m, COMPILED_FOR)
+            run([VNPU, "compile", onnx, "--batch", str(batch), "--vnpu", shape, "-o", art])
             x = os.path.join(tmp, f"{m}-b{batch}-x{BATCHES}.npy")
             tile_npy(x1, x, BATCHES)
             uuid = None
             if daemon:
-                uuid = run([VNPU, "create", "--spec", COMPILED_FOR, "--state-dir", state])[0].strip()
+                uuid = run([VNPU, "create", "--spec", shape, "--state-dir", state])[0].strip()
             cmds = {
                 "in-process": [VNPU, "infer", art, "--input", x, "--in-process"],
                 "VM": [VNPU, "infer", art, "--input", x],
