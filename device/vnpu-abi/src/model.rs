@@ -491,41 +491,18 @@ pub fn relocate_span(p: &mut Program, from: core::ops::Range<u64>, base: u64) ->
     }
     // Zero-sized operands touch nothing (no footprint) but move too: the
     // moves are checked and made on a copy, so `p` is unchanged on error.
-    let shift = |a: &mut Addr| -> Result<(), ModelError> {
-        if a.space == Space::Guest {
-            a.offset = a
-                .offset
-                .checked_sub(from.start)
-                .and_then(|o| base.checked_add(o))
-                .ok_or(ModelError::Overflow { what: "a relocated address" })?;
-        }
-        Ok(())
-    };
     let mut q = p.clone();
-    for s in &mut q.streams {
-        for i in &mut s.code {
-            match i {
-                Instr::DmaCopy { src, dst, .. } => {
-                    shift(src)?;
-                    shift(dst)?;
-                }
-                Instr::DmaGather { table, .. } => shift(table)?,
-                _ => {}
-            }
-        }
-    }
+    for_guest_operands(&mut q, |offset| offset.checked_sub(from.start).and_then(|o| base.checked_add(o)))?;
     *p = q;
     Ok(())
 }
 
-/// Adds `base` to every guest-memory operand of `p`: the window was placed
-/// at guest-physical `base`. Fails (leaving `p` partly relocated) when an
-/// address would overflow.
-pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
+/// Replaces the offset of every guest-memory operand of `p` by `f` of it;
+/// fails at the first operand for which `f` gives `None` (an overflow).
+fn for_guest_operands(p: &mut Program, f: impl Fn(u64) -> Option<u64>) -> Result<(), ModelError> {
     let shift = |a: &mut Addr| -> Result<(), ModelError> {
         if a.space == Space::Guest {
-            a.offset =
-                a.offset.checked_add(base).ok_or(ModelError::Overflow { what: "a relocated address" })?;
+            a.offset = f(a.offset).ok_or(ModelError::Overflow { what: "a relocated address" })?;
         }
         Ok(())
     };
@@ -542,6 +519,13 @@ pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
         }
     }
     Ok(())
+}
+
+/// Adds `base` to every guest-memory operand of `p`: the window was placed
+/// at guest-physical `base`. Fails (leaving `p` partly relocated) when an
+/// address would overflow.
+pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
+    for_guest_operands(p, |offset| offset.checked_add(base))
 }
 
 /// The inference job `vnpu infer` hands a runner guest as its payload
