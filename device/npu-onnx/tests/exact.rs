@@ -181,3 +181,24 @@ fn constants_of_shape_and_ranges_are_folded_within_bounds() {
     let zero = range(0).map(|_| ()).unwrap_err().to_string();
     assert!(zero.contains("delta is 0"), "{zero}");
 }
+
+/// Found by the `onnx_compile` fuzz target (fuzz-smoke, 2026-11-27): a
+/// `Pad` in a non-constant mode whose pads add up past 2^64 overflowed
+/// (a panic) while the compiler counted the padded slabs. Now a model is
+/// refused with a reason, whatever its pads.
+#[test]
+fn pads_that_add_past_2_64_are_refused_not_a_panic() {
+    let bytes = include_bytes!("fixtures/fuzz-pad-overflow.onnx");
+    // The fuzz target's cases: f32, bf16, bf16 activations, spread.
+    let cases = [
+        (DType::F32, false, None),
+        (DType::Bf16, false, None),
+        (DType::Bf16, true, None),
+        (DType::F32, false, Some((1, 1))),
+    ];
+    for (dtype, bf16_activations, spread) in cases {
+        let (_, mut opts) = options(2, dtype);
+        (opts.shape.sa, opts.shape.vu, opts.bf16_activations, opts.spread) = (2, 2, bf16_activations, spread);
+        assert!(compile(bytes, &opts).is_err());
+    }
+}

@@ -345,7 +345,8 @@ impl Compiler<'_> {
                     )));
                 }
             }
-            let slabs = (0..rank).map(|a| begin[a] + end[a]).sum::<usize>();
+            // Saturating: a hostile model's pads may be near 2^63 each.
+            let slabs = (0..rank).fold(0usize, |s, a| s.saturating_add(begin[a].saturating_add(end[a])));
             if slabs > MAX_REVERSED_SLABS {
                 return Err(unsupported(format!(
                     "{slabs} padded slabs; more than {MAX_REVERSED_SLABS} are not supported"
