@@ -340,7 +340,7 @@ pub struct VmConfig {
     pub reconnect: std::time::Duration,
     /// Bytes placed at the top of a bare-metal guest's RAM (page-aligned,
     /// above 32 MiB), handed to it in `rdx` (address) and `rcx` (length)
-    /// and readable after the run with [`Vm::read_payload`]: how `vnpu
+    /// and readable after the run with [`Vm::read_payload_at`]: how `vnpu
     /// infer` passes a model and its inputs in and gets the outputs back
     /// (docs/guest-boot.md).
     pub payload: Option<Payload>,
@@ -396,13 +396,6 @@ impl Payload {
     /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
-    }
-}
-
-impl From<Vec<u8>> for Payload {
-    fn from(bytes: Vec<u8>) -> Self {
-        let len = bytes.len() as u64;
-        Self { len, pieces: vec![(0, std::sync::Arc::new(bytes))] }
     }
 }
 
@@ -645,15 +638,6 @@ impl<W: Write> Vm<W> {
         }
         vcpu.set_regs(&regs).map_err(ioctl("set regs"))?;
         Ok(())
-    }
-
-    /// The payload as the guest left it ([`VmConfig::payload`]), or `None`
-    /// when the VM was given none.
-    pub fn read_payload(&self) -> Result<Option<Vec<u8>>, VmError> {
-        match self.payload {
-            Some((_, len)) => self.read_payload_at(0, len),
-            None => Ok(None),
-        }
     }
 
     /// `len` bytes of the payload from offset `offset`, as the guest left
