@@ -182,9 +182,9 @@ impl AsRef<[u8]> for ModelFile {
     }
 }
 
-/// The model file's bytes and the model they hold; its weights are left
-/// in the bytes (not copied into [`Model::weights`]).
-fn read_model(path: &Path) -> Result<(ModelFile, Model), ModelCmdError> {
+/// The model file's bytes, the model they hold, and where in the bytes
+/// its weight image lies (it is not copied into [`Model::weights`]).
+fn read_model(path: &Path) -> Result<(ModelFile, Model, std::ops::Range<usize>), ModelCmdError> {
     let io = |source| ModelCmdError::Io { path: path.display().to_string(), source };
     let file = std::fs::File::open(path).map_err(io)?;
     // SAFETY: a private read-only mapping; the bytes are checked by
@@ -200,10 +200,11 @@ fn read_model(path: &Path) -> Result<(ModelFile, Model), ModelCmdError> {
         }
     };
     let b = bytes.as_ref();
-    let m = Model::decode_parts(b).map(|(m, _)| m);
-    let m =
-        m.map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })?;
-    Ok((bytes, m))
+    let (m, weights) = Model::decode_parts(b)
+        .map_err(|e| ModelCmdError::Model { path: path.display().to_string(), reason: e.to_string() })?;
+    // The format puts the weight image last: the file ends exactly there.
+    let image = b.len() - weights.len()..b.len();
+    Ok((bytes, m, image))
 }
 
 /// `vnpu infer`: returns the exit code.
@@ -216,13 +217,10 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
     // Both paths take the weights from the mapped file: the VM path hands
     // the file to the guest as it is, the in-process runner copies the
     // image into its window once.
-    let (file, m) = read_model(&a.model)?;
+    let (file, m, image) = read_model(&a.model)?;
     let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
     let (outputs, stats, path) = if a.in_process {
-        let weights = Model::decode_parts(file.as_ref()).map(|(_, w)| w).map_err(|e| {
-            ModelCmdError::Model { path: a.model.display().to_string(), reason: e.to_string() }
-        })?;
-        let mut r = HostRunner::with_weights(&a.board, &m, weights)?;
+        let mut r = HostRunner::with_weights(&a.board, &m, &file.as_ref()[image])?;
         let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
         let mut stats = Vec::new();
         for run in 0..runs as usize {
