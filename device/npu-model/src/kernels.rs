@@ -399,19 +399,78 @@ impl Window {
 /// pixel, `kh*kw*cin` columns in (ky, kx, c) order, zeros where the window
 /// leaves the input.
 pub fn im2col(input: &[f32], g: &ConvGeom, ho: usize, wo: usize, pixels: std::ops::Range<usize>) -> Vec<f32> {
-    let win = Window::conv(g, g.cin, ho, wo);
-    let (cin, kcols) = (win.c, win.kh * win.kw * win.c);
-    let first = pixels.start;
-    let mut out = vec![0.0f32; pixels.len() * kcols];
-    win.for_each_tap_in(pixels, |o, tap, i| {
-        let dst = (o - first) * kcols + tap * cin;
-        out[dst..dst + cin].copy_from_slice(&input[i * cin..(i + 1) * cin]);
-    });
+    let mut out = Vec::new();
+    im2col_into(input, g, ho, wo, pixels, &mut out);
     out
 }
 
-/// Elements of im2col built at once (bounds host memory per instruction).
+/// [`im2col`] into `out` (resized to the rows; its old contents are
+/// overwritten, so one buffer serves every chunk of a convolution).
+fn im2col_into(
+    input: &[f32],
+    g: &ConvGeom,
+    ho: usize,
+    wo: usize,
+    pixels: std::ops::Range<usize>,
+    out: &mut Vec<f32>,
+) {
+    let win = Window::conv(g, g.cin, ho, wo);
+    let (cin, kw) = (win.c, win.kw);
+    let kcols = win.kh * kw * cin;
+    // Every element is written below (input values or the padding's
+    // zeros), so the buffer's old contents need no clearing.
+    out.resize(pixels.len() * kcols, 0.0);
+    let per_image = win.ho * win.wo;
+    for (o, row) in pixels.zip(out.chunks_exact_mut(kcols.max(1))) {
+        let (b, oy, ox) = (o / per_image, (o % per_image) / win.wo, o % win.wo);
+        // The taps kx in [kx0, kx1) of a row ky read input pixels ix0.. in
+        // a row: one contiguous run of (kx1 - kx0) * cin values.
+        let x_first = ox * win.sw;
+        let kx0 = win.left.saturating_sub(x_first).min(kw);
+        let kx1 = (win.w + win.left).saturating_sub(x_first).clamp(kx0, kw);
+        for (ky, taps) in row.chunks_exact_mut((kw * cin).max(1)).enumerate() {
+            match (oy * win.sh + ky).checked_sub(win.top).filter(|y| *y < win.h) {
+                Some(iy) if kx1 > kx0 => {
+                    let ix0 = x_first + kx0 - win.left;
+                    let at = ((b * win.h + iy) * win.w + ix0) * cin;
+                    let (left, rest) = taps.split_at_mut(kx0 * cin);
+                    let (mid, right) = rest.split_at_mut((kx1 - kx0) * cin);
+                    if !left.is_empty() {
+                        left.fill(0.0);
+                    }
+                    mid.copy_from_slice(&input[at..at + mid.len()]);
+                    if !right.is_empty() {
+                        right.fill(0.0);
+                    }
+                }
+                _ => taps.fill(0.0),
+            }
+        }
+    }
+}
+
+/// Elements of im2col built at once, at most (bounds host memory per
+/// instruction).
 const IM2COL_CHUNK: usize = 1 << 22;
+
+/// Elements of im2col buffer a thread keeps between convolutions.
+const IM2COL_KEPT: usize = 1 << 21;
+
+/// Elements of im2col a chunk aims at: a quarter of this host's L2 share
+/// for typical cores (1 MiB), so the GEMM packs A from cache.
+const IM2COL_CACHED: usize = 1 << 18;
+
+/// Rows of an im2col chunk: about [`IM2COL_CACHED`] elements, but at
+/// least 512 rows so that the GEMM's packing of the weights (once a
+/// chunk) stays small beside its products, and at most [`IM2COL_CHUNK`]
+/// elements. Never fewer than 65 rows unless the whole product has fewer:
+/// the `gemm` crate picks its depth blocking (and so the order of the
+/// sums) differently for products of at most 64 x 64, and a chunk must
+/// give the bits the whole product gives.
+fn im2col_rows(rows: usize, kk: usize) -> usize {
+    let kk = kk.max(1);
+    (IM2COL_CACHED / kk).max(512).min((IM2COL_CHUNK / kk).max(65)).min(rows).max(1)
+}
 
 /// Depthwise convolution of an NHWC tensor with `kh x kw x c` weights.
 pub fn depthwise(input: &[f32], weights: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
@@ -491,11 +550,14 @@ fn copy_rows(
     src_stride: u64,
     dst_stride: u64,
 ) -> Result<(), KernelError> {
-    limit(rows.saturating_mul(row as u64))?;
+    let total = limit(rows.saturating_mul(row as u64))?;
+    if rows == 0 || row == 0 {
+        return Ok(());
+    }
     let at = |base: u64, r: u64, stride: u64, what| {
         base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry(what))
     };
-    if src.space != dst.space {
+    if src.space != dst.space && row >= SMALL_ROW {
         // Different memories: read straight into the destination when it
         // is one flat buffer.
         let (s_mem, d_mem): (&dyn Memory, &mut dyn Memory) = match (src.space, dst.space) {
@@ -511,27 +573,106 @@ fn copy_rows(
         for r in 0..rows {
             let s = at(src.offset, r, src_stride, "src overflow")?;
             let d = at(dst.offset, r, dst_stride, "dst overflow")?;
-            match d_mem.slice_mut(d, row as u64) {
-                Some(out) => s_mem.read(s, out)?,
-                None => {
-                    buf.resize(row, 0);
-                    s_mem.read(s, &mut buf)?;
-                    d_mem.write(d, &buf)?;
-                }
+            // One pass when either side is one flat buffer; a bounce
+            // buffer only between two memories that are not.
+            if let Some(out) = d_mem.slice_mut(d, row as u64) {
+                s_mem.read(s, out)?;
+            } else if let Some(from) = s_mem.slice(s, row as u64) {
+                d_mem.write(d, from)?;
+            } else {
+                buf.resize(row, 0);
+                s_mem.read(s, &mut buf)?;
+                d_mem.write(d, &buf)?;
             }
         }
         return Ok(());
     }
-    // One memory: every row is read before any is written (the ISA's rule
-    // for all instructions), so overlapping rows copy the old bytes.
-    let mut buf = vec![0u8; rows as usize * row];
-    for (r, chunk) in (0..rows).zip(buf.chunks_exact_mut(row.max(1))) {
-        let s = at(src.offset, r, src_stride, "src overflow")?;
-        mem.space(src.space).read(s, chunk)?;
+    // One memory (or small rows): every row is read before any is written
+    // (the ISA's rule for all instructions), so overlapping rows copy the
+    // old bytes.
+    let mut buf = vec![0u8; total];
+    let spans = |space| space != Space::Guest;
+    gather_rows(mem.space(src.space), src.offset, rows, row, src_stride, spans(src.space), &mut buf)?;
+    scatter_rows(mem.space(dst.space), dst.offset, rows, row, dst_stride, spans(dst.space), &buf)
+}
+
+/// Rows shorter than this are moved through one access to their whole
+/// span (a call per row costs more than the bytes between them).
+const SMALL_ROW: usize = 256;
+
+/// The span of `rows` rows of `row` bytes, `stride` apart, to read or
+/// write at once instead of row by row: `Some(bytes)` when the rows are
+/// short and the span is at most four times their bytes. Never in guest
+/// memory (`spans` false): the bytes between the rows may be the guest's
+/// to write meanwhile, or not memory at all.
+fn small_rows_span(rows: u64, row: usize, stride: u64, spans: bool) -> Option<usize> {
+    if !spans || row >= SMALL_ROW {
+        return None;
     }
-    for (r, chunk) in (0..rows).zip(buf.chunks_exact(row.max(1))) {
-        let d = at(dst.offset, r, dst_stride, "dst overflow")?;
-        mem.space(dst.space).write(d, chunk)?;
+    let span = (rows - 1).checked_mul(stride)?.checked_add(row as u64)?;
+    (span <= rows.saturating_mul(row as u64).saturating_mul(4)).then_some(span as usize)
+}
+
+/// Reads `rows` rows of `out.len() / rows` bytes, `stride` apart from
+/// `base`, into `out` (densely). `rows` is at least 1.
+fn gather_rows(
+    m: &dyn Memory,
+    base: u64,
+    rows: u64,
+    row: usize,
+    stride: u64,
+    spans: bool,
+    out: &mut [u8],
+) -> Result<(), KernelError> {
+    if stride == row as u64 || rows == 1 {
+        m.read(base, out)?;
+    } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
+        let mut whole = vec![0u8; span];
+        m.read(base, &mut whole)?;
+        // `r * stride + row <= span`, so neither overflows.
+        for (r, chunk) in out.chunks_exact_mut(row).enumerate() {
+            let at = r * stride as usize;
+            chunk.copy_from_slice(&whole[at..at + row]);
+        }
+    } else {
+        for (r, chunk) in (0..rows).zip(out.chunks_exact_mut(row)) {
+            let s =
+                base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry("src overflow"))?;
+            m.read(s, chunk)?;
+        }
+    }
+    Ok(())
+}
+
+/// Writes the dense rows of `data` to `rows` rows `stride` apart from
+/// `base` (later rows over earlier ones where they overlap). `rows` is at
+/// least 1.
+fn scatter_rows(
+    m: &mut dyn Memory,
+    base: u64,
+    rows: u64,
+    row: usize,
+    stride: u64,
+    spans: bool,
+    data: &[u8],
+) -> Result<(), KernelError> {
+    if stride == row as u64 || rows == 1 {
+        m.write(base, data)?;
+    } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
+        // The bytes between the rows are written back as they were.
+        let mut whole = vec![0u8; span];
+        m.read(base, &mut whole)?;
+        for (r, chunk) in data.chunks_exact(row).enumerate() {
+            let at = r * stride as usize;
+            whole[at..at + row].copy_from_slice(chunk);
+        }
+        m.write(base, &whole)?;
+    } else {
+        for (r, chunk) in (0..rows).zip(data.chunks_exact(row)) {
+            let d =
+                base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry("dst overflow"))?;
+            m.write(d, chunk)?;
+        }
     }
     Ok(())
 }
@@ -808,24 +949,62 @@ fn conv_products(
     kk: usize,
 ) {
     let cout = g.cout as usize;
-    let chunk = (IM2COL_CHUNK / kk).max(1);
+    let chunk = im2col_rows(rows, kk);
     // A 1x1 window at stride 1 without padding: each output pixel's
     // im2col row is its input pixel's channels, so the input is the
     // im2col matrix itself (the same values, no copy).
     let pointwise = (g.kh, g.kw, g.stride_h, g.stride_w) == (1, 1, 1, 1)
         && (g.pad_top, g.pad_bottom, g.pad_left, g.pad_right) == (0, 0, 0, 0)
         && x.len() == rows * kk;
+    if pointwise {
+        let shape = GemmShape { m: rows, k: kk, n: cout, b_transposed: false, accumulate: true };
+        gemm_f32(&x[..rows * kk], wv, &mut out[..rows * cout], shape);
+        return;
+    }
+    IM2COL_BUF.with(|buf| match buf.try_borrow_mut() {
+        Ok(mut cols) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, chunk, &mut cols),
+        // Re-entered (a rayon worker waiting in the GEMM took another
+        // convolution): a buffer of its own.
+        Err(_) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, chunk, &mut Vec::new()),
+    });
+}
+
+thread_local! {
+    /// The im2col buffer of this thread's convolutions, kept between
+    /// instructions (no fresh pages to zero and fault in every time).
+    static IM2COL_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The chunks of [`conv_products`] through the im2col buffer `cols`.
+#[allow(clippy::too_many_arguments)]
+fn conv_chunks(
+    x: &[f32],
+    wv: &[f32],
+    out: &mut [f32],
+    g: &ConvGeom,
+    ho: usize,
+    wo: usize,
+    rows: usize,
+    kk: usize,
+    chunk: usize,
+    cols: &mut Vec<f32>,
+) {
+    let cout = g.cout as usize;
     let mut p0 = 0;
     while p0 < rows {
-        let p1 = (p0 + chunk).min(rows);
-        let shape = GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
-        if pointwise {
-            gemm_f32(&x[p0 * kk..p1 * kk], wv, &mut out[p0 * cout..p1 * cout], shape);
-        } else {
-            let cols = im2col(x, g, ho, wo, p0..p1);
-            gemm_f32(&cols, wv, &mut out[p0 * cout..p1 * cout], shape);
+        let mut p1 = (p0 + chunk).min(rows);
+        if rows - p1 < 65 {
+            // No short last chunk (see `im2col_rows`).
+            p1 = rows;
         }
+        let shape = GemmShape { m: p1 - p0, k: kk, n: cout, b_transposed: false, accumulate: true };
+        im2col_into(x, g, ho, wo, p0..p1, cols);
+        gemm_f32(cols, wv, &mut out[p0 * cout..p1 * cout], shape);
         p0 = p1;
+    }
+    if cols.capacity() > IM2COL_KEPT {
+        // A rare huge chunk is not held for the thread's lifetime.
+        *cols = Vec::new();
     }
 }
 
@@ -1079,6 +1258,111 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// im2col by its definition: element (pixel, (ky, kx, c)) is the
+    /// input at the window's position, or zero outside the image.
+    fn im2col_by_definition(input: &[f32], g: &ConvGeom, ho: usize, wo: usize) -> Vec<f32> {
+        let (n, h, w, c) = (g.n as usize, g.h as usize, g.w as usize, g.cin as usize);
+        let (kh, kw) = (g.kh as usize, g.kw as usize);
+        let mut out = Vec::new();
+        for b in 0..n {
+            for oy in 0..ho {
+                for ox in 0..wo {
+                    for ky in 0..kh {
+                        for kx in 0..kw {
+                            let iy = (oy * g.stride_h as usize + ky) as i64 - i64::from(g.pad_top);
+                            let ix = (ox * g.stride_w as usize + kx) as i64 - i64::from(g.pad_left);
+                            for ch in 0..c {
+                                let inside = (0..h as i64).contains(&iy) && (0..w as i64).contains(&ix);
+                                out.push(if inside {
+                                    input[((b * h + iy as usize) * w + ix as usize) * c + ch]
+                                } else {
+                                    0.0
+                                });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// A convolution whose im2col is built in several chunks gives the
+    /// bits of one product over the whole im2col (the GEMM's sums in the
+    /// same order), for outputs narrower and wider than 64 channels.
+    #[test]
+    fn chunked_convolution_gives_the_bits_of_one_product() {
+        for cout in [16u32, 70] {
+            let g = ConvGeom {
+                n: 1,
+                h: 64,
+                w: 64,
+                cin: 64,
+                cout,
+                kh: 3,
+                kw: 3,
+                stride_h: 1,
+                stride_w: 1,
+                pad_top: 1,
+                pad_bottom: 1,
+                pad_left: 1,
+                pad_right: 1,
+            };
+            let (ho, wo) = g.out_hw().unwrap();
+            let (ho, wo) = (ho as usize, wo as usize);
+            let (rows, kk, n) = (ho * wo, 9 * 64, cout as usize);
+            assert!(im2col_rows(rows, kk) < rows, "the test must cut the product");
+            let wave = |i: usize| ((i * 7919) % 1013) as f32 / 1013.0 - 0.5;
+            let x: Vec<f32> = (0..64 * 64 * 64).map(wave).collect();
+            let w: Vec<f32> = (0..kk * n).map(|i| wave(i + 17)).collect();
+            let mut chunked = vec![0.0f32; rows * n];
+            conv_products(&x, &w, &mut chunked, &g, ho, wo, rows, kk);
+            let mut whole = vec![0.0f32; rows * n];
+            let cols = im2col(&x, &g, ho, wo, 0..rows);
+            gemm_f32(
+                &cols,
+                &w,
+                &mut whole,
+                GemmShape { m: rows, k: kk, n, b_transposed: false, accumulate: true },
+            );
+            let differ = chunked.iter().zip(&whole).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{differ} of {} outputs differ (cout {cout})", rows * n);
+        }
+    }
+
+    proptest! {
+        /// im2col built in chunks into one reused buffer (stale values of
+        /// the chunk before in it) equals the definition, with and
+        /// without padding.
+        #[test]
+        fn im2col_in_chunks_matches_its_definition(
+            n in 1u32..3, h in 1u32..7, w in 1u32..7, cin in 1u32..4, kh in 1u16..4, kw in 1u16..4,
+            sh in 1u16..3, sw in 1u16..3, pads in prop::array::uniform4(0u16..3), cut in 0usize..50,
+        ) {
+            let g = ConvGeom {
+                n, h, w, cin, cout: 1, kh, kw, stride_h: sh, stride_w: sw,
+                pad_top: pads[0], pad_bottom: pads[1], pad_left: pads[2], pad_right: pads[3],
+            };
+            let Some((ho, wo)) = g.out_hw() else { return Ok(()) };
+            let (ho, wo) = (ho as usize, wo as usize);
+            let input: Vec<f32> = (0..(n * h * w * cin)).map(|v| v as f32 + 1.0).collect();
+            let rows = n as usize * ho * wo;
+            let cut = cut % (rows + 1);
+            let mut buf = vec![f32::NAN; 4096];
+            let mut parts = Vec::new();
+            for range in [0..cut, cut..rows] {
+                im2col_into(&input, &g, ho, wo, range, &mut buf);
+                parts.extend_from_slice(&buf);
+            }
+            let want = im2col_by_definition(&input, &g, ho, wo);
+            prop_assert_eq!(parts.len(), want.len());
+            for (i, (a, b)) in parts.iter().zip(&want).enumerate() {
+                prop_assert!(a.to_bits() == b.to_bits(), "element {}: {} != {}", i, a, b);
+            }
+        }
+    }
 
     #[test]
     fn im2col_chunks_concatenate_to_the_whole() {

@@ -110,6 +110,12 @@ pub trait Memory {
     fn slice_mut(&mut self, _addr: u64, _len: u64) -> Option<&mut [u8]> {
         None
     }
+    /// The bytes `[addr, addr + len)` as one slice, for memories that
+    /// hold them in one flat buffer (lets DMA copy from them without a
+    /// bounce buffer); `None` otherwise.
+    fn slice(&self, _addr: u64, _len: u64) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// On-chip SRAM of one vNPU core: bytes allocated up front, 8-byte
@@ -191,6 +197,10 @@ impl Memory for Sram {
     fn slice_mut(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
         check("sram", addr, len, self.size).ok()?;
         self.bytes_mut().get_mut(addr as usize..(addr + len) as usize)
+    }
+    fn slice(&self, addr: u64, len: u64) -> Option<&[u8]> {
+        check("sram", addr, len, self.size).ok()?;
+        self.bytes().get(addr as usize..(addr + len) as usize)
     }
 }
 
@@ -387,6 +397,10 @@ impl Memory for VecGuestMemory {
     fn slice_mut(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
         let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
         self.bytes.get_mut(r)
+    }
+    fn slice(&self, addr: u64, len: u64) -> Option<&[u8]> {
+        let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
+        self.bytes.get(r)
     }
 }
 
