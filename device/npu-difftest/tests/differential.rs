@@ -126,7 +126,8 @@ fn dma(rng: &mut StdRng) -> Instr {
     let (s, slo, shi) = space(rng);
     let (d, dlo, dhi) = space(rng);
     let rows = dim(rng, 8);
-    let row_bytes = rng.random_range(1..128);
+    // Mostly short rows; sometimes rows long enough to be copied in place.
+    let row_bytes = if rng.random_bool(0.2) { rng.random_range(256..700) } else { rng.random_range(1..128) };
     let src_stride = u64::from(row_bytes) + rng.random_range(0..3) * 4;
     let dst_stride = u64::from(row_bytes) + rng.random_range(0..3) * 4;
     let src_span = (u64::from(rows) - 1) * src_stride + u64::from(row_bytes);

@@ -627,6 +627,23 @@ fn copy_rows(
         }
         return Ok(());
     }
+    if src.space == dst.space && row >= SMALL_ROW {
+        let span = |base: u64, stride: u64| {
+            let last = (rows - 1).checked_mul(stride)?.checked_add(row as u64)?;
+            Some(base..base.checked_add(last)?)
+        };
+        if let (Some(s), Some(d)) = (span(src.offset, src_stride), span(dst.offset, dst_stride)) {
+            if s.end <= d.start || d.end <= s.start {
+                // No row written is read: row by row in place.
+                let m = mem.space(src.space);
+                for r in 0..rows {
+                    let (from, to) = (src.offset + r * src_stride, dst.offset + r * dst_stride);
+                    m.copy_within(from, to, row as u64)?;
+                }
+                return Ok(());
+            }
+        }
+    }
     // One memory (or small rows): every row is read before any is written
     // (the ISA's rule for all instructions), so overlapping rows copy the
     // old bytes.

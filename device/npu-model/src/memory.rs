@@ -116,6 +116,26 @@ pub trait Memory {
     fn slice(&self, _addr: u64, _len: u64) -> Option<&[u8]> {
         None
     }
+    /// Copies `len` bytes from `src` to `dst` in this memory, as a read of
+    /// all of them followed by a write (overlapping ranges copy the old
+    /// bytes). Memories that can move them in place override it.
+    fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+        copy_through_buffer(self, src, dst, len)
+    }
+}
+
+/// [`Memory::copy_within`] through a buffer of the bytes.
+fn copy_through_buffer<M: Memory + ?Sized>(
+    m: &mut M,
+    src: u64,
+    dst: u64,
+    len: u64,
+) -> Result<(), MemoryError> {
+    check("memory", src, len, m.size())?;
+    check("memory", dst, len, m.size())?;
+    let mut buf = vec![0u8; len as usize];
+    m.read(src, &mut buf)?;
+    m.write(dst, &buf)
 }
 
 /// On-chip SRAM of one vNPU core: bytes allocated up front, 8-byte
@@ -201,6 +221,13 @@ impl Memory for Sram {
     fn slice(&self, addr: u64, len: u64) -> Option<&[u8]> {
         check("sram", addr, len, self.size).ok()?;
         self.bytes().get(addr as usize..(addr + len) as usize)
+    }
+    fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+        check("sram", src, len, self.size)?;
+        check("sram", dst, len, self.size)?;
+        let s = src as usize;
+        self.bytes_mut().copy_within(s..s + len as usize, dst as usize);
+        Ok(())
     }
 }
 
@@ -353,6 +380,38 @@ impl Memory for LazyHbm {
         }
         Ok(())
     }
+    fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+        check("hbm", src, len, self.size)?;
+        check("hbm", dst, len, self.size)?;
+        if self.file.is_some() || src.abs_diff(dst) < len {
+            // Overlapping ranges (or file-backed chunks): all bytes read
+            // before any is written.
+            return copy_through_buffer(self, src, dst, len);
+        }
+        // Disjoint ranges: chunk piece by chunk piece, with no buffer.
+        let mut done = 0u64;
+        while done < len {
+            let (s, d) = (src + done, dst + done);
+            let (sc, so) = (s / HBM_CHUNK, (s % HBM_CHUNK) as usize);
+            let (dc, doff) = (d / HBM_CHUNK, (d % HBM_CHUNK) as usize);
+            let n = (HBM_CHUNK as usize - so).min(HBM_CHUNK as usize - doff).min((len - done) as usize);
+            if sc == dc {
+                self.chunk_mut(dc).copy_within(so..so + n, doff);
+            } else {
+                // The source chunk is lent out of its slot while the
+                // destination's is borrowed, then put back.
+                match self.chunks.get_mut(sc as usize).and_then(Option::take) {
+                    Some(from) => {
+                        self.chunk_mut(dc)[doff..doff + n].copy_from_slice(&from[so..so + n]);
+                        self.chunks[sc as usize] = Some(from);
+                    }
+                    None => self.chunk_mut(dc)[doff..doff + n].fill(0),
+                }
+            }
+            done += n as u64;
+        }
+        Ok(())
+    }
 }
 
 /// Guest memory as a plain vector, based at guest address `base`: for
@@ -402,6 +461,12 @@ impl Memory for VecGuestMemory {
         let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
         self.bytes.get(r)
     }
+    fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
+        let n = usize::try_from(len).unwrap_or(usize::MAX);
+        let (s, d) = (self.range(src, n)?, self.range(dst, n)?);
+        self.bytes.copy_within(s, d.start);
+        Ok(())
+    }
 }
 
 /// Fails when `[addr, addr + len)` cannot lie inside `m` (checked before
@@ -445,6 +510,44 @@ pub fn write_f32s(m: &mut dyn Memory, addr: u64, v: &[f32]) -> Result<(), Memory
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Lazy HBM's in-place copy gives what a flat buffer's copy gives
+        /// (a read of every byte, then a write), across chunk borders,
+        /// from chunks never written, overlapping or not.
+        #[test]
+        fn lazy_hbm_copy_within_matches_a_flat_copy(
+            src in 0u64..(3 * HBM_CHUNK), dst in 0u64..(3 * HBM_CHUNK), len in 0u64..(HBM_CHUNK + 5000),
+            written in prop::array::uniform4(any::<bool>()),
+        ) {
+            let size = 4 * HBM_CHUNK;
+            let (len, src, dst) = (len.min(size - src.max(dst)), src, dst);
+            let mut hbm = LazyHbm::new(size);
+            let mut flat = VecGuestMemory::new(0, size as usize);
+            for (c, _) in written.iter().enumerate().filter(|(_, w)| **w) {
+                let data: Vec<u8> = (0..HBM_CHUNK).map(|i| (i as usize * 7 + c) as u8 | 1).collect();
+                hbm.write(c as u64 * HBM_CHUNK, &data).unwrap();
+                flat.write(c as u64 * HBM_CHUNK, &data).unwrap();
+            }
+            hbm.copy_within(src, dst, len).unwrap();
+            flat.copy_within(src, dst, len).unwrap();
+            let mut got = vec![0u8; size as usize];
+            hbm.read(0, &mut got).unwrap();
+            prop_assert!(got == flat.bytes, "src {} dst {} len {}", src, dst, len);
+        }
+    }
+
+    #[test]
+    fn copy_within_refuses_ranges_outside() {
+        let mut hbm = LazyHbm::new(2 * HBM_CHUNK);
+        assert!(hbm.copy_within(0, 2 * HBM_CHUNK - 4, 8).is_err());
+        assert!(hbm.copy_within(u64::MAX - 2, 0, 8).is_err());
+        let mut sram = Sram::new(64);
+        assert!(sram.copy_within(60, 0, 8).is_err());
+        assert!(sram.copy_within(0, 60, 8).is_err());
+        assert_eq!(hbm.resident_bytes(), 0, "a refused copy allocates nothing");
+    }
 
     #[test]
     fn lazy_hbm_of_32_gib_allocates_only_what_is_written() {
