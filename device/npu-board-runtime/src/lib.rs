@@ -249,6 +249,12 @@ impl SharedBoard {
         engine.with_dependent_mut(|_, st| st.rt.set_harvesting(on));
     }
 
+    /// [`Runtime::set_lend_limit`] for the board's engine.
+    pub fn set_lend_limit(&self, cycles: f64) {
+        let mut engine = lock(&self.inner.engine);
+        engine.with_dependent_mut(|_, st| st.rt.set_lend_limit(cycles));
+    }
+
     /// Stops the engine thread (pending requests get no answer).
     pub fn stop(&self) {
         lock(&self.inner.q).stop = true;

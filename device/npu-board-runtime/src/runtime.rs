@@ -259,6 +259,17 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         }
     }
 
+    /// Bounds the cycles of a compute instruction a request may start on
+    /// a lent engine, from the next step on ([`CoreSim::set_lend_limit`]):
+    /// an owner reclaims its engines within that many cycles. Infinity
+    /// (the default): any instruction, the reclaim bound is then one
+    /// instruction.
+    ///
+    /// [`CoreSim::set_lend_limit`]: npu_model::CoreSim::set_lend_limit
+    pub fn set_lend_limit(&mut self, cycles: f64) {
+        self.sim.set_lend_limit(cycles);
+    }
+
     /// Runs every core by `policy` from the next step on.
     pub fn set_policy(&mut self, policy: Policy) {
         self.policy = policy;

@@ -398,6 +398,9 @@ pub struct CoreSim<'c, J> {
     shares: usize,
     /// What its tenants contend for (read from a board's first core).
     contention: Contention,
+    /// Longest compute instruction (cycles) a spread tenant may start on
+    /// an engine beyond its guarantee ([`Self::set_lend_limit`]).
+    lend_limit: f64,
 }
 
 impl<J> std::fmt::Debug for CoreSim<'_, J> {
@@ -416,6 +419,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         Self {
             cfg,
             now: 0.0,
+            lend_limit: f64::INFINITY,
             slots: Vec::new(),
             runs: Vec::new(),
             next_transfer: 0,
@@ -526,6 +530,16 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
             }
         }
         true
+    }
+
+    /// Bounds how long an engine lent to a spread tenant stays busy: from
+    /// now on such a tenant starts a compute instruction on an engine
+    /// beyond its guarantee only if the instruction takes at most `cycles`
+    /// (a longer one waits for one of its own engines). An owner taking
+    /// its engines back then waits at most `cycles` for a borrower's
+    /// instruction to end. Infinity (the default): no bound.
+    pub fn set_lend_limit(&mut self, cycles: f64) {
+        self.lend_limit = if cycles.is_nan() { f64::INFINITY } else { cycles.max(0.0) };
     }
 
     /// Sets the engines spread tenant `id` runs on from now: `guarantee`
@@ -645,6 +659,7 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
         let cfg = self.cfg;
         let now = self.now;
         let depth = cfg.dma.in_flight.max(1) as usize;
+        let lend_limit = self.lend_limit;
         let Self { slots, runs, next_transfer, .. } = self;
         // Issue everything that can issue at `now`, until nothing changes.
         loop {
@@ -701,6 +716,17 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                         if let (Some(k), Some(w)) = (kind, ts.width) {
                             if ts.holding[k] >= w[k] {
                                 continue;
+                            }
+                            // Beyond its guarantee only what the lend
+                            // limit allows (an owner's reclaim bound).
+                            if ts.holding[k] >= ts.guarantee[k] && lend_limit.is_finite() {
+                                let long = instr.is_some_and(|i| match cost(cfg, &i).occupancy {
+                                    Occupancy::Fixed(cy) => cy > lend_limit,
+                                    _ => false,
+                                });
+                                if long {
+                                    continue;
+                                }
                             }
                         }
                         progressed = true;
@@ -1268,6 +1294,11 @@ impl<'c, J: SimTenant> BoardSim<'c, J> {
     /// Simulated cycles since the board started.
     pub fn now(&self) -> f64 {
         self.cores.first().map_or(0.0, CoreSim::now)
+    }
+
+    /// [`CoreSim::set_lend_limit`] on every core.
+    pub fn set_lend_limit(&mut self, cycles: f64) {
+        self.cores.iter_mut().for_each(|c| c.set_lend_limit(cycles));
     }
 
     /// Core `i`, to place, suspend or resume tenants on it (its own

@@ -254,6 +254,13 @@ enum Command {
         /// every request on its own vNPU's engines (static partitions).
         #[arg(long, value_name = "on|off", default_value = "on", value_parser = ["on", "off"])]
         harvest: String,
+        /// With harvesting, the longest compute instruction (simulated
+        /// microseconds) a vNPU's request may start on an engine lent to
+        /// it: an owner then takes its engines back within this bound
+        /// (docs/management.md, "Harvesting"). Default: no bound (a reclaim
+        /// waits for the borrower's instruction to end, whatever its length).
+        #[arg(long, value_name = "US", value_parser = lend_limit)]
+        lend_limit_us: Option<f64>,
         /// Most host work one request may spend on a core of the daemon
         /// (units of `npu_model::timing::host_work`, about a nanosecond
         /// each at most): it bounds how long one tenant's request holds up
@@ -610,6 +617,14 @@ fn parse_vnpu_arg(s: &str) -> Result<VnpuArg, String> {
     }
 }
 
+/// `--lend-limit-us`: a finite, non-negative number of microseconds.
+fn lend_limit(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(us) if us.is_finite() && us >= 0.0 => Ok(us),
+        _ => Err(format!("`{s}` is not a number of microseconds >= 0")),
+    }
+}
+
 fn parse_vnpu(s: &str) -> Result<vnpu_spec::VnpuSpec, String> {
     vnpu_spec::VnpuSpec::parse(s).map_err(|e| e.to_string())
 }
@@ -761,6 +776,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             seccomp,
             release_timeout_ms,
             harvest,
+            lend_limit_us,
             max_host_work,
         } => {
             let control_group = match control_group {
@@ -786,6 +802,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 control_group,
                 release_timeout: std::time::Duration::from_millis(release_timeout_ms),
                 harvest: harvest == "on",
+                lend_limit_us,
             };
             vnpu_daemon::stop_on_signals();
             vnpu_daemon::seccomp::install(seccomp)?;

@@ -76,6 +76,10 @@ pub struct DaemonOptions {
     /// Lend idle engines to spread programs (`docs/management.md`,
     /// "Harvesting"); off, every request runs on its vNPU's engines.
     pub harvest: bool,
+    /// With harvesting: the longest compute instruction (microseconds of
+    /// simulated time) a request may start on a lent engine, so an owner
+    /// takes its engines back within it (`None`: any, one instruction).
+    pub lend_limit_us: Option<f64>,
 }
 
 /// Default of [`DaemonOptions::control_idle`].
@@ -378,6 +382,9 @@ pub fn run(opts: &DaemonOptions, stop: &AtomicBool, ready: impl FnOnce()) -> Res
         .map_err(|source| DaemonError::SocketDir { dir: opts.socket_dir.clone(), source })?;
     let board = SharedBoard::new(&opts.board, "board").map_err(DaemonError::Board)?;
     board.set_harvesting(opts.harvest);
+    if let Some(us) = opts.lend_limit_us {
+        board.set_lend_limit(us * f64::from(opts.board.clock_mhz));
+    }
     let daemon = Arc::new(Daemon {
         opts: opts.clone(),
         board,

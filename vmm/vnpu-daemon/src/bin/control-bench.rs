@@ -115,6 +115,7 @@ fn main() -> Result<(), String> {
         device: Default::default(),
         metrics: None,
         harvest: true,
+        lend_limit_us: None,
     };
     let stop = Arc::new(AtomicBool::new(false));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();

@@ -216,6 +216,7 @@ impl OnRuntime {
     fn runtime(self, board: &BoardConfig) -> Runtime<'_, Request<'_>> {
         let mut rt = Runtime::new(board);
         rt.set_harvesting(self == Self::Harvest);
+        rt.set_lend_limit(LEND_LIMIT_CYCLES.get().copied().unwrap_or(f64::INFINITY));
         if self == Self::Fifo {
             rt.set_policy(fifo);
         }
@@ -574,6 +575,11 @@ struct Args {
     /// vNPU's own program (1 to 10); its own program if none does.
     #[arg(long = "spread-cost", default_value_t = 1.1, value_parser = spread_cost)]
     spread_cost: f64,
+    /// vNPU-H: the longest compute instruction (simulated microseconds) a
+    /// request may start on a lent engine, so an owner reclaims within it
+    /// (`npu_board_runtime::Runtime::set_lend_limit`; default: no bound).
+    #[arg(long = "lend-limit-us", value_name = "US", value_parser = lend_limit)]
+    lend_limit_us: Option<f64>,
     /// Also write the results as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<String>,
@@ -605,6 +611,14 @@ fn spread_cost(v: &str) -> Result<f64, String> {
 fn tolerance(v: &str) -> Result<f64, String> {
     in_range(v, 0.0, 10.0)
 }
+
+fn lend_limit(v: &str) -> Result<f64, String> {
+    in_range(v, 0.0, 1e9)
+}
+
+/// `--lend-limit-us` in cycles of the board's clock, set once by `main`
+/// before any runtime is made (infinity when not given).
+static LEND_LIMIT_CYCLES: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 
 /// One tenant of `--tenants`: `W[:B]`, a workload of the library and a
 /// batch of 1 to 256.
@@ -890,6 +904,9 @@ fn run() -> Result<(), String> {
     let args = parse_args();
     let board = args.board.load()?;
     let hz = f64::from(board.clock_mhz) * 1e6;
+    if let Some(us) = args.lend_limit_us {
+        let _ = LEND_LIMIT_CYCLES.set(us * f64::from(board.clock_mhz));
+    }
     let mut ws = Vec::new();
     let mut tasks = Vec::new();
     eprintln!("lowering the workloads, and each operation for every shape of the core ...");
@@ -1199,6 +1216,7 @@ fn run() -> Result<(), String> {
             "saturation_rps": {"vNPU": sat_vnpu * wsum * hz, "vNPU-WC": sat_wc * wsum * hz, "vNPU-H": sat_h * wsum * hz,
                 "PREMA-like": sat_prema * wsum * hz, "Planaria": sat_planaria * wsum * hz, "V10": sat_v10 * wsum * hz},
             "task_us": args.task_us, "lend_tolerance": args.tolerance, "spread_cost": args.spread_cost,
+            "lend_limit_us": args.lend_limit_us,
             "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
                 "t_1sa_1vu_s": w.t11 / hz, "t_4sa_4vu_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
                 "spread_width": w.spread_k, "t_spread_1sa_1vu_s": w.ts11 / hz, "t_spread_4sa_4vu_s": w.ts44 / hz,
