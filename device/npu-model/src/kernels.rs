@@ -594,9 +594,6 @@ fn copy_rows(
     if rows == 0 || row == 0 {
         return Ok(());
     }
-    let at = |base: u64, r: u64, stride: u64, what| {
-        base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry(what))
-    };
     if src.space != dst.space && row >= SMALL_ROW {
         // Different memories: read straight into the destination when it
         // is one flat buffer.
@@ -611,8 +608,8 @@ fn copy_rows(
         };
         let mut buf = Vec::new();
         for r in 0..rows {
-            let s = at(src.offset, r, src_stride, "src overflow")?;
-            let d = at(dst.offset, r, dst_stride, "dst overflow")?;
+            let s = row_at(src.offset, r, src_stride, "src overflow")?;
+            let d = row_at(dst.offset, r, dst_stride, "dst overflow")?;
             // One pass when either side is one flat buffer; a bounce
             // buffer only between two memories that are not.
             if let Some(out) = d_mem.slice_mut(d, row as u64) {
@@ -628,10 +625,7 @@ fn copy_rows(
         return Ok(());
     }
     if src.space == dst.space && row >= SMALL_ROW {
-        let span = |base: u64, stride: u64| {
-            let last = (rows - 1).checked_mul(stride)?.checked_add(row as u64)?;
-            Some(base..base.checked_add(last)?)
-        };
+        let span = |base: u64, stride: u64| Some(base..base.checked_add(rows_span(rows, row, stride)?)?);
         if let (Some(s), Some(d)) = (span(src.offset, src_stride), span(dst.offset, dst_stride)) {
             if s.end <= d.start || d.end <= s.start {
                 // No row written is read: row by row in place.
@@ -653,6 +647,17 @@ fn copy_rows(
     scatter_rows(mem.space(dst.space), dst.offset, rows, row, dst_stride, spans(dst.space), &buf)
 }
 
+/// The address of row `r` of rows `stride` apart from `base`.
+fn row_at(base: u64, r: u64, stride: u64, what: &'static str) -> Result<u64, KernelError> {
+    base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry(what))
+}
+
+/// Bytes from the first byte of row 0 to the last of row `rows - 1`
+/// (`rows` at least 1), rows of `row` bytes `stride` apart.
+fn rows_span(rows: u64, row: usize, stride: u64) -> Option<u64> {
+    (rows - 1).checked_mul(stride)?.checked_add(row as u64)
+}
+
 /// Rows shorter than this are moved through one access to their whole
 /// span (a call per row costs more than the bytes between them).
 const SMALL_ROW: usize = 256;
@@ -666,7 +671,7 @@ fn small_rows_span(rows: u64, row: usize, stride: u64, spans: bool) -> Option<us
     if !spans || row >= SMALL_ROW {
         return None;
     }
-    let span = (rows - 1).checked_mul(stride)?.checked_add(row as u64)?;
+    let span = rows_span(rows, row, stride)?;
     (span <= rows.saturating_mul(row as u64).saturating_mul(4)).then_some(span as usize)
 }
 
@@ -693,9 +698,7 @@ fn gather_rows(
         }
     } else {
         for (r, chunk) in (0..rows).zip(out.chunks_exact_mut(row)) {
-            let s =
-                base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry("src overflow"))?;
-            m.read(s, chunk)?;
+            m.read(row_at(base, r, stride, "src overflow")?, chunk)?;
         }
     }
     Ok(())
@@ -726,9 +729,7 @@ fn scatter_rows(
         m.write(base, &whole)?;
     } else {
         for (r, chunk) in (0..rows).zip(data.chunks_exact(row)) {
-            let d =
-                base.checked_add(r.saturating_mul(stride)).ok_or(KernelError::Geometry("dst overflow"))?;
-            m.write(d, chunk)?;
+            m.write(row_at(base, r, stride, "dst overflow")?, chunk)?;
         }
     }
     Ok(())
@@ -1016,7 +1017,6 @@ fn conv_products(
     kk: usize,
 ) {
     let cout = g.cout as usize;
-    let chunk = im2col_rows(rows, kk);
     // A 1x1 window at stride 1 without padding: each output pixel's
     // im2col row is its input pixel's channels, so the input is the
     // im2col matrix itself (the same values, no copy).
@@ -1029,10 +1029,10 @@ fn conv_products(
         return;
     }
     IM2COL_BUF.with(|buf| match buf.try_borrow_mut() {
-        Ok(mut cols) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, chunk, &mut cols),
+        Ok(mut cols) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, &mut cols),
         // Re-entered (a rayon worker waiting in the GEMM took another
         // convolution): a buffer of its own.
-        Err(_) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, chunk, &mut Vec::new()),
+        Err(_) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, &mut Vec::new()),
     });
 }
 
@@ -1053,10 +1053,10 @@ fn conv_chunks(
     wo: usize,
     rows: usize,
     kk: usize,
-    chunk: usize,
     cols: &mut Vec<f32>,
 ) {
     let cout = g.cout as usize;
+    let chunk = im2col_rows(rows, kk);
     let mut p0 = 0;
     while p0 < rows {
         let mut p1 = (p0 + chunk).min(rows);
