@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use npu_model::{BoardConfig, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport};
 pub use npu_scheduler::{
     admission_order, harvest, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher,
-    Engines, Pending,
+    Engines, Pending, Prema,
 };
 use vnpu_abi::Program;
 

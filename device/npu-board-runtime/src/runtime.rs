@@ -11,12 +11,20 @@
 use std::sync::{Arc, Mutex};
 
 use npu_model::{BoardConfig, BoardSim, CoreMemory, ExecError, SimTenant, TenantReport};
-use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending};
+use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending, Prema};
 use vnpu_abi::Program;
 
 /// Who runs next on a core, and what is preempted for it (default:
 /// [`npu_scheduler::schedule`]; an evaluation may run a baseline's).
 pub type Policy = fn(&BoardConfig, &[Pending], &[Pending]) -> Decision;
+
+/// How the cores pick: a [`Policy`], or PREMA's token order
+/// ([`Runtime::set_prema`]), which also needs the time.
+#[derive(Clone, Copy, Debug)]
+enum Rule {
+    Policy(Policy),
+    Prema(Prema),
+}
 
 /// A request with what the runtime knows of it.
 struct Entry<J> {
@@ -89,6 +97,8 @@ pub(crate) struct CoreLog {
     requests: u64,
     waited: u64,
     preempted: u64,
+    killed: u64,
+    killed_cycles: f64,
     slo_requests: u64,
     slo_misses: u64,
     /// Harvesting per tenant.
@@ -133,6 +143,8 @@ impl CoreLog {
             requests: self.requests,
             waited: self.waited,
             preempted: self.preempted,
+            killed: self.killed,
+            killed_cycles: self.killed_cycles,
             busy_cycles: now,
             overlap_cycles: self.settled_overlap + overlap(self.log.iter().map(|i| (i.start, i.end))),
             tenants,
@@ -171,6 +183,11 @@ pub struct SharingStats {
     pub waited: u64,
     /// Times a running request was suspended for a more urgent one.
     pub preempted: u64,
+    /// Times a running request was stopped and queued again from scratch
+    /// (PREMA's KILL, [`Runtime::set_prema`]), and the SA and VU
+    /// engine-cycles of the work dropped.
+    pub killed: u64,
+    pub killed_cycles: f64,
     /// The board's simulated time (cycles).
     pub busy_cycles: f64,
     /// Simulated cycles during which two or more tenants ran at once.
@@ -189,7 +206,7 @@ pub struct SharingStats {
 pub struct Runtime<'c, J> {
     board: &'c BoardConfig,
     switch: f64,
-    policy: Policy,
+    rule: Rule,
     sim: BoardSim<'c, Entry<J>>,
     dispatchers: Vec<Dispatcher<Entry<J>>>,
     /// Tenants seen on each core (HBM shares under the "equal" policy)
@@ -241,7 +258,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         Self {
             board,
             switch: switch_cycles(board),
-            policy: schedule,
+            rule: Rule::Policy(schedule),
             sim,
             dispatchers: (0..n).map(|_| Dispatcher::harvesting(core)).collect(),
             tenants: vec![Vec::new(); n],
@@ -272,7 +289,25 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
 
     /// Runs every core by `policy` from the next step on.
     pub fn set_policy(&mut self, policy: Policy) {
-        self.policy = policy;
+        self.rule = Rule::Policy(policy);
+        for d in &mut self.dispatchers {
+            d.set_checkpoint(0.0, 0.0);
+        }
+    }
+
+    /// Runs every core by PREMA's token order from the next step on
+    /// ([`npu_scheduler::Prema`]): a preempted request's state is saved
+    /// and restored in half of `prema.checkpoint` each, and a step also
+    /// ends when a waiter's tokens overtake a running request's. Meant
+    /// for requests whose programs can start again from scratch (a kill
+    /// drops their work): the evaluations' baseline, not the daemon's
+    /// policy. Requests weigh their waiting by the estimate they were
+    /// submitted with ([`Runtime::submit_estimated`]).
+    pub fn set_prema(&mut self, prema: Prema) {
+        self.rule = Rule::Prema(prema);
+        for d in &mut self.dispatchers {
+            d.set_checkpoint(prema.checkpoint / 2.0, prema.checkpoint / 2.0);
+        }
     }
 
     /// The board's cores.
@@ -310,6 +345,21 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         job: J,
         arrival: f64,
     ) -> Result<(), J> {
+        self.submit_estimated(core, tenant, claim, job, arrival, 0.0)
+    }
+
+    /// As [`Runtime::submit_arrived`], with an estimate of the cycles the
+    /// request takes alone on its claim ([`Pending::estimate`]: PREMA's
+    /// token rate).
+    pub fn submit_estimated(
+        &mut self,
+        core: usize,
+        tenant: &str,
+        claim: Claim,
+        job: J,
+        arrival: f64,
+        estimate: f64,
+    ) -> Result<(), J> {
         let arrival = arrival.min(self.sim.now());
         let (Some(seen), Some(c), Some(d)) =
             (self.tenants.get_mut(core), self.sim.core(core), self.dispatchers.get_mut(core))
@@ -323,7 +373,8 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 c.set_shares(seen.len());
             }
         }
-        let p = Pending { claim, arrival };
+        let estimate = if estimate.is_finite() { estimate.max(0.0) } else { 0.0 };
+        let p = Pending { estimate, ..Pending::new(claim, arrival) };
         d.submit(Entry { job, tenant: tenant.to_string(), claim, arrival, begin: arrival }, p);
         Ok(())
     }
@@ -335,7 +386,9 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
     /// that finished.
     pub fn step(&mut self, until: f64) -> Vec<Completion<J>> {
         let board = self.board;
-        let policy = self.policy;
+        let rule = self.rule;
+        let now = self.sim.now();
+        let mut until = until;
         let mut passes = Vec::with_capacity(self.dispatchers.len());
         // Per core, who borrows what until the next pass, and who waited
         // for engines to come back (named now: they may finish in this
@@ -346,7 +399,21 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             if core.is_idle() && d.waiting().next().is_none() {
                 continue;
             }
-            let pass = d.dispatch(core, self.switch, |w, r| policy(board, w, r), |j, at| j.begin = at);
+            let pass = d.dispatch(
+                core,
+                self.switch,
+                |w, r| match rule {
+                    Rule::Policy(policy) => policy(board, w, r),
+                    Rule::Prema(p) => p.decide(board, now, w, r),
+                },
+                |j, at| j.begin = at,
+            );
+            if let Rule::Prema(p) = rule {
+                let (w, r) = d.pending(now);
+                if let Some(t) = p.next_decision(now, &w, &r) {
+                    until = until.min(t);
+                }
+            }
             let name = |id: usize| core.job(id).map(|j| j.tenant.clone());
             let borrowing: Vec<(String, Engines)> =
                 pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
@@ -383,8 +450,12 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             if let Some(log) = logs.get_mut(c) {
                 log.waited += pass.waited;
                 log.preempted += pass.preempted;
+                log.killed += pass.killed.len() as u64;
+                log.killed_cycles += pass.killed.iter().map(|k| k.1).sum::<f64>();
             }
             let Some(g) = self.gaps.get_mut(c) else { continue };
+            // A killed request starts again under a new simulation id.
+            g.retain(|x| !pass.killed.iter().any(|k| k.0 == x.0));
             g.extend(pass.suspended.iter().map(|&(id, at)| (id, at, f64::INFINITY)));
             for (id, at) in pass.resumed {
                 if let Some(open) = g.iter_mut().find(|x| x.0 == id && x.2.is_infinite()) {
@@ -417,7 +488,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 log.requests += 1;
                 if entry.claim.slo_cycles > 0 {
                     log.slo_requests += 1;
-                    let deadline = Pending { claim: entry.claim, arrival: entry.arrival }.deadline();
+                    let deadline = Pending::new(entry.claim, entry.arrival).deadline();
                     log.slo_misses += u64::from(end > deadline);
                 }
                 if log.log.len() >= FOLD_AT {

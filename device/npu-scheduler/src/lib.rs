@@ -88,13 +88,24 @@ pub fn placements(board: &BoardConfig, waiting: &[Claim], order: &[usize], runni
 
 /// A request as the placement policy sees it: what it claims and when it
 /// arrived on the core's timeline.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Pending {
     pub claim: Claim,
     pub arrival: f64,
+    /// Cycles it takes alone on its claim, as whoever submitted it
+    /// estimates them (0: unknown); [`Prema`] weighs waiting by it.
+    pub estimate: f64,
+    /// Cycles it has issued on the core so far (0 until it is placed;
+    /// [`Dispatcher`] keeps it for running and suspended requests).
+    pub ran: f64,
 }
 
 impl Pending {
+    /// A request of `claim` that arrived at `arrival`, its time unknown.
+    pub fn new(claim: Claim, arrival: f64) -> Self {
+        Self { claim, arrival, ..Self::default() }
+    }
+
     /// When it must finish on the core's timeline (infinity: no target).
     pub fn deadline(&self) -> f64 {
         match self.claim.slo_cycles {
@@ -158,6 +169,10 @@ pub struct Decision {
     /// Running requests to suspend so the most urgent waiting one fits
     /// (indices into `running`); it is the last of `place`.
     pub preempt: Vec<usize>,
+    /// Running requests to stop and start again from scratch later
+    /// (indices into `running`, none of them in `preempt`; PREMA's KILL,
+    /// [`Prema`]): their work is dropped, they wait again.
+    pub kill: Vec<usize>,
 }
 
 /// The placement policy: what fits goes on the core ([`placements`], most
@@ -173,7 +188,7 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
     let on_core: Vec<Claim> = running.iter().map(|p| p.claim).collect();
     let mut place = placements(board, &claims, &order, &on_core);
     let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
-        return Decision { place, preempt: Vec::new() };
+        return Decision { place, ..Decision::default() };
     };
     let want = waiting[w];
     let mut victims: Vec<usize> = (0..running.len()).filter(|&r| running[r].urgency(&want).is_lt()).collect();
@@ -195,10 +210,10 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
         preempt.push(v);
         if fits(used(&preempt)) {
             place.push(w);
-            return Decision { place, preempt };
+            return Decision { place, preempt, ..Decision::default() };
         }
     }
-    Decision { place, preempt: Vec::new() }
+    Decision { place, ..Decision::default() }
 }
 
 /// A baseline policy (PREMA's NP-FCFS): waiting requests in arrival
@@ -209,7 +224,128 @@ pub fn fifo(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> De
     let mut order: Vec<usize> = (0..waiting.len()).collect();
     order.sort_by(|&a, &b| waiting[a].arrival.total_cmp(&waiting[b].arrival));
     let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
-    Decision { place: placements(board, &claims(waiting), &order, &claims(running)), preempt: Vec::new() }
+    Decision { place: placements(board, &claims(waiting), &order, &claims(running)), ..Decision::default() }
+}
+
+/// PREMA's token-based time-sharing (Choi and Rhu, "PREMA: A Predictive
+/// Multi-task Scheduling Algorithm For Preemptible Neural Processing
+/// Units", HPCA 2020), the baseline `sharing-eval` compares with. A
+/// request's tokens grow with its waiting time (from its arrival) times
+/// its priority over its estimated time alone ([`Pending::estimate`]):
+/// slowdown-normalized priority. The requests with the most tokens go on
+/// the core first (first fit; with whole-core claims one at a time);
+/// then, if the one with the most tokens left over is ahead of a running
+/// request by more than `margin` checkpoints' worth of its tokens, the
+/// running one stops for it: killed (started again from scratch later)
+/// if `kill` and it has issued for less than one `checkpoint`, left to
+/// finish if it would end within one `checkpoint` anyway, else
+/// suspended and checkpointed (the dispatcher's save and restore costs,
+/// [`Dispatcher::set_checkpoint`]). PREMA's candidate threshold and its
+/// shortest-job pick among candidates are not modelled. Decisions are
+/// taken when requests arrive or finish and when a waiter's tokens
+/// overtake a running request's ([`Prema::next_decision`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prema {
+    /// Tokens a waiter must be ahead by, in checkpoints of its own
+    /// token rate (infinity: never preempt, PREMA-drain).
+    pub margin: f64,
+    /// PREMA's KILL for a request that has issued for less than one
+    /// checkpoint (else it is checkpointed too).
+    pub kill: bool,
+    /// Cycles of one checkpoint and restore of a request's state.
+    pub checkpoint: f64,
+}
+
+impl Prema {
+    /// Tokens per cycle of waiting: priority (at least 1) over the
+    /// estimated time alone (at least 1 cycle).
+    fn rate(p: &Pending) -> f64 {
+        f64::from(p.claim.priority.max(1)) / p.estimate.max(1.0)
+    }
+
+    fn tokens(p: &Pending, now: f64) -> f64 {
+        (now - p.arrival).max(0.0) * Self::rate(p)
+    }
+
+    /// Tokens `waiter` must have beyond a running request's to stop it.
+    fn bar(&self, waiter: &Pending) -> f64 {
+        self.margin * self.checkpoint * Self::rate(waiter)
+    }
+
+    /// One pass at simulated time `now` (see the type's documentation):
+    /// `waiting` and `running` as [`schedule`] takes them.
+    pub fn decide(
+        &self,
+        board: &BoardConfig,
+        now: f64,
+        waiting: &[Pending],
+        running: &[Pending],
+    ) -> Decision {
+        let mut order: Vec<usize> = (0..waiting.len()).collect();
+        order.sort_by(|&a, &b| {
+            let (ta, tb) = (Self::tokens(&waiting[a], now), Self::tokens(&waiting[b], now));
+            tb.total_cmp(&ta).then(waiting[a].arrival.total_cmp(&waiting[b].arrival))
+        });
+        let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
+        let mut place = placements(board, &claims(waiting), &order, &claims(running));
+        let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
+            return Decision { place, ..Decision::default() };
+        };
+        let want = waiting[w];
+        let top = Self::tokens(&want, now) - self.bar(&want);
+        let mut behind: Vec<usize> =
+            (0..running.len()).filter(|&r| Self::tokens(&running[r], now) < top).collect();
+        // Fewest tokens first.
+        behind.sort_by(|&a, &b| Self::tokens(&running[a], now).total_cmp(&Self::tokens(&running[b], now)));
+        let (mut preempt, mut kill) = (Vec::new(), Vec::new());
+        let fits = |gone: &[usize]| {
+            let on = (0..running.len()).filter(|r| !gone.contains(r)).map(|r| running[r].claim);
+            let (sa, vu) = on
+                .chain(place.iter().map(|&i| waiting[i].claim))
+                .chain(std::iter::once(want.claim))
+                .fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)));
+            sa <= board.core.sa_count && vu <= board.core.vu_count
+        };
+        let mut gone = Vec::new();
+        for r in behind {
+            let p = running[r];
+            if self.kill && p.ran < self.checkpoint {
+                kill.push(r);
+            } else if p.estimate - p.ran > self.checkpoint {
+                preempt.push(r);
+            } else {
+                // It ends within a checkpoint anyway: it drains.
+                continue;
+            }
+            gone.push(r);
+            if fits(&gone) {
+                place.push(w);
+                return Decision { place, preempt, kill };
+            }
+        }
+        Decision { place, ..Decision::default() }
+    }
+
+    /// The first moment after `now` at which a waiting request's tokens
+    /// overtake a running one's by the margin (tokens of a faster-growing
+    /// waiter catch up), a little past it so the waiter is strictly
+    /// ahead; `None` if no such moment comes.
+    pub fn next_decision(&self, now: f64, waiting: &[Pending], running: &[Pending]) -> Option<f64> {
+        let mut next = f64::INFINITY;
+        for r in running {
+            let rr = Self::rate(r);
+            for w in waiting {
+                let rw = Self::rate(w);
+                if rw > rr {
+                    let t = (w.arrival * rw - r.arrival * rr + self.bar(w)) / (rw - rr);
+                    if t > now {
+                        next = next.min(t + 1e-3);
+                    }
+                }
+            }
+        }
+        next.is_finite().then_some(next)
+    }
 }
 
 /// The requests of one shared core that have not finished: waiting for
@@ -227,6 +363,12 @@ pub struct Dispatcher<J> {
     /// The engines of the core ([`Dispatcher::harvesting`]); `None`: no
     /// request borrows.
     core: Option<Engines>,
+    /// Cycles to save a preempted request's state and to restore it
+    /// ([`Dispatcher::set_checkpoint`]).
+    save: f64,
+    restore: f64,
+    /// (simulation id, when it issues again) of each running request.
+    issuing: Vec<(usize, f64)>,
 }
 
 /// What one [`Dispatcher::dispatch`] pass did.
@@ -236,6 +378,9 @@ pub struct Dispatched {
     pub waited: u64,
     /// Running requests suspended for a more urgent one.
     pub preempted: u64,
+    /// (simulation id, engine-cycles of SA and VU work dropped) of each
+    /// running request killed ([`Decision::kill`]); it waits again.
+    pub killed: Vec<(usize, f64)>,
     /// (simulation id, when its engines are free: now plus what it had in
     /// flight) of each request suspended.
     pub suspended: Vec<(usize, f64)>,
@@ -256,7 +401,15 @@ pub struct Dispatched {
 
 impl<J> Default for Dispatcher<J> {
     fn default() -> Self {
-        Self { waiting: Vec::new(), running: Vec::new(), suspended: Vec::new(), core: None }
+        Self {
+            waiting: Vec::new(),
+            running: Vec::new(),
+            suspended: Vec::new(),
+            core: None,
+            save: 0.0,
+            restore: 0.0,
+            issuing: Vec::new(),
+        }
     }
 }
 
@@ -272,6 +425,16 @@ impl<J> Dispatcher<J> {
     /// more lending; what is lent now is taken back at the next pass).
     pub fn set_harvesting(&mut self, core: Option<Engines>) {
         self.core = core;
+    }
+
+    /// A preempted request's state is saved (`save` cycles, after what
+    /// it has in flight drains, before the preemptor starts) and restored
+    /// (`restore` cycles, before it issues again): engines that must be
+    /// handed over with their SRAM, as on a whole core time-shared by
+    /// [`Prema`]. Default 0: a suspended request keeps its SRAM.
+    pub fn set_checkpoint(&mut self, save: f64, restore: f64) {
+        self.save = save.max(0.0);
+        self.restore = restore.max(0.0);
     }
 }
 
@@ -299,23 +462,41 @@ impl<J: SimTenant> Dispatcher<J> {
         decide: impl FnOnce(&[Pending], &[Pending]) -> Decision,
         mut starts: impl FnMut(&mut J, f64),
     ) -> Dispatched {
-        let cands: Vec<Pending> =
-            self.waiting.iter().map(|w| w.1).chain(self.suspended.iter().map(|s| s.1)).collect();
-        let on_core: Vec<Pending> = self.running.iter().map(|r| r.1).collect();
+        let now = sim.now();
+        let (cands, on_core) = self.pending(now);
         let d = decide(&cands, &on_core);
-        let preemptor = if d.preempt.is_empty() { None } else { d.place.last().copied() };
-        let mut drain: f64 = 0.0;
-        let mut victims = d.preempt.clone();
-        victims.sort_unstable_by(|a, b| b.cmp(a));
-        victims.dedup();
-        victims.retain(|&r| r < self.running.len());
+        let stops = !d.preempt.is_empty() || !d.kill.is_empty();
+        let preemptor = if stops { d.place.last().copied() } else { None };
+        // When the preemptor may start: the victims' engines drained and
+        // the checkpointed ones' state saved.
+        let mut free: f64 = 0.0;
+        let mut victims: Vec<(usize, bool)> =
+            d.preempt.iter().map(|&r| (r, false)).chain(d.kill.iter().map(|&r| (r, true))).collect();
+        victims.sort_unstable_by_key(|v| std::cmp::Reverse(v.0));
+        victims.dedup_by_key(|v| v.0);
+        victims.retain(|&(r, _)| r < self.running.len());
         let mut out = Dispatched::default();
-        for r in victims {
-            let (id, p) = self.running.swap_remove(r);
-            sim.suspend(id);
+        // Killed requests wait again once this pass has placed (indices
+        // into `waiting` stay as `decide` saw them until then).
+        let mut requeue = Vec::new();
+        for (r, kill) in victims {
+            let (id, mut p) = self.running.swap_remove(r);
             let own = sim.drain_cycles(id);
-            drain = drain.max(own);
-            out.suspended.push((id, sim.now() + own));
+            let since = self.issued_since(id);
+            if kill {
+                if let Some((job, part)) = sim.kill(id) {
+                    let t = part.totals();
+                    out.killed.push((id, t.sa_active_cycles + t.vu_active_cycles));
+                    p.ran = 0.0;
+                    requeue.push((job, p, true));
+                }
+                free = free.max(own);
+                continue;
+            }
+            sim.suspend(id);
+            p.ran += (now - since.unwrap_or(now)).max(0.0);
+            free = free.max(own + self.save);
+            out.suspended.push((id, now + own));
             self.suspended.push((id, p));
             out.preempted += 1;
         }
@@ -332,28 +513,32 @@ impl<J: SimTenant> Dispatcher<J> {
         let (reclaim, grants, spare) = self.lend(sim, &place, n_waiting);
         let n_running = self.running.len();
         for &i in &place {
-            let delay = |waited: bool| {
+            let delay = |waited: bool, restore: f64| {
                 let d = match (Some(i) == preemptor, waited) {
-                    (true, _) => switch.max(drain),
-                    (false, true) => switch,
-                    (false, false) => 0.0,
+                    (true, _) => switch.max(free + restore),
+                    (false, true) => switch.max(restore),
+                    (false, false) => restore,
                 };
                 d.max(reclaim)
             };
             if i >= n_waiting {
-                // A suspended request goes on where it stopped.
+                // A suspended request goes on where it stopped, once its
+                // state is back.
                 let (id, p) = self.suspended.remove(i - n_waiting);
-                let d = delay(true);
+                let d = delay(true, self.restore);
                 sim.resume(id, d);
-                out.resumed.push((id, sim.now() + d));
+                out.resumed.push((id, now + d));
+                self.issuing.push((id, now + d));
                 self.running.push((id, p));
             } else {
                 // `remove` (not `swap_remove`): the rest stay in arrival order.
                 let (mut job, p, waited) = self.waiting.remove(i);
-                let delay = delay(waited);
+                let delay = delay(waited, 0.0);
                 out.waited += u64::from(waited);
-                starts(&mut job, sim.now() + delay);
-                self.running.push((sim.add(job, delay), p));
+                starts(&mut job, now + delay);
+                let id = sim.add(job, delay);
+                self.issuing.push((id, now + delay));
+                self.running.push((id, p));
             }
             if reclaim > 0.0 {
                 if let Some(&(id, _)) = self.running.last() {
@@ -376,7 +561,37 @@ impl<J: SimTenant> Dispatcher<J> {
                 out.unused.push((id, *u));
             }
         }
+        for w in requeue {
+            // Back among the waiting in arrival order.
+            let at =
+                self.waiting.iter().position(|x| x.1.arrival > w.1.arrival).unwrap_or(self.waiting.len());
+            self.waiting.insert(at, w);
+        }
         out
+    }
+
+    /// When running request `id` last started issuing; forgets it.
+    fn issued_since(&mut self, id: usize) -> Option<f64> {
+        let k = self.issuing.iter().position(|x| x.0 == id)?;
+        Some(self.issuing.swap_remove(k).1)
+    }
+
+    /// The requests as a policy sees them at simulated time `now`: those
+    /// waiting followed by the suspended ones, and the running ones (with
+    /// the cycles each has issued, [`Pending::ran`]).
+    pub fn pending(&self, now: f64) -> (Vec<Pending>, Vec<Pending>) {
+        let cands = self.waiting.iter().map(|w| w.1).chain(self.suspended.iter().map(|s| s.1)).collect();
+        let on_core = self
+            .running
+            .iter()
+            .map(|&(id, mut p)| {
+                if let Some(&(_, since)) = self.issuing.iter().find(|x| x.0 == id) {
+                    p.ran += (now - since).max(0.0);
+                }
+                p
+            })
+            .collect();
+        (cands, on_core)
     }
 
     /// Lends the core's idle engines ([`harvest`]) to the requests running
@@ -447,6 +662,7 @@ impl<J: SimTenant> Dispatcher<J> {
 
     /// Forgets request `id` once the core reports it finished.
     pub fn finished(&mut self, id: usize) {
+        self.issuing.retain(|(i, _)| *i != id);
         self.running.retain(|(i, _)| *i != id);
         self.suspended.retain(|(i, _)| *i != id);
     }
@@ -464,7 +680,7 @@ mod tests {
     #[test]
     fn admission_order_breaks_ties_by_arrival() {
         let c = |priority, slo_cycles| Claim { sa: 1, vu: 1, priority, slo_cycles, ..Claim::default() };
-        let p = |claim, arrival| Pending { claim, arrival };
+        let p = Pending::new;
         assert_eq!(admission_order(&[p(c(0, 0), 5.0), p(c(0, 0), 1.0), p(c(0, 0), 1.0)]), vec![1, 2, 0]);
         assert_eq!(admission_order(&[p(c(0, 0), 1.0), p(c(0, 100), 50.0), p(c(1, 0), 9.0)]), vec![2, 1, 0]);
     }
@@ -473,12 +689,12 @@ mod tests {
     fn schedule_preempts_only_for_more_urgent_requests() {
         let board = BoardConfig::default();
         let half = |slo_cycles, priority| Claim { sa: 2, vu: 2, priority, slo_cycles, ..Claim::default() };
-        let p = |claim, arrival| Pending { claim, arrival };
+        let p = Pending::new;
         let running = [p(half(0, 0), 0.0), p(half(0, 0), 10.0)];
         // A request with a latency target preempts the later of two equal
         // requests without one.
         let d = schedule(&board, &[p(half(1000, 0), 20.0)], &running);
-        assert_eq!(d, Decision { place: vec![0], preempt: vec![1] });
+        assert_eq!(d, Decision { place: vec![0], preempt: vec![1], kill: vec![] });
         // Without a target it waits.
         assert_eq!(schedule(&board, &[p(half(0, 0), 20.0)], &running), Decision::default());
         // A higher priority preempts a lower one, never the reverse.
@@ -501,15 +717,59 @@ mod tests {
     fn fifo_places_the_oldest_that_fit_and_never_preempts() {
         let board = BoardConfig::default();
         let c = |sa, priority, slo_cycles| Claim { sa, vu: 1, priority, slo_cycles, ..Claim::default() };
-        let p = |claim, arrival| Pending { claim, arrival };
+        let p = Pending::new;
         // 3 SAs free beside a running 1-SA request: the oldest (2 SAs, no
         // urgency) goes, the urgent 2-SA one no longer fits, the 1-SA
         // one does.
         let waiting = [p(c(2, 9, 10), 5.0), p(c(2, 0, 0), 1.0), p(c(1, 0, 0), 7.0)];
         let running = [p(c(1, 0, 0), 0.0)];
-        assert_eq!(fifo(&board, &waiting, &running), Decision { place: vec![1, 2], preempt: vec![] });
+        assert_eq!(fifo(&board, &waiting, &running), Decision { place: vec![1, 2], ..Decision::default() });
         // The same, by the device's policy: urgency first.
         assert_eq!(schedule(&board, &waiting, &running).place[0], 0);
+    }
+
+    /// PREMA by hand: tokens = priority x waiting / estimate.
+    #[test]
+    fn prema_runs_the_most_tokens_first_and_stops_a_request_behind() {
+        let board = BoardConfig::default();
+        let whole = Claim::whole_core(&board);
+        let req = |priority, arrival, estimate, ran| Pending {
+            claim: Claim { priority, ..whole },
+            arrival,
+            estimate,
+            ran,
+        };
+        let prema = Prema { margin: 0.0, kill: true, checkpoint: 10.0 };
+        // Idle core at 100: tokens 100/400, 50/10, 2 x 60/100: the second.
+        let waiting = [req(1, 0.0, 400.0, 0.0), req(1, 50.0, 10.0, 0.0), req(2, 40.0, 100.0, 0.0)];
+        let d = prema.decide(&board, 100.0, &waiting, &[]);
+        assert_eq!(d, Decision { place: vec![1], ..Decision::default() });
+        // Running since 0 with 100/400 tokens, it has issued 90 cycles and
+        // has 310 left: the waiter's 5 tokens win, it is checkpointed.
+        let running = [req(1, 0.0, 400.0, 90.0)];
+        let d = prema.decide(&board, 100.0, &waiting[1..2], &running);
+        assert_eq!(d, Decision { place: vec![0], preempt: vec![0], kill: vec![] });
+        // Issued less than a checkpoint: killed; within a checkpoint of
+        // its end: it drains, nothing goes on.
+        let d = prema.decide(&board, 100.0, &waiting[1..2], &[req(1, 0.0, 400.0, 9.0)]);
+        assert_eq!(d, Decision { place: vec![0], preempt: vec![], kill: vec![0] });
+        let d = prema.decide(&board, 100.0, &waiting[1..2], &[req(1, 0.0, 400.0, 395.0)]);
+        assert_eq!(d, Decision::default());
+        // A margin of 2 checkpoints: the waiter needs 2 x 10 / 10 = 2
+        // tokens more than the running one's 0.25; at 51 it has 0.1.
+        let margin = Prema { margin: 2.0, ..prema };
+        assert_eq!(margin.decide(&board, 51.0, &waiting[1..2], &running), Decision::default());
+        // Tokens equal with the bar when (t - 50) / 10 = t / 400 + 2:
+        // t = 70 x 400 / 390.
+        let t = margin.next_decision(51.0, &waiting[1..2], &running).unwrap();
+        assert!((t - 1e-3 - 70.0 * 400.0 / 390.0).abs() < 1e-9, "{t}");
+        assert_eq!(margin.decide(&board, t, &waiting[1..2], &running).preempt, vec![0]);
+        // A waiter whose tokens grow slower never catches up; drain mode
+        // never preempts.
+        assert_eq!(prema.next_decision(51.0, &waiting[..1], &[req(1, 0.0, 10.0, 0.0)]), None);
+        let drain = Prema { margin: f64::INFINITY, ..prema };
+        assert_eq!(drain.decide(&board, 100.0, &waiting[1..2], &running), Decision::default());
+        assert_eq!(drain.next_decision(51.0, &waiting[1..2], &running), None);
     }
 
     /// A VU-only program busy for `n` exp passes over 1 Mi elements.
@@ -546,7 +806,7 @@ mod tests {
         let mut sim = CoreSim::new(board, programs.len());
         let mut d = Dispatcher::default();
         for (i, (p, c)) in programs.iter().zip(claims).enumerate() {
-            d.submit(T(p, i, budget), Pending { claim: *c, arrival: 0.0 });
+            d.submit(T(p, i, budget), Pending::new(*c, 0.0));
         }
         let mut out: Vec<Option<TenantReport>> = vec![None; programs.len()];
         loop {
@@ -681,7 +941,7 @@ mod tests {
         let run = |d: &mut Dispatcher<Timed>, borrow: Engines| {
             let mut sim = CoreSim::new(&board, 1);
             let claim = Claim { sa: 1, vu: 1, borrow, ..Claim::default() };
-            d.submit(Timed(vu_streams(4, 3, true), "b"), Pending { claim, arrival: 0.0 });
+            d.submit(Timed(vu_streams(4, 3, true), "b"), Pending::new(claim, 0.0));
             let first = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
             let (mut ends, mut passes) = (Vec::new(), Vec::new());
             drain_all(&board, &mut sim, d, &mut ends, &mut passes);
@@ -709,10 +969,10 @@ mod tests {
         let mut d = Dispatcher::harvesting(Engines::new(board.core.sa_count, board.core.vu_count));
         let borrower = Claim { sa: 1, vu: 1, borrow: Engines::new(3, 3), ..Claim::default() };
         let owner = Claim { sa: 1, vu: 3, ..Claim::default() };
-        d.submit(Timed(vu_streams(4, 6, true), "borrower"), Pending { claim: borrower, arrival: 0.0 });
+        d.submit(Timed(vu_streams(4, 6, true), "borrower"), Pending::new(borrower, 0.0));
         d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
         assert!(sim.step_until(1.5 * c).is_empty());
-        d.submit(Timed(vu_streams(3, 1, false), "owner"), Pending { claim: owner, arrival: 1.5 * c });
+        d.submit(Timed(vu_streams(3, 1, false), "owner"), Pending::new(owner, 1.5 * c));
         let pass = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
         assert_eq!(pass.reclaimed.len(), 1);
         assert!(close(pass.reclaimed[0].1, 0.5 * c), "{:?} vs {}", pass.reclaimed, 0.5 * c);
@@ -762,8 +1022,8 @@ mod tests {
             let mut sim = CoreSim::new(&board, 2);
             let own = Claim { sa: 2, vu: 2, ..Claim::default() };
             let borrower = Claim { sa: 1, vu: 1, borrow: Engines::new(3, 3), ..Claim::default() };
-            d.submit(Timed(owner.clone(), "owner"), Pending { claim: own, arrival: 0.0 });
-            d.submit(Timed(vu_streams(4, 3, true), "borrower"), Pending { claim: borrower, arrival: 0.0 });
+            d.submit(Timed(owner.clone(), "owner"), Pending::new(own, 0.0));
+            d.submit(Timed(vu_streams(4, 3, true), "borrower"), Pending::new(borrower, 0.0));
             let first = d.dispatch(&mut sim, 0.0, |w, r| schedule(&board, w, r), |_, _| {});
             let (mut ends, mut passes) = (Vec::new(), Vec::new());
             drain_all(&board, &mut sim, d, &mut ends, &mut passes);

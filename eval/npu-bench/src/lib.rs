@@ -29,17 +29,28 @@ impl SimTenant for Request<'_> {
     }
 }
 
+/// A tenant as [`serve_arrivals`] submits its requests.
+#[derive(Clone, Debug)]
+pub struct Tenant<'p> {
+    /// The runtime's name for it.
+    pub name: String,
+    pub claim: Claim,
+    pub program: &'p Program,
+    /// Cycles a request takes alone on its claim (0: unknown;
+    /// `npu_board_runtime::Pending::estimate`).
+    pub estimate: f64,
+}
+
 /// Serves per-tenant arrival streams (`arrivals[i]`: tenant `i`'s
 /// arrival times in cycles, ascending) on core 0 of the board runtime
 /// `rt`, as guests do: each tenant submits its oldest arrived request once
 /// its previous one has finished (the rest wait in its ring, their arrival
-/// kept), as tenant `tenants[i]` (the runtime's name, its claim, its
-/// program), until every request is served. `done` sees each completion;
+/// kept), as tenant `tenants[i]`, until every request is served. `done` sees each completion;
 /// its error stops the run.
 pub fn serve_arrivals<'p>(
     rt: &mut Runtime<'_, Request<'p>>,
     arrivals: &[Vec<f64>],
-    tenants: &[(String, Claim, &'p Program)],
+    tenants: &[Tenant<'p>],
     mut done: impl FnMut(Completion<Request<'p>>) -> Result<(), String>,
 ) -> Result<(), String> {
     let n = tenants.len().min(arrivals.len());
@@ -52,9 +63,9 @@ pub fn serve_arrivals<'p>(
             if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
                 busy[i] = true;
                 next[i] += 1;
-                let (name, claim, program) = &tenants[i];
-                let req = Request { tenant: i, arrival, program };
-                rt.submit_arrived(0, name, *claim, req, arrival)
+                let t = &tenants[i];
+                let req = Request { tenant: i, arrival, program: t.program };
+                rt.submit_estimated(0, &t.name, t.claim, req, arrival, t.estimate)
                     .map_err(|_| "the board has no core 0".to_string())?;
             }
         }

@@ -23,7 +23,7 @@
 //! `cargo build --release -p npu-bench && target/release/slo-eval --help`
 
 use clap::Parser;
-use npu_bench::{fail, p99, positive, serve_arrivals, usage_error, BoardArg, Request, Rng};
+use npu_bench::{fail, p99, positive, serve_arrivals, usage_error, BoardArg, Request, Rng, Tenant};
 use npu_board_runtime::Runtime;
 use npu_model::BoardConfig;
 use npu_scheduler::{admission_order, fifo, placements, schedule, switch_cycles, Claim, Decision, Pending};
@@ -83,7 +83,10 @@ fn simulate(
         Policy::PriorityEdf => priority_edf,
         Policy::Fifo => fifo,
     });
-    let tenants: Vec<_> = ts.iter().map(|t| (t.name.to_string(), t.claim, &t.program)).collect();
+    let tenants: Vec<_> = ts
+        .iter()
+        .map(|t| Tenant { name: t.name.to_string(), claim: t.claim, program: &t.program, estimate: 0.0 })
+        .collect();
     serve_arrivals(&mut rt, arrivals, &tenants, |done| {
         let req = done.job;
         let t = done.result.map_err(|e| format!("{}: {e}", ts[req.tenant].name))?;
@@ -111,7 +114,7 @@ fn claims(ps: &[Pending]) -> Vec<Claim> {
 
 /// Priority, then earliest deadline, first fit; no preemption.
 fn priority_edf(board: &BoardConfig, w: &[Pending], r: &[Pending]) -> Decision {
-    Decision { place: placements(board, &claims(w), &admission_order(w), &claims(r)), preempt: vec![] }
+    Decision { place: placements(board, &claims(w), &admission_order(w), &claims(r)), ..Decision::default() }
 }
 
 /// SLO evaluation of an oversubscribed core: four vNPUs whose claims exceed

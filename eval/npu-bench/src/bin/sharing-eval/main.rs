@@ -21,14 +21,15 @@
 //!   shortest-job pick among the candidates are not modelled). **PREMA-ckpt** also preempts: at each arrival and at the moment
 //!   a waiter's tokens overtake the running request's (plus
 //!   `--preempt-margin` context switches, normalized to the waiter), the
-//!   waiter takes over: the running request stops issuing
-//!   (`CoreSim::suspend`), its transfers in flight drain, its SRAM state is
+//!   waiter takes over: the running request stops issuing, its
+//!   transfers in flight drain, its SRAM state is
 //!   checkpointed (half a context switch) and later restored (the other
 //!   half) before it goes on where it stopped; unless it would end within
 //!   one switch anyway (then it drains); a request preempted before it has
 //!   run for one switch is killed instead (PREMA's KILL: started again
 //!   from scratch later; `--no-prema-kill` checkpoints it too). **PREMA-drain** never
-//!   preempts.
+//!   preempts. Both run on the board runtime (`Runtime::set_prema`,
+//!   `npu_scheduler::Prema`).
 //!   Ratios are against the better of the two on each metric;
 //! - **Planaria** (Planaria-like dynamic fission on this model, for
 //!   comparison): the operator-level tasks of vNPU-WC without guarantees;
@@ -59,17 +60,15 @@
 
 mod lending;
 
-use std::collections::VecDeque;
-
 use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
 
 use clap::Parser;
 use npu_bench::{
-    fail, line_plots, p99, positive, serve_arrivals, usage_error, BoardArg, Panel, Request, Rng,
+    fail, line_plots, p99, positive, serve_arrivals, usage_error, BoardArg, Panel, Request, Rng, Tenant,
 };
 use npu_board_runtime::Runtime;
-use npu_model::{run_program, run_program_on, BoardConfig, CoreSim, TenantReport};
-use npu_scheduler::{fifo, Claim, Engines};
+use npu_model::{run_program, run_program_on, BoardConfig};
+use npu_scheduler::{fifo, Claim, Engines, Prema};
 use npu_workloads::{build, lower_workload, RunOptions};
 use vnpu_abi::Program;
 
@@ -137,21 +136,6 @@ impl Outcome {
     fn new(n: usize) -> Self {
         Self { latencies: vec![Vec::new(); n], ..Self::default() }
     }
-
-    fn record(&mut self, req: &Request<'_>, r: Result<TenantReport, npu_model::ExecError>, now: f64) {
-        match r {
-            Ok(t) => {
-                let tot = t.totals();
-                self.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
-                self.latencies[req.tenant].push(t.cycles - req.arrival);
-                self.end = self.end.max(t.cycles);
-            }
-            Err(_) => {
-                self.failed += 1;
-                self.end = self.end.max(now);
-            }
-        }
-    }
 }
 
 /// The systems that run on the board runtime (`npu_board_runtime::Runtime`,
@@ -159,7 +143,7 @@ impl Outcome {
 /// reclaims; this evaluation only submits each tenant's requests one at a
 /// time in arrival order (the rest queue in the guest's ring) and reads
 /// what finished.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum OnRuntime {
     /// Static vNPUs: each tenant's programs lowered for its 1 SA + 1 VU
     /// vNPU, lending off.
@@ -178,6 +162,10 @@ enum OnRuntime {
     /// (PREMA's NP-FCFS baseline); a request that waited for the core
     /// starts after one engine switch (`npu_scheduler::switch_cycles`).
     Fifo,
+    /// The whole core per request in PREMA's token order, preempting
+    /// with checkpoints and kills (`npu_scheduler::Prema`); a request's
+    /// estimate is its isolated whole-core time.
+    Prema(Prema),
 }
 
 impl OnRuntime {
@@ -185,7 +173,7 @@ impl OnRuntime {
         match self {
             Self::Static => &w.p11,
             Self::Harvest | Self::Unlent => &w.spread,
-            Self::Fifo => &w.p44,
+            Self::Fifo | Self::Prema(_) => &w.p44,
         }
     }
 
@@ -193,6 +181,7 @@ impl OnRuntime {
         let c = &board.core;
         match self {
             Self::Fifo => Claim::whole_core(board),
+            Self::Prema(_) => Claim { priority: w.priority, ..Claim::whole_core(board) },
             // Priority, then deadline order who borrows first.
             _ => Claim {
                 sa: 1,
@@ -205,11 +194,21 @@ impl OnRuntime {
     }
 
     /// Each tenant of `ws` as the runtime sees it: its name (`i:name`,
-    /// as names of the mix may repeat), its claim and its program.
-    fn tenants<'w>(self, board: &BoardConfig, ws: &'w [Workload]) -> Vec<(String, Claim, &'w Program)> {
+    /// as names of the mix may repeat), its claim, its program and the
+    /// time a request takes alone on the claim.
+    fn tenants<'w>(self, board: &BoardConfig, ws: &'w [Workload]) -> Vec<Tenant<'w>> {
         ws.iter()
             .enumerate()
-            .map(|(i, w)| (format!("{i}:{}", w.name), self.claim(board, w), self.program(w)))
+            .map(|(i, w)| Tenant {
+                name: format!("{i}:{}", w.name),
+                claim: self.claim(board, w),
+                program: self.program(w),
+                estimate: match self {
+                    Self::Static => w.t11,
+                    Self::Harvest | Self::Unlent => w.ts11,
+                    Self::Fifo | Self::Prema(_) => w.t44,
+                },
+            })
             .collect()
     }
 
@@ -217,8 +216,10 @@ impl OnRuntime {
         let mut rt = Runtime::new(board);
         rt.set_harvesting(self == Self::Harvest);
         rt.set_lend_limit(LEND_LIMIT_CYCLES.get().copied().unwrap_or(f64::INFINITY));
-        if self == Self::Fifo {
-            rt.set_policy(fifo);
+        match self {
+            Self::Fifo => rt.set_policy(fifo),
+            Self::Prema(p) => rt.set_prema(p),
+            _ => {}
         }
         rt
     }
@@ -250,6 +251,8 @@ fn simulate_runtime(
     })?;
     let st = rt.stats(0);
     o.switches = st.preempted;
+    o.kills = st.killed;
+    o.eu_cycles += st.killed_cycles;
     for (_, h) in &st.harvest {
         o.reclaim_waits += h.reclaims;
         o.reclaim_max = o.reclaim_max.max(h.reclaim_max_cycles);
@@ -277,12 +280,13 @@ fn saturation_runtime(
     let mut backlog: Vec<usize> = (0..n).collect();
     while done.iter().any(|d| *d < rounds) {
         for i in backlog.drain(..) {
-            let (name, claim, program) = &tenants[i];
-            let req = Request { tenant: i, arrival: rt.now(), program };
-            rt.submit(0, name, *claim, req).map_err(|_| "the board has no core 0".to_string())?;
+            let t = &tenants[i];
+            let req = Request { tenant: i, arrival: rt.now(), program: t.program };
+            rt.submit_estimated(0, &t.name, t.claim, req, rt.now(), t.estimate)
+                .map_err(|_| "the board has no core 0".to_string())?;
         }
         let finished = rt.step(f64::INFINITY);
-        if finished.is_empty() {
+        if finished.is_empty() && !rt.busy() {
             break;
         }
         for c in finished {
@@ -295,199 +299,6 @@ fn saturation_runtime(
         }
     }
     Ok((0..n).map(|i| done[i] as f64 / last[i].max(1.0) / weights[i]).fold(f64::INFINITY, f64::min))
-}
-
-/// A request of the PREMA-like core that is not running.
-struct Waiting<'p> {
-    arrival: f64,
-    stage: Stage<'p>,
-}
-
-enum Stage<'p> {
-    /// Not started yet.
-    New(Request<'p>),
-    /// Suspended: its simulation id and the cycles it has run (its
-    /// isolated time minus these estimates what is left, as PREMA's
-    /// scheduler does).
-    Suspended { id: usize, executed: f64 },
-}
-
-/// The request on the PREMA-like core.
-#[derive(Clone, Copy)]
-struct Running {
-    tenant: usize,
-    arrival: f64,
-    id: usize,
-    /// Cycles it ran before this run.
-    executed: f64,
-    /// When this run started issuing.
-    since: f64,
-}
-
-/// Queues, in its tenant's queue, every request of `arrivals` that has
-/// arrived by `now` (`next`: each tenant's first request not queued yet).
-fn admit<'p>(
-    queues: &mut [VecDeque<Waiting<'p>>],
-    arrivals: &[Vec<f64>],
-    next: &mut [usize],
-    ws: &'p [Workload],
-    now: f64,
-) {
-    for (i, q) in queues.iter_mut().enumerate() {
-        while let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
-            next[i] += 1;
-            let req = Request { tenant: i, arrival, program: &ws[i].p44 };
-            q.push_back(Waiting { arrival, stage: Stage::New(req) });
-        }
-    }
-}
-
-/// How the whole-core system picks and preempts.
-#[derive(Clone, Copy, Debug)]
-struct WholeCore {
-    /// Cycles of one context switch (checkpoint plus restore).
-    switch: f64,
-    /// Preemption margin in context switches; infinity: never preempt
-    /// (PREMA-drain).
-    margin: f64,
-    /// PREMA's KILL for a request that has run less than one switch.
-    kill: bool,
-}
-
-impl WholeCore {
-    const fn prema(switch: f64, margin: f64, kill: bool) -> Self {
-        Self { switch, margin, kill }
-    }
-}
-
-/// The PREMA-like systems: one request at a time on the whole core,
-/// PREMA's token-based preemption with checkpointing (see the module doc).
-fn simulate_prema(board: &BoardConfig, ws: &[Workload], arrivals: &[Vec<f64>], how: WholeCore) -> Outcome {
-    let WholeCore { switch, margin, kill } = how;
-    let n = ws.len();
-    let mut o = Outcome::new(n);
-    let mut sim: CoreSim<'_, Request<'_>> = CoreSim::new(board, 1);
-    let mut next = vec![0usize; n];
-    // Per tenant, in arrival order; a preempted request goes back to the
-    // front of its tenant's queue (it is that tenant's oldest: it had the
-    // most tokens, and a tenant's oldest request has the most).
-    let mut queues: Vec<VecDeque<Waiting<'_>>> = (0..n).map(|_| VecDeque::new()).collect();
-    let mut running: Option<Running> = None;
-    // PREMA's tokens: priority times waiting time over the isolated
-    // whole-core time; they grow at `rate` per cycle of waiting.
-    let rate = |tenant: usize| f64::from(ws[tenant].priority) / ws[tenant].t44;
-    let tokens = |tenant: usize, arrival: f64, now: f64| (now - arrival) * rate(tenant);
-    let best = |queues: &[VecDeque<Waiting<'_>>], now: f64| {
-        let fronts = (0..n).filter_map(|i| queues[i].front().map(|w| (i, w.arrival)));
-        fronts.map(|(i, a)| (i, tokens(i, a, now))).max_by(|a, b| a.1.total_cmp(&b.1))
-    };
-    loop {
-        let now = sim.now();
-        admit(&mut queues, arrivals, &mut next, ws, now);
-        let next_arrival =
-            (0..n).filter_map(|i| arrivals[i].get(next[i]).copied()).fold(f64::INFINITY, f64::min);
-        let Some(run) = running else {
-            // Start (or restore) the waiter with the most tokens.
-            if let Some((i, _)) = best(&queues, now) {
-                if let Some(w) = queues[i].pop_front() {
-                    running = Some(start(&mut sim, w, i, switch, 0.0));
-                }
-                continue;
-            }
-            if !next_arrival.is_finite() {
-                break;
-            }
-            sim.step_until(next_arrival);
-            continue;
-        };
-        // The next decision: an arrival, or the moment a waiter's tokens
-        // overtake the running request's (only a shorter request's tokens
-        // grow faster).
-        let Running { tenant, arrival, id, executed, since } = run;
-        let rr = rate(tenant);
-        let mut decide = next_arrival;
-        for (i, q) in queues.iter().enumerate() {
-            let Some(w) = q.front() else { continue };
-            let rw = rate(i);
-            if rw > rr {
-                let t = (w.arrival * rw - arrival * rr + margin * switch * rw) / (rw - rr);
-                // A little past the crossing, so the waiter is strictly
-                // ahead. A crossing already past was decided on (the
-                // running request drains): the next decision is an arrival
-                // or its completion.
-                if t > now {
-                    decide = decide.min(t + 1e-3);
-                }
-            }
-        }
-        let done = sim.step_until(decide);
-        if let Some((_, req, r)) = done.into_iter().next() {
-            o.record(&req, r, sim.now());
-            running = None;
-            continue;
-        }
-        let now = sim.now();
-        if now < decide {
-            // Nothing left to run and no decision ahead (cannot happen while
-            // a request runs); never spin.
-            break;
-        }
-        admit(&mut queues, arrivals, &mut next, ws, now);
-        let ran = executed + (now - since).max(0.0);
-        let Some((k, tk)) = best(&queues, now) else { continue };
-        let ahead = tk > tokens(tenant, arrival, now) + margin * switch * rate(k);
-        if ahead && kill && ran < switch {
-            // PREMA's KILL: it has run for less than a checkpoint and a
-            // restore would cost; its work is dropped (the engine time it
-            // took still counts as busy), what it has in flight drains, and
-            // it starts again from scratch when its turn comes.
-            let drain = sim.drain_cycles(id);
-            if let Some((req, part)) = sim.kill(id) {
-                let t = part.totals();
-                o.eu_cycles += t.sa_active_cycles + t.vu_active_cycles;
-                o.kills += 1;
-                queues[tenant].push_front(Waiting { arrival, stage: Stage::New(req) });
-            }
-            if let Some(w) = queues[k].pop_front() {
-                running = Some(start(&mut sim, w, k, switch, drain));
-            }
-        } else if ahead && ws[tenant].t44 - ran > switch {
-            // Preempt: stop issuing, drain what is in flight, checkpoint.
-            sim.suspend(id);
-            let drain = sim.drain_cycles(id);
-            o.switches += 1;
-            queues[tenant].push_front(Waiting { arrival, stage: Stage::Suspended { id, executed: ran } });
-            if let Some(w) = queues[k].pop_front() {
-                running = Some(start(&mut sim, w, k, switch, drain + switch / 2.0));
-            }
-        } else {
-            running = Some(run);
-        }
-    }
-    o
-}
-
-/// Puts waiter `w` of `tenant` on the PREMA-like core after `delay` cycles
-/// (plus the restore of its checkpoint if it ran before).
-fn start<'p>(
-    sim: &mut CoreSim<'_, Request<'p>>,
-    w: Waiting<'p>,
-    tenant: usize,
-    switch: f64,
-    delay: f64,
-) -> Running {
-    let now = sim.now();
-    match w.stage {
-        Stage::Suspended { id, executed } => {
-            let d = delay + switch / 2.0;
-            sim.resume(id, d);
-            Running { tenant, arrival: w.arrival, id, executed, since: now + d }
-        }
-        Stage::New(req) => {
-            let id = sim.add(req, delay);
-            Running { tenant, arrival: w.arrival, id, executed: 0.0, since: now + delay }
-        }
-    }
 }
 
 /// The same for the PREMA-like core: one request after another, so the
@@ -954,6 +765,8 @@ fn run() -> Result<(), String> {
     // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
     // engine's rate.
     let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
+    let ckpt = OnRuntime::Prema(Prema { margin: args.margin, kill: args.prema_kill(), checkpoint: switch });
+    let drain = OnRuntime::Prema(Prema { margin: f64::INFINITY, kill: false, checkpoint: switch });
     println!(
         "{} tenants on one core ({} SA + {} VU); Poisson arrivals for {} s, seed {}, {} mix; PREMA context switch {:.1} us; SLA: {}",
         ws.len(),
@@ -1055,21 +868,8 @@ fn run() -> Result<(), String> {
             ("vNPU", scale / sat_vnpu, simulate_runtime(&board, &ws, &arrivals, OnRuntime::Static)?),
             ("vNPU-WC", scale / sat_wc, wc),
             ("vNPU-H", scale / sat_h, harvest.clone()),
-            (
-                "PREMA-ckpt",
-                scale / sat_prema,
-                simulate_prema(
-                    &board,
-                    &ws,
-                    &arrivals,
-                    WholeCore::prema(switch, args.margin, args.prema_kill()),
-                ),
-            ),
-            (
-                "PREMA-drain",
-                scale / sat_prema,
-                simulate_prema(&board, &ws, &arrivals, WholeCore::prema(switch, f64::INFINITY, false)),
-            ),
+            ("PREMA-ckpt", scale / sat_prema, simulate_runtime(&board, &ws, &arrivals, ckpt)?),
+            ("PREMA-drain", scale / sat_prema, simulate_runtime(&board, &ws, &arrivals, drain)?),
             ("Planaria", scale / sat_planaria, fission),
             ("FIFO", scale / sat_prema, simulate_runtime(&board, &ws, &arrivals, OnRuntime::Fifo)?),
             ("V10", scale / sat_v10, interleave),
@@ -1272,6 +1072,11 @@ mod tests {
         p
     }
 
+    /// PREMA with a checkpoint of `checkpoint` cycles.
+    fn prema(checkpoint: f64, margin: f64, kill: bool) -> OnRuntime {
+        OnRuntime::Prema(Prema { margin, kill, checkpoint })
+    }
+
     fn workload(board: &BoardConfig, name: &str, n11: usize, n44: usize) -> Workload {
         let (p11, p44) = (vu_work(n11), vu_work(n44));
         let t = |p: &Program| run_program(board, p, None, None).unwrap().cycles;
@@ -1352,7 +1157,7 @@ mod tests {
         // No preemption between equals: two long requests at 0 run one
         // after the other on the whole core.
         let o =
-            simulate_prema(&board, &ws, &[vec![0.0, 0.0], vec![]], WholeCore::prema(10.0 * pass, 0.0, false));
+            simulate_runtime(&board, &ws, &[vec![0.0, 0.0], vec![]], prema(10.0 * pass, 0.0, false)).unwrap();
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         assert!(close(o.latencies[0][0], 400.0 * pass) && close(o.latencies[0][1], 800.0 * pass));
         assert_eq!(o.switches, 0);
@@ -1370,12 +1175,8 @@ mod tests {
         // end of its current pass, is checkpointed (5 passes), the short
         // one runs (1 pass), the long one is restored (5 passes) and ends.
         let switch = 10.0 * pass;
-        let o = simulate_prema(
-            &board,
-            &ws,
-            &[vec![0.0], vec![100.5 * pass]],
-            WholeCore::prema(switch, 0.0, false),
-        );
+        let o = simulate_runtime(&board, &ws, &[vec![0.0], vec![100.5 * pass]], prema(switch, 0.0, false))
+            .unwrap();
         assert_eq!(o.switches, 1);
         // Tokens overtake a moment after the arrival; the long one drains
         // the pass it is in (until 101 passes).
@@ -1388,20 +1189,18 @@ mod tests {
         // arriving 3.5 passes in kills it: it drains its pass (until 4),
         // the short one runs (1 pass), the long one starts again from
         // scratch (400 passes; no checkpoint, no restore); the 4 passes it
-        // lost still count as busy engine time.
-        let o = simulate_prema(
-            &board,
-            &ws,
-            &[vec![0.0], vec![100.5 * pass]],
-            WholeCore::prema(switch, 0.0, true),
-        );
+        // lost still count as busy engine time (the runtime's counters).
+        let o = simulate_runtime(&board, &ws, &[vec![0.0], vec![100.5 * pass]], prema(switch, 0.0, true))
+            .unwrap();
         assert_eq!((o.switches, o.kills), (1, 0));
         let o =
-            simulate_prema(&board, &ws, &[vec![0.0], vec![3.5 * pass]], WholeCore::prema(switch, 0.0, true));
+            simulate_runtime(&board, &ws, &[vec![0.0], vec![3.5 * pass]], prema(switch, 0.0, true)).unwrap();
         assert_eq!((o.switches, o.kills), (0, 1));
         let short = o.latencies[1][0];
         assert!(close(short, (4.0 + 1.0 - 3.5) * pass), "short: {short} vs pass {pass}");
-        assert!(close(o.latencies[0][0], (4.0 + 1.0 + 400.0) * pass), "long: {}", o.latencies[0][0]);
+        // It waited for the core: one engine switch before it starts again.
+        let sw = npu_scheduler::switch_cycles(&board);
+        assert!(close(o.latencies[0][0], (4.0 + 1.0 + 400.0) * pass + sw), "long: {}", o.latencies[0][0]);
         assert!(close(o.eu_cycles, 405.0 * pass), "{} vs {}", o.eu_cycles, 405.0 * pass);
     }
 
@@ -1431,7 +1230,7 @@ mod tests {
         );
         assert_eq!((o.switches, o.kills, o.failed), (0, 0, 0));
         // PREMA on the same stream preempts the long one for the short one.
-        let o = simulate_prema(&board, &ws, &arrivals, WholeCore::prema(10.0 * pass, 0.0, false));
+        let o = simulate_runtime(&board, &ws, &arrivals, prema(10.0 * pass, 0.0, false)).unwrap();
         assert!(o.switches > 0);
     }
 
@@ -1445,18 +1244,22 @@ mod tests {
         ];
         let pass = ws[2].t44;
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
-        let drain = WholeCore::prema(10.0 * pass, f64::INFINITY, false);
+        let drain = prema(10.0 * pass, f64::INFINITY, false);
         // "mid" and "short" arrive together while "long" runs; when it ends
         // (100 passes) they have waited 90 passes: tokens 90 / 4 and 90 / 1
-        // at equal priorities, so "short" runs first.
+        // at equal priorities, so "short" runs first. Each starts after
+        // an engine switch (it waited for the core).
         let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.0 * pass]];
-        let o = simulate_prema(&board, &ws, &arrivals, drain);
+        let o = simulate_runtime(&board, &ws, &arrivals, drain).unwrap();
         let l = |o: &Outcome, i: usize| o.latencies[i][0] / pass;
-        assert!(close(l(&o, 2), 91.0) && close(l(&o, 1), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        let sw = npu_scheduler::switch_cycles(&board) / pass;
+        let (short, mid) = (l(&o, 2), l(&o, 1));
+        assert!(close(short, 91.0 + sw) && close(mid, 95.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
         // At priority 9, "mid" has 9 x 90 / 4 = 202.5 tokens: it goes first.
         ws[1].priority = 9;
-        let o = simulate_prema(&board, &ws, &arrivals, drain);
-        assert!(close(l(&o, 1), 94.0) && close(l(&o, 2), 95.0), "{} {}", l(&o, 1), l(&o, 2));
+        let o = simulate_runtime(&board, &ws, &arrivals, drain).unwrap();
+        let (short, mid) = (l(&o, 2), l(&o, 1));
+        assert!(close(mid, 94.0 + sw) && close(short, 95.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
         // Preemption: a short request (priority 1) arriving at 100.5 passes
         // into a 400-pass one overtakes it at once at equal priorities
         // (it drains its pass until 101). At priority 12 the long one's
@@ -1464,12 +1267,12 @@ mod tests {
         // overtake them at 100.5 / (1 - 0.03) = 103.6 passes, the long one
         // drains until 104, then checkpoint (5), short (1).
         let mut ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
-        let ckpt = WholeCore::prema(10.0 * pass, 0.0, false);
+        let ckpt = prema(10.0 * pass, 0.0, false);
         let arrivals = [vec![0.0], vec![100.5 * pass]];
-        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        let o = simulate_runtime(&board, &ws, &arrivals, ckpt).unwrap();
         assert!(close(l(&o, 1), 101.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
         ws[0].priority = 12;
-        let o = simulate_prema(&board, &ws, &arrivals, ckpt);
+        let o = simulate_runtime(&board, &ws, &arrivals, ckpt).unwrap();
         assert!(close(l(&o, 1), 104.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
         assert!(close(l(&o, 0), 400.0 + 11.0), "{}", l(&o, 0));
     }
