@@ -641,10 +641,45 @@ fn copy_rows(
     // One memory (or small rows): every row is read before any is written
     // (the ISA's rule for all instructions), so overlapping rows copy the
     // old bytes.
-    let mut buf = vec![0u8; total];
     let spans = |space| space != Space::Guest;
-    gather_rows(mem.space(src.space), src.offset, rows, row, src_stride, spans(src.space), &mut buf)?;
-    scatter_rows(mem.space(dst.space), dst.offset, rows, row, dst_stride, spans(dst.space), &buf)
+    with_bytes(ROWS_BUF, total, |buf| {
+        gather_rows(mem.space(src.space), src.offset, rows, row, src_stride, spans(src.space), buf)?;
+        scatter_rows(mem.space(dst.space), dst.offset, rows, row, dst_stride, spans(dst.space), buf)
+    })
+}
+
+/// Byte buffers of [`with_bytes`], one per use (`ROWS_BUF`: the rows of a
+/// copy; `SPAN_BUF`: the span of small rows), kept per thread: small DMA
+/// copies are many, and each allocated and zeroed its buffers.
+const ROWS_BUF: usize = 0;
+const SPAN_BUF: usize = 1;
+
+/// Buffers larger than this are not kept between calls.
+const KEEP_BYTES: usize = 16 << 20;
+
+thread_local! {
+    static BYTE_BUFS: [std::cell::Cell<Vec<u8>>; 2] =
+        const { [std::cell::Cell::new(Vec::new()), std::cell::Cell::new(Vec::new())] };
+}
+
+/// Runs `f` on a buffer of `n` bytes, contents unspecified (`f` must
+/// write what it reads): this thread's buffer `which`, taken out while
+/// `f` runs (a nested use of the same one gets a fresh buffer) and kept
+/// afterwards unless larger than [`KEEP_BYTES`].
+fn with_bytes<R>(which: usize, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let mut buf = BYTE_BUFS.with(|b| b.get(which).map(std::cell::Cell::take)).unwrap_or_default();
+    if buf.len() < n {
+        buf.resize(n, 0);
+    }
+    let r = f(&mut buf[..n]);
+    if buf.len() <= KEEP_BYTES {
+        BYTE_BUFS.with(|b| {
+            if let Some(c) = b.get(which) {
+                c.set(buf);
+            }
+        });
+    }
+    r
 }
 
 /// The address of row `r` of rows `stride` apart from `base`.
@@ -689,13 +724,15 @@ fn gather_rows(
     if stride == row as u64 || rows == 1 {
         m.read(base, out)?;
     } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
-        let mut whole = vec![0u8; span];
-        m.read(base, &mut whole)?;
-        // `r * stride + row <= span`, so neither overflows.
-        for (r, chunk) in out.chunks_exact_mut(row).enumerate() {
-            let at = r * stride as usize;
-            chunk.copy_from_slice(&whole[at..at + row]);
-        }
+        with_bytes(SPAN_BUF, span, |whole| -> Result<(), KernelError> {
+            m.read(base, whole)?;
+            // `r * stride + row <= span`, so neither overflows.
+            for (r, chunk) in out.chunks_exact_mut(row).enumerate() {
+                let at = r * stride as usize;
+                chunk.copy_from_slice(&whole[at..at + row]);
+            }
+            Ok(())
+        })?;
     } else {
         for (r, chunk) in (0..rows).zip(out.chunks_exact_mut(row)) {
             m.read(row_at(base, r, stride, "src overflow")?, chunk)?;
@@ -720,13 +757,15 @@ fn scatter_rows(
         m.write(base, data)?;
     } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
         // The bytes between the rows are written back as they were.
-        let mut whole = vec![0u8; span];
-        m.read(base, &mut whole)?;
-        for (r, chunk) in data.chunks_exact(row).enumerate() {
-            let at = r * stride as usize;
-            whole[at..at + row].copy_from_slice(chunk);
-        }
-        m.write(base, &whole)?;
+        with_bytes(SPAN_BUF, span, |whole| -> Result<(), KernelError> {
+            m.read(base, whole)?;
+            for (r, chunk) in data.chunks_exact(row).enumerate() {
+                let at = r * stride as usize;
+                whole[at..at + row].copy_from_slice(chunk);
+            }
+            m.write(base, whole)?;
+            Ok(())
+        })?;
     } else {
         for (r, chunk) in (0..rows).zip(data.chunks_exact(row)) {
             m.write(row_at(base, r, stride, "dst overflow")?, chunk)?;

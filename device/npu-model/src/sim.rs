@@ -253,20 +253,32 @@ struct Flow {
 /// Max-min fair rates of `flows` over resources of `capacity` (progressive
 /// filling: every unfrozen flow's rate grows at the same pace until it
 /// reaches its cap or one of its resources is full; then it is frozen).
-fn max_min_rates(flows: &[Flow], capacity: &[f64]) -> Vec<f64> {
-    let mut rate = vec![0.0; flows.len()];
-    let mut left: Vec<f64> = capacity.to_vec();
-    let mut active: Vec<bool> = flows.iter().map(|f| f.cap > EPS).collect();
+/// The rates go into `rate`, with `left` and `active` as scratch (every
+/// step with transfers computes rates: no allocation once the buffers
+/// have grown).
+fn max_min_rates(
+    flows: &[Flow],
+    capacity: &[f64],
+    rate: &mut Vec<f64>,
+    left: &mut Vec<f64>,
+    active: &mut Vec<bool>,
+) {
+    rate.clear();
+    rate.resize(flows.len(), 0.0);
+    left.clear();
+    left.extend_from_slice(capacity);
+    active.clear();
+    active.extend(flows.iter().map(|f| f.cap > EPS));
     let uses = |f: &Flow, r: usize| f.uses.contains(&Some(r));
     while active.iter().any(|a| *a) {
         let mut step = f64::INFINITY;
         for (r, l) in left.iter().enumerate() {
-            let n = flows.iter().zip(&active).filter(|(f, a)| **a && uses(f, r)).count();
+            let n = flows.iter().zip(active.iter()).filter(|(f, a)| **a && uses(f, r)).count();
             if n > 0 {
                 step = step.min(l.max(0.0) / n as f64);
             }
         }
-        for ((f, a), x) in flows.iter().zip(&active).zip(&rate) {
+        for ((f, a), x) in flows.iter().zip(active.iter()).zip(rate.iter()) {
             if *a {
                 step = step.min(f.cap - x);
             }
@@ -293,7 +305,6 @@ fn max_min_rates(flows: &[Flow], capacity: &[f64]) -> Vec<f64> {
             break;
         }
     }
-    rate
 }
 
 /// A tenant of a [`CoreSim`]: its program, memories and budget.
@@ -942,13 +953,13 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
     /// The transfers in flight that move data now (their rates are set by
     /// [`CoreSim::set_rate`] before time advances); every transfer's rate
     /// is reset to 0.
-    fn demands(&mut self) -> Vec<Demand> {
+    fn demands(&mut self, out: &mut Vec<Demand>, oldest: &mut Vec<(usize, usize, u64)>) {
         let now = self.now;
-        let mut out = Vec::new();
+        out.clear();
         // A stream's transfers in flight move their data in issue order
         // (their memory latencies overlap, their data phases do not): only
         // the oldest of each stream flows.
-        let mut oldest: Vec<(usize, usize, u64)> = Vec::new();
+        oldest.clear();
         for r in &self.runs {
             if let (Some(id), State::Transfer { .. }) = (r.transfer_of, r.state) {
                 match oldest.iter_mut().find(|(t, s, _)| *t == r.tenant && *s == r.stream) {
@@ -968,7 +979,6 @@ impl<'c, J: SimTenant> CoreSim<'c, J> {
                 }
             }
         }
-        out
     }
 
     fn set_rate(&mut self, run: usize, rate: f64) {
@@ -1126,6 +1136,11 @@ struct Pools {
 }
 
 impl Pools {
+    fn clear(&mut self) {
+        self.keys.clear();
+        self.capacity.clear();
+    }
+
     fn get(&mut self, key: (u8, usize, usize), capacity: f64) -> usize {
         match self.keys.iter().position(|k| *k == key) {
             Some(i) => i,
@@ -1138,6 +1153,25 @@ impl Pools {
     }
 }
 
+/// The buffers of [`assign_rates`], kept per thread from one step to the
+/// next (a step of a DMA-bound program allocated ten of them).
+#[derive(Default)]
+struct RateScratch {
+    chip_shares: Vec<usize>,
+    pools: Pools,
+    flows: Vec<Flow>,
+    which: Vec<(usize, usize)>,
+    demands: Vec<Demand>,
+    oldest: Vec<(usize, usize, u64)>,
+    rate: Vec<f64>,
+    left: Vec<f64>,
+    active: Vec<bool>,
+}
+
+thread_local! {
+    static RATE_SCRATCH: std::cell::RefCell<RateScratch> = std::cell::RefCell::new(RateScratch::default());
+}
+
 /// Sets the rates of every transfer in flight on `cores` (core `i` on chip
 /// `chips[i]`, all of one board): max-min over each core's DMA engines,
 /// each chip's HBM bandwidth and the board's host link, one pool of each
@@ -1147,26 +1181,44 @@ impl Pools {
 /// the host link for the shares of the board. A resource the cores'
 /// [`Contention`] leaves out is a private pool of full capacity per tenant.
 fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
-    let Some((cfg, contention)) = cores.first().map(|c| (c.cfg, c.contention)) else { return };
     if !cores.iter().any(|c| c.runs.iter().any(|r| matches!(r.state, State::Transfer { .. }))) {
         // Nothing to share (most events of compute-bound programs).
         return;
     }
+    let n_chips = chips.iter().copied().max().map_or(1, |m| m + 1);
+    RATE_SCRATCH.with(|cell| {
+        // A nested call (none exists) would find the buffers taken: it
+        // gets fresh ones instead of panicking.
+        match cell.try_borrow_mut() {
+            Ok(mut scratch) => assign_rates_with(cores, chips, n_chips, &mut scratch),
+            Err(_) => assign_rates_with(cores, chips, n_chips, &mut RateScratch::default()),
+        }
+    });
+}
+
+fn assign_rates_with<J: SimTenant>(
+    cores: &mut [CoreSim<'_, J>],
+    chips: &[usize],
+    n_chips: usize,
+    scratch: &mut RateScratch,
+) {
+    let Some((cfg, contention)) = cores.first().map(|c| (c.cfg, c.contention)) else { return };
     let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
     let engines = engine * f64::from(cfg.core.dma_engines.max(1));
     let host = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
     let hbm = cfg.hbm_bytes_per_cycle();
     let chip_of = |c: usize| chips.get(c).copied().unwrap_or(0);
-    let n_chips = chips.iter().copied().max().map_or(1, |m| m + 1);
-    let mut chip_shares = vec![0usize; n_chips];
+    let RateScratch { chip_shares, pools, flows, which, demands, oldest, rate, left, active } = scratch;
+    chip_shares.clear();
+    chip_shares.resize(n_chips, 0);
+    pools.clear();
+    flows.clear();
+    which.clear();
     for (c, core) in cores.iter().enumerate() {
         chip_shares[chip_of(c)] += core.shares;
     }
     let board_shares: usize = chip_shares.iter().sum::<usize>().max(1);
     let equal = cfg.hbm.partition == HbmPartition::Equal;
-    let mut pools = Pools::default();
-    let mut flows = Vec::new();
-    let mut which = Vec::new();
     for (c, core) in cores.iter_mut().enumerate() {
         let chip = chip_of(c);
         // Under "equal" every tenant has its share (a pool of its own);
@@ -1183,7 +1235,8 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
         } else {
             (engines, hbm, host)
         };
-        for d in core.demands() {
+        core.demands(demands, oldest);
+        for d in demands.iter() {
             // A pool key: (resource, owner, tenant on core c or MAX).
             let own = |shared: bool, owner: usize| {
                 if shared && !equal {
@@ -1206,8 +1259,11 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
             which.push((c, d.run));
         }
     }
-    for ((c, run), rate) in which.into_iter().zip(max_min_rates(&flows, &pools.capacity)) {
-        cores[c].set_rate(run, rate);
+    max_min_rates(flows, &pools.capacity, rate, left, active);
+    for (&(c, run), &r) in which.iter().zip(rate.iter()) {
+        if let Some(core) = cores.get_mut(c) {
+            core.set_rate(run, r);
+        }
     }
 }
 
