@@ -152,8 +152,10 @@ enum OnRuntime {
     /// lowered for the whole core's engines (8 MiB SRAM), borrowing every
     /// other engine of the core (cap 3 SA + 3 VU) when idle; the owner
     /// takes its engines back when it submits (`docs/management.md`,
-    /// "Harvesting").
-    Harvest,
+    /// "Harvesting"). A borrower starts an instruction on a lent engine
+    /// only if it takes at most `lend_limit` cycles (`--lend-limit-us`;
+    /// infinity: any).
+    Harvest { lend_limit: f64 },
     /// The same spread programs and guarantees with lending off: what
     /// each tenant's requests take without borrowing or being borrowed
     /// from (the owner-slowdown control).
@@ -172,7 +174,7 @@ impl OnRuntime {
     fn program(self, w: &Workload) -> &Program {
         match self {
             Self::Static => &w.p11,
-            Self::Harvest | Self::Unlent => &w.spread,
+            Self::Harvest { .. } | Self::Unlent => &w.spread,
             Self::Fifo | Self::Prema(_) => &w.p44,
         }
     }
@@ -205,7 +207,7 @@ impl OnRuntime {
                 program: self.program(w),
                 estimate: match self {
                     Self::Static => w.t11,
-                    Self::Harvest | Self::Unlent => w.ts11,
+                    Self::Harvest { .. } | Self::Unlent => w.ts11,
                     Self::Fifo | Self::Prema(_) => w.t44,
                 },
             })
@@ -214,8 +216,12 @@ impl OnRuntime {
 
     fn runtime(self, board: &BoardConfig) -> Runtime<'_, Request<'_>> {
         let mut rt = Runtime::new(board);
-        rt.set_harvesting(self == Self::Harvest);
-        rt.set_lend_limit(LEND_LIMIT_CYCLES.get().copied().unwrap_or(f64::INFINITY));
+        if let Self::Harvest { lend_limit } = self {
+            rt.set_harvesting(true);
+            rt.set_lend_limit(lend_limit);
+        } else {
+            rt.set_harvesting(false);
+        }
         match self {
             Self::Fifo => rt.set_policy(fifo),
             Self::Prema(p) => rt.set_prema(p),
@@ -426,10 +432,6 @@ fn tolerance(v: &str) -> Result<f64, String> {
 fn lend_limit(v: &str) -> Result<f64, String> {
     in_range(v, 0.0, 1e9)
 }
-
-/// `--lend-limit-us` in cycles of the board's clock, set once by `main`
-/// before any runtime is made (infinity when not given).
-static LEND_LIMIT_CYCLES: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 
 /// One tenant of `--tenants`: `W[:B]`, a workload of the library and a
 /// batch of 1 to 256.
@@ -715,9 +717,9 @@ fn run() -> Result<(), String> {
     let args = parse_args();
     let board = args.board.load()?;
     let hz = f64::from(board.clock_mhz) * 1e6;
-    if let Some(us) = args.lend_limit_us {
-        let _ = LEND_LIMIT_CYCLES.set(us * f64::from(board.clock_mhz));
-    }
+    let harvesting = OnRuntime::Harvest {
+        lend_limit: args.lend_limit_us.map_or(f64::INFINITY, |us| us * f64::from(board.clock_mhz)),
+    };
     let mut ws = Vec::new();
     let mut tasks = Vec::new();
     eprintln!("lowering the workloads, and each operation for every shape of the core ...");
@@ -757,7 +759,7 @@ fn run() -> Result<(), String> {
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
     let sat_vnpu = saturation_runtime(&board, &ws, &weights, 20, OnRuntime::Static)?;
-    let sat_h = saturation_runtime(&board, &ws, &weights, 20, OnRuntime::Harvest)?;
+    let sat_h = saturation_runtime(&board, &ws, &weights, 20, harvesting)?;
     let sat_prema = saturation_prema(&ws, &weights);
     let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
     let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
@@ -862,7 +864,7 @@ fn run() -> Result<(), String> {
         let wc = simulate_lending(&board, &ws, &mut tasks, &arrivals, how)?;
         let fission = simulate_lending(&board, &ws, &mut tasks, &arrivals, planaria)?;
         let interleave = simulate_lending(&board, &ws, &mut tasks, &arrivals, v10)?;
-        let harvest = simulate_runtime(&board, &ws, &arrivals, OnRuntime::Harvest)?;
+        let harvest = simulate_runtime(&board, &ws, &arrivals, harvesting)?;
         let unlent = simulate_runtime(&board, &ws, &arrivals, OnRuntime::Unlent)?;
         let rows: Vec<Row> = [
             ("vNPU", scale / sat_vnpu, simulate_runtime(&board, &ws, &arrivals, OnRuntime::Static)?),
@@ -1129,7 +1131,8 @@ mod tests {
         // Alone, "a" runs on every VU of the core: 4 passes with lending,
         // 16 without; 3 VUs x 4 passes borrowed.
         let lone = [vec![0.0], vec![]];
-        let on = simulate_runtime(&board, &ws, &lone, OnRuntime::Harvest).unwrap();
+        let on =
+            simulate_runtime(&board, &ws, &lone, OnRuntime::Harvest { lend_limit: f64::INFINITY }).unwrap();
         let off = simulate_runtime(&board, &ws, &lone, OnRuntime::Unlent).unwrap();
         assert!(close(on.latencies[0][0], 4.0 * pass), "{}", on.latencies[0][0] / pass);
         assert!(close(off.latencies[0][0], 16.0 * pass), "{}", off.latencies[0][0] / pass);
@@ -1138,7 +1141,8 @@ mod tests {
         // "b" submits 1.5 passes in: it takes its VU back when a's pass on
         // it ends (2 passes) and runs its own pass there (until 3).
         let both = [vec![0.0], vec![1.5 * pass]];
-        let on = simulate_runtime(&board, &ws, &both, OnRuntime::Harvest).unwrap();
+        let on =
+            simulate_runtime(&board, &ws, &both, OnRuntime::Harvest { lend_limit: f64::INFINITY }).unwrap();
         assert_eq!(on.reclaim_waits, 1);
         assert!(close(on.reclaim_max, 0.5 * pass), "{}", on.reclaim_max / pass);
         assert!(close(on.latencies[1][0], 1.5 * pass), "{}", on.latencies[1][0] / pass);
