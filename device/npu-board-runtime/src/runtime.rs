@@ -10,7 +10,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use npu_model::{BoardConfig, BoardSim, CoreMemory, ExecError, SimTenant, TenantReport};
+use npu_model::{BoardConfig, BoardSim, Contention, CoreMemory, ExecError, SimTenant, TenantReport};
 use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending, Prema};
 use vnpu_abi::Program;
 
@@ -285,6 +285,13 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
     /// [`CoreSim::set_lend_limit`]: npu_model::CoreSim::set_lend_limit
     pub fn set_lend_limit(&mut self, cycles: f64) {
         self.sim.set_lend_limit(cycles);
+    }
+
+    /// Which resources co-located requests contend for, from the next
+    /// step on ([`npu_model::Contention`]; the default, everything, is
+    /// the hardware's): the interference characterization's what-ifs.
+    pub fn set_contention(&mut self, contention: Contention) {
+        self.sim.set_contention(contention);
     }
 
     /// Runs every core by `policy` from the next step on.

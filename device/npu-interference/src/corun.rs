@@ -3,11 +3,13 @@
 //! link, the workload's program, output back to guest memory) while the
 //! others do the same, so every request meets the others' whole programs
 //! at every phase. What they contend for is the board model's
-//! ([`npu_model::BoardSim`]): each core's DMA engines, each chip's HBM,
-//! the board's host link; tenants of one time-shared group also wait for
-//! each other's engines (one request of the group at a time, round robin).
+//! ([`npu_model::BoardSim`], run by the board runtime
+//! `npu_board_runtime::Runtime`): each core's DMA engines, each chip's
+//! HBM, the board's host link; tenants of one time-shared group also wait
+//! for each other's engines (one phase at a time, oldest request first).
 
-use npu_model::{BoardConfig, BoardSim, Contention, CoreMemory, ExecError, SimTenant, Totals};
+use npu_board_runtime::{Claim, Runtime};
+use npu_model::{BoardConfig, Contention, CoreMemory, ExecError, SimTenant, Totals};
 use npu_workloads::{lower_workload, RunError, RunOptions};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -176,7 +178,8 @@ struct State {
     warm: bool,
     done: usize,
     phase: usize,
-    /// When its current request started (its previous one ended).
+    /// When its current request was sent (its previous one ended): on
+    /// the board's timeline, the arrival each phase of it carries.
     since: f64,
     latency: f64,
     /// Counters of the current request so far.
@@ -190,6 +193,16 @@ struct State {
 /// its first (every tenant keeps sending until the last one is done, and
 /// all its finished requests but the first count); returns what each
 /// measured, in order.
+///
+/// The board runtime (`npu_board_runtime::Runtime`, the daemon's) runs
+/// them: each phase of a request is a request of the tenant's vNPU on its
+/// core, claiming the tenant's SAs and VUs, or the whole core for a
+/// tenant of a time-shared group (so the group's phases go one at a time,
+/// a phase that waited for the core after an engine switch). The second
+/// and third phases of a request claim a higher priority than a new
+/// request's first: a request under way goes on before the group's next
+/// one starts (one request of the group at a time, in the order they
+/// were sent).
 pub fn closed_loop<'p>(
     cfg: &BoardConfig,
     tenants: &[Placed<'p>],
@@ -197,53 +210,49 @@ pub fn closed_loop<'p>(
     iterations: usize,
 ) -> Result<Vec<Measured>, CoRunError> {
     let iterations = iterations.max(1);
-    let mut board: BoardSim<'_, Job<'p>> = BoardSim::new(cfg);
+    let mut board: Runtime<'_, Job<'p>> = Runtime::new(cfg);
     board.set_contention(contention);
-    let cores = board.len();
+    board.set_harvesting(false);
+    let cores = board.cores();
     for (tenant, t) in tenants.iter().enumerate() {
         if t.core >= cores {
             return Err(CoRunError::NoCore { tenant, core: t.core, cores });
         }
     }
-    let mut state: Vec<State> = tenants.iter().map(|_| State::default()).collect();
-    // Per time-shared group, the tenants waiting for their turn in order.
-    let mut queues: Vec<(usize, std::collections::VecDeque<usize>)> = Vec::new();
-    let start = |board: &mut BoardSim<'_, Job<'p>>, tenant: usize, phase: usize| {
-        let t = &tenants[tenant];
-        if let Some(core) = board.core(t.core) {
-            core.add(Job { tenant, program: t.request.phase(phase) }, 0.0);
+    let claim = |t: &Placed<'_>, phase: usize| {
+        let priority = u8::from(phase > 0);
+        match t.group {
+            Some(_) => Claim { priority, ..Claim::whole_core(cfg) },
+            None => Claim { sa: t.request.spec.sa, vu: t.request.spec.vu, priority, ..Claim::default() },
         }
     };
-    for (tenant, t) in tenants.iter().enumerate() {
-        match t.group {
-            Some(g) => match queues.iter_mut().find(|(k, _)| *k == g) {
-                Some((_, q)) => q.push_back(tenant),
-                None => {
-                    queues.push((g, std::collections::VecDeque::new()));
-                    start(&mut board, tenant, 0);
-                }
-            },
-            None => start(&mut board, tenant, 0),
-        }
+    let send = |board: &mut Runtime<'_, Job<'p>>, tenant: usize, phase: usize, since: f64| {
+        let t = &tenants[tenant];
+        let job = Job { tenant, program: t.request.phase(phase) };
+        // The core exists (checked above).
+        let _ = board.submit_arrived(t.core, &format!("tenant-{tenant}"), claim(t, phase), job, since);
+    };
+    let mut state: Vec<State> = tenants.iter().map(|_| State::default()).collect();
+    for tenant in 0..tenants.len() {
+        send(&mut board, tenant, 0, 0.0);
     }
     while state.iter().any(|s| s.done < iterations) {
-        let finished = board.step();
+        let finished = board.step(f64::INFINITY);
         if finished.is_empty() {
             return Err(CoRunError::Stuck);
         }
-        let now = board.now();
-        for (_, (_, job, report)) in finished {
-            let tenant = job.tenant;
-            let report = report.map_err(|source| CoRunError::Exec {
+        for done in finished {
+            let (tenant, now) = (done.job.tenant, done.end);
+            let report = done.result.map_err(|source| CoRunError::Exec {
                 tenant,
                 workload: tenants[tenant].request.spec.workload.clone(),
                 source,
             })?;
-            let s = &mut state[tenant];
+            let Some(s) = state.get_mut(tenant) else { return Err(CoRunError::Stuck) };
             s.request.merge(&report.totals());
             if s.phase < 2 {
                 s.phase += 1;
-                start(&mut board, tenant, s.phase);
+                send(&mut board, tenant, s.phase, s.since);
                 continue;
             }
             // A request ended: count it (after the first, which started
@@ -257,17 +266,7 @@ pub fn closed_loop<'p>(
             s.warm = true;
             s.phase = 0;
             s.since = now;
-            let next = match tenants[tenant].group {
-                Some(g) => match queues.iter_mut().find(|(k, _)| *k == g) {
-                    Some((_, q)) => {
-                        q.push_back(tenant);
-                        q.pop_front().unwrap_or(tenant)
-                    }
-                    None => tenant,
-                },
-                None => tenant,
-            };
-            start(&mut board, next, 0);
+            send(&mut board, tenant, 0, now);
         }
     }
     Ok(state
@@ -277,4 +276,37 @@ pub fn closed_loop<'p>(
             Measured { latency: s.latency / n, requests: s.done, totals: s.totals }
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Two equal tenants time-sharing a core's engines take turns a
+    /// request at a time: each request waits for the other's whole request,
+    /// and the two first phases that waited pay an engine switch each.
+    #[test]
+    fn a_time_shared_pair_takes_turns_a_request_at_a_time() {
+        let cfg = BoardConfig::default();
+        let spec = Spec { workload: "ncf".into(), batch: 1, sa: 1, vu: 1 };
+        let r = RequestPrograms::lower(&cfg, &spec).unwrap();
+        let solo = closed_loop(&cfg, &[Placed { request: &r, core: 0, group: None }], Contention::default(), 3)
+            .unwrap()[0]
+            .latency;
+        let pair = [Placed { request: &r, core: 0, group: Some(0) }; 2];
+        let sw = npu_board_runtime::switch_cycles(&cfg);
+        for contention in [Contention::default(), Contention { dma_engines: false, hbm: false, host_link: false }] {
+            let m = closed_loop(&cfg, &pair, contention, 3).unwrap();
+            for t in &m {
+                let want = 2.0 * solo + 2.0 * sw;
+                assert!((t.latency - want).abs() <= 1e-9 * want, "{} vs {want} (solo {solo}, switch {sw})", t.latency);
+                assert_eq!(t.requests, 3);
+            }
+        }
+        // On engines of their own they overlap: faster than taking turns.
+        let side = [Placed { request: &r, core: 0, group: None }; 2];
+        let m = closed_loop(&cfg, &side, Contention::default(), 3).unwrap();
+        assert!(m.iter().all(|t| t.latency < 2.0 * solo), "{:?}", m.iter().map(|t| t.latency).collect::<Vec<_>>());
+    }
 }
