@@ -291,22 +291,33 @@ mod tests {
         let cfg = BoardConfig::default();
         let spec = Spec { workload: "ncf".into(), batch: 1, sa: 1, vu: 1 };
         let r = RequestPrograms::lower(&cfg, &spec).unwrap();
-        let solo = closed_loop(&cfg, &[Placed { request: &r, core: 0, group: None }], Contention::default(), 3)
-            .unwrap()[0]
-            .latency;
+        let solo =
+            closed_loop(&cfg, &[Placed { request: &r, core: 0, group: None }], Contention::default(), 3)
+                .unwrap()[0]
+                .latency;
         let pair = [Placed { request: &r, core: 0, group: Some(0) }; 2];
         let sw = npu_board_runtime::switch_cycles(&cfg);
-        for contention in [Contention::default(), Contention { dma_engines: false, hbm: false, host_link: false }] {
+        for contention in
+            [Contention::default(), Contention { dma_engines: false, hbm: false, host_link: false }]
+        {
             let m = closed_loop(&cfg, &pair, contention, 3).unwrap();
             for t in &m {
                 let want = 2.0 * solo + 2.0 * sw;
-                assert!((t.latency - want).abs() <= 1e-9 * want, "{} vs {want} (solo {solo}, switch {sw})", t.latency);
+                assert!(
+                    (t.latency - want).abs() <= 1e-9 * want,
+                    "{} vs {want} (solo {solo}, switch {sw})",
+                    t.latency
+                );
                 assert_eq!(t.requests, 3);
             }
         }
         // On engines of their own they overlap: faster than taking turns.
         let side = [Placed { request: &r, core: 0, group: None }; 2];
         let m = closed_loop(&cfg, &side, Contention::default(), 3).unwrap();
-        assert!(m.iter().all(|t| t.latency < 2.0 * solo), "{:?}", m.iter().map(|t| t.latency).collect::<Vec<_>>());
+        assert!(
+            m.iter().all(|t| t.latency < 2.0 * solo),
+            "{:?}",
+            m.iter().map(|t| t.latency).collect::<Vec<_>>()
+        );
     }
 }
