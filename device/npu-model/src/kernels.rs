@@ -4,11 +4,15 @@
 //! program that skipped the verifier cannot touch memory outside its
 //! segments; such an access fails the instruction.
 
+use std::cell::Cell;
+use std::thread::LocalKey;
+
 use half::bf16;
 use thiserror::Error;
 use vnpu_abi::{Addr, Bcast, BinOp, ConvGeom, DType, Instr, PoolGeom, PoolOp, RedOp, Space, UnOp};
 
 use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram};
+use crate::scratch::with_scratch;
 
 /// A failure while executing an instruction.
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -642,44 +646,39 @@ fn copy_rows(
     // (the ISA's rule for all instructions), so overlapping rows copy the
     // old bytes.
     let spans = |space| space != Space::Guest;
-    with_bytes(ROWS_BUF, total, |buf| {
+    with_bytes(&ROWS_BUF, total, |buf| {
         gather_rows(mem.space(src.space), src.offset, rows, row, src_stride, spans(src.space), buf)?;
         scatter_rows(mem.space(dst.space), dst.offset, rows, row, dst_stride, spans(dst.space), buf)
     })
 }
 
-/// Byte buffers of [`with_bytes`], one per use (`ROWS_BUF`: the rows of a
-/// copy; `SPAN_BUF`: the span of small rows), kept per thread: small DMA
-/// copies are many, and each allocated and zeroed its buffers.
-const ROWS_BUF: usize = 0;
-const SPAN_BUF: usize = 1;
+thread_local! {
+    /// Byte buffers of [`with_bytes`], one per use (`ROWS_BUF`: the rows
+    /// of a copy; `SPAN_BUF`: the span of small rows), kept per thread:
+    /// small DMA copies are many, and each allocated and zeroed its
+    /// buffers.
+    static ROWS_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    static SPAN_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+}
 
 /// Buffers larger than this are not kept between calls.
 const KEEP_BYTES: usize = 16 << 20;
 
-thread_local! {
-    static BYTE_BUFS: [std::cell::Cell<Vec<u8>>; 2] =
-        const { [std::cell::Cell::new(Vec::new()), std::cell::Cell::new(Vec::new())] };
-}
-
 /// Runs `f` on a buffer of `n` bytes, contents unspecified (`f` must
-/// write what it reads): this thread's buffer `which`, taken out while
-/// `f` runs (a nested use of the same one gets a fresh buffer) and kept
-/// afterwards unless larger than [`KEEP_BYTES`].
-fn with_bytes<R>(which: usize, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
-    let mut buf = BYTE_BUFS.with(|b| b.get(which).map(std::cell::Cell::take)).unwrap_or_default();
-    if buf.len() < n {
-        buf.resize(n, 0);
-    }
-    let r = f(&mut buf[..n]);
-    if buf.len() <= KEEP_BYTES {
-        BYTE_BUFS.with(|b| {
-            if let Some(c) = b.get(which) {
-                c.set(buf);
+/// write what it reads): this thread's buffer `key`
+/// ([`crate::scratch::with_scratch`]), kept afterwards unless larger than
+/// [`KEEP_BYTES`].
+fn with_bytes<R>(key: &'static LocalKey<Cell<Vec<u8>>>, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    with_scratch(
+        key,
+        |buf| buf.len() <= KEEP_BYTES,
+        |buf| {
+            if buf.len() < n {
+                buf.resize(n, 0);
             }
-        });
-    }
-    r
+            f(&mut buf[..n])
+        },
+    )
 }
 
 /// The address of row `r` of rows `stride` apart from `base`.
@@ -724,7 +723,7 @@ fn gather_rows(
     if stride == row as u64 || rows == 1 {
         m.read(base, out)?;
     } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
-        with_bytes(SPAN_BUF, span, |whole| -> Result<(), KernelError> {
+        with_bytes(&SPAN_BUF, span, |whole| -> Result<(), KernelError> {
             m.read(base, whole)?;
             // `r * stride + row <= span`, so neither overflows.
             for (r, chunk) in out.chunks_exact_mut(row).enumerate() {
@@ -757,7 +756,7 @@ fn scatter_rows(
         m.write(base, data)?;
     } else if let Some(span) = small_rows_span(rows, row, stride, spans) {
         // The bytes between the rows are written back as they were.
-        with_bytes(SPAN_BUF, span, |whole| -> Result<(), KernelError> {
+        with_bytes(&SPAN_BUF, span, |whole| -> Result<(), KernelError> {
             m.read(base, whole)?;
             for (r, chunk) in data.chunks_exact(row).enumerate() {
                 let at = r * stride as usize;
@@ -1067,18 +1066,15 @@ fn conv_products(
         gemm_f32(&x[..rows * kk], wv, &mut out[..rows * cout], shape);
         return;
     }
-    IM2COL_BUF.with(|buf| match buf.try_borrow_mut() {
-        Ok(mut cols) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, &mut cols),
-        // Re-entered (a rayon worker waiting in the GEMM took another
-        // convolution): a buffer of its own.
-        Err(_) => conv_chunks(x, wv, out, g, ho, wo, rows, kk, &mut Vec::new()),
-    });
+    // Re-entered (a rayon worker waiting in the GEMM took another
+    // convolution): a buffer of its own.
+    with_scratch(&IM2COL_BUF, |_| true, |cols| conv_chunks(x, wv, out, g, ho, wo, rows, kk, cols));
 }
 
 thread_local! {
     /// The im2col buffer of this thread's convolutions, kept between
     /// instructions (no fresh pages to zero and fault in every time).
-    static IM2COL_BUF: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    static IM2COL_BUF: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// The chunks of [`conv_products`] through the im2col buffer `cols`.

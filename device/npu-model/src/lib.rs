@@ -12,6 +12,7 @@
 pub mod config;
 pub mod kernels;
 pub mod memory;
+mod scratch;
 pub mod sim;
 pub mod timing;
 pub mod verify;

@@ -1169,7 +1169,7 @@ struct RateScratch {
 }
 
 thread_local! {
-    static RATE_SCRATCH: std::cell::RefCell<RateScratch> = std::cell::RefCell::new(RateScratch::default());
+    static RATE_SCRATCH: std::cell::Cell<RateScratch> = std::cell::Cell::new(RateScratch::default());
 }
 
 /// Sets the rates of every transfer in flight on `cores` (core `i` on chip
@@ -1186,14 +1186,13 @@ fn assign_rates<J: SimTenant>(cores: &mut [CoreSim<'_, J>], chips: &[usize]) {
         return;
     }
     let n_chips = chips.iter().copied().max().map_or(1, |m| m + 1);
-    RATE_SCRATCH.with(|cell| {
-        // A nested call (none exists) would find the buffers taken: it
-        // gets fresh ones instead of panicking.
-        match cell.try_borrow_mut() {
-            Ok(mut scratch) => assign_rates_with(cores, chips, n_chips, &mut scratch),
-            Err(_) => assign_rates_with(cores, chips, n_chips, &mut RateScratch::default()),
-        }
-    });
+    crate::scratch::with_scratch(
+        &RATE_SCRATCH,
+        |_| true,
+        |scratch| {
+            assign_rates_with(cores, chips, n_chips, scratch);
+        },
+    );
 }
 
 fn assign_rates_with<J: SimTenant>(
