@@ -171,6 +171,16 @@ impl SimTenant for Job<'_> {
     }
 }
 
+/// Tenant `id`'s name on the board's cores.
+pub(crate) fn name(id: usize) -> String {
+    format!("tenant-{id}")
+}
+
+/// What a request of `request`'s vNPU claims on each of its cores.
+pub(crate) fn claim(request: &RequestPrograms) -> Claim {
+    Claim { sa: request.spec.sa, vu: request.spec.vu, ..Claim::default() }
+}
+
 #[derive(Default)]
 struct State {
     /// Its first request has ended (the warm-up: every tenant's first
@@ -219,18 +229,18 @@ pub fn closed_loop<'p>(
             return Err(CoRunError::NoCore { tenant, core: t.core, cores });
         }
     }
-    let claim = |t: &Placed<'_>, phase: usize| {
+    let claim_of = |t: &Placed<'_>, phase: usize| {
         let priority = u8::from(phase > 0);
         match t.group {
             Some(_) => Claim { priority, ..Claim::whole_core(cfg) },
-            None => Claim { sa: t.request.spec.sa, vu: t.request.spec.vu, priority, ..Claim::default() },
+            None => Claim { priority, ..claim(t.request) },
         }
     };
     let send = |board: &mut Runtime<'_, Job<'p>>, tenant: usize, phase: usize, since: f64| {
         let t = &tenants[tenant];
         let job = Job { tenant, program: t.request.phase(phase) };
         // The core exists (checked above).
-        let _ = board.submit_arrived(t.core, &format!("tenant-{tenant}"), claim(t, phase), job, since);
+        let _ = board.submit_arrived(t.core, &name(tenant), claim_of(t, phase), job, since);
     };
     let mut state: Vec<State> = tenants.iter().map(|_| State::default()).collect();
     for tenant in 0..tenants.len() {

@@ -13,10 +13,10 @@
 //! dispatches it): what a placement policy's choices cost its tenants,
 //! measured rather than predicted.
 
-use npu_board_runtime::{Claim, Runtime};
+use npu_board_runtime::Runtime;
 use npu_model::BoardConfig;
 
-use crate::corun::{CoRunError, Job, RequestPrograms};
+use crate::corun::{claim, name, CoRunError, Job, RequestPrograms};
 
 struct Tenant<'p> {
     request: &'p RequestPrograms,
@@ -146,14 +146,4 @@ impl<'c, 'p> Stream<'c, 'p> {
     pub fn times(&self, id: usize) -> Option<(f64, Option<f64>)> {
         self.tenants.get(id).map(|t| (t.arrived, t.left_at))
     }
-}
-
-/// Tenant `id`'s name on the board's cores.
-fn name(id: usize) -> String {
-    format!("tenant-{id}")
-}
-
-/// What a request of `request`'s vNPU claims on each of its cores.
-fn claim(request: &RequestPrograms) -> Claim {
-    Claim { sa: request.spec.sa, vu: request.spec.vu, ..Claim::default() }
 }

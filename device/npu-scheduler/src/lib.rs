@@ -183,10 +183,8 @@ pub struct Decision {
 /// preempt each other, and a preempted request is less urgent than the one
 /// that preempted it, so preemption cannot go in circles.
 pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> Decision {
-    let claims: Vec<Claim> = waiting.iter().map(|p| p.claim).collect();
     let order = admission_order(waiting);
-    let on_core: Vec<Claim> = running.iter().map(|p| p.claim).collect();
-    let mut place = placements(board, &claims, &order, &on_core);
+    let mut place = placements(board, &claims(waiting), &order, &claims(running));
     let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
         return Decision { place, ..Decision::default() };
     };
@@ -196,19 +194,10 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
     victims.sort_by(|&a, &b| {
         running[a].urgency(&running[b]).then(running[b].arrival.total_cmp(&running[a].arrival))
     });
-    let used = |skip: &[usize]| {
-        let on = (0..running.len()).filter(|r| !skip.contains(r)).map(|r| running[r].claim);
-        on.chain(place.iter().map(|&i| waiting[i].claim))
-            .fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)))
-    };
-    let fits = |(sa, vu): (u32, u32)| {
-        sa.saturating_add(want.claim.sa) <= board.core.sa_count
-            && vu.saturating_add(want.claim.vu) <= board.core.vu_count
-    };
     let mut preempt = Vec::new();
     for v in victims {
         preempt.push(v);
-        if fits(used(&preempt)) {
+        if fits_without(board, running, &preempt, waiting, &place, want.claim) {
             place.push(w);
             return Decision { place, preempt, ..Decision::default() };
         }
@@ -223,8 +212,31 @@ pub fn schedule(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -
 pub fn fifo(board: &BoardConfig, waiting: &[Pending], running: &[Pending]) -> Decision {
     let mut order: Vec<usize> = (0..waiting.len()).collect();
     order.sort_by(|&a, &b| waiting[a].arrival.total_cmp(&waiting[b].arrival));
-    let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
     Decision { place: placements(board, &claims(waiting), &order, &claims(running)), ..Decision::default() }
+}
+
+/// What each of `ps` claims.
+fn claims(ps: &[Pending]) -> Vec<Claim> {
+    ps.iter().map(|p| p.claim).collect()
+}
+
+/// Whether `want` fits on a core of `board` beside the `running` requests
+/// but those in `gone` (indices into `running`: stopped for it) and the
+/// waiting ones already placed this pass (`place`: indices into
+/// `waiting`).
+fn fits_without(
+    board: &BoardConfig,
+    running: &[Pending],
+    gone: &[usize],
+    waiting: &[Pending],
+    place: &[usize],
+    want: Claim,
+) -> bool {
+    let on = (0..running.len()).filter(|r| !gone.contains(r)).map(|r| running[r].claim);
+    let (sa, vu) = on
+        .chain(place.iter().map(|&i| waiting[i].claim))
+        .fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)));
+    sa.saturating_add(want.sa) <= board.core.sa_count && vu.saturating_add(want.vu) <= board.core.vu_count
 }
 
 /// PREMA's token-based time-sharing (Choi and Rhu, "PREMA: A Predictive
@@ -286,7 +298,6 @@ impl Prema {
             let (ta, tb) = (Self::tokens(&waiting[a], now), Self::tokens(&waiting[b], now));
             tb.total_cmp(&ta).then(waiting[a].arrival.total_cmp(&waiting[b].arrival))
         });
-        let claims = |ps: &[Pending]| ps.iter().map(|p| p.claim).collect::<Vec<_>>();
         let mut place = placements(board, &claims(waiting), &order, &claims(running));
         let Some(&w) = order.iter().find(|i| !place.contains(i)) else {
             return Decision { place, ..Decision::default() };
@@ -298,14 +309,6 @@ impl Prema {
         // Fewest tokens first.
         behind.sort_by(|&a, &b| Self::tokens(&running[a], now).total_cmp(&Self::tokens(&running[b], now)));
         let (mut preempt, mut kill) = (Vec::new(), Vec::new());
-        let fits = |gone: &[usize]| {
-            let on = (0..running.len()).filter(|r| !gone.contains(r)).map(|r| running[r].claim);
-            let (sa, vu) = on
-                .chain(place.iter().map(|&i| waiting[i].claim))
-                .chain(std::iter::once(want.claim))
-                .fold((0u32, 0u32), |(a, b), c| (a.saturating_add(c.sa), b.saturating_add(c.vu)));
-            sa <= board.core.sa_count && vu <= board.core.vu_count
-        };
         let mut gone = Vec::new();
         for r in behind {
             let p = running[r];
@@ -318,7 +321,7 @@ impl Prema {
                 continue;
             }
             gone.push(r);
-            if fits(&gone) {
+            if fits_without(board, running, &gone, waiting, &place, want.claim) {
                 place.push(w);
                 return Decision { place, preempt, kill };
             }
