@@ -33,15 +33,15 @@ use std::time::{Duration, Instant};
 
 use npu_model::{BoardConfig, CoreMemory, ExecError, LazyHbm, Memory, SimTenant, Sram, TenantReport};
 pub use npu_scheduler::{
-    admission_order, harvest, placements, schedule, switch_cycles, Claim, Decision, Dispatched, Dispatcher,
-    Engines, Pending, Prema,
+    admission_order, harvest, placements, schedule, switch_cycles, AtStage, Boundary, Claim, Decision,
+    Dispatched, Dispatcher, Engines, Pending, Prema, StageTimes, Staging,
 };
 use vnpu_abi::Program;
 
 mod runtime;
 #[cfg(test)]
 use runtime::{add_busy, overlap, CoreLog, FOLD_AT};
-pub use runtime::{Completion, Counters, Harvest, Interval, Policy, Runtime, SharingStats};
+pub use runtime::{Completion, Counters, Harvest, Interval, Policy, Runtime, SharingStats, Staged};
 
 /// A lock that outlives a panicked holder (the board's state stays
 /// consistent between steps).
@@ -93,6 +93,9 @@ struct Job {
     host_work: u64,
     reply: mpsc::Sender<JobResult>,
 }
+
+/// A guest's request is one program on its claim.
+impl Staged for Job {}
 
 impl SimTenant for Job {
     fn program(&self) -> &Program {

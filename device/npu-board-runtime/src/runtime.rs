@@ -11,19 +11,58 @@
 use std::sync::{Arc, Mutex};
 
 use npu_model::{BoardConfig, BoardSim, Contention, CoreMemory, ExecError, SimTenant, TenantReport};
-use npu_scheduler::{schedule, switch_cycles, Claim, Decision, Dispatcher, Engines, Pending, Prema};
+use npu_scheduler::{
+    schedule, switch_cycles, AtStage, Claim, Decision, Dispatcher, Engines, Pending, Prema, StageTimes,
+    Staging,
+};
 use vnpu_abi::Program;
 
 /// Who runs next on a core, and what is preempted for it (default:
 /// [`npu_scheduler::schedule`]; an evaluation may run a baseline's).
 pub type Policy = fn(&BoardConfig, &[Pending], &[Pending]) -> Decision;
 
-/// How the cores pick: a [`Policy`], or PREMA's token order
-/// ([`Runtime::set_prema`]), which also needs the time.
+/// How the cores pick: a [`Policy`], PREMA's token order
+/// ([`Runtime::set_prema`]), which also needs the time, or a boundary
+/// policy for staged requests ([`Runtime::set_staging`]).
 #[derive(Clone, Copy, Debug)]
 enum Rule {
     Policy(Policy),
     Prema(Prema),
+    Staged(Staging),
+}
+
+/// A request that runs as a sequence of stages, each on the engines it is
+/// granted when it starts ([`Runtime::set_staging`]): the operator-task
+/// systems' requests (vNPU-WC, Planaria-like, V10-like). Any other
+/// request is one program on its claim: the default methods say so.
+pub trait Staged {
+    /// What it knows of its own work for the boundary policy; `None`: not
+    /// staged.
+    fn stage_times(&self) -> Option<&dyn StageTimes> {
+        None
+    }
+    /// Its next stage runs on `engines`: from now its program
+    /// ([`SimTenant::program`]) is that stage, made for them. A request
+    /// that cannot run the stage there keeps the failure to report itself
+    /// and ends the stage with an empty program.
+    fn begin_stage(&mut self, _engines: Engines) {}
+    /// Its current stage ended with `report`; whether another follows.
+    fn end_stage(&mut self, _report: &TenantReport) -> bool {
+        false
+    }
+}
+
+/// The times of a request that is not staged: no shape is worth more than
+/// its claim.
+struct Fixed;
+
+impl StageTimes for Fixed {
+    fn next(&self, _: Engines) -> f64 {
+        f64::INFINITY
+    }
+    fn rest(&self, _: Engines) -> f64 {
+        f64::INFINITY
+    }
 }
 
 /// A request with what the runtime knows of it.
@@ -34,6 +73,19 @@ struct Entry<J> {
     arrival: f64,
     /// When its program starts on the core's timeline.
     begin: f64,
+    /// A staged request: the engines of its current (or last) stage, when
+    /// its first stage started, and since when it has waited at a
+    /// boundary without a grant.
+    stage: Option<Engines>,
+    first: Option<f64>,
+    blocked: Option<f64>,
+}
+
+impl<J> Entry<J> {
+    /// The engines it holds on the core: its stage's, else its claim's.
+    fn holds(&self) -> Engines {
+        self.stage.unwrap_or(Engines::new(self.claim.sa, self.claim.vu))
+    }
 }
 
 impl<J: SimTenant> SimTenant for Entry<J> {
@@ -99,6 +151,7 @@ pub(crate) struct CoreLog {
     preempted: u64,
     killed: u64,
     killed_cycles: f64,
+    stages: u64,
     slo_requests: u64,
     slo_misses: u64,
     /// Harvesting per tenant.
@@ -145,6 +198,7 @@ impl CoreLog {
             preempted: self.preempted,
             killed: self.killed,
             killed_cycles: self.killed_cycles,
+            stages: self.stages,
             busy_cycles: now,
             overlap_cycles: self.settled_overlap + overlap(self.log.iter().map(|i| (i.start, i.end))),
             tenants,
@@ -188,6 +242,8 @@ pub struct SharingStats {
     /// engine-cycles of the work dropped.
     pub killed: u64,
     pub killed_cycles: f64,
+    /// Stages of staged requests run ([`Runtime::set_staging`]).
+    pub stages: u64,
     /// The board's simulated time (cycles).
     pub busy_cycles: f64,
     /// Simulated cycles during which two or more tenants ran at once.
@@ -216,6 +272,9 @@ pub struct Runtime<'c, J> {
     /// suspension of a request still on the core: its busy interval
     /// leaves them out (infinity: not resumed yet).
     gaps: Vec<Vec<(usize, f64, f64)>>,
+    /// Per core, the engine-cycles each tenant's stages have held
+    /// ([`npu_scheduler::Boundary::Interleave`]'s order).
+    attained: Vec<Vec<(String, f64)>>,
     logs: Counters,
 }
 
@@ -242,13 +301,13 @@ impl Counters {
     }
 }
 
-impl<J: SimTenant> std::fmt::Debug for Runtime<'_, J> {
+impl<J: SimTenant + Staged> std::fmt::Debug for Runtime<'_, J> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runtime").field("now", &self.sim.now()).finish_non_exhaustive()
     }
 }
 
-impl<'c, J: SimTenant> Runtime<'c, J> {
+impl<'c, J: SimTenant + Staged> Runtime<'c, J> {
     /// Every core of `board`, idle at time 0, harvesting on, scheduled by
     /// [`npu_scheduler::schedule`].
     pub fn new(board: &'c BoardConfig) -> Self {
@@ -263,6 +322,7 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             dispatchers: (0..n).map(|_| Dispatcher::harvesting(core)).collect(),
             tenants: vec![Vec::new(); n],
             gaps: vec![Vec::new(); n],
+            attained: vec![Vec::new(); n],
             logs: Counters(Arc::new(Mutex::new((0..n).map(|_| CoreLog::default()).collect()))),
         }
     }
@@ -314,6 +374,24 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         self.rule = Rule::Prema(prema);
         for d in &mut self.dispatchers {
             d.set_checkpoint(prema.checkpoint / 2.0, prema.checkpoint / 2.0);
+        }
+    }
+
+    /// Runs every core by `staging`'s boundary policy from the next step
+    /// on: at every pass each staged request waiting for its next stage
+    /// ([`Staged`]) is granted engines (or waits) and starts its stage on
+    /// them; a stage that ends queues the request's next one at once, and
+    /// only its last stage completes the request. A request that waited
+    /// at a boundary starts after one engine switch, as any request that
+    /// waited; nothing is preempted. Requests that are not staged are
+    /// granted their claim when it is free. A tenant that waited without a
+    /// grant counts a reclaim ([`Harvest::reclaims`]), a stage on more
+    /// engines than its claim counts the extra engine-cycles as borrowed,
+    /// and the claims of tenants not using them as lent.
+    pub fn set_staging(&mut self, staging: Staging) {
+        self.rule = Rule::Staged(staging);
+        for d in &mut self.dispatchers {
+            d.set_checkpoint(0.0, 0.0);
         }
     }
 
@@ -382,7 +460,17 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         }
         let estimate = if estimate.is_finite() { estimate.max(0.0) } else { 0.0 };
         let p = Pending { estimate, ..Pending::new(claim, arrival) };
-        d.submit(Entry { job, tenant: tenant.to_string(), claim, arrival, begin: arrival }, p);
+        let entry = Entry {
+            job,
+            tenant: tenant.to_string(),
+            claim,
+            arrival,
+            begin: arrival,
+            stage: None,
+            first: None,
+            blocked: None,
+        };
+        d.submit(entry, p);
         Ok(())
     }
 
@@ -406,12 +494,21 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
             if core.is_idle() && d.waiting().next().is_none() {
                 continue;
             }
+            let mut staged_waits = Vec::new();
+            let staged = match (rule, self.attained.get(c)) {
+                (Rule::Staged(s), Some(attained)) => {
+                    Some(grant_stages(board, s, core, d, attained, now, &mut staged_waits))
+                }
+                _ => None,
+            };
             let pass = d.dispatch(
                 core,
                 self.switch,
-                |w, r| match rule {
-                    Rule::Policy(policy) => policy(board, w, r),
-                    Rule::Prema(p) => p.decide(board, now, w, r),
+                |w, r| match (rule, staged) {
+                    (_, Some(place)) => Decision { place, ..Decision::default() },
+                    (Rule::Policy(policy), None) => policy(board, w, r),
+                    (Rule::Prema(p), None) => p.decide(board, now, w, r),
+                    (Rule::Staged(_), None) => Decision::default(),
                 },
                 |j, at| j.begin = at,
             );
@@ -422,10 +519,18 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 }
             }
             let name = |id: usize| core.job(id).map(|j| j.tenant.clone());
-            let borrowing: Vec<(String, Engines)> =
+            let mut borrowing: Vec<(String, Engines)> =
                 pass.borrowing.iter().filter_map(|&(id, g)| Some((name(id)?, g))).collect();
-            let reclaimed: Vec<(String, f64)> =
+            let mut reclaimed: Vec<(String, f64)> =
                 pass.reclaimed.iter().filter_map(|&(id, d)| Some((name(id)?, d))).collect();
+            if let Rule::Staged(_) = rule {
+                // Stages on more engines than their claims borrow them.
+                borrowing.extend(core.jobs().filter_map(|j| {
+                    let extra = j.holds().saturating_sub(Engines::new(j.claim.sa, j.claim.vu));
+                    (extra.total() > 0).then(|| (j.tenant.clone(), extra))
+                }));
+                reclaimed.append(&mut staged_waits);
+            }
             let unused: Vec<(String, Engines)> =
                 pass.unused.iter().filter_map(|&(id, u)| Some((name(id)?, u))).collect();
             if !borrowing.is_empty() || !reclaimed.is_empty() {
@@ -472,12 +577,38 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
         }
         let now = self.sim.now();
         let mut out = Vec::with_capacity(done.len());
-        for (c, (id, entry, r)) in done {
+        for (c, (id, mut entry, r)) in done {
             if let Some(d) = self.dispatchers.get_mut(c) {
                 d.finished(id);
             }
             let end = r.as_ref().map_or(now, |t| t.cycles);
             let begin = entry.begin.min(end);
+            if let (Some(e), Ok(t)) = (entry.stage, &r) {
+                // A stage ended: what it held, and its next stage if any.
+                let held = f64::from(e.total()) * (end - begin);
+                if let Some(a) = self.attained.get_mut(c) {
+                    add_busy(a, std::iter::once((entry.tenant.as_str(), held)));
+                }
+                let extra = e.saturating_sub(Engines::new(entry.claim.sa, entry.claim.vu));
+                if let Some(log) = logs.get_mut(c) {
+                    log.stages += 1;
+                    if extra.total() > 0 {
+                        log.harvest(&entry.tenant).borrowed_cycles +=
+                            f64::from(extra.total()) * (end - begin);
+                    }
+                }
+                entry.first.get_or_insert(begin);
+                if entry.job.end_stage(t) {
+                    if let Some(log) = logs.get_mut(c) {
+                        log.log.push(Interval { tenant: entry.tenant.clone(), start: begin, end });
+                    }
+                    let p = Pending::new(entry.claim, entry.arrival);
+                    if let Some(d) = self.dispatchers.get_mut(c) {
+                        d.resubmit(entry, p);
+                    }
+                    continue;
+                }
+            }
             let mut mine: Vec<(f64, f64)> = Vec::new();
             if let Some(g) = self.gaps.get_mut(c) {
                 mine = g.iter().filter(|x| x.0 == id).map(|x| (x.1, x.2)).collect();
@@ -514,7 +645,8 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
                 t.started = 0.0;
                 t
             });
-            let Entry { job, tenant, arrival, .. } = entry;
+            let Entry { job, tenant, arrival, first, .. } = entry;
+            let begin = first.unwrap_or(begin);
             out.push(Completion { core: c, tenant, job, result, arrival, begin, end });
         }
         out
@@ -535,6 +667,57 @@ impl<'c, J: SimTenant> Runtime<'c, J> {
     pub(crate) fn kept_intervals(&self, core: usize) -> usize {
         self.logs.lock().get(core).map_or(0, |l| l.log.len())
     }
+}
+
+/// The staged requests waiting on `core` that start a stage now (indices
+/// into its waiting list, in order), by `staging`'s boundary policy; each
+/// gets its stage on the engines granted. Pushes (tenant, cycles) of each
+/// that had waited at a boundary without a grant to `waits`.
+fn grant_stages<J: SimTenant + Staged>(
+    board: &BoardConfig,
+    staging: Staging,
+    core: &npu_model::CoreSim<'_, Entry<J>>,
+    d: &mut Dispatcher<Entry<J>>,
+    attained: &[(String, f64)],
+    now: f64,
+    waits: &mut Vec<(String, f64)>,
+) -> Vec<usize> {
+    let engines = Engines::new(board.core.sa_count, board.core.vu_count);
+    let running: Vec<Engines> = core.jobs().map(Entry::holds).collect();
+    let grants = {
+        let at: Vec<AtStage<'_>> = d
+            .waiting()
+            .map(|e| AtStage {
+                guaranteed: Engines::new(e.claim.sa, e.claim.vu),
+                priority: e.claim.priority,
+                to_deadline: match e.claim.slo_cycles {
+                    0 => f64::INFINITY,
+                    slo => e.arrival + slo as f64 - now,
+                },
+                attained: attained.iter().find(|a| a.0 == e.tenant).map_or(0.0, |a| a.1),
+                times: e.job.stage_times().unwrap_or(&Fixed),
+            })
+            .collect();
+        staging.grant(engines, &running, &at)
+    };
+    let mut place = Vec::new();
+    for (k, ((e, p), g)) in d.waiting_mut().zip(grants).enumerate() {
+        let Some(g) = g else {
+            e.blocked.get_or_insert(now);
+            continue;
+        };
+        if e.job.stage_times().is_some() {
+            e.job.begin_stage(g);
+            e.stage = Some(g);
+            p.claim.sa = g.sa;
+            p.claim.vu = g.vu;
+        }
+        if let Some(since) = e.blocked.take() {
+            waits.push((e.tenant.clone(), now - since));
+        }
+        place.push(k);
+    }
+    place
 }
 
 /// One core's lending in one pass: (tenant, engines it borrows until the

@@ -8,7 +8,7 @@
 //! HBM, the board's host link; tenants of one time-shared group also wait
 //! for each other's engines (one phase at a time, oldest request first).
 
-use npu_board_runtime::{Claim, Runtime};
+use npu_board_runtime::{Claim, Runtime, Staged};
 use npu_model::{BoardConfig, Contention, CoreMemory, ExecError, SimTenant, Totals};
 use npu_workloads::{lower_workload, RunError, RunOptions};
 use serde::{Deserialize, Serialize};
@@ -158,6 +158,9 @@ pub(crate) struct Job<'p> {
     pub(crate) tenant: usize,
     pub(crate) program: &'p Program,
 }
+
+/// Each phase is one program on its claim.
+impl Staged for Job<'_> {}
 
 impl SimTenant for Job<'_> {
     fn program(&self) -> &Program {

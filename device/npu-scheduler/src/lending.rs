@@ -203,6 +203,117 @@ pub fn pick_shape(
         .map_or(base, |(s, _)| s)
 }
 
+/// What a staged request knows of its own work, for the boundary
+/// policies ([`Staging`]): cycles alone on a shape (infinity: it cannot
+/// run there).
+pub trait StageTimes {
+    /// Cycles of its next stage (as cut for its guarantee) on `e`.
+    fn next(&self, e: Engines) -> f64;
+    /// Cycles of the rest of the request on `e`, stage after stage.
+    fn rest(&self, e: Engines) -> f64;
+}
+
+/// Who gets a core's engines at a stage boundary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Boundary {
+    /// vNPU-WC: guarantees first, then idle engines ([`lend`]; priority,
+    /// then least slack).
+    Lend,
+    /// Planaria-like fission: no guarantees; the most urgent takes the
+    /// least shape whose time for the rest of its request meets its
+    /// deadline, else the fastest free one ([`fission`]).
+    Fission,
+    /// V10-like operator interleaving: no guarantees, no deadlines; the
+    /// tenant with the least engine time attained per unit of priority
+    /// goes first and takes the fastest free shape for its next stage.
+    Interleave,
+}
+
+/// A boundary policy and how much faster an engine more must make a
+/// stage to be taken ([`pick_shape`]'s tolerance).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Staging {
+    pub boundary: Boundary,
+    pub tolerance: f64,
+}
+
+/// A staged request at a boundary, as [`Staging::grant`] sees it.
+pub struct AtStage<'a> {
+    /// Its claim: what [`Boundary::Lend`] guarantees, and the least shape
+    /// every policy gives it.
+    pub guaranteed: Engines,
+    pub priority: u8,
+    /// Cycles from now to its deadline (infinity: none).
+    pub to_deadline: f64,
+    /// Engine-cycles its tenant's stages have held on the core so far.
+    pub attained: f64,
+    pub times: &'a dyn StageTimes,
+}
+
+impl std::fmt::Debug for AtStage<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AtStage")
+            .field("guaranteed", &self.guaranteed)
+            .field("priority", &self.priority)
+            .field("to_deadline", &self.to_deadline)
+            .field("attained", &self.attained)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Staging {
+    /// The engines each request at a boundary starts its next stage on
+    /// (`None`: it waits); `core` and `running` as in [`lend`].
+    pub fn grant(&self, core: Engines, running: &[Engines], at: &[AtStage<'_>]) -> Vec<Option<Engines>> {
+        let tol = self.tolerance;
+        let waiting: Vec<AtBoundary> = at
+            .iter()
+            .map(|a| match self.boundary {
+                // The order key in the slack field: least attained engine
+                // time per unit of priority first.
+                Boundary::Interleave => AtBoundary {
+                    guaranteed: a.guaranteed,
+                    priority: 0,
+                    slack: a.attained / f64::from(a.priority.max(1)),
+                },
+                Boundary::Lend | Boundary::Fission => AtBoundary {
+                    guaranteed: a.guaranteed,
+                    priority: a.priority,
+                    slack: a.to_deadline - a.times.rest(a.guaranteed),
+                },
+            })
+            .collect();
+        let choose = |k: usize, base, cap| pick_shape(base, cap, tol, |e| at[k].times.next(e));
+        match self.boundary {
+            Boundary::Lend => lend(core, running, &waiting, choose),
+            Boundary::Interleave => {
+                // The fastest free shape for the next stage (at least the
+                // claim), then what is left to the next.
+                let need = |k: usize, free: Engines| {
+                    let g = at[k].guaranteed;
+                    g.within(free).then(|| pick_shape(g, free, tol, |e| at[k].times.next(e)))
+                };
+                fission(core, running, &waiting, need, choose)
+            }
+            Boundary::Fission => {
+                // The least shape that ends the request by its deadline
+                // (alone: as Planaria estimates), else the fastest free one.
+                let need = |k: usize, free: Engines| {
+                    let (g, a) = (at[k].guaranteed, &at[k]);
+                    if !g.within(free) {
+                        return None;
+                    }
+                    Some(
+                        least_shape(g, free, |e| a.times.rest(*e) <= a.to_deadline)
+                            .unwrap_or_else(|| pick_shape(g, free, tol, |e| a.times.rest(e))),
+                    )
+                };
+                fission(core, running, &waiting, need, choose)
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -314,5 +425,74 @@ mod tests {
         let only_odd = |s: Engines| if s.sa % 2 == 1 { 10.0 / f64::from(s.sa) } else { f64::INFINITY };
         assert_eq!(pick_shape(ONE, CORE, 0.0, only_odd), Engines::new(3, 1));
         assert_eq!(pick_shape(ONE, CORE, 0.0, |_| f64::NAN), ONE);
+    }
+
+    /// A stage of `work` SA-cycles that splits over SAs (VUs do not
+    /// help), `stages` of them in the request.
+    struct SaBound {
+        work: f64,
+        stages: f64,
+    }
+
+    impl StageTimes for SaBound {
+        fn next(&self, e: Engines) -> f64 {
+            if e.sa == 0 || e.vu == 0 {
+                f64::INFINITY
+            } else {
+                self.work / f64::from(e.sa)
+            }
+        }
+        fn rest(&self, e: Engines) -> f64 {
+            self.next(e) * self.stages
+        }
+    }
+
+    fn staged(times: &dyn StageTimes, priority: u8, to_deadline: f64, attained: f64) -> AtStage<'_> {
+        AtStage { guaranteed: ONE, priority, to_deadline, attained, times }
+    }
+
+    #[test]
+    fn a_lone_staged_request_takes_the_engines_that_pay_under_every_policy() {
+        let t = SaBound { work: 400.0, stages: 2.0 };
+        for boundary in [Boundary::Lend, Boundary::Interleave] {
+            let s = Staging { boundary, tolerance: 0.05 };
+            // 4 SAs: 100 cycles, the fastest; VUs do not pay.
+            assert_eq!(s.grant(CORE, &[], &[staged(&t, 0, f64::INFINITY, 0.0)]), [Some(Engines::new(4, 1))]);
+        }
+        // Fission: the most urgent takes the least shape whose rest (2
+        // stages) meets its deadline: 800 / sa <= 300 needs 3 SAs; the
+        // other its 1+1; the 2 idle VUs pay no one.
+        let s = Staging { boundary: Boundary::Fission, tolerance: 0.05 };
+        let two = [staged(&t, 0, 300.0, 0.0), staged(&t, 0, 1e9, 0.0)];
+        assert_eq!(s.grant(CORE, &[], &two), [Some(Engines::new(3, 1)), Some(ONE)]);
+        // No shape meets it: the fastest (4 SAs), and nothing is left
+        // that the other can run on.
+        let two = [staged(&t, 0, 10.0, 0.0), staged(&t, 0, 1e9, 0.0)];
+        assert_eq!(s.grant(CORE, &[], &two), [Some(Engines::new(4, 1)), None]);
+    }
+
+    #[test]
+    fn interleave_serves_the_least_attained_per_priority_first() {
+        let t = SaBound { work: 400.0, stages: 1.0 };
+        let s = Staging { boundary: Boundary::Interleave, tolerance: 0.05 };
+        // Beside a running 1+2, 3 SAs and 2 VUs are free: the one with
+        // less attained time takes the fastest shape (3+1), and the 1 VU
+        // left is not enough for the other.
+        let busy = [Engines::new(1, 2)];
+        let g = s.grant(CORE, &busy, &[staged(&t, 1, 0.0, 50.0), staged(&t, 1, 0.0, 10.0)]);
+        assert_eq!(g, [None, Some(Engines::new(3, 1))]);
+        // Priority 10 divides the first one's attained time to 5.
+        let g = s.grant(CORE, &busy, &[staged(&t, 10, 0.0, 50.0), staged(&t, 1, 0.0, 10.0)]);
+        assert_eq!(g, [Some(Engines::new(3, 1)), None]);
+    }
+
+    #[test]
+    fn lend_orders_staged_requests_by_slack_on_their_guarantee() {
+        // Same deadline; the longer rest has less slack and borrows.
+        let short = SaBound { work: 400.0, stages: 1.0 };
+        let long = SaBound { work: 400.0, stages: 3.0 };
+        let s = Staging { boundary: Boundary::Lend, tolerance: 0.05 };
+        let g = s.grant(CORE, &[], &[staged(&short, 0, 5000.0, 0.0), staged(&long, 0, 5000.0, 0.0)]);
+        assert_eq!(g, [Some(ONE), Some(Engines::new(3, 1))]);
     }
 }

@@ -20,7 +20,8 @@ use npu_model::{BoardConfig, CoreSim, SimTenant};
 
 pub mod lending;
 pub use lending::{
-    fission, least_shape, lend, lending_order, pick_shape, shapes_between, AtBoundary, Engines,
+    fission, least_shape, lend, lending_order, pick_shape, shapes_between, AtBoundary, AtStage, Boundary,
+    Engines, StageTimes, Staging,
 };
 
 /// What a tenant occupies on the core and how urgent it is.
@@ -447,9 +448,28 @@ impl<J: SimTenant> Dispatcher<J> {
         self.waiting.push((job, p, false));
     }
 
+    /// A request that arrived at `p.arrival` waits again (a staged
+    /// request between stages): among the waiting in arrival order.
+    pub fn resubmit(&mut self, job: J, p: Pending) {
+        self.insert_by_arrival((job, p, false));
+    }
+
+    /// Puts `w` among the waiting in arrival order (after equals).
+    fn insert_by_arrival(&mut self, w: (J, Pending, bool)) {
+        let at = self.waiting.iter().position(|x| x.1.arrival > w.1.arrival).unwrap_or(self.waiting.len());
+        self.waiting.insert(at, w);
+    }
+
     /// Requests not on the core yet.
     pub fn waiting(&self) -> impl Iterator<Item = &J> {
         self.waiting.iter().map(|w| &w.0)
+    }
+
+    /// Requests not on the core yet, with what the policy will see of
+    /// them (a staged request's claim is set to the engines its next
+    /// stage is granted before it is placed).
+    pub fn waiting_mut(&mut self) -> impl Iterator<Item = (&mut J, &mut Pending)> {
+        self.waiting.iter_mut().map(|w| (&mut w.0, &mut w.1))
     }
 
     /// One scheduling pass: `decide` sees the waiting requests followed by
@@ -565,10 +585,7 @@ impl<J: SimTenant> Dispatcher<J> {
             }
         }
         for w in requeue {
-            // Back among the waiting in arrival order.
-            let at =
-                self.waiting.iter().position(|x| x.1.arrival > w.1.arrival).unwrap_or(self.waiting.len());
-            self.waiting.insert(at, w);
+            self.insert_by_arrival(w);
         }
         out
     }

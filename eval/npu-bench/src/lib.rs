@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use npu_board_runtime::{Completion, Runtime};
+use npu_board_runtime::{Completion, Runtime, Staged};
 use npu_model::{BoardConfig, CoreMemory, SimTenant};
 use npu_scheduler::Claim;
 use vnpu_abi::Program;
@@ -16,6 +16,9 @@ pub struct Request<'p> {
     pub arrival: f64,
     pub program: &'p Program,
 }
+
+/// One program on its claim.
+impl Staged for Request<'_> {}
 
 impl SimTenant for Request<'_> {
     fn program(&self) -> &Program {
@@ -51,9 +54,29 @@ pub fn serve_arrivals<'p>(
     rt: &mut Runtime<'_, Request<'p>>,
     arrivals: &[Vec<f64>],
     tenants: &[Tenant<'p>],
-    mut done: impl FnMut(Completion<Request<'p>>) -> Result<(), String>,
+    done: impl FnMut(Completion<Request<'p>>) -> Result<(), String>,
 ) -> Result<(), String> {
     let n = tenants.len().min(arrivals.len());
+    let submit = |rt: &mut Runtime<'_, Request<'p>>, i: usize, arrival: f64| {
+        let t = &tenants[i];
+        let req = Request { tenant: i, arrival, program: t.program };
+        rt.submit_estimated(0, &t.name, t.claim, req, arrival, t.estimate)
+            .map_err(|_| "the board has no core 0".to_string())
+    };
+    serve_jobs(rt, &arrivals[..n], submit, |r| r.tenant, done)
+}
+
+/// [`serve_arrivals`] for any kind of request: `submit(rt, i, arrival)`
+/// submits tenant `i`'s request that arrived at `arrival`, `tenant_of`
+/// tells whose a finished one was.
+pub fn serve_jobs<J: SimTenant + Staged>(
+    rt: &mut Runtime<'_, J>,
+    arrivals: &[Vec<f64>],
+    mut submit: impl FnMut(&mut Runtime<'_, J>, usize, f64) -> Result<(), String>,
+    tenant_of: impl Fn(&J) -> usize,
+    mut done: impl FnMut(Completion<J>) -> Result<(), String>,
+) -> Result<(), String> {
+    let n = arrivals.len();
     let mut next = vec![0usize; n];
     // Per tenant: a request of it is submitted and not finished.
     let mut busy = vec![false; n];
@@ -63,10 +86,7 @@ pub fn serve_arrivals<'p>(
             if let Some(&arrival) = arrivals[i].get(next[i]).filter(|a| !busy[i] && **a <= now) {
                 busy[i] = true;
                 next[i] += 1;
-                let t = &tenants[i];
-                let req = Request { tenant: i, arrival, program: t.program };
-                rt.submit_estimated(0, &t.name, t.claim, req, arrival, t.estimate)
-                    .map_err(|_| "the board has no core 0".to_string())?;
+                submit(rt, i, arrival)?;
             }
         }
         // Run until a request finishes or a free tenant's next one arrives.
@@ -78,7 +98,7 @@ pub fn serve_arrivals<'p>(
             return Ok(());
         }
         for c in rt.step(limit) {
-            if let Some(b) = busy.get_mut(c.job.tenant) {
+            if let Some(b) = busy.get_mut(tenant_of(&c.job)) {
                 *b = false;
             }
             done(c)?;

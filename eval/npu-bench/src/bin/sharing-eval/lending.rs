@@ -17,33 +17,20 @@
 //! is not re-split when a request arrives: it keeps its engines until its
 //! boundary, as in the work-conserving system.
 
-use std::collections::{HashMap, VecDeque};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::ops::Range;
 use std::rc::Rc;
 
+use npu_bench::serve_jobs;
+use npu_board_runtime::{Boundary, Claim, Runtime, StageTimes, Staged, Staging};
 use npu_graph::Graph;
 use npu_lower::{lower_ops_with, LowerOptions, VnpuShape};
-use npu_model::{run_program, verify, BoardConfig, CoreMemory, CoreSim, SimTenant, VnpuLimits};
-use npu_scheduler::{fission, least_shape, lend, pick_shape, AtBoundary, Engines};
-use vnpu_abi::Program;
+use npu_model::{run_program, verify, BoardConfig, CoreMemory, SimTenant, TenantReport, VnpuLimits};
+use npu_scheduler::Engines;
+use vnpu_abi::{Program, ProgramBuilder};
 
 use crate::{Outcome, Workload};
-
-/// Who gets the core's engines at a task boundary.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Policy {
-    /// vNPU-WC: guarantees first, then idle engines (priority, least
-    /// slack).
-    Lend,
-    /// Planaria-like fission: no guarantees; the most urgent (priority,
-    /// least slack) takes the least shape that meets its deadline.
-    Fission,
-    /// V10-like operator interleaving: no guarantees, no deadlines; the
-    /// tenant with the least engine time attained per unit of priority
-    /// goes first and takes the fastest shape of what is free (within the
-    /// tolerance), the next one the same from what is left.
-    Interleave,
-}
 
 /// How the operator-task systems cut requests and pick shapes.
 #[derive(Clone, Copy, Debug)]
@@ -53,7 +40,9 @@ pub struct Lending {
     /// An engine more is taken only if it makes the task this much faster
     /// (a fraction; `pick_shape`'s tolerance).
     pub tolerance: f64,
-    pub policy: Policy,
+    /// Who gets the core's engines at a task boundary
+    /// (`npu_scheduler::Boundary`).
+    pub policy: Boundary,
 }
 
 /// A workload cut into operations, each timed alone on every shape of the
@@ -190,18 +179,65 @@ impl Tasks {
     }
 }
 
-/// One task on the core: its tenant, the operation after its last, and
-/// its program.
-struct Task {
+/// A request of a tenant of an operator-task system, as the board
+/// runtime stages it (`npu_board_runtime::Staged`): its next task is the
+/// operations from `op` that fit in `task_cycles` on the engines it is
+/// granted, lowered for them.
+struct TaskRequest<'t, 'm> {
     tenant: usize,
+    arrival: f64,
+    tasks: &'t RefCell<&'m mut Tasks>,
+    task_cycles: f64,
+    /// Its next operation, and the end of the task it runs now.
+    op: usize,
     end: usize,
     program: Rc<Program>,
-    /// When it started and on what.
-    start: f64,
-    engines: Engines,
+    /// Active SA + VU cycles of its tasks so far.
+    eu_cycles: f64,
+    /// A task could not be lowered (none expected: every operation was
+    /// lowered for every shape before).
+    failed: Option<String>,
 }
 
-impl SimTenant for Task {
+impl StageTimes for TaskRequest<'_, '_> {
+    /// Its next task as cut on its guarantee (at least one operation).
+    fn next(&self, e: Engines) -> f64 {
+        let t = self.tasks.borrow();
+        t.cycles(self.op..t.task_end(self.op, GUARANTEED, self.task_cycles), e)
+    }
+
+    fn rest(&self, e: Engines) -> f64 {
+        let t = self.tasks.borrow();
+        t.cycles(self.op..t.ops(), e)
+    }
+}
+
+impl Staged for TaskRequest<'_, '_> {
+    fn stage_times(&self) -> Option<&dyn StageTimes> {
+        Some(self)
+    }
+
+    fn begin_stage(&mut self, e: Engines) {
+        let mut t = self.tasks.borrow_mut();
+        self.end = t.task_end(self.op, e, self.task_cycles);
+        match t.program(self.op..self.end, e) {
+            Ok(p) => self.program = p,
+            Err(x) => {
+                self.failed = Some(x);
+                self.program = Rc::new(ProgramBuilder::new().finish());
+            }
+        }
+    }
+
+    fn end_stage(&mut self, report: &TenantReport) -> bool {
+        let tot = report.totals();
+        self.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
+        self.op = self.end;
+        self.failed.is_none() && self.op < self.tasks.borrow().ops()
+    }
+}
+
+impl SimTenant for TaskRequest<'_, '_> {
     fn program(&self) -> &Program {
         &self.program
     }
@@ -213,28 +249,50 @@ impl SimTenant for Task {
     }
 }
 
-/// A tenant of the work-conserving core.
-#[derive(Default)]
-struct Tenant {
-    /// Arrival times of its requests that have not completed.
-    queue: VecDeque<f64>,
-    /// The next operation of its oldest request.
-    op: usize,
-    /// What its task on the core holds.
-    running: Option<Engines>,
-    /// Since when it has waited at a boundary for engines it lent.
-    blocked_since: Option<f64>,
-}
-
 /// The guaranteed shape of every tenant: a quarter of the default core, as
 /// in the static vNPU system.
 pub const GUARANTEED: Engines = Engines::new(1, 1);
 
-/// Runs the arrival stream on the work-conserving core. `tasks[i]` is
-/// tenant `i`'s workload cut into operations; a request's latency bound is
-/// its workload's `sla` (the deadline whose slack orders lending). Fails if a task cannot be
-/// lowered (none expected: every operation was lowered for every shape
-/// before).
+/// Submits tenant `i`'s request that arrived at `arrival` to core 0.
+fn submit_task<'t, 'm>(
+    rt: &mut Runtime<'_, TaskRequest<'t, 'm>>,
+    ws: &[Workload],
+    tasks: &'t [RefCell<&'m mut Tasks>],
+    empty: &Rc<Program>,
+    how: Lending,
+    i: usize,
+    arrival: f64,
+) -> Result<(), String> {
+    let (Some(w), Some(t)) = (ws.get(i), tasks.get(i)) else {
+        return Err(format!("no tenant {i}"));
+    };
+    let claim = Claim {
+        sa: GUARANTEED.sa,
+        vu: GUARANTEED.vu,
+        priority: w.priority,
+        slo_cycles: w.sla as u64,
+        borrow: Engines::default(),
+    };
+    let req = TaskRequest {
+        tenant: i,
+        arrival,
+        tasks: t,
+        task_cycles: how.task_cycles,
+        op: 0,
+        end: 0,
+        program: empty.clone(),
+        eu_cycles: 0.0,
+        failed: None,
+    };
+    rt.submit_arrived(0, &format!("{i}:{}", w.name), claim, req, arrival)
+        .map_err(|_| "the board has no core 0".to_string())
+}
+
+/// Runs the arrival stream on the board runtime's core 0 with `how`'s
+/// boundary policy (`Runtime::set_staging`). `tasks[i]` is tenant `i`'s
+/// workload cut into operations; each tenant claims [`GUARANTEED`] with
+/// its priority and its workload's `sla` as latency target (the deadline
+/// whose slack orders lending). Fails if a task cannot be lowered.
 pub fn simulate_lending(
     board: &BoardConfig,
     ws: &[Workload],
@@ -242,140 +300,49 @@ pub fn simulate_lending(
     arrivals: &[Vec<f64>],
     how: Lending,
 ) -> Result<Outcome, String> {
-    let n = ws.len();
-    let core = Engines::new(board.core.sa_count, board.core.vu_count);
+    let n = ws.len().min(tasks.len()).min(arrivals.len());
     let mut o = Outcome::new(n);
-    let mut sim: CoreSim<'_, Task> = CoreSim::new(board, n);
-    let mut ts: Vec<Tenant> = (0..n).map(|_| Tenant::default()).collect();
-    let mut next = vec![0usize; n];
-    // Engine-cycles each tenant's tasks have held (V10-like order).
-    let mut attained = vec![0f64; n];
-    loop {
-        let now = sim.now();
-        for (i, t) in ts.iter_mut().enumerate() {
-            while let Some(&a) = arrivals[i].get(next[i]).filter(|a| **a <= now) {
-                next[i] += 1;
-                t.queue.push_back(a);
+    let tasks: Vec<RefCell<&mut Tasks>> = tasks.iter_mut().map(RefCell::new).collect();
+    let mut rt: Runtime<'_, TaskRequest<'_, '_>> = Runtime::new(board);
+    rt.set_harvesting(false);
+    rt.set_staging(Staging { boundary: how.policy, tolerance: how.tolerance });
+    let empty = Rc::new(ProgramBuilder::new().finish());
+    let mut failure = None;
+    let submit = |rt: &mut Runtime<'_, _>, i, arrival| submit_task(rt, ws, &tasks, &empty, how, i, arrival);
+    serve_jobs(
+        &mut rt,
+        &arrivals[..n],
+        submit,
+        |r| r.tenant,
+        |done| {
+            let req = done.job;
+            o.eu_cycles += req.eu_cycles;
+            if let Some(x) = req.failed {
+                failure.get_or_insert(x);
             }
-        }
-        let at: Vec<usize> = (0..n).filter(|&i| ts[i].running.is_none() && !ts[i].queue.is_empty()).collect();
-        // Cycles from now to each one's deadline.
-        let to_deadline: Vec<f64> =
-            at.iter().map(|&i| ts[i].queue.front().copied().unwrap_or(now) + ws[i].sla - now).collect();
-        let waiting: Vec<AtBoundary> = at
-            .iter()
-            .zip(&to_deadline)
-            .map(|(&i, d)| match how.policy {
-                // The order key in the slack field: least attained engine
-                // time per unit of priority first.
-                Policy::Interleave => AtBoundary {
-                    guaranteed: GUARANTEED,
-                    priority: 0,
-                    slack: attained[i] / f64::from(ws[i].priority.max(1)),
-                },
-                _ => AtBoundary {
-                    guaranteed: GUARANTEED,
-                    priority: ws[i].priority,
-                    slack: d - tasks[i].cycles(ts[i].op..tasks[i].ops(), GUARANTEED),
-                },
-            })
-            .collect();
-        let running: Vec<Engines> = ts.iter().filter_map(|t| t.running).collect();
-        let choose = |k: usize, base, cap| {
-            let i = at[k];
-            let op = ts[i].op;
-            // Choose on the operations the next task would hold on the
-            // guarantee (at least the next one).
-            let window = op..tasks[i].task_end(op, GUARANTEED, how.task_cycles);
-            pick_shape(base, cap, how.tolerance, |e| tasks[i].cycles(window.clone(), e))
-        };
-        let grants = if how.policy == Policy::Interleave {
-            // The fastest shape of what is free for the next task's
-            // operations (at least one SA and one VU: every lowering needs
-            // both), then what is left to the next.
-            let need = |k: usize, free: Engines| {
-                let i = at[k];
-                if !GUARANTEED.within(free) {
-                    return None;
-                }
-                let op = ts[i].op;
-                let window = op..tasks[i].task_end(op, GUARANTEED, how.task_cycles);
-                Some(pick_shape(GUARANTEED, free, how.tolerance, |e| tasks[i].cycles(window.clone(), e)))
-            };
-            fission(core, &running, &waiting, need, choose)
-        } else if how.policy == Policy::Fission {
-            // The least shape that finishes the request by its deadline
-            // (alone: as Planaria estimates), else the fastest free one.
-            let need = |k: usize, free: Engines| {
-                let i = at[k];
-                if !GUARANTEED.within(free) {
-                    return None;
-                }
-                let rest = ts[i].op..tasks[i].ops();
-                let time = |e: &Engines| tasks[i].cycles(rest.clone(), *e);
-                Some(
-                    least_shape(GUARANTEED, free, |e| time(e) <= to_deadline[k])
-                        .unwrap_or_else(|| pick_shape(GUARANTEED, free, how.tolerance, |e| time(&e))),
-                )
-            };
-            fission(core, &running, &waiting, need, choose)
-        } else {
-            lend(core, &running, &waiting, choose)
-        };
-        for (&i, g) in at.iter().zip(grants) {
-            let t = &mut ts[i];
-            let Some(e) = g else {
-                t.blocked_since.get_or_insert(now);
-                continue;
-            };
-            if let Some(since) = t.blocked_since.take() {
-                o.reclaim_waits += 1;
-                o.reclaim_max = o.reclaim_max.max(now - since);
+            match done.result {
+                Ok(_) => o.latencies[req.tenant].push(done.end - req.arrival),
+                Err(_) => o.failed += 1,
             }
-            let end = tasks[i].task_end(t.op, e, how.task_cycles);
-            let program = tasks[i].program(t.op..end, e)?;
-            sim.add(Task { tenant: i, end, program, start: now, engines: e }, 0.0);
-            o.tasks += 1;
-            t.running = Some(e);
-        }
-        let next_arrival =
-            (0..n).filter_map(|i| arrivals[i].get(next[i]).copied()).fold(f64::INFINITY, f64::min);
-        if sim.is_idle() && !next_arrival.is_finite() {
-            // Nothing runs and nothing will arrive: every queue is empty
-            // (an idle core lends its guarantee to everyone at a boundary).
-            break;
-        }
-        for (_, task, r) in sim.step_until(next_arrival) {
-            let t = &mut ts[task.tenant];
-            t.running = None;
-            t.op = task.end;
-            attained[task.tenant] += f64::from(task.engines.total()) * (sim.now() - task.start);
-            let failed = match r {
-                Ok(rep) => {
-                    let tot = rep.totals();
-                    o.eu_cycles += tot.sa_active_cycles + tot.vu_active_cycles;
-                    let extra = task.engines.total().saturating_sub(GUARANTEED.total());
-                    o.borrowed_eu_cycles += f64::from(extra) * (rep.cycles - task.start);
-                    false
-                }
-                Err(_) => true,
-            };
-            if failed || t.op >= tasks[task.tenant].ops() {
-                let arrival = t.queue.pop_front().unwrap_or(sim.now());
-                t.op = 0;
-                if failed {
-                    o.failed += 1;
-                } else {
-                    o.latencies[task.tenant].push(sim.now() - arrival);
-                }
-                o.end = o.end.max(sim.now());
-            }
-        }
+            o.end = o.end.max(done.end);
+            Ok(())
+        },
+    )?;
+    if let Some(x) = failure {
+        return Err(x);
+    }
+    let st = rt.stats(0);
+    o.tasks = st.stages;
+    for (_, h) in &st.harvest {
+        o.reclaim_waits += h.reclaims;
+        o.reclaim_max = o.reclaim_max.max(h.reclaim_max_cycles);
+        o.reclaim_cycles += h.reclaim_cycles;
+        o.borrowed_eu_cycles += h.borrowed_cycles;
     }
     Ok(o)
 }
 
-/// Per-tenant request rates (per cycle) at which the work-conserving core
+/// Per-tenant request rates (per cycle) at which the operator-task core
 /// saturates, for relative rates `weights`: a batch of requests in those
 /// proportions (the least weighted tenant `rounds` of them) all queued at
 /// time 0, served until the last completes: the batch over that time.
@@ -456,7 +423,7 @@ mod tests {
         ok[0]
     }
 
-    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, policy: Policy::Lend };
+    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, policy: Boundary::Lend };
 
     #[test]
     fn a_lone_request_runs_each_operation_on_the_engines_that_pay() {
@@ -506,21 +473,30 @@ mod tests {
         let g = mlp();
         let mut tasks: Vec<Tasks> = (0..3).map(|_| Tasks::new(&board, g.clone()).unwrap()).collect();
         let mut ws = [workload(), workload(), workload()];
-        let v10 = Lending { policy: Policy::Interleave, ..ONE_OP };
+        let v10 = Lending { policy: Boundary::Interleave, ..ONE_OP };
         // Alone, a tenant takes the fastest shape of the whole core for
         // each operation, as a lone vNPU-WC tenant borrows it.
         let alone = [vec![0.0], vec![], vec![]];
         let a = simulate_lending(&board, &ws, &mut tasks, &alone, v10).unwrap().latencies[0][0];
         let b = simulate_lending(&board, &ws, &mut tasks, &alone, ONE_OP).unwrap().latencies[0][0];
         assert!((a - b).abs() <= 1e-9 * b, "{a} vs {b}");
-        // Three at once: at equal priorities the order alternates with the
-        // engine time each has had, and the second ends last. At priority
-        // 12 its attained time counts a twelfth: it goes first at every
-        // boundary and ends first.
+        // Three at once: the fastest shape takes every SA, so one task
+        // runs at a time, and at equal priorities in turns by the engine
+        // time each has had: the first to end has waited for two tasks of
+        // each other tenant (7 tasks in all, 3 with a FIFO order), the
+        // last ends two tasks (and their engine switches) later.
+        let (shape, t) = best(&board, &g, 0, 0.05);
+        assert_eq!(shape.sa, 4, "{shape:?}");
+        let switch = npu_scheduler::switch_cycles(&board);
         let all = [vec![0.0], vec![0.0], vec![0.0]];
         let o = simulate_lending(&board, &ws, &mut tasks, &all, v10).unwrap();
         let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();
-        assert!(l[1] > l[0] && l[1] > l[2], "{l:?}");
+        let lo = l.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = l.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert!(lo >= 7.0 * t * (1.0 - 1e-9), "{l:?}: first ends before 7 tasks of {t}");
+        assert!(hi - lo <= 2.0 * (t + switch) * (1.0 + 1e-9), "{l:?}: turns of {t} + {switch}");
+        // At priority 12 its attained time counts a twelfth: it goes first
+        // at every boundary and ends first.
         ws[1].priority = 12;
         let o = simulate_lending(&board, &ws, &mut tasks, &all, v10).unwrap();
         let l: Vec<f64> = o.latencies.iter().map(|l| l[0]).collect();

@@ -60,7 +60,8 @@
 
 mod lending;
 
-use lending::{saturation_lending, simulate_lending, Lending, Policy, Tasks};
+use lending::{saturation_lending, simulate_lending, Lending, Tasks};
+use npu_board_runtime::Boundary;
 
 use clap::Parser;
 use npu_bench::{
@@ -751,10 +752,10 @@ fn run() -> Result<(), String> {
     let how = Lending {
         task_cycles: args.task_us * f64::from(board.clock_mhz),
         tolerance: args.tolerance,
-        policy: Policy::Lend,
+        policy: Boundary::Lend,
     };
-    let planaria = Lending { policy: Policy::Fission, ..how };
-    let v10 = Lending { policy: Policy::Interleave, ..how };
+    let planaria = Lending { policy: Boundary::Fission, ..how };
+    let v10 = Lending { policy: Boundary::Interleave, ..how };
     let weights: Vec<f64> = ws.iter().map(|w| if args.equal_mix() { 1.0 } else { 1.0 / w.t11 }).collect();
     let wsum: f64 = weights.iter().sum();
     eprintln!("measuring each system's saturation ...");
