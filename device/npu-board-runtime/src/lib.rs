@@ -996,4 +996,119 @@ mod tests {
         assert_eq!(npu_model::memory::read_f32s(&om.sram, 0, 1 << 18).unwrap(), added(3.0, 3, n));
         core.stop();
     }
+
+    /// A request of `stages` stages of `adds` vector adds each, split
+    /// evenly over the VUs it is granted (VUs only: SAs do not help).
+    #[derive(Debug)]
+    struct AddStages {
+        tenant: usize,
+        stages: usize,
+        adds: usize,
+        done: usize,
+        program: Arc<Program>,
+        /// Cycles of one stage on 1..=4 VUs, run alone (the reference).
+        alone: [f64; 4],
+    }
+
+    impl StageTimes for AddStages {
+        fn next(&self, e: Engines) -> f64 {
+            match e.vu {
+                1..=4 if e.sa >= 1 => self.alone[e.vu as usize - 1],
+                _ => f64::INFINITY,
+            }
+        }
+        fn rest(&self, e: Engines) -> f64 {
+            self.next(e) * (self.stages - self.done) as f64
+        }
+    }
+
+    impl Staged for AddStages {
+        fn stage_times(&self) -> Option<&dyn StageTimes> {
+            Some(self)
+        }
+        fn begin_stage(&mut self, e: Engines) {
+            let vus = e.vu.clamp(1, 4);
+            self.program = adds(vus as u8, 256, self.adds / vus as usize, false);
+        }
+        fn end_stage(&mut self, _: &TenantReport) -> bool {
+            self.done += 1;
+            self.done < self.stages
+        }
+    }
+
+    impl SimTenant for AddStages {
+        fn program(&self) -> &Program {
+            &self.program
+        }
+        fn memory(&mut self) -> Option<CoreMemory<'_>> {
+            None
+        }
+        fn max_cycles(&self) -> Option<u64> {
+            None
+        }
+    }
+
+    fn add_stages(board: &BoardConfig, tenant: usize, stages: usize, count: usize) -> AddStages {
+        let alone = [1u8, 2, 3, 4].map(|v| {
+            npu_model::run_program(board, &adds(v, 256, count / usize::from(v), false), None, None)
+                .map_or(f64::NAN, |r| r.cycles)
+        });
+        AddStages { tenant, stages, adds: count, done: 0, program: adds(1, 256, 1, false), alone }
+    }
+
+    /// Staging, by hand: a lone request takes every VU for each of its
+    /// stages and borrows the three beyond its claim; a second tenant
+    /// arriving during a stage waits for that stage to end (the bound of
+    /// an owner's wait), then both run on their guarantees and the idle
+    /// engines.
+    #[test]
+    fn staged_requests_borrow_idle_engines_and_give_them_back_at_stage_ends() {
+        let board = BoardConfig::default();
+        let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
+        let mut rt: Runtime<'_, AddStages> = Runtime::new(&board);
+        rt.set_harvesting(false);
+        rt.set_staging(Staging { boundary: Boundary::Lend, tolerance: 0.0 });
+        let a = add_stages(&board, 0, 2, 96);
+        let stage4 = a.alone[3];
+        assert!(stage4 < a.alone[0] / 3.0, "{:?}", a.alone);
+        rt.submit(0, "a", claim, a).map_err(|_| "no core").unwrap();
+        let mut done = Vec::new();
+        while rt.busy() {
+            done.extend(rt.step(f64::INFINITY));
+        }
+        assert_eq!(done.len(), 1, "one completion for two stages");
+        let c = &done[0];
+        assert!(c.result.is_ok());
+        assert_eq!((c.begin, c.end), (0.0, 2.0 * stage4), "two stages on 4 VUs back to back");
+        let st = rt.stats(0);
+        assert_eq!(st.stages, 2);
+        let h = &st.harvest.iter().find(|h| h.0 == "a").unwrap().1;
+        assert_eq!(h.borrowed_cycles, 3.0 * 2.0 * stage4, "3 VUs beyond the claim");
+
+        // Again, with "b" arriving half-way through "a"'s first stage: it
+        // waits for that stage to end, then runs on its 1+1 while "a"'s
+        // second stage takes the other 3 VUs.
+        let mut rt: Runtime<'_, AddStages> = Runtime::new(&board);
+        rt.set_harvesting(false);
+        rt.set_staging(Staging { boundary: Boundary::Lend, tolerance: 0.0 });
+        rt.submit(0, "a", claim, add_stages(&board, 0, 2, 96)).map_err(|_| "no core").unwrap();
+        let mut done = rt.step(stage4 / 2.0);
+        assert!(done.is_empty());
+        let b = add_stages(&board, 1, 1, 96);
+        let b_alone = b.alone[0];
+        rt.submit(0, "b", claim, b).map_err(|_| "no core").unwrap();
+        while rt.busy() {
+            done.extend(rt.step(f64::INFINITY));
+        }
+        assert_eq!(done.len(), 2);
+        let st = rt.stats(0);
+        let hb = &st.harvest.iter().find(|h| h.0 == "b").unwrap().1;
+        assert_eq!((hb.reclaims, hb.reclaim_max_cycles), (1, stage4 / 2.0), "b waited for a's stage");
+        let b_done = done.iter().find(|c| c.job.tenant == 1).unwrap();
+        // One engine switch after it waited, then its stage on 1 VU (it
+        // shares the core with a's stage, so at least its time alone).
+        let switch = switch_cycles(&board);
+        assert_eq!(b_done.begin, stage4 + switch);
+        assert!(b_done.end >= b_done.begin + b_alone, "{b_done:?}");
+    }
 }
