@@ -84,7 +84,12 @@ struct Entry<J> {
 impl<J> Entry<J> {
     /// The engines it holds on the core: its stage's, else its claim's.
     fn holds(&self) -> Engines {
-        self.stage.unwrap_or(Engines::new(self.claim.sa, self.claim.vu))
+        self.stage.unwrap_or(self.claim.engines())
+    }
+
+    /// The engines it holds beyond its claim (a stage's borrowed ones).
+    fn beyond_claim(&self) -> Engines {
+        self.holds().saturating_sub(self.claim.engines())
     }
 }
 
@@ -526,7 +531,7 @@ impl<'c, J: SimTenant + Staged> Runtime<'c, J> {
             if let Rule::Staged(_) = rule {
                 // Stages on more engines than their claims borrow them.
                 borrowing.extend(core.jobs().filter_map(|j| {
-                    let extra = j.holds().saturating_sub(Engines::new(j.claim.sa, j.claim.vu));
+                    let extra = j.beyond_claim();
                     (extra.total() > 0).then(|| (j.tenant.clone(), extra))
                 }));
                 reclaimed.append(&mut staged_waits);
@@ -589,7 +594,7 @@ impl<'c, J: SimTenant + Staged> Runtime<'c, J> {
                 if let Some(a) = self.attained.get_mut(c) {
                     add_busy(a, std::iter::once((entry.tenant.as_str(), held)));
                 }
-                let extra = e.saturating_sub(Engines::new(entry.claim.sa, entry.claim.vu));
+                let extra = entry.beyond_claim();
                 if let Some(log) = logs.get_mut(c) {
                     log.stages += 1;
                     if extra.total() > 0 {
@@ -688,7 +693,7 @@ fn grant_stages<J: SimTenant + Staged>(
         let at: Vec<AtStage<'_>> = d
             .waiting()
             .map(|e| AtStage {
-                guaranteed: Engines::new(e.claim.sa, e.claim.vu),
+                guaranteed: e.claim.engines(),
                 priority: e.claim.priority,
                 to_deadline: match e.claim.slo_cycles {
                     0 => f64::INFINITY,
@@ -746,11 +751,10 @@ fn lenders(
     unused: &[(String, Engines)],
     lent: Engines,
 ) -> Vec<(String, f64)> {
-    let claimed =
-        seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(Engines::new(c.sa, c.vu)));
+    let claimed = seen.iter().fold(Engines::default(), |a, (_, c)| a.saturating_add(c.engines()));
     let core = Engines::new(board.core.sa_count, board.core.vu_count);
     let mut left = lent.saturating_sub(core.saturating_sub(claimed));
-    let idle = seen.iter().filter(|(t, _)| !running.contains(t)).map(|(t, c)| (t, Engines::new(c.sa, c.vu)));
+    let idle = seen.iter().filter(|(t, _)| !running.contains(t)).map(|(t, c)| (t, c.engines()));
     let mut out: Vec<(String, f64)> = Vec::new();
     for (tenant, own) in unused.iter().map(|(t, u)| (t, *u)).chain(idle) {
         let from = left.min(own);

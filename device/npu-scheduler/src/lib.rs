@@ -44,6 +44,11 @@ impl Claim {
     pub fn whole_core(board: &BoardConfig) -> Self {
         Self { sa: board.core.sa_count, vu: board.core.vu_count, ..Self::default() }
     }
+
+    /// Its SAs and VUs.
+    pub fn engines(&self) -> Engines {
+        Engines::new(self.sa, self.vu)
+    }
 }
 
 /// Cycles to switch engines from one tenant's request to another's: drain the SA pipelines (2 x rows + cols) and the VU pipeline, then
@@ -148,7 +153,7 @@ pub fn harvest(core: Engines, running: &[Pending], wants: &[Engines], uses: &[En
 /// lent for as long as it runs).
 pub fn uses(program: &vnpu_abi::Program, p: &Pending) -> Engines {
     let (sa, vu) = program.compute_streams();
-    Engines::new(sa, vu).min(Engines::new(p.claim.sa, p.claim.vu))
+    Engines::new(sa, vu).min(p.claim.engines())
 }
 
 /// What request `p` of `program` can use beyond its claim: the smaller of
@@ -640,7 +645,7 @@ impl<J: SimTenant> Dispatcher<J> {
             who.push(p);
             want.push(program.map_or(Engines::default(), |g| wants(g, &p)));
             // A request whose program is gone from view keeps its claim.
-            using.push(program.map_or(Engines::new(p.claim.sa, p.claim.vu), |g| uses(g, &p)));
+            using.push(program.map_or(p.claim.engines(), |g| uses(g, &p)));
         };
         for &(id, p) in &self.running {
             add(p, sim.job(id).map(SimTenant::program));
@@ -655,11 +660,8 @@ impl<J: SimTenant> Dispatcher<J> {
             }
         }
         let grants = harvest(core, &who, &want, &using);
-        let spare: Vec<Engines> = who
-            .iter()
-            .zip(&using)
-            .map(|(p, u)| Engines::new(p.claim.sa, p.claim.vu).saturating_sub(*u))
-            .collect();
+        let spare: Vec<Engines> =
+            who.iter().zip(&using).map(|(p, u)| p.claim.engines().saturating_sub(*u)).collect();
         let mut reclaim: f64 = 0.0;
         for (&(id, p), g) in self.running.iter().zip(&grants) {
             let claim = [p.claim.sa, p.claim.vu];

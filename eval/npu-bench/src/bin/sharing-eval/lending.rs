@@ -333,12 +333,8 @@ pub fn simulate_lending(
     }
     let st = rt.stats(0);
     o.tasks = st.stages;
-    for (_, h) in &st.harvest {
-        o.reclaim_waits += h.reclaims;
-        o.reclaim_max = o.reclaim_max.max(h.reclaim_max_cycles);
-        o.reclaim_cycles += h.reclaim_cycles;
-        o.borrowed_eu_cycles += h.borrowed_cycles;
-    }
+    o.add_reclaims(&st);
+    o.borrowed_eu_cycles += st.harvest.iter().map(|h| h.1.borrowed_cycles).sum::<f64>();
     Ok(o)
 }
 

@@ -137,6 +137,15 @@ impl Outcome {
     fn new(n: usize) -> Self {
         Self { latencies: vec![Vec::new(); n], ..Self::default() }
     }
+
+    /// The waits for engines every tenant of `st`'s core counted.
+    fn add_reclaims(&mut self, st: &npu_board_runtime::SharingStats) {
+        for (_, h) in &st.harvest {
+            self.reclaim_waits += h.reclaims;
+            self.reclaim_max = self.reclaim_max.max(h.reclaim_max_cycles);
+            self.reclaim_cycles += h.reclaim_cycles;
+        }
+    }
 }
 
 /// The systems that run on the board runtime (`npu_board_runtime::Runtime`,
@@ -260,11 +269,7 @@ fn simulate_runtime(
     o.switches = st.preempted;
     o.kills = st.killed;
     o.eu_cycles += st.killed_cycles;
-    for (_, h) in &st.harvest {
-        o.reclaim_waits += h.reclaims;
-        o.reclaim_max = o.reclaim_max.max(h.reclaim_max_cycles);
-        o.reclaim_cycles += h.reclaim_cycles;
-    }
+    o.add_reclaims(&st);
     Ok(o)
 }
 
