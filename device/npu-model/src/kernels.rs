@@ -4,7 +4,7 @@
 //! program that skipped the verifier cannot touch memory outside its
 //! segments; such an access fails the instruction.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::thread::LocalKey;
 
 use half::bf16;
@@ -598,7 +598,7 @@ fn copy_rows(
     if rows == 0 || row == 0 {
         return Ok(());
     }
-    if src.space != dst.space && row >= SMALL_ROW {
+    if src.space != dst.space {
         // Different memories: read straight into the destination when it
         // is one flat buffer.
         let (s_mem, d_mem): (&dyn Memory, &mut dyn Memory) = match (src.space, dst.space) {
@@ -610,6 +610,15 @@ fn copy_rows(
             (Space::Guest, Space::Hbm) => (&*mem.guest, &mut *mem.hbm),
             _ => return Err(KernelError::Geometry("copy between equal spaces")),
         };
+        if row < SMALL_ROW {
+            if let Some(r) = copy_small_rows(s_mem, d_mem, (src, src_stride), (dst, dst_stride), rows, row) {
+                return r;
+            }
+            return with_bytes(&ROWS_BUF, total, |buf| {
+                gather_rows(s_mem, src.offset, rows, row, src_stride, src.space != Space::Guest, buf)?;
+                scatter_rows(d_mem, dst.offset, rows, row, dst_stride, dst.space != Space::Guest, buf)
+            });
+        }
         let mut buf = Vec::new();
         for r in 0..rows {
             let s = row_at(src.offset, r, src_stride, "src overflow")?;
@@ -657,8 +666,8 @@ thread_local! {
     /// of a copy; `SPAN_BUF`: the span of small rows), kept per thread:
     /// small DMA copies are many, and each allocated and zeroed its
     /// buffers.
-    static ROWS_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
-    static SPAN_BUF: Cell<Vec<u8>> = const { Cell::new(Vec::new()) };
+    static ROWS_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static SPAN_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Buffers larger than this are not kept between calls.
@@ -668,7 +677,7 @@ const KEEP_BYTES: usize = 16 << 20;
 /// write what it reads): this thread's buffer `key`
 /// ([`crate::scratch::with_scratch`]), kept afterwards unless larger than
 /// [`KEEP_BYTES`].
-fn with_bytes<R>(key: &'static LocalKey<Cell<Vec<u8>>>, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+fn with_bytes<R>(key: &'static LocalKey<RefCell<Vec<u8>>>, n: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     with_scratch(
         key,
         |buf| buf.len() <= KEEP_BYTES,
@@ -695,6 +704,58 @@ fn rows_span(rows: u64, row: usize, stride: u64) -> Option<u64> {
 /// Rows shorter than this are moved through one access to their whole
 /// span (a call per row costs more than the bytes between them).
 const SMALL_ROW: usize = 256;
+
+/// Copies short rows between two different memories without a dense
+/// buffer between them when one side is a flat buffer: rows go from
+/// slice to slice, or between a slice and the other memory's span read
+/// (and, for a destination, written back) whole. Row by row in order, so
+/// overlapping destination rows end as the later row (as
+/// [`scatter_rows`]). `None` when neither side is flat (or a span is out
+/// of range): the caller's dense path then runs and reports errors.
+fn copy_small_rows(
+    s_mem: &dyn Memory,
+    d_mem: &mut dyn Memory,
+    (src, ss): (Addr, u64),
+    (dst, ds): (Addr, u64),
+    rows: u64,
+    row: usize,
+) -> Option<Result<(), KernelError>> {
+    let s_span = rows_span(rows, row, ss)?;
+    let d_span = rows_span(rows, row, ds)?;
+    // Spans fit in a slice, so every `r * stride + row` below fits too.
+    let at = |r: u64, stride: u64| (r * stride) as usize;
+    if let Some(to) = d_mem.slice_mut(dst.offset, d_span) {
+        if let Some(from) = s_mem.slice(src.offset, s_span) {
+            for r in 0..rows {
+                let (a, b) = (at(r, ss), at(r, ds));
+                to[b..b + row].copy_from_slice(&from[a..a + row]);
+            }
+            return Some(Ok(()));
+        }
+        let span = small_rows_span(rows, row, ss, src.space != Space::Guest)?;
+        return Some(with_bytes(&SPAN_BUF, span, |whole| {
+            s_mem.read(src.offset, whole)?;
+            for r in 0..rows {
+                let (a, b) = (at(r, ss), at(r, ds));
+                to[b..b + row].copy_from_slice(&whole[a..a + row]);
+            }
+            Ok(())
+        }));
+    }
+    let from = s_mem.slice(src.offset, s_span)?;
+    // The destination's bytes between the rows are written back as they
+    // were.
+    let span = small_rows_span(rows, row, ds, dst.space != Space::Guest)?;
+    Some(with_bytes(&SPAN_BUF, span, |whole| {
+        d_mem.read(dst.offset, whole)?;
+        for r in 0..rows {
+            let (a, b) = (at(r, ss), at(r, ds));
+            whole[b..b + row].copy_from_slice(&from[a..a + row]);
+        }
+        d_mem.write(dst.offset, whole)?;
+        Ok(())
+    }))
+}
 
 /// The span of `rows` rows of `row` bytes, `stride` apart, to read or
 /// write at once instead of row by row: `Some(bytes)` when the rows are
@@ -1074,7 +1135,7 @@ fn conv_products(
 thread_local! {
     /// The im2col buffer of this thread's convolutions, kept between
     /// instructions (no fresh pages to zero and fault in every time).
-    static IM2COL_BUF: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    static IM2COL_BUF: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The chunks of [`conv_products`] through the im2col buffer `cols`.

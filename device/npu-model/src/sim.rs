@@ -1169,7 +1169,7 @@ struct RateScratch {
 }
 
 thread_local! {
-    static RATE_SCRATCH: std::cell::Cell<RateScratch> = std::cell::Cell::new(RateScratch::default());
+    static RATE_SCRATCH: std::cell::RefCell<RateScratch> = std::cell::RefCell::new(RateScratch::default());
 }
 
 /// Sets the rates of every transfer in flight on `cores` (core `i` on chip
