@@ -722,23 +722,17 @@ fn copy_small_rows(
 ) -> Option<Result<(), KernelError>> {
     let s_span = rows_span(rows, row, ss)?;
     let d_span = rows_span(rows, row, ds)?;
-    // Spans fit in a slice, so every `r * stride + row` below fits too.
-    let at = |r: u64, stride: u64| (r * stride) as usize;
+    // Both spans fit in memory, so both strides fit a `usize`.
+    let (su, du) = (ss as usize, ds as usize);
     if let Some(to) = d_mem.slice_mut(dst.offset, d_span) {
         if let Some(from) = s_mem.slice(src.offset, s_span) {
-            for r in 0..rows {
-                let (a, b) = (at(r, ss), at(r, ds));
-                to[b..b + row].copy_from_slice(&from[a..a + row]);
-            }
+            copy_strided(from, su, to, du, rows, row);
             return Some(Ok(()));
         }
         let span = small_rows_span(rows, row, ss, src.space != Space::Guest)?;
         return Some(with_bytes(&SPAN_BUF, span, |whole| {
             s_mem.read(src.offset, whole)?;
-            for r in 0..rows {
-                let (a, b) = (at(r, ss), at(r, ds));
-                to[b..b + row].copy_from_slice(&whole[a..a + row]);
-            }
+            copy_strided(whole, su, to, du, rows, row);
             Ok(())
         }));
     }
@@ -748,13 +742,21 @@ fn copy_small_rows(
     let span = small_rows_span(rows, row, ds, dst.space != Space::Guest)?;
     Some(with_bytes(&SPAN_BUF, span, |whole| {
         d_mem.read(dst.offset, whole)?;
-        for r in 0..rows {
-            let (a, b) = (at(r, ss), at(r, ds));
-            whole[b..b + row].copy_from_slice(&from[a..a + row]);
-        }
+        copy_strided(from, su, whole, du, rows, row);
         d_mem.write(dst.offset, whole)?;
         Ok(())
     }))
+}
+
+/// Copies `rows` rows of `row` bytes, `ss` apart in `from`, to rows
+/// `ds` apart in `to`, in order (overlapping destination rows end as the
+/// later row). The caller passes spans that hold every row
+/// ([`rows_span`]), so no index overflows or falls outside.
+fn copy_strided(from: &[u8], ss: usize, to: &mut [u8], ds: usize, rows: u64, row: usize) {
+    for r in 0..rows as usize {
+        let (a, b) = (r * ss, r * ds);
+        to[b..b + row].copy_from_slice(&from[a..a + row]);
+    }
 }
 
 /// The span of `rows` rows of `row` bytes, `stride` apart, to read or
@@ -787,10 +789,7 @@ fn gather_rows(
         with_bytes(&SPAN_BUF, span, |whole| -> Result<(), KernelError> {
             m.read(base, whole)?;
             // `r * stride + row <= span`, so neither overflows.
-            for (r, chunk) in out.chunks_exact_mut(row).enumerate() {
-                let at = r * stride as usize;
-                chunk.copy_from_slice(&whole[at..at + row]);
-            }
+            copy_strided(whole, stride as usize, out, row, rows, row);
             Ok(())
         })?;
     } else {
@@ -819,10 +818,7 @@ fn scatter_rows(
         // The bytes between the rows are written back as they were.
         with_bytes(&SPAN_BUF, span, |whole| -> Result<(), KernelError> {
             m.read(base, whole)?;
-            for (r, chunk) in data.chunks_exact(row).enumerate() {
-                let at = r * stride as usize;
-                whole[at..at + row].copy_from_slice(chunk);
-            }
+            copy_strided(data, row, whole, stride as usize, rows, row);
             m.write(base, whole)?;
             Ok(())
         })?;
