@@ -166,17 +166,17 @@ pub struct InferArgs {
 }
 
 /// A model file's bytes: mapped (the page cache's own pages, read only
-/// where they are used) or, when the file cannot be mapped (a pipe),
-/// read.
+/// where they are used; with the file, which the VM path maps into guest
+/// RAM the same way) or, when the file cannot be mapped (a pipe), read.
 enum ModelFile {
-    Mapped(memmap2::Mmap),
+    Mapped(memmap2::Mmap, std::fs::File),
     Read(Vec<u8>),
 }
 
 impl AsRef<[u8]> for ModelFile {
     fn as_ref(&self) -> &[u8] {
         match self {
-            ModelFile::Mapped(m) => m,
+            ModelFile::Mapped(m, _) => m,
             ModelFile::Read(v) => v,
         }
     }
@@ -192,7 +192,7 @@ fn read_model(path: &Path) -> Result<(ModelFile, Model, std::ops::Range<usize>),
     // must not shrink while `vnpu infer` runs (docs/cli.md): reading a
     // truncated mapping's page is a SIGBUS.
     let bytes = match unsafe { memmap2::Mmap::map(&file) } {
-        Ok(m) => ModelFile::Mapped(m),
+        Ok(m) => ModelFile::Mapped(m, file),
         Err(_) => {
             let mut v = Vec::new();
             std::io::Read::read_to_end(&mut &file, &mut v).map_err(io)?;
@@ -323,7 +323,9 @@ fn run_vm(
         m.outputs.iter().map(|t| t.bytes().unwrap_or(0) as usize).sum::<usize>() * runs as usize;
     let stat_bytes = job::STAT_WORDS * 8 * runs as usize;
     let align = |x: usize| x.next_multiple_of(64);
-    let model_at = job::HEADER_BYTES;
+    // The model at a page boundary of the payload (itself page-aligned),
+    // so the VM can map the file there instead of copying it.
+    let model_at = job::HEADER_BYTES.next_multiple_of(4096);
     let in_at = align(model_at + model_len);
     let out_at = align(in_at + in_bytes);
     let stat_at = align(out_at + out_bytes);
@@ -343,7 +345,10 @@ fn run_vm(
     }
     let mut p = vnpu_vm::Payload::zeroed(total as u64);
     p.put(0, h.encode().to_vec())?;
-    p.put(model_at as u64, file)?;
+    match file {
+        ModelFile::Mapped(bytes, f) => p.put_file(model_at as u64, f, bytes)?,
+        read => p.put(model_at as u64, read)?,
+    }
     p.put(in_at as u64, in_data)?;
     // Memory: the runtime's 24 MiB, the I/O window and program copies in
     // DMA memory, the payload on top; at least 64 MiB. (The weight image

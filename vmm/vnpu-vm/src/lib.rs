@@ -353,17 +353,18 @@ type PayloadBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
 /// zero except where a piece was put. The pieces are written straight
 /// into guest RAM (fresh guest RAM reads as zero), so a large payload is
 /// never assembled in one more buffer first; a piece may be any bytes,
-/// e.g. a mapped file.
+/// e.g. a mapped file. A piece put with its file ([`Payload::put_file`])
+/// is mapped into guest RAM instead of written, where it can be.
 #[derive(Clone, Default)]
 pub struct Payload {
     len: u64,
-    pieces: Vec<(u64, PayloadBytes)>,
+    pieces: Vec<(u64, PayloadBytes, Option<Arc<File>>)>,
 }
 
 impl std::fmt::Debug for Payload {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let pieces: Vec<(u64, usize)> =
-            self.pieces.iter().map(|(at, b)| (*at, (**b).as_ref().len())).collect();
+            self.pieces.iter().map(|(at, b, _)| (*at, (**b).as_ref().len())).collect();
         f.debug_struct("Payload").field("len", &self.len).field("pieces (at, len)", &pieces).finish()
     }
 }
@@ -376,6 +377,31 @@ impl Payload {
 
     /// Puts `bytes` at offset `at`; fails when they do not fit.
     pub fn put(&mut self, at: u64, bytes: impl AsRef<[u8]> + Send + Sync + 'static) -> Result<(), VmError> {
+        self.put_piece(at, bytes, None)
+    }
+
+    /// Puts `bytes`, the whole of `file`, at offset `at` (a multiple of
+    /// 4 KiB, else they are written like [`Payload::put`]'s): the VM maps
+    /// the file's pages there, copy-on-write, instead of writing the
+    /// bytes into fresh guest RAM, which would fault in and copy every
+    /// page. The file must neither change nor shrink while the VM runs;
+    /// when it cannot be mapped (a VM whose RAM a daemon shares, or the
+    /// mapping fails) the bytes are written.
+    pub fn put_file(
+        &mut self,
+        at: u64,
+        file: File,
+        bytes: impl AsRef<[u8]> + Send + Sync + 'static,
+    ) -> Result<(), VmError> {
+        self.put_piece(at, bytes, Some(Arc::new(file)))
+    }
+
+    fn put_piece(
+        &mut self,
+        at: u64,
+        bytes: impl AsRef<[u8]> + Send + Sync + 'static,
+        file: Option<Arc<File>>,
+    ) -> Result<(), VmError> {
         let n = bytes.as_ref().len();
         let fits = u64::try_from(n).ok().and_then(|n| at.checked_add(n)).is_some_and(|e| e <= self.len);
         if !fits {
@@ -384,7 +410,7 @@ impl Payload {
                 reason: format!("a payload piece of {n} bytes at {at} runs past its end"),
             });
         }
-        self.pieces.push((at, std::sync::Arc::new(bytes)));
+        self.pieces.push((at, std::sync::Arc::new(bytes), file));
         Ok(())
     }
 
@@ -397,6 +423,62 @@ impl Payload {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// Maps the first `len` bytes of `file` over guest RAM at `gpa`
+/// (private, copy-on-write; the last page whole, its bytes past the
+/// file's end zero), replacing fresh pages nothing has touched yet.
+/// `Ok(false)`, with nothing changed, when `gpa` is not page-aligned, the
+/// pages are not all inside RAM or the file is not `len` bytes long, or
+/// when the mapping fails and fresh pages are put back.
+fn map_file_into(memory: &GuestMemoryMmap<()>, gpa: u64, file: &File, len: usize) -> Result<bool, VmError> {
+    const PAGE: u64 = 4096;
+    let Some(pages) = u64::try_from(len).ok().and_then(|n| n.checked_next_multiple_of(PAGE)) else {
+        return Ok(false);
+    };
+    let file_len = file.metadata().map(|m| m.len()).ok();
+    let Ok(map_len) = usize::try_from(pages) else { return Ok(false) };
+    // The whole range must lie in one region (guest RAM is one).
+    if pages == 0
+        || !gpa.is_multiple_of(PAGE)
+        || file_len != u64::try_from(len).ok()
+        || memory.get_slice(GuestAddress(gpa), map_len).is_err()
+    {
+        return Ok(false);
+    }
+    let Ok(host) = memory.get_host_address(GuestAddress(gpa)) else { return Ok(false) };
+    let fd = std::os::fd::AsRawFd::as_raw_fd(file);
+    let map = |flags: libc::c_int, fd: libc::c_int| {
+        // SAFETY: `host .. host + map_len` lies inside guest RAM's one
+        // mapping (checked just above), which `memory` owns and unmaps
+        // whole when dropped. The VM has not run and no reference into
+        // these pages exists (the payload is placed before the vCPU is
+        // created), so replacing them (MAP_FIXED) changes nothing anyone
+        // holds; KVM's slot covers the range by address and follows the
+        // new mapping. A file mapping holds `len` bytes (checked), so
+        // every page it maps has file bytes (no SIGBUS).
+        unsafe {
+            libc::mmap(
+                host.cast(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                flags | libc::MAP_PRIVATE | libc::MAP_FIXED,
+                fd,
+                0,
+            )
+        }
+    };
+    if map(0, fd) == host.cast() {
+        return Ok(true);
+    }
+    // A failed MAP_FIXED may have unmapped the range: fresh pages back.
+    if map(libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1) == host.cast() {
+        return Ok(false);
+    }
+    Err(VmError::Memory {
+        size: memory.last_addr().0.saturating_add(1),
+        reason: format!("could not restore guest RAM at {gpa:#x} after mapping the payload's file failed"),
+    })
 }
 
 impl VmConfig {
@@ -582,7 +664,19 @@ impl<W: Write> Vm<W> {
                 })?;
                 // Every piece lies inside the payload (`Payload::put`), and
                 // the payload inside RAM (`at + len <= memory_bytes`).
-                for (off, bytes) in &p.pieces {
+                // Files first: a mapping covers its last page whole, and
+                // the pieces written after it may share that page.
+                let local = cfg.remote_vnpus.is_empty();
+                let mut mapped = vec![false; p.pieces.len()];
+                for ((off, bytes, file), done) in p.pieces.iter().zip(&mut mapped) {
+                    if let (Some(file), true) = (file, local) {
+                        *done = map_file_into(memory, at + off, file, (**bytes).as_ref().len())?;
+                    }
+                }
+                for ((off, bytes, _), done) in p.pieces.iter().zip(&mapped) {
+                    if *done {
+                        continue;
+                    }
                     memory.write_slice((**bytes).as_ref(), GuestAddress(at + off)).map_err(|e| {
                         VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") }
                     })?;
@@ -1015,5 +1109,69 @@ impl<W: Write> Vm<W> {
             }
         })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file of `len` bytes `i % 251` (removed when dropped).
+    struct Temp(std::path::PathBuf, File);
+
+    impl Temp {
+        fn new(name: &str, len: usize) -> Self {
+            let path = std::env::temp_dir().join(format!("vnpu-vm-{}-{name}", std::process::id()));
+            let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            File::create(&path).and_then(|mut f| f.write_all(&bytes)).expect("write the test file");
+            let f = File::open(&path).expect("open the test file");
+            Self(path, f)
+        }
+    }
+
+    impl Drop for Temp {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    fn ram() -> GuestMemoryMmap<()> {
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).expect("guest RAM")
+    }
+
+    #[test]
+    fn a_mapped_file_reads_as_its_bytes_then_zero_and_writes_stay_private() {
+        let len = 3 * 4096 + 100;
+        let t = Temp::new("map", len);
+        let m = ram();
+        m.write_slice(&[7; 16], GuestAddress(0x1_0000 - 16)).expect("write before");
+        assert_eq!(map_file_into(&m, 0x1_0000, &t.1, len).ok(), Some(true));
+        let mut got = vec![0u8; 4 * 4096];
+        m.read_slice(&mut got, GuestAddress(0x1_0000)).expect("read");
+        let want: Vec<u8> = (0..4 * 4096).map(|i| if i < len { (i % 251) as u8 } else { 0 }).collect();
+        assert!(got == want, "the file's bytes, then zero to the page's end");
+        // RAM around it is untouched, and a guest write is its own.
+        let mut before = [0u8; 16];
+        m.read_slice(&mut before, GuestAddress(0x1_0000 - 16)).expect("read before");
+        assert_eq!(before, [7; 16]);
+        m.write_slice(&[0xee; 64], GuestAddress(0x1_0000 + 10)).expect("write");
+        m.write_slice(&[0xdd; 64], GuestAddress(0x1_0000 + len as u64)).expect("write the tail");
+        let file = std::fs::read(&t.0).expect("read the file back");
+        assert!(file.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "the file is unchanged");
+        assert_eq!(file.len(), len);
+    }
+
+    #[test]
+    fn a_file_that_cannot_be_mapped_there_is_left_to_be_written() {
+        let t = Temp::new("nomap", 5000);
+        let m = ram();
+        // Not page-aligned, past RAM's end, or a length that is not the file's.
+        assert_eq!(map_file_into(&m, 0x1_0008, &t.1, 5000).ok(), Some(false));
+        assert_eq!(map_file_into(&m, (1 << 20) - 4096, &t.1, 5000).ok(), Some(false));
+        assert_eq!(map_file_into(&m, 0x1_0000, &t.1, 4000).ok(), Some(false));
+        assert_eq!(map_file_into(&m, 0x1_0000, &t.1, 0).ok(), Some(false));
+        let mut got = vec![1u8; 8192];
+        m.read_slice(&mut got, GuestAddress(0x1_0000)).expect("read");
+        assert!(got.iter().all(|b| *b == 0), "RAM left as it was");
     }
 }
