@@ -624,15 +624,26 @@ fn copy_rows(
             let s = row_at(src.offset, r, src_stride, "src overflow")?;
             let d = row_at(dst.offset, r, dst_stride, "dst overflow")?;
             // One pass when either side is one flat buffer; a bounce
-            // buffer only between two memories that are not.
+            // buffer only between two memories that are not, a piece of
+            // at most `BOUNCE_BYTES` at a time: a row may be a whole
+            // weight image (a load program's one copy from guest memory
+            // into HBM), and a buffer that large would be fresh memory,
+            // a page fault per 4 KiB, on every such copy.
             if let Some(out) = d_mem.slice_mut(d, row as u64) {
                 s_mem.read(s, out)?;
             } else if let Some(from) = s_mem.slice(s, row as u64) {
                 d_mem.write(d, from)?;
             } else {
-                buf.resize(row, 0);
-                s_mem.read(s, &mut buf)?;
-                d_mem.write(d, &buf)?;
+                buf.resize(row.min(BOUNCE_BYTES), 0);
+                let mut done = 0;
+                while done < row {
+                    let n = buf.len().min(row - done);
+                    let at = done as u64;
+                    let (sp, dp) = (row_at(s, 1, at, "src overflow")?, row_at(d, 1, at, "dst overflow")?);
+                    s_mem.read(sp, &mut buf[..n])?;
+                    d_mem.write(dp, &buf[..n])?;
+                    done += n;
+                }
             }
         }
         return Ok(());
@@ -669,6 +680,10 @@ thread_local! {
     static ROWS_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
     static SPAN_BUF: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
+
+/// The largest bounce buffer of a copy between two memories that are not
+/// flat buffers ([`copy_rows`]): an HBM chunk.
+const BOUNCE_BYTES: usize = crate::memory::HBM_CHUNK as usize;
 
 /// Buffers larger than this are not kept between calls.
 const KEEP_BYTES: usize = 16 << 20;
@@ -1418,6 +1433,47 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Guest memory that is not one flat buffer (no `slice`): as the VMM's
+    /// guest RAM looks to a copy.
+    struct Pieces(Vec<u8>);
+
+    impl Memory for Pieces {
+        fn size(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+            let a = addr as usize;
+            buf.copy_from_slice(&self.0[a..a + buf.len()]);
+            Ok(())
+        }
+        fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
+            let a = addr as usize;
+            self.0[a..a + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+    }
+
+    /// A row longer than the bounce buffer between two memories that are
+    /// not flat (guest memory and HBM) goes piece by piece and arrives
+    /// whole, both ways, across HBM chunks.
+    #[test]
+    fn a_row_longer_than_the_bounce_buffer_copies_whole_both_ways() {
+        let len = 2 * BOUNCE_BYTES + 4096 + 13;
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+        let mut guest = Pieces([bytes.clone(), vec![0; len + 64]].concat());
+        let mut sram = Sram::new(4096);
+        let mut hbm = LazyHbm::new(16 << 20);
+        let mut mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
+        let at = crate::memory::HBM_CHUNK - 100;
+        execute(&Instr::copy(Addr::guest(0), Addr::hbm(at), len as u32), &mut mem).expect("guest to HBM");
+        let back = (len + 64) as u64;
+        execute(&Instr::copy(Addr::hbm(at), Addr::guest(back), len as u32), &mut mem).expect("HBM to guest");
+        let mut in_hbm = vec![0u8; len];
+        hbm.read(at, &mut in_hbm).expect("read HBM");
+        assert!(in_hbm == bytes, "HBM holds the row");
+        assert!(guest.0[len + 64..] == bytes[..], "the row came back");
+    }
 
     /// im2col by its definition: element (pixel, (ky, kx, c)) is the
     /// input at the window's position, or zero outside the image.
