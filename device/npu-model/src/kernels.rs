@@ -639,7 +639,8 @@ fn copy_rows(
                 while done < row {
                     let n = buf.len().min(row - done);
                     let at = done as u64;
-                    let (sp, dp) = (row_at(s, 1, at, "src overflow")?, row_at(d, 1, at, "dst overflow")?);
+                    let sp = s.checked_add(at).ok_or(KernelError::Geometry("src overflow"))?;
+                    let dp = d.checked_add(at).ok_or(KernelError::Geometry("dst overflow"))?;
                     s_mem.read(sp, &mut buf[..n])?;
                     d_mem.write(dp, &buf[..n])?;
                     done += n;

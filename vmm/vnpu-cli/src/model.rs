@@ -325,7 +325,7 @@ fn run_vm(
     let align = |x: usize| x.next_multiple_of(64);
     // The model at a page boundary of the payload (itself page-aligned),
     // so the VM can map the file there instead of copying it.
-    let model_at = job::HEADER_BYTES.next_multiple_of(4096);
+    let model_at = job::HEADER_BYTES.next_multiple_of(vnpu_vm::PAYLOAD_ALIGN as usize);
     let in_at = align(model_at + model_len);
     let out_at = align(in_at + in_bytes);
     let stat_at = align(out_at + out_bytes);

@@ -62,6 +62,9 @@ pub const MIN_MEMORY: u64 = 2 << 20;
 /// Lowest guest address of a payload ([`VmConfig::payload`]): above the
 /// user-mode runtime's stack, heap and first DMA megabytes.
 pub const PAYLOAD_MIN: u64 = 32 << 20;
+/// A payload's alignment in guest RAM (a page), and the offset alignment
+/// at which a file piece ([`Payload::put_file`]) can be mapped.
+pub const PAYLOAD_ALIGN: u64 = 4096;
 
 /// Guest-physical base of the system controller page: a 32-bit write at
 /// +0 prints its low byte on the console, a 32-bit write at +4 ends the VM
@@ -381,10 +384,10 @@ impl Payload {
     }
 
     /// Puts `bytes`, the whole of `file`, at offset `at` (a multiple of
-    /// 4 KiB, else they are written like [`Payload::put`]'s): the VM maps
-    /// the file's pages there, copy-on-write, instead of writing the
-    /// bytes into fresh guest RAM, which would fault in and copy every
-    /// page. The file must neither change nor shrink while the VM runs;
+    /// [`PAYLOAD_ALIGN`], else they are written like [`Payload::put`]'s):
+    /// the VM maps the file's pages there, copy-on-write, instead of
+    /// writing the bytes into fresh guest RAM, which would fault in and
+    /// copy every page. The file must neither change nor shrink while the VM runs;
     /// when it cannot be mapped (a VM whose RAM a daemon shares, or the
     /// mapping fails) the bytes are written.
     pub fn put_file(
@@ -432,15 +435,14 @@ impl Payload {
 /// pages are not all inside RAM or the file is not `len` bytes long, or
 /// when the mapping fails and fresh pages are put back.
 fn map_file_into(memory: &GuestMemoryMmap<()>, gpa: u64, file: &File, len: usize) -> Result<bool, VmError> {
-    const PAGE: u64 = 4096;
-    let Some(pages) = u64::try_from(len).ok().and_then(|n| n.checked_next_multiple_of(PAGE)) else {
+    let Some(pages) = u64::try_from(len).ok().and_then(|n| n.checked_next_multiple_of(PAYLOAD_ALIGN)) else {
         return Ok(false);
     };
     let file_len = file.metadata().map(|m| m.len()).ok();
     let Ok(map_len) = usize::try_from(pages) else { return Ok(false) };
     // The whole range must lie in one region (guest RAM is one).
     if pages == 0
-        || !gpa.is_multiple_of(PAGE)
+        || !gpa.is_multiple_of(PAYLOAD_ALIGN)
         || file_len != u64::try_from(len).ok()
         || memory.get_slice(GuestAddress(gpa), map_len).is_err()
     {
@@ -653,7 +655,10 @@ impl<W: Write> Vm<W> {
         let memory_bytes = cfg.memory;
         match (&cfg.payload, cfg.linux.as_ref()) {
             (Some(p), None) => {
-                let at = memory_bytes.checked_sub(p.len()).map(|a| a & !0xfff).filter(|&a| a >= PAYLOAD_MIN);
+                let at = memory_bytes
+                    .checked_sub(p.len())
+                    .map(|a| a & !(PAYLOAD_ALIGN - 1))
+                    .filter(|&a| a >= PAYLOAD_MIN);
                 let at = at.ok_or_else(|| VmError::Memory {
                     size: memory_bytes,
                     reason: format!(
