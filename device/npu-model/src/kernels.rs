@@ -239,7 +239,7 @@ unsafe fn gemm_raw(
 fn gelu(x: f32) -> f32 {
     // The tanh approximation used by BERT and most NPU runtimes.
     const C: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+    0.5 * x * (1.0 + crate::tanhf::tanh(C * (x + 0.044_715 * x * x * x)))
 }
 
 /// The exact GELU: `x (1 + erf(x / sqrt 2)) / 2`.
@@ -271,15 +271,17 @@ pub fn clamp_nan(x: f32, lo: f32, hi: f32) -> f32 {
     min_nan(max_nan(x, lo), hi)
 }
 
-/// Applies a unary operation to one value.
-#[inline]
+/// Applies a unary operation to one value. Always inlined: the element
+/// loops call it with a constant `op` (one loop per operation), and only
+/// inlined does the `match` fold away and the loop vectorize.
+#[inline(always)]
 pub fn unary(op: UnOp, x: f32) -> f32 {
     match op {
         UnOp::Copy => x,
         UnOp::Relu => max_nan(x, 0.0),
         UnOp::Gelu => gelu(x),
         UnOp::Exp => x.exp(),
-        UnOp::Tanh => x.tanh(),
+        UnOp::Tanh => crate::tanhf::tanh(x),
         UnOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         UnOp::Neg => -x,
         UnOp::Recip => 1.0 / x,
@@ -995,16 +997,31 @@ fn map_in_sram(sram: &mut Sram, src: u64, dst: u64, n: usize, f: impl Fn(f32) ->
     };
     if s == d {
         let v = &mut v[d];
+        // `for` loops, not `for_each`: `for_each` is a function of its
+        // own that the inliner may leave out of the AVX2 one when `f` is
+        // large (tanh), and then it is compiled for the baseline. The
+        // closures take `f` by value (`move`): borrowed, the values it
+        // captures (a clamp's bounds) might alias `v` as far as the
+        // optimizer knows, are reloaded every element, and the loop stays
+        // scalar.
         simd(
             #[inline(always)]
-            || v.iter_mut().for_each(|x| *x = f(*x)),
+            move || {
+                for x in v.iter_mut() {
+                    *x = f(*x);
+                }
+            },
         );
         return true;
     }
     let Some((out, [x])) = split_views(v, d, [s]) else { return false };
     simd(
         #[inline(always)]
-        || out.iter_mut().zip(x).for_each(|(o, x)| *o = f(*x)),
+        move || {
+            for (o, x) in out.iter_mut().zip(x) {
+                *o = f(*x);
+            }
+        },
     );
     true
 }
@@ -1104,7 +1121,7 @@ fn unary_in_sram(sram: &mut Sram, op: UnOp, src: u64, dst: u64, n: usize) -> boo
     macro_rules! each {
         ($($v:ident),*) => {
             match op {
-                $(UnOp::$v => map_in_sram(sram, src, dst, n, |x| unary(UnOp::$v, x)),)*
+                $(UnOp::$v => map_in_sram(sram, src, dst, n, #[inline(always)] |x| unary(UnOp::$v, x)),)*
             }
         };
     }
@@ -1458,6 +1475,44 @@ mod tests {
     /// A row longer than the bounce buffer between two memories that are
     /// not flat (guest memory and HBM) goes piece by piece and arrives
     /// whole, both ways, across HBM chunks.
+    /// The in-SRAM loop of every unary operation (vectorized under AVX2)
+    /// gives, value for value, the bits of the scalar [`unary`]: in place
+    /// and into another span, on values of every magnitude, ±0, ±inf,
+    /// NaN and subnormals. (The scalar `tanh` is checked against the
+    /// host's `tanhf` in `tanhf`'s tests.)
+    #[test]
+    fn every_unary_loop_gives_the_scalar_bits() {
+        // Bit patterns spread over all exponents and both signs, plus the
+        // special values.
+        let mut xs: Vec<f32> = (0..4000u32).map(|i| f32::from_bits(i.wrapping_mul(1_073_741_789))).collect();
+        xs.extend((0..2000).map(|i| (i as f32 - 1000.0) / 97.0));
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::MIN_POSITIVE / 3.0,
+            1.0,
+            -1.0,
+            22.0,
+        ]);
+        let n = xs.len();
+        let bytes = n as u64 * 4;
+        for &op in UnOp::ALL {
+            let want: Vec<u32> = xs.iter().map(|&x| unary(op, std::hint::black_box(x)).to_bits()).collect();
+            for dst in [0, bytes] {
+                let mut sram = Sram::new(2 * bytes);
+                write_f32s(&mut sram, 0, &xs).unwrap();
+                assert!(unary_in_sram(&mut sram, op, 0, dst, n), "{op:?}");
+                let got: Vec<u32> = read_f32s(&sram, dst, n).unwrap().iter().map(|v| v.to_bits()).collect();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(g, w, "{op:?} of {:e} ({:#010x}), into {dst}", xs[i], xs[i].to_bits());
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_row_longer_than_the_bounce_buffer_copies_whole_both_ways() {
         let len = 2 * BOUNCE_BYTES + 4096 + 13;

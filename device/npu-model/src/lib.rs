@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod memory;
 mod scratch;
 pub mod sim;
+pub mod tanhf;
 pub mod timing;
 pub mod verify;
 

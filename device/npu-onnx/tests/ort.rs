@@ -28,8 +28,15 @@ fn shape(board: &BoardConfig, sa: u32, vu: u32) -> VnpuShape {
 }
 
 /// ONNX Runtime's output `output` of `model` on `input` (NAME=FILE).
+///
+/// Each call writes into a directory of its own: tests run in parallel
+/// threads of one process, and two of them may run the same model (at two
+/// vNPU shapes), so a directory per process let one test read the `.npy`
+/// file another was still writing ("magic not found").
 fn ort(model: &Path, inputs: &[(&str, &Path)], output: &str) -> npy::Array {
-    let dir = std::env::temp_dir().join(format!("vnpu-ort-{}", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("vnpu-ort-{}-{call}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let prefix = dir.join(model.file_stem().unwrap());
     let py = root().join(".venv-onnx/bin/python");
@@ -47,7 +54,9 @@ fn ort(model: &Path, inputs: &[(&str, &Path)], output: &str) -> npy::Array {
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' })
         .collect();
-    npy::read_file(&PathBuf::from(format!("{}.{file}.npy", prefix.display()))).unwrap()
+    let array = npy::read_file(&PathBuf::from(format!("{}.{file}.npy", prefix.display()))).unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    array
 }
 
 /// Max absolute error, max relative error (|d| / max(|ref|, 1e-6)); NaN

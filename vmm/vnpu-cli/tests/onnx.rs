@@ -36,8 +36,15 @@ fn tmp(name: &str) -> String {
 }
 
 /// ONNX Runtime's output `output` of `model` on `input` (`NAME=FILE`).
+///
+/// Each call has a file name of its own: tests run in parallel threads of
+/// one process and two of them run ONNX Runtime on the same model (the
+/// f32 and bf16 CNN tests), so a name per model let one read the `.npy`
+/// file the other was still writing.
 fn ort(model: &str, input: &str, output: &str) -> npy::Array {
-    let prefix = tmp(&format!("ort-{}", Path::new(model).file_stem().unwrap().to_string_lossy()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let prefix = tmp(&format!("ort-{call}-{}", Path::new(model).file_stem().unwrap().to_string_lossy()));
     let py = root().join(".venv-onnx/bin/python");
     let out = Command::new(&py)
         .arg(root().join("scripts/ort_ref.py"))
