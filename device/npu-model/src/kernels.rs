@@ -236,6 +236,10 @@ unsafe fn gemm_raw(
     }
 }
 
+// The element functions below are always inlined, as `unary` is: a
+// function of its own is compiled for the baseline target, not for the
+// AVX2 loop that calls it, and its `trunc`s become library calls.
+#[inline(always)]
 fn gelu(x: f32) -> f32 {
     // The tanh approximation used by BERT and most NPU runtimes.
     const C: f32 = 0.797_884_6; // sqrt(2/pi)
@@ -243,8 +247,9 @@ fn gelu(x: f32) -> f32 {
 }
 
 /// The exact GELU: `x (1 + erf(x / sqrt 2)) / 2`.
+#[inline(always)]
 fn gelu_erf(x: f32) -> f32 {
-    0.5 * x * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+    0.5 * x * (1.0 + crate::erff::erff(x * std::f32::consts::FRAC_1_SQRT_2))
 }
 
 /// IEEE 754-2019 `maximum`: NaN propagates (as in XLA and PyTorch), so a
@@ -286,7 +291,7 @@ pub fn unary(op: UnOp, x: f32) -> f32 {
         UnOp::Neg => -x,
         UnOp::Recip => 1.0 / x,
         UnOp::Sqrt => x.sqrt(),
-        UnOp::Erf => libm::erff(x),
+        UnOp::Erf => crate::erff::erff(x),
         UnOp::GeluErf => gelu_erf(x),
         UnOp::Abs => x.abs(),
         UnOp::Log => libm::logf(x),

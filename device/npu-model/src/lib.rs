@@ -10,6 +10,7 @@
 //! - [`verify`]: static bounds checking against a vNPU's segments.
 
 pub mod config;
+pub mod erff;
 pub mod kernels;
 pub mod memory;
 mod scratch;
