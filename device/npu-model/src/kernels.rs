@@ -331,6 +331,36 @@ pub fn binary(op: BinOp, a: f32, b: f32) -> f32 {
     }
 }
 
+/// `vu.reduce` of `v`, an `[o, r, i]` array, over its middle axis: `o * i`
+/// values. Each output is folded over `r` in order, from the value
+/// `Iterator::sum` starts from (sum, mean) or `-inf` (max), as a fold per
+/// output would be; the loops run along `i` inside, so the input is read
+/// in order instead of with a stride of `i`.
+fn reduce_axis(v: &[f32], op: RedOp, o: usize, r: usize, i: usize) -> Vec<f32> {
+    let start = match op {
+        RedOp::Sum | RedOp::Mean => std::iter::empty::<f32>().sum::<f32>(),
+        RedOp::Max => f32::NEG_INFINITY,
+    };
+    let mut out = vec![start; o * i];
+    if i == 0 {
+        return out;
+    }
+    for (a, row) in out.chunks_exact_mut(i).enumerate() {
+        for b in 0..r {
+            let at = (a * r + b) * i;
+            let x = &v[at..at + i];
+            match op {
+                RedOp::Sum | RedOp::Mean => row.iter_mut().zip(x).for_each(|(acc, x)| *acc += *x),
+                RedOp::Max => row.iter_mut().zip(x).for_each(|(acc, x)| *acc = max_nan(*acc, *x)),
+            }
+        }
+    }
+    if op == RedOp::Mean {
+        out.iter_mut().for_each(|acc| *acc /= r as f32);
+    }
+    out
+}
+
 /// Row-wise softmax in place (max-subtracted, as hardware does).
 pub fn softmax_rows(v: &mut [f32], cols: usize) {
     if cols == 0 {
@@ -1009,6 +1039,45 @@ fn split_views<const N: usize>(
     Some((o, views))
 }
 
+/// An instruction that works on `n` f32 values in place (softmax, layer
+/// normalization), run on SRAM itself: `src`'s values copied to `dst`
+/// (unless they are the same span), then `f(dst, inputs)` with the
+/// read-only `inputs` (address, length) as views. False, with nothing
+/// touched, unless every span is aligned and inside, `src` and `dst` are
+/// the same or disjoint, and no input overlaps `dst` (all checked before
+/// the copy): then the caller reads, computes and writes as before, with
+/// the same values.
+fn rows_in_sram<const N: usize>(
+    sram: &mut Sram,
+    (src, dst, n): (u64, u64, usize),
+    inputs: [(u64, usize); N],
+    f: impl FnOnce(&mut [f32], [&[f32]; N]),
+) -> bool {
+    if n == 0 {
+        return false;
+    }
+    let Some(v) = sram_f32s(sram) else { return false };
+    let len = v.len();
+    let (Some(s), Some(d)) = (f32_span(src, n, len), f32_span(dst, n, len)) else {
+        return false;
+    };
+    let mut ins: [std::ops::Range<usize>; N] = std::array::from_fn(|_| 0..0);
+    for (slot, (addr, count)) in ins.iter_mut().zip(inputs) {
+        let Some(r) = f32_span(addr, count, len) else { return false };
+        *slot = r;
+    }
+    let overlaps = |r: &std::ops::Range<usize>| r.start < d.end && d.start < r.end;
+    if (s != d && overlaps(&s)) || ins.iter().any(overlaps) {
+        return false;
+    }
+    if s != d {
+        v.copy_within(s, d.start);
+    }
+    let Some((out, views)) = split_views(v, d, ins) else { return false };
+    f(out, views);
+    true
+}
+
 /// `dst[i] = f(src[i])` for `n` f32 values in SRAM, in place: `src` and
 /// `dst` the same values, or not overlapping. False when the fast path
 /// does not apply (then nothing was touched).
@@ -1382,31 +1451,34 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
         }
         Instr::VReduce { op, src, dst, outer, reduce, inner } => {
             let (o, r, i) = (outer as usize, reduce as usize, inner as usize);
-            let v = read_f32s(mem.sram, src, count(&[o as u64, r as u64, i as u64])?)?;
-            if o * i == 0 {
-                return Ok(());
-            }
-            let mut out = vec![0.0f32; o * i];
-            for a in 0..o {
-                for c in 0..i {
-                    let it = (0..r).map(|b| v[(a * r + b) * i + c]);
-                    out[a * i + c] = match op {
-                        RedOp::Sum => it.sum(),
-                        RedOp::Mean => it.sum::<f32>() / r as f32,
-                        RedOp::Max => it.fold(f32::NEG_INFINITY, max_nan),
-                    };
-                }
-            }
+            let n = count(&[o as u64, r as u64, i as u64])?;
+            // The operand straight from SRAM when aligned and inside.
+            let views = sram_f32s(mem.sram)
+                .and_then(|v| Some(reduce_axis(&v[f32_span(src, n, v.len())?], op, o, r, i)));
+            let out = match views {
+                Some(out) => out,
+                None => reduce_axis(&read_f32s(mem.sram, src, n)?, op, o, r, i),
+            };
             write_f32s(mem.sram, dst, &out)?;
         }
         Instr::VSoftmax { src, dst, rows, cols } => {
-            let mut v = read_f32s(mem.sram, src, limit(u64::from(rows) * u64::from(cols))?)?;
-            softmax_rows(&mut v, cols as usize);
+            let n = limit(u64::from(rows) * u64::from(cols))?;
+            let cols = cols as usize;
+            if rows_in_sram(mem.sram, (src, dst, n), [], |out, []| softmax_rows(out, cols)) {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
+            softmax_rows(&mut v, cols);
             write_f32s(mem.sram, dst, &v)?;
         }
         Instr::VLayerNorm { src, dst, gamma, beta, rows, cols, eps } => {
             let n = limit(u64::from(rows) * u64::from(cols))?;
             if n == 0 {
+                return Ok(());
+            }
+            let c = cols as usize;
+            let rows_of = |out: &mut [f32], [g, b]: [&[f32]; 2]| layernorm_rows(out, c, g, b, eps);
+            if rows_in_sram(mem.sram, (src, dst, n), [(gamma, c), (beta, c)], rows_of) {
                 return Ok(());
             }
             let mut v = read_f32s(mem.sram, src, n)?;
@@ -1534,6 +1606,104 @@ mod tests {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert_eq!(g, w, "{op:?} of {:e} ({:#010x}), into {dst}", xs[i], xs[i].to_bits());
                 }
+            }
+        }
+    }
+
+    /// `reduce_axis` gives, bit for bit, each output's fold over the
+    /// reduced axis in order (its definition), NaN and signed zeros
+    /// included.
+    #[test]
+    fn reduction_gives_each_outputs_fold_in_order() {
+        let mut seed = 7u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        };
+        for (o, r, i) in
+            [(1, 1, 1), (2, 3, 5), (3, 49, 16), (1, 64, 1), (4, 1, 7), (0, 3, 2), (2, 0, 3), (2, 3, 0)]
+        {
+            let v: Vec<f32> = (0..o * r * i)
+                .map(|_| match next() % 16 {
+                    0 => f32::NAN,
+                    1 => -0.0,
+                    2 => 0.0,
+                    _ => (next() % 2001) as f32 / 7.0 - 140.0,
+                })
+                .collect();
+            for &op in RedOp::ALL {
+                let got = reduce_axis(&v, op, o, r, i);
+                assert_eq!(got.len(), o * i);
+                for a in 0..o {
+                    for c in 0..i {
+                        let it = (0..r).map(|b| v[(a * r + b) * i + c]);
+                        let want = match op {
+                            RedOp::Sum => it.sum(),
+                            RedOp::Mean => it.sum::<f32>() / r as f32,
+                            RedOp::Max => it.fold(f32::NEG_INFINITY, max_nan),
+                        };
+                        assert_eq!(got[a * i + c].to_bits(), want.to_bits(), "{op:?} {o}x{r}x{i} at {a},{c}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Softmax and layer normalization on SRAM in place give the bytes of
+    /// reading the operands, computing and writing the result (their
+    /// definition), for every placement: in place, disjoint, `dst`
+    /// overlapping `src` in part, `gamma` inside `dst`, unaligned.
+    #[test]
+    fn in_place_rows_give_the_bytes_of_read_compute_write() {
+        let (rows, cols) = (3u32, 24u32);
+        let n = (rows * cols) as usize;
+        let cases: [(u64, u64, u64); 6] =
+            [(0, 0, 2048), (0, 1024, 2048), (1024, 0, 2048), (0, 40, 2048), (0, 1024, 1040), (2, 1026, 2048)];
+        let init: Vec<u8> = (0..4096u32).flat_map(|i| ((i % 97) as f32 / 13.0 - 3.5).to_le_bytes()).collect();
+        for (src, dst, gamma) in cases {
+            let beta = gamma + 4 * u64::from(cols);
+            for softmax in [true, false] {
+                let instr = if softmax {
+                    Instr::VSoftmax { src, dst, rows, cols }
+                } else {
+                    Instr::VLayerNorm { src, dst, gamma, beta, rows, cols, eps: 1e-5 }
+                };
+                // The definition, on a copy of the same SRAM.
+                let mut want = Sram::new(16384);
+                want.write(0, &init).unwrap();
+                let mut v = Vec::new();
+                for k in 0..n as u64 {
+                    let mut b = [0u8; 4];
+                    want.read(src + 4 * k, &mut b).unwrap();
+                    v.push(f32::from_le_bytes(b));
+                }
+                if softmax {
+                    softmax_rows(&mut v, cols as usize);
+                } else {
+                    let read = |at: u64| -> Vec<f32> {
+                        (0..u64::from(cols))
+                            .map(|k| {
+                                let mut b = [0u8; 4];
+                                want.read(at + 4 * k, &mut b).unwrap();
+                                f32::from_le_bytes(b)
+                            })
+                            .collect()
+                    };
+                    let (g, b) = (read(gamma), read(beta));
+                    layernorm_rows(&mut v, cols as usize, &g, &b, 1e-5);
+                }
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                want.write(dst, &bytes).unwrap();
+
+                let mut sram = Sram::new(16384);
+                sram.write(0, &init).unwrap();
+                let mut hbm = LazyHbm::new(1 << 20);
+                let mut guest = Pieces(vec![0; 64]);
+                let mut mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
+                execute(&instr, &mut mem).unwrap();
+                assert!(sram.bytes_mut() == want.bytes_mut(), "{instr:?}");
             }
         }
     }
