@@ -162,9 +162,7 @@ fn expf(x: f32) -> f32 {
     } else {
         0.0
     };
-    // k's integer from the bits of its sum with 1.5 * 2^23 (exact for a
-    // whole |k| < 2^22; lanes where it is not are not selected).
-    let k = (kf + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000).cast_signed();
+    let k = crate::tanhf::whole_to_i32(kf);
     let hi = x - kf * f(LN2_HI);
     let lo = kf * f(LN2_LO);
     let r = hi - lo;

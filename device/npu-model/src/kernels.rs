@@ -1569,9 +1569,6 @@ mod tests {
         }
     }
 
-    /// A row longer than the bounce buffer between two memories that are
-    /// not flat (guest memory and HBM) goes piece by piece and arrives
-    /// whole, both ways, across HBM chunks.
     /// The in-SRAM loop of every unary operation (vectorized under AVX2)
     /// gives, value for value, the bits of the scalar [`unary`]: in place
     /// and into another span, on values of every magnitude, ±0, ±inf,
@@ -1708,6 +1705,9 @@ mod tests {
         }
     }
 
+    /// A row longer than the bounce buffer between two memories that are
+    /// not flat (guest memory and HBM) goes piece by piece and arrives
+    /// whole, both ways, across HBM chunks.
     #[test]
     fn a_row_longer_than_the_bounce_buffer_copies_whole_both_ways() {
         let len = 2 * BOUNCE_BYTES + 4096 + 13;

@@ -15,8 +15,9 @@
 //! lane and selects among the reconstructions with comparisons instead
 //! of branches, so a loop over a slice runs 8 values at a time under
 //! AVX2. The test `every_f32_matches_the_host_tanhf` (ignored by default:
-//! three and a half minutes in release) checks all 2^32 inputs bit for bit against
-//! the host's `tanhf`; a sampled version of it runs with the unit tests.
+//! three and a half minutes in release) checks all 2^32 inputs bit for
+//! bit against the host's `tanhf`; a sampled version of it runs with the
+//! unit tests.
 //!
 //! A side effect: the model's `tanh` no longer depends on the host's C
 //! library. glibc 2.41 and later compute a correctly rounded `tanhf`
@@ -72,6 +73,17 @@ fn scale_exponent(y: f32, k: i32) -> f32 {
     f32::from_bits(y.to_bits().wrapping_add(k.wrapping_shl(23).cast_unsigned()))
 }
 
+/// The integer of a whole `k` with `|k| < 2^22`, read from the bits of
+/// `k + 1.5 * 2^23` (exact there): fdlibm's truncating conversion of its
+/// reduction's multiple, done after `trunc`, in a form LLVM vectorizes (a
+/// saturating `as i32` stays scalar). For any other `k` (a lane whose
+/// argument is infinite or NaN) the result is meaningless, and callers do
+/// not select it. Also used by [`crate::erff`]'s `expf`.
+#[inline(always)]
+pub(crate) fn whole_to_i32(k: f32) -> i32 {
+    (k + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000).cast_signed()
+}
+
 /// fdlibm's `expm1f(y)`, for `y` in `(-2, 0]` or `[2, 44)` only.
 #[inline(always)]
 fn expm1_for_tanh(y: f32) -> f32 {
@@ -80,17 +92,14 @@ fn expm1_for_tanh(y: f32) -> f32 {
     let reduced = hy > HALF_LN2_BITS;
     // The reduction's multiple of ln 2: -1 just past half of it (only a
     // negative `y` lands there for tanh), else rounded from `y / ln 2`
-    // (the C code's conversion to int truncates, after adding ±0.5).
-    // The truncation is `trunc`, not `as i32` (which saturates, and is
-    // not vectorized), and its integer is read from the bits of the sum
-    // with 1.5 * 2^23, exact for a whole |k| < 2^22; the lanes where the
-    // sum is not meaningful (infinite or NaN `y`) are not selected below.
+    // (the C code's conversion to int truncates, after adding ±0.5: here
+    // `trunc`, then [`whole_to_i32`]).
     let half = pick(negative, -0.5, 0.5);
     let k_rounded = (INV_LN2 * y + half).trunc();
     // `t * LN2_HI` is exact, and for k = -1 these are the C code's
     // `y + ln2_hi` and `-ln2_lo` (negating a product is exact).
     let t = pick(negative && hy < THREE_HALVES_LN2_BITS, -1.0, k_rounded);
-    let k_reduced = (t + 12_582_912.0).to_bits().wrapping_sub(0x4b40_0000).cast_signed();
+    let k_reduced = whole_to_i32(t);
     let k = if reduced { k_reduced } else { 0 };
     let hi = y - t * LN2_HI;
     let lo = t * LN2_LO;

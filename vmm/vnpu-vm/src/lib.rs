@@ -387,8 +387,8 @@ impl Payload {
     /// [`PAYLOAD_ALIGN`], else they are written like [`Payload::put`]'s):
     /// the VM maps the file's pages there, copy-on-write, instead of
     /// writing the bytes into fresh guest RAM, which would fault in and
-    /// copy every page. The file must neither change nor shrink while the VM runs;
-    /// when it cannot be mapped (a VM whose RAM a daemon shares, or the
+    /// copy every page. The file must neither change nor shrink while the
+    /// VM runs; when it cannot be mapped (a VM whose RAM a daemon shares, or the
     /// mapping fails) the bytes are written.
     pub fn put_file(
         &mut self,
