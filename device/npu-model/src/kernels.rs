@@ -1755,6 +1755,57 @@ mod tests {
         out
     }
 
+    /// The order of the SA's sums that `docs/npu-model.md` states: a
+    /// product of depth 3 to 512 with at least two output rows and
+    /// columns and `b` stored `k x n` is one fused multiply-add chain per
+    /// output, in depth order from zero, added to the old output when
+    /// accumulating, with the `gemm` crate's AVX2 and AVX-512 kernels
+    /// alike. Deeper products are summed in blocks whose size depends on
+    /// the host; a transposed `b` and matrix-vector products can take
+    /// kernels that sum across SIMD lanes. Skipped without FMA.
+    #[test]
+    fn shallow_products_are_one_fma_chain_per_output() {
+        if !std::arch::is_x86_feature_detected!("fma") {
+            eprintln!("skipped: this CPU has no FMA, the gemm crate uses another kernel");
+            return;
+        }
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        for (m, n, k) in [
+            (2, 64, 300),
+            (7, 5, 300),
+            (64, 64, 512),
+            (100, 70, 3),
+            (130, 90, 257),
+            (3, 200, 511),
+            (200, 300, 512),
+        ] {
+            for accumulate in [false, true] {
+                let a: Vec<f32> = (0..m * k).map(|_| next()).collect();
+                let b: Vec<f32> = (0..k * n).map(|_| next()).collect();
+                let old: Vec<f32> = (0..m * n).map(|_| next()).collect();
+                let mut c = old.clone();
+                gemm_f32(&a, &b, &mut c, GemmShape { m, k, n, b_transposed: false, accumulate });
+                for i in 0..m {
+                    for j in 0..n {
+                        let chain = (0..k).fold(0.0f32, |s, kk| a[i * k + kk].mul_add(b[kk * n + j], s));
+                        let want = if accumulate { old[i * n + j] + chain } else { chain };
+                        assert_eq!(
+                            c[i * n + j].to_bits(),
+                            want.to_bits(),
+                            "{m}x{n}x{k} acc {accumulate} at ({i}, {j})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     /// A convolution whose im2col is built in several chunks gives the
     /// bits of one product over the whole im2col (the GEMM's sums in the
     /// same order), for outputs narrower and wider than 64 channels.
