@@ -6,6 +6,8 @@ echo "setup: rust toolchain components" >&2
 rustup component add clippy rustfmt >/dev/null 2>&1 || true
 echo "setup: x86_64-unknown-none target (bare-metal guests)" >&2
 rustup target add x86_64-unknown-none >/dev/null
+echo "setup: every package of Cargo.lock (all platforms: tests/tests/layering.rs runs cargo metadata --offline, which reads them all)" >&2
+cargo fetch --locked --quiet
 echo "setup: QEMU, cpio (the nested Linux-guest test path, docs/linux-guests.md)" >&2
 if ! command -v qemu-system-x86_64 >/dev/null || ! command -v cpio >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
