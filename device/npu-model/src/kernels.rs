@@ -249,7 +249,19 @@ fn gelu(x: f32) -> f32 {
 /// The exact GELU: `x (1 + erf(x / sqrt 2)) / 2`.
 #[inline(always)]
 fn gelu_erf(x: f32) -> f32 {
-    0.5 * x * (1.0 + crate::erff::erff(x * std::f32::consts::FRAC_1_SQRT_2))
+    gelu_erf_of(x, crate::erff::erff(gelu_erf_arg(x)))
+}
+
+/// The argument of [`gelu_erf`]'s `erf`.
+#[inline(always)]
+fn gelu_erf_arg(x: f32) -> f32 {
+    x * std::f32::consts::FRAC_1_SQRT_2
+}
+
+/// [`gelu_erf`] of `x` from `e`, the `erf` of its argument.
+#[inline(always)]
+fn gelu_erf_of(x: f32, e: f32) -> f32 {
+    0.5 * x * (1.0 + e)
 }
 
 /// IEEE 754-2019 `maximum`: NaN propagates (as in XLA and PyTorch), so a
@@ -1210,18 +1222,61 @@ fn binary_loop(
     }
 }
 
-/// [`map_in_sram`] of `op`, one loop per operation (see [`binary_into`]).
+/// As [`map_in_sram`], with a function of a block of values (`xs` in,
+/// `out` of the same length) instead of one value: `src` and `dst` the
+/// same values (each block of [`crate::erff::BLOCK`] copied out first, so
+/// `f` reads the old values) or not overlapping.
+fn blocks_in_sram(sram: &mut Sram, src: u64, dst: u64, n: usize, f: impl Fn(&[f32], &mut [f32])) -> bool {
+    const B: usize = crate::erff::BLOCK;
+    if n == 0 {
+        return false;
+    }
+    let Some(v) = sram_f32s(sram) else { return false };
+    let (Some(s), Some(d)) = (f32_span(src, n, v.len()), f32_span(dst, n, v.len())) else {
+        return false;
+    };
+    if s == d {
+        let v = &mut v[d];
+        simd(
+            #[inline(always)]
+            move || {
+                let mut old = [0.0f32; B];
+                for block in v.chunks_mut(B) {
+                    let old = &mut old[..block.len()];
+                    old.copy_from_slice(block);
+                    f(old, block);
+                }
+            },
+        );
+        return true;
+    }
+    let Some((out, [x])) = split_views(v, d, [s]) else { return false };
+    simd(
+        #[inline(always)]
+        move || f(x, out),
+    );
+    true
+}
+
+/// [`map_in_sram`] of `op`, one loop per operation (see [`binary_into`]);
+/// `erf` and the exact GELU through [`crate::erff::map_erf`].
 fn unary_in_sram(sram: &mut Sram, op: UnOp, src: u64, dst: u64, n: usize) -> bool {
     macro_rules! each {
         ($($v:ident),*) => {
             match op {
+                UnOp::Erf => blocks_in_sram(sram, src, dst, n, #[inline(always)] |x, out| {
+                    crate::erff::map_erf(x, out, #[inline(always)] |x| x, #[inline(always)] |_, e| e)
+                }),
+                UnOp::GeluErf => blocks_in_sram(sram, src, dst, n, #[inline(always)] |x, out| {
+                    crate::erff::map_erf(x, out, gelu_erf_arg, gelu_erf_of)
+                }),
                 $(UnOp::$v => map_in_sram(sram, src, dst, n, #[inline(always)] |x| unary(UnOp::$v, x)),)*
             }
         };
     }
     each!(
-        Copy, Relu, Gelu, Exp, Tanh, Sigmoid, Neg, Recip, Sqrt, Erf, GeluErf, Abs, Log, Floor, Ceil, Sin,
-        Cos, I32ToF32, F32ToI32
+        Copy, Relu, Gelu, Exp, Tanh, Sigmoid, Neg, Recip, Sqrt, Abs, Log, Floor, Ceil, Sin, Cos, I32ToF32,
+        F32ToI32
     )
 }
 
