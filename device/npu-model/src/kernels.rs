@@ -639,11 +639,21 @@ fn pool_body(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> V
     let init = if op == PoolOp::Max { f32::NEG_INFINITY } else { 0.0 };
     let mut out = vec![init; pixels * c];
     let mut count = vec![0u32; pixels];
+    let max = op == PoolOp::Max;
     win.for_each_tap(|o, _, i| {
         count[o] += 1;
-        for ch in 0..c {
-            let (acc, v) = (&mut out[o * c + ch], input[i * c + ch]);
-            *acc = if op == PoolOp::Max { max_nan(*acc, v) } else { *acc + v };
+        // Whole rows of channels (bounds checked once a row) and the
+        // operation chosen once a row, so each loop vectorizes; the same
+        // operations in the same order.
+        let (acc, x) = (&mut out[o * c..(o + 1) * c], &input[i * c..(i + 1) * c]);
+        if max {
+            for (a, v) in acc.iter_mut().zip(x) {
+                *a = max_nan(*a, *v);
+            }
+        } else {
+            for (a, v) in acc.iter_mut().zip(x) {
+                *a += *v;
+            }
         }
     });
     if op == PoolOp::Avg {
