@@ -1100,17 +1100,29 @@ fn rows_in_sram<const N: usize>(
     true
 }
 
+/// SRAM as f32 values and the spans of the `n` values at `src` and
+/// `dst` in it, for the element loops that work in place (`None`: no
+/// values, or a span unaligned or outside).
+fn map_spans(
+    sram: &mut Sram,
+    src: u64,
+    dst: u64,
+    n: usize,
+) -> Option<(&mut [f32], std::ops::Range<usize>, std::ops::Range<usize>)> {
+    if n == 0 {
+        return None;
+    }
+    let v = sram_f32s(sram)?;
+    let s = f32_span(src, n, v.len())?;
+    let d = f32_span(dst, n, v.len())?;
+    Some((v, s, d))
+}
+
 /// `dst[i] = f(src[i])` for `n` f32 values in SRAM, in place: `src` and
 /// `dst` the same values, or not overlapping. False when the fast path
 /// does not apply (then nothing was touched).
 fn map_in_sram(sram: &mut Sram, src: u64, dst: u64, n: usize, f: impl Fn(f32) -> f32) -> bool {
-    if n == 0 {
-        return false;
-    }
-    let Some(v) = sram_f32s(sram) else { return false };
-    let (Some(s), Some(d)) = (f32_span(src, n, v.len()), f32_span(dst, n, v.len())) else {
-        return false;
-    };
+    let Some((v, s, d)) = map_spans(sram, src, dst, n) else { return false };
     if s == d {
         let v = &mut v[d];
         // `for` loops, not `for_each`: `for_each` is a function of its
@@ -1238,13 +1250,7 @@ fn binary_loop(
 /// `f` reads the old values) or not overlapping.
 fn blocks_in_sram(sram: &mut Sram, src: u64, dst: u64, n: usize, f: impl Fn(&[f32], &mut [f32])) -> bool {
     const B: usize = crate::erff::BLOCK;
-    if n == 0 {
-        return false;
-    }
-    let Some(v) = sram_f32s(sram) else { return false };
-    let (Some(s), Some(d)) = (f32_span(src, n, v.len()), f32_span(dst, n, v.len())) else {
-        return false;
-    };
+    let Some((v, s, d)) = map_spans(sram, src, dst, n) else { return false };
     if s == d {
         let v = &mut v[d];
         simd(
