@@ -646,10 +646,9 @@ fn pool_body(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> V
     };
     let c = win.c;
     let pixels = win.n * ho * wo;
-    let init = if op == PoolOp::Max { f32::NEG_INFINITY } else { 0.0 };
-    let mut out = vec![init; pixels * c];
-    let mut count = vec![0u32; pixels];
     let max = op == PoolOp::Max;
+    let mut out = vec![if max { f32::NEG_INFINITY } else { 0.0 }; pixels * c];
+    let mut count = vec![0u32; pixels];
     win.for_each_tap(|o, _, i| {
         count[o] += 1;
         // Whole rows of channels (bounds checked once a row) and the
@@ -666,7 +665,7 @@ fn pool_body(input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize, wo: usize) -> V
             }
         }
     });
-    if op == PoolOp::Avg {
+    if !max {
         for (o, n) in count.iter().enumerate() {
             out[o * c..(o + 1) * c].iter_mut().for_each(|v| *v /= (*n).max(1) as f32);
         }
