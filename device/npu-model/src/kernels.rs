@@ -274,8 +274,11 @@ fn gelu_erf_of(x: f32, e: f32) -> f32 {
     0.5 * x * (1.0 + e)
 }
 
-/// IEEE 754-2019 `maximum`: NaN propagates (as in XLA and PyTorch), so a
-/// NaN is never hidden by `relu`, `max`, a max-reduction or max-pooling.
+/// The maximum with NaN propagated (as in XLA and PyTorch), so a NaN is
+/// never hidden by `relu`, `max`, a max-reduction or max-pooling. Unlike
+/// IEEE 754-2019 `maximum`, of two zeros of opposite sign it may give
+/// either (`f32::max`): which one depends on how the compiler lowered
+/// the call (`docs/isa.md`).
 pub fn max_nan(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() {
         f32::NAN
@@ -284,7 +287,8 @@ pub fn max_nan(a: f32, b: f32) -> f32 {
     }
 }
 
-/// IEEE 754-2019 `minimum`: NaN propagates.
+/// The minimum with NaN propagated; of two zeros of opposite sign,
+/// either (as [`max_nan`]).
 pub fn min_nan(a: f32, b: f32) -> f32 {
     if a.is_nan() || b.is_nan() {
         f32::NAN
