@@ -11,7 +11,7 @@ use half::bf16;
 use thiserror::Error;
 use vnpu_abi::{Addr, Bcast, BinOp, ConvGeom, DType, Instr, PoolGeom, PoolOp, RedOp, Space, UnOp};
 
-use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram};
+use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram, PAGE};
 use crate::scratch::with_scratch;
 
 /// A failure while executing an instruction.
@@ -703,6 +703,43 @@ fn pool_body(out: &mut [f32], input: &[f32], op: PoolOp, g: &PoolGeom, ho: usize
     }
 }
 
+/// Copies `len` bytes from `s` in one memory to `d` in another: in one
+/// pass when either side is one flat buffer; through `buf` only between
+/// two memories that are not, a piece of at most `BOUNCE_BYTES` at a
+/// time (a row may be a whole weight tensor, a load program's one copy
+/// from guest memory into HBM, and a buffer that large would be fresh
+/// memory, a page fault per 4 KiB, on every such copy).
+fn copy_piece(
+    s_mem: &dyn Memory,
+    d_mem: &mut dyn Memory,
+    s: u64,
+    d: u64,
+    len: usize,
+    buf: &mut Vec<u8>,
+) -> Result<(), KernelError> {
+    if len == 0 {
+        return Ok(());
+    }
+    if let Some(out) = d_mem.slice_mut(d, len as u64) {
+        s_mem.read(s, out)?;
+    } else if let Some(from) = s_mem.slice(s, len as u64) {
+        d_mem.write(d, from)?;
+    } else {
+        buf.resize(len.min(BOUNCE_BYTES), 0);
+        let mut done = 0;
+        while done < len {
+            let n = buf.len().min(len - done);
+            let at = done as u64;
+            let sp = s.checked_add(at).ok_or(KernelError::Geometry("src overflow"))?;
+            let dp = d.checked_add(at).ok_or(KernelError::Geometry("dst overflow"))?;
+            s_mem.read(sp, &mut buf[..n])?;
+            d_mem.write(dp, &buf[..n])?;
+            done += n;
+        }
+    }
+    Ok(())
+}
+
 fn copy_rows(
     mem: &mut CoreMemory<'_>,
     src: Addr,
@@ -738,32 +775,37 @@ fn copy_rows(
             });
         }
         let mut buf = Vec::new();
+        let granule = d_mem.map_granule();
         for r in 0..rows {
             let s = row_at(src.offset, r, src_stride, "src overflow")?;
             let d = row_at(dst.offset, r, dst_stride, "dst overflow")?;
-            // One pass when either side is one flat buffer; a bounce
-            // buffer only between two memories that are not, a piece of
-            // at most `BOUNCE_BYTES` at a time: a row may be a whole
-            // weight image (a load program's one copy from guest memory
-            // into HBM), and a buffer that large would be fresh memory,
-            // a page fault per 4 KiB, on every such copy.
-            if let Some(out) = d_mem.slice_mut(d, row as u64) {
-                s_mem.read(s, out)?;
-            } else if let Some(from) = s_mem.slice(s, row as u64) {
-                d_mem.write(d, from)?;
-            } else {
-                buf.resize(row.min(BOUNCE_BYTES), 0);
-                let mut done = 0;
-                while done < row {
-                    let n = buf.len().min(row - done);
-                    let at = done as u64;
-                    let sp = s.checked_add(at).ok_or(KernelError::Geometry("src overflow"))?;
-                    let dp = d.checked_add(at).ok_or(KernelError::Geometry("dst overflow"))?;
-                    s_mem.read(sp, &mut buf[..n])?;
-                    d_mem.write(dp, &buf[..n])?;
-                    done += n;
-                }
+            let end = d.checked_add(row as u64).ok_or(KernelError::Geometry("dst overflow"))?;
+            // Whole granules of the destination whose bytes come from a
+            // file's unchanged pages (a model's weights in guest RAM, on
+            // their way to HBM) map those pages instead of copying them;
+            // the rest is copied.
+            let (first, last) = match granule {
+                0 => (end, end),
+                g => (d.checked_next_multiple_of(g).unwrap_or(end).min(end), end - end % g),
+            };
+            if first >= last {
+                copy_piece(s_mem, d_mem, s, d, row, &mut buf)?;
+                continue;
             }
+            copy_piece(s_mem, d_mem, s, d, (first - d) as usize, &mut buf)?;
+            let src_at = |at: u64| s.checked_add(at - d).ok_or(KernelError::Geometry("src overflow"));
+            let mut at = first;
+            while at < last {
+                let from = src_at(at)?;
+                let mapped = s_mem.file_pages(from, granule).is_some_and(|(file, offset)| {
+                    offset.is_multiple_of(PAGE) && d_mem.map_file(at, file, offset)
+                });
+                if !mapped {
+                    copy_piece(s_mem, d_mem, from, at, granule as usize, &mut buf)?;
+                }
+                at += granule;
+            }
+            copy_piece(s_mem, d_mem, src_at(last)?, last, (end - last) as usize, &mut buf)?;
         }
         return Ok(());
     }
@@ -1685,6 +1727,90 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Guest memory that is a private mapping of a file, as the VMM's guest
+    /// RAM is where it mapped a model file: its pages are the file's until
+    /// written.
+    struct FileGuest {
+        file: std::fs::File,
+        map: memmap2::MmapMut,
+    }
+
+    impl FileGuest {
+        fn new(name: &str, bytes: &[u8]) -> Self {
+            let path = std::env::temp_dir().join(format!("npu-model-{name}-{}", std::process::id()));
+            std::fs::write(&path, bytes).unwrap();
+            let file = std::fs::File::open(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            // SAFETY: a private mapping of a file this test alone holds.
+            let map = unsafe { memmap2::MmapOptions::new().map_copy(&file).unwrap() };
+            Self { file, map }
+        }
+    }
+
+    impl Memory for FileGuest {
+        fn size(&self) -> u64 {
+            self.map.len() as u64
+        }
+        fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+            buf.copy_from_slice(&self.map[addr as usize..addr as usize + buf.len()]);
+            Ok(())
+        }
+        fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
+            self.map[addr as usize..addr as usize + data.len()].copy_from_slice(data);
+            Ok(())
+        }
+        fn file_pages(&self, addr: u64, len: u64) -> Option<(&std::fs::File, u64)> {
+            let r = addr as usize..(addr + len) as usize;
+            let unchanged = crate::memory::file_pages_unchanged(self.map.get(r)?.as_ptr(), len as usize);
+            unchanged.then_some((&self.file, addr))
+        }
+    }
+
+    /// A DMA from a file's unchanged pages into HBM maps the whole chunks
+    /// it covers (when the file offset and HBM address have the same page
+    /// phase) and copies the rest, a written page's chunk included: HBM
+    /// then reads what guest memory held, byte for byte, and writes on
+    /// either side after the copy do not reach the other or the file.
+    #[test]
+    fn dma_into_hbm_maps_unchanged_file_pages() {
+        use crate::memory::HBM_CHUNK;
+        let mib = HBM_CHUNK as usize;
+        let bytes: Vec<u8> = (0..4 * mib + 5000).map(|i| (i * 7 + i / 4096) as u8).collect();
+        for (src, dst, expect_mapped) in [(4096 + 100, 100u64, 1), (4096 + 100, 200, 0), (0, 0, 2)] {
+            let mut guest = FileGuest::new("dma-map", &bytes);
+            // A written page in the source of HBM's chunk 2: that chunk
+            // must be copied, with the new byte.
+            let dirty = (src + 2 * HBM_CHUNK - dst + 10) as usize;
+            guest.map[dirty] ^= 0xff;
+            let (mut sram, mut hbm) = (Sram::new(4096), LazyHbm::new(8 * HBM_CHUNK));
+            let len = 3 * HBM_CHUNK;
+            let mut mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
+            copy_rows(&mut mem, Addr::guest(src), Addr::hbm(dst), 1, len as usize, 0, 0).unwrap();
+            assert_eq!(hbm.mapped_chunks(), expect_mapped, "src {src} dst {dst}");
+            let mut back = vec![0u8; len as usize];
+            hbm.read(dst, &mut back).unwrap();
+            assert!(
+                back == guest.map[src as usize..(src + len) as usize],
+                "src {src} dst {dst}: HBM holds the guest's bytes"
+            );
+            // Copy-on-write both ways.
+            hbm.write(HBM_CHUNK + 5, &[1, 2, 3]).unwrap();
+            guest.map[(src + HBM_CHUNK - dst) as usize + 64] ^= 0x55;
+            let mut b = [0u8; 1];
+            hbm.read(HBM_CHUNK + 64, &mut b).unwrap();
+            assert_eq!(
+                b[0],
+                bytes[(src + HBM_CHUNK - dst) as usize + 64],
+                "a later guest write stays out of HBM"
+            );
+            let mut f = [0u8; 3];
+            std::os::unix::fs::FileExt::read_exact_at(&guest.file, &mut f, src + HBM_CHUNK - dst + 5)
+                .unwrap();
+            let at = (src + HBM_CHUNK - dst + 5) as usize;
+            assert_eq!(f, bytes[at..at + 3], "an HBM write stays out of the file");
+        }
+    }
     use proptest::prelude::*;
 
     /// Guest memory that is not one flat buffer (no `slice`): as the VMM's

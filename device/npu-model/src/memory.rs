@@ -122,6 +122,68 @@ pub trait Memory {
     fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
         copy_through_buffer(self, src, dst, len)
     }
+    /// When `[addr, addr + len)` holds, unchanged, bytes of a file (guest
+    /// RAM a model file was mapped into, none of its pages written since),
+    /// that file and the offset in it of `addr`'s byte: a copy of them
+    /// may then map the file's pages ([`Memory::map_file`]) instead of
+    /// copying. `None` (the default) where that is not known.
+    fn file_pages(&self, _addr: u64, _len: u64) -> Option<(&File, u64)> {
+        None
+    }
+    /// The granule [`Memory::map_file`] maps: a power of two, or 0 (the
+    /// default) for a memory that cannot map files.
+    fn map_granule(&self) -> u64 {
+        0
+    }
+    /// Makes the granule at `addr` (a multiple of [`Memory::map_granule`])
+    /// hold that many bytes of `file` from `offset` (a multiple of the
+    /// page size) on, as a private copy-on-write mapping: what writing
+    /// those bytes there would give, without copying them (later writes
+    /// to either side do not reach the other). `false`, with nothing
+    /// changed, when it cannot (the default).
+    fn map_file(&mut self, _addr: u64, _file: &File, _offset: u64) -> bool {
+        false
+    }
+}
+
+/// Host page size the file mappings assume.
+pub const PAGE: u64 = 4096;
+
+/// Whether none of the pages of `[ptr, ptr + len)`, a private mapping of
+/// a file in this process, has been written since it was mapped: each is
+/// either not faulted in yet or still the file's own page, never an
+/// anonymous copy (`/proc/self/pagemap`: not swapped, and present only
+/// as a file page). `false` whenever that cannot be read.
+pub fn file_pages_unchanged(ptr: *const u8, len: usize) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::FileExt;
+        const PRESENT: u64 = 1 << 63;
+        const SWAPPED: u64 = 1 << 62;
+        const FILE: u64 = 1 << 61;
+        let page = PAGE as usize;
+        let start = ptr as usize;
+        let Some(end) = start.checked_add(len) else { return false };
+        if len == 0 {
+            return true;
+        }
+        let (first, last) = (start / page, (end - 1) / page);
+        let Ok(f) = File::open("/proc/self/pagemap") else { return false };
+        let mut entries = vec![0u8; (last - first + 1) * 8];
+        let Some(at) = (first as u64).checked_mul(8) else { return false };
+        if f.read_exact_at(&mut entries, at).is_err() {
+            return false;
+        }
+        entries.chunks_exact(8).all(|e| {
+            let v = u64::from_le_bytes([e[0], e[1], e[2], e[3], e[4], e[5], e[6], e[7]]);
+            v & SWAPPED == 0 && (v & PRESENT == 0 || v & FILE != 0)
+        })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (ptr, len);
+        false
+    }
 }
 
 /// [`Memory::copy_within`] through a buffer of the bytes.
@@ -262,6 +324,40 @@ fn populate(bytes: &mut [u8]) {
 /// Granule of lazy HBM backing.
 pub const HBM_CHUNK: u64 = 1 << 20;
 
+/// One chunk of [`LazyHbm`]: fresh host memory, or a private
+/// (copy-on-write) mapping of a file's pages that a DMA from a file's
+/// unchanged pages made instead of copying them ([`Memory::map_file`]).
+enum Chunk {
+    Heap(Box<[u8]>),
+    Mapped(memmap2::MmapMut),
+}
+
+impl std::ops::Deref for Chunk {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Chunk::Heap(b) => b,
+            Chunk::Mapped(m) => m,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Chunk {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Chunk::Heap(b) => b,
+            Chunk::Mapped(m) => m,
+        }
+    }
+}
+
+/// A copy in host memory.
+impl Clone for Chunk {
+    fn clone(&self) -> Self {
+        Chunk::Heap(Box::from(&**self))
+    }
+}
+
 /// HBM segment backed lazily: a chunk is allocated on its first write and
 /// untouched memory reads as zero, so a board with tens of GiB of modelled
 /// HBM costs host memory only for what tenants write. The chunks live in
@@ -273,7 +369,7 @@ pub struct LazyHbm {
     /// Indexed by chunk (a DMA reads and writes chunk by chunk, row by
     /// row: an index, not a hash, per row); grown up to the highest chunk
     /// written, at most `size / HBM_CHUNK` entries.
-    chunks: Vec<Option<Box<[u8]>>>,
+    chunks: Vec<Option<Chunk>>,
     /// How many of `chunks` are allocated.
     resident: usize,
     file: Option<(MappedFile, HashSet<u64>)>,
@@ -323,7 +419,7 @@ impl LazyHbm {
         slot.get_or_insert_with(|| {
             let mut chunk = vec![0u8; HBM_CHUNK as usize].into_boxed_slice();
             populate(&mut chunk);
-            chunk
+            Chunk::Heap(chunk)
         })
     }
 
@@ -339,6 +435,11 @@ impl LazyHbm {
         let f = MappedFile::open(file, size)?;
         let reserved = f.allocated_chunks(size);
         Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
+    }
+
+    /// How many chunks are mappings of a file's pages ([`Memory::map_file`]).
+    pub fn mapped_chunks(&self) -> usize {
+        self.chunks.iter().filter(|c| matches!(c, Some(Chunk::Mapped(_)))).count()
     }
 
     /// Host bytes actually allocated for this segment (for a file-backed
@@ -443,6 +544,46 @@ impl Memory for LazyHbm {
             done += n as u64;
         }
         Ok(())
+    }
+    fn map_granule(&self) -> u64 {
+        if self.file.is_some() {
+            0
+        } else {
+            HBM_CHUNK
+        }
+    }
+    fn map_file(&mut self, addr: u64, file: &File, offset: u64) -> bool {
+        if self.file.is_some()
+            || !addr.is_multiple_of(HBM_CHUNK)
+            || !offset.is_multiple_of(PAGE)
+            || check("hbm", addr, HBM_CHUNK, self.size).is_err()
+        {
+            return false;
+        }
+        // The whole chunk must lie inside the file: a page past its end
+        // would fault on access instead of reading zeros.
+        let inside =
+            offset.checked_add(HBM_CHUNK).zip(file.metadata().ok()).is_some_and(|(e, m)| e <= m.len());
+        if !inside {
+            return false;
+        }
+        // SAFETY: a private, copy-on-write mapping of `HBM_CHUNK` bytes
+        // that lie inside the file (checked just above): writes to it
+        // stay in this process, and the pages read the file's bytes. The
+        // file is a model file that must not be truncated or rewritten
+        // while a run uses it (docs/cli.md), as for guest RAM mapped
+        // from it.
+        let map =
+            unsafe { memmap2::MmapOptions::new().offset(offset).len(HBM_CHUNK as usize).map_copy(file) };
+        let Ok(map) = map else { return false };
+        let i = (addr / HBM_CHUNK) as usize;
+        if self.chunks.len() <= i {
+            self.chunks.resize_with(i + 1, || None);
+        }
+        if self.chunks[i].replace(Chunk::Mapped(map)).is_none() {
+            self.resident += 1;
+        }
+        true
     }
 }
 

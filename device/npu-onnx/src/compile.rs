@@ -2017,57 +2017,68 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     }
     .map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
-    let (load, weights) = weight_image(&c.data, &lowered);
-    report.weight_bytes = weights.len() as u64;
-    check_transfers(&inputs, &outputs)?;
-    let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
-    let mut ins = place_in_window(&inputs, &mut window);
-    let mut outs = place_in_window(&outputs, &mut window);
-    // Integer inputs (token ids) and outputs (ArgMax's indices) travel as
-    // i32; the runner converts.
-    for (descs, ios) in [(&mut ins, &m.inputs), (&mut outs, &m.outputs)] {
-        for (d, _) in descs.iter_mut() {
-            d.elem = match ios.iter().find(|i| i.name == d.name).map(|i| i.elem) {
-                Some(7) => ElemType::I64,
-                Some(6) => ElemType::I32,
-                _ => ElemType::F32,
-            };
+    // Twice at most: the weight image is laid out for its offset in the
+    // file (`weight_image`), which the first pass finds; the lengths
+    // before it do not depend on that layout, so it stays put.
+    let mut phase = 0;
+    let model = loop {
+        let (load, weights) = weight_image(&c.data, &lowered, phase);
+        report.weight_bytes = weights.len() as u64;
+        check_transfers(&inputs, &outputs)?;
+        let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
+        let mut ins = place_in_window(&inputs, &mut window);
+        let mut outs = place_in_window(&outputs, &mut window);
+        // Integer inputs (token ids) and outputs (ArgMax's indices) travel as
+        // i32; the runner converts.
+        for (descs, ios) in [(&mut ins, &m.inputs), (&mut outs, &m.outputs)] {
+            for (d, _) in descs.iter_mut() {
+                d.elem = match ios.iter().find(|i| i.name == d.name).map(|i| i.elem) {
+                    Some(7) => ElemType::I64,
+                    Some(6) => ElemType::I32,
+                    _ => ElemType::F32,
+                };
+            }
         }
-    }
-    let mut infer = infer_program(&lowered, &ins, &outs);
-    let mut load = load;
-    load.spread = o.spread.is_some();
-    infer.spread = o.spread.is_some();
-    let shape = o.shape;
-    let limits = VnpuLimits {
-        sa: shape.sa,
-        vu: shape.vu,
-        sram_bytes: shape.sram_bytes,
-        hbm_bytes: shape.hbm_bytes,
-        guest: std::iter::once(0..window).collect(),
-        borrow_sa: more_sa,
-        borrow_vu: more_vu,
-    };
-    verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
-    verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;
-    report.load_instructions = load.instruction_count();
-    report.infer_instructions = infer.instruction_count();
-    let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
-    let model = Model {
-        target: Target {
-            batch,
+        let mut infer = infer_program(&lowered, &ins, &outs);
+        let mut load = load;
+        load.spread = o.spread.is_some();
+        infer.spread = o.spread.is_some();
+        let shape = o.shape;
+        let limits = VnpuLimits {
             sa: shape.sa,
             vu: shape.vu,
             sram_bytes: shape.sram_bytes,
             hbm_bytes: shape.hbm_bytes,
-            sa_dtype: o.dtype,
-        },
-        window_bytes: window,
-        inputs: ins.into_iter().map(|(d, _)| d).collect(),
-        outputs: outs.into_iter().map(|(d, _)| d).collect(),
-        load,
-        infer,
-        weights,
+            guest: std::iter::once(0..window).collect(),
+            borrow_sa: more_sa,
+            borrow_vu: more_vu,
+        };
+        verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
+        verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;
+        report.load_instructions = load.instruction_count();
+        report.infer_instructions = infer.instruction_count();
+        let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
+        let model = Model {
+            target: Target {
+                batch,
+                sa: shape.sa,
+                vu: shape.vu,
+                sram_bytes: shape.sram_bytes,
+                hbm_bytes: shape.hbm_bytes,
+                sa_dtype: o.dtype,
+            },
+            window_bytes: window,
+            inputs: ins.into_iter().map(|(d, _)| d).collect(),
+            outputs: outs.into_iter().map(|(d, _)| d).collect(),
+            load,
+            infer,
+            weights,
+        };
+        let at = model.weights_offset() as u64 % PAGE;
+        if at == phase || phase != 0 {
+            break model;
+        }
+        phase = at;
     };
     Ok(Compiled { model, report })
 }
@@ -2131,16 +2142,40 @@ fn op_counts(g: &Graph) -> Vec<(String, usize)> {
 /// Alignment of everything in the I/O window.
 const WINDOW_ALIGN: u64 = 64;
 
+/// Page size of the hosts that map model files.
+const PAGE: u64 = 4096;
+
+/// Weight tensors at least this long are placed in the image at the page
+/// phase of their place in HBM (`weight_image`).
+const MAP_MIN: u64 = 1 << 20;
+
 /// The weight image (each weight tensor in its stored type, aligned) and
 /// the `load` program that copies it from the I/O window into HBM.
-fn weight_image(data: &[Option<Vec<f32>>], lowered: &npu_lower::Lowered) -> (vnpu_abi::Program, Vec<u8>) {
+///
+/// `phase` is the image's offset in the model file modulo the page size.
+/// A tensor of at least [`MAP_MIN`] bytes starts at an offset whose place
+/// in the file has the page phase of its place in HBM (at most a page of
+/// padding before it): where the VMM mapped the file into guest RAM, the
+/// load program's DMA can then map the file's pages into whole HBM chunks
+/// instead of copying them (`npu_model::memory::Memory::map_file`). The
+/// programs, the weights and every cycle are the same either way.
+fn weight_image(
+    data: &[Option<Vec<f32>>],
+    lowered: &npu_lower::Lowered,
+    phase: u64,
+) -> (vnpu_abi::Program, Vec<u8>) {
     let mut load = ProgramBuilder::new();
     let mut weights: Vec<u8> = Vec::new();
     for (t, d) in data.iter().enumerate() {
         let Some(d) = d else { continue };
-        let at = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
-        weights.resize(at as usize, 0);
         let dtype = lowered.tensors[t].dtype;
+        let mut at = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
+        if d.len() as u64 * dtype.size() >= MAP_MIN {
+            // (phase + at) % PAGE == hbm % PAGE, at the least such `at`.
+            let want = (lowered.tensors[t].offset % PAGE + 2 * PAGE - phase % PAGE - at % PAGE) % PAGE;
+            at += want;
+        }
+        weights.resize(at as usize, 0);
         match dtype {
             DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
             // Rounded to nearest, ties to even (as `vu.convert` rounds).

@@ -208,3 +208,55 @@ fn impossible_pads_are_refused_by_name() {
     let e = compile_pad("mirror", &[0, 1, 0, 1]).unwrap_err();
     assert!(e.contains("node `pad` (Pad)") && e.contains("mode `mirror` is not supported"), "{e}");
 }
+
+/// Weight tensors of 1 MiB or more sit in the weight image where their
+/// byte's place in the model file has the page phase of its place in HBM,
+/// so that the load program's copies of whole HBM chunks can map the
+/// file's pages (`npu_model::memory::Memory::map_file`); the smaller ones
+/// stay packed, and the model computes the same.
+#[test]
+fn large_weights_have_the_page_phase_of_their_place_in_hbm() {
+    let (k, n, batch) = (1024usize, 300usize, 2usize);
+    let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.013).sin()).collect();
+    let w2: Vec<f32> = (0..n * 4).map(|i| (i as f32 * 0.7).cos()).collect();
+    let mut g = GraphProto::new();
+    g.name = "big".into();
+    g.initializer = vec![tensor("W", &[k as i64, n as i64], &w), tensor("W2", &[n as i64, 4], &w2)];
+    g.input = vec![value("X", &[0, k as i64])];
+    g.output = vec![value("Y", &[0, 4])];
+    g.node = vec![
+        node("MatMul", "fc", &["X", "W"], &["H"], vec![]),
+        node("MatMul", "fc2", &["H", "W2"], &["Y"], vec![]),
+    ];
+    let bytes = model(g).write_to_bytes().unwrap();
+    let (board, opts) = options(batch as u32, DType::F32);
+    let compiled = compile(&bytes, &opts).unwrap();
+    let m = &compiled.model;
+    let base = m.weights_offset() as u64;
+    let mut big = 0;
+    for i in m.load.streams.iter().flat_map(|s| &s.code) {
+        if let vnpu_abi::Instr::DmaCopy { src, dst, row_bytes, .. } = *i {
+            if u64::from(row_bytes) >= 1 << 20 {
+                big += 1;
+                assert_eq!(
+                    (base + src.offset) % 4096,
+                    dst.offset % 4096,
+                    "file offset and HBM address phases"
+                );
+            }
+        }
+    }
+    assert_eq!(big, 1, "W is the one tensor of 1 MiB or more");
+    let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.31).cos()).collect();
+    let mut r = HostRunner::new(&board, m).unwrap();
+    let (out, _) = r.infer(&[&x]).unwrap();
+    for b in 0..batch {
+        let h: Vec<f64> =
+            (0..n).map(|j| (0..k).map(|p| f64::from(x[b * k + p]) * f64::from(w[p * n + j])).sum()).collect();
+        for c in 0..4 {
+            let want: f64 = (0..n).map(|j| h[j] * f64::from(w2[j * 4 + c])).sum();
+            let got = f64::from(out[0][b * 4 + c]);
+            assert!((got - want).abs() <= 1e-4 * want.abs().max(1.0), "Y[{b}][{c}] = {got}, want {want}");
+        }
+    }
+}

@@ -409,6 +409,17 @@ impl Model {
         Ok((Model { target, window_bytes, inputs, outputs, load, infer, weights: Vec::new() }, weights))
     }
 
+    /// Offset of the weight image in the file [`Model::encode`] writes.
+    pub fn weights_offset(&self) -> usize {
+        let table: usize = self
+            .inputs
+            .iter()
+            .chain(&self.outputs)
+            .map(|t| 2 + t.name.len() + 2 + 8 * t.dims.len() + 8)
+            .sum();
+        HEADER_BYTES + table + self.load.encoded_len() + self.infer.encoded_len()
+    }
+
     /// The file bytes.
     pub fn encode(&self) -> Vec<u8> {
         let load = self.load.encode();
@@ -677,6 +688,10 @@ mod tests {
     fn round_trip_and_relocation() {
         let m = model();
         assert_eq!(Model::decode(&m.encode()), Ok(m.clone()));
+        let b = m.encode();
+        assert_eq!(b[m.weights_offset()..], m.weights[..], "the image starts at weights_offset");
+        let (_, image) = Model::decode_parts(&b).unwrap();
+        assert_eq!(image.as_ptr(), b[m.weights_offset()..].as_ptr());
         let mut p = m.infer.clone();
         relocate(&mut p, 0x100_0000).unwrap();
         assert_eq!(p.streams[0].code[0], Instr::copy(Addr::guest(0x100_0040), Addr::hbm(64), 16));

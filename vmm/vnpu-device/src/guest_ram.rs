@@ -2,19 +2,40 @@
 //! vm-memory's checked accessors, so a bad guest address fails that
 //! request with an error and never touches host memory outside the guest.
 
-use npu_model::memory::{Memory, MemoryError};
+use std::fs::File;
+use std::sync::Arc;
+
+use npu_model::memory::{file_pages_unchanged, Memory, MemoryError};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+
+/// A range of guest RAM the VMM mapped a file into (private,
+/// copy-on-write, from the file's first byte): `vnpu infer`'s model file.
+#[derive(Debug, Clone)]
+pub struct GuestFile {
+    /// Guest-physical address of the file's first byte.
+    pub gpa: u64,
+    /// Bytes of the file mapped there.
+    pub len: u64,
+    pub file: Arc<File>,
+}
 
 /// A view of guest RAM for DMA by the NPU model (it holds a handle to
 /// the guest's memory regions, so it can travel with a request).
 #[derive(Debug, Clone)]
 pub struct GuestRam {
     mem: GuestMemoryMmap<()>,
+    files: Arc<[GuestFile]>,
 }
 
 impl GuestRam {
     pub fn new(mem: &GuestMemoryMmap<()>) -> Self {
-        Self { mem: mem.clone() }
+        Self { mem: mem.clone(), files: Arc::from([]) }
+    }
+
+    /// Guest RAM with `files` mapped into it: a DMA that copies their
+    /// unchanged pages into HBM maps them instead ([`Memory::file_pages`]).
+    pub fn with_files(mem: &GuestMemoryMmap<()>, files: Arc<[GuestFile]>) -> Self {
+        Self { mem: mem.clone(), files }
     }
 }
 
@@ -34,6 +55,21 @@ impl Memory for GuestRam {
     }
     // No `slice_mut`: guest memory is shared with a running guest and is
     // only ever accessed through vm-memory's volatile, checked copies.
+
+    /// A range inside one of the mapped files whose pages the guest has
+    /// not written since they were mapped (`/proc/self/pagemap`): they
+    /// still read the file's bytes.
+    fn file_pages(&self, addr: u64, len: u64) -> Option<(&File, u64)> {
+        let end = addr.checked_add(len)?;
+        let f = self
+            .files
+            .iter()
+            .find(|f| f.gpa <= addr && f.gpa.checked_add(f.len).is_some_and(|e| end <= e))?;
+        let n = usize::try_from(len).ok()?;
+        // The whole range in one region, so its host bytes are contiguous.
+        let slice = self.mem.get_slice(GuestAddress(addr), n).ok()?;
+        file_pages_unchanged(slice.ptr_guard().as_ptr(), n).then(|| (&*f.file, addr - f.gpa))
+    }
 }
 
 #[cfg(test)]

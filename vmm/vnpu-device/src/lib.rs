@@ -20,7 +20,7 @@ mod store;
 mod telemetry;
 mod worker;
 
-pub use guest_ram::GuestRam;
+pub use guest_ram::{GuestFile, GuestRam};
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use store::SessionStore;
 // The board runtime's handles a device is built with and reports on.

@@ -428,6 +428,10 @@ impl Payload {
     }
 }
 
+/// Where a payload went (guest address and length) and the files mapped
+/// into guest RAM for it.
+type Placed = (Option<(u64, u64)>, Arc<[vnpu_device::GuestFile]>);
+
 /// Maps the first `len` bytes of `file` over guest RAM at `gpa`
 /// (private, copy-on-write; the last page whole, its bytes past the
 /// file's end zero), replacing fresh pages nothing has touched yet.
@@ -536,7 +540,7 @@ impl<W: Write> Vm<W> {
         let entry = Self::load_guest(&vm, &memory, cfg)?;
         let (cs, ds) = if linux.is_some() { (linux::BOOT_CS, linux::BOOT_DS) } else { (0x8, 0x10) };
         Self::write_boot_tables(&memory, cs, ds)?;
-        let payload = Self::place_payload(&memory, cfg)?;
+        let (payload, files) = Self::place_payload(&memory, cfg)?;
         let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
         if linux.is_some() {
             Self::linux_vcpu(&kvm, &vcpu)?;
@@ -545,7 +549,7 @@ impl<W: Write> Vm<W> {
 
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &vm, &msi)?;
+        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &files, &vm, &msi)?;
         if linux.is_some() {
             Self::place_bars(&mut pci, count);
         }
@@ -651,7 +655,8 @@ impl<W: Write> Vm<W> {
 
     /// A bare-metal guest's payload, copied to the top of RAM (page
     /// aligned, above `PAYLOAD_MIN`): its address and length.
-    fn place_payload(memory: &GuestMemoryMmap<()>, cfg: &VmConfig) -> Result<Option<(u64, u64)>, VmError> {
+    /// Also returns the files it mapped into RAM, for the vNPUs' DMA.
+    fn place_payload(memory: &GuestMemoryMmap<()>, cfg: &VmConfig) -> Result<Placed, VmError> {
         let memory_bytes = cfg.memory;
         match (&cfg.payload, cfg.linux.as_ref()) {
             (Some(p), None) => {
@@ -673,9 +678,18 @@ impl<W: Write> Vm<W> {
                 // the pieces written after it may share that page.
                 let local = cfg.remote_vnpus.is_empty();
                 let mut mapped = vec![false; p.pieces.len()];
+                let mut files = Vec::new();
                 for ((off, bytes, file), done) in p.pieces.iter().zip(&mut mapped) {
                     if let (Some(file), true) = (file, local) {
-                        *done = map_file_into(memory, at + off, file, (**bytes).as_ref().len())?;
+                        let len = (**bytes).as_ref().len();
+                        *done = map_file_into(memory, at + off, file, len)?;
+                        if *done {
+                            files.push(vnpu_device::GuestFile {
+                                gpa: at + off,
+                                len: len as u64,
+                                file: file.clone(),
+                            });
+                        }
                     }
                 }
                 for ((off, bytes, _), done) in p.pieces.iter().zip(&mapped) {
@@ -686,13 +700,13 @@ impl<W: Write> Vm<W> {
                         VmError::Memory { size: memory_bytes, reason: format!("payload: {e}") }
                     })?;
                 }
-                Ok(Some((at, p.len())))
+                Ok((Some((at, p.len())), Arc::from(files)))
             }
             (Some(_), Some(_)) => Err(VmError::Memory {
                 size: memory_bytes,
                 reason: "a payload is for bare-metal guests".into(),
             }),
-            (None, _) => Ok(None),
+            (None, _) => Ok((None, Arc::from([]))),
         }
     }
 
@@ -853,6 +867,7 @@ impl<W: Write> Vm<W> {
     fn pci_bus(
         cfg: &VmConfig,
         memory: &GuestMemoryMmap<()>,
+        files: &Arc<[vnpu_device::GuestFile]>,
         vm: &Arc<VmFd>,
         msi: &Arc<Mutex<irq::MsiRoutes>>,
     ) -> Result<(PciBus, Vec<Doorbells>), VmError> {
@@ -871,6 +886,7 @@ impl<W: Write> Vm<W> {
         for (i, spec) in vnpus.iter().enumerate() {
             let slot = i + 1;
             let mut device = cfg.device.clone();
+            device.guest_files = files.clone();
             if let Some(cores) = cfg.shared_cores.get(i) {
                 device.cores = cores.clone();
             }
@@ -1164,6 +1180,46 @@ mod tests {
         let file = std::fs::read(&t.0).expect("read the file back");
         assert!(file.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8), "the file is unchanged");
         assert_eq!(file.len(), len);
+    }
+
+    /// The vNPU's DMA from a mapped file's pages into HBM maps whole
+    /// chunks of them while the guest has not written them, and copies a
+    /// chunk with a page the guest wrote: HBM holds what guest RAM holds.
+    #[test]
+    fn dma_maps_the_guests_unchanged_file_pages_into_hbm() {
+        use npu_model::memory::{Memory, HBM_CHUNK};
+        use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Sram};
+        use vnpu_abi::{Addr, Engine, Instr, ProgramBuilder};
+        let len = 3 * HBM_CHUNK as usize + 100;
+        let t = Temp::new("dma", len);
+        let m = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 8 << 20)]).expect("guest RAM");
+        let gpa = 0x10_0000;
+        assert_eq!(map_file_into(&m, gpa, &t.1, len).ok(), Some(true));
+        let files: Arc<[vnpu_device::GuestFile]> = Arc::from([vnpu_device::GuestFile {
+            gpa,
+            len: len as u64,
+            file: Arc::new(t.1.try_clone().expect("dup")),
+        }]);
+        let guest = vnpu_device::GuestRam::with_files(&m, files.clone());
+        assert_eq!(guest.file_pages(gpa + 4096, 8192).map(|(_, o)| o), Some(4096));
+        assert!(guest.file_pages(gpa + len as u64 - 10, 20).is_none(), "past the file's end");
+        // The guest writes a byte of the file's second MiB.
+        m.write_slice(&[0xab], GuestAddress(gpa + HBM_CHUNK + 5)).expect("guest write");
+        assert!(guest.file_pages(gpa + HBM_CHUNK, 4096).is_none(), "a written page is the guest's own");
+        assert!(guest.file_pages(gpa + 2 * HBM_CHUNK, 4096).is_some());
+        let mut p = ProgramBuilder::new();
+        p.push(Engine::DMA, Instr::copy(Addr::guest(gpa), Addr::hbm(0), (3 * HBM_CHUNK) as u32));
+        let (mut sram, mut hbm) = (Sram::new(4096), LazyHbm::new(4 * HBM_CHUNK));
+        let mut g = vnpu_device::GuestRam::with_files(&m, files);
+        let mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut g };
+        run_program(&BoardConfig::default(), &p.finish(), Some(mem), None).expect("load");
+        assert_eq!(hbm.mapped_chunks(), 2, "chunks 0 and 2 mapped, chunk 1 copied");
+        let mut got = vec![0u8; 3 * HBM_CHUNK as usize];
+        hbm.read(0, &mut got).expect("read HBM");
+        let mut want = vec![0u8; got.len()];
+        m.read_slice(&mut want, GuestAddress(gpa)).expect("read RAM");
+        assert!(got == want, "HBM holds guest RAM's bytes");
+        assert_eq!(got[HBM_CHUNK as usize + 5], 0xab);
     }
 
     #[test]

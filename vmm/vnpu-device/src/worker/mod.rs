@@ -257,6 +257,10 @@ pub struct DeviceOptions {
     pub shared_max_host_work: u64,
     /// Where the worker adds up what it does (the daemon's metrics).
     pub telemetry: Option<Arc<crate::Telemetry>>,
+    /// Files the VMM mapped into guest RAM (`vnpu infer`'s model file):
+    /// a DMA of their unchanged pages into HBM maps them instead of
+    /// copying. Forgotten when the guest memory is replaced.
+    pub guest_files: Arc<[crate::GuestFile]>,
 }
 
 impl Default for DeviceOptions {
@@ -270,6 +274,7 @@ impl Default for DeviceOptions {
             shared_max_cycles: SHARED_MAX_BUDGET,
             shared_max_host_work: SHARED_MAX_HOST_WORK,
             telemetry: None,
+            guest_files: Arc::from([]),
         }
     }
 }
@@ -556,7 +561,10 @@ impl Worker {
                 Some(Control::Panic) => panic!("injected worker fault"),
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
-                Some(Control::Memory(mem)) => self.mem = mem,
+                Some(Control::Memory(mem)) => {
+                    self.mem = mem;
+                    self.opts.guest_files = Arc::from([]);
+                }
                 Some(Control::Session { store, resume }) => self.session(store, resume),
                 Some(Control::Resume) => self.resume(),
                 Some(Control::Regrant(spec)) => {

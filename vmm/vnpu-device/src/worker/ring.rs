@@ -353,7 +353,7 @@ impl Worker {
                 claim,
                 program,
                 lent,
-                Box::new(GuestRam::new(&self.mem)),
+                Box::new(GuestRam::with_files(&self.mem, self.opts.guest_files.clone())),
                 budget,
                 host_work,
             ) {
@@ -364,7 +364,7 @@ impl Worker {
                 None => return Outcome::fail(abi::ST_EXEC_FAULT, "the physical core stopped"),
             }
         } else {
-            let mut guest = GuestRam::new(&self.mem);
+            let mut guest = GuestRam::with_files(&self.mem, self.opts.guest_files.clone());
             let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
             run_program(&self.board, &program, Some(mem), Some(budget))
         };
