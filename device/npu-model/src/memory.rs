@@ -576,6 +576,15 @@ impl Memory for LazyHbm {
         let map =
             unsafe { memmap2::MmapOptions::new().offset(offset).len(HBM_CHUNK as usize).map_copy(file) };
         let Ok(map) = map else { return false };
+        // Its pages mapped now, in one call (they are the file's pages in
+        // the page cache, read-only until written): faulting them in one
+        // by one on first use would cost more than the copy saved.
+        #[cfg(target_os = "linux")]
+        // SAFETY: the advice only maps the mapping's own pages (read, not
+        // written: no copy is made) and changes no byte.
+        unsafe {
+            libc::madvise(map.as_ptr() as *mut libc::c_void, map.len(), libc::MADV_POPULATE_READ);
+        }
         let i = (addr / HBM_CHUNK) as usize;
         if self.chunks.len() <= i {
             self.chunks.resize_with(i + 1, || None);
@@ -639,6 +648,75 @@ impl Memory for VecGuestMemory {
         let (s, d) = (self.range(src, n)?, self.range(dst, n)?);
         self.bytes.copy_within(s, d.start);
         Ok(())
+    }
+}
+
+/// `len` bytes of a file from `offset` on as a memory based at address 0:
+/// a private (copy-on-write) mapping, so that writes stay in it, and a
+/// DMA of its unchanged pages into HBM maps them instead of copying
+/// ([`Memory::file_pages`]). The in-process runner's weight image.
+#[derive(Debug)]
+pub struct FileMemory {
+    file: File,
+    map: memmap2::MmapMut,
+    /// Offset of `offset`'s byte in `map` (the mapping starts at a page).
+    skip: usize,
+    offset: u64,
+    len: usize,
+}
+
+impl FileMemory {
+    /// Maps `[offset, offset + len)` of `file`, which must lie inside it
+    /// (and must not be truncated or rewritten while this lives).
+    pub fn map(file: File, offset: u64, len: usize) -> std::io::Result<Self> {
+        let bad = || std::io::Error::from(std::io::ErrorKind::InvalidInput);
+        let end = offset.checked_add(len as u64).ok_or_else(bad)?;
+        if end > file.metadata()?.len() {
+            return Err(bad());
+        }
+        let start = offset - offset % PAGE;
+        let skip = (offset - start) as usize;
+        let n = skip.checked_add(len).ok_or_else(bad)?;
+        // SAFETY: a private mapping of bytes inside the file (checked
+        // above); the caller keeps the file from being truncated while it
+        // lives, so no page past its end is ever touched.
+        let map = unsafe { memmap2::MmapOptions::new().offset(start).len(n.max(1)).map_copy(&file)? };
+        Ok(Self { file, map, skip, offset, len })
+    }
+
+    fn range(&self, addr: u64, len: usize) -> Result<std::ops::Range<usize>, MemoryError> {
+        check("file", addr, len as u64, self.len as u64)?;
+        let at = self.skip + addr as usize;
+        Ok(at..at + len)
+    }
+}
+
+impl Memory for FileMemory {
+    fn size(&self) -> u64 {
+        self.len as u64
+    }
+    fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
+        let r = self.range(addr, buf.len())?;
+        buf.copy_from_slice(&self.map[r]);
+        Ok(())
+    }
+    fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
+        let r = self.range(addr, data.len())?;
+        self.map[r].copy_from_slice(data);
+        Ok(())
+    }
+    fn slice_mut(&mut self, addr: u64, len: u64) -> Option<&mut [u8]> {
+        let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
+        self.map.get_mut(r)
+    }
+    fn slice(&self, addr: u64, len: u64) -> Option<&[u8]> {
+        let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
+        self.map.get(r)
+    }
+    fn file_pages(&self, addr: u64, len: u64) -> Option<(&File, u64)> {
+        let r = self.range(addr, usize::try_from(len).ok()?).ok()?;
+        let bytes = self.map.get(r)?;
+        file_pages_unchanged(bytes.as_ptr(), bytes.len()).then_some((&self.file, self.offset + addr))
     }
 }
 

@@ -2,7 +2,7 @@
 //! reference the VM path is compared with, and the functional model that
 //! `vnpu infer --in-process` and the benchmark time.
 
-use npu_model::memory::{read_f32s, write_f32s, Memory, MemoryError};
+use npu_model::memory::{read_f32s, write_f32s, FileMemory, Memory, MemoryError};
 use npu_model::{
     run_program, run_program_on, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport,
     VecGuestMemory,
@@ -23,6 +23,20 @@ pub enum HostError {
     NotAnInteger { name: String, index: usize, value: f32 },
     #[error("guest memory: {0}")]
     Memory(#[source] MemoryError),
+}
+
+/// `model` but its weight image (in guest memory or HBM by then: a
+/// second copy would only cost time and memory).
+fn without_weights(model: &Model) -> Model {
+    Model {
+        target: model.target,
+        window_bytes: model.window_bytes,
+        inputs: model.inputs.clone(),
+        outputs: model.outputs.clone(),
+        load: model.load.clone(),
+        infer: model.infer.clone(),
+        weights: Vec::new(),
+    }
 }
 
 /// A compiled model with its weights loaded into a private vNPU core.
@@ -59,20 +73,10 @@ impl HostRunner {
         let image = guest.bytes.get_mut(..weights.len()).ok_or(too_large)?;
         image.copy_from_slice(weights);
         // The weights are in guest memory now: the runner keeps the rest
-        // of the model (a second copy of the weights would only cost time
-        // and memory).
-        let rest = Model {
-            target: model.target,
-            window_bytes: model.window_bytes,
-            inputs: model.inputs.clone(),
-            outputs: model.outputs.clone(),
-            load: model.load.clone(),
-            infer: model.infer.clone(),
-            weights: Vec::new(),
-        };
+        // of the model.
         let mut r = Self {
             board: board.clone(),
-            model: rest,
+            model: without_weights(model),
             sram: Sram::new(model.target.sram_bytes),
             hbm: LazyHbm::new(model.target.hbm_bytes),
             guest,
@@ -82,6 +86,49 @@ impl HostRunner {
         run_program(&r.board, &r.model.load, Some(mem), None)
             .map_err(|error| HostError::Exec { which: "load", error })?;
         Ok(r)
+    }
+
+    /// [`HostRunner::with_weights`] for a weight image that lies in `file`
+    /// from `offset` on (a mapped model file): the load program reads the
+    /// image from a private mapping of the file, so its DMA maps the
+    /// file's pages into whole HBM chunks instead of copying them
+    /// (`npu_model::memory::FileMemory`), and the I/O window holds no copy
+    /// of it. As [`HostRunner::with_weights`] when the infer program also
+    /// reads the image from the window, or when the file cannot be mapped.
+    pub fn with_weights_file(
+        board: &BoardConfig,
+        model: &Model,
+        weights: &[u8],
+        file: &std::fs::File,
+        offset: u64,
+    ) -> Result<Self, HostError> {
+        let image = 0..weights.len() as u64;
+        let inside = |p: &vnpu_abi::Program| vnpu_abi::model::guest_span(p).ok().flatten();
+        let load_in_image = inside(&model.load).is_some_and(|r| r.start >= image.start && r.end <= image.end);
+        let infer_apart = inside(&model.infer).is_none_or(|r| r.start >= image.end);
+        let mapped = file.try_clone().and_then(|f| FileMemory::map(f, offset, weights.len()));
+        let (true, true, Ok(mut from)) = (load_in_image, infer_apart, mapped) else {
+            return Self::with_weights(board, model, weights);
+        };
+        let mut r = Self {
+            board: board.clone(),
+            model: without_weights(model),
+            sram: Sram::new(model.target.sram_bytes),
+            hbm: LazyHbm::new(model.target.hbm_bytes),
+            // The image's part of the window stays zero: nothing reads it.
+            guest: VecGuestMemory::new(0, model.window_bytes as usize),
+            engines: None,
+        };
+        let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest: &mut from };
+        run_program(&r.board, &r.model.load, Some(mem), None)
+            .map_err(|error| HostError::Exec { which: "load", error })?;
+        Ok(r)
+    }
+
+    /// Bytes of HBM that are mappings of the model file's pages rather
+    /// than copies ([`HostRunner::with_weights_file`]).
+    pub fn mapped_weight_bytes(&self) -> u64 {
+        self.hbm.mapped_chunks() as u64 * npu_model::memory::HBM_CHUNK
     }
 
     /// Runs a spread model's infer program on `engines` (SAs, VUs) from

@@ -216,7 +216,7 @@ fn impossible_pads_are_refused_by_name() {
 /// stay packed, and the model computes the same.
 #[test]
 fn large_weights_have_the_page_phase_of_their_place_in_hbm() {
-    let (k, n, batch) = (1024usize, 300usize, 2usize);
+    let (k, n, batch) = (1024usize, 600usize, 2usize);
     let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.013).sin()).collect();
     let w2: Vec<f32> = (0..n * 4).map(|i| (i as f32 * 0.7).cos()).collect();
     let mut g = GraphProto::new();
@@ -250,6 +250,19 @@ fn large_weights_have_the_page_phase_of_their_place_in_hbm() {
     let x: Vec<f32> = (0..batch * k).map(|i| (i as f32 * 0.31).cos()).collect();
     let mut r = HostRunner::new(&board, m).unwrap();
     let (out, _) = r.infer(&[&x]).unwrap();
+    // From the model file: W's whole HBM chunks are the file's pages,
+    // and the outputs are the same bits.
+    let path = std::env::temp_dir().join(format!("npu-onnx-phase-{}.vnpu", std::process::id()));
+    let file_bytes = m.encode();
+    std::fs::write(&path, &file_bytes).unwrap();
+    let file = std::fs::File::open(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let image = &file_bytes[base as usize..];
+    let mut rf = HostRunner::with_weights_file(&board, m, image, &file, base).unwrap();
+    assert!(rf.mapped_weight_bytes() >= 1 << 20, "W's chunks are mapped");
+    let (out_f, _) = rf.infer(&[&x]).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&out_f[0]), bits(&out[0]), "mapped or copied, the same outputs");
     for b in 0..batch {
         let h: Vec<f64> =
             (0..n).map(|j| (0..k).map(|p| f64::from(x[b * k + p]) * f64::from(w[p * n + j])).sum()).collect();

@@ -215,12 +215,19 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
         }
     }
     // Both paths take the weights from the mapped file: the VM path hands
-    // the file to the guest as it is, the in-process runner copies the
-    // image into its window once.
+    // the file to the guest as it is, the in-process runner's load
+    // program reads the image from a mapping of the file; both DMAs map
+    // the pages of large weights into HBM (docs/npu-model.md).
     let (file, m, image) = read_model(&a.model)?;
     let (inputs, runs) = gather_inputs(&m, &a.inputs)?;
     let (outputs, stats, path) = if a.in_process {
-        let mut r = HostRunner::with_weights(&a.board, &m, &file.as_ref()[image])?;
+        let weights = &file.as_ref()[image.clone()];
+        let mut r = match &file {
+            ModelFile::Mapped(_, f) => {
+                HostRunner::with_weights_file(&a.board, &m, weights, f, image.start as u64)?
+            }
+            ModelFile::Read(_) => HostRunner::with_weights(&a.board, &m, weights)?,
+        };
         let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
         let mut stats = Vec::new();
         for run in 0..runs as usize {
