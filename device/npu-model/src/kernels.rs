@@ -779,33 +779,28 @@ fn copy_rows(
         for r in 0..rows {
             let s = row_at(src.offset, r, src_stride, "src overflow")?;
             let d = row_at(dst.offset, r, dst_stride, "dst overflow")?;
-            let end = d.checked_add(row as u64).ok_or(KernelError::Geometry("dst overflow"))?;
-            // Whole granules of the destination whose bytes come from a
-            // file's unchanged pages (a model's weights in guest RAM, on
-            // their way to HBM) map those pages instead of copying them;
-            // the rest is copied.
-            let (first, last) = match granule {
-                0 => (end, end),
-                g => (d.checked_next_multiple_of(g).unwrap_or(end).min(end), end - end % g),
-            };
-            if first >= last {
+            if granule == 0 || (row as u64) < granule / 2 {
                 copy_piece(s_mem, d_mem, s, d, row, &mut buf)?;
                 continue;
             }
-            copy_piece(s_mem, d_mem, s, d, (first - d) as usize, &mut buf)?;
-            let src_at = |at: u64| s.checked_add(at - d).ok_or(KernelError::Geometry("src overflow"));
-            let mut at = first;
-            while at < last {
-                let from = src_at(at)?;
-                let mapped = s_mem.file_pages(from, granule).is_some_and(|(file, offset)| {
-                    offset.is_multiple_of(PAGE) && d_mem.map_file(at, file, offset)
-                });
+            // The row a granule of the destination at a time: a piece whose
+            // bytes come from a file's unchanged pages (a model's weights
+            // in guest RAM, on their way to HBM) maps those pages if the
+            // destination takes it; the rest is copied.
+            let end = d.checked_add(row as u64).ok_or(KernelError::Geometry("dst overflow"))?;
+            let mut at = d;
+            while at < end {
+                let n = (granule - at % granule).min(end - at);
+                let from = s.checked_add(at - d).ok_or(KernelError::Geometry("src overflow"))?;
+                let mapped = n >= granule / 2
+                    && s_mem.file_pages(from, n).is_some_and(|(file, offset)| {
+                        offset % PAGE == at % PAGE && d_mem.map_file(at, n, file, offset)
+                    });
                 if !mapped {
-                    copy_piece(s_mem, d_mem, from, at, granule as usize, &mut buf)?;
+                    copy_piece(s_mem, d_mem, from, at, n as usize, &mut buf)?;
                 }
-                at += granule;
+                at += n;
             }
-            copy_piece(s_mem, d_mem, src_at(last)?, last, (end - last) as usize, &mut buf)?;
         }
         return Ok(());
     }
@@ -1777,7 +1772,10 @@ mod tests {
         use crate::memory::HBM_CHUNK;
         let mib = HBM_CHUNK as usize;
         let bytes: Vec<u8> = (0..4 * mib + 5000).map(|i| (i * 7 + i / 4096) as u8).collect();
-        for (src, dst, expect_mapped) in [(4096 + 100, 100u64, 1), (4096 + 100, 200, 0), (0, 0, 2)] {
+        // (4196, 100): chunk 0 from byte 100 (more than half of it) and
+        // chunk 1 mapped, chunk 2 copied (a written page), chunk 3's 100
+        // bytes copied.
+        for (src, dst, expect_mapped) in [(4096 + 100, 100u64, 2), (4096 + 100, 200, 0), (0, 0, 2)] {
             let mut guest = FileGuest::new("dma-map", &bytes);
             // A written page in the source of HBM's chunk 2: that chunk
             // must be copied, with the new byte.
@@ -1785,6 +1783,12 @@ mod tests {
             guest.map[dirty] ^= 0xff;
             let (mut sram, mut hbm) = (Sram::new(4096), LazyHbm::new(8 * HBM_CHUNK));
             let len = 3 * HBM_CHUNK;
+            // What HBM holds before the copy's first byte stays: bytes
+            // written before (dst 100), else zeros.
+            let before = if dst == 100 { 0x77u8 } else { 0 };
+            if before != 0 {
+                hbm.write(0, &vec![before; dst as usize]).unwrap();
+            }
             let mut mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
             copy_rows(&mut mem, Addr::guest(src), Addr::hbm(dst), 1, len as usize, 0, 0).unwrap();
             assert_eq!(hbm.mapped_chunks(), expect_mapped, "src {src} dst {dst}");
@@ -1794,6 +1798,9 @@ mod tests {
                 back == guest.map[src as usize..(src + len) as usize],
                 "src {src} dst {dst}: HBM holds the guest's bytes"
             );
+            let mut head = vec![1u8; dst as usize];
+            hbm.read(0, &mut head).unwrap();
+            assert!(head.iter().all(|b| *b == before), "HBM before the copy is unchanged");
             // Copy-on-write both ways.
             hbm.write(HBM_CHUNK + 5, &[1, 2, 3]).unwrap();
             guest.map[(src + HBM_CHUNK - dst) as usize + 64] ^= 0x55;

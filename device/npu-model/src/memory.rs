@@ -135,13 +135,15 @@ pub trait Memory {
     fn map_granule(&self) -> u64 {
         0
     }
-    /// Makes the granule at `addr` (a multiple of [`Memory::map_granule`])
-    /// hold that many bytes of `file` from `offset` (a multiple of the
-    /// page size) on, as a private copy-on-write mapping: what writing
-    /// those bytes there would give, without copying them (later writes
-    /// to either side do not reach the other). `false`, with nothing
-    /// changed, when it cannot (the default).
-    fn map_file(&mut self, _addr: u64, _file: &File, _offset: u64) -> bool {
+    /// Makes `[addr, addr + len)`, inside one granule of
+    /// [`Memory::map_granule`], hold `len` bytes of `file` from `offset`
+    /// on (`offset` and `addr` of one page phase) through a private
+    /// copy-on-write mapping of the file's pages: what writing those bytes
+    /// there would give, the rest of the granule unchanged, without
+    /// copying them (later writes to either side do not reach the other).
+    /// `false`, with nothing changed, when it cannot or it would not pay
+    /// (the default).
+    fn map_file(&mut self, _addr: u64, _len: u64, _file: &File, _offset: u64) -> bool {
         false
     }
 }
@@ -552,18 +554,24 @@ impl Memory for LazyHbm {
             HBM_CHUNK
         }
     }
-    fn map_file(&mut self, addr: u64, file: &File, offset: u64) -> bool {
+    fn map_file(&mut self, addr: u64, len: u64, file: &File, offset: u64) -> bool {
+        let (c, at) = (addr / HBM_CHUNK, addr % HBM_CHUNK);
+        // The chunk's window of the file: `offset`'s byte at `at`. Worth
+        // it when at least half the chunk comes from the file (the rest
+        // is written over the mapping, a copy of each page it touches).
+        let Some(start) = offset.checked_sub(at) else { return false };
         if self.file.is_some()
-            || !addr.is_multiple_of(HBM_CHUNK)
-            || !offset.is_multiple_of(PAGE)
-            || check("hbm", addr, HBM_CHUNK, self.size).is_err()
+            || len < HBM_CHUNK / 2
+            || at.checked_add(len).is_none_or(|e| e > HBM_CHUNK)
+            || !start.is_multiple_of(PAGE)
+            || check("hbm", c * HBM_CHUNK, HBM_CHUNK, self.size).is_err()
         {
             return false;
         }
-        // The whole chunk must lie inside the file: a page past its end
+        // The whole window must lie inside the file: a page past its end
         // would fault on access instead of reading zeros.
         let inside =
-            offset.checked_add(HBM_CHUNK).zip(file.metadata().ok()).is_some_and(|(e, m)| e <= m.len());
+            start.checked_add(HBM_CHUNK).zip(file.metadata().ok()).is_some_and(|(e, m)| e <= m.len());
         if !inside {
             return false;
         }
@@ -573,9 +581,8 @@ impl Memory for LazyHbm {
         // file is a model file that must not be truncated or rewritten
         // while a run uses it (docs/cli.md), as for guest RAM mapped
         // from it.
-        let map =
-            unsafe { memmap2::MmapOptions::new().offset(offset).len(HBM_CHUNK as usize).map_copy(file) };
-        let Ok(map) = map else { return false };
+        let map = unsafe { memmap2::MmapOptions::new().offset(start).len(HBM_CHUNK as usize).map_copy(file) };
+        let Ok(mut map) = map else { return false };
         // Its pages mapped now, in one call (they are the file's pages in
         // the page cache, read-only until written): faulting them in one
         // by one on first use would cost more than the copy saved.
@@ -585,7 +592,19 @@ impl Memory for LazyHbm {
         unsafe {
             libc::madvise(map.as_ptr() as *mut libc::c_void, map.len(), libc::MADV_POPULATE_READ);
         }
-        let i = (addr / HBM_CHUNK) as usize;
+        // The rest of the chunk keeps what it held (zeros if nothing).
+        let (lo, hi) = (at as usize, (at + len) as usize);
+        let i = c as usize;
+        match self.chunks.get(i).and_then(Option::as_ref) {
+            Some(old) => {
+                map[..lo].copy_from_slice(&old[..lo]);
+                map[hi..].copy_from_slice(&old[hi..]);
+            }
+            None => {
+                map[..lo].fill(0);
+                map[hi..].fill(0);
+            }
+        }
         if self.chunks.len() <= i {
             self.chunks.resize_with(i + 1, || None);
         }
