@@ -1723,66 +1723,36 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
 mod tests {
     use super::*;
 
-    /// Guest memory that is a private mapping of a file, as the VMM's guest
-    /// RAM is where it mapped a model file: its pages are the file's until
-    /// written.
-    struct FileGuest {
-        file: std::fs::File,
-        map: memmap2::MmapMut,
-    }
-
-    impl FileGuest {
-        fn new(name: &str, bytes: &[u8]) -> Self {
-            let path = std::env::temp_dir().join(format!("npu-model-{name}-{}", std::process::id()));
-            std::fs::write(&path, bytes).unwrap();
-            let file = std::fs::File::open(&path).unwrap();
-            std::fs::remove_file(&path).unwrap();
-            // SAFETY: a private mapping of a file this test alone holds.
-            let map = unsafe { memmap2::MmapOptions::new().map_copy(&file).unwrap() };
-            Self { file, map }
-        }
-    }
-
-    impl Memory for FileGuest {
-        fn size(&self) -> u64 {
-            self.map.len() as u64
-        }
-        fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), MemoryError> {
-            buf.copy_from_slice(&self.map[addr as usize..addr as usize + buf.len()]);
-            Ok(())
-        }
-        fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
-            self.map[addr as usize..addr as usize + data.len()].copy_from_slice(data);
-            Ok(())
-        }
-        fn file_pages(&self, addr: u64, len: u64) -> Option<(&std::fs::File, u64)> {
-            let r = addr as usize..(addr + len) as usize;
-            let unchanged = crate::memory::file_pages_unchanged(self.map.get(r)?.as_ptr(), len as usize);
-            unchanged.then_some((&self.file, addr))
-        }
-    }
-
-    /// A DMA from a file's unchanged pages into HBM maps the whole chunks
-    /// it covers (when the file offset and HBM address have the same page
-    /// phase) and copies the rest, a written page's chunk included: HBM
-    /// then reads what guest memory held, byte for byte, and writes on
-    /// either side after the copy do not reach the other or the file.
+    /// A DMA from a file's unchanged pages into HBM (guest memory a
+    /// private mapping of the file from byte `OFF` on, as the in-process
+    /// runner's weight image) maps the chunks it covers at least half of
+    /// (when the file offset and HBM address have the same page phase)
+    /// and copies the rest, a written page's chunk included: HBM then
+    /// reads what guest memory held, byte for byte, HBM bytes outside the
+    /// copy keep what they held, and writes on either side after the copy
+    /// do not reach the other or the file.
     #[test]
     fn dma_into_hbm_maps_unchanged_file_pages() {
-        use crate::memory::HBM_CHUNK;
+        use crate::memory::{FileMemory, HBM_CHUNK};
+        const OFF: u64 = 2 * 4096 + 100;
         let mib = HBM_CHUNK as usize;
-        let bytes: Vec<u8> = (0..4 * mib + 5000).map(|i| (i * 7 + i / 4096) as u8).collect();
-        // (4196, 100): chunk 0 from byte 100 (more than half of it) and
-        // chunk 1 mapped, chunk 2 copied (a written page), chunk 3's 100
-        // bytes copied.
-        for (src, dst, expect_mapped) in [(4096 + 100, 100u64, 2), (4096 + 100, 200, 0), (0, 0, 2)] {
-            let mut guest = FileGuest::new("dma-map", &bytes);
+        let bytes: Vec<u8> = (0..OFF as usize + 4 * mib + 5000).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let path = std::env::temp_dir().join(format!("npu-model-dma-map-{}", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        // (4096, 100): the file offset of guest byte 4096 has phase 100;
+        // chunk 0 from byte 100 (more than half of it) and chunk 1 are
+        // mapped, chunk 2 copied (a written page), chunk 3's 100 bytes
+        // copied. (4096, 200): phases differ, all copied. (3996, 0).
+        for (src, dst, expect_mapped) in [(4096u64, 100u64, 2), (4096, 200, 0), (3996, 0, 2)] {
+            let len = 3 * HBM_CHUNK;
+            let mut guest = FileMemory::map(file.try_clone().unwrap(), OFF, 4 * mib).unwrap();
             // A written page in the source of HBM's chunk 2: that chunk
             // must be copied, with the new byte.
-            let dirty = (src + 2 * HBM_CHUNK - dst + 10) as usize;
-            guest.map[dirty] ^= 0xff;
+            let dirty = src + 2 * HBM_CHUNK - dst + 10;
+            guest.write(dirty, &[!bytes[(OFF + dirty) as usize]]).unwrap();
             let (mut sram, mut hbm) = (Sram::new(4096), LazyHbm::new(8 * HBM_CHUNK));
-            let len = 3 * HBM_CHUNK;
             // What HBM holds before the copy's first byte stays: bytes
             // written before (dst 100), else zeros.
             let before = if dst == 100 { 0x77u8 } else { 0 };
@@ -1792,30 +1762,25 @@ mod tests {
             let mut mem = CoreMemory { sram: &mut sram, hbm: &mut hbm, guest: &mut guest };
             copy_rows(&mut mem, Addr::guest(src), Addr::hbm(dst), 1, len as usize, 0, 0).unwrap();
             assert_eq!(hbm.mapped_chunks(), expect_mapped, "src {src} dst {dst}");
-            let mut back = vec![0u8; len as usize];
+            let (mut back, mut want) = (vec![0u8; len as usize], vec![0u8; len as usize]);
             hbm.read(dst, &mut back).unwrap();
-            assert!(
-                back == guest.map[src as usize..(src + len) as usize],
-                "src {src} dst {dst}: HBM holds the guest's bytes"
-            );
+            guest.read(src, &mut want).unwrap();
+            assert!(back == want, "src {src} dst {dst}: HBM holds the guest's bytes");
+            assert_eq!(back[(dirty - src) as usize], !bytes[(OFF + dirty) as usize], "the written byte");
             let mut head = vec![1u8; dst as usize];
             hbm.read(0, &mut head).unwrap();
             assert!(head.iter().all(|b| *b == before), "HBM before the copy is unchanged");
             // Copy-on-write both ways.
+            let at = src + HBM_CHUNK - dst;
             hbm.write(HBM_CHUNK + 5, &[1, 2, 3]).unwrap();
-            guest.map[(src + HBM_CHUNK - dst) as usize + 64] ^= 0x55;
+            guest.write(at + 64, &[!bytes[(OFF + at + 64) as usize]]).unwrap();
             let mut b = [0u8; 1];
             hbm.read(HBM_CHUNK + 64, &mut b).unwrap();
-            assert_eq!(
-                b[0],
-                bytes[(src + HBM_CHUNK - dst) as usize + 64],
-                "a later guest write stays out of HBM"
-            );
+            assert_eq!(b[0], bytes[(OFF + at + 64) as usize], "a later guest write stays out of HBM");
             let mut f = [0u8; 3];
-            std::os::unix::fs::FileExt::read_exact_at(&guest.file, &mut f, src + HBM_CHUNK - dst + 5)
-                .unwrap();
-            let at = (src + HBM_CHUNK - dst + 5) as usize;
-            assert_eq!(f, bytes[at..at + 3], "an HBM write stays out of the file");
+            std::os::unix::fs::FileExt::read_exact_at(&file, &mut f, OFF + at + 5).unwrap();
+            let k = (OFF + at + 5) as usize;
+            assert_eq!(f, bytes[k..k + 3], "an HBM write stays out of the file");
         }
     }
     use proptest::prelude::*;
