@@ -11,7 +11,7 @@ use half::bf16;
 use thiserror::Error;
 use vnpu_abi::{Addr, Bcast, BinOp, ConvGeom, DType, Instr, PoolGeom, PoolOp, RedOp, Space, UnOp};
 
-use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram, PAGE};
+use crate::memory::{read_f32s, write_f32s, LazyHbm, Memory, MemoryError, Sram};
 use crate::scratch::with_scratch;
 
 /// A failure while executing an instruction.
@@ -792,10 +792,12 @@ fn copy_rows(
             while at < end {
                 let n = (granule - at % granule).min(end - at);
                 let from = s.checked_add(at - d).ok_or(KernelError::Geometry("src overflow"))?;
+                // (Pieces under half a granule are never mapped: no need
+                // to ask the source about them.)
                 let mapped = n >= granule / 2
-                    && s_mem.file_pages(from, n).is_some_and(|(file, offset)| {
-                        offset % PAGE == at % PAGE && d_mem.map_file(at, n, file, offset)
-                    });
+                    && s_mem
+                        .file_pages(from, n)
+                        .is_some_and(|(file, offset)| d_mem.map_file(at, n, file, offset));
                 if !mapped {
                     copy_piece(s_mem, d_mem, from, at, n as usize, &mut buf)?;
                 }

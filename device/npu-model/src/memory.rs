@@ -131,13 +131,14 @@ pub trait Memory {
         None
     }
     /// The granule [`Memory::map_file`] maps: a power of two, or 0 (the
-    /// default) for a memory that cannot map files.
+    /// default) for a memory that cannot map files. It maps pieces of at
+    /// least half a granule.
     fn map_granule(&self) -> u64 {
         0
     }
     /// Makes `[addr, addr + len)`, inside one granule of
     /// [`Memory::map_granule`], hold `len` bytes of `file` from `offset`
-    /// on (`offset` and `addr` of one page phase) through a private
+    /// on (refused unless `offset` and `addr` have one page phase) through a private
     /// copy-on-write mapping of the file's pages: what writing those bytes
     /// there would give, the rest of the granule unchanged, without
     /// copying them (later writes to either side do not reach the other).

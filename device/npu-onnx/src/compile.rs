@@ -2017,15 +2017,13 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     }
     .map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
-    // Twice at most: the weight image is laid out for its offset in the
-    // file (`weight_image`), which the first pass finds; the lengths
-    // before it do not depend on that layout, so it stays put.
-    let mut phase = 0;
-    let model = loop {
-        let (load, weights) = weight_image(&c.data, &lowered, phase);
-        report.weight_bytes = weights.len() as u64;
-        check_transfers(&inputs, &outputs)?;
-        let mut window = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
+    check_transfers(&inputs, &outputs)?;
+    // The weight image is laid out for its offset in the file
+    // (`weight_layout`), which the layout itself does not move (the
+    // lengths before it do not depend on it): a first layout finds it.
+    let place = |phase: u64| {
+        let (load, at, len) = weight_layout(&c.data, &lowered, phase);
+        let mut window = len.next_multiple_of(WINDOW_ALIGN);
         let mut ins = place_in_window(&inputs, &mut window);
         let mut outs = place_in_window(&outputs, &mut window);
         // Integer inputs (token ids) and outputs (ArgMax's indices) travel as
@@ -2039,46 +2037,47 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
                 };
             }
         }
-        let mut infer = infer_program(&lowered, &ins, &outs);
-        let mut load = load;
-        load.spread = o.spread.is_some();
-        infer.spread = o.spread.is_some();
-        let shape = o.shape;
-        let limits = VnpuLimits {
+        let infer = infer_program(&lowered, &ins, &outs);
+        (load, at, len, window, ins, outs, infer)
+    };
+    let first = place(0);
+    let descs = first.4.iter().chain(&first.5).map(|(d, _)| d);
+    let phase = vnpu_abi::model::weights_offset(descs, &first.0, &first.6) as u64 % PAGE;
+    let (mut load, at, len, window, ins, outs, mut infer) = if phase == 0 { first } else { place(phase) };
+    let weights = weight_bytes(&c.data, &lowered, &at, len);
+    report.weight_bytes = weights.len() as u64;
+    load.spread = o.spread.is_some();
+    infer.spread = o.spread.is_some();
+    let shape = o.shape;
+    let limits = VnpuLimits {
+        sa: shape.sa,
+        vu: shape.vu,
+        sram_bytes: shape.sram_bytes,
+        hbm_bytes: shape.hbm_bytes,
+        guest: std::iter::once(0..window).collect(),
+        borrow_sa: more_sa,
+        borrow_vu: more_vu,
+    };
+    verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
+    verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;
+    report.load_instructions = load.instruction_count();
+    report.infer_instructions = infer.instruction_count();
+    let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
+    let model = Model {
+        target: Target {
+            batch,
             sa: shape.sa,
             vu: shape.vu,
             sram_bytes: shape.sram_bytes,
             hbm_bytes: shape.hbm_bytes,
-            guest: std::iter::once(0..window).collect(),
-            borrow_sa: more_sa,
-            borrow_vu: more_vu,
-        };
-        verify(&load, &limits).map_err(|source| CompileError::Verify { which: "load", source })?;
-        verify(&infer, &limits).map_err(|source| CompileError::Verify { which: "infer", source })?;
-        report.load_instructions = load.instruction_count();
-        report.infer_instructions = infer.instruction_count();
-        let batch = inputs[0].2.first().copied().unwrap_or(1).max(1) as u32;
-        let model = Model {
-            target: Target {
-                batch,
-                sa: shape.sa,
-                vu: shape.vu,
-                sram_bytes: shape.sram_bytes,
-                hbm_bytes: shape.hbm_bytes,
-                sa_dtype: o.dtype,
-            },
-            window_bytes: window,
-            inputs: ins.into_iter().map(|(d, _)| d).collect(),
-            outputs: outs.into_iter().map(|(d, _)| d).collect(),
-            load,
-            infer,
-            weights,
-        };
-        let at = model.weights_offset() as u64 % PAGE;
-        if at == phase || phase != 0 {
-            break model;
-        }
-        phase = at;
+            sa_dtype: o.dtype,
+        },
+        window_bytes: window,
+        inputs: ins.into_iter().map(|(d, _)| d).collect(),
+        outputs: outs.into_iter().map(|(d, _)| d).collect(),
+        load,
+        infer,
+        weights,
     };
     Ok(Compiled { model, report })
 }
@@ -2149,40 +2148,37 @@ const PAGE: u64 = 4096;
 /// phase of their place in HBM (`weight_image`).
 const MAP_MIN: u64 = 1 << 20;
 
-/// The weight image (each weight tensor in its stored type, aligned) and
-/// the `load` program that copies it from the I/O window into HBM.
+/// Where each weight tensor goes in the weight image (in its stored
+/// type, aligned), the image's length, and the `load` program that copies
+/// the image from the I/O window into HBM ([`weight_bytes`] fills it).
 ///
 /// `phase` is the image's offset in the model file modulo the page size.
 /// A tensor of at least [`MAP_MIN`] bytes starts at an offset whose place
 /// in the file has the page phase of its place in HBM (at most a page of
 /// padding before it): where the VMM mapped the file into guest RAM, the
-/// load program's DMA can then map the file's pages into whole HBM chunks
+/// load program's DMA can then map the file's pages into HBM chunks
 /// instead of copying them (`npu_model::memory::Memory::map_file`). The
-/// programs, the weights and every cycle are the same either way.
-fn weight_image(
+/// programs' lengths, the weights and every cycle are the same either way.
+fn weight_layout(
     data: &[Option<Vec<f32>>],
     lowered: &npu_lower::Lowered,
     phase: u64,
-) -> (vnpu_abi::Program, Vec<u8>) {
+) -> (vnpu_abi::Program, Vec<(usize, u64)>, u64) {
     let mut load = ProgramBuilder::new();
-    let mut weights: Vec<u8> = Vec::new();
+    let mut places = Vec::new();
+    let mut len = 0u64;
     for (t, d) in data.iter().enumerate() {
         let Some(d) = d else { continue };
-        let dtype = lowered.tensors[t].dtype;
-        let mut at = (weights.len() as u64).next_multiple_of(WINDOW_ALIGN);
-        if d.len() as u64 * dtype.size() >= MAP_MIN {
+        let bytes = d.len() as u64 * lowered.tensors[t].dtype.size();
+        let mut at = len.next_multiple_of(WINDOW_ALIGN);
+        if bytes >= MAP_MIN {
             // (phase + at) % PAGE == hbm % PAGE, at the least such `at`.
             let want = (lowered.tensors[t].offset % PAGE + 2 * PAGE - phase % PAGE - at % PAGE) % PAGE;
             at += want;
         }
-        weights.resize(at as usize, 0);
-        match dtype {
-            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
-            // Rounded to nearest, ties to even (as `vu.convert` rounds).
-            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
-        }
+        places.push((t, at));
+        len = at + bytes;
         let mut done = 0u64;
-        let bytes = d.len() as u64 * dtype.size();
         while done < bytes {
             let chunk = (bytes - done).min(1 << 30);
             load.push(
@@ -2197,7 +2193,28 @@ fn weight_image(
         }
     }
     load.push(Engine::DMA, Instr::Halt);
-    (load.finish(), weights)
+    (load.finish(), places, len)
+}
+
+/// The weight image of `len` bytes, each tensor at its place from
+/// [`weight_layout`], zeros between.
+fn weight_bytes(
+    data: &[Option<Vec<f32>>],
+    lowered: &npu_lower::Lowered,
+    places: &[(usize, u64)],
+    len: u64,
+) -> Vec<u8> {
+    let mut weights: Vec<u8> = Vec::with_capacity(len as usize);
+    for &(t, at) in places {
+        let Some(d) = &data[t] else { continue };
+        weights.resize(at as usize, 0);
+        match lowered.tensors[t].dtype {
+            DType::F32 => weights.extend(d.iter().flat_map(|x| x.to_le_bytes())),
+            // Rounded to nearest, ties to even (as `vu.convert` rounds).
+            DType::Bf16 => weights.extend(d.iter().flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())),
+        }
+    }
+    weights
 }
 
 /// One DMA transfer moves an input or output: at most 4 GiB per batch.

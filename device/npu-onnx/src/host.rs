@@ -72,8 +72,20 @@ impl HostRunner {
         });
         let image = guest.bytes.get_mut(..weights.len()).ok_or(too_large)?;
         image.copy_from_slice(weights);
-        // The weights are in guest memory now: the runner keeps the rest
-        // of the model.
+        // The weights are in guest memory now: the load program reads them
+        // from the window.
+        Self::loaded(board, model, guest, None)
+    }
+
+    /// A runner of `model` with `guest` as its I/O window, after its load
+    /// program ran with the weight image read from `image` (else from
+    /// the window). It keeps the model but its weight image.
+    fn loaded(
+        board: &BoardConfig,
+        model: &Model,
+        guest: VecGuestMemory,
+        image: Option<&mut FileMemory>,
+    ) -> Result<Self, HostError> {
         let mut r = Self {
             board: board.clone(),
             model: without_weights(model),
@@ -82,7 +94,11 @@ impl HostRunner {
             guest,
             engines: None,
         };
-        let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest: &mut r.guest };
+        let guest: &mut dyn Memory = match image {
+            Some(image) => image,
+            None => &mut r.guest,
+        };
+        let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest };
         run_program(&r.board, &r.model.load, Some(mem), None)
             .map_err(|error| HostError::Exec { which: "load", error })?;
         Ok(r)
@@ -110,19 +126,9 @@ impl HostRunner {
         let (true, true, Ok(mut from)) = (load_in_image, infer_apart, mapped) else {
             return Self::with_weights(board, model, weights);
         };
-        let mut r = Self {
-            board: board.clone(),
-            model: without_weights(model),
-            sram: Sram::new(model.target.sram_bytes),
-            hbm: LazyHbm::new(model.target.hbm_bytes),
-            // The image's part of the window stays zero: nothing reads it.
-            guest: VecGuestMemory::new(0, model.window_bytes as usize),
-            engines: None,
-        };
-        let mem = CoreMemory { sram: &mut r.sram, hbm: &mut r.hbm, guest: &mut from };
-        run_program(&r.board, &r.model.load, Some(mem), None)
-            .map_err(|error| HostError::Exec { which: "load", error })?;
-        Ok(r)
+        // The image's part of the window stays zero: nothing reads it.
+        let window = VecGuestMemory::new(0, model.window_bytes as usize);
+        Self::loaded(board, model, window, Some(&mut from))
     }
 
     /// Bytes of HBM that are mappings of the model file's pages rather

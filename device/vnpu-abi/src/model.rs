@@ -411,13 +411,7 @@ impl Model {
 
     /// Offset of the weight image in the file [`Model::encode`] writes.
     pub fn weights_offset(&self) -> usize {
-        let table: usize = self
-            .inputs
-            .iter()
-            .chain(&self.outputs)
-            .map(|t| 2 + t.name.len() + 2 + 8 * t.dims.len() + 8)
-            .sum();
-        HEADER_BYTES + table + self.load.encoded_len() + self.infer.encoded_len()
+        weights_offset(self.inputs.iter().chain(&self.outputs), &self.load, &self.infer)
     }
 
     /// The file bytes.
@@ -459,6 +453,17 @@ impl Model {
         b.extend_from_slice(&self.weights);
         b
     }
+}
+
+/// Offset of the weight image in a model file of these tensors (inputs
+/// then outputs) and programs, before the image itself is known.
+pub fn weights_offset<'a>(
+    tensors: impl IntoIterator<Item = &'a TensorDesc>,
+    load: &Program,
+    infer: &Program,
+) -> usize {
+    let table: usize = tensors.into_iter().map(|t| 2 + t.name.len() + 2 + 8 * t.dims.len() + 8).sum();
+    HEADER_BYTES + table + load.encoded_len() + infer.encoded_len()
 }
 
 /// The window bytes `p`'s guest accesses cover, from the lowest first byte
