@@ -792,12 +792,11 @@ fn copy_rows(
             while at < end {
                 let n = (granule - at % granule).min(end - at);
                 let from = s.checked_add(at - d).ok_or(KernelError::Geometry("src overflow"))?;
-                // (Pieces under half a granule are never mapped: no need
-                // to ask the source about them.)
-                let mapped = n >= granule / 2
-                    && s_mem
-                        .file_pages(from, n)
-                        .is_some_and(|(file, offset)| d_mem.map_file(at, n, file, offset));
+                // (The destination decides which pieces pay: at least
+                // half a granule, or one into a granule never written.)
+                let mapped = s_mem
+                    .file_pages(from, n)
+                    .is_some_and(|(file, offset)| d_mem.map_file(at, n, file, offset));
                 if !mapped {
                     copy_piece(s_mem, d_mem, from, at, n as usize, &mut buf)?;
                 }
@@ -1728,10 +1727,11 @@ mod tests {
     /// A DMA from a file's unchanged pages into HBM (guest memory a
     /// private mapping of the file from byte `OFF` on, as the in-process
     /// runner's weight image) maps the chunks it covers at least half of
-    /// (when the file offset and HBM address have the same page phase)
-    /// and copies the rest, a written page's chunk included: HBM then
-    /// reads what guest memory held, byte for byte, HBM bytes outside the
-    /// copy keep what they held, and writes on either side after the copy
+    /// and any piece of a chunk never written (when the file offset and
+    /// HBM address have the same page phase), and copies the rest, a
+    /// written page's chunk included: HBM then reads what guest memory
+    /// held, byte for byte, HBM bytes outside the copy keep what they
+    /// held (zeros if nothing), and writes on either side after the copy
     /// do not reach the other or the file.
     #[test]
     fn dma_into_hbm_maps_unchanged_file_pages() {
@@ -1744,10 +1744,11 @@ mod tests {
         let file = std::fs::File::open(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         // (4096, 100): the file offset of guest byte 4096 has phase 100;
-        // chunk 0 from byte 100 (more than half of it) and chunk 1 are
-        // mapped, chunk 2 copied (a written page), chunk 3's 100 bytes
-        // copied. (4096, 200): phases differ, all copied. (3996, 0).
-        for (src, dst, expect_mapped) in [(4096u64, 100u64, 2), (4096, 200, 0), (3996, 0, 2)] {
+        // chunk 0 from byte 100 (more than half of it), chunk 1 and chunk
+        // 3's 100 bytes (chunks never written) are mapped, chunk 2 copied
+        // (a written page). (4096, 200): phases differ, all copied.
+        // (3996, 0).
+        for (src, dst, expect_mapped) in [(4096u64, 100u64, 3), (4096, 200, 0), (3996, 0, 2)] {
             let len = 3 * HBM_CHUNK;
             let mut guest = FileMemory::map(file.try_clone().unwrap(), OFF, 4 * mib).unwrap();
             // A written page in the source of HBM's chunk 2: that chunk
@@ -1772,6 +1773,9 @@ mod tests {
             let mut head = vec![1u8; dst as usize];
             hbm.read(0, &mut head).unwrap();
             assert!(head.iter().all(|b| *b == before), "HBM before the copy is unchanged");
+            let mut tail = vec![1u8; (4 * HBM_CHUNK - dst - len) as usize];
+            hbm.read(dst + len, &mut tail).unwrap();
+            assert!(tail.iter().all(|b| *b == 0), "src {src} dst {dst}: HBM after the copy reads zero");
             // Copy-on-write both ways.
             let at = src + HBM_CHUNK - dst;
             hbm.write(HBM_CHUNK + 5, &[1, 2, 3]).unwrap();

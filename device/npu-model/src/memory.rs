@@ -132,7 +132,7 @@ pub trait Memory {
     }
     /// The granule [`Memory::map_file`] maps: a power of two, or 0 (the
     /// default) for a memory that cannot map files. It maps pieces of at
-    /// least half a granule.
+    /// least half a granule, and any piece into a granule never written.
     fn map_granule(&self) -> u64 {
         0
     }
@@ -324,6 +324,115 @@ fn populate(bytes: &mut [u8]) {
     }
 }
 
+/// Maps a file's pages into mapped chunks ([`Memory::map_file`]) on a
+/// thread of its own (`MADV_POPULATE_READ`), while the load that mapped
+/// them goes on and the first run starts: one call per chunk maps its 256
+/// pages for a fraction of what faulting them in one by one on first use
+/// costs, and on the caller's thread those calls were about a third of a
+/// large model's start-up in a VM (`docs/benchmarks.md`). The advice only
+/// prefaults: it changes no byte, and a chunk read before its turn faults
+/// its pages in as before. A thread runs only while chunks are queued
+/// (at most one per segment); where none can be started the chunk's pages
+/// are mapped on the caller's thread.
+#[derive(Default)]
+struct Prefetch {
+    queue: std::sync::Arc<std::sync::Mutex<PrefetchQueue>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct PrefetchQueue {
+    /// Address and length of each mapping still to prefault.
+    ranges: std::collections::VecDeque<(usize, usize)>,
+    /// A worker is running (it clears this, under the lock, when it finds
+    /// the queue empty and exits).
+    running: bool,
+}
+
+impl Prefetch {
+    fn lock(queue: &std::sync::Mutex<PrefetchQueue>) -> std::sync::MutexGuard<'_, PrefetchQueue> {
+        // Nothing panics while holding the lock; a poisoned one still
+        // holds a consistent queue.
+        queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues the pages of `[addr, addr + len)`, a file mapping, to be
+    /// mapped on the worker thread. The range must stay mapped until the
+    /// worker has taken it or [`Prefetch::cancel`] returns (its owner
+    /// calls `cancel` before unmapping a chunk).
+    fn queue(&mut self, addr: usize, len: usize) {
+        let mut q = Self::lock(&self.queue);
+        q.ranges.push_back((addr, len));
+        if q.running {
+            return;
+        }
+        q.running = true;
+        drop(q);
+        // The last worker found the queue empty and is exiting: collect it.
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+        let queue = std::sync::Arc::clone(&self.queue);
+        let spawned = std::thread::Builder::new().name("hbm-prefetch".into()).spawn(move || loop {
+            let next = {
+                let mut q = Self::lock(&queue);
+                let next = q.ranges.pop_front();
+                q.running = next.is_some();
+                next
+            };
+            match next {
+                Some(range) => populate_read(range),
+                None => return,
+            }
+        });
+        match spawned {
+            Ok(w) => self.worker = Some(w),
+            // No thread (a resource limit): map them here.
+            Err(_) => {
+                let pending: Vec<_> = {
+                    let mut q = Self::lock(&self.queue);
+                    q.running = false;
+                    q.ranges.drain(..).collect()
+                };
+                pending.into_iter().for_each(populate_read);
+            }
+        }
+    }
+
+    /// Waits until every queued mapping has been prefaulted.
+    #[cfg(test)]
+    fn finish(&mut self) {
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+
+    /// Drops what is queued and waits for the worker's call in flight:
+    /// afterwards no queued mapping is touched.
+    fn cancel(&mut self) {
+        Self::lock(&self.queue).ranges.clear();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// `MADV_POPULATE_READ` over `(address, length)`, a mapping of a file's
+/// pages that [`Prefetch`]'s owner keeps mapped until the call returns.
+fn populate_read((addr, len): (usize, usize)) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: `[addr, addr + len)` is one whole private file mapping that
+    // stays mapped until this returns (`Prefetch::queue`'s contract); the
+    // advice only maps its pages as a read would (no copy is made) and
+    // changes no byte. A failure (an old kernel without the advice) leaves
+    // the pages to fault in on first use.
+    unsafe {
+        libc::madvise(addr as *mut libc::c_void, len, libc::MADV_POPULATE_READ);
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (addr, len);
+}
+
 /// Granule of lazy HBM backing.
 pub const HBM_CHUNK: u64 = 1 << 20;
 
@@ -376,6 +485,15 @@ pub struct LazyHbm {
     /// How many of `chunks` are allocated.
     resident: usize,
     file: Option<(MappedFile, HashSet<u64>)>,
+    /// Prefaults mapped chunks' pages off the caller's thread.
+    prefetch: Prefetch,
+}
+
+impl Drop for LazyHbm {
+    /// No prefetch may touch a chunk once it is unmapped.
+    fn drop(&mut self) {
+        self.prefetch.cancel();
+    }
 }
 
 impl std::fmt::Debug for LazyHbm {
@@ -391,8 +509,13 @@ impl std::fmt::Debug for LazyHbm {
 /// A copy in host memory (a file-backed segment's copy is not file-backed).
 impl Clone for LazyHbm {
     fn clone(&self) -> Self {
-        let mut copy =
-            Self { size: self.size, chunks: self.chunks.clone(), resident: self.resident, file: None };
+        let mut copy = Self {
+            size: self.size,
+            chunks: self.chunks.clone(),
+            resident: self.resident,
+            file: None,
+            prefetch: Prefetch::default(),
+        };
         if let Some((f, reserved)) = &self.file {
             for &c in reserved {
                 let at = (c * HBM_CHUNK) as usize;
@@ -406,7 +529,7 @@ impl Clone for LazyHbm {
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self { size, chunks: Vec::new(), resident: 0, file: None }
+        Self { size, chunks: Vec::new(), resident: 0, file: None, prefetch: Prefetch::default() }
     }
 
     /// Chunk `c`, allocated (zeroed) on first use.
@@ -437,7 +560,13 @@ impl LazyHbm {
         }
         let f = MappedFile::open(file, size)?;
         let reserved = f.allocated_chunks(size);
-        Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
+        Ok(Self {
+            size,
+            chunks: Vec::new(),
+            resident: 0,
+            file: Some((f, reserved)),
+            prefetch: Prefetch::default(),
+        })
     }
 
     /// How many chunks are mappings of a file's pages ([`Memory::map_file`]).
@@ -557,55 +686,103 @@ impl Memory for LazyHbm {
     }
     fn map_file(&mut self, addr: u64, len: u64, file: &File, offset: u64) -> bool {
         let (c, at) = (addr / HBM_CHUNK, addr % HBM_CHUNK);
-        // The chunk's window of the file: `offset`'s byte at `at`. Worth
-        // it when at least half the chunk comes from the file (the rest
-        // is written over the mapping, a copy of each page it touches).
-        let Some(start) = offset.checked_sub(at) else { return false };
+        let i = c as usize;
+        let Some(end) = at.checked_add(len) else { return false };
         if self.file.is_some()
-            || len < HBM_CHUNK / 2
-            || at.checked_add(len).is_none_or(|e| e > HBM_CHUNK)
-            || !start.is_multiple_of(PAGE)
+            || len == 0
+            || end > HBM_CHUNK
+            || offset % PAGE != at % PAGE
             || check("hbm", c * HBM_CHUNK, HBM_CHUNK, self.size).is_err()
         {
             return false;
         }
-        // The whole window must lie inside the file: a page past its end
+        // The piece must lie inside the file, and so must every page of
+        // the file a mapping of it covers: a page wholly past the end
         // would fault on access instead of reading zeros.
+        let Some(file_len) = file.metadata().ok().map(|m| m.len()) else { return false };
         let inside =
-            start.checked_add(HBM_CHUNK).zip(file.metadata().ok()).is_some_and(|(e, m)| e <= m.len());
-        if !inside {
+            |from: u64, n: u64| from.checked_add(n).is_some_and(|e| e <= file_len.next_multiple_of(PAGE));
+        if offset.checked_add(len).is_none_or(|e| e > file_len) {
             return false;
         }
-        // SAFETY: a private, copy-on-write mapping of `HBM_CHUNK` bytes
-        // that lie inside the file (checked just above): writes to it
-        // stay in this process, and the pages read the file's bytes. The
-        // file is a model file that must not be truncated or rewritten
-        // while a run uses it (docs/cli.md), as for guest RAM mapped
-        // from it.
-        let map = unsafe { memmap2::MmapOptions::new().offset(start).len(HBM_CHUNK as usize).map_copy(file) };
-        let Ok(mut map) = map else { return false };
-        // Its pages mapped now, in one call (they are the file's pages in
-        // the page cache, read-only until written): faulting them in one
-        // by one on first use would cost more than the copy saved.
-        #[cfg(target_os = "linux")]
-        // SAFETY: the advice only maps the mapping's own pages (read, not
-        // written: no copy is made) and changes no byte.
-        unsafe {
-            libc::madvise(map.as_ptr() as *mut libc::c_void, map.len(), libc::MADV_POPULATE_READ);
-        }
-        // The rest of the chunk keeps what it held (zeros if nothing).
-        let (lo, hi) = (at as usize, (at + len) as usize);
-        let i = c as usize;
-        match self.chunks.get(i).and_then(Option::as_ref) {
-            Some(old) => {
+        let fresh = !matches!(self.chunks.get(i), Some(Some(_)));
+        let (map, pages) = if fresh {
+            // A chunk never written: fresh anonymous memory with the
+            // file's pages under the piece mapped over it. The rest reads
+            // zero and costs nothing until written; only the two pages at
+            // the piece's ends are copied, for their bytes outside it.
+            let (lo, hi) = (at - at % PAGE, end.next_multiple_of(PAGE));
+            let from = offset - at % PAGE;
+            if !inside(from, hi - lo) {
+                return false;
+            }
+            let Ok(mut map) = memmap2::MmapOptions::new().len(HBM_CHUNK as usize).map_anon() else {
+                return false;
+            };
+            #[cfg(target_os = "linux")]
+            {
+                let Ok(from) = libc::off_t::try_from(from) else { return false };
+                // SAFETY: `[lo, hi)` lies inside `map` (`hi <= HBM_CHUNK`,
+                // both page multiples), a mapping this function owns and
+                // nothing else references: MAP_FIXED replaces those pages
+                // of it with a private, copy-on-write mapping of the file's
+                // `hi - lo` bytes from `from`, all inside the file's pages
+                // (checked above). On failure the range may be unmapped:
+                // `map` is then dropped (unmapping all of it) unused.
+                let got = unsafe {
+                    libc::mmap(
+                        map.as_mut_ptr().add(lo as usize).cast(),
+                        (hi - lo) as usize,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_FIXED,
+                        file.as_raw_fd(),
+                        from,
+                    )
+                };
+                if got == libc::MAP_FAILED {
+                    return false;
+                }
+            }
+            #[cfg(not(target_os = "linux"))]
+            return false;
+            map[lo as usize..at as usize].fill(0);
+            map[end as usize..hi as usize].fill(0);
+            (map, (lo as usize, (hi - lo) as usize))
+        } else {
+            // A chunk that holds bytes already: worth mapping the file's
+            // window around the piece when at least half the chunk comes
+            // from the file (what it held elsewhere is then written over
+            // the mapping, a copy of each page that touches).
+            let Some(start) = offset.checked_sub(at) else { return false };
+            if len < HBM_CHUNK / 2 || !inside(start, HBM_CHUNK) {
+                return false;
+            }
+            // SAFETY: a private, copy-on-write mapping of `HBM_CHUNK`
+            // bytes that lie inside the file's pages (checked just
+            // above): writes to it stay in this process, and the pages
+            // read the file's bytes. The file is a model file that must
+            // not be truncated or rewritten while a run uses it
+            // (docs/cli.md), as for guest RAM mapped from it.
+            let map =
+                unsafe { memmap2::MmapOptions::new().offset(start).len(HBM_CHUNK as usize).map_copy(file) };
+            let Ok(mut map) = map else { return false };
+            // The rest of the chunk keeps what it held.
+            let (lo, hi) = (at as usize, end as usize);
+            if let Some(Some(old)) = self.chunks.get(i) {
                 map[..lo].copy_from_slice(&old[..lo]);
                 map[hi..].copy_from_slice(&old[hi..]);
             }
-            None => {
-                map[..lo].fill(0);
-                map[hi..].fill(0);
-            }
+            (map, (0, HBM_CHUNK as usize))
+        };
+        // Its file pages mapped on the prefetch thread, in one call:
+        // faulting them in one by one on first use would cost more than
+        // the copy saved, and on this thread they would delay the load.
+        if matches!(self.chunks.get(i), Some(Some(Chunk::Mapped(_)))) {
+            // The mapping this one replaces may still be queued (what
+            // else is queued faults in on first use instead).
+            self.prefetch.cancel();
         }
+        self.prefetch.queue(map.as_ptr() as usize + pages.0, pages.1);
         if self.chunks.len() <= i {
             self.chunks.resize_with(i + 1, || None);
         }
@@ -807,6 +984,67 @@ mod tests {
             hbm.read(0, &mut got).unwrap();
             prop_assert!(got == flat.bytes, "src {} dst {} len {}", src, dst, len);
         }
+    }
+
+    /// Whether every page of `bytes` is mapped in this process's page
+    /// tables (`/proc/self/pagemap`'s present bit).
+    fn pages_present(bytes: &[u8]) -> bool {
+        use std::os::unix::fs::FileExt;
+        let first = bytes.as_ptr() as u64 / PAGE;
+        let n = bytes.len() / PAGE as usize;
+        let mut entries = vec![0u8; n * 8];
+        File::open("/proc/self/pagemap").unwrap().read_exact_at(&mut entries, first * 8).unwrap();
+        entries.chunks_exact(8).all(|e| u64::from_le_bytes(e.try_into().unwrap()) & (1 << 63) != 0)
+    }
+
+    /// A mapped chunk's pages are mapped by the prefetch thread without
+    /// anything reading them; a chunk mapped again over a mapped one
+    /// (whose prefetch may still be queued), a short piece mapped into a
+    /// chunk never written and a segment dropped with prefetches queued
+    /// read what they should.
+    #[test]
+    fn mapped_chunks_are_prefaulted_off_the_callers_thread() {
+        let mib = HBM_CHUNK as usize;
+        let bytes: Vec<u8> = (0..4 * mib).map(|i| (i * 13 + i / 4096) as u8).collect();
+        let path = std::env::temp_dir().join(format!("npu-model-prefetch-{}", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let file = File::open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let mut hbm = LazyHbm::new(4 * HBM_CHUNK);
+        for c in 0..3u64 {
+            assert!(hbm.map_file(c * HBM_CHUNK, HBM_CHUNK, &file, c * HBM_CHUNK));
+        }
+        hbm.prefetch.finish();
+        for c in 0..3 {
+            let chunk = hbm.chunks[c].as_deref().unwrap();
+            assert!(pages_present(chunk), "chunk {c}'s pages are mapped");
+        }
+        for round in 0..20u64 {
+            // Chunk 0 mapped again, from the file's MiB `round % 4`.
+            let from = round % 4;
+            assert!(hbm.map_file(0, HBM_CHUNK, &file, from * HBM_CHUNK));
+            let mut got = vec![0u8; mib];
+            hbm.read(0, &mut got).unwrap();
+            assert!(got[..] == bytes[from as usize * mib..][..mib], "round {round}");
+        }
+        // A short piece into a chunk never written, mid-page at both
+        // ends: the chunk reads zero around it, and its writes stay here.
+        let (at, off, n) = (3 * HBM_CHUNK + 5000, 2 * HBM_CHUNK + 904, 3000u64);
+        assert!(hbm.map_file(at, n, &file, off));
+        let mut got = vec![1u8; mib];
+        hbm.read(3 * HBM_CHUNK, &mut got).unwrap();
+        let mut want = vec![0u8; mib];
+        want[5000..8000].copy_from_slice(&bytes[off as usize..][..n as usize]);
+        assert!(got == want, "the piece, zeros around it");
+        hbm.write(at, &[!bytes[off as usize]]).unwrap();
+        let mut f = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut f, off).unwrap();
+        assert_eq!(f[0], bytes[off as usize], "an HBM write stays out of the file");
+        let mut other = LazyHbm::new(4 * HBM_CHUNK);
+        for c in 0..4u64 {
+            assert!(other.map_file(c * HBM_CHUNK, HBM_CHUNK, &file, c * HBM_CHUNK));
+        }
+        drop(other);
     }
 
     #[test]
