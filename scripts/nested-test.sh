@@ -16,8 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v qemu-system-x86_64 >/dev/null || { echo "nested-test: qemu-system-x86_64 missing (bash scripts/setup.sh)" >&2; exit 1; }
 echo "nested-test: building the static VMM" >&2
-RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release -q -p vnpu-cli --target x86_64-unknown-linux-gnu
+bash scripts/build-static-vmm.sh >/dev/null
 bash guest-images/linux/build-image.sh
 img=guest-images/target/linux
 log=target/nested-test.log

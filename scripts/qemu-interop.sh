@@ -41,8 +41,8 @@ img=guest-images/target/linux
 for f in "$img/vmlinuz" "$img/l2-initrd.gz"; do
     [ -f "$f" ] || { echo "qemu-interop: $f missing (bash guest-images/linux/build-image.sh)" >&2; exit 2; }
 done
-cargo build --release -q -p vnpu-cli
-vnpu=target/release/vnpu
+# The static release build the nested test made (a cache hit then).
+vnpu=$(bash scripts/build-static-vmm.sh)
 work=$(mktemp -d /tmp/vnpu-qemu-interop.XXXXXX)
 state=$work/state
 log=target/qemu-interop.log
