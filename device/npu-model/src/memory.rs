@@ -324,108 +324,17 @@ fn populate(bytes: &mut [u8]) {
     }
 }
 
-/// Maps a file's pages into mapped chunks ([`Memory::map_file`]) on a
-/// thread of its own (`MADV_POPULATE_READ`), while the load that mapped
-/// them goes on and the first run starts: one call per chunk maps its 256
-/// pages for a fraction of what faulting them in one by one on first use
-/// costs, and on the caller's thread those calls were about a third of a
-/// large model's start-up in a VM (`docs/benchmarks.md`). The advice only
-/// prefaults: it changes no byte, and a chunk read before its turn faults
-/// its pages in as before. A thread runs only while chunks are queued
-/// (at most one per segment); where none can be started the chunk's pages
-/// are mapped on the caller's thread.
-#[derive(Default)]
-struct Prefetch {
-    queue: std::sync::Arc<std::sync::Mutex<PrefetchQueue>>,
-    worker: Option<std::thread::JoinHandle<()>>,
-}
-
-#[derive(Default)]
-struct PrefetchQueue {
-    /// Address and length of each mapping still to prefault.
-    ranges: std::collections::VecDeque<(usize, usize)>,
-    /// A worker is running (it clears this, under the lock, when it finds
-    /// the queue empty and exits).
-    running: bool,
-}
-
-impl Prefetch {
-    fn lock(queue: &std::sync::Mutex<PrefetchQueue>) -> std::sync::MutexGuard<'_, PrefetchQueue> {
-        // Nothing panics while holding the lock; a poisoned one still
-        // holds a consistent queue.
-        queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Queues the pages of `[addr, addr + len)`, a file mapping, to be
-    /// mapped on the worker thread. The range must stay mapped until the
-    /// worker has taken it or [`Prefetch::cancel`] returns (its owner
-    /// calls `cancel` before unmapping a chunk).
-    fn queue(&mut self, addr: usize, len: usize) {
-        let mut q = Self::lock(&self.queue);
-        q.ranges.push_back((addr, len));
-        if q.running {
-            return;
-        }
-        q.running = true;
-        drop(q);
-        // The last worker found the queue empty and is exiting: collect it.
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-        let queue = std::sync::Arc::clone(&self.queue);
-        let spawned = std::thread::Builder::new().name("hbm-prefetch".into()).spawn(move || loop {
-            let next = {
-                let mut q = Self::lock(&queue);
-                let next = q.ranges.pop_front();
-                q.running = next.is_some();
-                next
-            };
-            match next {
-                Some(range) => populate_read(range),
-                None => return,
-            }
-        });
-        match spawned {
-            Ok(w) => self.worker = Some(w),
-            // No thread (a resource limit): map them here.
-            Err(_) => {
-                let pending: Vec<_> = {
-                    let mut q = Self::lock(&self.queue);
-                    q.running = false;
-                    q.ranges.drain(..).collect()
-                };
-                pending.into_iter().for_each(populate_read);
-            }
-        }
-    }
-
-    /// Waits until every queued mapping has been prefaulted.
-    #[cfg(test)]
-    fn finish(&mut self) {
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-    }
-
-    /// Drops what is queued and waits for the worker's call in flight:
-    /// afterwards no queued mapping is touched.
-    fn cancel(&mut self) {
-        Self::lock(&self.queue).ranges.clear();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
-    }
-}
-
-/// `MADV_POPULATE_READ` over `(address, length)`, a mapping of a file's
-/// pages that [`Prefetch`]'s owner keeps mapped until the call returns.
-fn populate_read((addr, len): (usize, usize)) {
+/// Maps the pages of `[addr, addr + len)`, a private file mapping, in
+/// one call (`MADV_POPULATE_READ`): they are the file's pages in the page
+/// cache, read-only until written, and faulting them in one by one on
+/// first use costs more than the copy the mapping saved
+/// (`docs/benchmarks.md`).
+fn populate_read(addr: *const u8, len: usize) {
     #[cfg(target_os = "linux")]
-    // SAFETY: `[addr, addr + len)` is one whole private file mapping that
-    // stays mapped until this returns (`Prefetch::queue`'s contract); the
-    // advice only maps its pages as a read would (no copy is made) and
-    // changes no byte. A failure (an old kernel without the advice) leaves
-    // the pages to fault in on first use.
+    // SAFETY: `[addr, addr + len)` is a private file mapping the caller
+    // owns; the advice only maps its pages as a read would (no copy is
+    // made) and changes no byte. A failure (an old kernel without the
+    // advice) leaves the pages to fault in on first use.
     unsafe {
         libc::madvise(addr as *mut libc::c_void, len, libc::MADV_POPULATE_READ);
     }
@@ -485,15 +394,6 @@ pub struct LazyHbm {
     /// How many of `chunks` are allocated.
     resident: usize,
     file: Option<(MappedFile, HashSet<u64>)>,
-    /// Prefaults mapped chunks' pages off the caller's thread.
-    prefetch: Prefetch,
-}
-
-impl Drop for LazyHbm {
-    /// No prefetch may touch a chunk once it is unmapped.
-    fn drop(&mut self) {
-        self.prefetch.cancel();
-    }
 }
 
 impl std::fmt::Debug for LazyHbm {
@@ -509,13 +409,8 @@ impl std::fmt::Debug for LazyHbm {
 /// A copy in host memory (a file-backed segment's copy is not file-backed).
 impl Clone for LazyHbm {
     fn clone(&self) -> Self {
-        let mut copy = Self {
-            size: self.size,
-            chunks: self.chunks.clone(),
-            resident: self.resident,
-            file: None,
-            prefetch: Prefetch::default(),
-        };
+        let mut copy =
+            Self { size: self.size, chunks: self.chunks.clone(), resident: self.resident, file: None };
         if let Some((f, reserved)) = &self.file {
             for &c in reserved {
                 let at = (c * HBM_CHUNK) as usize;
@@ -529,7 +424,7 @@ impl Clone for LazyHbm {
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self { size, chunks: Vec::new(), resident: 0, file: None, prefetch: Prefetch::default() }
+        Self { size, chunks: Vec::new(), resident: 0, file: None }
     }
 
     /// Chunk `c`, allocated (zeroed) on first use.
@@ -560,13 +455,7 @@ impl LazyHbm {
         }
         let f = MappedFile::open(file, size)?;
         let reserved = f.allocated_chunks(size);
-        Ok(Self {
-            size,
-            chunks: Vec::new(),
-            resident: 0,
-            file: Some((f, reserved)),
-            prefetch: Prefetch::default(),
-        })
+        Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
     }
 
     /// How many chunks are mappings of a file's pages ([`Memory::map_file`]).
@@ -709,8 +598,8 @@ impl Memory for LazyHbm {
         let (map, pages) = if fresh {
             // A chunk never written: fresh anonymous memory with the
             // file's pages under the piece mapped over it. The rest reads
-            // zero and costs nothing until written; only the two pages at
-            // the piece's ends are copied, for their bytes outside it.
+            // zero; only the two pages at the piece's ends are copied,
+            // for their bytes outside it.
             let (lo, hi) = (at - at % PAGE, end.next_multiple_of(PAGE));
             let from = offset - at % PAGE;
             if !inside(from, hi - lo) {
@@ -747,6 +636,12 @@ impl Memory for LazyHbm {
             return false;
             map[lo as usize..at as usize].fill(0);
             map[end as usize..hi as usize].fill(0);
+            // The rest faulted in now, as a fresh chunk's whole is: what
+            // shares a chunk with a tensor's end is usually written soon
+            // (measured: left to fault page by page, ViT-B/16's first
+            // run lost what the load saved).
+            populate(&mut map[..lo as usize]);
+            populate(&mut map[hi as usize..]);
             (map, (lo as usize, (hi - lo) as usize))
         } else {
             // A chunk that holds bytes already: worth mapping the file's
@@ -774,15 +669,7 @@ impl Memory for LazyHbm {
             }
             (map, (0, HBM_CHUNK as usize))
         };
-        // Its file pages mapped on the prefetch thread, in one call:
-        // faulting them in one by one on first use would cost more than
-        // the copy saved, and on this thread they would delay the load.
-        if matches!(self.chunks.get(i), Some(Some(Chunk::Mapped(_)))) {
-            // The mapping this one replaces may still be queued (what
-            // else is queued faults in on first use instead).
-            self.prefetch.cancel();
-        }
-        self.prefetch.queue(map.as_ptr() as usize + pages.0, pages.1);
+        populate_read(map[pages.0..].as_ptr(), pages.1);
         if self.chunks.len() <= i {
             self.chunks.resize_with(i + 1, || None);
         }
@@ -997,16 +884,14 @@ mod tests {
         entries.chunks_exact(8).all(|e| u64::from_le_bytes(e.try_into().unwrap()) & (1 << 63) != 0)
     }
 
-    /// A mapped chunk's pages are mapped by the prefetch thread without
-    /// anything reading them; a chunk mapped again over a mapped one
-    /// (whose prefetch may still be queued), a short piece mapped into a
-    /// chunk never written and a segment dropped with prefetches queued
-    /// read what they should.
+    /// A mapped chunk's pages are mapped at once, without anything
+    /// reading them; a chunk mapped again over a mapped one and a short
+    /// piece mapped into a chunk never written read what they should.
     #[test]
-    fn mapped_chunks_are_prefaulted_off_the_callers_thread() {
+    fn mapped_chunks_are_prefaulted_and_read_the_file() {
         let mib = HBM_CHUNK as usize;
         let bytes: Vec<u8> = (0..4 * mib).map(|i| (i * 13 + i / 4096) as u8).collect();
-        let path = std::env::temp_dir().join(format!("npu-model-prefetch-{}", std::process::id()));
+        let path = std::env::temp_dir().join(format!("npu-model-prefault-{}", std::process::id()));
         std::fs::write(&path, &bytes).unwrap();
         let file = File::open(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
@@ -1014,7 +899,6 @@ mod tests {
         for c in 0..3u64 {
             assert!(hbm.map_file(c * HBM_CHUNK, HBM_CHUNK, &file, c * HBM_CHUNK));
         }
-        hbm.prefetch.finish();
         for c in 0..3 {
             let chunk = hbm.chunks[c].as_deref().unwrap();
             assert!(pages_present(chunk), "chunk {c}'s pages are mapped");
@@ -1040,11 +924,6 @@ mod tests {
         let mut f = [0u8; 1];
         std::os::unix::fs::FileExt::read_exact_at(&file, &mut f, off).unwrap();
         assert_eq!(f[0], bytes[off as usize], "an HBM write stays out of the file");
-        let mut other = LazyHbm::new(4 * HBM_CHUNK);
-        for c in 0..4u64 {
-            assert!(other.map_file(c * HBM_CHUNK, HBM_CHUNK, &file, c * HBM_CHUNK));
-        }
-        drop(other);
     }
 
     #[test]
