@@ -15,8 +15,14 @@ use vnpu_abi::model::Model;
 use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
-    let cases = [(DType::F32, false, None), (DType::Bf16, false, None), (DType::Bf16, true, None), (DType::F32, false, Some((1, 1)))];
-    for (dtype, bf16_activations, spread) in cases {
+    let cases = [
+        (DType::F32, false, None, true),
+        (DType::F32, false, None, false),
+        (DType::Bf16, false, None, true),
+        (DType::Bf16, true, None, true),
+        (DType::F32, false, Some((1, 1)), true),
+    ];
+    for (dtype, bf16_activations, spread, reuse_hbm) in cases {
         let opts = CompileOptions {
             shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
             batch: 2,
@@ -25,6 +31,7 @@ fuzz_target!(|data: &[u8]| {
             dtype,
             bf16_activations,
             spread,
+            reuse_hbm,
         };
         let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");

@@ -2740,16 +2740,22 @@ impl Default for LowerOptions {
 /// HBM offsets of every tensor of `graph` stored as `types`, and the bytes
 /// they span. Without `reuse`, one after the other in tensor order. With
 /// `reuse`, the tensors the program does not write (weights, inputs,
-/// constants) and the graph's input and output come first in tensor order
-/// and keep their space; every other intermediate tensor (`Init::Activation`)
+/// constants), the graph's input and output and the tensors `pinned` (a
+/// compiled model's further inputs and outputs, which a guest writes
+/// before the program and reads after it) come first in tensor order and
+/// keep their space; every other intermediate tensor (`Init::Activation`)
 /// is live from the first to the last operation that touches it, and takes
 /// the lowest free space (first fit, aligned) that no tensor live at the
 /// same time holds. Two tensors one operation both touches never share.
-pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool) -> (Vec<Placed>, u64) {
+pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool, pinned: &[TensorId]) -> (Vec<Placed>, u64) {
     let bytes = |t: usize| (graph.tensors[t].elems * types[t].size()).next_multiple_of(ALIGN);
     let mut offsets = vec![0u64; graph.tensors.len()];
     let shared = |t: usize| {
-        reuse && graph.tensors[t].init == Init::Activation && t != graph.input && t != graph.output
+        reuse
+            && graph.tensors[t].init == Init::Activation
+            && t != graph.input
+            && t != graph.output
+            && !pinned.contains(&t)
     };
     let mut off = 0u64;
     for t in (0..graph.tensors.len()).filter(|&t| !shared(t)) {
@@ -2810,7 +2816,8 @@ pub fn lower_ops_with(
 /// [`lower_ops_with`], with the tensors `keep_f32` stored as f32 whatever
 /// `options.bf16_activations` says (a compiled model's inputs and outputs
 /// beyond the graph's one input and output, which guests read and write
-/// as f32).
+/// as f32); with `options.reuse_hbm` they also keep HBM of their own for
+/// the whole request, as the graph's input and output do.
 pub fn lower_ops_keeping(
     graph: &Graph,
     ops: std::ops::Range<usize>,
@@ -2833,7 +2840,7 @@ pub fn lower_ops_keeping(
         (graph, ops)
     };
     let types = stored_types(graph, dtype, options.bf16_activations, keep_f32);
-    let (mut placed, off) = place_tensors(graph, &types, options.reuse_hbm);
+    let (mut placed, off) = place_tensors(graph, &types, options.reuse_hbm, keep_f32);
     if off > shape.hbm_bytes {
         return Err(LowerError::Hbm { need: off, have: shape.hbm_bytes });
     }

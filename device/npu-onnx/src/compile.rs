@@ -19,7 +19,7 @@ use crate::refusal::{invalid, unsupported, Refusal};
 use std::collections::{HashMap, HashSet};
 
 use npu_graph::{Act, Graph, Init, Op, TensorId, View};
-use npu_lower::{lower_as, lower_ops_keeping, LowerError, LowerOptions, VnpuShape};
+use npu_lower::{lower_ops_keeping, LowerError, LowerOptions, VnpuShape};
 use npu_model::{verify, VerifyError, VnpuLimits};
 use thiserror::Error;
 use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
@@ -61,6 +61,12 @@ pub struct CompileOptions {
     /// and on up to the larger shape's when the vNPU borrows idle ones
     /// (its borrowing cap must allow it). `None`: ordinary programs.
     pub spread: Option<(u32, u32)>,
+    /// Intermediate tensors share HBM by liveness (`vnpu compile
+    /// --reuse-hbm`, on by default there; `npu_lower::LowerOptions::reuse_hbm`):
+    /// the same instructions and cycles on other HBM addresses, less HBM,
+    /// and DMA that touches less host memory. The model's inputs and
+    /// outputs keep HBM of their own.
+    pub reuse_hbm: bool,
 }
 
 /// Why a model cannot be compiled.
@@ -2008,14 +2014,15 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         vu: o.shape.vu.checked_add(more_vu).ok_or(CompileError::Spread)?,
         ..o.shape
     };
-    let lowered = if o.bf16_activations {
-        let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
-        let options = LowerOptions { dtype: o.dtype, bf16_activations: true, ..LowerOptions::default() };
-        lower_ops_keeping(&c.g, 0..c.g.ops.len(), streams, options, &keep)
-    } else {
-        lower_as(&c.g, streams, o.dtype)
-    }
-    .map_err(CompileError::Fit)?;
+    let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
+    let options = LowerOptions {
+        dtype: o.dtype,
+        bf16_activations: o.bf16_activations,
+        reuse_hbm: o.reuse_hbm,
+        ..LowerOptions::default()
+    };
+    let lowered =
+        lower_ops_keeping(&c.g, 0..c.g.ops.len(), streams, options, &keep).map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
     check_transfers(&inputs, &outputs)?;
     // The weight image is laid out for its offset in the file

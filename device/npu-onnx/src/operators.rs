@@ -199,6 +199,7 @@ mod tests {
             dtype: vnpu_abi::DType::F32,
             bf16_activations: false,
             spread: None,
+            reuse_hbm: true,
         };
         for o in OPERATORS {
             let mut node = NodeProto::new();

@@ -92,6 +92,7 @@ fn run_case(dir: &Path, c: &Case) -> Outcome {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let compiled = match compile(&bytes, &opts) {
         Ok(c) => c,

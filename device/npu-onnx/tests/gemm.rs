@@ -141,6 +141,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
@@ -154,6 +155,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");

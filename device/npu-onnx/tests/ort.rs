@@ -123,6 +123,7 @@ fn compile_and_run_inputs(
         dtype,
         bf16_activations,
         spread: None,
+        reuse_hbm: true,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -226,6 +227,7 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
     assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
@@ -278,6 +280,7 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     for t in &c.model.inputs {
@@ -562,6 +565,7 @@ fn spread_models_give_the_same_results_on_any_engines() {
             dtype: DType::F32,
             bf16_activations: false,
             spread: Some((3, 3)),
+            reuse_hbm: true,
         };
         let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
         assert!(c.model.infer.spread && c.model.load.spread);

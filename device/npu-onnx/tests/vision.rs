@@ -70,6 +70,7 @@ fn check(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
+        reuse_hbm: true,
     };
     let c = npu_onnx::compile_file(&dir.join(format!("{name}.onnx")), &opts)
         .unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -958,7 +958,7 @@ fn tensors_live_at_once_never_share_hbm() {
     for name in names {
         let g = build(name, 2).unwrap();
         let types = vec![DType::F32; g.tensors.len()];
-        let (placed, _) = place_tensors(&g, &types, true);
+        let (placed, _) = place_tensors(&g, &types, true, &[]);
         let mut range: Vec<Option<(usize, usize)>> = vec![None; g.tensors.len()];
         for (i, op) in g.ops.iter().enumerate() {
             for t in op.tensors() {

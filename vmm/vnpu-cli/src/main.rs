@@ -106,6 +106,15 @@ enum Command {
         /// "Harvesting").
         #[arg(long)]
         spread: Option<vnpu_spec::Borrow>,
+        /// Intermediate tensors share HBM by liveness: a tensor's space is
+        /// free for another once the last operation that touches it has
+        /// run (the model's inputs and outputs keep their own). The same
+        /// instructions and simulated cycles on other HBM addresses: the
+        /// model needs less HBM, and the functional model's DMA touches
+        /// less host memory. `--reuse-hbm=false`: every tensor has HBM of
+        /// its own for the whole request.
+        #[arg(long, num_args = 0..=1, default_value_t = true, default_missing_value = "true", value_name = "BOOL", action = clap::ArgAction::Set)]
+        reuse_hbm: bool,
         /// The compiled model to write.
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
@@ -690,11 +699,12 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             outputs,
             board: path,
             spread,
+            reuse_hbm,
             out,
         } => {
             let bf16_activations = activations == "bf16";
             let b = board(&path)?;
-            let how = (dtype.as_str(), bf16_activations);
+            let how = (dtype.as_str(), bf16_activations, reuse_hbm);
             model::compile(&model, &vnpu, &b, batch, how, shapes, outputs, spread, &out)?;
         }
         Command::Infer {

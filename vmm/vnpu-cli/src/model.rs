@@ -109,7 +109,7 @@ pub fn compile(
     spec: &vnpu_spec::VnpuSpec,
     board: &BoardConfig,
     batch: u32,
-    (dtype, bf16_activations): (&str, bool),
+    (dtype, bf16_activations, reuse_hbm): (&str, bool, bool),
     shapes: Vec<(String, Vec<usize>)>,
     outputs: Vec<String>,
     spread: Option<vnpu_spec::Borrow>,
@@ -130,6 +130,7 @@ pub fn compile(
         dtype,
         bf16_activations,
         spread: spread.map(|b| (b.sa, b.vu)),
+        reuse_hbm,
     };
     let m = npu_onnx::load_from(
         &bytes,

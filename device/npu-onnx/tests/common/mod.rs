@@ -116,6 +116,7 @@ pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
             dtype,
             bf16_activations: false,
             spread: None,
+            reuse_hbm: true,
         },
     )
 }
