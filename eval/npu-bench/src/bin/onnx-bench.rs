@@ -4,7 +4,8 @@
 //! compiled programs run in-process on the NPU model) against ONNX Runtime
 //! on the CPU, same machine, same run, interleaved round by round, both
 //! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
-//! rounds (docs/model-format.md, "Benchmark").
+//! rounds (docs/model-format.md, "Benchmark"). In each round each side's
+//! timed run follows an untimed run of its own on the same input.
 //!
 //!   onnx-bench [--rounds N] [--only NAME,...] [--threads N] [--python PATH] [--dtype f32|bf16] [--board FILE]
 //!
@@ -264,6 +265,10 @@ fn main() {
         let (Some(mut r), Some(output)) = (host_runner, output) else { continue };
         let (mut ours, mut theirs) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
+            // Each side's timed run follows an untimed one of its own, as
+            // in ort_ref.py (its session's first run, whose outputs it
+            // saves): neither starts from caches the other left cold.
+            r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
             let t0 = Instant::now();
             r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
             ours.push(t0.elapsed().as_secs_f64() * 1e3);
