@@ -17,7 +17,9 @@ input, round by round, the sides in an order rotated every round:
                per batch)
   VM (base)    with --baseline VNPU,GUEST: another build's `vnpu infer`
                and runner guest on the same .vnpu file (e.g. before a
-               change); the compiled format must be the same
+               change); the compiled format must be the same. With
+               --baseline-compiles the baseline compiles its own .vnpu
+               with its own `vnpu compile` (a compiler change's before)
 
 Each command runs 3 batches, so the three walls `vnpu infer` prints
 (min / median / max) are all of them. Per side it prints min / median /
@@ -28,7 +30,7 @@ max), the slowest batch, and the start-up overhead: the command's wall
 VM / in-process and daemon / in-process of the per-batch wall.
 
 Usage: python3 scripts/bench-infer.py [--rounds N]
-       [--only resnet18,mobilenet_v2,...] [--baseline VNPU,GUEST] [--json FILE]
+       [--only resnet18,mobilenet_v2,...] [--baseline VNPU,GUEST [--baseline-compiles]] [--json FILE]
 (RAYON_NUM_THREADS=1 in the environment: one GEMM thread in every side;
 build first: bash scripts/build-guests.sh && cargo build --release -p vnpu-cli -p npu-bench,
 and run target/release/onnx-bench once to write the models)
@@ -112,6 +114,8 @@ def main():
     ap.add_argument("--only", help="models whose name contains one of these (comma-separated); "
                     "vit_b_16 runs only when named")
     ap.add_argument("--baseline", help="VNPU,GUEST: another build to time beside (side `VM (base)`)")
+    ap.add_argument("--baseline-compiles", action="store_true",
+                    help="the baseline runs a .vnpu its own `vnpu compile` made, not this build's")
     ap.add_argument("--no-daemon", action="store_true", help="leave the daemon side out")
     ap.add_argument("--json", help="write every sample here")
     args = ap.parse_args()
@@ -124,6 +128,8 @@ def main():
     models = [(m, b) for m, b in MODELS
               if not args.only or any(o in m for o in args.only.split(","))]
     models += [(m, b) for m, b in EXTRA if args.only and any(o in m for o in args.only.split(","))]
+    if args.baseline_compiles and not args.baseline:
+        sys.exit("bench-infer: --baseline-compiles needs --baseline")
     sides = ["in-process", "VM"] + ([] if args.no_daemon else ["daemon"])
     base = None
     if args.baseline:
@@ -152,6 +158,10 @@ def main():
             art = os.path.join(tmp, f"{m}-b{batch}.vnpu")
             shape = SHAPE.get(m, COMPILED_FOR)
             run([VNPU, "compile", onnx, "--batch", str(batch), "--vnpu", shape, "-o", art])
+            art_base = art
+            if base and args.baseline_compiles:
+                art_base = os.path.join(tmp, f"{m}-b{batch}-base.vnpu")
+                run([base[0], "compile", onnx, "--batch", str(batch), "--vnpu", shape, "-o", art_base])
             x = os.path.join(tmp, f"{m}-b{batch}-x{BATCHES}.npy")
             tile_npy(x1, x, BATCHES)
             uuid = None
@@ -162,7 +172,7 @@ def main():
                 "VM": [VNPU, "infer", art, "--input", x],
                 "daemon": [VNPU, "infer", art, "--input", x, "--attach",
                            os.path.join(state, "sockets", f"{uuid}.sock")],
-                "VM (base)": base and [base[0], "infer", art, "--input", x, "--guest", base[1]],
+                "VM (base)": base and [base[0], "infer", art_base, "--input", x, "--guest", base[1]],
             }
             key = f"{m} b{batch}"
             samples[key] = {s: {"batch": [], "slowest": [], "startup": []} for s in sides}
