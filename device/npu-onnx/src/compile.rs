@@ -63,9 +63,9 @@ pub struct CompileOptions {
     pub spread: Option<(u32, u32)>,
     /// Intermediate tensors share HBM by liveness (`vnpu compile
     /// --reuse-hbm`, on by default there; `npu_lower::LowerOptions::reuse_hbm`):
-    /// the same instructions and cycles on other HBM addresses, less HBM,
-    /// and DMA that touches less host memory. The model's inputs and
-    /// outputs keep HBM of their own.
+    /// the same instructions on other HBM addresses (the same cycles with
+    /// one DMA transfer in flight), less HBM, and DMA that touches less
+    /// host memory. The model's inputs and outputs keep HBM of their own.
     pub reuse_hbm: bool,
 }
 

@@ -109,7 +109,8 @@ enum Command {
         /// Intermediate tensors share HBM by liveness: a tensor's space is
         /// free for another once the last operation that touches it has
         /// run (the model's inputs and outputs keep their own). The same
-        /// instructions and simulated cycles on other HBM addresses: the
+        /// instructions on other HBM addresses (the same simulated cycles
+        /// with one DMA transfer in flight, the built-in board's): the
         /// model needs less HBM, and the functional model's DMA touches
         /// less host memory. `--reuse-hbm=false`: every tensor has HBM of
         /// its own for the whole request.
