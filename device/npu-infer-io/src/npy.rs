@@ -19,7 +19,7 @@ pub enum NpyError {
     Fortran { path: String },
     #[error("{path}: element type `{dtype}` (f32, f64, and integer arrays are read)")]
     Type { path: String, dtype: String },
-    #[error("{path}: the header is longer than {MAX_HEADER} bytes or nests deeper than {MAX_NESTING} brackets (a plain array's nests 2)")]
+    #[error("{path}: the header is longer than {MAX_HEADER} bytes, nests deeper than {MAX_NESTING} brackets (a plain array's nests 2), or has a shape that is not decimal dimensions whose product fits 64 bits")]
     Header { path: String },
     #[error("writing {path}: {source}")]
     Write {
@@ -91,7 +91,44 @@ fn check_header(bytes: &[u8], path: &str) -> Result<(), NpyError> {
             _ => {}
         }
     }
+    if !shape_fits(header.get(..len).unwrap_or(header)) {
+        return Err(refused());
+    }
     Ok(())
+}
+
+/// Whether the header's shape tuple (after its `shape` key) is decimal
+/// dimensions (a Python 2 `L` suffix allowed) whose product fits 64 bits:
+/// npyz multiplies them unchecked, which panics in a build with overflow
+/// checks and wraps in one without. A header with no shape tuple is left
+/// to npyz to refuse.
+fn shape_fits(header: &[u8]) -> bool {
+    let Some(key) = header.windows(5).position(|w| w == b"shape") else { return true };
+    let after = &header[key..];
+    let (Some(open), Some(close)) =
+        (after.iter().position(|&c| c == b'('), after.iter().position(|&c| c == b')'))
+    else {
+        return true;
+    };
+    if close < open {
+        return true;
+    }
+    let mut product = 1u64;
+    for dim in after[open + 1..close].split(|&c| c == b',') {
+        let dim = dim.trim_ascii();
+        let dim = dim.strip_suffix(b"L").unwrap_or(dim);
+        if dim.is_empty() {
+            continue;
+        }
+        let Some(d) = std::str::from_utf8(dim).ok().filter(|d| d.bytes().all(|c| c.is_ascii_digit())) else {
+            return false;
+        };
+        match d.parse::<u64>().ok().and_then(|d| product.checked_mul(d)) {
+            Some(p) => product = p,
+            None => return false,
+        }
+    }
+    true
 }
 
 /// Reads an array as f32 (f64 and integers converted). Fortran-order
@@ -277,6 +314,26 @@ mod tests {
         std::fs::write(&f, &nested).unwrap();
         assert!(matches!(read_file(&f), Err(NpyError::Header { .. })));
         std::fs::remove_file(&f).unwrap();
+    }
+
+    /// A shape whose element count overflows 64 bits, or whose
+    /// dimensions are not decimal, is refused before npyz multiplies it
+    /// (its unchecked product panicked under the fuzz target).
+    #[test]
+    fn shapes_past_64_bits_are_refused() {
+        for (shape, ok) in [
+            ("(4294967296, 4294967296, 2)", false),
+            ("(18446744073709551616,)", false),
+            ("(0x10, 2)", false),
+            ("(4294967296, 4294967295)", true),
+            ("(3L, 4L)", true),
+            ("()", true),
+        ] {
+            let b =
+                npy_bytes(&format!("{{'descr': '<i8', 'fortran_order': False, 'shape': {shape}, }}"), &[]);
+            let refused = matches!(read(&b, "x"), Err(NpyError::Header { .. }));
+            assert_eq!(refused, !ok, "{shape}");
+        }
     }
 
     #[test]
