@@ -1,7 +1,7 @@
 //! NumPy `.npy` arrays in and out (through the `npyz` crate): the input
 //! and output files of `vnpu infer`.
 
-use std::io::{Read, Seek, Write};
+use std::io::{Read, Write};
 
 use npyz::WriterBuilder;
 use thiserror::Error;
@@ -152,8 +152,9 @@ pub fn read_file(path: &std::path::Path) -> Result<Array, NpyError> {
     let mut start = Vec::new();
     (&mut file).take(12 + MAX_HEADER as u64).read_to_end(&mut start).map_err(err)?;
     check_header(&start, &p)?;
-    file.seek(std::io::SeekFrom::Start(0)).map_err(err)?;
-    let mut r = std::io::BufReader::new(file);
+    // The bytes read so far, then the rest of the file: the header is
+    // parsed from what was checked, without reading it again.
+    let mut r = std::io::BufReader::new(std::io::Cursor::new(start).chain(file));
     let header = npyz::NpyHeader::from_reader(&mut r).map_err(err)?;
     from_header(header, r, size, &p)
 }
@@ -279,6 +280,31 @@ mod tests {
         for a in [read_file(&path).unwrap(), read(&bytes, "x").unwrap()] {
             assert_eq!(a.shape, shape);
             assert_eq!(a.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+        }
+    }
+
+    /// A file whose header fills most of what `read_file` reads first
+    /// (to check it) reads whole: the data starts in those bytes and goes
+    /// on in the file, through the fast float32 path and npyz's decoder.
+    #[test]
+    fn data_after_a_long_header_reads_across_the_first_read() {
+        let v: Vec<f64> = (0..20_000).map(|i| f64::from(i) * 0.25 - 7.0).collect();
+        for (descr, data) in [
+            ("<f4", v.iter().flat_map(|x| (*x as f32).to_le_bytes()).collect::<Vec<u8>>()),
+            ("<f8", v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        ] {
+            let mut dict = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': (4, 5000), }}");
+            dict.push_str(&" ".repeat(MAX_HEADER - 700));
+            let bytes = npy_bytes(&dict, &data);
+            let path =
+                std::env::temp_dir().join(format!("npy-long-header-{}-{descr}.npy", std::process::id()));
+            std::fs::write(&path, &bytes).unwrap();
+            let got = read_file(&path);
+            std::fs::remove_file(&path).unwrap();
+            let got = got.unwrap();
+            assert_eq!(got.shape, [4, 5000]);
+            let want: Vec<u32> = v.iter().map(|x| (*x as f32).to_bits()).collect();
+            assert_eq!(got.data.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
         }
     }
 
