@@ -1138,6 +1138,33 @@ fn split_views<const N: usize>(
     Some((o, views))
 }
 
+/// The spans of `ins` (address, number of values) among SRAM's `len`
+/// f32 values ([`f32_span`]); `None` when any is unaligned or outside.
+fn f32_spans<const N: usize>(ins: [(u64, usize); N], len: usize) -> Option<[std::ops::Range<usize>; N]> {
+    let mut spans: [std::ops::Range<usize>; N] = std::array::from_fn(|_| 0..0);
+    for (slot, (addr, n)) in spans.iter_mut().zip(ins) {
+        *slot = f32_span(addr, n, len)?;
+    }
+    Some(spans)
+}
+
+/// The output `out` (address, number of values) of SRAM as f32 values
+/// mutably and each of `ins` shared, for an instruction that reads its
+/// inputs and writes its output in place: `None` (nothing touched) unless
+/// SRAM holds f32 values, every span is aligned and inside, and no input
+/// overlaps the output ([`split_views`]).
+fn sram_views<const N: usize>(
+    sram: &mut Sram,
+    out: (u64, usize),
+    ins: [(u64, usize); N],
+) -> Option<(&mut [f32], [&[f32]; N])> {
+    let v = sram_f32s(sram)?;
+    let len = v.len();
+    let o = f32_span(out.0, out.1, len)?;
+    let spans = f32_spans(ins, len)?;
+    split_views(v, o, spans)
+}
+
 /// An instruction that works on `n` f32 values in place (softmax, layer
 /// normalization), run on SRAM itself: `src`'s values copied to `dst`
 /// (unless they are the same span), then `f(dst, inputs)` with the
@@ -1160,11 +1187,7 @@ fn rows_in_sram<const N: usize>(
     let (Some(s), Some(d)) = (f32_span(src, n, len), f32_span(dst, n, len)) else {
         return false;
     };
-    let mut ins: [std::ops::Range<usize>; N] = std::array::from_fn(|_| 0..0);
-    for (slot, (addr, count)) in ins.iter_mut().zip(inputs) {
-        let Some(r) = f32_span(addr, count, len) else { return false };
-        *slot = r;
-    }
+    let Some(ins) = f32_spans(inputs, len) else { return false };
     let overlaps = |r: &std::ops::Range<usize>| r.start < d.end && d.start < r.end;
     if (s != d && overlaps(&s)) || ins.iter().any(overlaps) {
         return false;
@@ -1530,22 +1553,13 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             // f32 operands in place in SRAM when aligned and the output
             // overlaps neither input (the same values, no copies).
             if dtype == DType::F32 && products {
-                if let Some(v) = sram_f32s(mem.sram) {
-                    let len = v.len();
-                    let spans = (
-                        f32_span(output, rows * cout, len),
-                        f32_span(input, in_len, len),
-                        f32_span(weights, kk * cout, len),
-                    );
-                    if let (Some(o), Some(x), Some(w)) = spans {
-                        if let Some((out, [x, wv])) = split_views(v, o, [x, w]) {
-                            if !flags.accumulate {
-                                out.fill(0.0);
-                            }
-                            conv_products(x, wv, out, &g, ho as usize, wo as usize, rows, kk);
-                            return Ok(());
-                        }
+                let ins = [(input, in_len), (weights, kk * cout)];
+                if let Some((out, [x, wv])) = sram_views(mem.sram, (output, rows * cout), ins) {
+                    if !flags.accumulate {
+                        out.fill(0.0);
                     }
+                    conv_products(x, wv, out, &g, ho as usize, wo as usize, rows, kk);
+                    return Ok(());
                 }
             }
             let mut out = if flags.accumulate {
@@ -1646,20 +1660,12 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             let (ho, wo) = (ho as usize, wo as usize);
             // The input straight from SRAM when aligned and inside, and the
             // result straight into it when the two do not overlap.
-            let views = match sram_f32s(mem.sram) {
-                Some(v) => {
-                    let len = v.len();
-                    let x = f32_span(src, n, len);
-                    if let (Some(x), Some(d)) = (x.clone(), f32_span(dst, pixels * geom.c as usize, len)) {
-                        if let Some((out, [x])) = split_views(v, d, [x]) {
-                            pool_into(out, x, op, &geom, ho, wo);
-                            return Ok(());
-                        }
-                    }
-                    x.map(|x| pool(&v[x], op, &geom, ho, wo))
-                }
-                None => None,
-            };
+            if let Some((out, [x])) = sram_views(mem.sram, (dst, pixels * geom.c as usize), [(src, n)]) {
+                pool_into(out, x, op, &geom, ho, wo);
+                return Ok(());
+            }
+            let views = sram_f32s(mem.sram)
+                .and_then(|v| Some(pool(&v[f32_span(src, n, v.len())?], op, &geom, ho, wo)));
             let out = match views {
                 Some(out) => out,
                 None => pool(&read_f32s(mem.sram, src, n)?, op, &geom, ho, wo),
@@ -1684,22 +1690,15 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
                 let (ho, wo) = (ho as usize, wo as usize);
                 // The operands straight from SRAM when aligned and inside,
                 // and the result straight into it when it overlaps neither.
-                let views = match sram_f32s(mem.sram) {
-                    Some(v) => {
-                        let len = v.len();
-                        let (x, w) = (f32_span(src, in_len, len), f32_span(weights, taps * c, len));
-                        if let (Some(x), Some(w), Some(d)) =
-                            (x.clone(), w.clone(), f32_span(dst, out_len, len))
-                        {
-                            if let Some((out, [x, w])) = split_views(v, d, [x, w]) {
-                                depthwise_into(out, x, w, &geom, ho, wo);
-                                return Ok(());
-                            }
-                        }
-                        x.zip(w).map(|(x, w)| depthwise(&v[x], &v[w], &geom, ho, wo))
-                    }
-                    None => None,
-                };
+                let ins = [(src, in_len), (weights, taps * c)];
+                if let Some((out, [x, w])) = sram_views(mem.sram, (dst, out_len), ins) {
+                    depthwise_into(out, x, w, &geom, ho, wo);
+                    return Ok(());
+                }
+                let views = sram_f32s(mem.sram).and_then(|v| {
+                    let [x, w] = f32_spans(ins, v.len())?;
+                    Some(depthwise(&v[x], &v[w], &geom, ho, wo))
+                });
                 match views {
                     Some(out) => out,
                     None => {
