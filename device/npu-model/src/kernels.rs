@@ -810,8 +810,8 @@ fn copy_rows(
         if let (Some(s), Some(d)) = (span(src.offset, src_stride), span(dst.offset, dst_stride)) {
             if s.end <= d.start || d.end <= s.start {
                 // No row written is read: row by row in place.
-                let strides = (src_stride, dst_stride);
-                mem.space(src.space).copy_rows_within(src.offset, dst.offset, rows, row as u64, strides)?;
+                let (at, strides) = ((src.offset, dst.offset), (src_stride, dst_stride));
+                mem.space(src.space).copy_rows_within(at, rows, row as u64, strides)?;
                 return Ok(());
             }
         }

@@ -122,23 +122,18 @@ pub trait Memory {
     fn copy_within(&mut self, src: u64, dst: u64, len: u64) -> Result<(), MemoryError> {
         copy_through_buffer(self, src, dst, len)
     }
-    /// Copies `rows` rows of `row` bytes, `src_stride` apart from `src`,
-    /// to rows `dst_stride` apart from `dst` in this memory, row by row
+    /// Copies `rows` rows of `row` bytes, `strides.0` apart from `at.0`,
+    /// to rows `strides.1` apart from `at.1` in this memory, row by row
     /// in order, each as [`Memory::copy_within`]. Memories whose call per
     /// row costs more than a short row's bytes override it.
     fn copy_rows_within(
         &mut self,
-        src: u64,
-        dst: u64,
+        at: (u64, u64),
         rows: u64,
         row: u64,
         strides: (u64, u64),
     ) -> Result<(), MemoryError> {
-        for r in 0..rows {
-            let (s, d) = (row_start(src, r, strides.0, row)?, row_start(dst, r, strides.1, row)?);
-            self.copy_within(s, d, row)?;
-        }
-        Ok(())
+        copy_rows_one_by_one(self, at, rows, row, strides)
     }
     /// When `[addr, addr + len)` holds, unchanged, bytes of a file (guest
     /// RAM a model file was mapped into, none of its pages written since),
@@ -217,6 +212,22 @@ fn row_start(base: u64, r: u64, stride: u64, row: u64) -> Result<u64, MemoryErro
         len: row,
         size: u64::MAX,
     })
+}
+
+/// [`Memory::copy_rows_within`] row by row, each row as
+/// [`Memory::copy_within`].
+fn copy_rows_one_by_one<M: Memory + ?Sized>(
+    m: &mut M,
+    (src, dst): (u64, u64),
+    rows: u64,
+    row: u64,
+    (ss, ds): (u64, u64),
+) -> Result<(), MemoryError> {
+    for r in 0..rows {
+        let (s, d) = (row_start(src, r, ss, row)?, row_start(dst, r, ds, row)?);
+        m.copy_within(s, d, row)?;
+    }
+    Ok(())
 }
 
 fn copy_through_buffer<M: Memory + ?Sized>(
@@ -597,13 +608,12 @@ impl Memory for LazyHbm {
     }
     fn copy_rows_within(
         &mut self,
-        src: u64,
-        dst: u64,
+        at: (u64, u64),
         rows: u64,
         row: u64,
         strides: (u64, u64),
     ) -> Result<(), MemoryError> {
-        let (ss, ds) = strides;
+        let ((src, dst), (ss, ds)) = (at, strides);
         let span = |base: u64, stride: u64| {
             let end = rows.checked_sub(1)?.checked_mul(stride)?.checked_add(row)?.checked_add(base)?;
             (end <= self.size).then_some(base..end)
@@ -614,11 +624,7 @@ impl Memory for LazyHbm {
         };
         if self.file.is_some() || !disjoint || row == 0 {
             // Row by row as the default does (and its errors).
-            for r in 0..rows {
-                let (s, d) = (row_start(src, r, ss, row)?, row_start(dst, r, ds, row)?);
-                self.copy_within(s, d, row)?;
-            }
-            return Ok(());
+            return copy_rows_one_by_one(self, at, rows, row, strides);
         }
         // Both spans inside and disjoint: every row address below is
         // inside them, so nothing overflows. The rows that stay in one
@@ -1007,8 +1013,8 @@ mod tests {
                 hbm.write(c as u64 * HBM_CHUNK, &data).unwrap();
                 flat.write(c as u64 * HBM_CHUNK, &data).unwrap();
             }
-            let a = hbm.copy_rows_within(src, dst, rows, row, (ss, ds)).is_ok();
-            let b = flat.copy_rows_within(src, dst, rows, row, (ss, ds)).is_ok();
+            let a = hbm.copy_rows_within((src, dst), rows, row, (ss, ds)).is_ok();
+            let b = flat.copy_rows_within((src, dst), rows, row, (ss, ds)).is_ok();
             prop_assert_eq!(a, b);
             let mut got = vec![0u8; size as usize];
             hbm.read(0, &mut got).unwrap();
