@@ -202,7 +202,6 @@ pub fn file_pages_unchanged(ptr: *const u8, len: usize) -> bool {
     }
 }
 
-/// [`Memory::copy_within`] through a buffer of the bytes.
 /// The address of row `r` of rows `stride` apart from `base` (overflow:
 /// out of range).
 fn row_start(base: u64, r: u64, stride: u64, row: u64) -> Result<u64, MemoryError> {
@@ -230,6 +229,7 @@ fn copy_rows_one_by_one<M: Memory + ?Sized>(
     Ok(())
 }
 
+/// [`Memory::copy_within`] through a buffer of the bytes.
 fn copy_through_buffer<M: Memory + ?Sized>(
     m: &mut M,
     src: u64,
