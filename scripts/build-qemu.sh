@@ -4,7 +4,8 @@
 # for scripts/qemu-interop.sh (docs/vfio-user.md, "Building QEMU 10.2.2").
 # This machine kind's Debian (bookworm) ships QEMU 7.2.
 #
-#   bash scripts/build-qemu.sh      # prints the binary's path on stdout
+#   bash scripts/build-qemu.sh          # prints the binary's path on stdout
+#   bash scripts/build-qemu.sh --deps   # only installs the build dependencies
 #
 # Reproducible: the source is Debian's `qemu 1:10.2.2+ds-1` exactly, fetched
 # through a private apt source list (sid's deb-src, verified against
@@ -25,7 +26,13 @@ pycotap_version=1.3.1
 dest=$PWD/target/qemu-$version
 bin=$dest/qemu-system-x86_64
 stamp="qemu $debian_version meson $meson_version $(sha256sum "$0" | cut -d' ' -f1)"
-if [ -x "$bin" ] && [ "$(cat "$dest/stamp" 2>/dev/null)" = "$stamp" ]; then
+deps_only=false
+case "${1:-}" in
+    --deps) deps_only=true ;;
+    "") ;;
+    *) echo "usage: bash scripts/build-qemu.sh [--deps]" >&2; exit 2 ;;
+esac
+if ! $deps_only && [ -x "$bin" ] && [ "$(cat "$dest/stamp" 2>/dev/null)" = "$stamp" ]; then
     echo "build-qemu: cached $bin" >&2
     echo "$bin"
     exit 0
@@ -45,6 +52,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
         || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; }
 fi
+$deps_only && exit 0
 
 # 2. The source package, through a private apt source list.
 work=$(mktemp -d /tmp/build-qemu.XXXXXX)

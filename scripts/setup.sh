@@ -17,6 +17,10 @@ if ! command -v qemu-system-x86_64 >/dev/null || ! command -v cpio >/dev/null; t
         echo "setup: install qemu-system-x86 and cpio (Debian packages) for scripts/nested-test.sh" >&2
     fi
 fi
+echo "setup: QEMU 10.2.2's build dependencies (scripts/build-qemu.sh, which CI runs in the background)" >&2
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    bash scripts/build-qemu.sh --deps
+fi
 echo "setup: .venv-onnx with ONNX Runtime (the reference for compiled ONNX models) and onnx (its node tests; docs/model-format.md)" >&2
 if [ ! -x .venv-onnx/bin/python ] || ! .venv-onnx/bin/python -c "import onnxruntime, numpy, onnx" 2>/dev/null; then
     python3 -m venv .venv-onnx
