@@ -765,6 +765,16 @@ fn copy_rows(
             (Space::Guest, Space::Hbm) => (&*mem.guest, &mut *mem.hbm),
             _ => return Err(KernelError::Geometry("copy between equal spaces")),
         };
+        if rows > 1 && src.space != Space::Guest && dst.space != Space::Guest {
+            // Between SRAM and HBM: the flat side's rows straight from or
+            // into the other memory's rows (a strided store of a product
+            // into a concatenation's columns, a strided load).
+            if let Some(r) =
+                rows_to_or_from_flat(s_mem, d_mem, (src, src_stride), (dst, dst_stride), rows, row)
+            {
+                return r;
+            }
+        }
         if row < SMALL_ROW {
             if let Some(r) = copy_small_rows(s_mem, d_mem, (src, src_stride), (dst, dst_stride), rows, row) {
                 return r;
@@ -873,6 +883,32 @@ fn rows_span(rows: u64, row: usize, stride: u64) -> Option<u64> {
 /// Rows shorter than this are moved through one access to their whole
 /// span (a call per row costs more than the bytes between them).
 const SMALL_ROW: usize = 256;
+
+/// Copies rows between two different memories, one of them a flat
+/// buffer over its rows' span, with [`Memory::write_rows`] or
+/// [`Memory::read_rows`] on the other: no buffer between them, and the
+/// other memory's lookups made once per run of rows (LazyHbm: per chunk).
+/// `None` when neither side is flat there.
+fn rows_to_or_from_flat(
+    s_mem: &dyn Memory,
+    d_mem: &mut dyn Memory,
+    (src, ss): (Addr, u64),
+    (dst, ds): (Addr, u64),
+    rows: u64,
+    row: usize,
+) -> Option<Result<(), KernelError>> {
+    let s_span = rows_span(rows, row, ss)?;
+    let d_span = rows_span(rows, row, ds)?;
+    // A flat side's span is in memory, so its stride fits a `usize`.
+    let shape = (rows, row as u64);
+    if let Some(from) = s_mem.slice(src.offset, s_span) {
+        let r = d_mem.write_rows(dst.offset, (shape.0, shape.1, ds), from, usize::try_from(ss).ok()?);
+        return Some(r.map_err(KernelError::from));
+    }
+    let to = d_mem.slice_mut(dst.offset, d_span)?;
+    let r = s_mem.read_rows(src.offset, (shape.0, shape.1, ss), to, usize::try_from(ds).ok()?);
+    Some(r.map_err(KernelError::from))
+}
 
 /// Copies short rows between two different memories without a dense
 /// buffer between them when one side is a flat buffer: rows go from

@@ -135,6 +135,46 @@ pub trait Memory {
     ) -> Result<(), MemoryError> {
         copy_rows_one_by_one(self, at, rows, row, strides)
     }
+    /// Writes `rows` rows of `row` bytes to rows `stride` apart from
+    /// `addr`, row `r` from `data[r * data_stride..][..row]`, in order
+    /// (where destination rows overlap, the later row's bytes stay), each
+    /// as [`Memory::write`]. Memories whose call per row costs more than
+    /// a short row's bytes override it. `data` too short for the rows is
+    /// an error before anything is written.
+    fn write_rows(
+        &mut self,
+        addr: u64,
+        (rows, row, stride): (u64, u64, u64),
+        data: &[u8],
+        data_stride: usize,
+    ) -> Result<(), MemoryError> {
+        let n = rows_in(rows, row, data_stride, data.len())?;
+        for r in 0..rows {
+            let at = row_start(addr, r, stride, row)?;
+            self.write(at, &data[r as usize * data_stride..][..n])?;
+        }
+        Ok(())
+    }
+    /// Reads `rows` rows of `row` bytes, `stride` apart from `addr`, into
+    /// `out[r * out_stride..][..row]`, in order (where `out`'s rows
+    /// overlap, the later row's bytes stay), each as [`Memory::read`].
+    /// Memories whose call per row costs more than a short row's bytes
+    /// override it. `out` too short for the rows is an error before
+    /// anything is read.
+    fn read_rows(
+        &self,
+        addr: u64,
+        (rows, row, stride): (u64, u64, u64),
+        out: &mut [u8],
+        out_stride: usize,
+    ) -> Result<(), MemoryError> {
+        let n = rows_in(rows, row, out_stride, out.len())?;
+        for r in 0..rows {
+            let at = row_start(addr, r, stride, row)?;
+            self.read(at, &mut out[r as usize * out_stride..][..n])?;
+        }
+        Ok(())
+    }
     /// When `[addr, addr + len)` holds, unchanged, bytes of a file (guest
     /// RAM a model file was mapped into, none of its pages written since),
     /// that file and the offset in it of `addr`'s byte: a copy of them
@@ -211,6 +251,38 @@ fn row_start(base: u64, r: u64, stride: u64, row: u64) -> Result<u64, MemoryErro
         len: row,
         size: u64::MAX,
     })
+}
+
+/// `row` as a length, when a host buffer of `len` bytes holds `rows` rows
+/// of it `stride` apart (overflow-checked); out of range otherwise.
+fn rows_in(rows: u64, row: u64, stride: usize, len: usize) -> Result<usize, MemoryError> {
+    let short = MemoryError::OutOfRange { space: "host buffer", start: 0, len: row, size: len as u64 };
+    let n = usize::try_from(row).map_err(|_| short.clone())?;
+    if rows == 0 {
+        return Ok(n);
+    }
+    let last = usize::try_from(rows - 1).ok().and_then(|r| r.checked_mul(stride));
+    match last.and_then(|l| l.checked_add(n)) {
+        Some(end) if end <= len => Ok(n),
+        _ => Err(short),
+    }
+}
+
+/// One past the last byte of `rows` rows of `row` bytes `stride` apart
+/// from `base` (`None`: no rows, or past 64 bits).
+fn rows_span_end(base: u64, rows: u64, row: u64, stride: u64) -> Option<u64> {
+    rows.checked_sub(1)?.checked_mul(stride)?.checked_add(row)?.checked_add(base)
+}
+
+/// How many rows of `row` bytes, `stride` apart from `at`, lie whole in
+/// `at`'s HBM chunk (`u64::MAX` for a stride of 0 when the row does).
+fn rows_in_chunk(at: u64, row: u64, stride: u64) -> u64 {
+    let end = at % HBM_CHUNK + row;
+    if end > HBM_CHUNK {
+        0
+    } else {
+        (HBM_CHUNK - end).checked_div(stride).map_or(u64::MAX, |k| k + 1)
+    }
 }
 
 /// [`Memory::copy_rows_within`] row by row, each row as
@@ -631,20 +703,11 @@ impl Memory for LazyHbm {
         // source chunk and one destination chunk are copied together,
         // between the two chunks' slices (one lookup of each, not one a
         // row); a row across a chunk's border goes through copy_within.
-        let rows_in_chunk = |at: u64, stride: u64| {
-            let end = at % HBM_CHUNK + row;
-            if end > HBM_CHUNK {
-                0
-            } else {
-                // (A stride of 0: every row in the same place.)
-                (HBM_CHUNK - end).checked_div(stride).map_or(u64::MAX, |k| k + 1)
-            }
-        };
         let n = row as usize;
         let mut r = 0u64;
         while r < rows {
             let (s, d) = (src + r * ss, dst + r * ds);
-            let k = rows_in_chunk(s, ss).min(rows_in_chunk(d, ds)).min(rows - r);
+            let k = rows_in_chunk(s, row, ss).min(rows_in_chunk(d, row, ds)).min(rows - r);
             if k == 0 {
                 self.copy_within(s, d, row)?;
                 r += 1;
@@ -673,6 +736,85 @@ impl Memory for LazyHbm {
                 }
                 if let Some(f) = from {
                     self.chunks[sc as usize] = Some(f);
+                }
+            }
+            r += k;
+        }
+        Ok(())
+    }
+    fn write_rows(
+        &mut self,
+        addr: u64,
+        (rows, row, stride): (u64, u64, u64),
+        data: &[u8],
+        data_stride: usize,
+    ) -> Result<(), MemoryError> {
+        let n = rows_in(rows, row, data_stride, data.len())?;
+        let inside = rows_span_end(addr, rows, row, stride).is_some_and(|end| end <= self.size);
+        if self.file.is_some() || !inside || row == 0 {
+            // Row by row as the default does (and its errors).
+            for r in 0..rows {
+                let at = row_start(addr, r, stride, row)?;
+                self.write(at, &data[r as usize * data_stride..][..n])?;
+            }
+            return Ok(());
+        }
+        // Every row lies inside (so no address below overflows) and
+        // `data` holds every row: the rows in one chunk are written with
+        // one lookup of it; a row across a chunk's border as `write`.
+        let mut r = 0u64;
+        while r < rows {
+            let d = addr + r * stride;
+            let k = rows_in_chunk(d, row, stride).min(rows - r);
+            if k == 0 {
+                self.write(d, &data[r as usize * data_stride..][..n])?;
+                r += 1;
+                continue;
+            }
+            let (dc, off) = (d / HBM_CHUNK, (d % HBM_CHUNK) as usize);
+            let to = self.chunk_mut(dc);
+            for i in 0..k as usize {
+                let (at, from) = (off + i * stride as usize, (r as usize + i) * data_stride);
+                to[at..at + n].copy_from_slice(&data[from..from + n]);
+            }
+            r += k;
+        }
+        Ok(())
+    }
+    fn read_rows(
+        &self,
+        addr: u64,
+        (rows, row, stride): (u64, u64, u64),
+        out: &mut [u8],
+        out_stride: usize,
+    ) -> Result<(), MemoryError> {
+        let n = rows_in(rows, row, out_stride, out.len())?;
+        let inside = rows_span_end(addr, rows, row, stride).is_some_and(|end| end <= self.size);
+        if self.file.is_some() || !inside || row == 0 {
+            for r in 0..rows {
+                let at = row_start(addr, r, stride, row)?;
+                self.read(at, &mut out[r as usize * out_stride..][..n])?;
+            }
+            return Ok(());
+        }
+        // As `write_rows`: one lookup per chunk; a chunk never written
+        // reads as zeros.
+        let mut r = 0u64;
+        while r < rows {
+            let s = addr + r * stride;
+            let k = rows_in_chunk(s, row, stride).min(rows - r);
+            if k == 0 {
+                self.read(s, &mut out[r as usize * out_stride..][..n])?;
+                r += 1;
+                continue;
+            }
+            let (sc, off) = (s / HBM_CHUNK, (s % HBM_CHUNK) as usize);
+            let from = self.chunks.get(sc as usize).and_then(Option::as_ref);
+            for i in 0..k as usize {
+                let to = &mut out[(r as usize + i) * out_stride..][..n];
+                match from {
+                    Some(c) => to.copy_from_slice(&c[off + i * stride as usize..][..n]),
+                    None => to.fill(0),
                 }
             }
             r += k;
@@ -1019,6 +1161,43 @@ mod tests {
             let mut got = vec![0u8; size as usize];
             hbm.read(0, &mut got).unwrap();
             prop_assert!(got == flat.bytes, "src {} dst {} rows {} row {} strides {} {}", src, dst, rows, row, ss, ds);
+        }
+
+        /// LazyHbm's strided rows to and from a host buffer hold and give
+        /// what a flat buffer's row-by-row writes and reads do: rows
+        /// across chunk borders, chunks never written (zeros), strides of
+        /// 0 and under a row, rows running outside (the same error), a
+        /// host buffer too short (refused).
+        #[test]
+        fn lazy_hbm_strided_rows_match_row_by_row(
+            at in 0u64..(3 * HBM_CHUNK), near in 0u64..3000, border in any::<bool>(),
+            rows in 0u64..300, row in 1u64..3000, stride in 0u64..9000, host_stride in 0usize..4000,
+            short in any::<bool>(), written in prop::array::uniform4(any::<bool>()),
+        ) {
+            let size = 4 * HBM_CHUNK;
+            let at = if border { (at / HBM_CHUNK + 1) * HBM_CHUNK - near - 1 } else { at };
+            let mut hbm = LazyHbm::new(size);
+            let mut flat = VecGuestMemory::new(0, size as usize);
+            for (c, _) in written.iter().enumerate().filter(|(_, w)| **w) {
+                let data: Vec<u8> = (0..HBM_CHUNK).map(|i| (i as usize * 7 + c) as u8 | 1).collect();
+                hbm.write(c as u64 * HBM_CHUNK, &data).unwrap();
+                flat.write(c as u64 * HBM_CHUNK, &data).unwrap();
+            }
+            let need = (rows.max(1) as usize - 1) * host_stride + row as usize;
+            let len = if short { need - 1 } else { need };
+            let data: Vec<u8> = (0..len).map(|i| (i * 31 + 5) as u8).collect();
+            let a = hbm.write_rows(at, (rows, row, stride), &data, host_stride).is_ok();
+            let b = flat.write_rows(at, (rows, row, stride), &data, host_stride).is_ok();
+            prop_assert_eq!(a, b);
+            prop_assert!(!short || rows == 0 || !a, "a short buffer is refused");
+            let mut got = vec![0u8; size as usize];
+            hbm.read(0, &mut got).unwrap();
+            prop_assert!(got == flat.bytes, "write: at {} rows {} row {} stride {} {}", at, rows, row, stride, host_stride);
+            let (mut x, mut y) = (vec![9u8; len], vec![9u8; len]);
+            let a = hbm.read_rows(at, (rows, row, stride), &mut x, host_stride).is_ok();
+            let b = flat.read_rows(at, (rows, row, stride), &mut y, host_stride).is_ok();
+            prop_assert_eq!(a, b);
+            prop_assert!(x == y, "read: at {} rows {} row {} stride {} {}", at, rows, row, stride, host_stride);
         }
     }
 
