@@ -185,13 +185,17 @@ pub enum Op {
     /// SA: `y = act(x * w + b)` over `rows` rows.
     Linear { name: String, x: View, w: TensorId, b: TensorId, y: View, rows: u32, k: u32, n: u32, act: Act },
     /// SA: NHWC convolution (`batch` images), HWIO weights, bias, activation,
-    /// and optionally a residual added after the activation.
+    /// and optionally a residual added after the activation. `y` holds one
+    /// row per output pixel: `View::dense(t, cout)` for an NHWC tensor of
+    /// its own, or columns `col..col + cout` of rows `ld` long (the slice
+    /// of a channel concatenation's output, written in place). The
+    /// residual is a dense NHWC tensor of the output's shape.
     Conv {
         name: String,
         x: TensorId,
         w: TensorId,
         b: TensorId,
-        y: TensorId,
+        y: View,
         batch: u32,
         s: Spatial,
         cin: u32,
@@ -359,7 +363,7 @@ impl Op {
         match *self {
             Op::Linear { x, w, b, y, .. } => vec![x.t, w, b, y.t],
             Op::Conv { x, w, b, y, residual, .. } => {
-                [Some(x), Some(w), Some(b), residual.map(|r| r.r), Some(y)].into_iter().flatten().collect()
+                [Some(x), Some(w), Some(b), residual.map(|r| r.r), Some(y.t)].into_iter().flatten().collect()
             }
             Op::Depthwise { x, w, b, y, .. } => vec![x, w, b, y],
             Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } | Op::Reduce { x, y, .. } => vec![x, y],
@@ -543,7 +547,7 @@ impl Graph {
             x,
             w: wt,
             b,
-            y,
+            y: View::dense(y, cout),
             batch: self.batch,
             s,
             cin,

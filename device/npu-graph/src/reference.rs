@@ -111,13 +111,13 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                                         }
                                     }
                                 }
-                                let yi =
-                                    ((img * i64::from(ho) + oy) * i64::from(wo) + ox) * i64::from(cout) + co;
+                                let pixel = (img * i64::from(ho) + oy) * i64::from(wo) + ox;
                                 let mut v = act(a, acc) as f32;
                                 if let Some(res) = residual {
-                                    v = act(res.act, f64::from(v + tensors[res.r][yi as usize])) as f32;
+                                    let ri = pixel * i64::from(cout) + co;
+                                    v = act(res.act, f64::from(v + tensors[res.r][ri as usize])) as f32;
                                 }
-                                tensors[y][yi as usize] = v;
+                                set(tensors, y, pixel as u32, co as u32, f64::from(v));
                             }
                         }
                     }

@@ -1194,14 +1194,16 @@ impl Lowerer {
     }
 
     /// Convolution (on the SA, with its fused residual add if any) or
-    /// depthwise convolution (on the VU).
+    /// depthwise convolution (on the VU). Output pixel `p`'s channels go
+    /// to row `p` of the view `y` (rows `y.ld` elements apart, from
+    /// column `y.col`); a residual is dense, `cout` per pixel.
     fn conv(
         &mut self,
         name: &str,
         x: TensorId,
         w: TensorId,
         b: TensorId,
-        y: TensorId,
+        y: View,
         batch: u32,
         s: Spatial,
         cin: u32,
@@ -1253,7 +1255,7 @@ impl Lowerer {
             let at = self.elem_addr();
             let esize = self.esize.clone();
             let dtype = self.dtype;
-            let (xe, ye) = (self.esize[x], self.esize[y]);
+            let (xe, ye) = (self.esize[x], self.esize[y.t]);
             // A bf16 input is the SA's operand as loaded.
             let prep = |inb: u64, len: u64| {
                 if depthwise || xe == 2 {
@@ -1277,9 +1279,11 @@ impl Lowerer {
                 let mut res_load = Vec::new();
                 let src_e =
                     (u64::from(img) * u64::from(s.h) + u64::from(lo)) * u64::from(s.w) * u64::from(cin);
-                let dst_e =
-                    (u64::from(img) * u64::from(ho) + u64::from(oy0)) * u64::from(wo) * u64::from(cout)
-                        + u64::from(n0);
+                // The band's first output pixel: its element in the
+                // (dense) residual and in the output view.
+                let pixel0 = (u64::from(img) * u64::from(ho) + u64::from(oy0)) * u64::from(wo);
+                let res_e = pixel0 * u64::from(cout) + u64::from(n0);
+                let dst_e = pixel0 * u64::from(y.ld) + u64::from(y.col) + u64::from(n0);
                 let lanes = blocks
                     .iter()
                     .map(|bl| {
@@ -1315,7 +1319,7 @@ impl Lowerer {
                             let re = esize[rs.r];
                             let (at_r, wide) = widen(re, resb + off, len);
                             res_load.push(copy(
-                                at(rs.r, dst_e + u64::from(bl.c0)),
+                                at(rs.r, res_e + u64::from(bl.c0)),
                                 Addr::sram(at_r),
                                 out_rows.into(),
                                 u64::from(bl.cols) * re,
@@ -1359,11 +1363,11 @@ impl Lowerer {
                             split: vec![],
                             store: vec![copy(
                                 Addr::sram(ob),
-                                at(y, dst_e + u64::from(bl.c0)),
+                                at(y.t, dst_e + u64::from(bl.c0)),
                                 out_rows.into(),
                                 u64::from(bl.cols) * ye,
                                 u64::from(bl.cols) * ye,
-                                u64::from(cout) * ye,
+                                u64::from(y.ld) * ye,
                             )],
                         }
                     })
@@ -1892,7 +1896,7 @@ impl Lowerer {
                 self.conv(name, x, w, b, y, batch, s, cin, cout, act, Conv::Sa(residual))?
             }
             Op::Depthwise { ref name, x, w, b, y, batch, s, c, act } => {
-                self.conv(name, x, w, b, y, batch, s, c, c, act, Conv::Depthwise)?
+                self.conv(name, x, w, b, View::dense(y, c), batch, s, c, c, act, Conv::Depthwise)?
             }
             Op::Pool { ref name, x, y, batch, s, c, op } => self.pool_op(name, x, y, batch, s, c, op)?,
             Op::GlobalPool { ref name, x, y, batch, hw, c } => {
@@ -2520,7 +2524,7 @@ fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool, keep_f32: &
 pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
     match *op {
         Op::Linear { x, y, .. } => x.t == t || y.t == t,
-        Op::Conv { x, y, residual, .. } => x == t || y == t || residual.is_some_and(|r| r.r == t),
+        Op::Conv { x, y, residual, .. } => x == t || y.t == t || residual.is_some_and(|r| r.r == t),
         Op::Pool { x, y, .. } | Op::GlobalPool { x, y, .. } | Op::Reduce { x, y, .. } => x == t || y == t,
         Op::Add { a, b, y, .. }
         | Op::Mul { a, b, y, .. }
@@ -2579,7 +2583,7 @@ pub fn fuse_residual_adds(graph: &Graph) -> Graph {
             let Op::Conv { y: cy, cout, batch, s, residual: None, .. } = g.ops[k] else { continue };
             let (ho, wo) = s.out();
             let out = u64::from(batch) * u64::from(ho) * u64::from(wo) * u64::from(cout);
-            if cy != c || cols != cout || u64::from(rows) * u64::from(cols) != out {
+            if cy != View::dense(c, cout) || cols != cout || u64::from(rows) * u64::from(cols) != out {
                 continue;
             }
             let between = (k + 1..j).filter(|&i| !removed[i]).any(|i| {
@@ -2590,7 +2594,7 @@ pub fn fuse_residual_adds(graph: &Graph) -> Graph {
                 continue;
             }
             if let Op::Conv { y: cy, residual, .. } = &mut g.ops[k] {
-                *cy = y.t;
+                *cy = View::dense(y.t, cols);
                 *residual = Some(Residual { r, act });
             }
             g.tensors[c].elems = 0;

@@ -34,7 +34,7 @@ pub const OPERATORS: &[Operator] = &[
     op("Ceil", "`vu.unary ceil`"),
     op("Celu", "`alpha > 0`, as its definition"),
     op("Clip", "`vu.clamp`; constant bounds"),
-    op("Concat", "strided copies; folded on constants"),
+    op("Concat", "strided copies, none for a product's output along the innermost axis; folded on constants"),
     op("Constant", "`value`, `value_float(s)`, `value_int(s)`"),
     op("ConstantOfShape", "of a constant shape (at most 2^26 elements)"),
     op("Conv", "2-D, constant weights and bias, `group`, strides, pads, `auto_pad`; `dilations` other than 1 refused"),

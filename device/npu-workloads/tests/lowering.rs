@@ -166,7 +166,19 @@ fn mini_cnn(batch: u32) -> Graph {
         let wt = g.tensor(format!("{name}.w"), u64::from(fan_in * cout), Init::Weights { fan_in });
         let b = g.tensor(format!("{name}.b"), cout.into(), Init::Bias);
         let y = g.act(name, u64::from(batch * ho * wo * cout));
-        g.ops.push(Op::Conv { name: name.into(), x, w: wt, b, y, batch, s, cin, cout, act, residual: None });
+        g.ops.push(Op::Conv {
+            name: name.into(),
+            x,
+            w: wt,
+            b,
+            y: View::dense(y, cout),
+            batch,
+            s,
+            cin,
+            cout,
+            act,
+            residual: None,
+        });
         (y, ho, wo)
     };
     let (a, h, w) = conv(&mut g, "c1", x, 9, 11, 3, 37, 3, 2, Act::Swish);

@@ -424,7 +424,7 @@ impl Compiler<'_> {
                 x: x.t,
                 w: wt,
                 b: bt,
-                y,
+                y: View::dense(y, cout),
                 batch,
                 s,
                 cin,

@@ -264,7 +264,15 @@ impl Compiler<'_> {
         let nhwc = parts.iter().any(|p| matches!(p, Val::D(d) if d.nhwc));
         let (y, dst) = self.new_stored(&n.name, shape, nhwc)?;
         let mut at = 0;
+        let mut in_place = 0;
         for (i, p) in parts.into_iter().enumerate() {
+            if let Val::D(d) = &p {
+                if self.concat_in_place(&n.inputs[i], d, &y, ax, at) {
+                    in_place += 1;
+                    at += d.shape[ax];
+                    continue;
+                }
+            }
             let (t, shape, src) = match p {
                 Val::D(d) => (d.t, d.shape.clone(), Self::strides_of(&d)),
                 Val::I(_) => return Err(int_refused(n, i)),
@@ -276,7 +284,57 @@ impl Compiler<'_> {
             self.strided_copy(&n.name, &shape, Place::new(t, 0, &src), Place::new(y.t, at * dst[ax], &dst))?;
             at += shape[ax];
         }
+        if in_place == n.inputs.len() {
+            self.report.aliases += 1;
+        }
         Ok(vec![Val::D(y)])
+    }
+
+    /// Rewrites the product that wrote the concatenation's input `d`
+    /// (named `input`) to write its result straight into `y`, the
+    /// concatenation's output, from index `at` of axis `ax`: no copy.
+    /// Only along the axis that is innermost in both tensors' storage (an
+    /// image's channels, channels-last; a dense tensor's last axis), so
+    /// that `d`'s rows become the columns `at..` of `y`'s rows; and only
+    /// when a `Linear` or `Conv` wrote all of `d` and nothing else reads
+    /// or writes it (one use, not a graph output). `d`'s tensor keeps its
+    /// index but no elements (nothing stores it).
+    fn concat_in_place(&mut self, input: &str, d: &Dyn, y: &Dyn, ax: usize, at: usize) -> bool {
+        let rank = d.shape.len();
+        let innermost = if y.nhwc { d.nhwc && ax == 1 } else { !d.nhwc && ax + 1 == rank };
+        if !innermost || d.strides.is_some() || y.strides.is_some() {
+            return false;
+        }
+        let Some(i) = d.op else { return false };
+        if self.uses.get(input) != Some(&1) || self.outputs.contains(input) {
+            return false;
+        }
+        if self.g.ops.iter().enumerate().any(|(j, op)| j != i && op.tensors().contains(&d.t)) {
+            return false;
+        }
+        let (cols, ld, col) = (d.shape[ax], y.shape[ax], at);
+        let (Ok(cols), Ok(ld), Ok(col)) = (u32::try_from(cols), u32::try_from(ld), u32::try_from(col)) else {
+            return false;
+        };
+        let total = elems(&d.shape) as u64;
+        let yv = match &mut self.g.ops[i] {
+            Op::Linear { y, rows, n, .. } if *n == cols && u64::from(*rows) * u64::from(*n) == total => y,
+            Op::Conv { y, batch, s, cout, .. } if *cout == cols => {
+                let (ho, wo) = s.out();
+                let out = u64::from(*batch) * u64::from(ho) * u64::from(wo) * u64::from(*cout);
+                if out != total {
+                    return false;
+                }
+                y
+            }
+            _ => return false,
+        };
+        if *yv != View::dense(d.t, cols) {
+            return false;
+        }
+        *yv = View { t: y.t, ld, col };
+        self.g.tensors[d.t].elems = 0;
+        true
     }
 
     /// `Pad`: the input copied into the output's interior, and the border:

@@ -84,7 +84,7 @@ pub fn retinanet(batch: u32, side: u32) -> Graph {
                     x,
                     w,
                     b,
-                    y,
+                    y: View::dense(y, cout),
                     batch,
                     s: Spatial::square(s, s, 3, 1, 1),
                     cin: CH,
