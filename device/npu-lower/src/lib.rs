@@ -2668,6 +2668,51 @@ fn live_ranges(graph: &Graph) -> Vec<Option<(usize, usize)>> {
     range
 }
 
+/// Offsets from `base` of the tensors `live` (tensor, first and last
+/// operation, bytes) placed in order of first use, each first fit in the
+/// space no tensor still live holds; and the end of the space they span.
+fn place_by_first_use(live: &[(TensorId, (usize, usize), u64)], base: u64) -> (Vec<(TensorId, u64)>, u64) {
+    let mut order: Vec<_> = live.to_vec();
+    order.sort_by_key(|&(t, (first, _), _)| (first, t));
+    // (start, end, last use) of the space held now, by start.
+    let mut held: Vec<(u64, u64, usize)> = Vec::new();
+    let (mut placed, mut end) = (Vec::with_capacity(order.len()), base);
+    for (t, (first, last), need) in order {
+        let at = first_fit(&mut held, base, first, need);
+        held.push((at, at + need, last));
+        placed.push((t, at));
+        end = end.max(at + need);
+    }
+    (placed, end)
+}
+
+/// [`place_by_first_use`]'s result with the tensors placed largest first
+/// (ties by first use), each at the lowest offset where it meets no
+/// tensor placed before whose live range overlaps its own.
+fn place_by_size(live: &[(TensorId, (usize, usize), u64)], base: u64) -> (Vec<(TensorId, u64)>, u64) {
+    let mut order: Vec<_> = live.to_vec();
+    order.sort_by_key(|&(t, (first, _), need)| (std::cmp::Reverse(need), first, t));
+    // (start, end, first use, last use) of every tensor placed.
+    let mut done: Vec<(u64, u64, usize, usize)> = Vec::with_capacity(order.len());
+    let (mut placed, mut end) = (Vec::with_capacity(order.len()), base);
+    for (t, (first, last), need) in order {
+        let mut clash: Vec<(u64, u64)> =
+            done.iter().filter(|d| d.2 <= last && first <= d.3).map(|d| (d.0, d.1)).collect();
+        clash.sort_unstable();
+        let mut at = base;
+        for (s, e) in clash {
+            if s >= at + need {
+                break;
+            }
+            at = at.max(e);
+        }
+        done.push((at, at + need, first, last));
+        placed.push((t, at));
+        end = end.max(at + need);
+    }
+    (placed, end)
+}
+
 /// The lowest offset from `base` where `need` bytes meet none of `held`
 /// (start, end, last use) still live at operation `first`; drops from
 /// `held` what is no longer live. The caller records what it places.
@@ -2749,8 +2794,10 @@ impl Default for LowerOptions {
 /// before the program and reads after it) come first in tensor order and
 /// keep their space; every other intermediate tensor (`Init::Activation`)
 /// is live from the first to the last operation that touches it, and takes
-/// the lowest free space (first fit, aligned) that no tensor live at the
-/// same time holds. Two tensors one operation both touches never share.
+/// the lowest free space (aligned) that no tensor live at the same time
+/// holds: placed in two orders, by first use and by size (largest first,
+/// as TensorFlow Lite's arena planner does), keeping the one that spans
+/// fewer bytes. Two tensors one operation both touches never share.
 pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool, pinned: &[TensorId]) -> (Vec<Placed>, u64) {
     let bytes = |t: usize| (graph.tensors[t].elems * types[t].size()).next_multiple_of(ALIGN);
     let mut offsets = vec![0u64; graph.tensors.len()];
@@ -2769,23 +2816,25 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool, pinned: &[Tens
     if reuse {
         let range = live_ranges(graph);
         let base = off;
-        // (start, end, last use) of the space held now, by start.
-        let mut held: Vec<(u64, u64, usize)> = Vec::new();
-        let mut order: Vec<usize> = (0..graph.tensors.len()).filter(|&t| shared(t)).collect();
-        order.sort_by_key(|&t| (range[t].map_or(usize::MAX, |r| r.0), t));
-        for t in order {
-            let Some((first, last)) = range[t] else {
-                // Touched by no operation: space of its own.
-                offsets[t] = off;
-                off += bytes(t);
-                continue;
-            };
-            let need = bytes(t);
-            let at = first_fit(&mut held, base, first, need);
-            offsets[t] = at;
-            held.push((at, at + need, last));
-            off = off.max(at + need);
+        let mut live = Vec::new();
+        for t in (0..graph.tensors.len()).filter(|&t| shared(t)) {
+            match range[t] {
+                Some(r) => live.push((t, r, bytes(t))),
+                None => {
+                    // Touched by no operation: space of its own.
+                    offsets[t] = off;
+                    off += bytes(t);
+                }
+            }
         }
+        let by_first_use = place_by_first_use(&live, off);
+        let by_size = place_by_size(&live, off);
+        let (placed, end) = if by_size.1 < by_first_use.1 { by_size } else { by_first_use };
+        debug_assert!(end >= base);
+        for (t, at) in placed {
+            offsets[t] = at;
+        }
+        off = end;
     }
     let placed = graph
         .tensors
@@ -2918,5 +2967,63 @@ mod strided_tests {
         assert!(strided_meet((0, 8, 16, 64), (16, 8, 4, 4)));
         // Empty sets never meet.
         assert!(!strided_meet((0, 0, 16, 64), (0, 8, 16, 64)));
+    }
+}
+
+#[cfg(test)]
+mod placement_tests {
+    use super::{place_by_first_use, place_by_size};
+
+    type Live = Vec<(usize, (usize, usize), u64)>;
+
+    /// No two tensors live at once share a byte; every one lies at or
+    /// after `base` and inside the span returned.
+    fn check(live: &Live, base: u64, (placed, end): &(Vec<(usize, u64)>, u64)) {
+        assert_eq!(placed.len(), live.len());
+        let at = |t: usize| placed.iter().find(|p| p.0 == t).unwrap().1;
+        for (i, &(a, (af, al), an)) in live.iter().enumerate() {
+            assert!(at(a) >= base && at(a) + an <= *end);
+            for &(b, (bf, bl), bn) in &live[i + 1..] {
+                if af <= bl && bf <= al {
+                    let (x, y) = (at(a), at(b));
+                    assert!(x + an <= y || y + bn <= x, "tensors {a} and {b} are live at once and overlap");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn both_orders_never_overlap_tensors_live_at_once() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |m: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % m
+        };
+        for _ in 0..200 {
+            let n = 1 + next(60) as usize;
+            let live: Live = (0..n)
+                .map(|t| {
+                    let first = next(40) as usize;
+                    (t, (first, first + next(10) as usize), (1 + next(16)) * 4096)
+                })
+                .collect();
+            let base = next(4) * 4096;
+            check(&live, base, &place_by_first_use(&live, base));
+            check(&live, base, &place_by_size(&live, base));
+        }
+    }
+
+    /// Two small tensors one after the other, then one of both their
+    /// sizes: by first use the large one cannot take the first's space
+    /// while the second is live and goes after both (4 pages); largest
+    /// first, it goes at the start and the small ones around it (3).
+    #[test]
+    fn largest_first_packs_what_first_use_fragments() {
+        let page = 4096;
+        let live: Live = vec![(0, (0, 1), page), (1, (1, 2), page), (2, (2, 3), 2 * page)];
+        assert_eq!(place_by_first_use(&live, 0).1, 4 * page);
+        assert_eq!(place_by_size(&live, 0).1, 3 * page);
     }
 }
