@@ -3,7 +3,8 @@
 //! lowering never panic and never allocate past the compiler's tensor
 //! limit; whatever compiles is accepted by the verifier (the compiler
 //! checks) and its file decodes to the same model, with f32 and with bf16
-//! SA operands, and as spread programs (`--spread 1,1`).
+//! SA operands, and as spread programs (`--spread 1,1`); with residual
+//! adds fused and not.
 #![no_main]
 
 use std::collections::HashMap;
@@ -16,13 +17,13 @@ use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
     let cases = [
-        (DType::F32, false, None, true),
-        (DType::F32, false, None, false),
-        (DType::Bf16, false, None, true),
-        (DType::Bf16, true, None, true),
-        (DType::F32, false, Some((1, 1)), true),
+        (DType::F32, false, None, true, true),
+        (DType::F32, false, None, false, false),
+        (DType::Bf16, false, None, true, true),
+        (DType::Bf16, true, None, true, true),
+        (DType::F32, false, Some((1, 1)), true, true),
     ];
-    for (dtype, bf16_activations, spread, reuse_hbm) in cases {
+    for (dtype, bf16_activations, spread, reuse_hbm, fuse_residual) in cases {
         let opts = CompileOptions {
             shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
             batch: 2,
@@ -32,6 +33,7 @@ fuzz_target!(|data: &[u8]| {
             bf16_activations,
             spread,
             reuse_hbm,
+            fuse_residual,
         };
         let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");

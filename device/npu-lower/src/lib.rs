@@ -2547,7 +2547,8 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
 ///
 /// An `Add` of operands `a` and `b` into `y` is fused into the `Conv` at
 /// index `k` that writes `a` (or `b`) when: the views are dense and the
-/// add is over the convolution's whole output (`cols` = output channels);
+/// add is over the convolution's whole output (`rows x cols` its
+/// elements, split into rows any way);
 /// `a` has no other reader and is neither the graph's input nor output;
 /// `r` is not `a`, `y` is neither; the convolution does not touch `y`; and
 /// no operation between them touches `r` or `y` (so `r` is complete when
@@ -2556,6 +2557,13 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
 /// indices are unchanged, so a program lowered from the result reads and
 /// writes the same tensors as one lowered from `graph`.
 pub fn fuse_residual_adds(graph: &Graph) -> Graph {
+    fuse_residual_adds_keeping(graph, &[])
+}
+
+/// [`fuse_residual_adds`], leaving every tensor of `keep` stored (a
+/// compiled model's further outputs, which a guest reads after the
+/// program): an add whose operand is one of them is not fused.
+pub fn fuse_residual_adds_keeping(graph: &Graph, keep: &[TensorId]) -> Graph {
     let mut g = graph.clone();
     let mut uses = vec![0u32; g.tensors.len()];
     for op in &g.ops {
@@ -2573,7 +2581,7 @@ pub fn fuse_residual_adds(graph: &Graph) -> Graph {
             continue;
         }
         for (c, r) in [(a.t, b.t), (b.t, a.t)] {
-            if uses[c] != 2 || c == g.input || c == g.output || r == y.t || c == y.t {
+            if uses[c] != 2 || c == g.input || c == g.output || keep.contains(&c) || r == y.t || c == y.t {
                 continue;
             }
             // The convolution writing `c`.
@@ -2583,7 +2591,9 @@ pub fn fuse_residual_adds(graph: &Graph) -> Graph {
             let Op::Conv { y: cy, cout, batch, s, residual: None, .. } = g.ops[k] else { continue };
             let (ho, wo) = s.out();
             let out = u64::from(batch) * u64::from(ho) * u64::from(wo) * u64::from(cout);
-            if cy != View::dense(c, cout) || cols != cout || u64::from(rows) * u64::from(cols) != out {
+            // Dense views over the whole output: the same elements in the
+            // same order, however the add splits them into rows.
+            if cy != View::dense(c, cout) || u64::from(rows) * u64::from(cols) != out {
                 continue;
             }
             let between = (k + 1..j).filter(|&i| !removed[i]).any(|i| {
@@ -2594,7 +2604,7 @@ pub fn fuse_residual_adds(graph: &Graph) -> Graph {
                 continue;
             }
             if let Op::Conv { y: cy, residual, .. } = &mut g.ops[k] {
-                *cy = View::dense(y.t, cols);
+                *cy = View::dense(y.t, cout);
                 *residual = Some(Residual { r, act });
             }
             g.tensors[c].elems = 0;
@@ -2887,7 +2897,7 @@ pub fn lower_ops_keeping(
     let shape = VnpuShape { sa: shape.sa.min(MAX_ENGINES), vu: shape.vu.min(MAX_ENGINES), ..shape };
     let fused;
     let (graph, ops) = if options.fuse_residual && ops == (0..graph.ops.len()) {
-        fused = fuse_residual_adds(graph);
+        fused = fuse_residual_adds_keeping(graph, keep_f32);
         (&fused, 0..fused.ops.len())
     } else {
         (graph, ops)

@@ -67,6 +67,13 @@ pub struct CompileOptions {
     /// one DMA transfer in flight), less HBM, and DMA that touches less
     /// host memory. The model's inputs and outputs keep HBM of their own.
     pub reuse_hbm: bool,
+    /// Each residual add fused into the convolution that computes one of
+    /// its operands (`npu_lower::fuse_residual_adds`; `vnpu compile
+    /// --fuse-residual`, on by default there): the convolution adds the
+    /// other operand in its VU pass and its own output never goes to HBM.
+    /// The same bits with f32 activations; with bf16 activations the sum
+    /// is taken before the convolution's output is rounded to bf16.
+    pub fuse_residual: bool,
 }
 
 /// Why a model cannot be compiled.
@@ -2001,7 +2008,13 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     let outputs = c.collect_outputs(&out_names)?;
     c.g.input = inputs[0].1;
     c.g.output = outputs[0].1;
+    let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
     let mut report = std::mem::take(&mut c.report);
+    if o.fuse_residual {
+        let before = c.g.ops.len();
+        c.g = npu_lower::fuse_residual_adds_keeping(&c.g, &keep);
+        report.fused += before - c.g.ops.len();
+    }
     report.macs = c.g.macs();
     report.ops = op_counts(&c.g);
     if o.bf16_activations && o.dtype != DType::Bf16 {
@@ -2014,7 +2027,6 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         vu: o.shape.vu.checked_add(more_vu).ok_or(CompileError::Spread)?,
         ..o.shape
     };
-    let keep: Vec<TensorId> = inputs.iter().chain(&outputs).map(|io| io.1).collect();
     let options = LowerOptions {
         dtype: o.dtype,
         bf16_activations: o.bf16_activations,

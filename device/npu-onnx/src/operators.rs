@@ -200,6 +200,7 @@ mod tests {
             bf16_activations: false,
             spread: None,
             reuse_hbm: true,
+            fuse_residual: true,
         };
         for o in OPERATORS {
             let mut node = NodeProto::new();

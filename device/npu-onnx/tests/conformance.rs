@@ -93,6 +93,7 @@ fn run_case(dir: &Path, c: &Case) -> Outcome {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let compiled = match compile(&bytes, &opts) {
         Ok(c) => c,

@@ -142,6 +142,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
@@ -156,6 +157,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");

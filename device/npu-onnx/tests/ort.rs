@@ -124,6 +124,7 @@ fn compile_and_run_inputs(
         bf16_activations,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -228,6 +229,7 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
     assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
@@ -281,6 +283,7 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     for t in &c.model.inputs {
@@ -566,6 +569,7 @@ fn spread_models_give_the_same_results_on_any_engines() {
             bf16_activations: false,
             spread: Some((3, 3)),
             reuse_hbm: true,
+            fuse_residual: true,
         };
         let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
         assert!(c.model.infer.spread && c.model.load.spread);

@@ -71,6 +71,7 @@ fn check(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         bf16_activations: false,
         spread: None,
         reuse_hbm: true,
+        fuse_residual: true,
     };
     let c = npu_onnx::compile_file(&dir.join(format!("{name}.onnx")), &opts)
         .unwrap_or_else(|e| panic!("{name}: {e}"));

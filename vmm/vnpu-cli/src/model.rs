@@ -109,7 +109,7 @@ pub fn compile(
     spec: &vnpu_spec::VnpuSpec,
     board: &BoardConfig,
     batch: u32,
-    (dtype, bf16_activations, reuse_hbm): (&str, bool, bool),
+    (dtype, bf16_activations, reuse_hbm, fuse_residual): (&str, bool, bool, bool),
     shapes: Vec<(String, Vec<usize>)>,
     outputs: Vec<String>,
     spread: Option<vnpu_spec::Borrow>,
@@ -131,6 +131,7 @@ pub fn compile(
         bf16_activations,
         spread: spread.map(|b| (b.sa, b.vu)),
         reuse_hbm,
+        fuse_residual,
     };
     let m = npu_onnx::load_from(
         &bytes,

@@ -117,6 +117,7 @@ pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
             bf16_activations: false,
             spread: None,
             reuse_hbm: true,
+            fuse_residual: true,
         },
     )
 }

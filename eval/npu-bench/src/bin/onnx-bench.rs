@@ -241,6 +241,7 @@ fn main() {
                 bf16_activations: false,
                 spread: None,
                 reuse_hbm: true,
+                fuse_residual: true,
             };
             let compiled = compile_file(&c.model, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());
