@@ -148,12 +148,7 @@ pub trait Memory {
         data: &[u8],
         data_stride: usize,
     ) -> Result<(), MemoryError> {
-        let n = rows_in(rows, row, data_stride, data.len())?;
-        for r in 0..rows {
-            let at = row_start(addr, r, stride, row)?;
-            self.write(at, &data[r as usize * data_stride..][..n])?;
-        }
-        Ok(())
+        write_rows_one_by_one(self, addr, (rows, row, stride), data, data_stride)
     }
     /// Reads `rows` rows of `row` bytes, `stride` apart from `addr`, into
     /// `out[r * out_stride..][..row]`, in order (where `out`'s rows
@@ -168,12 +163,7 @@ pub trait Memory {
         out: &mut [u8],
         out_stride: usize,
     ) -> Result<(), MemoryError> {
-        let n = rows_in(rows, row, out_stride, out.len())?;
-        for r in 0..rows {
-            let at = row_start(addr, r, stride, row)?;
-            self.read(at, &mut out[r as usize * out_stride..][..n])?;
-        }
-        Ok(())
+        read_rows_one_by_one(self, addr, (rows, row, stride), out, out_stride)
     }
     /// When `[addr, addr + len)` holds, unchanged, bytes of a file (guest
     /// RAM a model file was mapped into, none of its pages written since),
@@ -251,6 +241,38 @@ fn row_start(base: u64, r: u64, stride: u64, row: u64) -> Result<u64, MemoryErro
         len: row,
         size: u64::MAX,
     })
+}
+
+/// [`Memory::write_rows`] row by row, each row as [`Memory::write`].
+fn write_rows_one_by_one<M: Memory + ?Sized>(
+    m: &mut M,
+    addr: u64,
+    (rows, row, stride): (u64, u64, u64),
+    data: &[u8],
+    data_stride: usize,
+) -> Result<(), MemoryError> {
+    let n = rows_in(rows, row, data_stride, data.len())?;
+    for r in 0..rows {
+        let at = row_start(addr, r, stride, row)?;
+        m.write(at, &data[r as usize * data_stride..][..n])?;
+    }
+    Ok(())
+}
+
+/// [`Memory::read_rows`] row by row, each row as [`Memory::read`].
+fn read_rows_one_by_one<M: Memory + ?Sized>(
+    m: &M,
+    addr: u64,
+    (rows, row, stride): (u64, u64, u64),
+    out: &mut [u8],
+    out_stride: usize,
+) -> Result<(), MemoryError> {
+    let n = rows_in(rows, row, out_stride, out.len())?;
+    for r in 0..rows {
+        let at = row_start(addr, r, stride, row)?;
+        m.read(at, &mut out[r as usize * out_stride..][..n])?;
+    }
+    Ok(())
 }
 
 /// `row` as a length, when a host buffer of `len` bytes holds `rows` rows
@@ -753,11 +775,7 @@ impl Memory for LazyHbm {
         let inside = rows_span_end(addr, rows, row, stride).is_some_and(|end| end <= self.size);
         if self.file.is_some() || !inside || row == 0 {
             // Row by row as the default does (and its errors).
-            for r in 0..rows {
-                let at = row_start(addr, r, stride, row)?;
-                self.write(at, &data[r as usize * data_stride..][..n])?;
-            }
-            return Ok(());
+            return write_rows_one_by_one(self, addr, (rows, row, stride), data, data_stride);
         }
         // Every row lies inside (so no address below overflows) and
         // `data` holds every row: the rows in one chunk are written with
@@ -791,11 +809,7 @@ impl Memory for LazyHbm {
         let n = rows_in(rows, row, out_stride, out.len())?;
         let inside = rows_span_end(addr, rows, row, stride).is_some_and(|end| end <= self.size);
         if self.file.is_some() || !inside || row == 0 {
-            for r in 0..rows {
-                let at = row_start(addr, r, stride, row)?;
-                self.read(at, &mut out[r as usize * out_stride..][..n])?;
-            }
-            return Ok(());
+            return read_rows_one_by_one(self, addr, (rows, row, stride), out, out_stride);
         }
         // As `write_rows`: one lookup per chunk; a chunk never written
         // reads as zeros.

@@ -8,10 +8,10 @@
 
 mod common;
 
-use common::{attr_i, model, node, options, tensor, value};
+use common::{attr_i, attr_ints, model, node, options, tensor, value};
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile, Compiled};
-use onnx_protobuf::{AttributeProto, GraphProto, Message};
+use onnx_protobuf::{GraphProto, Message};
 use vnpu_abi::DType;
 
 const C: usize = 6;
@@ -19,14 +19,6 @@ const S: usize = 4;
 const E1: usize = 5;
 const E3: usize = 7;
 const HW: usize = 9;
-
-fn ints(name: &str, v: &[i64]) -> AttributeProto {
-    let mut a = AttributeProto::new();
-    a.name = name.into();
-    a.type_ = onnx_protobuf::attribute_proto::AttributeType::INTS.into();
-    a.ints = v.to_vec();
-    a
-}
 
 /// Deterministic weights: `n` values in about +-0.5.
 fn weights(n: usize, seed: usize) -> Vec<f32> {
@@ -62,7 +54,7 @@ fn fire(expose: bool) -> Vec<u8> {
         node("Relu", "sq_relu", &["Sc"], &["S"], vec![]),
         node("Conv", "e1", &["S", "W1", "B1"], &["E1c"], vec![]),
         node("Relu", "e1_relu", &["E1c"], &["E1"], vec![]),
-        node("Conv", "e3", &["S", "W3", "B3"], &["E3c"], vec![ints("pads", &[1, 1, 1, 1])]),
+        node("Conv", "e3", &["S", "W3", "B3"], &["E3c"], vec![attr_ints("pads", &[1, 1, 1, 1])]),
         node("Relu", "e3_relu", &["E3c"], &["E3"], vec![]),
         node("Concat", "cat", &["E1", "E3"], &["Y"], vec![attr_i("axis", 1)]),
         node("GlobalAveragePool", "gap", &["Y"], &["Z"], vec![]),

@@ -8,22 +8,14 @@
 
 mod common;
 
-use common::{model, node, options, tensor, value};
+use common::{attr_ints, model, node, options, tensor, value};
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile, Compiled};
-use onnx_protobuf::{AttributeProto, GraphProto, Message};
+use onnx_protobuf::{GraphProto, Message};
 use vnpu_abi::DType;
 
 const C: usize = 8;
 const HW: usize = 10;
-
-fn ints(name: &str, v: &[i64]) -> AttributeProto {
-    let mut a = AttributeProto::new();
-    a.name = name.into();
-    a.type_ = onnx_protobuf::attribute_proto::AttributeType::INTS.into();
-    a.ints = v.to_vec();
-    a
-}
 
 fn weights(n: usize, seed: usize) -> Vec<f32> {
     (0..n).map(|i| (((i * 53 + seed * 31) % 89) as f32 / 89.0 - 0.5) * 0.4).collect()
@@ -51,7 +43,7 @@ fn block(expose: bool, hw: usize) -> Vec<u8> {
     if expose {
         g.output.push(value("B", &[0, c, hw, hw]));
     }
-    let pads = || vec![ints("pads", &[1, 1, 1, 1])];
+    let pads = || vec![attr_ints("pads", &[1, 1, 1, 1])];
     g.node = vec![
         node("Conv", "stem", &["X", "W0", "B0"], &["P0"], vec![]),
         node("Relu", "r0", &["P0"], &["P"], vec![]),

@@ -62,6 +62,14 @@ pub fn attr_i(name: &str, i: i64) -> AttributeProto {
     a
 }
 
+pub fn attr_ints(name: &str, v: &[i64]) -> AttributeProto {
+    let mut a = AttributeProto::new();
+    a.name = name.into();
+    a.type_ = AttributeType::INTS.into();
+    a.ints = v.to_vec();
+    a
+}
+
 pub fn attr_f(name: &str, f: f32) -> AttributeProto {
     let mut a = AttributeProto::new();
     a.name = name.into();
