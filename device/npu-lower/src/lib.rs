@@ -2709,13 +2709,7 @@ fn place_by_size(live: &[(TensorId, (usize, usize), u64)], base: u64) -> (Vec<(T
         let mut clash: Vec<(u64, u64)> =
             done.iter().filter(|d| d.2 <= last && first <= d.3).map(|d| (d.0, d.1)).collect();
         clash.sort_unstable();
-        let mut at = base;
-        for (s, e) in clash {
-            if s >= at + need {
-                break;
-            }
-            at = at.max(e);
-        }
+        let at = lowest_gap(clash.into_iter(), base, need);
         done.push((at, at + need, first, last));
         placed.push((t, at));
         end = end.max(at + need);
@@ -2729,8 +2723,14 @@ fn place_by_size(live: &[(TensorId, (usize, usize), u64)], base: u64) -> (Vec<(T
 fn first_fit(held: &mut Vec<(u64, u64, usize)>, base: u64, first: usize, need: u64) -> u64 {
     held.retain(|&(_, _, end)| end >= first);
     held.sort_unstable();
+    lowest_gap(held.iter().map(|&(s, e, _)| (s, e)), base, need)
+}
+
+/// The lowest offset from `base` where `need` bytes meet none of the
+/// spans `taken` (start, end), given in order of start.
+fn lowest_gap(taken: impl Iterator<Item = (u64, u64)>, base: u64, need: u64) -> u64 {
     let mut at = base;
-    for &(s, e, _) in held.iter() {
+    for (s, e) in taken {
         if s >= at + need {
             break;
         }
@@ -2825,7 +2825,6 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool, pinned: &[Tens
     }
     if reuse {
         let range = live_ranges(graph);
-        let base = off;
         let mut live = Vec::new();
         for t in (0..graph.tensors.len()).filter(|&t| shared(t)) {
             match range[t] {
@@ -2840,7 +2839,6 @@ pub fn place_tensors(graph: &Graph, types: &[DType], reuse: bool, pinned: &[Tens
         let by_first_use = place_by_first_use(&live, off);
         let by_size = place_by_size(&live, off);
         let (placed, end) = if by_size.1 < by_first_use.1 { by_size } else { by_first_use };
-        debug_assert!(end >= base);
         for (t, at) in placed {
             offsets[t] = at;
         }
