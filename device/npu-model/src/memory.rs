@@ -307,6 +307,26 @@ fn rows_in_chunk(at: u64, row: u64, stride: u64) -> u64 {
     }
 }
 
+/// The rows of a strided access inside LazyHbm, `rows` rows of `row`
+/// bytes `stride` apart from `addr`, in order as runs: `(first row,
+/// count, address of the first)`, the `count` rows lying whole in one
+/// chunk, or a count of 0 for one row across a chunk's border. The
+/// caller has checked that every row lies inside, so no address
+/// overflows.
+fn chunk_runs(addr: u64, rows: u64, row: u64, stride: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+    let mut r = 0u64;
+    std::iter::from_fn(move || {
+        if r >= rows {
+            return None;
+        }
+        let at = addr + r * stride;
+        let k = rows_in_chunk(at, row, stride).min(rows - r);
+        let run = (r, k, at);
+        r += k.max(1);
+        Some(run)
+    })
+}
+
 /// [`Memory::copy_rows_within`] row by row, each row as
 /// [`Memory::copy_within`].
 fn copy_rows_one_by_one<M: Memory + ?Sized>(
@@ -777,16 +797,12 @@ impl Memory for LazyHbm {
             // Row by row as the default does (and its errors).
             return write_rows_one_by_one(self, addr, (rows, row, stride), data, data_stride);
         }
-        // Every row lies inside (so no address below overflows) and
-        // `data` holds every row: the rows in one chunk are written with
-        // one lookup of it; a row across a chunk's border as `write`.
-        let mut r = 0u64;
-        while r < rows {
-            let d = addr + r * stride;
-            let k = rows_in_chunk(d, row, stride).min(rows - r);
+        // Every row lies inside and `data` holds every row: the rows in
+        // one chunk are written with one lookup of it; a row across a
+        // chunk's border as `write`.
+        for (r, k, d) in chunk_runs(addr, rows, row, stride) {
             if k == 0 {
                 self.write(d, &data[r as usize * data_stride..][..n])?;
-                r += 1;
                 continue;
             }
             let (dc, off) = (d / HBM_CHUNK, (d % HBM_CHUNK) as usize);
@@ -795,7 +811,6 @@ impl Memory for LazyHbm {
                 let (at, from) = (off + i * stride as usize, (r as usize + i) * data_stride);
                 to[at..at + n].copy_from_slice(&data[from..from + n]);
             }
-            r += k;
         }
         Ok(())
     }
@@ -813,13 +828,9 @@ impl Memory for LazyHbm {
         }
         // As `write_rows`: one lookup per chunk; a chunk never written
         // reads as zeros.
-        let mut r = 0u64;
-        while r < rows {
-            let s = addr + r * stride;
-            let k = rows_in_chunk(s, row, stride).min(rows - r);
+        for (r, k, s) in chunk_runs(addr, rows, row, stride) {
             if k == 0 {
                 self.read(s, &mut out[r as usize * out_stride..][..n])?;
-                r += 1;
                 continue;
             }
             let (sc, off) = (s / HBM_CHUNK, (s % HBM_CHUNK) as usize);
@@ -831,7 +842,6 @@ impl Memory for LazyHbm {
                     None => to.fill(0),
                 }
             }
-            r += k;
         }
         Ok(())
     }
