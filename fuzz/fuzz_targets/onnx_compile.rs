@@ -17,13 +17,13 @@ use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {
     let cases = [
-        (DType::F32, false, None, true, true),
-        (DType::F32, false, None, false, false),
-        (DType::Bf16, false, None, true, true),
-        (DType::Bf16, true, None, true, true),
-        (DType::F32, false, Some((1, 1)), true, true),
+        (DType::F32, false, None, true, true, true),
+        (DType::F32, false, None, false, false, false),
+        (DType::Bf16, false, None, true, true, true),
+        (DType::Bf16, true, None, true, true, true),
+        (DType::F32, false, Some((1, 1)), true, true, true),
     ];
-    for (dtype, bf16_activations, spread, reuse_hbm, fuse_residual) in cases {
+    for (dtype, bf16_activations, spread, reuse_hbm, fuse_residual, fuse_blocks) in cases {
         let opts = CompileOptions {
             shape: VnpuShape { sa: 2, vu: 2, sram_bytes: 1 << 20, hbm_bytes: 64 << 20, sa_rows: 16, sa_cols: 16 },
             batch: 2,
@@ -34,6 +34,7 @@ fuzz_target!(|data: &[u8]| {
             spread,
             reuse_hbm,
             fuse_residual,
+            fuse_blocks,
         };
         let Ok(c) = compile(data, &opts) else { break };
         let again = Model::decode(&c.model.encode()).expect("a compiled model encodes to a valid file");

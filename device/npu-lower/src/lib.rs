@@ -23,6 +23,8 @@ use vnpu_abi::{
 
 use npu_graph::{Act, Graph, Init, Op, PoolOp, Residual, Spatial, TensorId, View, NMS_STEP};
 
+mod chain;
+
 /// The vNPU core a program is lowered for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VnpuShape {
@@ -102,6 +104,9 @@ pub struct Lowered {
     pub hbm_bytes: u64,
     pub input: TensorId,
     pub output: TensorId,
+    /// Inverted-residual blocks lowered as one pipeline each
+    /// ([`LowerOptions::fuse_blocks`]).
+    pub blocks: usize,
 }
 
 const ALIGN: u64 = 4096;
@@ -2651,6 +2656,13 @@ pub struct LowerOptions {
     /// input is on chip reads it where it is instead of copying it into
     /// its slot. Off: every activation goes to HBM and back.
     pub keep_on_chip: bool,
+    /// Inverted-residual blocks (a 1x1 expansion, a depthwise convolution,
+    /// a 1x1 projection, and the residual add of the block's input) are
+    /// lowered as one pipeline whose tiles keep the expanded and filtered
+    /// activations in SRAM ([`chain`]; whole graphs with f32 operands and
+    /// activations only, and not with `keep_on_chip`). Off: operation by
+    /// operation.
+    pub fuse_blocks: bool,
 }
 
 /// With [`LowerOptions::keep_on_chip`], one SRAM byte in this many holds
@@ -2792,6 +2804,7 @@ impl Default for LowerOptions {
             fuse_residual: false,
             stream_weights: false,
             keep_on_chip: false,
+            fuse_blocks: false,
         }
     }
 }
@@ -2900,6 +2913,24 @@ pub fn lower_ops_keeping(
     } else {
         (graph, ops)
     };
+    let chained;
+    let (graph, chains) = if options.fuse_blocks
+        && !options.keep_on_chip
+        && !options.bf16_activations
+        && dtype == DType::F32
+        && ops == (0..graph.ops.len())
+    {
+        let chains = chain::find_chains(graph, keep_f32, shape.sram_bytes);
+        // The tensors a block keeps in SRAM take no HBM.
+        let mut g = graph.clone();
+        for t in chains.iter().flat_map(|ch| ch.internal(graph)) {
+            g.tensors[t].elems = 0;
+        }
+        chained = g;
+        (&chained, chains)
+    } else {
+        (graph, Vec::new())
+    };
     let types = stored_types(graph, dtype, options.bf16_activations, keep_f32);
     let (mut placed, off) = place_tensors(graph, &types, options.reuse_hbm, keep_f32);
     if off > shape.hbm_bytes {
@@ -2944,9 +2975,19 @@ pub fn lower_ops_keeping(
         stream: options.stream_weights,
         on_chip,
     };
+    let blocks = chains.len();
+    let mut chains = chains.iter().peekable();
     for (i, op) in graph.ops.iter().enumerate().skip(ops.start).take(ops.len()) {
         l.shape.sram_bytes = work_sram[i];
-        l.op(op)?;
+        match chains.peek() {
+            Some(ch) if ch.first() == i => l.chain(graph, ch)?,
+            Some(ch) if ch.first() < i && i <= ch.last() => {
+                if i == ch.last() {
+                    chains.next();
+                }
+            }
+            _ => l.op(op)?,
+        }
     }
     l.flush();
     let program = l.b.finish();
@@ -2954,7 +2995,7 @@ pub fn lower_ops_keeping(
     if program.instruction_count() > limit {
         return Err(LowerError::Instructions { have: program.instruction_count(), limit });
     }
-    Ok(Lowered { program, tensors: placed, hbm_bytes: off, input: graph.input, output: graph.output })
+    Ok(Lowered { program, tensors: placed, hbm_bytes: off, input: graph.input, output: graph.output, blocks })
 }
 
 #[cfg(test)]

@@ -74,6 +74,12 @@ pub struct CompileOptions {
     /// The same bits with f32 activations; with bf16 activations the sum
     /// is taken before the convolution's output is rounded to bf16.
     pub fuse_residual: bool,
+    /// Inverted-residual blocks (1x1 expansion, depthwise convolution, 1x1
+    /// projection, residual add) lowered as one pipeline whose tiles keep
+    /// the expanded activations in SRAM (`npu_lower::LowerOptions::fuse_blocks`;
+    /// `vnpu compile --fuse-blocks`, on by default there): fewer DMA bytes
+    /// and cycles, the same bits. f32 operands and activations only.
+    pub fuse_blocks: bool,
 }
 
 /// Why a model cannot be compiled.
@@ -150,6 +156,9 @@ pub struct CompileReport {
     pub hbm_bytes: u64,
     pub load_instructions: usize,
     pub infer_instructions: usize,
+    /// Inverted-residual blocks lowered as one pipeline each
+    /// ([`CompileOptions::fuse_blocks`]).
+    pub blocks: usize,
 }
 
 /// The compiled model and the report.
@@ -2031,11 +2040,13 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
         dtype: o.dtype,
         bf16_activations: o.bf16_activations,
         reuse_hbm: o.reuse_hbm,
+        fuse_blocks: o.fuse_blocks,
         ..LowerOptions::default()
     };
     let lowered =
         lower_ops_keeping(&c.g, 0..c.g.ops.len(), streams, options, &keep).map_err(CompileError::Fit)?;
     report.hbm_bytes = lowered.hbm_bytes;
+    report.blocks = lowered.blocks;
     check_transfers(&inputs, &outputs)?;
     // The weight image is laid out for its offset in the file
     // (`weight_layout`), which the layout itself does not move (the

@@ -201,6 +201,7 @@ mod tests {
             spread: None,
             reuse_hbm: true,
             fuse_residual: true,
+            fuse_blocks: true,
         };
         for o in OPERATORS {
             let mut node = NodeProto::new();

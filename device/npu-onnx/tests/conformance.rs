@@ -94,6 +94,7 @@ fn run_case(dir: &Path, c: &Case) -> Outcome {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let compiled = match compile(&bytes, &opts) {
         Ok(c) => c,

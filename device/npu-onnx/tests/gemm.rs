@@ -143,6 +143,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("node `bcast` (Add)") && e.contains("2^28"), "{e}");
@@ -158,6 +159,7 @@ fn oversized_tensors_are_refused_not_allocated() {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let e = compile(&bytes, &opts).unwrap_err().to_string();
     assert!(e.contains("input `X`") && e.contains("2^28"), "{e}");

@@ -125,6 +125,7 @@ fn compile_and_run_inputs(
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let c =
         compile(&std::fs::read(model).unwrap(), &opts).unwrap_or_else(|e| panic!("{}: {e}", model.display()));
@@ -230,6 +231,7 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
     assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
@@ -284,6 +286,7 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     for t in &c.model.inputs {
@@ -570,6 +573,7 @@ fn spread_models_give_the_same_results_on_any_engines() {
             spread: Some((3, 3)),
             reuse_hbm: true,
             fuse_residual: true,
+            fuse_blocks: true,
         };
         let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
         assert!(c.model.infer.spread && c.model.load.spread);

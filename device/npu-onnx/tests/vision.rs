@@ -72,6 +72,7 @@ fn check(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
         spread: None,
         reuse_hbm: true,
         fuse_residual: true,
+        fuse_blocks: true,
     };
     let c = npu_onnx::compile_file(&dir.join(format!("{name}.onnx")), &opts)
         .unwrap_or_else(|e| panic!("{name}: {e}"));

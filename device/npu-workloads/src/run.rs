@@ -251,6 +251,8 @@ pub fn lower_workload(board: &BoardConfig, o: &RunOptions) -> Result<(Lowered, V
         fuse_residual: o.fuse_residual,
         stream_weights: o.stream_weights,
         keep_on_chip: o.keep_on_chip,
+        // Workload graphs are lowered op by op, as their calibrations were.
+        fuse_blocks: false,
     };
     let lowered = lower_ops_with(&graph, 0..graph.ops.len(), shape, options)?;
     verify(

@@ -1523,3 +1523,68 @@ fn activations_kept_on_chip_change_no_result() {
         assert!(fewer_copies, "{}: no tile read its input where it is kept", g.name);
     }
 }
+
+/// Inverted-residual blocks (`LowerOptions::fuse_blocks`): a stem and
+/// three blocks (expansion with Hard-Swish and a residual add with an
+/// activation after it; expansion with stride 2 and a 5x5 window; no
+/// expansion, with a residual add), odd channel counts.
+fn inverted_residuals(batch: u32) -> Graph {
+    let mut g = Graph::new("inverted-residuals", batch);
+    let (hw, c) = (9, 11);
+    let x = g.image_input(hw, c);
+    let px = batch * hw * hw;
+    let relu6 = Act::Clamp { scale: 1.0, bias: 0.0, lo: 0.0, hi: 6.0 };
+    let s = g.linear("stem", View::dense(x, c), px, c, c, relu6, None);
+    let e = g.linear("b0.expand", s, px, c, 5 * c, Act::HardSwish, None);
+    let (d, _, _) = g.depthwise("b0.dw", e.t, hw, hw, 5 * c, 3, 1, Act::HardSwish);
+    let p = g.linear("b0.project", View::dense(d, 5 * c), px, 5 * c, c, Act::None, None);
+    let a = g.add("b0.add", p.t, s.t, u64::from(px * c), c, Act::Relu);
+    let e = g.linear("b1.expand", View::dense(a, c), px, c, 3 * c, relu6, None);
+    let (d, h, w) = g.depthwise("b1.dw", e.t, hw, hw, 3 * c, 5, 2, relu6);
+    let px = batch * h * w;
+    let p = g.linear("b1.project", View::dense(d, 3 * c), px, 3 * c, 13, Act::None, None);
+    let (d, _, _) = g.depthwise("b2.dw", p.t, h, w, 13, 3, 1, relu6);
+    let q = g.linear("b2.project", View::dense(d, 13), px, 13, 13, Act::None, None);
+    g.output = g.add("b2.add", q.t, p.t, u64::from(px * 13), 13, Act::None);
+    g
+}
+
+/// Blocks lowered as one pipeline compute what the reference computes
+/// (the tensors they keep in SRAM take no HBM and are not compared), the
+/// same bits on every shape as the one-engine program op by op, race
+/// free, on one and several engines and on SRAM sizes that give several
+/// images per tile and one, and take fewer cycles than op by op.
+#[test]
+fn fused_blocks_compute_what_the_reference_computes() {
+    let g = inverted_residuals(5);
+    let mut first: Option<Vec<u32>> = None;
+    for (sa, vu, sram) in [(1, 1, 1 << 20), (2, 3, 1 << 20), (3, 2, 160 << 10)] {
+        let shape = VnpuShape { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, sa_rows: 16, sa_cols: 16 };
+        let lowered = |fuse_blocks| {
+            // Every tensor keeps its HBM, so all can be compared.
+            let o = npu_lower::LowerOptions { fuse_blocks, ..Default::default() };
+            npu_lower::lower_ops_with(&g, 0..g.ops.len(), shape, o).unwrap()
+        };
+        let what = format!("{sa} SA, {vu} VU, {sram} B SRAM");
+        let (fused, apart) = (lowered(true), lowered(false));
+        assert_eq!((fused.blocks, apart.blocks), (3, 0), "{what}");
+        let (hbm_f, mut tensors, cycles_f) = run_lowered(&fused, sa, vu, sram);
+        let (hbm_a, _, cycles_a) = run_lowered(&apart, sa, vu, sram);
+        // The tensors kept in SRAM, full size for the reference to write.
+        for (t, v) in tensors.iter_mut().enumerate() {
+            v.resize(g.tensors[t].elems as usize, 0.0);
+        }
+        reference::run(&g, &mut tensors);
+        compare(&g, &fused.tensors, &hbm_f, &tensors, &what);
+        let out = |l: &Lowered, hbm: &LazyHbm| read_tensor(hbm, &l.tensors[g.output]);
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        // Fused, every shape computes the bits of the one-engine program
+        // op by op. Op by op on several engines differs from it in the
+        // last bit of a few elements: a product split into column blocks
+        // over SAs runs the GEMM library's kernels on other shapes.
+        let got = bits(out(&fused, &hbm_f));
+        let want = first.get_or_insert_with(|| bits(out(&apart, &hbm_a)));
+        assert_eq!(&got, want, "{what}");
+        assert!(cycles_f < cycles_a, "{what}: {cycles_f} cycles fused against {cycles_a}");
+    }
+}

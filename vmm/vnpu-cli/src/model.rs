@@ -76,6 +76,12 @@ fn print_report(r: &CompileReport, m: &Model) {
         r.nodes, r.folded, r.fused, r.aliases
     );
     println!("vNPU ops      {}", ops.join(", "));
+    if r.blocks > 0 {
+        println!(
+            "fused blocks  {} (expansion, depthwise, projection, residual add: one pipeline each)",
+            r.blocks
+        );
+    }
     println!(
         "target        batch {} on {} SA + {} VU, {} KiB SRAM; {} MACs per batch, {} SA operands",
         m.target.batch,
@@ -109,7 +115,7 @@ pub fn compile(
     spec: &vnpu_spec::VnpuSpec,
     board: &BoardConfig,
     batch: u32,
-    (dtype, bf16_activations, reuse_hbm, fuse_residual): (&str, bool, bool, bool),
+    (dtype, bf16_activations, reuse_hbm, fuse_residual, fuse_blocks): (&str, bool, bool, bool, bool),
     shapes: Vec<(String, Vec<usize>)>,
     outputs: Vec<String>,
     spread: Option<vnpu_spec::Borrow>,
@@ -132,6 +138,7 @@ pub fn compile(
         spread: spread.map(|b| (b.sa, b.vu)),
         reuse_hbm,
         fuse_residual,
+        fuse_blocks,
     };
     let m = npu_onnx::load_from(
         &bytes,

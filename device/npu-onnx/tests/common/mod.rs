@@ -126,6 +126,7 @@ pub fn options(batch: u32, dtype: DType) -> (BoardConfig, CompileOptions) {
             spread: None,
             reuse_hbm: true,
             fuse_residual: true,
+            fuse_blocks: true,
         },
     )
 }

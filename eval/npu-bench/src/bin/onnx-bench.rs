@@ -242,6 +242,7 @@ fn main() {
                 spread: None,
                 reuse_hbm: true,
                 fuse_residual: true,
+                fuse_blocks: true,
             };
             let compiled = compile_file(&c.model, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());

@@ -85,6 +85,7 @@ impl Tasks {
             stream_weights: l.stream_weights,
             // Operator-level tasks leave their outputs in HBM.
             keep_on_chip: false,
+            fuse_blocks: false,
         };
         let mut t = Self {
             graph,
