@@ -136,7 +136,9 @@ pub(crate) fn find_chains(graph: &Graph, keep: &[TensorId], sram_bytes: u64) -> 
             continue;
         }
         let (ho, wo) = s.out();
-        let pixels = |h: u32, w: u32| u64::from(batch) * u64::from(h) * u64::from(w);
+        // Saturating: a hostile model's shapes may be near 2^32 each.
+        let pixels =
+            |h: u32, w: u32| u64::from(batch).saturating_mul(u64::from(h)).saturating_mul(u64::from(w));
         let free = |j: usize| out.last().is_none_or(|ch| ch.last() < j);
         let expand = match i.checked_sub(1).map(|j| (j, &graph.ops[j])) {
             Some((j, &Op::Linear { y, rows, n, .. }))
@@ -172,7 +174,7 @@ pub(crate) fn find_chains(graph: &Graph, keep: &[TensorId], sram_bytes: u64) -> 
                     && s.sw == 1
                     && cin == n
                     && [a, b, y].iter().all(|v| *v == View::dense(v.t, cols))
-                    && u64::from(rows) * u64::from(cols) == pixels(ho, wo) * u64::from(n)
+                    && u64::from(rows) * u64::from(cols) == pixels(ho, wo).saturating_mul(u64::from(n))
                     && yp == View::dense(yp.t, n)
                     && input == View::dense(input.t, n)
                     && internal_ok(yp.t)
@@ -186,7 +188,11 @@ pub(crate) fn find_chains(graph: &Graph, keep: &[TensorId], sram_bytes: u64) -> 
         let ch = Chain { expand, depthwise: i, project: i + 1, add };
         let Some(p) = parts(graph, &ch) else { continue };
         let (fixed, image) = budget(&p);
-        if fixed <= sram_bytes / 4 && fixed + 2 * image.next_multiple_of(64) <= sram_bytes {
+        let need = image
+            .checked_next_multiple_of(64)
+            .and_then(|i| i.checked_mul(2))
+            .and_then(|i| i.checked_add(fixed));
+        if fixed <= sram_bytes / 4 && need.is_some_and(|need| need <= sram_bytes) {
             out.push(ch);
         }
     }
@@ -197,10 +203,18 @@ pub(crate) fn find_chains(graph: &Graph, keep: &[TensorId], sram_bytes: u64) -> 
 /// and the SRAM one image's tile needs: its input, expanded, filtered and
 /// projected tensors, and scratch for activations that need it.
 fn budget(p: &Parts<'_>) -> (u64, u64) {
+    // Saturating throughout: a hostile model's shapes may be near 2^32
+    // each, and a saturated need never fits.
     let (c, n, cin) = (u64::from(p.c), u64::from(p.project.3), u64::from(p.cin));
     let kk = u64::from(p.s.kh) * u64::from(p.s.kw);
-    let mat = |k: u64, n: u64| ((k * n + n) * F).next_multiple_of(64);
-    let fixed = p.expand.map_or(0, |_| mat(cin, c)) + mat(kk, c) + mat(c, n);
+    let mat = |k: u64, n: u64| {
+        k.saturating_mul(n)
+            .saturating_add(n)
+            .saturating_mul(F)
+            .checked_next_multiple_of(64)
+            .unwrap_or(u64::MAX)
+    };
+    let fixed = p.expand.map_or(0, |_| mat(cin, c)).saturating_add(mat(kk, c)).saturating_add(mat(c, n));
     let scratch = p.expand.is_some_and(|e| e.2.needs_scratch())
         || p.dw.2.needs_scratch()
         || p.project.2.needs_scratch()
@@ -208,9 +222,12 @@ fn budget(p: &Parts<'_>) -> (u64, u64) {
     let (ho, wo) = p.s.out();
     let pixels = u64::from(p.s.h) * u64::from(p.s.w);
     let out = u64::from(ho) * u64::from(wo);
-    let expanded = if p.expand.is_some() { pixels * c } else { 0 };
-    let tmp = if scratch { expanded.max(out * c.max(n)) } else { 0 };
-    (fixed, (pixels * cin + expanded + out * c + out * n + tmp) * F)
+    let expanded = if p.expand.is_some() { pixels.saturating_mul(c) } else { 0 };
+    let tmp = if scratch { expanded.max(out.saturating_mul(c.max(n))) } else { 0 };
+    let elems = [pixels.saturating_mul(cin), expanded, out.saturating_mul(c), out.saturating_mul(n), tmp]
+        .into_iter()
+        .fold(0u64, u64::saturating_add);
+    (fixed, elems.saturating_mul(F))
 }
 
 impl Lowerer {
@@ -442,6 +459,55 @@ mod tests {
             })
             .collect();
         assert_eq!(sizes, [2 * image, 2 * image, image]);
+    }
+
+    /// Shapes near the limits of their types (a hostile model's) are
+    /// not fused, and finding blocks does not overflow.
+    #[test]
+    fn huge_blocks_are_not_fused() {
+        use npu_graph::{Init, Op, Spatial};
+        for (hw, c) in [(65_535u32, u32::MAX), (65_535, 1 << 20), (3, u32::MAX)] {
+            let mut g = Graph::new("huge", 1);
+            let t: Vec<_> = (0..9).map(|i| g.tensor(format!("t{i}"), 0, Init::Activation)).collect();
+            g.input = t[0];
+            let s = Spatial::square(hw, hw, 3, 1, 1);
+            let px = hw * hw;
+            g.ops.push(Op::Linear {
+                name: "e".into(),
+                x: View::dense(t[0], 1),
+                w: t[1],
+                b: t[2],
+                y: View::dense(t[3], c),
+                rows: px,
+                k: 1,
+                n: c,
+                act: Act::None,
+            });
+            g.ops.push(Op::Depthwise {
+                name: "d".into(),
+                x: t[3],
+                w: t[4],
+                b: t[5],
+                y: t[6],
+                batch: 1,
+                s,
+                c,
+                act: Act::None,
+            });
+            g.ops.push(Op::Linear {
+                name: "p".into(),
+                x: View::dense(t[6], c),
+                w: t[7],
+                b: t[8],
+                y: View::dense(t[0], 1),
+                rows: px,
+                k: c,
+                n: 1,
+                act: Act::None,
+            });
+            g.output = t[8];
+            assert!(super::find_chains(&g, &[], 1 << 30).is_empty(), "{hw} {c}");
+        }
     }
 
     /// Fused and unfused programs of the same graph: fewer DMA bytes,
