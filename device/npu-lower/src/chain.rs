@@ -156,13 +156,11 @@ pub(crate) fn find_chains(graph: &Graph, keep: &[TensorId], sram_bytes: u64) -> 
         if xp != View::dense(yd, c) || k != c || u64::from(rows) != pixels(ho, wo) || !internal_ok(yd) {
             continue;
         }
-        let input = match expand.map(|j| &graph.ops[j]) {
-            Some(&Op::Linear { x, .. }) => x,
-            _ => View::dense(xd, c),
-        };
-        let cin = match expand.map(|j| &graph.ops[j]) {
-            Some(&Op::Linear { k, .. }) => k,
-            _ => c,
+        // The block's input and its channels, as the lowering reads them.
+        let Some(Parts { x: input, cin, .. }) =
+            parts(graph, &Chain { expand, depthwise: i, project: i + 1, add: None })
+        else {
+            continue;
         };
         // An add of dense views over the whole tensors: the same
         // elements in the same order however it splits them into rows
