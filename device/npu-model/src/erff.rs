@@ -325,13 +325,7 @@ mod tests {
     /// cut short, and applies `pre` and `post` around it.
     #[test]
     fn map_erf_gives_the_bits_of_erff_value_by_value() {
-        let mut seed = 0x9e37_79b9_u32;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
+        let mut next = crate::test_rng::xorshift32(0x9e37_79b9);
         let mut xs = Vec::new();
         // Blocks from all near to all far: |x| in [0, 8) with a far share
         // that grows block by block; then random bit patterns.
@@ -339,9 +333,12 @@ mod tests {
             for _ in 0..BLOCK {
                 let far = next() % 16 < block;
                 let m = (next() % 1000) as f32 / 1000.0;
-                let x =
-                    if far { 1.25 + 4.75 * m } else { 1.25 * m + if next() % 2 == 0 { 0.0 } else { 6.0 } };
-                xs.push(if next() % 2 == 0 { x } else { -x });
+                let x = if far {
+                    1.25 + 4.75 * m
+                } else {
+                    1.25 * m + if next().is_multiple_of(2) { 0.0 } else { 6.0 }
+                };
+                xs.push(if next().is_multiple_of(2) { x } else { -x });
             }
         }
         xs.extend((0..3 * BLOCK + 77).map(|_| f32::from_bits(next())));

@@ -1813,13 +1813,7 @@ mod tests {
     /// non-finite weights.
     #[test]
     fn depthwise_is_the_plain_sum_bit_for_bit() {
-        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rnd = crate::test_rng::xorshift64(0x9e37_79b9_7f4a_7c15);
         for case in 0..300 {
             let c = [1, 7, 31, 32, 33, 64, 70, 100][case % 8];
             let (k, s) = (1 + (rnd() % 4) as u16, 1 + (rnd() % 3) as u16);
@@ -2057,13 +2051,7 @@ mod tests {
     /// included.
     #[test]
     fn reduction_gives_each_outputs_fold_in_order() {
-        let mut seed = 7u32;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            seed
-        };
+        let mut next = crate::test_rng::xorshift32(7);
         for (o, r, i) in
             [(1, 1, 1), (2, 3, 5), (3, 49, 16), (1, 64, 1), (4, 1, 7), (0, 3, 2), (2, 0, 3), (2, 3, 0)]
         {
@@ -2214,13 +2202,8 @@ mod tests {
             eprintln!("skipped: this CPU has no FMA, the gemm crate uses another kernel");
             return;
         }
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-        };
+        let mut bits = crate::test_rng::xorshift64(0x2545_f491_4f6c_dd1d);
+        let mut next = move || (bits() >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
         for (m, n, k) in [
             (2, 64, 300),
             (7, 5, 300),

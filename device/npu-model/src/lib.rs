@@ -45,3 +45,28 @@ pub use sim::{
     Finished, SimTenant, Tenant, TenantReport, Totals,
 };
 pub use verify::{verify, VerifyError, VnpuLimits};
+
+/// Seeded xorshift generators for unit tests (Marsaglia 2003): the same
+/// sequence for the same seed on every run.
+#[cfg(test)]
+pub(crate) mod test_rng {
+    /// 32-bit xorshift (13, 17, 5).
+    pub(crate) fn xorshift32(mut seed: u32) -> impl FnMut() -> u32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            seed
+        }
+    }
+
+    /// 64-bit xorshift (13, 7, 17).
+    pub(crate) fn xorshift64(mut seed: u64) -> impl FnMut() -> u64 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        }
+    }
+}
