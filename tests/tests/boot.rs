@@ -63,8 +63,8 @@ fn guest_enumerates_pci_through_conf1_and_ecam_and_finds_the_vnpu() {
          00:02.0 5650:0001 class 120000\n\
          vnpu bar0 size 00004000 64-bit\n\
          vnpu msix vectors 0008\n\
-         vnpu 00:01.0 abi 00010002 chips 01 cores 01 sa 01 vu 01 sram 0000000000400000 hbm 0000000040000000 array 0080 lanes 0400\n\
-         vnpu 00:02.0 abi 00010002 chips 01 cores 02 sa 03 vu 02 sram 0000000000800000 hbm 0000000020000000 array 0080 lanes 0400\n"
+         vnpu 00:01.0 abi 00010002 chips 01 cores 01 sa 01 vu 01 sram 0000000000400000 hbm 0000000040000000 array 0080 lanes 0100\n\
+         vnpu 00:02.0 abi 00010002 chips 01 cores 02 sa 03 vu 02 sram 0000000000800000 hbm 0000000020000000 array 0080 lanes 0100\n"
     );
     // The guest left BAR 0 of each vNPU where it placed it.
     assert_eq!(vm.pci().function(1).unwrap().config().bar_address(0), Some(0xc001_0000));

@@ -594,7 +594,7 @@ mod tests {
     /// though the second ends later on the core's timeline.
     #[test]
     fn reports_count_from_the_requests_start() {
-        let core = SharedCore::new(&BoardConfig::default(), "test").unwrap();
+        let core = SharedCore::new(&BoardConfig::test_board(), "test").unwrap();
         let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
         let first = run_copies(&core, "a", claim, 2);
         let second = run_copies(&core, "a", claim, 2);
@@ -622,7 +622,7 @@ mod tests {
 
     #[test]
     fn concurrent_tenants_share_the_simulated_timeline() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let core = SharedCore::new(&board, "core-test").unwrap();
         core.pause();
         let claim = Claim { sa: 1, vu: 1, priority: 0, slo_cycles: 0, ..Claim::default() };
@@ -647,7 +647,7 @@ mod tests {
     #[test]
     fn an_idle_neighbour_does_not_hold_a_tenant_back() {
         let board = SharedBoard::with_timing(
-            &BoardConfig::default(),
+            &BoardConfig::test_board(),
             "idle-neighbour",
             Duration::from_secs(10),
             ACTIVE,
@@ -672,7 +672,7 @@ mod tests {
     /// requester saw them.
     #[test]
     fn a_long_running_core_keeps_a_bounded_log_and_exact_totals() {
-        let core = SharedCore::new(&BoardConfig::default(), "core-fold").unwrap();
+        let core = SharedCore::new(&BoardConfig::test_board(), "core-fold").unwrap();
         let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
         let per_tenant = FOLD_AT + 300;
         let threads: Vec<_> = ["a", "b"]
@@ -709,7 +709,7 @@ mod tests {
     /// urgent one arrive while the long one runs on core 0.)
     #[test]
     fn a_suspended_request_is_not_counted_busy() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let shared = SharedBoard::with_gather(&board, "board-preempt", Duration::from_secs(2)).unwrap();
         let (c0, c1) = (shared.core(0).unwrap(), shared.core(1).unwrap());
         let whole = |priority| Claim { priority, ..Claim::whole_core(&board) };
@@ -744,7 +744,7 @@ mod tests {
     /// not slow each other.
     #[test]
     fn the_cores_of_a_board_share_the_chips_hbm() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
         let alone = {
             let core = SharedCore::new(&board, "alone").unwrap();
@@ -754,7 +754,7 @@ mod tests {
         };
         let shared = SharedBoard::new(&board, "board").unwrap();
         let cores: Vec<SharedCore> = (0..4).map(|c| shared.core(c).unwrap()).collect();
-        assert!(shared.core(4).is_none(), "the default board has four cores");
+        assert!(shared.core(4).is_none(), "the test board has four cores");
         shared.pause();
         let names = ["c0", "c1", "c2", "c3"];
         let threads: Vec<_> = cores.iter().zip(names).map(|(c, n)| submit_copies(c, n, claim, 4)).collect();
@@ -783,7 +783,7 @@ mod tests {
     /// request that ends after its deadline is counted as a miss.
     #[test]
     fn an_oversubscribed_core_runs_the_earliest_deadline_first() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let core = SharedCore::new(&board, "core-slo").unwrap();
         core.pause();
         let whole = |slo_cycles| Claim { slo_cycles, ..Claim::whole_core(&board) };
@@ -805,7 +805,7 @@ mod tests {
     /// the higher priority first, with a context switch between them.
     #[test]
     fn an_oversubscribed_core_runs_the_higher_priority_first() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let core = SharedCore::new(&board, "core-over").unwrap();
         core.pause();
         let whole = |priority| Claim { priority, ..Claim::whole_core(&board) };
@@ -827,7 +827,7 @@ mod tests {
     /// the longest request of its wave ends.
     #[test]
     fn freed_engines_pass_to_the_next_request_without_waiting_for_the_wave() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let core = SharedCore::new(&board, "core-admit").unwrap();
         core.pause();
         let half =
@@ -850,7 +850,7 @@ mod tests {
     /// core's timeline is not cut into batches.
     #[test]
     fn a_short_tenant_runs_request_after_request_beside_a_long_one() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         // Waits as long as it takes for "short" to submit again.
         let core = SharedCore::with_gather(&board, "core-continuous", Duration::from_secs(2)).unwrap();
         core.pause();
@@ -879,7 +879,7 @@ mod tests {
     /// on where it stopped.
     #[test]
     fn an_urgent_request_preempts_a_long_one_on_an_oversubscribed_core() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let core = SharedCore::with_gather(&board, "core-preempt", Duration::from_secs(2)).unwrap();
         core.pause();
         let half =
@@ -951,7 +951,7 @@ mod tests {
     /// results only, as the CPU computes them.
     #[test]
     fn a_borrower_runs_on_an_idle_neighbours_engines_and_sees_only_its_memory() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         assert_eq!(board.core.vu_count, 4);
         let core = SharedCore::new(&board, "harvest-test").unwrap();
         let owner = Claim { sa: 1, vu: 3, borrow: Engines::default(), ..Claim::default() };
@@ -1063,7 +1063,7 @@ mod tests {
     /// engines.
     #[test]
     fn staged_requests_borrow_idle_engines_and_give_them_back_at_stage_ends() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let claim = Claim { sa: 1, vu: 1, ..Claim::default() };
         let mut rt: Runtime<'_, AddStages> = Runtime::new(&board);
         rt.set_harvesting(false);

@@ -13,6 +13,7 @@ pub mod config;
 pub mod erff;
 pub mod kernels;
 pub mod memory;
+pub mod presets;
 mod scratch;
 pub mod sim;
 pub mod tanhf;

@@ -286,8 +286,11 @@ pub const MACS_PER_UNIT: u64 = 8;
 mod tests {
     use super::*;
 
+    /// SCALE-Sim's array: weight-stationary, one weight tile at a time.
     fn cfg(r: u32, c: u32) -> BoardConfig {
         let mut b = BoardConfig::default();
+        b.core.dataflow = Dataflow::WeightStationary;
+        b.core.sa_weight_buffering = WeightBuffering::Single;
         b.core.sa_rows = r;
         b.core.sa_cols = c;
         b

@@ -9,7 +9,7 @@ use npu_model::{run_program, BoardConfig};
 use vnpu_abi::*;
 
 fn board(in_flight: u32) -> BoardConfig {
-    let mut b = BoardConfig::default();
+    let mut b = BoardConfig::test_board();
     b.dma.in_flight = in_flight;
     b
 }

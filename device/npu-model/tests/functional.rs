@@ -16,7 +16,7 @@ const GUEST_BASE: u64 = 0x10_0000;
 const SRAM: u64 = 8 << 20;
 
 fn cfg() -> BoardConfig {
-    let mut c = BoardConfig::default();
+    let mut c = BoardConfig::test_board();
     c.core.sa_rows = 16;
     c.core.sa_cols = 16;
     c
@@ -830,7 +830,7 @@ fn vu_work(n: usize) -> Program {
 
 #[test]
 fn a_suspended_tenant_resumes_where_it_stopped() {
-    let c = BoardConfig::default();
+    let c = BoardConfig::test_board();
     let (long, short) = (vu_work(40), vu_work(10));
     let alone = |p: &Program| run_program(&c, p, None, None).unwrap().cycles;
     let (ta, tb) = (alone(&long), alone(&short));
@@ -865,7 +865,7 @@ fn a_suspended_tenant_resumes_where_it_stopped() {
 /// and the next tenant runs as if alone.
 #[test]
 fn a_killed_tenant_leaves_with_what_it_did() {
-    let c = BoardConfig::default();
+    let c = BoardConfig::test_board();
     let (long, short) = (vu_work(40), vu_work(10));
     let alone = |p: &Program| run_program(&c, p, None, None).unwrap().cycles;
     let (ta, tb) = (alone(&long), alone(&short));

@@ -66,7 +66,7 @@ fn fixed(cfg: &BoardConfig, hbm: bool, host: bool) -> f64 {
 
 #[test]
 fn one_dma_engine_serves_two_tenants_at_half_rate_each() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     assert_eq!(cfg.core.dma_engines, 1, "the documented default");
     let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
     let solo = alone(&cfg, &hbm_read());
@@ -83,7 +83,7 @@ fn one_dma_engine_serves_two_tenants_at_half_rate_each() {
 
 #[test]
 fn two_dma_engines_give_two_tenants_full_rate_until_hbm_is_the_limit() {
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     cfg.core.dma_engines = 2;
     let solo = alone(&cfg, &hbm_read());
     let both = together(&cfg, &[hbm_read(), hbm_read()]);
@@ -99,7 +99,7 @@ fn two_dma_engines_give_two_tenants_full_rate_until_hbm_is_the_limit() {
 
 #[test]
 fn the_host_link_is_shared_even_with_an_engine_each() {
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     cfg.core.dma_engines = 2;
     let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
     let solo = alone(&cfg, &guest_read());
@@ -121,7 +121,7 @@ fn max_min_gives_the_link_bound_transfer_its_share_and_the_rest_to_the_other() {
     // One engine, a guest read (capped at the 25 GB/s link) and an HBM
     // read: the guest read gets min(link, engine/2) = link, the HBM read the
     // rest of the engine (375 GB/s) while both flow.
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     let (engine, link) =
         (cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps), cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps));
     let small_hbm = one_transfer(Addr::hbm(0), Addr::sram(0), MIB);
@@ -141,7 +141,7 @@ fn max_min_gives_the_link_bound_transfer_its_share_and_the_rest_to_the_other() {
 
 #[test]
 fn equal_partition_splits_every_shared_resource() {
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     cfg.hbm.partition = HbmPartition::Equal;
     let hbm = cfg.hbm_bytes_per_cycle();
     let engine = cfg.gbps_to_bytes_per_cycle(cfg.dma.gbps);
@@ -207,7 +207,7 @@ fn on_cores_with(
 fn the_host_link_is_shared_by_the_cores_of_the_board() {
     // Two chips of two cores: guest reads on three cores of two chips
     // share the one 25 GB/s link three ways.
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     (cfg.chips, cfg.cores_per_chip) = (2, 2);
     let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
     let solo = on_cores(&cfg, &[(3, guest_read())], 1)[0];
@@ -223,7 +223,7 @@ fn the_host_link_is_shared_by_the_cores_of_the_board() {
 
 #[test]
 fn hbm_is_shared_by_the_cores_of_a_chip_and_not_across_chips() {
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     (cfg.chips, cfg.cores_per_chip) = (2, 4);
     let hbm = cfg.hbm_bytes_per_cycle();
     let solo = on_cores(&cfg, &[(0, hbm_read())], 1)[0];
@@ -243,7 +243,7 @@ fn equal_partition_gives_each_share_of_the_board_its_part_of_the_link_used_or_no
     // Four cores of one chip, one vNPU each: under "equal" the lone guest
     // reader gets a quarter of the host link although nobody else uses it;
     // under "shared" it gets all of it.
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     let link = cfg.gbps_to_bytes_per_cycle(cfg.dma.host_gbps);
     let shared = on_cores(&cfg, &[(2, guest_read())], 1)[0];
     let expect = fixed(&cfg, false, true) + f64::from(MIB) / link;
@@ -264,7 +264,7 @@ fn equal_partition_gives_each_share_of_the_board_its_part_of_the_link_used_or_no
 fn a_resource_left_out_of_contention_is_each_tenants_own() {
     let none = Contention { dma_engines: false, hbm: false, host_link: false };
     let only = |dma_engines, hbm, host_link| Contention { dma_engines, hbm, host_link };
-    let mut cfg = BoardConfig::default();
+    let mut cfg = BoardConfig::test_board();
     (cfg.chips, cfg.cores_per_chip) = (1, 4);
     let solo = on_cores(&cfg, &[(0, hbm_read())], 1)[0];
     // Two HBM readers on core 0's one engine: half rate each when they
@@ -303,7 +303,7 @@ fn a_resource_left_out_of_contention_is_each_tenants_own() {
 
 #[test]
 fn transfers_count_their_hbm_and_guest_bytes() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     let t = run_program(&cfg, &hbm_read(), None, None).unwrap().totals();
     assert_eq!((t.bytes, t.hbm_bytes, t.host_bytes), (u64::from(4 * MIB), u64::from(4 * MIB), 0));
     let t = run_program(&cfg, &guest_read(), None, None).unwrap().totals();

@@ -55,7 +55,7 @@ fn close(a: f64, b: f64) -> bool {
 
 #[test]
 fn a_spread_program_runs_on_the_engines_it_is_given() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     assert_eq!(cfg.core.vu_count, 4);
     let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
     let p = vu_streams(4, 3, true);
@@ -83,7 +83,7 @@ fn a_spread_program_runs_on_the_engines_it_is_given() {
 /// an instruction later.
 #[test]
 fn engines_taken_back_are_free_after_the_instruction_on_them() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
     let p = vu_streams(4, 3, true);
     let mut sim = CoreSim::new(&cfg, 1);
@@ -111,7 +111,7 @@ fn engines_taken_back_are_free_after_the_instruction_on_them() {
 /// back waits at most the limit), and shorter ones still spread.
 #[test]
 fn a_lend_limit_keeps_long_instructions_on_the_tenants_own_engines() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     let c = run_program(&cfg, &vu_streams(1, 1, false), None, None).unwrap().cycles;
     let long = vu_streams(4, 3, true);
     // Twelve passes of c: a limit below c keeps all on the one own VU.

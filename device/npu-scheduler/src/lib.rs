@@ -709,7 +709,7 @@ mod tests {
 
     #[test]
     fn schedule_preempts_only_for_more_urgent_requests() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let half = |slo_cycles, priority| Claim { sa: 2, vu: 2, priority, slo_cycles, ..Claim::default() };
         let p = Pending::new;
         let running = [p(half(0, 0), 0.0), p(half(0, 0), 10.0)];
@@ -737,7 +737,7 @@ mod tests {
     /// never preempts.
     #[test]
     fn fifo_places_the_oldest_that_fit_and_never_preempts() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let c = |sa, priority, slo_cycles| Claim { sa, vu: 1, priority, slo_cycles, ..Claim::default() };
         let p = Pending::new;
         // 3 SAs free beside a running 1-SA request: the oldest (2 SAs, no
@@ -753,7 +753,7 @@ mod tests {
     /// PREMA by hand: tokens = priority x waiting / estimate.
     #[test]
     fn prema_runs_the_most_tokens_first_and_stops_a_request_behind() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let whole = Claim::whole_core(&board);
         let req = |priority, arrival, estimate, ran| Pending {
             claim: Claim { priority, ..whole },
@@ -848,7 +848,7 @@ mod tests {
     /// Requests take over engines as soon as they free up, in order.
     #[test]
     fn dispatched_requests_take_over_engines_as_soon_as_they_free_up() {
-        let c = BoardConfig::default();
+        let c = BoardConfig::test_board();
         let (long, short) = (vu_work(40), vu_work(10));
         let alone = |p: &Program| npu_model::run_program(&c, p, None, None).unwrap().cycles;
         let (tl, ts) = (alone(&long), alone(&short));
@@ -877,7 +877,7 @@ mod tests {
     /// the core still runs, alone.
     #[test]
     fn dispatch_follows_priority_and_budgets_count_from_the_start() {
-        let c = BoardConfig::default();
+        let c = BoardConfig::test_board();
         let p = vu_work(10);
         let one = npu_model::run_program(&c, &p, None, None).unwrap().cycles;
         let whole = |priority| Claim { priority, ..Claim::whole_core(&c) };
@@ -957,7 +957,7 @@ mod tests {
     /// claim.
     #[test]
     fn a_lone_tenant_gets_every_idle_engine() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
         let core = Engines::new(board.core.sa_count, board.core.vu_count);
         let run = |d: &mut Dispatcher<Timed>, borrow: Engines| {
@@ -985,7 +985,7 @@ mod tests {
     /// second round ends, half an instruction later.
     #[test]
     fn an_owner_takes_its_engines_back_within_one_instruction() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
         let mut sim = CoreSim::new(&board, 2);
         let mut d = Dispatcher::harvesting(Engines::new(board.core.sa_count, board.core.vu_count));
@@ -1017,7 +1017,7 @@ mod tests {
     /// and the owner is not slowed (it could never use them).
     #[test]
     fn a_running_request_lends_the_engines_its_program_cannot_use() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let c = npu_model::run_program(&board, &vu_streams(1, 1, false), None, None).unwrap().cycles;
         let mut owner = ProgramBuilder::new();
         for _ in 0..40 {

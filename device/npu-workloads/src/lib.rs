@@ -5,6 +5,7 @@
 //! The IR the networks are written in is `npu-graph`; the code generator
 //! is `npu-lower`.
 
+pub mod anchors;
 pub mod run;
 pub mod zoo;
 

@@ -4,70 +4,70 @@
 //! deterministic, so these hold the model, not the machine running them.
 #![allow(clippy::unwrap_used)]
 
+use npu_model::presets;
 use npu_model::BoardConfig;
+use npu_workloads::anchors::{self, Anchor, ANCHORS};
 use npu_workloads::{run_workload, RunOptions};
 use vnpu_abi::DType;
 
 fn preset(name: &str) -> BoardConfig {
-    let path = format!("{}/../../docs/boards/{name}.toml", env!("CARGO_MANIFEST_DIR"));
-    BoardConfig::load(std::path::Path::new(&path)).unwrap()
+    presets::preset(name).unwrap().unwrap()
 }
 
-/// `|model / published - 1| <= band`, NaN failing.
-fn within(what: &str, model: f64, published: f64, band: f64) {
-    let ratio = model / published;
-    assert!(
-        (ratio - 1.0).abs() <= band,
-        "{what}: model {model:.4e} against published {published:.4e}: ratio {ratio:.3}"
-    );
+/// `|model / reference - 1| <= band`, NaN failing.
+fn within(what: &str, model: f64, reference: f64, band: f64) {
+    let ratio = model / reference;
+    assert!((ratio - 1.0).abs() <= band, "{what}: {model:.4e} against {reference:.4e}: ratio {ratio:.3}");
 }
 
-/// XLA's bf16 matrix products on one TPU v5e core, as JAX's Pallas TPU
-/// matmul guide reports them: 8192^3 in 6.047 ms (92.3% of the v5e's
-/// peak) and 4096^3 in 0.827 ms (84.3%). The model, on the whole core
-/// (4 MXUs, its one vector unit), bf16 operands, weights streamed within
-/// the product: within 15%.
+/// Every anchor's model / published ratio on its preset, whole core,
+/// lowered as XLA runs it (the preset's `[lowering]`).
+fn ratios_on(boards: impl Fn(&Anchor) -> String) -> Vec<(&'static str, f64, f64)> {
+    ANCHORS
+        .iter()
+        .map(|a| {
+            let b = anchors::board(&boards(a)).unwrap();
+            let r = anchors::run_anchor(a, &b).unwrap();
+            (a.id, r.ratio, r.run.simulated_seconds)
+        })
+        .collect()
+}
+
+/// The anchors that meet the +-15% target (docs/npu-model.md,
+/// "Validation"); the others are findings, listed there with the
+/// mechanism that the model lacks.
+const HELD: &[&str] = &["resnet50-v3-offline", "gemm-8192-v5e", "gemm-4096-v5e"];
+
+/// The held anchors within 15% of the published figure on their presets,
+/// with no fitted parameter: XLA's bf16 GEMMs on a v5e core (JAX's Pallas
+/// matmul guide) and MLPerf Inference v0.5's ResNet-50 Offline on a v3
+/// core.
 #[test]
-fn bf16_matrix_products_on_a_v5e_core_take_what_xla_takes() {
+fn anchors_hold_their_band_on_the_presets() {
     let board = preset("tpu-v5e");
-    for (size, published_s) in [(8192u32, 6.047e-3), (4096, 0.827e-3)] {
-        // The preset's `[lowering]`: bf16, weights streamed.
-        let o = RunOptions {
-            sa: board.core.sa_count,
-            vu: board.core.vu_count,
-            ..RunOptions::on_board(&board, format!("gemm-{size}x{size}x{size}"), 1)
-        };
-        assert!(o.dtype == DType::Bf16 && o.stream_weights);
-        let r = run_workload(&board, &o).unwrap();
-        within(&format!("gemm {size}^3 bf16 on tpu-v5e"), r.simulated_seconds, published_s, 0.15);
+    // The preset's `[lowering]`: bf16, weights streamed.
+    let o = RunOptions::on_board(&board, "gemm-4096x4096x4096", 1);
+    assert!(o.dtype == DType::Bf16 && o.stream_weights);
+    let v3 = preset("tpu-v3");
+    let o = RunOptions::on_board(&v3, "resnet50", 256);
+    assert!(o.bf16_activations && o.fuse_residual && o.reuse_hbm && o.keep_on_chip);
+    for (id, ratio, _) in ratios_on(|a| a.preset.to_string()) {
+        if HELD.contains(&id) {
+            within(id, ratio, 1.0, 0.15);
+        }
     }
 }
 
-/// MLPerf Inference v0.5, closed division, Google: ResNet-50 Offline on
-/// TPU v3 at 4,089.5 images/s per TensorCore (bf16, batch 256 per core,
-/// one model copy per core). The model, on one whole core of the v3
-/// preset, as XLA runs it: bf16 weights and activations, residual adds
-/// fused into the convolutions, HBM reused by liveness, weights streamed,
-/// activations that fit kept on chip: within 15%.
+/// The derived boards are neutral for one tenant: a tenant holding the
+/// whole derived core (its VUs together have the preset VU's lanes) runs
+/// every anchor within 3% of the preset's time.
 #[test]
-fn resnet50_on_a_v3_core_runs_what_mlperf_measured() {
-    let board = preset("tpu-v3");
-    // The preset's `[lowering]` says exactly that.
-    let o = RunOptions {
-        sa: board.core.sa_count,
-        vu: board.core.vu_count,
-        ..RunOptions::on_board(&board, "resnet50", 256)
-    };
-    assert!(
-        o.dtype == DType::Bf16
-            && o.bf16_activations
-            && o.fuse_residual
-            && o.reuse_hbm
-            && o.stream_weights
-            && o.keep_on_chip
-    );
-    let r = run_workload(&board, &o).unwrap();
-    within("ResNet-50 b256 bf16 on tpu-v3 (images/s)", 256.0 / r.simulated_seconds, 4089.5, 0.15);
+fn a_whole_derived_core_runs_every_anchor_as_its_preset_does() {
+    let on_preset = ratios_on(|a| a.preset.to_string());
+    let on_derived = ratios_on(|a| presets::derived_of(a.preset).unwrap().to_string());
+    for ((id, _, p), (_, _, d)) in on_preset.iter().zip(&on_derived) {
+        within(&format!("{id}: derived / preset time"), *d, *p, 0.03);
+    }
 }
 
 /// bf16 products on several SAs run side by side: the VU that converts a
@@ -76,7 +76,8 @@ fn resnet50_on_a_v3_core_runs_what_mlperf_measured() {
 /// other: BERT on 4 SA + 4 VU took 2.38 ms in bf16 against 1.89 ms in f32).
 #[test]
 fn bf16_lanes_do_not_wait_for_each_other() {
-    let board = BoardConfig::default();
+    // The four-core test board's 1024-lane VUs, where it was seen failing.
+    let board = BoardConfig::test_board();
     let run = |dtype| {
         let o = RunOptions { sa: 4, vu: 4, dtype, ..RunOptions::timing("bert", 1) };
         run_workload(&board, &o).unwrap()

@@ -9,6 +9,12 @@ fn opts(w: &str, batch: u32, functional: bool) -> RunOptions {
     RunOptions { functional, seed: 3, ..RunOptions::timing(w, batch) }
 }
 
+/// On 1 SA + 1 VU of the default board (`tpu-v4-derived`: a VU of 256
+/// lanes, a quarter of the v4 core's vector unit), f32: BERT, ResNet-50
+/// and the Transformer keep their SA busy 2.5-3.8 times as long as their
+/// VU (`docs/workloads.md`, "Characterization"; the design's "often by
+/// 10x" was the 1024-lane VU of the old built-in board), DLRM its VU
+/// longer than its SA.
 #[test]
 fn sa_heavy_and_vu_heavy_workloads_on_one_sa_and_one_vu() {
     let b = BoardConfig::default();
@@ -16,7 +22,7 @@ fn sa_heavy_and_vu_heavy_workloads_on_one_sa_and_one_vu() {
         for w in ["bert", "resnet50", "transformer"] {
             let r = run_workload(&b, &opts(w, batch, false)).unwrap();
             assert!(
-                r.sa_active_cycles > 5 * r.vu_active_cycles,
+                r.sa_active_cycles > 2 * r.vu_active_cycles,
                 "{w} b{batch}: SA {} VU {}",
                 r.sa_active_cycles,
                 r.vu_active_cycles

@@ -19,8 +19,12 @@ fn limits(sa: u32, vu: u32, sram: u64) -> VnpuLimits {
     VnpuLimits { sa, vu, sram_bytes: sram, hbm_bytes: 1 << 30, guest: vec![], borrow_sa: 0, borrow_vu: 0 }
 }
 
+/// A tiny board for the small graphs below: the test board
+/// (single-buffered weights, so that a weight load nothing hides shows)
+/// with 16 x 16 SAs.
 fn board() -> BoardConfig {
-    let mut b = BoardConfig::default();
+    let mut b = BoardConfig::test_board();
+    b.name = "test-16x16".into();
     b.core.sa_rows = 16;
     b.core.sa_cols = 16;
     b

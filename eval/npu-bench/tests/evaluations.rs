@@ -318,7 +318,7 @@ fn hbm_isolation_equal_partition_removes_the_neighbours_effect() {
 
 /// `eu-profile` (the design's Figures 1 and 2 and its Eq. 3) on small
 /// inputs: every workload and batch is profiled; the SA-bound ResNet-50
-/// and the VU-heavy DLRM and RetinaNet (the design's classes; RetinaNet
+/// (a > 2) and the VU-heavy DLRM and RetinaNet (the design's classes; RetinaNet
 /// for its NMS) land on their sides of a = 1; Eq. 3's curve in the JSON
 /// is the formula `k (1 + a) / ((k + a)(k + 1))` recomputed here, its best
 /// split the largest of it, the measured best the largest measured EU
@@ -354,7 +354,9 @@ fn eu_profile_places_workloads_by_a_and_checks_eq3() {
         assert_eq!(batches.len(), 2, "{w}: batches 1 and 2");
         for b in batches {
             let a = b["a"].as_f64().unwrap();
-            assert!(if vu_heavy { a < 1.0 } else { a > 10.0 }, "{w} batch {}: a = {a}", b["batch"]);
+            // On the default board's 256-lane VUs ResNet-50 keeps its SA
+            // busy 2.3-3.8 times as long as its VU (docs/workloads.md).
+            assert!(if vu_heavy { a < 1.0 } else { a > 2.0 }, "{w} batch {}: a = {a}", b["batch"]);
         }
     }
     let sweep = d["split_sweep"]["workloads"].as_array().unwrap();

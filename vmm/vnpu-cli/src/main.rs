@@ -456,12 +456,12 @@ struct VnpuArgs {
     /// HBM of the vNPU core (e.g. 4G); default: the board's HBM per core.
     #[arg(long, value_parser = vnpu_spec::parse_size)]
     hbm: Option<u64>,
-    /// Board config file (TOML, docs/board-config.md); default: the built-in TPU-class board.
+    /// Board config file (TOML, docs/board-config.md); default: the built-in board (tpu-v4-derived).
     #[arg(long)]
     board: Option<PathBuf>,
     /// The SAs' operand type: bf16 stores the weights of products as bf16
     /// and rounds their operands to bf16 (f32 accumulation). Default: the
-    /// board's `lowering.dtype` (f32 on the built-in board).
+    /// board's `lowering.dtype` (bf16 on the built-in board).
     #[arg(long, value_parser = ["f32", "bf16"])]
     dtype: Option<String>,
     /// How intermediate activations are stored in HBM (default: the
@@ -474,29 +474,29 @@ struct VnpuArgs {
     /// Fuse each residual add into the convolution that produces one of
     /// its operands (the convolution adds the other operand in its VU
     /// pass; its own output never goes to HBM), as XLA does on TPUs.
-    /// Default: the board's `lowering.fuse_residual` (off on the built-in
+    /// Default: the board's `lowering.fuse_residual` (on on the built-in
     /// board); `--fuse-residual=false` turns it off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     fuse_residual: Option<bool>,
     /// Intermediate tensors share HBM by liveness: a tensor's space is
     /// free once the last operation that touches it has run. Default: the
-    /// board's `lowering.reuse_hbm` (off on the built-in board: every
-    /// tensor has HBM of its own for the whole request);
-    /// `--reuse-hbm=false` turns it off.
+    /// board's `lowering.reuse_hbm` (on on the built-in board);
+    /// `--reuse-hbm=false` turns it off (every tensor has HBM of its own
+    /// for the whole request).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     reuse_hbm: Option<bool>,
     /// Stream a product's weights within the operation: when they cannot
     /// load while the previous operation runs, the first tile on each SA
     /// starts on the first columns while the rest load, as XLA's pipelined
     /// TPU kernels do (convolutions are not split). Default: the board's
-    /// `lowering.stream_weights` (off on the built-in board);
+    /// `lowering.stream_weights` (on on the built-in board);
     /// `--stream-weights=false` turns it off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     stream_weights: Option<bool>,
     /// Keep intermediate activations on chip between operations when they
     /// fit: a quarter of the SRAM holds them (placed by liveness), and a
     /// tile reads an input kept there in place instead of copying it.
-    /// Default: the board's `lowering.keep_on_chip` (off on the built-in
+    /// Default: the board's `lowering.keep_on_chip` (on on the built-in
     /// board); `--keep-on-chip=false` turns it off.
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     keep_on_chip: Option<bool>,
@@ -568,6 +568,19 @@ enum WorkloadCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Put the timing model beside every published TPU figure it is
+    /// validated against (docs/npu-model.md, "Validation against
+    /// hardware"): each anchor on one whole core of its preset board and
+    /// of the board derived from it, lowered as the board says.
+    ///
+    /// Prints model / published per anchor (above 1: the model counts more
+    /// images per second, or more seconds, than the hardware), the SA and
+    /// DMA rooflines, and the engines' busy fractions. Simulated time.
+    Anchors {
+        /// Print one JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Lower a workload for one vNPU core and write the program container
     /// (docs/isa.md) to a file, after verifying it.
     Lower {
@@ -593,6 +606,8 @@ pub(crate) enum CliError {
     Config(#[from] npu_model::config::ConfigError),
     #[error(transparent)]
     Run(#[from] npu_workloads::RunError),
+    #[error(transparent)]
+    Anchor(#[from] npu_workloads::anchors::AnchorError),
     #[error("--sa and --vu must be at least 1")]
     Shape,
     #[error("--batch must be at least 1")]
@@ -663,6 +678,49 @@ pub(crate) fn board(path: &Option<PathBuf>) -> Result<BoardConfig, CliError> {
         Some(p) => BoardConfig::load(p)?,
         None => BoardConfig::default(),
     })
+}
+
+/// `vnpu workload anchors`: every anchor on its preset and derived board.
+fn anchors(json: bool) -> Result<(), CliError> {
+    use npu_workloads::anchors::{board, run_anchor, Measure, ANCHORS};
+    let mut runs = Vec::new();
+    if !json {
+        println!(
+            "{:<24} {:<16} {:>12} {:>12} {:>7} {:>10} {:>10} {:>6} {:>6} {:>6}",
+            "anchor", "board", "published", "model", "ratio", "SA-bound", "DMA-bound", "SA", "VU", "DMA"
+        );
+    }
+    for a in ANCHORS {
+        let derived = npu_model::presets::derived_of(a.preset);
+        for name in std::iter::once(a.preset).chain(derived) {
+            let r = run_anchor(a, &board(name)?)?;
+            if !json {
+                let unit = |v: f64| match a.measure {
+                    Measure::ItemsPerSecond => format!("{v:.1}/s"),
+                    Measure::Seconds => format!("{:.3} ms", v * 1e3),
+                };
+                let dma = r.run.dma_active_cycles as f64 / r.run.simulated_cycles.max(1) as f64;
+                println!(
+                    "{:<24} {:<16} {:>12} {:>12} {:>7.3} {:>8.3}ms {:>8.3}ms {:>5.0}% {:>5.0}% {:>5.0}%",
+                    a.id,
+                    name,
+                    unit(a.published),
+                    unit(r.model),
+                    r.ratio,
+                    r.sa_bound_seconds * 1e3,
+                    r.dma_bound_seconds * 1e3,
+                    r.run.sa_utilization * 100.0,
+                    r.run.vu_utilization * 100.0,
+                    dma * 100.0
+                );
+            }
+            runs.push(r);
+        }
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&runs)?);
+    }
+    Ok(())
 }
 
 fn print_report(r: &RunReport) {
@@ -939,6 +997,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 print_report(&r);
             }
         }
+        Command::Workload { command: WorkloadCommand::Anchors { json } } => anchors(json)?,
         Command::Workload { command: WorkloadCommand::Lower { vnpu, output } } => {
             let (b, opts) = vnpu.resolve(false, 0)?;
             let (lowered, _, _) = npu_workloads::lower_workload(&b, &opts)?;

@@ -95,7 +95,7 @@ fn board_default_round_trips_through_check() {
     let (code, again, _) = vnpu(&["board", "check", f.to_str().unwrap()]);
     assert_eq!(code, 0);
     assert_eq!(again, out);
-    std::fs::write(&f, out.replace("vu_lanes = 1024", "vu_lanes = 0")).unwrap();
+    std::fs::write(&f, out.replace("vu_lanes = 256", "vu_lanes = 0")).unwrap();
     let (code, _, err) = vnpu(&["board", "check", f.to_str().unwrap()]);
     assert_ne!(code, 0);
     assert!(err.contains("core.vu_lanes"), "{err}");
@@ -251,7 +251,8 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
     assert_eq!(code, 0);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["types"][0]["type"], "small");
-    assert_eq!(v["types"][0]["available_instances"], 16);
+    // Four a core on the default board's two cores.
+    assert_eq!(v["types"][0]["available_instances"], 8);
     let (code, u, err) = vnpu_in(&dir, &["define", "--type", "medium"]);
     assert_eq!(code, 0, "{err}");
     let u = u.trim().to_string();
@@ -270,7 +271,8 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
     assert_eq!(v[0]["physical_cores"], v[1]["physical_cores"]);
     let (_, out, _) = vnpu_in(&dir, &["types", "--json"]);
     let t: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(t["types"][2]["available_instances"], 3, "{t}");
+    // The other of the default board's two cores is left for a large one.
+    assert_eq!(t["types"][2]["available_instances"], 1, "{t}");
     // A VM with the managed instance: the guest reads its hierarchy.
     let guest = concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -279,7 +281,7 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
     let (code, out, err) =
         vnpu_in(&dir, &["run", "--guest", guest, "--memory", "16M", "--vnpu", &format!("uuid={u}")]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("sa 02 vu 02 sram 0000000001000000"), "{out}");
+    assert!(out.contains("sa 02 vu 02 sram 0000000000800000"), "{out}");
     // No daemon serves it: the vNPU runs in the VMM's process, and says so.
     assert!(err.contains(&format!("no board daemon serves {u}")), "{err}");
     // Stop: the transient one disappears, the defined one stays defined.
@@ -303,7 +305,7 @@ fn manage_instances_across_processes_and_boot_a_vm_with_one() {
 
 #[test]
 fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
-    let (code, out, err) = vnpu(&["profile", "bert", "--batch", "8", "--slo-ms", "10", "--json"]);
+    let (code, out, err) = vnpu(&["profile", "bert", "--batch", "8", "--slo-ms", "4", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     for k in ["x", "y", "a", "k", "sa", "vu", "predicted_speedup", "measured_speedup"] {
@@ -316,12 +318,13 @@ fn profile_reports_the_allocation_and_meets_a_reachable_slo() {
         v["k"].as_f64().unwrap(),
     );
     assert!((a - x / y).abs() < 1e-9 && (k - a.sqrt()).abs() < 1e-9);
-    assert!(a > 5.0, "BERT is SA-heavy: {a}");
-    // The fewest EUs that meet 10 ms: more SAs than VUs, and it does meet it.
+    // On the default board's 256-lane VUs, bf16 (docs/workloads.md).
+    assert!(a > 1.5, "BERT is SA-heavy: {a}");
+    // The fewest EUs that meet 4 ms: more SAs than VUs, and it does meet it.
     let (sa, vu) = (v["sa"].as_u64().unwrap(), v["vu"].as_u64().unwrap());
     assert!(sa > vu, "{v}");
     let chosen = v["candidates"].as_array().unwrap().iter().find(|c| c["sa"] == sa && c["vu"] == vu).unwrap();
-    assert!(chosen["measured_ms"].as_f64().unwrap() <= 10.0);
+    assert!(chosen["measured_ms"].as_f64().unwrap() <= 4.0);
     // An SLO no shape meets: exit 1, said plainly.
     let (code, out, _) = vnpu(&["profile", "ncf", "--slo-ms", "0.0001"]);
     assert_eq!(code, 1);
@@ -397,14 +400,15 @@ fn scenario_harvests_idle_engines_between_vms() {
     assert!(borrowed > 0.0, "{line}");
 }
 
-/// A fifth whole-core vNPU on a four-core board: placed on an oversubscribed
-/// core, where the two tenants time-share (rounds, no overlap); all correct.
+/// A third whole-core vNPU on the default board's two cores: placed on an
+/// oversubscribed core, where the two tenants time-share (rounds, no
+/// overlap); all correct.
 #[test]
 fn scenario_time_shares_an_oversubscribed_core() {
     let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/scenarios/oversubscribed.toml");
     let (code, out, err) = vnpu(&["scenario", file]);
     assert_eq!(code, 0, "{out}\n{err}");
-    assert_eq!(out.matches("] exit code 0").count(), 5, "{out}");
+    assert_eq!(out.matches("] exit code 0").count(), 3, "{out}");
     let core = out.lines().find(|l| l.contains("(oversubscribed: time-shared)")).unwrap();
     let f: Vec<&str> = core.split_whitespace().collect();
     let (requests, waited, shared): (u64, u64, f64) =
@@ -446,9 +450,10 @@ fn remap_reshapes_an_instance_on_its_core() {
     };
     let (before, neighbour) = cores(&dir);
     assert_eq!(before, neighbour, "two 2+2 vNPUs share one 4+4 core");
-    // BERT is SA-heavy: its split of 4 EUs has more SAs than VUs; the
-    // neighbour holds 2 + 2, so 3 SAs do not fit beside it: refused.
-    let (code, out, err) = vnpu_in(&dir, &["remap", &a, "--workload", "bert"]);
+    // YOLOv3 is SA-heavy (a = 4.0 at batch 1 on the default board): its
+    // split of 4 EUs has more SAs than VUs; the neighbour holds 2 + 2, so
+    // 3 SAs do not fit beside it: refused.
+    let (code, out, err) = vnpu_in(&dir, &["remap", &a, "--workload", "yolov3"]);
     assert_eq!(code, 1, "{out}{err}");
     assert!(out.contains("k = sqrt(a)") && err.contains("no room for 3 SAs"), "{out}{err}");
     // Explicit shapes: shrinking fits and keeps the core.
@@ -524,17 +529,18 @@ fn remap_reaches_a_running_vm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `--placement interference-first`: a second MobileNet goes to another
-/// core than the first (two on one DMA engine slow each other ~1.45x,
-/// docs/interference.md); packing first keeps it on the same core; the
-/// policies refuse clearly without what they need.
+/// `--placement interference-first`: a third MobileNet (batch 4) goes to
+/// another core than the first two (MobileNets on one DMA engine slow each
+/// other 1.2-1.4x on the default board, docs/interference.md); packing
+/// first keeps the second on the same core; the policies refuse clearly
+/// without what they need.
 #[test]
 fn interference_placement_keeps_dma_heavy_neighbours_apart() {
     let dir = std::env::temp_dir().join(format!("vnpu-interference-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let matrix = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json");
-    let spec = "sa=1,vu=1,sram=8M,hbm=2G";
-    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--workload", "mobilenet:1"]);
+    let spec = "sa=1,vu=1,sram=4M,hbm=2G";
+    let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--workload", "mobilenet:4"]);
     assert_eq!(code, 0, "{err}");
     let create = |policy: &str| {
         vnpu_in(
@@ -544,7 +550,7 @@ fn interference_placement_keeps_dma_heavy_neighbours_apart() {
                 "--spec",
                 spec,
                 "--workload",
-                "mobilenet:1",
+                "mobilenet:4",
                 "--placement",
                 policy,
                 "--interference-matrix",
@@ -559,18 +565,18 @@ fn interference_placement_keeps_dma_heavy_neighbours_apart() {
     let (_, out, _) = vnpu_in(&dir, &["list", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let core = |i: usize| v[i]["physical_cores"][0].as_u64().unwrap();
-    assert_eq!(v[0]["workload"], "mobilenet:1", "{v}");
+    assert_eq!(v[0]["workload"], "mobilenet:4", "{v}");
     assert_eq!(core(1), core(0), "packing first: the only best-packed core");
     assert_ne!(core(2), core(0), "interference first: another core");
-    // A vNPU of two cores is placed core by core: both go where nobody
-    // is (packing first would fill the two used cores).
-    let two = "sa=1,vu=1,sram=8M,hbm=2G,cores=2";
+    // A vNPU of two cores is placed core by core: on the default board's
+    // two cores, one each.
+    let two = "sa=1,vu=1,sram=4M,hbm=2G,cores=2";
     let args = [
         "create",
         "--spec",
         two,
         "--workload",
-        "mobilenet:1",
+        "mobilenet:4",
         "--placement",
         "interference-first",
         "--interference-matrix",
@@ -584,7 +590,6 @@ fn interference_placement_keeps_dma_heavy_neighbours_apart() {
         v[3]["physical_cores"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect();
     assert_eq!(cores.len(), 2, "{v}");
     assert_ne!(cores[0], cores[1], "{v}");
-    assert!(cores.iter().all(|c| *c != core(0) && *c != core(2)), "two cores nobody uses: {v}");
     // Refusals name what is missing.
     let (code, _, err) = vnpu_in(&dir, &["create", "--spec", spec, "--placement", "interference"]);
     assert_eq!(code, 1);

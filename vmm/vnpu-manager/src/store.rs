@@ -576,7 +576,8 @@ mod tests {
         let b = BoardConfig::default();
         let mut s = Store::open(&d, &b).unwrap();
         let large: Shape = VnpuSpec::named("large").unwrap();
-        for _ in 0..4 {
+        // One per core.
+        for _ in 0..b.chips * b.cores_per_chip {
             s.create(large, Some("large"), None).unwrap();
         }
         let u = s.define(large, Some("large"), None).unwrap();
@@ -591,9 +592,10 @@ mod tests {
     #[test]
     fn oversubscription_is_opt_in() {
         let d = dir("over");
-        let mut s = Store::open(&d, &BoardConfig::default()).unwrap();
+        let b = BoardConfig::default();
+        let mut s = Store::open(&d, &b).unwrap();
         let lean: Shape = VnpuSpec::parse("sa=4,vu=4,sram=2M,hbm=1G").unwrap();
-        for _ in 0..4 {
+        for _ in 0..b.chips * b.cores_per_chip {
             s.create(lean, None, None).unwrap();
         }
         assert!(matches!(

@@ -495,7 +495,7 @@ mod tests {
 
     #[test]
     fn fills_cores_before_opening_new_ones_and_says_when_full() {
-        let mut b = Board::new(&BoardConfig::default()); // 4 cores of 4 SA + 4 VU, 32 MiB
+        let mut b = Board::new(&BoardConfig::test_board()); // the test board: 4 cores of 4 SA + 4 VU, 32 MiB
         let small = shape("type=small");
         let first = b.place(&small).unwrap();
         let second = b.place(&small).unwrap();
@@ -517,7 +517,7 @@ mod tests {
 
     #[test]
     fn balances_eus_against_memory() {
-        let mut b = Board::new(&BoardConfig::default());
+        let mut b = Board::new(&BoardConfig::test_board());
         // An EU-heavy, memory-light vNPU and a memory-heavy, EU-light one
         // share a core instead of each filling one dimension of a core.
         let eu_heavy = shape("sa=3,vu=3,sram=2M,hbm=256M");
@@ -531,14 +531,14 @@ mod tests {
 
     #[test]
     fn oversubscription_shares_the_least_loaded_core_within_memory() {
-        let mut b = Board::new(&BoardConfig::default());
+        let mut b = Board::new(&BoardConfig::test_board());
         let large = shape("type=large"); // 4 + 4, 32 MiB: a whole core
         for _ in 0..4 {
             b.place(&large).unwrap();
         }
         // Memory is full everywhere: even oversubscription refuses.
         assert_eq!(b.place_oversubscribed(&large, 2), Err(PlacementError::NoRoom));
-        let mut b = Board::new(&BoardConfig::default());
+        let mut b = Board::new(&BoardConfig::test_board());
         let big = shape("sa=4,vu=4,sram=8M,hbm=1G");
         for _ in 0..4 {
             b.place(&big).unwrap();
@@ -558,7 +558,7 @@ mod tests {
 
     #[test]
     fn multi_core_vnpus_take_distinct_cores() {
-        let mut b = Board::new(&BoardConfig::default());
+        let mut b = Board::new(&BoardConfig::test_board());
         let p = b.place(&shape("sa=2,vu=2,sram=8M,hbm=1G,cores=3")).unwrap();
         assert_eq!(p.len(), 3);
         let mut d = p.clone();
@@ -575,7 +575,7 @@ mod tests {
         let small = shape("sa=1,vu=1,sram=2M,hbm=256M");
         // Cores 0 and 1 hold one small vNPU each, 2 and 3 are empty.
         let fresh = || {
-            let mut b = Board::new(&BoardConfig::default());
+            let mut b = Board::new(&BoardConfig::test_board());
             b.occupy(&small, &[0]);
             b.occupy(&small, &[1]);
             b
@@ -607,7 +607,7 @@ mod tests {
         let mut never = |_: &Board, _: &[u32]| -> f64 { panic!("priced a forced choice") };
         assert_eq!(b.place_scored(&small, Policy::Interference, &mut never), Ok(vec![0]));
         // Full: the same error as `place`.
-        let mut b = Board::new(&BoardConfig::default());
+        let mut b = Board::new(&BoardConfig::test_board());
         let large = shape("type=large");
         for c in 0..4 {
             b.occupy(&large, &[c]);
@@ -619,7 +619,7 @@ mod tests {
 
     #[test]
     fn multi_core_vnpus_are_placed_by_interference_core_by_core() {
-        let cfg = BoardConfig { chips: 2, ..BoardConfig::default() };
+        let cfg = BoardConfig { chips: 2, ..BoardConfig::test_board() };
         let small = shape("sa=1,vu=1,sram=2M,hbm=256M");
         let two = shape("sa=1,vu=1,sram=2M,hbm=256M,cores=2");
         // A cost per physical core; a set of cores costs their sum.

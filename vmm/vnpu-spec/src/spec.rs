@@ -228,12 +228,14 @@ impl VnpuSpec {
     }
 
     /// The named types: the smallest runnable vNPU and two larger ones
-    /// (2, 4 and 8 execution units).
+    /// (2, 4 and 8 execution units): a quarter, a half and the whole of a
+    /// core of the default board (`tpu-v4-derived`: 4 SA + 4 VU, 16 MiB
+    /// SRAM).
     pub fn named(name: &str) -> Option<Self> {
         let (eu, sram, hbm) = match name {
             "small" => (1, 4u64 << 20, 1u64 << 30),
-            "medium" => (2, 16 << 20, 4 << 30),
-            "large" => (4, 32 << 20, 8 << 30),
+            "medium" => (2, 8 << 20, 4 << 30),
+            "large" => (4, 16 << 20, 8 << 30),
             _ => return None,
         };
         Self::new(1, 1, eu, eu, sram, hbm).ok()

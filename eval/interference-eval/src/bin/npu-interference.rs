@@ -26,8 +26,8 @@ enum Command {
     /// (DMA engines, HBM, host link, waiting for a time-shared core's
     /// engines).
     Characterize {
-        /// Board configuration (TOML, docs/board-config.md); the default
-        /// TPU-class board when absent.
+        /// Board configuration (TOML, docs/board-config.md); the built-in
+        /// board (tpu-v4-derived) when absent.
         #[arg(long)]
         board: Option<PathBuf>,
         /// Workloads (comma-separated), any of the library (`vnpu workload

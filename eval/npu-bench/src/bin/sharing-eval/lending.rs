@@ -424,7 +424,7 @@ mod tests {
 
     #[test]
     fn a_lone_request_runs_each_operation_on_the_engines_that_pay() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let g = mlp();
         let mut tasks = [Tasks::new(&board, g.clone()).unwrap(), Tasks::new(&board, g.clone()).unwrap()];
         let ws = [workload(), workload()];
@@ -446,7 +446,7 @@ mod tests {
 
     #[test]
     fn a_higher_priority_borrows_the_idle_engines_first() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let g = mlp();
         let mut tasks: Vec<Tasks> = (0..3).map(|_| Tasks::new(&board, g.clone()).unwrap()).collect();
         let mut ws = [workload(), workload(), workload()];
@@ -466,7 +466,7 @@ mod tests {
 
     #[test]
     fn the_v10_core_serves_the_least_served_per_priority_first() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let g = mlp();
         let mut tasks: Vec<Tasks> = (0..3).map(|_| Tasks::new(&board, g.clone()).unwrap()).collect();
         let mut ws = [workload(), workload(), workload()];
@@ -503,7 +503,7 @@ mod tests {
 
     #[test]
     fn an_owner_gets_its_engines_back_when_the_borrowers_task_ends() {
-        let board = BoardConfig::default();
+        let board = BoardConfig::test_board();
         let g = mlp();
         let mut tasks = [Tasks::new(&board, g.clone()).unwrap(), Tasks::new(&board, g.clone()).unwrap()];
         let ws = [workload(), workload()];
