@@ -1,5 +1,7 @@
 //! Shared helpers of the benchmark binaries.
 
+pub mod metrics;
+
 use std::path::PathBuf;
 use std::time::Instant;
 
