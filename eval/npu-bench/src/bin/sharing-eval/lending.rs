@@ -43,6 +43,9 @@ pub struct Lending {
     /// Who gets the core's engines at a task boundary
     /// (`npu_scheduler::Boundary`).
     pub policy: Boundary,
+    /// Every tenant's guaranteed shape (its share of the core, as in the
+    /// static vNPU system); tasks are cut to `task_cycles` on it.
+    pub guarantee: Engines,
 }
 
 /// A workload cut into operations, each timed alone on every shape of the
@@ -189,6 +192,8 @@ struct TaskRequest<'t, 'm> {
     arrival: f64,
     tasks: &'t RefCell<&'m mut Tasks>,
     task_cycles: f64,
+    /// Its claim's engines (tasks are cut on them).
+    guarantee: Engines,
     /// Its next operation, and the end of the task it runs now.
     op: usize,
     end: usize,
@@ -204,7 +209,7 @@ impl StageTimes for TaskRequest<'_, '_> {
     /// Its next task as cut on its guarantee (at least one operation).
     fn next(&self, e: Engines) -> f64 {
         let t = self.tasks.borrow();
-        t.cycles(self.op..t.task_end(self.op, GUARANTEED, self.task_cycles), e)
+        t.cycles(self.op..t.task_end(self.op, self.guarantee, self.task_cycles), e)
     }
 
     fn rest(&self, e: Engines) -> f64 {
@@ -250,10 +255,6 @@ impl SimTenant for TaskRequest<'_, '_> {
     }
 }
 
-/// The guaranteed shape of every tenant: a quarter of the default core, as
-/// in the static vNPU system.
-pub const GUARANTEED: Engines = Engines::new(1, 1);
-
 /// Submits tenant `i`'s request that arrived at `arrival` to core 0.
 fn submit_task<'t, 'm>(
     rt: &mut Runtime<'_, TaskRequest<'t, 'm>>,
@@ -268,8 +269,8 @@ fn submit_task<'t, 'm>(
         return Err(format!("no tenant {i}"));
     };
     let claim = Claim {
-        sa: GUARANTEED.sa,
-        vu: GUARANTEED.vu,
+        sa: how.guarantee.sa,
+        vu: how.guarantee.vu,
         priority: w.priority,
         slo_cycles: w.sla as u64,
         borrow: Engines::default(),
@@ -279,6 +280,7 @@ fn submit_task<'t, 'm>(
         arrival,
         tasks: t,
         task_cycles: how.task_cycles,
+        guarantee: how.guarantee,
         op: 0,
         end: 0,
         program: empty.clone(),
@@ -291,7 +293,7 @@ fn submit_task<'t, 'm>(
 
 /// Runs the arrival stream on the board runtime's core 0 with `how`'s
 /// boundary policy (`Runtime::set_staging`). `tasks[i]` is tenant `i`'s
-/// workload cut into operations; each tenant claims [`GUARANTEED`] with
+/// workload cut into operations; each tenant claims `how.guarantee` with
 /// its priority and its workload's `sla` as latency target (the deadline
 /// whose slack orders lending). Fails if a task cannot be lowered.
 pub fn simulate_lending(
@@ -386,6 +388,7 @@ mod tests {
         let p = ProgramBuilder::new().finish();
         Workload {
             name: "mlp".into(),
+            share: GUARANTEED,
             p11: p.clone(),
             spread: p.clone(),
             spread_k: 1,
@@ -420,7 +423,11 @@ mod tests {
         ok[0]
     }
 
-    const ONE_OP: Lending = Lending { task_cycles: 1.0, tolerance: 0.05, policy: Boundary::Lend };
+    /// A quarter of the test board's core, as its static vNPUs.
+    const GUARANTEED: Engines = Engines::new(1, 1);
+
+    const ONE_OP: Lending =
+        Lending { task_cycles: 1.0, tolerance: 0.05, policy: Boundary::Lend, guarantee: GUARANTEED };
 
     #[test]
     fn a_lone_request_runs_each_operation_on_the_engines_that_pay() {

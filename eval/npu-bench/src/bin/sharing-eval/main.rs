@@ -58,6 +58,7 @@
 //!
 //! `cargo build --release -p npu-bench && target/release/sharing-eval --help`
 
+mod knee;
 mod lending;
 
 use lending::{saturation_lending, simulate_lending, Lending, Tasks};
@@ -84,7 +85,12 @@ const MIX: [(&str, u32); 4] = [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf"
 #[derive(Clone, Debug)]
 struct Workload {
     name: String,
-    /// The program lowered for a 1 SA + 1 VU vNPU and for the whole core.
+    /// The tenant's vNPU: its share of the core (the core's SAs and VUs
+    /// split evenly among the tenants: 1 SA + 1 VU of a 4 + 4 core for
+    /// four tenants, 2 + 2 for two).
+    share: Engines,
+    /// The program lowered for its vNPU (`p11`, `t11`: named for the
+    /// four-tenant 1 SA + 1 VU case) and for the whole core (`p44`).
     p11: Program,
     p44: Program,
     /// Cycles of one request alone on each.
@@ -196,11 +202,14 @@ impl OnRuntime {
             Self::Prema(_) => Claim { priority: w.priority, ..Claim::whole_core(board) },
             // Priority, then deadline order who borrows first.
             _ => Claim {
-                sa: 1,
-                vu: 1,
+                sa: w.share.sa,
+                vu: w.share.vu,
                 priority: w.priority,
                 slo_cycles: w.sla as u64,
-                borrow: Engines::new(c.sa_count.saturating_sub(1), c.vu_count.saturating_sub(1)),
+                borrow: Engines::new(
+                    c.sa_count.saturating_sub(w.share.sa),
+                    c.vu_count.saturating_sub(w.share.vu),
+                ),
             },
         }
     }
@@ -403,6 +412,20 @@ struct Args {
     /// (`npu_board_runtime::Runtime::set_lend_limit`; default: no bound).
     #[arg(long = "lend-limit-us", value_name = "US", value_parser = lend_limit)]
     lend_limit_us: Option<f64>,
+    /// Instead of the load sweep, find each system's throughput at the SLA
+    /// by a search of its own knee (loads of its saturation until the first
+    /// failure, then bisection to 5%), on each of `--seeds` seeds, with at
+    /// least `--min-requests` requests of each tenant at every rate; then
+    /// compare p99 and utilization at 0.8 of the better PREMA-like
+    /// system's throughput at the SLA (docs/evaluation.md, "Metrics").
+    #[arg(long)]
+    knee: bool,
+    /// --knee: seeds `--seed` to `--seed + N - 1`.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    seeds: u64,
+    /// --knee: fewest requests of each tenant at a rate.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
+    min_requests: u64,
     /// Also write the results as JSON to PATH.
     #[arg(long, value_name = "PATH")]
     json: Option<String>,
@@ -472,7 +495,7 @@ fn parse_args() -> Args {
     }
     if !(2..=4).contains(&a.tenants.len()) {
         usage_error::<Args>(format!(
-            "--tenants: {} tenants; 2 to 4 fit a core as 1 SA + 1 VU vNPUs",
+            "--tenants: {} tenants; 2 to 4 share a core, each on a vNPU of an even share of it",
             a.tenants.len()
         ));
     }
@@ -666,10 +689,16 @@ fn summarize(system: &'static str, load: f64, o: &Outcome, ws: &[Workload], eus:
     }
 }
 
-fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Result<(Program, f64), String> {
+fn lowered(
+    board: &BoardConfig,
+    w: &str,
+    batch: u32,
+    e: Engines,
+    sram: u64,
+) -> Result<(Program, f64), String> {
     let opts = RunOptions {
-        sa,
-        vu: sa,
+        sa: e.sa,
+        vu: e.vu,
         sram_bytes: Some(sram),
         hbm_bytes: Some(8 << 30),
         ..RunOptions::on_board(board, w, batch)
@@ -679,27 +708,29 @@ fn lowered(board: &BoardConfig, w: &str, batch: u32, sa: u32, sram: u64) -> Resu
     Ok((l.program, t))
 }
 
-/// The harvesting vNPU's program of `w`: lowered with its vNPU's 8 MiB of
-/// SRAM for k SA + k VU (k from every engine of the core down to 2) and
-/// marked spread, the widest whose time alone on the guarantee (1 SA + 1
-/// VU) is at most `max_cost` times `t11`, the vNPU's own program's (a
-/// wider lowering splits the SRAM into smaller tiles); the vNPU's own
-/// program if none is. Returns k (1: its own program), its cycles alone
-/// on 1 SA + 1 VU and on every engine, and the program.
+/// The harvesting vNPU's program of `w`: lowered with its vNPU's SRAM
+/// (`sram`) for k SA + k VU (k from every engine of the core down to one
+/// more than its `share`) and marked spread, the widest whose time alone
+/// on the share is at most `max_cost` times `t11`, the vNPU's own
+/// program's (a wider lowering splits the SRAM into smaller tiles); the
+/// vNPU's own program if none is. Returns k (its share's SAs: its own
+/// program), its cycles alone on its share and on every engine, and the
+/// program.
 fn spread_program(
     board: &BoardConfig,
     w: &str,
     batch: u32,
+    (share, sram): (Engines, u64),
     (p11, t11): (&Program, f64),
     max_cost: f64,
 ) -> Result<(u32, f64, f64, Program), String> {
     let c = &board.core;
     let widest = c.sa_count.min(c.vu_count);
-    for k in (2..=widest).rev() {
+    for k in (share.sa.max(share.vu) + 1..=widest).rev() {
         let opts = RunOptions {
             sa: k,
             vu: k,
-            sram_bytes: Some(8 << 20),
+            sram_bytes: Some(sram),
             hbm_bytes: Some(8 << 30),
             ..RunOptions::on_board(board, w, batch)
         };
@@ -707,16 +738,46 @@ fn spread_program(
         let mut p = l.program;
         p.spread = true;
         let on = |width: [u32; 2]| {
-            run_program_on(board, &p, None, None, [1, 1], width)
+            run_program_on(board, &p, None, None, [share.sa, share.vu], width)
                 .map(|t| t.cycles)
                 .map_err(|e| format!("{w}: {e}"))
         };
-        let ts11 = on([1, 1])?;
+        let ts11 = on([share.sa, share.vu])?;
         if ts11 <= max_cost * t11 {
             return Ok((k, ts11, on([c.sa_count, c.vu_count])?, p));
         }
     }
-    Ok((1, t11, t11, p11.clone()))
+    Ok((share.sa, t11, t11, p11.clone()))
+}
+
+/// Each of `n` tenants' share of a core of `board`: its SAs and VUs split
+/// evenly (at least one of each) and its SRAM in whole slices.
+fn share_of(board: &BoardConfig, n: u32) -> Result<(Engines, u64), String> {
+    let c = &board.core;
+    let (sa, vu) = (c.sa_count / n.max(1), c.vu_count / n.max(1));
+    let slice = npu_model::config::SRAM_SLICE;
+    let sram = board.sram_bytes() / u64::from(n.max(1)) / slice * slice;
+    if sa == 0 || vu == 0 || sram == 0 {
+        return Err(format!(
+            "{n} tenants do not each get an SA, a VU and an SRAM slice of a core of {} SAs, {} VUs and {} MiB",
+            c.sa_count, c.vu_count, c.sram_mib
+        ));
+    }
+    Ok((Engines::new(sa, vu), sram))
+}
+
+/// The SRAM bytes `p` addresses (the highest end of its SRAM accesses):
+/// what a checkpoint of a request of it saves and restores at most.
+fn sram_footprint(p: &Program) -> u64 {
+    p.streams
+        .iter()
+        .flat_map(|s| s.code.iter())
+        .filter_map(|i| i.footprint().ok())
+        .flat_map(|f| f.iter().copied().collect::<Vec<_>>())
+        .filter(|a| a.space == vnpu_abi::Space::Sram)
+        .map(|a| a.end())
+        .max()
+        .unwrap_or(0)
 }
 
 fn run() -> Result<(), String> {
@@ -728,12 +789,15 @@ fn run() -> Result<(), String> {
     };
     let mut ws = Vec::new();
     let mut tasks = Vec::new();
+    let (share, share_sram) = share_of(&board, args.tenants.len() as u32)?;
+    let whole = Engines::new(board.core.sa_count, board.core.vu_count);
     eprintln!("lowering the workloads, and each operation for every shape of the core ...");
     for (i, (w, batch)) in args.tenants.iter().enumerate() {
         let (w, batch) = (w.as_str(), *batch);
-        let (p11, t11) = lowered(&board, w, batch, 1, 8 << 20)?;
-        let (p44, t44) = lowered(&board, w, batch, 4, board.sram_bytes())?;
-        let (spread_k, ts11, ts44, spread) = spread_program(&board, w, batch, (&p11, t11), args.spread_cost)?;
+        let (p11, t11) = lowered(&board, w, batch, share, share_sram)?;
+        let (p44, t44) = lowered(&board, w, batch, whole, board.sram_bytes())?;
+        let (spread_k, ts11, ts44, spread) =
+            spread_program(&board, w, batch, (share, share_sram), (&p11, t11), args.spread_cost)?;
         let sla = match args.sla_ms() {
             Some(ms) => ms[i] * 1e-3 * hz,
             None => args.qos * t44,
@@ -741,6 +805,7 @@ fn run() -> Result<(), String> {
         let priority = args.priorities.get(i).copied().unwrap_or(1);
         ws.push(Workload {
             name: format!("{w} b{batch}"),
+            share,
             p11,
             p44,
             t11,
@@ -758,6 +823,7 @@ fn run() -> Result<(), String> {
         task_cycles: args.task_us * f64::from(board.clock_mhz),
         tolerance: args.tolerance,
         policy: Boundary::Lend,
+        guarantee: share,
     };
     let planaria = Lending { policy: Boundary::Fission, ..how };
     let v10 = Lending { policy: Boundary::Interleave, ..how };
@@ -770,9 +836,11 @@ fn run() -> Result<(), String> {
     let sat_wc = saturation_lending(&board, &ws, &mut tasks, &weights, 8, how)?;
     let sat_planaria = saturation_lending(&board, &ws, &mut tasks, &weights, 8, planaria)?;
     let sat_v10 = saturation_lending(&board, &ws, &mut tasks, &weights, 8, v10)?;
-    // Context switch: checkpoint and restore 8 MiB of SRAM state at the DMA
-    // engine's rate.
-    let switch = 2.0 * (8u64 << 20) as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
+    // Context switch: checkpoint and restore the SRAM a whole-core request
+    // addresses (the largest of the tenants' programs: a bound on its live
+    // state) at the DMA engine's rate.
+    let ckpt_bytes = ws.iter().map(|w| sram_footprint(&w.p44)).max().unwrap_or(0);
+    let switch = 2.0 * ckpt_bytes as f64 / board.gbps_to_bytes_per_cycle(board.dma.gbps);
     let ckpt = OnRuntime::Prema(Prema { margin: args.margin, kill: args.prema_kill(), checkpoint: switch });
     let drain = OnRuntime::Prema(Prema { margin: f64::INFINITY, kill: false, checkpoint: switch });
     println!(
@@ -836,6 +904,94 @@ fn run() -> Result<(), String> {
         args.task_us,
         100.0 * args.tolerance
     );
+    let eus = f64::from(board.core.sa_count + board.core.vu_count);
+    if args.knee {
+        let systems =
+            vec!["vNPU", "vNPU-WC", "vNPU-H", "PREMA-ckpt", "PREMA-drain", "Planaria", "FIFO", "V10"];
+        let saturation =
+            vec![sat_vnpu, sat_wc, sat_h, sat_prema, sat_prema, sat_planaria, sat_prema, sat_v10];
+        let mut simulate = |s: usize, arrivals: &[Vec<f64>]| -> Result<Outcome, String> {
+            match s {
+                0 => simulate_runtime(&board, &ws, arrivals, OnRuntime::Static),
+                1 => simulate_lending(&board, &ws, &mut tasks, arrivals, how),
+                2 => simulate_runtime(&board, &ws, arrivals, harvesting),
+                3 => simulate_runtime(&board, &ws, arrivals, ckpt),
+                4 => simulate_runtime(&board, &ws, arrivals, drain),
+                5 => simulate_lending(&board, &ws, &mut tasks, arrivals, planaria),
+                6 => simulate_runtime(&board, &ws, arrivals, OnRuntime::Fifo),
+                _ => simulate_lending(&board, &ws, &mut tasks, arrivals, v10),
+            }
+        };
+        let mut setup = knee::Setup {
+            systems,
+            saturation,
+            weights: weights.clone(),
+            sla: ws.iter().map(|w| w.sla).collect(),
+            hz,
+            eus,
+            min_requests: args.min_requests as usize,
+            min_window: args.seconds * hz,
+            baselines: PREMA.collect(),
+            simulate: &mut simulate,
+        };
+        let seeds: Vec<u64> = (0..args.seeds).map(|k| args.seed + k).collect();
+        let results = knee::run(&mut setup, &seeds, &mut |m| eprintln!("{m}"))?;
+        let summary = knee::summarize(&results, &PREMA.collect::<Vec<_>>());
+        println!("\nthroughput at the SLA (the highest offered rate every lower swept rate of which met it), over {} seeds:", seeds.len());
+        println!(
+            "  {:<12} {:>30} {:>30} {:>30} {:>30}",
+            "system",
+            "req/s median (min-max)",
+            "/ best PREMA-like",
+            "p99 lower at 0.8 x PREMA's",
+            "EU util / PREMA's there"
+        );
+        for x in &summary {
+            let r = |sp: &npu_bench::metrics::Spread| {
+                if sp.seeds == 0 {
+                    "-".to_string()
+                } else {
+                    sp.to_string()
+                }
+            };
+            println!(
+                "  {:<12} {:>30} {:>30} {:>30} {:>30}{}{}",
+                x.system,
+                r(&x.throughput_at_sla_rps),
+                r(&x.throughput_ratio),
+                r(&x.p99_ratio),
+                r(&x.utilization_ratio),
+                if x.p99_unbounded_seeds > 0 {
+                    format!("  (p99 unbounded on {} seeds)", x.p99_unbounded_seeds)
+                } else {
+                    String::new()
+                },
+                if x.lower_bound_seeds > 0 {
+                    format!("  (never failed on {} seeds: a lower bound)", x.lower_bound_seeds)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        if let Some(path) = &args.json {
+            let v = serde_json::json!({
+                "procedure": "knee", "seeds": seeds, "min_requests_per_tenant": args.min_requests,
+                "min_window_s": args.seconds, "board": board.name,
+                "qos_factor": if args.sla_ms().is_some() { serde_json::Value::Null } else { serde_json::json!(args.qos) },
+                "sla_ms": args.sla_ms(), "mix": if args.equal_mix() { "equal" } else { "balanced" },
+                "context_switch_s": switch / hz, "checkpoint_bytes": ckpt_bytes, "prema_kill": args.prema_kill(),
+                "tenants": ws.iter().zip(&weights).map(|(w, x)| serde_json::json!({"name": w.name,
+                    "share": format!("{}+{}", w.share.sa, w.share.vu),
+                    "t_share_s": w.t11 / hz, "t_core_s": w.t44 / hz, "sla_latency_s": w.sla / hz,
+                    "rate_share": x / wsum, "priority": w.priority})).collect::<Vec<_>>(),
+                "saturation_rps": setup.saturation.iter().zip(&setup.systems).map(|(x, n)| (n.to_string(), serde_json::json!(x * wsum * hz))).collect::<serde_json::Map<_, _>>(),
+                "summary": summary,
+                "results": results,
+            });
+            std::fs::write(path, v.to_string()).map_err(|e| format!("cannot write {path}: {e}"))?;
+        }
+        return Ok(());
+    }
     // Every load of the list for each system, as rates; sorted.
     let mut scales: Vec<f64> = args
         .loads
@@ -844,7 +1000,6 @@ fn run() -> Result<(), String> {
         .collect();
     scales.sort_by(f64::total_cmp);
     scales.dedup_by(|a, b| (*a - *b).abs() <= 1e-9 * b.abs());
-    let eus = f64::from(board.core.sa_count + board.core.vu_count);
     println!(
         "\n{:>9} {:<11} {:>6} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>6} {:>8} {:>8}",
         "offered/s",
@@ -1096,6 +1251,7 @@ mod tests {
         let t11 = t(&p11);
         Workload {
             name: name.into(),
+            share: Engines::new(1, 1),
             t11,
             t44,
             spread,
@@ -1244,6 +1400,9 @@ mod tests {
         assert!(o.switches > 0);
     }
 
+    /// PREMA's Algorithm 2 on hand-computed streams (tokens = priority x
+    /// (1 + waited / isolated time); threshold = the highest level of 1, 3
+    /// and 9 the largest count reached; the shortest candidate first).
     #[test]
     fn prema_tokens_grow_with_the_tenants_priority() {
         let board = BoardConfig::default();
@@ -1255,27 +1414,35 @@ mod tests {
         let pass = ws[2].t44;
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-6 * y;
         let drain = prema(10.0 * pass, f64::INFINITY, false);
-        // "mid" and "short" arrive together while "long" runs; when it ends
-        // (100 passes) they have waited 90 passes: tokens 90 / 4 and 90 / 1
-        // at equal priorities, so "short" runs first. Each starts after
-        // an engine switch (it waited for the core).
-        let arrivals = [vec![0.0], vec![10.0 * pass], vec![10.0 * pass]];
-        let o = simulate_runtime(&board, &ws, &arrivals, drain).unwrap();
         let l = |o: &Outcome, i: usize| o.latencies[i][0] / pass;
         let sw = npu_scheduler::switch_cycles(&board) / pass;
+        // "mid" and "short" arrive together at 10 while "long" runs; when
+        // it ends (100 passes) they have waited 90: tokens 1 + 90 / 4 =
+        // 23.5 and 1 + 90 = 91, threshold 9, both candidates: the shortest,
+        // "short", runs first. Each starts after an engine switch.
+        let o =
+            simulate_runtime(&board, &ws, &[vec![0.0], vec![10.0 * pass], vec![10.0 * pass]], drain).unwrap();
         let (short, mid) = (l(&o, 2), l(&o, 1));
         assert!(close(short, 91.0 + sw) && close(mid, 95.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
-        // At priority 9, "mid" has 9 x 90 / 4 = 202.5 tokens: it goes first.
-        ws[1].priority = 9;
-        let o = simulate_runtime(&board, &ws, &arrivals, drain).unwrap();
+        // "short" arriving at 95 instead has 1 + 5 = 6 tokens at 100, below
+        // the threshold of 9 that "mid"'s 23.5 set: "mid" runs first.
+        let late = [vec![0.0], vec![10.0 * pass], vec![95.0 * pass]];
+        let o = simulate_runtime(&board, &ws, &late, drain).unwrap();
         let (short, mid) = (l(&o, 2), l(&o, 1));
-        assert!(close(mid, 94.0 + sw) && close(short, 95.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
-        // Preemption: a short request (priority 1) arriving at 100.5 passes
-        // into a 400-pass one overtakes it at once at equal priorities
-        // (it drains its pass until 101). At priority 12 the long one's
-        // tokens grow at 12 / 400 per pass: the short one's 1 per pass
-        // overtake them at 100.5 / (1 - 0.03) = 103.6 passes, the long one
-        // drains until 104, then checkpoint (5), short (1).
+        assert!(close(mid, 94.0 + sw) && close(short, 10.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
+        // At priority 9 "short" has 9 x 6 = 54 tokens: a candidate, and
+        // the shortest: it goes first.
+        ws[2].priority = 9;
+        let o = simulate_runtime(&board, &ws, &late, drain).unwrap();
+        let (short, mid) = (l(&o, 2), l(&o, 1));
+        assert!(close(short, 6.0 + sw) && close(mid, 95.0 + 2.0 * sw), "{mid} {short} (switch {sw})");
+        // Preemption: a short request arriving at 100.5 passes into a
+        // 400-pass one is a candidate at once (every count is 1) and
+        // shorter: the long one drains its pass (until 101), is
+        // checkpointed (5), the short one runs (1). At priority 12 the
+        // running one's 12 tokens set the threshold at 9; the short one
+        // reaches 9 tokens at 100.5 + 8 = 108.5 passes, stops the long one
+        // then (it drains until 109), checkpoint (5), short (1).
         let mut ws = [workload(&board, "long", 400, 400), workload(&board, "short", 1, 1)];
         let ckpt = prema(10.0 * pass, 0.0, false);
         let arrivals = [vec![0.0], vec![100.5 * pass]];
@@ -1283,7 +1450,7 @@ mod tests {
         assert!(close(l(&o, 1), 101.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
         ws[0].priority = 12;
         let o = simulate_runtime(&board, &ws, &arrivals, ckpt).unwrap();
-        assert!(close(l(&o, 1), 104.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
+        assert!(close(l(&o, 1), 109.0 + 5.0 + 1.0 - 100.5), "{}", l(&o, 1));
         assert!(close(l(&o, 0), 400.0 + 11.0), "{}", l(&o, 0));
     }
 

@@ -1,0 +1,342 @@
+//! `sharing-eval --knee`: each system's throughput at the SLA found by a
+//! search of its own knee, over several seeds, with the metrics of
+//! `npu_bench::metrics` (`docs/evaluation.md`, "Metrics").
+//!
+//! For each seed and system: offered loads of 0.3, 0.5, 0.7, 0.85, 1.0,
+//! 1.15, 1.3, 1.5 and 2 times the system's own saturation until the first
+//! that fails (halving below 0.3 if that one fails), then the knee
+//! bisected until the last pass and the first failure are within 5%
+//! (`metrics::refine`). Every rate runs at least `--min-requests` requests
+//! of each tenant. A rate passes when the run is not saturated and every
+//! tenant's p99 (from at least 100 requests) is within its bound. The
+//! throughput at the SLA is the highest offered rate every lower swept
+//! rate of which passed. Then, at 0.8 of the better PREMA-like system's
+//! throughput at the SLA, every system runs the same arrivals once more:
+//! their p99 over all requests, and the ratio to the better baseline's
+//! where both are below saturation.
+
+use npu_bench::metrics::{self, Spread, SweepPoint, Tail};
+use npu_bench::Rng;
+use serde::Serialize;
+
+use crate::Outcome;
+
+/// One swept rate of one system.
+#[derive(Clone, Debug, Serialize)]
+pub struct Point {
+    /// Offered requests per second, all tenants.
+    pub offered_rps: f64,
+    /// Completed requests per second (every request of the stream over
+    /// the time until the last completes).
+    pub served_rps: f64,
+    pub saturated: bool,
+    pub meets_sla: bool,
+    /// Each tenant's p99 (seconds; null: too few requests) and bound.
+    pub tenant_p99_s: Vec<Option<f64>>,
+    pub requests: usize,
+    /// Busy SA + VU time over all EU time until the last completion.
+    pub eu_utilization: f64,
+    /// p99 over every request of the mix.
+    pub p99: Tail,
+}
+
+/// One system's knee on one seed.
+#[derive(Clone, Debug, Serialize)]
+pub struct Knee {
+    pub system: String,
+    pub seed: u64,
+    /// Offered requests per second at the SLA (`None`: not even the
+    /// lowest rate passed).
+    pub throughput_at_sla_rps: Option<f64>,
+    /// The sweep never failed: the figure is a lower bound.
+    pub lower_bound: bool,
+    pub points: Vec<Point>,
+}
+
+/// Runs system `s` (an index of [`Setup::systems`]) on arrivals.
+pub type Simulate<'a> = dyn FnMut(usize, &[Vec<f64>]) -> Result<Outcome, String> + 'a;
+
+/// What the search needs of the evaluation: the systems' names and
+/// saturation scales, the tenants' relative rates and bounds, and a way
+/// to run one system on arrivals.
+pub struct Setup<'a> {
+    pub systems: Vec<&'static str>,
+    /// Each system's saturation, as a scale of `weights` (per cycle).
+    pub saturation: Vec<f64>,
+    pub weights: Vec<f64>,
+    /// Each tenant's latency bound (cycles).
+    pub sla: Vec<f64>,
+    /// Core clock (Hz) and the core's EUs.
+    pub hz: f64,
+    pub eus: f64,
+    pub min_requests: usize,
+    /// Shortest arrival window (cycles).
+    pub min_window: f64,
+    /// Indices of the PREMA-like systems (the baselines).
+    pub baselines: Vec<usize>,
+    pub simulate: &'a mut Simulate<'a>,
+}
+
+/// The loads (fractions of a system's saturation) swept before the knee
+/// is bisected.
+const GRID: [f64; 9] = [0.3, 0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.5, 2.0];
+
+impl Setup<'_> {
+    /// The arrivals at scale `x` (per-tenant rates `x * weights`, per
+    /// cycle) for `seed`: Poisson, each tenant at least `min_requests`.
+    fn arrivals(&self, x: f64, seed: u64) -> Vec<Vec<f64>> {
+        let least = self.weights.iter().copied().fold(f64::INFINITY, f64::min);
+        let window = self.min_window.max(self.min_requests as f64 * 1.1 / (x * least));
+        let mut rng = Rng(seed.max(1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ x.to_bits());
+        self.weights.iter().map(|w| rng.arrivals(1.0 / (x * w), window)).collect()
+    }
+
+    /// Runs system `s` at scale `x`.
+    fn point(&mut self, s: usize, x: f64, seed: u64) -> Result<Point, String> {
+        let arrivals = self.arrivals(x, seed);
+        let o = (self.simulate)(s, &arrivals)?;
+        Ok(self.read(&arrivals, &o, x))
+    }
+
+    fn read(&self, arrivals: &[Vec<f64>], o: &Outcome, x: f64) -> Point {
+        let first = arrivals.iter().filter_map(|a| a.first()).copied().fold(f64::INFINITY, f64::min);
+        let last = arrivals.iter().filter_map(|a| a.last()).copied().fold(f64::NEG_INFINITY, f64::max);
+        let saturated = o.failed > 0 || metrics::saturated(first, last, o.end);
+        let tenant_p99: Vec<Option<f64>> = o.latencies.iter().map(|l| metrics::p99(l)).collect();
+        let within = tenant_p99.iter().zip(&self.sla).all(|(p, b)| p.is_some_and(|p| p <= *b));
+        let all: Vec<f64> = o.latencies.iter().flatten().copied().collect();
+        let requests = all.len();
+        Point {
+            offered_rps: x * self.weights.iter().sum::<f64>() * self.hz,
+            served_rps: requests as f64 / (o.end / self.hz),
+            saturated,
+            meets_sla: !saturated && within,
+            tenant_p99_s: tenant_p99.iter().map(|p| p.map(|c| c / self.hz)).collect(),
+            requests,
+            eu_utilization: o.eu_cycles / (self.eus * o.end.max(1.0)),
+            p99: match Tail::of(&all, saturated) {
+                Tail::Bounded(c) => Tail::Bounded(c / self.hz),
+                t => t,
+            },
+        }
+    }
+
+    /// System `s`'s knee on `seed`.
+    pub fn knee(&mut self, s: usize, seed: u64, progress: &mut dyn FnMut(&str)) -> Result<Knee, String> {
+        let sat = self.saturation[s];
+        let mut points: Vec<(f64, Point)> = Vec::new();
+        let sweep = |p: &[(f64, Point)]| -> Vec<SweepPoint> {
+            p.iter().map(|(x, q)| SweepPoint { rate: *x, meets_sla: q.meets_sla }).collect()
+        };
+        for g in GRID {
+            let p = self.point(s, g * sat, seed)?;
+            let fail = !p.meets_sla;
+            points.push((g * sat, p));
+            if fail {
+                break;
+            }
+        }
+        // The lowest failed: halve until one passes (at most six times).
+        let mut lo = GRID[0];
+        while points.iter().all(|(_, p)| !p.meets_sla) && lo > GRID[0] / 64.0 {
+            lo /= 2.0;
+            let p = self.point(s, lo * sat, seed)?;
+            points.push((lo * sat, p));
+        }
+        while let Some(x) = metrics::refine(&sweep(&points)) {
+            progress(&format!(
+                "{} seed {seed}: bisecting at {:.0}/s",
+                self.systems[s],
+                x * self.rps_per_scale()
+            ));
+            let p = self.point(s, x, seed)?;
+            points.push((x, p));
+        }
+        points.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let sp = sweep(&points);
+        Ok(Knee {
+            system: self.systems[s].to_string(),
+            seed,
+            throughput_at_sla_rps: metrics::throughput_at_sla(&sp).map(|x| x * self.rps_per_scale()),
+            lower_bound: metrics::never_failed(&sp),
+            points: points.into_iter().map(|(_, p)| p).collect(),
+        })
+    }
+
+    fn rps_per_scale(&self) -> f64 {
+        self.weights.iter().sum::<f64>() * self.hz
+    }
+
+    /// Every system at the same offered scale `x` (the same arrivals).
+    pub fn at(&mut self, x: f64, seed: u64) -> Result<Vec<Point>, String> {
+        let arrivals = self.arrivals(x, seed);
+        let mut out = Vec::new();
+        for s in 0..self.systems.len() {
+            let o = (self.simulate)(s, &arrivals)?;
+            out.push(self.read(&arrivals, &o, x));
+        }
+        Ok(out)
+    }
+}
+
+/// The knees and the common-rate comparison of one seed.
+#[derive(Clone, Debug, Serialize)]
+pub struct SeedResult {
+    pub seed: u64,
+    pub knees: Vec<Knee>,
+    /// The offered rate of the comparison: 0.8 of the better baseline's
+    /// throughput at the SLA (`None` if neither baseline met the SLA).
+    pub common_rps: Option<f64>,
+    pub common: Vec<Point>,
+}
+
+/// Runs every system's knee search on each seed, then the common-rate
+/// comparison.
+pub fn run(
+    setup: &mut Setup<'_>,
+    seeds: &[u64],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<SeedResult>, String> {
+    let mut out = Vec::new();
+    for &seed in seeds {
+        let mut knees = Vec::new();
+        for s in 0..setup.systems.len() {
+            progress(&format!("seed {seed}: {} ...", setup.systems[s]));
+            knees.push(setup.knee(s, seed, progress)?);
+        }
+        let best = setup
+            .baselines
+            .iter()
+            .filter_map(|&b| knees[b].throughput_at_sla_rps)
+            .fold(None, |a: Option<f64>, b| Some(a.map_or(b, |a| a.max(b))));
+        let (common_rps, common) = match best {
+            Some(rps) => {
+                let x = 0.8 * rps / setup.rps_per_scale();
+                (Some(0.8 * rps), setup.at(x, seed)?)
+            }
+            None => (None, Vec::new()),
+        };
+        out.push(SeedResult { seed, knees, common_rps, common });
+    }
+    Ok(out)
+}
+
+/// The summary over seeds of system `s` against the better baseline.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub system: String,
+    /// Its throughput at the SLA (req/s) over seeds.
+    pub throughput_at_sla_rps: Spread,
+    /// Over the better baseline's, per seed (seeds where both met the SLA
+    /// at some rate).
+    pub throughput_ratio: Spread,
+    /// The better baseline's p99 over its own at the common rate (seeds
+    /// where both were below saturation; others are counted as
+    /// `unbounded`).
+    pub p99_ratio: Spread,
+    pub p99_unbounded_seeds: usize,
+    /// Its EU utilization over the better baseline's at the common rate.
+    pub utilization_ratio: Spread,
+    /// Seeds whose sweep never failed (its figure is a lower bound).
+    pub lower_bound_seeds: usize,
+}
+
+/// Summaries of every system.
+pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
+    let n = results.first().map_or(0, |r| r.knees.len());
+    (0..n)
+        .map(|s| {
+            let mut tput = Vec::new();
+            let mut ratio = Vec::new();
+            let (mut p99, mut unbounded, mut util, mut lower) = (Vec::new(), 0, Vec::new(), 0);
+            for r in results {
+                let k = &r.knees[s];
+                lower += usize::from(k.lower_bound);
+                if let Some(t) = k.throughput_at_sla_rps {
+                    tput.push(t);
+                }
+                let base = baselines
+                    .iter()
+                    .filter_map(|&b| r.knees[b].throughput_at_sla_rps)
+                    .fold(f64::NAN, f64::max);
+                if let (Some(t), true) = (k.throughput_at_sla_rps, base.is_finite()) {
+                    ratio.push(t / base);
+                }
+                if r.common.len() > s {
+                    // The better baseline at the common rate: the lower
+                    // bounded p99, the higher utilization.
+                    let tails: Vec<Tail> = baselines.iter().map(|&b| r.common[b].p99).collect();
+                    let best = tails.iter().filter_map(|t| t.seconds()).fold(f64::NAN, f64::min);
+                    match metrics::tail_ratio(Tail::Bounded(best), r.common[s].p99) {
+                        Some(x) if best.is_finite() => p99.push(x),
+                        _ => unbounded += 1,
+                    }
+                    let bu = baselines.iter().map(|&b| r.common[b].eu_utilization).fold(f64::NAN, f64::max);
+                    util.push(r.common[s].eu_utilization / bu);
+                }
+            }
+            Summary {
+                system: results.first().map_or(String::new(), |r| r.knees[s].system.clone()),
+                throughput_at_sla_rps: Spread::of(&tput),
+                throughput_ratio: Spread::of(&ratio),
+                p99_ratio: Spread::of(&p99),
+                p99_unbounded_seeds: unbounded,
+                utilization_ratio: Spread::of(&util),
+                lower_bound_seeds: lower,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fake system: below scale `knee` (read back from the arrivals'
+    /// count, so within Poisson noise) every request takes 10 cycles
+    /// against a bound of 100, above it 1,000. The search must land within
+    /// 5% below the knee (and the noise), never above it.
+    #[test]
+    fn the_search_lands_within_five_percent_below_the_knee() {
+        let knee = 0.37;
+        let mut fake = |_: usize, arrivals: &[Vec<f64>]| -> Result<Outcome, String> {
+            // The arrivals' rate tells the scale: n requests over the window.
+            let n: usize = arrivals.iter().map(Vec::len).sum();
+            let last = arrivals.iter().filter_map(|a| a.last()).copied().fold(0.0, f64::max);
+            let scale = n as f64 / last / 2.0;
+            let lat = if scale < knee { 10.0 } else { 1000.0 };
+            Ok(Outcome {
+                latencies: arrivals.iter().map(|a| vec![lat; a.len()]).collect(),
+                end: last + lat,
+                ..Outcome::default()
+            })
+        };
+        let mut setup = Setup {
+            systems: vec!["fake"],
+            saturation: vec![0.5],
+            weights: vec![1.0, 1.0],
+            sla: vec![100.0, 100.0],
+            hz: 1.0,
+            eus: 8.0,
+            min_requests: 2000,
+            min_window: 0.0,
+            baselines: vec![0],
+            simulate: &mut fake,
+        };
+        let k = setup.knee(0, 1, &mut |_| {}).unwrap();
+        // Offered rate = scale x 2 tenants.
+        let got = k.throughput_at_sla_rps.unwrap() / 2.0;
+        assert!(
+            got < knee && got > knee / 1.05 / 1.02,
+            "{got} against a knee at {knee}: {:?}",
+            k.points.len()
+        );
+        assert!(!k.lower_bound);
+        // Every point ran at least 2,000 requests of each tenant.
+        assert!(
+            k.points.iter().all(|p| p.requests >= 2 * 2000),
+            "{:?}",
+            k.points.iter().map(|p| p.requests).collect::<Vec<_>>()
+        );
+    }
+}
