@@ -611,7 +611,8 @@ fn task_granularity_cost() {
     for (w, batch) in [("bert", 1), ("resnet50", 1), ("dlrm", 8), ("ncf", 8), ("mobilenet", 1)] {
         let g = build(w, batch).unwrap();
         for k in [1u32, 4] {
-            let shape = VnpuShape::on_board(&b, k, k, u64::from(k) * (8 << 20), 8 << 30);
+            // k SA + k VU with k quarters of the core's SRAM.
+            let shape = VnpuShape::on_board(&b, k, k, u64::from(k) * b.sram_bytes() / 4, 8 << 30);
             let whole = run_program(&b, &lower(&g, shape).unwrap().program, None, None).unwrap().cycles;
             let tasks: f64 = (0..g.ops.len())
                 .map(|i| {
