@@ -164,11 +164,15 @@ fn run() -> Result<(), String> {
         ("resnet50", "resnet50", 1, 2, 1, 0.0),
     ];
     let mut ts = Vec::new();
+    // Each vNPU has a quarter of the core's SRAM (4 MiB on the default
+    // board), whole slices.
+    let slice = npu_model::config::SRAM_SLICE;
+    let sram = (board.sram_bytes() / 4 / slice).max(1) * slice;
     for (name, w, batch, sa, vu, slo_ms) in mix {
         let o = RunOptions {
             sa,
             vu,
-            sram_bytes: Some(8 << 20),
+            sram_bytes: Some(sram),
             hbm_bytes: Some(8 << 30),
             ..RunOptions::on_board(&board, w, batch)
         };
