@@ -64,6 +64,12 @@ p.add_argument("--levels", help="comma-separated bound levels (x1, x0.5, x0.25; 
 p.add_argument("--no-prema-kill", action="store_true", help="PREMA-ckpt without PREMA's KILL option")
 p.add_argument("--priorities", choices=["equal", "drawn"], default="equal",
                help="all tenants at priority 1, or one priority per tenant drawn from 1..12")
+p.add_argument("--knee", action="store_true",
+               help="each system's throughput at the SLA by its own knee over --seeds seeds "
+                    "(sharing-eval --knee; docs/evaluation.md, \"Metrics\"); the table gives "
+                    "median (min-max) over seeds")
+p.add_argument("--seeds", default="5", help="with --knee: seeds --seed .. --seed + N - 1")
+p.add_argument("--min-requests", default="1000", help="with --knee: fewest requests of each tenant per rate")
 a = p.parse_args()
 os.makedirs(a.out, exist_ok=True)
 names = a.only.split(",") if a.only else list(SCENARIOS)
@@ -86,6 +92,35 @@ def row_at(rates, offered):
 def ratio(x, y):
     return float("nan") if not y else x / y
 
+
+def spread(x):
+    return "-" if not x or x["seeds"] == 0 else f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})"
+
+
+if a.knee:
+    print("| scenario | bounds | system | throughput at the SLA / PREMA | p99 lower than PREMA by (at 0.8 x PREMA's) | EU util / PREMA (there) |")
+    print("| --- | --- | --- | ---: | ---: | ---: |")
+    for n in names:
+        tenants = SCENARIOS[n]
+        for level, scale in levels:
+            tag = f"planaria-{n}-{level}"
+            js = os.path.join(a.out, f"{tag}.json")
+            cmd = [a.bin, "--knee", "--seeds", a.seeds, "--min-requests", a.min_requests,
+                   "--tenants", ",".join(w for w, _ in tenants),
+                   "--sla-ms", ",".join(f"{ms * scale:g}" for _, ms in tenants),
+                   "--mix", "equal", "--seconds", a.seconds, "--seed", a.seed, "--json", js]
+            if a.no_prema_kill:
+                cmd.append("--no-prema-kill")
+            print(f"planaria_scenarios: {tag}: {' '.join(cmd)}", file=sys.stderr)
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            j = json.load(open(js))
+            for x in j["summary"]:
+                if x["system"].startswith("PREMA"):
+                    continue
+                unb = f" ({x['p99_unbounded_seeds']} seeds unbounded)" if x["p99_unbounded_seeds"] else ""
+                print(f"| {n} | {level} | {x['system']} | {spread(x['throughput_ratio'])} "
+                      f"| {spread(x['p99_ratio'])}{unb} | {spread(x['utilization_ratio'])} |", flush=True)
+    sys.exit(0)
 
 print("| scenario | bounds | system | SLA throughput / PREMA | EU util / PREMA | p99 lower than PREMA by | SLA satisfaction (PREMA) | fairness (PREMA) |")
 print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
