@@ -14,9 +14,12 @@
 //! - [`refine`]: the rates to sweep next, bisecting between the last
 //!   passing rate and the first failing one until they are at most
 //!   [`KNEE_STEP`] apart.
+//! - [`tenant_tail_ratio`]: how many times lower a system's tenants' p99s
+//!   are than a baseline's, the geometric mean over tenants, only when
+//!   every one is bounded in both.
 //! - [`Spread`]: min / median / max of a figure over seeds.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Fewest latencies a p99 is computed from (with fewer, the 99th
 /// percentile by nearest rank is the slowest request or next to it).
@@ -65,7 +68,7 @@ pub fn saturated(first_arrival: f64, last_arrival: f64, last_completion: f64) ->
 /// A tail latency as it may be read: a number below saturation, else
 /// unbounded (it grows with the run's length), or missing (too few
 /// requests).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", tag = "kind", content = "seconds")]
 pub enum Tail {
     Bounded(f64),
@@ -99,6 +102,20 @@ impl Tail {
 /// only when both are bounded (below saturation); `None` otherwise.
 pub fn tail_ratio(base: Tail, ours: Tail) -> Option<f64> {
     Some(base.seconds()? / ours.seconds()?)
+}
+
+/// How many times lower our tenants' tails are than the baseline's: the
+/// geometric mean over tenants of [`tail_ratio`] (each tenant weighs the
+/// same, whatever its latency: a mix's own p99 is its longest tenant's),
+/// only when every tenant's tail is bounded in both; `None` otherwise.
+pub fn tenant_tail_ratio(base: &[Tail], ours: &[Tail]) -> Option<f64> {
+    if base.is_empty() || base.len() != ours.len() {
+        return None;
+    }
+    let logs: Option<Vec<f64>> =
+        base.iter().zip(ours).map(|(b, o)| tail_ratio(*b, *o).map(f64::ln)).collect();
+    let logs = logs?;
+    Some((logs.iter().sum::<f64>() / logs.len() as f64).exp())
 }
 
 /// One rate of a sweep for one system.
@@ -151,7 +168,7 @@ pub fn refine(points: &[SweepPoint]) -> Option<f64> {
 
 /// A figure over seeds: its least, median and greatest value (NaN in,
 /// NaN out).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Spread {
     pub min: f64,
     pub median: f64,
@@ -266,6 +283,17 @@ mod tests {
         assert_eq!(Tail::of(&a[..99], false), Tail::TooFewRequests);
         // Our p99 99 against a baseline's 198: 2x lower.
         assert_eq!(tail_ratio(Tail::Bounded(198.0), Tail::Bounded(99.0)), Some(2.0));
+        // Per tenant: 2x lower for one, 8x higher for the other (a ratio
+        // of 1/8): the geometric mean of 2 and 1/8 is 1/2, whatever the
+        // tenants' scales.
+        let base = [Tail::Bounded(2e-3), Tail::Bounded(1e-5)];
+        let ours = [Tail::Bounded(1e-3), Tail::Bounded(8e-5)];
+        let r = tenant_tail_ratio(&base, &ours).unwrap();
+        assert!((r - 0.5).abs() < 1e-12, "{r}");
+        // One tenant unbounded on either side: no ratio.
+        assert_eq!(tenant_tail_ratio(&[Tail::Unbounded, base[1]], &ours), None);
+        assert_eq!(tenant_tail_ratio(&base, &[ours[0], Tail::TooFewRequests]), None);
+        assert_eq!(tenant_tail_ratio(&base, &ours[..1]), None);
         // NaN propagates.
         let mut nan = a.clone();
         nan[3] = f64::NAN;

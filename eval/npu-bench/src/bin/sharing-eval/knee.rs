@@ -17,12 +17,12 @@
 
 use npu_bench::metrics::{self, Spread, SweepPoint, Tail};
 use npu_bench::Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::Outcome;
 
 /// One swept rate of one system.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Point {
     /// Offered requests per second, all tenants.
     pub offered_rps: f64,
@@ -41,7 +41,7 @@ pub struct Point {
 }
 
 /// One system's knee on one seed.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Knee {
     pub system: String,
     pub seed: u64,
@@ -180,7 +180,7 @@ impl Setup<'_> {
 }
 
 /// The knees and the common-rate comparison of one seed.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SeedResult {
     pub seed: u64,
     pub knees: Vec<Knee>,
@@ -221,8 +221,25 @@ pub fn run(
     Ok(out)
 }
 
-/// The summary over seeds of system `s` against the better baseline.
-#[derive(Clone, Debug, Serialize)]
+impl Point {
+    /// Each tenant's tail as it may be read: unbounded when the run was
+    /// saturated.
+    pub fn tenant_tails(&self) -> Vec<Tail> {
+        self.tenant_p99_s
+            .iter()
+            .map(|p| match (self.saturated, p) {
+                (true, _) => Tail::Unbounded,
+                (false, Some(s)) => Tail::Bounded(*s),
+                (false, None) => Tail::TooFewRequests,
+            })
+            .collect()
+    }
+}
+
+/// The summary over seeds of system `s` against the better baseline: on
+/// each seed, the baseline with the higher throughput at the SLA (the
+/// first of them on a tie).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Summary {
     pub system: String,
     /// Its throughput at the SLA (req/s) over seeds.
@@ -230,9 +247,10 @@ pub struct Summary {
     /// Over the better baseline's, per seed (seeds where both met the SLA
     /// at some rate).
     pub throughput_ratio: Spread,
-    /// The better baseline's p99 over its own at the common rate (seeds
-    /// where both were below saturation; others are counted as
-    /// `unbounded`).
+    /// How many times lower its tenants' p99s are than the better
+    /// baseline's at the common rate (`metrics::tenant_tail_ratio`: the
+    /// geometric mean over tenants), on seeds where every tenant's tail is
+    /// bounded in both; the other seeds are counted as unbounded.
     pub p99_ratio: Spread,
     pub p99_unbounded_seeds: usize,
     /// Its EU utilization over the better baseline's at the common rate.
@@ -241,38 +259,43 @@ pub struct Summary {
     pub lower_bound_seeds: usize,
 }
 
+/// The better of `baselines` on a seed: the one with the higher
+/// throughput at the SLA.
+fn better(r: &SeedResult, baselines: &[usize]) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
+    for &b in baselines {
+        if let Some(t) = r.knees.get(b).and_then(|k| k.throughput_at_sla_rps) {
+            if best.is_none_or(|(_, x)| t > x) {
+                best = Some((b, t));
+            }
+        }
+    }
+    best.map(|(b, _)| b)
+}
+
 /// Summaries of every system.
 pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
     let n = results.first().map_or(0, |r| r.knees.len());
     (0..n)
         .map(|s| {
-            let mut tput = Vec::new();
-            let mut ratio = Vec::new();
-            let (mut p99, mut unbounded, mut util, mut lower) = (Vec::new(), 0, Vec::new(), 0);
+            let (mut tput, mut ratio, mut p99, mut util) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let (mut unbounded, mut lower) = (0, 0);
             for r in results {
                 let k = &r.knees[s];
                 lower += usize::from(k.lower_bound);
                 if let Some(t) = k.throughput_at_sla_rps {
                     tput.push(t);
                 }
-                let base = baselines
-                    .iter()
-                    .filter_map(|&b| r.knees[b].throughput_at_sla_rps)
-                    .fold(f64::NAN, f64::max);
-                if let (Some(t), true) = (k.throughput_at_sla_rps, base.is_finite()) {
+                let Some(b) = better(r, baselines) else { continue };
+                if let (Some(t), Some(base)) = (k.throughput_at_sla_rps, r.knees[b].throughput_at_sla_rps) {
                     ratio.push(t / base);
                 }
-                if r.common.len() > s {
-                    // The better baseline at the common rate: the lower
-                    // bounded p99, the higher utilization.
-                    let tails: Vec<Tail> = baselines.iter().map(|&b| r.common[b].p99).collect();
-                    let best = tails.iter().filter_map(|t| t.seconds()).fold(f64::NAN, f64::min);
-                    match metrics::tail_ratio(Tail::Bounded(best), r.common[s].p99) {
-                        Some(x) if best.is_finite() => p99.push(x),
-                        _ => unbounded += 1,
+                if let (Some(ours), Some(base)) = (r.common.get(s), r.common.get(b)) {
+                    match metrics::tenant_tail_ratio(&base.tenant_tails(), &ours.tenant_tails()) {
+                        Some(x) => p99.push(x),
+                        None => unbounded += 1,
                     }
-                    let bu = baselines.iter().map(|&b| r.common[b].eu_utilization).fold(f64::NAN, f64::max);
-                    util.push(r.common[s].eu_utilization / bu);
+                    util.push(ours.eu_utilization / base.eu_utilization);
                 }
             }
             Summary {
@@ -286,6 +309,39 @@ pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
             }
         })
         .collect()
+}
+
+/// Prints `summary` as a table.
+pub fn print(summary: &[Summary], seeds: usize) {
+    println!(
+        "\nthroughput at the SLA (the highest offered rate every lower swept rate of which met it), over {seeds} seeds; \
+         p99 (geometric mean over tenants) and EU utilization at 0.8 of the better PREMA-like system's:"
+    );
+    println!(
+        "  {:<12} {:>30} {:>30} {:>30} {:>30}",
+        "system", "req/s median (min-max)", "/ better PREMA-like", "p99 lower by", "EU util / PREMA-like's"
+    );
+    for x in summary {
+        let r = |sp: &Spread| if sp.seeds == 0 { "-".to_string() } else { sp.to_string() };
+        println!(
+            "  {:<12} {:>30} {:>30} {:>30} {:>30}{}{}",
+            x.system,
+            r(&x.throughput_at_sla_rps),
+            r(&x.throughput_ratio),
+            r(&x.p99_ratio),
+            r(&x.utilization_ratio),
+            if x.p99_unbounded_seeds > 0 {
+                format!("  (p99 unbounded on {} seeds)", x.p99_unbounded_seeds)
+            } else {
+                String::new()
+            },
+            if x.lower_bound_seeds > 0 {
+                format!("  (never failed on {} seeds: a lower bound)", x.lower_bound_seeds)
+            } else {
+                String::new()
+            }
+        );
+    }
 }
 
 #[cfg(test)]

@@ -423,6 +423,11 @@ struct Args {
     /// --knee: seeds `--seed` to `--seed + N - 1`.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
     seeds: u64,
+    /// Reads a `--knee --json` file at PATH, summarizes its results again
+    /// (`npu_bench::metrics`, as `--knee` does) and writes the summary back
+    /// into it; nothing is simulated.
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["knee", "json"])]
+    summarize: Option<String>,
     /// --knee: fewest requests of each tenant at a rate.
     #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(100..=1_000_000))]
     min_requests: u64,
@@ -780,8 +785,24 @@ fn sram_footprint(p: &Program) -> u64 {
         .unwrap_or(0)
 }
 
+/// `--summarize PATH`.
+fn resummarize(path: &str) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    let mut v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{path}: not JSON: {e}"))?;
+    let results: Vec<knee::SeedResult> = serde_json::from_value(v["results"].clone())
+        .map_err(|e| format!("{path}: not a `sharing-eval --knee` file: {e}"))?;
+    let summary = knee::summarize(&results, &PREMA.collect::<Vec<_>>());
+    knee::print(&summary, results.len());
+    v["summary"] = serde_json::to_value(&summary).map_err(|e| e.to_string())?;
+    std::fs::write(path, v.to_string()).map_err(|e| format!("cannot write {path}: {e}"))
+}
+
 fn run() -> Result<(), String> {
     let args = parse_args();
+    if let Some(path) = &args.summarize {
+        return resummarize(path);
+    }
     let board = args.board.load()?;
     let hz = f64::from(board.clock_mhz) * 1e6;
     let harvesting = OnRuntime::Harvest {
@@ -937,42 +958,7 @@ fn run() -> Result<(), String> {
         let seeds: Vec<u64> = (0..args.seeds).map(|k| args.seed + k).collect();
         let results = knee::run(&mut setup, &seeds, &mut |m| eprintln!("{m}"))?;
         let summary = knee::summarize(&results, &PREMA.collect::<Vec<_>>());
-        println!("\nthroughput at the SLA (the highest offered rate every lower swept rate of which met it), over {} seeds:", seeds.len());
-        println!(
-            "  {:<12} {:>30} {:>30} {:>30} {:>30}",
-            "system",
-            "req/s median (min-max)",
-            "/ best PREMA-like",
-            "p99 lower at 0.8 x PREMA's",
-            "EU util / PREMA's there"
-        );
-        for x in &summary {
-            let r = |sp: &npu_bench::metrics::Spread| {
-                if sp.seeds == 0 {
-                    "-".to_string()
-                } else {
-                    sp.to_string()
-                }
-            };
-            println!(
-                "  {:<12} {:>30} {:>30} {:>30} {:>30}{}{}",
-                x.system,
-                r(&x.throughput_at_sla_rps),
-                r(&x.throughput_ratio),
-                r(&x.p99_ratio),
-                r(&x.utilization_ratio),
-                if x.p99_unbounded_seeds > 0 {
-                    format!("  (p99 unbounded on {} seeds)", x.p99_unbounded_seeds)
-                } else {
-                    String::new()
-                },
-                if x.lower_bound_seeds > 0 {
-                    format!("  (never failed on {} seeds: a lower bound)", x.lower_bound_seeds)
-                } else {
-                    String::new()
-                }
-            );
-        }
+        knee::print(&summary, seeds.len());
         if let Some(path) = &args.json {
             let v = serde_json::json!({
                 "procedure": "knee", "seeds": seeds, "min_requests_per_tenant": args.min_requests,
