@@ -15,6 +15,7 @@
 
 mod guest_ram;
 mod msi;
+pub mod persist;
 mod regfile;
 mod store;
 mod telemetry;
@@ -22,6 +23,7 @@ mod worker;
 
 pub use guest_ram::{GuestFile, GuestRam};
 pub use msi::{MsiSink, RecordingSink, VectorSink};
+pub use persist::{DeviceState, StateError};
 pub use store::SessionStore;
 // The board runtime's handles a device is built with and reports on.
 pub use npu_board_runtime::{Harvest, SharedBoard, SharedCore, SharingStats};

@@ -1,21 +1,19 @@
 //! The BAR 0 register file (page 0), shared between the vCPU thread and the
 //! NPU worker. Offsets and bits: `vnpu_abi::device`.
 
-use vnpu_abi::device::regs;
+use vnpu_abi::device::{self as abi, regs};
 
 use vnpu_spec::VnpuSpec;
 
-/// Bytes of page 0 that hold registers.
-// 0xc0: the cast cannot truncate.
-#[allow(clippy::cast_possible_truncation)]
-pub(crate) const LEN: usize = regs::END as usize;
+use crate::persist::REG_BYTES as LEN;
 
 /// Register bytes plus which of them the guest may write directly.
 #[derive(Clone, Debug)]
 pub(crate) struct RegFile {
     bytes: [u8; LEN],
-    /// Where every change is also written (the daemon's session store).
-    mirror: Option<std::sync::Arc<crate::store::SessionStore>>,
+    /// Some byte changed since [`RegFile::take_changed`] last looked (the
+    /// device core saves its state at its save points only if so).
+    changed: bool,
 }
 
 /// Byte ranges the guest writes as plain storage (side-effect registers are
@@ -28,20 +26,24 @@ const GUEST_WRITABLE: [(u64, u64); 3] = [
 
 impl RegFile {
     pub fn new() -> Self {
-        Self { bytes: [0; LEN], mirror: None }
+        Self { bytes: [0; LEN], changed: true }
     }
 
-    /// Writes every change to `store` from now on (and the registers as
-    /// they are now).
-    pub fn mirror_to(&mut self, store: Option<std::sync::Arc<crate::store::SessionStore>>) {
-        self.mirror = store;
-        self.sync();
+    /// Whether a byte changed since the last call.
+    pub fn take_changed(&mut self) -> bool {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// The register bytes as they are (what the device core saves).
+    pub fn snapshot(&self) -> [u8; LEN] {
+        self.bytes
     }
 
     /// Takes the registers a guest's driver and the device change from
-    /// `stored` (a resumed session's), keeping this file's identity and
+    /// `stored` (a restored state's), keeping this file's identity and
     /// board registers (`MAGIC` to `CLOCK_MHZ`, `QUEUE_SIZE_MAX`: the
-    /// restarted daemon's own).
+    /// restarted daemon's own). `STATUS` keeps only the bits the device
+    /// defines (a tampered record cannot show the guest others).
     pub fn resume(&mut self, stored: &[u8; LEN]) {
         let kept = |o: u64| {
             (regs::NUM_CHIPS..regs::INT_TEST).contains(&o)
@@ -53,13 +55,10 @@ impl RegFile {
                 self.bytes[o] = *b;
             }
         }
-        self.sync();
-    }
-
-    fn sync(&self) {
-        if let Some(m) = &self.mirror {
-            m.save_regs(&self.bytes);
-        }
+        let known = abi::STATUS_READY | abi::STATUS_QUEUE_READY | abi::STATUS_FAILED | abi::STATUS_RESETTING;
+        let status = self.u32(regs::STATUS) & known;
+        self.set_u32(regs::STATUS, status);
+        self.changed = true;
     }
 
     pub fn u32(&self, off: u64) -> u32 {
@@ -75,7 +74,7 @@ impl RegFile {
         let Ok(o) = usize::try_from(off) else { return };
         if let Some(b) = self.bytes.get_mut(o..o.saturating_add(4)) {
             b.copy_from_slice(&v.to_le_bytes());
-            self.sync();
+            self.changed = true;
         }
     }
 
@@ -109,10 +108,10 @@ impl RegFile {
             if GUEST_WRITABLE.iter().any(|&(a, b)| (a..b).contains(&o)) {
                 if let Some(slot) = usize::try_from(o).ok().and_then(|o| self.bytes.get_mut(o)) {
                     *slot = *d;
+                    self.changed = true;
                 }
             }
         }
-        self.sync();
     }
 
     /// Shows `spec` in the hierarchy registers (all zero for `None`).
@@ -148,5 +147,18 @@ mod tests {
         let mut b = [9u8; 8];
         r.read(u64::MAX - 3, &mut b);
         assert_eq!(b, [0; 8]);
+    }
+
+    /// A restored `STATUS` shows the guest only the bits the device
+    /// defines: a tampered record's 0xfffffff1 reads 0x1.
+    #[test]
+    fn a_restored_status_keeps_only_defined_bits() {
+        let mut stored = [0u8; LEN];
+        stored[regs::STATUS as usize..regs::STATUS as usize + 4]
+            .copy_from_slice(&0xffff_fff1u32.to_le_bytes());
+        let mut r = RegFile::new();
+        r.resume(&stored);
+        assert_eq!(r.u32(regs::STATUS), 0x1);
+        assert!(r.take_changed() && !r.take_changed());
     }
 }

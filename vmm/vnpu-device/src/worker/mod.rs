@@ -12,7 +12,7 @@
 //! request (or, for the ring itself, puts the device in its failed state
 //! until the driver resets it) and never the VMM.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -300,9 +300,20 @@ pub(crate) struct Worker {
     /// Programs verified once (`REGISTER`), by handle; dropped whenever
     /// the configuration changes, since they were checked against it.
     programs: Vec<Option<Arc<Program>>>,
-    /// Where the vNPU's state is kept for a restarted daemon (a served
-    /// vNPU's, once its client said which session it is).
+    /// Where the vNPU's state is saved for a restarted daemon (a served
+    /// vNPU's, once its client said which session it is): written at the
+    /// save points only ([`Worker::persist`]).
     store: Option<Arc<crate::store::SessionStore>>,
+    /// The session the saved state belongs to.
+    session_id: u64,
+    /// Ring index of the request running now, if one is (saved, so that a
+    /// restarted daemon completes it with `ST_RETRY`).
+    in_flight: Option<u16>,
+    /// Program handles registered or dropped since the last save point.
+    programs_changed: BTreeSet<usize>,
+    /// The configuration or the request in flight changed since the last
+    /// save point.
+    state_changed: bool,
     /// A resumed session waiting for [`Control::Resume`].
     parked: Option<Parked>,
 }
@@ -330,6 +341,10 @@ impl Worker {
             stopped: false,
             programs: Vec::new(),
             store: None,
+            session_id: 0,
+            in_flight: None,
+            programs_changed: BTreeSet::new(),
+            state_changed: true,
             parked: None,
         };
         w.configure(grant);
@@ -341,8 +356,7 @@ impl Worker {
     }
 
     fn configure(&mut self, spec: VnpuSpec) {
-        self.programs.clear();
-        self.store_config(Some(spec));
+        self.forget_programs_and_memories();
         self.adopt(spec);
     }
 
@@ -352,6 +366,7 @@ impl Worker {
         let n = spec.cores() as usize;
         self.cores = (0..n).map(|_| None).collect();
         self.config = Some(spec);
+        self.state_changed = true;
         if let Some(t) = &self.opts.telemetry {
             t.configured(Some(spec));
         }
@@ -373,10 +388,10 @@ impl Worker {
     }
 
     fn release(&mut self) {
-        self.programs.clear();
-        self.store_config(None);
+        self.forget_programs_and_memories();
         self.cores.clear();
         self.config = None;
+        self.state_changed = true;
         if let Some(t) = &self.opts.telemetry {
             t.configured(None);
         }
@@ -385,50 +400,125 @@ impl Worker {
         r.update_u32(regs::STATUS, |s| s & !abi::STATUS_READY);
     }
 
-    /// A new configuration (or none) in the store: the programs and core
-    /// memories of the old one go.
-    fn store_config(&mut self, spec: Option<VnpuSpec>) {
+    /// A new configuration (or none): the programs registered against the
+    /// old one go, and its core memories with their saved files (a new
+    /// configuration starts from zeros).
+    fn forget_programs_and_memories(&mut self) {
+        for (h, p) in self.programs.iter().enumerate() {
+            if p.is_some() {
+                self.programs_changed.insert(h);
+            }
+        }
+        self.programs.clear();
         if let Some(st) = &self.store {
-            st.save_config(spec);
-            if let Err(e) = st.clear_programs().and_then(|()| st.clear_cores()) {
-                st.invalidate(&format!("dropping the old configuration's state: {e}"));
+            if let Err(e) = st.clear_cores() {
+                st.invalidate(&format!("dropping the old configuration's memories: {e}"));
             }
         }
     }
 
-    /// Starts keeping state in `store`: from nothing, or (`resume`) from
-    /// the session it holds, whose registers, configuration and core
-    /// memories are taken now and whose programs and ring wait for
+    /// Core `slot`'s memories for `spec`: in the session's files when it
+    /// has a store (so a restarted daemon finds them), else in host memory.
+    pub(super) fn core_memory(&self, slot: usize, spec: &VnpuSpec) -> Core {
+        let (sram, hbm) = (spec.sram_per_core(), spec.hbm_per_core());
+        let stored = self.store.as_ref().and_then(|st| {
+            st.core(slot, sram, hbm).map_err(|e| st.invalidate(&format!("core {slot}'s memories: {e}"))).ok()
+        });
+        stored.unwrap_or_else(|| Core { sram: Sram::new(sram), hbm: LazyHbm::new(hbm) })
+    }
+
+    /// The vNPU's state as it leaves the core (`persist::DeviceState`):
+    /// its session, configuration, request in flight and registers.
+    pub(crate) fn save_state(&self) -> crate::persist::DeviceState {
+        crate::persist::DeviceState {
+            session: self.session_id,
+            config: self.config,
+            in_flight: self.in_flight,
+            regs: self.regs().snapshot(),
+        }
+    }
+
+    /// The save point: what changed since the last one goes to the store
+    /// (programs registered or dropped, then the state record if the
+    /// registers, the configuration or the request in flight changed).
+    /// The core calls it after control work and around each request; it
+    /// is the only place that writes the saved state.
+    pub(super) fn persist(&mut self) {
+        let changed = std::mem::take(&mut self.programs_changed);
+        let regs_changed = self.regs().take_changed();
+        let Some(st) = self.store.clone() else { return };
+        for h in changed {
+            let r = match self.programs.get(h).and_then(Option::as_ref) {
+                Some(p) => st.save_program(h, &p.encode()),
+                None => st.forget_program(h),
+            };
+            if let Err(e) = r {
+                st.invalidate(&format!("storing program {h}: {e}"));
+            }
+        }
+        if regs_changed || std::mem::take(&mut self.state_changed) {
+            st.save(&self.save_state());
+        }
+    }
+
+    /// Request `index` of the ring starts: saved as in flight.
+    pub(super) fn begin_request(&mut self, index: u16) {
+        self.in_flight = Some(index);
+        self.state_changed = true;
+        self.persist();
+    }
+
+    /// The request in flight completed: saved with what it changed.
+    pub(super) fn end_request(&mut self) {
+        self.in_flight = None;
+        self.state_changed = true;
+        self.persist();
+    }
+
+    /// Starts saving state in `store`: from nothing, or (`resume`) by
+    /// restoring the state it holds, whose registers, configuration and
+    /// core memories are taken now and whose programs and ring wait for
     /// [`Control::Resume`].
     fn session(&mut self, store: Arc<crate::store::SessionStore>, resume: bool) {
-        let stored = if resume {
-            store
-                .config()
-                .map_err(|e| {
-                    // Not a shape this daemon takes: start afresh.
-                    log::warn!("{}: the stored configuration is not valid ({e}); not resumed", self.name);
-                })
-                .ok()
-        } else {
-            None
+        let loaded = store.load();
+        self.session_id = match &loaded {
+            Ok(Some(s)) => s.session,
+            _ => 0,
         };
-        let Some(config) = stored else {
-            self.store = Some(Arc::clone(&store));
-            self.store_config(self.config);
-            self.regs().mirror_to(Some(store));
+        let restored = match loaded {
+            Ok(Some(state)) if resume => Some(state),
+            Ok(_) => None,
+            Err(e) => {
+                // Not a state this daemon takes: start afresh.
+                log::warn!("{}: the saved state is not restorable ({e}); not resumed", self.name);
+                None
+            }
+        };
+        self.store = Some(Arc::clone(&store));
+        let Some(state) = restored else {
+            // A new session: everything saved from now on, the programs
+            // and memories of before dropped.
+            if let Err(e) = store.clear_programs().and_then(|()| store.clear_cores()) {
+                store.invalidate(&format!("dropping the old state: {e}"));
+            }
+            self.programs_changed.clear();
+            self.state_changed = true;
+            self.persist();
             return;
         };
+        self.restore(&store, state);
+    }
+
+    /// Restores a saved state (`session`): registers, then the
+    /// configuration if it still fits the grant, with the programs and ring
+    /// parked for [`Control::Resume`].
+    fn restore(&mut self, store: &crate::store::SessionStore, state: crate::persist::DeviceState) {
         let programs = store.programs().unwrap_or_else(|e| {
             log::warn!("{}: reading the stored programs: {e}", self.name);
             Vec::new()
         });
-        let stored = store.regs();
-        let in_flight = store.in_flight();
-        {
-            let mut r = self.regs();
-            r.resume(&stored);
-        }
-        self.store = Some(Arc::clone(&store));
+        self.regs().resume(&state.regs);
+        let config = state.config;
         match config {
             // Still within the grant: kept, with its memories.
             Some(c) if c.fits_within(&self.grant) => self.adopt(c),
@@ -448,14 +538,11 @@ impl Worker {
             ring: status & abi::STATUS_QUEUE_READY != 0,
             enable: enable != 0 && status & (abi::STATUS_QUEUE_READY | abi::STATUS_FAILED) == 0,
             reset: status & abi::STATUS_RESETTING != 0,
-            in_flight,
+            in_flight: state.in_flight,
         });
-        self.regs().mirror_to(Some(store));
+        self.in_flight = state.in_flight;
         // The ring waits for the client's memory.
-        {
-            let mut r = self.regs();
-            r.update_u32(regs::STATUS, |s| s & !abi::STATUS_QUEUE_READY);
-        }
+        self.regs().update_u32(regs::STATUS, |s| s & !abi::STATUS_QUEUE_READY);
         // A mailbox command the old daemon had not finished: the driver
         // retries it.
         let busy = self.regs().u32(regs::MBOX_STATUS) == abi::MBOX_BUSY;
@@ -463,6 +550,8 @@ impl Worker {
             self.regs().set_u32(regs::MBOX_STATUS, abi::ST_RETRY);
             self.shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
         }
+        self.state_changed = true;
+        self.persist();
         log::info!(
             "{}: session resumed ({} programs)",
             self.name,
@@ -490,9 +579,7 @@ impl Worker {
                     }
                     None => {
                         log::warn!("{}: stored program {handle} no longer verifies; dropped", self.name);
-                        if let Some(st) = &self.store {
-                            let _ = st.forget_program(handle);
-                        }
+                        self.programs_changed.insert(handle);
                     }
                 }
             }
@@ -514,9 +601,9 @@ impl Worker {
                 self.take_ring_up(p.in_flight);
             }
         }
-        if let Some(st) = &self.store {
-            st.set_in_flight(None);
-        }
+        self.in_flight = None;
+        self.state_changed = true;
+        self.persist();
         // Whatever happened meanwhile, the driver looks again.
         self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
     }
@@ -547,8 +634,14 @@ impl Worker {
         self.push_used(head, len);
     }
 
-    /// Handles every posted control message, in order.
+    /// Handles every posted control message, in order, then saves what
+    /// they changed (a save point).
     pub(super) fn handle_controls(&mut self) {
+        self.apply_controls();
+        self.persist();
+    }
+
+    fn apply_controls(&mut self) {
         loop {
             let next = lock(&self.shared.controls).pop_front();
             match next {
@@ -888,9 +981,9 @@ mod resume_tests {
         post_nop(&mem, 0, 100);
         old.drain_ring();
         assert_eq!(status(&mem, 0).status, abi::ST_OK);
-        // Request 1 taken, then the daemon dies.
+        // Request 1 taken (its save point), then the daemon dies.
         post_nop(&mem, 1, 101);
-        store.set_in_flight(Some(1));
+        old.begin_request(1);
         drop(old);
 
         let reopened = Arc::new(crate::store::SessionStore::open(&dir).unwrap());

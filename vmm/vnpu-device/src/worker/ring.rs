@@ -24,16 +24,12 @@ impl Worker {
             }
             let Some(taken_at) = self.queue.as_ref().map(QueueT::next_avail) else { return };
             let Some((head, descs)) = self.take_request() else { return };
-            if let Some(st) = &self.store {
-                st.set_in_flight(Some(taken_at));
-            }
+            self.begin_request(taken_at);
             let (len, interrupt) = self.process(&descs);
             if !self.push_used(head, len) {
                 return;
             }
-            if let Some(st) = &self.store {
-                st.set_in_flight(None);
-            }
+            self.end_request();
             if interrupt {
                 self.shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
             }
@@ -184,11 +180,7 @@ impl Worker {
             abi::OP_UNREGISTER => match self.registered(header.handle) {
                 Ok(_) => {
                     self.programs[header.handle as usize] = None;
-                    if let Some(st) = &self.store {
-                        if let Err(e) = st.forget_program(header.handle as usize) {
-                            st.invalidate(&format!("dropping program {}: {e}", header.handle));
-                        }
-                    }
+                    self.programs_changed.insert(header.handle as usize);
                     Outcome::default()
                 }
                 Err(o) => o,
@@ -286,12 +278,8 @@ impl Worker {
         if slot >= self.programs.len() {
             self.programs.resize_with(slot + 1, || None);
         }
-        if let Some(st) = &self.store {
-            if let Err(e) = st.save_program(slot, &program.encode()) {
-                st.invalidate(&format!("storing program {slot}: {e}"));
-            }
-        }
         self.programs[slot] = Some(Arc::new(program));
+        self.programs_changed.insert(slot);
         Outcome {
             status: abi::ST_OK,
             detail: u32::try_from(slot).unwrap_or(NO_DETAIL),
@@ -324,17 +312,12 @@ impl Worker {
             n => n.min(MAX_BUDGET),
         };
         let cap = self.borrow_cap(&spec);
-        let store = self.store.as_ref();
-        let core = self.cores[core_slot].get_or_insert_with(|| {
-            let (sram, hbm) = (spec.sram_per_core(), spec.hbm_per_core());
-            // In the session's files when it has any (else, never resumed, in host memory).
-            let stored = store.and_then(|st| {
-                st.core(core_slot, sram, hbm)
-                    .map_err(|e| st.invalidate(&format!("core {core_slot}'s memories: {e}")))
-                    .ok()
-            });
-            stored.unwrap_or_else(|| Core { sram: Sram::new(sram), hbm: LazyHbm::new(hbm) })
-        });
+        if self.cores[core_slot].is_none() {
+            self.cores[core_slot] = Some(self.core_memory(core_slot, &spec));
+        }
+        let Some(core) = self.cores[core_slot].as_mut() else {
+            return Outcome::fail(abi::ST_EXEC_FAULT, format!("core {core_slot} has no memory"));
+        };
         let result = if let Some(shared) = self.opts.cores.get(core_slot).cloned() {
             // Lend the core's memory to the shared physical core for the batch.
             let lent = std::mem::replace(core, Core { sram: Sram::new(0), hbm: LazyHbm::new(0) });
