@@ -7,5 +7,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    vnpu_daemon::fuzz_serve(data);
+    vnpu_fuzz_harness::serve_stream(data);
 });

@@ -2,11 +2,11 @@
 //! connections opened and dropped, messages framed or not, each maybe
 //! carrying a descriptor (sealed or unsealed memory, an eventfd, a pipe).
 //! Afterwards an honest client must attach and read the device, and the
-//! instance must stop (`vnpu_daemon::fuzz_session`).
+//! instance must stop (`vnpu_fuzz_harness::run_session`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    vnpu_daemon::fuzz_session(data);
+    vnpu_fuzz_harness::run_session(data);
 });

@@ -7,5 +7,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    vnpu_device::fuzz_drive(data);
+    vnpu_fuzz_harness::drive_ring(data);
 });

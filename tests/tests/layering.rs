@@ -30,16 +30,16 @@ const LAYERS: &[&[&str]] = &[
     &["vnpu-manager"],
     // The board daemon.
     &["vnpu-daemon"],
-    // The `vnpu` binary.
-    &["vnpu-cli"],
+    // The `vnpu` binary; the fuzz targets' harnesses (nothing depends on them).
+    &["vnpu-cli", "vnpu-fuzz-harness"],
     // Evaluations and integration tests: nothing but another evaluation
     // depends on them.
     &["interference-eval"],
-    &["npu-bench", "placement-eval", "vnpu-tests"],
+    &["npu-bench", "placement-eval", "daemon-bench", "vnpu-tests"],
 ];
 
 /// The evaluation crates (in `eval/`).
-const EVALUATIONS: &[&str] = &["interference-eval", "npu-bench", "placement-eval"];
+const EVALUATIONS: &[&str] = &["interference-eval", "npu-bench", "placement-eval", "daemon-bench"];
 
 /// Crates that only evaluations may link.
 const EVALUATION_ONLY: &[&str] = &["smartcore", "plotters", "linfa", "rand_distr", "libloading"];

@@ -13,6 +13,7 @@
     warn(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)
 )]
 
+pub mod device_core;
 mod guest_ram;
 mod msi;
 pub mod persist;
@@ -26,15 +27,13 @@ pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use persist::{DeviceState, StateError};
 pub use store::SessionStore;
 // The board runtime's handles a device is built with and reports on.
+pub use device_core::{
+    DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET, SHARED_MAX_HOST_WORK,
+};
 pub use npu_board_runtime::{Harvest, SharedBoard, SharedCore, SharingStats};
 pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
-};
-#[cfg(any(fuzzing, test))]
-pub use worker::fuzz_drive;
-pub use worker::{
-    DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET, SHARED_MAX_HOST_WORK,
 };
 
 use std::sync::Arc;
@@ -68,8 +67,25 @@ use vnpu_abi::device as abi;
 use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciError, PciFunction};
 use vnpu_spec::VnpuSpec;
 
+use device_core::{Control, DeviceCore, Shared};
 use msi::lock;
-use worker::{Control, Shared, Worker};
+
+/// The registers of a vNPU of `board` as it starts, before the core shows
+/// its configuration: identity, the board's array and lane sizes and
+/// clock, the ring's largest size, no vectors chosen.
+pub(crate) fn initial_registers(board: &BoardConfig) -> regfile::RegFile {
+    let mut r = regfile::RegFile::new();
+    r.set_u32(regs::MAGIC, abi::MAGIC);
+    r.set_u32(regs::ABI_VERSION, ABI_VERSION);
+    r.set_u32(regs::SA_ROWS, board.core.sa_rows);
+    r.set_u32(regs::SA_COLS, board.core.sa_cols);
+    r.set_u32(regs::VU_LANES, board.core.vu_lanes);
+    r.set_u32(regs::CLOCK_MHZ, board.clock_mhz);
+    r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
+    r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
+    r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
+    r
+}
 
 /// Why a vNPU function could not be created.
 #[derive(Debug, Error)]
@@ -94,14 +110,6 @@ impl std::fmt::Debug for VnpuFunction {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VnpuFunction").field("config", &self.config).finish_non_exhaustive()
     }
-}
-
-/// Little-endian value of a register write of 1 to 8 bytes.
-fn value(data: &[u8]) -> u64 {
-    let mut b = [0u8; 8];
-    let n = data.len().min(8);
-    b[..n].copy_from_slice(&data[..n]);
-    u64::from_le_bytes(b)
 }
 
 impl VnpuFunction {
@@ -175,20 +183,11 @@ impl VnpuFunction {
         config.add_bar(0, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR0_SIZE })?;
         config.add_bar(2, Bar { kind: BarKind::Mem64 { prefetchable: false }, size: BAR2_SIZE })?;
         let msix = MsixCap::add(&mut config, MSIX_VECTORS, 2, 0, 2, low32(abi::MSIX_PBA_OFFSET))?;
-        let mut r = regfile::RegFile::new();
-        r.set_u32(regs::MAGIC, abi::MAGIC);
-        r.set_u32(regs::ABI_VERSION, ABI_VERSION);
-        r.set_u32(regs::SA_ROWS, board.core.sa_rows);
-        r.set_u32(regs::SA_COLS, board.core.sa_cols);
-        r.set_u32(regs::VU_LANES, board.core.vu_lanes);
-        r.set_u32(regs::CLOCK_MHZ, board.clock_mhz);
-        r.set_u32(regs::QUEUE_SIZE_MAX, u32::from(abi::QUEUE_SIZE_MAX));
-        r.set_u32(regs::QUEUE_VECTOR, abi::NO_VECTOR);
-        r.set_u32(regs::MBOX_VECTOR, abi::NO_VECTOR);
+        let r = initial_registers(board);
         let shared = Arc::new(Shared::new(r, msix.vectors, sink, vectors)?);
         // The worker shows the granted configuration in the registers
         // before the thread starts, so the guest sees it from the first read.
-        let w = Worker::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);
+        let w = DeviceCore::new(Arc::clone(&shared), memory, board.clone(), *spec, opts, name);
         let worker = Some(worker::spawn(w, name.to_string())?);
         Ok(Self { config, msix, shared, cal_nop: EventFd::new(EFD_NONBLOCK)?, worker })
     }
@@ -219,80 +218,12 @@ impl VnpuFunction {
     pub fn raise(&self, vector: u16) {
         self.shared.irq.raise(vector);
     }
-
-    fn register_write(&mut self, offset: u64, data: &[u8]) {
-        let v = value(data);
-        match offset {
-            regs::DOORBELL => {
-                // Reached only while the ioeventfd is not registered.
-                let _ = self.shared.doorbell.write(1);
-            }
-            regs::CAL_NOP => {}
-            regs::CAL_LOOPBACK => self.raise(abi::LOOPBACK_VECTOR),
-            regs::INT_TEST => {
-                // A vector number past u16 names no vector: nothing to raise.
-                if let Ok(v) = u16::try_from(v) {
-                    self.raise(v)
-                }
-            }
-            regs::INT_STATUS => lock(&self.shared.regs).update_u32(regs::INT_STATUS, |s| s & !low32(v)),
-            regs::QUEUE_ENABLE if v & 1 == 1 => {
-                let c = {
-                    let mut r = lock(&self.shared.regs);
-                    if r.u32(regs::QUEUE_ENABLE) != 0
-                        || r.u32(regs::STATUS) & (abi::STATUS_RESETTING | abi::STATUS_FAILED) != 0
-                    {
-                        return;
-                    }
-                    r.set_u32(regs::QUEUE_ENABLE, 1);
-                    Control::Enable {
-                        size: r.u32(regs::QUEUE_SIZE),
-                        desc: r.u64(regs::QUEUE_DESC),
-                        avail: r.u64(regs::QUEUE_AVAIL),
-                        used: r.u64(regs::QUEUE_USED),
-                    }
-                };
-                self.shared.post(c);
-            }
-            regs::QUEUE_ENABLE | regs::DEVICE_RESET => {
-                if offset == regs::DEVICE_RESET && v & 1 == 0 {
-                    return;
-                }
-                lock(&self.shared.regs).update_u32(regs::STATUS, |s| s | abi::STATUS_RESETTING);
-                self.shared.post(Control::Reset);
-            }
-            regs::MBOX_CMD => {
-                let c = {
-                    let mut r = lock(&self.shared.regs);
-                    if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
-                        return;
-                    }
-                    r.set_u32(regs::MBOX_CMD, low32(v));
-                    r.set_u32(regs::MBOX_STATUS, abi::MBOX_BUSY);
-                    let mut args = [0u64; 6];
-                    for (i, a) in args.iter_mut().enumerate() {
-                        *a = r.u64(regs::MBOX_ARG0 + 8 * i as u64);
-                    }
-                    Control::Mailbox { cmd: low32(v), args }
-                };
-                self.shared.post(c);
-            }
-            _ => {
-                let mut r = lock(&self.shared.regs);
-                // The ring's registers are frozen while it is enabled.
-                let ring = (regs::QUEUE_SIZE..regs::QUEUE_ENABLE).contains(&offset);
-                if !(ring && r.u32(regs::QUEUE_ENABLE) != 0) {
-                    r.store(offset, data);
-                }
-            }
-        }
-    }
 }
 
 /// Changes a running vNPU's grant (see [`VnpuFunction::grant_handle`]).
 #[derive(Clone)]
 pub struct GrantHandle {
-    shared: Arc<worker::Shared>,
+    shared: Arc<device_core::Shared>,
 }
 
 impl std::fmt::Debug for GrantHandle {
@@ -336,7 +267,7 @@ impl PciFunction for VnpuFunction {
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match bar {
-            0 => lock(&self.shared.regs).read(offset, data),
+            0 => self.shared.register_read(offset, data),
             2 if offset < abi::MSIX_PBA_OFFSET => lock(&self.shared.irq.state).table.read(offset, data),
             2 => lock(&self.shared.irq.state).table.pba_read(offset - abi::MSIX_PBA_OFFSET, data),
             _ => data.fill(0xff),
@@ -344,7 +275,7 @@ impl PciFunction for VnpuFunction {
     }
     fn bar_write(&mut self, bar: usize, offset: u64, data: &[u8]) {
         match bar {
-            0 => self.register_write(offset, data),
+            0 => self.shared.register_write(offset, data),
             2 if offset < abi::MSIX_PBA_OFFSET => {
                 lock(&self.shared.irq.state).table.write(offset, data);
                 // Unmasking a vector releases it if pending.

@@ -174,9 +174,9 @@ impl SessionStore {
 
     /// Core `core`'s memories, held in its files (what they hold when
     /// they have these sizes; zeros otherwise).
-    pub(crate) fn core(&self, core: usize, sram: u64, hbm: u64) -> std::io::Result<crate::worker::Core> {
+    pub(crate) fn core(&self, core: usize, sram: u64, hbm: u64) -> std::io::Result<crate::device_core::Core> {
         let s = Sram::file_backed(sram, file(&self.dir.join(format!("core{core}.sram")))?)?;
         let h = LazyHbm::file_backed(hbm, file(&self.dir.join(format!("core{core}.hbm")))?)?;
-        Ok(crate::worker::Core { sram: s, hbm: h })
+        Ok(crate::device_core::Core { sram: s, hbm: h })
     }
 }

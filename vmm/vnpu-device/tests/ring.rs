@@ -755,3 +755,106 @@ fn a_reset_takes_effect_between_requests() {
     s.mem.read_slice(&mut b, GuestAddress(0x20000)).unwrap();
     assert_eq!(abi::StatusBlock::from_bytes(&b).status, abi::ST_OK, "the first request");
 }
+
+/// A guest that keeps its ring full cannot hold a stop off, in polling
+/// mode (the worker spins on the ring with doorbells suppressed) and in
+/// interrupt mode alike: dropping the function (what `vnpu stop` does to a
+/// served vNPU) returns within 1 s, and no request starts after it.
+#[test]
+fn a_stop_ends_a_continuously_refilled_ring_in_both_modes() {
+    use std::sync::atomic::AtomicBool;
+    use std::time::{Duration, Instant};
+    use vnpu_abi::{DType, MatFlags};
+    for poll in [Duration::from_secs(2), Duration::ZERO] {
+        let s = setup_with("sa=1,vu=1,sram=16M,hbm=256M", DeviceOptions { poll, ..Default::default() });
+        {
+            let mut dma = s.dma();
+            let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 64).unwrap();
+            npu.configure(&Hierarchy { sram_per_core: 16 << 20, ..one_core_hierarchy() }).unwrap();
+        }
+        write_reg(&s, regs::DEVICE_RESET, 1);
+        wait_for(|| reg(&s, regs::STATUS) & abi::STATUS_RESETTING == 0);
+        s.mem.write_obj(0u16, GuestAddress(0x11002)).unwrap();
+        s.mem.write_obj(0u16, GuestAddress(0x12002)).unwrap();
+        raw_ring(&s, 32, 0x10000);
+        assert_eq!(reg(&s, regs::ERROR), 0);
+        // Requests of real host work (a 512^3 product in SRAM, a few ms).
+        let n = 512u32;
+        let bytes = u64::from(n * n * 4);
+        let mut p = ProgramBuilder::new();
+        let mm = Instr::MatMul {
+            dtype: DType::F32,
+            flags: MatFlags::default(),
+            a: 0,
+            b: bytes,
+            c: 2 * bytes,
+            m: n,
+            k: n,
+            n,
+            lda: n,
+            ldb: n,
+            ldc: n,
+        };
+        p.push(Engine::sa(0), mm);
+        let program = p.finish().encode();
+        s.mem.write_slice(&program, GuestAddress(0x40000)).unwrap();
+        let header = abi::RequestHeader { opcode: abi::OP_RUN, ..Default::default() };
+        s.mem.write_slice(&header.to_bytes(), GuestAddress(0x30000)).unwrap();
+        // Eight chains (header, program, status block), reposted forever.
+        for r in 0..8u16 {
+            let d = u64::from(r) * 3;
+            put_desc(&s, d, 0x30000, 32, 1, (d + 1) as u16);
+            put_desc(&s, d + 1, 0x40000, program.len() as u32, 1, (d + 2) as u16);
+            put_desc(&s, d + 2, 0x20000 + 64 * u64::from(r), 64, 2, 0);
+        }
+        // The guest: keeps eight requests posted, never rings the doorbell
+        // again after the first (the ring never runs dry).
+        let stop = Arc::new(AtomicBool::new(false));
+        let refill = {
+            let (mem, stop) = (s.mem.clone(), Arc::clone(&stop));
+            std::thread::spawn(move || {
+                let mut avail = 0u16;
+                while !stop.load(Ordering::Relaxed) {
+                    let used: u16 = mem.read_obj(GuestAddress(0x12002)).unwrap();
+                    if avail.wrapping_sub(used) < 8 {
+                        let head = (avail % 8) * 3;
+                        mem.write_obj(head, GuestAddress(0x11004 + 2 * u64::from(avail % 32))).unwrap();
+                        avail = avail.wrapping_add(1);
+                        mem.write_obj(avail, GuestAddress(0x11002)).unwrap();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            })
+        };
+        wait_for(|| s.mem.read_obj::<u16>(GuestAddress(0x11002)).unwrap() > 0);
+        write_reg(&s, regs::DOORBELL, 1);
+        // Let it run a while at full ring.
+        wait_for(|| used_idx(&s) >= 20);
+        let mem = s.mem.clone();
+        let before = used_idx(&s);
+        // The stop runs on a thread of its own, so that a stop the ring
+        // holds off fails the test instead of hanging it.
+        let f = s.f.into_inner();
+        let t = Instant::now();
+        let (done, stopped) = std::sync::mpsc::channel();
+        let stopper = std::thread::spawn(move || {
+            drop(f);
+            let _ = done.send(());
+        });
+        let returned = stopped.recv_timeout(Duration::from_secs(5)).is_ok();
+        let took = t.elapsed();
+        let after: u16 = mem.read_obj(GuestAddress(0x12002)).unwrap();
+        stop.store(true, Ordering::Relaxed);
+        refill.join().unwrap();
+        stopper.join().unwrap();
+        assert!(returned, "poll {poll:?}: the stop did not return within 5 s of a full ring");
+        assert!(took < Duration::from_secs(1), "poll {poll:?}: the stop took {took:?}");
+        // The request running at the stop may finish; none starts after.
+        assert!(
+            after.wrapping_sub(before) <= 1,
+            "poll {poll:?}: {} requests completed after the stop",
+            after.wrapping_sub(before)
+        );
+    }
+}

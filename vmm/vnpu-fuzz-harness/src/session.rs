@@ -1,5 +1,5 @@
-//! Whole hostile vfio-user sessions against a served instance, for the
-//! `vfio_user_session` fuzz target: connections opened and dropped,
+//! The `vfio_user_session` fuzz target's harness: whole hostile vfio-user
+//! sessions against a served instance: connections opened and dropped,
 //! messages well framed or not, each maybe carrying a descriptor (sealed or
 //! unsealed memory, an eventfd, a pipe). Afterwards an honest VMM must still
 //! attach and read the device, and the instance must stop: nothing a client
@@ -15,8 +15,8 @@ use std::time::Duration;
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use crate::serve::{BackendFactory, InstanceServer};
-use crate::VnpuBackend;
+use vnpu_daemon::serve::BackendFactory;
+use vnpu_daemon::{InstanceServer, VnpuBackend};
 
 /// One step of a session.
 enum Step {
@@ -160,7 +160,7 @@ fn descriptor(kind: Attached) -> Option<OwnedFd> {
 
 /// Runs the session `data` describes against a fresh instance, then checks
 /// that an honest client is served and that the instance stops.
-pub fn fuzz_session(data: &[u8]) {
+pub fn run_session(data: &[u8]) {
     static SESSIONS: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!("vnpu-fuzz-session-{}", std::process::id()));
     if std::fs::create_dir_all(&dir).is_err() {
@@ -222,19 +222,4 @@ pub fn fuzz_session(data: &[u8]) {
     drop(honest);
     server.stop();
     let _ = std::fs::remove_file(&path);
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn sessions_of_garbage_descriptors_and_reconnects_leave_the_instance_serving() {
-        super::fuzz_session(&[]);
-        super::fuzz_session(&[1, 8, 0xff, 0xff, 0xff, 0xff]);
-        // DMA_MAP (2) with a sealed memfd, an unsealed one, SET_IRQS (8)
-        // with a pipe, a reconnect, VERSION (1) with an eventfd, raw junk.
-        super::fuzz_session(&[
-            2, 2, 32, 1, 1, 2, 2, 32, 1, 2, 3, 8, 20, 0, 4, 0, 2, 1, 4, 0, 3, 1, 3, 0xaa, 0xbb, 0xcc,
-        ]);
-        super::fuzz_session(&[0, 0, 0, 0]);
-    }
 }

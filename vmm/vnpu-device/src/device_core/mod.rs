@@ -16,7 +16,6 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use event_manager::{EventManager, EventOps, EventSet, Events, MutEventSubscriber, SubscriberOps};
 use npu_model::{run_program, BoardConfig, CoreMemory, ExecError, LazyHbm, Sram, TenantReport};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
@@ -31,15 +30,11 @@ use vnpu_spec::VnpuSpec;
 use crate::GuestRam;
 
 mod counters;
-mod events;
-#[cfg(any(fuzzing, test))]
-mod fuzz;
 mod mailbox;
+mod mmio;
 mod ring;
 
 use counters::Counters;
-#[cfg(any(fuzzing, test))]
-pub use fuzz::fuzz_drive;
 
 /// Cycle budget of a request whose header asks for none (about 18 s of
 /// simulated time at 940 MHz).
@@ -176,7 +171,7 @@ impl Shared {
 
     /// Records `bit` in `INT_STATUS` and raises the vector named by the
     /// register at `vector_reg`, if any.
-    fn notify(&self, bit: u32, vector_reg: u64) {
+    pub(crate) fn notify(&self, bit: u32, vector_reg: u64) {
         let v = {
             let mut r = lock(&self.regs);
             r.update_u32(regs::INT_STATUS, |s| s | bit);
@@ -282,9 +277,13 @@ impl Default for DeviceOptions {
 /// Default polling window after activity, in microseconds.
 pub const DEFAULT_POLL_US: u64 = 200;
 
-/// The worker's state; runs on its own thread (see [`spawn`]).
+/// The vNPU device core: registers, mailbox, ring walking, programs and
+/// configuration, and the one save point of its state (`persist`). It is
+/// synchronous: a worker thread runs it for a PCI function
+/// (`crate::worker`), a caller drives a [`DeviceCore::detached`] one
+/// directly (the fuzz targets).
 #[derive(Debug)]
-pub(crate) struct Worker {
+pub struct DeviceCore {
     shared: Arc<Shared>,
     mem: GuestMemoryMmap<()>,
     board: BoardConfig,
@@ -302,7 +301,7 @@ pub(crate) struct Worker {
     programs: Vec<Option<Arc<Program>>>,
     /// Where the vNPU's state is saved for a restarted daemon (a served
     /// vNPU's, once its client said which session it is): written at the
-    /// save points only ([`Worker::persist`]).
+    /// save points only ([`DeviceCore::persist`]).
     store: Option<Arc<crate::store::SessionStore>>,
     /// The session the saved state belongs to.
     session_id: u64,
@@ -318,8 +317,36 @@ pub(crate) struct Worker {
     parked: Option<Parked>,
 }
 
-impl Worker {
-    pub fn new(
+impl DeviceCore {
+    /// A core with registers, interrupts (raised into `sink`, MSI-X on and
+    /// every vector unmasked) and a control queue of its own, driven by its
+    /// caller: [`DeviceCore::register_write`] as a guest writes BAR 0,
+    /// then [`DeviceCore::handle_controls`] and
+    /// [`DeviceCore::drain_ring`] as the worker thread would.
+    pub fn detached(
+        memory: GuestMemoryMmap<()>,
+        board: &BoardConfig,
+        grant: VnpuSpec,
+        opts: DeviceOptions,
+        sink: Arc<dyn crate::MsiSink>,
+    ) -> std::io::Result<Self> {
+        let shared = Shared::new(crate::initial_registers(board), abi::MSIX_VECTORS, sink, None)?;
+        lock(&shared.irq.state).enabled = true;
+        Ok(Self::new(Arc::new(shared), memory, board.clone(), grant, opts, "detached"))
+    }
+
+    /// A guest write to BAR 0 (`docs/device-interface.md`); the control
+    /// work it starts waits for [`DeviceCore::handle_controls`].
+    pub fn register_write(&self, offset: u64, data: &[u8]) {
+        self.shared.register_write(offset, data);
+    }
+
+    /// A guest read of BAR 0.
+    pub fn register_read(&self, offset: u64, data: &mut [u8]) {
+        self.shared.register_read(offset, data);
+    }
+
+    pub(crate) fn new(
         shared: Arc<Shared>,
         mem: GuestMemoryMmap<()>,
         board: BoardConfig,
@@ -636,7 +663,7 @@ impl Worker {
 
     /// Handles every posted control message, in order, then saves what
     /// they changed (a save point).
-    pub(super) fn handle_controls(&mut self) {
+    pub fn handle_controls(&mut self) {
         self.apply_controls();
         self.persist();
     }
@@ -723,64 +750,63 @@ impl Worker {
         self.queue = None;
         mark_failed(&mut self.regs(), code);
     }
-}
 
-/// Starts the worker thread for `worker`; it runs until [`Control::Stop`].
-/// Should it panic (a host bug), the vNPU is left in a failed state the
-/// driver can read (`ERR_DEVICE_FAULT`), never a silent hang.
-pub(crate) fn spawn(worker: Worker, name: String) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let shared = Arc::clone(&worker.shared);
-    std::thread::Builder::new().name(name).spawn(move || {
-        let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(worker)));
-        if served.is_err() {
-            died(&shared);
-        }
-    })
-}
+    /// What the core shares with the vCPU thread (registers, interrupts,
+    /// the control queue and its eventfds).
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
 
-/// The worker's event loop.
-fn serve(worker: Worker) {
-    let mut em = match EventManager::<Worker>::new() {
-        Ok(em) => em,
-        Err(_) => return,
-    };
-    let id = em.add_subscriber(worker);
-    loop {
-        match em.subscriber_mut(id) {
-            Ok(w) if !w.stopped => {}
-            _ => return,
-        }
-        if em.run().is_err() {
-            return;
-        }
+    /// The core cannot serve (its thread has no events): failed, and
+    /// stopped.
+    pub(crate) fn fail_and_stop(&mut self, code: u32) {
+        self.fail(code);
+        self.stopped = true;
+    }
+
+    /// A `Stop` was handled: the core serves nothing more.
+    pub fn stopped(&self) -> bool {
+        self.stopped
+    }
+
+    /// Control work is waiting.
+    pub fn has_controls(&self) -> bool {
+        !lock(&self.shared.controls).is_empty()
+    }
+
+    /// How long to poll the ring after requests (0: not at all).
+    pub fn poll_window(&self) -> std::time::Duration {
+        self.opts.poll
+    }
+
+    /// Whether the driver has posted requests not yet taken.
+    pub fn ring_pending(&self) -> bool {
+        self.queue.as_ref().is_some_and(|q| {
+            q.avail_idx(&self.mem, std::sync::atomic::Ordering::Acquire).is_ok_and(|i| i.0 != q.next_avail())
+        })
+    }
+
+    /// Asks the driver not to ring the doorbell (polling); false when there
+    /// is no ring or it cannot be written.
+    pub fn suppress_doorbells(&mut self) -> bool {
+        let Some(q) = self.queue.as_mut() else { return false };
+        q.disable_notification(&self.mem).is_ok()
+    }
+
+    /// Asks the driver to ring the doorbell again; `Some(true)` when
+    /// requests were posted meanwhile (serve them before sleeping), `None`
+    /// when there is no ring or it cannot be written.
+    pub fn allow_doorbells(&mut self) -> Option<bool> {
+        let q = self.queue.as_mut()?;
+        q.enable_notification(&self.mem).ok()
     }
 }
 
 /// The device's failed state with `code` in `ERROR`: the ring is not
 /// served until the driver resets the device.
-fn mark_failed(r: &mut RegFile, code: u32) {
+pub(crate) fn mark_failed(r: &mut RegFile, code: u32) {
     r.set_u32(regs::ERROR, code);
     r.update_u32(regs::STATUS, |s| (s | abi::STATUS_FAILED) & !abi::STATUS_QUEUE_READY);
-}
-
-/// Puts the vNPU of a worker that panicked in its failed state and wakes
-/// a driver waiting on an interrupt.
-fn died(shared: &Shared) {
-    shared.dead.store(true, std::sync::atomic::Ordering::Release);
-    lock(&shared.controls).clear();
-    {
-        let mut r = lock(&shared.regs);
-        mark_failed(&mut r, abi::ERR_DEVICE_FAULT);
-        // No reset will ever complete.
-        r.set_u32(regs::QUEUE_ENABLE, 0);
-        r.update_u32(regs::STATUS, |s| s & !abi::STATUS_RESETTING);
-        // A mailbox command in flight ends with an error.
-        if r.u32(regs::MBOX_STATUS) == abi::MBOX_BUSY {
-            r.set_u32(regs::MBOX_STATUS, abi::ST_EXEC_FAULT);
-        }
-    }
-    shared.notify(abi::INT_QUEUE, regs::QUEUE_VECTOR);
-    shared.notify(abi::INT_MAILBOX, regs::MBOX_VECTOR);
 }
 
 #[cfg(test)]
@@ -863,7 +889,7 @@ mod registration_tests {
             Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).unwrap(),
         );
         let spec = VnpuSpec::named("small").unwrap();
-        let mut w = Worker::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
+        let mut w = DeviceCore::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
         let fits = abi::MAX_REGISTERED_INSTRUCTIONS / vnpu_abi::program::MAX_INSTRUCTIONS;
         for i in 0..fits {
             let o = w.register(&payload);
@@ -903,7 +929,7 @@ mod guest_range_tests {
             let shared = Arc::new(
                 Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).unwrap(),
             );
-            let w = Worker::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
+            let w = DeviceCore::new(shared, mem, BoardConfig::default(), spec, DeviceOptions::default(), "t");
             let r = npu_model::verify(&program, &w.limits(&spec));
             assert_eq!(r.is_ok(), ok, "second region at {second:#x}: {r:?}");
         }
@@ -918,12 +944,12 @@ mod resume_tests {
     const AVAIL: u64 = 0x2000;
     const USED: u64 = 0x3000;
 
-    fn worker(mem: &GuestMemoryMmap<()>) -> Worker {
+    fn worker(mem: &GuestMemoryMmap<()>) -> DeviceCore {
         let shared = Arc::new(
             Shared::new(RegFile::new(), 8, Arc::new(crate::RecordingSink::default()), None).expect("shared"),
         );
         let spec = VnpuSpec::named("small").expect("spec");
-        Worker::new(shared, mem.clone(), BoardConfig::default(), spec, DeviceOptions::default(), "t")
+        DeviceCore::new(shared, mem.clone(), BoardConfig::default(), spec, DeviceOptions::default(), "t")
     }
 
     /// Posts a `NOP` with `tag` as ring entry `idx` (descriptors 2*idx and

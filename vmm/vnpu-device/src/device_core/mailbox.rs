@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl Worker {
+impl DeviceCore {
     pub(super) fn mailbox(&mut self, cmd: u32, a: [u64; 6]) -> (u32, u64) {
         match cmd {
             abi::MBOX_CONFIGURE => match VnpuSpec::guest_request(a, &self.grant) {

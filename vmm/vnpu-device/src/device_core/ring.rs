@@ -10,9 +10,15 @@ fn status_desc(descs: &[Desc]) -> Option<Desc> {
     descs.iter().rfind(|d| d.write).filter(|d| d.len as usize >= abi::STATUS_BYTES).copied()
 }
 
-impl Worker {
-    pub(super) fn drain_ring(&mut self) {
+impl DeviceCore {
+    /// Serves the ring until it is empty, gone, broken or the core is
+    /// stopped; control work (a reset, a stop, a grant change) takes effect
+    /// between requests.
+    pub fn drain_ring(&mut self) {
         loop {
+            if self.stopped {
+                return;
+            }
             // Control work (a reset, a stop, a grant change) takes effect
             // between requests, whatever the ring still holds: a guest that
             // keeps its ring full cannot hold a stop off.

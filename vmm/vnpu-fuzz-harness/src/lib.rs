@@ -1,0 +1,21 @@
+//! The harnesses the fuzz targets in `fuzz/` run (`docs/fuzzing.md`),
+//! kept out of the production crates: each drives only what those crates
+//! export, as a guest or a client would.
+//!
+//! - [`drive_ring`]: the vNPU device core from guest-controlled bytes
+//!   (register writes, ring set-up, mailbox commands, guest memory).
+//! - [`serve_stream`]: the board daemon's vfio-user server on one
+//!   connection's byte stream.
+//! - [`run_session`]: whole hostile vfio-user sessions against a served
+//!   instance, then an honest client.
+//!
+//! Each is also run by this crate's tests on fixed inputs, so the
+//! harnesses stay built and working on stable Rust.
+
+mod ring;
+mod server;
+mod session;
+
+pub use ring::drive_ring;
+pub use server::serve_stream;
+pub use session::run_session;
