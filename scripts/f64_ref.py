@@ -3,7 +3,7 @@
 (onnx.reference, pure NumPy): every float32 weight, constant, cast, input
 and output is made float64 (Resize's scales stay float32, as the operator
 requires). This is the "exact" result the vNPU's and ONNX Runtime's f32
-errors are both measured against (docs/model-format.md). Slow: minutes for
+errors are both measured against (docs/compiled-model-format.md). Slow: minutes for
 a detector on a few images.
 
   f64_ref.py MODEL.onnx OUT.npy NAME=INPUT.npy [--output NAME]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes ONNX's own backend node tests (the conformance suite every
 runtime runs), regenerated from the installed `onnx` package's generators,
-for `device/npu-onnx/tests/conformance.rs` (docs/model-format.md,
+for `device/npu-onnx/tests/conformance.rs` (docs/compiled-model-format.md,
 "Conformance").
 
     .venv-onnx/bin/python scripts/onnx_conformance.py [OUT]   # OUT: target/onnx-node-tests

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Trains the small models the ONNX tests compile and run on a vNPU, exports
-them to ONNX and writes their test inputs (docs/model-format.md, "Test models").
+them to ONNX and writes their test inputs (docs/compiled-model-format.md, "Test models").
 
 Every model is trained here, by scikit-learn, on data that ships inside
 scikit-learn (no download), with fixed seeds; nobody picks weights by hand.
@@ -17,7 +17,7 @@ Models (tests/fixtures/onnx/<name>.onnx, exported by skl2onnx with
 Files per model: <name>.onnx, and shared by all: digits-x.npy (450 x 64
 f32 test images), digits-y.npy (450 labels, int64).
 
-Command (docs/model-format.md):
+Command (docs/compiled-model-format.md):
   bash scripts/setup-onnx.sh && .venv-onnx/bin/pip install scikit-learn skl2onnx
   .venv-onnx/bin/python scripts/onnx_models.py
 """

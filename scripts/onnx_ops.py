@@ -409,7 +409,7 @@ def arg_extremes(name, op, axis, keepdims, last):
     # ties (the first or last index must win), both axes. No NaN: ONNX
     # Runtime scans with `>` (a NaN first element wins, later ones are
     # skipped) where numpy and ONNX's reference take the first NaN, as the
-    # compiler does (docs/model-format.md).
+    # compiler does (docs/compiled-model-format.md).
     global rng
     rng = np.random.default_rng(20261129)
     n, k = 5, 9

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs an ONNX model with ONNX Runtime (CPU) and saves its outputs: the
 independent reference the vNPU's results are checked against
-(docs/model-format.md).
+(docs/compiled-model-format.md).
 
   ort_ref.py MODEL.onnx OUT_PREFIX NAME=INPUT.npy [NAME=INPUT.npy ...] [--output NAME ...] [--time RUNS]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Acceptance run of real pretrained vision networks (docs/model-format.md,
+# Acceptance run of real pretrained vision networks (docs/compiled-model-format.md,
 # "The pretrained networks"): PaddleOCR's models (Apache-2.0) that PyPI's
 # rapidocr_onnxruntime 1.4.4 wheel ships inside it, each compiled for a
 # vNPU, run by the runner guest in a VM, and checked against ONNX Runtime

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Checks a pretrained PaddleOCR network's vNPU outputs against ONNX
-Runtime's on the same inputs (scripts/pretrained.sh; docs/model-format.md,
+Runtime's on the same inputs (scripts/pretrained.sh; docs/compiled-model-format.md,
 "The pretrained networks"). Prints the errors and the task-level agreement
 and exits 1 when a check fails.
 
@@ -23,7 +23,7 @@ relative error means nothing).
   pixel; prints the share of the drawn text boxes' pixels found.
 
 With --dtype bf16 (a model compiled with bf16 SA operands) the checks are
-the documented bf16 ones (docs/model-format.md, "bf16"): these deep
+the documented bf16 ones (docs/compiled-model-format.md, "bf16"): these deep
 networks end in a softmax or sigmoid, where a near tie that bf16 rounding
 flips moves a probability by up to 1, so the bound is on the task:
 - cls: normwise error (max absolute over the largest |ONNX Runtime|)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Test inputs for the pretrained PaddleOCR networks RapidOCR ships
-(docs/model-format.md, "The pretrained networks"), rendered with Pillow's
+(docs/compiled-model-format.md, "The pretrained networks"), rendered with Pillow's
 built-in font from a fixed seed and preprocessed as RapidOCR does:
 
 - `--kind cls` (ch_ppocr_mobile_v2.0_cls, text direction): N text lines,

@@ -34,7 +34,7 @@ step cargo fmt --all --check
 step cargo clippy --workspace --all-targets --locked -- -D warnings
 step cargo clippy -p vnpu-driver --features std --all-targets --locked -- -D warnings
 # ONNX's backend node tests, regenerated from the pinned onnx package, for
-# device/npu-onnx/tests/conformance.rs (docs/model-format.md, "Conformance").
+# device/npu-onnx/tests/conformance.rs (docs/compiled-model-format.md, "Conformance").
 step .venv-onnx/bin/python scripts/onnx_conformance.py target/onnx-node-tests
 step cargo test --workspace --locked
 step bash scripts/fuzz-smoke.sh

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Trains a small CNN and a small transformer encoder with PyTorch on the
 8x8 digits that ship inside scikit-learn, exports both with torch.onnx and
-writes their test inputs (docs/model-format.md, "Test models").
+writes their test inputs (docs/compiled-model-format.md, "Test models").
 
 Data: `sklearn.datasets.load_digits` (1797 images), pixels scaled to
 [0, 1], split 75/25 stratified with random_state 0 (the split of

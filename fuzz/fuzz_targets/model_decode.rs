@@ -1,4 +1,4 @@
-//! A compiled-model file (`vnpu compile`'s output, docs/model-format.md)
+//! A compiled-model file (`vnpu compile`'s output, docs/compiled-model-format.md)
 //! and an inference job from any bytes: `Model::decode` and
 //! `job::Header::decode` never panic, a decoded model re-encodes to bytes
 //! that decode to the same model, and relocating its programs never
@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vnpu_abi::model::{job, relocate, Model};
+use vnpu_abi::compiled_model::{job, relocate, Model};
 
 fuzz_target!(|data: &[u8]| {
     let _ = job::Header::decode(data);

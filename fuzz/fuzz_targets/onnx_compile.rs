@@ -1,4 +1,4 @@
-//! The ONNX compiler (`vnpu compile`, docs/model-format.md) on any bytes:
+//! The ONNX compiler (`vnpu compile`, docs/compiled-model-format.md) on any bytes:
 //! reading the protobuf, shape inference, constant folding, fusion and
 //! lowering never panic and never allocate past the compiler's tensor
 //! limit; whatever compiles is accepted by the verifier (the compiler
@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use libfuzzer_sys::fuzz_target;
 use npu_onnx::{compile, CompileOptions};
 use npu_lower::VnpuShape;
-use vnpu_abi::model::Model;
+use vnpu_abi::compiled_model::Model;
 use vnpu_abi::DType;
 
 fuzz_target!(|data: &[u8]| {

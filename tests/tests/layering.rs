@@ -18,8 +18,8 @@ const LAYERS: &[&[&str]] = &[
     // The NPU model and what is defined on the ISA or the ABI alone.
     &["npu-model", "npu-reference", "npu-graph", "npu-infer-io", "vnpu-driver", "vfio_user"],
     // Code generation, the scheduling policy, the model's differential
-    // test, the digits models (tested on the model).
-    &["npu-lower", "npu-scheduler", "npu-difftest", "vnpu-models", "vnpu-pci", "vnpu-spec"],
+    // test, the guest images' programs (tested on the model).
+    &["npu-lower", "npu-scheduler", "npu-difftest", "vnpu-guest-programs", "vnpu-pci", "vnpu-spec"],
     // Programs from workloads and ONNX; the board runtime.
     &["npu-workloads", "npu-onnx", "npu-board-runtime"],
     // Interference on the board model; the PCI function.

@@ -1,4 +1,4 @@
-//! What a runner of compiled models (`docs/model-format.md`) reads and
+//! What a runner of compiled models (`docs/compiled-model-format.md`) reads and
 //! prints, written once for the host's `vnpu infer` and the Linux guest's
 //! `vnpu-infer` (`docs/inference-guests.md`):
 //! - [`npy`]: NumPy `.npy` arrays in and out;
@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use npy::{Array, NpyError};
-use vnpu_abi::model::Model;
+use vnpu_abi::compiled_model::Model;
 
 /// Why a runner's inputs or outputs are wrong.
 #[derive(Debug, thiserror::Error)]
@@ -313,7 +313,7 @@ mod tests {
     }
 
     fn model(dims: Vec<u64>) -> Model {
-        use vnpu_abi::model::{ElemType, Target, TensorDesc};
+        use vnpu_abi::compiled_model::{ElemType, Target, TensorDesc};
         let t = |name: &str, dims: Vec<u64>| TensorDesc {
             name: name.into(),
             elem: ElemType::F32,
@@ -384,7 +384,7 @@ mod tests {
     #[test]
     fn integer_inputs_travel_as_i32_and_must_fit() {
         let mut m = model(vec![2, 3]);
-        m.inputs[0].elem = vnpu_abi::model::ElemType::I64;
+        m.inputs[0].elem = vnpu_abi::compiled_model::ElemType::I64;
         let big = (1i64 << 24) + 1; // not exact as an f32
         let ids = int_file("ids", vec![2, 3], &[0, 1, -1, big, 7, 30521]);
         let (xs, runs) = gather_inputs(&m, std::slice::from_ref(&ids)).unwrap();

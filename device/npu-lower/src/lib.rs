@@ -2466,7 +2466,7 @@ pub fn lower_ops(
 /// bytes; the runner stores it rounded to nearest even), and each product's
 /// computed operands are converted to bf16 in SRAM by a VU before the SA
 /// reads them. The SA accumulates and writes f32, so every activation
-/// stays f32 (`docs/model-format.md` gives the error bound);
+/// stays f32 (`docs/compiled-model-format.md` gives the error bound);
 /// [`LowerOptions::bf16_activations`] stores them as bf16 instead.
 pub fn lower_as(graph: &Graph, shape: VnpuShape, dtype: DType) -> Result<Lowered, LowerError> {
     lower_ops_as(graph, 0..graph.ops.len(), shape, dtype)

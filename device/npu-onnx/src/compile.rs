@@ -22,7 +22,7 @@ use npu_graph::{Act, Graph, Init, Op, TensorId, View};
 use npu_lower::{lower_ops_keeping, LowerError, LowerOptions, VnpuShape};
 use npu_model::{verify, VerifyError, VnpuLimits};
 use thiserror::Error;
-use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
+use vnpu_abi::compiled_model::{ElemType, Model, Target, TensorDesc};
 use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
 
 use crate::load::{load, Attr, Const, Data, Dim, LoadError, Node, OnnxModel};
@@ -425,7 +425,7 @@ impl Compiler<'_> {
         }
         if !crate::operators::listed(&n.op) {
             return Err(unsupported(format!(
-                "operator `{}` is not supported (docs/model-format.md lists what is)",
+                "operator `{}` is not supported (docs/compiled-model-format.md lists what is)",
                 n.op
             )));
         }
@@ -788,7 +788,7 @@ impl Compiler<'_> {
             "Neg" => self.activation(n, Act::affine(-1.0, 0.0)),
             "Pow" => self.pow(n),
             op => Err(unsupported(format!(
-                "operator `{op}` is not supported (docs/model-format.md lists what is)"
+                "operator `{op}` is not supported (docs/compiled-model-format.md lists what is)"
             ))),
         }
     }
@@ -2072,7 +2072,7 @@ pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, Comp
     };
     let first = place(0);
     let descs = first.4.iter().chain(&first.5).map(|(d, _)| d);
-    let phase = vnpu_abi::model::weights_offset(descs, &first.0, &first.6) as u64 % PAGE;
+    let phase = vnpu_abi::compiled_model::weights_offset(descs, &first.0, &first.6) as u64 % PAGE;
     let (mut load, at, len, window, ins, outs, mut infer) = if phase == 0 { first } else { place(phase) };
     let weights = weight_bytes(&c.data, &lowered, &at, len);
     report.weight_bytes = weights.len() as u64;

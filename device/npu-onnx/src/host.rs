@@ -8,7 +8,7 @@ use npu_model::{
     VecGuestMemory,
 };
 use thiserror::Error;
-use vnpu_abi::model::Model;
+use vnpu_abi::compiled_model::Model;
 
 /// Why an in-process run failed.
 #[derive(Debug, Error)]
@@ -119,7 +119,7 @@ impl HostRunner {
         offset: u64,
     ) -> Result<Self, HostError> {
         let image = 0..weights.len() as u64;
-        let inside = |p: &vnpu_abi::Program| vnpu_abi::model::guest_span(p).ok().flatten();
+        let inside = |p: &vnpu_abi::Program| vnpu_abi::compiled_model::guest_span(p).ok().flatten();
         let load_in_image = inside(&model.load).is_some_and(|r| r.start >= image.start && r.end <= image.end);
         let infer_apart = inside(&model.infer).is_none_or(|r| r.start >= image.end);
         let mapped = file.try_clone().and_then(|f| FileMemory::map(f, offset, weights.len()));

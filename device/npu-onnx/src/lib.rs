@@ -1,9 +1,9 @@
 //! ONNX models compiled to vNPU programs (`vnpu compile`,
-//! `docs/model-format.md`).
+//! `docs/compiled-model-format.md`).
 //!
 //! [`load`] reads the protobuf (through the `onnx-protobuf` crate);
 //! [`compile`] folds constants, fuses, lowers with the workload library's
-//! tiled lowering and packs a [`vnpu_abi::model::Model`].
+//! tiled lowering and packs a [`vnpu_abi::compiled_model::Model`].
 
 pub mod compile;
 pub mod host;

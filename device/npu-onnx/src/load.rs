@@ -348,7 +348,7 @@ pub const MIN_OPSET: i64 = 7;
 /// adds element types (float8e8m0, float6, int2, uint2), which the
 /// compiler refuses anyway; Cast's `round_mode` (24) applies only to
 /// float8e8m0 results (read from onnx's own schemas,
-/// `onnx.defs.get_schema`; docs/model-format.md).
+/// `onnx.defs.get_schema`; docs/compiled-model-format.md).
 pub const MAX_OPSET: i64 = 28;
 
 /// Most bytes of external data one model may read (16 GiB).

@@ -1,6 +1,6 @@
 //! The operators the compiler takes: the list `Compiler::node` admits
 //! (an operator not listed here is refused before any handler sees it),
-//! and from which `docs/model-format.md`'s operator table is generated
+//! and from which `docs/compiled-model-format.md`'s operator table is generated
 //! (the ONNX conformance test writes and checks it, with each operator's
 //! node-test figures).
 
@@ -19,7 +19,7 @@ const fn op(op: &'static str, notes: &'static str) -> Operator {
 
 /// Every operator the compiler takes (opsets [`crate::load::MIN_OPSET`] to
 /// [`crate::load::MAX_OPSET`]; a constant input folds any of them that
-/// the folding list of `docs/model-format.md` names), alphabetically.
+/// the folding list of `docs/compiled-model-format.md` names), alphabetically.
 pub const OPERATORS: &[Operator] = &[
     op("Abs", "`vu.unary abs`; folded on constants"),
     op("Add", "`vu.binary add`, numpy broadcasting, constants folded into the operation before"),

@@ -6,7 +6,7 @@
 //! expected outputs. A refusal is fine; a wrong answer (or an accepted
 //! model that fails to run, or a panic) fails the test. Prints passed /
 //! wrong / refused per operator and writes the table to
-//! `target/onnx-conformance.txt` (docs/model-format.md, "Conformance").
+//! `target/onnx-conformance.txt` (docs/compiled-model-format.md, "Conformance").
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashMap};
@@ -214,16 +214,16 @@ fn onnx_node_tests_give_no_wrong_answer() {
     }
     println!("{report}");
     let _ = std::fs::write(root().join("target/onnx-conformance.txt"), &report);
-    // docs/model-format.md's operator table: the compiler's own list with
+    // docs/compiled-model-format.md's operator table: the compiler's own list with
     // these figures (both groups together).
     let table = npu_onnx::operators::table(|op| {
         per_op.get(op).map(|r| (r[0] + r[4], r[1] + r[5], r[2] + r[6])).filter(|&(p, w, f)| p + w + f > 0)
     });
-    let doc_path = root().join("docs/model-format.md");
+    let doc_path = root().join("docs/compiled-model-format.md");
     let doc = std::fs::read_to_string(&doc_path).unwrap();
     let (begin, end) = ("<!-- operators:begin -->\n", "<!-- operators:end -->");
     let (Some(b), Some(e)) = (doc.find(begin), doc.find(end)) else {
-        panic!("docs/model-format.md has no {begin:?}..{end:?} section for the operator table");
+        panic!("docs/compiled-model-format.md has no {begin:?}..{end:?} section for the operator table");
     };
     let have = &doc[b + begin.len()..e];
     if have != table {
@@ -232,7 +232,7 @@ fn onnx_node_tests_give_no_wrong_answer() {
             std::fs::write(&doc_path, new).unwrap();
         } else {
             panic!(
-                "docs/model-format.md's operator table is not the compiler's list with these figures: \
+                "docs/compiled-model-format.md's operator table is not the compiler's list with these figures: \
                  regenerate it with VNPU_WRITE_DOCS=1 cargo test --release -p npu-onnx --test conformance"
             );
         }

@@ -65,7 +65,7 @@ fn gemm_with_trans_b_alpha_beta_and_bias_then_relu_matches_the_formula() {
 }
 
 /// With bf16 SA operands each output of a product is within the
-/// per-product bound of docs/model-format.md ("bf16") of the exact result:
+/// per-product bound of docs/compiled-model-format.md ("bf16") of the exact result:
 /// `|y' - y| <= (2u + u^2 + (k + 2) 2^-24) (sum_p |x_p w_p| + |c|)`, with
 /// `u = 2^-8` the unit roundoff of bf16 (both operands rounded once, products
 /// exact in f32, f32 accumulation and bias). And the rounding is real: the

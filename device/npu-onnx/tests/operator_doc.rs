@@ -1,12 +1,15 @@
-//! `docs/model-format.md`'s operator table lists exactly the compiler's
+//! `docs/compiled-model-format.md`'s operator table lists exactly the compiler's
 //! operators with their notes (the conformance test, which has the node
 //! tests, also checks the figures).
 #![allow(clippy::unwrap_used)]
 
 #[test]
 fn the_operator_table_is_the_compilers_list() {
-    let doc = std::fs::read_to_string(format!("{}/../../docs/model-format.md", env!("CARGO_MANIFEST_DIR")))
-        .unwrap();
+    let doc = std::fs::read_to_string(format!(
+        "{}/../../docs/compiled-model-format.md",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap();
     let b = doc.find("<!-- operators:begin -->").expect("the table's start marker");
     let e = doc.find("<!-- operators:end -->").expect("the table's end marker");
     let rows: Vec<(String, String)> = doc[b..e]

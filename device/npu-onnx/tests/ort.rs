@@ -234,7 +234,7 @@ fn token_ids_gather_embeddings_as_onnx_runtime_does() {
         fuse_blocks: true,
     };
     let c = compile(&std::fs::read(&model).unwrap(), &opts).unwrap();
-    assert_eq!(c.model.inputs[0].elem, vnpu_abi::model::ElemType::I64);
+    assert_eq!(c.model.inputs[0].elem, vnpu_abi::compiled_model::ElemType::I64);
     let mut r = HostRunner::new(&board, &c.model).unwrap();
     for bad in [50.0f32, -1.0] {
         let mut x = ids.data.clone();
@@ -290,7 +290,7 @@ fn check_text_model(name: &str, sa: u32, vu: u32) -> (f64, f64, usize, usize) {
     };
     let c = npu_onnx::compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     for t in &c.model.inputs {
-        assert_eq!(t.elem, vnpu_abi::model::ElemType::I64, "{name}: input {} is int64", t.name);
+        assert_eq!(t.elem, vnpu_abi::compiled_model::ElemType::I64, "{name}: input {} is int64", t.name);
     }
     let mut r = HostRunner::new(&board, &c.model).unwrap();
     let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
@@ -444,7 +444,7 @@ fn pytorch_transformer_encoder_matches_onnx_runtime_on_four_engines_each() {
 
 /// Every test model compiled with bf16 SA operands, against the f64
 /// result where there is one (else ONNX Runtime): the scaled error stays
-/// within the documented bound (docs/model-format.md, "bf16") and top-1
+/// within the documented bound (docs/compiled-model-format.md, "bf16") and top-1
 /// agrees with ONNX Runtime on nearly every classifier input.
 #[test]
 fn bf16_models_stay_within_the_documented_bound() {
@@ -509,7 +509,7 @@ fn bf16_models_stay_within_the_documented_bound() {
 /// The documented end-to-end bound on the normwise error (largest absolute
 /// error over the largest reference magnitude) of the test models compiled
 /// with bf16 SA operands: 2^-5, four times a single product's 2u
-/// (docs/model-format.md, "bf16").
+/// (docs/compiled-model-format.md, "bf16").
 const BF16_BOUND: f64 = 0.03125;
 
 /// `ArgMax` (the first of tied maxima) and `ArgMin` with
@@ -522,7 +522,7 @@ fn argmax_and_argmin_give_onnx_runtimes_indices() {
         let model = fixture(&format!("ops/{name}.onnx"));
         let x = npy::read_file(&fixture(&format!("ops/{name}-x.npy"))).unwrap();
         let (c, got) = compile_and_run(&model, &x, 1, 1, None);
-        assert_eq!(c.model.outputs[0].elem, vnpu_abi::model::ElemType::I64, "{name}");
+        assert_eq!(c.model.outputs[0].elem, vnpu_abi::compiled_model::ElemType::I64, "{name}");
         let out = c.model.outputs[0].clone();
         let want = ort(&model, &[("x", &fixture(&format!("ops/{name}-x.npy")))], &out.name);
         let want: Vec<f32> = want.ints.as_ref().unwrap().iter().map(|&v| v as f32).collect();
@@ -540,7 +540,7 @@ fn top_k_gives_onnx_runtimes_indices_and_values() {
     let x = npy::read_file(&fixture("ops/topk-indices-x.npy")).unwrap();
     let (c, got) = compile_and_run(&model, &x, 1, 1, None);
     let out = c.model.outputs[0].clone();
-    assert_eq!(out.elem, vnpu_abi::model::ElemType::I64);
+    assert_eq!(out.elem, vnpu_abi::compiled_model::ElemType::I64);
     let want = ort(&model, &[("x", &fixture("ops/topk-indices-x.npy"))], &out.name);
     let want: Vec<f32> = want.ints.as_ref().unwrap().iter().map(|&v| v as f32).collect();
     assert_eq!(got, want, "indices");

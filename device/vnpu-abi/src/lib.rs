@@ -7,17 +7,17 @@
 //! - [`isa`]: instructions, their binary encoding and a total decoder.
 //! - [`program`]: the program container (one instruction stream per engine)
 //!   and a builder.
-//! - [`model`]: the compiled-model container (`vnpu compile`'s output).
+//! - [`compiled_model`]: the compiled-model container (`vnpu compile`'s output).
 //! - [`footprint`]: the memory ranges each instruction reads and writes,
 //!   computed with overflow-checked arithmetic, for static bounds checking.
 #![no_std]
 
 extern crate alloc;
 
+pub mod compiled_model;
 pub mod device;
 pub mod footprint;
 pub mod isa;
-pub mod model;
 pub mod program;
 
 pub use footprint::{Access, AccessKind, FootprintError};

@@ -8,8 +8,8 @@ use alloc::vec::Vec;
 
 use vnpu_abi::device as abi;
 use vnpu_driver::{Bar, DmaBuf, DmaRegion, RunOptions, Vnpu};
-use vnpu_models::digits::{self, bench, layout, SramPlan, CLASSES, PIXELS};
-use vnpu_models::{argmax, f32s};
+use vnpu_guest_programs::digits::{self, bench, layout, SramPlan, CLASSES, PIXELS};
+use vnpu_guest_programs::{argmax, f32s};
 
 use crate::{out, sub, Platform};
 

@@ -8,7 +8,7 @@
 use alloc::format;
 use alloc::string::String;
 use vnpu_abi::device::StatusBlock;
-use vnpu_abi::model::{guest_span, relocate, relocate_span, Model, Target};
+use vnpu_abi::compiled_model::{guest_span, relocate, relocate_span, Model, Target};
 use vnpu_driver::{Bar, DmaBuf, DmaRegion, Hierarchy, ProgramHandle, RunOptions, Vnpu, Wait};
 
 /// A model whose weights are in the vNPU's memory and whose infer program
@@ -69,7 +69,7 @@ pub fn check_target(hw: &Hierarchy, t: &Target) -> Result<(), String> {
 /// of its outputs, or `None` when a size overflows.
 pub fn batch_bytes(model: &Model) -> Option<(u64, u64)> {
     let sum =
-        |ts: &[vnpu_abi::model::TensorDesc]| ts.iter().try_fold(0u64, |acc, t| acc.checked_add(t.bytes()?));
+        |ts: &[vnpu_abi::compiled_model::TensorDesc]| ts.iter().try_fold(0u64, |acc, t| acc.checked_add(t.bytes()?));
     Some((sum(&model.inputs)?, sum(&model.outputs)?))
 }
 
@@ -139,7 +139,7 @@ pub fn load<B: Bar>(
     Ok(Loaded { handle, window, io_start, opts })
 }
 
-fn relocate_err<T>(r: Result<T, vnpu_abi::model::ModelError>) -> Result<T, String> {
+fn relocate_err<T>(r: Result<T, vnpu_abi::compiled_model::ModelError>) -> Result<T, String> {
     r.map_err(|e| format!("{e}"))
 }
 

@@ -4,7 +4,7 @@
 use guest_apps::Platform;
 use guest_rt::vnpu_driver::{DmaBuf, Wait};
 use guest_rt::{phys, rdtsc, tsc_to_ns};
-use vnpu_models::digits::layout;
+use vnpu_guest_programs::digits::layout;
 
 /// The bare-metal platform: identity-mapped memory, the TSC, interrupts.
 pub struct BareMetal {

@@ -22,7 +22,7 @@ use guest_rt::vnpu_driver::{pci, Bar, DmaBuf, Error, MmioBar, RunOptions, Vnpu};
 use guest_rt::{phys, println, Env};
 use vnpu_abi::device::{self as abi, regs};
 use vnpu_abi::{Addr, Engine, Instr, MatFlags, ProgramBuilder, UnOp};
-use vnpu_models::digits::{self, layout};
+use vnpu_guest_programs::digits::{self, layout};
 
 static TEST_X: &[u8] = include_bytes!("../../digits/fixtures/test_x.bin");
 static MLP: &[u8] = include_bytes!("../../digits/fixtures/mlp.bin");
@@ -95,17 +95,17 @@ impl Honest {
     /// within 1e-4 (relative), every prediction equal to the CPU's, and
     /// as many correct answers as the CPU has.
     fn correct(&self, logits: &[u8]) -> bool {
-        let got = vnpu_models::f32s(logits);
+        let got = vnpu_guest_programs::f32s(logits);
         // Written so that NaN fails (`NaN > tol` would be false).
-        let within = vnpu_models::max_rel_error(&got, &self.cpu) <= 1e-4;
+        let within = vnpu_guest_programs::max_rel_error(&got, &self.cpu) <= 1e-4;
         if !within {
             return false;
         }
         let c = digits::CLASSES;
         let mut right = 0;
         for (i, label) in TEST_Y.iter().enumerate() {
-            let p = vnpu_models::argmax(&got[c * i..c * (i + 1)]);
-            if p != vnpu_models::argmax(&self.cpu[c * i..c * (i + 1)]) {
+            let p = vnpu_guest_programs::argmax(&got[c * i..c * (i + 1)]);
+            if p != vnpu_guest_programs::argmax(&self.cpu[c * i..c * (i + 1)]) {
                 return false;
             }
             right += usize::from(p == usize::from(*label));
@@ -298,12 +298,12 @@ fn guest_main(env: &mut Env) -> u32 {
         let p = digits::mlp_infer(layout::MLP_SRAM, 450, layout::TEST_X, layout::BATCH_OUT).encode();
         let Ok(prog) = n.load(&mut env.dma, &p) else { return 1 };
         // The CPU reference over the same images and weights.
-        let (w, x) = (vnpu_models::f32s(MLP), vnpu_models::f32s(TEST_X));
+        let (w, x) = (vnpu_guest_programs::f32s(MLP), vnpu_guest_programs::f32s(TEST_X));
         let mut cpu = Vec::with_capacity(450 * digits::CLASSES);
         let mut correct = 0;
         for (i, label) in TEST_Y.iter().enumerate() {
             let l = digits::mlp_cpu(&w, &x[digits::PIXELS * i..digits::PIXELS * (i + 1)]);
-            correct += usize::from(vnpu_models::argmax(&l) == usize::from(*label));
+            correct += usize::from(vnpu_guest_programs::argmax(&l) == usize::from(*label));
             cpu.extend_from_slice(&l);
         }
         let mut h = Honest {

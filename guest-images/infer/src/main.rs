@@ -1,7 +1,7 @@
 //! The generic model runner (runs at CPL3; docs/inference-guests.md).
 //!
 //! `vnpu infer` hands it an inference job as the VMM's payload
-//! (`vnpu_abi::model::job`): a compiled model and the inputs of `runs`
+//! (`vnpu_abi::compiled_model::job`): a compiled model and the inputs of `runs`
 //! batches. The runner decodes and checks the model, opens the first vNPU,
 //! checks that it is large enough, places the model's I/O window in DMA
 //! memory, relocates both programs to it, runs the load program once,
@@ -20,7 +20,7 @@ use alloc::string::String;
 use guest_apps::infer::{self, Weights};
 use guest_rt::vnpu_driver::Wait;
 use guest_rt::{println, rdtsc, tsc_to_ns, Env};
-use vnpu_abi::model::{job, Model};
+use vnpu_abi::compiled_model::{job, Model};
 
 /// Marks the job failed with `msg` (also printed) and returns exit code 1.
 fn fail(payload: &mut [u8], msg: String) -> u32 {

@@ -12,13 +12,13 @@ use npu_infer_io::npy;
 use npu_infer_io::{
     append_outputs, batch_input_bytes, compare, gather_inputs, print_report, ReportOptions, RunStat,
 };
-use vnpu_abi::model::Model;
+use vnpu_abi::compiled_model::Model;
 use vnpu_driver::Vnpu;
 
 const USAGE: &str = "\
 usage: vnpu-infer MODEL.vnpu --input [NAME=]FILE.npy... [options]
 
-Runs a compiled model (`vnpu compile`, docs/model-format.md) on this Linux
+Runs a compiled model (`vnpu compile`, docs/compiled-model-format.md) on this Linux
 guest's first vNPU through the user-space driver: one request per batch of
 the compiled batch size (the inputs' leading dimension is a multiple of
 it). Prints the latency per batch (guest wall clock and simulated NPU time),

@@ -10,7 +10,7 @@ extern crate alloc;
 
 use guest_rt::vnpu_driver::{RunOptions, Wait};
 use guest_rt::{phys, println, Env};
-use vnpu_models::recsys;
+use vnpu_guest_programs::recsys;
 
 const BATCH: usize = 128;
 const BATCHES: u64 = 10;
@@ -61,7 +61,7 @@ fn guest_main(env: &mut Env) -> u32 {
         let mut got = alloc::vec![0f32; BATCH];
         phys(OUT, 4 * BATCH).read_f32s(0, &mut got);
         let want = recsys::cpu(&m, &idx);
-        worst = vnpu_models::worst(worst, vnpu_models::max_abs_error(&got, &want));
+        worst = vnpu_guest_programs::worst(worst, vnpu_guest_programs::max_abs_error(&got, &want));
     }
     println!(
         "recsys: {BATCHES} batches of {BATCH}: {cycles} simulated cycles, SA active {sa}, VU active {vu} (a = {:.3})",

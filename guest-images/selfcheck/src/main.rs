@@ -11,7 +11,7 @@ extern crate alloc;
 use guest_rt::vnpu_driver::RunOptions;
 use guest_rt::{phys, println, Env};
 use vnpu_abi::DType;
-use vnpu_models::selfcheck::{self, Case, Rng};
+use vnpu_guest_programs::selfcheck::{self, Case, Rng};
 
 const CASES: usize = 60;
 const SEED: u64 = 2026;

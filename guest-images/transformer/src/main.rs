@@ -10,7 +10,7 @@ extern crate alloc;
 
 use guest_rt::vnpu_driver::RunOptions;
 use guest_rt::{phys, println, rdtsc, tsc_to_ns, Env};
-use vnpu_models::transformer::{self, Shape};
+use vnpu_guest_programs::transformer::{self, Shape};
 
 /// BERT-like proportions.
 const SHAPE: Shape = Shape { seq: 16, d: 64, heads: 4, ffn: 128 };
@@ -67,7 +67,7 @@ fn layer(
     let mut got = alloc::vec![0f32; x.len()];
     phys(OUT, 4 * got.len()).read_f32s(0, &mut got);
     let want = transformer::cpu(&w, &x);
-    let err = vnpu_models::max_abs_error(&got, &want);
+    let err = vnpu_guest_programs::max_abs_error(&got, &want);
     println!(
         "transformer layer ({what}) seq {} d {} heads {} ffn {}: {} simulated cycles (SA active {}, VU active {}), {} us guest wall",
         shape.seq, shape.d, shape.heads, shape.ffn, st.cycles, st.sa_active, st.vu_active, wall / 1000

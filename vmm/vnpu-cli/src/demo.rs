@@ -4,7 +4,7 @@
 //! interrupt) against the very same batch programs run in-process on the
 //! NPU model (docs/benchmarks.md, "Inference through the VM"): round by
 //! round, interleaved, both sides on the TSC, one request in flight on
-//! each (`vnpu_models::digits::bench`).
+//! each (`vnpu_guest_programs::digits::bench`).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Memory, Sram, VecGuestMemory};
 use vnpu_abi::Program;
-use vnpu_models::digits::{self, bench, layout};
+use vnpu_guest_programs::digits::{self, bench, layout};
 
 /// Where `scripts/build-guests.sh` puts the digits guest.
 pub const DEFAULT_GUEST: &str =

@@ -58,7 +58,7 @@ enum Command {
         #[arg(long)]
         board: Option<PathBuf>,
     },
-    /// Compile an ONNX model for a vNPU shape (docs/model-format.md).
+    /// Compile an ONNX model for a vNPU shape (docs/compiled-model-format.md).
     ///
     /// Reads MODEL.onnx, fixes its shapes (free leading dimensions = --batch,
     /// others from --shape), folds constants, fuses biases and activations
@@ -80,11 +80,11 @@ enum Command {
         /// Element type of the SA operands: `f32`, or `bf16` (weights of
         /// matrix products and convolutions stored as bf16, half the bytes;
         /// activations rounded to bf16 by a VU before each product; f32
-        /// accumulation; error bound in docs/model-format.md).
+        /// accumulation; error bound in docs/compiled-model-format.md).
         #[arg(long, default_value = "f32")]
         dtype: String,
         /// How intermediate activations are stored (with `--dtype bf16`):
-        /// `f32` (the default: the error bound of docs/model-format.md), or
+        /// `f32` (the default: the error bound of docs/compiled-model-format.md), or
         /// `bf16` (half the DMA bytes where every operation touching a
         /// tensor takes bf16; the model's inputs and outputs stay f32).
         #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]

@@ -1,5 +1,5 @@
 //! `vnpu compile` (ONNX -> compiled model) and `vnpu infer` (a VM whose
-//! runner guest runs a compiled model on its vNPU; docs/model-format.md).
+//! runner guest runs a compiled model on its vNPU; docs/compiled-model-format.md).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -10,7 +10,7 @@ use npu_lower::VnpuShape;
 use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
 use npu_onnx::{CompileOptions, CompileReport};
-use vnpu_abi::model::{job, Model};
+use vnpu_abi::compiled_model::{job, Model};
 use vnpu_abi::DType;
 
 /// Where `scripts/build-guests.sh` puts the runner guest.
@@ -99,9 +99,9 @@ fn print_report(r: &CompileReport, m: &Model) {
     for (what, list) in [("input", &m.inputs), ("output", &m.outputs)] {
         for t in list.iter() {
             let elem = match t.elem {
-                vnpu_abi::model::ElemType::F32 => "f32",
-                vnpu_abi::model::ElemType::I64 => "int64 (i32 on the device)",
-                vnpu_abi::model::ElemType::I32 => "int32",
+                vnpu_abi::compiled_model::ElemType::F32 => "f32",
+                vnpu_abi::compiled_model::ElemType::I64 => "int64 (i32 on the device)",
+                vnpu_abi::compiled_model::ElemType::I32 => "int32",
             };
             println!("{what:<13} {} {elem} {:?}", t.name, t.dims);
         }

@@ -355,7 +355,7 @@ fn a_pytorch_cnn_runs_in_a_vm_and_matches_onnx_runtime() {
 /// `vnpu compile --dtype bf16`: the PyTorch CNN with bf16 weights and SA
 /// operands, all 450 test images through a VM at batch 50. The logits stay
 /// within the documented bf16 bound of the float64 result (normwise error
-/// at most 2^-5, docs/model-format.md "bf16"), top-1 agrees with ONNX
+/// at most 2^-5, docs/compiled-model-format.md "bf16"), top-1 agrees with ONNX
 /// Runtime on at least 99% of the images, the weights are half their f32
 /// size, and the in-process run of the same file gives the same bits.
 #[test]
@@ -414,7 +414,7 @@ fn a_bf16_compiled_cnn_runs_in_a_vm_within_the_bf16_bound() {
 /// in-process.
 #[test]
 fn weights_in_place_or_copied_give_the_same_outputs() {
-    use vnpu_abi::model::{ElemType, Model, Target, TensorDesc};
+    use vnpu_abi::compiled_model::{ElemType, Model, Target, TensorDesc};
     use vnpu_abi::{Addr, DType, Engine, Instr, ProgramBuilder};
     let x = [0.5f32, -1.0, 2.25, 3.0];
     let xf = tmp("hand-x.npy");

@@ -161,7 +161,7 @@ fn main() -> ExitCode {
         let t = interleaved_medians(runs, &mut [&mut model, &mut blas, &mut direct]);
         let (t_model, t_blas, t_crate) = (t[0], t[1], t[2]);
         let got = read_f32s(&guest, gc, m * n).unwrap_or_default();
-        let max_err = vnpu_models::max_rel_error(&got, &c);
+        let max_err = vnpu_guest_programs::max_rel_error(&got, &c);
         // Written so that NaN (and a length mismatch: infinity) fails.
         let agree = max_err <= 1e-3;
         if !agree {

@@ -4,7 +4,7 @@
 //! compiled programs run in-process on the NPU model) against ONNX Runtime
 //! on the CPU, same machine, same run, interleaved round by round, both
 //! single-threaded and timed on CLOCK_MONOTONIC, min/median/max over the
-//! rounds (docs/model-format.md, "Benchmark"). In each round each side's
+//! rounds (docs/compiled-model-format.md, "Benchmark"). In each round each side's
 //! timed run follows an untimed run of its own on the same input.
 //!
 //!   onnx-bench [--rounds N] [--only NAME,...] [--threads N] [--python PATH] [--dtype f32|bf16] [--board FILE]

@@ -28,10 +28,10 @@ use vnpu_abi::{Addr, Engine, Instr, Program, ProgramBuilder};
 const GUEST_BYTES: usize = 8192;
 
 fn programs() -> [(&'static str, Arc<Program>); 2] {
-    let plan = vnpu_models::digits::SramPlan { base: 0 };
+    let plan = vnpu_guest_programs::digits::SramPlan { base: 0 };
     [
         ("64-byte DMA", dma_program()),
-        ("digits CNN batch 1", Arc::new(vnpu_models::digits::cnn_infer(plan, 1, 0, 4096))),
+        ("digits CNN batch 1", Arc::new(vnpu_guest_programs::digits::cnn_infer(plan, 1, 0, 4096))),
     ]
 }
 

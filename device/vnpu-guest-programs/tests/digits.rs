@@ -3,8 +3,8 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Memory, Sram, VecGuestMemory};
-use vnpu_models::digits::{self, SramPlan, CLASSES, PIXELS};
-use vnpu_models::{argmax, f32s};
+use vnpu_guest_programs::digits::{self, SramPlan, CLASSES, PIXELS};
+use vnpu_guest_programs::{argmax, f32s};
 
 const FIX: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../guest-images/digits/fixtures/");
 

@@ -1,5 +1,5 @@
 //! The compiled-model container (`.vnpu` files written by `vnpu compile`,
-//! `docs/model-format.md`).
+//! `docs/compiled-model-format.md`).
 //!
 //! A compiled model is two programs and a weight image for one vNPU shape:
 //!
@@ -545,7 +545,7 @@ pub fn relocate(p: &mut Program, base: u64) -> Result<(), ModelError> {
 }
 
 /// The inference job `vnpu infer` hands a runner guest as its payload
-/// (`docs/model-format.md`, "Inference jobs"): a compiled model, the
+/// (`docs/compiled-model-format.md`, "Inference jobs"): a compiled model, the
 /// inputs of `runs` batches, and room for the outputs and per-run
 /// statistics the guest writes back. Little-endian.
 ///

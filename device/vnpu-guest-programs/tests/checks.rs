@@ -3,7 +3,7 @@
 #![allow(clippy::unwrap_used)]
 
 use npu_model::{run_program, BoardConfig, CoreMemory, LazyHbm, Memory, Sram, VecGuestMemory};
-use vnpu_models::{f32s, max_abs_error, selfcheck, transformer};
+use vnpu_guest_programs::{f32s, max_abs_error, selfcheck, transformer};
 
 fn run(program: &vnpu_abi::Program, guest: &mut VecGuestMemory) {
     let (mut sram, mut hbm) = (Sram::new(4 << 20), LazyHbm::new(1 << 28));
@@ -76,7 +76,7 @@ fn transformer_layer_matches_the_cpu() {
 
 #[test]
 fn recsys_matches_the_cpu_and_is_vu_heavy() {
-    use vnpu_models::recsys;
+    use vnpu_guest_programs::recsys;
     let m = recsys::Model::random(5);
     let batch = 128;
     let idx = recsys::random_indices(batch, 6);
