@@ -515,6 +515,17 @@ fn a_daemon_killed_and_restarted_mid_run_resumes_its_vms_device() {
     eprintln!("{last}; daemon restarts took {restarts:?}; the guest retried {retried} requests");
     eprintln!("{}", err.lines().filter(|l| l.contains("is back after")).collect::<Vec<_>>().join("\n"));
     assert!(terminate(d).success());
+    // The tenant's state on disk is the daemon's alone, whatever the umask.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777;
+    let session = state.join("sessions").join(&uuid);
+    assert_eq!(mode(&state.join("sessions")), 0o700);
+    assert_eq!(mode(&session), 0o700);
+    let files: Vec<_> = std::fs::read_dir(&session).unwrap().map(|e| e.unwrap().path()).collect();
+    assert!(files.iter().any(|f| f.ends_with("core0.hbm")), "{files:?}");
+    for f in &files {
+        assert_eq!(mode(f), 0o600, "{}", f.display());
+    }
     let _ = std::fs::remove_dir_all(&root);
 }
 

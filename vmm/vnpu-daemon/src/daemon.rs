@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -517,7 +517,7 @@ fn serve_started(
         }
         // Where the vNPU's state is kept for a restart (docs/vfio-user.md).
         let store_dir = session_dir(opts, &uuid);
-        let store_dir = match std::fs::create_dir_all(&store_dir) {
+        let store_dir = match private_session_dir(&store_dir) {
             Ok(()) => Some(store_dir),
             Err(e) => {
                 log::warn!("{uuid}: {}: {e}; its sessions cannot be resumed", store_dir.display());
@@ -566,6 +566,21 @@ const SESSIONS: &str = "sessions";
 /// The directory where instance `uuid` keeps its device session.
 fn session_dir(opts: &DaemonOptions, uuid: &str) -> PathBuf {
     opts.state_dir.join(SESSIONS).join(uuid)
+}
+
+/// Creates a session's folder, and the sessions folder above it, private
+/// to the daemon (0700 whatever the umask; a symlink in their place is
+/// refused: `vnpu_device::private_dir`), and makes the files an older
+/// daemon left in it private (0600). Runs on the main thread: the
+/// instance threads may not change modes.
+fn private_session_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)?;
+    if let Some(sessions) = dir.parent() {
+        vnpu_device::private_dir(sessions)?;
+    }
+    vnpu_device::private_dir(dir)?;
+    vnpu_device::private_files(dir)
 }
 
 /// Removes the kept sessions of instances that no longer exist.

@@ -15,9 +15,19 @@
 //! the daemon's alone: a file another process shrank would fault when
 //! touched. Files are only created, sized and written here (no rename or
 //! unlink), which an instance thread's system-call filter allows.
+//!
+//! Tenant state is private and contained: the directory is made 0700 and
+//! every file 0600 whatever the umask; no open follows a symlink
+//! (`O_NOFOLLOW`) and anything that is not a regular file is refused, so
+//! a link planted in the folder can neither redirect a write outside it
+//! nor alias another tenant's memory. The record's blocks are allocated
+//! before it is mapped, so a full disk fails the open instead of faulting
+//! the daemon at the first save.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -36,18 +46,109 @@ pub struct SessionStore {
     invalid: std::sync::atomic::AtomicBool,
 }
 
+/// Mode of every file of a session (owner read and write only).
+const FILE_MODE: u32 = 0o600;
+/// Mode of a session's directory.
+const DIR_MODE: u32 = 0o700;
+
+/// Checks that `f` (just opened without following links) is a regular
+/// file and leaves it private (0600 whatever mode it had).
+fn regular(f: File, path: &Path) -> std::io::Result<File> {
+    let meta = f.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{}: not a regular file; refused", path.display()),
+        ));
+    }
+    // A file this store creates is 0600 under any umask; one left readable
+    // by others (an older daemon's) is made private, or refused where the
+    // calling thread may not change modes (an instance thread: the daemon
+    // fixes its sessions' modes before it serves them, `private_files`).
+    if meta.permissions().mode() & 0o077 != 0 {
+        f.set_permissions(std::fs::Permissions::from_mode(FILE_MODE))?;
+    }
+    Ok(f)
+}
+
+/// Opens (creating if need be) the session file `path` for reading and
+/// writing: never through a symlink, a regular file only, mode 0600.
 fn file(path: &Path) -> std::io::Result<File> {
-    OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path)
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    regular(f, path)
+}
+
+/// Opens the existing session file `path` (for writing if `write`), with
+/// the same checks as [`file`].
+fn existing(path: &Path, write: bool) -> std::io::Result<File> {
+    let f = OpenOptions::new()
+        .read(!write)
+        .write(write)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)?;
+    regular(f, path)
+}
+
+/// Allocates the first `len` bytes of `f` on disk (so that a write to a
+/// mapping of them cannot fault for want of space).
+fn allocate(f: &File, len: usize) -> std::io::Result<()> {
+    let len =
+        libc::off_t::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: posix_fallocate on a descriptor `f` owns; it touches no memory.
+    let r = unsafe { libc::posix_fallocate(f.as_raw_fd(), 0, len) };
+    match r {
+        0 => Ok(()),
+        e => Err(std::io::Error::from_raw_os_error(e)),
+    }
+}
+
+/// Makes every regular file of `dir` private (0600) where it is readable
+/// or writable by others; links and folders are left alone (the store
+/// never opens them).
+pub fn private_files(dir: &Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        let meta = std::fs::symlink_metadata(e.path())?;
+        if meta.file_type().is_file() && meta.permissions().mode() & 0o077 != 0 {
+            std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(FILE_MODE))?;
+        }
+    }
+    Ok(())
+}
+
+/// Makes `dir` a private directory of the daemon's (0700), refusing a
+/// symlink or anything else that is not a directory.
+pub fn private_dir(dir: &Path) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.file_type().is_dir() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{}: not a directory (a symlink?); refused", dir.display()),
+        ));
+    }
+    if meta.permissions().mode() & 0o7777 != DIR_MODE {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE))?;
+    }
+    Ok(())
 }
 
 impl SessionStore {
     /// The store in `dir` (an existing directory), its record mapped.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
+        private_dir(dir)?;
         let f = file(&dir.join("session"))?;
         if f.metadata()?.len() != RECORD_BYTES as u64 {
             f.set_len(0)?;
             f.set_len(RECORD_BYTES as u64)?;
         }
+        allocate(&f, RECORD_BYTES)?;
         // SAFETY: the mapping covers the file's RECORD_BYTES bytes (sized
         // above); the file is the daemon's own and never shrunk while
         // mapped.
@@ -119,7 +220,7 @@ impl SessionStore {
     }
 
     pub(crate) fn forget_program(&self, handle: usize) -> std::io::Result<()> {
-        match OpenOptions::new().write(true).open(self.program_path(handle)) {
+        match existing(&self.program_path(handle), true) {
             Ok(f) => f.set_len(0),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -132,7 +233,7 @@ impl SessionStore {
         let mut out = Vec::new();
         for (handle, path) in self.numbered("program.")? {
             let mut bytes = Vec::new();
-            let f = File::open(&path)?;
+            let f = existing(&path, false)?;
             // No more than a program may hold.
             f.take(u64::from(vnpu_abi::device::MAX_PROGRAM_BYTES)).read_to_end(&mut bytes)?;
             if !bytes.is_empty() {
@@ -147,6 +248,11 @@ impl SessionStore {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.dir)? {
             let e = e?;
+            // Only regular files are the store's (a link or a folder
+            // someone put here is not).
+            if !e.file_type()?.is_file() {
+                continue;
+            }
             let name = e.file_name();
             let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else { continue };
             let digits = rest.split('.').next().unwrap_or("");
@@ -167,7 +273,7 @@ impl SessionStore {
     /// Drops every core's memory (a new configuration starts from zeros).
     pub(crate) fn clear_cores(&self) -> std::io::Result<()> {
         for (_, path) in self.numbered("core")? {
-            OpenOptions::new().write(true).open(path)?.set_len(0)?;
+            existing(&path, true)?.set_len(0)?;
         }
         Ok(())
     }
@@ -178,5 +284,81 @@ impl SessionStore {
         let s = Sram::file_backed(sram, file(&self.dir.join(format!("core{core}.sram")))?)?;
         let h = LazyHbm::file_backed(hbm, file(&self.dir.join(format!("core{core}.hbm")))?)?;
         Ok(crate::device_core::Core { sram: s, hbm: h })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn scratch(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("vnpu-store-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        // As a default umask leaves a new folder: readable by everyone.
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        d
+    }
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// The folder is 0700 and every file 0600, whatever the umask left
+    /// (a file that existed with 0644 is made private too); the record's
+    /// blocks are on disk before it is mapped.
+    #[test]
+    fn session_files_are_private_and_the_record_is_allocated() {
+        let d = scratch("private");
+        // A record left readable by an older daemon.
+        std::fs::write(d.join("session"), [0u8; 16]).unwrap();
+        std::fs::set_permissions(d.join("session"), std::fs::Permissions::from_mode(0o644)).unwrap();
+        let st = SessionStore::open(&d).unwrap();
+        st.begin(7).unwrap();
+        st.save_program(0, b"program").unwrap();
+        let _core = st.core(0, 1 << 16, 1 << 20).unwrap();
+        assert_eq!(mode(&d), 0o700);
+        for f in ["session", "program.0", "core0.sram", "core0.hbm"] {
+            assert_eq!(mode(&d.join(f)), 0o600, "{f}");
+        }
+        let rec = std::fs::metadata(d.join("session")).unwrap();
+        assert!(rec.blocks() * 512 >= RECORD_BYTES as u64, "the record is sparse: {} blocks", rec.blocks());
+        assert_eq!(st.session(), Some(7));
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// A symlink planted in the folder redirects nothing: saving a program
+    /// through it, opening a core's memory through it and opening the
+    /// record through it all fail, and the files they point at are left
+    /// as they were.
+    #[test]
+    fn symlinks_in_a_session_folder_are_refused() {
+        let d = scratch("links");
+        let outside = scratch("links-outside");
+        let victim = outside.join("victim");
+        std::fs::write(&victim, b"someone else's bytes").unwrap();
+        let st = SessionStore::open(&d).unwrap();
+        std::os::unix::fs::symlink(&victim, d.join("program.3")).unwrap();
+        std::os::unix::fs::symlink(&victim, d.join("core1.sram")).unwrap();
+        assert!(st.save_program(3, b"x").is_err());
+        assert!(st.forget_program(3).is_err());
+        assert!(st.core(1, 1 << 16, 1 << 20).is_err());
+        // Listing skips the links (they are not the store's files).
+        assert!(st.programs().unwrap().is_empty());
+        st.clear_cores().unwrap();
+        st.clear_programs().unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"someone else's bytes");
+        // The record itself, and the folder.
+        drop(st);
+        std::fs::remove_file(d.join("session")).unwrap();
+        std::os::unix::fs::symlink(&victim, d.join("session")).unwrap();
+        assert!(SessionStore::open(&d).is_err());
+        let linked = outside.join("linked-folder");
+        std::os::unix::fs::symlink(&d, &linked).unwrap();
+        assert!(SessionStore::open(&linked).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"someone else's bytes");
+        let _ = std::fs::remove_dir_all(&d);
+        let _ = std::fs::remove_dir_all(&outside);
     }
 }
