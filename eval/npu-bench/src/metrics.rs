@@ -168,7 +168,7 @@ pub fn refine(points: &[SweepPoint]) -> Option<f64> {
 
 /// A figure over seeds: its least, median and greatest value (NaN in,
 /// NaN out).
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Spread {
     pub min: f64,
     pub median: f64,

@@ -53,6 +53,14 @@ pub struct Knee {
     pub points: Vec<Point>,
 }
 
+impl Knee {
+    /// The swept point at the throughput at the SLA (its knee), if any.
+    pub fn at_sla(&self) -> Option<&Point> {
+        let t = self.throughput_at_sla_rps?;
+        self.points.iter().find(|p| p.offered_rps == t)
+    }
+}
+
 /// Runs system `s` (an index of [`Setup::systems`]) on arrivals.
 pub type Simulate<'a> = dyn FnMut(usize, &[Vec<f64>]) -> Result<Outcome, String> + 'a;
 
@@ -253,8 +261,16 @@ pub struct Summary {
     /// bounded in both; the other seeds are counted as unbounded.
     pub p99_ratio: Spread,
     pub p99_unbounded_seeds: usize,
-    /// Its EU utilization over the better baseline's at the common rate.
+    /// Its EU utilization over the better baseline's at the common rate
+    /// (the same work at the same rate: above 1 means the work took more
+    /// engine-cycles, not that more was served).
     pub utilization_ratio: Spread,
+    /// Its EU utilization at its own knee (the rate of its throughput at
+    /// the SLA) over the better baseline's at the baseline's knee: how
+    /// much more of the core each keeps busy at the most it serves within
+    /// the SLA (Neu10's utilization figure).
+    #[serde(default)]
+    pub knee_utilization_ratio: Spread,
     /// Seeds whose sweep never failed (its figure is a lower bound).
     pub lower_bound_seeds: usize,
 }
@@ -279,6 +295,7 @@ pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
     (0..n)
         .map(|s| {
             let (mut tput, mut ratio, mut p99, mut util) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut knee_util = Vec::new();
             let (mut unbounded, mut lower) = (0, 0);
             for r in results {
                 let k = &r.knees[s];
@@ -289,6 +306,9 @@ pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
                 let Some(b) = better(r, baselines) else { continue };
                 if let (Some(t), Some(base)) = (k.throughput_at_sla_rps, r.knees[b].throughput_at_sla_rps) {
                     ratio.push(t / base);
+                }
+                if let (Some(ours), Some(base)) = (k.at_sla(), r.knees[b].at_sla()) {
+                    knee_util.push(ours.eu_utilization / base.eu_utilization);
                 }
                 if let (Some(ours), Some(base)) = (r.common.get(s), r.common.get(b)) {
                     match metrics::tenant_tail_ratio(&base.tenant_tails(), &ours.tenant_tails()) {
@@ -305,6 +325,7 @@ pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
                 p99_ratio: Spread::of(&p99),
                 p99_unbounded_seeds: unbounded,
                 utilization_ratio: Spread::of(&util),
+                knee_utilization_ratio: Spread::of(&knee_util),
                 lower_bound_seeds: lower,
             }
         })
@@ -315,21 +336,28 @@ pub fn summarize(results: &[SeedResult], baselines: &[usize]) -> Vec<Summary> {
 pub fn print(summary: &[Summary], seeds: usize) {
     println!(
         "\nthroughput at the SLA (the highest offered rate every lower swept rate of which met it), over {seeds} seeds; \
-         p99 (geometric mean over tenants) and EU utilization at 0.8 of the better PREMA-like system's:"
+         p99 (geometric mean over tenants) and EU utilization at 0.8 of the better PREMA-like system's; \
+         EU utilization at each one's knee:"
     );
     println!(
-        "  {:<12} {:>30} {:>30} {:>30} {:>30}",
-        "system", "req/s median (min-max)", "/ better PREMA-like", "p99 lower by", "EU util / PREMA-like's"
+        "  {:<12} {:>30} {:>30} {:>30} {:>30} {:>30}",
+        "system",
+        "req/s median (min-max)",
+        "/ better PREMA-like",
+        "p99 lower by",
+        "EU util / PREMA-like's",
+        "at the knees"
     );
     for x in summary {
         let r = |sp: &Spread| if sp.seeds == 0 { "-".to_string() } else { sp.to_string() };
         println!(
-            "  {:<12} {:>30} {:>30} {:>30} {:>30}{}{}",
+            "  {:<12} {:>30} {:>30} {:>30} {:>30} {:>30}{}{}",
             x.system,
             r(&x.throughput_at_sla_rps),
             r(&x.throughput_ratio),
             r(&x.p99_ratio),
             r(&x.utilization_ratio),
+            r(&x.knee_utilization_ratio),
             if x.p99_unbounded_seeds > 0 {
                 format!("  (p99 unbounded on {} seeds)", x.p99_unbounded_seeds)
             } else {
@@ -394,5 +422,75 @@ mod tests {
             "{:?}",
             k.points.iter().map(|p| p.requests).collect::<Vec<_>>()
         );
+    }
+
+    fn point(offered_rps: f64, meets_sla: bool, eu_utilization: f64, p99: [f64; 2]) -> Point {
+        Point {
+            offered_rps,
+            served_rps: offered_rps,
+            saturated: false,
+            meets_sla,
+            tenant_p99_s: p99.iter().map(|&x| Some(x)).collect(),
+            requests: 2000,
+            eu_utilization,
+            p99: Tail::Bounded(p99[0].max(p99[1])),
+        }
+    }
+
+    fn knee(system: &str, points: Vec<Point>) -> Knee {
+        let sweep: Vec<SweepPoint> =
+            points.iter().map(|p| SweepPoint { rate: p.offered_rps, meets_sla: p.meets_sla }).collect();
+        Knee {
+            system: system.into(),
+            seed: 1,
+            throughput_at_sla_rps: metrics::throughput_at_sla(&sweep),
+            lower_bound: metrics::never_failed(&sweep),
+            points,
+        }
+    }
+
+    /// A seed computed by hand: ours passes at 100 and 200 and fails at
+    /// 300 (knee 200, 60% busy there); the baselines' knees are 100 (30%)
+    /// and 150 (40%, the better). At the common rate (120) ours has p99s
+    /// of 2 and 8 against the better baseline's 4 and 32, and 24% busy
+    /// against 20%.
+    #[test]
+    fn the_summary_holds_ratios_computed_by_hand() {
+        let r = SeedResult {
+            seed: 1,
+            knees: vec![
+                knee(
+                    "ours",
+                    vec![
+                        point(100.0, true, 0.3, [1.0; 2]),
+                        point(200.0, true, 0.6, [1.0; 2]),
+                        point(300.0, false, 0.7, [9.0; 2]),
+                    ],
+                ),
+                knee("weak", vec![point(100.0, true, 0.3, [1.0; 2]), point(150.0, false, 0.4, [9.0; 2])]),
+                knee("better", vec![point(150.0, true, 0.4, [1.0; 2]), point(200.0, false, 0.5, [9.0; 2])]),
+            ],
+            common_rps: Some(120.0),
+            common: vec![
+                point(120.0, true, 0.24, [2.0, 8.0]),
+                point(120.0, true, 0.3, [3.0, 9.0]),
+                point(120.0, true, 0.2, [4.0, 32.0]),
+            ],
+        };
+        let s = summarize(&[r], &[1, 2]);
+        let ours = &s[0];
+        assert_eq!(ours.throughput_at_sla_rps.median, 200.0);
+        // 200 / 150.
+        assert!((ours.throughput_ratio.median - 4.0 / 3.0).abs() < 1e-12, "{:?}", ours.throughput_ratio);
+        // Geometric mean of 4/2 and 32/8: sqrt(2 x 4).
+        assert!((ours.p99_ratio.median - 8f64.sqrt()).abs() < 1e-12, "{:?}", ours.p99_ratio);
+        assert!((ours.utilization_ratio.median - 1.2).abs() < 1e-12, "{:?}", ours.utilization_ratio);
+        // 0.6 at its knee over 0.4 at the better baseline's.
+        assert!(
+            (ours.knee_utilization_ratio.median - 1.5).abs() < 1e-12,
+            "{:?}",
+            ours.knee_utilization_ratio
+        );
+        assert_eq!(ours.lower_bound_seeds, 0);
     }
 }
