@@ -48,7 +48,7 @@ pub const MAX_DMA_BYTES: u64 = 1 << 40;
 pub enum DmaError {
     #[error("DMA_MAP: a client may have at most {MAX_DMA_MAPS} ranges mapped")]
     TooManyMaps,
-    #[error("DMA_MAP: a client's guest memory may be in at most {MAX_DMA_RUNS} separate runs")]
+    #[error("DMA_MAP or DMA_UNMAP: a client's guest memory may be in at most {MAX_DMA_RUNS} separate runs")]
     TooManyRuns,
     #[error("DMA_MAP: a client may map from at most {MAX_DMA_FILES} files")]
     TooManyFiles,
@@ -297,6 +297,15 @@ impl DmaSpace {
         let found = backing.mappings.iter().rev().find(|m| m.len as u64 >= end);
         let mapping = match found {
             Some(m) => m,
+            // One mapping per file, whatever its size history: a file that
+            // grew past its mapping would be mapped again whole for every
+            // map (and the old mappings kept while views of them live).
+            None if !backing.mappings.is_empty() => {
+                return Err(err(format!(
+                    "the file grew after it was first mapped (to {len:#x} bytes); \
+                     a file is mapped once, at its size then: seal it against growing (F_SEAL_GROW)"
+                )));
+            }
             None => {
                 if self.file_bytes.saturating_add(len) > MAX_DMA_BYTES {
                     return Err(err(format!(
@@ -383,6 +392,7 @@ impl DmaSpace {
         }
         // The runs the ranges were part of, less the ranges.
         let mut memory = self.memory.clone();
+        let mut freed = 0;
         for &(a, r) in &inside {
             let Some(host) = r.host else { continue };
             let Some(run) = memory.find_region(GuestAddress(a)) else { continue };
@@ -402,8 +412,14 @@ impl DmaSpace {
                 let v = view(a + r.size, at, tail).map_err(|_| err("cannot keep the rest of its run"))?;
                 memory = memory.insert_region(v).map_err(|_| err("cannot keep the rest of its run"))?;
             }
-            self.mapped -= r.size;
+            freed += r.size;
         }
+        // An unmap that splits runs makes more of them: bounded as maps are
+        // (nothing changes when it would pass the limit).
+        if memory.num_regions() > MAX_DMA_RUNS {
+            return Err(DmaError::TooManyRuns);
+        }
+        self.mapped -= freed;
         for (a, _) in inside {
             self.ranges.remove(&a);
         }
@@ -532,6 +548,55 @@ mod tests {
         }
         assert!(matches!(s.map(0, 1 << 40, 4096, None), Err(DmaError::TooManyMaps)));
         assert_eq!(s.memory().num_regions(), 0, "out of the vNPU's reach");
+    }
+
+    /// A file that grew after its first map is not mapped again: one
+    /// mapping per file (a client growing its file between maps made the
+    /// daemon map it whole again for every map, 23,169 mappings for one
+    /// client), and the map fails with the reason.
+    #[test]
+    fn a_file_that_grew_is_not_mapped_again() {
+        let f = memfd(2 * 4096);
+        let mut s = DmaSpace::default();
+        s.map(0, 0x10_0000, 4096, Some(f.try_clone().expect("dup"))).expect("map");
+        for grown in 3..10u64 {
+            f.set_len(grown * 4096).expect("grow");
+            let e =
+                s.map((grown - 1) * 4096, 0x20_0000 + grown * 4096, 4096, Some(f.try_clone().expect("dup")));
+            assert!(matches!(&e, Err(DmaError::Map { reason, .. }) if reason.contains("grew")), "{e:?}");
+        }
+        // Within the first mapping, maps still work.
+        s.map(4096, 0x30_0000, 4096, Some(f.try_clone().expect("dup"))).expect("inside the first size");
+        assert_eq!(s.backings.iter().map(|b| b.mappings.len()).sum::<usize>(), 1, "the file mapped once");
+    }
+
+    /// Unmaps that split runs cannot grow them past the limit: each unmap
+    /// of a page in the middle of a run makes two; the one that would
+    /// make `MAX_DMA_RUNS + 1` fails with ENOSPC and changes nothing.
+    #[test]
+    fn unmaps_that_split_runs_are_bounded() {
+        let pages = 2 * MAX_DMA_RUNS as u64 + 2;
+        let f = memfd(pages * 4096);
+        let mut s = DmaSpace::default();
+        for i in 0..pages {
+            s.map(i * 4096, (1 << 30) + i * 4096, 4096, Some(f.try_clone().expect("dup"))).expect("map");
+        }
+        assert_eq!(s.memory().num_regions(), 1);
+        let mut refused = None;
+        for k in 0..MAX_DMA_RUNS as u64 {
+            let at = (1 << 30) + (2 * k + 1) * 4096;
+            if let Err(e) = s.unmap(false, at, 4096) {
+                refused = Some((k, e, at));
+                break;
+            }
+        }
+        let (k, e, at) = refused.expect("the runs an unmap makes are bounded");
+        assert_eq!(k, MAX_DMA_RUNS as u64 - 1, "runs {}", s.memory().num_regions());
+        assert_eq!(e.errno(), libc::ENOSPC);
+        assert_eq!(s.memory().num_regions(), MAX_DMA_RUNS);
+        // The refused unmap changed nothing: its page still reads.
+        assert_eq!(read_u64(&s, at), Some((at - (1 << 30)) / 4096));
+        assert_eq!(s.ranges(), pages as usize - (MAX_DMA_RUNS - 1));
     }
 
     /// Distinct files are bounded too.
