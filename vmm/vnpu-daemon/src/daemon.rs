@@ -176,8 +176,21 @@ impl Daemon {
     /// are serialized; the state directory's lock keeps managers that
     /// bypass the daemon from losing updates).
     fn handle(&self, req: &Request) -> Result<Outcome, ControlError> {
-        // Files the request names are read before any lock is taken.
-        let prepared = control::prepare(&self.opts.board, req)?;
+        // Files the request names are read, and what it will price is
+        // measured, before any lock is taken; if another manager added a
+        // tenant in between, the request is prepared again.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.handle_once(req) {
+                Err(e) if attempt < control::PREPARE_ATTEMPTS && e.needs_prepare_again() => continue,
+                r => return r,
+            }
+        }
+    }
+
+    fn handle_once(&self, req: &Request) -> Result<Outcome, ControlError> {
+        let prepared = control::prepare(&self.opts.state_dir, &self.opts.board, req)?;
         let mut served = lock(&self.served);
         if self.stopping.load(Ordering::SeqCst) {
             return Err(ControlError::Protocol("the daemon is stopping".into()));

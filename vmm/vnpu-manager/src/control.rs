@@ -19,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use vnpu_spec::VnpuSpec;
 
-use vnpu_placement::InterferenceModel;
+use vnpu_placement::{spec_of, InterferenceModel};
 
 use crate::{split_for_ratio, Instance, InterferenceError, Policy, Shape, Store, StoreError};
 use crate::{Qos, Workload, TYPES};
@@ -359,24 +359,55 @@ fn apply_placement(
 /// What a request needs from outside the state before any lock is taken:
 /// the interference model its placement is trained on (a file the client
 /// named, read and trained on here, so that no lock is held across the
-/// open, the read or the training).
+/// open, the read or the training), with the solo counters of every
+/// tenant it will price already measured (a lowering and a run of the
+/// board model each, 10-50 ms, also kept out of the lock).
 #[derive(Debug, Default)]
 pub struct Prepared {
     model: Option<InterferenceModel>,
 }
 
-/// Reads and trains what `req` needs ([`Prepared`]); call it before taking
-/// any lock, then [`execute_prepared`].
-pub fn prepare(board: &BoardConfig, req: &Request) -> Result<Prepared, ControlError> {
-    let place = match req {
-        Request::Create { place, .. } | Request::Start { place, .. } => place,
+/// How many times a request is prepared before it fails when, each time,
+/// another manager added a tenant between [`prepare`] and the lock.
+pub const PREPARE_ATTEMPTS: usize = 3;
+
+/// Reads and trains what `req` needs ([`Prepared`]), and measures the solo
+/// counters of the tenants in `dir` as they are now and of the request's
+/// own workload; call it before taking any lock, then [`execute_prepared`].
+pub fn prepare(dir: &Path, board: &BoardConfig, req: &Request) -> Result<Prepared, ControlError> {
+    let (place, own) = match req {
+        Request::Create { place, workload, type_name, spec, .. } => {
+            // A bad shape fails later, under the lock, with its own error.
+            let own = resolve_shape(type_name, spec)
+                .ok()
+                .zip(workload.as_ref())
+                .map(|(s, w)| spec_of(w, s.sa_per_core(), s.vu_per_core()));
+            (place, own)
+        }
+        Request::Start { place, .. } => (place, None),
         _ => return Ok(Prepared::default()),
     };
-    let model = match (&place.interference_matrix, place.placement) {
-        (_, Policy::Pack) | (None, _) => None,
-        (Some(path), _) => Some(InterferenceModel::from_file(path, board, &vnpu_placement::Linear)?),
+    let mut model = match (&place.interference_matrix, place.placement) {
+        (_, Policy::Pack) | (None, _) => return Ok(Prepared::default()),
+        (Some(path), _) => InterferenceModel::from_file(path, board, &vnpu_placement::Linear)?,
     };
-    Ok(Prepared { model })
+    // Every instance with a workload (a `start`'s own is among them).
+    let instances = Store::peek(dir)?;
+    model.measure_missing(&instances, own.as_slice())?;
+    Ok(Prepared { model: Some(model) })
+}
+
+impl ControlError {
+    /// Whether a tenant's counters were not measured by [`prepare`]
+    /// (another manager added it in between): preparing again measures it.
+    pub fn needs_prepare_again(&self) -> bool {
+        let interference = match self {
+            ControlError::Store(StoreError::Interference { source, .. }) => &**source,
+            ControlError::Interference(source) => source,
+            _ => return false,
+        };
+        matches!(interference, InterferenceError::NotMeasured(_))
+    }
 }
 
 /// Executes `req` against the state directory `dir` (holding its lock for
@@ -394,8 +425,23 @@ pub fn execute_then(
     req: &Request,
     then: impl FnOnce(&[Instance]),
 ) -> Result<Outcome, ControlError> {
-    let prepared = prepare(board, req)?;
-    execute_prepared(dir, board, req, prepared, then)
+    let mut then = Some(then);
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let prepared = prepare(dir, board, req)?;
+        let mut store = Store::open(dir, board)?;
+        match execute_on(&mut store, board, req, prepared) {
+            Err(e) if attempt < PREPARE_ATTEMPTS && e.needs_prepare_again() => continue,
+            Err(e) => return Err(e),
+            Ok(outcome) => {
+                if let Some(then) = then.take() {
+                    then(store.instances());
+                }
+                return Ok(outcome);
+            }
+        }
+    }
 }
 
 /// As [`execute_then`], with what [`prepare`] read for `req`.
@@ -772,13 +818,54 @@ mod tests {
                 interference_matrix: Some(matrix.clone()),
             },
         };
-        let prepared = prepare(&board, &create).unwrap();
-        std::fs::remove_file(&matrix).unwrap();
         let state = dir.join("state");
+        let prepared = prepare(&state, &board, &create).unwrap();
+        std::fs::remove_file(&matrix).unwrap();
         let outcome = execute_prepared(&state, &board, &create, prepared, |_| {}).unwrap();
         assert!(matches!(outcome, Outcome::Instance { .. }), "{outcome:?}");
         // Without `prepare`, the same request now fails on the missing file.
         assert!(execute(&state, &board, &create).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Solo counters a placement prices are measured by `prepare`, out of
+    /// the lock; under it they are only looked up. A tenant another
+    /// manager added in between is not measured under the lock: the
+    /// request fails as "prepare again", and `execute` does so.
+    #[test]
+    fn counters_are_measured_before_the_lock_never_under_it() {
+        let dir = std::env::temp_dir().join(format!("vnpu-control-measure-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let matrix = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/plots/interference.json");
+        let board = BoardConfig::default();
+        let create = |name: &str, batch: u32, placement: Policy| Request::Create {
+            type_name: Some("small".into()),
+            spec: None,
+            uuid: None,
+            workload: Some(Workload { name: name.into(), batch }),
+            qos: Qos::default(),
+            place: PlaceOptions { oversubscribe: None, placement, interference_matrix: Some(matrix.into()) },
+        };
+        // Batch 3 is in no matrix: `prepare` measures it.
+        let stale = prepare(&dir, &board, &create("mobilenet", 1, Policy::Interference)).unwrap();
+        let added = create("bert", 3, Policy::Pack);
+        assert!(matches!(execute(&dir, &board, &added), Ok(Outcome::Instance { .. })));
+        // The stale preparation lacks the tenant just added: refused, not
+        // measured under the lock.
+        let req = create("mobilenet", 1, Policy::Interference);
+        let e = execute_prepared(&dir, &board, &req, stale, |_| {}).unwrap_err();
+        assert!(e.needs_prepare_again(), "{e}");
+        let Ok(Outcome::Instances(list)) = execute(&dir, &board, &Request::List {}) else {
+            panic!("list failed")
+        };
+        assert_eq!(list.len(), 1, "the refused create left an instance");
+        // A fresh preparation has it; `execute` prepares by itself.
+        let fresh = prepare(&dir, &board, &req).unwrap();
+        assert!(matches!(execute_prepared(&dir, &board, &req, fresh, |_| {}), Ok(Outcome::Instance { .. })));
+        assert!(matches!(
+            execute(&dir, &board, &create("bert", 5, Policy::Interference)),
+            Ok(Outcome::Instance { .. })
+        ));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -90,8 +90,23 @@ impl Store {
             .open(&lock_path)
             .map_err(io(&lock_path))?;
         lock.lock().map_err(io(&lock_path))?;
+        let instances = Self::read_state(dir)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            _lock: lock,
+            instances,
+            board: board.clone(),
+            oversubscribe: None,
+            policy: Policy::Pack,
+            interference: None,
+        })
+    }
+
+    /// The instances in `dir`'s state file, checked as [`Store::open`]
+    /// checks them (none while there is no file).
+    fn read_state(dir: &Path) -> Result<Vec<Instance>, StoreError> {
         let path = dir.join(STATE);
-        let instances = match fs::read(&path) {
+        match fs::read(&path) {
             Ok(bytes) => {
                 // Shapes are checked as they deserialize (`VnpuSpec`);
                 // the UUIDs name sockets and files, so they are checked
@@ -108,20 +123,18 @@ impl Store {
                         });
                     }
                 }
-                s.instances
+                Ok(s.instances)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
-            Err(e) => return Err(io(&path)(e)),
-        };
-        Ok(Self {
-            dir: dir.to_path_buf(),
-            _lock: lock,
-            instances,
-            board: board.clone(),
-            oversubscribe: None,
-            policy: Policy::Pack,
-            interference: None,
-        })
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(e) => Err(io(&path)(e)),
+        }
+    }
+
+    /// The instances in `dir` as they are now, read without taking the
+    /// lock: what a request looks at before it waits for the lock (to
+    /// measure what it will need under it), never what it decides on.
+    pub fn peek(dir: &Path) -> Result<Vec<Instance>, StoreError> {
+        Self::read_state(dir)
     }
 
     /// The state file of state directory `dir`.
@@ -162,7 +175,7 @@ impl Store {
             return board.place_allowing(shape, self.oversubscribe).map_err(placement);
         }
         let policy = self.policy.name();
-        let Some(model) = self.interference.as_mut() else {
+        let Some(model) = self.interference.as_ref() else {
             return Err(StoreError::PolicyNeeds {
                 policy,
                 what: "an interference matrix (--interference-matrix)",
@@ -176,8 +189,9 @@ impl Store {
         };
         let priced = |source| StoreError::Interference { uuid: uuid.into(), source: Box::new(source) };
         let mut tenants = model.tenants(&self.instances).map_err(priced)?;
-        let own = model.solo(&spec_of(w, shape.sa_per_core(), shape.vu_per_core())).map_err(priced)?;
-        let model = &*model;
+        // Known, never measured here: `control::prepare` measured what
+        // was missing before the lock was taken.
+        let own = model.known(&spec_of(w, shape.sa_per_core(), shape.vu_per_core())).map_err(priced)?;
         let mut failed = None;
         let r = board.place_scored(shape, self.policy, &mut |_, cores| {
             let before = tenants.len();

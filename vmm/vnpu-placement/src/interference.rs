@@ -27,6 +27,8 @@ pub enum InterferenceError {
     Predict(#[from] PredictError),
     #[error("measuring a workload alone: {0}")]
     Measure(#[from] CoRunError),
+    #[error("no solo counters for {0} (neither in the matrix nor measured before the placement); try again")]
+    NotMeasured(String),
 }
 
 /// A trained predictor and the solo counters it needs.
@@ -103,6 +105,34 @@ impl InterferenceModel {
         Ok(self.solos.len() - 1)
     }
 
+    /// The index of `spec`'s solo counters if they are known (in the
+    /// matrix or measured by [`InterferenceModel::solo`] before), never
+    /// measuring: what a caller holding a lock uses, having measured
+    /// what it needs before taking it.
+    pub fn known(&self, spec: &Spec) -> Result<usize, InterferenceError> {
+        self.solos
+            .iter()
+            .position(|s| &s.spec == spec)
+            .ok_or_else(|| InterferenceError::NotMeasured(spec.to_string()))
+    }
+
+    /// Measures now (without a lock held: a lowering and a run of the
+    /// board model each, 10-50 ms) the solo counters of every tenant
+    /// `instances` would price, and of `also`, that the matrix lacks.
+    pub fn measure_missing(
+        &mut self,
+        instances: &[Instance],
+        also: &[Spec],
+    ) -> Result<(), InterferenceError> {
+        let specs = instances.iter().filter_map(|i| {
+            i.workload.as_ref().map(|w| spec_of(w, i.shape.sa_per_core(), i.shape.vu_per_core()))
+        });
+        for spec in specs.chain(also.iter().cloned()).collect::<Vec<_>>() {
+            self.solo(&spec)?;
+        }
+        Ok(())
+    }
+
     /// Solo counters by index (from [`InterferenceModel::solo`]).
     pub fn solo_at(&self, i: usize) -> Option<&Solo> {
         self.solos.get(i)
@@ -130,12 +160,13 @@ impl InterferenceModel {
     }
 
     /// The priced tenants of `instances` (active, with a workload): one
-    /// per physical core of each.
-    pub fn tenants(&mut self, instances: &[Instance]) -> Result<Vec<(usize, usize)>, InterferenceError> {
+    /// per physical core of each. Never measures: their counters must be
+    /// known ([`InterferenceModel::measure_missing`]).
+    pub fn tenants(&self, instances: &[Instance]) -> Result<Vec<(usize, usize)>, InterferenceError> {
         let mut out = Vec::new();
         for i in instances.iter().filter(|i| i.active) {
             let Some(w) = &i.workload else { continue };
-            let s = self.solo(&spec_of(w, i.shape.sa_per_core(), i.shape.vu_per_core()))?;
+            let s = self.known(&spec_of(w, i.shape.sa_per_core(), i.shape.vu_per_core()))?;
             out.extend(i.cores.iter().map(|&c| (s, c as usize)));
         }
         Ok(out)
