@@ -28,6 +28,7 @@ fn serve(name: &str) -> (InstanceServer, PathBuf) {
     let server = InstanceServer::start(
         &path,
         name,
+        None,
         Box::new(move || VnpuBackend::new(&spec, &BoardConfig::default(), "boot", DeviceOptions::default())),
     )
     .unwrap();

@@ -1,7 +1,8 @@
 //! The shipped systemd unit (`scripts/vnpu-daemon.service`) parses
 //! without a warning (`systemd-analyze verify`: an unknown key or a bad
 //! value is only warned about, and then ignored, which would silently drop
-//! a hardening option), raises the descriptor limit, and starts the daemon
+//! a hardening option), runs it unprivileged, raises the descriptor
+//! limit, and starts the daemon
 //! with options it has. These machines have no systemd to run it under.
 
 #![allow(clippy::unwrap_used)] // test helpers
@@ -25,6 +26,10 @@ fn the_systemd_unit_parses_cleanly_and_raises_the_descriptor_limit() {
         .parse()
         .unwrap();
     assert!(limit >= 16384, "LimitNOFILE={limit}");
+    // Least privilege: its own user, no capability, other processes hidden.
+    for want in ["User=vnpu", "CapabilityBoundingSet=\n", "NoNewPrivileges=yes", "ProtectProc=invisible"] {
+        assert!(text.contains(want), "the unit lacks {want:?}");
+    }
     let exec = text.lines().find_map(|l| l.strip_prefix("ExecStart=")).expect("ExecStart");
     let mut words = exec.split_whitespace();
     assert_eq!(words.next(), Some("/usr/local/bin/vnpu"));

@@ -553,9 +553,11 @@ fn serve_started(
         let (spec, cfg, name) = (inst.shape, opts.board.clone(), uuid.clone());
         let release = Arc::new(ReleaseRequest::default());
         let theirs = Arc::clone(&release);
+        let files = store_dir.clone();
         let server = InstanceServer::start(
             &path,
             &uuid,
+            files.as_deref(),
             Box::new(move || {
                 VnpuBackend::new(&spec, &cfg, &name, device.clone()).map(|b| {
                     let b = b.with_release(Arc::clone(&theirs));

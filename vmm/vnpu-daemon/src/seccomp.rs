@@ -13,12 +13,22 @@
 //! program, change who it is or reach into the kernel beyond what it
 //! already does.
 //!
+//! A vNPU instance's threads (its vfio-user connection and the worker it
+//! starts), which run what a tenant sends, are narrowed further
+//! ([`confine_instance_thread`]): no sockets, no file creation outside
+//! their session folder, no other process (`tgkill` of their own process
+//! only, `clone` of threads only), no executable mappings, no memfds; and
+//! Landlock confines their file accesses to that folder (so neither
+//! `/proc/PID/mem` nor any other file of the host can be opened), their
+//! signals to their own domain, and TCP to nothing.
+//!
 //! A call outside the list fails with `EPERM` by default ([`Mode::Errno`]:
 //! a path the trace missed degrades that request instead of killing every
 //! tenant's device); [`Mode::Kill`] kills the process instead, and
 //! [`Mode::Off`] installs nothing (`vnpu daemon --seccomp`).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompFilter, TargetArch};
 use thiserror::Error;
@@ -44,6 +54,12 @@ pub enum SeccompError {
     Compile(#[source] seccompiler::BackendError),
     #[error("installing the seccomp filter: {0}")]
     Install(#[source] seccompiler::Error),
+    #[error("building the seccomp filter's argument rules: {0}")]
+    Rule(#[source] seccompiler::BackendError),
+    #[error("confining the instance's files with Landlock: {0}")]
+    Landlock(#[source] landlock::RulesetError),
+    #[error("confining the instance's files with Landlock: {0}: {1}")]
+    LandlockPath(std::path::PathBuf, #[source] landlock::PathFdError),
 }
 
 /// The calls every daemon thread may make, a vNPU instance's threads
@@ -56,7 +72,6 @@ const CORE: &[i64] = &[
     libc::SYS_mremap,
     libc::SYS_mprotect,
     libc::SYS_madvise,
-    libc::SYS_memfd_create,
     libc::SYS_ftruncate,
     // A vNPU's kept memories (`vnpu_device::SessionStore`).
     libc::SYS_fallocate,
@@ -83,8 +98,12 @@ const CORE: &[i64] = &[
     libc::SYS_sigaltstack,
     libc::SYS_restart_syscall,
     libc::SYS_prctl,
-    // Only ever narrows what a thread may do (the per-thread filters).
+    // Only ever narrow what a thread may do (the per-thread filters and
+    // the instance threads' Landlock domain).
     libc::SYS_seccomp,
+    libc::SYS_landlock_create_ruleset,
+    libc::SYS_landlock_add_rule,
+    libc::SYS_landlock_restrict_self,
     libc::SYS_getrandom,
     // Identity (read only) and limits.
     libc::SYS_geteuid,
@@ -110,7 +129,6 @@ const CORE: &[i64] = &[
     libc::SYS_fcntl,
     libc::SYS_ioctl,
     libc::SYS_openat,
-    libc::SYS_open,
     libc::SYS_stat,
     libc::SYS_fstat,
     libc::SYS_lstat,
@@ -144,10 +162,13 @@ const CORE: &[i64] = &[
 
 /// The calls only the daemon's management threads may make (control,
 /// accepting, metrics, the state directory): make sockets, and create,
-/// rename, remove, lock, sync or change the mode of files. A vNPU
+/// rename, remove, lock, sync or change the mode of files, make memfds.
+/// A vNPU
 /// instance's threads (its vfio-user connection and the worker it starts)
 /// may not: what they serve reaches them as descriptors.
 const MANAGEMENT: &[i64] = &[
+    libc::SYS_memfd_create,
+    libc::SYS_open,
     libc::SYS_socket,
     libc::SYS_socketpair,
     libc::SYS_bind,
@@ -208,12 +229,91 @@ pub fn install(mode: Mode) -> Result<(), SeccompError> {
 }
 
 /// Narrows the calling thread (and the threads it starts) to what a vNPU
-/// instance's threads need ([`CORE`]: no [`MANAGEMENT`] calls), when the
-/// daemon installed its filter; otherwise (a daemon in a test or a
-/// benchmark's process) does nothing.
-pub fn confine_instance_thread() -> Result<(), SeccompError> {
+/// instance's threads need, when the daemon installed its filter;
+/// otherwise (a daemon in a test or a benchmark's process) does nothing.
+/// `files` is the only folder they may open files in (the session's),
+/// `None` for none.
+pub fn confine_instance_thread(files: Option<&Path>) -> Result<(), SeccompError> {
     let Some(&mode) = INSTALLED.get() else { return Ok(()) };
-    seccompiler::apply_filter(&program_of(CORE.iter().copied(), mode)?).map_err(SeccompError::Install)
+    confine(mode, files)
+}
+
+/// The instance threads' calls: [`CORE`] (no [`MANAGEMENT`] calls), with
+/// the arguments of those that could reach beyond the process checked.
+fn instance_program(mode: Mode) -> Result<BpfProgram, SeccompError> {
+    use seccompiler::{SeccompCmpArgLen as Len, SeccompCmpOp as Op, SeccompCondition as Cond, SeccompRule};
+    let rule = |conds: Vec<Cond>| SeccompRule::new(conds).map_err(SeccompError::Rule);
+    // `int` arguments are compared on their low 32 bits.
+    let cond =
+        |arg: u8, op: Op, value: u64| Cond::new(arg, Len::Dword, op, value).map_err(SeccompError::Rule);
+    let pid = u64::from(std::process::id());
+    let thread = u64::try_from(libc::CLONE_THREAD).unwrap_or(0);
+    let exec = u64::try_from(libc::PROT_EXEC).unwrap_or(0);
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = CORE.iter().map(|&n| (n, Vec::new())).collect();
+    // A signal to its own process only (Rust's abort and thread exit).
+    rules.insert(libc::SYS_tgkill, vec![rule(vec![cond(0, Op::Eq, pid)?])?]);
+    // Threads of this process, never a new process.
+    let flags = Cond::new(0, Len::Qword, Op::MaskedEq(thread), thread).map_err(SeccompError::Rule)?;
+    rules.insert(libc::SYS_clone, vec![rule(vec![flags])?]);
+    // No mapping may be executable (nor become so).
+    rules.insert(libc::SYS_mmap, vec![rule(vec![cond(2, Op::MaskedEq(exec), 0)?])?]);
+    rules.insert(libc::SYS_mprotect, vec![rule(vec![cond(2, Op::MaskedEq(exec), 0)?])?]);
+    let filter = SeccompFilter::new(rules, mismatch(mode), SeccompAction::Allow, TargetArch::x86_64)
+        .map_err(SeccompError::Build)?;
+    filter.try_into().map_err(SeccompError::Compile)
+}
+
+/// `clone3` passes its flags in memory a filter cannot read: it fails
+/// with `ENOSYS`, and the C library falls back to `clone`, whose flags
+/// [`instance_program`] checks.
+fn no_clone3() -> Result<BpfProgram, SeccompError> {
+    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = [(libc::SYS_clone3, Vec::new())].into();
+    let enosys = SeccompAction::Errno(u32::try_from(libc::ENOSYS).unwrap_or(38));
+    let filter = SeccompFilter::new(rules, SeccompAction::Allow, enosys, TargetArch::x86_64)
+        .map_err(SeccompError::Build)?;
+    filter.try_into().map_err(SeccompError::Compile)
+}
+
+/// Confines the calling thread's file accesses to `files` (read, write,
+/// create and truncate regular files, list; nothing else anywhere),
+/// its signals and abstract sockets to its own domain, and TCP to
+/// nothing, as far as the kernel's Landlock supports (best effort: an
+/// older kernel enforces less, which is logged).
+fn landlock(files: Option<&Path>) -> Result<(), SeccompError> {
+    use landlock::{
+        Access, AccessFs, AccessNet, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr,
+        RulesetStatus, Scope, ABI,
+    };
+    let abi = ABI::V6;
+    let ll = SeccompError::Landlock;
+    let mut ruleset = Ruleset::default()
+        .handle_access(AccessFs::from_all(abi))
+        .and_then(|r| r.handle_access(AccessNet::from_all(abi)))
+        .and_then(|r| r.scope(Scope::from_all(abi)))
+        .and_then(Ruleset::create)
+        .map_err(ll)?;
+    if let Some(dir) = files {
+        let fd = PathFd::new(dir).map_err(|e| SeccompError::LandlockPath(dir.to_path_buf(), e))?;
+        let access = AccessFs::ReadFile
+            | AccessFs::WriteFile
+            | AccessFs::ReadDir
+            | AccessFs::MakeReg
+            | AccessFs::Truncate;
+        ruleset = ruleset.add_rule(PathBeneath::new(fd, access)).map_err(ll)?;
+    }
+    let status = ruleset.restrict_self().map_err(ll)?;
+    if status.ruleset != RulesetStatus::FullyEnforced {
+        log::warn!("this kernel's Landlock enforces the instance threads' confinement only partly");
+    }
+    Ok(())
+}
+
+fn confine(mode: Mode, files: Option<&Path>) -> Result<(), SeccompError> {
+    // Landlock first: its calls (and the folder's `open`) go through the
+    // filters installed after it.
+    landlock(files)?;
+    seccompiler::apply_filter(&instance_program(mode)?).map_err(SeccompError::Install)?;
+    seccompiler::apply_filter(&no_clone3()?).map_err(SeccompError::Install)
 }
 
 #[cfg(test)]
@@ -266,35 +366,98 @@ mod tests {
         );
     }
 
-    /// The instance filter, stacked on the daemon's in a child process,
-    /// refuses sockets and file creation and still allows what serving
-    /// needs (reads, writes, memory, eventfds).
+    /// An instance thread, confined (Landlock and the instance filter;
+    /// per thread, so the test process stays as it was), can still do
+    /// what serving needs (files in its folder, memory, eventfds, a
+    /// thread of its own) and nothing that reaches beyond its process or
+    /// its folder: sockets, folders, files elsewhere (`/proc/self/mem`
+    /// among them), another process, a new process, executable memory,
+    /// memfds.
     #[test]
-    fn the_instance_filter_refuses_sockets_and_file_creation() {
-        let base = program(Mode::Errno).unwrap();
-        let narrow = program_of(CORE.iter().copied(), Mode::Errno).unwrap();
-        // SAFETY: fork(2) in a test process; the child only makes system
-        // calls and exits with _exit.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0);
-        if pid == 0 {
-            let applied =
-                seccompiler::apply_filter(&base).is_ok() && seccompiler::apply_filter(&narrow).is_ok();
-            // SAFETY: plain system calls on no memory but a static string.
-            let (sock, dir, efd) = unsafe {
+    fn an_instance_thread_reaches_nothing_beyond_its_process_and_folder() {
+        let dir = std::env::temp_dir().join(format!("vnpu-seccomp-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let outside = std::env::temp_dir().join(format!("vnpu-seccomp-outside-{}", std::process::id()));
+        let _ = std::fs::remove_file(&outside);
+        let (inside, d) = (dir.join("core0.sram"), dir.clone());
+        let out = outside.clone();
+        let checks = std::thread::spawn(move || -> Vec<(&'static str, bool)> {
+            confine(Mode::Errno, Some(&d)).unwrap();
+            let open = |p: &std::path::Path, create: bool| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(create)
+                    .truncate(false)
+                    .open(p)
+                    .is_ok()
+            };
+            let eperm = |r: libc::c_long| {
+                r == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+            };
+            // SAFETY: plain system calls on no memory of ours but static
+            // strings; a mapping that succeeds is unmapped below.
+            let (sock, mkdir, efd, memfd, kill_init, exec_map, rw_ok) = unsafe {
+                let map = |prot| {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        4096,
+                        prot,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                        -1,
+                        0,
+                    )
+                };
+                let x = map(libc::PROT_READ | libc::PROT_WRITE | libc::PROT_EXEC);
+                let rw = map(libc::PROT_READ | libc::PROT_WRITE);
+                let x_failed = x == libc::MAP_FAILED;
+                let rw_ok = rw != libc::MAP_FAILED;
+                for m in [x, rw] {
+                    if m != libc::MAP_FAILED {
+                        libc::munmap(m, 4096);
+                    }
+                }
                 (
                     libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0),
                     libc::mkdir(c"/tmp/vnpu-seccomp-test-dir".as_ptr(), 0o700),
                     libc::eventfd(0, 0),
+                    eperm(libc::syscall(libc::SYS_memfd_create, c"x".as_ptr(), 0)),
+                    eperm(libc::syscall(libc::SYS_tgkill, 1, 1, 0)),
+                    x_failed,
+                    rw_ok,
                 )
             };
-            let code = if applied && sock == -1 && dir == -1 && efd >= 0 { 0 } else { 12 };
-            // SAFETY: ends the child without running the harness's code.
-            unsafe { libc::_exit(code) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for the child just forked.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "status {status:#x}");
+            // A new process: refused, so the child branch never runs (it
+            // would only exit).
+            // SAFETY: clone(2) with fork's flags and no stack of its own;
+            // a child, if one were made, exits at once.
+            let fork = unsafe { libc::syscall(libc::SYS_clone, libc::SIGCHLD, 0, 0, 0, 0) };
+            if fork == 0 {
+                // SAFETY: ends a child without running the harness's code.
+                unsafe { libc::_exit(0) };
+            }
+            let thread = std::thread::spawn(|| 7).join().ok() == Some(7);
+            vec![
+                ("create a file in its folder", open(&inside, true)),
+                ("open /proc/self/mem refused", !open(std::path::Path::new("/proc/self/mem"), false)),
+                ("create a file elsewhere refused", !open(&out, true)),
+                ("socket refused", sock == -1),
+                ("mkdir refused", mkdir == -1),
+                ("eventfd", efd >= 0),
+                ("memfd_create refused", memfd),
+                ("signal to another process refused", kill_init),
+                ("executable mapping refused", exec_map),
+                ("read-write mapping", rw_ok),
+                ("new process refused", fork == -1),
+                ("a thread of its own", thread),
+            ]
+        })
+        .join()
+        .unwrap();
+        let failed: Vec<_> = checks.iter().filter(|(_, ok)| !ok).map(|(what, _)| *what).collect();
+        assert!(failed.is_empty(), "failed: {failed:?}");
+        assert!(!outside.exists(), "a file was made outside the folder");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

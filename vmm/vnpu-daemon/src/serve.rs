@@ -78,8 +78,17 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl InstanceServer {
     /// Serves the instance at `path` (which must not exist), one client at
-    /// a time, each with a fresh backend from `factory`.
-    pub fn start(path: &Path, name: &str, factory: BackendFactory) -> Result<Self, ServeError> {
+    /// a time, each with a fresh backend from `factory`. Its serving
+    /// threads may open files in `files` only (the session folder the
+    /// backends keep their state in), when the daemon's system-call
+    /// filter is installed (`seccomp::confine_instance_thread`).
+    pub fn start(
+        path: &Path,
+        name: &str,
+        files: Option<&Path>,
+        factory: BackendFactory,
+    ) -> Result<Self, ServeError> {
+        let files = files.map(Path::to_path_buf);
         let server = Server::new(path, true, irqs(), regions())
             .map_err(|source| ServeError::Socket { path: path.to_path_buf(), source })?
             .with_max_dma_maps(u32::try_from(crate::backend::MAX_DMA_MAPS).unwrap_or(u32::MAX));
@@ -96,7 +105,7 @@ impl InstanceServer {
             let (server, label) = (Arc::clone(&server), label.clone());
             let stop = Arc::clone(&stopping);
             std::thread::Builder::new().name(format!("vfio-user {name}")).spawn(move || {
-                if let Err(e) = crate::seccomp::confine_instance_thread() {
+                if let Err(e) = crate::seccomp::confine_instance_thread(files.as_deref()) {
                     log::error!("{label}: {e}; serving without the instance filter");
                 }
                 while let Ok(stream) = clients.recv() {

@@ -45,6 +45,7 @@ fn serve(path: &std::path::Path) -> InstanceServer {
     InstanceServer::start(
         path,
         "interop",
+        None,
         Box::new(move || {
             VnpuBackend::new(&spec, &BoardConfig::default(), "interop", DeviceOptions::default())
         }),

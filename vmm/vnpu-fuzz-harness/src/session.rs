@@ -171,7 +171,7 @@ pub fn run_session(data: &[u8]) {
     let factory: BackendFactory = Box::new(move || {
         VnpuBackend::new(&spec, &npu_model::BoardConfig::default(), "fuzz", Default::default())
     });
-    let Ok(mut server) = InstanceServer::start(&path, "fuzz", factory) else { return };
+    let Ok(mut server) = InstanceServer::start(&path, "fuzz", None, factory) else { return };
     let mut conn: Option<Conn> = None;
     let mut id = 0u16;
     for step in steps(data) {
