@@ -336,7 +336,7 @@ impl VnpuBackend {
         log::debug!("DMA_MAP address {address:#x} size {size:#x} offset {offset:#x} file {reaches}");
         self.dma.map(offset, address, size, fd)?;
         if reaches {
-            self.function.set_memory(self.dma.memory().clone());
+            self.function.set_memory_watched(self.dma.memory().clone(), self.dma.watch());
         }
         Ok(())
     }
@@ -344,7 +344,7 @@ impl VnpuBackend {
     fn unmap(&mut self, flags: DmaUnmapFlags, address: u64, size: u64) -> Result<(), BackendError> {
         log::debug!("DMA_UNMAP flags {:#x} address {address:#x} size {size:#x}", flags.bits());
         self.dma.unmap(flags.contains(DmaUnmapFlags::UNMAP_ALL), address, size)?;
-        self.function.set_memory(self.dma.memory().clone());
+        self.function.set_memory_watched(self.dma.memory().clone(), self.dma.watch());
         Ok(())
     }
 
@@ -685,8 +685,101 @@ mod tests {
     /// of SIGBUS at the device's first access (a mailbox write was enough),
     /// taking every tenant with it. Skipped where hugetlbfs memfds cannot
     /// be made; on a host whose pool has pages the map succeeds instead.
+    /// Held by the tests that read or change the host's huge page pool
+    /// (one's free count is another's expectation).
+    static HUGE_POOL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    const POOL: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+
+    fn pool(name: &str) -> u64 {
+        std::fs::read_to_string(format!("{POOL}/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// A hugetlbfs memfd of `len` bytes (sealed against shrinking), or
+    /// `None` where none can be made.
+    fn huge_memfd(len: u64) -> Option<File> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
+        let fd =
+            unsafe { libc::memfd_create(c"vnpu-huge".as_ptr(), libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING) };
+        if fd < 0 {
+            return None;
+        }
+        // SAFETY: `fd` is ours alone.
+        let file = unsafe { File::from_raw_fd(fd) };
+        file.set_len(len).ok()?;
+        // SAFETY: F_ADD_SEALS on the descriptor we own.
+        (unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0).then_some(file)
+    }
+
+    /// A client that punches a hole in its huge-page guest RAM after
+    /// `DMA_MAP` (which `F_SEAL_SHRINK` allows), with the pool empty by
+    /// the time the daemon touches it: that access was a SIGBUS that
+    /// killed the daemon. Now it completes (on fresh memory), the
+    /// client's memory is marked lost (its requests fail), and the device
+    /// still answers. Needs a huge page: one is added to the pool for the
+    /// test where the pool has none free and may be raised (root), and
+    /// taken back after; skipped otherwise.
+    #[test]
+    fn a_hole_punched_in_huge_page_guest_ram_costs_its_client_only() {
+        use std::os::fd::AsRawFd;
+        use vm_memory::{Bytes, GuestAddress};
+        let _pool = HUGE_POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let total = pool("nr_hugepages");
+        let raised = pool("free_hugepages") == 0
+            && std::fs::write(format!("{POOL}/nr_hugepages"), (total + 1).to_string()).is_ok()
+            && pool("free_hugepages") > 0;
+        let restore = || {
+            if raised {
+                let _ = std::fs::write(format!("{POOL}/nr_hugepages"), total.to_string());
+            }
+        };
+        let size = 2u64 << 20;
+        let Some(file) = huge_memfd(size).filter(|_| pool("free_hugepages") > 0) else {
+            restore();
+            eprintln!("skipped: no free huge page and none could be added");
+            return;
+        };
+        let punch = file.try_clone().expect("dup");
+        let mut b = backend();
+        let at = 1u64 << 30;
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, at, size, Some(file)).expect("map");
+        b.dma.memory().write_obj(0xabu8, GuestAddress(at)).expect("write");
+        assert!(!b.dma.watch().lost());
+        // SAFETY: fallocate(2) on a descriptor we own: frees the file's
+        // pages (the client's own memory).
+        let r = unsafe {
+            libc::fallocate(
+                punch.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                size as libc::off_t,
+            )
+        };
+        assert_eq!(r, 0, "punch: {}", std::io::Error::last_os_error());
+        // Take every free huge page, so the daemon's access cannot refault.
+        let free = pool("free_hugepages");
+        let hog = (free > 0).then(|| huge_memfd(free * size)).flatten();
+        let held = hog.as_ref().map(|h| {
+            let mut b2 = backend();
+            b2.dma_map(DmaMapFlags::READ_WRITE, 0, 0, free * size, Some(h.try_clone().expect("dup")))
+                .map(|()| b2)
+        });
+        assert_eq!(pool("free_hugepages"), 0, "the pool is empty now ({held:?})");
+        let read = b.dma.memory().read_obj::<u8>(GuestAddress(at));
+        assert_eq!(read.ok(), Some(0), "the access completes, on fresh memory");
+        assert!(b.dma.watch().lost(), "the client's memory is marked lost");
+        b.region_write(0, abi::regs::MBOX_ARG0, &[0u8; 8]).expect("the device still answers");
+        drop((held, hog, b));
+        restore();
+    }
+
     #[test]
     fn huge_pages_the_pool_cannot_supply_are_refused_at_map_time() {
+        let _pool = HUGE_POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         use std::os::fd::FromRawFd;
         // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
         let fd =

@@ -71,11 +71,13 @@ impl DmaError {
     }
 }
 
-/// A whole file mapped shared into the daemon; unmapped when dropped.
+/// A whole file mapped shared into the daemon, registered with the
+/// SIGBUS recovery (`fault`); unregistered and unmapped when dropped.
 #[derive(Debug)]
 struct FileMapping {
     ptr: *mut u8,
     len: usize,
+    guard: Option<crate::fault::Guard>,
 }
 
 // SAFETY: the mapping is plain shared memory, reached only through
@@ -86,6 +88,8 @@ unsafe impl Sync for FileMapping {}
 
 impl Drop for FileMapping {
     fn drop(&mut self) {
+        // Out of the fault handler's table before the address is free.
+        drop(self.guard.take());
         // SAFETY: `ptr`/`len` are exactly what mmap(2) returned and took,
         // and nothing maps it again; the views into it are gone by then
         // (`DmaSpace` is dropped after the function whose worker used them).
@@ -193,6 +197,18 @@ impl DmaSpace {
     /// The guest memory the vNPU reaches.
     pub fn memory(&self) -> &GuestMemoryMmap<()> {
         &self.memory
+    }
+
+    /// What says whether any of this client's file mappings was lost
+    /// (replaced after a SIGBUS: `fault`).
+    pub fn watch(&self) -> vnpu_device::MemoryWatch {
+        let watches: Vec<crate::fault::Watch> = self
+            .backings
+            .iter()
+            .flat_map(|b| &b.mappings)
+            .filter_map(|m| m.guard.as_ref().map(crate::fault::Guard::watch))
+            .collect();
+        vnpu_device::MemoryWatch::new(move || watches.iter().any(crate::fault::Watch::lost))
     }
 
     /// How many ranges are mapped (with or without files).
@@ -313,6 +329,9 @@ impl DmaSpace {
                     )));
                 }
                 let n = usize::try_from(len).map_err(|_| err("the file is too large".into()))?;
+                // Whatever process maps a client's memory survives the
+                // client punching holes in it (once per process).
+                crate::fault::install().map_err(|e| err(format!("installing the SIGBUS handler: {e}")))?;
                 // SAFETY: a fresh shared mapping of a file we hold open, at
                 // an address the kernel chooses (no MAP_FIXED): it replaces
                 // nothing. The file cannot shrink under it (sealed).
@@ -329,8 +348,16 @@ impl DmaSpace {
                 if ptr == libc::MAP_FAILED {
                     return Err(err(format!("mmap: {}", std::io::Error::last_os_error())));
                 }
+                let Some(guard) = crate::fault::register(ptr as usize, n) else {
+                    // SAFETY: the mapping just made, not yet used.
+                    unsafe { libc::munmap(ptr, n) };
+                    return Err(err(format!(
+                        "the daemon maps at most {} client files at once",
+                        crate::fault::SLOTS
+                    )));
+                };
                 self.file_bytes += len;
-                backing.mappings.push(FileMapping { ptr: ptr.cast(), len: n });
+                backing.mappings.push(FileMapping { ptr: ptr.cast(), len: n, guard: Some(guard) });
                 backing.mappings.last().ok_or_else(|| err("no mapping".into()))?
             }
         };

@@ -13,6 +13,7 @@ mod accept;
 pub mod backend;
 pub mod daemon;
 pub mod dma;
+pub mod fault;
 mod http;
 pub mod metrics;
 pub mod peer;

@@ -19,6 +19,28 @@ pub struct GuestFile {
     pub file: Arc<File>,
 }
 
+/// Says whether guest memory behind the vNPU's DMA was lost since the
+/// memory was set (the board daemon's fault recovery replaced pages a
+/// client punched out of its own RAM): a request that ran over it fails.
+#[derive(Clone)]
+pub struct MemoryWatch(Arc<dyn Fn() -> bool + Send + Sync>);
+
+impl MemoryWatch {
+    pub fn new(lost: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(lost))
+    }
+    /// Whether memory was lost.
+    pub fn lost(&self) -> bool {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for MemoryWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("MemoryWatch").field(&self.lost()).finish()
+    }
+}
+
 /// A view of guest RAM for DMA by the NPU model (it holds a handle to
 /// the guest's memory regions, so it can travel with a request).
 #[derive(Debug, Clone)]

@@ -22,7 +22,7 @@ mod store;
 mod telemetry;
 mod worker;
 
-pub use guest_ram::{GuestFile, GuestRam};
+pub use guest_ram::{GuestFile, GuestRam, MemoryWatch};
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use persist::{DeviceState, StateError};
 pub use store::{private_dir, private_files, SessionStore};
@@ -144,7 +144,13 @@ impl VnpuFunction {
 
     /// Replaces the guest memory the vNPU's DMA reaches (between requests).
     pub fn set_memory(&self, memory: GuestMemoryMmap<()>) {
-        self.shared.post(Control::Memory(memory));
+        self.shared.post(Control::Memory(memory, None));
+    }
+
+    /// As [`Self::set_memory`], with `watch` saying when some of it was
+    /// lost: each request that ran while it was fails (`ST_EXEC_FAULT`).
+    pub fn set_memory_watched(&self, memory: GuestMemoryMmap<()>, watch: MemoryWatch) {
+        self.shared.post(Control::Memory(memory, Some(watch)));
     }
 
     /// Keeps the vNPU's state in `store` from now on, so that a restarted

@@ -243,6 +243,27 @@ fn driver_round_trips(opts: DeviceOptions) {
     }
 }
 
+/// Guest memory the host says was lost while a request ran (the board
+/// daemon replaced a client's mapping after a SIGBUS: a hole punched in
+/// its own RAM) fails that request with `ST_EXEC_FAULT`; requests run
+/// again once the memory is set anew and whole.
+#[test]
+fn a_request_over_lost_guest_memory_fails() {
+    let s = setup("sa=1,vu=1,sram=2M,hbm=256M");
+    let mut dma = s.dma();
+    let mut npu = Vnpu::new(FnBar(&s.f), &mut dma, 16).unwrap();
+    let prog = npu.load(&mut dma, &relu_program()).unwrap();
+    npu.run(&prog, &RunOptions::default()).unwrap();
+    let lost: &'static std::sync::atomic::AtomicBool =
+        Box::leak(Box::new(std::sync::atomic::AtomicBool::new(true)));
+    s.f.borrow()
+        .set_memory_watched(s.mem.clone(), vnpu_device::MemoryWatch::new(|| lost.load(Ordering::Acquire)));
+    let e = npu.run(&prog, &RunOptions::default()).unwrap_err();
+    assert!(matches!(e, Error::Request { status: abi::ST_EXEC_FAULT, .. }), "{e}");
+    lost.store(false, Ordering::Release);
+    npu.run(&prog, &RunOptions::default()).unwrap();
+}
+
 #[test]
 fn bad_programs_fail_their_request_and_the_ring_carries_on() {
     let s = setup("sa=1,vu=1,sram=2M,hbm=256M");

@@ -80,8 +80,8 @@ pub(crate) enum Control {
     /// The host changed the grant (a live remap).
     Regrant(VnpuSpec),
     /// Guest memory is now this (a vfio-user client mapped or unmapped
-    /// DMA regions); applied between requests.
-    Memory(GuestMemoryMmap<()>),
+    /// DMA regions), and what says it was lost; applied between requests.
+    Memory(GuestMemoryMmap<()>, Option<crate::MemoryWatch>),
     /// Keep the vNPU's state in `store` from now on: a new session from
     /// nothing, or (`resume`) the session it holds, left by a daemon that
     /// died or restarted (its ring is taken up again at [`Control::Resume`]).
@@ -286,6 +286,8 @@ pub const DEFAULT_POLL_US: u64 = 200;
 pub struct DeviceCore {
     shared: Arc<Shared>,
     mem: GuestMemoryMmap<()>,
+    /// Says when some of `mem` was lost (`Control::Memory`).
+    mem_watch: Option<crate::MemoryWatch>,
     board: BoardConfig,
     grant: VnpuSpec,
     config: Option<VnpuSpec>,
@@ -359,6 +361,7 @@ impl DeviceCore {
             name: name.to_string(),
             shared,
             mem,
+            mem_watch: None,
             board,
             grant,
             config: None,
@@ -681,8 +684,9 @@ impl DeviceCore {
                 Some(Control::Panic) => panic!("injected worker fault"),
                 Some(Control::Enable { size, desc, avail, used }) => self.enable(size, desc, avail, used),
                 Some(Control::Reset) => self.reset(),
-                Some(Control::Memory(mem)) => {
+                Some(Control::Memory(mem, watch)) => {
                     self.mem = mem;
+                    self.mem_watch = watch;
                     self.opts.guest_files = Arc::from([]);
                 }
                 Some(Control::Session { store, resume }) => self.session(store, resume),

@@ -357,6 +357,12 @@ impl DeviceCore {
             let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
             run_program(&self.board, &program, Some(mem), Some(budget))
         };
+        if self.mem_watch.as_ref().is_some_and(crate::MemoryWatch::lost) {
+            return Outcome::fail(
+                abi::ST_EXEC_FAULT,
+                "guest memory behind a DMA mapping was lost while the request ran (a hole punched in it); its data is not trusted",
+            );
+        }
         match result {
             Ok(report) => {
                 self.counters.add(header.core, &report);
