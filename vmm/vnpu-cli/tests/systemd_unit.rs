@@ -53,6 +53,15 @@ fn the_systemd_unit_parses_cleanly_and_raises_the_descriptor_limit() {
     std::fs::write(&copy, text.replace("/usr/local/bin/vnpu", "/bin/true")).unwrap();
     let out = Command::new("systemd-analyze").arg("verify").arg(&copy).output().unwrap();
     let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    // systemd's exposure score (0 best, 10 worst): 1.1 as shipped;
+    // `--threshold` (in tenths) fails the command above 2.0.
+    let security = Command::new("systemd-analyze")
+        .args(["security", "--offline=yes", "--threshold=20"])
+        .arg(&copy)
+        .output()
+        .unwrap();
+    let scored = String::from_utf8_lossy(&security.stdout).lines().last().unwrap_or("").to_string();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify:\n{said}");
+    assert!(security.status.success(), "systemd-analyze security: {scored}");
 }

@@ -530,7 +530,9 @@ fn serve_started(
         }
         // Where the vNPU's state is kept for a restart (docs/vfio-user.md).
         let store_dir = session_dir(opts, &uuid);
-        let store_dir = match private_session_dir(&store_dir) {
+        let store_dir = match private_session_dir(&store_dir)
+            .and_then(|()| vnpu_device::prepare_files(&store_dir, inst.shape.cores()))
+        {
             Ok(()) => Some(store_dir),
             Err(e) => {
                 log::warn!("{uuid}: {}: {e}; its sessions cannot be resumed", store_dir.display());

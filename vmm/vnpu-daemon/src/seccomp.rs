@@ -15,8 +15,7 @@
 //!
 //! A vNPU instance's threads (its vfio-user connection and the worker it
 //! starts), which run what a tenant sends, are narrowed further
-//! ([`confine_instance_thread`]): no sockets, no file creation outside
-//! their session folder, no other process (`tgkill` of their own process
+//! ([`confine_instance_thread`]): no sockets, no file creation, no other process (`tgkill` of their own process
 //! only, `clone` of threads only), no executable mappings, no memfds; and
 //! Landlock confines their file accesses to that folder (so neither
 //! `/proc/PID/mem` nor any other file of the host can be opened), their
@@ -274,8 +273,9 @@ fn no_clone3() -> Result<BpfProgram, SeccompError> {
     filter.try_into().map_err(SeccompError::Compile)
 }
 
-/// Confines the calling thread's file accesses to `files` (read, write,
-/// create and truncate regular files, list; nothing else anywhere),
+/// Confines the calling thread's file accesses to `files` (read, write
+/// and truncate the files in it, list it; create nothing, and nothing
+/// else anywhere),
 /// its signals and abstract sockets to its own domain, and TCP to
 /// nothing, as far as the kernel's Landlock supports (best effort: an
 /// older kernel enforces less, which is logged).
@@ -294,11 +294,9 @@ fn landlock(files: Option<&Path>) -> Result<(), SeccompError> {
         .map_err(ll)?;
     if let Some(dir) = files {
         let fd = PathFd::new(dir).map_err(|e| SeccompError::LandlockPath(dir.to_path_buf(), e))?;
-        let access = AccessFs::ReadFile
-            | AccessFs::WriteFile
-            | AccessFs::ReadDir
-            | AccessFs::MakeReg
-            | AccessFs::Truncate;
+        // No `MakeReg`: the daemon created every file they use
+        // (`vnpu_device::prepare_files`).
+        let access = AccessFs::ReadFile | AccessFs::WriteFile | AccessFs::ReadDir | AccessFs::Truncate;
         ruleset = ruleset.add_rule(PathBeneath::new(fd, access)).map_err(ll)?;
     }
     let status = ruleset.restrict_self().map_err(ll)?;
@@ -368,11 +366,11 @@ mod tests {
 
     /// An instance thread, confined (Landlock and the instance filter;
     /// per thread, so the test process stays as it was), can still do
-    /// what serving needs (files in its folder, memory, eventfds, a
+    /// what serving needs (the files of its folder, memory, eventfds, a
     /// thread of its own) and nothing that reaches beyond its process or
-    /// its folder: sockets, folders, files elsewhere (`/proc/self/mem`
-    /// among them), another process, a new process, executable memory,
-    /// memfds.
+    /// those files: new files, sockets, folders, files elsewhere
+    /// (`/proc/self/mem` among them), another process, a new process,
+    /// executable memory, memfds.
     #[test]
     fn an_instance_thread_reaches_nothing_beyond_its_process_and_folder() {
         let dir = std::env::temp_dir().join(format!("vnpu-seccomp-{}", std::process::id()));
@@ -381,6 +379,9 @@ mod tests {
         let outside = std::env::temp_dir().join(format!("vnpu-seccomp-outside-{}", std::process::id()));
         let _ = std::fs::remove_file(&outside);
         let (inside, d) = (dir.join("core0.sram"), dir.clone());
+        let new_inside = dir.join("core1.sram");
+        // Made by the daemon before it serves (`prepare_files`).
+        std::fs::write(&inside, b"").unwrap();
         let out = outside.clone();
         let checks = std::thread::spawn(move || -> Vec<(&'static str, bool)> {
             confine(Mode::Errno, Some(&d)).unwrap();
@@ -439,7 +440,8 @@ mod tests {
             }
             let thread = std::thread::spawn(|| 7).join().ok() == Some(7);
             vec![
-                ("create a file in its folder", open(&inside, true)),
+                ("open a file of its folder", open(&inside, true)),
+                ("create a file in its folder refused", !open(&new_inside, true)),
                 ("open /proc/self/mem refused", !open(std::path::Path::new("/proc/self/mem"), false)),
                 ("create a file elsewhere refused", !open(&out, true)),
                 ("socket refused", sock == -1),

@@ -14,7 +14,9 @@
 //! killed process), so nothing needs saving at exit. The directory must be
 //! the daemon's alone: a file another process shrank would fault when
 //! touched. Files are only created, sized and written here (no rename or
-//! unlink), which an instance thread's system-call filter allows.
+//! unlink), which an instance thread's system-call filter allows; the
+//! daemon creates them beforehand ([`prepare_files`]), so those threads
+//! create no file at all.
 //!
 //! Tenant state is private and contained: the directory is made 0700 and
 //! every file 0600 whatever the umask; no open follows a symlink
@@ -135,6 +137,25 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
     }
     if meta.permissions().mode() & 0o7777 != DIR_MODE {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE))?;
+    }
+    Ok(())
+}
+
+/// Creates, where missing, every file a store in `dir` keeps for a vNPU
+/// of `cores` cores (the record, a file per program handle, each core's
+/// memories), empty and private: the instance threads that use the
+/// store may then write, size and truncate them, but create none
+/// (`vnpu-daemon`'s Landlock domain for them allows no file creation).
+pub fn prepare_files(dir: &Path, cores: u32) -> std::io::Result<()> {
+    private_dir(dir)?;
+    let mut names = vec!["session".to_string()];
+    names.extend((0..vnpu_abi::device::MAX_REGISTERED).map(|h| format!("program.{h}")));
+    for c in 0..cores {
+        names.push(format!("core{c}.sram"));
+        names.push(format!("core{c}.hbm"));
+    }
+    for n in names {
+        file(&dir.join(n))?;
     }
     Ok(())
 }
