@@ -777,6 +777,42 @@ mod tests {
         restore();
     }
 
+    /// A hole punched in shmem-backed guest RAM (a sealed memfd, as
+    /// QEMU's `memory-backend-memfd` makes) after `DMA_MAP`: the pages
+    /// refault as zeros (shmem needs no pool), so the daemon reads zeros
+    /// where the client freed its memory, and nothing is lost.
+    #[test]
+    fn a_hole_punched_in_shmem_guest_ram_reads_as_zeros() {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        use vm_memory::{Bytes, GuestAddress};
+        // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
+        let fd = unsafe { libc::memfd_create(c"vnpu-shmem".as_ptr(), libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` is ours alone.
+        let file = unsafe { File::from_raw_fd(fd) };
+        let size = 1u64 << 20;
+        file.set_len(size).expect("size");
+        // SAFETY: F_ADD_SEALS on the descriptor we own.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        let punch = file.try_clone().expect("dup");
+        let mut b = backend();
+        b.dma_map(DmaMapFlags::READ_WRITE, 0, 0, size, Some(file)).expect("map");
+        b.dma.memory().write_obj(0xabu8, GuestAddress(4096)).expect("write");
+        // SAFETY: fallocate(2) on a descriptor we own (the client's memory).
+        let r = unsafe {
+            libc::fallocate(
+                punch.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                0,
+                size as libc::off_t,
+            )
+        };
+        assert_eq!(r, 0, "punch: {}", std::io::Error::last_os_error());
+        assert_eq!(b.dma.memory().read_obj::<u8>(GuestAddress(4096)).ok(), Some(0));
+        assert!(!b.dma.watch().lost());
+        b.region_write(0, abi::regs::MBOX_ARG0, &[0u8; 8]).expect("the device still answers");
+    }
+
     #[test]
     fn huge_pages_the_pool_cannot_supply_are_refused_at_map_time() {
         let _pool = HUGE_POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
