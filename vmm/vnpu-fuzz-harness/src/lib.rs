@@ -8,14 +8,22 @@
 //!   connection's byte stream.
 //! - [`run_session`]: whole hostile vfio-user sessions against a served
 //!   instance, then an honest client.
+//! - [`drive_dma`]: a client's DMA table under any map, unmap and file
+//!   growth sequence.
+//! - [`resume_from`]: a device core resuming from a session folder whose
+//!   files hold anything.
 //!
 //! Each is also run by this crate's tests on fixed inputs, so the
 //! harnesses stay built and working on stable Rust.
 
+mod dma;
+mod resume;
 mod ring;
 mod server;
 mod session;
 
+pub use dma::drive_dma;
+pub use resume::resume_from;
 pub use ring::drive_ring;
 pub use server::serve_stream;
 pub use session::run_session;

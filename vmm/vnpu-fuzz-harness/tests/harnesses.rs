@@ -60,3 +60,36 @@ fn sessions_of_garbage_descriptors_and_reconnects_leave_the_instance_serving() {
     ]);
     vnpu_fuzz_harness::run_session(&[0, 0, 0, 0]);
 }
+
+#[test]
+fn the_dma_harness_survives_arbitrary_operations() {
+    for (i, len) in [0usize, 8, 64, 800, 8000].into_iter().enumerate() {
+        vnpu_fuzz_harness::drive_dma(&bytes(len, 0x2545_f491_4f6c_dd1d + i as u64));
+    }
+    // Map a file, grow it, map past its first size, split-unmap, unmap all.
+    vnpu_fuzz_harness::drive_dma(&[
+        0, 0, 0, 0, 4, 0, 0, 0, // map file 0, pages 0-3 at 0
+        3, 0, 0, 0, 0, 8, 0, 0, // grow file 0 by 8 pages
+        1, 0, 8, 0, 4, 4, 0, 0, // map file 0 from page 4 (past its first size)
+        2, 0, 1, 0, 1, 1, 0, 0, // unmap one page in the middle
+        2, 0, 0, 0, 1, 0, 0, 0, // unmap all
+    ]);
+}
+
+#[test]
+fn the_resume_harness_survives_tampered_session_folders() {
+    // A valid record (nothing XORed), then records with bytes flipped
+    // here and there, then garbage program and core files.
+    vnpu_fuzz_harness::resume_from(&7u64.to_le_bytes());
+    for (i, len) in [16usize, 100, 4104, 6000].into_iter().enumerate() {
+        vnpu_fuzz_harness::resume_from(&bytes(len, 0x9e37_79b9_7f4a_7c15 ^ i as u64));
+    }
+    let mut files = vec![0u8; 8 + 4096];
+    files[0] = 3;
+    for (kind, len) in [(0u8, 64u16), (63, 3), (64, 4096), (65, 100)] {
+        files.push(kind);
+        files.extend_from_slice(&len.to_le_bytes());
+        files.extend(bytes(usize::from(len), u64::from(kind) + 1));
+    }
+    vnpu_fuzz_harness::resume_from(&files);
+}

@@ -337,6 +337,18 @@ impl DeviceCore {
         Ok(Self::new(Arc::new(shared), memory, board.clone(), grant, opts, "detached"))
     }
 
+    /// Keeps this core's state in `store` from now on (as
+    /// `VnpuFunction::keep_in`): a new session, or (`resume`) the one the
+    /// store holds, whatever its files contain.
+    pub fn keep_in(&mut self, store: Arc<crate::store::SessionStore>, resume: bool) {
+        self.session(store, resume);
+    }
+
+    /// Takes a resumed session's ring up again (as `VnpuFunction::resume`).
+    pub fn resume_session(&mut self) {
+        self.resume();
+    }
+
     /// A guest write to BAR 0 (`docs/device-interface.md`); the control
     /// work it starts waits for [`DeviceCore::handle_controls`].
     pub fn register_write(&self, offset: u64, data: &[u8]) {
