@@ -6,7 +6,8 @@
 # design's workloads at equal request rates (as V10 and Neu10 pair them) at
 # an SLA of 10x each one's isolated latency, two of them also at 2x and 5x,
 # and the four-tenant mix weighted by our own partition's times as one row.
-# Writes docs/plots/sharing/*.json; prints each run's summary.
+# Writes docs/plots/sharing/*.json; prints each run's summary and its
+# progress on stderr (redirect it to keep a log).
 #
 #   bash scripts/sharing-knees.sh [NAME...]     # default: every run below
 set -euo pipefail
@@ -18,7 +19,7 @@ run() {
     local name=$1; shift
     echo "== $name: sharing-eval --knee $*" >&2
     local t0=$SECONDS
-    target/release/sharing-eval --knee --seeds 5 --min-requests 1000 --json "$out/$name.json" "$@" 2>"$out/$name.log"
+    target/release/sharing-eval --knee --seeds 5 --min-requests 1000 --json "$out/$name.json" "$@"
     echo "== $name: $((SECONDS - t0)) s" >&2
 }
 all=(bert-dlrm resnet50-mobilenet transformer-efficientnet bert-resnet50 resnet50-ncf
