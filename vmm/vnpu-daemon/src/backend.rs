@@ -715,6 +715,19 @@ mod tests {
         (unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0).then_some(file)
     }
 
+    /// Frees the first `len` bytes of `file`'s pages, as a client can
+    /// with its own memory (`fallocate(PUNCH_HOLE)`).
+    fn punch_hole(file: &File, len: u64) {
+        use std::os::fd::AsRawFd;
+        let len = libc::off_t::try_from(len).expect("length");
+        // SAFETY: fallocate(2) on a descriptor the test owns; it changes
+        // only that file.
+        let r = unsafe {
+            libc::fallocate(file.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, len)
+        };
+        assert_eq!(r, 0, "punch: {}", std::io::Error::last_os_error());
+    }
+
     /// A client that punches a hole in its huge-page guest RAM after
     /// `DMA_MAP` (which `F_SEAL_SHRINK` allows), with the pool empty by
     /// the time the daemon touches it: that access was a SIGBUS that
@@ -725,7 +738,6 @@ mod tests {
     /// taken back after; skipped otherwise.
     #[test]
     fn a_hole_punched_in_huge_page_guest_ram_costs_its_client_only() {
-        use std::os::fd::AsRawFd;
         use vm_memory::{Bytes, GuestAddress};
         let _pool = HUGE_POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let total = pool("nr_hugepages");
@@ -749,17 +761,7 @@ mod tests {
         b.dma_map(DmaMapFlags::READ_WRITE, 0, at, size, Some(file)).expect("map");
         b.dma.memory().write_obj(0xabu8, GuestAddress(at)).expect("write");
         assert!(!b.dma.watch().lost());
-        // SAFETY: fallocate(2) on a descriptor we own: frees the file's
-        // pages (the client's own memory).
-        let r = unsafe {
-            libc::fallocate(
-                punch.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                0,
-                size as libc::off_t,
-            )
-        };
-        assert_eq!(r, 0, "punch: {}", std::io::Error::last_os_error());
+        punch_hole(&punch, size);
         // Take every free huge page, so the daemon's access cannot refault.
         let free = pool("free_hugepages");
         let hog = (free > 0).then(|| huge_memfd(free * size)).flatten();
@@ -783,7 +785,7 @@ mod tests {
     /// where the client freed its memory, and nothing is lost.
     #[test]
     fn a_hole_punched_in_shmem_guest_ram_reads_as_zeros() {
-        use std::os::fd::{AsRawFd, FromRawFd};
+        use std::os::fd::FromRawFd;
         use vm_memory::{Bytes, GuestAddress};
         // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
         let fd = unsafe { libc::memfd_create(c"vnpu-shmem".as_ptr(), libc::MFD_ALLOW_SEALING) };
@@ -798,16 +800,7 @@ mod tests {
         let mut b = backend();
         b.dma_map(DmaMapFlags::READ_WRITE, 0, 0, size, Some(file)).expect("map");
         b.dma.memory().write_obj(0xabu8, GuestAddress(4096)).expect("write");
-        // SAFETY: fallocate(2) on a descriptor we own (the client's memory).
-        let r = unsafe {
-            libc::fallocate(
-                punch.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                0,
-                size as libc::off_t,
-            )
-        };
-        assert_eq!(r, 0, "punch: {}", std::io::Error::last_os_error());
+        punch_hole(&punch, size);
         assert_eq!(b.dma.memory().read_obj::<u8>(GuestAddress(4096)).ok(), Some(0));
         assert!(!b.dma.watch().lost());
         b.region_write(0, abi::regs::MBOX_ARG0, &[0u8; 8]).expect("the device still answers");
