@@ -11,8 +11,8 @@
 //! `vnpu list` does) and one scrape on a new TCP connection, alternating,
 //! timed on one clock (`Instant`), each bounded by 5 s (a probe that fails
 //! or times out counts as 5,000 ms and as a failure). Prints min / p50 /
-//! p99 / max per attack and probe, failures, and the daemon's peak RSS and
-//! descriptors while the attack ran.
+//! p99 / max per attack and probe, failures, and the daemon's peak RSS,
+//! descriptors and memory mappings while the attack ran.
 
 // Statistics over sample counts and timings: the casts are of small,
 // non-negative numbers.
@@ -111,6 +111,11 @@ fn probe_scrape(addr: SocketAddr) -> Option<Duration> {
     let mut body = Vec::new();
     s.read_to_end(&mut body).ok()?;
     (body.starts_with(b"HTTP/1.1 200") && t.elapsed() <= PROBE_LIMIT).then(|| t.elapsed())
+}
+
+/// The daemon's memory mappings (lines of `/proc/PID/maps`).
+fn mappings(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/maps")).map_or(0, |m| m.lines().count())
 }
 
 /// The daemon's resident set (KiB) and open descriptors.
@@ -236,6 +241,70 @@ fn vfio_garbage(t: &Target, stop: &AtomicBool) {
     }
 }
 
+/// A sealed memfd of `len` bytes, as QEMU's memory backend makes.
+fn sealed_memfd(len: u64) -> Option<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
+    let fd = unsafe { libc::memfd_create(c"attack-bench".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is ours alone.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len(len).ok()?;
+    // SAFETY: F_ADD_SEALS on a descriptor we own.
+    (unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0).then_some(f)
+}
+
+/// One client that takes everything `DMA_MAP` lets it (docs/vfio-user.md,
+/// "Guest memory"): 64 files (one more is refused), then page-sized
+/// ranges with gaps until the run limit refuses one, then adjacent
+/// page-sized ranges until the range limit refuses one; held until `stop`
+/// (give it `--seconds` enough to reach the limits: about 75,000 round
+/// trips).
+fn dma_bounds(t: &Target, stop: &AtomicBool) {
+    use std::os::fd::AsRawFd;
+    const PAGE: u64 = 4096;
+    let Ok(mut c) = vfio_user::Client::new(&t.instance) else { return };
+    let files: Vec<_> = (0..65).filter_map(|_| sealed_memfd(64 << 20)).collect();
+    let (mut ok, mut refused) = (0usize, [0usize; 3]);
+    // A page of each file (the 65th is refused), far apart.
+    for (i, f) in (0u64..).zip(&files) {
+        match c.dma_map(0, i << 36, PAGE, f.as_raw_fd()) {
+            Ok(()) => ok += 1,
+            Err(_) => refused[0] += 1,
+        }
+    }
+    // Gapped pages: a run each, until the run limit.
+    let Some(f0) = files.first() else { return };
+    for k in 1..6000u64 {
+        match c.dma_map(k * PAGE, (1 << 44) + 2 * k * PAGE, PAGE, f0.as_raw_fd()) {
+            Ok(()) => ok += 1,
+            Err(_) => refused[1] += 1,
+        }
+    }
+    // Pages adjacent to each file's first (growing its run, no new
+    // one), until the range limit.
+    'files: for (i, f) in (0u64..).zip(&files) {
+        for k in 1..(64 << 20) / PAGE {
+            if ok + refused[2] >= 70_000 {
+                break 'files;
+            }
+            match c.dma_map(k * PAGE, (i << 36) + k * PAGE, PAGE, f.as_raw_fd()) {
+                Ok(()) => ok += 1,
+                Err(_) => refused[2] += 1,
+            }
+        }
+    }
+    eprintln!(
+        "attack-bench: DMA bounds: {ok} ranges mapped; refused: {} files, {} runs, {} ranges",
+        refused[0], refused[1], refused[2]
+    );
+    while !stop.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn control_flood(t: &Target, stop: &AtomicBool) {
     // Garbage lines as fast as the socket takes them, on 8 connections.
     let conns: Vec<_> = (0..8).filter_map(|_| UnixStream::connect(&t.control).ok()).collect();
@@ -263,6 +332,7 @@ struct Row {
     scrape_failures: usize,
     peak_rss_kib: u64,
     peak_fds: usize,
+    peak_maps: usize,
 }
 
 fn stats(v: &[f64]) -> String {
@@ -343,7 +413,7 @@ fn run(args: &Args) -> Result<Vec<Row>, String> {
     }
     std::thread::sleep(Duration::from_millis(300));
     let target = Target { control: control.clone(), metrics, instance };
-    let attacks: [(&'static str, Attack); 10] = [
+    let attacks: [(&'static str, Attack); 11] = [
         ("none", none),
         ("64 idle control connections", idle_control),
         ("fresh control connections, churned", churn_control),
@@ -353,6 +423,7 @@ fn run(args: &Args) -> Result<Vec<Row>, String> {
         ("pipelined /metrics GETs never read", greedy_metrics),
         ("512 MiB /metrics header lines", huge_header),
         ("vfio-user garbage, reconnecting", vfio_garbage),
+        ("one client at every DMA bound", dma_bounds),
         ("none (again)", none),
     ];
     let mut rows = Vec::new();
@@ -372,6 +443,7 @@ fn run(args: &Args) -> Result<Vec<Row>, String> {
             scrape_failures: 0,
             peak_rss_kib: 0,
             peak_fds: 0,
+            peak_maps: 0,
         };
         let t = Instant::now();
         while t.elapsed().as_secs_f64() < args.seconds {
@@ -392,6 +464,7 @@ fn run(args: &Args) -> Result<Vec<Row>, String> {
             let (rss, fds) = usage(pid);
             row.peak_rss_kib = row.peak_rss_kib.max(rss);
             row.peak_fds = row.peak_fds.max(fds);
+            row.peak_maps = row.peak_maps.max(mappings(pid));
             std::thread::sleep(Duration::from_millis(20));
         }
         stop.store(true, Ordering::SeqCst);
@@ -419,25 +492,27 @@ fn main() -> std::process::ExitCode {
         }
     };
     println!(
-        "\n{:<40} {:>36} {:>5} {:>36} {:>5} {:>10} {:>5}",
+        "\n{:<40} {:>36} {:>5} {:>36} {:>5} {:>10} {:>5} {:>6}",
         "attack",
         "list ms (min / p50 / p99 / max)",
         "fail",
         "scrape ms (min / p50 / p99 / max)",
         "fail",
         "peak RSS",
-        "fds"
+        "fds",
+        "maps"
     );
     for r in &rows {
         println!(
-            "{:<40} {:>36} {:>5} {:>36} {:>5} {:>7} KiB {:>5}",
+            "{:<40} {:>36} {:>5} {:>36} {:>5} {:>7} KiB {:>5} {:>6}",
             r.attack,
             stats(&r.list_ms),
             format!("{}/{}", r.list_failures, r.list_ms.len()),
             stats(&r.scrape_ms),
             format!("{}/{}", r.scrape_failures, r.scrape_ms.len()),
             r.peak_rss_kib,
-            r.peak_fds
+            r.peak_fds,
+            r.peak_maps
         );
     }
     if let Some(path) = &args.json {
