@@ -311,6 +311,21 @@ fn three_vms_in_their_own_processes_share_a_core_through_the_daemon() {
         }
         assert_eq!(metric(&m, "vnpu_attached", &label), 0.0, "{name} detached");
         assert_eq!(metric(&m, "vnpu_request_failures_total", &label), 0.0, "{name}");
+        // Its VM left for good (the daemon serves on): nothing of its
+        // session is left on disk, neither the record nor its programs
+        // nor its memories.
+        let folder = state.join("sessions").join(uuid);
+        for f in std::fs::read_dir(&folder).unwrap().flatten() {
+            let bytes = std::fs::read(f.path()).unwrap();
+            assert!(
+                bytes.iter().all(|&b| b == 0),
+                "{name}: {} holds data after its VM left",
+                f.path().display()
+            );
+        }
+        let kept =
+            std::fs::read_dir(&folder).unwrap().flatten().map(|f| f.metadata().unwrap().len()).sum::<u64>();
+        assert!(kept <= 4096, "{name}: {kept} bytes kept after its VM left");
     }
     // The instances' simulated cycles are the core's (two independent
     // counts: the vNPUs' reports and the board's timeline).

@@ -207,6 +207,8 @@ pub struct VnpuBackend {
     id: u64,
     /// The instance's session directory (state kept for a restart).
     store_dir: Option<std::path::PathBuf>,
+    /// The session store this connection keeps the vNPU in, once opened.
+    store: Option<Arc<vnpu_device::SessionStore>>,
     /// This client resumed a session: its ring is taken up once it has
     /// given its MSI-X triggers (its memory is mapped by then).
     resuming: bool,
@@ -273,6 +275,7 @@ impl VnpuBackend {
             release: Arc::default(),
             id: BACKEND_IDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             store_dir: None,
+            store: None,
             resuming: false,
             dma: DmaSpace::default(),
         })
@@ -314,6 +317,7 @@ impl VnpuBackend {
             }
         }
         self.resuming = resumed;
+        self.store = Some(Arc::clone(&store));
         self.function.keep_in(store, resumed);
         // Said only to a client that named a session: QEMU warns
         // `spurious capabilities` about a key it does not know.
@@ -322,6 +326,20 @@ impl VnpuBackend {
                 .insert(abi::SESSION_CAPABILITY.into(), serde_json::json!({ "id": id, "resumed": resumed }));
         }
         answer
+    }
+
+    /// Ends the backend for a client that left for good (not a daemon
+    /// that stops or dies): the vNPU's worker stops, then its kept
+    /// session is forgotten (record, programs and memories zeroed), so a
+    /// tenant's data does not outlive its VM on disk.
+    pub fn close_for_good(self) {
+        let store = self.store.clone();
+        drop(self);
+        if let Some(store) = store {
+            if let Err(e) = store.forget() {
+                log::warn!("forgetting a session: {e}");
+            }
+        }
     }
 
     /// This backend with its device-request trigger going to `release`

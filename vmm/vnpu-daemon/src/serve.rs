@@ -122,8 +122,15 @@ impl InstanceServer {
                                 Err(e) => log::warn!("{label}: client dropped: {e}"),
                             }
                             // Dropping the backend stops the vNPU's worker
-                            // and frees its engines for the next client.
-                            drop(backend);
+                            // and frees its engines for the next client. A
+                            // client that left while the daemon serves on
+                            // left for good: its session is forgotten. One
+                            // cut off by a stop may resume after a restart.
+                            if stop.load(Ordering::SeqCst) {
+                                drop(backend);
+                            } else {
+                                backend.close_for_good();
+                            }
                         }
                         Err(e) => log::error!("{label}: cannot serve a client: {e}"),
                     }

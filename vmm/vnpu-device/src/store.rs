@@ -222,6 +222,17 @@ impl SessionStore {
         Ok(())
     }
 
+    /// Forgets the session for good (its VM left): the record, every
+    /// program and every core memory zeroed (the files stay, empty, for
+    /// the next session). Call it only once nothing maps the memories
+    /// (the device's worker has stopped).
+    pub fn forget(&self) -> std::io::Result<()> {
+        self.invalid.store(true, std::sync::atomic::Ordering::Release);
+        lock(&self.record).fill(0);
+        self.clear_programs()?;
+        self.clear_cores()
+    }
+
     /// Makes the session impossible to resume (something it needs could
     /// not be stored: resuming it could give wrong results).
     pub fn invalidate(&self, why: &str) {
