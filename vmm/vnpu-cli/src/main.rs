@@ -278,6 +278,12 @@ enum Command {
         /// after this many milliseconds (0: at once, no request).
         #[arg(long, value_name = "MS", default_value_t = 10_000)]
         release_timeout_ms: u64,
+        /// Keep the instances' device sessions (their SRAM, HBM, programs
+        /// and registers, for resuming after a daemon restart) here
+        /// instead of STATE_DIR/sessions: a tmpfs such as /run/vnpu keeps
+        /// tenant memory off persistent disk.
+        #[arg(long, value_name = "DIR")]
+        session_dir: Option<std::path::PathBuf>,
         /// Lend engines a core's vNPUs leave idle to their neighbours'
         /// spread programs (docs/management.md, "Harvesting"); `off` runs
         /// every request on its own vNPU's engines (static partitions).
@@ -865,6 +871,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             control_group,
             seccomp,
             release_timeout_ms,
+            session_dir,
             harvest,
             lend_limit_us,
             max_host_work,
@@ -881,6 +888,7 @@ fn run(cli: Cli) -> Result<u8, CliError> {
                 board: board(&manage.board)?,
                 socket_dir: manage.socket_dir(),
                 state_dir,
+                session_dir,
                 rescan: std::time::Duration::from_millis(100),
                 device: vnpu_device::DeviceOptions {
                     poll: std::time::Duration::from_micros(poll_us),

@@ -32,6 +32,38 @@ fn daemon(state: &Path, sockets: &Path) -> Daemon {
     Daemon(Some(child))
 }
 
+/// `--session-dir` puts the instances' kept sessions there (a tmpfs
+/// such as /run in production), private, and nothing under the state
+/// directory.
+#[test]
+fn sessions_are_kept_where_session_dir_says() {
+    use std::os::unix::fs::PermissionsExt;
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-session-dir-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let (state, sockets, kept) = (root.join("state"), root.join("sockets"), root.join("run-sessions"));
+    let uuid = vnpu(&state, &["create", "--spec", "sa=1,vu=1,sram=4M,hbm=256M"]).trim().to_string();
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .arg("--session-dir")
+        .arg(&kept)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let d = Daemon(Some(child));
+    let sock = sockets.join(format!("{uuid}.sock"));
+    wait_for("the instance's socket", || sock.exists());
+    let folder = kept.join(&uuid);
+    assert!(folder.join("session").is_file(), "no session record in {}", folder.display());
+    assert_eq!(std::fs::metadata(&folder).unwrap().permissions().mode() & 0o777, 0o700);
+    assert!(!state.join("sessions").join(&uuid).exists(), "a session under the state directory too");
+    assert!(terminate(d).success());
+    let _ = std::fs::remove_dir_all(&root);
+}
+
 fn vendor_and_magic(sock: &Path) -> (u16, u32) {
     let mut c = Client::new(sock).unwrap();
     let mut id = [0u8; 2];

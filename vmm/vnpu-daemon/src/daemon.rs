@@ -55,6 +55,11 @@ pub struct DaemonOptions {
     pub board: BoardConfig,
     pub state_dir: PathBuf,
     pub socket_dir: PathBuf,
+    /// Where the instances' sessions are kept (`None`:
+    /// `STATE_DIR/sessions`); a tmpfs such as `/run` keeps tenant memory
+    /// off persistent disks (sessions then survive a daemon restart, not
+    /// a reboot).
+    pub session_dir: Option<PathBuf>,
     /// How often the state directory is reread.
     pub rescan: Duration,
     /// How each vNPU's worker serves its ring.
@@ -582,7 +587,12 @@ const SESSIONS: &str = "sessions";
 
 /// The directory where instance `uuid` keeps its device session.
 fn session_dir(opts: &DaemonOptions, uuid: &str) -> PathBuf {
-    opts.state_dir.join(SESSIONS).join(uuid)
+    sessions_root(opts).join(uuid)
+}
+
+/// The folder of every instance's session folder.
+fn sessions_root(opts: &DaemonOptions) -> PathBuf {
+    opts.session_dir.clone().unwrap_or_else(|| opts.state_dir.join(SESSIONS))
 }
 
 /// Creates a session's folder, and the sessions folder above it, private
@@ -602,7 +612,7 @@ fn private_session_dir(dir: &Path) -> std::io::Result<()> {
 
 /// Removes the kept sessions of instances that no longer exist.
 fn prune_sessions(opts: &DaemonOptions, instances: &[Instance]) {
-    let Ok(dir) = std::fs::read_dir(opts.state_dir.join(SESSIONS)) else { return };
+    let Ok(dir) = std::fs::read_dir(sessions_root(opts)) else { return };
     for e in dir.flatten() {
         let name = e.file_name();
         if !instances.iter().any(|i| std::ffi::OsStr::new(&i.uuid) == name) {

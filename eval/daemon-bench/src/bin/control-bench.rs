@@ -111,6 +111,7 @@ fn main() -> Result<(), String> {
         board: board.clone(),
         state_dir: state.clone(),
         socket_dir: sockets.clone(),
+        session_dir: None,
         rescan: Duration::from_millis(100),
         device: Default::default(),
         metrics: None,
