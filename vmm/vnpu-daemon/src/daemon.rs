@@ -184,14 +184,7 @@ impl Daemon {
         // Files the request names are read, and what it will price is
         // measured, before any lock is taken; if another manager added a
         // tenant in between, the request is prepared again.
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            match self.handle_once(req) {
-                Err(e) if attempt < control::PREPARE_ATTEMPTS && e.needs_prepare_again() => continue,
-                r => return r,
-            }
-        }
+        control::retry_unprepared(|| self.handle_once(req))
     }
 
     fn handle_once(&self, req: &Request) -> Result<Outcome, ControlError> {

@@ -369,7 +369,21 @@ pub struct Prepared {
 
 /// How many times a request is prepared before it fails when, each time,
 /// another manager added a tenant between [`prepare`] and the lock.
-pub const PREPARE_ATTEMPTS: usize = 3;
+const PREPARE_ATTEMPTS: usize = 3;
+
+/// Runs `attempt` (a [`prepare`] and an [`execute_prepared`]) again while
+/// it fails only for want of a fresh preparation
+/// ([`ControlError::needs_prepare_again`]), at most [`PREPARE_ATTEMPTS`]
+/// times.
+pub fn retry_unprepared<T>(mut attempt: impl FnMut() -> Result<T, ControlError>) -> Result<T, ControlError> {
+    let mut tries = 1;
+    loop {
+        match attempt() {
+            Err(e) if tries < PREPARE_ATTEMPTS && e.needs_prepare_again() => tries += 1,
+            r => return r,
+        }
+    }
+}
 
 /// Reads and trains what `req` needs ([`Prepared`]), and measures the solo
 /// counters of the tenants in `dir` as they are now and of the request's
@@ -425,23 +439,16 @@ pub fn execute_then(
     req: &Request,
     then: impl FnOnce(&[Instance]),
 ) -> Result<Outcome, ControlError> {
+    // `then` runs once, on the attempt that succeeds.
     let mut then = Some(then);
-    let mut attempt = 0;
-    loop {
-        attempt += 1;
+    retry_unprepared(|| {
         let prepared = prepare(dir, board, req)?;
-        let mut store = Store::open(dir, board)?;
-        match execute_on(&mut store, board, req, prepared) {
-            Err(e) if attempt < PREPARE_ATTEMPTS && e.needs_prepare_again() => continue,
-            Err(e) => return Err(e),
-            Ok(outcome) => {
-                if let Some(then) = then.take() {
-                    then(store.instances());
-                }
-                return Ok(outcome);
+        execute_prepared(dir, board, req, prepared, |instances| {
+            if let Some(then) = then.take() {
+                then(instances);
             }
-        }
-    }
+        })
+    })
 }
 
 /// As [`execute_then`], with what [`prepare`] read for `req`.
