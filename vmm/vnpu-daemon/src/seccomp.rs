@@ -15,9 +15,10 @@
 //!
 //! A vNPU instance's threads (its vfio-user connection and the worker it
 //! starts), which run what a tenant sends, are narrowed further
-//! ([`confine_instance_thread`]): no sockets, no file creation, no other process (`tgkill` of their own process
-//! only, `clone` of threads only), no executable mappings, no memfds; and
-//! Landlock confines their file accesses to that folder (so neither
+//! ([`confine_instance_thread`]): no sockets, no file creation, no other
+//! process (`tgkill` of their own process only, `clone` of threads
+//! only), no executable mappings, no memfds; and Landlock confines their
+//! file accesses to the files of their session folder (so neither
 //! `/proc/PID/mem` nor any other file of the host can be opened), their
 //! signals to their own domain, and TCP to nothing.
 //!
@@ -162,9 +163,8 @@ const CORE: &[i64] = &[
 /// The calls only the daemon's management threads may make (control,
 /// accepting, metrics, the state directory): make sockets, and create,
 /// rename, remove, lock, sync or change the mode of files, make memfds.
-/// A vNPU
-/// instance's threads (its vfio-user connection and the worker it starts)
-/// may not: what they serve reaches them as descriptors.
+/// A vNPU instance's threads (its vfio-user connection and the worker it
+/// starts) may not: what they serve reaches them as descriptors.
 const MANAGEMENT: &[i64] = &[
     libc::SYS_memfd_create,
     libc::SYS_open,
@@ -202,9 +202,18 @@ fn program(mode: Mode) -> Result<BpfProgram, SeccompError> {
 static INSTALLED: std::sync::OnceLock<Mode> = std::sync::OnceLock::new();
 
 fn program_of(calls: impl Iterator<Item = i64>, mode: Mode) -> Result<BpfProgram, SeccompError> {
-    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = calls.map(|n| (n, Vec::new())).collect();
-    let filter = SeccompFilter::new(rules, mismatch(mode), SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(SeccompError::Build)?;
+    compile(calls.map(|n| (n, Vec::new())).collect(), mismatch(mode), SeccompAction::Allow)
+}
+
+/// The filter of `rules`: a call they match takes `matched`, any other
+/// `otherwise`.
+fn compile(
+    rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>>,
+    otherwise: SeccompAction,
+    matched: SeccompAction,
+) -> Result<BpfProgram, SeccompError> {
+    let filter =
+        SeccompFilter::new(rules, otherwise, matched, TargetArch::x86_64).map_err(SeccompError::Build)?;
     filter.try_into().map_err(SeccompError::Compile)
 }
 
@@ -257,29 +266,23 @@ fn instance_program(mode: Mode) -> Result<BpfProgram, SeccompError> {
     // No mapping may be executable (nor become so).
     rules.insert(libc::SYS_mmap, vec![rule(vec![cond(2, Op::MaskedEq(exec), 0)?])?]);
     rules.insert(libc::SYS_mprotect, vec![rule(vec![cond(2, Op::MaskedEq(exec), 0)?])?]);
-    let filter = SeccompFilter::new(rules, mismatch(mode), SeccompAction::Allow, TargetArch::x86_64)
-        .map_err(SeccompError::Build)?;
-    filter.try_into().map_err(SeccompError::Compile)
+    compile(rules, mismatch(mode), SeccompAction::Allow)
 }
 
 /// `clone3` passes its flags in memory a filter cannot read: it fails
 /// with `ENOSYS`, and the C library falls back to `clone`, whose flags
 /// [`instance_program`] checks.
 fn no_clone3() -> Result<BpfProgram, SeccompError> {
-    let rules: BTreeMap<i64, Vec<seccompiler::SeccompRule>> = [(libc::SYS_clone3, Vec::new())].into();
     let enosys = SeccompAction::Errno(u32::try_from(libc::ENOSYS).unwrap_or(38));
-    let filter = SeccompFilter::new(rules, SeccompAction::Allow, enosys, TargetArch::x86_64)
-        .map_err(SeccompError::Build)?;
-    filter.try_into().map_err(SeccompError::Compile)
+    compile([(libc::SYS_clone3, Vec::new())].into(), SeccompAction::Allow, enosys)
 }
 
 /// Confines the calling thread's file accesses to `files` (read, write
 /// and truncate the files in it, list it; create nothing, and nothing
-/// else anywhere),
-/// its signals and abstract sockets to its own domain, and TCP to
-/// nothing, as far as the kernel's Landlock supports (best effort: an
-/// older kernel enforces less, which is logged).
-/// Whether the kernel enforces it (at least in part).
+/// else anywhere), its signals and abstract sockets to its own domain,
+/// and TCP to nothing, as far as the kernel's Landlock supports (best
+/// effort: an older kernel enforces less, which is logged). Says whether
+/// the kernel enforces it at all.
 fn landlock(files: Option<&Path>) -> Result<bool, SeccompError> {
     use landlock::{
         Access, AccessFs, AccessNet, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr,
