@@ -716,21 +716,28 @@ mod tests {
             .unwrap_or(0)
     }
 
-    /// A hugetlbfs memfd of `len` bytes (sealed against shrinking), or
-    /// `None` where none can be made.
-    fn huge_memfd(len: u64) -> Option<File> {
+    /// A memfd of `len` bytes sealed against shrinking (as QEMU's memory
+    /// backend makes it), with `flags` besides `MFD_ALLOW_SEALING`;
+    /// `None` where such a memfd cannot be made (no hugetlbfs).
+    fn sealed_memfd(flags: libc::c_uint, len: u64) -> Option<File> {
         use std::os::fd::FromRawFd;
         // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
-        let fd =
-            unsafe { libc::memfd_create(c"vnpu-huge".as_ptr(), libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING) };
+        let fd = unsafe { libc::memfd_create(c"vnpu-test".as_ptr(), flags | libc::MFD_ALLOW_SEALING) };
         if fd < 0 {
+            eprintln!("no memfd with flags {flags:#x} here: {}", std::io::Error::last_os_error());
             return None;
         }
         // SAFETY: `fd` is ours alone.
         let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(len).ok()?;
+        file.set_len(len).expect("size");
         // SAFETY: F_ADD_SEALS on the descriptor we own.
-        (unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) } == 0).then_some(file)
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        Some(file)
+    }
+
+    /// A sealed hugetlbfs memfd of `len` bytes, or `None` without one.
+    fn huge_memfd(len: u64) -> Option<File> {
+        sealed_memfd(libc::MFD_HUGETLB, len)
     }
 
     /// Frees the first `len` bytes of `file`'s pages, as a client can
@@ -803,17 +810,9 @@ mod tests {
     /// where the client freed its memory, and nothing is lost.
     #[test]
     fn a_hole_punched_in_shmem_guest_ram_reads_as_zeros() {
-        use std::os::fd::FromRawFd;
         use vm_memory::{Bytes, GuestAddress};
-        // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
-        let fd = unsafe { libc::memfd_create(c"vnpu-shmem".as_ptr(), libc::MFD_ALLOW_SEALING) };
-        assert!(fd >= 0);
-        // SAFETY: `fd` is ours alone.
-        let file = unsafe { File::from_raw_fd(fd) };
         let size = 1u64 << 20;
-        file.set_len(size).expect("size");
-        // SAFETY: F_ADD_SEALS on the descriptor we own.
-        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
+        let file = sealed_memfd(0, size).expect("a memfd");
         let punch = file.try_clone().expect("dup");
         let mut b = backend();
         b.dma_map(DmaMapFlags::READ_WRITE, 0, 0, size, Some(file)).expect("map");
@@ -827,24 +826,9 @@ mod tests {
     #[test]
     fn huge_pages_the_pool_cannot_supply_are_refused_at_map_time() {
         let _pool = HUGE_POOL.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        use std::os::fd::FromRawFd;
-        // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
-        let fd =
-            unsafe { libc::memfd_create(c"vnpu-huge".as_ptr(), libc::MFD_HUGETLB | libc::MFD_ALLOW_SEALING) };
-        if fd < 0 {
-            eprintln!("no hugetlbfs memfd here: {}", std::io::Error::last_os_error());
-            return;
-        }
-        // SAFETY: `fd` is ours alone.
-        let file = unsafe { File::from_raw_fd(fd) };
         let size = 2u64 << 20;
-        file.set_len(size).expect("size");
-        // SAFETY: F_ADD_SEALS on the descriptor we own.
-        assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
-        let free = std::fs::read_to_string("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages")
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .unwrap_or(0);
+        let Some(file) = huge_memfd(size) else { return };
+        let free = pool("free_hugepages");
         let mut b = backend();
         let r = b.dma_map(DmaMapFlags::READ_WRITE, 0, 1 << 30, size, Some(file));
         if free == 0 {
@@ -861,18 +845,7 @@ mod tests {
     /// space for anyone else).
     #[test]
     fn a_client_maps_at_most_max_dma_bytes() {
-        use std::os::fd::FromRawFd;
-        let sparse = |len: u64| {
-            // SAFETY: memfd_create(2) returns a fresh descriptor, owned below.
-            let fd = unsafe { libc::memfd_create(c"vnpu-sparse".as_ptr(), libc::MFD_ALLOW_SEALING) };
-            assert!(fd >= 0);
-            // SAFETY: `fd` is ours alone.
-            let f = unsafe { File::from_raw_fd(fd) };
-            f.set_len(len).expect("size");
-            // SAFETY: F_ADD_SEALS on the descriptor we own.
-            assert_eq!(unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) }, 0);
-            f
-        };
+        let sparse = |len: u64| sealed_memfd(0, len).expect("a memfd");
         let mut b = backend();
         let half = MAX_DMA_BYTES / 2;
         b.dma_map(DmaMapFlags::READ_WRITE, 0, 0, half, Some(sparse(half))).expect("half the limit");
