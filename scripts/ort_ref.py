@@ -8,7 +8,9 @@ independent reference the vNPU's results are checked against
 Writes OUT_PREFIX.<output>.npy for every requested output (all outputs by
 default; characters of the name other than letters, digits, `.`, `_` and
 `-` become `_`, as output names such as `save_infer_model/scale_0.tmp_1`
-are not file names). With --time RUNS it also prints one line per run,
+are not file names). A sequence of maps (ZipMap's output, as skl2onnx
+exports classifiers) is saved as the matrix of its values, one row per
+map, the columns in the maps' key order. With --time RUNS it also prints one line per run,
 `ort_seconds <s>`, the wall time of session.run on the whole batch
 (single-threaded session, as the functional model is), for the benchmark.
 """
@@ -42,6 +44,8 @@ def main():
     names = a.output or [o.name for o in s.get_outputs()]
     outs = s.run(names, feed)
     for n, v in zip(names, outs):
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            v = np.array([list(m.values()) for m in v], dtype=np.float32)
         np.save(f"{a.out_prefix}.{re.sub(r'[^A-Za-z0-9._-]', '_', n)}.npy", np.asarray(v))
     for _ in range(a.time):
         t0 = time.perf_counter()

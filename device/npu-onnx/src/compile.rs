@@ -416,10 +416,16 @@ impl Compiler<'_> {
     }
 
     fn node(&mut self, n: &Node) -> NodeResult {
+        if n.domain == crate::ml::REFUSED_DOMAIN {
+            let why = match n.attrs.get("reason") {
+                Some(Attr::Str(s)) => s.clone(),
+                _ => "refused".into(),
+            };
+            return Err(unsupported(why));
+        }
         if !(n.domain.is_empty() || n.domain == "ai.onnx") {
             return Err(unsupported(format!(
-                "operators of domain `{}` are not supported (for scikit-learn classifiers, compile the \
-                 probabilities output only: --output NAME)",
+                "operators of domain `{}` are not supported (the default domain and ai.onnx.ml are)",
                 n.domain
             )));
         }
@@ -521,6 +527,12 @@ impl Compiler<'_> {
                         Ok(vec![Val::C(Const { shape: c.shape, data: Data::I64(c.data.to_i64()) })])
                     }
                     (Val::D(d), 1) => Ok(vec![Val::D(Dyn { op: None, ..d })]),
+                    // `vu.unary f32_to_i32`: toward zero, as ONNX Runtime's
+                    // cast (a value past i32 saturates).
+                    (Val::D(d), 6 | 7) => {
+                        let i = self.act_op(n, &d, Act::F32ToI32);
+                        Ok(vec![Val::I(Dyn { op: None, ..i })])
+                    }
                     (_, to) => Err(unsupported(format!(
                         "cast to ONNX type {to} is not supported (computed tensors are f32)"
                     ))),
@@ -610,6 +622,19 @@ impl Compiler<'_> {
                 Ok(vec![Val::C(gather(&data, &idx, ax)?)])
             }
             "Gather" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_computed(n),
+            // An integer tensor's columns by constant indices: the gather
+            // moves its i32s as they are (skl2onnx's OneHotEncoder export
+            // takes each column of an int64 input so).
+            "Gather" if matches!(self.get(n, 0)?, Val::I(_)) && matches!(self.get(n, 1)?, Val::C(_)) => {
+                let name = n.inputs[0].clone();
+                let Some(Val::I(d)) = self.vals.get(&name).cloned() else {
+                    return Err(invalid("indices are not an integer tensor"));
+                };
+                self.vals.insert(name.clone(), Val::D(d.clone()));
+                let r = self.gather_computed(n);
+                self.vals.insert(name, Val::I(d));
+                Ok(r?.into_iter().map(|v| if let Val::D(g) = v { Val::I(g) } else { v }).collect())
+            }
             "GatherND" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_nd_computed(n),
             "GatherElements" if matches!(self.get(n, 0)?, Val::D(_)) => {
                 Self::only_attrs(n, &["axis"])?;
@@ -2009,6 +2034,17 @@ type Io = (String, TensorId, Vec<usize>);
 /// lowered, and the model file's two programs and I/O window built and
 /// verified.
 pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, CompileError> {
+    let expanded;
+    let m = if crate::ml::has_ml(m) {
+        expanded = crate::ml::expand(m).map_err(|e| CompileError::Node {
+            node: e.node,
+            op: e.op,
+            reason: e.reason,
+        })?;
+        &expanded
+    } else {
+        m
+    };
     let out_names = checked_outputs(m, o)?;
     let (nodes, need) = needed_nodes(m, &out_names);
     let mut c = Compiler::new(m, o.batch, &nodes, &out_names);

@@ -8,6 +8,7 @@
 pub mod compile;
 pub mod host;
 pub mod load;
+pub mod ml;
 mod refusal;
 pub use npu_infer_io::npy;
 

@@ -90,6 +90,7 @@ pub enum Attr {
     Ints(Vec<i64>),
     Floats(Vec<f32>),
     Str(String),
+    Strings(Vec<String>),
     Tensor(Const),
     /// A type the compiler does not read (graphs, sparse tensors, ...).
     Other,
@@ -309,6 +310,9 @@ fn attr(a: &onnx_protobuf::AttributeProto) -> Result<Attr, Refusal> {
         Ok(T::INTS) => Attr::Ints(a.ints.clone()),
         Ok(T::FLOATS) => Attr::Floats(a.floats.clone()),
         Ok(T::STRING) => Attr::Str(String::from_utf8_lossy(&a.s).into_owned()),
+        Ok(T::STRINGS) => {
+            Attr::Strings(a.strings.iter().map(|s| String::from_utf8_lossy(s).into_owned()).collect())
+        }
         Ok(T::TENSOR) => Attr::Tensor(tensor(&a.t)?),
         _ => Attr::Other,
     })

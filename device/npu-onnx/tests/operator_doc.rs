@@ -27,3 +27,20 @@ fn the_operator_table_is_the_compilers_list() {
         "regenerate: VNPU_WRITE_DOCS=1 cargo test --release -p npu-onnx --test conformance"
     );
 }
+
+/// The `ai.onnx.ml` table of `docs/compiled-model-format.md` is
+/// `npu_onnx::ml::table()` (`VNPU_WRITE_DOCS=1` rewrites it).
+#[test]
+fn the_ml_operator_table_is_the_compilers_list() {
+    let path = format!("{}/../../docs/compiled-model-format.md", env!("CARGO_MANIFEST_DIR"));
+    let doc = std::fs::read_to_string(&path).unwrap();
+    let (begin, end) = ("<!-- ml-operators:begin -->\n", "<!-- ml-operators:end -->");
+    let b = doc.find(begin).expect("the table's start marker") + begin.len();
+    let e = doc.find(end).expect("the table's end marker");
+    let want = npu_onnx::ml::table();
+    if std::env::var_os("VNPU_WRITE_DOCS").is_some() {
+        std::fs::write(&path, format!("{}{want}{}", &doc[..b], &doc[e..])).unwrap();
+        return;
+    }
+    assert_eq!(&doc[b..e], want, "regenerate: VNPU_WRITE_DOCS=1 cargo test -p npu-onnx --test operator_doc");
+}
