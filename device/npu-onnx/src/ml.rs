@@ -47,7 +47,10 @@ pub(crate) const REFUSED_DOMAIN: &str = "vnpu.refused";
 /// Most nodes of all the trees of one ensemble.
 const MAX_TREE_NODES: usize = 1 << 20;
 /// Most branches and leaves the trees of one chunk (one path matrix)
-/// gather, unless one tree alone has more.
+/// gather, unless one tree alone has more. Measured on the forest of 100
+/// trees over wine and the boosted regressor at batch 1, in-process: 256
+/// gives 79 and 41 us per request; 64 gives 119 and 64 (more, smaller
+/// operations), 512 gives 126 and 58 (more dense zeros moved).
 const CHUNK: usize = 256;
 /// Most entries of one chunk's path matrix (branches times leaves).
 const MAX_PATH_ELEMS: usize = 1 << 24;

@@ -144,6 +144,11 @@ fn relocate_err<T>(r: Result<T, vnpu_abi::compiled_model::ModelError>) -> Result
 }
 
 impl Loaded {
+    /// How later requests wait for their completion.
+    pub fn set_wait(&mut self, wait: Wait) {
+        self.opts.wait = wait;
+    }
+
     /// Runs one batch: copies `inputs` (one batch of every input, in the
     /// model's order) into the window, runs the infer program and copies
     /// the outputs into `outputs` (the same layout). `clock` times the

@@ -31,8 +31,8 @@ struct Case {
     /// Name in the report.
     name: String,
     model: PathBuf,
-    input: PathBuf,
-    input_name: &'static str,
+    /// Each input's name and file, in the model's order.
+    inputs: Vec<(String, PathBuf)>,
     /// The output to compile (the model's own when `None`).
     output: Option<&'static str>,
     batch: u32,
@@ -49,8 +49,7 @@ fn cases(root: &Path, python: &Path) -> Vec<Case> {
         .map(|m| Case {
             name: m.to_string(),
             model: fx.join(format!("{m}.onnx")),
-            input: fx.join("digits-x.npy"),
-            input_name: "X",
+            inputs: vec![("X".to_string(), fx.join("digits-x.npy"))],
             output: Some("probabilities"),
             batch: 450,
             shape: None,
@@ -68,8 +67,7 @@ fn cases(root: &Path, python: &Path) -> Vec<Case> {
         v.push(Case {
             name: m.to_string(),
             model: fx.join(format!("ops/{m}.onnx")),
-            input: fx.join(format!("ops/{m}-x.npy")),
-            input_name: "x",
+            inputs: vec![("x".to_string(), fx.join(format!("ops/{m}-x.npy")))],
             output: None,
             batch,
             shape: None,
@@ -79,8 +77,7 @@ fn cases(root: &Path, python: &Path) -> Vec<Case> {
         v.push(Case {
             name: format!("{m} (PyTorch)"),
             model: fx.join(format!("torch/{m}.onnx")),
-            input: fx.join(format!("torch/{x}")),
-            input_name: "x",
+            inputs: vec![("x".to_string(), fx.join(format!("torch/{x}")))],
             output: None,
             batch: 450,
             shape: None,
@@ -108,8 +105,7 @@ fn cases(root: &Path, python: &Path) -> Vec<Case> {
                 v.push(Case {
                     name: format!("{name}, pretrained"),
                     model,
-                    input,
-                    input_name: "x",
+                    inputs: vec![("x".to_string(), input)],
                     output: None,
                     batch: batch as u32,
                     shape: Some(shape),
@@ -121,6 +117,86 @@ fn cases(root: &Path, python: &Path) -> Vec<Case> {
         }
     }
     v.extend(vision(root, python));
+    v.extend(small(root, python));
+    v
+}
+
+/// The first `rows` rows of `a` (its rows repeated when it has fewer).
+fn rows(a: &npy::Array, rows: u64) -> npy::Array {
+    let have = a.shape.first().copied().unwrap_or(1).max(1);
+    let per: usize = a.shape[1..].iter().map(|&d| d as usize).product();
+    let mut shape = a.shape.clone();
+    shape[0] = rows;
+    let pick = |i: u64| ((i % have) as usize) * per;
+    match &a.ints {
+        Some(v) => npy::Array::integers(shape, (0..rows).flat_map(|i| v[pick(i)..pick(i) + per].to_vec()).collect()),
+        None => npy::Array::floats(shape, (0..rows).flat_map(|i| a.data[pick(i)..pick(i) + per].to_vec()).collect()),
+    }
+}
+
+/// The small models of the issue on per-request cost: `transformers`'
+/// BERT, DistilBERT and GPT-2 of tests/fixtures/onnx/hf (2 layers, 16
+/// tokens), and scikit-learn models as skl2onnx exports them
+/// (scripts/sklearn_models.py, written once to target/onnx-bench-small),
+/// at batch 1 and 8.
+fn small(root: &Path, python: &Path) -> Vec<Case> {
+    let dir = root.join("target/onnx-bench-small");
+    let mut v = Vec::new();
+    if std::fs::create_dir_all(&dir).is_err() {
+        return v;
+    }
+    let fx = root.join("tests/fixtures/onnx/hf");
+    for m in ["bert", "distilbert", "gpt2"] {
+        for batch in [1u64, 8] {
+            let mut inputs = Vec::new();
+            for i in ["input_ids", "attention_mask"] {
+                let Ok(a) = npy::read_file(&fx.join(format!("{m}-{i}.npy"))) else { continue };
+                let path = dir.join(format!("{m}-b{batch}-{i}.npy"));
+                if npy::write_file(&path, &rows(&a, batch)).is_ok() {
+                    inputs.push((i.to_string(), path));
+                }
+            }
+            if inputs.len() == 2 {
+                v.push(Case {
+                    name: format!("{m} (transformers, 2 layers, 16 tokens)"),
+                    model: fx.join(format!("{m}.onnx")),
+                    inputs,
+                    output: None,
+                    batch: batch as u32,
+                    shape: None,
+                });
+            }
+        }
+    }
+    let sk = dir.join("sklearn");
+    if !sk.join("models.txt").exists() {
+        eprintln!("onnx-bench: writing the scikit-learn models (scripts/sklearn_models.py) ...");
+        let ok = Command::new(python)
+            .arg(root.join("scripts/sklearn_models.py"))
+            .arg(&sk)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("onnx-bench: the scikit-learn models are left out (scripts/sklearn_models.py failed)");
+            return v;
+        }
+    }
+    for m in ["scaler-logreg", "random-forest", "gradient-boosting-regressor", "svc-rbf", "mlp"] {
+        let Ok(a) = npy::read_file(&sk.join(format!("{m}-X.npy"))) else { continue };
+        for batch in [1u64, 8] {
+            let path = dir.join(format!("{m}-b{batch}-X.npy"));
+            if npy::write_file(&path, &rows(&a, batch)).is_ok() {
+                v.push(Case {
+                    name: format!("{m} (scikit-learn)"),
+                    model: sk.join(format!("{m}.onnx")),
+                    inputs: vec![("X".to_string(), path)],
+                    output: None,
+                    batch: batch as u32,
+                    shape: None,
+                });
+            }
+        }
+    }
     v
 }
 
@@ -163,8 +239,7 @@ fn vision(root: &Path, python: &Path) -> Vec<Case> {
             v.push(Case {
                 name: format!("{m} (torchvision, random weights)"),
                 model: model.clone(),
-                input,
-                input_name: "x",
+                inputs: vec![("x".to_string(), input)],
                 output: None,
                 batch,
                 shape: None,
@@ -228,14 +303,17 @@ fn main() {
         if !args.only.is_empty() && !args.only.iter().any(|o| c.name.contains(o.as_str())) {
             continue;
         }
-        let x = npy::read_file(&c.input).unwrap_or_else(|e| panic!("{e}"));
+        let xs: Vec<npy::Array> =
+            c.inputs.iter().map(|(_, p)| npy::read_file(p).unwrap_or_else(|e| panic!("{e}"))).collect();
+        let data: Vec<&[f32]> = xs.iter().map(|x| &x.data[..]).collect();
+        let mut instructions = 0;
         let mut host_runner = None;
         let mut output = c.output.map(str::to_string);
         for (sa, vu) in [(1, 1), (4, 4)] {
             let opts = CompileOptions {
                 shape: VnpuShape::on_board(&board, sa, vu, board.sram_bytes(), 1 << 30),
                 batch: c.batch,
-                shapes: c.shape.iter().map(|s| (c.input_name.to_string(), s.clone())).collect(),
+                shapes: c.shape.iter().map(|s| (c.inputs[0].0.clone(), s.clone())).collect(),
                 outputs: c.output.map(|o| vec![o.to_string()]),
                 dtype,
                 bf16_activations: false,
@@ -247,7 +325,7 @@ fn main() {
             let compiled = compile_file(&c.model, &opts).unwrap_or_else(|e| panic!("{}: {e}", c.name));
             output = Some(compiled.model.outputs[0].name.clone());
             let mut r = HostRunner::new(&board, &compiled.model).unwrap_or_else(|e| panic!("{e}"));
-            let (_, rep) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            let (_, rep) = r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
             let t = rep.totals();
             let cyc = rep.cycles.max(1.0);
             println!(
@@ -261,6 +339,7 @@ fn main() {
                 compiled.report.macs
             );
             if sa == 1 {
+                instructions = compiled.report.infer_instructions;
                 host_runner = Some(r);
             }
         }
@@ -270,15 +349,15 @@ fn main() {
             // Each side's timed run follows an untimed one of its own, as
             // in ort_ref.py (its session's first run, whose outputs it
             // saves): neither starts from caches the other left cold.
-            r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
             let t0 = Instant::now();
-            r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{e}"));
+            r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
             ours.push(t0.elapsed().as_secs_f64() * 1e3);
             let out = Command::new(&python)
                 .arg(root.join("scripts/ort_ref.py"))
                 .arg(&c.model)
                 .arg(std::env::temp_dir().join("onnx-bench"))
-                .arg(format!("{}={}", c.input_name, c.input.display()))
+                .args(c.inputs.iter().map(|(n, p)| format!("{n}={}", p.display())))
                 .args(["--output", &output, "--time", "1"])
                 .output()
                 .unwrap_or_else(|e| panic!("{}: {e} (bash scripts/setup.sh installs it)", python.display()));
@@ -292,9 +371,12 @@ fn main() {
         }
         let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
         let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
+        // Microseconds per instruction of the infer program: all of the
+        // model's wall, and what it takes beyond ONNX Runtime's.
+        let per = |ms: f64| ms * 1e3 / instructions.max(1) as f64;
         println!(
-            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}",
-            c.name, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2
+            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}; {instructions} instructions, {:.2} us each, {:.2} us each beyond ORT",
+            c.name, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2, per(o.1), per((o.1 - t.1).max(0.0))
         );
     }
 }
