@@ -140,6 +140,8 @@ def main():
         # Ten classes: 45 pairs voting (with three, a wrong vote count can
         # still pick the right class).
         "svc-ten-classes": (SVC(kernel="rbf"), (digits[0][:300], digits[1][:300])),
+        # Probabilities by pairwise coupling: only the label compiles.
+        "svc-probability": (SVC(kernel="rbf", probability=True, random_state=0), iris),
         "svc-binary": (make_pipeline(StandardScaler(), SVC(kernel="rbf")), cancer),
         # Kernels other than RBF over standardized features, as scikit-learn
         # advises: over raw features their decision values cancel digits

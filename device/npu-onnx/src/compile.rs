@@ -2036,11 +2036,7 @@ type Io = (String, TensorId, Vec<usize>);
 pub fn compile_model(m: &OnnxModel, o: &CompileOptions) -> Result<Compiled, CompileError> {
     let expanded;
     let m = if crate::ml::has_ml(m) {
-        expanded = crate::ml::expand(m).map_err(|e| CompileError::Node {
-            node: e.node,
-            op: e.op,
-            reason: e.reason,
-        })?;
+        expanded = crate::ml::expand(m);
         &expanded
     } else {
         m

@@ -82,7 +82,7 @@ pub const ML_OPERATORS: &[MlOperator] = &[
     op("LinearRegressor", "`Gemm`; `post_transform` NONE"),
     op("Normalizer", "MAX, L1, L2 per row; a row whose norm is 0 is left as it is, as ONNX Runtime does"),
     op("OneHotEncoder", "int64 categories: one comparison per category; an unknown category gives zeros (ONNX Runtime fails the request when `zeros` is 0); string categories refused"),
-    op("SVMClassifier", "LINEAR, POLY, RBF, SIGMOID kernels over the support vectors; one product for every pair's decision value, a second for the votes; label the first class of most votes; `prob_a`/`prob_b` (SVC(probability=True)) refused; the liblinear mode (no support vectors) refused"),
+    op("SVMClassifier", "LINEAR, POLY, RBF, SIGMOID kernels over the support vectors; one product for every pair's decision value, a second for the votes; label the first class of most votes; the probabilities of `prob_a`/`prob_b` (SVC(probability=True)) refused, its label compiled; the liblinear mode (no support vectors) refused"),
     op("SVMRegressor", "the kernels of SVMClassifier, `one_class`; linear mode too"),
     op("Scaler", "`(x - offset) * scale`"),
     op("TreeEnsemble", "opset 5: as TreeEnsembleRegressor, from `tree_roots`, `nodes_*` and `leaf_*`; BRANCH_MEMBER refused; aggregate SUM or AVERAGE"),
@@ -105,22 +105,15 @@ pub fn table() -> String {
     s
 }
 
-/// Why an `ai.onnx.ml` node cannot be expanded.
-#[derive(Debug)]
-pub struct ExpandError {
-    pub node: String,
-    pub op: String,
-    pub reason: Refusal,
-}
-
 /// Whether `m` has a node of the `ai.onnx.ml` domain.
 pub fn has_ml(m: &OnnxModel) -> bool {
     m.nodes.iter().any(|n| n.domain == DOMAIN)
 }
 
 /// `m` with every `ai.onnx.ml` node replaced by default-domain nodes and
-/// the constants they need.
-pub fn expand(m: &OnnxModel) -> Result<OnnxModel, ExpandError> {
+/// the constants they need (one that cannot be, by a placeholder the
+/// compiler refuses with the reason when an output needs it).
+pub fn expand(m: &OnnxModel) -> OnnxModel {
     let mut names: HashSet<String> = m.constants.keys().cloned().collect();
     for n in &m.nodes {
         names.extend(n.inputs.iter().chain(&n.outputs).cloned());
@@ -128,31 +121,50 @@ pub fn expand(m: &OnnxModel) -> Result<OnnxModel, ExpandError> {
     names.extend(m.inputs.iter().chain(&m.outputs).map(|i| i.name.clone()));
     let mut out = m.clone();
     out.nodes.clear();
-    let mut ex = Ex { opset: m.opset, base: String::new(), nodes: Vec::new(), consts: HashMap::new(), names };
+    let mut ex = Ex {
+        opset: m.opset,
+        base: String::new(),
+        op: String::new(),
+        nodes: Vec::new(),
+        consts: HashMap::new(),
+        names,
+    };
     for n in &m.nodes {
         if n.domain != DOMAIN {
             out.nodes.push(n.clone());
             continue;
         }
         ex.base = n.name.clone();
-        let err = |reason| ExpandError { node: n.name.clone(), op: n.op.clone(), reason };
-        if !listed(&n.op) {
-            return Err(err(unsupported(format!(
+        ex.op = n.op.clone();
+        let done = if listed(&n.op) {
+            ex.node(n)
+        } else {
+            Err(unsupported(format!(
                 "operator `{}` of domain ai.onnx.ml is not supported (docs/compiled-model-format.md lists what is)",
                 n.op
-            ))));
+            )))
+        };
+        // A node that cannot be expanded stands as a placeholder for its
+        // outputs: refused, with its reason, only if an output compiled
+        // needs it (as the compiler refuses a default-domain node).
+        if let Err(reason) = done {
+            ex.nodes.clear();
+            for o in n.outputs.iter().filter(|o| !o.is_empty()) {
+                ex.refuse_output(o, &reason.to_string());
+            }
         }
-        ex.node(n).map_err(err)?;
         out.nodes.append(&mut ex.nodes);
     }
     out.constants.extend(ex.consts);
-    Ok(out)
+    out
 }
 
 /// The expansion of one node: fresh names, constants, nodes.
 struct Ex {
     opset: i64,
+    /// The node expanded: its name and op type.
     base: String,
+    op: String,
     nodes: Vec<Node>,
     consts: HashMap<String, Const>,
     names: HashSet<String>,
@@ -370,8 +382,8 @@ impl Ex {
     /// A placeholder for output `out`, refused with `reason` if compiled.
     fn refuse_output(&mut self, out: &str, reason: &str) {
         self.nodes.push(Node {
-            name: format!("{}/ml.refused.{}", self.base, self.nodes.len()),
-            op: "Refused".into(),
+            name: self.base.clone(),
+            op: self.op.clone(),
             domain: REFUSED_DOMAIN.into(),
             inputs: vec![],
             outputs: vec![out.to_string()],
@@ -801,12 +813,9 @@ impl Ex {
     }
 
     fn svm_classifier(&mut self, n: &Node, x: &str) -> R<()> {
-        if attr_floats(n, "prob_a")?.is_some_and(|v| !v.is_empty()) {
-            return Err(unsupported(
-                "prob_a/prob_b (SVC(probability=True)): the pairwise coupling of probabilities is an iterative \
-                 solve the device does not run; export the SVC without probability=True",
-            ));
-        }
+        // SVC(probability=True): its label is the votes' as without, its
+        // probabilities a pairwise coupling (an iterative solve).
+        let coupled = attr_floats(n, "prob_a")?.is_some_and(|v| !v.is_empty());
         let labels = class_labels(n, "classlabels_ints", "classlabels_strings")?;
         let post = Post::parse(&attr_string(n, "post_transform", "NONE")?)?;
         let per_class: Vec<usize> = attr_ints(n, "vectors_per_class")?
@@ -886,7 +895,14 @@ impl Ex {
             }
         }
         if let Some(z) = n.outputs.get(1).filter(|o| !o.is_empty()) {
-            if pairs == 1 {
+            if coupled {
+                self.refuse_output(
+                    z,
+                    "prob_a/prob_b (SVC(probability=True)): the pairwise coupling of probabilities is an \
+                     iterative solve the device does not run; compile the label output only (--output NAME), \
+                     or export the SVC without probability=True",
+                );
+            } else if pairs == 1 {
                 // Two classes: [-s, s] (ONNX Runtime's scores without a
                 // transform).
                 if post != Post::None {
@@ -1562,6 +1578,7 @@ mod tests {
             let mut ex = Ex {
                 opset: 17,
                 base: "n".into(),
+                op: o.op.into(),
                 nodes: vec![],
                 consts: HashMap::new(),
                 names: HashSet::new(),

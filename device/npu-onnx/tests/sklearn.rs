@@ -73,6 +73,11 @@ fn ort(model: &Path, input: &str, x: &Path, names: &[String], tag: &str) -> Vec<
 /// vNPU of the default board, and compares every output with ONNX
 /// Runtime's. Returns the worst absolute error of float outputs.
 fn check(name: &str) -> f64 {
+    check_outputs(name, None)
+}
+
+/// [`check`] of the outputs `outputs` only (all of the model's when `None`).
+fn check_outputs(name: &str, outputs: Option<Vec<String>>) -> f64 {
     let model = models().join(format!("{name}.onnx"));
     let xpath = models().join(format!("{name}-X.npy"));
     let x = npy::read_file(&xpath).unwrap();
@@ -81,7 +86,7 @@ fn check(name: &str) -> f64 {
         shape: VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 1 << 30),
         batch: x.shape[0] as u32,
         shapes: HashMap::new(),
-        outputs: None,
+        outputs,
         dtype: DType::F32,
         bf16_activations: false,
         spread: None,
@@ -168,6 +173,30 @@ models! {
     max_normalizer: "normalizer-max",
     l1_normalizer: "normalizer-l1",
     tree_ensemble_of_ml_opset_5: "tree-ensemble-v5",
+}
+
+/// SVC(probability=True): its label compiles and equals ONNX Runtime's;
+/// its probabilities (a pairwise coupling) are refused with the reason
+/// and the way around it.
+#[test]
+fn svc_with_probabilities_compiles_its_label_only() {
+    check_outputs("svc-probability", Some(vec!["output_label".into()]));
+    let model = models().join("svc-probability.onnx");
+    let board = BoardConfig::default();
+    let opts = CompileOptions {
+        shape: VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 1 << 30),
+        batch: 4,
+        shapes: HashMap::new(),
+        outputs: None,
+        dtype: DType::F32,
+        bf16_activations: false,
+        spread: None,
+        reuse_hbm: true,
+        fuse_residual: true,
+        fuse_blocks: true,
+    };
+    let e = compile_file(&model, &opts).expect_err("the probabilities are refused").to_string();
+    assert!(e.contains("SVMClassifier") && e.contains("probability=True") && e.contains("--output"), "{e}");
 }
 
 /// Every model the script writes has a test above.

@@ -122,11 +122,24 @@ fn scikit_learn_tanh_mlp_runs_batch_by_batch_on_a_larger_vnpu() {
 #[test]
 fn unsupported_operators_and_bad_files_are_refused_with_reasons() {
     let art = tmp("refused.vnpu");
-    // The label output needs an ai.onnx.ml operator (after its ArgMax).
-    let (code, _, err) = vnpu(&["compile", &fixture("digits-mlp.onnx"), "-o", &art]);
+    // The label output's ai.onnx.ml operator compiles (docs/compiled-model-format.md,
+    // "scikit-learn models"); the same model with that operator renamed to
+    // one nobody defines is refused by name, with the way around it.
+    let (code, out, err) = vnpu(&["compile", &fixture("digits-mlp.onnx"), "-o", &art]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("label int64"), "{out}");
+    let mut bytes = std::fs::read(fixture("digits-mlp.onnx")).unwrap();
+    let (from, to) = (b"ArrayFeatureExtractor", b"ArrayFeatureExtractoX");
+    // The node's name and its op type (same length: the protobuf stays valid).
+    while let Some(at) = bytes.windows(from.len()).position(|w| w == from) {
+        bytes[at..at + to.len()].copy_from_slice(to);
+    }
+    let renamed = tmp("renamed.onnx");
+    std::fs::write(&renamed, &bytes).unwrap();
+    let (code, _, err) = vnpu(&["compile", &renamed, "-o", &art]);
     assert_ne!(code, 0);
     assert!(
-        err.contains("node `") && err.contains("(ArrayFeatureExtractor)") && err.contains("--output"),
+        err.contains("node `") && err.contains("ArrayFeatureExtractoX") && err.contains("--output"),
         "{err}"
     );
     // An element type the SA does not have.

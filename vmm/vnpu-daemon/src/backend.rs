@@ -212,6 +212,9 @@ pub struct VnpuBackend {
     /// This client resumed a session: its ring is taken up once it has
     /// given its MSI-X triggers (its memory is mapped by then).
     resuming: bool,
+    /// Who this connection's client is (`SO_PEERCRED`), when known: a
+    /// session starts as this client's, and resumes only for it.
+    client: Option<vnpu_device::Client>,
     /// The client's DMA mappings. Declared after `function`, so dropped
     /// after it: the function's worker (joined when it drops) reaches
     /// guest memory through views into the mappings this owns.
@@ -277,6 +280,7 @@ impl VnpuBackend {
             store_dir: None,
             store: None,
             resuming: false,
+            client: None,
             dma: DmaSpace::default(),
         })
     }
@@ -285,6 +289,12 @@ impl VnpuBackend {
     /// directory, the instance's own) for a restarted daemon.
     pub fn with_store(mut self, dir: std::path::PathBuf) -> Self {
         self.store_dir = Some(dir);
+        self
+    }
+
+    /// This backend serving `client` (its socket peer's process and user).
+    pub fn for_client(mut self, client: vnpu_device::Client) -> Self {
+        self.client = Some(client);
         self
     }
 
@@ -310,9 +320,32 @@ impl VnpuBackend {
                 return answer;
             }
         };
-        let resumed = resume && id != 0 && store.session() == Some(id);
+        let held = resume && id != 0 && store.session() == Some(id);
+        // Only the client the session was started for takes it up: the
+        // same process and user. Anyone else who names it gets a device
+        // of its own that keeps nothing, and the session stays as it is
+        // for its client.
+        if held && (self.client.is_none() || store.client() != self.client) {
+            log::warn!(
+                "{}: a client ({:?}) asked to resume a session that is not its own; refused, the session is kept",
+                dir.display(),
+                self.client
+            );
+            if asked.is_some() {
+                answer.insert(
+                    abi::SESSION_CAPABILITY.into(),
+                    serde_json::json!({ "id": id, "resumed": false }),
+                );
+            }
+            return answer;
+        }
+        let resumed = held;
         if !resumed {
-            if let Err(e) = store.begin(id) {
+            let begun = match self.client {
+                Some(c) => store.begin_for(id, c),
+                None => store.begin(id),
+            };
+            if let Err(e) = begun {
                 store.invalidate(&format!("starting a session: {e}"));
             }
         }
@@ -560,6 +593,52 @@ mod tests {
     fn backend() -> VnpuBackend {
         let spec = VnpuSpec::parse("sa=1,vu=1,sram=4M,hbm=256M").expect("spec");
         VnpuBackend::new(&spec, &BoardConfig::default(), "test", DeviceOptions::default()).expect("backend")
+    }
+
+    /// A session resumes only for the client (process and user) it was
+    /// started for: another that names its id gets `resumed: false` and a
+    /// device that keeps nothing, and the session stays, so its own
+    /// client still resumes it afterwards. Without credentials nobody
+    /// resumes.
+    #[test]
+    fn a_session_resumes_only_for_the_client_it_belongs_to() {
+        let dir = std::env::temp_dir().join(format!("vnpu-backend-owner-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        vnpu_device::prepare_files(&dir, 1).expect("files");
+        let owner = vnpu_device::Client { pid: 4242, uid: 1000 };
+        let ask = |resume: bool| {
+            let mut m = serde_json::Map::new();
+            m.insert(abi::SESSION_CAPABILITY.into(), serde_json::json!({ "id": 77, "resume": resume }));
+            m
+        };
+        let resumed = |a: &serde_json::Map<String, serde_json::Value>| {
+            a.get(abi::SESSION_CAPABILITY).and_then(|s| s.get("resumed")).and_then(serde_json::Value::as_bool)
+        };
+        let mut first = backend().with_store(dir.clone()).for_client(owner);
+        assert_eq!(resumed(&first.session(&ask(false))), Some(false));
+        // The daemon "restarts": the backend goes without forgetting.
+        drop(first);
+        for other in [
+            Some(vnpu_device::Client { pid: 4243, uid: 1000 }),
+            Some(vnpu_device::Client { pid: 4242, uid: 0 }),
+            None,
+        ] {
+            let mut b = backend().with_store(dir.clone());
+            if let Some(c) = other {
+                b = b.for_client(c);
+            }
+            assert_eq!(resumed(&b.session(&ask(true))), Some(false), "{other:?}");
+            assert!(b.store.is_none(), "{other:?} got the session's store");
+        }
+        let store = vnpu_device::SessionStore::open(&dir).expect("store");
+        assert_eq!(store.session(), Some(77), "the session was kept for its client");
+        assert_eq!(store.client(), Some(owner));
+        drop(store);
+        let mut again = backend().with_store(dir.clone()).for_client(owner);
+        assert_eq!(resumed(&again.session(&ask(true))), Some(true));
+        drop(again);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Configuration space reads in one piece (as QEMU reads it at

@@ -114,7 +114,16 @@ impl InstanceServer {
                     if stop.load(Ordering::SeqCst) {
                         break;
                     }
-                    match factory() {
+                    // Who the client is, for its session (a resume is
+                    // taken only from the process that started it).
+                    let who = crate::peer::peer(&stream)
+                        .map(|p| vnpu_device::Client { pid: p.pid, uid: p.uid })
+                        .map_err(|e| log::warn!("{label}: the client's credentials: {e}"))
+                        .ok();
+                    match factory().map(|b| match who {
+                        Some(c) => b.for_client(c),
+                        None => b,
+                    }) {
                         Ok(mut backend) => {
                             log::info!("{label}: client attached");
                             match server.serve(stream, &mut backend) {

@@ -25,7 +25,7 @@ mod worker;
 pub use guest_ram::{GuestFile, GuestRam, MemoryWatch};
 pub use msi::{MsiSink, RecordingSink, VectorSink};
 pub use persist::{DeviceState, StateError};
-pub use store::{prepare_files, private_dir, private_files, SessionStore};
+pub use store::{prepare_files, private_dir, private_files, Client, SessionStore};
 // The board runtime's handles a device is built with and reports on.
 pub use device_core::{
     DeviceOptions, DEFAULT_BUDGET, DEFAULT_POLL_US, MAX_BUDGET, SHARED_MAX_BUDGET, SHARED_MAX_HOST_WORK,

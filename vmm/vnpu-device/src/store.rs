@@ -2,6 +2,8 @@
 //! a restarted daemon resumes it (`docs/vfio-user.md`, "Daemon restarts"):
 //! one directory per instance holding
 //!
+//! - `client`: the process and user the session belongs to
+//!   ([`Client`]): a resume from any other is refused;
 //! - `session`: the device core's saved state (`persist::DeviceState`: the
 //!   session's id, the register file, the configuration, the ring position
 //!   of the request in flight), a 4 KiB versioned record, mapped and
@@ -37,6 +39,35 @@ use npu_model::{LazyHbm, Sram};
 
 use crate::msi::lock;
 use crate::persist::{DeviceState, StateError, RECORD_BYTES};
+
+/// The client a session belongs to: the process (and its user) that
+/// started it, as the kernel names a socket's peer (`SO_PEERCRED`). A VMM
+/// that outlives a daemon restart reconnects from the same process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Client {
+    pub pid: i32,
+    pub uid: u32,
+}
+
+/// `client` file contents: magic, pid, uid.
+const CLIENT_MAGIC: u32 = 0x764e_5043;
+
+impl Client {
+    fn encode(self) -> [u8; 12] {
+        let mut b = [0u8; 12];
+        b[..4].copy_from_slice(&CLIENT_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&self.pid.to_le_bytes());
+        b[8..].copy_from_slice(&self.uid.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Self> {
+        let b: &[u8; 12] = b.try_into().ok()?;
+        let word = |i: usize| [b[i], b[i + 1], b[i + 2], b[i + 3]];
+        (u32::from_le_bytes(word(0)) == CLIENT_MAGIC)
+            .then(|| Client { pid: i32::from_le_bytes(word(4)), uid: u32::from_le_bytes(word(8)) })
+    }
+}
 
 /// A vNPU instance's resumable state.
 #[derive(Debug)]
@@ -148,7 +179,7 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
 /// (`vnpu-daemon`'s Landlock domain for them allows no file creation).
 pub fn prepare_files(dir: &Path, cores: u32) -> std::io::Result<()> {
     private_dir(dir)?;
-    let mut names = vec!["session".to_string()];
+    let mut names = vec!["session".to_string(), "client".to_string()];
     names.extend((0..vnpu_abi::device::MAX_REGISTERED).map(|h| format!("program.{h}")));
     for c in 0..cores {
         names.push(format!("core{c}.sram"));
@@ -222,6 +253,24 @@ impl SessionStore {
         Ok(())
     }
 
+    /// Starts session `id` as [`Self::begin`] does, for `client`: only
+    /// that client may resume it ([`Self::client`]). The client is written
+    /// first, so a session never names someone else's client.
+    pub fn begin_for(&self, id: u64, client: Client) -> std::io::Result<()> {
+        lock(&self.record).fill(0);
+        let mut f = file(&self.dir.join("client"))?;
+        f.set_len(0)?;
+        f.write_all(&client.encode())?;
+        self.begin(id)
+    }
+
+    /// The client the session was started for, if it names one.
+    pub fn client(&self) -> Option<Client> {
+        let mut b = Vec::new();
+        existing(&self.dir.join("client"), false).ok()?.take(64).read_to_end(&mut b).ok()?;
+        Client::decode(&b)
+    }
+
     /// Forgets the session for good (its VM left): the record, every
     /// program and every core memory zeroed (the files stay, empty, for
     /// the next session). Call it only once nothing maps the memories
@@ -229,6 +278,9 @@ impl SessionStore {
     pub fn forget(&self) -> std::io::Result<()> {
         self.invalid.store(true, std::sync::atomic::Ordering::Release);
         lock(&self.record).fill(0);
+        if let Ok(f) = existing(&self.dir.join("client"), true) {
+            f.set_len(0)?;
+        }
         self.clear_programs()?;
         self.clear_cores()
     }

@@ -129,8 +129,13 @@ fn rows(a: &npy::Array, rows: u64) -> npy::Array {
     shape[0] = rows;
     let pick = |i: u64| ((i % have) as usize) * per;
     match &a.ints {
-        Some(v) => npy::Array::integers(shape, (0..rows).flat_map(|i| v[pick(i)..pick(i) + per].to_vec()).collect()),
-        None => npy::Array::floats(shape, (0..rows).flat_map(|i| a.data[pick(i)..pick(i) + per].to_vec()).collect()),
+        Some(v) => {
+            npy::Array::integers(shape, (0..rows).flat_map(|i| v[pick(i)..pick(i) + per].to_vec()).collect())
+        }
+        None => npy::Array::floats(
+            shape,
+            (0..rows).flat_map(|i| a.data[pick(i)..pick(i) + per].to_vec()).collect(),
+        ),
     }
 }
 
