@@ -534,3 +534,177 @@ fn a_stopped_instance_asks_its_client_to_release_the_device() {
     assert!(terminate(d).success());
     let _ = std::fs::remove_dir_all(&root);
 }
+
+/// A sealed memfd of `len` bytes (as a VMM's guest RAM), or none.
+fn sealed_memfd(len: u64) -> Option<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: memfd_create with a NUL-terminated name; checked below.
+    let fd = unsafe { libc::memfd_create(c"bound".as_ptr(), libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is ours alone.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len(len).ok()?;
+    // SAFETY: seals our own memfd.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK) };
+    (r == 0).then_some(f)
+}
+
+/// The daemon's mappings, descriptors and threads now.
+fn usage(pid: u32) -> (usize, usize, usize) {
+    let count = |p: String| std::fs::read_dir(p).map_or(0, Iterator::count);
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).map_or(0, |m| m.lines().count());
+    (maps, count(format!("/proc/{pid}/fd")), count(format!("/proc/{pid}/task")))
+}
+
+/// Three hostile clients at once, each on its own instance at every DMA
+/// bound (`docs/vfio-user.md`, "Guest memory"): 65 files (the 65th
+/// refused), gapped pages until the run limit, then adjacent pages up to
+/// the range limit, and files grown between maps. A bystander VM on a
+/// fourth instance must classify every digit as its CPU reference does,
+/// and the daemon's mappings, descriptors and threads must stay within
+/// the documented bounds: at most 64 file mappings per client, no thread
+/// per map, descriptors of the files it holds.
+#[test]
+fn three_hostile_clients_at_their_bounds_leave_a_bystander_correct() {
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    const PAGE: u64 = 4096;
+    let root: PathBuf = std::env::temp_dir().join(format!("vnpu-bounds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let state = root.join("state");
+    let sockets = state.join("sockets");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_vnpu"));
+    cmd.args(["daemon", "--seccomp", "kill"]);
+    let (d, ctl) = start(cmd, &state, &sockets);
+    let pid = d.0.as_ref().unwrap().id();
+    let hostile: Vec<String> =
+        (0..3).map(|_| vnpu(&state, &["create", "--type", "small"]).trim().to_string()).collect();
+    let bystander = vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    for u in hostile.iter().chain([&bystander]) {
+        let s = sockets.join(format!("{u}.sock"));
+        wait_for("an instance's socket", || s.exists());
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let base = usage(pid);
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak = Arc::new(std::sync::Mutex::new(base));
+    let sampler = {
+        let (stop, peak) = (Arc::clone(&stop), Arc::clone(&peak));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                let (m, f, t) = usage(pid);
+                let mut p = peak.lock().unwrap();
+                *p = (p.0.max(m), p.1.max(f), p.2.max(t));
+                drop(p);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let at_bounds = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let attackers: Vec<_> = hostile
+        .iter()
+        .map(|u| {
+            let sock = sockets.join(format!("{u}.sock"));
+            let stop = Arc::clone(&stop);
+            let at_bounds = Arc::clone(&at_bounds);
+            std::thread::spawn(move || {
+                let mut c = Client::new(&sock).unwrap();
+                let files: Vec<_> = (0..65).filter_map(|_| sealed_memfd(64 << 20)).collect();
+                let counts = std::cell::Cell::new((0usize, 0usize));
+                let tally = |r: Result<(), _>| {
+                    let (ok, refused) = counts.get();
+                    counts.set(if r.is_ok() { (ok + 1, refused) } else { (ok, refused + 1) });
+                };
+                // A page of each file (the 65th refused), far apart.
+                for (i, f) in (0u64..).zip(&files) {
+                    tally(c.dma_map(0, i << 36, PAGE, f.as_raw_fd()));
+                }
+                // Gapped pages of the first file: a run each, to the limit.
+                for k in 1..4200u64 {
+                    tally(c.dma_map(k * PAGE, (1 << 44) + 2 * k * PAGE, PAGE, files[0].as_raw_fd()));
+                }
+                // The second file grown between maps, each map past its
+                // first size (the daemon used to map the whole file again
+                // for every one, and keep every mapping).
+                for j in 0..200u64 {
+                    let _ = files[1].set_len((65 + j) << 20);
+                    tally(c.dma_map(
+                        (64 + j) << 20,
+                        (1 << 36) + ((64 + j) << 20),
+                        PAGE,
+                        files[1].as_raw_fd(),
+                    ));
+                }
+                // Adjacent pages of every file, to the range limit.
+                'files: for (i, f) in (0u64..).zip(&files) {
+                    for k in 1..(64 << 20) / PAGE {
+                        let (ok, refused) = counts.get();
+                        if ok + refused >= 70_000 || stop.load(Ordering::SeqCst) {
+                            break 'files;
+                        }
+                        tally(c.dma_map(k * PAGE, (i << 36) + k * PAGE, PAGE, f.as_raw_fd()));
+                    }
+                }
+                // Held mapped until the bystander is done.
+                at_bounds.fetch_add(1, Ordering::SeqCst);
+                while !stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                drop(c);
+                counts.get()
+            })
+        })
+        .collect();
+    // The bystander runs while all three hold everything they could map.
+    let t = Instant::now();
+    while at_bounds.load(Ordering::SeqCst) < 3 {
+        assert!(t.elapsed() < Duration::from_secs(300), "the hostile clients never reached their bounds");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("bounds: three clients at their bounds after {:?}", t.elapsed());
+    let vm = vm(&state, "digits", &bystander);
+    let (code, out) = finish_within(vm, Duration::from_secs(600));
+    stop.store(true, Ordering::SeqCst);
+    let tallies: Vec<(usize, usize)> = attackers.into_iter().map(|a| a.join().unwrap()).collect();
+    sampler.join().unwrap();
+    let said = daemon_said(&state);
+    assert_eq!(code, 0, "{out}{said}");
+    for want in [
+        "accuracy vnpu=0.9733 cpu=0.9733 model=mlp agree=450/450 batch_agree=450/450",
+        "digits: vNPU and CPU agree on every image",
+    ] {
+        assert!(out.contains(want), "{want} missing:\n{out}");
+    }
+    let p = *peak.lock().unwrap();
+    eprintln!(
+        "bounds: base {base:?}, peak {p:?} (maps, fds, threads); clients' (mapped, refused) {tallies:?}"
+    );
+    for (ok, refused) in &tallies {
+        assert!(
+            *ok > 60_000 && *ok <= 65_535 && *refused > 0,
+            "a client mapped {ok} ranges, refused {refused}"
+        );
+    }
+    // Per client: at most 64 file mappings, and the descriptors of those
+    // files (plus its connection and eventfds); the bystander VM's own
+    // guest RAM, session files and eventfds are in the slack. No thread
+    // per mapping or per request.
+    let slack = 64;
+    assert!(p.0 <= base.0 + 3 * 64 + slack, "mappings {} from {} (3 clients of at most 64)", p.0, base.0);
+    assert!(p.1 <= base.1 + 3 * (64 + 16) + slack, "descriptors {} from {}", p.1, base.1);
+    assert!(p.2 <= base.2 + 16, "threads {} from {}", p.2, base.2);
+    // The daemon is whole: it answers, and its mappings go with the
+    // clients.
+    let reply = control_line(&ctl, b"{\"op\":\"list\"}\n");
+    assert_eq!(
+        reply.first().map(|r| r["ok"].clone()),
+        Some(serde_json::Value::Bool(true)),
+        "{reply:?}{said}"
+    );
+    wait_for("the clients' mappings to go", || usage(pid).0 <= base.0 + slack);
+    assert!(terminate(d).success(), "{said}");
+    let _ = std::fs::remove_dir_all(&root);
+}
