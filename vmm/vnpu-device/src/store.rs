@@ -72,7 +72,10 @@ impl Client {
 /// A vNPU instance's resumable state.
 #[derive(Debug)]
 pub struct SessionStore {
+    /// The folder's path, for messages and listing names.
     dir: PathBuf,
+    /// The folder, opened once: every file is opened through it.
+    fd: File,
     record: Mutex<memmap2::MmapMut>,
     /// Made impossible to resume ([`SessionStore::invalidate`]): nothing
     /// is saved into the record again until a new session begins.
@@ -104,29 +107,66 @@ fn regular(f: File, path: &Path) -> std::io::Result<File> {
     Ok(f)
 }
 
-/// Opens (creating if need be) the session file `path` for reading and
-/// writing: never through a symlink, a regular file only, mode 0600.
-fn file(path: &Path) -> std::io::Result<File> {
-    let f = OpenOptions::new()
+/// The session directory `dir`, opened as a descriptor every file of it
+/// is opened through: not through a symlink (`O_NOFOLLOW`), a directory
+/// only (`O_DIRECTORY`). A folder renamed or replaced by a link after it
+/// was opened changes nothing: the store keeps using the one it opened.
+fn open_dir(dir: &Path) -> std::io::Result<File> {
+    OpenOptions::new()
         .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(FILE_MODE)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)?;
-    regular(f, path)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir)
+        .map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("{}: not a directory of its own ({e}); refused", dir.display()),
+            )
+        })
 }
 
-/// Opens the existing session file `path` (for writing if `write`), with
-/// the same checks as [`file`].
-fn existing(path: &Path, write: bool) -> std::io::Result<File> {
-    let f = OpenOptions::new()
-        .read(!write)
-        .write(write)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)?;
-    regular(f, path)
+/// `name` opened below the directory `dir` with `flags` (and `mode` when
+/// it is created): by `openat(2)` on the directory's descriptor, never
+/// through a symlink. `name` is one component (the store's own names).
+fn at(dir: &File, name: &str, flags: libc::c_int, mode: libc::mode_t) -> std::io::Result<File> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("`{name}`: not a file name"),
+        ));
+    }
+    let c =
+        std::ffi::CString::new(name).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: openat(2) with a descriptor we hold open, a NUL-terminated
+    // name that lives for the call, and plain flags; the descriptor it
+    // returns is checked and then owned by the `File`.
+    let fd = unsafe {
+        libc::openat(
+            dir.as_raw_fd(),
+            c.as_ptr(),
+            flags | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            libc::c_uint::from(mode),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor openat just returned, owned by no one else.
+    Ok(unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+/// Opens (creating if need be) the session file `name` of `dir` for
+/// reading and writing: never through a symlink, a regular file only,
+/// mode 0600.
+fn file(dir: &File, name: &str) -> std::io::Result<File> {
+    let f = at(dir, name, libc::O_RDWR | libc::O_CREAT, FILE_MODE)?;
+    regular(f, Path::new(name))
+}
+
+/// Opens the existing session file `name` of `dir` (for writing if
+/// `write`), with the same checks as [`file`].
+fn existing(dir: &File, name: &str, write: bool) -> std::io::Result<File> {
+    let f = at(dir, name, if write { libc::O_WRONLY } else { libc::O_RDONLY }, 0)?;
+    regular(f, Path::new(name))
 }
 
 /// Allocates the first `len` bytes of `f` on disk (so that a write to a
@@ -146,11 +186,20 @@ fn allocate(f: &File, len: usize) -> std::io::Result<()> {
 /// or writable by others; links and folders are left alone (the store
 /// never opens them).
 pub fn private_files(dir: &Path) -> std::io::Result<()> {
+    let d = open_dir(dir)?;
     for e in std::fs::read_dir(dir)? {
         let e = e?;
-        let meta = std::fs::symlink_metadata(e.path())?;
-        if meta.file_type().is_file() && meta.permissions().mode() & 0o077 != 0 {
-            std::fs::set_permissions(e.path(), std::fs::Permissions::from_mode(FILE_MODE))?;
+        if !e.file_type()?.is_file() {
+            continue;
+        }
+        let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+        // Through the folder's descriptor, without following a link (one
+        // swapped in since the listing fails to open): `regular` makes
+        // the file private.
+        match at(&d, &name, libc::O_RDONLY, 0).and_then(|f| regular(f, Path::new(&name))) {
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) || e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -159,17 +208,16 @@ pub fn private_files(dir: &Path) -> std::io::Result<()> {
 /// Makes `dir` a private directory of the daemon's (0700), refusing a
 /// symlink or anything else that is not a directory.
 pub fn private_dir(dir: &Path) -> std::io::Result<()> {
-    let meta = std::fs::symlink_metadata(dir)?;
-    if !meta.file_type().is_dir() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("{}: not a directory (a symlink?); refused", dir.display()),
-        ));
+    private_dir_fd(dir).map(drop)
+}
+
+/// [`private_dir`], returning the folder's descriptor.
+fn private_dir_fd(dir: &Path) -> std::io::Result<File> {
+    let d = open_dir(dir)?;
+    if d.metadata()?.permissions().mode() & 0o7777 != DIR_MODE {
+        d.set_permissions(std::fs::Permissions::from_mode(DIR_MODE))?;
     }
-    if meta.permissions().mode() & 0o7777 != DIR_MODE {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(DIR_MODE))?;
-    }
-    Ok(())
+    Ok(d)
 }
 
 /// Creates, where missing, every file a store in `dir` keeps for a vNPU
@@ -178,7 +226,7 @@ pub fn private_dir(dir: &Path) -> std::io::Result<()> {
 /// store may then write, size and truncate them, but create none
 /// (`vnpu-daemon`'s Landlock domain for them allows no file creation).
 pub fn prepare_files(dir: &Path, cores: u32) -> std::io::Result<()> {
-    private_dir(dir)?;
+    let d = private_dir_fd(dir)?;
     let mut names = vec!["session".to_string(), "client".to_string()];
     names.extend((0..vnpu_abi::device::MAX_REGISTERED).map(|h| format!("program.{h}")));
     for c in 0..cores {
@@ -186,7 +234,7 @@ pub fn prepare_files(dir: &Path, cores: u32) -> std::io::Result<()> {
         names.push(format!("core{c}.hbm"));
     }
     for n in names {
-        file(&dir.join(n))?;
+        file(&d, &n)?;
     }
     Ok(())
 }
@@ -194,8 +242,8 @@ pub fn prepare_files(dir: &Path, cores: u32) -> std::io::Result<()> {
 impl SessionStore {
     /// The store in `dir` (an existing directory), its record mapped.
     pub fn open(dir: &Path) -> std::io::Result<Self> {
-        private_dir(dir)?;
-        let f = file(&dir.join("session"))?;
+        let fd = private_dir_fd(dir)?;
+        let f = file(&fd, "session")?;
         if f.metadata()?.len() != RECORD_BYTES as u64 {
             f.set_len(0)?;
             f.set_len(RECORD_BYTES as u64)?;
@@ -207,6 +255,7 @@ impl SessionStore {
         let record = unsafe { memmap2::MmapOptions::new().len(RECORD_BYTES).map_mut(&f)? };
         Ok(Self {
             dir: dir.to_path_buf(),
+            fd,
             record: Mutex::new(record),
             invalid: std::sync::atomic::AtomicBool::new(false),
         })
@@ -258,7 +307,7 @@ impl SessionStore {
     /// first, so a session never names someone else's client.
     pub fn begin_for(&self, id: u64, client: Client) -> std::io::Result<()> {
         lock(&self.record).fill(0);
-        let mut f = file(&self.dir.join("client"))?;
+        let mut f = file(&self.fd, "client")?;
         f.set_len(0)?;
         f.write_all(&client.encode())?;
         self.begin(id)
@@ -267,7 +316,7 @@ impl SessionStore {
     /// The client the session was started for, if it names one.
     pub fn client(&self) -> Option<Client> {
         let mut b = Vec::new();
-        existing(&self.dir.join("client"), false).ok()?.take(64).read_to_end(&mut b).ok()?;
+        existing(&self.fd, "client", false).ok()?.take(64).read_to_end(&mut b).ok()?;
         Client::decode(&b)
     }
 
@@ -278,7 +327,7 @@ impl SessionStore {
     pub fn forget(&self) -> std::io::Result<()> {
         self.invalid.store(true, std::sync::atomic::Ordering::Release);
         lock(&self.record).fill(0);
-        if let Ok(f) = existing(&self.dir.join("client"), true) {
+        if let Ok(f) = existing(&self.fd, "client", true) {
             f.set_len(0)?;
         }
         self.clear_programs()?;
@@ -293,18 +342,18 @@ impl SessionStore {
         lock(&self.record).fill(0);
     }
 
-    fn program_path(&self, handle: usize) -> PathBuf {
-        self.dir.join(format!("program.{handle}"))
+    fn program_name(handle: usize) -> String {
+        format!("program.{handle}")
     }
 
     pub(crate) fn save_program(&self, handle: usize, bytes: &[u8]) -> std::io::Result<()> {
-        let mut f = file(&self.program_path(handle))?;
+        let mut f = file(&self.fd, &Self::program_name(handle))?;
         f.set_len(0)?;
         f.write_all(bytes)
     }
 
     pub(crate) fn forget_program(&self, handle: usize) -> std::io::Result<()> {
-        match existing(&self.program_path(handle), true) {
+        match existing(&self.fd, &Self::program_name(handle), true) {
             Ok(f) => f.set_len(0),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e),
@@ -315,9 +364,9 @@ impl SessionStore {
     /// handles.
     pub(crate) fn programs(&self) -> std::io::Result<Vec<(usize, Vec<u8>)>> {
         let mut out = Vec::new();
-        for (handle, path) in self.numbered("program.")? {
+        for (handle, name) in self.numbered("program.")? {
             let mut bytes = Vec::new();
-            let f = existing(&path, false)?;
+            let f = existing(&self.fd, &name, false)?;
             // No more than a program may hold.
             f.take(u64::from(vnpu_abi::device::MAX_PROGRAM_BYTES)).read_to_end(&mut bytes)?;
             if !bytes.is_empty() {
@@ -328,7 +377,7 @@ impl SessionStore {
     }
 
     /// Files of the directory named `<prefix><number>[.<anything>]`.
-    fn numbered(&self, prefix: &str) -> std::io::Result<Vec<(usize, PathBuf)>> {
+    fn numbered(&self, prefix: &str) -> std::io::Result<Vec<(usize, String)>> {
         let mut out = Vec::new();
         for e in std::fs::read_dir(&self.dir)? {
             let e = e?;
@@ -337,11 +386,11 @@ impl SessionStore {
             if !e.file_type()?.is_file() {
                 continue;
             }
-            let name = e.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(prefix)) else { continue };
+            let Some(name) = e.file_name().to_str().map(str::to_string) else { continue };
+            let Some(rest) = name.strip_prefix(prefix) else { continue };
             let digits = rest.split('.').next().unwrap_or("");
             if let Ok(n) = digits.parse::<usize>() {
-                out.push((n, e.path()));
+                out.push((n, name));
             }
         }
         Ok(out)
@@ -356,8 +405,8 @@ impl SessionStore {
 
     /// Drops every core's memory (a new configuration starts from zeros).
     pub(crate) fn clear_cores(&self) -> std::io::Result<()> {
-        for (_, path) in self.numbered("core")? {
-            existing(&path, true)?.set_len(0)?;
+        for (_, name) in self.numbered("core")? {
+            existing(&self.fd, &name, true)?.set_len(0)?;
         }
         Ok(())
     }
@@ -365,8 +414,8 @@ impl SessionStore {
     /// Core `core`'s memories, held in its files (what they hold when
     /// they have these sizes; zeros otherwise).
     pub(crate) fn core(&self, core: usize, sram: u64, hbm: u64) -> std::io::Result<crate::device_core::Core> {
-        let s = Sram::file_backed(sram, file(&self.dir.join(format!("core{core}.sram")))?)?;
-        let h = LazyHbm::file_backed(hbm, file(&self.dir.join(format!("core{core}.hbm")))?)?;
+        let s = Sram::file_backed(sram, file(&self.fd, &format!("core{core}.sram"))?)?;
+        let h = LazyHbm::file_backed(hbm, file(&self.fd, &format!("core{core}.hbm"))?)?;
         Ok(crate::device_core::Core { sram: s, hbm: h })
     }
 }
@@ -410,6 +459,33 @@ mod tests {
         assert!(rec.blocks() * 512 >= RECORD_BYTES as u64, "the record is sparse: {} blocks", rec.blocks());
         assert_eq!(st.session(), Some(7));
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Every file is opened through the folder's descriptor: a folder
+    /// swapped for a link to another after the store opened it redirects
+    /// nothing (programs, the client, the core memories all land in the
+    /// folder the store opened), and a store never opens a folder that is
+    /// a link.
+    #[test]
+    fn a_folder_swapped_after_open_redirects_nothing() {
+        let d = scratch("swap");
+        let elsewhere = scratch("swap-elsewhere");
+        let moved = d.with_extension("moved");
+        let _ = std::fs::remove_dir_all(&moved);
+        let st = SessionStore::open(&d).unwrap();
+        std::fs::rename(&d, &moved).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &d).unwrap();
+        st.save_program(2, b"mine").unwrap();
+        st.begin_for(9, Client { pid: 1, uid: 2 }).unwrap();
+        let _core = st.core(0, 1 << 16, 1 << 20).unwrap();
+        assert_eq!(std::fs::read(moved.join("program.2")).unwrap(), b"mine");
+        assert!(moved.join("client").is_file() && moved.join("core0.sram").is_file());
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0, "a file was written through the link");
+        assert!(SessionStore::open(&d).is_err(), "a store opened a folder that is a link");
+        assert!(prepare_files(&d, 1).is_err());
+        let _ = std::fs::remove_file(&d);
+        let _ = std::fs::remove_dir_all(&moved);
+        let _ = std::fs::remove_dir_all(&elsewhere);
     }
 
     /// A symlink planted in the folder redirects nothing: saving a program
