@@ -161,6 +161,9 @@ pub struct Vnpu<B: Bar> {
     /// Requests and mailbox commands submitted again because the device
     /// answered `ST_RETRY` (its board daemon restarted while they ran).
     retried: u64,
+    /// The last request [`Vnpu::submit_and_wait`] submitted (its slot holds
+    /// the device's message when it failed).
+    last: Option<Ticket>,
 }
 
 /// Most times one request or mailbox command is submitted again after
@@ -245,6 +248,7 @@ impl<B: Bar> Vnpu<B> {
             timeout_spins: 1 << 36,
             failed: None,
             retried: 0,
+            last: None,
         };
         v.reset()?;
         v.hierarchy = v.read_hierarchy();
@@ -427,6 +431,7 @@ impl<B: Bar> Vnpu<B> {
     ) -> Result<StatusBlock, Error> {
         self.retrying(|v| {
             let t = v.submit_op(opcode, program, handle, opts)?;
+            v.last = Some(t);
             v.wait(t)
         })
     }
@@ -627,6 +632,13 @@ impl<B: Bar> Vnpu<B> {
         let Some(Some(s)) = self.slots.get(t.slot) else { return 0 };
         s.message.read(0, out);
         out.iter().position(|&b| b == 0).unwrap_or(out.len().min(MESSAGE_BYTES))
+    }
+
+    /// The device's message for the last request a blocking call ran
+    /// (`run`, `run_registered`, `register`, ...), for telling why it
+    /// failed; returns the bytes copied into `out`.
+    pub fn last_message(&self, out: &mut [u8]) -> usize {
+        self.last.map_or(0, |t| self.message(t, out))
     }
 
     /// Submits `program` and waits for it (again after `ST_RETRY`).

@@ -131,12 +131,25 @@ pub fn load<B: Bar>(
     let opts = RunOptions { wait, ..Default::default() };
     npu.load(dma, &model.load.encode())
         .and_then(|p| npu.run(&p, &opts))
-        .map_err(|e| format!("loading the weights: {e}"))?;
+        .map_err(|e| format!("loading the weights: {}", why(npu, &e)))?;
     let handle = npu
         .load(dma, &model.infer.encode())
         .and_then(|p| npu.register(&p))
-        .map_err(|e| format!("registering the infer program: {e}"))?;
+        .map_err(|e| format!("registering the infer program: {}", why(npu, &e)))?;
     Ok(Loaded { handle, window, io_start, opts })
+}
+
+/// `e`, with the device's message for the request when it gave one.
+fn why<B: Bar>(npu: &Vnpu<B>, e: &vnpu_driver::Error) -> String {
+    let mut m = [0u8; vnpu_driver::MESSAGE_BYTES];
+    let n = match e {
+        vnpu_driver::Error::Request { .. } => npu.last_message(&mut m),
+        _ => 0,
+    };
+    match core::str::from_utf8(&m[..n]) {
+        Ok(text) if !text.is_empty() => format!("{e}: {text}"),
+        _ => format!("{e}"),
+    }
 }
 
 fn relocate_err<T>(r: Result<T, vnpu_abi::compiled_model::ModelError>) -> Result<T, String> {
@@ -177,7 +190,7 @@ impl Loaded {
             at += n;
         }
         let t0 = clock();
-        let st = npu.run_registered(self.handle, &self.opts).map_err(|e| format!("{e}"))?;
+        let st = npu.run_registered(self.handle, &self.opts).map_err(|e| why(npu, &e))?;
         let took = clock().wrapping_sub(t0);
         let mut at = 0;
         for d in &model.outputs {
