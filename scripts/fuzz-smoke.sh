@@ -30,8 +30,13 @@ trap 'rm -rf "$tmp"' EXIT
 for t in "${targets[@]}"; do
     seeds=()
     [ -d "seeds/$t" ] && seeds=("seeds/$t")
-    # The compiler starts from the committed test models.
-    [ "$t" = onnx_compile ] && seeds=(../tests/fixtures/onnx/ops ../tests/fixtures/onnx/torch)
+    # The compiler starts from the committed test models and from
+    # scikit-learn models as skl2onnx exports them (ai.onnx.ml operators;
+    # scripts/sklearn_models.py in the venv scripts/setup.sh makes).
+    if [ "$t" = onnx_compile ]; then
+        ../.venv-onnx/bin/python ../scripts/sklearn_models.py "$tmp/sklearn" >&2
+        seeds=(../tests/fixtures/onnx/ops ../tests/fixtures/onnx/torch "$tmp/sklearn")
+    fi
     mkdir -p "corpus/$t"
     echo "fuzz-smoke: $t for ${secs}s" >&2
     status=0

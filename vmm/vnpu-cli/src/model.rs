@@ -237,7 +237,13 @@ pub fn infer(a: InferArgs) -> Result<u8, ModelCmdError> {
             }
             ModelFile::Read(_) => HostRunner::with_weights(&a.board, &m, weights)?,
         };
-        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); m.outputs.len()];
+        // Room for every run's outputs up front (growing them run by run
+        // faulted fresh pages in between the timed runs).
+        let mut outs: Vec<Vec<f32>> = m
+            .outputs
+            .iter()
+            .map(|t| Vec::with_capacity((t.elems().unwrap_or(0) as usize).saturating_mul(runs as usize)))
+            .collect();
         let mut stats = Vec::new();
         for run in 0..runs as usize {
             let parts: Vec<&[f32]> = inputs
