@@ -1378,19 +1378,21 @@ enum Walk {
     Branch(Branch, usize, usize),
 }
 
-/// The tree below `root`, every node visited once (a cycle or a shared
-/// node is refused), at most `limit` nodes.
+/// The tree below `root`: every branch visited once (a cycle, or a branch
+/// two others share, is refused), at most `limit` of them. A leaf two
+/// branches name (opset 5's leaves are values, not nodes) is a leaf of
+/// each path.
 fn walk(root: usize, limit: usize, node: impl Fn(usize) -> R<Walk>) -> R<Tree> {
     let mut t = Tree::default();
     let mut seen = HashSet::new();
     let mut stack = vec![(root, Vec::new())];
     while let Some((i, path)) = stack.pop() {
-        if !seen.insert(i) || seen.len() > limit {
-            return Err(invalid("a tree's nodes form a cycle or share a child"));
-        }
         match node(i)? {
             Walk::Leaf(weights) => t.leaves.push(Leaf { path, weights }),
             Walk::Branch(b, tr, fa) => {
+                if !seen.insert(i) || seen.len() > limit {
+                    return Err(invalid("a tree's nodes form a cycle or share a child"));
+                }
                 if b.feature < 0 {
                     return Err(invalid(format!("feature id {} is negative", b.feature)));
                 }
@@ -1497,7 +1499,7 @@ fn parse_v5(n: &Node) -> R<Forest5> {
                 target(fleaf[i], falses[i])?,
             ))
         };
-        trees.push(walk_v5(r, total, node)?);
+        trees.push(walk(r, total, node)?);
     }
     let post = match attr_int(n, "post_transform", 0)? {
         0 => "NONE",
@@ -1515,41 +1517,6 @@ fn parse_v5(n: &Node) -> R<Forest5> {
         other => return Err(invalid(format!("unknown aggregate_function {other}"))),
     };
     Ok(Forest5 { trees, outputs, post: post.into(), aggregate: aggregate.into(), base: Vec::new() })
-}
-
-/// [`walk`] for opset 5, where two branches may name the same leaf index
-/// (leaves are values, not nodes): a leaf is not marked seen.
-fn walk_v5(root: usize, limit: usize, node: impl Fn(usize) -> R<Walk>) -> R<Tree> {
-    let mut t = Tree::default();
-    let mut seen = HashSet::new();
-    let mut stack = vec![(root, Vec::new())];
-    let mut steps = 0usize;
-    while let Some((i, path)) = stack.pop() {
-        steps += 1;
-        if steps > 2 * limit + 2 {
-            return Err(invalid("a tree's nodes form a cycle or share a child"));
-        }
-        match node(i)? {
-            Walk::Leaf(weights) => t.leaves.push(Leaf { path, weights }),
-            Walk::Branch(b, tr, fa) => {
-                if !seen.insert(i) {
-                    return Err(invalid("a tree's nodes form a cycle or share a child"));
-                }
-                if b.feature < 0 {
-                    return Err(invalid(format!("feature id {} is negative", b.feature)));
-                }
-                let at = t.branches.len();
-                t.branches.push(b);
-                let mut pf: Vec<(usize, bool)> = path.clone();
-                pf.push((at, false));
-                let mut pt = path;
-                pt.push((at, true));
-                stack.push((fa, pf));
-                stack.push((tr, pt));
-            }
-        }
-    }
-    Ok(t)
 }
 
 #[cfg(test)]

@@ -69,6 +69,23 @@ fn ort(model: &Path, input: &str, x: &Path, names: &[String], tag: &str) -> Vec<
         .collect()
 }
 
+/// Options for a 1 SA + 1 VU vNPU of `board` at `batch`, f32, compiling
+/// `outputs` (the model's own when `None`).
+fn options(board: &BoardConfig, batch: u32, outputs: Option<Vec<String>>) -> CompileOptions {
+    CompileOptions {
+        shape: VnpuShape::on_board(board, 1, 1, board.sram_bytes(), 1 << 30),
+        batch,
+        shapes: HashMap::new(),
+        outputs,
+        dtype: DType::F32,
+        bf16_activations: false,
+        spread: None,
+        reuse_hbm: true,
+        fuse_residual: true,
+        fuse_blocks: true,
+    }
+}
+
 /// Compiles model `name` at the batch of its input, runs it on a 1+1
 /// vNPU of the default board, and compares every output with ONNX
 /// Runtime's. Returns the worst absolute error of float outputs.
@@ -82,19 +99,8 @@ fn check_outputs(name: &str, outputs: Option<Vec<String>>) -> f64 {
     let xpath = models().join(format!("{name}-X.npy"));
     let x = npy::read_file(&xpath).unwrap();
     let board = BoardConfig::default();
-    let opts = CompileOptions {
-        shape: VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 1 << 30),
-        batch: x.shape[0] as u32,
-        shapes: HashMap::new(),
-        outputs,
-        dtype: DType::F32,
-        bf16_activations: false,
-        spread: None,
-        reuse_hbm: true,
-        fuse_residual: true,
-        fuse_blocks: true,
-    };
-    let c = compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let c = compile_file(&model, &options(&board, x.shape[0] as u32, outputs))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut r = HostRunner::new(&board, &c.model).unwrap();
     let (outs, _) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{name}: {e}"));
     let names: Vec<String> = c.model.outputs.iter().map(|o| o.name.clone()).collect();
@@ -183,19 +189,9 @@ fn svc_with_probabilities_compiles_its_label_only() {
     check_outputs("svc-probability", Some(vec!["output_label".into()]));
     let model = models().join("svc-probability.onnx");
     let board = BoardConfig::default();
-    let opts = CompileOptions {
-        shape: VnpuShape::on_board(&board, 1, 1, board.sram_bytes(), 1 << 30),
-        batch: 4,
-        shapes: HashMap::new(),
-        outputs: None,
-        dtype: DType::F32,
-        bf16_activations: false,
-        spread: None,
-        reuse_hbm: true,
-        fuse_residual: true,
-        fuse_blocks: true,
-    };
-    let e = compile_file(&model, &opts).expect_err("the probabilities are refused").to_string();
+    let e = compile_file(&model, &options(&board, 4, None))
+        .expect_err("the probabilities are refused")
+        .to_string();
     assert!(e.contains("SVMClassifier") && e.contains("probability=True") && e.contains("--output"), "{e}");
 }
 
