@@ -6,12 +6,12 @@
 //! within 1e-5, regressions within 1e-5 of their scale.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::HashMap;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use npu_lower::VnpuShape;
 use npu_model::BoardConfig;
 use npu_onnx::host::HostRunner;
 use npu_onnx::{compile_file, npy, CompileOptions};
@@ -69,21 +69,12 @@ fn ort(model: &Path, input: &str, x: &Path, names: &[String], tag: &str) -> Vec<
         .collect()
 }
 
-/// Options for a 1 SA + 1 VU vNPU of `board` at `batch`, f32, compiling
-/// `outputs` (the model's own when `None`).
-fn options(board: &BoardConfig, batch: u32, outputs: Option<Vec<String>>) -> CompileOptions {
-    CompileOptions {
-        shape: VnpuShape::on_board(board, 1, 1, board.sram_bytes(), 1 << 30),
-        batch,
-        shapes: HashMap::new(),
-        outputs,
-        dtype: DType::F32,
-        bf16_activations: false,
-        spread: None,
-        reuse_hbm: true,
-        fuse_residual: true,
-        fuse_blocks: true,
-    }
+/// Options for a 1 SA + 1 VU vNPU at `batch`, f32, compiling `outputs`
+/// (the model's own when `None`).
+fn options(batch: u32, outputs: Option<Vec<String>>) -> (BoardConfig, CompileOptions) {
+    let (board, mut o) = common::options(batch, DType::F32);
+    o.outputs = outputs;
+    (board, o)
 }
 
 /// Compiles model `name` at the batch of its input, runs it on a 1+1
@@ -98,9 +89,8 @@ fn check_outputs(name: &str, outputs: Option<Vec<String>>) -> f64 {
     let model = models().join(format!("{name}.onnx"));
     let xpath = models().join(format!("{name}-X.npy"));
     let x = npy::read_file(&xpath).unwrap();
-    let board = BoardConfig::default();
-    let c = compile_file(&model, &options(&board, x.shape[0] as u32, outputs))
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let (board, opts) = options(x.shape[0] as u32, outputs);
+    let c = compile_file(&model, &opts).unwrap_or_else(|e| panic!("{name}: {e}"));
     let mut r = HostRunner::new(&board, &c.model).unwrap();
     let (outs, _) = r.infer(&[&x.data]).unwrap_or_else(|e| panic!("{name}: {e}"));
     let names: Vec<String> = c.model.outputs.iter().map(|o| o.name.clone()).collect();
@@ -188,10 +178,7 @@ models! {
 fn svc_with_probabilities_compiles_its_label_only() {
     check_outputs("svc-probability", Some(vec!["output_label".into()]));
     let model = models().join("svc-probability.onnx");
-    let board = BoardConfig::default();
-    let e = compile_file(&model, &options(&board, 4, None))
-        .expect_err("the probabilities are refused")
-        .to_string();
+    let e = compile_file(&model, &options(4, None).1).expect_err("the probabilities are refused").to_string();
     assert!(e.contains("SVMClassifier") && e.contains("probability=True") && e.contains("--output"), "{e}");
 }
 
