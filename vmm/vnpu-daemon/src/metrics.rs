@@ -109,7 +109,14 @@ impl Collector for BoardCollector {
         encode_instances(&mut enc, &samples)?;
         let cores: Vec<(Labels, SharingStats)> =
             source.cores().into_iter().map(|(i, s)| (vec![("core", i.to_string())], s)).collect();
-        encode_cores(&mut enc, &cores)
+        encode_cores(&mut enc, &cores)?;
+        family(
+            &mut enc,
+            "vnpu_dma_mappings_lost",
+            "Client memory mappings replaced after a SIGBUS (a hole punched in guest RAM), since the daemon started",
+            MetricType::Counter,
+            [(Labels::new(), crate::fault::lost_mappings() as f64)],
+        )
     }
 }
 
