@@ -22,19 +22,43 @@ from onnx import helper
 
 warnings.filterwarnings("ignore")
 
+from sklearn.cluster import KMeans  # noqa: E402
 from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits, load_iris, load_wine  # noqa: E402
+from sklearn.decomposition import PCA  # noqa: E402
+from sklearn.discriminant_analysis import LinearDiscriminantAnalysis, QuadraticDiscriminantAnalysis  # noqa: E402
 from sklearn.ensemble import (  # noqa: E402
+    AdaBoostClassifier,
+    ExtraTreesClassifier,
     GradientBoostingClassifier,
     GradientBoostingRegressor,
     RandomForestClassifier,
     RandomForestRegressor,
 )
 from sklearn.impute import SimpleImputer  # noqa: E402
-from sklearn.linear_model import LinearRegression, LogisticRegression  # noqa: E402
-from sklearn.neural_network import MLPClassifier  # noqa: E402
+from sklearn.linear_model import (  # noqa: E402
+    Lasso,
+    LinearRegression,
+    LogisticRegression,
+    Perceptron,
+    Ridge,
+    RidgeClassifier,
+    SGDClassifier,
+)
+from sklearn.naive_bayes import BernoulliNB, GaussianNB, MultinomialNB  # noqa: E402
+from sklearn.neural_network import MLPClassifier, MLPRegressor  # noqa: E402
 from sklearn.pipeline import make_pipeline  # noqa: E402
-from sklearn.preprocessing import Binarizer, MinMaxScaler, Normalizer, OneHotEncoder, StandardScaler  # noqa: E402
-from sklearn.svm import SVC, SVR, LinearSVC  # noqa: E402
+from sklearn.preprocessing import (  # noqa: E402
+    Binarizer,
+    KBinsDiscretizer,
+    MaxAbsScaler,
+    MinMaxScaler,
+    Normalizer,
+    OneHotEncoder,
+    PolynomialFeatures,
+    RobustScaler,
+    StandardScaler,
+)
+from sklearn.svm import SVC, SVR, LinearSVC, LinearSVR, NuSVC  # noqa: E402
 from sklearn.tree import DecisionTreeClassifier, DecisionTreeRegressor  # noqa: E402
 from skl2onnx import to_onnx  # noqa: E402
 
@@ -164,12 +188,41 @@ def main():
         "imputer-logreg": (make_pipeline(SimpleImputer(), StandardScaler(), LogisticRegression()), (holes, iris[1])),
         "onehot": (OneHotEncoder(), (cats, cats_y)),
         "onehot-logreg": (make_pipeline(OneHotEncoder(), LogisticRegression()), (cats, cats_y)),
+        # More of scikit-learn's estimators, each with skl2onnx's defaults.
+        "adaboost": (AdaBoostClassifier(n_estimators=10, random_state=0), iris),
+        "extra-trees": (ExtraTreesClassifier(n_estimators=20, random_state=0), iris),
+        "gaussian-nb": (GaussianNB(), iris),
+        "bernoulli-nb": (BernoulliNB(), iris),
+        "multinomial-nb": (MultinomialNB(), iris),
+        "lda": (LinearDiscriminantAnalysis(), iris),
+        "qda": (QuadraticDiscriminantAnalysis(), iris),
+        "kmeans": (KMeans(n_clusters=3, n_init=3, random_state=0), iris),
+        "sgd": (SGDClassifier(random_state=0), iris),
+        "ridge-classifier": (RidgeClassifier(), iris),
+        "perceptron": (Perceptron(random_state=0), iris),
+        "pca-logreg": (make_pipeline(PCA(n_components=2), LogisticRegression()), iris),
+        "poly-ridge": (make_pipeline(PolynomialFeatures(2), Ridge()), diabetes),
+        "robust-maxabs-logreg": (make_pipeline(RobustScaler(), MaxAbsScaler(), LogisticRegression()), iris),
+        "kbins-logreg": (
+            make_pipeline(KBinsDiscretizer(n_bins=3, encode="onehot-dense"), LogisticRegression()),
+            iris,
+        ),
+        "lasso": (Lasso(), diabetes),
+        "decision-tree-regressor": (DecisionTreeRegressor(max_depth=5, random_state=0), diabetes),
+        "linear-svr": (LinearSVR(random_state=0), diabetes),
+        "nu-svc": (NuSVC(), iris),
+        "mlp-regressor": (MLPRegressor(max_iter=300, random_state=0), diabetes),
+        # String class labels: the probabilities compile, the label not.
+        "string-labels": (LogisticRegression(max_iter=500), (iris[0], np.array(["setosa", "versicolor", "virginica"])[iris[1]])),
         "normalizer-max": (Normalizer(norm="max"), wine),
         "normalizer-l1": (Normalizer(norm="l1"), wine),
     }
     names = []
     for name, (model, (x, y)) in models.items():
-        model.fit(x, y)
+        if name == "kmeans":
+            model.fit(x)
+        else:
+            model.fit(x, y)
         onx = to_onnx(model, x[:1])
         onnx.save(onx, os.path.join(out, f"{name}.onnx"))
         np.save(os.path.join(out, f"{name}-X.npy"), x)

@@ -360,6 +360,110 @@ impl Compiler<'_> {
 
     /// Constant input `i` as integers, `None` when it is absent; a computed
     /// one is refused as "`what` must be a constant".
+    /// A reduction of a constant (skl2onnx's naive Bayes and QDA exports
+    /// reduce their constants), folded: in f64 over any axes, rounded to
+    /// f32 once; an integer sum, max or min stays an exact integer.
+    fn reduce_const(&self, n: &Node) -> Result<Const, Refusal> {
+        Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
+        let c = self.konst(n, 0)?;
+        let rank = c.shape.len();
+        let listed = match Self::ints_attr(n, "axes")? {
+            Some(a) => Some(a),
+            None => self.const_ints(n, 1, "axes")?,
+        };
+        let keep = Self::int_attr(n, "keepdims", 1)? != 0;
+        let mut reduced = vec![false; rank];
+        match listed {
+            Some(a) if !a.is_empty() => {
+                for v in a {
+                    reduced[axis(v, rank).ok_or_else(|| invalid("axis out of range"))?] = true;
+                }
+            }
+            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => return Ok(c),
+            _ => reduced.iter_mut().for_each(|r| *r = true),
+        }
+        if elems(&c.shape) > MAX_FOLDED {
+            return Err(unsupported(format!("a constant of {} elements to reduce", elems(&c.shape))));
+        }
+        // Each output element's index from an input element's coordinates.
+        let kept: Vec<usize> = (0..rank).map(|i| if reduced[i] { 1 } else { c.shape[i] }).collect();
+        let count = elems(&c.shape) / elems(&kept).max(1);
+        let mut prod = vec![1f64; elems(&kept)];
+        let mut acc = vec![(0f64, 0f64, f64::NEG_INFINITY, f64::INFINITY); elems(&kept)];
+        let mut ints =
+            vec![(0i64, i64::MIN, i64::MAX); if matches!(c.data, Data::I64(_)) { acc.len() } else { 0 }];
+        let vals = c.data.to_f32();
+        let int_vals = c.data.to_i64();
+        for (flat, &x) in vals.iter().enumerate() {
+            let (mut rest, mut out, mut stride) = (flat, 0usize, 1usize);
+            for d in (0..rank).rev() {
+                let coord = rest % c.shape[d].max(1);
+                rest /= c.shape[d].max(1);
+                if !reduced[d] {
+                    out += coord * stride;
+                }
+                stride *= kept[d];
+            }
+            let x = f64::from(x);
+            prod[out] *= x;
+            let a = &mut acc[out];
+            *a = (a.0 + x, a.1 + x * x, a.2.max(x), a.3.min(x));
+            if let Some(i) = ints.get_mut(out) {
+                let v = int_vals[flat];
+                *i = (i.0.saturating_add(v), i.1.max(v), i.2.min(v));
+            }
+        }
+        let shape: Vec<usize> =
+            (0..rank).filter_map(|i| if reduced[i] { keep.then_some(1) } else { Some(c.shape[i]) }).collect();
+        let op = n.op.as_str();
+        if !ints.is_empty() && matches!(op, "ReduceSum" | "ReduceMax" | "ReduceMin") {
+            let v = ints.iter().map(|&(s, mx, mn)| match op {
+                "ReduceSum" => s,
+                "ReduceMax" => mx,
+                _ => mn,
+            });
+            return Ok(Const { shape, data: Data::I64(v.collect()) });
+        }
+        let l1 = if op == "ReduceL1" || op == "ReduceLogSumExp" {
+            // |x| sums and exp sums need a pass of their own.
+            let mut s = vec![0f64; acc.len()];
+            for (flat, &x) in vals.iter().enumerate() {
+                let (mut rest, mut out, mut stride) = (flat, 0usize, 1usize);
+                for d in (0..rank).rev() {
+                    let coord = rest % c.shape[d].max(1);
+                    rest /= c.shape[d].max(1);
+                    if !reduced[d] {
+                        out += coord * stride;
+                    }
+                    stride *= kept[d];
+                }
+                s[out] += if op == "ReduceL1" { f64::from(x).abs() } else { f64::from(x).exp() };
+            }
+            s
+        } else {
+            Vec::new()
+        };
+        let v: Vec<f32> = acc
+            .iter()
+            .enumerate()
+            .map(|(i, &(sum, sq, mx, mn))| {
+                (match op {
+                    "ReduceSum" => sum,
+                    "ReduceMean" => sum / count.max(1) as f64,
+                    "ReduceMax" => mx,
+                    "ReduceMin" => mn,
+                    "ReduceL1" => l1[i],
+                    "ReduceL2" => sq.sqrt(),
+                    "ReduceSumSquare" => sq,
+                    "ReduceLogSum" => sum.ln(),
+                    "ReduceProd" => prod[i],
+                    _ => l1[i].ln(),
+                }) as f32
+            })
+            .collect();
+        Ok(Const { shape, data: Data::F32(v) })
+    }
+
     fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, Refusal> {
         match self.opt(n, i) {
             None => Ok(None),
@@ -792,7 +896,15 @@ impl Compiler<'_> {
             "Transpose" => self.transpose(n),
             "LayerNormalization" => self.layer_norm(n),
             "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceL1" | "ReduceL2"
+            | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" | "ReduceProd"
+                if all_const =>
+            {
+                self.report.folded += 1;
+                Ok(vec![Val::C(self.reduce_const(n)?)])
+            }
+            "ReduceMean" | "ReduceSum" | "ReduceMax" | "ReduceMin" | "ReduceL1" | "ReduceL2"
             | "ReduceSumSquare" | "ReduceLogSum" | "ReduceLogSumExp" => self.reduce_mean(n),
+            "ReduceProd" => self.reduce_prod(n),
             "Conv" => self.conv(n),
             "BatchNormalization" => self.batch_norm_any(n),
             "MaxPool" | "AveragePool" => self.pool_any(n),

@@ -169,6 +169,38 @@ models! {
     max_normalizer: "normalizer-max",
     l1_normalizer: "normalizer-l1",
     tree_ensemble_of_ml_opset_5: "tree-ensemble-v5",
+    adaboost: "adaboost",
+    extra_trees: "extra-trees",
+    gaussian_naive_bayes: "gaussian-nb",
+    bernoulli_naive_bayes: "bernoulli-nb",
+    multinomial_naive_bayes: "multinomial-nb",
+    linear_discriminant_analysis: "lda",
+    quadratic_discriminant_analysis: "qda",
+    kmeans: "kmeans",
+    sgd_classifier: "sgd",
+    ridge_classifier: "ridge-classifier",
+    perceptron: "perceptron",
+    pca_then_logistic_regression: "pca-logreg",
+    polynomial_features_then_ridge: "poly-ridge",
+    robust_and_max_abs_scalers_then_logistic_regression: "robust-maxabs-logreg",
+    kbins_discretizer_then_logistic_regression: "kbins-logreg",
+    lasso: "lasso",
+    decision_tree_regressor: "decision-tree-regressor",
+    linear_svr: "linear-svr",
+    nu_svc: "nu-svc",
+    mlp_regressor: "mlp-regressor",
+}
+
+/// String class labels: the probabilities compile and equal ONNX
+/// Runtime's; the label output (a string tensor) is refused with the way
+/// around it.
+#[test]
+fn string_labels_compile_the_probabilities_only() {
+    check_outputs("string-labels", Some(vec!["output_probability".into()]));
+    let e = compile_file(&models().join("string-labels.onnx"), &options(4, None).1)
+        .expect_err("a string label output is refused")
+        .to_string();
+    assert!(e.contains("string class labels") && e.contains("--output"), "{e}");
 }
 
 /// SVC(probability=True): its label compiles and equals ONNX Runtime's;

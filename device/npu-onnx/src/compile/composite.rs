@@ -405,6 +405,67 @@ impl Compiler<'_> {
         self.result(&y)
     }
 
+    /// `ReduceProd` over one axis of at most 64 elements (skl2onnx's
+    /// PolynomialFeatures multiplies the columns of each term so): the
+    /// product of the slices along it, taken in order, then kept as a
+    /// dimension of 1 with `keepdims`. Folded on constants.
+    pub(super) fn reduce_prod(&mut self, n: &Node) -> NodeResult {
+        Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
+        let shape = self.shape_of(n, 0)?;
+        let rank = shape.len();
+        let listed = match Self::ints_attr(n, "axes")? {
+            Some(a) => Some(a),
+            None => self.const_ints(n, 1, "axes")?,
+        };
+        let keep = Self::int_attr(n, "keepdims", 1)? != 0;
+        let axes: Vec<usize> = match listed {
+            Some(a) if !a.is_empty() => a
+                .iter()
+                .map(|&v| super::axis(v, rank).ok_or_else(|| invalid("axis out of range")))
+                .collect::<Result<_, _>>()?,
+            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => {
+                return self.result(&n.inputs[0]);
+            }
+            _ => (0..rank).collect(),
+        };
+        let mut reduced: Vec<usize> = axes.clone();
+        reduced.sort_unstable();
+        reduced.dedup();
+        let [ax] = reduced[..] else {
+            return Err(unsupported("ReduceProd over more than one axis of a computed tensor"));
+        };
+        let r = shape[ax];
+        if r == 0 || r > 64 {
+            return Err(unsupported(format!(
+                "ReduceProd over an axis of {r} elements (1 to 64 are compiled)"
+            )));
+        }
+        let none = HashMap::new;
+        let x = n.inputs[0].clone();
+        // Slice j keeps the axis (of size 1), so the products keep it.
+        let slice = |c: &mut Self, j: usize| -> Result<String, Refusal> {
+            let j = j as i64;
+            let attrs = HashMap::from([
+                ("starts".to_string(), Attr::Ints(vec![j])),
+                ("ends".to_string(), Attr::Ints(vec![j + 1])),
+                ("axes".to_string(), Attr::Ints(vec![ax as i64])),
+            ]);
+            c.step(n, &format!("slice{j}"), "Slice", vec![x.clone()], attrs)
+        };
+        let mut p = slice(self, 0)?;
+        for j in 1..r {
+            let s = slice(self, j)?;
+            p = self.step(n, &format!("product{j}"), "Mul", vec![p, s], none())?;
+        }
+        if !keep {
+            let mut out = shape.clone();
+            out.remove(ax);
+            let dims = self.sizes(n, "shape", &out);
+            p = self.step(n, "squeezed", "Reshape", vec![p, dims], none())?;
+        }
+        self.result(&p)
+    }
+
     /// `Shrink` with `bias` equal to `lambd` (soft shrinkage):
     /// `relu(x - lambd) - relu(-x - lambd)`. Another bias needs a select.
     pub(super) fn shrink(&mut self, n: &Node) -> NodeResult {

@@ -13,7 +13,7 @@ use vnpu_abi::BinOp;
 use crate::load::Node;
 use crate::refusal::{invalid, unsupported, Refusal};
 
-use super::{bcast_shape, check_size, elems, expand, int_refused, Compiler, Dyn, NodeResult, Val};
+use super::{bcast_shape, check_size, elems, expand, Compiler, Dyn, NodeResult, Val};
 use crate::load::{Const, Data};
 
 /// Largest integer an f32 holds exactly: integer constants compared on
@@ -41,9 +41,17 @@ impl Compiler<'_> {
                 let t = self.weight(&format!("{}.c{i}", n.name), data, npu_graph::Init::Bias);
                 Ok(Dyn::new(t, shape.to_vec(), None, false))
             }
-            Val::I(_) => Err(int_refused(n, i)),
-            Val::D(_) => {
-                let d = self.dense(n, i)?;
+            Val::D(_) | Val::I(_) => {
+                // An integer tensor (a model's integer input, an ArgMax) is
+                // compared as the f32 of its values: exact, as device
+                // integers stay within +-2^24 (`vu.unary i32_to_f32`).
+                let d = match self.get(n, i)?.clone() {
+                    Val::I(int) => {
+                        let dense = self.onnx_order(&n.name, &int)?;
+                        self.act_op(n, &dense, npu_graph::Act::I32ToF32)
+                    }
+                    _ => self.dense(n, i)?,
+                };
                 if d.shape == shape {
                     return Ok(d);
                 }
