@@ -21,8 +21,9 @@ echo "setup: QEMU 10.2.2's build dependencies (scripts/build-qemu.sh, which CI r
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     bash scripts/build-qemu.sh --deps
 fi
-echo "setup: .venv-onnx with ONNX Runtime (the reference for compiled ONNX models), onnx (its node tests) and scikit-learn with skl2onnx (the scikit-learn models; docs/compiled-model-format.md)" >&2
-if [ ! -x .venv-onnx/bin/python ] || ! .venv-onnx/bin/python -c "import onnxruntime, numpy, onnx, sklearn, skl2onnx" 2>/dev/null; then
+echo "setup: .venv-onnx with ONNX Runtime (the reference for compiled ONNX models), onnx (its node tests) and scikit-learn with skl2onnx, LightGBM with onnxmltools (the scikit-learn and LightGBM models; docs/compiled-model-format.md)" >&2
+if [ ! -x .venv-onnx/bin/python ] || ! .venv-onnx/bin/python -c "import onnxruntime, numpy, onnx, sklearn, skl2onnx, lightgbm, onnxmltools" 2>/dev/null; then
     [ -x .venv-onnx/bin/python ] || python3 -m venv .venv-onnx
-    .venv-onnx/bin/pip install -q 'onnxruntime==1.32.0' 'numpy==2.4.6' 'onnx==1.23.2' 'scikit-learn==1.9.1' 'skl2onnx==1.20.0'
+    .venv-onnx/bin/pip install -q 'onnxruntime==1.32.0' 'numpy==2.4.6' 'onnx==1.23.2' 'scikit-learn==1.9.1' 'skl2onnx==1.20.0' \
+        'lightgbm==4.7.0' 'onnxmltools==1.16.0'
 fi

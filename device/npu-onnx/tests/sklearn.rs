@@ -189,6 +189,9 @@ models! {
     linear_svr: "linear-svr",
     nu_svc: "nu-svc",
     mlp_regressor: "mlp-regressor",
+    lightgbm_multiclass: "lightgbm-multi",
+    lightgbm_with_missing_values: "lightgbm-missing",
+    lightgbm_regressor: "lightgbm-regressor",
 }
 
 /// String class labels: the probabilities compile and equal ONNX
