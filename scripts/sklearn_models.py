@@ -246,6 +246,30 @@ def main():
         onnx.save(onx, os.path.join(out, f"{name}.onnx"))
         np.save(os.path.join(out, f"{name}-X.npy"), x)
         names.append(name)
+    # LabelEncoder, which skl2onnx emits inside encoders: built here, as
+    # ai.onnx.ml opset 2 defines it (int64 to int64, float to float, with
+    # keys that are missing from the input and inputs missing from the keys).
+    for name, keys, values, kind, default in [
+        ("label-encoder-ints", [3, 1, 7, 2], [30, 10, 70, 20], onnx.TensorProto.INT64, ("default_int64", -5)),
+        ("label-encoder-floats", [0.5, 1.5, -2.0], [5.0, 15.0, -20.0], onnx.TensorProto.FLOAT, ("default_float", 9.0)),
+    ]:
+        ints = kind == onnx.TensorProto.INT64
+        attrs = {"keys_int64s" if ints else "keys_floats": keys, "values_int64s" if ints else "values_floats": values}
+        attrs[default[0]] = default[1]
+        node = helper.make_node("LabelEncoder", ["X"], ["Y"], domain="ai.onnx.ml", **attrs)
+        graph = helper.make_graph(
+            [node],
+            name,
+            [helper.make_tensor_value_info("X", kind, [None, 3])],
+            [helper.make_tensor_value_info("Y", kind, [None, 3])],
+        )
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 2)])
+        m.ir_version = 8
+        onnx.save(m, os.path.join(out, f"{name}.onnx"))
+        pool = np.array(keys + ([0, 5] if ints else [0.25, 3.0]))
+        x = rng.choice(pool, size=(40, 3)).astype(np.int64 if ints else np.float32)
+        np.save(os.path.join(out, f"{name}-X.npy"), x)
+        names.append(name)
     # ai.onnx.ml opset 5's TreeEnsemble, from the regressor forest above.
     forest = RandomForestRegressor(n_estimators=10, max_depth=6, random_state=0).fit(*diabetes)
     onnx.save(v5(to_onnx(forest, diabetes[0][:1])), os.path.join(out, "tree-ensemble-v5.onnx"))

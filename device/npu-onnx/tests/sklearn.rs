@@ -192,6 +192,8 @@ models! {
     lightgbm_multiclass: "lightgbm-multi",
     lightgbm_with_missing_values: "lightgbm-missing",
     lightgbm_regressor: "lightgbm-regressor",
+    label_encoder_of_integers: "label-encoder-ints",
+    label_encoder_of_floats: "label-encoder-floats",
 }
 
 /// String class labels: the probabilities compile and equal ONNX
