@@ -269,6 +269,12 @@ struct Args {
     /// Interleaved rounds (min / median / max over them).
     #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u64).range(1..))]
     rounds: u64,
+    /// Timed runs per side and round, after one untimed run each; a
+    /// round's figure is their median. 1 (the default, as the tables of
+    /// docs/benchmarks.md before 2026-12-03) times a run just after the
+    /// warm-up; small models need more to time ONNX Runtime's steady state.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=1000))]
+    runs: u64,
     /// The Python with ONNX Runtime [default: .venv-onnx/bin/python].
     #[arg(long, value_name = "PATH")]
     python: Option<PathBuf>,
@@ -355,24 +361,32 @@ fn main() {
             // in ort_ref.py (its session's first run, whose outputs it
             // saves): neither starts from caches the other left cold.
             r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
-            let t0 = Instant::now();
-            r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
-            ours.push(t0.elapsed().as_secs_f64() * 1e3);
+            let mut mine = Vec::with_capacity(args.runs as usize);
+            for _ in 0..args.runs {
+                let t0 = Instant::now();
+                r.infer(&data).unwrap_or_else(|e| panic!("{e}"));
+                mine.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+            ours.push(stats(mine).1);
             let out = Command::new(&python)
                 .arg(root.join("scripts/ort_ref.py"))
                 .arg(&c.model)
                 .arg(std::env::temp_dir().join("onnx-bench"))
                 .args(c.inputs.iter().map(|(n, p)| format!("{n}={}", p.display())))
-                .args(["--output", &output, "--time", "1"])
+                .args(["--output", &output, "--time", &args.runs.to_string()])
                 .output()
                 .unwrap_or_else(|e| panic!("{}: {e} (bash scripts/setup.sh installs it)", python.display()));
             let s = String::from_utf8_lossy(&out.stdout);
-            let t: f64 = s
+            let times: Vec<f64> = s
                 .lines()
-                .find_map(|l| l.strip_prefix("ort_seconds "))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or_else(|| panic!("ort_ref.py: {}", String::from_utf8_lossy(&out.stderr)));
-            theirs.push(t * 1e3);
+                .filter_map(|l| l.strip_prefix("ort_seconds "))
+                .filter_map(|v| v.trim().parse::<f64>().ok())
+                .map(|t| t * 1e3)
+                .collect();
+            if times.is_empty() {
+                panic!("ort_ref.py: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            theirs.push(stats(times).1);
         }
         let ratios: Vec<f64> = ours.iter().zip(&theirs).map(|(a, b)| a / b).collect();
         let (o, t, q) = (stats(ours), stats(theirs), stats(ratios));
@@ -380,8 +394,8 @@ fn main() {
         // model's wall, and what it takes beyond ONNX Runtime's.
         let per = |ms: f64| ms * 1e3 / instructions.max(1) as f64;
         println!(
-            "{} batch {}: host wall per batch, {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}; {instructions} instructions, {:.2} us each, {:.2} us each beyond ORT",
-            c.name, c.batch, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2, per(o.1), per((o.1 - t.1).max(0.0))
+            "{} batch {}: host wall per batch ({} timed runs a round, their median), {rounds} interleaved rounds, min/median/max: functional model (1 SA + 1 VU) {:.2}/{:.2}/{:.2} ms, ONNX Runtime CPU {:.3}/{:.3}/{:.3} ms; ratio model/ORT {:.1}/{:.1}/{:.1}; {instructions} instructions, {:.2} us each, {:.2} us each beyond ORT",
+            c.name, c.batch, args.runs, o.0, o.1, o.2, t.0, t.1, t.2, q.0, q.1, q.2, per(o.1), per((o.1 - t.1).max(0.0))
         );
     }
 }
