@@ -167,6 +167,17 @@ pub struct ReportOptions<'a> {
     pub output: Option<&'a Path>,
 }
 
+/// The line for an output of one value per sample (a classifier's label,
+/// a regression): the first `show` values (integers as integers), and how
+/// many more there are.
+fn scalar_line(name: &str, int: bool, v: &[f32], show: usize) -> String {
+    let shown: Vec<String> =
+        v.iter().take(show).map(|&x| if int { format!("{}", x as i64) } else { format!("{x:.4}") }).collect();
+    let more = v.len().saturating_sub(show);
+    let tail = if more > 0 { format!(" ... {more} more (--show N prints more)") } else { String::new() };
+    format!("{name:<13} samples 0-{}: {}{tail}", shown.len().saturating_sub(1), shown.join(" "))
+}
+
 /// The indices of the `k` largest entries of `row`, largest first.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..row.len()).collect();
@@ -211,6 +222,9 @@ pub fn print_report(
     for (d, v) in m.outputs.iter().zip(outputs) {
         let per = d.elems().unwrap_or(0) as usize / (t.batch as usize).max(1);
         let samples = v.len() / per.max(1);
+        if o.top > 0 && per == 1 {
+            println!("{}", scalar_line(&d.name, d.elem.is_int(), v, o.show));
+        }
         if o.top > 0 && per > 1 {
             for s in 0..samples.min(o.show) {
                 let row = &v[s * per..(s + 1) * per];
@@ -293,6 +307,17 @@ pub fn compare(got: &[f32], want: &[f32], row: usize) -> Result<Comparison, Infe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A label or a regression output prints its first values: integers
+    /// as integers, floats to four places, and how many more there are.
+    #[test]
+    fn one_value_per_sample_prints_the_values() {
+        assert_eq!(scalar_line("label", true, &[2.0, 0.0, 1.0], 5), "label         samples 0-2: 2 0 1");
+        assert_eq!(
+            scalar_line("y", false, &[1.5, -0.25, 3.0, 4.0], 2),
+            "y             samples 0-1: 1.5000 -0.2500 ... 2 more (--show N prints more)"
+        );
+    }
 
     #[test]
     fn compare_measures_errors_against_the_reference_and_propagates_nan() {

@@ -147,7 +147,9 @@ enum Command {
     /// request per batch); an integer input (token ids) takes an integer
     /// file whose values fit in 32 bits. Prints the latency per batch (guest wall time and
     /// simulated NPU time, min/median/max), the SA/VU counters, and the
-    /// top-k of each output row; --output writes the outputs as .npy.
+    /// top-k of each output row (an output of one value per sample, a
+    /// label or a regression, prints its first values); --output writes
+    /// the outputs as .npy.
     Infer {
         /// The compiled model (`vnpu compile`).
         model: PathBuf,
