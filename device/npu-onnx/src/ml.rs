@@ -75,7 +75,7 @@ const fn op(op: &'static str, notes: &'static str) -> MlOperator {
 /// (`docs/compiled-model-format.md` lists them).
 pub const ML_OPERATORS: &[MlOperator] = &[
     op("ArrayFeatureExtractor", "`Gather` along the last axis: of a computed tensor by constant indices, or of a constant (class labels) by computed indices"),
-    op("Binarizer", "`x > threshold` as 0/1"),
+    op("Binarizer", "`x > threshold` as 0/1; no threshold: 1.0, as ONNX Runtime (the schema says 0.0); a NaN gives 0 (ONNX Runtime fails the request)"),
     op("Imputer", "`Where(IsNaN(x), imputed, x)` (or `x == replaced_value_float`); per feature or one value"),
     op("LabelEncoder", "int64 and float keys and values (opset 1-4 attributes and tensors): one comparison per key and a product; a key not found gives the default; strings refused"),
     op("LinearClassifier", "`Gemm`; label by `ArgMax` (one score: `score > 0`); `post_transform` NONE, LOGISTIC, SOFTMAX, SOFTMAX_ZERO (PROBIT refused); string labels refused"),
@@ -498,7 +498,9 @@ impl Ex {
                 Ok(())
             }
             "Binarizer" => {
-                let t = attr_floats(n, "threshold")?.and_then(|v| v.first().copied()).unwrap_or(0.0);
+                // Absent, the threshold is 1.0 as ONNX Runtime reads it (the
+                // ONNX schema says 0.0; skl2onnx always writes it).
+                let t = attr_floats(n, "threshold")?.and_then(|v| v.first().copied()).unwrap_or(1.0);
                 let t = self.scalar(t);
                 let g = self.emit("Greater", &[&x, &t], vec![]);
                 if let Some(y) = out(0) {
