@@ -394,16 +394,22 @@ impl Compiler<'_> {
             vec![(0i64, i64::MIN, i64::MAX); if matches!(c.data, Data::I64(_)) { acc.len() } else { 0 }];
         let vals = c.data.to_f32();
         let int_vals = c.data.to_i64();
-        for (flat, &x) in vals.iter().enumerate() {
-            let (mut rest, mut out, mut stride) = (flat, 0usize, 1usize);
-            for d in (0..rank).rev() {
-                let coord = rest % c.shape[d].max(1);
-                rest /= c.shape[d].max(1);
-                if !reduced[d] {
-                    out += coord * stride;
+        // The output element each input element reduces into.
+        let outs: Vec<usize> = (0..vals.len())
+            .map(|flat| {
+                let (mut rest, mut out, mut stride) = (flat, 0usize, 1usize);
+                for d in (0..rank).rev() {
+                    let coord = rest % c.shape[d].max(1);
+                    rest /= c.shape[d].max(1);
+                    if !reduced[d] {
+                        out += coord * stride;
+                    }
+                    stride *= kept[d];
                 }
-                stride *= kept[d];
-            }
+                out
+            })
+            .collect();
+        for (flat, (&x, &out)) in vals.iter().zip(&outs).enumerate() {
             let x = f64::from(x);
             prod[out] *= x;
             let a = &mut acc[out];
@@ -427,16 +433,7 @@ impl Compiler<'_> {
         let l1 = if op == "ReduceL1" || op == "ReduceLogSumExp" {
             // |x| sums and exp sums need a pass of their own.
             let mut s = vec![0f64; acc.len()];
-            for (flat, &x) in vals.iter().enumerate() {
-                let (mut rest, mut out, mut stride) = (flat, 0usize, 1usize);
-                for d in (0..rank).rev() {
-                    let coord = rest % c.shape[d].max(1);
-                    rest /= c.shape[d].max(1);
-                    if !reduced[d] {
-                        out += coord * stride;
-                    }
-                    stride *= kept[d];
-                }
+            for (&x, &out) in vals.iter().zip(&outs) {
                 s[out] += if op == "ReduceL1" { f64::from(x).abs() } else { f64::from(x).exp() };
             }
             s
