@@ -358,8 +358,28 @@ impl Compiler<'_> {
         }
     }
 
-    /// Constant input `i` as integers, `None` when it is absent; a computed
-    /// one is refused as "`what` must be a constant".
+    /// The axes reduction `n` of a rank-`rank` input reduces (an attribute,
+    /// or a constant input from opset 13/18), sorted and each once; every
+    /// axis when none are listed, and `None` when the node leaves its input
+    /// as it is (`noop_with_empty_axes` with no axes).
+    pub(super) fn reduce_axes(&self, n: &Node, rank: usize) -> Result<Option<Vec<usize>>, Refusal> {
+        let listed = match Self::ints_attr(n, "axes")? {
+            Some(a) => Some(a),
+            None => self.const_ints(n, 1, "axes")?,
+        };
+        let mut axes: Vec<usize> = match listed {
+            Some(a) if !a.is_empty() => a
+                .iter()
+                .map(|&v| axis(v, rank).ok_or_else(|| invalid("axis out of range")))
+                .collect::<Result<_, _>>()?,
+            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => return Ok(None),
+            _ => (0..rank).collect(),
+        };
+        axes.sort_unstable();
+        axes.dedup();
+        Ok(Some(axes))
+    }
+
     /// A reduction of a constant (skl2onnx's naive Bayes and QDA exports
     /// reduce their constants), folded: in f64 over any axes, rounded to
     /// f32 once; an integer sum, max or min stays an exact integer.
@@ -367,20 +387,11 @@ impl Compiler<'_> {
         Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
         let c = self.konst(n, 0)?;
         let rank = c.shape.len();
-        let listed = match Self::ints_attr(n, "axes")? {
-            Some(a) => Some(a),
-            None => self.const_ints(n, 1, "axes")?,
-        };
         let keep = Self::int_attr(n, "keepdims", 1)? != 0;
+        let Some(axes) = self.reduce_axes(n, rank)? else { return Ok(c) };
         let mut reduced = vec![false; rank];
-        match listed {
-            Some(a) if !a.is_empty() => {
-                for v in a {
-                    reduced[axis(v, rank).ok_or_else(|| invalid("axis out of range"))?] = true;
-                }
-            }
-            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => return Ok(c),
-            _ => reduced.iter_mut().for_each(|r| *r = true),
+        for a in axes {
+            reduced[a] = true;
         }
         if elems(&c.shape) > MAX_FOLDED {
             return Err(unsupported(format!("a constant of {} elements to reduce", elems(&c.shape))));
@@ -461,6 +472,8 @@ impl Compiler<'_> {
         Ok(Const { shape, data: Data::F32(v) })
     }
 
+    /// Constant input `i` as integers, `None` when it is absent; a computed
+    /// one is refused as "`what` must be a constant".
     fn const_ints(&self, n: &Node, i: usize, what: &str) -> Result<Option<Vec<i64>>, Refusal> {
         match self.opt(n, i) {
             None => Ok(None),

@@ -320,6 +320,19 @@ fn class_labels(n: &Node, ints: &str, strings: &str) -> R<Result<Vec<i64>, Strin
     Err(invalid(format!("neither `{ints}` nor `{strings}` is given")))
 }
 
+/// Output `i` of `n`, if the model names one.
+fn output(n: &Node, i: usize) -> Option<String> {
+    n.outputs.get(i).filter(|o| !o.is_empty()).cloned()
+}
+
+/// Refuses a regressor's `post_transform` other than NONE.
+fn no_post(post: &str) -> R<()> {
+    if post != "NONE" {
+        return Err(unsupported(format!("post_transform {post} of a regressor is not supported")));
+    }
+    Ok(())
+}
+
 /// `v` as a `usize`, or a refusal naming `what`.
 fn index(v: i64, what: &str) -> R<usize> {
     usize::try_from(v).map_err(|_| invalid(format!("{what} {v} is negative")))
@@ -391,17 +404,30 @@ impl Ex {
         });
     }
 
-    /// A reduction of `x` over its last axis (of 2-D `x`: axis 1), kept.
-    fn reduce_last(&mut self, op: &str, x: &str, axis: i64) -> String {
-        // ReduceSum takes its axes as an input from opset 13, the others
-        // from opset 18.
-        let axes_input = if op == "ReduceSum" { self.opset >= 13 } else { self.opset >= 18 };
-        if axes_input {
+    /// `op` (a reduction, `Squeeze` or `Unsqueeze`) of `x` over `axis`,
+    /// with `attrs`: the axes as an input from the opset that made them
+    /// one (13 for ReduceSum, Squeeze and Unsqueeze, 18 for the other
+    /// reductions), as an attribute before.
+    fn on_axis(&mut self, op: &str, x: &str, axis: i64, mut attrs: Vec<(&str, Attr)>) -> String {
+        let since = if matches!(op, "ReduceSum" | "Squeeze" | "Unsqueeze") { 13 } else { 18 };
+        if self.opset >= since {
             let axes = self.i64s("axes", vec![1], vec![axis]);
-            self.emit(op, &[x, &axes], vec![("keepdims", Attr::Int(1))])
+            self.emit(op, &[x, &axes], attrs)
         } else {
-            self.emit(op, &[x], vec![("axes", Attr::Ints(vec![axis])), ("keepdims", Attr::Int(1))])
+            attrs.push(("axes", Attr::Ints(vec![axis])));
+            self.emit(op, &[x], attrs)
         }
+    }
+
+    /// A reduction of `x` over `axis`, kept as a dimension of 1.
+    fn reduce_kept(&mut self, op: &str, x: &str, axis: i64) -> String {
+        self.on_axis(op, x, axis, vec![("keepdims", Attr::Int(1))])
+    }
+
+    /// `[lo, hi]` side by side as output `out` (a binary classifier's two
+    /// columns).
+    fn two_columns(&mut self, lo: &str, hi: &str, out: &str) {
+        self.emit_to("Concat", &[lo, hi], vec![("axis", Attr::Int(1))], out);
     }
 
     fn reshape(&mut self, x: &str, shape: &[i64]) -> String {
@@ -458,7 +484,7 @@ impl Ex {
             Post::SoftmaxZero => {
                 // ONNX Runtime: exp(x - max) where |x| > 1e-7, else
                 // x * exp(-max), over the sum of the first kind only.
-                let m = self.reduce_last("ReduceMax", x, 1);
+                let m = self.reduce_kept("ReduceMax", x, 1);
                 let d = self.emit("Sub", &[x, &m], vec![]);
                 let e = self.emit("Exp", &[&d], vec![]);
                 let a = self.emit("Abs", &[x], vec![]);
@@ -470,7 +496,7 @@ impl Ex {
                 let num = self.emit("Where", &[&keep, &e, &small], vec![]);
                 let kf = self.emit("Cast", &[&keep], vec![("to", Attr::Int(1))]);
                 let counted = self.emit("Mul", &[&e, &kf], vec![]);
-                let den = self.reduce_last("ReduceSum", &counted, 1);
+                let den = self.reduce_kept("ReduceSum", &counted, 1);
                 self.emit("Div", &[&num, &den], vec![])
             }
         }
@@ -478,7 +504,7 @@ impl Ex {
 
     fn node(&mut self, n: &Node) -> R<()> {
         let x = n.inputs.first().filter(|s| !s.is_empty()).ok_or_else(|| invalid("no input"))?.clone();
-        let out = |i: usize| n.outputs.get(i).filter(|s| !s.is_empty()).cloned();
+        let out = |i: usize| output(n, i);
         match n.op.as_str() {
             "ZipMap" => {
                 if let Some(y) = out(0) {
@@ -535,13 +561,13 @@ impl Ex {
             "Normalizer" => {
                 let norm = attr_string(n, "norm", "MAX")?;
                 let z = match norm.as_str() {
-                    "MAX" => self.reduce_last("ReduceMax", &x, 1),
+                    "MAX" => self.reduce_kept("ReduceMax", &x, 1),
                     "L1" => {
                         let a = self.emit("Abs", &[&x], vec![]);
-                        self.reduce_last("ReduceSum", &a, 1)
+                        self.reduce_kept("ReduceSum", &a, 1)
                     }
                     "L2" => {
-                        let s = self.reduce_last("ReduceSumSquare", &x, 1);
+                        let s = self.reduce_kept("ReduceSumSquare", &x, 1);
                         self.emit("Sqrt", &[&s], vec![])
                     }
                     other => return Err(invalid(format!("unknown norm `{other}`"))),
@@ -563,14 +589,12 @@ impl Ex {
                 // A 1-D constant (the class labels of skl2onnx's MLP
                 // export) gathered by computed indices; ONNX Runtime's
                 // output is then [1, indices].
-                let table_1d = self.const_rank(&x) == Some(1);
-                if table_1d {
-                    let flat = self.reshape(&idx, &[-1]);
+                let flat = self.reshape(&idx, &[-1]);
+                if self.const_rank(&x) == Some(1) {
                     let g = self.emit("Gather", &[&x, &flat], vec![("axis", Attr::Int(0))]);
                     let s = self.i64s("shape", vec![2], vec![1, -1]);
                     self.emit_to("Reshape", &[&g, &s], vec![], &y);
                 } else {
-                    let flat = self.reshape(&idx, &[-1]);
                     self.emit_to("Gather", &[&x, &flat], vec![("axis", Attr::Int(-1))], &y);
                 }
                 Ok(())
@@ -590,12 +614,7 @@ impl Ex {
                 Ok(())
             }
             "LinearRegressor" => {
-                let post = attr_string(n, "post_transform", "NONE")?;
-                if post != "NONE" {
-                    return Err(unsupported(format!(
-                        "post_transform {post} of a regressor is not supported"
-                    )));
-                }
+                no_post(&attr_string(n, "post_transform", "NONE")?)?;
                 let t = index(attr_int(n, "targets", 1)?, "targets")?.max(1);
                 let w = attr_floats(n, "coefficients")?.ok_or_else(|| invalid("no coefficients"))?;
                 let b = attr_floats(n, "intercepts")?.unwrap_or_else(|| vec![0.0; t]);
@@ -626,12 +645,7 @@ impl Ex {
 
     /// `x` with a trailing axis of 1.
     fn unsqueeze_last(&mut self, x: &str) -> String {
-        if self.opset >= 13 {
-            let a = self.i64s("axes", vec![1], vec![-1]);
-            self.emit("Unsqueeze", &[x, &a], vec![])
-        } else {
-            self.emit("Unsqueeze", &[x], vec![("axes", Attr::Ints(vec![-1]))])
-        }
+        self.on_axis("Unsqueeze", x, -1, vec![])
     }
 
     fn label_encoder(&mut self, n: &Node, x: &str) -> R<()> {
@@ -672,7 +686,7 @@ impl Ex {
             _ if int_out => attr_int(n, "default_int64", -1)? as f32,
             _ => attr_floats(n, "default_float")?.and_then(|v| v.first().copied()).unwrap_or(-0.0),
         };
-        let Some(y) = n.outputs.first().filter(|s| !s.is_empty()).cloned() else { return Ok(()) };
+        let Some(y) = output(n, 0) else { return Ok(()) };
         // The last of equal keys wins in ONNX Runtime's map; keep one.
         let mut seen = HashMap::new();
         for (i, k) in keys.iter().enumerate() {
@@ -689,18 +703,13 @@ impl Ex {
         // most one key matches.
         let v = self.f32s("values", vec![pairs.len(), 1], pairs.iter().map(|p| p.1).collect());
         let picked = self.emit("MatMul", &[&hitf, &v], vec![]);
-        let any = self.reduce_last("ReduceSum", &hitf, -1);
+        let any = self.reduce_kept("ReduceSum", &hitf, -1);
         let one = self.scalar(1.0);
         let none = self.emit("Sub", &[&one, &any], vec![]);
         let d = self.scalar(default);
         let dv = self.emit("Mul", &[&none, &d], vec![]);
         let sum = self.emit("Add", &[&picked, &dv], vec![]);
-        let sq = self.i64s("axes", vec![1], vec![-1]);
-        let flat = if self.opset >= 13 {
-            self.emit("Squeeze", &[&sum, &sq], vec![])
-        } else {
-            self.emit("Squeeze", &[&sum], vec![("axes", Attr::Ints(vec![-1]))])
-        };
+        let flat = self.on_axis("Squeeze", &sum, -1, vec![]);
         if int_out {
             self.emit_to("Cast", &[&flat], vec![("to", Attr::Int(7))], &y);
         } else {
@@ -723,8 +732,7 @@ impl Ex {
         let bn = self.f32s("intercepts", vec![c], b);
         let s = self.emit("Gemm", &[x, &wn, &bn], vec![("transB", Attr::Int(1))]);
         let nlabels = labels.as_ref().map_or(0, Vec::len);
-        let label_out = n.outputs.first().filter(|o| !o.is_empty()).cloned();
-        if let Some(y) = &label_out {
+        if let Some(y) = &output(n, 0) {
             match &labels {
                 Err(why) => self.refuse_output(y, why),
                 Ok(l) if c == 1 => {
@@ -738,7 +746,7 @@ impl Ex {
                 Ok(_) => return Err(invalid("the class labels do not match the intercepts")),
             }
         }
-        if let Some(z) = n.outputs.get(1).filter(|o| !o.is_empty()) {
+        if let Some(z) = &output(n, 1) {
             if c == 1 && nlabels == 2 {
                 // ONNX Runtime writes [1 - s, s] for a single score with
                 // two labels, the transform not applied.
@@ -747,7 +755,7 @@ impl Ex {
                 }
                 let one = self.scalar(1.0);
                 let neg = self.emit("Sub", &[&one, &s], vec![]);
-                self.emit_to("Concat", &[&neg, &s], vec![("axis", Attr::Int(1))], z);
+                self.two_columns(&neg, &s, z);
             } else if c == 1 {
                 if post != Post::None {
                     return Err(unsupported("a post_transform on a single score"));
@@ -777,16 +785,7 @@ impl Ex {
             let s = self.f32s("sv", vec![v, f], sv);
             let d = self.emit("Sub", &[&xr, &s], vec![]);
             let sq = self.emit("Mul", &[&d, &d], vec![]);
-            let sum = if self.opset >= 13 {
-                let a = self.i64s("axes", vec![1], vec![2]);
-                self.emit("ReduceSum", &[&sq, &a], vec![("keepdims", Attr::Int(0))])
-            } else {
-                self.emit(
-                    "ReduceSum",
-                    &[&sq],
-                    vec![("axes", Attr::Ints(vec![2])), ("keepdims", Attr::Int(0))],
-                )
-            };
+            let sum = self.on_axis("ReduceSum", &sq, 2, vec![("keepdims", Attr::Int(0))]);
             let g = self.scalar(-gamma);
             let e = self.emit("Mul", &[&sum, &g], vec![]);
             return Ok(self.emit("Exp", &[&e], vec![]));
@@ -880,7 +879,7 @@ impl Ex {
         let an = self.f32s("pairs", vec![vcount, pairs], a);
         let rn = self.f32s("rho", vec![pairs], rho[..pairs].to_vec());
         let s = self.emit("Gemm", &[&k, &an, &rn], vec![]);
-        if let Some(y) = n.outputs.first().filter(|o| !o.is_empty()) {
+        if let Some(y) = &output(n, 0) {
             match &labels {
                 Err(why) => self.refuse_output(y, why),
                 Ok(l) => {
@@ -896,7 +895,7 @@ impl Ex {
                 }
             }
         }
-        if let Some(z) = n.outputs.get(1).filter(|o| !o.is_empty()) {
+        if let Some(z) = &output(n, 1) {
             if coupled {
                 self.refuse_output(
                     z,
@@ -911,7 +910,7 @@ impl Ex {
                     return Err(unsupported("a post_transform on a two-class SVM"));
                 }
                 let neg = self.emit("Neg", &[&s], vec![]);
-                self.emit_to("Concat", &[&neg, &s], vec![("axis", Attr::Int(1))], z);
+                self.two_columns(&neg, &s, z);
             } else {
                 let p = self.post(&s, post);
                 self.alias(&p, z);
@@ -921,14 +920,11 @@ impl Ex {
     }
 
     fn svm_regressor(&mut self, n: &Node, x: &str) -> R<()> {
-        let post = attr_string(n, "post_transform", "NONE")?;
-        if post != "NONE" {
-            return Err(unsupported(format!("post_transform {post} of a regressor is not supported")));
-        }
+        no_post(&attr_string(n, "post_transform", "NONE")?)?;
         let nsv = index(attr_int(n, "n_supports", 0)?, "n_supports")?;
         let coef = attr_floats(n, "coefficients")?.ok_or_else(|| invalid("no coefficients"))?;
         let rho = attr_floats(n, "rho")?.and_then(|v| v.first().copied()).unwrap_or(0.0);
-        let Some(y) = n.outputs.first().filter(|o| !o.is_empty()).cloned() else { return Ok(()) };
+        let Some(y) = output(n, 0) else { return Ok(()) };
         let r = self.f32s("rho", vec![1], vec![rho]);
         let score = if nsv > 0 {
             let sv = attr_floats(n, "support_vectors")?.ok_or_else(|| invalid("no support_vectors"))?;
@@ -1085,8 +1081,9 @@ impl Ex {
     fn tree_ensemble(&mut self, n: &Node, x: &str) -> R<()> {
         let classifier = n.op == "TreeEnsembleClassifier";
         let (trees, outputs, post, aggregate, base) = if n.op == "TreeEnsemble" {
+            // Opset 5 has no base values.
             let f = parse_v5(n)?;
-            (f.trees, f.outputs, f.post, f.aggregate, f.base)
+            (f.trees, f.outputs, f.post, f.aggregate, Vec::new())
         } else {
             refuse_attrs(
                 n,
@@ -1117,24 +1114,19 @@ impl Ex {
         if outputs == 0 {
             return Err(invalid("no classes or targets"));
         }
-        let ntrees = trees.len().max(1);
         if classifier {
             return self.tree_classifier(n, x, &trees, outputs, &post, &base);
         }
-        let mut bias = vec![0f32; outputs];
-        let sum = self.forest(x, &trees, outputs, &mut bias)?;
-        let Some(y) = n.outputs.first().filter(|o| !o.is_empty()).cloned() else { return Ok(()) };
-        if post != "NONE" {
-            return Err(unsupported(format!("post_transform {post} of a regressor is not supported")));
-        }
-        let scale = match aggregate.as_str() {
-            "SUM" => 1.0,
-            "AVERAGE" => 1.0 / ntrees as f32,
+        no_post(&post)?;
+        let average = match aggregate.as_str() {
+            "SUM" => false,
+            "AVERAGE" => true,
             "MIN" | "MAX" => {
                 return Err(unsupported(format!("aggregate_function {aggregate} is not supported")))
             }
             other => return Err(invalid(format!("unknown aggregate_function `{other}`"))),
         };
+        let Some(y) = output(n, 0) else { return Ok(()) };
         // score (/ trees) + base: the base per target, or one for all.
         let base: Vec<f32> = match base.len() {
             0 => vec![0.0; outputs],
@@ -1142,12 +1134,14 @@ impl Ex {
             l if l == outputs => base,
             _ => return Err(invalid("base_values do not match the targets")),
         };
+        let mut bias = vec![0f32; outputs];
+        let sum = self.forest(x, &trees, outputs, &mut bias)?;
         let total = self.leaf_sum(x, sum, &bias, outputs)?;
-        let scaled = if scale == 1.0 {
-            total
-        } else {
-            let t = self.scalar(ntrees as f32);
+        let scaled = if average {
+            let t = self.scalar(trees.len().max(1) as f32);
             self.emit("Div", &[&total, &t], vec![])
+        } else {
+            total
         };
         let b = self.f32s("base", vec![outputs], base);
         self.emit_to("Add", &[&scaled, &b], vec![], &y);
@@ -1192,8 +1186,7 @@ impl Ex {
         let mut bias = vec![0f32; c];
         let sum = self.forest(x, trees, c, &mut bias)?;
         let scores = self.leaf_sum(x, sum, &bias, c)?;
-        let label_out = n.outputs.first().filter(|o| !o.is_empty()).cloned();
-        let prob_out = n.outputs.get(1).filter(|o| !o.is_empty()).cloned();
+        let (label_out, prob_out) = (output(n, 0), output(n, 1));
         if c == 2 && weighted.len() <= 1 {
             // ONNX Runtime's binary case: one score s (class 0's weights),
             // plus base_values[0]; the positive label where s > 0.5 with
@@ -1238,7 +1231,7 @@ impl Ex {
                     Post::None => (self.emit("Neg", &[&s], vec![]), s.clone()),
                     _ => return Err(unsupported("a softmax on a binary tree classifier's single score")),
                 };
-                self.emit_to("Concat", &[&lo, &hi], vec![("axis", Attr::Int(1))], z);
+                self.two_columns(&lo, &hi, z);
             }
             return Ok(());
         }
@@ -1270,7 +1263,6 @@ struct Forest5 {
     outputs: usize,
     post: String,
     aggregate: String,
-    base: Vec<f32>,
 }
 
 /// The trees of a TreeEnsembleClassifier or TreeEnsembleRegressor (opsets
@@ -1518,7 +1510,7 @@ fn parse_v5(n: &Node) -> R<Forest5> {
         3 => "MAX",
         other => return Err(invalid(format!("unknown aggregate_function {other}"))),
     };
-    Ok(Forest5 { trees, outputs, post: post.into(), aggregate: aggregate.into(), base: Vec::new() })
+    Ok(Forest5 { trees, outputs, post: post.into(), aggregate: aggregate.into() })
 }
 
 #[cfg(test)]

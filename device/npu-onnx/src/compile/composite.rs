@@ -413,25 +413,9 @@ impl Compiler<'_> {
         Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
         let shape = self.shape_of(n, 0)?;
         let rank = shape.len();
-        let listed = match Self::ints_attr(n, "axes")? {
-            Some(a) => Some(a),
-            None => self.const_ints(n, 1, "axes")?,
-        };
         let keep = Self::int_attr(n, "keepdims", 1)? != 0;
-        let axes: Vec<usize> = match listed {
-            Some(a) if !a.is_empty() => a
-                .iter()
-                .map(|&v| super::axis(v, rank).ok_or_else(|| invalid("axis out of range")))
-                .collect::<Result<_, _>>()?,
-            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => {
-                return self.result(&n.inputs[0]);
-            }
-            _ => (0..rank).collect(),
-        };
-        let mut reduced: Vec<usize> = axes.clone();
-        reduced.sort_unstable();
-        reduced.dedup();
-        let [ax] = reduced[..] else {
+        let Some(axes) = self.reduce_axes(n, rank)? else { return self.result(&n.inputs[0]) };
+        let [ax] = axes[..] else {
             return Err(unsupported("ReduceProd over more than one axis of a computed tensor"));
         };
         let r = shape[ax];

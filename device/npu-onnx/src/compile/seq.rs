@@ -575,24 +575,11 @@ impl Compiler<'_> {
         Self::only_attrs(n, &["axes", "keepdims", "noop_with_empty_axes"])?;
         let x = self.computed_view(n, 0)?;
         let rank = x.shape.len();
-        let listed = match Self::ints_attr(n, "axes")? {
-            Some(a) => Some(a),
-            None => self.const_ints(n, 1, "axes")?,
-        };
         let keep = Self::int_attr(n, "keepdims", 1)? != 0;
-        let mut axes: Vec<usize> = match listed {
-            Some(a) if !a.is_empty() => a
-                .iter()
-                .map(|&v| axis(v, rank).ok_or_else(|| invalid("axis out of range")))
-                .collect::<Result<_, _>>()?,
-            _ if Self::int_attr(n, "noop_with_empty_axes", 0)? != 0 => {
-                self.report.aliases += 1;
-                return Ok(vec![Val::D(x)]);
-            }
-            _ => (0..rank).collect(),
+        let Some(axes) = self.reduce_axes(n, rank)? else {
+            self.report.aliases += 1;
+            return Ok(vec![Val::D(x)]);
         };
-        axes.sort_unstable();
-        axes.dedup();
         let (first, last) = match (axes.first(), axes.last()) {
             (Some(&f), Some(&l)) if l - f + 1 == axes.len() => (f, l),
             _ => return Err(unsupported(format!("the reduced axes {axes:?} are not adjacent"))),
