@@ -735,20 +735,7 @@ impl Compiler<'_> {
                 self.report.folded += 1;
                 Ok(vec![Val::C(gather(&data, &idx, ax)?)])
             }
-            "Gather" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_computed(n),
-            // An integer tensor's columns by constant indices: the gather
-            // moves its i32s as they are (skl2onnx's OneHotEncoder export
-            // takes each column of an int64 input so).
-            "Gather" if matches!(self.get(n, 0)?, Val::I(_)) && matches!(self.get(n, 1)?, Val::C(_)) => {
-                let name = n.inputs[0].clone();
-                let Some(Val::I(d)) = self.vals.get(&name).cloned() else {
-                    return Err(invalid("indices are not an integer tensor"));
-                };
-                self.vals.insert(name.clone(), Val::D(d.clone()));
-                let r = self.gather_computed(n);
-                self.vals.insert(name, Val::I(d));
-                Ok(r?.into_iter().map(|v| if let Val::D(g) = v { Val::I(g) } else { v }).collect())
-            }
+            "Gather" if matches!(self.get(n, 0)?, Val::D(_) | Val::I(_)) => self.gather_computed(n),
             "GatherND" if matches!(self.get(n, 0)?, Val::D(_)) => self.gather_nd_computed(n),
             "GatherElements" if matches!(self.get(n, 0)?, Val::D(_)) => {
                 Self::only_attrs(n, &["axis"])?;

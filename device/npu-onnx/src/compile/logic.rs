@@ -282,7 +282,16 @@ impl Compiler<'_> {
     /// `Gather` of a computed tensor by constant indices, any axis.
     pub(super) fn gather_computed(&mut self, n: &Node) -> NodeResult {
         Self::only_attrs(n, &["axis"])?;
-        let d = self.dense(n, 0)?;
+        // An integer tensor is gathered as its i32s, moved as they are
+        // (skl2onnx's OneHotEncoder export takes each column of an int64
+        // input so); the result is an integer tensor again.
+        let (d, int) = match self.get(n, 0)?.clone() {
+            Val::I(i) => {
+                let m = self.materialize(&n.name, &i)?;
+                (self.onnx_order(&n.name, &m)?, true)
+            }
+            _ => (self.dense(n, 0)?, false),
+        };
         let idx = self.konst(n, 1)?;
         let rank = d.shape.len();
         let ax =
@@ -297,7 +306,12 @@ impl Compiler<'_> {
         let mut shape = d.shape[..ax].to_vec();
         shape.extend_from_slice(&idx.shape);
         shape.extend_from_slice(&d.shape[ax + 1..]);
-        self.gather_rows(n, &d, outer * dim, inner, &ids, shape)
+        let r = self.gather_rows(n, &d, outer * dim, inner, &ids, shape)?;
+        Ok(if int {
+            r.into_iter().map(|v| if let Val::D(g) = v { Val::I(g) } else { v }).collect()
+        } else {
+            r
+        })
     }
 
     /// `GatherND` of a computed tensor by constant indices (`batch_dims`
