@@ -77,6 +77,21 @@ fn vnpu(state: &Path, args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// Waits until the daemon has forgotten instance `u`'s last session (its
+/// client left): every session file but the record holds no block again.
+/// The client's process exits before the daemon frees them, so a fill
+/// measured before this would count blocks about to be freed.
+fn forgotten(state: &Path, u: &str) {
+    use std::os::unix::fs::MetadataExt;
+    let dir = state.join("sessions").join(u);
+    wait_for("the daemon to forget the session", || {
+        std::fs::read_dir(&dir).unwrap().all(|e| {
+            let e = e.unwrap();
+            e.file_name() == "session" || e.metadata().is_ok_and(|m| m.blocks() == 0)
+        })
+    });
+}
+
 const DIGITS_OK: &str = "digits: vNPU and CPU agree on every image";
 
 #[test]
@@ -147,6 +162,7 @@ fn a_full_state_disk_fails_what_it_must_and_kills_nothing() {
     assert_eq!(code, 0, "{out}{}", said());
     assert!(out.contains(DIGITS_OK), "{out}");
     alive();
+    forgotten(&state, &first);
     assert!(said().contains("cannot be resumed"), "the daemon did not say the session is not kept{}", said());
 
     // 2b. Room for the record only: the SRAM cannot be allocated; again a
@@ -157,6 +173,7 @@ fn a_full_state_disk_fails_what_it_must_and_kills_nothing() {
     assert_eq!(code, 0, "{out}{}", said());
     assert!(out.contains(DIGITS_OK), "{out}");
     alive();
+    forgotten(&state, &first);
     assert!(said().contains("memories"), "the daemon did not say the core's memories are not kept{}", said());
 
     // 3. Room for the record and the SRAM, not for a chunk of HBM: a
@@ -194,6 +211,7 @@ fn a_full_state_disk_fails_what_it_must_and_kills_nothing() {
         "the client was not told why:\n{told}"
     );
     alive();
+    forgotten(&state, &second);
 
     // 3b. Room for the session's files and the HBM chunks the run writes,
     // not a page more: its programs cannot be stored. The run is correct,
@@ -206,6 +224,7 @@ fn a_full_state_disk_fails_what_it_must_and_kills_nothing() {
         // The client (a page), the record (a page), the SRAM, the chunks.
         let filler = fill(&disk, "filler", (8 << 10) + (4 << 20) + (chunks << 20));
         let run = infer(&third);
+        forgotten(&state, &third);
         std::fs::remove_file(&filler).unwrap();
         if run.status.success() {
             stored = Some(chunks);
