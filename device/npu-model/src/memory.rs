@@ -612,6 +612,20 @@ impl LazyHbm {
         Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
     }
 
+    /// The chunks that may hold bytes other than zero (every chunk written
+    /// so far, in host memory or in the file), in increasing order: what
+    /// a copy of the segment must take.
+    pub fn written_chunks(&self) -> Vec<u64> {
+        let mut out: Vec<u64> =
+            self.chunks.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| i as u64).collect();
+        if let Some((_, reserved)) = &self.file {
+            out.extend(reserved.iter().copied());
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// How many chunks are mappings of a file's pages ([`Memory::map_file`]).
     pub fn mapped_chunks(&self) -> usize {
         self.chunks.iter().filter(|c| matches!(c, Some(Chunk::Mapped(_)))).count()
@@ -1376,6 +1390,11 @@ mod file_backed_tests {
         let mut b = [0u8; 6];
         h.read((5 << 20) - 3, &mut b).unwrap();
         assert_eq!(b, [0, 7, 8, 9, 10, 0]);
+        assert_eq!(h.written_chunks(), vec![4, 5], "the chunks the write reserved");
+        let mut m = LazyHbm::new(1 << 30);
+        m.write(9 << 20, &[1]).unwrap();
+        m.write(HBM_CHUNK - 1, &[1, 1]).unwrap();
+        assert_eq!(m.written_chunks(), vec![0, 1, 9]);
         // Sparse: about two chunks of blocks, not a GiB.
         let blocks = std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(&hp).unwrap());
         assert!(blocks * 512 <= 4 * HBM_CHUNK, "{blocks} blocks");

@@ -6,6 +6,7 @@ mod model;
 mod profile;
 mod run;
 mod scenario;
+mod snapshot;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -38,6 +39,33 @@ enum Command {
     /// vNPU PCI function (docs/device-interface.md).
     #[command(group(clap::ArgGroup::new("image").required(true).args(["guest", "kernel"])))]
     Run(run::RunArgs),
+    /// Take a snapshot of a running VM (`vnpu run --api-socket`) into a
+    /// new or empty folder: its vCPU, interrupt controllers and clock,
+    /// guest RAM (a sparse file), its devices, and each vNPU's registers,
+    /// programs, SRAM and HBM (docs/migration.md). The VM pauses for it
+    /// (each vNPU finishes the request it is running first), then runs
+    /// on, or ends with --stop.
+    Snapshot {
+        /// The VM's API socket (`vnpu run --api-socket PATH`).
+        #[arg(long)]
+        api_socket: PathBuf,
+        /// The folder to write (created if missing; must be empty).
+        dir: PathBuf,
+        /// End the VM once the snapshot is written (exit code 0).
+        #[arg(long)]
+        stop: bool,
+    },
+    /// Run a VM on from a snapshot `vnpu snapshot` took, in this process:
+    /// its console goes to stdout and vnpu exits with its guest's exit
+    /// code, as `vnpu run`. The snapshot is read, never written; one of
+    /// another format version, or a corrupt one, is refused.
+    Restore {
+        /// The snapshot's folder.
+        dir: PathBuf,
+        /// Serve an API socket for further snapshots, as `vnpu run`.
+        #[arg(long)]
+        api_socket: Option<PathBuf>,
+    },
     /// The demo: boot the digits guest with a vNPU and classify
     /// scikit-learn's held-out handwritten digits on it.
     ///
@@ -774,6 +802,8 @@ fn print_report(r: &RunReport) {
 fn run(cli: Cli) -> Result<u8, CliError> {
     match cli.command {
         Command::Run(args) => return run::run_vm(args),
+        Command::Snapshot { api_socket, dir, stop } => snapshot::snapshot(&api_socket, &dir, stop)?,
+        Command::Restore { dir, api_socket } => return snapshot::restore(&dir, api_socket.as_deref()),
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
         Command::Compile {
             model,

@@ -54,6 +54,11 @@ pub struct RunArgs {
     /// failed. 0: fail at once.
     #[arg(long, default_value_t = vnpu_vm::remote::DEFAULT_RECONNECT.as_secs())]
     pub reconnect_s: u64,
+    /// Serve a unix socket at this path on which `vnpu snapshot` asks the
+    /// running VM for a snapshot (docs/migration.md). Bare-metal guests
+    /// with in-process vNPUs only, so far.
+    #[arg(long)]
+    pub api_socket: Option<PathBuf>,
 }
 
 /// Boots the VM and returns the exit code its guest asked for.
@@ -69,6 +74,7 @@ pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
         board: path,
         poll_us,
         reconnect_s,
+        api_socket,
     } = args;
     let b = board(&path)?;
     let dir = manage::state_dir(&state_dir);
@@ -122,7 +128,21 @@ pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
     if cfg.linux.is_some() {
         vm.forward_input(std::io::stdin()).map_err(|e| CliError::Usage(format!("console input: {e}")))?;
     }
-    let code = vm.run()?;
+    if let Some(p) = &api_socket {
+        crate::snapshot::serve_api(p, vm.pause_handle())?;
+    }
+    finish(vm.run())
+}
+
+/// The process exit code for how a VM's run ended.
+pub fn finish(run: Result<u32, vnpu_vm::VmError>) -> Result<u8, CliError> {
+    let code = match run {
+        Err(vnpu_vm::VmError::StoppedAfterSnapshot) => {
+            eprintln!("vnpu: the VM stopped after its snapshot; `vnpu restore DIR` runs it on");
+            return Ok(0);
+        }
+        r => r?,
+    };
     // Exit codes above 255 are reported and truncated, as a shell would.
     if code > 255 {
         eprintln!(

@@ -67,7 +67,8 @@ use vnpu_abi::device as abi;
 use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciError, PciFunction};
 use vnpu_spec::VnpuSpec;
 
-use device_core::{Control, DeviceCore, Shared};
+pub use device_core::SnapshotError;
+use device_core::{Control, DeviceCore, Rendezvous, Shared};
 use msi::lock;
 
 /// The registers of a vNPU of `board` as it starts, before the core shows
@@ -205,6 +206,11 @@ impl VnpuFunction {
         GrantHandle { shared: Arc::clone(&self.shared) }
     }
 
+    /// A handle that saves and restores this vNPU's device state.
+    pub fn state_handle(&self) -> StateHandle {
+        StateHandle { shared: Arc::clone(&self.shared) }
+    }
+
     /// The MSI-X capability.
     pub fn msix(&self) -> MsixCap {
         self.msix
@@ -223,6 +229,62 @@ impl VnpuFunction {
     /// Raises MSI-X `vector` by the MSI-X rules.
     pub fn raise(&self, vector: u16) {
         self.shared.irq.raise(vector);
+    }
+}
+
+/// Saves and restores a vNPU's device state for a snapshot of its VM
+/// (see [`VnpuFunction::state_handle`], `docs/migration.md`).
+#[derive(Clone)]
+pub struct StateHandle {
+    shared: Arc<device_core::Shared>,
+}
+
+impl std::fmt::Debug for StateHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateHandle").finish_non_exhaustive()
+    }
+}
+
+/// How long a snapshot or a restore waits for the vNPU's worker (which
+/// finishes the request it is running first).
+pub const STATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A vNPU parked by [`StateHandle::save`]: its worker serves nothing
+/// until this is dropped.
+#[derive(Debug)]
+pub struct Parked(Arc<Rendezvous>);
+
+impl Drop for Parked {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
+impl StateHandle {
+    /// Saves the vNPU's whole state into `dir` (created if need be) once
+    /// the request it is running ends, and parks it there: it takes no
+    /// request and writes no guest memory until the returned guard is
+    /// dropped, so guest RAM saved meanwhile agrees with it.
+    pub fn save(&self, dir: &std::path::Path) -> Result<Parked, SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        let parked = Parked(Arc::clone(&at));
+        self.shared.post(Control::Snapshot(dir.to_path_buf(), Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)?;
+        Ok(parked)
+    }
+
+    /// Takes the state [`Self::save`] left in `dir`; the ring is taken up
+    /// again at [`Self::resume`], once the function's configuration space
+    /// and guest RAM are back.
+    pub fn restore(&self, dir: &std::path::Path) -> Result<(), SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        self.shared.post(Control::Restore(dir.to_path_buf(), Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)
+    }
+
+    /// Takes the restored vNPU's programs and ring up again.
+    pub fn resume(&self) {
+        self.shared.post(Control::Resume);
     }
 }
 
@@ -270,6 +332,16 @@ impl PciFunction for VnpuFunction {
         }
         // Enabling MSI-X or clearing the function mask releases pending vectors.
         self.shared.irq.release_pending();
+    }
+    fn save_state(&self) -> vnpu_pci::FunctionState {
+        let extra = lock(&self.shared.irq.state).table.saved();
+        vnpu_pci::FunctionState { config: self.config.saved(), extra }
+    }
+    fn restore_state(&mut self, s: &vnpu_pci::FunctionState) -> Result<(), PciError> {
+        self.config.restore(&s.config)?;
+        lock(&self.shared.irq.state).table.restore(&s.extra)?;
+        self.config_written(0, vnpu_pci::CONFIG_SIZE);
+        Ok(())
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match bar {

@@ -91,6 +91,17 @@ pub enum PciError {
     CapabilitySpace { len: usize },
     #[error("device slot {0} is out of range or taken")]
     Slot(usize),
+    #[error("saved function state does not fit this function: {0}")]
+    State(&'static str),
+}
+
+/// What a snapshot keeps of a function (`PciFunction::save_state`): its
+/// configuration space as the guest left it, and the function's own
+/// words (a vNPU's MSI-X table and pending bits).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FunctionState {
+    pub config: Vec<u8>,
+    pub extra: Vec<u32>,
 }
 
 /// The low 32 bits of `x` (a BAR's size mask is written 32 bits at a time).
@@ -135,6 +146,26 @@ impl std::fmt::Debug for ConfigSpace {
 }
 
 impl ConfigSpace {
+    /// The configuration space's bytes, for a snapshot.
+    pub fn saved(&self) -> Vec<u8> {
+        self.bytes.to_vec()
+    }
+
+    /// Takes back what [`Self::saved`] gave: only the bits a guest can
+    /// write or clear (BAR addresses, command, capability controls); the
+    /// identity and layout stay this function's own, so a snapshot of
+    /// another kind of function cannot change them.
+    pub fn restore(&mut self, saved: &[u8]) -> Result<(), PciError> {
+        if saved.len() != CONFIG_SIZE {
+            return Err(PciError::State("configuration space of another size"));
+        }
+        for (i, &b) in saved.iter().enumerate() {
+            let m = self.writable[i] | self.w1c[i];
+            self.bytes[i] = (self.bytes[i] & !m) | (b & m);
+        }
+        Ok(())
+    }
+
     /// A type-0 header with `id`; everything else zero and read-only except
     /// the command register and the interrupt line.
     pub fn new(id: Identity) -> Self {
@@ -329,6 +360,18 @@ pub trait PciFunction: Send {
     /// MSI messages the function raised since the last call, in order.
     fn take_interrupts(&mut self) -> Vec<MsiMessage> {
         Vec::new()
+    }
+    /// The function's state for a snapshot (configuration space only,
+    /// unless the function keeps more).
+    fn save_state(&self) -> FunctionState {
+        FunctionState { config: self.config().saved(), extra: Vec::new() }
+    }
+    /// Takes a state [`Self::save_state`] gave, then acts on the
+    /// configuration as after a guest's write of all of it.
+    fn restore_state(&mut self, s: &FunctionState) -> Result<(), PciError> {
+        self.config_mut().restore(&s.config)?;
+        self.config_written(0, CONFIG_SIZE);
+        Ok(())
     }
 }
 

@@ -80,6 +80,32 @@ impl MsixTable {
         Self { entries: vec![[0, 0, 0, 1]; n], pending: vec![false; n] }
     }
 
+    /// The table as words, for a snapshot: each entry's four words, then
+    /// one word (0 or 1) per pending bit.
+    pub fn saved(&self) -> Vec<u32> {
+        let mut w: Vec<u32> = self.entries.iter().flatten().copied().collect();
+        w.extend(self.pending.iter().map(|&p| u32::from(p)));
+        w
+    }
+
+    /// Takes back what [`Self::saved`] gave (as many vectors as this
+    /// table has, or an error and nothing changed).
+    pub fn restore(&mut self, words: &[u32]) -> Result<(), crate::PciError> {
+        let n = self.entries.len();
+        if words.len() != 5 * n {
+            return Err(crate::PciError::State("an MSI-X table of another size"));
+        }
+        for (e, w) in self.entries.iter_mut().zip(words.chunks_exact(4)) {
+            e.copy_from_slice(w);
+            // Of the control word only the mask bit is the guest's.
+            e[3] &= 1;
+        }
+        for (p, w) in self.pending.iter_mut().zip(&words[4 * n..]) {
+            *p = *w != 0;
+        }
+        Ok(())
+    }
+
     /// Bytes the table occupies in its BAR.
     pub fn table_bytes(&self) -> u64 {
         self.entries.len() as u64 * MSIX_ENTRY_SIZE

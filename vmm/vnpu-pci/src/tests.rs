@@ -247,3 +247,34 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_saved_function_comes_back_as_the_guest_left_it_and_keeps_its_identity() {
+    let (mut c, m) = device();
+    c.write(reg::BAR0, &0xc001_0000u32.to_le_bytes());
+    c.write(reg::COMMAND, &0x6u16.to_le_bytes());
+    c.write(m.offset + 2, &0x8000u16.to_le_bytes());
+    let saved = c.saved();
+    let (mut fresh, _) = device();
+    assert_ne!(fresh.bar_address(0), c.bar_address(0));
+    fresh.restore(&saved).unwrap();
+    assert_eq!(fresh.saved(), saved, "every byte as it was");
+    assert!(fresh.memory_enabled() && m.enabled(&fresh));
+    // A saved identity is not taken: it is not the guest's to change.
+    let mut other = saved.clone();
+    other[0] ^= 0xff;
+    fresh.restore(&other).unwrap();
+    assert_eq!(fresh.read_u16(reg::VENDOR_ID), 0x5650);
+    assert!(matches!(fresh.restore(&saved[..64]), Err(PciError::State(_))));
+
+    let mut t = MsixTable::new(4);
+    t.write(16, &0xfee0_0000u32.to_le_bytes());
+    t.write(24, &0x41u32.to_le_bytes());
+    t.write(28, &0u32.to_le_bytes());
+    assert!(t.trigger(0, true, false).is_none(), "vector 0 is masked: pending");
+    let w = t.saved();
+    let mut back = MsixTable::new(4);
+    back.restore(&w).unwrap();
+    assert_eq!(back, t);
+    assert!(back.restore(&w[1..]).is_err() && back == t, "a table of another size changes nothing");
+}

@@ -17,6 +17,18 @@ pub struct Cmos {
     index: u8,
 }
 
+impl Cmos {
+    /// The selected index (for a snapshot).
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    /// A clock whose selected index is `index` (a restored snapshot's).
+    pub fn with_index(index: u8) -> Self {
+        Self { index }
+    }
+}
+
 fn bcd(v: u64) -> u8 {
     let v = (v % 100) as u8;
     ((v / 10) << 4) | (v % 10)

@@ -32,8 +32,10 @@ mod irq;
 mod linux;
 mod mptable;
 pub mod remote;
+pub mod snapshot;
 
 pub use linux::LinuxBoot;
+pub use snapshot::{PauseHandle, SnapshotError, SnapshotInfo};
 pub use vnpu_device::GuestRam;
 
 use std::fs::File;
@@ -144,6 +146,10 @@ pub enum VmError {
     Device(#[from] vnpu_device::DeviceError),
     #[error("{count} vNPUs asked for; a VM has at most {MAX_VNPUS}")]
     TooManyVnpus { count: usize },
+    #[error("snapshot: {0}")]
+    Snapshot(#[from] SnapshotError),
+    #[error("the VM stopped after its snapshot was taken")]
+    StoppedAfterSnapshot,
 }
 
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -196,6 +202,11 @@ pub struct Vm<W: Write> {
     benchmark: Option<BenchmarkHook>,
     /// Guest address and length of [`VmConfig::payload`].
     payload: Option<(u64, u64)>,
+    /// What a snapshot needs to rebuild the VM.
+    shape: snapshot::Shape,
+    /// Why this VM cannot be snapshotted, if it cannot.
+    no_snapshot: Option<&'static str>,
+    pause: PauseHandle,
 }
 
 /// The ioeventfds of one vNPU's BAR 0 page 1, registered at the BAR's
@@ -209,6 +220,8 @@ struct Doorbells {
     io: Arc<Mutex<remote::IoEvents>>,
     /// None for a function served by a daemon (its grant is the daemon's).
     grant: Option<vnpu_device::GrantHandle>,
+    /// Saves and restores the device state (None for a daemon's).
+    state: Option<vnpu_device::StateHandle>,
 }
 
 /// Guest RAM in a memfd sealed against shrinking and growing, so a
@@ -556,6 +569,15 @@ impl<W: Write> Vm<W> {
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
             .map_err(|source| VmError::EventFd { what: "the serial port's eventfd", source })?;
         vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
+        let no_snapshot = if linux.is_some() {
+            Some("a Linux guest (its PIT and boot state are not saved yet)")
+        } else if !cfg.remote_vnpus.is_empty() {
+            Some("a vNPU served by a board daemon (the daemon case is not done yet)")
+        } else if !cfg.shared_cores.is_empty() {
+            Some("a vNPU on a shared core")
+        } else {
+            None
+        };
         Ok(Self {
             _kvm: kvm,
             vm,
@@ -568,7 +590,178 @@ impl<W: Write> Vm<W> {
             doorbells,
             benchmark: None,
             payload,
+            shape: Self::shape(cfg, payload),
+            no_snapshot,
+            pause: PauseHandle::default(),
         })
+    }
+
+    fn shape(cfg: &VmConfig, payload: Option<(u64, u64)>) -> snapshot::Shape {
+        snapshot::Shape {
+            memory: cfg.memory,
+            board: cfg.board.clone(),
+            vnpus: cfg.vnpus.clone(),
+            name: cfg.name.clone(),
+            poll_us: u64::try_from(cfg.device.poll.as_micros()).unwrap_or(u64::MAX),
+            payload,
+        }
+    }
+
+    /// A handle that asks this VM, while [`Self::run`] runs it, for a
+    /// snapshot (from any thread).
+    pub fn pause_handle(&self) -> PauseHandle {
+        self.pause.clone()
+    }
+
+    /// Takes a snapshot into `dir` (new or empty): on the vCPU thread,
+    /// between two runs of the vCPU, with every vNPU parked.
+    fn take_snapshot(&mut self, dir: &std::path::Path) -> Result<SnapshotInfo, SnapshotError> {
+        if let Some(why) = self.no_snapshot {
+            return Err(SnapshotError::Unsupported(why));
+        }
+        let t = std::time::Instant::now();
+        snapshot::fresh_dir(dir)?;
+        // Every vNPU parked between requests first: nothing writes guest
+        // RAM or raises an interrupt while the rest is saved.
+        let mut parked = Vec::new();
+        for d in &self.doorbells {
+            if let Some(h) = &d.state {
+                let p = h
+                    .save(&snapshot::vnpu_dir(dir, d.slot))
+                    .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+                parked.push(p);
+            }
+        }
+        let ram = dir.join(snapshot::RAM_FILE);
+        let (ram_crc, ram_pages) = snapshot::save_ram(&self.memory, self.shape.memory, &ram)?;
+        let vcpu = snapshot::save_vcpu(&self._kvm, &self.vcpu)?;
+        let irqchips = snapshot::save_irqchips(&self.vm)?;
+        let clock = self.vm.get_clock().map_err(snapshot::kvm("get clock"))?;
+        let serial = snapshot::Serial::from_superio(&uart(&self.serial).state());
+        let functions = (1..=self.doorbells.len())
+            .filter_map(|slot| {
+                let s = self.pci.function(slot)?.save_state();
+                Some(snapshot::Function { slot, config: s.config, extra: s.extra })
+            })
+            .collect();
+        // The RAM file's digest is the one computed as it was written.
+        let mut files = snapshot::manifest_except(dir, snapshot::RAM_FILE)?;
+        files.insert(snapshot::RAM_FILE.into(), (self.shape.memory, ram_crc));
+        let saved = snapshot::Saved {
+            format: snapshot::SNAPSHOT_FORMAT.into(),
+            version: snapshot::SNAPSHOT_VERSION,
+            shape: self.shape.clone(),
+            files,
+            vcpu,
+            irqchips,
+            clock,
+            serial,
+            cmos_index: self.cmos.index(),
+            functions,
+        };
+        snapshot::store(dir, &saved)?;
+        drop(parked);
+        Ok(SnapshotInfo {
+            dir: dir.to_path_buf(),
+            bytes: snapshot::allocated(dir),
+            ram_pages,
+            took: t.elapsed(),
+        })
+    }
+
+    /// The VM a snapshot in `dir` saved, ready to [`Self::run`] on from
+    /// where it was; its console goes to `console`. Refuses a snapshot of
+    /// another format version, or one whose files are corrupt or missing.
+    pub fn restore(dir: &std::path::Path, console: W) -> Result<Self, VmError> {
+        let saved = snapshot::load(dir)?;
+        let shape = saved.shape.clone();
+        let ram = snapshot::check_files(dir, &saved, shape.memory)?;
+        let cfg = VmConfig {
+            memory: shape.memory,
+            guest: std::path::PathBuf::new(),
+            vnpus: shape.vnpus.clone(),
+            board: shape.board.clone(),
+            device: vnpu_device::DeviceOptions {
+                poll: std::time::Duration::from_micros(shape.poll_us),
+                ..Default::default()
+            },
+            name: shape.name.clone(),
+            ..VmConfig::new(shape.memory, "")
+        };
+        Self::check_config(&cfg, cfg.vnpus.len())?;
+        let kvm = Kvm::new().map_err(VmError::Kvm)?;
+        let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
+        let memory = Self::guest_memory(&vm, &cfg)?;
+        // Guest RAM is the snapshot's file, mapped copy-on-write: pages are
+        // read as the guest touches them, and the file is never written.
+        let len = usize::try_from(shape.memory).unwrap_or(usize::MAX);
+        if !map_file_into(&memory, 0, &ram, len)? {
+            return Err(VmError::Memory {
+                size: shape.memory,
+                reason: "cannot map the snapshot's RAM file".into(),
+            });
+        }
+        let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
+        let _ = vm.enable_cap(&cap);
+        vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
+        for c in &saved.irqchips {
+            vm.set_irqchip(c).map_err(snapshot::kvm("set irqchip"))?;
+        }
+        let vcpu = vm.create_vcpu(0).map_err(ioctl("create vCPU"))?;
+        snapshot::restore_vcpu(&vcpu, &saved.vcpu)?;
+        let clock = kvm_bindings::kvm_clock_data { clock: saved.clock.clock, ..Default::default() };
+        vm.set_clock(&clock).map_err(snapshot::kvm("set clock"))?;
+        let vm = Arc::new(vm);
+        let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
+        let (mut pci, doorbells) = Self::pci_bus(&cfg, &memory, &Arc::from([]), &vm, &msi)?;
+        for f in &saved.functions {
+            let state = vnpu_pci::FunctionState { config: f.config.clone(), extra: f.extra.clone() };
+            let func = pci
+                .function_mut(f.slot)
+                .ok_or(SnapshotError::Pci { slot: f.slot, source: vnpu_pci::PciError::Slot(f.slot) })?;
+            func.restore_state(&state).map_err(|source| SnapshotError::Pci { slot: f.slot, source })?;
+        }
+        for d in &doorbells {
+            if let Some(h) = &d.state {
+                h.restore(&snapshot::vnpu_dir(dir, d.slot))
+                    .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+            }
+        }
+        let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
+            .map_err(|source| VmError::EventFd { what: "the serial port's eventfd", source })?;
+        vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
+        let serial = Serial::from_state(
+            &saved.serial.to_superio(),
+            IrqLine(irq),
+            vm_superio::serial::NoEvents,
+            console,
+        )
+        .map_err(|e| SnapshotError::Serial(format!("{e:?}")))?;
+        let mut me = Self {
+            _kvm: kvm,
+            vm,
+            vcpu,
+            memory,
+            serial: Arc::new(Mutex::new(serial)),
+            cmos: cmos::Cmos::with_index(saved.cmos_index),
+            pci,
+            msi,
+            doorbells,
+            benchmark: None,
+            payload: shape.payload,
+            shape,
+            no_snapshot: None,
+            pause: PauseHandle::default(),
+        };
+        me.sync_doorbells();
+        // The rings are taken up again now that RAM and the functions'
+        // configuration (MSI-X) are back.
+        for d in &me.doorbells {
+            if let Some(h) = &d.state {
+                h.resume();
+            }
+        }
+        Ok(me)
     }
 
     /// The vNPU count and the memory size a configuration may have.
@@ -906,10 +1099,10 @@ impl<W: Write> Vm<W> {
                 .irqfd(vm, slot, vnpu_abi::device::LOOPBACK_VECTOR)
                 .map_err(|source| VmError::Loopback { slot, source })?;
             events.push((vnpu_device::regs::CAL_LOOPBACK, loopback));
-            let grant = Some(f.grant_handle());
+            let (grant, state) = (Some(f.grant_handle()), Some(f.state_handle()));
             bus.add(slot, Box::new(f))?;
             let io = Arc::new(Mutex::new(remote::IoEvents { events, registered: None }));
-            doorbells.push(Doorbells { slot, io, grant });
+            doorbells.push(Doorbells { slot, io, grant, state });
         }
         for (i, path) in cfg.remote_vnpus.iter().enumerate() {
             let slot = vnpus.len() + i + 1;
@@ -924,7 +1117,7 @@ impl<W: Write> Vm<W> {
             .map_err(|source| VmError::Attach { path: path.display().to_string(), source })?;
             let io = f.ioevents();
             bus.add(slot, Box::new(f))?;
-            doorbells.push(Doorbells { slot, io, grant: None });
+            doorbells.push(Doorbells { slot, io, grant: None, state: None });
         }
         Ok((bus, doorbells))
     }
@@ -996,10 +1189,41 @@ impl<W: Write> Vm<W> {
 
     /// Runs the guest until it writes the exit port (or, for a Linux
     /// guest, resets through the i8042: exit code 0); returns its exit code.
+    /// A snapshot asked through [`Self::pause_handle`] meanwhile is taken
+    /// between two runs of the vCPU; one that asked the VM to stop after
+    /// it ends the run with [`VmError::StoppedAfterSnapshot`].
     pub fn run(&mut self) -> Result<u32, VmError> {
+        self.pause.running()?;
+        let r = self.run_loop();
+        self.pause.stopped();
+        r
+    }
+
+    /// Answers a snapshot request (after KVM_RUN returned EINTR, so no
+    /// access is half done); true when the VM is to stop.
+    fn serve_pause(&mut self) -> bool {
+        let Some((dir, stop)) = self.pause.asked() else { return false };
+        let r = self.take_snapshot(&dir);
+        let ok = r.is_ok();
+        self.pause.answer(r);
+        ok && stop
+    }
+
+    fn run_loop(&mut self) -> Result<u32, VmError> {
         loop {
             self.deliver_interrupts();
-            match self.vcpu.run().map_err(ioctl("run vCPU"))? {
+            let exit = match self.vcpu.run() {
+                Ok(exit) => exit,
+                Err(e) if e.errno() == libc::EINTR => {
+                    if self.serve_pause() {
+                        let _ = uart(&self.serial).writer_mut().flush();
+                        return Err(VmError::StoppedAfterSnapshot);
+                    }
+                    continue;
+                }
+                Err(e) => return Err(VmError::Ioctl { what: "run vCPU", source: e }),
+            };
+            match exit {
                 VcpuExit::IoOut(port, data) => {
                     if port == EXIT_PORT {
                         let code = le_u32(data);

@@ -92,10 +92,87 @@ pub(crate) enum Control {
     /// The client of a resumed session is set up again (memory mapped,
     /// interrupts given): take the ring up where it was.
     Resume,
+    /// Save the vNPU's whole state into the folder (a snapshot of its VM,
+    /// `docs/migration.md`), say so at the rendezvous, then stay parked,
+    /// serving nothing, until the VMM releases it.
+    Snapshot(std::path::PathBuf, Arc<Rendezvous>),
+    /// Take the state a snapshot saved in the folder (registers,
+    /// configuration, memories; programs and ring at [`Control::Resume`]),
+    /// keeping nothing in it from now on.
+    Restore(std::path::PathBuf, Arc<Rendezvous>),
     Stop,
     /// Makes the worker panic (tests of the fault path only).
     #[cfg(test)]
     Panic,
+}
+
+/// Why a vNPU's part of a snapshot or a restore failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    State(#[from] crate::persist::StateError),
+    #[error("the folder holds no saved vNPU state")]
+    Empty,
+    #[error("the vNPU's worker did not answer within {0:?} (it failed or is stuck)")]
+    NoAnswer(std::time::Duration),
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotError {
+    let what = what.into();
+    move |source| SnapshotError::Io { what, source }
+}
+
+/// Where the VMM and a vNPU's worker meet for a snapshot or a restore
+/// ([`Control::Snapshot`], [`Control::Restore`]): the worker leaves how
+/// its part went; after a snapshot it waits, parked between requests,
+/// until the VMM releases it (once guest RAM is saved too, so that the
+/// two agree).
+#[derive(Debug, Default)]
+pub struct Rendezvous {
+    slot: Mutex<(Option<Result<(), SnapshotError>>, bool)>,
+    cv: std::sync::Condvar,
+}
+
+impl Rendezvous {
+    fn done(&self, r: Result<(), SnapshotError>) {
+        lock(&self.slot).0 = Some(r);
+        self.cv.notify_all();
+    }
+
+    /// How the worker's part went, waiting at most `timeout` for it.
+    pub fn wait_done(&self, timeout: std::time::Duration) -> Result<(), SnapshotError> {
+        let deadline = Instant::now() + timeout;
+        let mut g = lock(&self.slot);
+        loop {
+            if let Some(r) = g.0.take() {
+                return r;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(SnapshotError::NoAnswer(timeout));
+            }
+            g = self.cv.wait_timeout(g, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
+        }
+    }
+
+    /// Lets a parked worker go on.
+    pub fn release(&self) {
+        lock(&self.slot).1 = true;
+        self.cv.notify_all();
+    }
+
+    fn wait_released(&self) {
+        let mut g = lock(&self.slot);
+        while !g.1 {
+            g = self.cv.wait(g).unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+    }
 }
 
 /// State shared by the PCI function (vCPU thread) and the worker.
@@ -187,6 +264,23 @@ impl Shared {
 
 /// One core of the vNPU: its SRAM and HBM segments, created on first use.
 pub(crate) type Core = npu_board_runtime::CoreMem;
+
+/// Copies core memories: the whole SRAM, and the HBM chunks `from` has
+/// written (the others read as zero in both).
+fn copy_core(from: &Core, to: &mut Core) -> std::io::Result<()> {
+    use npu_model::memory::{Memory, HBM_CHUNK};
+    let err = |e: npu_model::memory::MemoryError| std::io::Error::other(e.to_string());
+    to.sram.write(0, from.sram.bytes()).map_err(err)?;
+    let size = from.hbm.size();
+    let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
+    for c in from.hbm.written_chunks() {
+        let at = c.saturating_mul(HBM_CHUNK);
+        let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
+        from.hbm.read(at, &mut buf[..n]).map_err(err)?;
+        to.hbm.write(at, &buf[..n]).map_err(err)?;
+    }
+    Ok(())
+}
 
 /// A resumed session's ring and programs, taken up at [`Control::Resume`]
 /// (once the client has mapped guest memory again: programs are verified
@@ -601,6 +695,60 @@ impl DeviceCore {
         );
     }
 
+    /// Saves the whole state into `dir` as a session store holds it
+    /// (`store.rs`): the record, every registered program and the
+    /// memories of every core in use (HBM only the chunks written, the
+    /// rest a hole). Called between requests, so nothing is in flight.
+    fn save_to(&mut self, dir: &std::path::Path) -> Result<(), SnapshotError> {
+        let cores = self.config.map_or(0, |c| c.cores());
+        std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        crate::store::prepare_files(dir, cores).map_err(io("creating the session files"))?;
+        let store = crate::store::SessionStore::open(dir).map_err(io("opening the session record"))?;
+        store.begin(self.session_id).map_err(io("clearing the folder"))?;
+        for (h, p) in self.programs.iter().enumerate() {
+            if let Some(p) = p {
+                store.save_program(h, &p.encode()).map_err(io(format!("saving program {h}")))?;
+            }
+        }
+        if let Some(spec) = self.config {
+            for (slot, core) in self.cores.iter().enumerate() {
+                let Some(core) = core else { continue };
+                let mut to = store
+                    .core(slot, spec.sram_per_core(), spec.hbm_per_core())
+                    .map_err(io(format!("core {slot}'s memory files")))?;
+                copy_core(core, &mut to).map_err(io(format!("saving core {slot}'s memories")))?;
+            }
+        }
+        store.save(&self.save_state());
+        Ok(())
+    }
+
+    /// Takes the state [`Self::save_to`] left in `dir`: registers and
+    /// configuration as a resumed session does, the memories copied into
+    /// host memory (the folder is not written, and not kept), the
+    /// programs and ring parked for [`Control::Resume`].
+    fn restore_from(&mut self, dir: &std::path::Path) -> Result<(), SnapshotError> {
+        if !dir.join("session").is_file() {
+            return Err(SnapshotError::Empty);
+        }
+        let store = crate::store::SessionStore::open(dir).map_err(io("opening the session record"))?;
+        let state = store.load()?.ok_or(SnapshotError::Empty)?;
+        self.session_id = state.session;
+        self.restore(&store, state);
+        if let Some(spec) = self.config {
+            for slot in 0..self.cores.len() {
+                let from = store
+                    .core(slot, spec.sram_per_core(), spec.hbm_per_core())
+                    .map_err(io(format!("core {slot}'s memory files")))?;
+                let mut to =
+                    Core { sram: Sram::new(spec.sram_per_core()), hbm: LazyHbm::new(spec.hbm_per_core()) };
+                copy_core(&from, &mut to).map_err(io(format!("restoring core {slot}'s memories")))?;
+                self.cores[slot] = Some(to);
+            }
+        }
+        Ok(())
+    }
+
     /// Takes a resumed session's programs and ring up again (the client's
     /// memory is mapped now).
     fn resume(&mut self) {
@@ -703,6 +851,11 @@ impl DeviceCore {
                 }
                 Some(Control::Session { store, resume }) => self.session(store, resume),
                 Some(Control::Resume) => self.resume(),
+                Some(Control::Snapshot(dir, at)) => {
+                    at.done(self.save_to(&dir));
+                    at.wait_released();
+                }
+                Some(Control::Restore(dir, at)) => at.done(self.restore_from(&dir)),
                 Some(Control::Regrant(spec)) => {
                     self.regrant(spec);
                     self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
