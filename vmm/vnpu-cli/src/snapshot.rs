@@ -4,7 +4,7 @@
 //!
 //! The socket takes one JSON line per connection,
 //! `{"op":"snapshot","dir":"/abs/path","stop":false}`, and answers one:
-//! `{"ok":true,"dir":...,"bytes":N,"ram_pages":N,"took_ms":T}` or
+//! `{"ok":true,"dir":...,"bytes":N,"ram_pages":N,"took_ms":T,"drain_ms":D}` or
 //! `{"ok":false,"error":"..."}`.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -77,6 +77,7 @@ fn answer(s: &UnixStream, pause: &vnpu_vm::PauseHandle) -> serde_json::Value {
             "bytes": i.bytes,
             "ram_pages": i.ram_pages,
             "took_ms": i.took.as_secs_f64() * 1e3,
+            "drain_ms": i.drain.as_secs_f64() * 1e3,
         }),
         Err(e) => fail(e.to_string()),
     }
@@ -108,10 +109,11 @@ pub fn snapshot(socket: &Path, dir: &Path, stop: bool) -> Result<(), CliError> {
     }
     let mib = v["bytes"].as_f64().unwrap_or(0.0) / f64::from(1u32 << 20);
     println!(
-        "snapshot: {} ({mib:.1} MiB on disk, {} RAM pages, the VM paused {:.1} ms){}",
+        "snapshot: {} ({mib:.1} MiB on disk, {} RAM pages, the VM paused {:.1} ms, {:.1} of them for the vNPUs' running requests){}",
         abs.display(),
         v["ram_pages"],
         v["took_ms"].as_f64().unwrap_or(f64::NAN),
+        v["drain_ms"].as_f64().unwrap_or(f64::NAN),
         if stop { "; the VM stopped" } else { "" }
     );
     Ok(())

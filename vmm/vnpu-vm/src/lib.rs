@@ -632,6 +632,7 @@ impl<W: Write> Vm<W> {
                 parked.push(p);
             }
         }
+        let drain = t.elapsed();
         let ram = dir.join(snapshot::RAM_FILE);
         let (ram_crc, ram_pages) = snapshot::save_ram(&self.memory, self.shape.memory, &ram)?;
         let vcpu = snapshot::save_vcpu(&self._kvm, &self.vcpu)?;
@@ -661,12 +662,8 @@ impl<W: Write> Vm<W> {
         };
         snapshot::store(dir, &saved)?;
         drop(parked);
-        Ok(SnapshotInfo {
-            dir: dir.to_path_buf(),
-            bytes: snapshot::allocated(dir),
-            ram_pages,
-            took: t.elapsed(),
-        })
+        let took = t.elapsed();
+        Ok(SnapshotInfo { dir: dir.to_path_buf(), bytes: snapshot::allocated(dir), ram_pages, took, drain })
     }
 
     /// The VM a snapshot in `dir` saved, ready to [`Self::run`] on from
@@ -675,6 +672,10 @@ impl<W: Write> Vm<W> {
     pub fn restore(dir: &std::path::Path, console: W) -> Result<Self, VmError> {
         let saved = snapshot::load(dir)?;
         let shape = saved.shape.clone();
+        shape.board.validate().map_err(|e| SnapshotError::Format {
+            path: dir.join(snapshot::STATE_FILE).display().to_string(),
+            reason: format!("its board: {e}"),
+        })?;
         let ram = snapshot::check_files(dir, &saved, shape.memory)?;
         let cfg = VmConfig {
             memory: shape.memory,

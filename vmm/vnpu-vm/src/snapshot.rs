@@ -254,6 +254,9 @@ pub struct SnapshotInfo {
     pub ram_pages: u64,
     /// From the vCPU's stop to the files written.
     pub took: std::time::Duration,
+    /// Of `took`, the wait for every vNPU to finish the request it was
+    /// running and park.
+    pub drain: std::time::Duration,
 }
 
 /// Reads the vCPU's state.
@@ -324,8 +327,16 @@ pub(crate) fn save_irqchips(vm: &VmFd) -> Result<Vec<kvm_irqchip>, SnapshotError
         .collect()
 }
 
+/// Whether every byte of `p` is zero (OR-folded 64 bytes at a time, which
+/// the compiler vectorizes; a byte-by-byte `all` scanned 512 MiB of RAM
+/// at about 2 GB/s).
 fn page_is_zero(p: &[u8]) -> bool {
-    p.iter().all(|&b| b == 0)
+    let mut blocks = p.chunks_exact(64);
+    let folded = blocks.by_ref().fold(0u64, |acc, b| {
+        b.chunks_exact(8)
+            .fold(acc, |a, w| a | u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+    });
+    folded == 0 && blocks.remainder().iter().all(|&b| b == 0)
 }
 
 /// Writes guest RAM into `path` as a sparse file of RAM's length;
