@@ -178,17 +178,25 @@ fn once_each(before: &str, after: &str) {
     assert_eq!(both.matches(DONE).count(), 1, "{}", why());
 }
 
-#[test]
-fn a_vm_stopped_mid_inference_runs_on_from_its_snapshot_with_every_answer_the_cpus() {
-    let _one = one_at_a_time();
-    let d = scratch("stop");
+/// A scratch folder, and in it a VM's API socket and its snapshot, taken
+/// at [`SNAPSHOT_AT`] (`stop`: the VM then ends): the folder, the
+/// socket, the snapshot, the VM and what `vnpu snapshot` said.
+fn snapshotted(name: &str, stop: bool) -> (PathBuf, PathBuf, PathBuf, Running, String) {
+    let d = scratch(name);
     let api = d.join("api.sock");
     let snap = d.join("snap");
     let vm = rounds_vm(&api);
     wait_socket(&api);
     vm.wait_for(SNAPSHOT_AT);
-    let (code, said) = snapshot(&api, &snap, true);
+    let (code, said) = snapshot(&api, &snap, stop);
     assert_eq!(code, 0, "{said}\n--- the VM ---\n{}", vm.both());
+    (d, api, snap, vm, said)
+}
+
+#[test]
+fn a_vm_stopped_mid_inference_runs_on_from_its_snapshot_with_every_answer_the_cpus() {
+    let _one = one_at_a_time();
+    let (d, _api, snap, vm, said) = snapshotted("stop", true);
     assert!(said.contains("the VM stopped"), "{said}");
     let (code, before, err) = vm.finish();
     assert_eq!(code, 0, "{before}{err}");
@@ -206,14 +214,7 @@ fn a_vm_stopped_mid_inference_runs_on_from_its_snapshot_with_every_answer_the_cp
 #[test]
 fn a_snapshot_of_a_vm_that_runs_on_gives_a_second_run_from_that_point() {
     let _one = one_at_a_time();
-    let d = scratch("live");
-    let api = d.join("api.sock");
-    let snap = d.join("snap");
-    let vm = rounds_vm(&api);
-    wait_socket(&api);
-    vm.wait_for(SNAPSHOT_AT);
-    let (code, said) = snapshot(&api, &snap, false);
-    assert_eq!(code, 0, "{said}\n--- the VM ---\n{}", vm.both());
+    let (d, api, snap, vm, _said) = snapshotted("live", false);
     // Another snapshot into the same folder is refused; the VM runs on.
     let (code, said) = snapshot(&api, &snap, false);
     assert_ne!(code, 0);
@@ -242,14 +243,7 @@ fn copy(from: &Path, to: &Path) {
 #[test]
 fn a_snapshot_of_another_version_or_a_corrupt_one_is_refused_with_the_reason() {
     let _one = one_at_a_time();
-    let d = scratch("bad");
-    let api = d.join("api.sock");
-    let snap = d.join("snap");
-    let vm = rounds_vm(&api);
-    wait_socket(&api);
-    vm.wait_for(SNAPSHOT_AT);
-    let (code, said) = snapshot(&api, &snap, true);
-    assert_eq!(code, 0, "{said}\n--- the VM ---\n{}", vm.both());
+    let (d, _api, snap, vm, _said) = snapshotted("bad", true);
     assert_eq!(vm.finish().0, 0);
     let bad = |name: &str, spoil: &dyn Fn(&Path), want: &str| {
         let c = d.join(name);

@@ -278,3 +278,28 @@ fn a_saved_function_comes_back_as_the_guest_left_it_and_keeps_its_identity() {
     assert_eq!(back, t);
     assert!(back.restore(&w[1..]).is_err() && back == t, "a table of another size changes nothing");
 }
+
+proptest! {
+    /// A saved state from anywhere (a snapshot file someone changed) is
+    /// taken only as far as a guest could have written it: the identity,
+    /// BAR size bits and capability chain stay, and a table of another
+    /// size is refused whole.
+    #[test]
+    fn a_hostile_saved_state_keeps_read_only_state(
+        bytes in proptest::collection::vec(any::<u8>(), CONFIG_SIZE..=CONFIG_SIZE),
+        words in proptest::collection::vec(any::<u32>(), 0..48),
+    ) {
+        let (mut c, m) = device();
+        c.restore(&bytes).unwrap();
+        prop_assert_eq!(c.read_u16(reg::VENDOR_ID), 0x5650);
+        prop_assert_eq!(c.read_u32(0x08) >> 8, 0x12_00_00);
+        prop_assert_eq!(c.read_u32(reg::BAR0) & 0x3fff, 0x4);
+        prop_assert_eq!(c.find_capability(CAP_ID_MSIX), Some(m.offset));
+        let mut t = MsixTable::new(4);
+        let before = t.clone();
+        match t.restore(&words) {
+            Ok(()) => prop_assert_eq!(words.len(), 20),
+            Err(_) => prop_assert_eq!(&t, &before),
+        }
+    }
+}
