@@ -302,3 +302,38 @@ fn a_snapshot_of_another_version_or_a_corrupt_one_is_refused_with_the_reason() {
     assert!(after.contains(DONE), "{after}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+#[test]
+fn a_vm_moved_through_five_processes_by_snapshots_answers_every_round_once() {
+    let _one = one_at_a_time();
+    let d = scratch("chain");
+    // Each process runs until a round, is snapshotted and stops; the next
+    // restores it and serves an API socket of its own, so a restored VM
+    // (its vNPU's state in host memory now, its PCI state restored) is
+    // snapshotted in turn.
+    let mut console = String::new();
+    let mut vm = rounds_vm(&d.join("api-0.sock"));
+    wait_socket(&d.join("api-0.sock"));
+    for hop in 0..5 {
+        let api = d.join(format!("api-{hop}.sock"));
+        let snap = d.join(format!("snap-{hop}"));
+        vm.wait_for(&format!("round {}:", 30 * (hop + 1)));
+        let (code, said) = snapshot(&api, &snap, true);
+        assert_eq!(code, 0, "hop {hop}: {said}\n--- the VM ---\n{}", vm.both());
+        let (code, out, err) = vm.finish();
+        assert_eq!(code, 0, "hop {hop}: {out}{err}");
+        console.push_str(&out);
+        let next = d.join(format!("api-{}.sock", hop + 1));
+        vm = Running::start(&[
+            "restore".as_ref(),
+            snap.as_os_str(),
+            "--api-socket".as_ref(),
+            next.as_os_str(),
+        ]);
+        wait_socket(&next);
+    }
+    let (code, out, err) = vm.finish();
+    assert_eq!(code, 0, "{out}{err}");
+    once_each(&console, &out);
+    let _ = std::fs::remove_dir_all(&d);
+}
