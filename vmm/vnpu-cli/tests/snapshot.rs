@@ -201,6 +201,14 @@ fn a_vm_stopped_mid_inference_runs_on_from_its_snapshot_with_every_answer_the_cp
     let (code, before, err) = vm.finish();
     assert_eq!(code, 0, "{before}{err}");
     assert!(err.contains("stopped after its snapshot") && !before.contains(DONE), "{before}{err}");
+    // A tenant's RAM and vNPU memories: this user's only.
+    for (p, want) in
+        [("", 0o700), ("ram", 0o600), ("vm.json", 0o600), ("vnpu-1", 0o700), ("vnpu-1/core0.sram", 0o600)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(snap.join(p)).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, want, "{p}: {mode:o}");
+    }
     // Run on in a new process, twice from the same snapshot: it is read,
     // never written.
     for _ in 0..2 {

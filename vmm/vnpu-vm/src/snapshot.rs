@@ -346,7 +346,7 @@ pub(crate) fn save_ram(
     len: u64,
     path: &Path,
 ) -> Result<(u32, u64), SnapshotError> {
-    let f = File::create(path).map_err(io_at(path))?;
+    let f = private_file(path)?;
     f.set_len(len).map_err(io_at(path))?;
     let n =
         usize::try_from(len).map_err(|_| SnapshotError::Unsupported("RAM larger than the address space"))?;
@@ -524,20 +524,40 @@ pub(crate) fn store(dir: &Path, saved: &Saved) -> Result<(), SnapshotError> {
     let tmp = dir.join(format!("{STATE_FILE}.tmp"));
     let text = serde_json::to_vec(saved)
         .map_err(|e| SnapshotError::Format { path: path.display().to_string(), reason: e.to_string() })?;
-    let mut f = File::create(&tmp).map_err(io_at(&tmp))?;
+    let mut f = private_file(&tmp)?;
     f.write_all(&text).map_err(io_at(&tmp))?;
     f.sync_all().map_err(io_at(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(io_at(&path))?;
     Ok(())
 }
 
-/// Makes `dir` a new or empty folder for a snapshot.
+/// Makes `dir` a new or empty folder for a snapshot, private to this
+/// user (0700): a snapshot holds a tenant's guest RAM and vNPU memories.
 pub(crate) fn fresh_dir(dir: &Path) -> Result<(), SnapshotError> {
-    std::fs::create_dir_all(dir).map_err(io_at(dir))?;
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(io_at(parent))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io_at(dir)(e)),
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(io_at(dir))?;
+    if !m.is_dir() {
+        return Err(SnapshotError::Format { path: dir.display().to_string(), reason: "not a folder".into() });
+    }
     if std::fs::read_dir(dir).map_err(io_at(dir))?.next().is_some() {
         return Err(SnapshotError::NotEmpty { path: dir.display().to_string() });
     }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io_at(dir))?;
     Ok(())
+}
+
+/// A new file at `path` that only this user can read or write (0600).
+fn private_file(path: &Path) -> Result<File, SnapshotError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path).map_err(io_at(path))
 }
 
 /// Bytes allocated to the files under `dir`.
