@@ -67,8 +67,8 @@ use vnpu_abi::device as abi;
 use vnpu_pci::{Bar, BarKind, ConfigSpace, Identity, MsixCap, PciError, PciFunction};
 use vnpu_spec::VnpuSpec;
 
-pub use device_core::SnapshotError;
 use device_core::{Control, DeviceCore, Rendezvous, Shared};
+pub use device_core::{SnapshotError, STREAM_VERSION};
 use msi::lock;
 
 /// The registers of a vNPU of `board` as it starts, before the core shows
@@ -279,6 +279,25 @@ impl StateHandle {
     pub fn restore(&self, dir: &std::path::Path) -> Result<(), SnapshotError> {
         let at = Arc::new(Rendezvous::default());
         self.shared.post(Control::Restore(dir.to_path_buf(), Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)
+    }
+
+    /// As [`Self::save`], the state as one stream (`docs/migration.md`,
+    /// "The device stream") instead of a folder.
+    pub fn save_stream(&self) -> Result<(Parked, Vec<u8>), SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        let parked = Parked(Arc::clone(&at));
+        self.shared.post(Control::SaveStream(Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)?;
+        Ok((parked, at.take_bytes()))
+    }
+
+    /// As [`Self::restore`], from a stream [`Self::save_stream`] gave
+    /// (here or on another server); a stream that does not check out is
+    /// refused and changes nothing.
+    pub fn restore_stream(&self, bytes: Vec<u8>) -> Result<(), SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        self.shared.post(Control::RestoreStream(Arc::new(bytes), Arc::clone(&at)));
         at.wait_done(STATE_TIMEOUT)
     }
 

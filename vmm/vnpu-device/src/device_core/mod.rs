@@ -33,6 +33,9 @@ mod counters;
 mod mailbox;
 mod mmio;
 mod ring;
+mod stream;
+
+pub use stream::STREAM_VERSION;
 
 use counters::Counters;
 
@@ -100,6 +103,11 @@ pub(crate) enum Control {
     /// configuration, memories; programs and ring at [`Control::Resume`]),
     /// keeping nothing in it from now on.
     Restore(std::path::PathBuf, Arc<Rendezvous>),
+    /// As [`Control::Snapshot`], the state as one stream left at the
+    /// rendezvous (a vfio-user client's stop-and-copy, `stream.rs`).
+    SaveStream(Arc<Rendezvous>),
+    /// As [`Control::Restore`], from a stream (`stream.rs`).
+    RestoreStream(Arc<Vec<u8>>, Arc<Rendezvous>),
     Stop,
     /// Makes the worker panic (tests of the fault path only).
     #[cfg(test)]
@@ -119,6 +127,8 @@ pub enum SnapshotError {
     State(#[from] crate::persist::StateError),
     #[error("the folder holds no saved vNPU state")]
     Empty,
+    #[error("the device stream: {0}")]
+    Stream(String),
     #[error("the vNPU's worker did not answer within {0:?} (it failed or is stuck)")]
     NoAnswer(std::time::Duration),
 }
@@ -137,6 +147,8 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SnapshotError {
 pub struct Rendezvous {
     slot: Mutex<(Option<Result<(), SnapshotError>>, bool)>,
     cv: std::sync::Condvar,
+    /// A stream the worker saved (`Control::SaveStream`).
+    bytes: Mutex<Vec<u8>>,
 }
 
 impl Rendezvous {
@@ -159,6 +171,12 @@ impl Rendezvous {
             }
             g = self.cv.wait_timeout(g, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
         }
+    }
+
+    /// The stream the worker left (empty until it is done, and after
+    /// it was taken).
+    pub fn take_bytes(&self) -> Vec<u8> {
+        std::mem::take(&mut *lock(&self.bytes))
     }
 
     /// Lets a parked worker go on.
@@ -653,6 +671,13 @@ impl DeviceCore {
             log::warn!("{}: reading the stored programs: {e}", self.name);
             Vec::new()
         });
+        self.restore_parts(state, programs);
+    }
+
+    /// Restores a saved state with its programs (from a store or a
+    /// stream): registers, then the configuration if it still fits the
+    /// grant, with the programs and ring parked for [`Control::Resume`].
+    fn restore_parts(&mut self, state: crate::persist::DeviceState, programs: Vec<(usize, Vec<u8>)>) {
         self.regs().resume(&state.regs);
         let config = state.config;
         match config {
@@ -766,6 +791,9 @@ impl DeviceCore {
                             self.programs.resize_with(handle + 1, || None);
                         }
                         self.programs[handle] = Some(Arc::new(prog));
+                        // Saved again where the state is kept (a stream's
+                        // programs are in no store yet).
+                        self.programs_changed.insert(handle);
                     }
                     None => {
                         log::warn!("{}: stored program {handle} no longer verifies; dropped", self.name);
@@ -856,6 +884,12 @@ impl DeviceCore {
                     at.wait_released();
                 }
                 Some(Control::Restore(dir, at)) => at.done(self.restore_from(&dir)),
+                Some(Control::SaveStream(at)) => {
+                    let r = self.encode_stream().map(|b| *lock(&at.bytes) = b);
+                    at.done(r);
+                    at.wait_released();
+                }
+                Some(Control::RestoreStream(bytes, at)) => at.done(self.restore_stream(&bytes)),
                 Some(Control::Regrant(spec)) => {
                     self.regrant(spec);
                     self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
@@ -1195,5 +1229,69 @@ mod resume_tests {
         new.drain_ring();
         assert_eq!((status(&mem, 2).status, status(&mem, 2).tag), (abi::ST_OK, 102));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A core's whole state through a stream into a fresh core: the
+    /// registers, the programs (registered at resume), SRAM and written
+    /// HBM, and the ring, which carries on; a cut or changed stream is
+    /// refused, never a panic, and changes nothing.
+    #[test]
+    fn a_core_goes_through_a_stream_whole_and_a_spoiled_stream_changes_nothing() {
+        use npu_model::memory::Memory;
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut old = worker(&mem);
+        {
+            let mut r = old.regs();
+            r.set_u32(regs::QUEUE_SIZE, 8);
+            r.set_u64(regs::QUEUE_DESC, DESC);
+            r.set_u64(regs::QUEUE_AVAIL, AVAIL);
+            r.set_u64(regs::QUEUE_USED, USED);
+            r.set_u32(regs::QUEUE_ENABLE, 1);
+            r.set_u32(regs::QUEUE_VECTOR, 3);
+        }
+        old.enable(8, DESC, AVAIL, USED);
+        post_nop(&mem, 0, 100);
+        old.drain_ring();
+        let spec = old.config.unwrap();
+        let mut core = old.core_memory(0, &spec);
+        core.sram.write(123, &[1, 2, 3]).unwrap();
+        core.hbm.write((5 << 20) + 7, &[9; 100]).unwrap();
+        old.cores[0] = Some(core);
+        let mut b = vnpu_abi::ProgramBuilder::new();
+        b.push(
+            vnpu_abi::Engine::DMA,
+            vnpu_abi::Instr::copy(vnpu_abi::Addr::sram(0), vnpu_abi::Addr::hbm(0), 64),
+        );
+        let prog = b.finish();
+        old.programs = vec![None, Some(Arc::new(prog.clone()))];
+        let bytes = old.encode_stream().unwrap();
+
+        let mut new = worker(&mem);
+        let before = new.regs().snapshot();
+        // Every cut and a changed byte at many places: refused, nothing taken.
+        for cut in (0..bytes.len()).step_by(9973).chain([bytes.len() - 1]) {
+            assert!(new.restore_stream(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        for at in (0..bytes.len()).step_by(40_009) {
+            let mut b = bytes.clone();
+            b[at] ^= 0x40;
+            assert!(new.restore_stream(&b).is_err(), "byte {at} changed");
+        }
+        assert!(new.restore_stream(&[bytes.clone(), vec![0]].concat()).is_err(), "a byte past the end");
+        assert_eq!(new.regs().snapshot(), before, "nothing taken from a spoiled stream");
+        new.restore_stream(&bytes).unwrap();
+        assert_eq!(new.regs().u32(regs::QUEUE_VECTOR), 3);
+        let c = new.cores[0].as_ref().unwrap();
+        let mut got = [0u8; 3];
+        c.sram.read(123, &mut got).unwrap();
+        assert_eq!(got, [1, 2, 3]);
+        let mut h = [0u8; 100];
+        c.hbm.read((5 << 20) + 7, &mut h).unwrap();
+        assert_eq!(h, [9; 100]);
+        new.resume();
+        assert_eq!(new.programs.get(1).and_then(Option::as_ref).map(|p| p.encode()), Some(prog.encode()));
+        post_nop(&mem, 1, 101);
+        new.drain_ring();
+        assert_eq!((status(&mem, 1).status, status(&mem, 1).tag), (abi::ST_OK, 101), "the ring carries on");
     }
 }

@@ -1,0 +1,238 @@
+//! The device core's whole state as one byte stream (`docs/migration.md`,
+//! "The device stream"): what a vfio-user client reads in the migration
+//! protocol's stop-and-copy state and writes back into another server.
+//! The same parts as a session folder (the record, the registered
+//! programs, each core's SRAM and written HBM chunks), framed:
+//!
+//! ```text
+//! magic "VNPUSTRM" (8 bytes), version u32
+//! sections: tag u32, length u64, bytes
+//!   1 record       the 4 KiB DeviceState record (persist.rs)
+//!   2 program      handle u32, then the encoded program
+//!   3 sram         core u32, then the whole SRAM
+//!   4 hbm chunk    core u32, chunk index u64, then up to 1 MiB
+//!   0 end          CRC-32 (u32) of every byte before this section
+//! ```
+//!
+//! All little-endian. A stream comes from a client: every length is
+//! checked against the configuration the record names before anything
+//! is taken.
+
+use npu_model::memory::{Memory, HBM_CHUNK};
+
+use super::{Core, DeviceCore, SnapshotError};
+use crate::persist::{DeviceState, RECORD_BYTES};
+
+const MAGIC: &[u8; 8] = b"VNPUSTRM";
+/// The stream format version.
+pub const STREAM_VERSION: u32 = 1;
+const END: u32 = 0;
+const RECORD: u32 = 1;
+const PROGRAM: u32 = 2;
+const SRAM: u32 = 3;
+const HBM: u32 = 4;
+
+fn section(out: &mut Vec<u8>, tag: u32, parts: &[&[u8]]) {
+    let len: usize = parts.iter().map(|p| p.len()).sum();
+    out.extend_from_slice(&tag.to_le_bytes());
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+}
+
+fn bad(why: impl Into<String>) -> SnapshotError {
+    SnapshotError::Stream(why.into())
+}
+
+/// A cursor over a stream that fails, never panics, past its end.
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.b.len())
+            .ok_or_else(|| bad("it ends inside a section"))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32, SnapshotError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+    fn u64(&mut self) -> Result<u64, SnapshotError> {
+        let s = self.take(8)?;
+        Ok(u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]))
+    }
+}
+
+/// One core's memories in a stream: its SRAM (if the stream had it) and
+/// its HBM chunks by index.
+pub(super) type CoreParts = (Option<Vec<u8>>, Vec<(u64, Vec<u8>)>);
+
+/// What a decoded stream holds, checked, before the core takes it.
+pub(super) struct Decoded {
+    pub state: DeviceState,
+    pub programs: Vec<(usize, Vec<u8>)>,
+    pub cores: Vec<CoreParts>,
+}
+
+impl DeviceCore {
+    /// The whole state as a stream (between requests: nothing in flight).
+    pub(super) fn encode_stream(&self) -> Result<Vec<u8>, SnapshotError> {
+        let mut out = Vec::new();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&STREAM_VERSION.to_le_bytes());
+        let mut rec = [0u8; RECORD_BYTES];
+        self.save_state().encode(&mut rec);
+        section(&mut out, RECORD, &[&rec]);
+        for (h, p) in self.programs.iter().enumerate() {
+            if let Some(p) = p {
+                let h = u32::try_from(h).map_err(|_| bad("a program handle past u32"))?;
+                section(&mut out, PROGRAM, &[&h.to_le_bytes(), &p.encode()]);
+            }
+        }
+        let err = |e: npu_model::memory::MemoryError| bad(e.to_string());
+        let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
+        for (c, core) in self.cores.iter().enumerate() {
+            let Some(core) = core else { continue };
+            let c = u32::try_from(c).map_err(|_| bad("a core index past u32"))?;
+            section(&mut out, SRAM, &[&c.to_le_bytes(), core.sram.bytes()]);
+            let size = core.hbm.size();
+            for chunk in core.hbm.written_chunks() {
+                let at = chunk.saturating_mul(HBM_CHUNK);
+                let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
+                core.hbm.read(at, &mut buf[..n]).map_err(err)?;
+                section(&mut out, HBM, &[&c.to_le_bytes(), &chunk.to_le_bytes(), &buf[..n]]);
+            }
+        }
+        let crc = crc32fast::hash(&out);
+        section(&mut out, END, &[&crc.to_le_bytes()]);
+        Ok(out)
+    }
+
+    /// Takes a stream [`Self::encode_stream`] wrote (on this server or
+    /// another): registers and configuration as a resumed session takes
+    /// them, the memories into the core's own (in its session files when
+    /// it keeps a store), the programs and ring parked for
+    /// `Control::Resume`. A stream that does not check out changes
+    /// nothing.
+    pub(super) fn restore_stream(&mut self, bytes: &[u8]) -> Result<(), SnapshotError> {
+        let d = decode(bytes)?;
+        let spec = d.state.config;
+        if let Some(c) = spec {
+            if !c.fits_within(&self.grant) {
+                return Err(bad(format!(
+                    "its configuration {c:?} does not fit this vNPU's grant {:?}",
+                    self.grant
+                )));
+            }
+        }
+        self.session_id = d.state.session;
+        self.restore_parts(d.state, d.programs);
+        let Some(spec) = self.config else { return Ok(()) };
+        let err = |e: npu_model::memory::MemoryError| bad(e.to_string());
+        for (slot, (sram, chunks)) in d.cores.into_iter().enumerate() {
+            if slot >= self.cores.len() {
+                break;
+            }
+            let mut core: Core = self.core_memory(slot, &spec);
+            if let Some(s) = sram {
+                core.sram.write(0, &s).map_err(err)?;
+            }
+            for (chunk, data) in chunks {
+                core.hbm.write(chunk.saturating_mul(HBM_CHUNK), &data).map_err(err)?;
+            }
+            self.cores[slot] = Some(core);
+        }
+        Ok(())
+    }
+}
+
+/// Reads and checks a whole stream.
+pub(super) fn decode(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
+    let mut r = Reader { b: bytes, at: 0 };
+    if r.take(8)? != MAGIC {
+        return Err(bad("it is not a vNPU device stream"));
+    }
+    let v = r.u32()?;
+    if v != STREAM_VERSION {
+        return Err(bad(format!("stream version {v}; this build reads {STREAM_VERSION}")));
+    }
+    let mut state = None;
+    let mut programs = Vec::new();
+    let mut cores: Vec<CoreParts> = Vec::new();
+    loop {
+        let start = r.at;
+        let tag = r.u32()?;
+        let len = usize::try_from(r.u64()?).map_err(|_| bad("a section longer than memory"))?;
+        let body = r.take(len)?;
+        let mut s = Reader { b: body, at: 0 };
+        match tag {
+            END => {
+                let crc = s.u32()?;
+                if crc != crc32fast::hash(&bytes[..start]) {
+                    return Err(bad("its checksum does not match"));
+                }
+                if r.at != bytes.len() {
+                    return Err(bad("bytes after its end"));
+                }
+                break;
+            }
+            RECORD => {
+                let st = DeviceState::decode(body)?.ok_or_else(|| bad("its record holds no state"))?;
+                if state.replace(st).is_some() {
+                    return Err(bad("two records"));
+                }
+            }
+            PROGRAM => {
+                let h = usize::try_from(s.u32()?).unwrap_or(usize::MAX);
+                if h >= vnpu_abi::device::MAX_REGISTERED || programs.iter().any(|(p, _)| *p == h) {
+                    return Err(bad(format!("program handle {h} out of range or twice")));
+                }
+                if body.len() - 4 > vnpu_abi::device::MAX_PROGRAM_BYTES as usize {
+                    return Err(bad(format!("program {h} is larger than a program may be")));
+                }
+                programs.push((h, body[4..].to_vec()));
+            }
+            SRAM | HBM => {
+                let st = state.as_ref().ok_or_else(|| bad("memories before the record"))?;
+                let spec = st.config.ok_or_else(|| bad("memories of an unconfigured vNPU"))?;
+                let c = usize::try_from(s.u32()?).unwrap_or(usize::MAX);
+                if c >= spec.cores() as usize {
+                    return Err(bad(format!("core {c} of a {}-core configuration", spec.cores())));
+                }
+                if cores.len() <= c {
+                    cores.resize_with(c + 1, || (None, Vec::new()));
+                }
+                if tag == SRAM {
+                    let data = &body[4..];
+                    if data.len() as u64 != spec.sram_per_core() || cores[c].0.is_some() {
+                        return Err(bad(format!("core {c}'s SRAM of {} bytes, or twice", data.len())));
+                    }
+                    cores[c].0 = Some(data.to_vec());
+                } else {
+                    let chunk = s.u64()?;
+                    let data = &body[12..];
+                    let at = chunk.checked_mul(HBM_CHUNK);
+                    let fits = at
+                        .and_then(|a| a.checked_add(data.len() as u64))
+                        .is_some_and(|e| e <= spec.hbm_per_core());
+                    if !fits || data.len() as u64 > HBM_CHUNK || cores[c].1.iter().any(|(k, _)| *k == chunk) {
+                        return Err(bad(format!("core {c}'s HBM chunk {chunk} out of range or twice")));
+                    }
+                    cores[c].1.push((chunk, data.to_vec()));
+                }
+            }
+            t => return Err(bad(format!("unknown section {t}"))),
+        }
+    }
+    let state = state.ok_or_else(|| bad("no record"))?;
+    Ok(Decoded { state, programs, cores })
+}
