@@ -48,6 +48,39 @@ pub enum Command {
     DmaWrite = 12,
     DeviceReset = 13,
     UserDirtyPages = 14,
+    // Patched: migration v2 as libvfio-user defines it.
+    DeviceFeature = 16,
+    MigDataRead = 17,
+    MigDataWrite = 18,
+}
+
+/// `VFIO_USER_DEVICE_FEATURE`'s flags (patched: migration v2): the
+/// feature index in the low 16 bits, then what is asked.
+pub const VFIO_DEVICE_FEATURE_MASK: u32 = 0xffff;
+pub const VFIO_DEVICE_FEATURE_GET: u32 = 1 << 16;
+pub const VFIO_DEVICE_FEATURE_SET: u32 = 1 << 17;
+pub const VFIO_DEVICE_FEATURE_PROBE: u32 = 1 << 18;
+/// The migration features (their data: a u64 of `VFIO_MIGRATION_*`
+/// flags; a u32 device state and a u32 unused data fd).
+pub const VFIO_DEVICE_FEATURE_MIGRATION: u32 = 1;
+pub const VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE: u32 = 2;
+pub const VFIO_MIGRATION_STOP_COPY: u64 = 1;
+/// The migration states (`enum vfio_device_mig_state`).
+pub const VFIO_DEVICE_STATE_ERROR: u32 = 0;
+pub const VFIO_DEVICE_STATE_STOP: u32 = 1;
+pub const VFIO_DEVICE_STATE_RUNNING: u32 = 2;
+pub const VFIO_DEVICE_STATE_STOP_COPY: u32 = 3;
+pub const VFIO_DEVICE_STATE_RESUMING: u32 = 4;
+
+/// The fixed part of `VFIO_USER_DEVICE_FEATURE` (argsz, flags) and of
+/// `VFIO_USER_MIG_DATA_READ`/`WRITE` (argsz, size), which share a
+/// layout (patched: migration v2).
+#[repr(C)]
+#[derive(Default, Clone, Copy, Debug)]
+struct ArgszWord {
+    header: Header,
+    argsz: u32,
+    word: u32,
 }
 
 #[allow(dead_code)]
@@ -221,6 +254,8 @@ unsafe impl ByteValued for DeviceGetInfo {}
 unsafe impl ByteValued for DeviceGetRegionInfo {}
 // SAFETY: data structure only contain a series of integers
 unsafe impl ByteValued for RegionAccess {}
+// SAFETY: data structure only contain a series of integers
+unsafe impl ByteValued for ArgszWord {}
 // SAFETY: data structure only contain a series of integers
 unsafe impl ByteValued for GetIrqInfo {}
 // SAFETY: data structure only contain a series of integers
@@ -904,6 +939,59 @@ impl Client {
         Ok(())
     }
 
+    /// Sends one `ArgszWord` command with `data` after it and returns
+    /// the reply's word and data (patched: migration v2).
+    fn argsz_word(&mut self, command: Command, word: u32, data: &[u8]) -> Result<(u32, Vec<u8>), Error> {
+        let fixed = size_of::<ArgszWord>() - size_of::<Header>();
+        let cmd = ArgszWord {
+            header: Header {
+                message_id: self.next_message_id.0,
+                command: command as u16,
+                flags: HeaderFlags::Command as u32,
+                message_size: (size_of::<ArgszWord>() + data.len()) as u32,
+                ..Default::default()
+            },
+            argsz: (fixed as u32).saturating_add(default_max_data_xfer_size()),
+            word,
+        };
+        self.next_message_id += Wrapping(1);
+        self.send(&[cmd.as_slice(), data])?;
+        let mut reply = ArgszWord::default();
+        self.read_reply(command, &mut reply)?;
+        let extra = reply.header.message_size as usize - size_of::<ArgszWord>();
+        let mut out = vec![0u8; extra];
+        self.stream.read_exact(&mut out).map_err(Error::StreamRead)?;
+        Ok((reply.word, out))
+    }
+
+    /// `VFIO_USER_DEVICE_FEATURE` (patched: migration v2): `flags` as the
+    /// protocol defines them, `data` the request's; returns the reply's
+    /// data.
+    pub fn device_feature(&mut self, flags: u32, data: &[u8]) -> Result<Vec<u8>, Error> {
+        Ok(self.argsz_word(Command::DeviceFeature, flags, data)?.1)
+    }
+
+    /// Moves the device to migration state `state` (`VFIO_DEVICE_STATE_*`).
+    pub fn set_migration_state(&mut self, state: u32) -> Result<(), Error> {
+        let mut data = state.to_le_bytes().to_vec();
+        data.extend_from_slice(&u32::MAX.to_le_bytes());
+        self.device_feature(VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &data).map(drop)
+    }
+
+    /// `VFIO_USER_MIG_DATA_READ`: at most `size` bytes of the stream.
+    pub fn mig_data_read(&mut self, size: u32) -> Result<Vec<u8>, Error> {
+        let (n, data) = self.argsz_word(Command::MigDataRead, size, &[])?;
+        if n as usize != data.len() || n > size {
+            return Err(Error::ReplySize { command: Command::MigDataRead, size: n });
+        }
+        Ok(data)
+    }
+
+    /// `VFIO_USER_MIG_DATA_WRITE`: the next bytes of the stream.
+    pub fn mig_data_write(&mut self, data: &[u8]) -> Result<(), Error> {
+        self.argsz_word(Command::MigDataWrite, data.len() as u32, data).map(drop)
+    }
+
     pub fn region_write(&mut self, region: u32, offset: u64, data: &[u8]) -> Result<(), Error> {
         let region_write = RegionAccess {
             header: Header {
@@ -1116,6 +1204,23 @@ pub trait ServerBackend {
     /// ioeventfds of `region`, each with the descriptor to signal (the
     /// backend keeps it open). By default the command is not supported.
     fn region_io_fds(&mut self, _region: u32) -> Result<Vec<(SubRegionIoEventFd, RawFd)>, std::io::Error> {
+        Err(std::io::Error::from_raw_os_error(libc::ENOTSUP))
+    }
+    /// `VFIO_USER_DEVICE_FEATURE` (added by the patch): `flags` says the
+    /// feature and whether it is got, set or probed, `data` is what the
+    /// client sent; returns the data of a `GET` (nothing for `SET` and
+    /// `PROBE`, whose reply echoes the request). By default no feature.
+    fn device_feature(&mut self, _flags: u32, _data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+        Err(std::io::Error::from_raw_os_error(libc::ENOTSUP))
+    }
+    /// `VFIO_USER_MIG_DATA_READ` (added by the patch): at most `size`
+    /// bytes of the migration stream; fewer means it has ended.
+    fn mig_data_read(&mut self, _size: u32) -> Result<Vec<u8>, std::io::Error> {
+        Err(std::io::Error::from_raw_os_error(libc::ENOTSUP))
+    }
+    /// `VFIO_USER_MIG_DATA_WRITE` (added by the patch): the next bytes of
+    /// the migration stream.
+    fn mig_data_write(&mut self, _data: &[u8]) -> Result<(), std::io::Error> {
         Err(std::io::Error::from_raw_os_error(libc::ENOTSUP))
     }
     /// `VFIO_USER_VERSION` (added by the patch): the client's capabilities
@@ -1538,6 +1643,50 @@ impl Server {
             }
             Command::DeviceReset => {
                 backend.reset().map_err(Error::Backend)?;
+            }
+            // Patched: migration v2.
+            Command::DeviceFeature | Command::MigDataRead | Command::MigDataWrite => {
+                if !reply_wanted {
+                    return Err(Error::UnexpectedNoReply(command));
+                }
+                let cmd: ArgszWord = parse(header, payload)?;
+                let data = &payload[size_of::<ArgszWord>() - size_of::<Header>()..];
+                let (extra, word) = match command {
+                    Command::DeviceFeature => {
+                        let got = backend.device_feature(cmd.word, data).map_err(Error::Backend)?;
+                        if cmd.word & VFIO_DEVICE_FEATURE_GET != 0 {
+                            (got, cmd.word)
+                        } else {
+                            (data.to_vec(), cmd.word)
+                        }
+                    }
+                    Command::MigDataRead => {
+                        if !data.is_empty() {
+                            return Err(Error::InvalidInput);
+                        }
+                        let size = cmd.word.min(default_max_data_xfer_size());
+                        let mut got = backend.mig_data_read(size).map_err(Error::Backend)?;
+                        got.truncate(size as usize);
+                        let n = got.len() as u32;
+                        (got, n)
+                    }
+                    _ => {
+                        if data.len() != cmd.word as usize {
+                            return Err(Error::InvalidInput);
+                        }
+                        backend.mig_data_write(data).map_err(Error::Backend)?;
+                        (Vec::new(), cmd.word)
+                    }
+                };
+                let fixed = size_of::<ArgszWord>() - size_of::<Header>();
+                let reply = ArgszWord {
+                    header: reply_header(&header, size_of::<ArgszWord>() + extra.len()),
+                    argsz: (fixed + extra.len()) as u32,
+                    word,
+                };
+                stream.write_all(reply.as_slice()).map_err(Error::StreamWrite)?;
+                stream.write_all(&extra).map_err(Error::StreamWrite)?;
+                return Ok(());
             }
         }
         // The commands whose reply is the header alone.

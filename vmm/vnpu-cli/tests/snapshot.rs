@@ -345,3 +345,56 @@ fn a_vm_moved_through_five_processes_by_snapshots_answers_every_round_once() {
     once_each(&console, &out);
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A vNPU a board daemon serves: the VMM takes its state through the
+/// daemon with vfio-user migration v2 (stop-and-copy, `MIG_DATA_READ`),
+/// and the restored VMM, a new client of the same instance, gives it back
+/// (`MIG_DATA_WRITE`) before the guest runs on.
+#[test]
+fn a_vm_with_a_daemon_served_vnpu_runs_on_from_its_snapshot() {
+    let _one = one_at_a_time();
+    let d = scratch("daemon");
+    let (state, sockets) = (d.join("state"), d.join("state/sockets"));
+    let uuid = common::vnpu(&state, &["create", "--type", "small"]).trim().to_string();
+    let log = d.join("daemon.log");
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(&state)
+        .arg("--socket-dir")
+        .arg(&sockets)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let daemon = common::Daemon(Some(child));
+    let served = sockets.join(format!("{uuid}.sock"));
+    wait_socket(&served);
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    let (api, snap) = (d.join("api.sock"), d.join("snap"));
+    let g = guest("resume");
+    let vm = Running::start(&[
+        "run".as_ref(),
+        "--memory".as_ref(),
+        "64M".as_ref(),
+        "--guest".as_ref(),
+        g.as_os_str(),
+        "--vnpu".as_ref(),
+        format!("uuid={uuid}").as_ref(),
+        "--state-dir".as_ref(),
+        state.as_os_str(),
+        "--api-socket".as_ref(),
+        api.as_os_str(),
+    ]);
+    wait_socket(&api);
+    vm.wait_for(SNAPSHOT_AT);
+    let (code, out) = snapshot(&api, &snap, true);
+    assert_eq!(code, 0, "{out}\n--- the VM ---\n{}\n--- the daemon ---\n{}", vm.both(), said());
+    let (code, before, err) = vm.finish();
+    assert_eq!(code, 0, "{before}{err}");
+    assert!(snap.join("vnpu-1.stream").is_file(), "the device's stream is in the snapshot");
+    let (code, after, err) = restore(&snap);
+    assert_eq!(code, 0, "{after}{err}\n--- the daemon ---\n{}", said());
+    once_each(&before, &after);
+    assert!(common::terminate(daemon).success(), "{}", said());
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -196,6 +196,9 @@ static BACKEND_IDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64:
 
 /// One connected client's view of a vNPU instance.
 pub struct VnpuBackend {
+    /// Declared first, so dropped before `function`: a device parked for
+    /// a migration is let go before its worker is stopped and joined.
+    migration: crate::migration::Migration,
     function: VnpuFunction,
     vectors: Arc<Vectors>,
     /// Doorbell eventfds handed out by `GET_REGION_IO_FDS` (kept open here).
@@ -270,7 +273,15 @@ impl VnpuBackend {
         let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
         let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
         let ioevents = function.ioevents()?;
+        // The longest device stream this vNPU can have: its memories and
+        // every program handle full, and the record.
+        let memories =
+            u64::from(spec.cores()).saturating_mul(spec.sram_per_core().saturating_add(spec.hbm_per_core()));
+        let programs = (abi::MAX_REGISTERED as u64).saturating_mul(u64::from(abi::MAX_PROGRAM_BYTES));
+        let limit =
+            usize::try_from(memories.saturating_add(programs).saturating_add(1 << 20)).unwrap_or(usize::MAX);
         Ok(Self {
+            migration: crate::migration::Migration::new(function.state_handle(), limit),
             function,
             vectors,
             ioevents,
@@ -549,8 +560,21 @@ impl ServerBackend for VnpuBackend {
     }
 
     fn reset(&mut self) -> Result<(), std::io::Error> {
+        self.migration.reset();
         self.function.bar_write(0, abi::regs::DEVICE_RESET, &1u32.to_le_bytes());
         Ok(())
+    }
+
+    fn device_feature(&mut self, flags: u32, data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+        self.migration.feature(flags, data)
+    }
+
+    fn mig_data_read(&mut self, size: u32) -> Result<Vec<u8>, std::io::Error> {
+        self.migration.read(size)
+    }
+
+    fn mig_data_write(&mut self, data: &[u8]) -> Result<(), std::io::Error> {
+        self.migration.write(data)
     }
 
     fn set_irqs(

@@ -16,6 +16,7 @@ pub mod dma;
 pub mod fault;
 mod http;
 pub mod metrics;
+pub mod migration;
 pub mod peer;
 pub mod seccomp;
 pub mod serve;

@@ -222,6 +222,8 @@ struct Doorbells {
     grant: Option<vnpu_device::GrantHandle>,
     /// Saves and restores the device state (None for a daemon's).
     state: Option<vnpu_device::StateHandle>,
+    /// A daemon's function: its state by vfio-user migration.
+    migration: Option<remote::MigrationHandle>,
 }
 
 /// Guest RAM in a memfd sealed against shrinking and growing, so a
@@ -571,8 +573,6 @@ impl<W: Write> Vm<W> {
         vm.register_irqfd(&irq, SERIAL_IRQ).map_err(ioctl("register the serial irqfd"))?;
         let no_snapshot = if linux.is_some() {
             Some("a Linux guest (its PIT and boot state are not saved yet)")
-        } else if !cfg.remote_vnpus.is_empty() {
-            Some("a vNPU served by a board daemon (the daemon case is not done yet)")
         } else if !cfg.shared_cores.is_empty() {
             Some("a vNPU on a shared core")
         } else {
@@ -604,6 +604,7 @@ impl<W: Write> Vm<W> {
             name: cfg.name.clone(),
             poll_us: u64::try_from(cfg.device.poll.as_micros()).unwrap_or(u64::MAX),
             payload,
+            remote: cfg.remote_vnpus.clone(),
         }
     }
 
@@ -615,12 +616,32 @@ impl<W: Write> Vm<W> {
 
     /// Takes a snapshot into `dir` (new or empty): on the vCPU thread,
     /// between two runs of the vCPU, with every vNPU parked.
-    fn take_snapshot(&mut self, dir: &std::path::Path) -> Result<SnapshotInfo, SnapshotError> {
+    fn take_snapshot(&mut self, dir: &std::path::Path, stop: bool) -> Result<SnapshotInfo, SnapshotError> {
         if let Some(why) = self.no_snapshot {
             return Err(SnapshotError::Unsupported(why));
         }
         let t = std::time::Instant::now();
         snapshot::fresh_dir(dir)?;
+        // A daemon's vNPUs stop for it too; they run on afterwards unless
+        // the VM ends, whatever happens to the snapshot.
+        let mut stopped = Vec::new();
+        let r = self.save_all(dir, t, &mut stopped);
+        if r.is_err() || !stop {
+            for (slot, h) in stopped {
+                if let Err(e) = h.run() {
+                    eprintln!("vnpu: the vNPU in slot {slot} after the snapshot: {e}");
+                }
+            }
+        }
+        r
+    }
+
+    fn save_all(
+        &mut self,
+        dir: &std::path::Path,
+        t: std::time::Instant,
+        stopped: &mut Vec<(usize, remote::MigrationHandle)>,
+    ) -> Result<SnapshotInfo, SnapshotError> {
         // Every vNPU parked between requests first: nothing writes guest
         // RAM or raises an interrupt while the rest is saved.
         let mut parked = Vec::new();
@@ -630,6 +651,11 @@ impl<W: Write> Vm<W> {
                     .save(&snapshot::vnpu_dir(dir, d.slot))
                     .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
                 parked.push(p);
+            }
+            if let Some(h) = &d.migration {
+                let bytes = h.save().map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
+                stopped.push((d.slot, h.clone()));
+                snapshot::write_private(&snapshot::stream_file(dir, d.slot), &bytes)?;
             }
         }
         let drain = t.elapsed();
@@ -681,6 +707,7 @@ impl<W: Write> Vm<W> {
             memory: shape.memory,
             guest: std::path::PathBuf::new(),
             vnpus: shape.vnpus.clone(),
+            remote_vnpus: shape.remote.clone(),
             board: shape.board.clone(),
             device: vnpu_device::DeviceOptions {
                 poll: std::time::Duration::from_micros(shape.poll_us),
@@ -695,8 +722,11 @@ impl<W: Write> Vm<W> {
         let memory = Self::guest_memory(&vm, &cfg)?;
         // Guest RAM is the snapshot's file, mapped copy-on-write: pages are
         // read as the guest touches them, and the file is never written.
+        // RAM a daemon shares is a memfd: the file's data is copied in.
         let len = usize::try_from(shape.memory).unwrap_or(usize::MAX);
-        if !map_file_into(&memory, 0, &ram, len)? {
+        if !cfg.remote_vnpus.is_empty() {
+            snapshot::copy_ram(&ram, &memory, shape.memory)?;
+        } else if !map_file_into(&memory, 0, &ram, len)? {
             return Err(VmError::Memory {
                 size: shape.memory,
                 reason: "cannot map the snapshot's RAM file".into(),
@@ -726,6 +756,11 @@ impl<W: Write> Vm<W> {
             if let Some(h) = &d.state {
                 h.restore(&snapshot::vnpu_dir(dir, d.slot))
                     .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+            }
+            if let Some(h) = &d.migration {
+                let p = snapshot::stream_file(dir, d.slot);
+                let bytes = std::fs::read(&p).map_err(snapshot::io_at(&p))?;
+                h.load(&bytes).map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
             }
         }
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
@@ -1103,7 +1138,7 @@ impl<W: Write> Vm<W> {
             let (grant, state) = (Some(f.grant_handle()), Some(f.state_handle()));
             bus.add(slot, Box::new(f))?;
             let io = Arc::new(Mutex::new(remote::IoEvents { events, registered: None }));
-            doorbells.push(Doorbells { slot, io, grant, state });
+            doorbells.push(Doorbells { slot, io, grant, state, migration: None });
         }
         for (i, path) in cfg.remote_vnpus.iter().enumerate() {
             let slot = vnpus.len() + i + 1;
@@ -1116,9 +1151,9 @@ impl<W: Write> Vm<W> {
                 cfg.reconnect,
             )
             .map_err(|source| VmError::Attach { path: path.display().to_string(), source })?;
-            let io = f.ioevents();
+            let (io, migration) = (f.ioevents(), Some(f.migration_handle()));
             bus.add(slot, Box::new(f))?;
-            doorbells.push(Doorbells { slot, io, grant: None, state: None });
+            doorbells.push(Doorbells { slot, io, grant: None, state: None, migration });
         }
         Ok((bus, doorbells))
     }
@@ -1204,7 +1239,7 @@ impl<W: Write> Vm<W> {
     /// access is half done); true when the VM is to stop.
     fn serve_pause(&mut self) -> bool {
         let Some((dir, stop)) = self.pause.asked() else { return false };
-        let r = self.take_snapshot(&dir);
+        let r = self.take_snapshot(&dir, stop);
         let ok = r.is_ok();
         self.pause.answer(r);
         ok && stop

@@ -261,6 +261,82 @@ fn io_events(client: &mut Client) -> Vec<(u64, EventFd)> {
     }
 }
 
+/// Saves and restores a served device's state by vfio-user migration
+/// v2 (`VFIO_USER_DEVICE_FEATURE` with the migration states,
+/// `MIG_DATA_READ`/`WRITE`), stop-and-copy only.
+#[derive(Clone)]
+pub struct MigrationHandle {
+    link: Arc<Link>,
+    path: String,
+}
+
+impl std::fmt::Debug for MigrationHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MigrationHandle").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+/// The most bytes one `MIG_DATA_READ` or `WRITE` carries.
+const MIG_CHUNK: u32 = 1 << 20;
+
+impl MigrationHandle {
+    fn client_err(&self) -> impl Fn(vfio_user::Error) -> RemoteError + '_ {
+        |source| RemoteError::Client { path: self.path.clone(), source }
+    }
+
+    /// Stops the device and reads its whole state; it stays stopped
+    /// until [`Self::run`].
+    pub fn save(&self) -> Result<Vec<u8>, RemoteError> {
+        let mut c = lock(&self.link.client);
+        let migration = c
+            .device_feature(
+                vfio_user::VFIO_DEVICE_FEATURE_GET | vfio_user::VFIO_DEVICE_FEATURE_MIGRATION,
+                &[],
+            )
+            .map_err(self.client_err())?;
+        let flags = migration
+            .get(..8)
+            .map_or(0, |b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
+        if flags & vfio_user::VFIO_MIGRATION_STOP_COPY == 0 {
+            return Err(RemoteError::Device {
+                path: self.path.clone(),
+                what: "the server cannot be migrated (no STOP_COPY)".into(),
+            });
+        }
+        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP_COPY).map_err(self.client_err())?;
+        let mut out = Vec::new();
+        loop {
+            let chunk = c.mig_data_read(MIG_CHUNK).map_err(self.client_err())?;
+            let done = chunk.len() < MIG_CHUNK as usize;
+            out.extend_from_slice(&chunk);
+            if done {
+                break;
+            }
+        }
+        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP).map_err(self.client_err())?;
+        Ok(out)
+    }
+
+    /// Lets the stopped device run again.
+    pub fn run(&self) -> Result<(), RemoteError> {
+        lock(&self.link.client)
+            .set_migration_state(vfio_user::VFIO_DEVICE_STATE_RUNNING)
+            .map_err(self.client_err())
+    }
+
+    /// Gives the device a state [`Self::save`] read (from this server or
+    /// another) and lets it run.
+    pub fn load(&self, bytes: &[u8]) -> Result<(), RemoteError> {
+        let mut c = lock(&self.link.client);
+        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_RESUMING).map_err(self.client_err())?;
+        for chunk in bytes.chunks(MIG_CHUNK as usize) {
+            c.mig_data_write(chunk).map_err(self.client_err())?;
+        }
+        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP).map_err(self.client_err())?;
+        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_RUNNING).map_err(self.client_err())
+    }
+}
+
 /// Default of how long a VMM waits for a hung-up server to come back.
 pub const DEFAULT_RECONNECT: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -575,6 +651,12 @@ impl RemoteFunction {
         Ok(f)
     }
 
+    /// A handle that saves and restores the served device's state
+    /// through the server's vfio-user migration (`docs/migration.md`).
+    pub fn migration_handle(&self) -> MigrationHandle {
+        MigrationHandle { link: Arc::clone(&self.link), path: self.path.clone() }
+    }
+
     /// The server's ioeventfds, (BAR 0 offset, eventfd) for KVM, which
     /// the VM registers where BAR 0 is; replaced when the function
     /// reconnects to a restarted server.
@@ -689,6 +771,19 @@ impl PciFunction for RemoteFunction {
             self.with_server(|c| c.region_write(VFIO_PCI_CONFIG_REGION_INDEX, offset as u64, &data));
         }
         self.sync_vectors();
+    }
+    fn save_state(&self) -> vnpu_pci::FunctionState {
+        vnpu_pci::FunctionState { config: self.config.saved(), extra: self.table.saved() }
+    }
+    fn restore_state(&mut self, s: &vnpu_pci::FunctionState) -> Result<(), vnpu_pci::PciError> {
+        self.config.restore(&s.config)?;
+        self.table.restore(&s.extra)?;
+        // What the server must see (the command register, MSI-X
+        // control), as a guest's writes would give it; the BARs are ours.
+        self.config_written(0x04, 2);
+        let cap = self.msix.cap.offset;
+        self.config_written(cap + 2, 2);
+        Ok(())
     }
     fn bar_read(&mut self, bar: usize, offset: u64, data: &mut [u8]) {
         match self.in_table(bar, offset) {

@@ -75,6 +75,12 @@ pub enum SnapshotError {
         #[source]
         source: vnpu_pci::PciError,
     },
+    #[error("the vNPU in slot {slot}, served by a board daemon: {source}")]
+    Remote {
+        slot: usize,
+        #[source]
+        source: crate::remote::RemoteError,
+    },
     #[error("the UART's saved state: {0}")]
     Serial(String),
     #[error("the VM is not running, or stopped before it took the snapshot")]
@@ -99,6 +105,10 @@ pub(crate) struct Shape {
     pub poll_us: u64,
     /// Guest address and length of the payload, if it had one.
     pub payload: Option<(u64, u64)>,
+    /// The vfio-user sockets of the vNPUs a board daemon serves (PCI
+    /// slots after the in-process ones).
+    #[serde(default)]
+    pub remote: Vec<PathBuf>,
 }
 
 /// The x87/SSE state as KVM_GET_FPU gives it (kvm-bindings has no serde
@@ -571,6 +581,43 @@ pub(crate) fn allocated(dir: &Path) -> u64 {
             Err(_) => 0,
         })
         .sum()
+}
+
+/// The device stream of the daemon-served vNPU in `slot` inside a
+/// snapshot (`vnpu_device`'s stream format).
+pub(crate) fn stream_file(dir: &Path, slot: usize) -> PathBuf {
+    dir.join(format!("vnpu-{slot}.stream"))
+}
+
+/// Writes `bytes` into a new private file at `path`, synced.
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<(), SnapshotError> {
+    let mut f = private_file(path)?;
+    f.write_all(bytes).map_err(io_at(path))?;
+    f.sync_all().map_err(io_at(path))
+}
+
+/// Copies the RAM file's data (its holes are zeros already) into guest
+/// RAM of `len` bytes.
+pub(crate) fn copy_ram(ram: &File, memory: &GuestMemoryMmap<()>, len: u64) -> Result<(), SnapshotError> {
+    use vm_memory::Bytes;
+    let path = Path::new("the snapshot's RAM file");
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let Some((start, end)) = data_extent(ram, at, len).map_err(io_at(path))? else { break };
+        let mut p = start;
+        while p < end {
+            let n = usize::try_from((end - p).min(buf.len() as u64)).unwrap_or(buf.len());
+            ram.read_exact_at(&mut buf[..n], p).map_err(io_at(path))?;
+            memory.write_slice(&buf[..n], GuestAddress(p)).map_err(|e| SnapshotError::Format {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            p += n as u64;
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 /// The folder of the vNPU in `slot` inside a snapshot.

@@ -1,0 +1,298 @@
+//! vfio-user migration v2 for a served vNPU (`docs/migration.md`, "Over
+//! vfio-user"): the device states of `VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE`
+//! and the device stream (`vnpu_device::StateHandle::save_stream`) read
+//! with `MIG_DATA_READ` and written with `MIG_DATA_WRITE`. Stop-and-copy
+//! only (no pre-copy yet): the device is saved as it stops.
+//!
+//! Every request comes from the client: a transition the protocol does
+//! not allow, data read or written in the wrong state, or a stream longer
+//! than the vNPU's grant can hold is refused with an errno, and a stream
+//! that does not check out leaves the device as it was (state `ERROR`
+//! until a reset).
+
+use vfio_user::{
+    VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK, VFIO_DEVICE_FEATURE_MIGRATION,
+    VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
+    VFIO_DEVICE_STATE_ERROR, VFIO_DEVICE_STATE_RESUMING, VFIO_DEVICE_STATE_RUNNING, VFIO_DEVICE_STATE_STOP,
+    VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_STOP_COPY,
+};
+use vnpu_device::{Parked, StateHandle};
+
+fn errno(e: i32) -> std::io::Error {
+    std::io::Error::from_raw_os_error(e)
+}
+
+/// One connection's migration state.
+#[derive(Debug)]
+pub struct Migration {
+    handle: StateHandle,
+    state: u32,
+    /// The parked device, while stopped.
+    parked: Option<Parked>,
+    /// The stream saved when the device stopped, and how much was read.
+    out: Vec<u8>,
+    read: usize,
+    /// The stream written while resuming.
+    incoming: Vec<u8>,
+    /// Most bytes a stream for this vNPU can hold.
+    limit: usize,
+    /// A stream was restored: the ring is taken up when the device runs.
+    restored: bool,
+}
+
+impl Migration {
+    /// The migration state of a device `handle` saves and restores, whose
+    /// streams hold at most `limit` bytes; it starts running.
+    pub fn new(handle: StateHandle, limit: usize) -> Self {
+        Self {
+            handle,
+            state: VFIO_DEVICE_STATE_RUNNING,
+            parked: None,
+            out: Vec::new(),
+            read: 0,
+            incoming: Vec::new(),
+            limit,
+            restored: false,
+        }
+    }
+
+    /// `VFIO_USER_DEVICE_FEATURE`.
+    pub fn feature(&mut self, flags: u32, data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+        let feature = flags & VFIO_DEVICE_FEATURE_MASK;
+        let (get, set, probe) = (
+            flags & VFIO_DEVICE_FEATURE_GET != 0,
+            flags & VFIO_DEVICE_FEATURE_SET != 0,
+            flags & VFIO_DEVICE_FEATURE_PROBE != 0,
+        );
+        if probe {
+            return match feature {
+                VFIO_DEVICE_FEATURE_MIGRATION if !set => Ok(Vec::new()),
+                VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE => Ok(Vec::new()),
+                _ => Err(errno(libc::ENOTSUP)),
+            };
+        }
+        match (feature, get, set) {
+            (VFIO_DEVICE_FEATURE_MIGRATION, true, false) => {
+                Ok(VFIO_MIGRATION_STOP_COPY.to_le_bytes().to_vec())
+            }
+            (VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, true, false) => {
+                let mut out = self.state.to_le_bytes().to_vec();
+                out.extend_from_slice(&u32::MAX.to_le_bytes());
+                Ok(out)
+            }
+            (VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, false, true) => {
+                let to = data
+                    .get(..4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .ok_or(errno(libc::EINVAL))?;
+                self.go(to)?;
+                Ok(Vec::new())
+            }
+            (VFIO_DEVICE_FEATURE_MIGRATION | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, _, _) => {
+                Err(errno(libc::EINVAL))
+            }
+            _ => Err(errno(libc::ENOTSUP)),
+        }
+    }
+
+    /// Moves to `to`, through `STOP` where no direct arc leads there (the
+    /// protocol's shortest path).
+    fn go(&mut self, to: u32) -> Result<(), std::io::Error> {
+        let known = [
+            VFIO_DEVICE_STATE_STOP,
+            VFIO_DEVICE_STATE_RUNNING,
+            VFIO_DEVICE_STATE_STOP_COPY,
+            VFIO_DEVICE_STATE_RESUMING,
+        ];
+        if !known.contains(&to) {
+            return Err(errno(libc::EINVAL));
+        }
+        if self.state == VFIO_DEVICE_STATE_ERROR {
+            return Err(errno(libc::EINVAL));
+        }
+        if self.state != to && self.state != VFIO_DEVICE_STATE_STOP && to != VFIO_DEVICE_STATE_STOP {
+            self.arc(VFIO_DEVICE_STATE_STOP)?;
+        }
+        if self.state != to {
+            self.arc(to)?;
+        }
+        Ok(())
+    }
+
+    /// One arc from `STOP` or to it.
+    fn arc(&mut self, to: u32) -> Result<(), std::io::Error> {
+        use VFIO_DEVICE_STATE_STOP as STOP;
+        match (self.state, to) {
+            (VFIO_DEVICE_STATE_RUNNING, STOP) => {
+                let (parked, bytes) = self.handle.save_stream().map_err(|e| {
+                    log::warn!("migration: saving the device: {e}");
+                    errno(libc::EIO)
+                })?;
+                self.parked = Some(parked);
+                self.out = bytes;
+                self.read = 0;
+            }
+            (STOP, VFIO_DEVICE_STATE_STOP_COPY) => self.read = 0,
+            (VFIO_DEVICE_STATE_STOP_COPY, STOP) => {}
+            (STOP, VFIO_DEVICE_STATE_RUNNING) => {
+                self.parked = None;
+                self.out = Vec::new();
+                if std::mem::take(&mut self.restored) {
+                    self.handle.resume();
+                }
+            }
+            (STOP, VFIO_DEVICE_STATE_RESUMING) => {
+                // The worker takes the stream, so it is let go; the
+                // client's vCPUs are not running.
+                self.parked = None;
+                self.incoming.clear();
+            }
+            (VFIO_DEVICE_STATE_RESUMING, STOP) => {
+                let bytes = std::mem::take(&mut self.incoming);
+                if let Err(e) = self.handle.restore_stream(bytes) {
+                    log::warn!("migration: the client's device stream: {e}");
+                    self.state = VFIO_DEVICE_STATE_ERROR;
+                    return Err(errno(libc::EINVAL));
+                }
+                self.restored = true;
+            }
+            _ => return Err(errno(libc::EINVAL)),
+        }
+        self.state = to;
+        Ok(())
+    }
+
+    /// `VFIO_USER_MIG_DATA_READ`: only while saving.
+    pub fn read(&mut self, size: u32) -> Result<Vec<u8>, std::io::Error> {
+        if self.state != VFIO_DEVICE_STATE_STOP_COPY {
+            return Err(errno(libc::EINVAL));
+        }
+        let end = self.read.saturating_add(size as usize).min(self.out.len());
+        let chunk = self.out[self.read..end].to_vec();
+        self.read = end;
+        Ok(chunk)
+    }
+
+    /// `VFIO_USER_MIG_DATA_WRITE`: only while resuming, and no more than
+    /// a stream for this vNPU can hold.
+    pub fn write(&mut self, data: &[u8]) -> Result<(), std::io::Error> {
+        if self.state != VFIO_DEVICE_STATE_RESUMING {
+            return Err(errno(libc::EINVAL));
+        }
+        if self.incoming.len().saturating_add(data.len()) > self.limit {
+            return Err(errno(libc::EFBIG));
+        }
+        self.incoming.extend_from_slice(data);
+        Ok(())
+    }
+
+    /// A device reset: back to running, whatever the state (the way out
+    /// of `ERROR`).
+    pub fn reset(&mut self) {
+        self.parked = None;
+        self.out = Vec::new();
+        self.incoming = Vec::new();
+        self.restored = false;
+        self.state = VFIO_DEVICE_STATE_RUNNING;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    struct Nowhere;
+    impl vnpu_device::VectorSink for Nowhere {
+        fn signal(&self, _: u16) {}
+    }
+
+    fn function() -> vnpu_device::VnpuFunction {
+        let spec = vnpu_spec::VnpuSpec::named("small").unwrap();
+        let board = npu_model::BoardConfig::default();
+        vnpu_device::VnpuFunction::served(
+            &spec,
+            &board,
+            Arc::new(Nowhere),
+            "t",
+            vnpu_device::DeviceOptions::default(),
+        )
+        .unwrap()
+    }
+
+    fn set(m: &mut Migration, state: u32) -> Result<Vec<u8>, std::io::Error> {
+        let mut d = state.to_le_bytes().to_vec();
+        d.extend_from_slice(&u32::MAX.to_le_bytes());
+        m.feature(VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &d)
+    }
+
+    fn state(m: &mut Migration) -> u32 {
+        let b = m.feature(VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]).unwrap();
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+
+    fn errno_of(r: Result<impl Sized, std::io::Error>) -> Option<i32> {
+        r.err().and_then(|e| e.raw_os_error())
+    }
+
+    /// The protocol's states and arcs, a stream out of one device into
+    /// another, and what a hostile client may send refused with an errno.
+    #[test]
+    fn the_migration_states_move_a_stream_and_refuse_what_is_out_of_place() {
+        let (a, b) = (function(), function());
+        let mut m = Migration::new(a.state_handle(), 64 << 20);
+        let flags = m.feature(VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION, &[]).unwrap();
+        assert_eq!(flags, VFIO_MIGRATION_STOP_COPY.to_le_bytes());
+        assert!(m.feature(VFIO_DEVICE_FEATURE_PROBE | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]).is_ok());
+        assert_eq!(errno_of(m.feature(VFIO_DEVICE_FEATURE_GET | 6, &[])), Some(libc::ENOTSUP));
+        assert_eq!(state(&mut m), VFIO_DEVICE_STATE_RUNNING);
+        // Data in the wrong state, unknown states, a short SET.
+        assert_eq!(errno_of(m.read(16)), Some(libc::EINVAL));
+        assert_eq!(errno_of(m.write(&[1])), Some(libc::EINVAL));
+        for bad in [VFIO_DEVICE_STATE_ERROR, 5, 6, 7, 99] {
+            assert_eq!(errno_of(set(&mut m, bad)), Some(libc::EINVAL), "state {bad}");
+        }
+        assert_eq!(
+            errno_of(m.feature(VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[1])),
+            Some(libc::EINVAL)
+        );
+        // RUNNING -> STOP_COPY goes through STOP; the stream reads out in
+        // pieces and ends short.
+        set(&mut m, VFIO_DEVICE_STATE_STOP_COPY).unwrap();
+        let mut stream = Vec::new();
+        loop {
+            let c = m.read(1 << 16).unwrap();
+            let done = c.len() < 1 << 16;
+            stream.extend_from_slice(&c);
+            if done {
+                break;
+            }
+        }
+        assert!(stream.starts_with(b"VNPUSTRM"));
+        set(&mut m, VFIO_DEVICE_STATE_RUNNING).unwrap();
+
+        let mut n = Migration::new(b.state_handle(), stream.len() + 10);
+        set(&mut n, VFIO_DEVICE_STATE_RESUMING).unwrap();
+        assert_eq!(
+            errno_of(n.write(&vec![0; stream.len() + 11])),
+            Some(libc::EFBIG),
+            "past the vNPU's bound"
+        );
+        n.write(&stream).unwrap();
+        set(&mut n, VFIO_DEVICE_STATE_RUNNING).unwrap();
+        assert_eq!(state(&mut n), VFIO_DEVICE_STATE_RUNNING);
+
+        // A stream that does not check out: ERROR, and only a reset leaves it.
+        set(&mut n, VFIO_DEVICE_STATE_RESUMING).unwrap();
+        n.write(&stream[..stream.len() / 2]).unwrap();
+        assert_eq!(errno_of(set(&mut n, VFIO_DEVICE_STATE_STOP)), Some(libc::EINVAL));
+        assert_eq!(state(&mut n), VFIO_DEVICE_STATE_ERROR);
+        assert_eq!(errno_of(set(&mut n, VFIO_DEVICE_STATE_RUNNING)), Some(libc::EINVAL));
+        n.reset();
+        assert_eq!(state(&mut n), VFIO_DEVICE_STATE_RUNNING);
+        // Dropped while stopped: the parked device is let go first (no hang).
+        set(&mut m, VFIO_DEVICE_STATE_STOP).unwrap();
+        drop(m);
+        drop(a);
+    }
+}
