@@ -12,6 +12,8 @@
 //!   growth sequence.
 //! - [`resume_from`]: a device core resuming from a session folder whose
 //!   files hold anything.
+//! - [`take_stream`]: a device core taking a device stream a migrating
+//!   client wrote.
 //!
 //! Each is also run by this crate's tests on fixed inputs, so the
 //! harnesses stay built and working on stable Rust.
@@ -21,9 +23,11 @@ mod resume;
 mod ring;
 mod server;
 mod session;
+mod stream;
 
 pub use dma::drive_dma;
 pub use resume::resume_from;
 pub use ring::drive_ring;
 pub use server::serve_stream;
 pub use session::run_session;
+pub use stream::take_stream;

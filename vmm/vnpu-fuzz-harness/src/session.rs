@@ -68,7 +68,8 @@ fn steps(data: &[u8]) -> Vec<Step> {
                 out.push(Step::Raw(take(n, &mut it)));
             }
             _ => {
-                let command = u16::from(it.next().unwrap_or(0) % 16);
+                // 0-18: every command through migration v2's.
+                let command = u16::from(it.next().unwrap_or(0) % 19);
                 let n = usize::from(it.next().unwrap_or(0));
                 let payload = take(n, &mut it);
                 let size = usize::from(it.next().unwrap_or(1)) << 16;

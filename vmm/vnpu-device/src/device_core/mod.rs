@@ -461,6 +461,18 @@ impl DeviceCore {
         self.resume();
     }
 
+    /// The whole state as a device stream (as `StateHandle::save_stream`,
+    /// `docs/migration.md`).
+    pub fn stream(&self) -> Result<Vec<u8>, SnapshotError> {
+        self.encode_stream()
+    }
+
+    /// Takes a device stream (as `StateHandle::restore_stream`); the ring
+    /// waits for [`Self::resume_session`].
+    pub fn take_stream(&mut self, bytes: &[u8]) -> Result<(), SnapshotError> {
+        self.restore_stream(bytes)
+    }
+
     /// A guest write to BAR 0 (`docs/device-interface.md`); the control
     /// work it starts waits for [`DeviceCore::handle_controls`].
     pub fn register_write(&self, offset: u64, data: &[u8]) {
