@@ -22,7 +22,7 @@ snapshot-support.md, "Performance"): snapshot resume latency under
 m5d.metal.
 
   cargo build --release -p vnpu-cli && bash scripts/build-guests.sh
-  python3 scripts/bench-snapshot.py [--rounds 10] [--memory 64M,512M] [--json FILE]
+  python3 scripts/bench-snapshot.py [--rounds 10] [--memory 64M,512M] [--daemon] [--json FILE]
 """
 import argparse
 import json
@@ -44,6 +44,8 @@ p.add_argument("--memory", default="64M,512M")
 p.add_argument("--bin", default=os.path.join(ROOT, "target/release/vnpu"))
 p.add_argument("--guest", default=os.path.join(ROOT, "guest-images/target/x86_64-unknown-none/release/digits"))
 p.add_argument("--json", help="write the figures here")
+p.add_argument("--daemon", action="store_true",
+               help="the vNPU served by a board daemon (its state through vfio-user migration v2) instead of in-process")
 a = p.parse_args()
 for f in (a.bin, a.guest):
     if not os.path.exists(f):
@@ -61,12 +63,12 @@ def wait_for(proc, buf, text, limit=120):
             raise SystemExit(f"bench-snapshot: no {text!r} after {limit} s")
 
 
-def one(mem, work):
+def one(mem, work, vnpu):
     api = os.path.join(work, "api.sock")
     snap = os.path.join(work, "snap")
     shutil.rmtree(snap, ignore_errors=True)
-    vm = subprocess.Popen([a.bin, "run", "--memory", mem, "--guest", a.guest, "--vnpu", "type=small",
-                           "--api-socket", api], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    vm = subprocess.Popen([a.bin, "run", "--memory", mem, "--guest", a.guest] + vnpu +
+                          ["--api-socket", api], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     buf = [""]
     wait_for(vm, buf, "model cnn")
     s = subprocess.run([a.bin, "snapshot", "--api-socket", api, snap, "--stop"], capture_output=True, text=True)
@@ -96,14 +98,32 @@ def mmm(v):
 
 results = {}
 work = tempfile.mkdtemp(prefix="vnpu-bench-snapshot-")
+daemon = None
+vnpu = ["--vnpu", "type=small"]
 try:
+    if a.daemon:
+        state = os.path.join(work, "state")
+        uuid = subprocess.run([a.bin, "create", "--type", "small", "--state-dir", state],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        daemon = subprocess.Popen([a.bin, "daemon", "--state-dir", state], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        sock = os.path.join(state, "sockets", f"{uuid}.sock")
+        t = time.time()
+        while not os.path.exists(sock):
+            if time.time() - t > 30:
+                raise SystemExit("bench-snapshot: the daemon did not serve the instance")
+            time.sleep(0.05)
+        vnpu = ["--vnpu", f"uuid={uuid}", "--state-dir", state]
     for mem in a.memory.split(","):
         rows = []
         for i in range(a.rounds):
-            rows.append(one(mem, work))
+            rows.append(one(mem, work, vnpu))
             print(f"bench-snapshot: {mem} round {i + 1}/{a.rounds}: {rows[-1]}", file=sys.stderr)
         results[mem] = {k: mmm([r[k] for r in rows]) for k in rows[0]}
 finally:
+    if daemon:
+        daemon.terminate()
+        daemon.wait()
     shutil.rmtree(work, ignore_errors=True)
 
 print(f"| guest RAM | pause ms | of it, drain ms | snapshot MiB on disk | restore ms | to first output ms |")
@@ -111,7 +131,7 @@ print(f"| --- | --- | --- | --- | --- | --- |")
 for mem, r in results.items():
     cell = lambda k: "{min:.1f} / {median:.1f} / {max:.1f}".format(**r[k])
     print(f"| {mem} | {cell('pause_ms')} | {cell('drain_ms')} | {cell('size_mib')} | {cell('restore_ms')} | {cell('first_ms')} |")
-print(f"(min / median / max over {a.rounds} rounds each)")
+print(f"(min / median / max over {a.rounds} rounds each; the vNPU {'served by a board daemon' if a.daemon else 'in-process'})")
 if a.json:
     with open(a.json, "w") as f:
         json.dump({"rounds": a.rounds, "results": results}, f, indent=1)
