@@ -12,12 +12,12 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 mod common;
 
-use common::{control_line, finish_within, terminate, vm, wait_for, Daemon};
+use common::{control_line, finish_within, terminate, vm, wait_for};
 
 /// A tmpfs of `size` mounted at `at`, unmounted when dropped.
 struct Tmpfs(PathBuf);
@@ -119,16 +119,7 @@ fn a_full_state_disk_fails_what_it_must_and_kills_nothing() {
     let first = create(&state);
     let second = create(&state);
     let third = create(&state);
-    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["daemon", "--state-dir"])
-        .arg(&state)
-        .arg("--socket-dir")
-        .arg(&sockets)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let d = Daemon(Some(child));
+    let d = common::daemon_logged(&state, &sockets, &log);
     let ctl = sockets.join("control.sock");
     for u in [&first, &second, &third] {
         let s = sockets.join(format!("{u}.sock"));

@@ -357,16 +357,7 @@ fn a_vm_with_a_daemon_served_vnpu_runs_on_from_its_snapshot() {
     let (state, sockets) = (d.join("state"), d.join("state/sockets"));
     let uuid = common::vnpu(&state, &["create", "--type", "small"]).trim().to_string();
     let log = d.join("daemon.log");
-    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
-        .args(["daemon", "--state-dir"])
-        .arg(&state)
-        .arg("--socket-dir")
-        .arg(&sockets)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let daemon = common::Daemon(Some(child));
+    let daemon = common::daemon_logged(&state, &sockets, &log);
     let served = sockets.join(format!("{uuid}.sock"));
     wait_socket(&served);
     let said = || std::fs::read_to_string(&log).unwrap_or_default();

@@ -74,9 +74,14 @@ fn run(dir: &std::path::Path) {
     let Ok(store) = SessionStore::open(dir) else { return };
     core.keep_in(Arc::new(store), true);
     core.handle_controls();
+    still_a_device(&mut core);
+}
+
+/// Takes the ring of a core that resumed (or refused to) up, and checks
+/// it is still a device: its registers answer and its ring drains.
+pub(crate) fn still_a_device(core: &mut DeviceCore) {
     core.resume_session();
     core.handle_controls();
-    // Still a device: its registers answer and its ring drains.
     let mut status = [0u8; 4];
     core.register_read(regs::STATUS, &mut status);
     core.drain_ring();

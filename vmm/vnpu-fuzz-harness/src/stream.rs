@@ -10,7 +10,6 @@ use std::sync::{Arc, OnceLock};
 use npu_model::config::{HBM_SLICE, SRAM_SLICE};
 use npu_model::BoardConfig;
 use vm_memory::{GuestAddress, GuestMemoryMmap};
-use vnpu_abi::device::regs;
 use vnpu_device::device_core::DeviceCore;
 use vnpu_device::{DeviceOptions, MsiSink};
 use vnpu_pci::MsiMessage;
@@ -87,12 +86,7 @@ pub fn take_stream(data: &[u8]) {
         None => Vec::new(),
     };
     let _ = core.take_stream(&bytes);
-    core.resume_session();
-    core.handle_controls();
-    let mut status = [0u8; 4];
-    core.register_read(regs::STATUS, &mut status);
-    core.drain_ring();
-    core.handle_controls();
+    crate::resume::still_a_device(&mut core);
 }
 
 #[cfg(test)]

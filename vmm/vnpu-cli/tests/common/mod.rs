@@ -40,6 +40,20 @@ pub fn control_line(sock: &Path, lines: &[u8]) -> Vec<serde_json::Value> {
     std::io::BufReader::new(s).lines().map(|l| serde_json::from_str(&l.unwrap()).unwrap()).collect()
 }
 
+/// A daemon of `state` serving at `sockets`, its stderr in `log`.
+pub fn daemon_logged(state: &Path, sockets: &Path, log: &Path) -> Daemon {
+    let child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+        .args(["daemon", "--state-dir"])
+        .arg(state)
+        .arg("--socket-dir")
+        .arg(sockets)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    Daemon(Some(child))
+}
+
 /// The daemon's log (appended to).
 pub fn daemon_log(state: &Path) -> std::fs::File {
     std::fs::create_dir_all(state).unwrap();

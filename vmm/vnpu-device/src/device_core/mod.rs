@@ -1188,6 +1188,23 @@ mod resume_tests {
         mem.write_obj(idx + 1, GuestAddress(AVAIL + 2)).unwrap();
     }
 
+    /// Sets the ring up as a driver would (8 entries, vector 3) and
+    /// serves request 0, a `NOP` tagged 100.
+    fn ring_up(core: &mut DeviceCore, mem: &GuestMemoryMmap<()>) {
+        {
+            let mut r = core.regs();
+            r.set_u32(regs::QUEUE_SIZE, 8);
+            r.set_u64(regs::QUEUE_DESC, DESC);
+            r.set_u64(regs::QUEUE_AVAIL, AVAIL);
+            r.set_u64(regs::QUEUE_USED, USED);
+            r.set_u32(regs::QUEUE_ENABLE, 1);
+            r.set_u32(regs::QUEUE_VECTOR, 3);
+        }
+        core.enable(8, DESC, AVAIL, USED);
+        post_nop(mem, 0, 100);
+        core.drain_ring();
+    }
+
     fn status(mem: &GuestMemoryMmap<()>, idx: u16) -> abi::StatusBlock {
         let mut b = [0u8; abi::STATUS_BYTES];
         mem.read_slice(&mut b, GuestAddress(0x5000 + 0x100 * u64::from(idx))).unwrap();
@@ -1209,18 +1226,7 @@ mod resume_tests {
         store.begin(42).unwrap();
         let mut old = worker(&mem);
         old.session(Arc::clone(&store), false);
-        {
-            let mut r = old.regs();
-            r.set_u32(regs::QUEUE_SIZE, 8);
-            r.set_u64(regs::QUEUE_DESC, DESC);
-            r.set_u64(regs::QUEUE_AVAIL, AVAIL);
-            r.set_u64(regs::QUEUE_USED, USED);
-            r.set_u32(regs::QUEUE_ENABLE, 1);
-            r.set_u32(regs::QUEUE_VECTOR, 3);
-        }
-        old.enable(8, DESC, AVAIL, USED);
-        post_nop(&mem, 0, 100);
-        old.drain_ring();
+        ring_up(&mut old, &mem);
         assert_eq!(status(&mem, 0).status, abi::ST_OK);
         // Request 1 taken (its save point), then the daemon dies.
         post_nop(&mem, 1, 101);
@@ -1252,18 +1258,7 @@ mod resume_tests {
         use npu_model::memory::Memory;
         let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         let mut old = worker(&mem);
-        {
-            let mut r = old.regs();
-            r.set_u32(regs::QUEUE_SIZE, 8);
-            r.set_u64(regs::QUEUE_DESC, DESC);
-            r.set_u64(regs::QUEUE_AVAIL, AVAIL);
-            r.set_u64(regs::QUEUE_USED, USED);
-            r.set_u32(regs::QUEUE_ENABLE, 1);
-            r.set_u32(regs::QUEUE_VECTOR, 3);
-        }
-        old.enable(8, DESC, AVAIL, USED);
-        post_nop(&mem, 0, 100);
-        old.drain_ring();
+        ring_up(&mut old, &mem);
         let spec = old.config.unwrap();
         let mut core = old.core_memory(0, &spec);
         core.sram.write(123, &[1, 2, 3]).unwrap();
