@@ -48,6 +48,8 @@ pub fn serve_api(path: &Path, pause: vnpu_vm::PauseHandle) -> Result<(), CliErro
                 let _ = s.set_read_timeout(Some(std::time::Duration::from_secs(5)));
                 let reply = answer(&s, &pause);
                 let _ = s.write_all(format!("{reply}\n").as_bytes());
+                // A VM that stops after its snapshot waits for this.
+                pause.reply_sent();
             }
         })
         .map_err(err)?;

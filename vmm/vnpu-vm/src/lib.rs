@@ -1253,6 +1253,9 @@ impl<W: Write> Vm<W> {
                 Err(e) if e.errno() == libc::EINTR => {
                     if self.serve_pause() {
                         let _ = uart(&self.serial).writer_mut().flush();
+                        // The asker's reply goes out before this process
+                        // may end.
+                        self.pause.wait_reply_sent(std::time::Duration::from_secs(5));
                         return Err(VmError::StoppedAfterSnapshot);
                     }
                     continue;

@@ -638,6 +638,8 @@ struct PauseState {
     /// The vCPU thread, while the VM runs.
     thread: Option<libc::pthread_t>,
     request: Option<Request>,
+    /// The asker has passed the last answer on (`reply_sent`).
+    sent: bool,
 }
 
 /// Asks a running VM for a snapshot from another thread (an API socket's):
@@ -670,6 +672,7 @@ impl PauseHandle {
             return Err(SnapshotError::Unsupported("another snapshot is being taken"));
         }
         g.request = Some(Request { dir: dir.to_path_buf(), stop, answer: None });
+        g.sent = false;
         loop {
             if let Some(a) = g.request.as_mut().and_then(|r| r.answer.take()) {
                 g.request = None;
@@ -690,6 +693,29 @@ impl PauseHandle {
                 .wait_timeout(g, std::time::Duration::from_millis(5))
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
+        }
+    }
+
+    /// The asker passed the answer of [`Self::snapshot`] on (an API
+    /// socket's reply written): a VM that stops after its snapshot waits
+    /// for this, so that its process does not end before the reply.
+    pub fn reply_sent(&self) {
+        let (m, cv) = &*self.inner;
+        lock(m).sent = true;
+        cv.notify_all();
+    }
+
+    /// Waits up to `limit` for [`Self::reply_sent`].
+    pub(crate) fn wait_reply_sent(&self, limit: std::time::Duration) {
+        let (m, cv) = &*self.inner;
+        let deadline = std::time::Instant::now() + limit;
+        let mut g = lock(m);
+        while !g.sent {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            g = cv.wait_timeout(g, left).unwrap_or_else(std::sync::PoisonError::into_inner).0;
         }
     }
 
