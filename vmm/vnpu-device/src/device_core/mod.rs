@@ -283,21 +283,34 @@ impl Shared {
 /// One core of the vNPU: its SRAM and HBM segments, created on first use.
 pub(crate) type Core = npu_board_runtime::CoreMem;
 
+/// Calls `f` with each HBM chunk `hbm` has written (the others read as
+/// zero): its index and its bytes. A save and a copy walk HBM this way.
+pub(super) fn each_written_chunk<E>(
+    hbm: &LazyHbm,
+    err: impl Fn(npu_model::memory::MemoryError) -> E,
+    mut f: impl FnMut(u64, &[u8]) -> Result<(), E>,
+) -> Result<(), E> {
+    use npu_model::memory::{Memory, HBM_CHUNK};
+    let size = hbm.size();
+    let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
+    for c in hbm.written_chunks() {
+        let at = c.saturating_mul(HBM_CHUNK);
+        let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
+        hbm.read(at, &mut buf[..n]).map_err(&err)?;
+        f(c, &buf[..n])?;
+    }
+    Ok(())
+}
+
 /// Copies core memories: the whole SRAM, and the HBM chunks `from` has
-/// written (the others read as zero in both).
+/// written.
 fn copy_core(from: &Core, to: &mut Core) -> std::io::Result<()> {
     use npu_model::memory::{Memory, HBM_CHUNK};
     let err = |e: npu_model::memory::MemoryError| std::io::Error::other(e.to_string());
     to.sram.write(0, from.sram.bytes()).map_err(err)?;
-    let size = from.hbm.size();
-    let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
-    for c in from.hbm.written_chunks() {
-        let at = c.saturating_mul(HBM_CHUNK);
-        let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
-        from.hbm.read(at, &mut buf[..n]).map_err(err)?;
-        to.hbm.write(at, &buf[..n]).map_err(err)?;
-    }
-    Ok(())
+    each_written_chunk(&from.hbm, err, |c, bytes| {
+        to.hbm.write(c.saturating_mul(HBM_CHUNK), bytes).map_err(err)
+    })
 }
 
 /// A resumed session's ring and programs, taken up at [`Control::Resume`]
@@ -777,8 +790,8 @@ impl DeviceCore {
                 let from = store
                     .core(slot, spec.sram_per_core(), spec.hbm_per_core())
                     .map_err(io(format!("core {slot}'s memory files")))?;
-                let mut to =
-                    Core { sram: Sram::new(spec.sram_per_core()), hbm: LazyHbm::new(spec.hbm_per_core()) };
+                // The core's own memories (host memory: no store is kept).
+                let mut to = self.core_memory(slot, &spec);
                 copy_core(&from, &mut to).map_err(io(format!("restoring core {slot}'s memories")))?;
                 self.cores[slot] = Some(to);
             }

@@ -99,18 +99,14 @@ impl DeviceCore {
             }
         }
         let err = |e: npu_model::memory::MemoryError| bad(e.to_string());
-        let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
         for (c, core) in self.cores.iter().enumerate() {
             let Some(core) = core else { continue };
             let c = u32::try_from(c).map_err(|_| bad("a core index past u32"))?;
             section(&mut out, SRAM, &[&c.to_le_bytes(), core.sram.bytes()]);
-            let size = core.hbm.size();
-            for chunk in core.hbm.written_chunks() {
-                let at = chunk.saturating_mul(HBM_CHUNK);
-                let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
-                core.hbm.read(at, &mut buf[..n]).map_err(err)?;
-                section(&mut out, HBM, &[&c.to_le_bytes(), &chunk.to_le_bytes(), &buf[..n]]);
-            }
+            super::each_written_chunk(&core.hbm, err, |chunk, bytes| {
+                section(&mut out, HBM, &[&c.to_le_bytes(), &chunk.to_le_bytes(), bytes]);
+                Ok(())
+            })?;
         }
         let crc = crc32fast::hash(&out);
         section(&mut out, END, &[&crc.to_le_bytes()]);
