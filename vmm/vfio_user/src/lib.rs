@@ -71,6 +71,14 @@ pub const VFIO_DEVICE_STATE_STOP: u32 = 1;
 pub const VFIO_DEVICE_STATE_RUNNING: u32 = 2;
 pub const VFIO_DEVICE_STATE_STOP_COPY: u32 = 3;
 pub const VFIO_DEVICE_STATE_RESUMING: u32 = 4;
+/// Dirty-page logging of the device's DMA (patched): `START` (SET; data:
+/// u64 page size, u32 number of ranges, u32 reserved, then each range's
+/// u64 IOVA and u64 length), `STOP` (SET; no data), `REPORT` (GET; data:
+/// u64 IOVA, u64 length, u64 page size; the reply: the same, then the
+/// bitmap of those pages, one bit each, cleared as it is read).
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_START: u32 = 6;
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP: u32 = 7;
+pub const VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT: u32 = 8;
 
 /// The fixed part of `VFIO_USER_DEVICE_FEATURE` (argsz, flags) and of
 /// `VFIO_USER_MIG_DATA_READ`/`WRITE` (argsz, size), which share a

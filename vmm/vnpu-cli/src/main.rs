@@ -66,6 +66,47 @@ enum Command {
         #[arg(long)]
         api_socket: Option<PathBuf>,
     },
+    /// Move a running VM (`vnpu run --api-socket`) live to the VMM
+    /// `vnpu receive` runs, on this host or another board daemon's: the
+    /// destination admits the VM's shape first, guest RAM is pre-copied
+    /// while the guest runs, then the VM stops for the last dirty pages,
+    /// each vNPU's state and the vCPU's (docs/migration.md). On success
+    /// the VM runs on there and ends here; on any failure it runs on here.
+    Migrate {
+        /// The VM's API socket (`vnpu run --api-socket PATH`).
+        #[arg(long)]
+        api_socket: PathBuf,
+        /// The socket `vnpu receive --listen` waits on.
+        #[arg(long)]
+        to: PathBuf,
+        /// Before the VM runs there, check that all of guest RAM there
+        /// equals the source's at the stop (a CRC-32 on both sides, in the
+        /// downtime: about 10 ms per GiB here); a difference refuses the
+        /// migration and the VM runs on here.
+        #[arg(long)]
+        verify: bool,
+        /// Print the figures as one JSON object instead of a sentence.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Wait for one VM that `vnpu migrate` sends, then run it on in this
+    /// process, as `vnpu run` (console to stdout, the guest's exit code).
+    /// Each daemon-served vNPU of the source is admitted on this host's
+    /// board daemon first: an instance of the same UUID and shape that is
+    /// started and free is taken, else one is created (placed by the
+    /// manager); a board with no room refuses the VM before it stops.
+    Receive {
+        /// The unix socket to wait on (created; the owner's only).
+        #[arg(long)]
+        listen: PathBuf,
+        /// State directory of this host's vNPU manager (default:
+        /// $VNPU_STATE_DIR, else ~/.local/state/vnpu).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+        /// Serve an API socket for snapshots and further migrations, as `vnpu run`.
+        #[arg(long)]
+        api_socket: Option<PathBuf>,
+    },
     /// The demo: boot the digits guest with a vNPU and classify
     /// scikit-learn's held-out handwritten digits on it.
     ///
@@ -804,6 +845,12 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Run(args) => return run::run_vm(args),
         Command::Snapshot { api_socket, dir, stop } => snapshot::snapshot(&api_socket, &dir, stop)?,
         Command::Restore { dir, api_socket } => return snapshot::restore(&dir, api_socket.as_deref()),
+        Command::Migrate { api_socket, to, verify, json } => {
+            snapshot::migrate(&api_socket, &to, verify, json)?
+        }
+        Command::Receive { listen, state_dir, api_socket } => {
+            return snapshot::receive(&listen, &manage::state_dir(&state_dir), api_socket.as_deref())
+        }
         Command::Demo { guest, vnpu, board: path } => return Ok(demo::run(guest, vnpu, board(&path)?)?),
         Command::Compile {
             model,

@@ -78,7 +78,16 @@ pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
     } = args;
     let b = board(&path)?;
     let dir = manage::state_dir(&state_dir);
-    let (vnpus, remote_vnpus) = split_remote(vnpus, &dir);
+    let (vnpus, remote) = split_remote(vnpus, &dir);
+    // What a migration's destination needs to admit each daemon-served vNPU.
+    let remote_shapes = remote
+        .iter()
+        .map(|(_, u)| vnpu_vm::RemoteShape {
+            uuid: u.clone(),
+            spec: u.as_ref().and_then(|u| manage::active_spec(&dir, &b, u).ok()),
+        })
+        .collect();
+    let remote_vnpus = remote.into_iter().map(|(p, _)| p).collect();
     // Managed in-process instances: (index among the vNPUs, UUID) to follow.
     let managed: Vec<(usize, String)> = vnpus
         .iter()
@@ -111,6 +120,7 @@ pub fn run_vm(args: RunArgs) -> Result<u8, CliError> {
         name: "vm".into(),
         linux,
         remote_vnpus,
+        remote_shapes,
         reconnect: std::time::Duration::from_secs(reconnect_s),
         payload: None,
     };
@@ -141,6 +151,10 @@ pub fn finish(run: Result<u32, vnpu_vm::VmError>) -> Result<u8, CliError> {
             eprintln!("vnpu: the VM stopped after its snapshot; `vnpu restore DIR` runs it on");
             return Ok(0);
         }
+        Err(vnpu_vm::VmError::MigratedAway) => {
+            eprintln!("vnpu: the VM was migrated; it runs on in the destination's `vnpu receive`");
+            return Ok(0);
+        }
         r => r?,
     };
     // Exit codes above 255 are reported and truncated, as a shell would.
@@ -157,9 +171,11 @@ pub fn finish(run: Result<u32, vnpu_vm::VmError>) -> Result<u8, CliError> {
 /// those a board daemon serves. A started instance that a daemon serves
 /// is attached through it (docs/vfio-user.md), otherwise it runs here.
 /// Each is resolved once, so a socket that appears or goes meanwhile
-/// cannot drop a vNPU.
-fn split_remote(vnpus: Vec<VnpuArg>, dir: &std::path::Path) -> (Vec<VnpuArg>, Vec<PathBuf>) {
-    let mut remote_vnpus: Vec<PathBuf> = Vec::new();
+/// cannot drop a vNPU. A daemon's vNPU comes with its instance's UUID,
+/// if it was given by one.
+type Remote = (PathBuf, Option<String>);
+fn split_remote(vnpus: Vec<VnpuArg>, dir: &std::path::Path) -> (Vec<VnpuArg>, Vec<Remote>) {
+    let mut remote_vnpus: Vec<Remote> = Vec::new();
     let local: Vec<VnpuArg> = vnpus
         .into_iter()
         .filter_map(|v| {
@@ -180,7 +196,11 @@ fn split_remote(vnpus: Vec<VnpuArg>, dir: &std::path::Path) -> (Vec<VnpuArg>, Ve
             };
             match socket {
                 Some(p) => {
-                    remote_vnpus.push(p);
+                    let uuid = match &v {
+                        VnpuArg::Uuid(u) => Some(u.clone()),
+                        _ => None,
+                    };
+                    remote_vnpus.push((p, uuid));
                     None
                 }
                 None => Some(v),

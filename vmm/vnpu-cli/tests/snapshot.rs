@@ -9,18 +9,14 @@
 
 #![allow(clippy::unwrap_used)] // test helpers
 
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::sync::Mutex;
 
 mod common;
 
-use common::guest;
+use common::{guest, wait_socket, Running, RESUME_DONE as DONE, RESUME_ROUNDS as ROUNDS};
 
-const ROUNDS: usize = 200;
-const DONE: &str = "rounds=200 images=90000 all_agree=true";
 /// The snapshot is asked for once this round is done: late, so that a
 /// restored run is short, with some 50 rounds (about a second) left for
 /// the request to land in.
@@ -41,85 +37,6 @@ fn scratch(name: &str) -> PathBuf {
     d
 }
 
-/// A pipe from the child, and what has come through one so far.
-type Pipe = Box<dyn Read + Send>;
-type Gathered = Arc<Mutex<String>>;
-
-/// A `vnpu` process whose stdout and stderr are gathered as they come.
-struct Running {
-    child: Child,
-    out: Arc<Mutex<String>>,
-    err: Arc<Mutex<String>>,
-}
-
-impl Running {
-    fn start(args: &[&std::ffi::OsStr]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let (out, err) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
-        let pipes: [(Pipe, &Gathered); 2] =
-            [(Box::new(child.stdout.take().unwrap()), &out), (Box::new(child.stderr.take().unwrap()), &err)];
-        for (mut pipe, to) in pipes {
-            let to = Arc::clone(to);
-            std::thread::spawn(move || {
-                let mut b = [0u8; 4096];
-                while let Ok(n) = pipe.read(&mut b) {
-                    if n == 0 {
-                        break;
-                    }
-                    to.lock().unwrap().push_str(&String::from_utf8_lossy(&b[..n]));
-                }
-            });
-        }
-        Self { child, out, err }
-    }
-
-    /// What it printed on stdout (the guest's console) so far.
-    fn said(&self) -> String {
-        self.out.lock().unwrap().clone()
-    }
-
-    fn both(&self) -> String {
-        format!("{}\n--- stderr ---\n{}", self.said(), self.err.lock().unwrap())
-    }
-
-    fn wait_for(&self, what: &str) {
-        let t = Instant::now();
-        while !self.said().contains(what) {
-            assert!(self.child_alive(), "ended before printing {what:?}:\n{}", self.both());
-            assert!(t.elapsed() < Duration::from_secs(120), "never printed {what:?}:\n{}", self.both());
-            std::thread::sleep(Duration::from_millis(2));
-        }
-    }
-
-    fn child_alive(&self) -> bool {
-        // SAFETY: kill(2) with signal 0 only checks that the process exists.
-        unsafe { libc::kill(self.child.id() as i32, 0) == 0 }
-    }
-
-    /// Exit code, stdout and stderr.
-    fn finish(mut self) -> (i32, String, String) {
-        let t = Instant::now();
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                // The readers see the pipes close.
-                std::thread::sleep(Duration::from_millis(50));
-                let err = self.err.lock().unwrap().clone();
-                return (s.code().unwrap_or(-1), self.said(), err);
-            }
-            if t.elapsed() > Duration::from_secs(300) {
-                let _ = self.child.kill();
-                panic!("still running after 300 s:\n{}", self.both());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
 fn rounds_vm(api: &Path) -> Running {
     let g = guest("resume");
     Running::start(&[
@@ -133,14 +50,6 @@ fn rounds_vm(api: &Path) -> Running {
         "--api-socket".as_ref(),
         api.as_os_str(),
     ])
-}
-
-fn wait_socket(p: &Path) {
-    let t = Instant::now();
-    while !p.exists() {
-        assert!(t.elapsed() < Duration::from_secs(60), "no API socket at {}", p.display());
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn vnpu(args: &[&std::ffi::OsStr]) -> (i32, String) {
@@ -164,18 +73,8 @@ fn restore(dir: &Path) -> (i32, String, String) {
     Running::start(&["restore".as_ref(), dir.as_os_str()]).finish()
 }
 
-/// Every round once, in order, with every answer equal to the CPU's,
-/// across the console before the snapshot and after the restore (a line
-/// cut by the snapshot joins up): nothing done twice, nothing skipped.
 fn once_each(before: &str, after: &str) {
-    let both = format!("{before}{after}");
-    let why = || format!("--- before ---\n{before}\n--- after ---\n{after}");
-    let rounds: Vec<&str> = both.lines().filter(|l| l.starts_with("round ")).collect();
-    assert_eq!(rounds.len(), ROUNDS, "{}", why());
-    for (r, l) in rounds.iter().enumerate() {
-        assert!(l.starts_with(&format!("round {r}: agree=450/450 retried=0")), "round {r}: {l:?}\n{}", why());
-    }
-    assert_eq!(both.matches(DONE).count(), 1, "{}", why());
+    common::resume_rounds_once(&[before, after]);
 }
 
 /// A scratch folder, and in it a VM's API socket and its snapshot, taken

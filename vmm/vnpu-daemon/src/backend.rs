@@ -273,13 +273,7 @@ impl VnpuBackend {
         let vectors = Arc::new(Vectors(Mutex::new((0..MSIX_VECTORS).map(|_| None).collect())));
         let function = VnpuFunction::served(spec, board, vectors.clone(), name, opts)?;
         let ioevents = function.ioevents()?;
-        // The longest device stream this vNPU can have: its memories and
-        // every program handle full, and the record.
-        let memories =
-            u64::from(spec.cores()).saturating_mul(spec.sram_per_core().saturating_add(spec.hbm_per_core()));
-        let programs = (abi::MAX_REGISTERED as u64).saturating_mul(u64::from(abi::MAX_PROGRAM_BYTES));
-        let limit =
-            usize::try_from(memories.saturating_add(programs).saturating_add(1 << 20)).unwrap_or(usize::MAX);
+        let limit = usize::try_from(vnpu_device::device_core::stream_limit(spec)).unwrap_or(usize::MAX);
         Ok(Self {
             migration: crate::migration::Migration::new(function.state_handle(), limit),
             function,

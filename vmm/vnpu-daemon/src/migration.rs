@@ -11,10 +11,11 @@
 //! until a reset).
 
 use vfio_user::{
-    VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK, VFIO_DEVICE_FEATURE_MIGRATION,
-    VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE, VFIO_DEVICE_FEATURE_SET,
-    VFIO_DEVICE_STATE_ERROR, VFIO_DEVICE_STATE_RESUMING, VFIO_DEVICE_STATE_RUNNING, VFIO_DEVICE_STATE_STOP,
-    VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_STOP_COPY,
+    VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+    VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
+    VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE,
+    VFIO_DEVICE_FEATURE_SET, VFIO_DEVICE_STATE_ERROR, VFIO_DEVICE_STATE_RESUMING, VFIO_DEVICE_STATE_RUNNING,
+    VFIO_DEVICE_STATE_STOP, VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_STOP_COPY,
 };
 use vnpu_device::{Parked, StateHandle};
 
@@ -68,10 +69,24 @@ impl Migration {
             return match feature {
                 VFIO_DEVICE_FEATURE_MIGRATION if !set => Ok(Vec::new()),
                 VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE => Ok(Vec::new()),
+                VFIO_DEVICE_FEATURE_DMA_LOGGING_START | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP if !get => {
+                    Ok(Vec::new())
+                }
+                VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT if !set => Ok(Vec::new()),
                 _ => Err(errno(libc::ENOTSUP)),
             };
         }
         match (feature, get, set) {
+            (VFIO_DEVICE_FEATURE_DMA_LOGGING_START, false, true) => {
+                logging_ranges(data)?;
+                self.handle.write_log().start();
+                Ok(Vec::new())
+            }
+            (VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, false, true) => {
+                self.handle.write_log().stop();
+                Ok(Vec::new())
+            }
+            (VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, true, false) => self.report(data),
             (VFIO_DEVICE_FEATURE_MIGRATION, true, false) => {
                 Ok(VFIO_MIGRATION_STOP_COPY.to_le_bytes().to_vec())
             }
@@ -88,11 +103,36 @@ impl Migration {
                 self.go(to)?;
                 Ok(Vec::new())
             }
-            (VFIO_DEVICE_FEATURE_MIGRATION | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, _, _) => {
-                Err(errno(libc::EINVAL))
-            }
+            (
+                VFIO_DEVICE_FEATURE_MIGRATION
+                | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE
+                | VFIO_DEVICE_FEATURE_DMA_LOGGING_START
+                | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP
+                | VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT,
+                _,
+                _,
+            ) => Err(errno(libc::EINVAL)),
             _ => Err(errno(libc::ENOTSUP)),
         }
+    }
+
+    /// `DMA_LOGGING_REPORT`: the pages of `[iova, iova + length)` the
+    /// device wrote since logging started or they were last reported,
+    /// cleared as they are read. Pages of the log's size only, aligned,
+    /// and at most [`MAX_REPORT_BYTES`] of bitmap in one reply.
+    fn report(&mut self, data: &[u8]) -> Result<Vec<u8>, std::io::Error> {
+        let [iova, length, page] = words::<3>(data).ok_or(errno(libc::EINVAL))?;
+        let log = self.handle.write_log();
+        if page != vnpu_device::LOG_PAGE || iova % page != 0 || length % page != 0 || !log.logging() {
+            return Err(errno(libc::EINVAL));
+        }
+        let pages = length / page;
+        if pages.div_ceil(8) > MAX_REPORT_BYTES || iova.checked_add(length).is_none() {
+            return Err(errno(libc::E2BIG));
+        }
+        let mut out = data[..24].to_vec();
+        out.extend_from_slice(&log.take_range(iova / page, pages));
+        Ok(out)
     }
 
     /// Moves to `to`, through `STOP` where no direct arc leads there (the
@@ -197,6 +237,46 @@ impl Migration {
     }
 }
 
+/// Most bitmap bytes one `DMA_LOGGING_REPORT` returns (32 GiB of 4 KiB
+/// pages); a client asks for larger ranges in pieces.
+pub const MAX_REPORT_BYTES: u64 = 1 << 20;
+
+/// Most ranges a `DMA_LOGGING_START` names.
+const MAX_LOG_RANGES: u64 = 1024;
+
+/// The first `N` little-endian u64 words of `data`.
+fn words<const N: usize>(data: &[u8]) -> Option<[u64; N]> {
+    let mut out = [0u64; N];
+    for (i, w) in out.iter_mut().enumerate() {
+        let b = data.get(i * 8..i * 8 + 8)?;
+        *w = u64::from_le_bytes(b.try_into().ok()?);
+    }
+    Some(out)
+}
+
+/// Checks `DMA_LOGGING_START`'s data: the log's page size, then as many
+/// ranges as it says (each page-aligned, not wrapping). The device logs
+/// every page it writes, inside the ranges or not; the ranges bound
+/// nothing here but are checked as the protocol defines them.
+fn logging_ranges(data: &[u8]) -> Result<(), std::io::Error> {
+    let [page, count] = words::<2>(data).ok_or(errno(libc::EINVAL))?;
+    let n = count & 0xffff_ffff;
+    if page != vnpu_device::LOG_PAGE || n > MAX_LOG_RANGES {
+        return Err(errno(libc::EINVAL));
+    }
+    let body = data.get(16..).ok_or(errno(libc::EINVAL))?;
+    if body.len() as u64 != n * 16 {
+        return Err(errno(libc::EINVAL));
+    }
+    for r in body.chunks_exact(16) {
+        let [iova, len] = words::<2>(r).ok_or(errno(libc::EINVAL))?;
+        if iova % page != 0 || len % page != 0 || iova.checked_add(len).is_none() {
+            return Err(errno(libc::EINVAL));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,7 +324,7 @@ mod tests {
         let flags = m.feature(VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION, &[]).unwrap();
         assert_eq!(flags, VFIO_MIGRATION_STOP_COPY.to_le_bytes());
         assert!(m.feature(VFIO_DEVICE_FEATURE_PROBE | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]).is_ok());
-        assert_eq!(errno_of(m.feature(VFIO_DEVICE_FEATURE_GET | 6, &[])), Some(libc::ENOTSUP));
+        assert_eq!(errno_of(m.feature(VFIO_DEVICE_FEATURE_GET | 9, &[])), Some(libc::ENOTSUP));
         assert_eq!(state(&mut m), VFIO_DEVICE_STATE_RUNNING);
         // Data in the wrong state, unknown states, a short SET.
         assert_eq!(errno_of(m.read(16)), Some(libc::EINVAL));
@@ -290,6 +370,28 @@ mod tests {
         assert_eq!(errno_of(set(&mut n, VFIO_DEVICE_STATE_RUNNING)), Some(libc::EINVAL));
         n.reset();
         assert_eq!(state(&mut n), VFIO_DEVICE_STATE_RUNNING);
+        // DMA logging: a report before a start, a start with a bad page
+        // size or a range count its data does not hold, a report that is
+        // not aligned or too large: refused.
+        let get = VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT;
+        let start = VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_START;
+        let le = |w: &[u64]| w.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        assert_eq!(errno_of(m.feature(get, &le(&[0, 4096, 4096]))), Some(libc::EINVAL));
+        assert_eq!(errno_of(m.feature(start, &le(&[512, 0]))), Some(libc::EINVAL));
+        assert_eq!(errno_of(m.feature(start, &le(&[4096, 2, 0, 4096]))), Some(libc::EINVAL));
+        m.feature(start, &le(&[4096, 1, 0, 1 << 20])).unwrap();
+        assert_eq!(errno_of(m.feature(get, &le(&[100, 4096, 4096]))), Some(libc::EINVAL));
+        assert_eq!(errno_of(m.feature(get, &le(&[0, 1 << 40, 4096]))), Some(libc::E2BIG));
+        // A write the device made is reported once, in its bit.
+        a.state_handle().write_log().note(3 * 4096 + 7, 2);
+        let r = m.feature(get, &le(&[0, 64 * 4096, 4096])).unwrap();
+        assert_eq!(r.len(), 24 + 8);
+        assert_eq!(r[24], 1 << 3);
+        assert!(r[25..].iter().all(|&b| b == 0));
+        let r = m.feature(get, &le(&[0, 64 * 4096, 4096])).unwrap();
+        assert!(r[24..].iter().all(|&b| b == 0), "cleared as read");
+        m.feature(VFIO_DEVICE_FEATURE_SET | VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, &[]).unwrap();
+        assert_eq!(errno_of(m.feature(get, &le(&[0, 4096, 4096]))), Some(libc::EINVAL));
         // Dropped while stopped: the parked device is let go first (no hang).
         set(&mut m, VFIO_DEVICE_STATE_STOP).unwrap();
         drop(m);

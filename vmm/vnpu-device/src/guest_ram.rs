@@ -47,17 +47,24 @@ impl std::fmt::Debug for MemoryWatch {
 pub struct GuestRam {
     mem: GuestMemoryMmap<()>,
     files: Arc<[GuestFile]>,
+    log: Option<Arc<crate::WriteLog>>,
 }
 
 impl GuestRam {
     pub fn new(mem: &GuestMemoryMmap<()>) -> Self {
-        Self { mem: mem.clone(), files: Arc::from([]) }
+        Self { mem: mem.clone(), files: Arc::from([]), log: None }
     }
 
     /// Guest RAM with `files` mapped into it: a DMA that copies their
     /// unchanged pages into HBM maps them instead ([`Memory::file_pages`]).
     pub fn with_files(mem: &GuestMemoryMmap<()>, files: Arc<[GuestFile]>) -> Self {
-        Self { mem: mem.clone(), files }
+        Self { mem: mem.clone(), files, log: None }
+    }
+
+    /// Notes every write into `log` (a live migration's dirty pages).
+    pub fn logged(mut self, log: Arc<crate::WriteLog>) -> Self {
+        self.log = Some(log);
+        self
     }
 }
 
@@ -73,7 +80,11 @@ impl Memory for GuestRam {
         self.mem.read_slice(buf, GuestAddress(addr)).map_err(|e| err(addr, buf.len(), e))
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
-        self.mem.write_slice(data, GuestAddress(addr)).map_err(|e| err(addr, data.len(), e))
+        self.mem.write_slice(data, GuestAddress(addr)).map_err(|e| err(addr, data.len(), e))?;
+        if let Some(l) = &self.log {
+            l.note(addr, data.len() as u64);
+        }
+        Ok(())
     }
     // No `slice_mut`: guest memory is shared with a running guest and is
     // only ever accessed through vm-memory's volatile, checked copies.

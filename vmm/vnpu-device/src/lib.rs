@@ -21,6 +21,7 @@ mod regfile;
 mod store;
 mod telemetry;
 mod worker;
+mod write_log;
 
 pub use guest_ram::{GuestFile, GuestRam, MemoryWatch};
 pub use msi::{MsiSink, RecordingSink, VectorSink};
@@ -35,6 +36,7 @@ pub use telemetry::{Telemetry, TelemetrySnapshot, LATENCY_BOUNDS_S};
 pub use vnpu_abi::device::{
     regs, ABI_VERSION, BAR0_SIZE, BAR2_SIZE, CLASS, DEVICE_ID, MSIX_VECTORS, VENDOR_ID,
 };
+pub use write_log::{WriteLog, LOG_PAGE};
 
 use std::sync::Arc;
 
@@ -304,6 +306,12 @@ impl StateHandle {
     /// Takes the restored vNPU's programs and ring up again.
     pub fn resume(&self) {
         self.shared.post(Control::Resume);
+    }
+
+    /// The log of the guest pages this vNPU writes (a live migration's
+    /// dirty pages besides KVM's).
+    pub fn write_log(&self) -> Arc<WriteLog> {
+        Arc::clone(&self.shared.write_log)
     }
 }
 

@@ -30,11 +30,13 @@
 mod cmos;
 mod irq;
 mod linux;
+pub mod migrate;
 mod mptable;
 pub mod remote;
 pub mod snapshot;
 
 pub use linux::LinuxBoot;
+pub use migrate::{MigrationInfo, Offer, RemoteShape};
 pub use snapshot::{PauseHandle, SnapshotError, SnapshotInfo};
 pub use vnpu_device::GuestRam;
 
@@ -150,6 +152,8 @@ pub enum VmError {
     Snapshot(#[from] SnapshotError),
     #[error("the VM stopped after its snapshot was taken")]
     StoppedAfterSnapshot,
+    #[error("the VM was migrated to another VMM and runs there")]
+    MigratedAway,
 }
 
 fn ioctl(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
@@ -326,6 +330,14 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
     }
 }
 
+/// Where a restored or migrated VM's vNPU states come from.
+enum Devices<'a> {
+    /// A snapshot's folder.
+    Folder(&'a std::path::Path),
+    /// A migration's device streams, by PCI slot.
+    Streams(std::collections::BTreeMap<usize, Vec<u8>>),
+}
+
 /// What a VM is made of.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -352,6 +364,9 @@ pub struct VmConfig {
     /// socket of each, attached as PCI functions after `vnpus`. Guest RAM
     /// is then a sealed memfd shared with the daemon.
     pub remote_vnpus: Vec<std::path::PathBuf>,
+    /// What is known of each of `remote_vnpus` (its instance and shape),
+    /// for a live migration's admission; may be shorter.
+    pub remote_shapes: Vec<RemoteShape>,
     /// How long a remote vNPU whose server hung up waits for it to come
     /// back (a restarted board daemon resumes the device session) before
     /// its device reads as failed.
@@ -515,6 +530,7 @@ impl VmConfig {
             name: "vm".into(),
             linux: None,
             remote_vnpus: Vec::new(),
+            remote_shapes: Vec::new(),
             reconnect: remote::DEFAULT_RECONNECT,
             payload: None,
         }
@@ -605,12 +621,38 @@ impl<W: Write> Vm<W> {
             poll_us: u64::try_from(cfg.device.poll.as_micros()).unwrap_or(u64::MAX),
             payload,
             remote: cfg.remote_vnpus.clone(),
+            remote_shapes: cfg.remote_shapes.clone(),
         }
+    }
+
+    /// What a live migration needs from the API thread (none for a VM
+    /// that cannot be snapshotted).
+    fn migration_source(&self) -> Option<Arc<migrate::Source>> {
+        if self.no_snapshot.is_some() {
+            return None;
+        }
+        let host = self.memory.get_host_address(GuestAddress(0)).ok()?;
+        Some(Arc::new(migrate::Source {
+            vm: Arc::clone(&self.vm),
+            memory: self.memory.clone(),
+            region: kvm_userspace_memory_region {
+                slot: 0,
+                guest_phys_addr: 0,
+                memory_size: self.shape.memory,
+                userspace_addr: host as u64,
+                flags: 0,
+            },
+            logs: self.doorbells.iter().filter_map(|d| d.state.as_ref().map(|h| h.write_log())).collect(),
+            remote: self.doorbells.iter().filter_map(|d| d.migration.clone()).collect(),
+            shape: self.shape.clone(),
+            carried: Mutex::new(Vec::new()),
+        }))
     }
 
     /// A handle that asks this VM, while [`Self::run`] runs it, for a
     /// snapshot (from any thread).
     pub fn pause_handle(&self) -> PauseHandle {
+        self.pause.set_source(self.migration_source());
         self.pause.clone()
     }
 
@@ -661,16 +703,7 @@ impl<W: Write> Vm<W> {
         let drain = t.elapsed();
         let ram = dir.join(snapshot::RAM_FILE);
         let (ram_crc, ram_pages) = snapshot::save_ram(&self.memory, self.shape.memory, &ram)?;
-        let vcpu = snapshot::save_vcpu(&self._kvm, &self.vcpu)?;
-        let irqchips = snapshot::save_irqchips(&self.vm)?;
-        let clock = self.vm.get_clock().map_err(snapshot::kvm("get clock"))?;
-        let serial = snapshot::Serial::from_superio(&uart(&self.serial).state());
-        let functions = (1..=self.doorbells.len())
-            .filter_map(|slot| {
-                let s = self.pci.function(slot)?.save_state();
-                Some(snapshot::Function { slot, config: s.config, extra: s.extra })
-            })
-            .collect();
+        let m = self.machine_state()?;
         // The RAM file's digest is the one computed as it was written.
         let mut files = snapshot::manifest_except(dir, snapshot::RAM_FILE)?;
         files.insert(snapshot::RAM_FILE.into(), (self.shape.memory, ram_crc));
@@ -679,17 +712,169 @@ impl<W: Write> Vm<W> {
             version: snapshot::SNAPSHOT_VERSION,
             shape: self.shape.clone(),
             files,
-            vcpu,
-            irqchips,
-            clock,
-            serial,
-            cmos_index: self.cmos.index(),
-            functions,
+            vcpu: m.vcpu,
+            irqchips: m.irqchips,
+            clock: m.clock,
+            serial: m.serial,
+            cmos_index: m.cmos_index,
+            functions: m.functions,
         };
         snapshot::store(dir, &saved)?;
         drop(parked);
         let took = t.elapsed();
         Ok(SnapshotInfo { dir: dir.to_path_buf(), bytes: snapshot::allocated(dir), ram_pages, took, drain })
+    }
+
+    /// The vCPU, the interrupt controllers, the clock and the devices the
+    /// VMM models, with the vCPU stopped.
+    fn machine_state(&self) -> Result<migrate::Machine, SnapshotError> {
+        let functions = (1..=self.doorbells.len())
+            .filter_map(|slot| {
+                let s = self.pci.function(slot)?.save_state();
+                Some(snapshot::Function { slot, config: s.config, extra: s.extra })
+            })
+            .collect();
+        Ok(migrate::Machine {
+            vcpu: snapshot::save_vcpu(&self._kvm, &self.vcpu)?,
+            irqchips: snapshot::save_irqchips(&self.vm)?,
+            clock: self.vm.get_clock().map_err(snapshot::kvm("get clock"))?,
+            serial: snapshot::Serial::from_superio(&uart(&self.serial).state()),
+            cmos_index: self.cmos.index(),
+            functions,
+        })
+    }
+
+    /// Finishes a live migration on the vCPU thread (the vCPU stopped):
+    /// every vNPU parks or stops, the rest goes across, and the
+    /// destination says whether the VM runs there. If not, everything
+    /// runs on here as it was.
+    fn finish_migration(&mut self, out: &mut migrate::Outgoing) -> Result<MigrationInfo, SnapshotError> {
+        let stopped = std::time::Instant::now();
+        let mut parked = Vec::new();
+        let mut halted = Vec::new();
+        let r = (|| {
+            let mut streams = Vec::new();
+            for d in &self.doorbells {
+                if let Some(h) = &d.state {
+                    let (p, bytes) =
+                        h.save_stream().map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+                    parked.push(p);
+                    streams.push((d.slot, bytes));
+                }
+                if let Some(h) = &d.migration {
+                    let bytes = h.save().map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
+                    halted.push((d.slot, h.clone()));
+                    streams.push((d.slot, bytes));
+                }
+            }
+            let drain = stopped.elapsed();
+            let machine = self.machine_state()?;
+            migrate::stop_and_copy(out, streams, &machine, stopped, drain)
+        })();
+        if r.is_err() {
+            out.source.stop_logs();
+            for (slot, h) in halted {
+                if let Err(e) = h.run() {
+                    eprintln!("vnpu: the vNPU in slot {slot} after a failed migration: {e}");
+                }
+            }
+        }
+        drop(parked);
+        r.map(|()| out.info.clone())
+    }
+
+    /// The configuration a saved shape rebuilds.
+    fn config_of(shape: &snapshot::Shape) -> VmConfig {
+        VmConfig {
+            memory: shape.memory,
+            guest: std::path::PathBuf::new(),
+            vnpus: shape.vnpus.clone(),
+            remote_vnpus: shape.remote.clone(),
+            remote_shapes: shape.remote_shapes.clone(),
+            board: shape.board.clone(),
+            device: vnpu_device::DeviceOptions {
+                poll: std::time::Duration::from_micros(shape.poll_us),
+                ..Default::default()
+            },
+            name: shape.name.clone(),
+            ..VmConfig::new(shape.memory, "")
+        }
+    }
+
+    /// A VM a live migration brings in on `stream` (`vnpu receive`): the
+    /// source's hello is checked and offered to `admit`, which gives the
+    /// vfio-user sockets of the daemon-served vNPUs that take the
+    /// source's here (or why the VM cannot come); then guest RAM, the
+    /// device streams and the machine state come in, and the VM is ready
+    /// to [`Self::run`] on. The source is told either way; it runs on
+    /// itself unless this returns the VM.
+    pub fn receive(
+        stream: std::os::unix::net::UnixStream,
+        console: W,
+        admit: impl FnOnce(&Offer) -> Result<Vec<std::path::PathBuf>, String>,
+    ) -> Result<Self, VmError> {
+        let mut conn = migrate::Conn::new(stream)?;
+        let hello = match migrate::hello(&mut conn) {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = migrate::admit(&mut conn, Some(e.to_string()));
+                return Err(e.into());
+            }
+        };
+        let refuse = |conn: &mut migrate::Conn, why: String| -> VmError {
+            let _ = migrate::admit(conn, Some(why.clone()));
+            SnapshotError::Refused(why).into()
+        };
+        let mut shape = hello.shape.clone();
+        if let Err(e) = shape.board.validate() {
+            return Err(refuse(&mut conn, format!("its board: {e}")));
+        }
+        let remote = match admit(&migrate::offer(&hello)) {
+            Ok(r) => r,
+            Err(why) => return Err(refuse(&mut conn, why)),
+        };
+        if remote.len() != shape.remote.len() {
+            return Err(refuse(
+                &mut conn,
+                format!("{} daemon-served vNPUs here for the source's {}", remote.len(), shape.remote.len()),
+            ));
+        }
+        shape.remote = remote;
+        let cfg = Self::config_of(&shape);
+        let made = Self::check_config(&cfg, cfg.vnpus.len() + cfg.remote_vnpus.len()).and_then(|()| {
+            let kvm = Kvm::new().map_err(VmError::Kvm)?;
+            let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
+            let memory = Self::guest_memory(&vm, &cfg)?;
+            Ok((kvm, vm, memory))
+        });
+        let (kvm, vm, memory) = match made {
+            Ok(m) => m,
+            Err(e) => return Err(refuse(&mut conn, e.to_string())),
+        };
+        migrate::admit(&mut conn, None)?;
+        let limits: Vec<u64> = shape
+            .vnpus
+            .iter()
+            .map(vnpu_device::device_core::stream_limit)
+            .chain(
+                cfg.remote_shapes
+                    .iter()
+                    .map(|r| r.spec.as_ref().map_or(u64::MAX >> 1, vnpu_device::device_core::stream_limit)),
+            )
+            .collect();
+        let limit = |slot: usize| slot.checked_sub(1).and_then(|i| limits.get(i).copied());
+        let rx = migrate::receive(&mut conn, &memory, shape.memory, limit)?;
+        match Self::assemble(kvm, vm, memory, &cfg, shape, &rx.machine, Devices::Streams(rx.streams), console)
+        {
+            Ok(me) => {
+                migrate::resumed(&mut conn, None, rx.done_at.elapsed())?;
+                Ok(me)
+            }
+            Err(e) => {
+                let _ = migrate::resumed(&mut conn, Some(e.to_string()), rx.done_at.elapsed());
+                Err(e)
+            }
+        }
     }
 
     /// The VM a snapshot in `dir` saved, ready to [`Self::run`] on from
@@ -703,19 +888,7 @@ impl<W: Write> Vm<W> {
             reason: format!("its board: {e}"),
         })?;
         let ram = snapshot::check_files(dir, &saved, shape.memory)?;
-        let cfg = VmConfig {
-            memory: shape.memory,
-            guest: std::path::PathBuf::new(),
-            vnpus: shape.vnpus.clone(),
-            remote_vnpus: shape.remote.clone(),
-            board: shape.board.clone(),
-            device: vnpu_device::DeviceOptions {
-                poll: std::time::Duration::from_micros(shape.poll_us),
-                ..Default::default()
-            },
-            name: shape.name.clone(),
-            ..VmConfig::new(shape.memory, "")
-        };
+        let cfg = Self::config_of(&shape);
         Self::check_config(&cfg, cfg.vnpus.len())?;
         let kvm = Kvm::new().map_err(VmError::Kvm)?;
         let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
@@ -732,6 +905,31 @@ impl<W: Write> Vm<W> {
                 reason: "cannot map the snapshot's RAM file".into(),
             });
         }
+        let machine = migrate::Machine {
+            vcpu: saved.vcpu,
+            irqchips: saved.irqchips,
+            clock: saved.clock,
+            serial: saved.serial,
+            cmos_index: saved.cmos_index,
+            functions: saved.functions,
+        };
+        Self::assemble(kvm, vm, memory, &cfg, shape, &machine, Devices::Folder(dir), console)
+    }
+
+    /// Builds a restored or migrated VM on `vm` whose guest RAM `memory`
+    /// holds the saved RAM already: the interrupt controllers, the vCPU,
+    /// the clock, the devices (each vNPU's state from `devices`), ready
+    /// to [`Self::run`] on.
+    fn assemble(
+        kvm: Kvm,
+        vm: VmFd,
+        memory: GuestMemoryMmap<()>,
+        cfg: &VmConfig,
+        shape: snapshot::Shape,
+        saved: &migrate::Machine,
+        devices: Devices<'_>,
+        console: W,
+    ) -> Result<Self, VmError> {
         let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
         let _ = vm.enable_cap(&cap);
         vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
@@ -744,7 +942,7 @@ impl<W: Write> Vm<W> {
         vm.set_clock(&clock).map_err(snapshot::kvm("set clock"))?;
         let vm = Arc::new(vm);
         let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (mut pci, doorbells) = Self::pci_bus(&cfg, &memory, &Arc::from([]), &vm, &msi)?;
+        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &Arc::from([]), &vm, &msi)?;
         for f in &saved.functions {
             let state = vnpu_pci::FunctionState { config: f.config.clone(), extra: f.extra.clone() };
             let func = pci
@@ -753,14 +951,32 @@ impl<W: Write> Vm<W> {
             func.restore_state(&state).map_err(|source| SnapshotError::Pci { slot: f.slot, source })?;
         }
         for d in &doorbells {
-            if let Some(h) = &d.state {
-                h.restore(&snapshot::vnpu_dir(dir, d.slot))
-                    .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
-            }
-            if let Some(h) = &d.migration {
-                let p = snapshot::stream_file(dir, d.slot);
-                let bytes = std::fs::read(&p).map_err(snapshot::io_at(&p))?;
-                h.load(&bytes).map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
+            match &devices {
+                Devices::Folder(dir) => {
+                    if let Some(h) = &d.state {
+                        h.restore(&snapshot::vnpu_dir(dir, d.slot))
+                            .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+                    }
+                    if let Some(h) = &d.migration {
+                        let p = snapshot::stream_file(dir, d.slot);
+                        let bytes = std::fs::read(&p).map_err(snapshot::io_at(&p))?;
+                        h.load(&bytes).map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
+                    }
+                }
+                Devices::Streams(streams) => {
+                    let missing = || SnapshotError::Format {
+                        path: "the migration stream".into(),
+                        reason: format!("no device stream for the vNPU in slot {}", d.slot),
+                    };
+                    let bytes = streams.get(&d.slot).ok_or_else(missing)?;
+                    if let Some(h) = &d.state {
+                        h.restore_stream(bytes.clone())
+                            .map_err(|source| SnapshotError::Device { slot: d.slot, source })?;
+                    }
+                    if let Some(h) = &d.migration {
+                        h.load(bytes).map_err(|source| SnapshotError::Remote { slot: d.slot, source })?;
+                    }
+                }
             }
         }
         let irq = EventFd::new(vmm_sys_util::eventfd::EFD_NONBLOCK)
@@ -1237,12 +1453,21 @@ impl<W: Write> Vm<W> {
 
     /// Answers a snapshot request (after KVM_RUN returned EINTR, so no
     /// access is half done); true when the VM is to stop.
-    fn serve_pause(&mut self) -> bool {
-        let Some((dir, stop)) = self.pause.asked() else { return false };
-        let r = self.take_snapshot(&dir, stop);
-        let ok = r.is_ok();
-        self.pause.answer(r);
-        ok && stop
+    fn serve_pause(&mut self) -> Option<VmError> {
+        match self.pause.asked()? {
+            snapshot::Ask::Snapshot { dir, stop } => {
+                let r = self.take_snapshot(&dir, stop);
+                let end = r.is_ok() && stop;
+                self.pause.answer(r.map(snapshot::Done::Snapshot));
+                end.then_some(VmError::StoppedAfterSnapshot)
+            }
+            snapshot::Ask::Finish(mut out) => {
+                let r = self.finish_migration(&mut out);
+                let end = r.is_ok();
+                self.pause.answer(r.map(snapshot::Done::Migrated));
+                end.then_some(VmError::MigratedAway)
+            }
+        }
     }
 
     fn run_loop(&mut self) -> Result<u32, VmError> {
@@ -1251,12 +1476,12 @@ impl<W: Write> Vm<W> {
             let exit = match self.vcpu.run() {
                 Ok(exit) => exit,
                 Err(e) if e.errno() == libc::EINTR => {
-                    if self.serve_pause() {
+                    if let Some(end) = self.serve_pause() {
                         let _ = uart(&self.serial).writer_mut().flush();
                         // The asker's reply goes out before this process
                         // may end.
                         self.pause.wait_reply_sent(std::time::Duration::from_secs(5));
-                        return Err(VmError::StoppedAfterSnapshot);
+                        return Err(end);
                     }
                     continue;
                 }

@@ -317,6 +317,76 @@ impl MigrationHandle {
         Ok(out)
     }
 
+    /// Starts logging the guest pages the device writes in `[0, ram)`
+    /// (vfio-user `DMA_LOGGING_START`, 4 KiB pages).
+    pub fn log_start(&self, ram: u64) -> Result<(), RemoteError> {
+        // The page size, one range (a u32 count, a reserved u32), the range.
+        let mut d = vnpu_device::LOG_PAGE.to_le_bytes().to_vec();
+        d.extend_from_slice(&1u32.to_le_bytes());
+        d.extend_from_slice(&0u32.to_le_bytes());
+        d.extend_from_slice(&0u64.to_le_bytes());
+        d.extend_from_slice(&ram.next_multiple_of(vnpu_device::LOG_PAGE).to_le_bytes());
+        lock(&self.link.client)
+            .device_feature(
+                vfio_user::VFIO_DEVICE_FEATURE_SET | vfio_user::VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
+                &d,
+            )
+            .map(drop)
+            .map_err(self.client_err())
+    }
+
+    /// The pages of `[0, ram)` the device wrote since the last call (or
+    /// the start), as bitmap words (bit `p % 64` of word `p / 64` is page
+    /// `p`); the server clears them as it reports them.
+    pub fn log_take(&self, ram: u64) -> Result<Vec<u64>, RemoteError> {
+        const PIECE: u64 = 1 << 30;
+        let page = vnpu_device::LOG_PAGE;
+        let end = ram.next_multiple_of(page);
+        let mut bytes = Vec::new();
+        let mut at = 0u64;
+        let mut c = lock(&self.link.client);
+        while at < end {
+            let len = (end - at).min(PIECE);
+            let mut d = Vec::with_capacity(24);
+            for w in [at, len, page] {
+                d.extend_from_slice(&w.to_le_bytes());
+            }
+            let r = c
+                .device_feature(
+                    vfio_user::VFIO_DEVICE_FEATURE_GET | vfio_user::VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT,
+                    &d,
+                )
+                .map_err(self.client_err())?;
+            let want = usize::try_from((len / page).div_ceil(8)).unwrap_or(usize::MAX);
+            let bitmap = r.get(24..).filter(|b| b.len() == want).ok_or_else(|| RemoteError::Device {
+                path: self.path.clone(),
+                what: format!("a DMA log report of {} bytes for {want} bytes of bitmap", r.len()),
+            })?;
+            bytes.extend_from_slice(bitmap);
+            at += len;
+        }
+        // 1 GiB pieces are whole words, so the bytes line up.
+        Ok(bytes
+            .chunks(8)
+            .map(|c| {
+                let mut w = [0u8; 8];
+                w[..c.len()].copy_from_slice(c);
+                u64::from_le_bytes(w)
+            })
+            .collect())
+    }
+
+    /// Stops the device's DMA log.
+    pub fn log_stop(&self) -> Result<(), RemoteError> {
+        lock(&self.link.client)
+            .device_feature(
+                vfio_user::VFIO_DEVICE_FEATURE_SET | vfio_user::VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP,
+                &[],
+            )
+            .map(drop)
+            .map_err(self.client_err())
+    }
+
     /// Lets the stopped device run again.
     pub fn run(&self) -> Result<(), RemoteError> {
         lock(&self.link.client)

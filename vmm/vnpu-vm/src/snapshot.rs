@@ -85,6 +85,8 @@ pub enum SnapshotError {
     Serial(String),
     #[error("the VM is not running, or stopped before it took the snapshot")]
     NotRunning,
+    #[error("the destination refused the migration: {0}")]
+    Refused(String),
 }
 
 pub(crate) fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
@@ -109,6 +111,9 @@ pub(crate) struct Shape {
     /// slots after the in-process ones).
     #[serde(default)]
     pub remote: Vec<PathBuf>,
+    /// What is known of each of those vNPUs (for a migration's admission).
+    #[serde(default)]
+    pub remote_shapes: Vec<crate::migrate::RemoteShape>,
 }
 
 /// The x87/SSE state as KVM_GET_FPU gives it (kvm-bindings has no serde
@@ -340,13 +345,35 @@ pub(crate) fn save_irqchips(vm: &VmFd) -> Result<Vec<kvm_irqchip>, SnapshotError
 /// Whether every byte of `p` is zero (OR-folded 64 bytes at a time, which
 /// the compiler vectorizes; a byte-by-byte `all` scanned 512 MiB of RAM
 /// at about 2 GB/s).
-fn page_is_zero(p: &[u8]) -> bool {
+pub(crate) fn page_is_zero(p: &[u8]) -> bool {
     let mut blocks = p.chunks_exact(64);
     let folded = blocks.by_ref().fold(0u64, |acc, b| {
         b.chunks_exact(8)
             .fold(acc, |a, w| a | u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
     });
     folded == 0 && blocks.remainder().iter().all(|&b| b == 0)
+}
+
+/// Guest RAM's first `n` bytes as one slice, to read while nothing runs
+/// that writes it (the vCPU stopped and every vNPU parked, or not started).
+fn ram_bytes(memory: &GuestMemoryMmap<()>, n: usize) -> Result<&[u8], SnapshotError> {
+    let slice = memory
+        .get_slice(GuestAddress(0), n)
+        .map_err(|e| SnapshotError::Format { path: "guest RAM".into(), reason: e.to_string() })?;
+    // SAFETY: `slice` covers guest RAM's one mapping of `n` bytes, which
+    // `memory` keeps mapped as long as the borrow of it this returns;
+    // callers have stopped the vCPU and parked every vNPU, so nothing
+    // writes it meanwhile (a racing write would only make a copy or a
+    // checksum of that page stale, never unsound for a byte read).
+    Ok(unsafe { std::slice::from_raw_parts(slice.ptr_guard().as_ptr(), n) })
+}
+
+/// The CRC-32 of guest RAM's first `len` bytes (see [`ram_bytes`] for
+/// when it may be read).
+pub(crate) fn ram_crc(memory: &GuestMemoryMmap<()>, len: u64) -> Result<u32, SnapshotError> {
+    let n =
+        usize::try_from(len).map_err(|_| SnapshotError::Unsupported("RAM larger than the address space"))?;
+    Ok(crc32fast::hash(ram_bytes(memory, n)?))
 }
 
 /// Writes guest RAM into `path` as a sparse file of RAM's length;
@@ -360,15 +387,7 @@ pub(crate) fn save_ram(
     f.set_len(len).map_err(io_at(path))?;
     let n =
         usize::try_from(len).map_err(|_| SnapshotError::Unsupported("RAM larger than the address space"))?;
-    let slice = memory
-        .get_slice(GuestAddress(0), n)
-        .map_err(|e| SnapshotError::Format { path: "guest RAM".into(), reason: e.to_string() })?;
-    // SAFETY: `slice` covers guest RAM's one mapping of `n` bytes, which
-    // `memory` keeps mapped while this runs; the vCPU is stopped and every
-    // vNPU parked, so nothing writes it meanwhile (a racing write would
-    // only make the snapshot's copy of that page stale, never unsound for
-    // a byte read).
-    let ram = unsafe { std::slice::from_raw_parts(slice.ptr_guard().as_ptr(), n) };
+    let ram = ram_bytes(memory, n)?;
     let mut crc = crc32fast::Hasher::new();
     let mut pages = 0u64;
     let mut last = [0u8; PAGE];
@@ -625,12 +644,28 @@ pub(crate) fn vnpu_dir(dir: &Path, slot: usize) -> PathBuf {
     dir.join(format!("vnpu-{slot}"))
 }
 
-/// A snapshot asked of a running VM ([`crate::Vm::pause_handle`]).
+/// What the API thread asks of the vCPU thread.
+#[derive(Debug)]
+pub(crate) enum Ask {
+    /// A snapshot into `dir`, then run on or (`stop`) end.
+    Snapshot { dir: PathBuf, stop: bool },
+    /// The stop-and-copy of a live migration past its pre-copy.
+    Finish(Box<crate::migrate::Outgoing>),
+}
+
+/// What the vCPU thread answers.
+#[derive(Debug)]
+pub(crate) enum Done {
+    Snapshot(SnapshotInfo),
+    Migrated(crate::migrate::MigrationInfo),
+}
+
+/// A request of a running VM ([`crate::Vm::pause_handle`]): the ask
+/// until the vCPU thread takes it, then its answer.
 #[derive(Debug)]
 struct Request {
-    dir: PathBuf,
-    stop: bool,
-    answer: Option<Result<SnapshotInfo, SnapshotError>>,
+    ask: Option<Ask>,
+    answer: Option<Result<Done, SnapshotError>>,
 }
 
 #[derive(Debug, Default)]
@@ -640,6 +675,8 @@ struct PauseState {
     request: Option<Request>,
     /// The asker has passed the last answer on (`reply_sent`).
     sent: bool,
+    /// What a live migration reads while the VM runs.
+    source: Option<Arc<crate::migrate::Source>>,
 }
 
 /// Asks a running VM for a snapshot from another thread (an API socket's):
@@ -666,12 +703,49 @@ impl PauseHandle {
     /// Takes a snapshot of the running VM into `dir` (new or empty), then
     /// lets it run on, or (`stop`) ends it. Waits for the vCPU's thread.
     pub fn snapshot(&self, dir: &Path, stop: bool) -> Result<SnapshotInfo, SnapshotError> {
+        match self.ask(Ask::Snapshot { dir: dir.to_path_buf(), stop })? {
+            Done::Snapshot(i) => Ok(i),
+            Done::Migrated(_) => Err(SnapshotError::NotRunning),
+        }
+    }
+
+    /// Migrates the running VM live to the VMM waiting at `to` (`vnpu
+    /// receive`): pre-copy on this thread while the VM runs, then the
+    /// stop-and-copy on the vCPU's. On success the VM runs there and ends
+    /// here; on any failure it runs on here as it was.
+    /// With `verify`, the destination checks guest RAM's CRC-32 against
+    /// the source's at the stop before it runs the VM.
+    pub fn migrate(&self, to: &Path, verify: bool) -> Result<crate::migrate::MigrationInfo, SnapshotError> {
+        let source = lock(&self.inner.0)
+            .source
+            .clone()
+            .ok_or(SnapshotError::Unsupported("this VM cannot be migrated (see `vnpu snapshot`)"))?;
+        if lock(&self.inner.0).thread.is_none() {
+            return Err(SnapshotError::NotRunning);
+        }
+        let out = crate::migrate::precopy(Arc::clone(&source), to, verify)?;
+        match self.ask(Ask::Finish(Box::new(out))) {
+            Ok(Done::Migrated(i)) => Ok(i),
+            Ok(Done::Snapshot(_)) => Err(SnapshotError::NotRunning),
+            Err(e) => {
+                // The vCPU thread turns the logs off itself when it ran the
+                // stop round; a VM that ended first never did.
+                if matches!(e, SnapshotError::NotRunning) {
+                    source.stop_logs();
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Hands `ask` to the vCPU thread and waits for its answer.
+    fn ask(&self, ask: Ask) -> Result<Done, SnapshotError> {
         let (m, cv) = &*self.inner;
         let mut g = lock(m);
         if g.request.is_some() {
-            return Err(SnapshotError::Unsupported("another snapshot is being taken"));
+            return Err(SnapshotError::Unsupported("another snapshot or migration is under way"));
         }
-        g.request = Some(Request { dir: dir.to_path_buf(), stop, answer: None });
+        g.request = Some(Request { ask: Some(ask), answer: None });
         g.sent = false;
         loop {
             if let Some(a) = g.request.as_mut().and_then(|r| r.answer.take()) {
@@ -694,6 +768,11 @@ impl PauseHandle {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
+    }
+
+    /// What a live migration of this VM reads while it runs.
+    pub(crate) fn set_source(&self, source: Option<Arc<crate::migrate::Source>>) {
+        lock(&self.inner.0).source = source;
     }
 
     /// The asker passed the answer of [`Self::snapshot`] on (an API
@@ -742,13 +821,13 @@ impl PauseHandle {
         cv.notify_all();
     }
 
-    /// The snapshot asked for, if one is: (folder, stop after it).
-    pub(crate) fn asked(&self) -> Option<(PathBuf, bool)> {
-        lock(&self.inner.0).request.as_ref().filter(|r| r.answer.is_none()).map(|r| (r.dir.clone(), r.stop))
+    /// What is asked, if anything is (taken: the vCPU thread serves it).
+    pub(crate) fn asked(&self) -> Option<Ask> {
+        lock(&self.inner.0).request.as_mut().filter(|r| r.answer.is_none()).and_then(|r| r.ask.take())
     }
 
     /// Answers the request.
-    pub(crate) fn answer(&self, a: Result<SnapshotInfo, SnapshotError>) {
+    pub(crate) fn answer(&self, a: Result<Done, SnapshotError>) {
         let (m, cv) = &*self.inner;
         if let Some(r) = lock(m).request.as_mut() {
             r.answer = Some(a);

@@ -1,8 +1,10 @@
 //! Helpers shared by the daemon tests.
 #![allow(dead_code, clippy::unwrap_used)]
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A daemon process, killed if a test fails before it terminates it.
@@ -125,4 +127,112 @@ pub fn vnpu(state: &Path, args: &[&str]) -> String {
         Command::new(env!("CARGO_BIN_EXE_vnpu")).args(args).arg("--state-dir").arg(state).output().unwrap();
     assert!(out.status.success(), "vnpu {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// A pipe from the child, and what has come through one so far.
+type Pipe = Box<dyn Read + Send>;
+type Gathered = Arc<Mutex<String>>;
+
+/// A `vnpu` process whose stdout and stderr are gathered as they come.
+pub struct Running {
+    pub child: Child,
+    out: Arc<Mutex<String>>,
+    err: Arc<Mutex<String>>,
+}
+
+impl Running {
+    pub fn start(args: &[&std::ffi::OsStr]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vnpu"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (out, err) = (Arc::new(Mutex::new(String::new())), Arc::new(Mutex::new(String::new())));
+        let pipes: [(Pipe, &Gathered); 2] =
+            [(Box::new(child.stdout.take().unwrap()), &out), (Box::new(child.stderr.take().unwrap()), &err)];
+        for (mut pipe, to) in pipes {
+            let to = Arc::clone(to);
+            std::thread::spawn(move || {
+                let mut b = [0u8; 4096];
+                while let Ok(n) = pipe.read(&mut b) {
+                    if n == 0 {
+                        break;
+                    }
+                    to.lock().unwrap().push_str(&String::from_utf8_lossy(&b[..n]));
+                }
+            });
+        }
+        Self { child, out, err }
+    }
+
+    /// What it printed on stdout (the guest's console) so far.
+    pub fn said(&self) -> String {
+        self.out.lock().unwrap().clone()
+    }
+
+    pub fn both(&self) -> String {
+        format!("{}\n--- stderr ---\n{}", self.said(), self.err.lock().unwrap())
+    }
+
+    pub fn wait_for(&self, what: &str) {
+        let t = Instant::now();
+        while !self.said().contains(what) {
+            assert!(self.child_alive(), "ended before printing {what:?}:\n{}", self.both());
+            assert!(t.elapsed() < Duration::from_secs(120), "never printed {what:?}:\n{}", self.both());
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    pub fn child_alive(&self) -> bool {
+        // SAFETY: kill(2) with signal 0 only checks that the process exists.
+        unsafe { libc::kill(self.child.id() as i32, 0) == 0 }
+    }
+
+    /// Exit code, stdout and stderr.
+    pub fn finish(mut self) -> (i32, String, String) {
+        let t = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                // The readers see the pipes close.
+                std::thread::sleep(Duration::from_millis(50));
+                let err = self.err.lock().unwrap().clone();
+                return (s.code().unwrap_or(-1), self.said(), err);
+            }
+            if t.elapsed() > Duration::from_secs(300) {
+                let _ = self.child.kill();
+                panic!("still running after 300 s:\n{}", self.both());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// Waits for a socket (or any file) at `p`.
+pub fn wait_socket(p: &Path) {
+    let t = Instant::now();
+    while !p.exists() {
+        assert!(t.elapsed() < Duration::from_secs(60), "no API socket at {}", p.display());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Rounds of the `resume` guest (`guest-apps/src/bin/resume.rs`).
+pub const RESUME_ROUNDS: usize = 200;
+pub const RESUME_DONE: &str = "rounds=200 images=90000 all_agree=true";
+
+/// Every round of the `resume` guest once, in order, with every answer
+/// equal to the CPU's, across the consoles of the processes it ran in
+/// one after another (a line cut by a move joins up): nothing done
+/// twice, nothing skipped.
+pub fn resume_rounds_once(parts: &[&str]) {
+    let all = parts.concat();
+    let why =
+        || parts.iter().enumerate().map(|(i, p)| format!("--- process {i} ---\n{p}\n")).collect::<String>();
+    let rounds: Vec<&str> = all.lines().filter(|l| l.starts_with("round ")).collect();
+    assert_eq!(rounds.len(), RESUME_ROUNDS, "{}", why());
+    for (r, l) in rounds.iter().enumerate() {
+        assert!(l.starts_with(&format!("round {r}: agree=450/450 retried=0")), "round {r}: {l:?}\n{}", why());
+    }
+    assert_eq!(all.matches(RESUME_DONE).count(), 1, "{}", why());
 }

@@ -21,7 +21,10 @@ impl DeviceCore {
                 let block = self.counters.block(self.config.as_ref());
                 let len = block.len().min(usize::try_from(a[1]).unwrap_or(usize::MAX));
                 match self.mem.write_slice(&block[..len], GuestAddress(a[0])) {
-                    Ok(()) => (abi::ST_OK, len as u64),
+                    Ok(()) => {
+                        self.shared.write_log.note(a[0], len as u64);
+                        (abi::ST_OK, len as u64)
+                    }
                     Err(_) => (abi::ST_BAD_ADDRESS, 0),
                 }
             }

@@ -35,7 +35,7 @@ mod mmio;
 mod ring;
 mod stream;
 
-pub use stream::STREAM_VERSION;
+pub use stream::{stream_limit, STREAM_VERSION};
 
 use counters::Counters;
 
@@ -204,6 +204,8 @@ pub(crate) struct Shared {
     /// The worker thread has stopped on a fault: nothing is served, and
     /// nothing more is queued for it.
     pub dead: std::sync::atomic::AtomicBool,
+    /// The guest pages the device writes while a live migration logs them.
+    pub write_log: Arc<crate::WriteLog>,
 }
 
 impl Shared {
@@ -231,6 +233,7 @@ impl Shared {
             control_evt: EventFd::new(nonblock)?,
             doorbell: EventFd::new(nonblock)?,
             dead: std::sync::atomic::AtomicBool::new(false),
+            write_log: Arc::new(crate::WriteLog::default()),
         })
     }
 
@@ -1018,7 +1021,18 @@ impl DeviceCore {
     /// is no ring or it cannot be written.
     pub fn suppress_doorbells(&mut self) -> bool {
         let Some(q) = self.queue.as_mut() else { return false };
-        q.disable_notification(&self.mem).is_ok()
+        let ok = q.disable_notification(&self.mem).is_ok();
+        self.note_used_ring();
+        ok
+    }
+
+    /// Notes the used ring (which the device writes: entries, index, flags
+    /// and the avail event) in the write log.
+    pub(super) fn note_used_ring(&self) {
+        if let Some(q) = self.queue.as_ref().filter(|_| self.shared.write_log.logging()) {
+            let len = 6 + 8 * u64::from(q.size());
+            self.shared.write_log.note(q.used_ring(), len);
+        }
     }
 
     /// Asks the driver to ring the doorbell again; `Some(true)` when
@@ -1026,7 +1040,9 @@ impl DeviceCore {
     /// when there is no ring or it cannot be written.
     pub fn allow_doorbells(&mut self) -> Option<bool> {
         let q = self.queue.as_mut()?;
-        q.enable_notification(&self.mem).ok()
+        let r = q.enable_notification(&self.mem).ok();
+        self.note_used_ring();
+        r
     }
 }
 
@@ -1222,6 +1238,30 @@ mod resume_tests {
         let mut b = [0u8; abi::STATUS_BYTES];
         mem.read_slice(&mut b, GuestAddress(0x5000 + 0x100 * u64::from(idx))).unwrap();
         abi::StatusBlock::from_bytes(&b)
+    }
+
+    /// With the write log on, a served request logs exactly the pages the
+    /// device wrote: its status block and the used ring, not the request
+    /// header, the descriptors or the available ring the driver wrote.
+    #[test]
+    fn a_served_request_logs_the_guest_pages_the_device_wrote() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut core = worker(&mem);
+        let log = Arc::clone(&core.shared.write_log);
+        ring_up(&mut core, &mem);
+        assert!(log.take().is_empty(), "nothing is logged while off");
+        log.start();
+        post_nop(&mem, 1, 101);
+        core.drain_ring();
+        assert_eq!(status(&mem, 1).status, abi::ST_OK);
+        let pages: Vec<u64> = log
+            .take()
+            .iter()
+            .enumerate()
+            .flat_map(|(w, &x)| (0..64).filter(move |b| x & (1 << b) != 0).map(move |b| w as u64 * 64 + b))
+            .collect();
+        assert_eq!(pages, vec![USED / 4096, 0x5000 / 4096], "the used ring and the status block");
+        log.stop();
     }
 
     /// A daemon that died while request 1 ran (request 0 done): the

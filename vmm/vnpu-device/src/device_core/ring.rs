@@ -51,6 +51,7 @@ impl DeviceCore {
             self.fail_ring(&format!("completing the request at head {head}: {e}"));
             return false;
         }
+        self.note_used_ring();
         self.regs().update_u32(regs::COMPLETED, |c| c.wrapping_add(1));
         true
     }
@@ -144,6 +145,7 @@ impl DeviceCore {
             let text = outcome.message.as_bytes();
             let n = text.len().min(MAX_MESSAGE).min(m.len as usize);
             if n > 0 && self.mem.write_slice(&text[..n], GuestAddress(m.addr)).is_ok() {
+                self.shared.write_log.note(m.addr, n as u64);
                 used += u32::try_from(n).unwrap_or(0);
             }
         }
@@ -151,6 +153,7 @@ impl DeviceCore {
             self.regs().set_u32(regs::ERROR, abi::ERR_NO_STATUS_BLOCK);
             return 0;
         }
+        self.shared.write_log.note(status_desc.addr, abi::STATUS_BYTES as u64);
         used + u32::try_from(abi::STATUS_BYTES).unwrap_or(0)
     }
 
@@ -342,7 +345,10 @@ impl DeviceCore {
                 claim,
                 program,
                 lent,
-                Box::new(GuestRam::with_files(&self.mem, self.opts.guest_files.clone())),
+                Box::new(
+                    GuestRam::with_files(&self.mem, self.opts.guest_files.clone())
+                        .logged(Arc::clone(&self.shared.write_log)),
+                ),
                 budget,
                 host_work,
             ) {
@@ -353,7 +359,8 @@ impl DeviceCore {
                 None => return Outcome::fail(abi::ST_EXEC_FAULT, "the physical core stopped"),
             }
         } else {
-            let mut guest = GuestRam::with_files(&self.mem, self.opts.guest_files.clone());
+            let mut guest = GuestRam::with_files(&self.mem, self.opts.guest_files.clone())
+                .logged(Arc::clone(&self.shared.write_log));
             let mem = CoreMemory { sram: &mut core.sram, hbm: &mut core.hbm, guest: &mut guest };
             run_program(&self.board, &program, Some(mem), Some(budget))
         };

@@ -23,6 +23,17 @@ use npu_model::memory::{Memory, HBM_CHUNK};
 use super::{Core, DeviceCore, SnapshotError};
 use crate::persist::{DeviceState, RECORD_BYTES};
 
+/// The longest device stream a vNPU granted `spec` can have: its memories
+/// and every program handle full, and the record (a bound a receiver
+/// checks a stream's length against before it holds it).
+pub fn stream_limit(spec: &vnpu_spec::VnpuSpec) -> u64 {
+    let memories =
+        u64::from(spec.cores()).saturating_mul(spec.sram_per_core().saturating_add(spec.hbm_per_core()));
+    let programs = (vnpu_abi::device::MAX_REGISTERED as u64)
+        .saturating_mul(u64::from(vnpu_abi::device::MAX_PROGRAM_BYTES));
+    memories.saturating_add(programs).saturating_add(1 << 20)
+}
+
 const MAGIC: &[u8; 8] = b"VNPUSTRM";
 /// The stream format version.
 pub const STREAM_VERSION: u32 = 1;
