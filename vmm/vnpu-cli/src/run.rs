@@ -55,8 +55,8 @@ pub struct RunArgs {
     #[arg(long, default_value_t = vnpu_vm::remote::DEFAULT_RECONNECT.as_secs())]
     pub reconnect_s: u64,
     /// Serve a unix socket at this path on which `vnpu snapshot` asks the
-    /// running VM for a snapshot (docs/migration.md). Bare-metal guests
-    /// with in-process vNPUs only, so far.
+    /// running VM for a snapshot and `vnpu migrate` moves it
+    /// (docs/migration.md). Bare-metal guests only, so far.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
 }
