@@ -548,6 +548,9 @@ pub struct LazyHbm {
     /// How many of `chunks` are allocated.
     resident: usize,
     file: Option<(MappedFile, HashSet<u64>)>,
+    /// While tracked ([`LazyHbm::track_writes`]): the chunks written since
+    /// the last [`LazyHbm::take_written`], a bit each.
+    written: Option<Vec<u64>>,
 }
 
 impl std::fmt::Debug for LazyHbm {
@@ -563,8 +566,13 @@ impl std::fmt::Debug for LazyHbm {
 /// A copy in host memory (a file-backed segment's copy is not file-backed).
 impl Clone for LazyHbm {
     fn clone(&self) -> Self {
-        let mut copy =
-            Self { size: self.size, chunks: self.chunks.clone(), resident: self.resident, file: None };
+        let mut copy = Self {
+            size: self.size,
+            chunks: self.chunks.clone(),
+            resident: self.resident,
+            file: None,
+            written: None,
+        };
         if let Some((f, reserved)) = &self.file {
             for &c in reserved {
                 let at = (c * HBM_CHUNK) as usize;
@@ -578,11 +586,50 @@ impl Clone for LazyHbm {
 
 impl LazyHbm {
     pub fn new(size: u64) -> Self {
-        Self { size, chunks: Vec::new(), resident: 0, file: None }
+        Self { size, chunks: Vec::new(), resident: 0, file: None, written: None }
     }
 
-    /// Chunk `c`, allocated (zeroed) on first use.
+    /// Tracks the chunks written from now on (a live migration's pre-copy
+    /// of the segment): [`Self::take_written`] lists them.
+    pub fn track_writes(&mut self) {
+        self.written = Some(Vec::new());
+    }
+
+    /// Stops tracking writes.
+    pub fn untrack_writes(&mut self) {
+        self.written = None;
+    }
+
+    /// Whether writes are tracked.
+    pub fn tracking_writes(&self) -> bool {
+        self.written.is_some()
+    }
+
+    /// The chunks written since tracking started or the last call, in
+    /// increasing order (none when not tracked); tracking goes on.
+    pub fn take_written(&mut self) -> Vec<u64> {
+        let Some(w) = self.written.as_mut() else { return Vec::new() };
+        let bits = std::mem::take(w);
+        bits.iter()
+            .enumerate()
+            .flat_map(|(i, &x)| (0..64u64).filter(move |b| x & (1 << b) != 0).map(move |b| i as u64 * 64 + b))
+            .collect()
+    }
+
+    /// Notes that chunk `c` is written, while tracked.
+    fn mark(&mut self, c: u64) {
+        if let Some(w) = self.written.as_mut() {
+            let i = (c / 64) as usize;
+            if w.len() <= i {
+                w.resize(i + 1, 0);
+            }
+            w[i] |= 1 << (c % 64);
+        }
+    }
+
+    /// Chunk `c`, allocated (zeroed) on first use; every caller writes it.
     fn chunk_mut(&mut self, c: u64) -> &mut [u8] {
+        self.mark(c);
         let i = c as usize;
         if self.chunks.len() <= i {
             self.chunks.resize_with(i + 1, || None);
@@ -609,7 +656,7 @@ impl LazyHbm {
         }
         let f = MappedFile::open(file, size)?;
         let reserved = f.allocated_chunks(size);
-        Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)) })
+        Ok(Self { size, chunks: Vec::new(), resident: 0, file: Some((f, reserved)), written: None })
     }
 
     /// The chunks that may hold bytes other than zero (every chunk written
@@ -679,6 +726,11 @@ impl Memory for LazyHbm {
     }
     fn write(&mut self, addr: u64, data: &[u8]) -> Result<(), MemoryError> {
         check("hbm", addr, data.len() as u64, self.size)?;
+        if self.written.is_some() {
+            for (chunk, _, _, _) in Self::pieces(addr, data.len()) {
+                self.mark(chunk);
+            }
+        }
         if let Some((f, reserved)) = &mut self.file {
             for (chunk, _, _, _) in Self::pieces(addr, data.len()) {
                 if reserved.contains(&chunk) {
@@ -969,6 +1021,7 @@ impl Memory for LazyHbm {
         if self.chunks[i].replace(Chunk::Mapped(map)).is_none() {
             self.resident += 1;
         }
+        self.mark(c);
         true
     }
 }
@@ -1236,6 +1289,41 @@ mod tests {
             let b = flat.read_rows(at, (rows, row, stride), &mut y, host_stride).is_ok();
             prop_assert_eq!(a, b);
             prop_assert!(x == y, "read: at {} rows {} row {} stride {} {}", at, rows, row, stride, host_stride);
+        }
+    }
+
+    proptest! {
+        /// While tracked, exactly the chunks a write, a copy or a strided
+        /// write touched are listed, once, and reads list nothing: checked
+        /// against the chunks each operation's byte ranges cover.
+        #[test]
+        fn tracked_writes_list_the_chunks_they_touch(
+            ops in proptest::collection::vec((0u8..3, 0u64..(6 * HBM_CHUNK), 1u64..(2 * HBM_CHUNK)), 1..6),
+        ) {
+            let size = 8 * HBM_CHUNK;
+            let mut hbm = LazyHbm::new(size);
+            hbm.write(3 * HBM_CHUNK, &[1]).unwrap();
+            hbm.track_writes();
+            let mut want = std::collections::BTreeSet::new();
+            let chunks = |at: u64, n: u64| (at / HBM_CHUNK)..=((at + n - 1) / HBM_CHUNK);
+            for (kind, at, n) in ops {
+                let n = n.min(size - at);
+                match kind {
+                    0 => { hbm.write(at, &vec![7u8; n as usize]).unwrap(); want.extend(chunks(at, n)); }
+                    1 => {
+                        let dst = (at + HBM_CHUNK / 3) % (size - n);
+                        hbm.copy_within(at, dst, n).unwrap();
+                        want.extend(chunks(dst, n));
+                    }
+                    _ => { let mut b = vec![0u8; n as usize]; hbm.read(at, &mut b).unwrap(); }
+                }
+            }
+            let got: std::collections::BTreeSet<u64> = hbm.take_written().into_iter().collect();
+            prop_assert_eq!(got, want);
+            prop_assert!(hbm.take_written().is_empty(), "taken once");
+            hbm.untrack_writes();
+            hbm.write(0, &[1]).unwrap();
+            prop_assert!(!hbm.tracking_writes() && hbm.take_written().is_empty());
         }
     }
 

@@ -303,6 +303,32 @@ impl StateHandle {
         at.wait_done(STATE_TIMEOUT)
     }
 
+    /// The next pre-copy piece of the vNPU's HBM, with about `max` bytes
+    /// of chunks (`docs/migration.md`, "Pre-copy of the vNPU's HBM"),
+    /// taken between two requests while the vNPU runs on; empty when none
+    /// is due. The first call starts the pre-copy; [`Self::save_stream`]
+    /// then gives an incremental stream, [`Self::precopy_abort`] ends it.
+    pub fn precopy(&self, max: usize) -> Result<Vec<u8>, SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        self.shared.post(Control::PreCopy(max, Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)?;
+        Ok(at.take_bytes())
+    }
+
+    /// Ends a pre-copy without a stop (the migration failed).
+    pub fn precopy_abort(&self) {
+        self.shared.post(Control::PreCopyAbort);
+    }
+
+    /// Takes a pre-copy piece another vNPU's [`Self::precopy`] gave, before
+    /// the incremental stream that completes it; one that does not check
+    /// out is refused and changes nothing.
+    pub fn apply_piece(&self, bytes: Vec<u8>) -> Result<(), SnapshotError> {
+        let at = Arc::new(Rendezvous::default());
+        self.shared.post(Control::ApplyPiece(Arc::new(bytes), Arc::clone(&at)));
+        at.wait_done(STATE_TIMEOUT)
+    }
+
     /// Takes the restored vNPU's programs and ring up again.
     pub fn resume(&self) {
         self.shared.post(Control::Resume);

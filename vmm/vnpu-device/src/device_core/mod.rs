@@ -32,9 +32,11 @@ use crate::GuestRam;
 mod counters;
 mod mailbox;
 mod mmio;
+mod precopy;
 mod ring;
 mod stream;
 
+pub use precopy::{piece_flags, LAST_OF_PASS};
 pub use stream::{stream_limit, STREAM_VERSION};
 
 use counters::Counters;
@@ -108,6 +110,13 @@ pub(crate) enum Control {
     SaveStream(Arc<Rendezvous>),
     /// As [`Control::Restore`], from a stream (`stream.rs`).
     RestoreStream(Arc<Vec<u8>>, Arc<Rendezvous>),
+    /// The next pre-copy piece of about this many bytes of HBM, left at
+    /// the rendezvous (`precopy.rs`); the vNPU runs on.
+    PreCopy(usize, Arc<Rendezvous>),
+    /// The pre-copy ends without a stop.
+    PreCopyAbort,
+    /// A pre-copy piece from the sending vNPU, taken before its stream.
+    ApplyPiece(Arc<Vec<u8>>, Arc<Rendezvous>),
     Stop,
     /// Makes the worker panic (tests of the fault path only).
     #[cfg(test)]
@@ -291,12 +300,22 @@ pub(crate) type Core = npu_board_runtime::CoreMem;
 pub(super) fn each_written_chunk<E>(
     hbm: &LazyHbm,
     err: impl Fn(npu_model::memory::MemoryError) -> E,
+    f: impl FnMut(u64, &[u8]) -> Result<(), E>,
+) -> Result<(), E> {
+    each_chunk_of(hbm, &hbm.written_chunks(), err, f)
+}
+
+/// Calls `f` with each of `chunks` of `hbm` and its bytes, in order.
+pub(super) fn each_chunk_of<E>(
+    hbm: &LazyHbm,
+    chunks: &[u64],
+    err: impl Fn(npu_model::memory::MemoryError) -> E,
     mut f: impl FnMut(u64, &[u8]) -> Result<(), E>,
 ) -> Result<(), E> {
     use npu_model::memory::{Memory, HBM_CHUNK};
     let size = hbm.size();
     let mut buf = vec![0u8; usize::try_from(HBM_CHUNK).unwrap_or(1 << 20)];
-    for c in hbm.written_chunks() {
+    for &c in chunks {
         let at = c.saturating_mul(HBM_CHUNK);
         let n = usize::try_from(HBM_CHUNK.min(size.saturating_sub(at))).unwrap_or(0);
         hbm.read(at, &mut buf[..n]).map_err(&err)?;
@@ -445,6 +464,10 @@ pub struct DeviceCore {
     state_changed: bool,
     /// A resumed session waiting for [`Control::Resume`].
     parked: Option<Parked>,
+    /// A pre-copy of the HBM under way (sending).
+    precopy: Option<precopy::PreCopy>,
+    /// Memories pre-copy pieces built (receiving).
+    incoming: Option<precopy::Incoming>,
 }
 
 impl DeviceCore {
@@ -480,7 +503,25 @@ impl DeviceCore {
     /// The whole state as a device stream (as `StateHandle::save_stream`,
     /// `docs/migration.md`).
     pub fn stream(&self) -> Result<Vec<u8>, SnapshotError> {
-        self.encode_stream()
+        self.encode_stream(None)
+    }
+
+    /// The next pre-copy piece of about `max` bytes of HBM (as
+    /// `StateHandle::precopy`, `precopy.rs`); empty when none is due.
+    pub fn precopy(&mut self, max: usize) -> Result<Vec<u8>, SnapshotError> {
+        self.precopy_piece(max)
+    }
+
+    /// The stream at the stop (as `StateHandle::save_stream`): after a
+    /// pre-copy that still holds, incremental.
+    pub fn stop_stream(&mut self) -> Result<Vec<u8>, SnapshotError> {
+        let rest = self.precopy_rest();
+        self.encode_stream(rest.as_deref())
+    }
+
+    /// Takes a pre-copy piece (as `StateHandle::apply_piece`).
+    pub fn take_piece(&mut self, bytes: &[u8]) -> Result<(), SnapshotError> {
+        self.apply_piece(bytes)
     }
 
     /// Takes a device stream (as `StateHandle::restore_stream`); the ring
@@ -528,6 +569,8 @@ impl DeviceCore {
             programs_changed: BTreeSet::new(),
             state_changed: true,
             parked: None,
+            precopy: None,
+            incoming: None,
         };
         w.configure(grant);
         w
@@ -908,16 +951,24 @@ impl DeviceCore {
                 Some(Control::Session { store, resume }) => self.session(store, resume),
                 Some(Control::Resume) => self.resume(),
                 Some(Control::Snapshot(dir, at)) => {
+                    self.precopy_abort();
                     at.done(self.save_to(&dir));
                     at.wait_released();
                 }
                 Some(Control::Restore(dir, at)) => at.done(self.restore_from(&dir)),
                 Some(Control::SaveStream(at)) => {
-                    let r = self.encode_stream().map(|b| *lock(&at.bytes) = b);
+                    let rest = self.precopy_rest();
+                    let r = self.encode_stream(rest.as_deref()).map(|b| *lock(&at.bytes) = b);
                     at.done(r);
                     at.wait_released();
                 }
                 Some(Control::RestoreStream(bytes, at)) => at.done(self.restore_stream(&bytes)),
+                Some(Control::PreCopy(max, at)) => {
+                    let r = self.precopy_piece(max).map(|b| *lock(&at.bytes) = b);
+                    at.done(r);
+                }
+                Some(Control::PreCopyAbort) => self.precopy_abort(),
+                Some(Control::ApplyPiece(bytes, at)) => at.done(self.apply_piece(&bytes)),
                 Some(Control::Regrant(spec)) => {
                     self.regrant(spec);
                     self.shared.notify(abi::INT_GRANT, regs::MBOX_VECTOR);
@@ -1324,7 +1375,7 @@ mod resume_tests {
         );
         let prog = b.finish();
         old.programs = vec![None, Some(Arc::new(prog.clone()))];
-        let bytes = old.encode_stream().unwrap();
+        let bytes = old.encode_stream(None).unwrap();
 
         let mut new = worker(&mem);
         let before = new.regs().snapshot();
@@ -1353,5 +1404,84 @@ mod resume_tests {
         post_nop(&mem, 1, 101);
         new.drain_ring();
         assert_eq!((status(&mem, 1).status, status(&mem, 1).tag), (abi::ST_OK, 101), "the ring carries on");
+    }
+
+    /// A pre-copy of 40 written HBM chunks in pieces of 8 MiB, with chunks
+    /// written again and new ones written between the pieces and between
+    /// the passes (as requests would): the stop's stream is incremental
+    /// and carries only those, and the receiving core ends with every HBM
+    /// byte of the sending one. A spoiled piece is refused and changes
+    /// nothing; an incremental stream with no pieces before it is refused;
+    /// a reconfiguration meanwhile makes the stop's stream whole.
+    #[test]
+    fn a_pre_copied_core_arrives_whole_from_pieces_and_an_incremental_stream() {
+        use npu_model::memory::{Memory, HBM_CHUNK};
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        let mut old = worker(&mem);
+        ring_up(&mut old, &mem);
+        let spec = old.config.unwrap();
+        let mut core = old.core_memory(0, &spec);
+        for c in 0..40u64 {
+            core.hbm.write(c * 3 * HBM_CHUNK + c, &[c as u8 + 1; 4096]).unwrap();
+        }
+        old.cores[0] = Some(core);
+        let write = |core: &mut DeviceCore, at: u64, v: u8| {
+            core.cores[0].as_mut().unwrap().hbm.write(at, &[v; 300]).unwrap();
+        };
+        let mut new = worker(&mem);
+        let mut pieces = 0;
+        let mut passes = 0;
+        loop {
+            let p = old.precopy(8 << 20).unwrap();
+            if p.is_empty() {
+                break;
+            }
+            // Spoiled copies first: refused, nothing taken.
+            let mut bad = p.clone();
+            let n = bad.len();
+            bad[n / 2] ^= 1;
+            assert!(new.take_piece(&bad).is_err());
+            assert!(new.take_piece(&p[..n - 1]).is_err());
+            new.take_piece(&p).unwrap();
+            pieces += 1;
+            // Written again meanwhile: one chunk already sent, one new.
+            write(&mut old, 3 * HBM_CHUNK * (pieces % 40), 0xa0 + pieces as u8);
+            if piece_flags(&p).unwrap() & LAST_OF_PASS != 0 {
+                passes += 1;
+                if passes == 3 {
+                    break;
+                }
+            }
+            assert!(pieces < 100, "the pre-copy does not end");
+        }
+        assert!(pieces >= 5, "40 MiB in pieces of 8 MiB: {pieces}");
+        write(&mut old, 200 * HBM_CHUNK + 5, 0xee);
+        let fin = old.stop_stream().unwrap();
+        assert!(fin.len() < 8 << 20, "the stop's stream carries the dirty chunks only: {} bytes", fin.len());
+        assert!(worker(&mem).restore_stream(&fin).is_err(), "incremental with no pieces before it");
+        new.restore_stream(&fin).unwrap();
+        let (a, b) = (&old.cores[0].as_ref().unwrap().hbm, &new.cores[0].as_ref().unwrap().hbm);
+        assert_eq!(a.written_chunks(), b.written_chunks());
+        let (mut x, mut y) = (vec![0u8; HBM_CHUNK as usize], vec![0u8; HBM_CHUNK as usize]);
+        for c in a.written_chunks() {
+            a.read(c * HBM_CHUNK, &mut x).unwrap();
+            b.read(c * HBM_CHUNK, &mut y).unwrap();
+            assert!(x == y, "chunk {c} differs");
+        }
+
+        // A release and a configure meanwhile: the core is a new one, and
+        // the stop's stream is whole.
+        let mut again = worker(&mem);
+        ring_up(&mut again, &mem);
+        let mut core = again.core_memory(0, &spec);
+        core.hbm.write(0, &[1; 10]).unwrap();
+        again.cores[0] = Some(core);
+        assert!(!again.precopy(8 << 20).unwrap().is_empty());
+        let mut core = again.core_memory(0, &spec);
+        core.hbm.write(HBM_CHUNK, &[2; 10]).unwrap();
+        again.cores[0] = Some(core);
+        assert!(again.precopy(8 << 20).unwrap().is_empty(), "a pre-copy that no longer holds sends nothing");
+        let whole = again.stop_stream().unwrap();
+        assert!(worker(&mem).restore_stream(&whole).is_ok(), "a whole stream needs no pieces");
     }
 }

@@ -37,13 +37,16 @@ pub fn stream_limit(spec: &vnpu_spec::VnpuSpec) -> u64 {
 const MAGIC: &[u8; 8] = b"VNPUSTRM";
 /// The stream format version.
 pub const STREAM_VERSION: u32 = 1;
-const END: u32 = 0;
-const RECORD: u32 = 1;
+pub(super) const END: u32 = 0;
+pub(super) const RECORD: u32 = 1;
 const PROGRAM: u32 = 2;
 const SRAM: u32 = 3;
-const HBM: u32 = 4;
+pub(super) const HBM: u32 = 4;
+/// The HBM chunks the stream lacks are those pre-copy pieces carried
+/// (`precopy.rs`): the receiver builds the cores on them.
+const INCREMENTAL: u32 = 5;
 
-fn section(out: &mut Vec<u8>, tag: u32, parts: &[&[u8]]) {
+pub(super) fn section(out: &mut Vec<u8>, tag: u32, parts: &[&[u8]]) {
     let len: usize = parts.iter().map(|p| p.len()).sum();
     out.extend_from_slice(&tag.to_le_bytes());
     out.extend_from_slice(&(len as u64).to_le_bytes());
@@ -57,13 +60,13 @@ fn bad(why: impl Into<String>) -> SnapshotError {
 }
 
 /// A cursor over a stream that fails, never panics, past its end.
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
+pub(super) struct Reader<'a> {
+    pub b: &'a [u8],
+    pub at: usize,
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
         let end = self
             .at
             .checked_add(n)
@@ -73,11 +76,11 @@ impl<'a> Reader<'a> {
         self.at = end;
         Ok(s)
     }
-    fn u32(&mut self) -> Result<u32, SnapshotError> {
+    pub fn u32(&mut self) -> Result<u32, SnapshotError> {
         let s = self.take(4)?;
         Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
     }
-    fn u64(&mut self) -> Result<u64, SnapshotError> {
+    pub fn u64(&mut self) -> Result<u64, SnapshotError> {
         let s = self.take(8)?;
         Ok(u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]))
     }
@@ -92,11 +95,15 @@ pub(super) struct Decoded {
     pub state: DeviceState,
     pub programs: Vec<(usize, Vec<u8>)>,
     pub cores: Vec<CoreParts>,
+    /// The HBM chunks missing are the pre-copy pieces'.
+    pub incremental: bool,
 }
 
 impl DeviceCore {
-    /// The whole state as a stream (between requests: nothing in flight).
-    pub(super) fn encode_stream(&self) -> Result<Vec<u8>, SnapshotError> {
+    /// The whole state as a stream (between requests: nothing in flight);
+    /// with `rest` (a pre-copy's end, [`DeviceCore::precopy_rest`]) only
+    /// those HBM chunks of each core, marked incremental.
+    pub(super) fn encode_stream(&self, rest: Option<&[Vec<u64>]>) -> Result<Vec<u8>, SnapshotError> {
         let mut out = Vec::new();
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&STREAM_VERSION.to_le_bytes());
@@ -114,10 +121,20 @@ impl DeviceCore {
             let Some(core) = core else { continue };
             let c = u32::try_from(c).map_err(|_| bad("a core index past u32"))?;
             section(&mut out, SRAM, &[&c.to_le_bytes(), core.sram.bytes()]);
-            super::each_written_chunk(&core.hbm, err, |chunk, bytes| {
+            let mut put = |chunk: u64, bytes: &[u8]| {
                 section(&mut out, HBM, &[&c.to_le_bytes(), &chunk.to_le_bytes(), bytes]);
                 Ok(())
-            })?;
+            };
+            match rest {
+                Some(rest) => {
+                    let chunks = rest.get(c as usize).map_or(&[][..], Vec::as_slice);
+                    super::each_chunk_of(&core.hbm, chunks, err, put)?;
+                }
+                None => super::each_written_chunk(&core.hbm, err, &mut put)?,
+            }
+        }
+        if rest.is_some() {
+            section(&mut out, INCREMENTAL, &[]);
         }
         let crc = crc32fast::hash(&out);
         section(&mut out, END, &[&crc.to_le_bytes()]);
@@ -141,15 +158,30 @@ impl DeviceCore {
                 )));
             }
         }
+        let mut base = match (d.incremental, spec) {
+            (true, Some(c)) => Some(self.take_incoming(&c).ok_or_else(|| {
+                bad("an incremental stream with no pre-copy pieces of its configuration before it")
+            })?),
+            _ => None,
+        };
+        self.incoming = None;
         self.session_id = d.state.session;
         self.restore_parts(d.state, d.programs);
         let Some(spec) = self.config else { return Ok(()) };
         let err = |e: npu_model::memory::MemoryError| bad(e.to_string());
-        for (slot, (sram, chunks)) in d.cores.into_iter().enumerate() {
+        let mut cores = d.cores;
+        if base.is_some() {
+            cores.resize_with(spec.cores() as usize, || (None, Vec::new()));
+        }
+        for (slot, (sram, chunks)) in cores.into_iter().enumerate() {
             if slot >= self.cores.len() {
                 break;
             }
-            let mut core: Core = self.core_memory(slot, &spec);
+            let pre = base.as_mut().and_then(|b| b.get_mut(slot)).and_then(Option::take);
+            let mut core: Core = match pre {
+                Some(c) => c,
+                None => self.core_memory(slot, &spec),
+            };
             if let Some(s) = sram {
                 core.sram.write(0, &s).map_err(err)?;
             }
@@ -175,6 +207,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
     let mut state = None;
     let mut programs = Vec::new();
     let mut cores: Vec<CoreParts> = Vec::new();
+    let mut incremental = false;
     loop {
         let start = r.at;
         let tag = r.u32()?;
@@ -237,9 +270,10 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
                     cores[c].1.push((chunk, data.to_vec()));
                 }
             }
-            t => return Err(bad(format!("unknown section {t}"))),
+            INCREMENTAL if body.is_empty() && !incremental => incremental = true,
+            t => return Err(bad(format!("unknown section {t}, or one out of place"))),
         }
     }
     let state = state.ok_or_else(|| bad("no record"))?;
-    Ok(Decoded { state, programs, cores })
+    Ok(Decoded { state, programs, cores, incremental })
 }
