@@ -65,12 +65,17 @@ pub const VFIO_DEVICE_FEATURE_PROBE: u32 = 1 << 18;
 pub const VFIO_DEVICE_FEATURE_MIGRATION: u32 = 1;
 pub const VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE: u32 = 2;
 pub const VFIO_MIGRATION_STOP_COPY: u64 = 1;
+pub const VFIO_MIGRATION_P2P: u64 = 1 << 1;
+pub const VFIO_MIGRATION_PRE_COPY: u64 = 1 << 2;
 /// The migration states (`enum vfio_device_mig_state`).
 pub const VFIO_DEVICE_STATE_ERROR: u32 = 0;
 pub const VFIO_DEVICE_STATE_STOP: u32 = 1;
 pub const VFIO_DEVICE_STATE_RUNNING: u32 = 2;
 pub const VFIO_DEVICE_STATE_STOP_COPY: u32 = 3;
 pub const VFIO_DEVICE_STATE_RESUMING: u32 = 4;
+pub const VFIO_DEVICE_STATE_RUNNING_P2P: u32 = 5;
+pub const VFIO_DEVICE_STATE_PRE_COPY: u32 = 6;
+pub const VFIO_DEVICE_STATE_PRE_COPY_P2P: u32 = 7;
 /// Dirty-page logging of the device's DMA (patched): `START` (SET; data:
 /// u64 page size, u32 number of ranges, u32 reserved, then each range's
 /// u64 IOVA and u64 length), `STOP` (SET; no data), `REPORT` (GET; data:

@@ -14,8 +14,9 @@ use vfio_user::{
     VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, VFIO_DEVICE_FEATURE_DMA_LOGGING_START,
     VFIO_DEVICE_FEATURE_DMA_LOGGING_STOP, VFIO_DEVICE_FEATURE_GET, VFIO_DEVICE_FEATURE_MASK,
     VFIO_DEVICE_FEATURE_MIGRATION, VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, VFIO_DEVICE_FEATURE_PROBE,
-    VFIO_DEVICE_FEATURE_SET, VFIO_DEVICE_STATE_ERROR, VFIO_DEVICE_STATE_RESUMING, VFIO_DEVICE_STATE_RUNNING,
-    VFIO_DEVICE_STATE_STOP, VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_STOP_COPY,
+    VFIO_DEVICE_FEATURE_SET, VFIO_DEVICE_STATE_ERROR, VFIO_DEVICE_STATE_PRE_COPY, VFIO_DEVICE_STATE_RESUMING,
+    VFIO_DEVICE_STATE_RUNNING, VFIO_DEVICE_STATE_STOP, VFIO_DEVICE_STATE_STOP_COPY, VFIO_MIGRATION_PRE_COPY,
+    VFIO_MIGRATION_STOP_COPY,
 };
 use vnpu_device::{Parked, StateHandle};
 
@@ -39,7 +40,13 @@ pub struct Migration {
     limit: usize,
     /// A stream was restored: the ring is taken up when the device runs.
     restored: bool,
+    /// In `PRE_COPY`: the piece being read, and how much of it was.
+    piece: Vec<u8>,
+    piece_read: usize,
 }
+
+/// Bytes of HBM in one pre-copy piece the daemon hands out.
+const PIECE_BYTES: usize = 8 << 20;
 
 impl Migration {
     /// The migration state of a device `handle` saves and restores, whose
@@ -54,6 +61,8 @@ impl Migration {
             incoming: Vec::new(),
             limit,
             restored: false,
+            piece: Vec::new(),
+            piece_read: 0,
         }
     }
 
@@ -88,7 +97,7 @@ impl Migration {
             }
             (VFIO_DEVICE_FEATURE_DMA_LOGGING_REPORT, true, false) => self.report(data),
             (VFIO_DEVICE_FEATURE_MIGRATION, true, false) => {
-                Ok(VFIO_MIGRATION_STOP_COPY.to_le_bytes().to_vec())
+                Ok((VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY).to_le_bytes().to_vec())
             }
             (VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, true, false) => {
                 let mut out = self.state.to_le_bytes().to_vec();
@@ -138,24 +147,57 @@ impl Migration {
     /// Moves to `to`, through `STOP` where no direct arc leads there (the
     /// protocol's shortest path).
     fn go(&mut self, to: u32) -> Result<(), std::io::Error> {
+        use VFIO_DEVICE_STATE_PRE_COPY as PRE;
         let known = [
             VFIO_DEVICE_STATE_STOP,
             VFIO_DEVICE_STATE_RUNNING,
             VFIO_DEVICE_STATE_STOP_COPY,
             VFIO_DEVICE_STATE_RESUMING,
+            PRE,
         ];
-        if !known.contains(&to) {
+        if !known.contains(&to) || self.state == VFIO_DEVICE_STATE_ERROR {
             return Err(errno(libc::EINVAL));
         }
-        if self.state == VFIO_DEVICE_STATE_ERROR {
-            return Err(errno(libc::EINVAL));
+        match (self.state, to) {
+            (a, b) if a == b => Ok(()),
+            (VFIO_DEVICE_STATE_RUNNING, PRE)
+            | (PRE, VFIO_DEVICE_STATE_RUNNING | VFIO_DEVICE_STATE_STOP_COPY) => self.arc(to),
+            // Out of pre-copy the protocol's way: through STOP_COPY to
+            // STOP, through RUNNING elsewhere.
+            (PRE, VFIO_DEVICE_STATE_STOP) => {
+                self.arc(VFIO_DEVICE_STATE_STOP_COPY)?;
+                self.arc(VFIO_DEVICE_STATE_STOP)
+            }
+            (PRE, _) => {
+                self.arc(VFIO_DEVICE_STATE_RUNNING)?;
+                self.go(to)
+            }
+            (_, PRE) => {
+                self.go(VFIO_DEVICE_STATE_RUNNING)?;
+                self.arc(PRE)
+            }
+            _ => {
+                if self.state != VFIO_DEVICE_STATE_STOP && to != VFIO_DEVICE_STATE_STOP {
+                    self.arc(VFIO_DEVICE_STATE_STOP)?;
+                }
+                if self.state != to {
+                    self.arc(to)?;
+                }
+                Ok(())
+            }
         }
-        if self.state != to && self.state != VFIO_DEVICE_STATE_STOP && to != VFIO_DEVICE_STATE_STOP {
-            self.arc(VFIO_DEVICE_STATE_STOP)?;
-        }
-        if self.state != to {
-            self.arc(to)?;
-        }
+    }
+
+    /// Saves the device as it stops (parked until let go).
+    fn stop_and_save(&mut self) -> Result<(), std::io::Error> {
+        let (parked, bytes) = self.handle.save_stream().map_err(|e| {
+            log::warn!("migration: saving the device: {e}");
+            errno(libc::EIO)
+        })?;
+        self.parked = Some(parked);
+        self.out = bytes;
+        self.read = 0;
+        self.piece = Vec::new();
         Ok(())
     }
 
@@ -163,15 +205,16 @@ impl Migration {
     fn arc(&mut self, to: u32) -> Result<(), std::io::Error> {
         use VFIO_DEVICE_STATE_STOP as STOP;
         match (self.state, to) {
-            (VFIO_DEVICE_STATE_RUNNING, STOP) => {
-                let (parked, bytes) = self.handle.save_stream().map_err(|e| {
-                    log::warn!("migration: saving the device: {e}");
-                    errno(libc::EIO)
-                })?;
-                self.parked = Some(parked);
-                self.out = bytes;
-                self.read = 0;
+            (VFIO_DEVICE_STATE_RUNNING, STOP) => self.stop_and_save()?,
+            (VFIO_DEVICE_STATE_RUNNING, VFIO_DEVICE_STATE_PRE_COPY) => {
+                self.piece = Vec::new();
+                self.piece_read = 0;
             }
+            (VFIO_DEVICE_STATE_PRE_COPY, VFIO_DEVICE_STATE_RUNNING) => {
+                self.handle.precopy_abort();
+                self.piece = Vec::new();
+            }
+            (VFIO_DEVICE_STATE_PRE_COPY, VFIO_DEVICE_STATE_STOP_COPY) => self.stop_and_save()?,
             (STOP, VFIO_DEVICE_STATE_STOP_COPY) => self.read = 0,
             (VFIO_DEVICE_STATE_STOP_COPY, STOP) => {}
             (STOP, VFIO_DEVICE_STATE_RUNNING) => {
@@ -202,8 +245,23 @@ impl Migration {
         Ok(())
     }
 
-    /// `VFIO_USER_MIG_DATA_READ`: only while saving.
+    /// `VFIO_USER_MIG_DATA_READ`: while saving, the stream; in pre-copy,
+    /// the pieces one after another (a read never crosses from one into
+    /// the next, and an empty one means none is due now).
     pub fn read(&mut self, size: u32) -> Result<Vec<u8>, std::io::Error> {
+        if self.state == VFIO_DEVICE_STATE_PRE_COPY {
+            if self.piece_read >= self.piece.len() {
+                self.piece = self.handle.precopy(PIECE_BYTES).map_err(|e| {
+                    log::warn!("migration: a pre-copy piece: {e}");
+                    errno(libc::EIO)
+                })?;
+                self.piece_read = 0;
+            }
+            let end = self.piece_read.saturating_add(size as usize).min(self.piece.len());
+            let chunk = self.piece[self.piece_read..end].to_vec();
+            self.piece_read = end;
+            return Ok(chunk);
+        }
         if self.state != VFIO_DEVICE_STATE_STOP_COPY {
             return Err(errno(libc::EINVAL));
         }
@@ -223,6 +281,24 @@ impl Migration {
             return Err(errno(libc::EFBIG));
         }
         self.incoming.extend_from_slice(data);
+        // Whole pre-copy pieces at the front are taken at once (the
+        // stream after them waits for RESUMING -> STOP).
+        while let Some(n) = vnpu_device::device_core::piece_len(&self.incoming) {
+            let Ok(n) = usize::try_from(n) else { return Err(errno(libc::EFBIG)) };
+            if n > self.limit {
+                return Err(errno(libc::EFBIG));
+            }
+            if self.incoming.len() < n {
+                break;
+            }
+            let rest = self.incoming.split_off(n);
+            let piece = std::mem::replace(&mut self.incoming, rest);
+            if let Err(e) = self.handle.apply_piece(piece) {
+                log::warn!("migration: the client's pre-copy piece: {e}");
+                self.state = VFIO_DEVICE_STATE_ERROR;
+                return Err(errno(libc::EINVAL));
+            }
+        }
         Ok(())
     }
 
@@ -233,6 +309,8 @@ impl Migration {
         self.out = Vec::new();
         self.incoming = Vec::new();
         self.restored = false;
+        self.piece = Vec::new();
+        self.handle.precopy_abort();
         self.state = VFIO_DEVICE_STATE_RUNNING;
     }
 }
@@ -322,14 +400,14 @@ mod tests {
         let (a, b) = (function(), function());
         let mut m = Migration::new(a.state_handle(), 64 << 20);
         let flags = m.feature(VFIO_DEVICE_FEATURE_GET | VFIO_DEVICE_FEATURE_MIGRATION, &[]).unwrap();
-        assert_eq!(flags, VFIO_MIGRATION_STOP_COPY.to_le_bytes());
+        assert_eq!(flags, (VFIO_MIGRATION_STOP_COPY | VFIO_MIGRATION_PRE_COPY).to_le_bytes());
         assert!(m.feature(VFIO_DEVICE_FEATURE_PROBE | VFIO_DEVICE_FEATURE_MIG_DEVICE_STATE, &[]).is_ok());
         assert_eq!(errno_of(m.feature(VFIO_DEVICE_FEATURE_GET | 9, &[])), Some(libc::ENOTSUP));
         assert_eq!(state(&mut m), VFIO_DEVICE_STATE_RUNNING);
         // Data in the wrong state, unknown states, a short SET.
         assert_eq!(errno_of(m.read(16)), Some(libc::EINVAL));
         assert_eq!(errno_of(m.write(&[1])), Some(libc::EINVAL));
-        for bad in [VFIO_DEVICE_STATE_ERROR, 5, 6, 7, 99] {
+        for bad in [VFIO_DEVICE_STATE_ERROR, 5, 7, 99] {
             assert_eq!(errno_of(set(&mut m, bad)), Some(libc::EINVAL), "state {bad}");
         }
         assert_eq!(
@@ -394,6 +472,58 @@ mod tests {
         assert_eq!(errno_of(m.feature(get, &le(&[0, 4096, 4096]))), Some(libc::EINVAL));
         // Dropped while stopped: the parked device is let go first (no hang).
         set(&mut m, VFIO_DEVICE_STATE_STOP).unwrap();
+        drop(m);
+        drop(a);
+    }
+
+    /// Pre-copy over the protocol: `RUNNING -> PRE_COPY`, pieces read
+    /// while the device runs (an empty read when none is due), then
+    /// `PRE_COPY -> STOP_COPY` gives the incremental rest; the resuming
+    /// device takes the pieces as they are written and the stream last.
+    /// A spoiled piece puts the resuming device in `ERROR`.
+    #[test]
+    fn pre_copy_pieces_then_the_rest_reach_a_resuming_device() {
+        let (a, b) = (function(), function());
+        let mut m = Migration::new(a.state_handle(), 64 << 20);
+        // The first piece goes even with no HBM written (it carries the
+        // configuration), read in two parts; then none is due.
+        set(&mut m, VFIO_DEVICE_STATE_PRE_COPY).unwrap();
+        assert_eq!(state(&mut m), VFIO_DEVICE_STATE_PRE_COPY);
+        let mut piece = m.read(100).unwrap();
+        piece.extend_from_slice(&m.read(1 << 20).unwrap());
+        assert_eq!(vnpu_device::device_core::piece_len(&piece), Some(piece.len() as u64));
+        assert!(m.read(1 << 20).unwrap().is_empty());
+        assert_eq!(errno_of(m.write(&[1])), Some(libc::EINVAL), "no writes while pre-copying");
+        set(&mut m, VFIO_DEVICE_STATE_STOP_COPY).unwrap();
+        let mut rest = Vec::new();
+        loop {
+            let c = m.read(1 << 16).unwrap();
+            let done = c.len() < 1 << 16;
+            rest.extend_from_slice(&c);
+            if done {
+                break;
+            }
+        }
+        assert!(rest.starts_with(b"VNPUSTRM"));
+        set(&mut m, VFIO_DEVICE_STATE_RUNNING).unwrap();
+        // A piece-shaped write that does not check out: ERROR.
+        let mut n = Migration::new(b.state_handle(), 64 << 20);
+        set(&mut n, VFIO_DEVICE_STATE_RESUMING).unwrap();
+        let mut fake = b"VNPUDLTA".to_vec();
+        fake.extend_from_slice(&40u64.to_le_bytes());
+        fake.extend_from_slice(&[0u8; 24]);
+        assert_eq!(errno_of(n.write(&fake)), Some(libc::EINVAL));
+        assert_eq!(state(&mut n), VFIO_DEVICE_STATE_ERROR);
+        n.reset();
+        set(&mut n, VFIO_DEVICE_STATE_RESUMING).unwrap();
+        // The piece and the rest in one write, cut mid-piece.
+        let all = [piece.clone(), rest.clone()].concat();
+        n.write(&all[..30]).unwrap();
+        n.write(&all[30..]).unwrap();
+        set(&mut n, VFIO_DEVICE_STATE_RUNNING).unwrap();
+        // PRE_COPY -> RUNNING ends the pre-copy.
+        set(&mut m, VFIO_DEVICE_STATE_PRE_COPY).unwrap();
+        set(&mut m, VFIO_DEVICE_STATE_RUNNING).unwrap();
         drop(m);
         drop(a);
     }

@@ -330,6 +330,14 @@ fn segment(selector: u16, code: bool) -> kvm_segment {
     }
 }
 
+/// A restored or migrated VM's devices, built before its state comes.
+struct Early {
+    vm: Arc<VmFd>,
+    msi: Arc<Mutex<irq::MsiRoutes>>,
+    pci: PciBus,
+    doorbells: Vec<Doorbells>,
+}
+
 /// Where a restored or migrated VM's vNPU states come from.
 enum Devices<'a> {
     /// A snapshot's folder.
@@ -643,7 +651,8 @@ impl<W: Write> Vm<W> {
                 flags: 0,
             },
             logs: self.doorbells.iter().filter_map(|d| d.state.as_ref().map(|h| h.write_log())).collect(),
-            remote: self.doorbells.iter().filter_map(|d| d.migration.clone()).collect(),
+            vnpus: self.doorbells.iter().filter_map(|d| Some((d.slot, d.state.clone()?))).collect(),
+            remote: self.doorbells.iter().filter_map(|d| Some((d.slot, d.migration.clone()?))).collect(),
             shape: self.shape.clone(),
             carried: Mutex::new(Vec::new()),
         }))
@@ -773,6 +782,7 @@ impl<W: Write> Vm<W> {
         })();
         if r.is_err() {
             out.source.stop_logs();
+            out.source.abort_precopy();
             for (slot, h) in halted {
                 if let Err(e) = h.run() {
                     eprintln!("vnpu: the vNPU in slot {slot} after a failed migration: {e}");
@@ -851,6 +861,10 @@ impl<W: Write> Vm<W> {
             Ok(m) => m,
             Err(e) => return Err(refuse(&mut conn, e.to_string())),
         };
+        let early = match Self::early(vm, &memory, &cfg) {
+            Ok(e) => e,
+            Err(e) => return Err(refuse(&mut conn, e.to_string())),
+        };
         migrate::admit(&mut conn, None)?;
         let limits: Vec<u64> = shape
             .vnpus
@@ -863,9 +877,23 @@ impl<W: Write> Vm<W> {
             )
             .collect();
         let limit = |slot: usize| slot.checked_sub(1).and_then(|i| limits.get(i).copied());
-        let rx = migrate::receive(&mut conn, &memory, shape.memory, limit)?;
-        match Self::assemble(kvm, vm, memory, &cfg, shape, &rx.machine, Devices::Streams(rx.streams), console)
-        {
+        let piece = |slot: usize, bytes: Vec<u8>| -> Result<(), SnapshotError> {
+            let d = early.doorbells.iter().find(|d| d.slot == slot);
+            match d.and_then(|d| d.state.as_ref()) {
+                Some(h) => h.apply_piece(bytes).map_err(|source| SnapshotError::Device { slot, source }),
+                None => match d.and_then(|d| d.migration.as_ref()) {
+                    Some(h) => {
+                        h.resume_write(&bytes).map_err(|source| SnapshotError::Remote { slot, source })
+                    }
+                    None => Err(SnapshotError::Format {
+                        path: "the migration stream".into(),
+                        reason: format!("a pre-copy piece for slot {slot}, which holds no vNPU"),
+                    }),
+                },
+            }
+        };
+        let rx = migrate::receive(&mut conn, &memory, shape.memory, limit, piece)?;
+        match Self::assemble(kvm, early, memory, shape, &rx.machine, Devices::Streams(rx.streams), console) {
             Ok(me) => {
                 migrate::resumed(&mut conn, None, rx.done_at.elapsed())?;
                 Ok(me)
@@ -913,7 +941,22 @@ impl<W: Write> Vm<W> {
             cmos_index: saved.cmos_index,
             functions: saved.functions,
         };
-        Self::assemble(kvm, vm, memory, &cfg, shape, &machine, Devices::Folder(dir), console)
+        let early = Self::early(vm, &memory, &cfg)?;
+        Self::assemble(kvm, early, memory, shape, &machine, Devices::Folder(dir), console)
+    }
+
+    /// The devices of a restored or migrated VM on `vm` (with its
+    /// interrupt controllers, in their reset state until
+    /// [`Self::assemble`]): built before guest RAM or the device states
+    /// come, so that a migration's pre-copy pieces reach the vNPUs.
+    fn early(vm: VmFd, memory: &GuestMemoryMmap<()>, cfg: &VmConfig) -> Result<Early, VmError> {
+        let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
+        let _ = vm.enable_cap(&cap);
+        vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
+        let vm = Arc::new(vm);
+        let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
+        let (pci, doorbells) = Self::pci_bus(cfg, memory, &Arc::from([]), &vm, &msi)?;
+        Ok(Early { vm, msi, pci, doorbells })
     }
 
     /// Builds a restored or migrated VM on `vm` whose guest RAM `memory`
@@ -922,17 +965,14 @@ impl<W: Write> Vm<W> {
     /// to [`Self::run`] on.
     fn assemble(
         kvm: Kvm,
-        vm: VmFd,
+        early: Early,
         memory: GuestMemoryMmap<()>,
-        cfg: &VmConfig,
         shape: snapshot::Shape,
         saved: &migrate::Machine,
         devices: Devices<'_>,
         console: W,
     ) -> Result<Self, VmError> {
-        let cap = kvm_bindings::kvm_enable_cap { cap: kvm_bindings::KVM_CAP_HALT_POLL, ..Default::default() };
-        let _ = vm.enable_cap(&cap);
-        vm.create_irq_chip().map_err(ioctl("create irqchip"))?;
+        let Early { vm, msi, mut pci, doorbells } = early;
         for c in &saved.irqchips {
             vm.set_irqchip(c).map_err(snapshot::kvm("set irqchip"))?;
         }
@@ -940,9 +980,6 @@ impl<W: Write> Vm<W> {
         snapshot::restore_vcpu(&vcpu, &saved.vcpu)?;
         let clock = kvm_bindings::kvm_clock_data { clock: saved.clock.clock, ..Default::default() };
         vm.set_clock(&clock).map_err(snapshot::kvm("set clock"))?;
-        let vm = Arc::new(vm);
-        let msi = Arc::new(Mutex::new(irq::MsiRoutes::default()));
-        let (mut pci, doorbells) = Self::pci_bus(cfg, &memory, &Arc::from([]), &vm, &msi)?;
         for f in &saved.functions {
             let state = vnpu_pci::FunctionState { config: f.config.clone(), extra: f.extra.clone() };
             let func = pci

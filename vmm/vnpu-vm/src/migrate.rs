@@ -34,8 +34,12 @@ pub const MIGRATION_VERSION: u32 = 1;
 /// dirties pages faster than they go across stops after them anyway.
 pub const MAX_ROUNDS: u32 = 30;
 /// Pre-copy ends once a round leaves at most this many dirty pages
-/// (1 MiB), sent while the VM is stopped.
+/// (1 MiB), sent while the VM is stopped...
 pub const CONVERGED_PAGES: u64 = 256;
+/// ... and its pass over the vNPUs' HBM sent at most this many bytes.
+pub const CONVERGED_DEVICE_BYTES: u64 = 16 << 20;
+/// Bytes of HBM in one pre-copy piece.
+const PIECE_BYTES: usize = 8 << 20;
 /// How long either side waits for the other's next message.
 pub const PEER_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -65,11 +69,14 @@ enum Tag {
     Done = 6,
     /// Destination: [`Reply`] (JSON): the VM runs here, or why not.
     Resumed = 7,
+    /// Source: a u32 PCI slot, then a pre-copy piece of that vNPU's HBM
+    /// (`vnpu_device`'s `precopy.rs`), sent while the VM runs.
+    Piece = 8,
 }
 
 impl Tag {
     fn from_u8(b: u8) -> Option<Self> {
-        [Tag::Hello, Tag::Admit, Tag::Pages, Tag::Device, Tag::Machine, Tag::Done, Tag::Resumed]
+        [Tag::Hello, Tag::Admit, Tag::Pages, Tag::Device, Tag::Machine, Tag::Done, Tag::Resumed, Tag::Piece]
             .into_iter()
             .find(|t| *t as u8 == b)
     }
@@ -140,8 +147,10 @@ pub struct MigrationInfo {
     pub pages: u64,
     /// Pages sent while the VM was stopped.
     pub stop_pages: u64,
-    /// Device stream bytes (sent while stopped).
+    /// Device stream bytes sent while stopped.
     pub device_bytes: u64,
+    /// Pre-copy piece bytes of the vNPUs' HBM sent while the VM ran.
+    pub precopy_device_bytes: u64,
     /// Bytes of the whole stream.
     pub bytes: u64,
     /// From the request to the vCPU's stop.
@@ -228,8 +237,10 @@ pub(crate) struct Source {
     pub region: kvm_userspace_memory_region,
     /// The in-process vNPUs' write logs.
     pub logs: Vec<Arc<vnpu_device::WriteLog>>,
-    /// The daemon-served vNPUs.
-    pub remote: Vec<crate::remote::MigrationHandle>,
+    /// The in-process vNPUs, by PCI slot.
+    pub vnpus: Vec<(usize, vnpu_device::StateHandle)>,
+    /// The daemon-served vNPUs, by PCI slot.
+    pub remote: Vec<(usize, crate::remote::MigrationHandle)>,
     pub shape: Shape,
     /// The pages dirty at the end of pre-copy, for the stop round.
     pub carried: std::sync::Mutex<Vec<u64>>,
@@ -280,9 +291,9 @@ impl Source {
         for l in &self.logs {
             l.start();
         }
-        for (i, h) in self.remote.iter().enumerate() {
+        for (slot, h) in &self.remote {
             h.log_start(self.region.memory_size)
-                .map_err(|source| SnapshotError::Remote { slot: self.remote_slot(i), source })?;
+                .map_err(|source| SnapshotError::Remote { slot: *slot, source })?;
         }
         // Pages dirtied before now go in the full pass.
         self.dirty()?;
@@ -297,15 +308,58 @@ impl Source {
         for l in &self.logs {
             l.stop();
         }
-        for h in &self.remote {
+        for (_, h) in &self.remote {
             if let Err(e) = h.log_stop() {
                 log::warn!("migration: stopping a served vNPU's DMA log: {e}");
             }
         }
     }
 
-    fn remote_slot(&self, i: usize) -> usize {
-        self.shape.vnpus.len() + i + 1
+    /// Ends the vNPUs' pre-copy (the migration failed before the stop).
+    pub fn abort_precopy(&self) {
+        for (_, h) in &self.vnpus {
+            h.precopy_abort();
+        }
+        for (slot, h) in &self.remote {
+            if let Err(e) = h.precopy_abort() {
+                log::warn!("migration: ending the pre-copy of the vNPU in slot {slot}: {e}");
+            }
+        }
+    }
+
+    /// One pass over every vNPU's HBM: its pre-copy pieces until the last
+    /// of the pass; returns the bytes sent.
+    fn device_pass(&self, conn: &mut Conn) -> Result<u64, SnapshotError> {
+        let mut sent = 0u64;
+        let send = |conn: &mut Conn, slot: usize, p: &[u8]| -> Result<(), SnapshotError> {
+            let mut body = u32::try_from(slot).unwrap_or(u32::MAX).to_le_bytes().to_vec();
+            body.extend_from_slice(p);
+            conn.send(Tag::Piece, &body)
+        };
+        for (slot, h) in &self.vnpus {
+            loop {
+                let p =
+                    h.precopy(PIECE_BYTES).map_err(|source| SnapshotError::Device { slot: *slot, source })?;
+                if p.is_empty() {
+                    break;
+                }
+                send(conn, *slot, &p)?;
+                sent += p.len() as u64;
+                if vnpu_device::device_core::piece_flags(&p).unwrap_or(0)
+                    & vnpu_device::device_core::LAST_OF_PASS
+                    != 0
+                {
+                    break;
+                }
+            }
+        }
+        for (slot, h) in &self.remote {
+            for p in h.precopy_pass().map_err(|source| SnapshotError::Remote { slot: *slot, source })? {
+                send(conn, *slot, &p)?;
+                sent += p.len() as u64;
+            }
+        }
+        Ok(sent)
     }
 
     /// The pages dirtied since the last call, by the vCPU or a vNPU
@@ -321,10 +375,10 @@ impl Source {
         for l in &self.logs {
             or(&l.take());
         }
-        for (i, h) in self.remote.iter().enumerate() {
+        for (slot, h) in &self.remote {
             let w = h
                 .log_take(self.region.memory_size)
-                .map_err(|source| SnapshotError::Remote { slot: self.remote_slot(i), source })?;
+                .map_err(|source| SnapshotError::Remote { slot: *slot, source })?;
             or(&w);
         }
         Ok(bits)
@@ -398,16 +452,20 @@ pub(crate) fn precopy(source: Arc<Source>, to: &Path, verify: bool) -> Result<Ou
     let r = (|| {
         source.start_logs()?;
         info.pages = source.send_pages(&mut conn, None)?;
+        let mut device = source.device_pass(&mut conn)?;
+        info.precopy_device_bytes = device;
         loop {
             let bits = source.dirty()?;
-            let n = count(&bits);
-            if n <= CONVERGED_PAGES || info.rounds >= MAX_ROUNDS {
-                info.converged = n <= CONVERGED_PAGES;
+            let settled = count(&bits) <= CONVERGED_PAGES && device <= CONVERGED_DEVICE_BYTES;
+            if settled || info.rounds >= MAX_ROUNDS {
+                info.converged = settled;
                 // These go again with the last round, while stopped.
                 return Ok(bits);
             }
             info.rounds += 1;
             info.pages += source.send_pages(&mut conn, Some(&bits))?;
+            device = source.device_pass(&mut conn)?;
+            info.precopy_device_bytes += device;
         }
     })();
     match r {
@@ -419,6 +477,7 @@ pub(crate) fn precopy(source: Arc<Source>, to: &Path, verify: bool) -> Result<Ou
         }
         Err(e) => {
             source.stop_logs();
+            source.abort_precopy();
             Err(e)
         }
     }
@@ -527,6 +586,7 @@ pub(crate) fn receive(
     memory: &GuestMemoryMmap<()>,
     len: u64,
     stream_limit: impl Fn(usize) -> Option<u64>,
+    mut piece: impl FnMut(usize, Vec<u8>) -> Result<(), SnapshotError>,
 ) -> Result<Received, SnapshotError> {
     let pages = len.div_ceil(PAGE);
     let mut streams = std::collections::BTreeMap::new();
@@ -568,6 +628,18 @@ pub(crate) fn receive(
                 if streams.insert(slot, b[4..].to_vec()).is_some() {
                     return Err(bad(format!("two device streams for slot {slot}")));
                 }
+            }
+            Tag::Piece => {
+                let slot = b.get(..4).map(|x| u32::from_le_bytes(x.try_into().unwrap_or([0xff; 4])));
+                let slot = usize::try_from(slot.ok_or_else(|| bad("a short Piece message"))?)
+                    .map_err(|_| bad("a slot past memory"))?;
+                if stream_limit(slot).is_none() {
+                    return Err(bad(format!("a pre-copy piece for slot {slot}, which holds no vNPU")));
+                }
+                if streams.contains_key(&slot) {
+                    return Err(bad(format!("a pre-copy piece for slot {slot} after its device stream")));
+                }
+                piece(slot, b[4..].to_vec())?;
             }
             Tag::Machine => {
                 if b.len() as u64 > MAX_JSON {

@@ -268,6 +268,9 @@ fn io_events(client: &mut Client) -> Vec<(u64, EventFd)> {
 pub struct MigrationHandle {
     link: Arc<Link>,
     path: String,
+    /// Where this VMM moved the device: `PRE_COPY` while it pre-copies,
+    /// `RESUMING` while it takes pieces in, else `RUNNING` or `STOP`.
+    state: Arc<Mutex<u32>>,
 }
 
 impl std::fmt::Debug for MigrationHandle {
@@ -284,26 +287,36 @@ impl MigrationHandle {
         |source| RemoteError::Client { path: self.path.clone(), source }
     }
 
-    /// Stops the device and reads its whole state; it stays stopped
-    /// until [`Self::run`].
-    pub fn save(&self) -> Result<Vec<u8>, RemoteError> {
-        let mut c = lock(&self.link.client);
+    /// The server's migration flags (`VFIO_MIGRATION_*`).
+    fn migration_flags(&self, c: &mut vfio_user::Client) -> Result<u64, RemoteError> {
         let migration = c
             .device_feature(
                 vfio_user::VFIO_DEVICE_FEATURE_GET | vfio_user::VFIO_DEVICE_FEATURE_MIGRATION,
                 &[],
             )
             .map_err(self.client_err())?;
-        let flags = migration
+        Ok(migration
             .get(..8)
-            .map_or(0, |b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]));
-        if flags & vfio_user::VFIO_MIGRATION_STOP_COPY == 0 {
+            .map_or(0, |b| u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])))
+    }
+
+    fn set(&self, c: &mut vfio_user::Client, to: u32) -> Result<(), RemoteError> {
+        c.set_migration_state(to).map_err(self.client_err())?;
+        *lock(&self.state) = to;
+        Ok(())
+    }
+
+    /// Stops the device and reads its whole state (after a pre-copy, the
+    /// incremental rest); it stays stopped until [`Self::run`].
+    pub fn save(&self) -> Result<Vec<u8>, RemoteError> {
+        let mut c = lock(&self.link.client);
+        if self.migration_flags(&mut c)? & vfio_user::VFIO_MIGRATION_STOP_COPY == 0 {
             return Err(RemoteError::Device {
                 path: self.path.clone(),
                 what: "the server cannot be migrated (no STOP_COPY)".into(),
             });
         }
-        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP_COPY).map_err(self.client_err())?;
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_STOP_COPY)?;
         let mut out = Vec::new();
         loop {
             let chunk = c.mig_data_read(MIG_CHUNK).map_err(self.client_err())?;
@@ -313,8 +326,70 @@ impl MigrationHandle {
                 break;
             }
         }
-        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP).map_err(self.client_err())?;
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_STOP)?;
         Ok(out)
+    }
+
+    /// One pass of the device's pre-copy (`PRE_COPY`, entered at the first
+    /// call; the device runs on): its pieces until the last of the pass,
+    /// or none when none is due. A server without pre-copy gives none.
+    pub fn precopy_pass(&self) -> Result<Vec<Vec<u8>>, RemoteError> {
+        let mut c = lock(&self.link.client);
+        if *lock(&self.state) != vfio_user::VFIO_DEVICE_STATE_PRE_COPY {
+            if self.migration_flags(&mut c)? & vfio_user::VFIO_MIGRATION_PRE_COPY == 0 {
+                return Ok(Vec::new());
+            }
+            self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_PRE_COPY)?;
+        }
+        let bad = |what: String| RemoteError::Device { path: self.path.clone(), what };
+        let mut pieces = Vec::new();
+        loop {
+            let mut p = c.mig_data_read(MIG_CHUNK).map_err(self.client_err())?;
+            if p.is_empty() {
+                return Ok(pieces);
+            }
+            let want = vnpu_device::device_core::piece_len(&p)
+                .ok_or_else(|| bad("a pre-copy read that is not a piece".into()))?;
+            while (p.len() as u64) < want {
+                let more = c.mig_data_read(MIG_CHUNK).map_err(self.client_err())?;
+                if more.is_empty() {
+                    return Err(bad(format!("a pre-copy piece cut at {} of {want} bytes", p.len())));
+                }
+                p.extend_from_slice(&more);
+            }
+            if p.len() as u64 != want {
+                return Err(bad(format!("a pre-copy piece of {} bytes for {want}", p.len())));
+            }
+            let last = vnpu_device::device_core::piece_flags(&p).unwrap_or(0)
+                & vnpu_device::device_core::LAST_OF_PASS
+                != 0;
+            pieces.push(p);
+            if last {
+                return Ok(pieces);
+            }
+        }
+    }
+
+    /// Ends a pre-copy without a stop: back to `RUNNING`.
+    pub fn precopy_abort(&self) -> Result<(), RemoteError> {
+        if *lock(&self.state) != vfio_user::VFIO_DEVICE_STATE_PRE_COPY {
+            return Ok(());
+        }
+        let mut c = lock(&self.link.client);
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_RUNNING)
+    }
+
+    /// Writes pre-copy pieces of another device into this one
+    /// (`RESUMING`, entered at the first call), before [`Self::load`].
+    pub fn resume_write(&self, bytes: &[u8]) -> Result<(), RemoteError> {
+        let mut c = lock(&self.link.client);
+        if *lock(&self.state) != vfio_user::VFIO_DEVICE_STATE_RESUMING {
+            self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_RESUMING)?;
+        }
+        for chunk in bytes.chunks(MIG_CHUNK as usize) {
+            c.mig_data_write(chunk).map_err(self.client_err())?;
+        }
+        Ok(())
     }
 
     /// Starts logging the guest pages the device writes in `[0, ram)`
@@ -389,21 +464,18 @@ impl MigrationHandle {
 
     /// Lets the stopped device run again.
     pub fn run(&self) -> Result<(), RemoteError> {
-        lock(&self.link.client)
-            .set_migration_state(vfio_user::VFIO_DEVICE_STATE_RUNNING)
-            .map_err(self.client_err())
+        let mut c = lock(&self.link.client);
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_RUNNING)
     }
 
     /// Gives the device a state [`Self::save`] read (from this server or
-    /// another) and lets it run.
+    /// another; after [`Self::resume_write`] of its pre-copy pieces) and
+    /// lets it run.
     pub fn load(&self, bytes: &[u8]) -> Result<(), RemoteError> {
+        self.resume_write(bytes)?;
         let mut c = lock(&self.link.client);
-        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_RESUMING).map_err(self.client_err())?;
-        for chunk in bytes.chunks(MIG_CHUNK as usize) {
-            c.mig_data_write(chunk).map_err(self.client_err())?;
-        }
-        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_STOP).map_err(self.client_err())?;
-        c.set_migration_state(vfio_user::VFIO_DEVICE_STATE_RUNNING).map_err(self.client_err())
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_STOP)?;
+        self.set(&mut c, vfio_user::VFIO_DEVICE_STATE_RUNNING)
     }
 }
 
@@ -724,7 +796,11 @@ impl RemoteFunction {
     /// A handle that saves and restores the served device's state
     /// through the server's vfio-user migration (`docs/migration.md`).
     pub fn migration_handle(&self) -> MigrationHandle {
-        MigrationHandle { link: Arc::clone(&self.link), path: self.path.clone() }
+        MigrationHandle {
+            link: Arc::clone(&self.link),
+            path: self.path.clone(),
+            state: Arc::new(Mutex::new(vfio_user::VFIO_DEVICE_STATE_RUNNING)),
+        }
     }
 
     /// The server's ioeventfds, (BAR 0 offset, eventfd) for KVM, which

@@ -36,7 +36,7 @@ mod precopy;
 mod ring;
 mod stream;
 
-pub use precopy::{piece_flags, LAST_OF_PASS};
+pub use precopy::{piece_flags, piece_len, LAST_OF_PASS};
 pub use stream::{stream_limit, STREAM_VERSION};
 
 use counters::Counters;

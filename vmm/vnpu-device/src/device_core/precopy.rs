@@ -46,6 +46,9 @@ pub(crate) struct PreCopy {
     config: VnpuSpec,
     /// (core, chunk) still to send in this pass.
     pending: VecDeque<(usize, u64)>,
+    /// No piece went yet: the first goes even with no chunk, so that the
+    /// receiver knows the configuration its incremental stream builds on.
+    first: bool,
 }
 
 /// Memories the receiving core built from pieces, for the incremental
@@ -81,7 +84,7 @@ impl DeviceCore {
                     pending.extend(core.hbm.written_chunks().into_iter().map(|k| (c, k)));
                 }
             }
-            self.precopy = Some(PreCopy { config, pending });
+            self.precopy = Some(PreCopy { config, pending, first: true });
         } else if !self.precopy_holds() {
             return Ok(Vec::new());
         }
@@ -94,9 +97,10 @@ impl DeviceCore {
                 }
             }
         }
-        if p.pending.is_empty() {
+        if p.pending.is_empty() && !std::mem::take(&mut p.first) {
             return Ok(Vec::new());
         }
+        p.first = false;
         let mut out = Vec::with_capacity(max.min(64 << 20) + (2 << 20));
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&[0u8; 12]);
@@ -271,6 +275,18 @@ fn decode_piece(bytes: &[u8]) -> Result<(VnpuSpec, Chunks<'_>), SnapshotError> {
     }
     let config = config.ok_or_else(|| bad("no record"))?;
     Ok((config, chunks))
+}
+
+/// The length a pre-copy piece at the front of `bytes` says it has, once
+/// its header is there (none when `bytes` does not begin with a piece:
+/// a receiver splitting a byte stream into pieces and a stream).
+pub fn piece_len(bytes: &[u8]) -> Option<u64> {
+    if bytes.len() < 16 || &bytes[..8] != MAGIC {
+        return None;
+    }
+    let mut l = [0u8; 8];
+    l.copy_from_slice(&bytes[8..16]);
+    Some(u64::from_le_bytes(l))
 }
 
 /// The flags of a piece (its [`LAST_OF_PASS`] bit), if `bytes` is one.
