@@ -275,6 +275,19 @@ pub fn run<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P) -
 /// requests the driver submitted again after `ST_RETRY`; true when every
 /// answer matched.
 pub fn classify_rounds<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegion, p: &P, rounds: u32) -> bool {
+    classify_rounds_with(npu, dma, p, rounds, &mut |_, _, _| true)
+}
+
+/// [`classify_rounds`] with `each_round` called after every round (before
+/// its line is printed) with the round's number; a round it fails ends
+/// the run, false.
+pub fn classify_rounds_with<B: Bar, P: Platform>(
+    npu: &mut Vnpu<B>,
+    dma: &mut DmaRegion,
+    p: &P,
+    rounds: u32,
+    each_round: &mut dyn FnMut(&mut Vnpu<B>, &mut DmaRegion, u32) -> bool,
+) -> bool {
     let Some(data) = p.data(DATA_BYTES).filter(|d| d.len >= DATA_BYTES).map(Data) else {
         out!(p, "this guest needs {DATA_BYTES} bytes of DMA memory for its tensors");
         return false;
@@ -322,6 +335,9 @@ pub fn classify_rounds<B: Bar, P: Platform>(npu: &mut Vnpu<B>, dma: &mut DmaRegi
             agree += usize::from(logits.iter().all(|v| v.is_finite()) && argmax(&logits) == *want);
         }
         all &= agree == n;
+        if !each_round(npu, dma, r) {
+            return false;
+        }
         out!(p, "round {r}: agree={agree}/{n} retried={}", npu.retried());
     }
     out!(p, "rounds={rounds} images={} all_agree={all} retried={}", rounds as usize * n, npu.retried());

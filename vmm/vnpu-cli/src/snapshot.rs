@@ -101,6 +101,7 @@ fn migration_json(i: &vnpu_vm::MigrationInfo) -> serde_json::Value {
         "pages": i.pages,
         "stop_pages": i.stop_pages,
         "device_bytes": i.device_bytes,
+        "precopy_device_bytes": i.precopy_device_bytes,
         "bytes": i.bytes,
         "precopy_ms": ms(i.precopy),
         "downtime_ms": ms(i.downtime),
@@ -151,7 +152,7 @@ pub fn migrate(socket: &Path, to: &Path, verify: bool, json: bool) -> Result<(),
     }
     let f = |k: &str| m[k].as_f64().unwrap_or(f64::NAN);
     println!(
-        "migrated: downtime {:.1} ms ({:.1} for the vNPUs' running requests, {:.1} restoring there), total {:.1} ms; {} pages in {} pre-copy rounds{} and {} while stopped, {:.1} MiB of device state, {:.1} MiB in all",
+        "migrated: downtime {:.1} ms ({:.1} for the vNPUs' running requests, {:.1} restoring there), total {:.1} ms; {} pages in {} pre-copy rounds{} and {} while stopped, {:.1} MiB of vNPU HBM pre-copied and {:.1} MiB of device state while stopped, {:.1} MiB in all",
         f("downtime_ms"),
         f("drain_ms"),
         f("restore_ms"),
@@ -160,6 +161,7 @@ pub fn migrate(socket: &Path, to: &Path, verify: bool, json: bool) -> Result<(),
         m["rounds"],
         if m["converged"] == serde_json::Value::Bool(true) { "" } else { " (not converged)" },
         m["stop_pages"],
+        f("precopy_device_bytes") / f64::from(1u32 << 20),
         f("device_bytes") / f64::from(1u32 << 20),
         f("bytes") / f64::from(1u32 << 20),
     );

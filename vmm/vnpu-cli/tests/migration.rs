@@ -41,7 +41,12 @@ fn os(s: &str) -> &std::ffi::OsStr {
 
 /// The `resume` guest with one vNPU: `vnpu` as `--vnpu` takes it.
 fn resume_vm(api: &Path, vnpu: &str, state: Option<&Path>) -> Running {
-    let g = guest("resume");
+    guest_vm("resume", api, vnpu, state)
+}
+
+/// The guest `name` with one vNPU, serving `api`.
+fn guest_vm(name: &str, api: &Path, vnpu: &str, state: Option<&Path>) -> Running {
+    let g = guest(name);
     let mut a: Vec<&std::ffi::OsStr> = vec![
         os("run"),
         os("--memory"),
@@ -342,6 +347,59 @@ fn a_destination_with_no_room_refuses_before_anything_stops() {
     let (code, out, err) = vm.finish();
     assert_eq!(code, 0, "{out}{err}");
     resume_rounds_once(&[&out]);
+    assert!(common::terminate(da).success());
+    assert!(common::terminate(db).success());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The `resume-hbm` guest fills its vNPU's 1 GiB of HBM, then writes a
+/// chunk of it after every round. Moved twice (in-process, then through
+/// two daemons), its HBM goes in pre-copy pieces while it runs, and the
+/// stop carries only the chunks written since: the guest's own read-back
+/// of every round's bytes and of the pattern must find them all.
+#[test]
+fn a_vm_with_a_gib_of_hbm_moves_it_in_pre_copy_and_reads_it_all_back() {
+    let _one = one_at_a_time();
+    let d = scratch("hbm");
+    let (a, b) = (d.join("a"), d.join("b"));
+    let uuid = common::vnpu(&a, &["create", "--type", "small"]).trim().to_string();
+    let da = common::daemon_logged(&a, &a.join("sockets"), &d.join("a.log"));
+    let db = common::daemon_logged(&b, &b.join("sockets"), &d.join("b.log"));
+    wait_socket(&a.join("sockets").join(format!("{uuid}.sock")));
+    wait_socket(&b.join("sockets/control.sock"));
+    for (case, vnpu, hosts) in
+        [("in-process", "type=small".to_string(), [&a, &a]), ("daemons", format!("uuid={uuid}"), [&b, &a])]
+    {
+        let state = (case == "daemons").then_some(a.as_path());
+        let mut api = d.join(format!("{case}-api-0.sock"));
+        let mut procs = vec![guest_vm("resume-hbm", &api, &vnpu, state)];
+        procs[0].wait_for("hbm filled");
+        for (hop, to) in hosts.into_iter().enumerate() {
+            procs.last().unwrap().wait_for(&format!("round {}:", 20 + 60 * hop));
+            let listen = d.join(format!("{case}-in-{hop}.sock"));
+            let next = d.join(format!("{case}-api-{}.sock", hop + 1));
+            let r = receiver(&listen, to, &next);
+            let (code, out) = migrate(&api, &listen);
+            assert_eq!(code, 0, "{case} hop {hop}: {out}\n--- the destination ---\n{}", r.both());
+            let m: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+            eprintln!("{case} hop {hop}: {m}");
+            assert!(m["precopy_device_bytes"].as_u64().unwrap() >= 1 << 30, "{case}: {m}");
+            assert!(m["device_bytes"].as_u64().unwrap() < 64 << 20, "{case}: the stop carried {m}");
+            wait_socket(&next);
+            procs.push(r);
+            api = next;
+        }
+        let mut consoles = Vec::new();
+        for (i, p) in procs.into_iter().enumerate() {
+            let (code, out, err) = p.finish();
+            assert_eq!(code, 0, "{case} process {i}: {out}{err}");
+            consoles.push(out);
+        }
+        let all = consoles.concat();
+        assert!(all.contains("hbm check: 0 of 347 ranges differ"), "{case}: {all}");
+        let parts: Vec<&str> = consoles.iter().map(String::as_str).collect();
+        resume_rounds_once(&parts);
+    }
     assert!(common::terminate(da).success());
     assert!(common::terminate(db).success());
     let _ = std::fs::remove_dir_all(&d);
