@@ -124,6 +124,9 @@ fn call(socket: &Path, req: &serde_json::Value, what: &str) -> Result<serde_json
     s.write_all(format!("{req}\n").as_bytes()).map_err(io)?;
     let mut reply = String::new();
     BufReader::new(s.take(1 << 16)).read_line(&mut reply).map_err(io)?;
+    if reply.is_empty() {
+        return Err(CliError::Usage(format!("{what}: the VM ended before it answered (did its guest exit?)")));
+    }
     let v: serde_json::Value = serde_json::from_str(&reply)
         .map_err(|e| CliError::Usage(format!("the VM's answer is not JSON ({e}): {reply}")))?;
     if v["ok"] != serde_json::Value::Bool(true) {

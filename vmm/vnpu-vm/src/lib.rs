@@ -851,19 +851,30 @@ impl<W: Write> Vm<W> {
         }
         shape.remote = remote;
         let cfg = Self::config_of(&shape);
-        let made = Self::check_config(&cfg, cfg.vnpus.len() + cfg.remote_vnpus.len()).and_then(|()| {
-            let kvm = Kvm::new().map_err(VmError::Kvm)?;
-            let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
-            let memory = Self::guest_memory(&vm, &cfg)?;
-            Ok((kvm, vm, memory))
-        });
-        let (kvm, vm, memory) = match made {
-            Ok(m) => m,
-            Err(e) => return Err(refuse(&mut conn, e.to_string())),
-        };
-        let early = match Self::early(vm, &memory, &cfg) {
-            Ok(e) => e,
-            Err(e) => return Err(refuse(&mut conn, e.to_string())),
+        if let Err(e) = Self::check_config(&cfg, cfg.vnpus.len() + cfg.remote_vnpus.len()) {
+            return Err(refuse(&mut conn, e.to_string()));
+        }
+        // A daemon's vNPU coming back to this host may still be held by
+        // the VMM that took it away a moment ago, which is ending now: a
+        // busy server is tried again for a while.
+        let since = std::time::Instant::now();
+        let (kvm, early, memory) = loop {
+            let made = (|| {
+                let kvm = Kvm::new().map_err(VmError::Kvm)?;
+                let vm = kvm.create_vm().map_err(ioctl("create VM"))?;
+                let memory = Self::guest_memory(&vm, &cfg)?;
+                let early = Self::early(vm, &memory, &cfg)?;
+                Ok::<_, VmError>((kvm, early, memory))
+            })();
+            match made {
+                Ok(m) => break m,
+                Err(VmError::Attach { source: remote::RemoteError::Busy { .. }, .. })
+                    if since.elapsed() < std::time::Duration::from_secs(10) =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+                Err(e) => return Err(refuse(&mut conn, e.to_string())),
+            }
         };
         migrate::admit(&mut conn, None)?;
         let limits: Vec<u64> = shape
