@@ -85,6 +85,16 @@ enum Command {
         /// migration and the VM runs on here.
         #[arg(long)]
         verify: bool,
+        /// Pre-copy rounds after the first pass, at most (0 to 1000):
+        /// after them the VM stops and what is still dirty goes while it
+        /// is stopped, converged or not.
+        #[arg(long, default_value_t = vnpu_vm::migrate::MAX_ROUNDS)]
+        max_rounds: u32,
+        /// Pre-copy ends once a round leaves at most this many dirty
+        /// guest pages (4 KiB each) and its pass over the vNPUs' HBM sent
+        /// at most 16 MiB.
+        #[arg(long, default_value_t = vnpu_vm::migrate::CONVERGED_PAGES)]
+        converged_pages: u64,
         /// Print the figures as one JSON object instead of a sentence.
         #[arg(long)]
         json: bool,
@@ -845,8 +855,10 @@ fn run(cli: Cli) -> Result<u8, CliError> {
         Command::Run(args) => return run::run_vm(args),
         Command::Snapshot { api_socket, dir, stop } => snapshot::snapshot(&api_socket, &dir, stop)?,
         Command::Restore { dir, api_socket } => return snapshot::restore(&dir, api_socket.as_deref()),
-        Command::Migrate { api_socket, to, verify, json } => {
-            snapshot::migrate(&api_socket, &to, verify, json)?
+        Command::Migrate { api_socket, to, verify, max_rounds, converged_pages, json } => {
+            let opts =
+                vnpu_vm::MigrateOptions::new(verify, max_rounds, converged_pages).map_err(CliError::Usage)?;
+            snapshot::migrate(&api_socket, &to, opts, json)?
         }
         Command::Receive { listen, state_dir, api_socket } => {
             return snapshot::receive(&listen, &manage::state_dir(&state_dir), api_socket.as_deref())

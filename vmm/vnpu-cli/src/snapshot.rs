@@ -4,7 +4,8 @@
 //!
 //! The socket takes one JSON line per connection,
 //! `{"op":"snapshot","dir":"/abs/path","stop":false}` or
-//! `{"op":"migrate","to":"/abs/path","verify":false}`, and answers one:
+//! `{"op":"migrate","to":"/abs/path","verify":false,"max_rounds":30,"converged_pages":256}`
+//! (the last three optional), and answers one:
 //! `{"ok":true,"dir":...,"bytes":N,"ram_pages":N,"took_ms":T,"drain_ms":D}`,
 //! `{"ok":true,"migration":{...}}` or `{"ok":false,"error":"..."}`.
 
@@ -30,6 +31,10 @@ struct ApiRequest {
     to: Option<PathBuf>,
     #[serde(default)]
     verify: bool,
+    #[serde(default)]
+    max_rounds: Option<u32>,
+    #[serde(default)]
+    converged_pages: Option<u64>,
 }
 
 /// Serves the API socket at `path` for the VM `pause` stops, on a thread
@@ -65,7 +70,9 @@ fn answer(s: &UnixStream, pause: &vnpu_vm::PauseHandle) -> serde_json::Value {
         Err(e) => return fail(format!("not a request: {e}")),
     };
     match (req.op.as_str(), req.dir, req.to) {
-        ("snapshot", Some(dir), None) if !req.verify => {
+        ("snapshot", Some(dir), None)
+            if !req.verify && req.max_rounds.is_none() && req.converged_pages.is_none() =>
+        {
             if !dir.is_absolute() {
                 return fail("dir must be an absolute path".into());
             }
@@ -81,12 +88,25 @@ fn answer(s: &UnixStream, pause: &vnpu_vm::PauseHandle) -> serde_json::Value {
                 Err(e) => fail(e.to_string()),
             }
         }
-        ("migrate", None, Some(to)) if !req.stop => match pause.migrate(&to, req.verify) {
-            Ok(i) => serde_json::json!({ "ok": true, "migration": migration_json(&i) }),
-            Err(e) => fail(e.to_string()),
-        },
+        ("migrate", None, Some(to)) if !req.stop => {
+            let d = vnpu_vm::MigrateOptions::default();
+            let opts = match vnpu_vm::MigrateOptions::new(
+                req.verify,
+                req.max_rounds.unwrap_or(d.max_rounds),
+                req.converged_pages.unwrap_or(d.converged_pages),
+            ) {
+                Ok(o) => o,
+                Err(e) => return fail(e),
+            };
+            match pause.migrate(&to, opts) {
+                Ok(i) => serde_json::json!({ "ok": true, "migration": migration_json(&i) }),
+                Err(e) => fail(e.to_string()),
+            }
+        }
         ("snapshot", ..) => fail("a snapshot takes \"dir\" (and \"stop\") only".into()),
-        ("migrate", ..) => fail("a migration takes \"to\" (and \"verify\") only".into()),
+        ("migrate", ..) => {
+            fail("a migration takes \"to\" (and \"verify\", \"max_rounds\", \"converged_pages\") only".into())
+        }
         (op, ..) => fail(format!("unknown op \"{op}\" (the API socket takes \"snapshot\" and \"migrate\")")),
     }
 }
@@ -125,7 +145,9 @@ fn call(socket: &Path, req: &serde_json::Value, what: &str) -> Result<serde_json
     let mut reply = String::new();
     BufReader::new(s.take(1 << 16)).read_line(&mut reply).map_err(io)?;
     if reply.is_empty() {
-        return Err(CliError::Usage(format!("{what}: the VM ended before it answered (did its guest exit?)")));
+        return Err(CliError::Usage(format!(
+            "{what}: the VM ended before it answered (did its guest exit?)"
+        )));
     }
     let v: serde_json::Value = serde_json::from_str(&reply)
         .map_err(|e| CliError::Usage(format!("the VM's answer is not JSON ({e}): {reply}")))?;
@@ -140,12 +162,18 @@ fn call(socket: &Path, req: &serde_json::Value, what: &str) -> Result<serde_json
 
 /// `vnpu migrate`: asks the VM serving `socket` to move to the VMM
 /// waiting at `to`; prints what it took.
-pub fn migrate(socket: &Path, to: &Path, verify: bool, json: bool) -> Result<(), CliError> {
+pub fn migrate(socket: &Path, to: &Path, opts: vnpu_vm::MigrateOptions, json: bool) -> Result<(), CliError> {
     let abs = std::path::absolute(to)
         .map_err(|source| CliError::Write { path: to.display().to_string(), source })?;
     let v = call(
         socket,
-        &serde_json::json!({ "op": "migrate", "to": abs, "verify": verify }),
+        &serde_json::json!({
+            "op": "migrate",
+            "to": abs,
+            "verify": opts.verify,
+            "max_rounds": opts.max_rounds,
+            "converged_pages": opts.converged_pages,
+        }),
         "the migration failed (the VM runs on here)",
     )?;
     let m = &v["migration"];

@@ -36,7 +36,7 @@ pub mod remote;
 pub mod snapshot;
 
 pub use linux::LinuxBoot;
-pub use migrate::{MigrationInfo, Offer, RemoteShape};
+pub use migrate::{MigrateOptions, MigrationInfo, Offer, RemoteShape};
 pub use snapshot::{PauseHandle, SnapshotError, SnapshotInfo};
 pub use vnpu_device::GuestRam;
 
@@ -896,10 +896,9 @@ impl<W: Write> Vm<W> {
                     Some(h) => {
                         h.resume_write(&bytes).map_err(|source| SnapshotError::Remote { slot, source })
                     }
-                    None => Err(SnapshotError::Format {
-                        path: "the migration stream".into(),
-                        reason: format!("a pre-copy piece for slot {slot}, which holds no vNPU"),
-                    }),
+                    None => Err(SnapshotError::Stream(format!(
+                        "a pre-copy piece for slot {slot}, which holds no vNPU"
+                    ))),
                 },
             }
         };
@@ -1012,10 +1011,8 @@ impl<W: Write> Vm<W> {
                     }
                 }
                 Devices::Streams(streams) => {
-                    let missing = || SnapshotError::Format {
-                        path: "the migration stream".into(),
-                        reason: format!("no device stream for the vNPU in slot {}", d.slot),
-                    };
+                    let missing =
+                        || SnapshotError::Stream(format!("no device stream for the vNPU in slot {}", d.slot));
                     let bytes = streams.get(&d.slot).ok_or_else(missing)?;
                     if let Some(h) = &d.state {
                         h.restore_stream(bytes.clone())

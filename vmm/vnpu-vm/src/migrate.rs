@@ -135,6 +135,36 @@ pub(crate) struct Machine {
     pub functions: Vec<Function>,
 }
 
+/// How a live migration goes (`vnpu migrate`'s options).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MigrateOptions {
+    /// The destination checks guest RAM's CRC-32 before the VM runs.
+    pub verify: bool,
+    /// Pre-copy rounds after the first pass, at most.
+    pub max_rounds: u32,
+    /// Pre-copy ends once a round leaves at most this many dirty pages.
+    pub converged_pages: u64,
+}
+
+impl Default for MigrateOptions {
+    fn default() -> Self {
+        Self { verify: false, max_rounds: MAX_ROUNDS, converged_pages: CONVERGED_PAGES }
+    }
+}
+
+/// Most pre-copy rounds a migration may be asked for.
+pub const MOST_ROUNDS: u32 = 1000;
+
+impl MigrateOptions {
+    /// Options with `max_rounds` at most [`MOST_ROUNDS`].
+    pub fn new(verify: bool, max_rounds: u32, converged_pages: u64) -> Result<Self, String> {
+        if max_rounds > MOST_ROUNDS {
+            return Err(format!("at most {MOST_ROUNDS} pre-copy rounds, not {max_rounds}"));
+        }
+        Ok(Self { verify, max_rounds, converged_pages })
+    }
+}
+
 /// What a live migration did, seen from the source.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct MigrationInfo {
@@ -172,7 +202,7 @@ pub(crate) fn peer(what: &str, e: std::io::Error) -> SnapshotError {
 }
 
 fn bad(reason: impl Into<String>) -> SnapshotError {
-    SnapshotError::Format { path: "the migration stream".into(), reason: reason.into() }
+    SnapshotError::Stream(reason.into())
 }
 
 /// A stream that counts what it writes.
@@ -255,8 +285,7 @@ impl std::fmt::Debug for Source {
 /// A migration past its pre-copy, handed to the vCPU thread to finish.
 pub(crate) struct Outgoing {
     pub conn: Conn,
-    /// Check guest RAM's checksum at the destination before it runs.
-    pub verify: bool,
+    pub opts: MigrateOptions,
     pub source: Arc<Source>,
     pub info: MigrationInfo,
     pub started: Instant,
@@ -437,7 +466,11 @@ fn count(bits: &[u64]) -> u64 {
 /// Connects to the destination at `to`, has the VM admitted, and
 /// pre-copies guest RAM while the VM runs. On failure the logs are off
 /// again and the VM runs on untouched.
-pub(crate) fn precopy(source: Arc<Source>, to: &Path, verify: bool) -> Result<Outgoing, SnapshotError> {
+pub(crate) fn precopy(
+    source: Arc<Source>,
+    to: &Path,
+    opts: MigrateOptions,
+) -> Result<Outgoing, SnapshotError> {
     let started = Instant::now();
     let s = UnixStream::connect(to).map_err(|e| peer(&format!("connecting to {}", to.display()), e))?;
     let mut conn = Conn::new(s)?;
@@ -456,8 +489,8 @@ pub(crate) fn precopy(source: Arc<Source>, to: &Path, verify: bool) -> Result<Ou
         info.precopy_device_bytes = device;
         loop {
             let bits = source.dirty()?;
-            let settled = count(&bits) <= CONVERGED_PAGES && device <= CONVERGED_DEVICE_BYTES;
-            if settled || info.rounds >= MAX_ROUNDS {
+            let settled = count(&bits) <= opts.converged_pages && device <= CONVERGED_DEVICE_BYTES;
+            if settled || info.rounds >= opts.max_rounds {
                 info.converged = settled;
                 // These go again with the last round, while stopped.
                 return Ok(bits);
@@ -473,7 +506,7 @@ pub(crate) fn precopy(source: Arc<Source>, to: &Path, verify: bool) -> Result<Ou
             // The pages dirty at the end of pre-copy join the stop round.
             source.carry(left);
             info.precopy = started.elapsed();
-            Ok(Outgoing { conn, verify, source, info, started })
+            Ok(Outgoing { conn, opts, source, info, started })
         }
         Err(e) => {
             source.stop_logs();
@@ -516,7 +549,7 @@ pub(crate) fn stop_and_copy(
         out.conn.send(Tag::Device, &body)?;
     }
     out.conn.send_json(Tag::Machine, machine)?;
-    let done = if out.verify {
+    let done = if out.opts.verify {
         snapshot::ram_crc(&out.source.memory, out.source.region.memory_size)?.to_le_bytes().to_vec()
     } else {
         Vec::new()

@@ -87,6 +87,8 @@ pub enum SnapshotError {
     NotRunning,
     #[error("the destination refused the migration: {0}")]
     Refused(String),
+    #[error("the migration stream: {0}")]
+    Stream(String),
 }
 
 pub(crate) fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
@@ -713,9 +715,13 @@ impl PauseHandle {
     /// receive`): pre-copy on this thread while the VM runs, then the
     /// stop-and-copy on the vCPU's. On success the VM runs there and ends
     /// here; on any failure it runs on here as it was.
-    /// With `verify`, the destination checks guest RAM's CRC-32 against
-    /// the source's at the stop before it runs the VM.
-    pub fn migrate(&self, to: &Path, verify: bool) -> Result<crate::migrate::MigrationInfo, SnapshotError> {
+    /// `opts` say how (a check of guest RAM's CRC-32 at the destination,
+    /// the bounds of pre-copy).
+    pub fn migrate(
+        &self,
+        to: &Path,
+        opts: crate::migrate::MigrateOptions,
+    ) -> Result<crate::migrate::MigrationInfo, SnapshotError> {
         let source = lock(&self.inner.0)
             .source
             .clone()
@@ -723,7 +729,7 @@ impl PauseHandle {
         if lock(&self.inner.0).thread.is_none() {
             return Err(SnapshotError::NotRunning);
         }
-        let out = crate::migrate::precopy(Arc::clone(&source), to, verify)?;
+        let out = crate::migrate::precopy(Arc::clone(&source), to, opts)?;
         match self.ask(Ask::Finish(Box::new(out))) {
             Ok(Done::Migrated(i)) => Ok(i),
             Ok(Done::Snapshot(_)) => Err(SnapshotError::NotRunning),
