@@ -14,6 +14,8 @@
 //!   files hold anything.
 //! - [`take_stream`]: a device core taking a device stream a migrating
 //!   client wrote.
+//! - [`take_pieces`]: a device core taking a live migration's pre-copy
+//!   pieces and its incremental stream.
 //!
 //! Each is also run by this crate's tests on fixed inputs, so the
 //! harnesses stay built and working on stable Rust.
@@ -30,4 +32,4 @@ pub use resume::resume_from;
 pub use ring::drive_ring;
 pub use server::serve_stream;
 pub use session::run_session;
-pub use stream::take_stream;
+pub use stream::{take_pieces, take_stream};

@@ -89,8 +89,81 @@ pub fn take_stream(data: &[u8]) {
     crate::resume::still_a_device(&mut core);
 }
 
+/// A valid pre-copy of [`base`]'s vNPU (its HBM chunks written): the
+/// pieces a sending core hands out, then its incremental stream at the
+/// stop.
+fn base_pieces() -> &'static [Vec<u8>] {
+    static PIECES: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    PIECES.get_or_init(|| {
+        let Some(mut c) = core() else { return Vec::new() };
+        if c.take_stream(base()).is_err() {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        // Small pieces: one chunk each.
+        while let Ok(p) = c.precopy(1) {
+            if p.is_empty() || out.len() > 8 {
+                break;
+            }
+            out.push(p);
+        }
+        if let Ok(s) = c.stop_stream() {
+            out.push(s);
+        }
+        out
+    })
+}
+
+/// Gives a fresh core a pre-copy (`docs/migration.md`, "Pre-copy of the
+/// vNPU's HBM"): [`base_pieces`] with one part (the first byte says
+/// which, the pieces and then the stream) spoiled by the rest of `data`,
+/// XORed in as (offset u32, byte) pairs; or (first byte's top bit) the
+/// rest of `data` as one piece before the valid parts. The core must
+/// take each part or refuse it, never panic, and still be a device.
+pub fn take_pieces(data: &[u8]) {
+    let Some(mut core) = core() else { return };
+    let mut parts: Vec<Vec<u8>> = base_pieces().to_vec();
+    let Some((&first, rest)) = data.split_first() else { return };
+    if first & 0x80 != 0 {
+        let _ = core.take_piece(rest);
+    } else if !parts.is_empty() {
+        let i = usize::from(first) % parts.len();
+        let b = &mut parts[i];
+        for p in rest.chunks_exact(5) {
+            let at = u32::from_le_bytes([p[0], p[1], p[2], p[3]]) as usize;
+            let n = b.len().max(1);
+            if let Some(x) = b.get_mut(at % n) {
+                *x ^= p[4];
+            }
+        }
+    }
+    if let Some((stream, pieces)) = parts.split_last() {
+        for p in pieces {
+            let _ = core.take_piece(p);
+        }
+        let _ = core.take_stream(stream);
+    }
+    crate::resume::still_a_device(&mut core);
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn valid_spoiled_and_raw_pre_copies_leave_a_device() {
+        let parts = super::base_pieces();
+        assert!(parts.len() >= 3, "pieces of one chunk each, then the stream: {}", parts.len());
+        let mut c = super::core().unwrap();
+        for p in &parts[..parts.len() - 1] {
+            c.take_piece(p).unwrap();
+        }
+        c.take_stream(&parts[parts.len() - 1]).unwrap();
+        super::take_pieces(&[]);
+        super::take_pieces(&[0]);
+        super::take_pieces(&[1, 30, 0, 0, 0, 0x55]);
+        super::take_pieces(&[0x80]);
+        super::take_pieces(b"\x80VNPUDLTA\x10\x00\x00\x00\x00\x00\x00\x00");
+    }
+
     #[test]
     fn valid_cut_spoiled_and_raw_streams_leave_a_device() {
         assert!(super::base().starts_with(b"VNPUSTRM"));
