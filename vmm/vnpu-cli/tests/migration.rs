@@ -124,13 +124,8 @@ fn spread(name: &str, mut v: Vec<f64>) {
 fn a_vm_migrated_ten_times_between_two_daemons_answers_every_round_once() {
     let _one = one_at_a_time();
     let d = scratch("hops");
-    let (a, b) = (d.join("a"), d.join("b"));
-    let uuid = common::vnpu(&a, &["create", "--type", "small"]).trim().to_string();
+    let (a, b, uuid, da, db) = two_hosts(&d);
     let (la, lb) = (d.join("a.log"), d.join("b.log"));
-    let da = common::daemon_logged(&a, &a.join("sockets"), &la);
-    let db = common::daemon_logged(&b, &b.join("sockets"), &lb);
-    wait_socket(&a.join("sockets").join(format!("{uuid}.sock")));
-    wait_socket(&b.join("sockets/control.sock"));
     let logs = || {
         format!(
             "\n--- daemon a ---\n{}\n--- daemon b ---\n{}",
@@ -178,6 +173,18 @@ fn a_vm_migrated_ten_times_between_two_daemons_answers_every_round_once() {
     assert!(common::terminate(da).success(), "{}", logs());
     assert!(common::terminate(db).success(), "{}", logs());
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Two hosts in `d`: board daemons with state directories `a` and `b`
+/// (logs `a.log`, `b.log`), a `small` vNPU instance started on `a`.
+fn two_hosts(d: &Path) -> (PathBuf, PathBuf, String, common::Daemon, common::Daemon) {
+    let (a, b) = (d.join("a"), d.join("b"));
+    let uuid = common::vnpu(&a, &["create", "--type", "small"]).trim().to_string();
+    let da = common::daemon_logged(&a, &a.join("sockets"), &d.join("a.log"));
+    let db = common::daemon_logged(&b, &b.join("sockets"), &d.join("b.log"));
+    wait_socket(&a.join("sockets").join(format!("{uuid}.sock")));
+    wait_socket(&b.join("sockets/control.sock"));
+    (a, b, uuid, da, db)
 }
 
 /// One message of the migration stream: tag, u64 length, body.
@@ -320,12 +327,7 @@ fn a_failed_migration_leaves_the_vm_running_where_it_was() {
 fn a_destination_with_no_room_refuses_before_anything_stops() {
     let _one = one_at_a_time();
     let d = scratch("full");
-    let (a, b) = (d.join("a"), d.join("b"));
-    let uuid = common::vnpu(&a, &["create", "--type", "small"]).trim().to_string();
-    let da = common::daemon_logged(&a, &a.join("sockets"), &d.join("a.log"));
-    let db = common::daemon_logged(&b, &b.join("sockets"), &d.join("b.log"));
-    wait_socket(&a.join("sockets").join(format!("{uuid}.sock")));
-    wait_socket(&b.join("sockets/control.sock"));
+    let (a, b, uuid, da, db) = two_hosts(&d);
     // Fill b: larges until one does not fit, then smalls.
     for t in ["large", "small"] {
         while Command::new(env!("CARGO_BIN_EXE_vnpu"))
@@ -367,12 +369,7 @@ fn a_destination_with_no_room_refuses_before_anything_stops() {
 fn a_vm_with_a_gib_of_hbm_moves_it_in_pre_copy_and_reads_it_all_back() {
     let _one = one_at_a_time();
     let d = scratch("hbm");
-    let (a, b) = (d.join("a"), d.join("b"));
-    let uuid = common::vnpu(&a, &["create", "--type", "small"]).trim().to_string();
-    let da = common::daemon_logged(&a, &a.join("sockets"), &d.join("a.log"));
-    let db = common::daemon_logged(&b, &b.join("sockets"), &d.join("b.log"));
-    wait_socket(&a.join("sockets").join(format!("{uuid}.sock")));
-    wait_socket(&b.join("sockets/control.sock"));
+    let (a, b, uuid, da, db) = two_hosts(&d);
     for (case, vnpu, hosts) in
         [("in-process", "type=small".to_string(), [&a, &a]), ("daemons", format!("uuid={uuid}"), [&b, &a])]
     {

@@ -233,10 +233,7 @@ fn decode_piece(bytes: &[u8]) -> Result<(VnpuSpec, Chunks<'_>), SnapshotError> {
     let mut config = None;
     let mut chunks: Chunks<'_> = Vec::new();
     loop {
-        let start = r.at;
-        let tag = r.u32()?;
-        let len = usize::try_from(r.u64()?).map_err(|_| bad("a section longer than memory"))?;
-        let body = r.take(len)?;
+        let (start, tag, body) = r.section()?;
         let mut s = Reader { b: body, at: 0 };
         match tag {
             END => {

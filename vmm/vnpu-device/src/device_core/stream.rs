@@ -80,6 +80,13 @@ impl<'a> Reader<'a> {
         let s = self.take(4)?;
         Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
     }
+    /// The next section: where it starts, its tag and its body.
+    pub fn section(&mut self) -> Result<(usize, u32, &'a [u8]), SnapshotError> {
+        let start = self.at;
+        let tag = self.u32()?;
+        let len = usize::try_from(self.u64()?).map_err(|_| bad("a section longer than memory"))?;
+        Ok((start, tag, self.take(len)?))
+    }
     pub fn u64(&mut self) -> Result<u64, SnapshotError> {
         let s = self.take(8)?;
         Ok(u64::from_le_bytes([s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7]]))
@@ -209,10 +216,7 @@ pub(super) fn decode(bytes: &[u8]) -> Result<Decoded, SnapshotError> {
     let mut cores: Vec<CoreParts> = Vec::new();
     let mut incremental = false;
     loop {
-        let start = r.at;
-        let tag = r.u32()?;
-        let len = usize::try_from(r.u64()?).map_err(|_| bad("a section longer than memory"))?;
-        let body = r.take(len)?;
+        let (start, tag, body) = r.section()?;
         let mut s = Reader { b: body, at: 0 };
         match tag {
             END => {
