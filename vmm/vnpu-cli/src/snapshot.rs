@@ -321,8 +321,15 @@ fn bind_private(path: &Path) -> Result<UnixListener, CliError> {
         }
         std::fs::remove_file(path).map_err(err)?;
     }
-    let listener = UnixListener::bind(path).map_err(err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    // Bound and listening under a temporary name, then renamed into
+    // place: a client that waits for the path and connects at once never
+    // meets a socket that is bound but not yet listening (ECONNREFUSED).
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp).map_err(err)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)?;
     Ok(listener)
 }
 
