@@ -442,3 +442,32 @@ fn a_guest_that_keeps_dirtying_ram_moves_after_the_bounded_rounds() {
     assert!(after.contains("dirty-ram: passes=3000 bad=0"), "{before}\n---\n{after}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// A real destination killed in the middle of pre-copying a GiB of HBM:
+/// the source's migration fails with the reason, its vNPU's pre-copy
+/// ends, and the VM runs on to its end in its first process with every
+/// round once and all of HBM read back as written.
+#[test]
+fn a_destination_killed_mid_transfer_leaves_the_vm_running_with_its_hbm() {
+    let _one = one_at_a_time();
+    let d = scratch("killed");
+    let api = d.join("api.sock");
+    let vm = guest_vm("resume-hbm", &api, "type=small", None);
+    vm.wait_for("round 3:");
+    let listen = d.join("in.sock");
+    let mut r = receiver(&listen, &d, &d.join("api-2.sock"));
+    let (api2, listen2) = (api.clone(), listen.clone());
+    let m = std::thread::spawn(move || migrate(&api2, &listen2));
+    // Pre-copying 1 GiB takes over a second here; the kill lands in it.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    r.child.kill().unwrap();
+    let _ = r.child.wait();
+    let (code, out) = m.join().unwrap();
+    assert_ne!(code, 0, "{out}");
+    assert!(out.contains("the VM runs on here"), "{out}");
+    let (code, out, err) = vm.finish();
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("hbm check: 0 of 347 ranges differ"), "{out}");
+    resume_rounds_once(&[&out]);
+    let _ = std::fs::remove_dir_all(&d);
+}
