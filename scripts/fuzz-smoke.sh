@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 secs="${FUZZ_SECONDS:-15}"
-targets=(program_decode_verify program_execute pci_bus vnpu_ring vfio_user_server vfio_user_session control_request model_decode onnx_compile npy_read dma_table session_resume device_stream precopy_pieces)
+targets=(program_decode_verify program_execute pci_bus vnpu_ring vfio_user_server vfio_user_session control_request model_decode onnx_compile npy_read dma_table session_resume device_stream precopy_pieces migration_stream)
 if ! cargo +nightly --version >/dev/null 2>&1; then
     echo "fuzz-smoke: no nightly toolchain; installing it with rustup" >&2
     if ! rustup toolchain install nightly --profile minimal >&2; then
