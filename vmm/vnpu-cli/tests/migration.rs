@@ -137,8 +137,9 @@ fn a_vm_migrated_ten_times_between_two_daemons_answers_every_round_once() {
     let mut procs = vec![resume_vm(&api, &format!("uuid={uuid}"), Some(&a))];
     let (mut downtime, mut total, mut mib) = (Vec::new(), Vec::new(), Vec::new());
     for hop in 1..=10 {
-        // Every 15 rounds from round 10: the last move is at round 145.
-        procs.last().unwrap().wait_for(&format!("round {}:", 10 + 15 * (hop - 1)));
+        // After 10 rounds in each process: at least 100 of the 200
+        // rounds, whatever ran on the source during pre-copy.
+        procs.last().unwrap().wait_lines("round ", 10);
         let to = if hop % 2 == 1 { &b } else { &a };
         let listen = d.join(format!("in-{hop}.sock"));
         let next_api = d.join(format!("api-{hop}.sock"));
@@ -378,7 +379,10 @@ fn a_vm_with_a_gib_of_hbm_moves_it_in_pre_copy_and_reads_it_all_back() {
         let mut procs = vec![guest_vm("resume-hbm", &api, &vnpu, state)];
         procs[0].wait_for("hbm filled");
         for (hop, to) in hosts.into_iter().enumerate() {
-            procs.last().unwrap().wait_for(&format!("round {}:", 20 + 60 * hop));
+            // 20 rounds in the first process, 30 in the next; the source
+            // goes on for as long as pre-copy takes (about 10 rounds a
+            // second), all well within the guest's 200.
+            procs.last().unwrap().wait_lines("round ", if hop == 0 { 20 } else { 30 });
             let listen = d.join(format!("{case}-in-{hop}.sock"));
             let next = d.join(format!("{case}-api-{}.sock", hop + 1));
             let r = receiver(&listen, to, &next);

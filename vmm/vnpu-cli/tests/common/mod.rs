@@ -184,6 +184,23 @@ impl Running {
         }
     }
 
+    /// Waits until this process itself printed `n` lines that start with
+    /// `prefix`. A migrated guest's round numbers go on from wherever the
+    /// source left them, and the source runs for as long as pre-copy
+    /// takes, so a fixed round number may have gone by on the source.
+    pub fn wait_lines(&self, prefix: &str, n: usize) {
+        let t = Instant::now();
+        while self.said().lines().filter(|l| l.starts_with(prefix)).count() < n {
+            assert!(self.child_alive(), "ended before printing {n} lines {prefix:?}:\n{}", self.both());
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "never printed {n} lines {prefix:?}:\n{}",
+                self.both()
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     pub fn child_alive(&self) -> bool {
         // SAFETY: kill(2) with signal 0 only checks that the process exists.
         unsafe { libc::kill(self.child.id() as i32, 0) == 0 }
