@@ -205,7 +205,7 @@ fn sa(rng: &mut StdRng) -> Instr {
 fn vu(rng: &mut StdRng) -> Instr {
     let (rows, cols) = (dim(rng, 8), dim(rng, 16));
     let n = u64::from(rows * cols) * 4;
-    match rng.random_range(0..10) {
+    match rng.random_range(0..11) {
         0 => {
             let a = sram(rng, n);
             let bcast = *pick(rng, Bcast::ALL);
@@ -309,6 +309,17 @@ fn vu(rng: &mut StdRng) -> Instr {
                 weights: sram(rng, u64::from(u32::from(kh * kw) * c) * 4),
                 dst: sram(rng, u64::from(geom.n * ho * wo * c) * 4),
                 geom,
+            }
+        }
+        9 => {
+            let src = sram(rng, n);
+            Instr::VRmsNorm {
+                src,
+                dst: maybe_same(rng, src, n),
+                gamma: sram(rng, u64::from(cols) * 4),
+                rows,
+                cols,
+                eps: *pick(rng, &[0.0, 1e-6, 1.0]),
             }
         }
         8 => {

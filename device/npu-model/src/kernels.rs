@@ -431,6 +431,20 @@ pub fn layernorm_rows(v: &mut [f32], cols: usize, gamma: &[f32], beta: &[f32], e
     }
 }
 
+/// Row-wise RMS norm in place: `x / sqrt(mean(x^2) + eps) * gamma`.
+pub fn rmsnorm_rows(v: &mut [f32], cols: usize, gamma: &[f32], eps: f32) {
+    if cols == 0 {
+        return;
+    }
+    for row in v.chunks_exact_mut(cols) {
+        let ms = row.iter().map(|x| x * x).sum::<f32>() / cols as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (x, g) in row.iter_mut().zip(gamma) {
+            *x = *x * inv * g;
+        }
+    }
+}
+
 /// A sliding window over an NHWC tensor of `n` images `h x w` with `c`
 /// channels: kernel `kh x kw`, strides `sh`/`sw`, padding `top`/`left`, output
 /// `ho x wo`.
@@ -1701,6 +1715,21 @@ pub fn execute(instr: &Instr, mem: &mut CoreMemory<'_>) -> Result<(), KernelErro
             let g = read_f32s(mem.sram, gamma, cols as usize)?;
             let b = read_f32s(mem.sram, beta, cols as usize)?;
             layernorm_rows(&mut v, cols as usize, &g, &b, eps);
+            write_f32s(mem.sram, dst, &v)?;
+        }
+        Instr::VRmsNorm { src, dst, gamma, rows, cols, eps } => {
+            let n = limit(u64::from(rows) * u64::from(cols))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let c = cols as usize;
+            let rows_of = |out: &mut [f32], [g]: [&[f32]; 1]| rmsnorm_rows(out, c, g, eps);
+            if rows_in_sram(mem.sram, (src, dst, n), [(gamma, c)], rows_of) {
+                return Ok(());
+            }
+            let mut v = read_f32s(mem.sram, src, n)?;
+            let g = read_f32s(mem.sram, gamma, c)?;
+            rmsnorm_rows(&mut v, c, &g, eps);
             write_f32s(mem.sram, dst, &v)?;
         }
         Instr::VPool { op, src, dst, geom } => {

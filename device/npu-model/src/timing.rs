@@ -185,6 +185,12 @@ pub fn cost(cfg: &BoardConfig, instr: &Instr) -> Cost {
             flops = prod(&[e, 7]);
             vu(cfg, e, 7.0)
         }
+        Instr::VRmsNorm { rows, cols, .. } => {
+            // mean of squares (2), normalize (1), scale (1).
+            let e = prod(&[rows.into(), cols.into()]);
+            flops = prod(&[e, 4]);
+            vu(cfg, e, 4.0)
+        }
         Instr::VPool { geom: g, .. } => {
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
             let out = prod(&[g.n.into(), ho.into(), wo.into(), g.c.into()]);
@@ -261,7 +267,9 @@ pub fn host_work(instr: &Instr) -> u64 {
         Instr::VBinary { rows, cols, .. } => prod(&[rows.into(), cols.into(), v]),
         Instr::VReduce { outer, reduce, inner, .. } => prod(&[outer.into(), reduce.into(), inner.into(), 2]),
         Instr::VSoftmax { rows, cols, .. } => prod(&[rows.into(), cols.into(), TRANSCENDENTAL_UNITS]),
-        Instr::VLayerNorm { rows, cols, .. } => prod(&[rows.into(), cols.into(), v]),
+        Instr::VLayerNorm { rows, cols, .. } | Instr::VRmsNorm { rows, cols, .. } => {
+            prod(&[rows.into(), cols.into(), v])
+        }
         Instr::VPool { geom: g, .. } => {
             let (ho, wo) = g.out_hw().unwrap_or((0, 0));
             window(g.n, ho, wo, g.c, g.kh.into(), g.kw.into())

@@ -571,6 +571,20 @@ impl Machine {
                     }
                 }
             }
+            Instr::VRmsNorm { src, dst, gamma, rows, cols, eps } => {
+                for r in 0..u64::from(rows) {
+                    w.add(u64::from(cols) * 3 + 1)?;
+                    let row: Vec<f64> = (0..u64::from(cols))
+                        .map(|c| self.elem(src, r * u64::from(cols) + c, DType::F32).map(f64::from))
+                        .collect::<Result<_, _>>()?;
+                    let g: Vec<f64> = (0..u64::from(cols))
+                        .map(|c| self.elem(gamma, c, DType::F32).map(f64::from))
+                        .collect::<Result<_, _>>()?;
+                    for (c, e) in rmsnorm(&row, &g, eps.into()).into_iter().enumerate() {
+                        out.push(sram_f32(at(dst, r * u64::from(cols) + c as u64, 4)?, e));
+                    }
+                }
+            }
             Instr::VPool { op, src, dst, geom } => {
                 if u32::from(geom.pad) >= u32::from(geom.kh).min(u32::from(geom.kw)) {
                     return Err(RefError::Geometry("pool padding >= window"));
@@ -827,6 +841,39 @@ fn layernorm(row: &[f64], g: &[f64], b: &[f64], eps: f64) -> Vec<Expect> {
                 + y.abs() * (rel_inv + 4.0 * U)
                 + U * v.abs()
                 + TINY;
+            Expect::F32 { value: v, tol: 2.0 * tol }
+        })
+        .collect()
+}
+
+/// `x / sqrt(mean(x^2) + eps) * g` per element of one row, with the
+/// error bound of its f32 evaluation: the sum of squares, the mean, the
+/// square root and reciprocal, then two products.
+fn rmsnorm(row: &[f64], g: &[f64], eps: f64) -> Vec<Expect> {
+    let n = row.len() as f64;
+    let sq: f64 = row.iter().map(|x| x * x).sum();
+    let denom = sq / n + eps;
+    let inv = 1.0 / denom.sqrt();
+    // Error of the f32 squares, their sum and the mean; then of `+ eps`.
+    let d_ms = (n + 3.0) * U * sq / n + U * denom.abs() + (n + 2.0) * SUB;
+    let rel_inv = 0.5 * d_ms / denom.abs() + 4.0 * U;
+    let conditioned = rel_inv < 0.01;
+    let ill = !conditioned || sq > OVERFLOW_RISK || !inv.is_finite();
+    row.iter()
+        .zip(g)
+        .map(|(x, gi)| {
+            let v = x * inv * gi;
+            if ill {
+                let nan = row.iter().any(|x| x.is_nan()) || gi.is_nan();
+                return if nan {
+                    Expect::F32 { value: f64::NAN, tol: 0.0 }
+                } else {
+                    Expect::F32 { value: v, tol: f64::INFINITY }
+                };
+            }
+            // `x * inv` is rounded before `* g`: in the subnormal range
+            // to an absolute step, which `g` scales.
+            let tol = v.abs() * (rel_inv + 4.0 * U) + gi.abs() * SUB + TINY;
             Expect::F32 { value: v, tol: 2.0 * tol }
         })
         .collect()

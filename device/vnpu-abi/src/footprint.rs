@@ -275,6 +275,13 @@ impl Instr {
                 f.add(dense(Space::Sram, beta, c, F32, Read, "beta")?)?;
                 f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
             }
+            Instr::VRmsNorm { src, dst, gamma, rows, cols, .. } => {
+                let n = mul(rows.into(), cols.into(), "src")?;
+                let c = if n == 0 { 0 } else { cols.into() };
+                f.add(dense(Space::Sram, src, n, F32, Read, "src")?)?;
+                f.add(dense(Space::Sram, gamma, c, F32, Read, "gamma")?)?;
+                f.add(dense(Space::Sram, dst, n, F32, Write, "dst")?)?;
+            }
             Instr::VPool { src, dst, geom: g, .. } => {
                 let (ho, wo) =
                     g.out_hw().ok_or(FootprintError::BadGeometry { what: "pool window/stride" })?;

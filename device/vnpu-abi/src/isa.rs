@@ -384,6 +384,9 @@ pub enum Instr {
     VSoftmax { src: u64, dst: u64, rows: u32, cols: u32 },
     /// VU: row-wise layer norm with per-column `gamma` and `beta`.
     VLayerNorm { src: u64, dst: u64, gamma: u64, beta: u64, rows: u32, cols: u32, eps: f32 },
+    /// VU: row-wise RMS norm with per-column `gamma`:
+    /// `x / sqrt(mean(x^2) + eps) * gamma` (the decoders' RMSNorm).
+    VRmsNorm { src: u64, dst: u64, gamma: u64, rows: u32, cols: u32, eps: f32 },
     /// VU: max or average pooling (average counts only in-bounds elements).
     VPool { op: PoolOp, src: u64, dst: u64, geom: PoolGeom },
     /// VU: depthwise 2-D convolution of an NHWC f32 input with `kh x kw x c`
@@ -415,6 +418,7 @@ pub mod opcode {
     pub const VCONVERT: u8 = 0x27;
     pub const VDEPTHWISE: u8 = 0x28;
     pub const VCLAMP: u8 = 0x29;
+    pub const VRMSNORM: u8 = 0x2a;
     pub const SIGNAL: u8 = 0x30;
     pub const WAIT: u8 = 0x31;
     pub const HALT: u8 = 0x3f;
@@ -471,6 +475,7 @@ impl Instr {
             Self::VConvert { .. } => VCONVERT,
             Self::VDepthwise { .. } => VDEPTHWISE,
             Self::VClamp { .. } => VCLAMP,
+            Self::VRmsNorm { .. } => VRMSNORM,
             Self::Signal { .. } => SIGNAL,
             Self::Wait { .. } => WAIT,
             Self::Halt => HALT,
@@ -494,6 +499,7 @@ impl Instr {
             Self::VConvert { .. } => "vu.convert",
             Self::VDepthwise { .. } => "vu.depthwise",
             Self::VClamp { .. } => "vu.clamp",
+            Self::VRmsNorm { .. } => "vu.rmsnorm",
             Self::Signal { .. } => "signal",
             Self::Wait { .. } => "wait",
             Self::Halt => "halt",
@@ -529,6 +535,7 @@ impl Instr {
             VCONVERT => 2 + 2 * 8 + 4,
             VDEPTHWISE => 3 * 8 + 5 * 4 + 8 * 2,
             VCLAMP => 2 * 8 + 4 + 4 + 4,
+            VRMSNORM => 3 * 8 + 2 * 4 + 4,
             SIGNAL | WAIT => 1,
             HALT => 0,
             _ => return None,
@@ -627,6 +634,14 @@ impl Instr {
             }
             Self::VLayerNorm { src, dst, gamma, beta, rows, cols, eps } => {
                 for v in [src, dst, gamma, beta] {
+                    w.u64(v);
+                }
+                w.u32(rows);
+                w.u32(cols);
+                w.u32(eps.to_bits());
+            }
+            Self::VRmsNorm { src, dst, gamma, rows, cols, eps } => {
+                for v in [src, dst, gamma] {
                     w.u64(v);
                 }
                 w.u32(rows);
@@ -792,6 +807,14 @@ impl Instr {
                 dst: r.u64(),
                 gamma: r.u64(),
                 beta: r.u64(),
+                rows: r.u32(),
+                cols: r.u32(),
+                eps: r.f32("eps")?,
+            },
+            VRMSNORM => Self::VRmsNorm {
+                src: r.u64(),
+                dst: r.u64(),
+                gamma: r.u64(),
                 rows: r.u32(),
                 cols: r.u32(),
                 eps: r.f32("eps")?,

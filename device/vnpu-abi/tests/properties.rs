@@ -94,6 +94,9 @@ fn instr() -> impl Strategy<Value = Instr> {
         (any::<u64>(), any::<u64>(), any::<u32>(), finite(), finite()).prop_map(|(src, dst, len, a, b)| {
             Instr::VClamp { src, dst, len, lo: a.min(b), hi: a.max(b) }
         }),
+        (any::<[u64; 3]>(), any::<u32>(), any::<u32>(), finite()).prop_map(|(p, rows, cols, eps)| {
+            Instr::VRmsNorm { src: p[0], dst: p[1], gamma: p[2], rows, cols, eps }
+        }),
         (pick(RedOp::ALL), any::<u64>(), any::<u64>(), any::<[u32; 3]>()).prop_map(|(op, src, dst, d)| {
             Instr::VReduce { op, src, dst, outer: d[0], reduce: d[1], inner: d[2] }
         }),
