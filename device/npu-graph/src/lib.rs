@@ -33,6 +33,27 @@ pub enum Init {
     },
     /// Written by the program.
     Activation,
+    /// State that stays in HBM between requests, such as a decoder's K/V
+    /// cache: read before this program writes it, so never given to
+    /// another tensor's space or kept on chip. Zeros in a synthetic run.
+    State,
+    /// The additive causal mask of [`Op::CachedAttention`] for `q_len`
+    /// queries over `kv_len` positions: element `(i, j)` is 0 when
+    /// `j <= kv_len - q_len + i`, else `-inf`.
+    CausalMask {
+        q_len: u32,
+        kv_len: u32,
+    },
+}
+
+impl Init {
+    /// Element `i` of a [`Init::CausalMask`] (`None` for other kinds).
+    pub fn causal_mask(&self, i: u64) -> Option<f32> {
+        let Init::CausalMask { q_len, kv_len } = *self else { return None };
+        let (row, col) = (i / u64::from(kv_len.max(1)), i % u64::from(kv_len.max(1)));
+        let last = u64::from(kv_len.saturating_sub(q_len)) + row;
+        Some(if col <= last { 0.0 } else { f32::NEG_INFINITY })
+    }
 }
 
 /// A tensor: its size in 4-byte elements and how it is initialised.
@@ -249,11 +270,38 @@ pub enum Op {
         cols: u32,
         eps: f32,
     },
+    /// VU: `y = x / sqrt(mean(x^2) + eps) * gamma`, row-wise (RMSNorm, as
+    /// Llama, Gemma and Qwen2 normalize).
+    RmsNorm { name: String, x: TensorId, gamma: TensorId, y: TensorId, rows: u32, cols: u32, eps: f32 },
     /// VU: `y[img] = x[img] * s[img]` per channel: `x` is `[batch][hw][c]`, `s` is `[batch][c]`.
     ScaleChannels { name: String, x: TensorId, s: TensorId, y: TensorId, batch: u32, hw: u32, c: u32 },
     /// SA + VU: multi-head self-attention over `qkv` (`[batch*seq][3*heads*dh]`,
     /// Q, K, V side by side), writing the context `[batch*seq][heads*dh]`.
     Attention { name: String, qkv: TensorId, y: TensorId, batch: u32, seq: u32, heads: u32, dh: u32 },
+    /// SA + VU: a decoder's attention over a K/V cache, heads grouped
+    /// over `kv_heads` K/V heads (multi-head when equal, multi-query at
+    /// 1). `q` is `[batch][q_len][heads][dh]`; `k` and `v` are caches
+    /// `[batch][kv_heads][cap][dh]` of which positions `0..kv_len` are
+    /// read, the last `q_len` of them the queries' own; `y` is
+    /// `[batch][q_len][heads * dh]`. Query `i` attends to positions
+    /// `0..=kv_len - q_len + i` (causal), head `h` to K/V head
+    /// `h / (heads / kv_heads)`, scores scaled by `1/sqrt(dh)`. With more
+    /// than one query, `mask` is their [`Init::CausalMask`].
+    CachedAttention {
+        name: String,
+        q: TensorId,
+        k: TensorId,
+        v: TensorId,
+        mask: Option<TensorId>,
+        y: TensorId,
+        batch: u32,
+        q_len: u32,
+        kv_len: u32,
+        cap: u32,
+        heads: u32,
+        kv_heads: u32,
+        dh: u32,
+    },
     /// DMA gather + VU sum: an embedding bag of `pool` rows per sample.
     Embedding {
         name: String,
@@ -336,8 +384,10 @@ impl Op {
             Op::Min { .. } => "Min",
             Op::Compare { .. } => "Compare",
             Op::AddNorm { .. } => "AddNorm",
+            Op::RmsNorm { .. } => "RmsNorm",
             Op::ScaleChannels { .. } => "ScaleChannels",
             Op::Attention { .. } => "Attention",
+            Op::CachedAttention { .. } => "CachedAttention",
             Op::Embedding { .. } => "Embedding",
             Op::Interaction { .. } => "Interaction",
             Op::Copy { .. } => "Copy",
@@ -375,8 +425,12 @@ impl Op {
             Op::AddNorm { a, b, gamma, beta, y, .. } => {
                 [Some(a), b, Some(gamma), Some(beta), Some(y)].into_iter().flatten().collect()
             }
+            Op::RmsNorm { x, gamma, y, .. } => vec![x, gamma, y],
             Op::ScaleChannels { x, s, y, .. } => vec![x, s, y],
             Op::Attention { qkv, y, .. } => vec![qkv, y],
+            Op::CachedAttention { q, k, v, mask, y, .. } => {
+                [Some(q), Some(k), Some(v), mask, Some(y)].into_iter().flatten().collect()
+            }
             Op::Embedding { table, idx, y, .. } => vec![table, idx, y.t],
             Op::Interaction { z, y, .. } => vec![z, y.t],
             Op::Copy { x, y, .. } | Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => vec![x.t, y.t],
@@ -399,8 +453,10 @@ impl Op {
             | Op::Min { name, .. }
             | Op::Compare { name, .. }
             | Op::AddNorm { name, .. }
+            | Op::RmsNorm { name, .. }
             | Op::ScaleChannels { name, .. }
             | Op::Attention { name, .. }
+            | Op::CachedAttention { name, .. }
             | Op::Embedding { name, .. }
             | Op::Interaction { name, .. }
             | Op::Copy { name, .. }
@@ -463,6 +519,13 @@ impl Graph {
                 }
                 Op::Attention { batch, seq, heads, dh, .. } => {
                     2 * u64::from(batch) * u64::from(heads) * u64::from(seq).pow(2) * u64::from(dh)
+                }
+                Op::CachedAttention { batch, q_len, kv_len, heads, dh, .. } => {
+                    2 * u64::from(batch)
+                        * u64::from(heads)
+                        * u64::from(q_len)
+                        * u64::from(kv_len)
+                        * u64::from(dh)
                 }
                 _ => 0,
             })

@@ -291,6 +291,17 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                     }
                 }
             }
+            Op::RmsNorm { x, gamma, y, rows, cols, eps, .. } => {
+                let n = cols as usize;
+                for r in 0..rows as usize {
+                    let v: Vec<f64> = (0..n).map(|c| f64::from(tensors[x][r * n + c])).collect();
+                    let ms = v.iter().map(|x| x * x).sum::<f64>() / n as f64;
+                    let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+                    for c in 0..n {
+                        tensors[y][r * n + c] = (v[c] * inv * f64::from(tensors[gamma][c])) as f32;
+                    }
+                }
+            }
             Op::ScaleChannels { x, s, y, batch, hw, c, .. } => {
                 let (hw, c) = (hw as usize, c as usize);
                 for img in 0..batch as usize {
@@ -322,6 +333,40 @@ pub fn run_stored(graph: &Graph, tensors: &mut [Vec<f32>], dtype: DType, stored:
                             for d in 0..dh {
                                 let v: f64 = (0..seq).map(|j| q((e[j] / sum) as f32) * at(j, 2, d)).sum();
                                 tensors[y][(bi * seq + i) * hid + h * dh + d] = v as f32;
+                            }
+                        }
+                    }
+                }
+            }
+            Op::CachedAttention {
+                q: qt, k, v, y, batch, q_len, kv_len, cap, heads, kv_heads, dh, ..
+            } => {
+                let (ql, kl, cap, dh) = (q_len as usize, kv_len as usize, cap as usize, dh as usize);
+                let (hs, group) = (heads as usize, (heads / kv_heads.max(1)).max(1) as usize);
+                let scale = 1.0 / (dh as f64).sqrt();
+                let (kc, vc, qs) = (tensors[k].clone(), tensors[v].clone(), tensors[qt].clone());
+                for bi in 0..batch as usize {
+                    for h in 0..hs {
+                        let kh = h / group;
+                        let cache = |t: &[f32], j: usize, d: usize| {
+                            q(t[((bi * kv_heads as usize + kh) * cap + j) * dh + d])
+                        };
+                        for i in 0..ql {
+                            let row = ((bi * ql + i) * hs + h) * dh;
+                            // Positions up to the query's own.
+                            let seen = (kl - ql + i + 1).min(kl);
+                            let logits: Vec<f64> = (0..seen)
+                                .map(|j| {
+                                    (0..dh).map(|d| q(qs[row + d]) * cache(&kc, j, d)).sum::<f64>() * scale
+                                })
+                                .collect();
+                            let mx = logits.iter().copied().fold(f64::MIN, f64::max);
+                            let e: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+                            let sum: f64 = e.iter().sum();
+                            for d in 0..dh {
+                                let o: f64 =
+                                    (0..seen).map(|j| q((e[j] / sum) as f32) * cache(&vc, j, d)).sum();
+                                tensors[y][row + d] = o as f32;
                             }
                         }
                     }

@@ -229,6 +229,7 @@ fn sram_fields(i: &mut Instr) -> Vec<&mut u64> {
         | Instr::VPool { src, dst, .. }
         | Instr::VConvert { src, dst, .. } => vec![src, dst],
         Instr::VLayerNorm { src, dst, gamma, beta, .. } => vec![src, dst, gamma, beta],
+        Instr::VRmsNorm { src, dst, gamma, .. } => vec![src, dst, gamma],
         Instr::VDepthwise { src, weights, dst, .. } => vec![src, weights, dst],
         Instr::Signal { .. } | Instr::Wait { .. } | Instr::Halt => vec![],
     }
@@ -1928,6 +1929,9 @@ impl Lowerer {
             Op::AddNorm { ref name, a, b, gamma, beta, y, rows, cols, eps } => {
                 self.add_norm(name, a, b, gamma, beta, y, rows, cols, eps)?
             }
+            Op::RmsNorm { ref name, x, gamma, y, rows, cols, eps } => {
+                self.rms_norm(name, x, gamma, y, rows, cols, eps)?
+            }
             Op::ScaleChannels { ref name, x, s, y, batch, hw, c } => {
                 self.scale_channels(name, x, s, y, batch, hw, c)?
             }
@@ -1937,6 +1941,7 @@ impl Lowerer {
             Op::Embedding { ref name, table, idx, y, batch, rows, dim, pool } => {
                 self.embedding(name, table, idx, y, batch, rows, dim, pool)?
             }
+            Op::CachedAttention { .. } => self.cached_attention(op)?,
             Op::Interaction { ref name, z, y, batch, f, d } => self.interaction(name, z, y, batch, f, d)?,
             Op::Unary { ref name, x, y, rows, cols, act } => {
                 // One scratch slot (Swish's sigmoid).
@@ -2034,6 +2039,30 @@ impl Lowerer {
                 b.iter().map(|_| second_into_first(BinOp::Add, base, r, cols)).collect();
             compute.push(Instr::VLayerNorm { src: base, dst: base, gamma: 0, beta: row, rows: r, cols, eps });
             compute
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `RmsNorm` operation: as `AddNorm` without the add, its
+    /// rows through `vu.rmsnorm` with `gamma` preloaded.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm(
+        &mut self,
+        name: &str,
+        x: TensorId,
+        gamma: TensorId,
+        y: TensorId,
+        rows: u32,
+        cols: u32,
+        eps: f32,
+    ) -> Result<(), LowerError> {
+        let at = self.elem_addr();
+        let row = u64::from(cols) * F;
+        let preload = vec![copy(at(gamma, 0), Addr::sram(0), 1, row, 0, 0)];
+        let fixed = row.next_multiple_of(64);
+        let yv = View::dense(y, cols);
+        self.rows_pipeline(name, (preload, fixed), &[View::dense(x, cols)], 0, yv, rows, cols, |base, r| {
+            vec![Instr::VRmsNorm { src: base, dst: base, gamma: 0, rows: r, cols, eps }]
         })?;
         Ok(())
     }
@@ -2178,6 +2207,151 @@ impl Lowerer {
                 stages,
                 vec![copy(Addr::sram(o), dst, seq.into(), rowb, rowb, u64::from(hid) * F)],
             )
+        })?;
+        Ok(())
+    }
+
+    /// Lowers one `CachedAttention` operation. A tile is one K/V head of
+    /// one sequence with its queries: with one query per sequence (a
+    /// decode step) the group's heads, `heads / kv_heads` rows side by
+    /// side in `q`; with more (a prefill) one head's `q_len` rows. The
+    /// tile loads its rows of `q` and the `kv_len` cached positions of K
+    /// and V (contiguous in the cache), multiplies `q K^T` on an SA,
+    /// scales, adds the causal mask (preloaded once, `[q_len][kv_len]`),
+    /// takes the softmax on a VU, multiplies by V and stores its rows of
+    /// `y`. Operands stored as bf16 are the SA's operands as loaded.
+    fn cached_attention(&mut self, op: &Op) -> Result<(), LowerError> {
+        let Op::CachedAttention {
+            ref name,
+            q,
+            k,
+            v,
+            mask,
+            y,
+            batch,
+            q_len,
+            kv_len,
+            cap,
+            heads,
+            kv_heads,
+            dh,
+        } = *op
+        else {
+            return Ok(());
+        };
+        let bad = |reason| LowerError::Geometry { op: name.clone(), reason };
+        if kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(bad("heads is not a multiple of kv_heads"));
+        }
+        if q_len == 0 || kv_len < q_len || kv_len > cap || dh == 0 {
+            return Err(bad("queries, positions and cache do not fit (0 < q_len <= kv_len <= cap)"));
+        }
+        if (q_len > 1) != mask.is_some() {
+            return Err(bad("a causal mask is needed exactly when there is more than one query"));
+        }
+        let group = heads / kv_heads;
+        let at = self.elem_addr();
+        let es = self.esize.clone();
+        let dtype = self.dtype;
+        let m = if q_len == 1 { group } else { q_len };
+        let (md, kd) = (u64::from(m) * u64::from(dh), u64::from(kv_len) * u64::from(dh));
+        let sc_elems = u64::from(m) * u64::from(kv_len);
+        let bytes = (2 * md + 2 * kd + sc_elems) * F;
+        let fixed = mask.map_or(0, |_| (u64::from(q_len) * u64::from(kv_len) * F).next_multiple_of(64));
+        let (slots, _) = self.plan(name, fixed, self.shape.sa.max(self.shape.vu), 1, |_| bytes)?;
+        let slot_bytes = bytes.next_multiple_of(64);
+        // (q offset, q row stride, cache offset) in elements; `y` is laid
+        // out as `q`.
+        let (hs, kvs, dhu, capu) = (u64::from(heads), u64::from(kv_heads), u64::from(dh), u64::from(cap));
+        let mut tiles: Vec<(u64, u64, u64)> = Vec::new();
+        for b in 0..u64::from(batch) {
+            if q_len == 1 {
+                for kh in 0..kvs {
+                    tiles.push(((b * hs + kh * u64::from(group)) * dhu, dhu, (b * kvs + kh) * capu * dhu));
+                }
+            } else {
+                for h in 0..hs {
+                    let kh = h / u64::from(group);
+                    tiles.push((
+                        (b * u64::from(q_len) * hs + h) * dhu,
+                        hs * dhu,
+                        (b * kvs + kh) * capu * dhu,
+                    ));
+                }
+            }
+        }
+        let preload: Vec<Instr> = mask
+            .map(|t| copy(at(t, 0), Addr::sram(0), 1, u64::from(q_len) * u64::from(kv_len) * F, 0, 0))
+            .into_iter()
+            .collect();
+        let layout = Layout::low(fixed, u64::from(slots.min(tiles.len() as u32).max(1)) * slot_bytes);
+        let scale = 1.0 / (dh as f32).sqrt();
+        self.pipeline(layout, preload, slots, tiles.len(), |t, slot| {
+            let (qo, ldq, co) = tiles[t];
+            let base = fixed + u64::from(slot) * slot_bytes;
+            let (qs, ks) = (base, base + md * F);
+            let (vs, sc) = (ks + kd * F, ks + 2 * kd * F);
+            let o = sc + sc_elems * F;
+            let (mut load, mut pre) = (vec![], vec![]);
+            // `rows` rows of `cols` elements, `ld` apart, into `sram`.
+            let mut fetch = |tensor: TensorId, off: u64, rows: u64, cols: u64, ld: u64, sram: u64| {
+                let e = es[tensor];
+                load.push(copy(at(tensor, off), Addr::sram(sram), rows, cols * e, ld * e, cols * e));
+                if e == 4 {
+                    pre.extend(to_sa_type(dtype, &[(sram, rows * cols)]));
+                }
+            };
+            fetch(q, qo, m.into(), dhu, ldq, qs);
+            fetch(k, co, 1, kd, kd, ks);
+            fetch(v, co, 1, kd, kd, vs);
+            let mut softmax = vec![Instr::VAffine { src: sc, dst: sc, len: m * kv_len, scale, bias: 0.0 }];
+            if mask.is_some() {
+                softmax.push(Instr::VBinary {
+                    op: BinOp::Add,
+                    bcast: Bcast::None,
+                    a: sc,
+                    b: 0,
+                    dst: sc,
+                    rows: m,
+                    cols: kv_len,
+                });
+            }
+            softmax.push(Instr::VSoftmax { src: sc, dst: sc, rows: m, cols: kv_len });
+            softmax.extend(to_sa_type(dtype, &[(sc, sc_elems)]));
+            let ye = es[y];
+            let stages = without_empty_vu([
+                Stage::Vu(pre),
+                Stage::Sa(vec![Instr::MatMul {
+                    dtype,
+                    flags: MatFlags { accumulate: false, transpose_b: true },
+                    a: qs,
+                    b: ks,
+                    c: sc,
+                    m,
+                    k: dh,
+                    n: kv_len,
+                    lda: dh,
+                    ldb: dh,
+                    ldc: kv_len,
+                }]),
+                Stage::Vu(softmax),
+                Stage::Sa(vec![Instr::MatMul {
+                    dtype,
+                    flags: MatFlags::default(),
+                    a: sc,
+                    b: vs,
+                    c: o,
+                    m,
+                    k: kv_len,
+                    n: dh,
+                    lda: kv_len,
+                    ldb: dh,
+                    ldc: dh,
+                }]),
+                Stage::Vu(narrow(ye, o, md).into_iter().collect()),
+            ]);
+            let store = copy(Addr::sram(o), at(y, qo), m.into(), dhu * ye, dhu * ye, ldq * ye);
+            Tile::single(load, stages, vec![store])
         })?;
         Ok(())
     }
@@ -2504,7 +2678,7 @@ fn stored_types(graph: &Graph, dtype: DType, bf16_activations: bool, keep_f32: &
         .map(|(i, t)| {
             let stored = t.init != Init::Activation && weight[i] > 0 && weight[i] == uses[i];
             let activation = activations
-                && t.init == Init::Activation
+                && matches!(t.init, Init::Activation | Init::State)
                 && i != graph.input
                 && i != graph.output
                 && !keep_f32.contains(&i)
@@ -2539,6 +2713,9 @@ pub fn bf16_activation(op: &Op, t: TensorId) -> bool {
         // 4 bytes.
         Op::Unary { act: Act::I32ToF32 | Act::F32ToI32, .. } => false,
         Op::Unary { x, y, .. } | Op::Softmax { x, y, .. } => x.t == t || y.t == t,
+        // Read as the SA's operands (bf16 as loaded), written after a VU
+        // rounds the result.
+        Op::CachedAttention { q, k, v, y, .. } => q == t || k == t || v == t || y == t,
         _ => false,
     }
 }

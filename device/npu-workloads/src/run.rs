@@ -189,7 +189,11 @@ fn init_tensor(hbm: &mut LazyHbm, p: &Placed, rng: &mut Rng) -> Result<(), RunEr
         let n = CHUNK.min(elems - done);
         let at = offset + done * p.dtype.size();
         match init {
-            Init::Activation | Init::Zeros => {}
+            Init::Activation | Init::Zeros | Init::State => {}
+            Init::CausalMask { .. } => {
+                let v: Vec<f32> = (done..done + n).map(|i| init.causal_mask(i).unwrap_or(0.0)).collect();
+                write_f32s(hbm, at, &v)?;
+            }
             Init::Indices { max } => {
                 let v: Vec<u8> = (0..n)
                     .flat_map(|_| ((rng.next() % u64::from(max.max(1))) as u32).to_le_bytes())

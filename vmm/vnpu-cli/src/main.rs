@@ -1083,6 +1083,11 @@ fn run(cli: Cli) -> Result<u8, CliError> {
             for (name, what) in WORKLOADS.iter().chain(npu_workloads::MORE_WORKLOADS) {
                 println!("{name:<14} {what}");
             }
+            println!();
+            println!("decoders, one phase each: NAME-prefill-P (a P-token prompt) or NAME-decode-L (one token at context L)");
+            for c in npu_workloads::zoo::DECODERS {
+                println!("{:<14} {}", c.name, c.source);
+            }
         }
         Command::Workload { command: WorkloadCommand::Run { vnpu, functional, seed, json } } => {
             let (b, opts) = vnpu.resolve(functional, seed)?;

@@ -5,11 +5,13 @@
 use npu_graph::{Act, Graph, Init, Op, PoolOp, Spatial, TensorId, View};
 
 mod cnn;
+mod decoder;
 mod detect;
 mod recsys;
 mod seq;
 
 use cnn::*;
+pub use decoder::{decoder, decoder_config, parse_decoder, DecoderConfig, Phase, DECODERS, MAX_POSITIONS};
 use detect::*;
 pub use detect::{retinanet, ssd_resnet34, yolov3, SsdR34Size};
 use recsys::*;
@@ -76,6 +78,10 @@ pub fn build(name: &str, batch: u32) -> Option<Graph> {
         "gnmt" => gnmt(batch, &GnmtSize::MLPERF),
         "ssd-resnet34" => ssd_resnet34(batch, &SsdR34Size::MLPERF),
         "retinanet" => retinanet(batch, 640),
+        other if parse_decoder(other).is_some() => {
+            let (c, phase) = parse_decoder(other)?;
+            decoder(c, batch, phase)?
+        }
         other => {
             let (m, k, n) = gemm_dims(other.strip_prefix("gemm-")?)?;
             gemm(batch, m, k, n)?
